@@ -1,0 +1,39 @@
+//! echo: a very fast replay buffer for distributed reinforcement learning.
+//!
+//! The core is plain Rust and knows nothing about Python or pytrees: a sample is a list of
+//! byte arrays described by a [`DataSpec`]. Writers copy samples into a pre-allocated ring
+//! ([`Store::insert`]); one [`Consumer`] takes out whole batches, each a contiguous slot range of
+//! every leaf, so the Python layer can hand them out as zero-copy numpy views.
+//!
+//! | module      | owns                                                               |
+//! |-------------|--------------------------------------------------------------------|
+//! | [`spec`]    | sample layout, overflow-checked sizes                              |
+//! | `ring`      | the raw slot memory and its only `unsafe` accessors                |
+//! | [`store`]   | cursors, reservation, commit, wake-ups, release, shutdown          |
+//! | [`sampler`] | which batch the consumer gets next, which slots are freed          |
+//! | [`error`]   | the one error enum                                                 |
+//! | `sync`      | std/loom facade, so loom models run the real code                  |
+//!
+//! The pyo3 bindings live in `python` behind the `python` cargo feature (on for maturin
+//! builds) and are the only code that touches Python.
+
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs)]
+
+pub mod error;
+mod ring;
+pub mod sampler;
+pub mod spec;
+pub mod store;
+mod sync;
+
+#[cfg(feature = "python")]
+mod python;
+
+pub use error::EchoError;
+pub use ring::RING_ALIGN;
+pub use sampler::{Fifo, Remover, Sampler};
+pub use spec::{ArraySpec, DataSpec};
+pub use store::{
+    Consumer, InsertError, Leaves, Payloads, SampleError, SampleSource, Store, StoreStats,
+};

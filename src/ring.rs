@@ -1,0 +1,262 @@
+//! The ring's raw memory: one pre-allocated, 64-byte aligned, zero-initialised buffer per leaf,
+//! each `capacity` slots long. This is the only module that touches slot memory; every access
+//! goes through an `unsafe fn` whose `# Safety` section states the exclusivity it needs, and
+//! the [`Store`](crate::store::Store) protocol is what provides it.
+//!
+//! Slot `s` of leaf `l` lives at `leaves[l].base + s * slot_bytes(l)`, so slots `[a, b)` of a
+//! leaf are one contiguous, stride-free byte range: a batch is a plain C-contiguous array.
+
+use std::alloc::{self, Layout};
+use std::ptr::NonNull;
+
+use crate::error::EchoError;
+use crate::spec::DataSpec;
+use crate::sync::SlotTracker;
+
+/// Alignment of every leaf buffer: a cache line, and enough for any numpy dtype.
+pub const RING_ALIGN: usize = 64;
+
+#[derive(Debug)]
+struct LeafBuf {
+    /// Start of `capacity * slot_bytes` bytes owned by this buffer (dangling but aligned when
+    /// the leaf is empty, in which case `layout` is `None` and nothing is allocated).
+    base: NonNull<u8>,
+    slot_bytes: usize,
+    layout: Option<Layout>,
+}
+
+/// Raw storage for `capacity` samples of a [`DataSpec`].
+#[derive(Debug)]
+pub(crate) struct RingBuf {
+    leaves: Box<[LeafBuf]>,
+    capacity: usize,
+    /// One tracker per slot; zero-sized (so this box allocates nothing) outside loom builds.
+    trackers: Box<[SlotTracker]>,
+}
+
+// SAFETY: `RingBuf` owns its allocations exclusively, like a `Box<[u8]>`; moving it to another
+// thread moves that ownership. Nothing in it is tied to a thread.
+unsafe impl Send for RingBuf {}
+// SAFETY: shared access only hands out raw pointers (harmless) or goes through `unsafe fn`s
+// whose contracts require the caller to own the slots it touches (write reservation or consumer
+// hold), which the store's cursor protocol guarantees. Like `UnsafeCell<[u8]>` behind such a
+// protocol (crossbeam's `ArrayQueue`), `&RingBuf` is then safe to share.
+unsafe impl Sync for RingBuf {}
+
+impl RingBuf {
+    /// Allocates zeroed storage for `capacity` samples of `spec`.
+    pub(crate) fn new(spec: &DataSpec, capacity: usize) -> Result<Self, EchoError> {
+        let mut leaves = Vec::with_capacity(spec.len());
+        for array in spec.arrays() {
+            let slot_bytes = array.num_bytes();
+            let total = slot_bytes.checked_mul(capacity).ok_or_else(|| {
+                EchoError::Config(format!(
+                    "ring of {capacity} slots of {slot_bytes} bytes overflows usize"
+                ))
+            })?;
+            let leaf = if total == 0 {
+                LeafBuf {
+                    base: dangling_aligned(),
+                    slot_bytes,
+                    layout: None,
+                }
+            } else {
+                let layout = Layout::from_size_align(total, RING_ALIGN).map_err(|_| {
+                    EchoError::Config(format!("ring buffer of {total} bytes is too large"))
+                })?;
+                // SAFETY: `layout` has a non-zero size (checked just above).
+                let raw = unsafe { alloc::alloc_zeroed(layout) };
+                let base = NonNull::new(raw).ok_or(EchoError::OutOfMemory { bytes: total })?;
+                LeafBuf {
+                    base,
+                    slot_bytes,
+                    layout: Some(layout),
+                }
+            };
+            // Pushed right after allocating, so an early return above frees what exists.
+            leaves.push(leaf);
+        }
+        let trackers = (0..capacity).map(|_| SlotTracker::default()).collect();
+        Ok(Self {
+            leaves: leaves.into_boxed_slice(),
+            capacity,
+            trackers,
+        })
+    }
+
+    /// Bytes one slot of `leaf` holds.
+    pub(crate) fn slot_bytes(&self, leaf: usize) -> usize {
+        self.leaves[leaf].slot_bytes
+    }
+
+    /// Address of slot `slot` of `leaf`. Computing it is safe; reading or writing through it is
+    /// governed by the same rules as [`RingBuf::write_slot`] and [`RingBuf::read_slots`].
+    ///
+    /// # Panics
+    /// If `leaf` or `slot` is out of range (a bug in the caller, not bad input).
+    pub(crate) fn slot_ptr(&self, leaf: usize, slot: usize) -> *const u8 {
+        assert!(
+            slot < self.capacity,
+            "slot {slot} out of range (capacity {})",
+            self.capacity
+        );
+        let leaf = &self.leaves[leaf];
+        // `wrapping_add` keeps this safe; `slot * slot_bytes` is within the allocation (or 0 for
+        // an empty leaf) because `slot < capacity` and the allocation is `capacity * slot_bytes`.
+        leaf.base.as_ptr().wrapping_add(slot * leaf.slot_bytes)
+    }
+
+    /// Copies `src` into slot `slot` of `leaf`.
+    ///
+    /// # Safety
+    /// The caller holds the write reservation for `slot`: no other thread reads or writes this
+    /// slot of any leaf until the caller commits it. `src` must not overlap the ring.
+    ///
+    /// # Panics
+    /// If `src.len()` is not the leaf's slot size or `slot` is out of range. Callers validate
+    /// sizes before reserving, so this is a last line of defence against heap overflow.
+    pub(crate) unsafe fn write_slot(&self, slot: usize, leaf: usize, src: &[u8]) {
+        let dst = self.slot_ptr(leaf, slot).cast_mut();
+        let len = self.leaves[leaf].slot_bytes;
+        assert_eq!(
+            src.len(),
+            len,
+            "leaf {leaf}: slot holds {len} bytes, got {}",
+            src.len()
+        );
+        self.trackers[slot].writing(|| {
+            // SAFETY: `dst..dst+len` lies inside this leaf's allocation (bounds checked by
+            // `slot_ptr` and the length assert); the caller guarantees exclusive access to the
+            // slot and that `src` (exactly `len` readable bytes) does not overlap it.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, len) };
+        });
+    }
+
+    /// Calls `f` with the bytes of slots `slots` of `leaf`, one contiguous run.
+    ///
+    /// # Safety
+    /// Every slot in `slots` is committed and held by the caller (the consumer): no writer
+    /// writes them until the caller releases them, which happens after `f` returns.
+    ///
+    /// # Panics
+    /// If the range is out of bounds.
+    pub(crate) unsafe fn read_slots<R>(
+        &self,
+        leaf: usize,
+        slots: std::ops::Range<usize>,
+        f: impl FnOnce(&[u8]) -> R,
+    ) -> R {
+        assert!(
+            slots.start <= slots.end && slots.end <= self.capacity,
+            "slots {slots:?} out of range"
+        );
+        for tracker in &self.trackers[slots.clone()] {
+            tracker.reading(|| ());
+        }
+        let buf = &self.leaves[leaf];
+        let start = buf.base.as_ptr().wrapping_add(slots.start * buf.slot_bytes);
+        let len = (slots.end - slots.start) * buf.slot_bytes;
+        // SAFETY: the range is inside the allocation (asserted above; for an empty leaf `len`
+        // is 0 and `start` is aligned and non-null), the memory is initialised (allocated
+        // zeroed, then only overwritten with whole byte copies), and the caller guarantees no
+        // writer mutates it while the slice lives (it does not escape `f`).
+        let bytes = unsafe { std::slice::from_raw_parts(start, len) };
+        f(bytes)
+    }
+}
+
+impl Drop for RingBuf {
+    fn drop(&mut self) {
+        for leaf in self.leaves.iter() {
+            if let Some(layout) = leaf.layout {
+                // SAFETY: `base` was returned by `alloc_zeroed(layout)` in `new` and is freed
+                // exactly once, here; `&mut self` proves no views into it are being created.
+                unsafe { alloc::dealloc(leaf.base.as_ptr(), layout) };
+            }
+        }
+    }
+}
+
+/// A non-null, `RING_ALIGN`-aligned pointer for zero-byte leaves (never dereferenced).
+fn dangling_aligned() -> NonNull<u8> {
+    #[repr(align(64))]
+    struct Aligned;
+    const _: () = assert!(std::mem::align_of::<Aligned>() == RING_ALIGN);
+    NonNull::<Aligned>::dangling().cast()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::ArraySpec;
+
+    fn spec() -> DataSpec {
+        DataSpec::new(vec![
+            ArraySpec::new(vec![3], 4).unwrap(),
+            ArraySpec::new(vec![0], 8).unwrap(),
+            ArraySpec::new(vec![], 1).unwrap(),
+        ])
+        .unwrap()
+    }
+
+    #[test]
+    fn slots_are_contiguous_aligned_and_zeroed() {
+        let ring = RingBuf::new(&spec(), 4).unwrap();
+        for leaf in 0..3 {
+            assert_eq!(ring.slot_ptr(leaf, 0) as usize % RING_ALIGN, 0);
+        }
+        assert_eq!(
+            ring.slot_ptr(0, 1) as usize - ring.slot_ptr(0, 0) as usize,
+            12
+        );
+        // SAFETY: single-threaded test; nothing writes concurrently.
+        unsafe {
+            ring.read_slots(0, 0..4, |b| {
+                assert!(b.len() == 48 && b.iter().all(|&x| x == 0))
+            })
+        };
+    }
+
+    #[test]
+    fn written_slots_read_back_in_order() {
+        let ring = RingBuf::new(&spec(), 4).unwrap();
+        for slot in 0..4u8 {
+            let bytes = [slot; 12];
+            // SAFETY: single-threaded test: this thread owns every slot.
+            unsafe { ring.write_slot(slot as usize, 0, &bytes) };
+            // SAFETY: as above.
+            unsafe { ring.write_slot(slot as usize, 1, &[]) };
+            // SAFETY: as above.
+            unsafe { ring.write_slot(slot as usize, 2, &[slot + 100]) };
+        }
+        // SAFETY: as above.
+        unsafe {
+            ring.read_slots(0, 1..3, |b| assert_eq!(b, [[1u8; 12], [2u8; 12]].concat()));
+        }
+        // SAFETY: as above.
+        unsafe { ring.read_slots(2, 0..4, |b| assert_eq!(b, [100, 101, 102, 103])) };
+        // SAFETY: as above.
+        unsafe { ring.read_slots(1, 0..4, |b| assert!(b.is_empty())) };
+    }
+
+    #[test]
+    #[should_panic(expected = "slot holds 12 bytes, got 11")]
+    fn wrong_size_write_panics_instead_of_overflowing() {
+        let ring = RingBuf::new(&spec(), 2).unwrap();
+        // SAFETY: single-threaded test; the size check fires before any copy.
+        unsafe { ring.write_slot(0, 0, &[0; 11]) };
+    }
+
+    #[test]
+    #[should_panic(expected = "out of range")]
+    fn out_of_range_slot_panics() {
+        let ring = RingBuf::new(&spec(), 2).unwrap();
+        let _ = ring.slot_ptr(0, 2);
+    }
+
+    #[test]
+    fn absurd_capacity_is_an_error_not_an_abort() {
+        let spec = DataSpec::new(vec![ArraySpec::new(vec![1 << 20], 8).unwrap()]).unwrap();
+        assert!(RingBuf::new(&spec, usize::MAX / 4).is_err());
+    }
+}
