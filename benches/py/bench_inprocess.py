@@ -22,7 +22,9 @@ Each scenario measures:
 2. ``throughput``: one producer thread calls ``submit()`` N times while the main thread
    calls ``sample()`` N / batch_size times. Samples come round-robin from a small pool built
    before timing; the only per-sample Python work besides ``submit()`` is writing the
-   sample id into element 0 of leaf 0 (an exact integer in float32, ids < 2**24). The
+   sample id into element 0 of leaf 0 (an exact integer in float32, ids < 2**24). Pool
+   entries are rewritten once ``submit()`` returns, so a ``submit()`` that kept a reference
+   instead of copying would show up as ``correct: false``. The
    consumer touches every byte of every leaf of every batch with
    ``np.bitwise_or.reduce`` over a ``uint64`` view (``uint8`` if the leaf's size is not a
    multiple of 8), which runs at tens of GB/s in cache, and checks that the ids it sees are
@@ -47,7 +49,8 @@ Compare two implementations (one run each, same machine, ratios from one run)::
     python benches/py/compare.py a.json b.json
 
 ``--quick`` runs a couple of seconds in total (smoke test); ``--only small`` or
-``--only large`` selects one scenario. Depends on numpy, echo and the standard library only.
+``--only large`` selects one scenario. Run on an otherwise idle machine (the JSON records
+the load average before and after). Depends on numpy, echo and the standard library only.
 """
 
 from __future__ import annotations

@@ -1,0 +1,100 @@
+"""Pytree bookkeeping: the one place that knows how samples are flattened.
+
+The Rust core sees a list of leaves in a fixed order; this module turns a user's pytree
+(nested dict / tuple / list / namedtuple, as optree understands it) into that list and back,
+and produces readable leaf names for error messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import optree
+from optree import PyTreeSpec
+
+__all__ = ["LeafSpec", "TreeLayout"]
+
+NONE_IS_LEAF = False
+
+
+def _path_name(path: Sequence[Any]) -> str:
+    if not path:
+        return "<root>"
+    return "".join(f"[{key!r}]" for key in path)
+
+
+class LeafSpec:
+    """Shape, dtype and name of one leaf of the example."""
+
+    __slots__ = ("dtype", "name", "shape")
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
+        self.name = name
+        self.shape = shape
+        self.dtype = dtype
+
+    def __repr__(self) -> str:
+        return f"LeafSpec({self.name}, shape={self.shape}, dtype={self.dtype})"
+
+
+class TreeLayout:
+    """The structure of the example pytree and how to flatten samples that match it."""
+
+    def __init__(self, example: object) -> None:
+        paths, leaves, treespec = optree.tree_flatten_with_path(
+            example,  # pyright: ignore[reportArgumentType]
+            none_is_leaf=NONE_IS_LEAF,
+        )
+        specs: list[LeafSpec] = []
+        for path, leaf in zip(paths, leaves):
+            name = _path_name(path)
+            if not isinstance(leaf, np.ndarray):
+                raise TypeError(
+                    f"example leaf {name}: expected a numpy.ndarray, got {type(leaf).__name__}"
+                )
+            arr: np.ndarray[Any, Any] = leaf
+            if arr.dtype.hasobject:
+                raise TypeError(
+                    f"example leaf {name}: dtype {arr.dtype} holds Python objects, "
+                    "which cannot be stored in a ring buffer"
+                )
+            specs.append(LeafSpec(name, tuple(int(d) for d in arr.shape), arr.dtype))
+        if not specs:
+            raise ValueError("the example has no leaves: it needs at least one numpy array")
+        if all(int(np.prod(s.shape)) * s.dtype.itemsize == 0 for s in specs):
+            raise ValueError(
+                "every leaf of the example is empty (0 bytes in total): there is nothing to store"
+            )
+        self.treespec: PyTreeSpec = treespec
+        self.leaves = specs
+        # Fast path for the most common sample, a flat dict of arrays: look the leaves up by
+        # key in optree's order instead of calling into optree for every sample.
+        self._flat_keys: tuple[Any, ...] | None = None
+        if type(example) is dict and all(len(p) == 1 for p in paths):
+            self._flat_keys = tuple(p[0] for p in paths)
+        self._flat_keyset = frozenset(self._flat_keys or ())
+
+    def flatten(self, sample: object) -> list[Any]:
+        """The leaves of `sample` in the example's order; ValueError if the structure differs."""
+        if (
+            self._flat_keys is not None
+            and type(sample) is dict
+            and sample.keys() == self._flat_keyset
+        ):
+            return [sample[k] for k in self._flat_keys]  # pyright: ignore[reportUnknownVariableType]
+        leaves, treespec = optree.tree_flatten(
+            sample,  # pyright: ignore[reportArgumentType]
+            none_is_leaf=NONE_IS_LEAF,
+        )
+        if treespec != self.treespec:
+            raise ValueError(
+                f"sample structure does not match the example: expected {self.treespec}, "
+                f"got {treespec}"
+            )
+        return leaves
+
+    def unflatten(self, leaves: list[Any]) -> Any:
+        """A pytree of the example's structure holding `leaves`."""
+        return self.treespec.unflatten(leaves)

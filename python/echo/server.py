@@ -1,0 +1,195 @@
+"""The learner side: `Server`, and the `Sample` it hands out."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+from echo._echo import RingServer, SampleInfo, ServerClosedError
+from echo._pytree import TreeLayout
+
+__all__ = ["Sample", "Server"]
+
+
+class Sample(NamedTuple):
+    """One batch and the server's counters when it was handed out.
+
+    `batch` has the example's structure; each leaf has shape `(batch_size, *leaf.shape)` and
+    the leaf's dtype. Unless it came from `copy=True`, every leaf is a read-only view into the
+    ring that is only meaningful until the next `sample()` call (see the zero-copy guide).
+    """
+
+    batch: Any
+    info: SampleInfo
+
+
+def _positive_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool")
+    try:
+        as_int = operator.index(value)  # pyright: ignore[reportArgumentType]
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if as_int < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {as_int}")
+    return as_int
+
+
+class Server:
+    """A replay buffer that assembles single samples into fixed-size batches.
+
+    Args:
+        example: A pytree (nested dict / tuple / list / namedtuple) whose leaves are numpy
+            arrays. It fixes the structure, each leaf's shape and dtype; the values are unused.
+        batch_size: Samples per batch.
+        transport: Where samples come from besides `submit()`. `None` (the default) for
+            in-process use.
+        num_buffers: Batches the ring holds (at least 2: one for the consumer, one being
+            filled).
+        num_drainers: Drainer tasks moving samples from transport queues into the ring.
+        producer_queue_size: Capacity of each connection's ingress queue, in samples.
+        pin_host_memory: Page-lock the ring for DMA transfers to a GPU.
+
+    Raises:
+        TypeError: A leaf of `example` is not a numpy array, or an argument has the wrong type.
+        ValueError: An argument is out of range, or `example` holds no data.
+    """
+
+    def __init__(
+        self,
+        example: Any,
+        batch_size: int,
+        transport: Any = None,
+        num_buffers: int = 3,
+        num_drainers: int = 8,
+        producer_queue_size: int = 8,
+        pin_host_memory: bool = False,
+    ) -> None:
+        batch_size = _positive_int("batch_size", batch_size, 1)
+        num_buffers = _positive_int("num_buffers", num_buffers, 2)
+        self._num_drainers = _positive_int("num_drainers", num_drainers, 1)
+        self._producer_queue_size = _positive_int("producer_queue_size", producer_queue_size, 1)
+        if transport is not None:
+            raise NotImplementedError(
+                "transports are not available in this build yet; omit transport= and use "
+                "Server.submit() for in-process data"
+            )
+        if pin_host_memory:
+            raise RuntimeError(
+                "pin_host_memory=True needs CUDA page-locking, which this build does not provide"
+            )
+        self._layout = TreeLayout(example)
+        leaves = self._layout.leaves
+        self._core = RingServer(
+            [leaf.shape for leaf in leaves],
+            [leaf.dtype for leaf in leaves],
+            [leaf.name for leaf in leaves],
+            batch_size,
+            num_buffers,
+        )
+        self._transport = transport
+        self._started = False
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per batch."""
+        return self._core.batch_size
+
+    @property
+    def num_buffers(self) -> int:
+        """Batches the ring holds."""
+        return self._core.num_buffers
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` was called."""
+        return self._core.closed
+
+    @property
+    def port(self) -> int | None:
+        """The transport's bound port after `start()`; `None` without a transport."""
+        return None
+
+    def start(self) -> None:
+        """Starts the transport (a no-op for in-process use). Idempotent.
+
+        Raises:
+            ServerClosedError: The server was closed.
+        """
+        if self._core.closed:
+            raise ServerClosedError("start(): the server is closed")
+        self._started = True
+
+    def submit(self, sample: Any, *, timeout: float | None = None) -> None:
+        """Copies one sample into the ring (in-process ingress).
+
+        Blocks, with the GIL released, while the ring is full.
+
+        Args:
+            sample: A pytree with the example's structure, shapes and dtypes.
+            timeout: Seconds to wait for space; `None` waits as long as it takes.
+
+        Raises:
+            ValueError: The structure or a leaf's shape differs from the example.
+            TypeError: A leaf is not a numpy array or has another dtype.
+            ServerClosedError: The server is (or gets) closed.
+            TimeoutError: No space freed up within `timeout`.
+        """
+        self._core.submit(self._layout.flatten(sample), timeout)
+
+    def sample(self, timeout: float | None = None, *, copy: bool = False) -> Sample | None:
+        """Waits for the next full batch and returns it, or `None` once the server is closed.
+
+        Calling `sample()` gives the previous batch's slots back to the writers, so views from
+        the previous call may show newer data from then on.
+
+        Args:
+            timeout: Seconds to wait; `None` waits as long as it takes.
+            copy: Return private, writeable copies instead of read-only views into the ring.
+
+        Raises:
+            TimeoutError: No full batch arrived within `timeout`.
+            KeyboardInterrupt: Ctrl-C while waiting.
+        """
+        got = self._core.sample(timeout, copy)
+        if got is None:
+            return None
+        leaves, info = got
+        return Sample(self._layout.unflatten(leaves), info)
+
+    def dataset_iter(self, *, copy: bool = False) -> Iterator[Sample]:
+        """Yields batches until the server is closed.
+
+        Args:
+            copy: Yield private copies that stay valid forever (instead of views that are only
+                meaningful until the next batch is requested).
+        """
+        while (sample := self.sample(copy=copy)) is not None:
+            yield sample
+
+    def stats(self) -> SampleInfo:
+        """The server's counters now, without sampling (`sequence` and `wait_ns` are 0)."""
+        return self._core.stats()
+
+    def reset_histograms(self) -> None:
+        """Clears the timing histograms; counters keep counting."""
+        self._core.reset_histograms()
+
+    def close(self) -> None:
+        """Shuts down: a `sample()` blocked in another thread returns `None`, a blocked
+        `submit()` raises `ServerClosedError`. Idempotent. Existing views stay readable."""
+        self._core.close()
+
+    def __enter__(self) -> Server:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Server(batch_size={self.batch_size}, num_buffers={self.num_buffers}, "
+            f"leaves={len(self._layout.leaves)}, closed={self.closed})"
+        )

@@ -1,0 +1,140 @@
+//! `SampleInfo` and `HistSnapshot`: frozen per-batch snapshots of the server's counters.
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::store::StoreStats;
+
+/// A latency histogram snapshot, in nanoseconds. All zero without `detailed-metrics`, so
+/// `if info.memcpy.count > 0:` works in every build.
+#[pyclass(frozen, get_all, module = "echo._echo", name = "HistSnapshot")]
+#[derive(Debug, Clone, Default)]
+pub(crate) struct HistSnapshot {
+    count: u64,
+    min_ns: u64,
+    max_ns: u64,
+    mean_ns: f64,
+    p50_ns: u64,
+    p90_ns: u64,
+    p99_ns: u64,
+}
+
+#[pymethods]
+impl HistSnapshot {
+    /// The fields as a plain dict.
+    fn as_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        d.set_item("count", self.count)?;
+        d.set_item("min_ns", self.min_ns)?;
+        d.set_item("max_ns", self.max_ns)?;
+        d.set_item("mean_ns", self.mean_ns)?;
+        d.set_item("p50_ns", self.p50_ns)?;
+        d.set_item("p90_ns", self.p90_ns)?;
+        d.set_item("p99_ns", self.p99_ns)?;
+        Ok(d)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "HistSnapshot(count={}, min_ns={}, max_ns={}, mean_ns={:.1}, p50_ns={}, p90_ns={}, p99_ns={})",
+            self.count, self.min_ns, self.max_ns, self.mean_ns, self.p50_ns, self.p90_ns, self.p99_ns
+        )
+    }
+}
+
+/// What the server looked like when a batch was handed out.
+#[pyclass(frozen, get_all, module = "echo._echo", name = "SampleInfo")]
+#[derive(Debug)]
+pub(crate) struct SampleInfo {
+    /// Committed samples not yet handed to the consumer.
+    store_size: u64,
+    /// Open transport connections.
+    active_connections: u64,
+    /// Samples waiting in ingress queues (sum and largest single queue).
+    queue_depth_sum: u64,
+    queue_depth_max: u64,
+    /// Times a transport task found its queue full and had to wait.
+    push_blocked_count: u64,
+    /// Samples moved into the ring by drainers (`submit()` is not counted).
+    samples_inserted_total: u64,
+    /// Consumer wake-ups: one per completed batch.
+    notify_count: u64,
+    cas_success_total: u64,
+    cas_failure_total: u64,
+    reservation_retries_total: u64,
+    drain_round: Py<HistSnapshot>,
+    memcpy: Py<HistSnapshot>,
+    queue_dwell: Py<HistSnapshot>,
+    /// Nanoseconds the consumer waited inside `sample()` for this batch.
+    wait_ns: u64,
+    /// 0-based number of this batch since the server started.
+    sequence: u64,
+}
+
+impl SampleInfo {
+    pub(crate) fn from_store(
+        py: Python<'_>,
+        stats: &StoreStats,
+        sequence: u64,
+        wait_ns: u64,
+        zero_hist: &Py<HistSnapshot>,
+    ) -> Self {
+        Self {
+            store_size: stats.store_size,
+            active_connections: 0,
+            queue_depth_sum: 0,
+            queue_depth_max: 0,
+            push_blocked_count: 0,
+            samples_inserted_total: 0,
+            notify_count: stats.notify_count,
+            cas_success_total: 0,
+            cas_failure_total: 0,
+            reservation_retries_total: 0,
+            drain_round: zero_hist.clone_ref(py),
+            memcpy: zero_hist.clone_ref(py),
+            queue_dwell: zero_hist.clone_ref(py),
+            wait_ns,
+            sequence,
+        }
+    }
+}
+
+#[pymethods]
+impl SampleInfo {
+    /// The fields as a plain dict (histograms as nested dicts), ready for a metrics logger.
+    fn as_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for (key, value) in [
+            ("store_size", self.store_size),
+            ("active_connections", self.active_connections),
+            ("queue_depth_sum", self.queue_depth_sum),
+            ("queue_depth_max", self.queue_depth_max),
+            ("push_blocked_count", self.push_blocked_count),
+            ("samples_inserted_total", self.samples_inserted_total),
+            ("notify_count", self.notify_count),
+            ("cas_success_total", self.cas_success_total),
+            ("cas_failure_total", self.cas_failure_total),
+            ("reservation_retries_total", self.reservation_retries_total),
+            ("wait_ns", self.wait_ns),
+            ("sequence", self.sequence),
+        ] {
+            d.set_item(key, value)?;
+        }
+        d.set_item("drain_round", self.drain_round.get().as_dict(py)?)?;
+        d.set_item("memcpy", self.memcpy.get().as_dict(py)?)?;
+        d.set_item("queue_dwell", self.queue_dwell.get().as_dict(py)?)?;
+        Ok(d)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "SampleInfo(sequence={}, store_size={}, notify_count={}, wait_ns={}, active_connections={}, samples_inserted_total={})",
+            self.sequence,
+            self.store_size,
+            self.notify_count,
+            self.wait_ns,
+            self.active_connections,
+            self.samples_inserted_total
+        )
+    }
+}

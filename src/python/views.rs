@@ -1,0 +1,133 @@
+//! Batches as numpy arrays: zero-copy read-only views into the ring, or private copies.
+//!
+//! The memory rule: every view's numpy `base` is a [`RingLease`], which owns an `Arc<Store>`.
+//! The ring therefore lives as long as the last view, even if the `Server` is long gone: a view
+//! kept too long may show newer samples (documented), but it never reads freed memory.
+
+use std::ffi::c_int;
+use std::ptr;
+
+use numpy::npyffi::{self, npy_intp, NPY_ARRAY_ALIGNED, NPY_ARRAY_C_CONTIGUOUS, PY_ARRAY_API};
+use numpy::{PyArrayDescr, PyArrayDescrMethods};
+use pyo3::prelude::*;
+use pyo3::types::PyList;
+
+use crate::store::{Consumer, Store};
+use crate::sync::Arc;
+
+/// Keeps the ring alive for as long as a numpy view into it exists (it is the views' `base`).
+#[pyclass(frozen, module = "echo._echo", name = "RingLease")]
+pub(crate) struct RingLease {
+    store: Arc<Store>,
+}
+
+#[pymethods]
+impl RingLease {
+    fn __repr__(&self) -> String {
+        format!(
+            "RingLease(batch_size={}, num_buffers={})",
+            self.store.batch_size(),
+            self.store.num_batches()
+        )
+    }
+}
+
+impl RingLease {
+    pub(crate) fn new(store: Arc<Store>) -> Self {
+        Self { store }
+    }
+}
+
+/// How one leaf of a batch looks to numpy.
+pub(crate) struct LeafLayout {
+    /// The example leaf's dtype.
+    pub(crate) descr: Py<PyArrayDescr>,
+    /// `[batch_size, *leaf_shape]`.
+    pub(crate) dims: Vec<npy_intp>,
+}
+
+/// Creates a 1-leaf array of `layout` over `data` (or freshly allocated memory if `data` is
+/// null), C-contiguous; writeable only when numpy allocates it.
+fn new_array<'py>(
+    py: Python<'py>,
+    layout: &LeafLayout,
+    data: *mut u8,
+) -> PyResult<Bound<'py, PyAny>> {
+    let flags: c_int = if data.is_null() {
+        0
+    } else {
+        NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED
+    };
+    // `PyArray_NewFromDescr` steals a reference to the descriptor: hand it a new one.
+    let descr = layout.descr.clone_ref(py).into_bound(py).into_dtype_ptr();
+    // SAFETY: `get_type_object` only reads numpy's API table, which `PY_ARRAY_API` imports on
+    // first use with the GIL held (we hold it: `py`).
+    let subtype = unsafe { PY_ARRAY_API.get_type_object(py, npyffi::NpyTypes::PyArray_Type) };
+    // SAFETY: `descr` is an owned reference (stolen by the call), `dims` has `nd` entries, null
+    // strides mean C order. `data` is either null (numpy allocates) or points at
+    // `product(dims) * itemsize` bytes inside the ring, 64-byte aligned, kept alive by the
+    // `RingLease` the caller sets as base before the array escapes.
+    let raw = unsafe {
+        PY_ARRAY_API.PyArray_NewFromDescr(
+            py,
+            subtype,
+            descr,
+            layout.dims.len() as c_int,
+            layout.dims.as_ptr().cast_mut(),
+            ptr::null_mut(),
+            data.cast(),
+            flags,
+            ptr::null_mut(),
+        )
+    };
+    // SAFETY: `raw` is a new (owned) reference or null with a Python error set.
+    unsafe { Bound::from_owned_ptr_or_err(py, raw) }
+}
+
+/// Read-only views of every leaf of the held `batch`, each with `lease` as its numpy base.
+pub(crate) fn batch_views<'py>(
+    py: Python<'py>,
+    store: &Store,
+    batch: u64,
+    layouts: &[LeafLayout],
+    lease: &Py<RingLease>,
+) -> PyResult<Bound<'py, PyList>> {
+    let list = PyList::empty(py);
+    for (leaf, layout) in layouts.iter().enumerate() {
+        let array = new_array(py, layout, store.batch_ptr(batch, leaf).cast_mut())?;
+        // `PyArray_SetBaseObject` steals a reference to the base (also on failure).
+        let base = lease.clone_ref(py).into_ptr();
+        // SAFETY: `array` is a freshly created ndarray with no base yet; `base` is an owned
+        // reference that the call takes over.
+        let status = unsafe { PY_ARRAY_API.PyArray_SetBaseObject(py, array.as_ptr().cast(), base) };
+        if status != 0 {
+            return Err(PyErr::fetch(py));
+        }
+        list.append(array)?;
+    }
+    Ok(list)
+}
+
+/// Private, writeable copies of every leaf of the batch `consumer` holds.
+pub(crate) fn batch_copies<'py>(
+    py: Python<'py>,
+    consumer: &Consumer,
+    layouts: &[LeafLayout],
+) -> PyResult<Bound<'py, PyList>> {
+    let list = PyList::empty(py);
+    for (leaf, layout) in layouts.iter().enumerate() {
+        let array = new_array(py, layout, ptr::null_mut())?;
+        let array_ptr = array.as_ptr().cast::<npyffi::PyArrayObject>();
+        // SAFETY: `array` is a live ndarray we just created; reading its `data` field is how
+        // numpy's own C macros (`PyArray_DATA`) access it.
+        let dst = unsafe { (*array_ptr).data }.cast::<u8>();
+        consumer.read_leaf(leaf, |src| {
+            // SAFETY: numpy allocated `product(dims) * itemsize` bytes at `dst`, which is
+            // exactly the leaf's batch size in the ring (`src.len()`); the new array is not
+            // shared yet, and ring memory never overlaps a numpy allocation.
+            unsafe { ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) }
+        });
+        list.append(array)?;
+    }
+    Ok(list)
+}
