@@ -55,11 +55,7 @@ impl RingBuf {
                 ))
             })?;
             let leaf = if total == 0 {
-                LeafBuf {
-                    base: dangling_aligned(),
-                    slot_bytes,
-                    layout: None,
-                }
+                LeafBuf { base: dangling_aligned(), slot_bytes, layout: None }
             } else {
                 let layout = Layout::from_size_align(total, RING_ALIGN).map_err(|_| {
                     EchoError::Config(format!("ring buffer of {total} bytes is too large"))
@@ -67,21 +63,13 @@ impl RingBuf {
                 // SAFETY: `layout` has a non-zero size (checked just above).
                 let raw = unsafe { alloc::alloc_zeroed(layout) };
                 let base = NonNull::new(raw).ok_or(EchoError::OutOfMemory { bytes: total })?;
-                LeafBuf {
-                    base,
-                    slot_bytes,
-                    layout: Some(layout),
-                }
+                LeafBuf { base, slot_bytes, layout: Some(layout) }
             };
             // Pushed right after allocating, so an early return above frees what exists.
             leaves.push(leaf);
         }
         let trackers = (0..capacity).map(|_| SlotTracker::default()).collect();
-        Ok(Self {
-            leaves: leaves.into_boxed_slice(),
-            capacity,
-            trackers,
-        })
+        Ok(Self { leaves: leaves.into_boxed_slice(), capacity, trackers })
     }
 
     /// Bytes one slot of `leaf` holds.
@@ -95,11 +83,7 @@ impl RingBuf {
     /// # Panics
     /// If `leaf` or `slot` is out of range (a bug in the caller, not bad input).
     pub(crate) fn slot_ptr(&self, leaf: usize, slot: usize) -> *const u8 {
-        assert!(
-            slot < self.capacity,
-            "slot {slot} out of range (capacity {})",
-            self.capacity
-        );
+        assert!(slot < self.capacity, "slot {slot} out of range (capacity {})", self.capacity);
         let leaf = &self.leaves[leaf];
         // `wrapping_add` keeps this safe; `slot * slot_bytes` is within the allocation (or 0 for
         // an empty leaf) because `slot < capacity` and the allocation is `capacity * slot_bytes`.
@@ -118,12 +102,7 @@ impl RingBuf {
     pub(crate) unsafe fn write_slot(&self, slot: usize, leaf: usize, src: &[u8]) {
         let dst = self.slot_ptr(leaf, slot).cast_mut();
         let len = self.leaves[leaf].slot_bytes;
-        assert_eq!(
-            src.len(),
-            len,
-            "leaf {leaf}: slot holds {len} bytes, got {}",
-            src.len()
-        );
+        assert_eq!(src.len(), len, "leaf {leaf}: slot holds {len} bytes, got {}", src.len());
         self.trackers[slot].writing(|| {
             // SAFETY: `dst..dst+len` lies inside this leaf's allocation (bounds checked by
             // `slot_ptr` and the length assert); the caller guarantees exclusive access to the
@@ -205,15 +184,10 @@ mod tests {
         for leaf in 0..3 {
             assert_eq!(ring.slot_ptr(leaf, 0) as usize % RING_ALIGN, 0);
         }
-        assert_eq!(
-            ring.slot_ptr(0, 1) as usize - ring.slot_ptr(0, 0) as usize,
-            12
-        );
+        assert_eq!(ring.slot_ptr(0, 1) as usize - ring.slot_ptr(0, 0) as usize, 12);
         // SAFETY: single-threaded test; nothing writes concurrently.
         unsafe {
-            ring.read_slots(0, 0..4, |b| {
-                assert!(b.len() == 48 && b.iter().all(|&x| x == 0))
-            })
+            ring.read_slots(0, 0..4, |b| assert!(b.len() == 48 && b.iter().all(|&x| x == 0)))
         };
     }
 

@@ -56,10 +56,7 @@ mod tests {
             let batch = fifo.next_batch();
             assert_eq!(batch, expected);
             fifo.on_sampled(batch);
-            assert_eq!(
-                Remover::on_released(&mut fifo, batch, 32),
-                (expected + 1) * 32
-            );
+            assert_eq!(Remover::on_released(&mut fifo, batch, 32), (expected + 1) * 32);
         }
     }
 }

@@ -21,9 +21,7 @@ impl ArraySpec {
     /// [`EchoError::Config`] if `dtype_size` is zero or the byte size overflows `usize`.
     pub fn new(shape: Vec<usize>, dtype_size: usize) -> Result<Self, EchoError> {
         if dtype_size == 0 {
-            return Err(EchoError::Config(
-                "dtype size must be at least 1 byte, got 0".into(),
-            ));
+            return Err(EchoError::Config("dtype size must be at least 1 byte, got 0".into()));
         }
         let num_bytes = shape
             .iter()
@@ -33,11 +31,7 @@ impl ArraySpec {
                     "array of shape {shape:?} with {dtype_size}-byte elements overflows usize"
                 ))
             })?;
-        Ok(Self {
-            shape,
-            dtype_size,
-            num_bytes,
-        })
+        Ok(Self { shape, dtype_size, num_bytes })
     }
 
     /// The leaf's shape (without the batch dimension).
@@ -73,9 +67,7 @@ impl DataSpec {
     /// payload size overflows.
     pub fn new(arrays: Vec<ArraySpec>) -> Result<Self, EchoError> {
         if arrays.is_empty() {
-            return Err(EchoError::Config(
-                "a sample needs at least one array, got none".into(),
-            ));
+            return Err(EchoError::Config("a sample needs at least one array, got none".into()));
         }
         let mut offsets = Vec::with_capacity(arrays.len());
         let mut payload_size = 0usize;
@@ -90,11 +82,7 @@ impl DataSpec {
                 "every array in the sample is empty (0 bytes in total); nothing to store".into(),
             ));
         }
-        Ok(Self {
-            arrays,
-            offsets,
-            payload_size,
-        })
+        Ok(Self { arrays, offsets, payload_size })
     }
 
     /// The leaves in flattened order.
@@ -156,16 +144,10 @@ mod tests {
         assert!(matches!(DataSpec::new(vec![]), Err(EchoError::Config(_))));
         let empty = ArraySpec::new(vec![0, 3], 4).unwrap();
         assert_eq!(empty.num_bytes(), 0);
-        assert!(matches!(
-            DataSpec::new(vec![empty.clone()]),
-            Err(EchoError::Config(_))
-        ));
+        assert!(matches!(DataSpec::new(vec![empty.clone()]), Err(EchoError::Config(_))));
         // An empty leaf next to a non-empty one is fine.
         let spec = DataSpec::new(vec![empty, ArraySpec::new(vec![1], 1).unwrap()]).unwrap();
         assert_eq!(spec.payload_size(), 1);
-        assert!(matches!(
-            ArraySpec::new(vec![1], 0),
-            Err(EchoError::Config(_))
-        ));
+        assert!(matches!(ArraySpec::new(vec![1], 0), Err(EchoError::Config(_))));
     }
 }

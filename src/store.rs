@@ -79,10 +79,7 @@ impl<'a> Payloads<'a> {
     /// [`EchoError::PayloadSize`] naming the size of the first payload that is wrong.
     pub fn new(spec: &'a DataSpec, payloads: &'a [&'a [u8]]) -> Result<Self, EchoError> {
         if let Some(bad) = payloads.iter().find(|p| p.len() != spec.payload_size()) {
-            return Err(EchoError::PayloadSize {
-                expected: spec.payload_size(),
-                got: bad.len(),
-            });
+            return Err(EchoError::PayloadSize { expected: spec.payload_size(), got: bad.len() });
         }
         Ok(Self { spec, payloads })
     }
@@ -184,9 +181,7 @@ impl Store {
         num_batches: usize,
     ) -> Result<Arc<Self>, EchoError> {
         if batch_size < 1 {
-            return Err(EchoError::Config(format!(
-                "batch_size must be >= 1, got {batch_size}"
-            )));
+            return Err(EchoError::Config(format!("batch_size must be >= 1, got {batch_size}")));
         }
         if num_batches < 2 {
             return Err(EchoError::Config(format!(
@@ -199,9 +194,7 @@ impl Store {
             ))
         })?;
         let ring = RingBuf::new(&spec, capacity)?;
-        let commits = (0..num_batches)
-            .map(|_| CachePadded::new(AtomicUsize::new(0)))
-            .collect();
+        let commits = (0..num_batches).map(|_| CachePadded::new(AtomicUsize::new(0))).collect();
         Ok(Arc::new(Self {
             ring,
             spec,
@@ -249,12 +242,7 @@ impl Store {
         if self.consumer_taken.swap(true, Relaxed) {
             return None;
         }
-        Some(Consumer {
-            store: Arc::clone(self),
-            sampler,
-            remover,
-            held: None,
-        })
+        Some(Consumer { store: Arc::clone(self), sampler, remover, held: None })
     }
 
     /// Closes the store: blocked and future inserts fail with `Closed`, the consumer's
@@ -301,10 +289,7 @@ impl Store {
                     // the CAS made the range unique among writers, and the space check put it
                     // below `read_cursor + capacity`, i.e. outside anything the consumer holds.
                     // Sizes were validated above; `src` is caller memory, not the ring.
-                    unsafe {
-                        self.ring
-                            .write_slot(slot, leaf, src.leaf(inserted + i, leaf))
-                    };
+                    unsafe { self.ring.write_slot(slot, leaf, src.leaf(inserted + i, leaf)) };
                 }
             }
             self.commit(start, len);
@@ -317,19 +302,12 @@ impl Store {
         for sample in 0..src.num_samples() {
             let got = src.num_leaves(sample);
             if got != self.spec.len() {
-                return Err(EchoError::LeafCount {
-                    expected: self.spec.len(),
-                    got,
-                });
+                return Err(EchoError::LeafCount { expected: self.spec.len(), got });
             }
             for (leaf, array) in self.spec.arrays().iter().enumerate() {
                 let got = src.leaf(sample, leaf).len();
                 if got != array.num_bytes() {
-                    return Err(EchoError::SizeMismatch {
-                        leaf,
-                        expected: array.num_bytes(),
-                        got,
-                    });
+                    return Err(EchoError::SizeMismatch { leaf, expected: array.num_bytes(), got });
                 }
             }
         }
@@ -363,15 +341,13 @@ impl Store {
             }
             let batch_end = (write / batch_size + 1) * batch_size;
             let len = (want as u64).min(batch_end - write);
+            let next = write + len;
             // ORDERING: Relaxed on success and failure — uniqueness comes from the CAS itself;
             // the slot memory was made ours by the Acquire load of `read_cursor` in `has_space`
             // (pairs with the consumer's Release store in `release`), and our writes are
             // published by the Release `fetch_add` in `commit`.
-            if self
-                .write_cursor
-                .compare_exchange_weak(write, write + len, Relaxed, Relaxed)
-                .is_ok()
-            {
+            let cas = self.write_cursor.compare_exchange_weak(write, next, Relaxed, Relaxed);
+            if cas.is_ok() {
                 return Ok((write, len as usize));
             }
         }
@@ -393,10 +369,7 @@ impl Store {
         // count reach `batch_size` synchronises with every writer's `fetch_add` (they form one
         // release sequence on this counter).
         let before = counter.fetch_add(len, Release);
-        debug_assert!(
-            before + len <= self.batch_size,
-            "commit overflowed its batch"
-        );
+        debug_assert!(before + len <= self.batch_size, "commit overflowed its batch");
         if before + len == self.batch_size {
             // ORDERING: Relaxed — a statistics counter, read only for snapshots.
             self.notify_count.fetch_add(1, Relaxed);
@@ -442,8 +415,7 @@ impl Store {
     /// Address of the first byte of `leaf` for absolute batch `batch`: `batch_size` contiguous
     /// slots. Reading through it is sound only while the consumer holds that batch.
     pub fn batch_ptr(&self, batch: u64, leaf: usize) -> *const u8 {
-        self.ring
-            .slot_ptr(leaf, self.batch_index(batch) * self.batch_size)
+        self.ring.slot_ptr(leaf, self.batch_index(batch) * self.batch_size)
     }
 
     /// Bytes one sample of `leaf` takes in the ring.
@@ -479,13 +451,9 @@ impl<S: Sampler, R: Remover> Consumer<S, R> {
         // every writer that can next increment this counter (they Acquire `read_cursor` first).
         store.commits[store.batch_index(batch)].store(0, Relaxed);
         let read = self.remover.on_released(batch, store.batch_size);
+        debug_assert_eq!(read % store.batch_size as u64, 0, "read cursor moves in whole batches");
         // ORDERING: Release pairs with the writers' Acquire in `has_space`: our reads of the
         // batch and the counter reset happen before any writer reuses the slots.
-        debug_assert_eq!(
-            read % store.batch_size as u64,
-            0,
-            "read cursor moves in whole batches"
-        );
         store.read_cursor.store(read, Release);
         // Unconditional: a writer that found the ring full is parked or about to park on
         // `space_free`; it re-checks `read_cursor` under the signal's lock, so this cannot be lost.
@@ -526,18 +494,12 @@ impl<S: Sampler, R: Remover> Consumer<S, R> {
     /// # Panics
     /// If no batch is held or `leaf` is out of range.
     pub fn read_leaf<T>(&self, leaf: usize, f: impl FnOnce(&[u8]) -> T) -> T {
-        let batch = self
-            .held
-            .expect("read_leaf needs a held batch: call sample() first");
+        let batch = self.held.expect("read_leaf needs a held batch: call sample() first");
         let start = self.store.batch_index(batch) * self.store.batch_size;
         // SAFETY: this consumer holds `batch` (committed, observed with Acquire in `sample`) and
         // only `release` (which needs `&mut self`, impossible while `&self` is borrowed here)
         // lets writers at these slots again.
-        unsafe {
-            self.store
-                .ring
-                .read_slots(leaf, start..start + self.store.batch_size, f)
-        }
+        unsafe { self.store.ring.read_slots(leaf, start..start + self.store.batch_size, f) }
     }
 
     /// A snapshot of the store's counters, as seen from this consumer.

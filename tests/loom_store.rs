@@ -32,9 +32,7 @@ fn model(writers: u64, per_writer: u64, batch_size: usize, num_batches: usize, o
                     let payloads: Vec<[u8; 8]> = (0..per_writer).map(|s| id(producer, s)).collect();
                     let refs: Vec<&[u8]> = payloads.iter().map(|p| &p[..]).collect();
                     if one_call {
-                        store
-                            .insert(&Payloads::new(store.spec(), &refs).unwrap(), None)
-                            .unwrap();
+                        store.insert(&Payloads::new(store.spec(), &refs).unwrap(), None).unwrap();
                     } else {
                         for r in &refs {
                             store
@@ -100,12 +98,7 @@ fn close_wakes_parked_consumer_and_writer() {
     loom::model(|| {
         let store = Store::new(spec(), 1, 2).unwrap();
         let mut consumer = store.consumer().unwrap();
-        store
-            .insert(
-                &Payloads::new(store.spec(), &[&id(0, 0), &id(0, 1)]).unwrap(),
-                None,
-            )
-            .unwrap();
+        store.insert(&Payloads::new(store.spec(), &[&id(0, 0), &id(0, 1)]).unwrap(), None).unwrap();
         let writer = {
             let store = store.clone();
             thread::spawn(move || {

@@ -24,9 +24,7 @@ fn batches_come_out_in_fifo_order_with_every_byte_intact() {
     for round in 0..5u64 {
         let payloads: Vec<_> = (0..4).map(|i| tagged_payload(7, round * 4 + i)).collect();
         let refs: Vec<&[u8]> = payloads.iter().map(|p| &p[..]).collect();
-        store
-            .insert(&Payloads::new(store.spec(), &refs).unwrap(), None)
-            .unwrap();
+        store.insert(&Payloads::new(store.spec(), &refs).unwrap(), None).unwrap();
         assert_eq!(consumer.sample(None).unwrap(), round);
         let leaves = read_batch(&consumer);
         for i in 0..4 {
@@ -41,16 +39,12 @@ fn a_partial_batch_is_not_handed_out() {
     let mut consumer = store.consumer().unwrap();
     for seq in 0..3 {
         let p = tagged_payload(0, seq);
-        store
-            .insert(&Payloads::new(store.spec(), &[&p[..]]).unwrap(), None)
-            .unwrap();
+        store.insert(&Payloads::new(store.spec(), &[&p[..]]).unwrap(), None).unwrap();
     }
     assert_eq!(consumer.sample(soon()), Err(SampleError::TimedOut));
     assert_eq!(consumer.stats().store_size, 3);
     let p = tagged_payload(0, 3);
-    store
-        .insert(&Payloads::new(store.spec(), &[&p[..]]).unwrap(), None)
-        .unwrap();
+    store.insert(&Payloads::new(store.spec(), &[&p[..]]).unwrap(), None).unwrap();
     assert_eq!(consumer.sample(soon()), Ok(0));
     assert_eq!(consumer.stats().notify_count, 1);
     assert_eq!(consumer.stats().store_size, 0);
@@ -61,44 +55,21 @@ fn invalid_samples_write_nothing() {
     let store = Store::new(tagged_spec(), 2, 2).unwrap();
     let good = tagged_payload(1, 1);
     let err = Payloads::new(store.spec(), &[&good[..], &good[..3]]).unwrap_err();
-    assert!(
-        matches!(
-            err,
-            EchoError::PayloadSize {
-                expected: 25,
-                got: 3
-            }
-        ),
-        "{err}"
-    );
+    assert!(matches!(err, EchoError::PayloadSize { expected: 25, got: 3 }), "{err}");
 
     let wrong_leaf: [&[u8]; 3] = [&[0; 4], &[0; 7], &[0; 13]];
     let err = store.insert(&Leaves(&wrong_leaf), None).unwrap_err();
     assert!(
         matches!(
             err,
-            InsertError::Invalid(EchoError::SizeMismatch {
-                leaf: 1,
-                expected: 8,
-                got: 7
-            })
+            InsertError::Invalid(EchoError::SizeMismatch { leaf: 1, expected: 8, got: 7 })
         ),
         "{err}"
     );
     let too_few: [&[u8]; 2] = [&[0; 4], &[0; 8]];
     let err = store.insert(&Leaves(&too_few), None).unwrap_err();
-    assert!(matches!(
-        err,
-        InsertError::Invalid(EchoError::LeafCount {
-            expected: 3,
-            got: 2
-        })
-    ));
-    assert_eq!(
-        store.stats(None).write_cursor,
-        0,
-        "a rejected insert must not reserve slots"
-    );
+    assert!(matches!(err, InsertError::Invalid(EchoError::LeafCount { expected: 3, got: 2 })));
+    assert_eq!(store.stats(None).write_cursor, 0, "a rejected insert must not reserve slots");
 }
 
 #[test]
@@ -109,10 +80,7 @@ fn bad_configuration_is_an_error_not_a_panic() {
     assert!(
         matches!(Store::new(tagged_spec(), 4, 1), Err(EchoError::Config(m)) if m.contains("num_buffers"))
     );
-    assert!(matches!(
-        Store::new(tagged_spec(), usize::MAX, 2),
-        Err(EchoError::Config(_))
-    ));
+    assert!(matches!(Store::new(tagged_spec(), usize::MAX, 2), Err(EchoError::Config(_))));
 }
 
 #[test]
@@ -134,16 +102,10 @@ fn a_full_ring_blocks_writers_until_the_consumer_moves_on() {
     for seq in 0..4 {
         insert(seq, None).unwrap();
     }
-    assert!(matches!(
-        insert(4, soon()),
-        Err(InsertError::TimedOut { inserted: 0 })
-    ));
+    assert!(matches!(insert(4, soon()), Err(InsertError::TimedOut { inserted: 0 })));
     assert_eq!(consumer.sample(None), Ok(0));
     // The consumer still holds batch 0: the ring is still full.
-    assert!(matches!(
-        insert(4, soon()),
-        Err(InsertError::TimedOut { inserted: 0 })
-    ));
+    assert!(matches!(insert(4, soon()), Err(InsertError::TimedOut { inserted: 0 })));
     assert_eq!(consumer.sample(None), Ok(1)); // releases batch 0
     insert(4, soon()).unwrap();
     insert(5, soon()).unwrap();
@@ -186,9 +148,7 @@ fn close_wakes_a_blocked_consumer() {
     let mut consumer = store.consumer().unwrap();
     let (rx, handle) = with_watchdog(move || consumer.sample(None));
     store.close();
-    let result = rx
-        .recv_timeout(Duration::from_secs(10))
-        .expect("consumer was not woken by close");
+    let result = rx.recv_timeout(Duration::from_secs(10)).expect("consumer was not woken by close");
     assert_eq!(result, Err(SampleError::Closed));
     handle.join().unwrap();
 }
@@ -197,28 +157,15 @@ fn close_wakes_a_blocked_consumer() {
 fn close_wakes_a_blocked_writer() {
     let store = Store::new(tagged_spec(), 1, 2).unwrap();
     let p = tagged_payload(0, 0);
-    store
-        .insert(
-            &Payloads::new(store.spec(), &[&p[..], &p[..]]).unwrap(),
-            None,
-        )
-        .unwrap();
+    store.insert(&Payloads::new(store.spec(), &[&p[..], &p[..]]).unwrap(), None).unwrap();
     let writer_store = store.clone();
     let (rx, handle) = with_watchdog(move || {
         let p = tagged_payload(0, 1);
-        writer_store.insert(
-            &Payloads::new(writer_store.spec(), &[&p[..]]).unwrap(),
-            None,
-        )
+        writer_store.insert(&Payloads::new(writer_store.spec(), &[&p[..]]).unwrap(), None)
     });
     store.close();
-    let result = rx
-        .recv_timeout(Duration::from_secs(10))
-        .expect("writer was not woken by close");
-    assert!(
-        matches!(result, Err(InsertError::Closed { inserted: 0 })),
-        "{result:?}"
-    );
+    let result = rx.recv_timeout(Duration::from_secs(10)).expect("writer was not woken by close");
+    assert!(matches!(result, Err(InsertError::Closed { inserted: 0 })), "{result:?}");
     handle.join().unwrap();
 }
 
@@ -227,9 +174,7 @@ fn sample_after_close_returns_closed() {
     let store = Store::new(tagged_spec(), 1, 2).unwrap();
     let mut consumer = store.consumer().unwrap();
     let p = tagged_payload(0, 0);
-    store
-        .insert(&Payloads::new(store.spec(), &[&p[..]]).unwrap(), None)
-        .unwrap();
+    store.insert(&Payloads::new(store.spec(), &[&p[..]]).unwrap(), None).unwrap();
     store.close();
     assert_eq!(consumer.sample(None), Err(SampleError::Closed));
     store.close(); // idempotent
@@ -242,9 +187,7 @@ fn reservations_stop_at_batch_boundaries() {
     let mut consumer = store.consumer().unwrap();
     let payloads: Vec<_> = (0..10).map(|i| tagged_payload(1, i)).collect();
     let refs: Vec<&[u8]> = payloads.iter().map(|p| &p[..]).collect();
-    store
-        .insert(&Payloads::new(store.spec(), &refs).unwrap(), None)
-        .unwrap();
+    store.insert(&Payloads::new(store.spec(), &refs).unwrap(), None).unwrap();
     assert_eq!(store.stats(None).notify_count, 2);
     assert_eq!(consumer.sample(soon()), Ok(0));
     assert_eq!(consumer.sample(soon()), Ok(1));
@@ -263,14 +206,9 @@ fn zero_byte_leaves_and_scalars_round_trip() {
     let store = Store::new(spec, 3, 2).unwrap();
     let mut consumer = store.consumer().unwrap();
     for i in 0..3u16 {
-        store
-            .insert(&Leaves(&[&[], &i.to_le_bytes()]), None)
-            .unwrap();
+        store.insert(&Leaves(&[&[], &i.to_le_bytes()]), None).unwrap();
     }
     consumer.sample(None).unwrap();
     assert_eq!(consumer.read_leaf(0, <[u8]>::len), 0);
-    assert_eq!(
-        consumer.read_leaf(1, <[u8]>::to_vec),
-        vec![0, 0, 1, 0, 2, 0]
-    );
+    assert_eq!(consumer.read_leaf(1, <[u8]>::to_vec), vec![0, 0, 1, 0, 2, 0]);
 }

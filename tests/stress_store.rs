@@ -19,21 +19,13 @@ fn per_writer() -> u64 {
     std::env::var("ECHO_STRESS_COUNT")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(if cfg!(debug_assertions) {
-            250_000
-        } else {
-            1_000_000
-        })
+        .unwrap_or(if cfg!(debug_assertions) { 250_000 } else { 1_000_000 })
 }
 
 fn run(batch_size: usize, num_batches: usize) {
     let count = per_writer();
     let total = count * u64::from(WRITERS);
-    assert_eq!(
-        total % batch_size as u64,
-        0,
-        "pick counts that fill whole batches"
-    );
+    assert_eq!(total % batch_size as u64, 0, "pick counts that fill whole batches");
     let store = Store::new(tagged_spec(), batch_size, num_batches).unwrap();
     let mut consumer = store.consumer().unwrap();
     let writers: Vec<_> = (0..WRITERS)
@@ -47,13 +39,9 @@ fn run(batch_size: usize, num_batches: usize) {
                     let n = ((seq % 37) + 1).min(count - seq);
                     chunk.clear();
                     chunk.extend((seq..seq + n).map(|s| tagged_payload(producer, s)));
-                    let refs: Vec<&[u8]> = chunk
-                        .iter()
-                        .map(|p: &[u8; TAGGED_PAYLOAD]| &p[..])
-                        .collect();
-                    store
-                        .insert(&Payloads::new(store.spec(), &refs).unwrap(), None)
-                        .unwrap();
+                    let refs: Vec<&[u8]> =
+                        chunk.iter().map(|p: &[u8; TAGGED_PAYLOAD]| &p[..]).collect();
+                    store.insert(&Payloads::new(store.spec(), &refs).unwrap(), None).unwrap();
                     seq += n;
                 }
             })
@@ -77,28 +65,19 @@ fn run(batch_size: usize, num_batches: usize) {
                 next[producer as usize] += 1;
             }
         }
-        assert!(
-            next.iter().all(|&n| n == count),
-            "missing samples: {next:?}"
-        );
+        assert!(next.iter().all(|&n| n == count), "missing samples: {next:?}");
         done_tx.send(()).unwrap();
         consumer
     });
     // Watchdog: a deadlock fails the test instead of hanging CI.
-    done_rx
-        .recv_timeout(Duration::from_secs(300))
-        .expect("stress test deadlocked");
+    done_rx.recv_timeout(Duration::from_secs(300)).expect("stress test deadlocked");
     let consumer = checker.join().unwrap();
     for w in writers {
         w.join().unwrap();
     }
     // After the joins, the Relaxed statistics counters are exact.
     let stats = consumer.stats();
-    assert_eq!(
-        stats.notify_count,
-        total / batch_size as u64,
-        "exactly one wake-up per batch"
-    );
+    assert_eq!(stats.notify_count, total / batch_size as u64, "exactly one wake-up per batch");
     assert_eq!(stats.store_size, 0);
     assert_eq!(stats.write_cursor, total);
 }

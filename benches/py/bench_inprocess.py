@@ -68,8 +68,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import echo
 import numpy as np
+
+import echo
 from echo import Server
 
 ID_LIMIT = 2**24  # float32 represents every integer below this exactly

@@ -8,7 +8,7 @@ and produces readable leaf names for error messages.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import optree
@@ -43,18 +43,21 @@ class TreeLayout:
     """The structure of the example pytree and how to flatten samples that match it."""
 
     def __init__(self, example: object) -> None:
-        paths, leaves, treespec = optree.tree_flatten_with_path(
-            example,  # pyright: ignore[reportArgumentType]
-            none_is_leaf=NONE_IS_LEAF,
+        paths, leaves, treespec = cast(
+            "tuple[list[tuple[Any, ...]], list[object], PyTreeSpec]",
+            optree.tree_flatten_with_path(
+                example,  # pyright: ignore[reportArgumentType, reportUnknownArgumentType]
+                none_is_leaf=NONE_IS_LEAF,
+            ),
         )
         specs: list[LeafSpec] = []
-        for path, leaf in zip(paths, leaves):
+        for path, leaf in zip(paths, leaves, strict=True):
             name = _path_name(path)
             if not isinstance(leaf, np.ndarray):
                 raise TypeError(
                     f"example leaf {name}: expected a numpy.ndarray, got {type(leaf).__name__}"
                 )
-            arr: np.ndarray[Any, Any] = leaf
+            arr: np.ndarray[Any, Any] = leaf  # pyright: ignore[reportUnknownVariableType]
             if arr.dtype.hasobject:
                 raise TypeError(
                     f"example leaf {name}: dtype {arr.dtype} holds Python objects, "
@@ -84,9 +87,12 @@ class TreeLayout:
             and sample.keys() == self._flat_keyset
         ):
             return [sample[k] for k in self._flat_keys]  # pyright: ignore[reportUnknownVariableType]
-        leaves, treespec = optree.tree_flatten(
-            sample,  # pyright: ignore[reportArgumentType]
-            none_is_leaf=NONE_IS_LEAF,
+        leaves, treespec = cast(
+            "tuple[list[Any], PyTreeSpec]",
+            optree.tree_flatten(
+                sample,  # pyright: ignore[reportArgumentType, reportUnknownArgumentType]
+                none_is_leaf=NONE_IS_LEAF,
+            ),
         )
         if treespec != self.treespec:
             raise ValueError(

@@ -92,14 +92,8 @@ fn _echo(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<views::RingLease>()?;
     m.add_class::<info::SampleInfo>()?;
     m.add_class::<info::HistSnapshot>()?;
-    m.add(
-        "ServerClosedError",
-        py.get_type::<errors::ServerClosedError>(),
-    )?;
-    m.add(
-        "ConnectionClosedError",
-        py.get_type::<errors::ConnectionClosedError>(),
-    )?;
+    m.add("ServerClosedError", py.get_type::<errors::ServerClosedError>())?;
+    m.add("ConnectionClosedError", py.get_type::<errors::ConnectionClosedError>())?;
     m.add_function(wrap_pyfunction!(_interpreter_exiting, m)?)?;
     Ok(())
 }

@@ -9,6 +9,7 @@ use numpy::{PyArrayDescr, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMet
 use parking_lot::{Mutex, MutexGuard};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyList, PySequence};
 
 use super::errors::{insert_error, sample_timeout, to_pyerr, ServerClosedError};
@@ -83,10 +84,7 @@ impl PyRingServer {
                             .map_err(|_| PyValueError::new_err("dimension too large"))
                     })
                     .collect::<PyResult<Vec<_>>>()?;
-                Ok(LeafLayout {
-                    descr: dtype.unbind(),
-                    dims,
-                })
+                Ok(LeafLayout { descr: dtype.unbind(), dims })
             })
             .collect::<PyResult<Vec<_>>>()?;
         Ok(Self {
@@ -144,26 +142,18 @@ impl PyRingServer {
                 self.layouts.len()
             )));
         }
-        // Contiguous copies of non-contiguous inputs must outlive the insert.
-        let mut keep_alive = Vec::new();
-        let mut slices: Vec<&[u8]> = Vec::with_capacity(count);
+        // The arrays to copy from (converted scalars and contiguous copies included) must
+        // outlive the insert.
+        let mut arrays = Vec::with_capacity(count);
         for i in 0..count {
-            let item = leaves.get_item(i)?;
-            let array = self.check_leaf(i, &item)?;
-            let array = if array.is_c_contiguous() {
-                array
-            } else {
-                keep_alive.push(
-                    array
-                        .call_method1("copy", ("C",))?
-                        .cast_into::<PyUntypedArray>()?,
-                );
-                keep_alive.last().expect("just pushed").clone()
-            };
+            arrays.push(self.check_leaf(i, &leaves.get_item(i)?)?);
+        }
+        let mut slices: Vec<&[u8]> = Vec::with_capacity(count);
+        for (i, array) in arrays.iter().enumerate() {
             let len = self.store.leaf_bytes(i);
             // SAFETY: `array` is a C-contiguous ndarray whose dtype and shape were checked
             // against the spec, so its buffer holds exactly `len` initialised bytes. It stays
-            // alive until this function returns (`leaves` or `keep_alive` owns it). Another
+            // alive until this function returns (`arrays` owns it). Another
             // Python thread could write to it concurrently, exactly as with numpy's own
             // GIL-released copies; the bytes are then torn, never out of bounds.
             let data = unsafe { (*array.as_array_ptr()).data };
@@ -264,20 +254,29 @@ impl PyRingServer {
 }
 
 impl PyRingServer {
-    /// Checks leaf `i` against the spec: an ndarray of the example's dtype and shape.
+    /// Checks leaf `i` against the spec: an ndarray (or numpy scalar) of the example's dtype
+    /// and shape. Returns the array to copy from, C-contiguous.
     fn check_leaf<'py>(
         &self,
         i: usize,
         item: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyUntypedArray>> {
+        let py = item.py();
         let name = &self.names[i];
-        let Ok(array) = item.cast::<PyUntypedArray>() else {
-            return Err(PyTypeError::new_err(format!(
-                "leaf {name}: expected a numpy.ndarray, got {}",
-                item.get_type().name()?
-            )));
+        let array = match item.cast::<PyUntypedArray>() {
+            Ok(array) => array.clone(),
+            // A numpy scalar (`np.float32(1.0)`) is a 0-d array in all but type.
+            Err(_) if item.is_instance(numpy_generic(py)?)? => {
+                numpy_module(py)?.call_method1("asarray", (item,))?.cast_into::<PyUntypedArray>()?
+            }
+            Err(_) => {
+                return Err(PyTypeError::new_err(format!(
+                    "leaf {name}: expected a numpy.ndarray, got {}",
+                    item.get_type().name()?
+                )))
+            }
         };
-        let expected = self.layouts[i].descr.bind(item.py());
+        let expected = self.layouts[i].descr.bind(py);
         let dtype = array.dtype();
         if !dtype.is_equiv_to(expected) {
             return Err(PyTypeError::new_err(format!(
@@ -291,8 +290,24 @@ impl PyRingServer {
                 py_shape(array.shape())
             )));
         }
-        Ok(array.clone())
+        if array.is_c_contiguous() {
+            Ok(array)
+        } else {
+            Ok(array.call_method1("copy", ("C",))?.cast_into::<PyUntypedArray>()?)
+        }
     }
+}
+
+fn numpy_module(py: Python<'_>) -> PyResult<&Bound<'_, PyModule>> {
+    static NUMPY: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
+    NUMPY.get_or_try_init(py, || Ok(py.import("numpy")?.unbind())).map(|m| m.bind(py))
+}
+
+fn numpy_generic(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
+    static GENERIC: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    GENERIC
+        .get_or_try_init(py, || Ok(numpy_module(py)?.getattr("generic")?.unbind()))
+        .map(|g| g.bind(py))
 }
 
 impl Drop for PyRingServer {
@@ -307,13 +322,6 @@ fn py_shape(shape: &[usize]) -> String {
     match shape {
         [] => "()".to_owned(),
         [one] => format!("({one},)"),
-        _ => format!(
-            "({})",
-            shape
-                .iter()
-                .map(ToString::to_string)
-                .collect::<Vec<_>>()
-                .join(", ")
-        ),
+        _ => format!("({})", shape.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")),
     }
 }

@@ -53,11 +53,7 @@ fn new_array<'py>(
     layout: &LeafLayout,
     data: *mut u8,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let flags: c_int = if data.is_null() {
-        0
-    } else {
-        NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED
-    };
+    let flags: c_int = if data.is_null() { 0 } else { NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED };
     // `PyArray_NewFromDescr` steals a reference to the descriptor: hand it a new one.
     let descr = layout.descr.clone_ref(py).into_bound(py).into_dtype_ptr();
     // SAFETY: `get_type_object` only reads numpy's API table, which `PY_ARRAY_API` imports on

@@ -29,10 +29,8 @@ pub fn tagged_payload(producer: u32, seq: u64) -> [u8; TAGGED_PAYLOAD] {
 }
 
 pub fn pattern(producer: u32, seq: u64, i: usize) -> u8 {
-    (producer as u64)
-        .wrapping_mul(31)
-        .wrapping_add(seq.wrapping_mul(7))
-        .wrapping_add(i as u64) as u8
+    (producer as u64).wrapping_mul(31).wrapping_add(seq.wrapping_mul(7)).wrapping_add(i as u64)
+        as u8
 }
 
 /// Decodes sample `i` of a batch given the three leaves' bytes; panics on a corrupted sample.
@@ -41,11 +39,7 @@ pub fn decode(leaves: &[Vec<u8>; 3], i: usize) -> (u32, u64) {
     let seq = u64::from_le_bytes(leaves[1][i * 8..i * 8 + 8].try_into().unwrap());
     let tail = &leaves[2][i * 13..i * 13 + 13];
     for (j, &b) in tail.iter().enumerate() {
-        assert_eq!(
-            b,
-            pattern(producer, seq, j),
-            "sample ({producer}, {seq}) is corrupted"
-        );
+        assert_eq!(b, pattern(producer, seq, j), "sample ({producer}, {seq}) is corrupted");
     }
     (producer, seq)
 }

@@ -1,0 +1,116 @@
+"""Type stubs for the native module `echo._echo` (checked against it by mypy.stubtest)."""
+
+from typing import Any, Final, final
+
+import numpy as np
+import numpy.typing as npt
+
+__version__: Final[str]
+RING_ALIGN: Final[int]
+
+class ServerClosedError(RuntimeError):
+    """The server was closed: nothing more can be submitted or started."""
+
+class ConnectionClosedError(ConnectionError):
+    """The connection to the peer is closed (by `close()` or because the peer went away)."""
+
+@final
+class HistSnapshot:
+    """A latency histogram snapshot in nanoseconds; all zero without `detailed-metrics`."""
+
+    @property
+    def count(self) -> int: ...
+    @property
+    def min_ns(self) -> int: ...
+    @property
+    def max_ns(self) -> int: ...
+    @property
+    def mean_ns(self) -> float: ...
+    @property
+    def p50_ns(self) -> int: ...
+    @property
+    def p90_ns(self) -> int: ...
+    @property
+    def p99_ns(self) -> int: ...
+    def as_dict(self) -> dict[str, int | float]:
+        """The fields as a plain dict."""
+
+@final
+class SampleInfo:
+    """What the server looked like when a batch was handed out (frozen)."""
+
+    @property
+    def store_size(self) -> int:
+        """Committed samples not yet handed to the consumer."""
+    @property
+    def active_connections(self) -> int:
+        """Open transport connections."""
+    @property
+    def queue_depth_sum(self) -> int:
+        """Samples waiting in all ingress queues."""
+    @property
+    def queue_depth_max(self) -> int:
+        """Samples waiting in the fullest ingress queue."""
+    @property
+    def push_blocked_count(self) -> int:
+        """Times a transport task found its queue full and waited."""
+    @property
+    def samples_inserted_total(self) -> int:
+        """Samples moved into the ring by drainers (`submit()` is not counted)."""
+    @property
+    def notify_count(self) -> int:
+        """Consumer wake-ups: one per completed batch."""
+    @property
+    def cas_success_total(self) -> int: ...
+    @property
+    def cas_failure_total(self) -> int: ...
+    @property
+    def reservation_retries_total(self) -> int: ...
+    @property
+    def drain_round(self) -> HistSnapshot: ...
+    @property
+    def memcpy(self) -> HistSnapshot: ...
+    @property
+    def queue_dwell(self) -> HistSnapshot: ...
+    @property
+    def wait_ns(self) -> int:
+        """Nanoseconds the consumer waited inside `sample()` for this batch."""
+    @property
+    def sequence(self) -> int:
+        """0-based number of this batch since the server started."""
+    def as_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict (histograms as nested dicts)."""
+
+@final
+class RingLease:
+    """The numpy `base` of every batch view: keeps the ring memory alive."""
+
+@final
+class RingServer:
+    """The native half of `echo.Server`: flattened leaves in, batches of views out."""
+
+    def __new__(
+        cls,
+        shapes: list[tuple[int, ...]],
+        dtypes: list[np.dtype[Any]],
+        names: list[str],
+        batch_size: int,
+        num_buffers: int,
+    ) -> RingServer: ...
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def num_buffers(self) -> int: ...
+    @property
+    def payload_size(self) -> int: ...
+    @property
+    def closed(self) -> bool: ...
+    def submit(self, leaves: list[Any], timeout: float | None = None) -> None: ...
+    def sample(
+        self, timeout: float | None = None, copy: bool = False
+    ) -> tuple[list[npt.NDArray[Any]], SampleInfo] | None: ...
+    def stats(self) -> SampleInfo: ...
+    def reset_histograms(self) -> None: ...
+    def close(self) -> None: ...
+
+def _interpreter_exiting() -> None: ...
