@@ -7,7 +7,7 @@ cargo test --quiet --no-run --lib --test store --test stress_store 2>/dev/null
 run() {
   echo "   valgrind $1"
   ECHO_STRESS_COUNT=2000 valgrind --quiet --error-exitcode=99 --leak-check=full \
-    --errors-for-leak-kinds=definite "$1" --test-threads=2 -q >/dev/null
+    --errors-for-leak-kinds=definite --show-possibly-lost=no "$1" --test-threads=2 -q >/dev/null
 }
 for name in echo store stress_store; do
   bin=$(ls -t target/debug/deps/${name}-* | grep -v '\.d$' | head -n 1)
