@@ -167,7 +167,12 @@ pub struct Store {
     /// Writers wait here for free slots; the consumer notifies on every release.
     space_free: Signal,
     notify_count: CachePadded<AtomicU64>,
+    /// Index of the batch the consumer holds, [`NOT_HELD`] if none: statistics only.
+    held_batch: AtomicU64,
 }
+
+/// `held_batch` when the consumer holds nothing.
+const NOT_HELD: u64 = u64::MAX;
 
 impl Store {
     /// A store holding `num_batches` batches of `batch_size` samples of `spec`.
@@ -209,6 +214,7 @@ impl Store {
             batch_ready: Signal::default(),
             space_free: Signal::default(),
             notify_count: CachePadded::new(AtomicU64::new(0)),
+            held_batch: AtomicU64::new(NOT_HELD),
         }))
     }
 
@@ -394,8 +400,10 @@ impl Store {
 
     /// A snapshot of the counters. `store_size` counts committed samples in every batch the
     /// consumer does not hold.
-    pub fn stats(&self, held: Option<u64>) -> StoreStats {
-        let held_index = held.map(|b| self.batch_index(b));
+    pub fn stats(&self) -> StoreStats {
+        // ORDERING: Relaxed — statistics; only the consumer stores it.
+        let held = self.held_batch.load(Relaxed);
+        let held_index = (held != NOT_HELD).then(|| self.batch_index(held));
         let store_size = (0..self.num_batches)
             .filter(|&i| Some(i) != held_index)
             // ORDERING: Relaxed — a statistics snapshot, not used to access slots.
@@ -447,6 +455,8 @@ impl<S: Sampler, R: Remover> Consumer<S, R> {
             return;
         };
         let store = &self.store;
+        // ORDERING: Relaxed — statistics only.
+        store.held_batch.store(NOT_HELD, Relaxed);
         // ORDERING: Relaxed — the Release store of `read_cursor` below publishes the reset to
         // every writer that can next increment this counter (they Acquire `read_cursor` first).
         store.commits[store.batch_index(batch)].store(0, Relaxed);
@@ -481,6 +491,8 @@ impl<S: Sampler, R: Remover> Consumer<S, R> {
         }
         self.sampler.on_sampled(batch);
         self.held = Some(batch);
+        // ORDERING: Relaxed — statistics only.
+        store.held_batch.store(batch, Relaxed);
         Ok(batch)
     }
 
@@ -504,6 +516,6 @@ impl<S: Sampler, R: Remover> Consumer<S, R> {
 
     /// A snapshot of the store's counters, as seen from this consumer.
     pub fn stats(&self) -> StoreStats {
-        self.store.stats(self.held)
+        self.store.stats()
     }
 }

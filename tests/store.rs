@@ -69,7 +69,7 @@ fn invalid_samples_write_nothing() {
     let too_few: [&[u8]; 2] = [&[0; 4], &[0; 8]];
     let err = store.insert(&Leaves(&too_few), None).unwrap_err();
     assert!(matches!(err, InsertError::Invalid(EchoError::LeafCount { expected: 3, got: 2 })));
-    assert_eq!(store.stats(None).write_cursor, 0, "a rejected insert must not reserve slots");
+    assert_eq!(store.stats().write_cursor, 0, "a rejected insert must not reserve slots");
 }
 
 #[test]
@@ -188,7 +188,7 @@ fn reservations_stop_at_batch_boundaries() {
     let payloads: Vec<_> = (0..10).map(|i| tagged_payload(1, i)).collect();
     let refs: Vec<&[u8]> = payloads.iter().map(|p| &p[..]).collect();
     store.insert(&Payloads::new(store.spec(), &refs).unwrap(), None).unwrap();
-    assert_eq!(store.stats(None).notify_count, 2);
+    assert_eq!(store.stats().notify_count, 2);
     assert_eq!(consumer.sample(soon()), Ok(0));
     assert_eq!(consumer.sample(soon()), Ok(1));
     assert_eq!(decode(&read_batch(&consumer), 3), (1, 7));

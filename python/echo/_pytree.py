@@ -80,13 +80,23 @@ class TreeLayout:
         self._flat_keyset = frozenset(self._flat_keys or ())
 
     def flatten(self, sample: object) -> list[Any]:
-        """The leaves of `sample` in the example's order; ValueError if the structure differs."""
-        if (
-            self._flat_keys is not None
-            and type(sample) is dict
-            and sample.keys() == self._flat_keyset
-        ):
-            return [sample[k] for k in self._flat_keys]  # pyright: ignore[reportUnknownVariableType]
+        """The leaves of `sample` in the example's order; ValueError if the structure differs.
+
+        A flat-dict sample is looked up by key without checking that its values are leaves;
+        when the native check then rejects a value, call `check_structure` to report a nested
+        container or `None` there as the structure mismatch it is.
+        """
+        if self._flat_keys is not None and type(sample) is dict:
+            flat = cast("dict[Any, Any]", sample)
+            if flat.keys() == self._flat_keyset:
+                return [flat[k] for k in self._flat_keys]
+        return self._flatten_checked(cast("object", sample))
+
+    def check_structure(self, sample: object) -> None:
+        """Raises ValueError if `sample`'s structure differs from the example's."""
+        self._flatten_checked(sample)
+
+    def _flatten_checked(self, sample: object) -> list[Any]:
         leaves, treespec = cast(
             "tuple[list[Any], PyTreeSpec]",
             optree.tree_flatten(

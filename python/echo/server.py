@@ -136,7 +136,12 @@ class Server:
             ServerClosedError: The server is (or gets) closed.
             TimeoutError: No space freed up within `timeout`.
         """
-        self._core.submit(self._layout.flatten(sample), timeout)
+        leaves = self._layout.flatten(sample)
+        try:
+            self._core.submit(leaves, timeout)
+        except TypeError:
+            self._layout.check_structure(sample)  # a nested container is a structure error
+            raise
 
     def sample(self, timeout: float | None = None, *, copy: bool = False) -> Sample | None:
         """Waits for the next full batch and returns it, or `None` once the server is closed.

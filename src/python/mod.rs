@@ -6,12 +6,15 @@
 //! `check_signals`, so Ctrl-C raises `KeyboardInterrupt` promptly.
 //!
 //! Interpreter exit: CPython ends a daemon thread that tries to re-take the GIL during
-//! finalisation by unwinding it from inside `PyEval_RestoreThread`, which would abort the
-//! process if that thread were inside Rust frames. An `atexit` hook (registered by
-//! `echo/__init__.py`) sets [`INTERPRETER_EXITING`]; a thread that finishes a wait after that
-//! parks forever instead of re-attaching, and dies quietly with the process.
+//! finalisation by unwinding it from inside `PyEval_RestoreThread`, which aborts the process
+//! if that thread is inside Rust frames. So every GIL-released section goes through
+//! [`detach`]: on its way out it announces itself in [`REATTACHING`] and then checks
+//! [`INTERPRETER_EXITING`]; set, it parks forever instead (and dies quietly with the process).
+//! The `atexit` hook (registered by `echo/__init__.py`) sets the flag and then, with the GIL
+//! released, waits for the threads already past the check to get the GIL back. Both sides use
+//! SeqCst (a Dekker pair), so a thread either sees the flag or is waited for.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use pyo3::exceptions::PyValueError;
@@ -26,6 +29,32 @@ mod views;
 const SLICE: Duration = Duration::from_millis(50);
 
 static INTERPRETER_EXITING: AtomicBool = AtomicBool::new(false);
+/// Threads between their exit check and re-taking the GIL.
+static REATTACHING: AtomicUsize = AtomicUsize::new(0);
+/// Longest the `atexit` hook waits for reattaching threads.
+const EXIT_GRACE: Duration = Duration::from_secs(2);
+
+/// `py.detach(f)`, safe at interpreter exit (see the module docs).
+pub(crate) fn detach<T: Send>(py: Python<'_>, f: impl FnOnce() -> T + Send) -> T {
+    let out = py.detach(|| {
+        let out = f();
+        // ORDERING: SeqCst — pairs with `_interpreter_exiting`: the increment and our load of
+        // the flag, and its store of the flag and load of the count, are totally ordered.
+        REATTACHING.fetch_add(1, Ordering::SeqCst);
+        // ORDERING: SeqCst — see above.
+        if INTERPRETER_EXITING.load(Ordering::SeqCst) {
+            // ORDERING: SeqCst — see above.
+            REATTACHING.fetch_sub(1, Ordering::SeqCst);
+            loop {
+                std::thread::park();
+            }
+        }
+        out
+    });
+    // ORDERING: SeqCst — see above; we hold the GIL again.
+    REATTACHING.fetch_sub(1, Ordering::SeqCst);
+    out
+}
 
 /// Runs `attempt(slice_end)` with the GIL released until it returns `Some`, checking for
 /// signals between slices. Returns `None` if `deadline` passes first.
@@ -37,27 +66,13 @@ pub(crate) fn wait_detached<T: Send>(
     loop {
         let slice_end = Instant::now() + SLICE;
         let slice_end = deadline.map_or(slice_end, |d| d.min(slice_end));
-        let out = py.detach(|| {
-            let out = attempt(slice_end);
-            park_if_exiting();
-            out
-        });
+        let out = detach(py, || attempt(slice_end));
         if out.is_some() {
             return Ok(out);
         }
         py.check_signals()?;
         if deadline.is_some_and(|d| Instant::now() >= d) {
             return Ok(None);
-        }
-    }
-}
-
-fn park_if_exiting() {
-    // ORDERING: Relaxed — the flag carries no data; a thread that misses it for one slice
-    // parks after the next one.
-    if INTERPRETER_EXITING.load(Ordering::Relaxed) {
-        loop {
-            std::thread::park();
         }
     }
 }
@@ -76,11 +91,19 @@ pub(crate) fn deadline_from_timeout(timeout: Option<f64>) -> PyResult<Option<Ins
 }
 
 /// Called by an `atexit` hook: from now on, threads finishing a wait park instead of
-/// re-taking the GIL (see the module docs).
+/// re-taking the GIL; the ones already on their way back get it before we return.
 #[pyfunction]
-fn _interpreter_exiting() {
-    // ORDERING: Relaxed — see `park_if_exiting`.
-    INTERPRETER_EXITING.store(true, Ordering::Relaxed);
+fn _interpreter_exiting(py: Python<'_>) {
+    // ORDERING: SeqCst — pairs with `detach` (see there).
+    INTERPRETER_EXITING.store(true, Ordering::SeqCst);
+    let deadline = Instant::now() + EXIT_GRACE;
+    // Not `detach`: this thread must come back.
+    py.detach(|| {
+        // ORDERING: SeqCst — pairs with `detach`.
+        while REATTACHING.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    });
 }
 
 #[pymodule]

@@ -228,7 +228,7 @@ impl PyRingServer {
 
     /// A snapshot of the counters without sampling.
     fn stats(&self, py: Python<'_>) -> SampleInfo {
-        let stats = self.store.stats(None);
+        let stats = self.store.stats();
         SampleInfo::from_store(py, &stats, 0, 0, &self.zero_hist)
     }
 

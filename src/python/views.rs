@@ -61,8 +61,9 @@ fn new_array<'py>(
     let subtype = unsafe { PY_ARRAY_API.get_type_object(py, npyffi::NpyTypes::PyArray_Type) };
     // SAFETY: `descr` is an owned reference (stolen by the call), `dims` has `nd` entries, null
     // strides mean C order. `data` is either null (numpy allocates) or points at
-    // `product(dims) * itemsize` bytes inside the ring, 64-byte aligned, kept alive by the
-    // `RingLease` the caller sets as base before the array escapes.
+    // `product(dims) * itemsize` bytes inside the ring (a batch start: aligned to at least the
+    // element size, since each leaf buffer is 64-byte aligned and slots are whole elements),
+    // kept alive by the `RingLease` the caller sets as base before the array escapes.
     let raw = unsafe {
         PY_ARRAY_API.PyArray_NewFromDescr(
             py,

@@ -1,0 +1,164 @@
+"""Shared fixtures for the in-process `echo.Server` tests.
+
+Every sample made by `make_sample(i)` encodes its id `i` twice (the 0-d `id` leaf and every
+element of `obs`), so `batch_ids` can both read the ids of a batch and check that no slot is
+torn or misaligned.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+
+import echo
+
+# Bounded, deterministic-enough property tests that leave no `.hypothesis/` folder behind.
+settings.register_profile(
+    "echo",
+    max_examples=40,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile("echo")
+
+# How long any single blocking step in a test may take before it counts as a hang.
+WAIT_S = 10.0
+
+
+@pytest.fixture
+def example() -> dict[str, np.ndarray]:
+    """A small flat-dict example: a 0-d int64 id and a float32 vector."""
+    return {"id": np.zeros((), np.int64), "obs": np.zeros((3,), np.float32)}
+
+
+@pytest.fixture
+def make_sample() -> Callable[[int], dict[str, np.ndarray]]:
+    """`make_sample(i)`: a sample matching `example` whose every value encodes id `i`."""
+
+    def make(i: int) -> dict[str, np.ndarray]:
+        return {"id": np.array(i, np.int64), "obs": np.full((3,), i, np.float32)}
+
+    return make
+
+
+@pytest.fixture
+def batch_ids() -> Callable[[Any], list[int]]:
+    """`batch_ids(batch)`: the ids of a batch of `make_sample` samples, in slot order.
+
+    Also asserts that every slot is internally consistent (`obs` encodes the same id), which
+    catches torn or misaligned slots.
+    """
+
+    def ids(batch: Any) -> list[int]:
+        id_leaf = np.array(batch["id"])
+        obs_leaf = np.array(batch["obs"])
+        assert id_leaf.ndim == 1
+        np.testing.assert_array_equal(
+            obs_leaf, np.repeat(id_leaf.astype(np.float32)[:, None], 3, axis=1)
+        )
+        return [int(x) for x in id_leaf]
+
+    return ids
+
+
+class Worker(threading.Thread):
+    """A daemon thread that records its target's return value or exception (never raises,
+    so pytest's unhandled-thread-exception warning, an error here, cannot fire)."""
+
+    def __init__(self, target: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        super().__init__(daemon=True)
+        self._fn = target
+        self._args = args
+        self._kwargs = kwargs
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self._fn(*self._args, **self._kwargs)
+        except BaseException as exc:  # noqa: BLE001 - recorded and checked by the test
+            self.error = exc
+
+    def finish(self, timeout: float = WAIT_S) -> Any:
+        """Joins (bounded), asserts the thread ended, re-raises its error, returns its result."""
+        self.join(timeout)
+        assert not self.is_alive(), f"thread running {self._fn!r} did not finish in {timeout}s"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+class _Registry:
+    def __init__(self) -> None:
+        self.servers: list[echo.Server] = []
+        self.workers: list[Worker] = []
+
+    def teardown(self) -> None:
+        # Close first: that releases any thread still blocked in sample() or submit().
+        for server in self.servers:
+            server.close()
+        stuck = []
+        for worker in self.workers:
+            worker.join(WAIT_S)
+            if worker.is_alive():
+                stuck.append(worker)
+        assert not stuck, f"{len(stuck)} worker thread(s) still blocked after close()"
+
+
+@pytest.fixture
+def _registry() -> Iterator[_Registry]:
+    registry = _Registry()
+    yield registry
+    registry.teardown()
+
+
+@pytest.fixture
+def make_server(_registry: _Registry, example: dict[str, np.ndarray]) -> Callable[..., echo.Server]:
+    """`make_server(example=..., batch_size=4, **kwargs)`: a Server closed at teardown."""
+
+    def make(ex: Any = None, batch_size: int = 4, **kwargs: Any) -> echo.Server:
+        server = echo.Server(example if ex is None else ex, batch_size, **kwargs)
+        _registry.servers.append(server)
+        return server
+
+    return make
+
+
+@pytest.fixture
+def spawn(_registry: _Registry) -> Callable[..., Worker]:
+    """`spawn(fn, *args, **kwargs)`: starts a `Worker`; joined (after closing servers) at
+    teardown."""
+
+    def start(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Worker:
+        worker = Worker(fn, *args, **kwargs)
+        _registry.workers.append(worker)
+        worker.start()
+        return worker
+
+    return start
+
+
+@pytest.fixture
+def run_python() -> Callable[..., subprocess.CompletedProcess[str]]:
+    """`run_python(code, timeout=30)`: runs `code` in a fresh interpreter, returns the result."""
+
+    def run(code: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+            check=False,
+        )
+
+    return run

@@ -1,0 +1,272 @@
+"""Lifetime, interpreter exit and Ctrl-C, each in a fresh interpreter so a crash or a hang
+fails one test instead of taking the whole run down."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from typing import Any
+
+import pytest
+
+PRELUDE = textwrap.dedent(
+    """
+    import gc, sys, threading
+    import numpy as np
+    import echo
+
+    EXAMPLE = {"id": np.zeros((), np.int64), "obs": np.zeros((3,), np.float32)}
+
+    def make_sample(i):
+        return {"id": np.array(i, np.int64), "obs": np.full((3,), i, np.float32)}
+    """
+)
+
+CRASH_MARKERS = ("panicked", "PanicException", "Traceback", "Fatal Python error", "Segmentation")
+
+
+def _assert_clean(proc: subprocess.CompletedProcess[str]) -> None:
+    for marker in CRASH_MARKERS:
+        assert marker not in proc.stderr, f"{marker!r} in stderr:\n{proc.stderr}"
+    assert proc.returncode == 0, f"exit code {proc.returncode}, stderr:\n{proc.stderr}"
+
+
+def _script(body: str) -> str:
+    return PRELUDE + textwrap.dedent(body)
+
+
+def test_view_read_after_server_is_deleted_gives_the_old_values(run_python: Any) -> None:
+    proc = run_python(
+        _script(
+            """
+            server = echo.Server(EXAMPLE, batch_size=4, num_buffers=2)
+            for i in range(4):
+                server.submit(make_sample(10 + i))
+            batch = server.sample(timeout=10).batch
+            del server
+            gc.collect()
+            # Allocate and free a lot, so freed ring memory would likely be reused.
+            junk = [np.full((4, 3), -1.0, np.float32) for _ in range(10_000)]
+            del junk
+            gc.collect()
+            assert batch["id"].tolist() == [10, 11, 12, 13], batch["id"]
+            assert batch["obs"].tolist() == [[float(10 + i)] * 3 for i in range(4)], batch["obs"]
+            assert batch["id"].base is not None
+            print("ok")
+            """
+        )
+    )
+    _assert_clean(proc)
+    assert proc.stdout.strip() == "ok"
+
+
+def test_view_outlives_a_closed_and_deleted_server_after_other_views_die(
+    run_python: Any,
+) -> None:
+    proc = run_python(
+        _script(
+            """
+            server = echo.Server(EXAMPLE, batch_size=2)
+            for i in range(4):
+                server.submit(make_sample(i))
+            first = server.sample(timeout=10).batch
+            obs = first["obs"]
+            del first
+            server.close()
+            del server
+            gc.collect()
+            assert obs.tolist() == [[0.0] * 3, [1.0] * 3], obs
+            print("ok")
+            """
+        )
+    )
+    _assert_clean(proc)
+    assert proc.stdout.strip() == "ok"
+
+
+def test_deleting_an_unclosed_server_prints_nothing(run_python: Any) -> None:
+    proc = run_python(
+        _script(
+            """
+            for n in range(20):
+                server = echo.Server(EXAMPLE, batch_size=2)
+                server.submit(make_sample(0))
+                if n % 2:
+                    server.submit(make_sample(1))
+                    server.sample(timeout=10)
+                del server
+            gc.collect()
+            # and one left for interpreter shutdown to collect
+            last = echo.Server(EXAMPLE, batch_size=2)
+            last.submit(make_sample(0))
+            """
+        )
+    )
+    _assert_clean(proc)
+    assert proc.stderr == ""
+
+
+def test_interpreter_exit_with_threads_blocked_in_sample_and_submit_is_clean(
+    run_python: Any,
+) -> None:
+    proc = run_python(
+        _script(
+            """
+            waiting = echo.Server(EXAMPLE, batch_size=2)
+            full = echo.Server(EXAMPLE, batch_size=1, num_buffers=2)
+            full.submit(make_sample(0))
+            full.submit(make_sample(1))
+            sampler = threading.Thread(target=waiting.sample, daemon=True)
+            submitter = threading.Thread(target=full.submit, args=(make_sample(2),), daemon=True)
+            sampler.start()
+            submitter.start()
+            sampler.join(0.2)
+            submitter.join(0.2)
+            assert sampler.is_alive() and submitter.is_alive()
+            print("blocked", flush=True)
+            """
+        )
+    )
+    _assert_clean(proc)
+    assert proc.stdout.strip() == "blocked"
+    assert proc.stderr == ""
+
+
+def test_interpreter_exit_with_a_blocked_dataset_iter_thread_is_clean(run_python: Any) -> None:
+    proc = run_python(
+        _script(
+            """
+            server = echo.Server(EXAMPLE, batch_size=1)
+            got = threading.Event()
+            def consume():
+                for _ in server.dataset_iter():
+                    got.set()
+            thread = threading.Thread(target=consume, daemon=True)
+            thread.start()
+            server.submit(make_sample(0))
+            assert got.wait(10)
+            thread.join(0.2)
+            assert thread.is_alive()
+            print("blocked", flush=True)
+            """
+        )
+    )
+    _assert_clean(proc)
+    assert proc.stdout.strip() == "blocked"
+    assert proc.stderr == ""
+
+
+def test_interpreter_exit_while_threads_poll_with_timeouts_is_clean() -> None:
+    # Threads that poll sample()/submit() with short timeouts go in and out of the
+    # GIL-released wait all the time, so some are always about to re-take the GIL when the
+    # interpreter finalises. Several runs, because a bad exit here is a race.
+    script = _script(
+        """
+        waiting = echo.Server(EXAMPLE, batch_size=2)
+        full = echo.Server(EXAMPLE, batch_size=1, num_buffers=2)
+        full.submit(make_sample(0))
+        full.submit(make_sample(1))
+
+        def poll_sample():
+            while True:
+                try:
+                    waiting.sample(timeout=0.001)
+                except TimeoutError:
+                    pass
+
+        def poll_submit():
+            sample = make_sample(2)
+            while True:
+                try:
+                    full.submit(sample, timeout=0.001)
+                except TimeoutError:
+                    pass
+
+        threads = [threading.Thread(target=f, daemon=True) for f in (poll_sample, poll_submit)]
+        threads += [threading.Thread(target=f, daemon=True) for f in (poll_sample, poll_submit)]
+        for thread in threads:
+            thread.start()
+        threads[0].join(0.1)
+        assert all(thread.is_alive() for thread in threads)
+        print("polling", flush=True)
+        """
+    )
+    failures = []
+    for _round in range(3):
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", script],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(4)
+        ]
+        for proc in procs:
+            try:
+                stdout, stderr = proc.communicate(timeout=30)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate()
+            if proc.returncode != 0 or stderr or stdout.strip() != "polling":
+                failures.append((proc.returncode, stderr.strip()[-300:]))
+    assert not failures, f"{len(failures)} of 12 runs exited badly: {failures}"
+
+
+def _read_line(proc: subprocess.Popen[str], timeout: float) -> str:
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            return ""
+    return proc.stdout.readline()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+@pytest.mark.parametrize("blocked_in", ["sample", "submit"])
+def test_ctrl_c_interrupts_a_blocked_call_promptly(blocked_in: str) -> None:
+    body = {
+        "sample": """
+            server = echo.Server(EXAMPLE, batch_size=2)
+            print("ready", flush=True)
+            server.sample()
+            """,
+        "submit": """
+            server = echo.Server(EXAMPLE, batch_size=1, num_buffers=2)
+            server.submit(make_sample(0))
+            server.submit(make_sample(1))
+            print("ready", flush=True)
+            server.submit(make_sample(2))
+            """,
+    }[blocked_in]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _script(body)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+    )
+    try:
+        line = _read_line(proc, timeout=30)
+        assert line.strip() == "ready", f"child did not get ready: {line!r}"
+        time.sleep(0.3)  # bounded: let the child enter the blocking call
+        assert proc.poll() is None, "child exited before SIGINT"
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=5)
+        elapsed = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert "KeyboardInterrupt" in stderr, stderr
+    assert "panicked" not in stderr, stderr
+    assert "PanicException" not in stderr, stderr
+    assert proc.returncode != 0
+    assert elapsed < 2.0, f"took {elapsed:.2f}s to honour Ctrl-C"
