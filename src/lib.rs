@@ -11,6 +11,8 @@
 //! | `ring`      | the raw slot memory and its only `unsafe` accessors                |
 //! | [`store`]   | cursors, reservation, commit, wake-ups, release, shutdown          |
 //! | [`sampler`] | which batch the consumer gets next, which slots are freed          |
+//! | `ingress`   | per-connection queues, buffer pools, the drainer pool               |
+//! | `transport` | the wire format, the tokio TCP server, the blocking TCP client      |
 //! | [`error`]   | the one error enum                                                 |
 //! | `sync`      | std/loom facade, so loom models run the real code                  |
 //!
@@ -21,11 +23,15 @@
 #![warn(missing_docs)]
 
 pub mod error;
+#[cfg(not(loom))]
+pub mod ingress;
 mod ring;
 pub mod sampler;
 pub mod spec;
 pub mod store;
 mod sync;
+#[cfg(not(loom))]
+pub mod transport;
 
 #[cfg(feature = "python")]
 mod python;

@@ -1,0 +1,484 @@
+//! Ingress: per-connection queues and the drainer pool that moves their samples into the store.
+//!
+//! ```text
+//!  transport task (one per connection)         drainer thread (fixed pool, owns a subset)
+//!  ───────────────────────────────────         ──────────────────────────────────────────
+//!  buf = conn.free.pop() (or allocate,         every round, starting one queue further:
+//!        up to the pool cap; else wait)          pop at most each queue's depth on arrival
+//!  read exactly payload_size bytes into buf      store.insert(all popped)   (one call)
+//!  conn.queue.push(buf)   (full: wait)           give buffers back to conn.free, wake conns
+//!  ack once queued                               prune closed connections once drained
+//!  wake the drainer if it sleeps                 nothing popped: sleep until woken
+//! ```
+//!
+//! - Each queue has exactly one producer (its connection's task) and one consumer (its
+//!   drainer), so producers never contend with each other.
+//! - Buffers cycle between `free` and `queue`; a connection allocates at most
+//!   `2 * queue_size + 1` of them over its life (queue + one drainer round + the one being
+//!   filled), so the steady state allocates nothing.
+//! - Per-connection order is kept: one drainer owns a connection, pops in FIFO order and inserts
+//!   what it popped in order.
+//! - A sample acknowledged to the client is in its queue; a closed connection is pruned only
+//!   once its queue is empty, so acknowledged samples reach the store even if the client
+//!   disconnects right after.
+
+use std::sync::atomic::{fence, Ordering::SeqCst};
+use std::thread::{self, JoinHandle, Thread};
+use std::time::Duration;
+
+use crossbeam_queue::ArrayQueue;
+use crossbeam_utils::CachePadded;
+use parking_lot::Mutex;
+
+use crate::error::EchoError;
+use crate::spec::DataSpec;
+use crate::store::{InsertError, SampleSource, Store};
+use crate::sync::{Arc, AtomicBool, AtomicU64, AtomicUsize};
+
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
+
+/// How long an idle drainer sleeps before looking again on its own (wake-ups are explicit;
+/// this only bounds the cost of a bug).
+const IDLE_PARK: Duration = Duration::from_millis(100);
+
+/// Ingress settings.
+#[derive(Debug, Clone, Copy)]
+pub struct IngressConfig {
+    /// Drainer threads.
+    pub num_drainers: usize,
+    /// Capacity of each connection's queue, in samples.
+    pub queue_size: usize,
+}
+
+impl IngressConfig {
+    /// Checks the values.
+    ///
+    /// # Errors
+    /// [`EchoError::Config`] if either is zero.
+    pub fn validate(&self) -> Result<(), EchoError> {
+        if self.num_drainers == 0 {
+            return Err(EchoError::Config("num_drainers must be >= 1, got 0".into()));
+        }
+        if self.queue_size == 0 {
+            return Err(EchoError::Config("producer_queue_size must be >= 1, got 0".into()));
+        }
+        Ok(())
+    }
+}
+
+/// What a transport task waits on when its connection has no free buffer or queue slot.
+pub trait SpaceWaker: Send + Sync {
+    /// A buffer or queue slot came free.
+    fn wake(&self);
+}
+
+/// One client connection's queue and buffer pool, shared by its transport task and drainer.
+pub struct Connection {
+    /// Filled payloads in arrival order. Producer: the transport task; consumer: the drainer.
+    queue: ArrayQueue<Box<[u8]>>,
+    /// Empty buffers ready for reuse. Producer: the drainer; consumer: the transport task.
+    free: ArrayQueue<Box<[u8]>>,
+    /// Buffers ever allocated for this connection; never exceeds `free.capacity()`.
+    allocated: AtomicUsize,
+    payload_size: usize,
+    /// Set by the transport task when the socket is done; the drainer prunes the connection
+    /// once this is set and the queue is empty.
+    closed: AtomicBool,
+    drainer: Arc<DrainerShared>,
+    waker: Box<dyn SpaceWaker>,
+    stats: Arc<IngressStats>,
+}
+
+impl Connection {
+    /// An empty buffer of `payload_size` bytes, from the pool or newly allocated while the pool
+    /// is below its cap. `None` when every buffer is in use (wait for [`SpaceWaker::wake`]).
+    pub fn take_buffer(&self) -> Option<Box<[u8]>> {
+        if let Some(buf) = self.free.pop() {
+            return Some(buf);
+        }
+        // ORDERING: Relaxed — only this connection's transport task allocates; the counter
+        // just bounds how many buffers exist.
+        let allocated = self.allocated.load(Relaxed);
+        if allocated < self.free.capacity() {
+            // ORDERING: Relaxed — see above (single writer).
+            self.allocated.store(allocated + 1, Relaxed);
+            return Some(vec![0u8; self.payload_size].into_boxed_slice());
+        }
+        None
+    }
+
+    /// Gives back a buffer the transport task did not fill (e.g. a partial sample).
+    pub fn return_buffer(&self, buf: Box<[u8]>) {
+        let _ = self.free.push(buf);
+    }
+
+    /// Queues a filled buffer for the drainer, waking it if it sleeps. Gives the buffer back if
+    /// the queue is full (wait for [`SpaceWaker::wake`], then retry).
+    pub fn try_push(&self, buf: Box<[u8]>) -> Result<(), Box<[u8]>> {
+        debug_assert_eq!(buf.len(), self.payload_size);
+        self.queue.push(buf)?;
+        self.drainer.wake_after_push();
+        Ok(())
+    }
+
+    /// Records that the transport task had to wait for space (backpressure).
+    pub fn note_blocked(&self) {
+        // ORDERING: Relaxed — statistics.
+        self.stats.push_blocked.fetch_add(1, Relaxed);
+    }
+
+    /// The transport task is done with this connection. Its queued samples are still inserted.
+    pub fn close(&self) {
+        // ORDERING: Release pairs with the drainer's Acquire in `is_drained`: every push this
+        // task made is visible to the drainer once it sees `closed`.
+        if !self.closed.swap(true, Release) {
+            // ORDERING: Relaxed — statistics.
+            self.stats.active_connections.fetch_sub(1, Relaxed);
+            self.drainer.wake();
+        }
+    }
+
+    /// Samples waiting in this connection's queue.
+    pub fn queue_len(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// Closed and nothing left to insert.
+    fn is_drained(&self) -> bool {
+        // ORDERING: Acquire pairs with the Release in `close`: pushes made before the close are
+        // visible, so an empty queue here really is the end.
+        self.closed.load(Acquire) && self.queue.is_empty()
+    }
+}
+
+/// What a drainer shares with the connections it owns and with the ingress.
+struct DrainerShared {
+    /// Connections handed to this drainer and not yet adopted by it.
+    incoming: Mutex<Vec<Arc<Connection>>>,
+    /// Connections assigned (adopted or incoming) and not pruned: for load balancing.
+    load: AtomicUsize,
+    /// Set while the drainer is about to sleep or sleeping.
+    sleeping: AtomicBool,
+    thread: Mutex<Option<Thread>>,
+    /// Samples in this drainer's queues at its last round (sum, largest).
+    depth_sum: CachePadded<AtomicU64>,
+    depth_max: AtomicU64,
+    inserted: CachePadded<AtomicU64>,
+}
+
+impl DrainerShared {
+    fn new() -> Self {
+        Self {
+            incoming: Mutex::new(Vec::new()),
+            load: AtomicUsize::new(0),
+            sleeping: AtomicBool::new(false),
+            thread: Mutex::new(None),
+            depth_sum: CachePadded::new(AtomicU64::new(0)),
+            depth_max: AtomicU64::new(0),
+            inserted: CachePadded::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// Called by a producer after a push.
+    fn wake_after_push(&self) {
+        // ORDERING: SeqCst fence + the drainer's SeqCst store/fence in `sleep` form a Dekker
+        // pair: either the drainer's re-check sees our push, or we see `sleeping == true` here.
+        fence(SeqCst);
+        // ORDERING: Relaxed — ordered by the fence above.
+        if self.sleeping.load(Relaxed) {
+            self.wake();
+        }
+    }
+
+    fn wake(&self) {
+        // ORDERING: Relaxed — `unpark` itself synchronises with `park`; the flag only avoids
+        // unpark calls while the drainer is busy.
+        self.sleeping.store(false, Relaxed);
+        if let Some(thread) = self.thread.lock().as_ref() {
+            thread.unpark();
+        }
+    }
+}
+
+/// Counters shared by connections and drainers.
+#[derive(Debug, Default)]
+pub struct IngressStats {
+    active_connections: CachePadded<AtomicU64>,
+    push_blocked: CachePadded<AtomicU64>,
+}
+
+/// A snapshot of the ingress counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IngressSnapshot {
+    /// Connections whose socket is open.
+    pub active_connections: u64,
+    /// Samples waiting in all queues, as of each drainer's last round.
+    pub queue_depth_sum: u64,
+    /// Samples waiting in the fullest queue, as of each drainer's last round.
+    pub queue_depth_max: u64,
+    /// Times a transport task waited for a free buffer or queue slot.
+    pub push_blocked_count: u64,
+    /// Samples the drainers moved into the store.
+    pub samples_inserted_total: u64,
+}
+
+/// The drainer pool and connection registry.
+pub struct Ingress {
+    store: Arc<Store>,
+    config: IngressConfig,
+    drainers: Vec<Arc<DrainerShared>>,
+    handles: Mutex<Vec<JoinHandle<()>>>,
+    shutdown: AtomicBool,
+    stats: Arc<IngressStats>,
+}
+
+impl Ingress {
+    /// Starts `config.num_drainers` drainer threads inserting into `store`.
+    ///
+    /// # Errors
+    /// [`EchoError::Config`] for bad settings, [`EchoError::Io`] if a thread cannot start.
+    pub fn start(store: Arc<Store>, config: IngressConfig) -> Result<Arc<Self>, EchoError> {
+        config.validate()?;
+        let drainers: Vec<_> =
+            (0..config.num_drainers).map(|_| Arc::new(DrainerShared::new())).collect();
+        let ingress = Arc::new(Self {
+            store,
+            config,
+            drainers,
+            handles: Mutex::new(Vec::new()),
+            shutdown: AtomicBool::new(false),
+            stats: Arc::new(IngressStats::default()),
+        });
+        for (index, shared) in ingress.drainers.iter().enumerate() {
+            let (ingress_ref, shared_ref) = (Arc::clone(&ingress), Arc::clone(shared));
+            let spawned = thread::Builder::new()
+                .name(format!("echo-drainer-{index}"))
+                .spawn(move || Drainer::new(ingress_ref, shared_ref).run());
+            match spawned {
+                Ok(handle) => {
+                    *shared.thread.lock() = Some(handle.thread().clone());
+                    ingress.handles.lock().push(handle);
+                }
+                Err(err) => {
+                    ingress.shutdown();
+                    return Err(EchoError::Io(err));
+                }
+            }
+        }
+        Ok(ingress)
+    }
+
+    /// A new connection, assigned to the least-loaded drainer. `waker` is called whenever a
+    /// buffer or queue slot of this connection comes free.
+    pub fn register(&self, waker: Box<dyn SpaceWaker>) -> Arc<Connection> {
+        let drainer = self
+            .drainers
+            .iter()
+            // ORDERING: Relaxed — load balancing is a heuristic.
+            .min_by_key(|d| d.load.load(Relaxed))
+            .expect("at least one drainer");
+        // ORDERING: Relaxed — heuristic and statistics.
+        drainer.load.fetch_add(1, Relaxed);
+        // ORDERING: Relaxed — statistics.
+        self.stats.active_connections.fetch_add(1, Relaxed);
+        let payload_size = self.store.spec().payload_size();
+        let conn = Arc::new(Connection {
+            queue: ArrayQueue::new(self.config.queue_size),
+            free: ArrayQueue::new(2 * self.config.queue_size + 1),
+            allocated: AtomicUsize::new(0),
+            payload_size,
+            closed: AtomicBool::new(false),
+            drainer: Arc::clone(drainer),
+            waker,
+            stats: Arc::clone(&self.stats),
+        });
+        drainer.incoming.lock().push(Arc::clone(&conn));
+        drainer.wake();
+        conn
+    }
+
+    /// The store the drainers insert into.
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
+    }
+
+    /// A snapshot of the counters.
+    pub fn snapshot(&self) -> IngressSnapshot {
+        let mut snap = IngressSnapshot {
+            // ORDERING: Relaxed — statistics.
+            active_connections: self.stats.active_connections.load(Relaxed),
+            // ORDERING: Relaxed — statistics.
+            push_blocked_count: self.stats.push_blocked.load(Relaxed),
+            ..IngressSnapshot::default()
+        };
+        for d in &self.drainers {
+            // ORDERING: Relaxed — statistics.
+            snap.queue_depth_sum += d.depth_sum.load(Relaxed);
+            // ORDERING: Relaxed — statistics.
+            snap.queue_depth_max = snap.queue_depth_max.max(d.depth_max.load(Relaxed));
+            // ORDERING: Relaxed — statistics.
+            snap.samples_inserted_total += d.inserted.load(Relaxed);
+        }
+        snap
+    }
+
+    /// Stops and joins every drainer. Close the store first, so that a drainer blocked on a
+    /// full ring returns. Samples still queued are dropped (the server is closing). Idempotent.
+    /// Drainers hold the ingress alive, so this must be called; dropping is not enough.
+    pub fn shutdown(&self) {
+        // ORDERING: Release pairs with the drainers' Acquire loads of the flag.
+        self.shutdown.store(true, Release);
+        for d in &self.drainers {
+            d.wake();
+        }
+        let handles = std::mem::take(&mut *self.handles.lock());
+        for handle in handles {
+            if handle.join().is_err() {
+                log::error!("an echo drainer thread panicked");
+            }
+        }
+    }
+
+    fn is_shutting_down(&self) -> bool {
+        // ORDERING: Acquire pairs with the Release store in `shutdown`.
+        self.shutdown.load(Acquire)
+    }
+}
+
+/// Payload buffers popped in one drainer round, as a [`SampleSource`].
+struct Popped<'a> {
+    spec: &'a DataSpec,
+    bufs: &'a [Box<[u8]>],
+}
+
+impl SampleSource for Popped<'_> {
+    fn num_samples(&self) -> usize {
+        self.bufs.len()
+    }
+    fn num_leaves(&self, _sample: usize) -> usize {
+        self.spec.len()
+    }
+    fn leaf(&self, sample: usize, leaf: usize) -> &[u8] {
+        &self.bufs[sample][self.spec.leaf_range(leaf)]
+    }
+}
+
+/// One drainer thread's private state.
+struct Drainer {
+    ingress: Arc<Ingress>,
+    shared: Arc<DrainerShared>,
+    conns: Vec<Arc<Connection>>,
+    /// Buffers popped this round and, in parallel, the index of the connection each came from.
+    /// Both keep their capacity across rounds.
+    bufs: Vec<Box<[u8]>>,
+    owners: Vec<usize>,
+    round: usize,
+}
+
+impl Drainer {
+    fn new(ingress: Arc<Ingress>, shared: Arc<DrainerShared>) -> Self {
+        Self { ingress, shared, conns: Vec::new(), bufs: Vec::new(), owners: Vec::new(), round: 0 }
+    }
+
+    fn run(mut self) {
+        while !self.ingress.is_shutting_down() {
+            self.adopt_incoming();
+            if self.pop_round() == 0 {
+                self.prune();
+                self.sleep();
+                continue;
+            }
+            let store = &self.ingress.store;
+            let source = Popped { spec: store.spec(), bufs: &self.bufs };
+            match store.insert(&source, None) {
+                Ok(()) => {}
+                Err(InsertError::Closed { .. }) => return,
+                Err(err) => {
+                    log::error!("echo drainer: dropping {} samples: {err}", self.bufs.len())
+                }
+            }
+            // ORDERING: Relaxed — statistics.
+            self.shared.inserted.fetch_add(self.bufs.len() as u64, Relaxed);
+            self.recycle();
+            self.prune();
+        }
+    }
+
+    fn adopt_incoming(&mut self) {
+        let mut incoming = self.shared.incoming.lock();
+        if !incoming.is_empty() {
+            self.conns.append(&mut incoming);
+        }
+    }
+
+    /// Pops, from every owned queue starting one further than last round, at most the depth
+    /// the queue had when the round reached it. Returns the number popped.
+    fn pop_round(&mut self) -> usize {
+        let n = self.conns.len();
+        let (mut sum, mut max) = (0u64, 0u64);
+        if n > 0 {
+            self.round = (self.round + 1) % n;
+            for k in 0..n {
+                let index = (self.round + k) % n;
+                let conn = &self.conns[index];
+                let depth = conn.queue.len();
+                sum += depth as u64;
+                max = max.max(depth as u64);
+                for _ in 0..depth {
+                    let Some(buf) = conn.queue.pop() else { break };
+                    self.bufs.push(buf);
+                    self.owners.push(index);
+                }
+            }
+        }
+        // ORDERING: Relaxed — statistics.
+        self.shared.depth_sum.store(sum, Relaxed);
+        // ORDERING: Relaxed — statistics.
+        self.shared.depth_max.store(max, Relaxed);
+        self.bufs.len()
+    }
+
+    /// Gives this round's buffers back to their connections and wakes each connection once.
+    fn recycle(&mut self) {
+        let mut last = usize::MAX;
+        for (buf, owner) in self.bufs.drain(..).zip(self.owners.drain(..)) {
+            let conn = &self.conns[owner];
+            let _ = conn.free.push(buf);
+            if owner != last {
+                if last != usize::MAX {
+                    self.conns[last].waker.wake();
+                }
+                last = owner;
+            }
+        }
+        if last != usize::MAX {
+            self.conns[last].waker.wake();
+        }
+    }
+
+    /// Forgets connections that are closed and fully drained.
+    fn prune(&mut self) {
+        let before = self.conns.len();
+        self.conns.retain(|c| !c.is_drained());
+        let pruned = before - self.conns.len();
+        if pruned > 0 {
+            // ORDERING: Relaxed — load balancing heuristic.
+            self.shared.load.fetch_sub(pruned, Relaxed);
+        }
+    }
+
+    /// Sleeps until a producer pushes, a connection arrives or closes, or shutdown.
+    fn sleep(&mut self) {
+        // ORDERING: SeqCst store + fence pair with the producers' fence in `wake_after_push`.
+        self.shared.sleeping.store(true, SeqCst);
+        fence(SeqCst);
+        let has_work = self.conns.iter().any(|c| !c.queue.is_empty() || c.is_drained())
+            || !self.shared.incoming.lock().is_empty()
+            || self.ingress.is_shutting_down();
+        if !has_work {
+            thread::park_timeout(IDLE_PARK);
+        }
+        // ORDERING: Relaxed — only suppresses redundant unparks.
+        self.shared.sleeping.store(false, Relaxed);
+    }
+}

@@ -1,0 +1,304 @@
+//! A blocking TCP client for rollout workers: connect, check the handshake, stream samples.
+//!
+//! Each sample goes out with one vectored write straight from the caller's leaf buffers (no
+//! joined copy). A background thread reads the one-byte acks and counts them; `send` blocks
+//! while `max_inflight` samples are unacknowledged, and `wait` until every sample is. When
+//! the server goes away, every blocked call returns [`ClientError::Closed`] promptly.
+
+use std::io::{self, IoSlice, Read, Write};
+use std::net::{Shutdown, TcpStream, ToSocketAddrs};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use super::wire::{read_handshake, HandshakeError, ACK};
+use crate::spec::DataSpec;
+use crate::sync::{Arc, AtomicBool, AtomicU64, Signal};
+
+use std::sync::atomic::Ordering::{Acquire, Release};
+
+/// Why a client call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The handshake was not an echo v1 handshake.
+    #[error("{0}")]
+    Protocol(String),
+    /// The connection is closed (by `close`, or the server went away).
+    #[error("connection closed: {0}")]
+    Closed(String),
+    /// The deadline passed.
+    #[error("timed out")]
+    TimedOut,
+    /// Connecting failed.
+    #[error(transparent)]
+    Io(#[from] io::Error),
+}
+
+/// Ack bookkeeping shared with the reader thread.
+#[derive(Default)]
+struct Acks {
+    /// Acknowledgements received.
+    acked: AtomicU64,
+    /// Set (with `reason`) when the connection is gone.
+    lost: AtomicBool,
+    reason: Mutex<String>,
+    changed: Signal,
+}
+
+impl Acks {
+    fn lose(&self, reason: String) {
+        let mut slot = self.reason.lock();
+        if slot.is_empty() {
+            *slot = reason;
+        }
+        drop(slot);
+        // ORDERING: Release pairs with `is_lost`'s Acquire: the reason is written first.
+        self.lost.store(true, Release);
+        self.changed.notify_all();
+    }
+
+    fn is_lost(&self) -> bool {
+        // ORDERING: Acquire pairs with the Release in `lose`.
+        self.lost.load(Acquire)
+    }
+
+    fn acked(&self) -> u64 {
+        // ORDERING: Acquire pairs with the reader's Release `fetch_add` (only counts matter,
+        // but Acquire keeps "acked" meaningful to callers reading other state after it).
+        self.acked.load(Acquire)
+    }
+
+    fn closed_error(&self) -> ClientError {
+        ClientError::Closed(self.reason.lock().clone())
+    }
+}
+
+/// A connection to an echo server.
+pub struct TcpSender {
+    stream: TcpStream,
+    spec: DataSpec,
+    acks: Arc<Acks>,
+    sent: u64,
+    max_inflight: u64,
+    reader: Option<JoinHandle<()>>,
+    closed: bool,
+}
+
+/// How long one blocking write may take before `send` checks its deadline again.
+const WRITE_SLICE: Duration = Duration::from_millis(50);
+
+impl TcpSender {
+    /// Connects to `host:port` (within `timeout`), reads the server's handshake and starts the
+    /// ack reader. Returns the client and the server's spec (compare it with yours).
+    ///
+    /// # Errors
+    /// [`ClientError::Io`] if connecting fails, [`ClientError::Protocol`] for a bad handshake.
+    pub fn connect(
+        host: &str,
+        port: u16,
+        max_inflight: u64,
+        timeout: Duration,
+    ) -> Result<Self, ClientError> {
+        if max_inflight == 0 {
+            return Err(ClientError::Protocol("max_inflight_msgs must be >= 1, got 0".into()));
+        }
+        let mut last_err = None;
+        let mut stream = None;
+        for addr in (host, port).to_socket_addrs()? {
+            match TcpStream::connect_timeout(&addr, timeout) {
+                Ok(s) => {
+                    stream = Some(s);
+                    break;
+                }
+                Err(e) => last_err = Some(e),
+            }
+        }
+        let mut stream = match stream {
+            Some(s) => s,
+            None => {
+                let err = last_err
+                    .unwrap_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no address"));
+                return Err(ClientError::Io(io::Error::new(
+                    err.kind(),
+                    format!("cannot connect to {host}:{port}: {err}"),
+                )));
+            }
+        };
+        stream.set_nodelay(true)?;
+        stream.set_read_timeout(Some(timeout))?;
+        let spec = read_handshake(&mut stream).map_err(|e| match e {
+            HandshakeError::Protocol(m) => ClientError::Protocol(m),
+            HandshakeError::Io(err) if err.kind() == io::ErrorKind::UnexpectedEof => ClientError::Closed(
+                format!("{host}:{port} closed the connection during the handshake (too many connections?)"),
+            ),
+            HandshakeError::Io(err) => ClientError::Io(err),
+        })?;
+        stream.set_read_timeout(None)?;
+        stream.set_write_timeout(Some(WRITE_SLICE))?;
+        let acks = Arc::new(Acks::default());
+        let reader = {
+            let (mut stream, acks) = (stream.try_clone()?, Arc::clone(&acks));
+            thread::Builder::new()
+                .name("echo-client-acks".into())
+                .spawn(move || read_acks(&mut stream, &acks))?
+        };
+        Ok(Self { stream, spec, acks, sent: 0, max_inflight, reader: Some(reader), closed: false })
+    }
+
+    /// The server's sample layout.
+    pub fn spec(&self) -> &DataSpec {
+        &self.spec
+    }
+
+    /// Samples sent so far.
+    pub fn sent(&self) -> u64 {
+        self.sent
+    }
+
+    /// Samples acknowledged so far.
+    pub fn acked(&self) -> u64 {
+        self.acks.acked()
+    }
+
+    /// Sends one sample given as its leaves (sizes are the caller's responsibility: checked
+    /// against the spec here). Waits first while `max_inflight` samples are unacknowledged.
+    /// Returns [`ClientError::TimedOut`] if `deadline` passes while waiting for room (nothing
+    /// was sent) — call again to keep waiting.
+    ///
+    /// # Errors
+    /// [`ClientError::Closed`] once the connection is gone; [`ClientError::Protocol`] if the
+    /// leaves do not match the spec.
+    pub fn send(&mut self, leaves: &[&[u8]], deadline: Option<Instant>) -> Result<(), ClientError> {
+        self.ensure_open()?;
+        if leaves.len() != self.spec.len() {
+            return Err(ClientError::Protocol(format!(
+                "expected {} leaves, got {}",
+                self.spec.len(),
+                leaves.len()
+            )));
+        }
+        for (i, (leaf, array)) in leaves.iter().zip(self.spec.arrays()).enumerate() {
+            if leaf.len() != array.num_bytes() {
+                return Err(ClientError::Protocol(format!(
+                    "leaf {i}: expected {} bytes, got {}",
+                    array.num_bytes(),
+                    leaf.len()
+                )));
+            }
+        }
+        self.wait_for_acks((self.sent + 1).saturating_sub(self.max_inflight), deadline)?;
+        self.write_all_vectored(leaves)?;
+        self.sent += 1;
+        Ok(())
+    }
+
+    /// Waits until every sent sample is acknowledged (or `deadline`).
+    ///
+    /// # Errors
+    /// [`ClientError::Closed`] if the connection goes away first, [`ClientError::TimedOut`].
+    pub fn wait(&self, deadline: Option<Instant>) -> Result<(), ClientError> {
+        self.wait_for_acks(self.sent, deadline)
+    }
+
+    /// Waits until at least `target` acks have arrived.
+    fn wait_for_acks(&self, target: u64, deadline: Option<Instant>) -> Result<(), ClientError> {
+        let acks = &self.acks;
+        let reached =
+            acks.changed.wait_until(|| acks.acked() >= target || acks.is_lost(), deadline);
+        if acks.acked() >= target {
+            Ok(())
+        } else if acks.is_lost() {
+            Err(acks.closed_error())
+        } else {
+            debug_assert!(!reached);
+            Err(ClientError::TimedOut)
+        }
+    }
+
+    fn write_all_vectored(&mut self, leaves: &[&[u8]]) -> Result<(), ClientError> {
+        let mut slices: Vec<IoSlice<'_>> =
+            leaves.iter().filter(|l| !l.is_empty()).map(|l| IoSlice::new(l)).collect();
+        let mut remaining = &mut slices[..];
+        while !remaining.is_empty() {
+            match self.stream.write_vectored(remaining) {
+                Ok(0) => {
+                    self.acks.lose("the server stopped reading (write returned 0)".into());
+                    return Err(self.acks.closed_error());
+                }
+                Ok(n) => IoSlice::advance_slices(&mut remaining, n),
+                Err(e)
+                    if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) =>
+                {
+                    // The server is applying backpressure; keep going unless it vanished.
+                    self.ensure_open()?;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    self.acks.lose(format!("sending failed: {e}"));
+                    return Err(self.acks.closed_error());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn ensure_open(&self) -> Result<(), ClientError> {
+        if self.closed {
+            return Err(ClientError::Closed("the client was closed".into()));
+        }
+        if self.acks.is_lost() {
+            return Err(self.acks.closed_error());
+        }
+        Ok(())
+    }
+
+    /// Flushes (waits for every ack, until `deadline`), then closes the socket and joins the
+    /// ack reader. Idempotent. Returns whether every sent sample was acknowledged.
+    pub fn close(&mut self, deadline: Option<Instant>) -> bool {
+        if self.closed {
+            return self.acks.acked() >= self.sent;
+        }
+        let flushed = self.wait(deadline).is_ok();
+        self.closed = true;
+        let _ = self.stream.shutdown(Shutdown::Both);
+        self.acks.lose("the client was closed".into());
+        if let Some(reader) = self.reader.take() {
+            let _ = reader.join();
+        }
+        flushed
+    }
+}
+
+impl Drop for TcpSender {
+    fn drop(&mut self) {
+        // Do not wait for acks on drop; just release the socket and the thread.
+        if !self.closed {
+            self.closed = true;
+            let _ = self.stream.shutdown(Shutdown::Both);
+            if let Some(reader) = self.reader.take() {
+                let _ = reader.join();
+            }
+        }
+    }
+}
+
+fn read_acks(stream: &mut TcpStream, acks: &Acks) {
+    let mut buf = [0u8; 4096];
+    loop {
+        match stream.read(&mut buf) {
+            Ok(0) => return acks.lose("the server closed the connection".into()),
+            Ok(n) => {
+                if let Some(bad) = buf[..n].iter().find(|&&b| b != ACK) {
+                    return acks
+                        .lose(format!("protocol error: expected ack byte 0x01, got {bad:#04x}"));
+                }
+                // ORDERING: Release pairs with the Acquire in `Acks::acked`.
+                acks.acked.fetch_add(n as u64, Release);
+                acks.changed.notify_all();
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return acks.lose(format!("the connection failed: {e}")),
+        }
+    }
+}

@@ -1,0 +1,242 @@
+//! The TCP path over real loopback sockets: handshake bytes, exactly-once delivery from many
+//! concurrent clients, partial samples, backpressure, acked-then-closed clients, connection
+//! limits and shutdown with live connections.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use common::{decode, tagged_payload, tagged_spec};
+use echo::ingress::IngressConfig;
+use echo::transport::client::{ClientError, TcpSender};
+use echo::transport::tcp::TcpConfig;
+use echo::transport::wire::encode_handshake;
+use echo::transport::TcpIngress;
+use echo::{Consumer, SampleError, Store};
+
+const TIMEOUT: Duration = Duration::from_secs(20);
+
+fn start(
+    batch_size: usize,
+    num_batches: usize,
+    queue_size: usize,
+    max_connections: usize,
+) -> (Consumer, TcpIngress, SocketAddr) {
+    let store = Store::new(tagged_spec(), batch_size, num_batches).unwrap();
+    let consumer = store.consumer().unwrap();
+    let tcp = TcpConfig { host: "127.0.0.1".into(), port: 0, num_threads: 2, max_connections };
+    let ingress =
+        TcpIngress::start(&store, IngressConfig { num_drainers: 2, queue_size }, &tcp).unwrap();
+    let addr = ingress.local_addr();
+    (consumer, ingress, addr)
+}
+
+fn connect(addr: SocketAddr, max_inflight: u64) -> TcpSender {
+    TcpSender::connect("127.0.0.1", addr.port(), max_inflight, TIMEOUT).unwrap()
+}
+
+fn send_tagged(client: &mut TcpSender, producer: u32, seq: u64) -> Result<(), ClientError> {
+    let p = tagged_payload(producer, seq);
+    client.send(&[&p[..4], &p[4..12], &p[12..]], Some(Instant::now() + TIMEOUT))
+}
+
+/// Takes `batches` batches and returns every (producer, seq) in arrival order.
+fn collect(consumer: &mut Consumer, batches: usize) -> Vec<(u32, u64)> {
+    let mut out = Vec::new();
+    for _ in 0..batches {
+        consumer.sample(Some(Instant::now() + TIMEOUT)).expect("batch did not arrive");
+        let leaves: [Vec<u8>; 3] = std::array::from_fn(|l| consumer.read_leaf(l, <[u8]>::to_vec));
+        for i in 0..consumer.store().batch_size() {
+            out.push(decode(&leaves, i));
+        }
+    }
+    out
+}
+
+fn assert_exactly_once_in_order(got: &[(u32, u64)], producers: u32, per_producer: u64) {
+    let mut next = vec![0u64; producers as usize];
+    for &(p, s) in got {
+        assert_eq!(s, next[p as usize], "producer {p}: lost, duplicated or reordered");
+        next[p as usize] += 1;
+    }
+    assert!(next.iter().all(|&n| n == per_producer), "missing samples: {next:?}");
+}
+
+#[test]
+fn handshake_bytes_are_exactly_the_v1_format() {
+    let (_consumer, _server, addr) = start(4, 2, 8, 16);
+    let mut raw = TcpStream::connect(addr).unwrap();
+    let expected = encode_handshake(&tagged_spec()).unwrap();
+    let mut got = vec![0u8; expected.len()];
+    raw.read_exact(&mut got).unwrap();
+    assert_eq!(got, expected);
+    assert_eq!(&got[..5], b"ECHO\x01");
+    assert_eq!(u32::from_le_bytes(got[5..9].try_into().unwrap()), 3);
+}
+
+#[test]
+fn thirty_two_concurrent_clients_deliver_exactly_once_in_order() {
+    const CLIENTS: u32 = 32;
+    const PER_CLIENT: u64 = 2_000;
+    let (mut consumer, mut server, addr) = start(64, 4, 8, 64);
+    let senders: Vec<_> = (0..CLIENTS)
+        .map(|producer| {
+            thread::spawn(move || {
+                let mut client = connect(addr, 32);
+                for seq in 0..PER_CLIENT {
+                    send_tagged(&mut client, producer, seq).unwrap();
+                }
+                assert!(client.close(Some(Instant::now() + TIMEOUT)), "close() did not flush");
+            })
+        })
+        .collect();
+    let total = CLIENTS as usize * PER_CLIENT as usize;
+    let got = collect(&mut consumer, total / 64);
+    assert_exactly_once_in_order(&got, CLIENTS, PER_CLIENT);
+    for s in senders {
+        s.join().unwrap();
+    }
+    let snap = server.snapshot();
+    assert_eq!(snap.samples_inserted_total, total as u64);
+    server.shutdown();
+}
+
+#[test]
+fn a_partial_sample_is_discarded_and_never_misaligns_the_ring() {
+    let (mut consumer, _server, addr) = start(2, 2, 8, 16);
+    let mut raw = TcpStream::connect(addr).unwrap();
+    let mut hs = vec![0u8; encode_handshake(&tagged_spec()).unwrap().len()];
+    raw.read_exact(&mut hs).unwrap();
+    let whole = tagged_payload(7, 0);
+    let half = tagged_payload(7, 1);
+    raw.write_all(&whole).unwrap();
+    raw.write_all(&half[..10]).unwrap();
+    let mut ack = [0u8; 1];
+    raw.read_exact(&mut ack).unwrap();
+    assert_eq!(ack, [1]);
+    drop(raw); // disconnect mid-sample
+    let mut client = connect(addr, 8);
+    send_tagged(&mut client, 8, 0).unwrap();
+    client.wait(Some(Instant::now() + TIMEOUT)).unwrap();
+    let mut got = collect(&mut consumer, 1);
+    got.sort_unstable();
+    assert_eq!(got, vec![(7, 0), (8, 0)]);
+}
+
+#[test]
+fn a_slow_consumer_blocks_producers_and_nothing_is_dropped() {
+    const PER_CLIENT: u64 = 500;
+    let (mut consumer, server, addr) = start(4, 2, 2, 16);
+    let senders: Vec<_> = (0..4u32)
+        .map(|producer| {
+            thread::spawn(move || {
+                let mut client = connect(addr, 4);
+                for seq in 0..PER_CLIENT {
+                    send_tagged(&mut client, producer, seq).unwrap();
+                }
+                client.close(Some(Instant::now() + TIMEOUT));
+            })
+        })
+        .collect();
+    // Let the ring and every queue fill up before consuming anything.
+    let deadline = Instant::now() + TIMEOUT;
+    while server.snapshot().push_blocked_count == 0 {
+        assert!(Instant::now() < deadline, "producers never hit backpressure");
+        thread::sleep(Duration::from_millis(5));
+    }
+    let got = collect(&mut consumer, 4 * PER_CLIENT as usize / 4);
+    assert_exactly_once_in_order(&got, 4, PER_CLIENT);
+    for s in senders {
+        s.join().unwrap();
+    }
+}
+
+#[test]
+fn samples_acked_before_a_client_vanishes_are_delivered() {
+    let (mut consumer, _server, addr) = start(10, 3, 64, 16);
+    for producer in 0..3u32 {
+        let mut client = connect(addr, 64);
+        for seq in 0..10 {
+            send_tagged(&mut client, producer, seq).unwrap();
+        }
+        client.wait(Some(Instant::now() + TIMEOUT)).unwrap();
+        drop(client); // gone right after the acks, before the drainer necessarily ran
+    }
+    let got = collect(&mut consumer, 3);
+    assert_exactly_once_in_order(&got, 3, 10);
+}
+
+#[test]
+fn connections_beyond_the_limit_are_refused_cleanly() {
+    let (mut consumer, _server, addr) = start(1, 2, 8, 2);
+    let mut a = connect(addr, 8);
+    let _b = connect(addr, 8);
+    match TcpSender::connect("127.0.0.1", addr.port(), 8, TIMEOUT) {
+        Err(ClientError::Closed(msg)) => assert!(msg.contains("handshake"), "{msg}"),
+        Err(other) => panic!("expected a clean refusal, got {other:?}"),
+        Ok(_) => panic!("a third connection was accepted with max_connections = 2"),
+    }
+    // The accepted ones still work.
+    send_tagged(&mut a, 0, 0).unwrap();
+    assert_eq!(collect(&mut consumer, 1), vec![(0, 0)]);
+}
+
+#[test]
+fn shutdown_with_live_connections_unblocks_everyone() {
+    let (mut consumer, mut server, addr) = start(4, 2, 2, 16);
+    let (tx, rx) = mpsc::channel();
+    let senders: Vec<_> = (0..4u32)
+        .map(|producer| {
+            let tx = tx.clone();
+            thread::spawn(move || {
+                let mut client = connect(addr, 4);
+                tx.send(()).unwrap();
+                // Sends until the server goes away: the ring fills, then this blocks.
+                let mut seq = 0;
+                let err = loop {
+                    if let Err(e) = send_tagged(&mut client, producer, seq) {
+                        break e;
+                    }
+                    seq += 1;
+                    assert!(seq < 1_000_000, "never blocked");
+                };
+                assert!(matches!(err, ClientError::Closed(_)), "{err:?}");
+            })
+        })
+        .collect();
+    for _ in 0..4 {
+        rx.recv_timeout(TIMEOUT).unwrap();
+    }
+    let deadline = Instant::now() + TIMEOUT;
+    while server.snapshot().push_blocked_count == 0 {
+        assert!(Instant::now() < deadline, "producers never blocked");
+        thread::sleep(Duration::from_millis(5));
+    }
+    let started = Instant::now();
+    server.shutdown();
+    assert!(started.elapsed() < Duration::from_secs(5), "shutdown took {:?}", started.elapsed());
+    for s in senders {
+        s.join().unwrap();
+    }
+    assert_eq!(consumer.sample(None), Err(SampleError::Closed));
+}
+
+#[test]
+fn a_port_in_use_is_an_error_naming_it() {
+    let (_consumer, _server, addr) = start(1, 2, 8, 4);
+    let store = Store::new(tagged_spec(), 1, 2).unwrap();
+    let tcp = TcpConfig {
+        host: "127.0.0.1".into(),
+        port: addr.port(),
+        num_threads: 1,
+        max_connections: 4,
+    };
+    let err = TcpIngress::start(&store, IngressConfig { num_drainers: 1, queue_size: 2 }, &tcp)
+        .err()
+        .expect("bind must fail");
+    assert!(err.to_string().contains(&format!("127.0.0.1:{}", addr.port())), "{err}");
+}
