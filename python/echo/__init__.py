@@ -16,7 +16,9 @@ from echo._echo import (
     ServerClosedError,
     __version__,
 )
-from echo.server import Sample, Server
+from echo.client import TcpClient
+from echo.server import Sample, Server, stop_all_transports
+from echo.transport import TcpTransport
 
 __all__ = [
     "ConnectionClosedError",
@@ -25,9 +27,18 @@ __all__ = [
     "SampleInfo",
     "Server",
     "ServerClosedError",
+    "TcpClient",
+    "TcpTransport",
     "__version__",
 ]
 
-# Threads still waiting inside echo when the interpreter shuts down must not re-take the GIL
-# (CPython would unwind them through Rust frames): see src/python/mod.rs.
-atexit.register(_echo._interpreter_exiting)  # pyright: ignore[reportPrivateUsage]
+
+def _at_exit() -> None:
+    # Stop transports (their threads must not call into Python during finalisation), then
+    # keep threads still waiting inside echo from re-taking the GIL (CPython would unwind them
+    # through Rust frames): see src/python/mod.rs.
+    stop_all_transports()
+    _echo._interpreter_exiting()  # pyright: ignore[reportPrivateUsage]
+
+
+atexit.register(_at_exit)

@@ -2,14 +2,29 @@
 
 from __future__ import annotations
 
-import operator
+import weakref
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from echo._echo import RingServer, SampleInfo, ServerClosedError
 from echo._pytree import TreeLayout
+from echo._validate import check_int
+from echo.transport import TcpTransport
 
-__all__ = ["Sample", "Server"]
+__all__ = ["Sample", "Server", "stop_all_transports"]
+
+# Servers still open, so interpreter exit can stop their transports before finalisation.
+_LIVE_SERVERS: weakref.WeakSet[Server] = weakref.WeakSet()
+
+
+def stop_all_transports() -> None:
+    """Stops the transport threads of every live `Server` (run at interpreter exit).
+
+    The rings stay open, so threads blocked in `sample()` or `submit()` stay quietly blocked
+    until the process ends instead of waking up with errors.
+    """
+    for server in list(_LIVE_SERVERS):
+        server._core._stop_transport()  # pyright: ignore[reportPrivateUsage]
 
 
 class Sample(NamedTuple):
@@ -22,18 +37,6 @@ class Sample(NamedTuple):
 
     batch: Any
     info: SampleInfo
-
-
-def _positive_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got bool")
-    try:
-        as_int = operator.index(value)  # pyright: ignore[reportArgumentType]
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
-    if as_int < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {as_int}")
-    return as_int
 
 
 class Server:
@@ -66,14 +69,13 @@ class Server:
         producer_queue_size: int = 8,
         pin_host_memory: bool = False,
     ) -> None:
-        batch_size = _positive_int("batch_size", batch_size, 1)
-        num_buffers = _positive_int("num_buffers", num_buffers, 2)
-        self._num_drainers = _positive_int("num_drainers", num_drainers, 1)
-        self._producer_queue_size = _positive_int("producer_queue_size", producer_queue_size, 1)
-        if transport is not None:
-            raise NotImplementedError(
-                "transports are not available in this build yet; omit transport= and use "
-                "Server.submit() for in-process data"
+        batch_size = check_int("batch_size", batch_size, 1)
+        num_buffers = check_int("num_buffers", num_buffers, 2)
+        self._num_drainers = check_int("num_drainers", num_drainers, 1)
+        self._producer_queue_size = check_int("producer_queue_size", producer_queue_size, 1)
+        if transport is not None and not isinstance(transport, TcpTransport):
+            raise TypeError(
+                f"transport must be a TcpTransport or None, got {type(transport).__name__}"
             )
         if pin_host_memory:
             raise RuntimeError(
@@ -88,8 +90,9 @@ class Server:
             batch_size,
             num_buffers,
         )
-        self._transport = transport
-        self._started = False
+        self._transport: TcpTransport | None = transport
+        self._port: int | None = None
+        _LIVE_SERVERS.add(self)
 
     @property
     def batch_size(self) -> int:
@@ -108,18 +111,30 @@ class Server:
 
     @property
     def port(self) -> int | None:
-        """The transport's bound port after `start()`; `None` without a transport."""
-        return None
+        """The transport's bound port after `start()` (so `TcpTransport(port=0)` works);
+        `None` before `start()` or without a transport."""
+        return self._port
 
     def start(self) -> None:
-        """Starts the transport (a no-op for in-process use). Idempotent.
+        """Binds the transport and starts accepting (a no-op without one). Idempotent.
 
         Raises:
             ServerClosedError: The server was closed.
+            OSError: The port is in use (the message names host and port) or cannot be bound.
         """
         if self._core.closed:
             raise ServerClosedError("start(): the server is closed")
-        self._started = True
+        transport = self._transport
+        if transport is None or self._port is not None:
+            return
+        self._port = self._core.start_tcp(
+            transport.host,
+            transport.port,
+            transport.num_threads,
+            transport.max_connections,
+            self._num_drainers,
+            self._producer_queue_size,
+        )
 
     def submit(self, sample: Any, *, timeout: float | None = None) -> None:
         """Copies one sample into the ring (in-process ingress).

@@ -3,6 +3,7 @@
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::ingress::IngressSnapshot;
 use crate::store::StoreStats;
 
 /// A latency histogram snapshot, in nanoseconds. All zero without `detailed-metrics`, so
@@ -72,20 +73,21 @@ pub(crate) struct SampleInfo {
 }
 
 impl SampleInfo {
-    pub(crate) fn from_store(
+    pub(crate) fn new(
         py: Python<'_>,
         stats: &StoreStats,
+        ingress: &IngressSnapshot,
         sequence: u64,
         wait_ns: u64,
         zero_hist: &Py<HistSnapshot>,
     ) -> Self {
         Self {
             store_size: stats.store_size,
-            active_connections: 0,
-            queue_depth_sum: 0,
-            queue_depth_max: 0,
-            push_blocked_count: 0,
-            samples_inserted_total: 0,
+            active_connections: ingress.active_connections,
+            queue_depth_sum: ingress.queue_depth_sum,
+            queue_depth_max: ingress.queue_depth_max,
+            push_blocked_count: ingress.push_blocked_count,
+            samples_inserted_total: ingress.samples_inserted_total,
             notify_count: stats.notify_count,
             cas_success_total: 0,
             cas_failure_total: 0,

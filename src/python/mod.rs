@@ -20,8 +20,10 @@ use std::time::{Duration, Instant};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+mod client;
 mod errors;
 mod info;
+mod leaves;
 mod server;
 mod views;
 
@@ -109,9 +111,13 @@ fn _interpreter_exiting(py: Python<'_>) {
 #[pymodule]
 fn _echo(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
+    // Rust `log` records (connection errors, refused connections) go to Python's `logging`,
+    // under the logger names of their modules (`echo.transport.tcp`, ...).
+    let _ = pyo3_log::try_init();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("RING_ALIGN", crate::RING_ALIGN)?;
     m.add_class::<server::PyRingServer>()?;
+    m.add_class::<client::PyTcpSender>()?;
     m.add_class::<views::RingLease>()?;
     m.add_class::<info::SampleInfo>()?;
     m.add_class::<info::HistSnapshot>()?;

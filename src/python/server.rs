@@ -1,43 +1,48 @@
 //! `echo._echo.RingServer`: the native half of `echo.Server`. It receives flattened leaves
 //! (the Python layer owns the pytree structure), checks everything memory safety depends on
-//! (leaf count, dtype, shape, contiguity, byte sizes), and hands batches out as numpy views.
+//! (leaf count, dtype, shape, contiguity, byte sizes), runs the TCP ingress when asked, and
+//! hands batches out as numpy views.
 
+use std::sync::OnceLock;
 use std::time::Instant;
 
 use numpy::npyffi::npy_intp;
-use numpy::{PyArrayDescr, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::PyArrayDescr;
 use parking_lot::{Mutex, MutexGuard};
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyList, PySequence};
 
 use super::errors::{insert_error, sample_timeout, to_pyerr, ServerClosedError};
 use super::info::{HistSnapshot, SampleInfo};
+use super::leaves::{byte_slices, LeafSpecs};
 use super::views::{batch_copies, batch_views, LeafLayout, RingLease};
-use super::{deadline_from_timeout, wait_detached};
-use crate::spec::{ArraySpec, DataSpec};
+use super::{deadline_from_timeout, detach, wait_detached};
+use crate::ingress::{Ingress, IngressConfig};
 use crate::store::{Consumer, InsertError, Leaves, SampleError, Store};
 use crate::sync::Arc;
+use crate::transport::tcp::TcpConfig;
+use crate::transport::TcpIngress;
 
 /// Samples at or above this many bytes are copied with the GIL released.
 const DETACH_COPY_BYTES: usize = 64 * 1024;
 
-/// The in-process ring: `submit` flattened leaves, `sample` batches of views.
+/// The ring and its ingress: `submit` flattened leaves, `sample` batches of views.
 #[pyclass(frozen, module = "echo._echo", name = "RingServer")]
 pub(crate) struct PyRingServer {
     store: Arc<Store>,
     /// The single consumer. The mutex serialises `sample()` calls from several Python threads
     /// (it is always taken with the GIL released, so it cannot deadlock against the GIL).
     consumer: Mutex<Consumer>,
+    leaves: LeafSpecs,
     layouts: Vec<LeafLayout>,
-    /// Leaf paths, for error messages.
-    names: Vec<String>,
-    /// Leaf shapes without the batch dimension.
-    shapes: Vec<Vec<usize>>,
     lease: Py<RingLease>,
     /// Shared all-zero histogram for builds without `detailed-metrics`.
     zero_hist: Py<HistSnapshot>,
+    /// The TCP ingress once `start_tcp` ran; taken by `close`.
+    tcp: Mutex<Option<TcpIngress>>,
+    /// The drainer pool behind `tcp`, for counters.
+    ingress: OnceLock<Arc<Ingress>>,
 }
 
 #[pymethods]
@@ -53,38 +58,23 @@ impl PyRingServer {
         batch_size: usize,
         num_buffers: usize,
     ) -> PyResult<Self> {
-        if shapes.len() != dtypes.len() || shapes.len() != names.len() {
-            return Err(PyValueError::new_err(format!(
-                "shapes, dtypes and names must have the same length, got {}, {} and {}",
-                shapes.len(),
-                dtypes.len(),
-                names.len()
-            )));
-        }
-        let mut arrays = Vec::with_capacity(shapes.len());
-        for ((shape, dtype), name) in shapes.iter().zip(&dtypes).zip(&names) {
-            if dtype.has_object() {
-                return Err(PyTypeError::new_err(format!(
-                    "leaf {name}: dtype {dtype} holds Python objects, which cannot be stored in a ring buffer"
-                )));
-            }
-            arrays.push(ArraySpec::new(shape.clone(), dtype.itemsize()).map_err(to_pyerr)?);
-        }
-        let spec = DataSpec::new(arrays).map_err(to_pyerr)?;
-        let store = Store::new(spec, batch_size, num_buffers).map_err(to_pyerr)?;
+        let leaves = LeafSpecs::new(shapes, dtypes, names)?;
+        let store = Store::new(leaves.spec.clone(), batch_size, num_buffers).map_err(to_pyerr)?;
         let consumer = store.consumer().expect("a new store has no consumer yet");
-        let layouts = shapes
+        let layouts = leaves
+            .shapes
             .iter()
-            .zip(dtypes)
-            .map(|(shape, dtype)| {
+            .zip(&leaves.descrs)
+            .map(|(shape, descr)| {
                 let dims = std::iter::once(batch_size)
                     .chain(shape.iter().copied())
                     .map(|d| {
-                        npy_intp::try_from(d)
-                            .map_err(|_| PyValueError::new_err("dimension too large"))
+                        npy_intp::try_from(d).map_err(|_| {
+                            PyValueError::new_err(format!("dimension {d} is too large"))
+                        })
                     })
                     .collect::<PyResult<Vec<_>>>()?;
-                Ok(LeafLayout { descr: dtype.unbind(), dims })
+                Ok(LeafLayout { descr: descr.clone_ref(py), dims })
             })
             .collect::<PyResult<Vec<_>>>()?;
         Ok(Self {
@@ -92,9 +82,10 @@ impl PyRingServer {
             zero_hist: Py::new(py, HistSnapshot::default())?,
             store,
             consumer: Mutex::new(consumer),
+            leaves,
             layouts,
-            names,
-            shapes,
+            tcp: Mutex::new(None),
+            ingress: OnceLock::new(),
         })
     }
 
@@ -122,6 +113,39 @@ impl PyRingServer {
         self.store.is_closed()
     }
 
+    /// Starts the drainer pool and the TCP server; returns the bound port. Binding happens
+    /// here, so a port in use raises `OSError` naming it.
+    #[pyo3(signature = (host, port, num_threads, max_connections, num_drainers, queue_size))]
+    #[allow(clippy::too_many_arguments)] // one per Python keyword argument
+    fn start_tcp(
+        &self,
+        py: Python<'_>,
+        host: String,
+        port: u16,
+        num_threads: usize,
+        max_connections: usize,
+        num_drainers: usize,
+        queue_size: usize,
+    ) -> PyResult<u16> {
+        if self.store.is_closed() {
+            return Err(ServerClosedError::new_err("start(): the server is closed"));
+        }
+        let mut slot = self.tcp.lock();
+        if slot.is_some() || self.ingress.get().is_some() {
+            return Err(PyValueError::new_err("start(): the TCP transport is already running"));
+        }
+        let config = TcpConfig { host, port, num_threads, max_connections };
+        let store = &self.store;
+        let started = detach(py, || {
+            TcpIngress::start(store, IngressConfig { num_drainers, queue_size }, &config)
+        })
+        .map_err(to_pyerr)?;
+        let port = started.local_addr().port();
+        let _ = self.ingress.set(started.ingress());
+        *slot = Some(started);
+        Ok(port)
+    }
+
     /// Copies one sample, given as its flattened leaves, into the ring. Blocks (GIL released,
     /// Ctrl-C honoured) while the ring is full.
     #[pyo3(signature = (leaves, timeout=None))]
@@ -135,36 +159,8 @@ impl PyRingServer {
         if self.store.is_closed() {
             return Err(ServerClosedError::new_err("submit(): the server is closed"));
         }
-        let count = leaves.len()?;
-        if count != self.layouts.len() {
-            return Err(PyValueError::new_err(format!(
-                "expected {} leaves, got {count}",
-                self.layouts.len()
-            )));
-        }
-        // The arrays to copy from (converted scalars and contiguous copies included) must
-        // outlive the insert.
-        let mut arrays = Vec::with_capacity(count);
-        for i in 0..count {
-            arrays.push(self.check_leaf(i, &leaves.get_item(i)?)?);
-        }
-        let mut slices: Vec<&[u8]> = Vec::with_capacity(count);
-        for (i, array) in arrays.iter().enumerate() {
-            let len = self.store.leaf_bytes(i);
-            // SAFETY: `array` is a C-contiguous ndarray whose dtype and shape were checked
-            // against the spec, so its buffer holds exactly `len` initialised bytes. It stays
-            // alive until this function returns (`arrays` owns it). Another
-            // Python thread could write to it concurrently, exactly as with numpy's own
-            // GIL-released copies; the bytes are then torn, never out of bounds.
-            let data = unsafe { (*array.as_array_ptr()).data };
-            let slice = if len == 0 {
-                &[][..]
-            } else {
-                // SAFETY: see above: `data` points at `len` readable bytes that outlive `slices`.
-                unsafe { std::slice::from_raw_parts(data.cast::<u8>(), len) }
-            };
-            slices.push(slice);
-        }
+        let arrays = self.leaves.check(leaves)?;
+        let slices = byte_slices(&self.leaves, &arrays);
         let source = Leaves(&slices);
         // Fast path: small samples into a ring with room go in without releasing the GIL.
         if self.store.spec().payload_size() < DETACH_COPY_BYTES {
@@ -220,32 +216,45 @@ impl PyRingServer {
         } else {
             batch_views(py, &self.store, batch, &self.layouts, &self.lease)?
         };
-        let stats = guard.stats();
         drop(guard);
-        let info = SampleInfo::from_store(py, &stats, batch, wait_ns, &self.zero_hist);
-        Ok(Some((leaves, info)))
+        Ok(Some((leaves, self.info(py, batch, wait_ns))))
     }
 
-    /// A snapshot of the counters without sampling.
+    /// A snapshot of the counters without sampling (`sequence` and `wait_ns` are 0).
     fn stats(&self, py: Python<'_>) -> SampleInfo {
-        let stats = self.store.stats();
-        SampleInfo::from_store(py, &stats, 0, 0, &self.zero_hist)
+        self.info(py, 0, 0)
     }
 
     /// Clears the timing histograms (counters stay). Nothing to clear without
     /// `detailed-metrics`.
     fn reset_histograms(&self) {}
 
-    /// Closes the ring: a blocked `sample()` returns `None`, a blocked `submit()` raises
-    /// `ServerClosedError`. Idempotent.
-    fn close(&self) {
-        self.store.close();
+    /// Closes the server: stops the transport (closing every connection), wakes a blocked
+    /// `sample()` (it returns `None`) and a blocked `submit()` (it raises
+    /// `ServerClosedError`), and joins every thread. Idempotent.
+    fn close(&self, py: Python<'_>) {
+        let tcp = self.tcp.lock().take();
+        let store = &self.store;
+        detach(py, move || {
+            store.close();
+            drop(tcp); // shuts the transport down and joins its threads
+        });
+    }
+
+    /// Stops the TCP server's threads (they log through Python) without closing the ring:
+    /// what interpreter exit needs, so threads blocked in `sample()`/`submit()` stay quietly
+    /// blocked instead of waking up with errors.
+    fn _stop_transport(&self, py: Python<'_>) {
+        let mut tcp = self.tcp.lock();
+        if let Some(tcp) = tcp.as_mut() {
+            detach(py, || tcp.stop_transport());
+        }
     }
 
     fn __repr__(&self) -> String {
         format!(
             "RingServer(leaves={}, batch_size={}, num_buffers={}, closed={})",
-            self.layouts.len(),
+            self.leaves.len(),
             self.store.batch_size(),
             self.store.num_batches(),
             self.store.is_closed()
@@ -254,74 +263,17 @@ impl PyRingServer {
 }
 
 impl PyRingServer {
-    /// Checks leaf `i` against the spec: an ndarray (or numpy scalar) of the example's dtype
-    /// and shape. Returns the array to copy from, C-contiguous.
-    fn check_leaf<'py>(
-        &self,
-        i: usize,
-        item: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyUntypedArray>> {
-        let py = item.py();
-        let name = &self.names[i];
-        let array = match item.cast::<PyUntypedArray>() {
-            Ok(array) => array.clone(),
-            // A numpy scalar (`np.float32(1.0)`) is a 0-d array in all but type.
-            Err(_) if item.is_instance(numpy_generic(py)?)? => {
-                numpy_module(py)?.call_method1("asarray", (item,))?.cast_into::<PyUntypedArray>()?
-            }
-            Err(_) => {
-                return Err(PyTypeError::new_err(format!(
-                    "leaf {name}: expected a numpy.ndarray, got {}",
-                    item.get_type().name()?
-                )))
-            }
-        };
-        let expected = self.layouts[i].descr.bind(py);
-        let dtype = array.dtype();
-        if !dtype.is_equiv_to(expected) {
-            return Err(PyTypeError::new_err(format!(
-                "leaf {name}: expected dtype {expected}, got {dtype}"
-            )));
-        }
-        if array.shape() != self.shapes[i].as_slice() {
-            return Err(PyValueError::new_err(format!(
-                "leaf {name}: expected shape {}, got {}",
-                py_shape(&self.shapes[i]),
-                py_shape(array.shape())
-            )));
-        }
-        if array.is_c_contiguous() {
-            Ok(array)
-        } else {
-            Ok(array.call_method1("copy", ("C",))?.cast_into::<PyUntypedArray>()?)
-        }
+    fn info(&self, py: Python<'_>, sequence: u64, wait_ns: u64) -> SampleInfo {
+        let ingress = self.ingress.get().map(|i| i.snapshot()).unwrap_or_default();
+        SampleInfo::new(py, &self.store.stats(), &ingress, sequence, wait_ns, &self.zero_hist)
     }
-}
-
-fn numpy_module(py: Python<'_>) -> PyResult<&Bound<'_, PyModule>> {
-    static NUMPY: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
-    NUMPY.get_or_try_init(py, || Ok(py.import("numpy")?.unbind())).map(|m| m.bind(py))
-}
-
-fn numpy_generic(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
-    static GENERIC: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-    GENERIC
-        .get_or_try_init(py, || Ok(numpy_module(py)?.getattr("generic")?.unbind()))
-        .map(|g| g.bind(py))
 }
 
 impl Drop for PyRingServer {
     fn drop(&mut self) {
-        // Wakes any thread still blocked in this ring; views keep the memory alive.
+        // Wakes any thread still blocked in this ring and stops the transport; views keep the
+        // ring memory alive.
         self.store.close();
-    }
-}
-
-/// `(4,)`, `()`, `(2, 3)`: a shape the way Python prints it.
-fn py_shape(shape: &[usize]) -> String {
-    match shape {
-        [] => "()".to_owned(),
-        [one] => format!("({one},)"),
-        _ => format!("({})", shape.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")),
+        drop(self.tcp.lock().take());
     }
 }

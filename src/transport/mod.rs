@@ -59,9 +59,21 @@ impl TcpIngress {
         self.server.local_addr().expect("a TCP server has an address")
     }
 
+    /// The drainer pool.
+    pub fn ingress(&self) -> Arc<Ingress> {
+        Arc::clone(&self.ingress)
+    }
+
     /// The ingress counters.
     pub fn snapshot(&self) -> IngressSnapshot {
         self.ingress.snapshot()
+    }
+
+    /// Stops accepting and closes every connection, but leaves the drainers and the store
+    /// running (used at interpreter exit, where only threads that may call into Python must
+    /// stop). Idempotent.
+    pub fn stop_transport(&mut self) {
+        let _ = self.server.shutdown();
     }
 
     /// Stops accepting and closes every connection, closes the store (so drainers blocked on a

@@ -1,0 +1,37 @@
+"""Transports: where a `Server` gets samples from besides `submit()`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from echo._validate import check_int, check_str
+
+__all__ = ["TcpTransport"]
+
+
+@dataclass(frozen=True)
+class TcpTransport:
+    """TCP ingress for rollout workers (`TcpClient`s), wire-compatible with id-echo 0.2.1.
+
+    The server side runs on its own tokio runtime; each connection gets a bounded queue and
+    a buffer pool, and a fixed pool of drainer threads moves samples into the ring.
+
+    Args:
+        port: Port to listen on; 0 picks a free one (read it back from `Server.port`).
+        num_threads: Tokio worker threads for the sockets.
+        host: Bind address: "0.0.0.0" (every interface, the default) or "127.0.0.1"
+            (this machine only), or any local address.
+        max_connections: Connections served at once; more are accepted and closed at once,
+            which the client reports as a closed connection during the handshake.
+    """
+
+    port: int
+    num_threads: int = 8
+    host: str = "0.0.0.0"
+    max_connections: int = 4096
+
+    def __post_init__(self) -> None:
+        check_int("port", self.port, 0, 65535)
+        check_int("num_threads", self.num_threads, 1)
+        check_int("max_connections", self.max_connections, 1)
+        check_str("host", self.host)

@@ -1,0 +1,190 @@
+//! `echo._echo.TcpSender`: the native half of `echo.TcpClient`. Connects, checks the server's
+//! handshake against the example, and sends each sample straight from its numpy buffers with
+//! one vectored write; every wait releases the GIL and honours Ctrl-C.
+
+use std::time::{Duration, Instant};
+
+use numpy::PyArrayDescr;
+use parking_lot::Mutex;
+use pyo3::exceptions::{PyTimeoutError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PySequence;
+
+use super::errors::ConnectionClosedError;
+use super::leaves::{byte_slices, py_shape, LeafSpecs};
+use super::{deadline_from_timeout, detach, wait_detached};
+use crate::spec::DataSpec;
+use crate::transport::client::{ClientError, TcpSender};
+
+/// Samples at or above this many bytes are written with the GIL released.
+const DETACH_WRITE_BYTES: usize = 64 * 1024;
+
+fn client_error(err: ClientError) -> PyErr {
+    match err {
+        ClientError::Protocol(msg) => PyValueError::new_err(msg),
+        ClientError::Closed(msg) => ConnectionClosedError::new_err(msg),
+        ClientError::TimedOut => PyTimeoutError::new_err("timed out waiting for acknowledgements"),
+        ClientError::Io(err) => err.into(),
+    }
+}
+
+/// A connection to an echo server that sends samples given as flattened leaves.
+#[pyclass(frozen, module = "echo._echo", name = "TcpSender")]
+pub(crate) struct PyTcpSender {
+    leaves: LeafSpecs,
+    sender: Mutex<TcpSender>,
+}
+
+#[pymethods]
+impl PyTcpSender {
+    /// Connects to `host:port` and checks that the server stores samples shaped like ours.
+    #[new]
+    #[pyo3(signature = (host, port, shapes, dtypes, names, max_inflight, connect_timeout))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        host: String,
+        port: u16,
+        shapes: Vec<Vec<usize>>,
+        dtypes: Vec<Bound<'_, PyArrayDescr>>,
+        names: Vec<String>,
+        max_inflight: u64,
+        connect_timeout: f64,
+    ) -> PyResult<Self> {
+        if max_inflight == 0 {
+            return Err(PyValueError::new_err("max_inflight_msgs must be >= 1, got 0"));
+        }
+        if !(connect_timeout.is_finite() && connect_timeout > 0.0) {
+            return Err(PyValueError::new_err(format!(
+                "connect_timeout must be a positive number of seconds, got {connect_timeout}"
+            )));
+        }
+        let leaves = LeafSpecs::new(shapes, dtypes, names)?;
+        let timeout = Duration::from_secs_f64(connect_timeout);
+        let sender = detach(py, || TcpSender::connect(&host, port, max_inflight, timeout))
+            .map_err(client_error)?;
+        check_server_spec(&leaves, sender.spec(), &host, port)?;
+        Ok(Self { leaves, sender: Mutex::new(sender) })
+    }
+
+    /// Sends one sample (its flattened leaves). Blocks while `max_inflight` samples are
+    /// unacknowledged; raises `TimeoutError` if `timeout` passes first (nothing sent).
+    #[pyo3(signature = (leaves, timeout=None))]
+    fn send(
+        &self,
+        py: Python<'_>,
+        leaves: &Bound<'_, PySequence>,
+        timeout: Option<f64>,
+    ) -> PyResult<()> {
+        let deadline = deadline_from_timeout(timeout)?;
+        let arrays = self.leaves.check(leaves)?;
+        let slices = byte_slices(&self.leaves, &arrays);
+        if self.leaves.spec.payload_size() < DETACH_WRITE_BYTES {
+            // Fast path: room in the window, the write is one short syscall.
+            if let Some(mut sender) = self.sender.try_lock() {
+                match sender.send(&slices, Some(Instant::now())) {
+                    Err(ClientError::TimedOut) => {}
+                    other => return other.map_err(client_error),
+                }
+            }
+        }
+        let sender = &self.sender;
+        let done = wait_detached(py, deadline, |slice_end| {
+            let mut sender = sender.try_lock_until(slice_end)?;
+            match sender.send(&slices, Some(slice_end)) {
+                Err(ClientError::TimedOut) => None,
+                other => Some(other),
+            }
+        })?;
+        match done {
+            Some(result) => result.map_err(client_error),
+            None => Err(client_error(ClientError::TimedOut)),
+        }
+    }
+
+    /// Waits until every sent sample is acknowledged.
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
+        let deadline = deadline_from_timeout(timeout)?;
+        let sender = &self.sender;
+        let done = wait_detached(py, deadline, |slice_end| {
+            let sender = sender.try_lock_until(slice_end)?;
+            match sender.wait(Some(slice_end)) {
+                Err(ClientError::TimedOut) => None,
+                other => Some(other),
+            }
+        })?;
+        match done {
+            Some(result) => result.map_err(client_error),
+            None => Err(client_error(ClientError::TimedOut)),
+        }
+    }
+
+    /// Flushes (waits for the acks of everything sent, at most `timeout` seconds), then closes
+    /// the connection and joins its thread. Idempotent. Returns whether everything sent was
+    /// acknowledged.
+    #[pyo3(signature = (timeout=None))]
+    fn close(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        let deadline = deadline_from_timeout(timeout)?;
+        let sender = &self.sender;
+        // Flush in slices so Ctrl-C still works, then close for real.
+        let flushed = wait_detached(py, deadline, |slice_end| {
+            let sender = sender.try_lock_until(slice_end)?;
+            match sender.wait(Some(slice_end)) {
+                Err(ClientError::TimedOut) => None,
+                Ok(()) => Some(true),
+                Err(_) => Some(false),
+            }
+        })?
+        .unwrap_or(false);
+        detach(py, || sender.lock().close(Some(Instant::now())));
+        Ok(flushed)
+    }
+
+    /// Samples sent so far.
+    #[getter]
+    fn sent(&self) -> u64 {
+        self.sender.lock().sent()
+    }
+
+    /// Samples acknowledged so far.
+    #[getter]
+    fn acked(&self) -> u64 {
+        self.sender.lock().acked()
+    }
+
+    /// Bytes of one sample on the wire.
+    #[getter]
+    fn payload_size(&self) -> usize {
+        self.leaves.spec.payload_size()
+    }
+}
+
+/// The server's handshake must describe our leaves: same count, element sizes and shapes.
+fn check_server_spec(ours: &LeafSpecs, theirs: &DataSpec, host: &str, port: u16) -> PyResult<()> {
+    let mismatch = |detail: String| {
+        PyValueError::new_err(format!(
+            "the server at {host}:{port} stores samples of another layout: {detail}"
+        ))
+    };
+    if theirs.len() != ours.len() {
+        return Err(mismatch(format!(
+            "it has {} leaves, data_sample has {}",
+            theirs.len(),
+            ours.len()
+        )));
+    }
+    for (i, (mine, server)) in ours.spec.arrays().iter().zip(theirs.arrays()).enumerate() {
+        if mine.shape() != server.shape() || mine.dtype_size() != server.dtype_size() {
+            return Err(mismatch(format!(
+                "leaf {}: server expects shape {} with {}-byte elements, data_sample has shape {} with {}-byte elements",
+                ours.names[i],
+                py_shape(server.shape()),
+                server.dtype_size(),
+                py_shape(mine.shape()),
+                mine.dtype_size()
+            )));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,161 @@
+//! The native half of the sample contract, shared by `RingServer.submit` and `TcpSender.send`:
+//! the example's leaves (dtype, shape, name) and the checks that turn a list of numpy arrays
+//! into byte slices that are safe to copy from.
+
+use numpy::{PyArrayDescr, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::PySequence;
+
+use super::errors::to_pyerr;
+use crate::spec::{ArraySpec, DataSpec};
+
+/// The example's leaves in flattened order.
+pub(crate) struct LeafSpecs {
+    pub(crate) descrs: Vec<Py<PyArrayDescr>>,
+    pub(crate) shapes: Vec<Vec<usize>>,
+    pub(crate) names: Vec<String>,
+    pub(crate) spec: DataSpec,
+}
+
+impl LeafSpecs {
+    /// Validates the example's leaves (no object dtypes, sizes that fit) into a [`DataSpec`].
+    pub(crate) fn new(
+        shapes: Vec<Vec<usize>>,
+        dtypes: Vec<Bound<'_, PyArrayDescr>>,
+        names: Vec<String>,
+    ) -> PyResult<Self> {
+        if shapes.len() != dtypes.len() || shapes.len() != names.len() {
+            return Err(PyValueError::new_err(format!(
+                "shapes, dtypes and names must have the same length, got {}, {} and {}",
+                shapes.len(),
+                dtypes.len(),
+                names.len()
+            )));
+        }
+        let mut arrays = Vec::with_capacity(shapes.len());
+        for ((shape, dtype), name) in shapes.iter().zip(&dtypes).zip(&names) {
+            if dtype.has_object() {
+                return Err(PyTypeError::new_err(format!(
+                    "leaf {name}: dtype {dtype} holds Python objects, which cannot be stored in a ring buffer"
+                )));
+            }
+            arrays.push(ArraySpec::new(shape.clone(), dtype.itemsize()).map_err(to_pyerr)?);
+        }
+        let spec = DataSpec::new(arrays).map_err(to_pyerr)?;
+        let descrs = dtypes.into_iter().map(Bound::unbind).collect();
+        Ok(Self { descrs, shapes, names, spec })
+    }
+
+    /// Number of leaves.
+    pub(crate) fn len(&self) -> usize {
+        self.shapes.len()
+    }
+
+    /// Checks every leaf of `leaves` and returns C-contiguous arrays to copy from (numpy
+    /// scalars converted, non-contiguous inputs copied). The caller keeps them alive while it
+    /// uses [`byte_slices`].
+    pub(crate) fn check<'py>(
+        &self,
+        leaves: &Bound<'py, PySequence>,
+    ) -> PyResult<Vec<Bound<'py, PyUntypedArray>>> {
+        let count = leaves.len()?;
+        if count != self.len() {
+            return Err(PyValueError::new_err(format!(
+                "expected {} leaves, got {count}",
+                self.len()
+            )));
+        }
+        (0..count).map(|i| self.check_leaf(i, &leaves.get_item(i)?)).collect()
+    }
+
+    /// Checks leaf `i`: an ndarray (or numpy scalar) of the example's dtype and shape.
+    fn check_leaf<'py>(
+        &self,
+        i: usize,
+        item: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyUntypedArray>> {
+        let py = item.py();
+        let name = &self.names[i];
+        let array = match item.cast::<PyUntypedArray>() {
+            Ok(array) => array.clone(),
+            // A numpy scalar (`np.float32(1.0)`) is a 0-d array in all but type.
+            Err(_) if item.is_instance(numpy_generic(py)?)? => {
+                numpy_module(py)?.call_method1("asarray", (item,))?.cast_into::<PyUntypedArray>()?
+            }
+            Err(_) => {
+                return Err(PyTypeError::new_err(format!(
+                    "leaf {name}: expected a numpy.ndarray, got {}",
+                    item.get_type().name()?
+                )))
+            }
+        };
+        let expected = self.descrs[i].bind(py);
+        let dtype = array.dtype();
+        if !dtype.is_equiv_to(expected) {
+            return Err(PyTypeError::new_err(format!(
+                "leaf {name}: expected dtype {expected}, got {dtype}"
+            )));
+        }
+        if array.shape() != self.shapes[i].as_slice() {
+            return Err(PyValueError::new_err(format!(
+                "leaf {name}: expected shape {}, got {}",
+                py_shape(&self.shapes[i]),
+                py_shape(array.shape())
+            )));
+        }
+        if array.is_c_contiguous() {
+            Ok(array)
+        } else {
+            Ok(array.call_method1("copy", ("C",))?.cast_into::<PyUntypedArray>()?)
+        }
+    }
+}
+
+/// The bytes of each checked array (from [`LeafSpecs::check`]), in order.
+pub(crate) fn byte_slices<'a>(
+    specs: &LeafSpecs,
+    arrays: &'a [Bound<'_, PyUntypedArray>],
+) -> Vec<&'a [u8]> {
+    arrays
+        .iter()
+        .zip(specs.spec.arrays())
+        .map(|(array, spec)| {
+            let len = spec.num_bytes();
+            if len == 0 {
+                return &[][..];
+            }
+            // SAFETY: reading the `data` field of a live ndarray is what numpy's `PyArray_DATA`
+            // macro does.
+            let data = unsafe { (*array.as_array_ptr()).data };
+            // SAFETY: `LeafSpecs::check` verified that `array` is C-contiguous with the spec's
+            // dtype and shape, so `data` holds exactly `len` initialised bytes, and `arrays`
+            // (borrowed for `'a`) keeps it alive. Another Python thread could write to it
+            // concurrently, exactly as with numpy's own GIL-released copies: the bytes may
+            // then be torn, never out of bounds.
+            unsafe { std::slice::from_raw_parts(data.cast::<u8>(), len) }
+        })
+        .collect()
+}
+
+/// `(4,)`, `()`, `(2, 3)`: a shape the way Python prints it.
+pub(crate) fn py_shape(shape: &[usize]) -> String {
+    match shape {
+        [] => "()".to_owned(),
+        [one] => format!("({one},)"),
+        _ => format!("({})", shape.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")),
+    }
+}
+
+fn numpy_module(py: Python<'_>) -> PyResult<&Bound<'_, PyModule>> {
+    static NUMPY: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
+    NUMPY.get_or_try_init(py, || Ok(py.import("numpy")?.unbind())).map(|m| m.bind(py))
+}
+
+fn numpy_generic(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
+    static GENERIC: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    GENERIC
+        .get_or_try_init(py, || Ok(numpy_module(py)?.getattr("generic")?.unbind()))
+        .map(|g| g.bind(py))
+}
