@@ -1,87 +1,109 @@
-"""echo demo: producers feed a learner through the ring; the learner checks every sample.
+"""echo demo: rollout workers stream samples to a learner over TCP; the learner checks them all.
 
-Several producer threads each submit `--samples` samples (an Atari-sized observation, a
-reward, and a (producer, sequence) id); the learner consumes whole batches with
-`dataset_iter()`, checks that every sample arrived exactly once and in per-producer order,
-and prints the throughput.
+The learner starts a `Server` with a `TcpTransport` on a free loopback port, then launches
+`--workers` worker processes. Each worker connects a `TcpClient` and sends `--samples`
+samples (an Atari-sized observation, a reward and a (worker, sequence) id), then closes the
+client (which flushes). The learner consumes whole batches, checks that every sample arrived
+exactly once and in per-worker order, and prints the throughput.
 
-    bash scripts/demo.sh --producers 4 --samples 50000
+    bash scripts/demo.sh --workers 4 --samples 20000
 """
 
 from __future__ import annotations
 
 import argparse
-import threading
+import subprocess
+import sys
 import time
 
 import numpy as np
 from tqdm import tqdm
 
-from echo import Server, ServerClosedError
+from echo import Server, TcpClient, TcpTransport
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--producers", type=int, default=4)
-    parser.add_argument("--samples", type=int, default=50_000, help="samples per producer")
-    parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--obs-shape", type=int, nargs="+", default=[4, 84, 84])
-    args = parser.parse_args()
-
-    obs_shape = tuple(args.obs_shape)
-    example = {
+def example(obs_shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+    return {
         "obs": np.zeros(obs_shape, np.uint8),
         "reward": np.zeros((), np.float32),
         "id": np.zeros((2,), np.int64),
     }
-    total = args.producers * args.samples
-    batches = total // args.batch_size
-    server = Server(example, batch_size=args.batch_size)
+
+
+def worker(port: int, worker_id: int, samples: int, obs_shape: tuple[int, ...]) -> None:
+    """One rollout worker: connect, send `samples` samples, close (flushes)."""
+    client = TcpClient("127.0.0.1", port, example(obs_shape))
+    obs = np.random.default_rng(worker_id).integers(0, 255, obs_shape, dtype=np.uint8)
+    for seq in range(samples):
+        client.send({"obs": obs, "reward": np.float32(seq), "id": np.array([worker_id, seq])})
+    client.close()
+
+
+def learner(args: argparse.Namespace) -> None:
+    obs_shape = tuple(args.obs_shape)
+    spec = example(obs_shape)
+    transport = TcpTransport(port=0, host="127.0.0.1")
+    server = Server(spec, batch_size=args.batch_size, transport=transport)
     server.start()
-
-    def produce(producer: int) -> None:
-        obs = np.random.default_rng(producer).integers(0, 255, obs_shape, dtype=np.uint8)
-        try:
-            for seq in range(args.samples):
-                server.submit(
-                    {"obs": obs, "reward": np.float32(seq), "id": np.array([producer, seq])}
-                )
-        except ServerClosedError:
-            return  # the learner took every full batch and closed; the remainder is dropped
-
-    threads = [
-        threading.Thread(target=produce, args=(p,), daemon=True) for p in range(args.producers)
+    assert server.port is not None
+    sample_bytes = sum(leaf.nbytes for leaf in spec.values())
+    total = args.workers * args.samples
+    batches = total // args.batch_size
+    print(
+        f"echo demo: learner on 127.0.0.1:{server.port}, {args.workers} worker processes x "
+        f"{args.samples} samples of {sample_bytes / 1024:.1f} KiB, batch {args.batch_size}"
+    )
+    worker_args = ["--port", str(server.port), "--samples", str(args.samples)]
+    worker_args += ["--obs-shape", *map(str, obs_shape)]
+    workers = [
+        subprocess.Popen([sys.executable, __file__, "--worker", str(w), *worker_args])
+        for w in range(args.workers)
     ]
-    sample_bytes = sum(leaf.nbytes for leaf in example.values())
-    print(
-        f"echo demo: {args.producers} producers x {args.samples} samples of "
-        f"{sample_bytes / 1024:.1f} KiB, batch {args.batch_size}"
-    )
-    next_seq = np.zeros(args.producers, np.int64)
-    start = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    with tqdm(total=batches * args.batch_size, unit="samples", unit_scale=True) as bar:
-        for _ in range(batches):
-            sample = server.sample(timeout=60)
-            assert sample is not None
-            ids = sample.batch["id"]
-            for producer, seq in ids:
-                if seq != next_seq[producer]:
-                    raise SystemExit(
-                        f"producer {producer}: expected {next_seq[producer]}, got {seq}"
-                    )
-                next_seq[producer] += 1
-            bar.update(args.batch_size)
-    elapsed = time.perf_counter() - start
-    server.close()
-    for thread in threads:
-        thread.join(timeout=5)
+    next_seq = np.zeros(args.workers, np.int64)
+    start: float | None = None
+    try:
+        with tqdm(total=batches * args.batch_size, unit="samples", unit_scale=True) as bar:
+            for _ in range(batches):
+                sample = server.sample(timeout=120)
+                assert sample is not None
+                start = start or time.perf_counter()
+                for worker_id, seq in sample.batch["id"]:
+                    if seq != next_seq[worker_id]:
+                        raise SystemExit(
+                            f"worker {worker_id}: expected {next_seq[worker_id]}, got {seq}"
+                        )
+                    next_seq[worker_id] += 1
+                bar.update(args.batch_size)
+        elapsed = time.perf_counter() - (start or time.perf_counter())
+        for proc in workers:
+            proc.wait(timeout=60)
+    finally:
+        for proc in workers:
+            if proc.poll() is None:
+                proc.kill()
+        server.close()
     received = int(next_seq.sum())
+    rate = (received - args.batch_size) / max(elapsed, 1e-9)
     print(
-        f"received {received:,} samples exactly once, in order, in {elapsed:.2f} s: "
-        f"{received / elapsed:,.0f} samples/s, {received * sample_bytes / elapsed / 1e9:.2f} GB/s"
+        f"received {received:,} samples exactly once, in per-worker order: "
+        f"{rate:,.0f} samples/s, {rate * sample_bytes / 1e9:.2f} GB/s "
+        f"(timed from the first batch)"
     )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--samples", type=int, default=20_000, help="samples per worker")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--obs-shape", type=int, nargs="+", default=[4, 84, 84])
+    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker is not None:
+        worker(args.port, args.worker, args.samples, tuple(args.obs_shape))
+    else:
+        learner(args)
 
 
 if __name__ == "__main__":

@@ -79,6 +79,14 @@ class TreeLayout:
             self._flat_keys = tuple(p[0] for p in paths)
         self._flat_keyset = frozenset(self._flat_keys or ())
 
+    @property
+    def flat_keys(self) -> list[str] | None:
+        """The example's keys in leaf order, if it is a flat dict of arrays with str keys."""
+        keys = self._flat_keys
+        if keys is None or not all(isinstance(k, str) for k in keys):
+            return None
+        return [str(k) for k in keys]
+
     def flatten(self, sample: object) -> list[Any]:
         """The leaves of `sample` in the example's order; ValueError if the structure differs.
 

@@ -53,6 +53,7 @@ class TcpClient:
             [leaf.name for leaf in leaves],
             max_inflight_msgs,
             connect_timeout,
+            self._layout.flat_keys,
         )
         self._closed = False
 
@@ -70,9 +71,10 @@ class TcpClient:
             ConnectionClosedError: After `close()`, or once the server is gone.
             TimeoutError: The window stayed full for `timeout` seconds (nothing is sent).
         """
-        leaves = self._layout.flatten(sample)
         try:
-            self._sender.send(leaves, timeout)
+            # A flat-dict sample is looked up by key natively; anything else is flattened here.
+            if not self._sender.send_flat(sample, timeout):
+                self._sender.send(self._layout.flatten(sample), timeout)
         except TypeError:
             self._layout.check_structure(sample)
             raise

@@ -89,6 +89,7 @@ class Server:
             [leaf.name for leaf in leaves],
             batch_size,
             num_buffers,
+            self._layout.flat_keys,
         )
         self._transport: TcpTransport | None = transport
         self._port: int | None = None
@@ -151,9 +152,10 @@ class Server:
             ServerClosedError: The server is (or gets) closed.
             TimeoutError: No space freed up within `timeout`.
         """
-        leaves = self._layout.flatten(sample)
         try:
-            self._core.submit(leaves, timeout)
+            # A flat-dict sample is looked up by key natively; anything else is flattened here.
+            if not self._core.submit_flat(sample, timeout):
+                self._core.submit(self._layout.flatten(sample), timeout)
         except TypeError:
             self._layout.check_structure(sample)  # a nested container is a structure error
             raise

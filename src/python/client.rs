@@ -4,11 +4,11 @@
 
 use std::time::{Duration, Instant};
 
-use numpy::PyArrayDescr;
+use numpy::{PyArrayDescr, PyUntypedArray};
 use parking_lot::Mutex;
 use pyo3::exceptions::{PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PySequence;
+use pyo3::types::{PySequence, PyString};
 
 use super::errors::ConnectionClosedError;
 use super::leaves::{byte_slices, py_shape, LeafSpecs};
@@ -39,7 +39,7 @@ pub(crate) struct PyTcpSender {
 impl PyTcpSender {
     /// Connects to `host:port` and checks that the server stores samples shaped like ours.
     #[new]
-    #[pyo3(signature = (host, port, shapes, dtypes, names, max_inflight, connect_timeout))]
+    #[pyo3(signature = (host, port, shapes, dtypes, names, max_inflight, connect_timeout, flat_keys=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -50,6 +50,7 @@ impl PyTcpSender {
         names: Vec<String>,
         max_inflight: u64,
         connect_timeout: f64,
+        flat_keys: Option<Vec<Bound<'_, PyString>>>,
     ) -> PyResult<Self> {
         if max_inflight == 0 {
             return Err(PyValueError::new_err("max_inflight_msgs must be >= 1, got 0"));
@@ -59,7 +60,7 @@ impl PyTcpSender {
                 "connect_timeout must be a positive number of seconds, got {connect_timeout}"
             )));
         }
-        let leaves = LeafSpecs::new(shapes, dtypes, names)?;
+        let leaves = LeafSpecs::new(shapes, dtypes, names, flat_keys)?;
         let timeout = Duration::from_secs_f64(connect_timeout);
         let sender = detach(py, || TcpSender::connect(&host, port, max_inflight, timeout))
             .map_err(client_error)?;
@@ -78,28 +79,22 @@ impl PyTcpSender {
     ) -> PyResult<()> {
         let deadline = deadline_from_timeout(timeout)?;
         let arrays = self.leaves.check(leaves)?;
-        let slices = byte_slices(&self.leaves, &arrays);
-        if self.leaves.spec.payload_size() < DETACH_WRITE_BYTES {
-            // Fast path: room in the window, the write is one short syscall.
-            if let Some(mut sender) = self.sender.try_lock() {
-                match sender.send(&slices, Some(Instant::now())) {
-                    Err(ClientError::TimedOut) => {}
-                    other => return other.map_err(client_error),
-                }
-            }
-        }
-        let sender = &self.sender;
-        let done = wait_detached(py, deadline, |slice_end| {
-            let mut sender = sender.try_lock_until(slice_end)?;
-            match sender.send(&slices, Some(slice_end)) {
-                Err(ClientError::TimedOut) => None,
-                other => Some(other),
-            }
-        })?;
-        match done {
-            Some(result) => result.map_err(client_error),
-            None => Err(client_error(ClientError::TimedOut)),
-        }
+        self.send_arrays(py, &arrays, deadline)
+    }
+
+    /// `send` for a flat-dict example, taking the sample dict itself. Returns `False`
+    /// (nothing sent) if the example is not a flat dict or `sample` lacks its exact keys.
+    #[pyo3(signature = (sample, timeout=None))]
+    fn send_flat(
+        &self,
+        py: Python<'_>,
+        sample: &Bound<'_, PyAny>,
+        timeout: Option<f64>,
+    ) -> PyResult<bool> {
+        let deadline = deadline_from_timeout(timeout)?;
+        let Some(arrays) = self.leaves.check_flat_dict(sample)? else { return Ok(false) };
+        self.send_arrays(py, &arrays, deadline)?;
+        Ok(true)
     }
 
     /// Waits until every sent sample is acknowledged.
@@ -157,6 +152,38 @@ impl PyTcpSender {
     #[getter]
     fn payload_size(&self) -> usize {
         self.leaves.spec.payload_size()
+    }
+}
+
+impl PyTcpSender {
+    fn send_arrays(
+        &self,
+        py: Python<'_>,
+        arrays: &[Bound<'_, PyUntypedArray>],
+        deadline: Option<Instant>,
+    ) -> PyResult<()> {
+        let slices = byte_slices(&self.leaves, arrays);
+        if self.leaves.spec.payload_size() < DETACH_WRITE_BYTES {
+            // Fast path: room in the window, the write is one short syscall.
+            if let Some(mut sender) = self.sender.try_lock() {
+                match sender.send(&slices, Some(Instant::now())) {
+                    Err(ClientError::TimedOut) => {}
+                    other => return other.map_err(client_error),
+                }
+            }
+        }
+        let sender = &self.sender;
+        let done = wait_detached(py, deadline, |slice_end| {
+            let mut sender = sender.try_lock_until(slice_end)?;
+            match sender.send(&slices, Some(slice_end)) {
+                Err(ClientError::TimedOut) => None,
+                other => Some(other),
+            }
+        })?;
+        match done {
+            Some(result) => result.map_err(client_error),
+            None => Err(client_error(ClientError::TimedOut)),
+        }
     }
 }
 

@@ -6,7 +6,7 @@ use numpy::{PyArrayDescr, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMet
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::PySequence;
+use pyo3::types::{PyDict, PySequence, PyString};
 
 use super::errors::to_pyerr;
 use crate::spec::{ArraySpec, DataSpec};
@@ -17,6 +17,9 @@ pub(crate) struct LeafSpecs {
     pub(crate) shapes: Vec<Vec<usize>>,
     pub(crate) names: Vec<String>,
     pub(crate) spec: DataSpec,
+    /// For an example that is a flat dict of arrays: its keys in leaf order, so samples can be
+    /// looked up by key without flattening them in Python.
+    flat_keys: Option<Vec<Py<PyString>>>,
 }
 
 impl LeafSpecs {
@@ -25,7 +28,11 @@ impl LeafSpecs {
         shapes: Vec<Vec<usize>>,
         dtypes: Vec<Bound<'_, PyArrayDescr>>,
         names: Vec<String>,
+        flat_keys: Option<Vec<Bound<'_, PyString>>>,
     ) -> PyResult<Self> {
+        if flat_keys.as_ref().is_some_and(|k| k.len() != shapes.len()) {
+            return Err(PyValueError::new_err("flat_keys must have one key per leaf"));
+        }
         if shapes.len() != dtypes.len() || shapes.len() != names.len() {
             return Err(PyValueError::new_err(format!(
                 "shapes, dtypes and names must have the same length, got {}, {} and {}",
@@ -45,7 +52,8 @@ impl LeafSpecs {
         }
         let spec = DataSpec::new(arrays).map_err(to_pyerr)?;
         let descrs = dtypes.into_iter().map(Bound::unbind).collect();
-        Ok(Self { descrs, shapes, names, spec })
+        let flat_keys = flat_keys.map(|keys| keys.into_iter().map(Bound::unbind).collect());
+        Ok(Self { descrs, shapes, names, spec, flat_keys })
     }
 
     /// Number of leaves.
@@ -68,6 +76,26 @@ impl LeafSpecs {
             )));
         }
         (0..count).map(|i| self.check_leaf(i, &leaves.get_item(i)?)).collect()
+    }
+
+    /// The fast path for flat-dict examples: if `sample` is a dict with exactly the example's
+    /// keys, checks its values like [`LeafSpecs::check`]. `None` if the example is not a flat
+    /// dict or `sample` does not have its keys (the caller then flattens in Python).
+    pub(crate) fn check_flat_dict<'py>(
+        &self,
+        sample: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Vec<Bound<'py, PyUntypedArray>>>> {
+        let Some(keys) = &self.flat_keys else { return Ok(None) };
+        let Ok(dict) = sample.cast_exact::<PyDict>() else { return Ok(None) };
+        if dict.len() != keys.len() {
+            return Ok(None);
+        }
+        let mut arrays = Vec::with_capacity(keys.len());
+        for (i, key) in keys.iter().enumerate() {
+            let Some(value) = dict.get_item(key.bind(sample.py()))? else { return Ok(None) };
+            arrays.push(self.check_leaf(i, &value)?);
+        }
+        Ok(Some(arrays))
     }
 
     /// Checks leaf `i`: an ndarray (or numpy scalar) of the example's dtype and shape.

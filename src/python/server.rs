@@ -7,11 +7,11 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 use numpy::npyffi::npy_intp;
-use numpy::PyArrayDescr;
+use numpy::{PyArrayDescr, PyUntypedArray};
 use parking_lot::{Mutex, MutexGuard};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PySequence};
+use pyo3::types::{PyList, PySequence, PyString};
 
 use super::errors::{insert_error, sample_timeout, to_pyerr, ServerClosedError};
 use super::info::{HistSnapshot, SampleInfo};
@@ -49,7 +49,8 @@ pub(crate) struct PyRingServer {
 impl PyRingServer {
     /// `shapes[i]`, `dtypes[i]` and `names[i]` describe leaf `i` in flattened order.
     #[new]
-    #[pyo3(signature = (shapes, dtypes, names, batch_size, num_buffers))]
+    /// `flat_keys`: the example's keys in leaf order when it is a flat dict of arrays.
+    #[pyo3(signature = (shapes, dtypes, names, batch_size, num_buffers, flat_keys=None))]
     fn new(
         py: Python<'_>,
         shapes: Vec<Vec<usize>>,
@@ -57,8 +58,9 @@ impl PyRingServer {
         names: Vec<String>,
         batch_size: usize,
         num_buffers: usize,
+        flat_keys: Option<Vec<Bound<'_, PyString>>>,
     ) -> PyResult<Self> {
-        let leaves = LeafSpecs::new(shapes, dtypes, names)?;
+        let leaves = LeafSpecs::new(shapes, dtypes, names, flat_keys)?;
         let store = Store::new(leaves.spec.clone(), batch_size, num_buffers).map_err(to_pyerr)?;
         let consumer = store.consumer().expect("a new store has no consumer yet");
         let layouts = leaves
@@ -156,33 +158,25 @@ impl PyRingServer {
         timeout: Option<f64>,
     ) -> PyResult<()> {
         let deadline = deadline_from_timeout(timeout)?;
-        if self.store.is_closed() {
-            return Err(ServerClosedError::new_err("submit(): the server is closed"));
-        }
+        self.ensure_open()?;
         let arrays = self.leaves.check(leaves)?;
-        let slices = byte_slices(&self.leaves, &arrays);
-        let source = Leaves(&slices);
-        // Fast path: small samples into a ring with room go in without releasing the GIL.
-        if self.store.spec().payload_size() < DETACH_COPY_BYTES {
-            match self.store.insert(&source, Some(Instant::now())) {
-                Ok(()) => return Ok(()),
-                Err(InsertError::TimedOut { inserted: 0 }) => {}
-                Err(err) => return Err(insert_error(err)),
-            }
-        }
-        let store = &self.store;
-        let done = wait_detached(py, deadline, |slice_end| {
-            match store.insert(&source, Some(slice_end)) {
-                Ok(()) => Some(Ok(())),
-                Err(InsertError::TimedOut { inserted: 0 }) => None,
-                Err(err) => Some(Err(err)),
-            }
-        })?;
-        match done {
-            Some(Ok(())) => Ok(()),
-            Some(Err(err)) => Err(insert_error(err)),
-            None => Err(insert_error(InsertError::TimedOut { inserted: 0 })),
-        }
+        self.insert(py, &arrays, deadline)
+    }
+
+    /// `submit` for a flat-dict example, taking the sample dict itself. Returns `False`
+    /// (nothing done) if the example is not a flat dict or `sample` lacks its exact keys.
+    #[pyo3(signature = (sample, timeout=None))]
+    fn submit_flat(
+        &self,
+        py: Python<'_>,
+        sample: &Bound<'_, PyAny>,
+        timeout: Option<f64>,
+    ) -> PyResult<bool> {
+        let deadline = deadline_from_timeout(timeout)?;
+        self.ensure_open()?;
+        let Some(arrays) = self.leaves.check_flat_dict(sample)? else { return Ok(false) };
+        self.insert(py, &arrays, deadline)?;
+        Ok(true)
     }
 
     /// Gives back the previous batch, waits for the next full one (GIL released, Ctrl-C
@@ -263,6 +257,45 @@ impl PyRingServer {
 }
 
 impl PyRingServer {
+    fn ensure_open(&self) -> PyResult<()> {
+        if self.store.is_closed() {
+            return Err(ServerClosedError::new_err("submit(): the server is closed"));
+        }
+        Ok(())
+    }
+
+    /// Copies checked arrays (from `LeafSpecs`) into the ring, waiting for space.
+    fn insert(
+        &self,
+        py: Python<'_>,
+        arrays: &[Bound<'_, PyUntypedArray>],
+        deadline: Option<Instant>,
+    ) -> PyResult<()> {
+        let slices = byte_slices(&self.leaves, arrays);
+        let source = Leaves(&slices);
+        // Fast path: small samples into a ring with room go in without releasing the GIL.
+        if self.store.spec().payload_size() < DETACH_COPY_BYTES {
+            match self.store.insert(&source, Some(Instant::now())) {
+                Ok(()) => return Ok(()),
+                Err(InsertError::TimedOut { inserted: 0 }) => {}
+                Err(err) => return Err(insert_error(err)),
+            }
+        }
+        let store = &self.store;
+        let done = wait_detached(py, deadline, |slice_end| {
+            match store.insert(&source, Some(slice_end)) {
+                Ok(()) => Some(Ok(())),
+                Err(InsertError::TimedOut { inserted: 0 }) => None,
+                Err(err) => Some(Err(err)),
+            }
+        })?;
+        match done {
+            Some(Ok(())) => Ok(()),
+            Some(Err(err)) => Err(insert_error(err)),
+            None => Err(insert_error(InsertError::TimedOut { inserted: 0 })),
+        }
+    }
+
     fn info(&self, py: Python<'_>, sequence: u64, wait_ns: u64) -> SampleInfo {
         let ingress = self.ingress.get().map(|i| i.snapshot()).unwrap_or_default();
         SampleInfo::new(py, &self.store.stats(), &ingress, sequence, wait_ns, &self.zero_hist)
