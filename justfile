@@ -24,6 +24,11 @@ test-loom:
 valgrind:
     bash scripts/valgrind.sh
 
+# Build with the detailed metrics (CAS counters, histograms) into target/detailed-site;
+# use it with PYTHONPATH=target/detailed-site
+install-telemetry:
+    bash scripts/build_telemetry.sh target/detailed-site
+
 # Format everything
 fmt:
     cargo fmt --all

@@ -9,6 +9,7 @@ cargo fmt --all -- --check
 echo ">> cargo clippy (core, bindings, all targets)"
 cargo clippy --quiet --all-targets -- -D warnings
 cargo clippy --quiet --all-targets --features python -- -D warnings
+cargo clippy --quiet --all-targets --features python,detailed-metrics -- -D warnings
 echo ">> every atomic ordering has an ORDERING: comment"
 bash scripts/check_orderings.sh
 echo ">> ruff"

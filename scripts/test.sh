@@ -19,3 +19,8 @@ fi
 
 echo ">> pytest"
 python -m pytest python/tests -q
+
+echo ">> the telemetry build (cargo feature detailed-metrics): core tests and the whole pytest suite"
+cargo test --quiet --features detailed-metrics --lib --test store --test tcp
+bash scripts/build_telemetry.sh target/detailed-site
+PYTHONPATH=target/detailed-site python -m pytest python/tests -q -p no:cacheprovider

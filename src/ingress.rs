@@ -31,6 +31,7 @@ use crossbeam_utils::CachePadded;
 use parking_lot::Mutex;
 
 use crate::error::EchoError;
+use crate::metrics::{HistSummary, Histo, Stamp};
 use crate::spec::DataSpec;
 use crate::store::{InsertError, SampleSource, Store};
 use crate::sync::{Arc, AtomicBool, AtomicU64, AtomicUsize};
@@ -74,8 +75,9 @@ pub trait SpaceWaker: Send + Sync {
 
 /// One client connection's queue and buffer pool, shared by its transport task and drainer.
 pub struct Connection {
-    /// Filled payloads in arrival order. Producer: the transport task; consumer: the drainer.
-    queue: ArrayQueue<Box<[u8]>>,
+    /// Filled payloads in arrival order, with their push time (zero-sized without
+    /// `detailed-metrics`). Producer: the transport task; consumer: the drainer.
+    queue: ArrayQueue<(Box<[u8]>, Stamp)>,
     /// Empty buffers ready for reuse. Producer: the drainer; consumer: the transport task.
     free: ArrayQueue<Box<[u8]>>,
     /// Buffers ever allocated for this connection; never exceeds `free.capacity()`.
@@ -116,7 +118,7 @@ impl Connection {
     /// the queue is full (wait for [`SpaceWaker::wake`], then retry).
     pub fn try_push(&self, buf: Box<[u8]>) -> Result<(), Box<[u8]>> {
         debug_assert_eq!(buf.len(), self.payload_size);
-        self.queue.push(buf)?;
+        self.queue.push((buf, Stamp::now())).map_err(|(buf, _)| buf)?;
         self.drainer.wake_after_push();
         Ok(())
     }
@@ -164,6 +166,9 @@ struct DrainerShared {
     depth_sum: CachePadded<AtomicU64>,
     depth_max: AtomicU64,
     inserted: CachePadded<AtomicU64>,
+    /// Recorded only by this drainer (so its lock is uncontended); merged on snapshot.
+    drain_round: Histo,
+    queue_dwell: Histo,
 }
 
 impl DrainerShared {
@@ -176,6 +181,8 @@ impl DrainerShared {
             depth_sum: CachePadded::new(AtomicU64::new(0)),
             depth_max: AtomicU64::new(0),
             inserted: CachePadded::new(AtomicU64::new(0)),
+            drain_round: Histo::new(),
+            queue_dwell: Histo::new(),
         }
     }
 
@@ -322,6 +329,32 @@ impl Ingress {
         snap
     }
 
+    /// The drainers' `drain_round` and `queue_dwell` histograms, merged (zero without
+    /// `detailed-metrics`).
+    pub fn detailed(&self) -> (HistSummary, HistSummary) {
+        #[cfg(feature = "detailed-metrics")]
+        {
+            let (mut round, mut dwell) = (None, None);
+            for d in &self.drainers {
+                d.drain_round.merge_into(&mut round);
+                d.queue_dwell.merge_into(&mut dwell);
+            }
+            (crate::metrics::summarize(round.as_ref()), crate::metrics::summarize(dwell.as_ref()))
+        }
+        #[cfg(not(feature = "detailed-metrics"))]
+        {
+            (HistSummary::default(), HistSummary::default())
+        }
+    }
+
+    /// Clears the drainers' histograms.
+    pub fn reset_histograms(&self) {
+        for d in &self.drainers {
+            d.drain_round.reset();
+            d.queue_dwell.reset();
+        }
+    }
+
     /// Stops and joins every drainer. Close the store first, so that a drainer blocked on a
     /// full ring returns. Samples still queued are dropped (the server is closing). Idempotent.
     /// Drainers hold the ingress alive, so this must be called; dropping is not enough.
@@ -383,6 +416,7 @@ impl Drainer {
     fn run(mut self) {
         while !self.ingress.is_shutting_down() {
             self.adopt_incoming();
+            let round_started = Stamp::now();
             if self.pop_round() == 0 {
                 self.prune();
                 self.sleep();
@@ -401,6 +435,7 @@ impl Drainer {
             self.shared.inserted.fetch_add(self.bufs.len() as u64, Relaxed);
             self.recycle();
             self.prune();
+            self.shared.drain_round.record_since(round_started);
         }
     }
 
@@ -425,7 +460,8 @@ impl Drainer {
                 sum += depth as u64;
                 max = max.max(depth as u64);
                 for _ in 0..depth {
-                    let Some(buf) = conn.queue.pop() else { break };
+                    let Some((buf, pushed)) = conn.queue.pop() else { break };
+                    self.shared.queue_dwell.record_since(pushed);
                     self.bufs.push(buf);
                     self.owners.push(index);
                 }

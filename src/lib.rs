@@ -13,6 +13,7 @@
 //! | [`sampler`] | which batch the consumer gets next, which slots are freed          |
 //! | `ingress`   | per-connection queues, buffer pools, the drainer pool               |
 //! | `transport` | the wire format, the tokio TCP server, the blocking TCP client      |
+//! | [`metrics`] | detailed counters/histograms, free unless `detailed-metrics` is on  |
 //! | [`error`]   | the one error enum                                                 |
 //! | `sync`      | std/loom facade, so loom models run the real code                  |
 //!
@@ -25,6 +26,7 @@
 pub mod error;
 #[cfg(not(loom))]
 pub mod ingress;
+pub mod metrics;
 mod ring;
 pub mod sampler;
 pub mod spec;

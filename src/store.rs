@@ -30,6 +30,7 @@ use std::time::Instant;
 use crossbeam_utils::CachePadded;
 
 use crate::error::EchoError;
+use crate::metrics::{DetailedSnapshot, Stamp, StoreMetrics};
 use crate::ring::RingBuf;
 use crate::sampler::{Fifo, Remover, Sampler};
 use crate::spec::DataSpec;
@@ -169,6 +170,8 @@ pub struct Store {
     notify_count: CachePadded<AtomicU64>,
     /// Index of the batch the consumer holds, [`NOT_HELD`] if none: statistics only.
     held_batch: AtomicU64,
+    /// Zero-sized unless the `detailed-metrics` feature is on.
+    metrics: StoreMetrics,
 }
 
 /// `held_batch` when the consumer holds nothing.
@@ -215,6 +218,7 @@ impl Store {
             space_free: Signal::default(),
             notify_count: CachePadded::new(AtomicU64::new(0)),
             held_batch: AtomicU64::new(NOT_HELD),
+            metrics: StoreMetrics::default(),
         }))
     }
 
@@ -288,6 +292,7 @@ impl Store {
                 Err(SampleError::Closed) => return Err(InsertError::Closed { inserted }),
                 Err(SampleError::TimedOut) => return Err(InsertError::TimedOut { inserted }),
             };
+            let copy_started = Stamp::now();
             for i in 0..len {
                 let slot = self.ring_slot(start + i as u64);
                 for leaf in 0..self.spec.len() {
@@ -298,6 +303,7 @@ impl Store {
                     unsafe { self.ring.write_slot(slot, leaf, src.leaf(inserted + i, leaf)) };
                 }
             }
+            self.metrics.memcpy.record_since(copy_started);
             self.commit(start, len);
             inserted += len;
         }
@@ -333,6 +339,7 @@ impl Store {
             // (and we retry) if this value is stale.
             let write = self.write_cursor.load(Relaxed);
             if !self.has_space(write) {
+                self.metrics.reservation_retries.add(1);
                 let ready = self.space_free.wait_until(
                     || {
                         // ORDERING: Relaxed — see above; `has_space` acquires `read_cursor`.
@@ -354,8 +361,10 @@ impl Store {
             // published by the Release `fetch_add` in `commit`.
             let cas = self.write_cursor.compare_exchange_weak(write, next, Relaxed, Relaxed);
             if cas.is_ok() {
+                self.metrics.cas_success.add(1);
                 return Ok((write, len as usize));
             }
+            self.metrics.cas_failure.add(1);
         }
     }
 
@@ -418,6 +427,22 @@ impl Store {
             // ORDERING: Relaxed — statistics.
             read_cursor: self.read_cursor.load(Relaxed),
         }
+    }
+
+    /// The detailed counters and the `memcpy` histogram (all zero without `detailed-metrics`).
+    pub fn detailed(&self) -> DetailedSnapshot {
+        DetailedSnapshot {
+            cas_success_total: self.metrics.cas_success.get(),
+            cas_failure_total: self.metrics.cas_failure.get(),
+            reservation_retries_total: self.metrics.reservation_retries.get(),
+            memcpy: self.metrics.memcpy.summary(),
+            ..DetailedSnapshot::default()
+        }
+    }
+
+    /// Clears the `memcpy` histogram; counters keep counting.
+    pub fn reset_histograms(&self) {
+        self.metrics.memcpy.reset();
     }
 
     /// Address of the first byte of `leaf` for absolute batch `batch`: `batch_size` contiguous

@@ -240,3 +240,41 @@ fn a_port_in_use_is_an_error_naming_it() {
         .expect("bind must fail");
     assert!(err.to_string().contains(&format!("127.0.0.1:{}", addr.port())), "{err}");
 }
+
+#[test]
+fn a_stalled_large_write_resumes_where_it_stopped() {
+    use echo::{ArraySpec, DataSpec};
+    const BYTES: usize = 16 << 20; // more than the loopback socket buffers hold
+    let spec = DataSpec::new(vec![ArraySpec::new(vec![BYTES], 1).unwrap()]).unwrap();
+    let store = Store::new(spec, 1, 2).unwrap();
+    let mut consumer = store.consumer().unwrap();
+    let tcp = TcpConfig { host: "127.0.0.1".into(), port: 0, num_threads: 1, max_connections: 4 };
+    let server =
+        TcpIngress::start(&store, IngressConfig { num_drainers: 1, queue_size: 1 }, &tcp).unwrap();
+    let port = server.local_addr().port();
+    let sender = thread::spawn(move || {
+        let mut client = TcpSender::connect("127.0.0.1", port, 8, TIMEOUT).unwrap();
+        let mut stalls = 0;
+        for i in 0..12u8 {
+            let payload = vec![i; BYTES];
+            // Tiny deadlines: the writes stall mid-sample and must resume, not restart.
+            loop {
+                match client.send(&[&payload], Some(Instant::now() + Duration::from_millis(5))) {
+                    Ok(()) => break,
+                    Err(ClientError::Stalled) => stalls += 1,
+                    Err(ClientError::TimedOut) => assert_eq!(client.in_progress(), 0),
+                    Err(e) => panic!("{e:?}"),
+                }
+            }
+        }
+        assert!(client.close(Some(Instant::now() + TIMEOUT)));
+        stalls
+    });
+    for i in 0..12u8 {
+        consumer.sample(Some(Instant::now() + TIMEOUT)).unwrap();
+        consumer.read_leaf(0, |b| assert!(b.iter().all(|&x| x == i), "sample {i} is torn"));
+        thread::sleep(Duration::from_millis(30)); // a slow learner: the sender must stall
+    }
+    let stalls = sender.join().unwrap();
+    assert!(stalls > 0, "the test never exercised a stalled write");
+}

@@ -10,6 +10,7 @@ import atexit
 
 from echo import _echo
 from echo._echo import (
+    DETAILED_METRICS,
     ConnectionClosedError,
     HistSnapshot,
     SampleInfo,
@@ -17,10 +18,12 @@ from echo._echo import (
     __version__,
 )
 from echo.client import TcpClient
-from echo.server import Sample, Server, stop_all_transports
+from echo.server import Sample, Server
+from echo.trajectory import TrajectoryAccumulator
 from echo.transport import TcpTransport
 
 __all__ = [
+    "DETAILED_METRICS",
     "ConnectionClosedError",
     "HistSnapshot",
     "Sample",
@@ -29,16 +32,12 @@ __all__ = [
     "ServerClosedError",
     "TcpClient",
     "TcpTransport",
+    "TrajectoryAccumulator",
     "__version__",
 ]
 
 
-def _at_exit() -> None:
-    # Stop transports (their threads must not call into Python during finalisation), then
-    # keep threads still waiting inside echo from re-taking the GIL (CPython would unwind them
-    # through Rust frames): see src/python/mod.rs.
-    stop_all_transports()
-    _echo._interpreter_exiting()  # pyright: ignore[reportPrivateUsage]
-
-
-atexit.register(_at_exit)
+# Threads still waiting inside echo when the interpreter shuts down, and transport threads that
+# log through Python, must not take the GIL during finalisation (CPython would unwind them
+# through Rust frames): see src/python/mod.rs.
+atexit.register(_echo._interpreter_exiting)  # pyright: ignore[reportPrivateUsage]

@@ -7,6 +7,8 @@ import numpy.typing as npt
 
 __version__: Final[str]
 RING_ALIGN: Final[int]
+DETAILED_METRICS: Final[bool]
+"""Whether this build records the detailed metrics (cargo feature `detailed-metrics`)."""
 
 class ServerClosedError(RuntimeError):
     """The server was closed: nothing more can be submitted or started."""
@@ -124,7 +126,6 @@ class RingServer:
     def stats(self) -> SampleInfo: ...
     def reset_histograms(self) -> None: ...
     def close(self) -> None: ...
-    def _stop_transport(self) -> None: ...
 
 @final
 class TcpSender:
@@ -153,3 +154,5 @@ class TcpSender:
     def payload_size(self) -> int: ...
 
 def _interpreter_exiting() -> None: ...
+def reset_log_cache() -> None:
+    """Forgets the cached Python logger levels (call after changing `logging` levels)."""

@@ -75,7 +75,10 @@ class TreeLayout:
         # Fast path for the most common sample, a flat dict of arrays: look the leaves up by
         # key in optree's order instead of calling into optree for every sample.
         self._flat_keys: tuple[Any, ...] | None = None
-        if type(example) is dict and all(len(p) == 1 for p in paths):
+        # Every key must hold a leaf: a `None` value is an empty subtree that the key lookup
+        # would not check.
+        flat = type(example) is dict and len(cast("dict[Any, Any]", example)) == len(paths)
+        if flat and all(len(p) == 1 for p in paths):
             self._flat_keys = tuple(p[0] for p in paths)
         self._flat_keyset = frozenset(self._flat_keys or ())
 

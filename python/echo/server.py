@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -11,20 +10,7 @@ from echo._pytree import TreeLayout
 from echo._validate import check_int
 from echo.transport import TcpTransport
 
-__all__ = ["Sample", "Server", "stop_all_transports"]
-
-# Servers still open, so interpreter exit can stop their transports before finalisation.
-_LIVE_SERVERS: weakref.WeakSet[Server] = weakref.WeakSet()
-
-
-def stop_all_transports() -> None:
-    """Stops the transport threads of every live `Server` (run at interpreter exit).
-
-    The rings stay open, so threads blocked in `sample()` or `submit()` stay quietly blocked
-    until the process ends instead of waking up with errors.
-    """
-    for server in list(_LIVE_SERVERS):
-        server._core._stop_transport()  # pyright: ignore[reportPrivateUsage]
+__all__ = ["Sample", "Server"]
 
 
 class Sample(NamedTuple):
@@ -93,7 +79,6 @@ class Server:
         )
         self._transport: TcpTransport | None = transport
         self._port: int | None = None
-        _LIVE_SERVERS.add(self)
 
     @property
     def batch_size(self) -> int:

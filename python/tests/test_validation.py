@@ -321,3 +321,17 @@ def test_rejected_submits_between_good_ones_leave_no_gap(
     assert sample is not None
     assert batch_ids(sample.batch) == [0, 1, 2, 3]
     assert sample.info.store_size == 0
+
+
+def test_a_missing_key_whose_example_value_is_none_is_a_structure_error() -> None:
+    server = echo.Server({"a": np.zeros(2), "b": None}, batch_size=1)
+    try:
+        with pytest.raises(ValueError, match="structure"):
+            server.submit({"a": np.zeros(2)})
+        server.submit({"a": np.ones(2), "b": None})
+        got = server.sample(timeout=5)
+        assert got is not None
+        assert got.batch["b"] is None
+        np.testing.assert_array_equal(got.batch["a"], np.ones((1, 2)))
+    finally:
+        server.close()

@@ -24,6 +24,7 @@ fn client_error(err: ClientError) -> PyErr {
         ClientError::Protocol(msg) => PyValueError::new_err(msg),
         ClientError::Closed(msg) => ConnectionClosedError::new_err(msg),
         ClientError::TimedOut => PyTimeoutError::new_err("timed out waiting for acknowledgements"),
+        ClientError::Stalled => PyTimeoutError::new_err("timed out in the middle of a sample"),
         ClientError::Io(err) => err.into(),
     }
 }
@@ -173,16 +174,31 @@ impl PyTcpSender {
             }
         }
         let sender = &self.sender;
-        let done = wait_detached(py, deadline, |slice_end| {
-            let mut sender = sender.try_lock_until(slice_end)?;
-            match sender.send(&slices, Some(slice_end)) {
-                Err(ClientError::TimedOut) => None,
-                other => Some(other),
+        let mut deadline = deadline;
+        loop {
+            let done = wait_detached(py, deadline, |slice_end| {
+                let mut sender = sender.try_lock_until(slice_end)?;
+                match sender.send(&slices, Some(slice_end)) {
+                    Err(ClientError::TimedOut | ClientError::Stalled) => None,
+                    other => Some(other),
+                }
+            });
+            match done {
+                Ok(Some(result)) => return result.map_err(client_error),
+                // The user's timeout only bounds the wait for window room: a sample whose
+                // first bytes are on the wire is finished (or the stream would be misaligned).
+                Ok(None) if sender.lock().in_progress() > 0 => deadline = None,
+                Ok(None) => return Err(client_error(ClientError::TimedOut)),
+                Err(interrupted) => {
+                    let mut sender = sender.lock();
+                    if sender.in_progress() > 0 {
+                        // Ctrl-C mid-sample: drop the connection; the server discards the
+                        // partial sample.
+                        sender.abort("interrupted in the middle of a sample");
+                    }
+                    return Err(interrupted);
+                }
             }
-        })?;
-        match done {
-            Some(result) => result.map_err(client_error),
-            None => Err(client_error(ClientError::TimedOut)),
         }
     }
 }

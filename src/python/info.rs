@@ -4,6 +4,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::ingress::IngressSnapshot;
+use crate::metrics::{DetailedSnapshot, HistSummary};
 use crate::store::StoreStats;
 
 /// A latency histogram snapshot, in nanoseconds. All zero without `detailed-metrics`, so
@@ -18,6 +19,20 @@ pub(crate) struct HistSnapshot {
     p50_ns: u64,
     p90_ns: u64,
     p99_ns: u64,
+}
+
+impl From<HistSummary> for HistSnapshot {
+    fn from(h: HistSummary) -> Self {
+        Self {
+            count: h.count,
+            min_ns: h.min_ns,
+            max_ns: h.max_ns,
+            mean_ns: h.mean_ns,
+            p50_ns: h.p50_ns,
+            p90_ns: h.p90_ns,
+            p99_ns: h.p99_ns,
+        }
+    }
 }
 
 #[pymethods]
@@ -73,15 +88,23 @@ pub(crate) struct SampleInfo {
 }
 
 impl SampleInfo {
+    /// `detailed`: the detailed counters and histograms, or `None` in the default build (the
+    /// shared all-zero `zero_hist` is then used for every histogram).
     pub(crate) fn new(
         py: Python<'_>,
         stats: &StoreStats,
         ingress: &IngressSnapshot,
+        detailed: Option<&DetailedSnapshot>,
         sequence: u64,
         wait_ns: u64,
         zero_hist: &Py<HistSnapshot>,
-    ) -> Self {
-        Self {
+    ) -> PyResult<Self> {
+        let hist = |h: Option<HistSummary>| match h {
+            Some(h) => Py::new(py, HistSnapshot::from(h)),
+            None => Ok(zero_hist.clone_ref(py)),
+        };
+        let d = detailed.copied().unwrap_or_default();
+        Ok(Self {
             store_size: stats.store_size,
             active_connections: ingress.active_connections,
             queue_depth_sum: ingress.queue_depth_sum,
@@ -89,15 +112,15 @@ impl SampleInfo {
             push_blocked_count: ingress.push_blocked_count,
             samples_inserted_total: ingress.samples_inserted_total,
             notify_count: stats.notify_count,
-            cas_success_total: 0,
-            cas_failure_total: 0,
-            reservation_retries_total: 0,
-            drain_round: zero_hist.clone_ref(py),
-            memcpy: zero_hist.clone_ref(py),
-            queue_dwell: zero_hist.clone_ref(py),
+            cas_success_total: d.cas_success_total,
+            cas_failure_total: d.cas_failure_total,
+            reservation_retries_total: d.reservation_retries_total,
+            drain_round: hist(detailed.map(|d| d.drain_round))?,
+            memcpy: hist(detailed.map(|d| d.memcpy))?,
+            queue_dwell: hist(detailed.map(|d| d.queue_dwell))?,
             wait_ns,
             sequence,
-        }
+        })
     }
 }
 

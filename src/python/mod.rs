@@ -92,6 +92,65 @@ pub(crate) fn deadline_from_timeout(timeout: Option<f64>) -> PyResult<Option<Ins
     }
 }
 
+/// Forwards Rust `log` records (connection errors, refused connections) to Python's `logging`
+/// under their module names (`echo.transport.tcp`, ...), through the same exit guard as
+/// [`detach`]: a transport thread never takes the GIL once the interpreter is exiting.
+struct ExitSafeLogger(pyo3_log::Logger);
+
+impl ExitSafeLogger {
+    fn guarded(&self, f: impl FnOnce(&pyo3_log::Logger) -> bool) -> bool {
+        // ORDERING: SeqCst — the same Dekker pair as in `detach`.
+        REATTACHING.fetch_add(1, Ordering::SeqCst);
+        // ORDERING: SeqCst — see above.
+        let out = !INTERPRETER_EXITING.load(Ordering::SeqCst) && f(&self.0);
+        // ORDERING: SeqCst — see above.
+        REATTACHING.fetch_sub(1, Ordering::SeqCst);
+        out
+    }
+}
+
+impl log::Log for ExitSafeLogger {
+    fn enabled(&self, metadata: &log::Metadata<'_>) -> bool {
+        self.guarded(|l| l.enabled(metadata))
+    }
+
+    fn log(&self, record: &log::Record<'_>) {
+        self.guarded(|l| {
+            l.log(record);
+            true
+        });
+    }
+
+    fn flush(&self) {
+        self.guarded(|l| {
+            l.flush();
+            true
+        });
+    }
+}
+
+static LOG_RESET: std::sync::OnceLock<pyo3_log::ResetHandle> = std::sync::OnceLock::new();
+
+fn install_logger(py: Python<'_>) -> PyResult<()> {
+    let logger = pyo3_log::Logger::new(py, pyo3_log::Caching::LoggersAndLevels)?
+        .filter(log::LevelFilter::Debug);
+    let handle = logger.reset_handle();
+    if log::set_boxed_logger(Box::new(ExitSafeLogger(logger))).is_ok() {
+        log::set_max_level(log::LevelFilter::Debug);
+        let _ = LOG_RESET.set(handle);
+    }
+    Ok(())
+}
+
+/// Forgets the cached Python logger levels: call after changing `logging` levels once echo
+/// has started logging (the bridge caches them for speed).
+#[pyfunction]
+fn reset_log_cache() {
+    if let Some(handle) = LOG_RESET.get() {
+        handle.reset();
+    }
+}
+
 /// Called by an `atexit` hook: from now on, threads finishing a wait park instead of
 /// re-taking the GIL; the ones already on their way back get it before we return.
 #[pyfunction]
@@ -111,11 +170,10 @@ fn _interpreter_exiting(py: Python<'_>) {
 #[pymodule]
 fn _echo(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
-    // Rust `log` records (connection errors, refused connections) go to Python's `logging`,
-    // under the logger names of their modules (`echo.transport.tcp`, ...).
-    let _ = pyo3_log::try_init();
+    install_logger(py)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("RING_ALIGN", crate::RING_ALIGN)?;
+    m.add("DETAILED_METRICS", crate::metrics::ENABLED)?;
     m.add_class::<server::PyRingServer>()?;
     m.add_class::<client::PyTcpSender>()?;
     m.add_class::<views::RingLease>()?;
@@ -124,5 +182,6 @@ fn _echo(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ServerClosedError", py.get_type::<errors::ServerClosedError>())?;
     m.add("ConnectionClosedError", py.get_type::<errors::ConnectionClosedError>())?;
     m.add_function(wrap_pyfunction!(_interpreter_exiting, m)?)?;
+    m.add_function(wrap_pyfunction!(reset_log_cache, m)?)?;
     Ok(())
 }

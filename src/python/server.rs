@@ -19,6 +19,7 @@ use super::leaves::{byte_slices, LeafSpecs};
 use super::views::{batch_copies, batch_views, LeafLayout, RingLease};
 use super::{deadline_from_timeout, detach, wait_detached};
 use crate::ingress::{Ingress, IngressConfig};
+use crate::metrics;
 use crate::store::{Consumer, InsertError, Leaves, SampleError, Store};
 use crate::sync::Arc;
 use crate::transport::tcp::TcpConfig;
@@ -211,17 +212,22 @@ impl PyRingServer {
             batch_views(py, &self.store, batch, &self.layouts, &self.lease)?
         };
         drop(guard);
-        Ok(Some((leaves, self.info(py, batch, wait_ns))))
+        Ok(Some((leaves, self.info(py, batch, wait_ns)?)))
     }
 
     /// A snapshot of the counters without sampling (`sequence` and `wait_ns` are 0).
-    fn stats(&self, py: Python<'_>) -> SampleInfo {
+    fn stats(&self, py: Python<'_>) -> PyResult<SampleInfo> {
         self.info(py, 0, 0)
     }
 
     /// Clears the timing histograms (counters stay). Nothing to clear without
     /// `detailed-metrics`.
-    fn reset_histograms(&self) {}
+    fn reset_histograms(&self) {
+        self.store.reset_histograms();
+        if let Some(ingress) = self.ingress.get() {
+            ingress.reset_histograms();
+        }
+    }
 
     /// Closes the server: stops the transport (closing every connection), wakes a blocked
     /// `sample()` (it returns `None`) and a blocked `submit()` (it raises
@@ -233,16 +239,6 @@ impl PyRingServer {
             store.close();
             drop(tcp); // shuts the transport down and joins its threads
         });
-    }
-
-    /// Stops the TCP server's threads (they log through Python) without closing the ring:
-    /// what interpreter exit needs, so threads blocked in `sample()`/`submit()` stay quietly
-    /// blocked instead of waking up with errors.
-    fn _stop_transport(&self, py: Python<'_>) {
-        let mut tcp = self.tcp.lock();
-        if let Some(tcp) = tcp.as_mut() {
-            detach(py, || tcp.stop_transport());
-        }
     }
 
     fn __repr__(&self) -> String {
@@ -296,9 +292,17 @@ impl PyRingServer {
         }
     }
 
-    fn info(&self, py: Python<'_>, sequence: u64, wait_ns: u64) -> SampleInfo {
+    fn info(&self, py: Python<'_>, sequence: u64, wait_ns: u64) -> PyResult<SampleInfo> {
         let ingress = self.ingress.get().map(|i| i.snapshot()).unwrap_or_default();
-        SampleInfo::new(py, &self.store.stats(), &ingress, sequence, wait_ns, &self.zero_hist)
+        let detailed = metrics::ENABLED.then(|| {
+            let mut d = self.store.detailed();
+            if let Some(ingress) = self.ingress.get() {
+                (d.drain_round, d.queue_dwell) = ingress.detailed();
+            }
+            d
+        });
+        let stats = self.store.stats();
+        SampleInfo::new(py, &stats, &ingress, detailed.as_ref(), sequence, wait_ns, &self.zero_hist)
     }
 }
 

@@ -27,9 +27,13 @@ pub enum ClientError {
     /// The connection is closed (by `close`, or the server went away).
     #[error("connection closed: {0}")]
     Closed(String),
-    /// The deadline passed.
+    /// The deadline passed before anything of the sample was written.
     #[error("timed out")]
     TimedOut,
+    /// The deadline passed in the middle of writing a sample (the server is applying
+    /// backpressure). Call `send` again with the same leaves to continue, or `abort`.
+    #[error("the write of a sample is in progress")]
+    Stalled,
     /// Connecting failed.
     #[error(transparent)]
     Io(#[from] io::Error),
@@ -83,6 +87,9 @@ pub struct TcpSender {
     max_inflight: u64,
     reader: Option<JoinHandle<()>>,
     closed: bool,
+    /// Bytes of the current sample already written; non-zero only between a
+    /// [`ClientError::Stalled`] and the `send` that finishes the sample.
+    in_progress: usize,
 }
 
 /// How long one blocking write may take before `send` checks its deadline again.
@@ -132,6 +139,14 @@ impl TcpSender {
             HandshakeError::Io(err) if err.kind() == io::ErrorKind::UnexpectedEof => ClientError::Closed(
                 format!("{host}:{port} closed the connection during the handshake (too many connections?)"),
             ),
+            HandshakeError::Io(err)
+                if matches!(err.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) =>
+            {
+                ClientError::Io(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("{host}:{port} sent no echo handshake within {timeout:?}"),
+                ))
+            }
             HandshakeError::Io(err) => ClientError::Io(err),
         })?;
         stream.set_read_timeout(None)?;
@@ -143,7 +158,16 @@ impl TcpSender {
                 .name("echo-client-acks".into())
                 .spawn(move || read_acks(&mut stream, &acks))?
         };
-        Ok(Self { stream, spec, acks, sent: 0, max_inflight, reader: Some(reader), closed: false })
+        Ok(Self {
+            stream,
+            spec,
+            acks,
+            sent: 0,
+            max_inflight,
+            reader: Some(reader),
+            closed: false,
+            in_progress: 0,
+        })
     }
 
     /// The server's sample layout.
@@ -161,16 +185,43 @@ impl TcpSender {
         self.acks.acked()
     }
 
-    /// Sends one sample given as its leaves (sizes are the caller's responsibility: checked
-    /// against the spec here). Waits first while `max_inflight` samples are unacknowledged.
-    /// Returns [`ClientError::TimedOut`] if `deadline` passes while waiting for room (nothing
-    /// was sent) — call again to keep waiting.
+    /// Sends one sample given as its leaves (sizes are checked against the spec here). Waits
+    /// first while `max_inflight` samples are unacknowledged; returns
+    /// [`ClientError::TimedOut`] if `deadline` passes while waiting (nothing was sent).
+    ///
+    /// Once the first byte is written the sample must be finished, or the stream would be
+    /// misaligned: if `deadline` passes mid-write this returns [`ClientError::Stalled`], and
+    /// the next `send` (with the same leaves) continues where it stopped. [`TcpSender::abort`]
+    /// gives up instead (the server discards the partial sample).
     ///
     /// # Errors
     /// [`ClientError::Closed`] once the connection is gone; [`ClientError::Protocol`] if the
     /// leaves do not match the spec.
     pub fn send(&mut self, leaves: &[&[u8]], deadline: Option<Instant>) -> Result<(), ClientError> {
         self.ensure_open()?;
+        if self.in_progress == 0 {
+            self.check_leaves(leaves)?;
+            self.wait_for_acks((self.sent + 1).saturating_sub(self.max_inflight), deadline)?;
+        }
+        self.write_sample(leaves, deadline)?;
+        self.sent += 1;
+        Ok(())
+    }
+
+    /// Bytes of a sample written so far by a `send` that returned [`ClientError::Stalled`].
+    pub fn in_progress(&self) -> usize {
+        self.in_progress
+    }
+
+    /// Closes the connection in the middle of a sample (after an interrupt): the server
+    /// discards the partial sample; every later call returns [`ClientError::Closed`].
+    pub fn abort(&mut self, reason: &str) {
+        let _ = self.stream.shutdown(Shutdown::Both);
+        self.acks.lose(reason.to_owned());
+        self.in_progress = 0;
+    }
+
+    fn check_leaves(&self, leaves: &[&[u8]]) -> Result<(), ClientError> {
         if leaves.len() != self.spec.len() {
             return Err(ClientError::Protocol(format!(
                 "expected {} leaves, got {}",
@@ -187,9 +238,6 @@ impl TcpSender {
                 )));
             }
         }
-        self.wait_for_acks((self.sent + 1).saturating_sub(self.max_inflight), deadline)?;
-        self.write_all_vectored(leaves)?;
-        self.sent += 1;
         Ok(())
     }
 
@@ -216,22 +264,39 @@ impl TcpSender {
         }
     }
 
-    fn write_all_vectored(&mut self, leaves: &[&[u8]]) -> Result<(), ClientError> {
+    /// Writes the sample from byte `in_progress` on, until done or `deadline` passes.
+    fn write_sample(
+        &mut self,
+        leaves: &[&[u8]],
+        deadline: Option<Instant>,
+    ) -> Result<(), ClientError> {
         let mut slices: Vec<IoSlice<'_>> =
             leaves.iter().filter(|l| !l.is_empty()).map(|l| IoSlice::new(l)).collect();
         let mut remaining = &mut slices[..];
+        IoSlice::advance_slices(&mut remaining, self.in_progress);
         while !remaining.is_empty() {
             match self.stream.write_vectored(remaining) {
                 Ok(0) => {
                     self.acks.lose("the server stopped reading (write returned 0)".into());
                     return Err(self.acks.closed_error());
                 }
-                Ok(n) => IoSlice::advance_slices(&mut remaining, n),
+                Ok(n) => {
+                    self.in_progress += n;
+                    IoSlice::advance_slices(&mut remaining, n);
+                }
                 Err(e)
                     if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) =>
                 {
-                    // The server is applying backpressure; keep going unless it vanished.
+                    // The server is applying backpressure; keep going unless it vanished or
+                    // the caller wants control back.
                     self.ensure_open()?;
+                    if deadline.is_some_and(|d| Instant::now() >= d) {
+                        return Err(if self.in_progress == 0 {
+                            ClientError::TimedOut
+                        } else {
+                            ClientError::Stalled
+                        });
+                    }
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => {
@@ -240,6 +305,7 @@ impl TcpSender {
                 }
             }
         }
+        self.in_progress = 0;
         Ok(())
     }
 

@@ -69,13 +69,6 @@ impl TcpIngress {
         self.ingress.snapshot()
     }
 
-    /// Stops accepting and closes every connection, but leaves the drainers and the store
-    /// running (used at interpreter exit, where only threads that may call into Python must
-    /// stop). Idempotent.
-    pub fn stop_transport(&mut self) {
-        let _ = self.server.shutdown();
-    }
-
     /// Stops accepting and closes every connection, closes the store (so drainers blocked on a
     /// full ring return), and joins every thread. Idempotent.
     pub fn shutdown(&mut self) {

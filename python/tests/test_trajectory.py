@@ -1,0 +1,644 @@
+"""`TrajectoryAccumulator`: timescale rules, every error with its exception and message,
+`build()`'s aliasing and fill checks, and a built trajectory travelling as one sample."""
+
+from __future__ import annotations
+
+import collections
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import optree
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import echo
+from echo import TrajectoryAccumulator
+
+T = 4
+OBS = 3
+
+
+def rollout_example(horizon: int = T, obs: int = OBS) -> dict[str, Any]:
+    """T steps of (obs, action, reward, done) plus one bootstrap observation."""
+    return {
+        "steps": {
+            "obs": np.zeros((horizon, obs), np.float32),
+            "action": np.zeros((horizon,), np.int64),
+            "reward": np.zeros((horizon,), np.float32),
+            "done": np.zeros((horizon,), np.bool_),
+        },
+        "bootstrap": {"obs": np.zeros((1, obs), np.float32)},
+    }
+
+
+def step(t: int, obs: int = OBS) -> dict[str, Any]:
+    """Step `t` of a rollout: every value encodes `t`."""
+    return {
+        "obs": np.full((obs,), t, np.float32),
+        "action": np.int64(t),
+        "reward": np.float32(t / 2),
+        "done": np.bool_(t % 2),
+    }
+
+
+def fill(acc: TrajectoryAccumulator, offset: int = 0, horizon: int = T) -> None:
+    for t in range(horizon):
+        acc.add("steps", step(offset + t))
+    acc.add("bootstrap", {"obs": np.full((OBS,), offset + horizon, np.float32)})
+
+
+def expected_rollout(offset: int = 0, horizon: int = T) -> dict[str, Any]:
+    steps = [step(offset + t) for t in range(horizon)]
+    return {
+        "steps": {key: np.stack([s[key] for s in steps]) for key in steps[0]},
+        "bootstrap": {"obs": np.full((1, OBS), offset + horizon, np.float32)},
+    }
+
+
+def assert_tree_equal(actual: Any, expected: Any) -> None:
+    assert optree.tree_structure(actual) == optree.tree_structure(expected)
+    for got, want in zip(optree.tree_leaves(actual), optree.tree_leaves(expected), strict=True):
+        assert got.dtype == want.dtype
+        assert got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+
+
+def test_is_exported() -> None:
+    assert "TrajectoryAccumulator" in echo.__all__
+    assert echo.TrajectoryAccumulator is TrajectoryAccumulator
+
+
+# --- timescales --------------------------------------------------------------------------------
+
+
+def test_timescale_kinds_capacities_and_counters() -> None:
+    acc = TrajectoryAccumulator(
+        {
+            "steps": {"obs": np.zeros((5, 2), np.float32), "r": np.zeros((5,), np.float32)},
+            "bootstrap": {"obs": np.zeros((1, 2), np.float32)},
+            "meta": {"id": np.zeros((), np.int64), "vec": np.zeros((3,), np.float32)},
+            "bare": np.zeros((7,), np.uint8),
+        }
+    )
+    assert acc.timescales == ("steps", "bootstrap", "meta", "bare")
+    assert [acc.capacity(n) for n in acc.timescales] == [5, 1, 1, 7]
+    assert [acc.is_buffered(n) for n in acc.timescales] == [True, False, False, True]
+    assert [acc.size(n) for n in acc.timescales] == [0, 0, 0, 0]
+    assert not acc.ready
+    acc.add("steps", {"obs": np.zeros((2,), np.float32), "r": np.float32(1)})
+    acc.add("bare", np.uint8(3))
+    assert acc.size("steps") == 1
+    assert acc.size("bare") == 1
+    assert repr(acc) == (
+        "TrajectoryAccumulator('steps': 1/5, 'bootstrap': 0/1, 'meta': 0/1, 'bare': 1/7)"
+    )
+
+
+def test_buffered_item_is_one_slot_of_every_leaf() -> None:
+    acc = TrajectoryAccumulator({"s": {"img": np.zeros((2, 3, 4), np.uint8)}})
+    acc.add("s", {"img": np.ones((3, 4), np.uint8)})
+    with pytest.raises(
+        ValueError,
+        match=r"add\('s'\): leaf \['s'\]\['img'\]: expected shape \(3, 4\) "
+        r"\(one slot of the \(2, 3, 4\) leaf\), got \(2, 3, 4\)",
+    ):
+        acc.add("s", {"img": np.ones((2, 3, 4), np.uint8)})
+
+
+def test_leading_dim_1_takes_the_item_without_that_dim() -> None:
+    acc = TrajectoryAccumulator({"b": {"obs": np.zeros((1, 4), np.float32)}})
+    assert acc.capacity("b") == 1
+    assert not acc.is_buffered("b")
+    with pytest.raises(
+        ValueError,
+        match=r"add\('b'\): leaf \['b'\]\['obs'\]: expected shape \(4,\) "
+        r"\(one slot of the \(1, 4\) leaf\), got \(1, 4\)",
+    ):
+        acc.add("b", {"obs": np.ones((1, 4), np.float32)})
+    acc.add("b", {"obs": np.arange(4, dtype=np.float32)})
+    built = acc.build()
+    assert built["b"]["obs"].shape == (1, 4)
+    np.testing.assert_array_equal(built["b"]["obs"], [[0, 1, 2, 3]])
+
+
+def test_a_0d_leaf_makes_the_item_the_whole_timescale() -> None:
+    # The 0-d leaf leaves no slot axis: even the (1, 2) and (3,) leaves take their full shapes.
+    example = {
+        "meta": {
+            "id": np.zeros((), np.int64),
+            "one": np.zeros((1, 2), np.float32),
+            "vec": np.zeros((3,), np.float32),
+        }
+    }
+    acc = TrajectoryAccumulator(example)
+    assert acc.capacity("meta") == 1
+    item = {
+        "id": np.int64(7),
+        "one": np.ones((1, 2), np.float32),
+        "vec": np.arange(3, dtype=np.float32),
+    }
+    acc.add("meta", item)
+    with pytest.raises(
+        ValueError,
+        match=r"add\('meta'\): leaf \['meta'\]\['one'\]: expected shape \(1, 2\) \(the whole "
+        r"leaf: a 0-d leaf makes 'meta' single-item\), got \(2,\)$",
+    ):
+        acc.add("meta", {**item, "one": np.ones((2,), np.float32)})
+    with pytest.raises(
+        ValueError, match=r"leaf \['meta'\]\['id'\]: expected shape \(\), got \(1,\)$"
+    ):
+        acc.add("meta", {**item, "id": np.zeros((1,), np.int64)})
+    assert_tree_equal(acc.build(), {"meta": item})
+
+
+def test_single_item_add_replaces() -> None:
+    acc = TrajectoryAccumulator({"b": {"obs": np.zeros((1, 2), np.float32)}, "id": np.zeros(())})
+    for i in range(3):
+        acc.add("b", {"obs": np.full((2,), i, np.float32)})
+        acc.add("id", np.float64(i))
+        assert acc.size("b") == 1
+        assert acc.size("id") == 1
+    built = acc.build()
+    np.testing.assert_array_equal(built["b"]["obs"], [[2, 2]])
+    assert built["id"] == 2.0
+
+
+def test_timescales_keep_their_own_lengths() -> None:
+    acc = TrajectoryAccumulator(
+        {"fast": np.zeros((6,), np.int32), "slow": np.zeros((2,), np.int32)}
+    )
+    for i in range(6):
+        acc.add("fast", np.int32(i))
+    for i in range(2):
+        acc.add("slow", np.int32(10 + i))
+    built = acc.build()
+    np.testing.assert_array_equal(built["fast"], np.arange(6))
+    np.testing.assert_array_equal(built["slow"], [10, 11])
+
+
+class Transition(NamedTuple):
+    obs: np.ndarray
+    extras: tuple[Any, list[Any]]
+
+
+def test_nested_pytrees_keep_their_structure() -> None:
+    example = collections.OrderedDict(
+        [
+            (
+                "steps",
+                Transition(
+                    obs=np.zeros((3, 2), np.float32),
+                    extras=(np.zeros((3,), np.int8), [np.zeros((3, 1), np.float64)]),
+                ),
+            ),
+            ("none_is_empty", {"x": np.zeros((1,), np.int16), "skip": None}),
+        ]
+    )
+    acc = TrajectoryAccumulator(example)
+    for t in range(3):
+        acc.add(
+            "steps",
+            Transition(
+                obs=np.full((2,), t, np.float32),
+                extras=(np.int8(-t), [np.full((1,), t * 10, np.float64)]),
+            ),
+        )
+    with pytest.raises(ValueError, match=r"expected PyTreeSpec\(\{'skip': None, 'x': \*\}\)"):
+        acc.add("none_is_empty", {"x": np.int16(5)})
+    acc.add("none_is_empty", {"x": np.int16(5), "skip": None})
+    built = acc.build()
+    assert type(built) is collections.OrderedDict
+    assert isinstance(built["steps"], Transition)
+    assert optree.tree_structure(built) == optree.tree_structure(example)
+    np.testing.assert_array_equal(built["steps"].obs, [[0, 0], [1, 1], [2, 2]])
+    np.testing.assert_array_equal(built["steps"].extras[0], [0, -1, -2])
+    np.testing.assert_array_equal(built["steps"].extras[1][0], [[0], [10], [20]])
+    np.testing.assert_array_equal(built["none_is_empty"]["x"], [5])
+
+
+def test_items_may_be_numpy_scalars_0d_arrays_or_non_contiguous() -> None:
+    acc = TrajectoryAccumulator({"s": {"x": np.zeros((3, 2), np.float32), "r": np.zeros((3,))}})
+    strided = np.arange(8, dtype=np.float32)[::4]  # (2,), not contiguous
+    assert not strided.flags.c_contiguous
+    acc.add("s", {"x": strided, "r": np.float64(1.5)})
+    acc.add("s", {"x": np.zeros((2,), np.float32), "r": np.array(2.5)})
+    acc.add("s", {"x": np.ones((2,), np.dtype("<f4")), "r": np.array(3.5, np.dtype("=f8"))})
+    built = acc.build()
+    np.testing.assert_array_equal(built["s"]["x"], [[0, 4], [0, 0], [1, 1]])
+    np.testing.assert_array_equal(built["s"]["r"], [1.5, 2.5, 3.5])
+
+
+# --- add(): errors --------------------------------------------------------------------------------
+
+
+def test_add_to_an_unknown_timescale_is_a_key_error() -> None:
+    acc = TrajectoryAccumulator(rollout_example())
+    with pytest.raises(KeyError, match=r"unknown timescale 'step': the example has 'steps', "):
+        acc.add("step", step(0))
+    for query in (acc.capacity, acc.size, acc.is_buffered):
+        with pytest.raises(KeyError, match="unknown timescale 'nope'"):
+            query("nope")
+
+
+def test_add_to_a_full_buffered_timescale_is_an_index_error() -> None:
+    acc = TrajectoryAccumulator(rollout_example())
+    fill(acc)
+    with pytest.raises(
+        IndexError,
+        match=r"add\('steps'\): timescale 'steps' is full \(4 of 4 slots\): "
+        r"call build\(\) or reset\(\) first",
+    ):
+        acc.add("steps", step(99))
+    assert acc.size("steps") == T
+    assert_tree_equal(acc.build(), expected_rollout())  # the rejected step wrote nothing
+
+
+@pytest.mark.parametrize(
+    ("item", "got"),
+    [
+        pytest.param({"obs": np.zeros(OBS, np.float32)}, r"\{'obs': \*\}", id="missing-key"),
+        pytest.param({**step(0), "extra": np.zeros(1)}, r"'extra': \*", id="extra-key"),
+        pytest.param({**step(0), "reward": [np.float32(0)]}, r"'reward': \[\*\]", id="list"),
+        pytest.param({**step(0), "done": {"x": np.bool_(0)}}, r"'done': \{'x': \*\}", id="nested"),
+        pytest.param({**step(0), "action": None}, r"'action': None", id="none"),
+        pytest.param(tuple(step(0).values()), r"PyTreeSpec\(\(\*, \*, \*, \*\)\)", id="tuple"),
+        pytest.param(None, r"PyTreeSpec\(None\)", id="none-item"),
+    ],
+)
+def test_add_with_another_structure_is_a_value_error(item: Any, got: str) -> None:
+    acc = TrajectoryAccumulator(rollout_example())
+    with pytest.raises(
+        ValueError,
+        match=r"add\('steps'\): item structure does not match timescale 'steps': "
+        rf"expected PyTreeSpec\(\{{.*\}}\), got .*{got}",
+    ):
+        acc.add("steps", item)
+    assert acc.size("steps") == 0
+
+
+@pytest.mark.parametrize(
+    ("value", "type_name"),
+    [
+        pytest.param(1.0, "float", id="float"),
+        pytest.param(1, "int", id="int"),
+        pytest.param("a", "str", id="str"),
+        pytest.param(object(), "object", id="object"),
+    ],
+)
+def test_add_with_a_non_array_leaf_is_a_type_error(value: Any, type_name: str) -> None:
+    acc = TrajectoryAccumulator(rollout_example())
+    with pytest.raises(
+        TypeError,
+        match=rf"add\('steps'\): leaf \['steps'\]\['reward'\]: expected a numpy\.ndarray, "
+        rf"got {type_name}$",
+    ):
+        acc.add("steps", {**step(0), "reward": value})
+
+
+@pytest.mark.parametrize(
+    ("value", "got"),
+    [
+        pytest.param(np.float64(0), "float64", id="float64-scalar"),
+        pytest.param(np.zeros((), np.float16), "float16", id="float16-array"),
+        pytest.param(np.zeros((), np.dtype(">f4")), ">f4", id="byte-order"),
+        pytest.param(np.int32(0), "int32", id="int32"),
+    ],
+)
+def test_add_with_another_dtype_is_a_type_error(value: Any, got: str) -> None:
+    acc = TrajectoryAccumulator(rollout_example())
+    with pytest.raises(
+        TypeError,
+        match=rf"add\('steps'\): leaf \['steps'\]\['reward'\]: expected dtype float32, got {got}$",
+    ):
+        acc.add("steps", {**step(0), "reward": value})
+
+
+@pytest.mark.parametrize(
+    ("value", "got"),
+    [
+        pytest.param(np.zeros((OBS + 1,), np.float32), r"\(4,\)", id="longer"),
+        pytest.param(np.zeros((1, OBS), np.float32), r"\(1, 3\)", id="extra-dim"),
+        pytest.param(np.zeros((T, OBS), np.float32), r"\(4, 3\)", id="whole-leaf"),
+        pytest.param(np.float32(0), r"\(\)", id="scalar"),
+    ],
+)
+def test_add_with_another_shape_is_a_value_error(value: Any, got: str) -> None:
+    acc = TrajectoryAccumulator(rollout_example())
+    with pytest.raises(
+        ValueError,
+        match=r"add\('steps'\): leaf \['steps'\]\['obs'\]: expected shape \(3,\) "
+        rf"\(one slot of the \(4, 3\) leaf\), got {got}$",
+    ):
+        acc.add("steps", {**step(0), "obs": value})
+
+
+def test_a_rejected_add_writes_nothing() -> None:
+    acc = TrajectoryAccumulator(
+        {"s": {"a": np.zeros((2,), np.int64), "z": np.zeros((2,), np.int64)}, "one": np.zeros(())}
+    )
+    acc.add("one", np.float64(1.0))
+    acc.add("s", {"a": np.int64(1), "z": np.int64(1)})
+    # 'a' (first in leaf order) is fine, 'z' is not: not even 'a' may be written.
+    with pytest.raises(TypeError, match=r"\['s'\]\['z'\]: expected dtype int64"):
+        acc.add("s", {"a": np.int64(99), "z": np.int32(99)})
+    with pytest.raises(TypeError, match=r"\['one'\]: expected dtype float64"):
+        acc.add("one", np.float32(99))
+    assert acc.size("s") == 1
+    acc.add("s", {"a": np.int64(2), "z": np.int64(2)})
+    built = acc.build()
+    np.testing.assert_array_equal(built["s"]["a"], [1, 2])
+    np.testing.assert_array_equal(built["s"]["z"], [1, 2])
+    assert built["one"] == 1.0
+
+
+# --- the example: errors ----------------------------------------------------------------------
+
+
+class NotRegistered(dict):  # type: ignore[type-arg]
+    """A dict subclass optree does not know: it flattens as a leaf."""
+
+
+@pytest.mark.parametrize(
+    ("example", "type_name"),
+    [
+        pytest.param([np.zeros((2,))], "list", id="list"),
+        pytest.param((np.zeros((2,)),), "tuple", id="tuple"),
+        pytest.param(np.zeros((2, 3)), "ndarray", id="ndarray"),
+        pytest.param(None, "NoneType", id="none"),
+        pytest.param(Transition(np.zeros(2), (np.zeros(2), [])), "Transition", id="namedtuple"),
+    ],
+)
+def test_non_dict_example_is_a_type_error(example: Any, type_name: str) -> None:
+    with pytest.raises(
+        TypeError,
+        match=r"example must be a dict of timescales \(name -> pytree of numpy arrays\), "
+        rf"got {type_name}$",
+    ):
+        TrajectoryAccumulator(example)
+
+
+def test_dict_subclass_optree_cannot_flatten_is_a_type_error() -> None:
+    with pytest.raises(
+        TypeError, match="example must be a dict of timescales that optree flattens as a dict"
+    ):
+        TrajectoryAccumulator(NotRegistered(a=np.zeros((2,))))
+
+
+def test_example_without_timescales_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="example has no timescales"):
+        TrajectoryAccumulator({})
+
+
+@pytest.mark.parametrize(
+    "empty",
+    [
+        pytest.param({}, id="dict"),
+        pytest.param(None, id="none"),
+        pytest.param((), id="tuple"),
+        pytest.param({"x": [], "y": {"z": None}}, id="nested-empty"),
+    ],
+)
+def test_empty_timescale_is_a_value_error(empty: Any) -> None:
+    with pytest.raises(
+        ValueError, match="timescale 'b' has no leaves: it needs at least one numpy array"
+    ):
+        TrajectoryAccumulator({"a": np.zeros((2,)), "b": empty})
+
+
+@pytest.mark.parametrize(
+    ("timescale", "dims"),
+    [
+        pytest.param(
+            {"x": np.zeros((3, 2)), "y": np.zeros((4,))}, r"\['a'\]\['x'\]: 3, \['a'\]\['y'\]: 4"
+        ),
+        pytest.param(
+            {"x": np.zeros((1, 2)), "y": np.zeros((4,))}, r"\['a'\]\['x'\]: 1, \['a'\]\['y'\]: 4"
+        ),
+        pytest.param(
+            (np.zeros((2,)), np.zeros((5, 5))), r"\['a'\]\[0\]: 2, \['a'\]\[1\]: 5", id="tuple"
+        ),
+    ],
+)
+def test_unequal_leading_dims_are_a_value_error(timescale: Any, dims: str) -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"timescale 'a': every leaf of a buffered timescale needs the same leading dim "
+        rf"\(its number of slots\), got {dims}; for a single item, give every leaf a leading "
+        "dim of 1",
+    ):
+        TrajectoryAccumulator({"a": timescale})
+
+
+def test_unequal_leading_dims_next_to_a_0d_leaf_are_one_item() -> None:
+    acc = TrajectoryAccumulator(
+        {"a": {"x": np.zeros((3, 2)), "y": np.zeros((4,)), "n": np.zeros(())}}
+    )
+    assert acc.capacity("a") == 1
+
+
+def test_leading_dim_0_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match=r"timescale 'a': a leading dim of 0 gives no slots"):
+        TrajectoryAccumulator({"a": {"x": np.zeros((0, 3)), "y": np.zeros((0,))}})
+
+
+@pytest.mark.parametrize(
+    ("leaf", "type_name"),
+    [
+        pytest.param(1.0, "float", id="float"),
+        pytest.param(np.float32(1), "float32", id="numpy-scalar"),
+        pytest.param("s", "str", id="str"),
+    ],
+)
+def test_example_with_a_non_array_leaf_is_a_type_error(leaf: Any, type_name: str) -> None:
+    with pytest.raises(
+        TypeError,
+        match=rf"example leaf \['a'\]\['x'\]: expected a numpy\.ndarray, got {type_name}$",
+    ):
+        TrajectoryAccumulator({"a": {"x": leaf}})
+
+
+def test_example_with_an_object_dtype_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match=r"example leaf \['a'\]: dtype object holds Python objects"):
+        TrajectoryAccumulator({"a": np.zeros((2,), object)})
+
+
+# --- build() and reset() ----------------------------------------------------------------------
+
+
+def test_build_returns_the_rollout_and_resets() -> None:
+    acc = TrajectoryAccumulator(rollout_example())
+    fill(acc)
+    assert acc.ready
+    built = acc.build()
+    assert_tree_equal(built, expected_rollout())
+    assert [acc.size(n) for n in acc.timescales] == [0, 0]
+    assert not acc.ready
+
+
+def test_build_of_a_partial_trajectory_is_a_value_error() -> None:
+    acc = TrajectoryAccumulator(rollout_example())
+    for t in range(T - 1):
+        acc.add("steps", step(t))
+    with pytest.raises(
+        ValueError,
+        match=r"build\(\): not every timescale is full: 'steps' has 3 of 4 slots filled, "
+        r"'bootstrap' has 0 of 1 slots filled; add\(\) the missing items or reset\(\) to drop "
+        "this trajectory",
+    ):
+        acc.build()
+    # Nothing was reset: finish the trajectory and build it.
+    assert acc.size("steps") == T - 1
+    acc.add("steps", step(T - 1))
+    with pytest.raises(ValueError, match=r"full: 'bootstrap' has 0 of 1 slots filled;"):
+        acc.build()
+    acc.add("bootstrap", {"obs": np.full((OBS,), T, np.float32)})
+    assert_tree_equal(acc.build(), expected_rollout())
+
+
+def test_build_of_nothing_is_a_value_error() -> None:
+    acc = TrajectoryAccumulator({"one": np.zeros((1,))})
+    with pytest.raises(ValueError, match=r"'one' has 0 of 1 slots filled"):
+        acc.build()
+
+
+def test_reset_drops_the_trajectory() -> None:
+    acc = TrajectoryAccumulator(rollout_example())
+    for t in range(2):
+        acc.add("steps", step(100 + t))
+    acc.add("bootstrap", {"obs": np.zeros((OBS,), np.float32)})
+    acc.reset()
+    assert [acc.size(n) for n in acc.timescales] == [0, 0]
+    with pytest.raises(ValueError, match="'steps' has 0 of 4"):
+        acc.build()
+    fill(acc, offset=10)  # starts again at slot 0
+    assert_tree_equal(acc.build(), expected_rollout(offset=10))
+    acc.reset()  # idempotent, also when empty
+    acc.reset()
+
+
+def test_build_aliases_the_buffers_until_the_next_add() -> None:
+    acc = TrajectoryAccumulator(rollout_example())
+    fill(acc, offset=0)
+    first = acc.build()
+    kept = optree.tree_map(np.copy, first)
+    for leaf in optree.tree_leaves(first):
+        assert not leaf.flags.writeable
+        assert leaf.base is not None  # a view of an internal buffer, not a copy
+    with pytest.raises(ValueError, match="read-only"):
+        first["steps"]["obs"][0, 0] = 1.0
+
+    acc.add("steps", step(50))  # overwrites slot 0, visible through `first`
+    np.testing.assert_array_equal(first["steps"]["obs"][0], step(50)["obs"])
+    assert first["steps"]["action"][0] == 50
+    np.testing.assert_array_equal(first["steps"]["obs"][1:], kept["steps"]["obs"][1:])
+    assert_tree_equal(kept, expected_rollout(offset=0))  # copies stay
+
+    for t in range(1, T):
+        acc.add("steps", step(50 + t))
+    acc.add("bootstrap", {"obs": np.full((OBS,), 50 + T, np.float32)})
+    second = acc.build()
+    # The same buffers every time: nothing is allocated per trajectory.
+    for a, b in zip(optree.tree_leaves(first), optree.tree_leaves(second), strict=True):
+        assert a.__array_interface__["data"] == b.__array_interface__["data"]
+    assert_tree_equal(first, expected_rollout(offset=50))
+
+
+def test_stale_slots_show_through_an_old_build_after_reset() -> None:
+    acc = TrajectoryAccumulator({"s": np.zeros((3,), np.int64)})
+    for i in range(3):
+        acc.add("s", np.int64(i + 1))
+    old = acc.build()
+    acc.add("s", np.int64(7))
+    acc.reset()  # reset() only empties: the buffers keep their values
+    np.testing.assert_array_equal(old["s"], [7, 2, 3])
+    with pytest.raises(ValueError, match="'s' has 0 of 3"):
+        acc.build()  # and build() never hands them out as a new trajectory
+
+
+@given(
+    data=st.data(),
+    horizon=st.integers(2, 12),
+    obs_shape=hnp.array_shapes(min_dims=0, max_dims=2, min_side=1, max_side=4),
+    dtype=st.sampled_from([np.float32, np.float64, np.int16, np.uint8]),
+    rollouts=st.integers(1, 3),
+)
+def test_rollouts_with_bootstrap_round_trip_exactly(
+    data: st.DataObject,
+    horizon: int,
+    obs_shape: tuple[int, ...],
+    dtype: type[np.generic],
+    rollouts: int,
+) -> None:
+    example = {
+        "steps": {
+            "obs": np.zeros((horizon, *obs_shape), dtype),
+            "action": np.zeros((horizon, 2), np.int32),
+            "reward": np.zeros((horizon,), np.float32),
+            "done": np.zeros((horizon,), np.bool_),
+        },
+        "bootstrap": {"obs": np.zeros((1, *obs_shape), dtype)},
+    }
+    acc = TrajectoryAccumulator(example)
+    floats = {"allow_nan": False, "width": 32}
+    for _ in range(rollouts):
+        steps = [
+            {
+                "obs": data.draw(hnp.arrays(dtype, obs_shape)),
+                "action": data.draw(hnp.arrays(np.int32, (2,))),
+                "reward": np.float32(data.draw(st.floats(**floats))),  # type: ignore[arg-type]
+                "done": np.bool_(data.draw(st.booleans())),
+            }
+            for _ in range(horizon)
+        ]
+        bootstrap = data.draw(hnp.arrays(dtype, obs_shape))
+        for item in steps:
+            acc.add("steps", item)
+        acc.add("bootstrap", {"obs": bootstrap})
+        built = acc.build()
+        expected = {
+            "steps": {key: np.stack([s[key] for s in steps]) for key in steps[0]},
+            "bootstrap": {"obs": bootstrap[None]},
+        }
+        assert_tree_equal(built, expected)
+
+
+# --- one trajectory, one sample ------------------------------------------------------------------
+
+
+def test_built_trajectories_are_samples_for_a_server(
+    make_server: Callable[..., echo.Server],
+) -> None:
+    example = rollout_example()
+    server = make_server(example, batch_size=2)
+    acc = TrajectoryAccumulator(example)
+    for offset in (0, 100):
+        fill(acc, offset=offset)
+        server.submit(acc.build())  # copies: the next add() may reuse the buffers
+    sample = server.sample(timeout=10)
+    assert sample is not None
+    expected = optree.tree_map(
+        lambda *leaves: np.stack(leaves), expected_rollout(0), expected_rollout(100)
+    )
+    assert_tree_equal(sample.batch, expected)
+    assert sample.batch["steps"]["obs"].shape == (2, T, OBS)
+    assert sample.batch["bootstrap"]["obs"].shape == (2, 1, OBS)
+
+
+def test_trajectory_worker_example_runs() -> None:
+    script = Path(__file__).resolve().parents[2] / "examples" / "trajectory_worker.py"
+    args = ["--workers", "2", "--trajectories", "6", "--horizon", "5", "--batch-size", "4"]
+    result = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "received 12 trajectories" in result.stdout

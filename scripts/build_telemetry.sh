@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Builds the extension with the `detailed-metrics` cargo feature and installs it into the
+# folder given as $1 (default target/detailed-site). Put that folder first on PYTHONPATH to
+# use it: PYTHONPATH=target/detailed-site python train.py
+source "$(dirname "${BASH_SOURCE[0]}")/_env.sh" >/dev/null
+dest=${1:-target/detailed-site}
+rm -rf target/wheels-detailed "$dest"
+maturin build --release -q --features python,detailed-metrics -o target/wheels-detailed
+python -m pip install -q --no-deps --target "$dest" target/wheels-detailed/id_echo-*.whl
+echo ">> telemetry build installed in $dest"
