@@ -14,6 +14,7 @@
 //! | `ingress`   | per-connection queues, buffer pools, the drainer pool               |
 //! | `transport` | the wire format, the tokio TCP server, the blocking TCP client      |
 //! | [`metrics`] | detailed counters/histograms, free unless `detailed-metrics` is on  |
+//! | `pinned`    | page-locking the ring with a run-time loaded CUDA runtime           |
 //! | [`error`]   | the one error enum                                                 |
 //! | `sync`      | std/loom facade, so loom models run the real code                  |
 //!
@@ -27,6 +28,8 @@ pub mod error;
 #[cfg(not(loom))]
 pub mod ingress;
 pub mod metrics;
+#[cfg(not(loom))]
+pub mod pinned;
 mod ring;
 pub mod sampler;
 pub mod spec;

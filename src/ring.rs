@@ -72,6 +72,15 @@ impl RingBuf {
         Ok(Self { leaves: leaves.into_boxed_slice(), capacity, trackers })
     }
 
+    /// Every leaf buffer as `(start, length in bytes)` (for page-locking). Empty leaves have
+    /// length 0.
+    pub(crate) fn buffers(&self) -> Vec<(*mut u8, usize)> {
+        self.leaves
+            .iter()
+            .map(|l| (l.base.as_ptr(), l.layout.map_or(0, |layout| layout.size())))
+            .collect()
+    }
+
     /// Bytes one slot of `leaf` holds.
     pub(crate) fn slot_bytes(&self, leaf: usize) -> usize {
         self.leaves[leaf].slot_bytes

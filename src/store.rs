@@ -145,6 +145,10 @@ pub struct StoreStats {
 /// The shared state between writers and the consumer. Create with [`Store::new`].
 #[derive(Debug)]
 pub struct Store {
+    /// Page-locking of the ring, if requested. Declared before `ring` so that it is dropped
+    /// (unregistered) before the ring memory is freed.
+    #[cfg(not(loom))]
+    pinned: parking_lot::Mutex<Option<crate::pinned::HostRegistration>>,
     ring: RingBuf,
     spec: DataSpec,
     batch_size: usize,
@@ -204,6 +208,8 @@ impl Store {
         let ring = RingBuf::new(&spec, capacity)?;
         let commits = (0..num_batches).map(|_| CachePadded::new(AtomicUsize::new(0))).collect();
         Ok(Arc::new(Self {
+            #[cfg(not(loom))]
+            pinned: parking_lot::Mutex::new(None),
             ring,
             spec,
             batch_size,
@@ -427,6 +433,40 @@ impl Store {
             // ORDERING: Relaxed — statistics.
             read_cursor: self.read_cursor.load(Relaxed),
         }
+    }
+
+    /// Page-locks every ring buffer with `cudaHostRegister`, loading the CUDA runtime from the
+    /// first of `cuda_runtimes` that opens. Unregistered when the store is dropped, i.e. after
+    /// the last consumer, writer and view. Idempotent.
+    ///
+    /// # Errors
+    /// [`EchoError::Io`] saying what is missing (runtime library, device) or which CUDA call
+    /// failed; nothing stays registered then.
+    ///
+    /// # Safety
+    /// Every path in `cuda_runtimes` must be a CUDA runtime library (loading runs its code).
+    #[cfg(not(loom))]
+    pub unsafe fn pin_host_memory(
+        &self,
+        cuda_runtimes: &[std::path::PathBuf],
+    ) -> Result<(), EchoError> {
+        let mut pinned = self.pinned.lock();
+        if pinned.is_none() {
+            // SAFETY: the ranges are the ring's own allocations, which live as long as `self`;
+            // the registration is stored in `self.pinned`, which is dropped before `self.ring`
+            // (field order). The caller vouches for the libraries.
+            let registration = unsafe {
+                crate::pinned::HostRegistration::register(cuda_runtimes, &self.ring.buffers())?
+            };
+            *pinned = Some(registration);
+        }
+        Ok(())
+    }
+
+    /// Whether the ring is page-locked.
+    #[cfg(not(loom))]
+    pub fn is_pinned(&self) -> bool {
+        self.pinned.lock().is_some()
     }
 
     /// The detailed counters and the `memcpy` histogram (all zero without `detailed-metrics`).

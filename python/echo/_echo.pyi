@@ -108,6 +108,10 @@ class RingServer:
     def payload_size(self) -> int: ...
     @property
     def closed(self) -> bool: ...
+    @property
+    def pinned(self) -> bool: ...
+    def pin_host_memory(self, cuda_runtimes: list[str]) -> None:
+        """Page-locks the ring with cudaHostRegister (RuntimeError if CUDA is unavailable)."""
     def start_tcp(
         self,
         host: str,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import glob
+import os
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -11,6 +13,25 @@ from echo._validate import check_int
 from echo.transport import TcpTransport
 
 __all__ = ["Sample", "Server"]
+
+
+def _cuda_runtime_candidates() -> list[str]:
+    """Where to look for the CUDA runtime, most specific first: $ECHO_CUDART, the runtime of
+    the `nvidia-cuda-runtime-cu*` wheels (what PyTorch and JAX install), then the loader's
+    search path."""
+    candidates: list[str] = []
+    explicit = os.environ.get("ECHO_CUDART")
+    if explicit:
+        candidates.append(explicit)
+    try:
+        import nvidia.cuda_runtime  # pyright: ignore  # noqa: PLC0415
+
+        for root in nvidia.cuda_runtime.__path__:  # pyright: ignore
+            candidates += sorted(glob.glob(os.path.join(str(root), "lib", "libcudart.so*")))  # pyright: ignore
+    except ImportError:
+        pass
+    candidates += ["libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0"]
+    return candidates
 
 
 class Sample(NamedTuple):
@@ -38,11 +59,16 @@ class Server:
             filled).
         num_drainers: Drainer tasks moving samples from transport queues into the ring.
         producer_queue_size: Capacity of each connection's ingress queue, in samples.
-        pin_host_memory: Page-lock the ring for DMA transfers to a GPU.
+        pin_host_memory: Page-lock every ring buffer with `cudaHostRegister`, so copies of a
+            batch to a GPU are real DMA (`non_blocking=True` in PyTorch). The CUDA runtime is
+            loaded at run time ($ECHO_CUDART, the nvidia-cuda-runtime wheel, or the loader's
+            path); unregistered when the last view of the ring is gone.
 
     Raises:
         TypeError: A leaf of `example` is not a numpy array, or an argument has the wrong type.
         ValueError: An argument is out of range, or `example` holds no data.
+        RuntimeError: `pin_host_memory=True` where CUDA is unavailable (no runtime library,
+            no device) or registration fails.
     """
 
     def __init__(
@@ -63,10 +89,6 @@ class Server:
             raise TypeError(
                 f"transport must be a TcpTransport or None, got {type(transport).__name__}"
             )
-        if pin_host_memory:
-            raise RuntimeError(
-                "pin_host_memory=True needs CUDA page-locking, which this build does not provide"
-            )
         self._layout = TreeLayout(example)
         leaves = self._layout.leaves
         self._core = RingServer(
@@ -77,6 +99,12 @@ class Server:
             num_buffers,
             self._layout.flat_keys,
         )
+        if pin_host_memory:
+            try:
+                self._core.pin_host_memory(_cuda_runtime_candidates())
+            except BaseException:
+                self._core.close()
+                raise
         self._transport: TcpTransport | None = transport
         self._port: int | None = None
 
@@ -89,6 +117,11 @@ class Server:
     def num_buffers(self) -> int:
         """Batches the ring holds."""
         return self._core.num_buffers
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the ring is page-locked for DMA (`pin_host_memory=True`)."""
+        return self._core.pinned
 
     @property
     def closed(self) -> bool:

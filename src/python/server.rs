@@ -3,13 +3,14 @@
 //! (leaf count, dtype, shape, contiguity, byte sizes), runs the TCP ingress when asked, and
 //! hands batches out as numpy views.
 
+use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::Instant;
 
 use numpy::npyffi::npy_intp;
 use numpy::{PyArrayDescr, PyUntypedArray};
 use parking_lot::{Mutex, MutexGuard};
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PySequence, PyString};
 
@@ -114,6 +115,23 @@ impl PyRingServer {
     #[getter]
     fn closed(&self) -> bool {
         self.store.is_closed()
+    }
+
+    /// Page-locks every ring buffer with `cudaHostRegister`, loading the CUDA runtime from the
+    /// first path of `cuda_runtimes` that opens. RuntimeError if none loads, there is no
+    /// device, or registration fails.
+    fn pin_host_memory(&self, py: Python<'_>, cuda_runtimes: Vec<PathBuf>) -> PyResult<()> {
+        let store = &self.store;
+        // SAFETY: the paths come from `echo.server._cuda_runtime_candidates`, which only names
+        // CUDA runtime libraries (or the file the user put in $ECHO_CUDART).
+        let pinned = detach(py, || unsafe { store.pin_host_memory(&cuda_runtimes) });
+        pinned.map_err(|e| PyRuntimeError::new_err(e.to_string()))
+    }
+
+    /// Whether the ring is page-locked.
+    #[getter]
+    fn pinned(&self) -> bool {
+        self.store.is_pinned()
     }
 
     /// Starts the drainer pool and the TCP server; returns the bound port. Binding happens
