@@ -24,7 +24,7 @@ def _cuda_runtime_candidates() -> list[str]:
     if explicit:
         candidates.append(explicit)
     try:
-        import nvidia.cuda_runtime  # pyright: ignore  # noqa: PLC0415
+        import nvidia.cuda_runtime  # pyright: ignore
 
         for root in nvidia.cuda_runtime.__path__:  # pyright: ignore
             candidates += sorted(glob.glob(os.path.join(str(root), "lib", "libcudart.so*")))  # pyright: ignore

@@ -94,7 +94,8 @@ def test_a_failed_registration_is_a_runtime_error(
     cuda_log: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("FAKE_CUDA_FAIL", "1")
-    with pytest.raises(RuntimeError, match="cudaHostRegister of 384 bytes failed with CUDA error 2"):
+    expected = "cudaHostRegister of 384 bytes failed with CUDA error 2"
+    with pytest.raises(RuntimeError, match=expected):
         echo.Server(EXAMPLE, batch_size=2, num_buffers=4, pin_host_memory=True)
 
 
