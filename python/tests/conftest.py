@@ -30,6 +30,15 @@ settings.register_profile(
 )
 settings.load_profile("echo")
 
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "peer: wire compatibility with the published id-echo 0.2.1 (needs $ECHO_PEER_PYTHON "
+        "or network access to build a virtualenv with it)",
+    )
+
+
 # How long any single blocking step in a test may take before it counts as a hang.
 WAIT_S = 10.0
 

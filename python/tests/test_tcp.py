@@ -1,0 +1,1376 @@
+"""The TCP path end to end: `TcpTransport`, `TcpClient` and `Server.start()`/`port`.
+
+Everything runs over loopback (127.0.0.1) on ephemeral ports; every wait and loop is bounded
+in count and time. Samples are conftest's `example` (`make_sample(i)` encodes id `i` in every
+value), so `batch_ids` both reads a batch's ids and checks that no slot is torn.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import queue
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import echo
+from echo import ConnectionClosedError, Server, TcpClient, TcpTransport
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "_worker.py"
+if str(HERE) not in sys.path:  # pytest's default import mode puts it there already
+    sys.path.insert(0, str(HERE))
+from _worker import ID_STRIDE  # noqa: E402
+
+# Bound on any single blocking step before it counts as a hang.
+WAIT_S = 10.0
+# How long a thread must stay blocked before we believe it is waiting, not just slow.
+BLOCKED_S = 0.3
+LOCALHOST = "127.0.0.1"
+
+# conftest's example on the wire: int64 id (8 bytes) then float32[3] obs (12 bytes).
+PAYLOAD = 20
+HANDSHAKE = (
+    b"ECHO\x01"
+    + (2).to_bytes(4, "little")
+    + b"".join(w.to_bytes(4, "little") for w in (8, 0))  # id: 8-byte elements, 0 dims
+    + b"".join(w.to_bytes(4, "little") for w in (4, 1, 3))  # obs: 4-byte elements, (3,)
+)
+
+
+def _tcp(**kwargs: Any) -> TcpTransport:
+    return TcpTransport(port=0, host=LOCALHOST, **kwargs)
+
+
+def _raw_sample(i: int) -> bytes:
+    """Sample `i` exactly as a v1 client puts it on the wire."""
+    return np.array(i, np.int64).tobytes() + np.full((3,), i, np.float32).tobytes()
+
+
+def _started(make_server: Callable[..., Server], **kwargs: Any) -> Server:
+    kwargs.setdefault("transport", _tcp())
+    server = make_server(**kwargs)
+    server.start()
+    assert isinstance(server.port, int)
+    assert server.port > 0
+    return server
+
+
+def _poll(
+    probe: Callable[[], Any], done: Callable[[Any], bool], what: str, timeout: float = WAIT_S
+) -> Any:
+    """Calls `probe` until `done(value)` (at most `timeout` seconds); returns the value."""
+    deadline = time.monotonic() + timeout
+    value = probe()
+    for _ in range(100_000):
+        if done(value):
+            return value
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+        value = probe()
+    raise AssertionError(f"{what}: not reached within {timeout}s, last value {value!r}")
+
+
+def _poll_stats(server: Server, done: Callable[[Any], bool], what: str) -> Any:
+    return _poll(server.stats, done, what)
+
+
+def _connections(server: Server, n: int) -> Any:
+    return _poll_stats(
+        server, lambda info: info.active_connections == n, f"active_connections == {n}"
+    )
+
+
+def _take(server: Server, num_batches: int, batch_ids: Callable[[Any], list[int]]) -> list[int]:
+    ids: list[int] = []
+    for _ in range(num_batches):
+        sample = server.sample(timeout=WAIT_S)
+        assert sample is not None
+        ids += batch_ids(sample.batch)
+    return ids
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    for _ in range(n + 1):
+        if len(data) == n:
+            break
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _raw_connect(port: int) -> socket.socket:
+    return socket.create_connection((LOCALHOST, port), timeout=WAIT_S)
+
+
+# --- the README example with worker processes ----------------------------------------------
+
+SAMPLES_PER_WORKER = 200
+
+
+def _kill_all(procs: list[subprocess.Popen[str]]) -> str:
+    """Kills what still runs, reaps everything; returns the workers' stderr for a message."""
+    report = []
+    for k, proc in enumerate(procs):
+        if proc.poll() is None:
+            proc.kill()
+        out, err = proc.communicate(timeout=WAIT_S)
+        if proc.returncode != 0 or err:
+            report.append(f"worker {k}: rc={proc.returncode} stdout={out!r} stderr={err!s:.2000}")
+    return "\n".join(report)
+
+
+@pytest.mark.parametrize("mode", ["stay", "close", "wait_close"])
+@pytest.mark.parametrize("num_workers", [1, 8, 32])
+def test_readme_example_with_worker_processes(
+    make_server: Any, batch_ids: Any, num_workers: int, mode: str
+) -> None:
+    """Every sample of every worker process arrives exactly once and in per-worker order,
+    whether the workers stay connected, `close()` right after sending, or `wait()` first."""
+    batch_size = 40
+    server = _started(make_server, batch_size=batch_size)
+    total = num_workers * SAMPLES_PER_WORKER
+    assert total % batch_size == 0
+    stdin = subprocess.PIPE if mode == "stay" else subprocess.DEVNULL
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    args = [str(server.port), "{w}", str(SAMPLES_PER_WORKER), mode]
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        # Start them all first: interpreter start-up dominates, so let it overlap.
+        for w in range(num_workers):
+            cmd = [sys.executable, str(WORKER), *(a.format(w=w) for a in args)]
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    stdin=stdin,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env=env,
+                )
+            )
+        per_worker: dict[int, list[int]] = collections.defaultdict(list)
+        for _ in range(total // batch_size):
+            try:
+                sample = server.sample(timeout=2 * WAIT_S)
+            except TimeoutError:
+                pytest.fail(f"no batch within {2 * WAIT_S}s; workers:\n{_kill_all(procs)}")
+            assert sample is not None
+            for i in batch_ids(sample.batch):
+                per_worker[i // ID_STRIDE].append(i % ID_STRIDE)
+        assert sorted(per_worker) == list(range(num_workers))
+        for w, seqs in per_worker.items():
+            assert seqs == list(range(SAMPLES_PER_WORKER)), f"worker {w}: {seqs}"
+        if mode == "stay":
+            # Every worker is still connected (blocked on its stdin, which communicate() closes).
+            assert server.stats().active_connections == num_workers
+        outputs = [proc.communicate(timeout=2 * WAIT_S) for proc in procs]
+        for w, (proc, (out, err)) in enumerate(zip(procs, outputs, strict=True)):
+            assert proc.returncode == 0, f"worker {w}: rc={proc.returncode}, stderr:\n{err}"
+            assert err == "", f"worker {w} stderr:\n{err}"
+            assert out.split() == (["acked"] if mode == "stay" else ["closed", "True"]), out
+        with pytest.raises(TimeoutError):
+            server.sample(timeout=0.05)  # nothing more than what was sent
+        info = _connections(server, 0)
+        assert info.samples_inserted_total == total
+        assert info.store_size == 0
+    finally:
+        _kill_all(procs)
+
+
+# --- TcpClient: connecting and the handshake -----------------------------------------------
+
+
+class FakeServer:
+    """A plain-socket server on 127.0.0.1 that answers one connection with `reply`, then
+    (if `hold`) keeps it open until the client hangs up, then closes."""
+
+    def __init__(self, reply: bytes, *, hold: bool = True) -> None:
+        self._reply = reply
+        self._hold = hold
+        self._listener = socket.create_server((LOCALHOST, 0))
+        self._listener.settimeout(WAIT_S)
+        self.port: int = self._listener.getsockname()[1]
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        try:
+            conn, _ = self._listener.accept()
+            with conn:
+                conn.settimeout(WAIT_S)
+                if self._reply:
+                    conn.sendall(self._reply)
+                if self._hold:
+                    for _ in range(1000):  # until the client closes (bounded)
+                        if not conn.recv(4096):
+                            break
+        except (OSError, TimeoutError) as exc:
+            self.error = exc
+
+    def close(self) -> None:
+        self._thread.join(WAIT_S)
+        assert not self._thread.is_alive(), "fake server thread still running"
+        self._listener.close()
+
+
+@pytest.fixture
+def fake_server() -> Iterator[Callable[..., FakeServer]]:
+    servers: list[FakeServer] = []
+
+    def make(reply: bytes, *, hold: bool = True) -> FakeServer:
+        servers.append(FakeServer(reply, hold=hold))
+        return servers[-1]
+
+    yield make
+    for server in servers:
+        server.close()
+
+
+def test_handshake_bytes_are_exactly_wire_v1_and_each_sample_is_acked(
+    make_server: Any, batch_ids: Any
+) -> None:
+    server = _started(make_server, batch_size=2)
+    with _raw_connect(server.port) as sock:
+        assert _recv_exact(sock, len(HANDSHAKE)) == HANDSHAKE
+        sock.sendall(_raw_sample(7) + _raw_sample(8))
+        assert _recv_exact(sock, 2) == b"\x01\x01"
+        assert batch_ids(server.sample(timeout=WAIT_S).batch) == [7, 8]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("leaf", "bad"),
+    [
+        ("obs", np.zeros((4,), np.float32)),  # shape
+        ("obs", np.zeros((3, 1), np.float32)),  # rank
+        ("obs", np.zeros((3,), np.float64)),  # element size
+        ("id", np.zeros((), np.int32)),  # element size
+        ("id", np.zeros((1,), np.int64)),  # 0-d vs 1-d
+    ],
+    ids=["shape", "rank", "obs-dtype-size", "id-dtype-size", "id-ndim"],
+)
+def test_client_with_another_layout_is_a_value_error_naming_the_leaf(
+    make_server: Any, example: Any, leaf: str, bad: np.ndarray
+) -> None:
+    server = _started(make_server)
+    wrong = {**example, leaf: bad}
+    with pytest.raises(ValueError, match=rf"\['{leaf}'\]"):
+        TcpClient(LOCALHOST, server.port, wrong)
+    # The server is unharmed: a matching client still connects.
+    TcpClient(LOCALHOST, server.port, example).close()
+
+
+@pytest.mark.parametrize(
+    "extra", [{"z": np.zeros((1,), np.float32)}, None], ids=["more-leaves", "fewer-leaves"]
+)
+def test_client_with_another_leaf_count_is_a_value_error(
+    make_server: Any, example: Any, extra: dict[str, np.ndarray] | None
+) -> None:
+    server = _started(make_server)
+    wrong = {**example, **extra} if extra else {"obs": example["obs"]}
+    with pytest.raises(ValueError, match="leaves"):
+        TcpClient(LOCALHOST, server.port, wrong)
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [b"NOPE\x01" + bytes(64), b"ECHO\x02" + HANDSHAKE[5:], b"HTTP/1.1 400 Bad Request\r\n\r\n"],
+    ids=["magic", "version", "http"],
+)
+def test_a_server_that_is_not_echo_v1_is_a_value_error(
+    fake_server: Any, example: Any, reply: bytes
+) -> None:
+    fake = fake_server(reply)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"magic|version"):
+        TcpClient(LOCALHOST, fake.port, example)
+    assert time.monotonic() - started < WAIT_S / 2
+
+
+@pytest.mark.parametrize(
+    "reply", [b"", b"ECH", HANDSHAKE[:9], HANDSHAKE[:-1]], ids=["nothing", "3", "9", "all-but-1"]
+)
+def test_a_server_that_closes_during_the_handshake_is_connection_closed(
+    fake_server: Any, example: Any, reply: bytes
+) -> None:
+    fake = fake_server(reply, hold=False)
+    with pytest.raises(ConnectionClosedError):
+        TcpClient(LOCALHOST, fake.port, example)
+
+
+def test_connection_refused_is_connection_refused_error(example: Any) -> None:
+    # A bound but not listening socket: its port refuses connections, and nobody can take it.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOCALHOST, 0))
+        port = sock.getsockname()[1]
+        started = time.monotonic()
+        with pytest.raises(ConnectionRefusedError):
+            TcpClient(LOCALHOST, port, example)
+        assert time.monotonic() - started < WAIT_S / 2
+
+
+def test_connection_closed_error_is_a_connection_error() -> None:
+    assert issubclass(ConnectionClosedError, ConnectionError)
+    assert echo.ConnectionClosedError is ConnectionClosedError
+
+
+def test_a_server_that_never_sends_the_handshake_is_a_timeout_error(
+    fake_server: Any, example: Any
+) -> None:
+    fake = fake_server(b"")  # accepts, then says nothing until we hang up
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        TcpClient(LOCALHOST, fake.port, example, connect_timeout=0.3)
+    assert time.monotonic() - started < WAIT_S / 2
+
+
+def test_client_resolves_host_names(
+    make_server: Any, example: Any, make_sample: Any, batch_ids: Any
+) -> None:
+    server = _started(make_server, batch_size=2)
+    with TcpClient("localhost", server.port, example) as client:
+        client.send_many(make_sample(i) for i in range(2))
+    assert _take(server, 1, batch_ids) == [0, 1]
+
+
+# --- TcpClient: send, wait, close ----------------------------------------------------------
+
+
+def test_send_after_the_server_closed_raises_connection_closed(
+    make_server: Any, example: Any, make_sample: Any, batch_ids: Any
+) -> None:
+    server = _started(make_server, batch_size=2)
+    client = TcpClient(LOCALHOST, server.port, example)
+    try:
+        client.send(make_sample(0))
+        client.send(make_sample(1))
+        client.wait(timeout=WAIT_S)
+        assert batch_ids(server.sample(timeout=WAIT_S).batch) == [0, 1]  # type: ignore[union-attr]
+        server.close()
+        started = time.monotonic()
+        with pytest.raises(ConnectionClosedError):  # noqa: PT012 - the bounded retry is the point
+            for i in range(10_000):
+                client.send(make_sample(2 + i), timeout=WAIT_S)
+                assert time.monotonic() - started < 5.0, f"{i + 1} sends after close() worked"
+                time.sleep(0.005)
+        assert time.monotonic() - started < 5.0
+        # It stays closed.
+        with pytest.raises(ConnectionClosedError):
+            client.send(make_sample(0))
+        if client.acked < client.sent:  # a send that went out just before the loss was seen
+            with pytest.raises(ConnectionClosedError):
+                client.wait(timeout=WAIT_S)
+    finally:
+        client.close(timeout=1.0)
+
+
+def _full_ring_server(make_server: Any) -> Server:
+    """A server whose ring and ingress fill after a handful of samples (nobody samples)."""
+    return _started(make_server, batch_size=2, num_buffers=2, num_drainers=1, producer_queue_size=1)
+
+
+def test_send_blocked_on_the_inflight_limit_raises_when_the_server_closes(
+    make_server: Any, example: Any, make_sample: Any, spawn: Any
+) -> None:
+    server = _full_ring_server(make_server)
+    client = TcpClient(LOCALHOST, server.port, example, max_inflight_msgs=2)
+    sent: list[int] = []
+
+    def send_until_blocked() -> None:
+        for i in range(1000):
+            client.send(make_sample(i), timeout=3 * WAIT_S)
+            sent.append(i)
+
+    try:
+        worker = spawn(send_until_blocked)
+        # Wait until the count stops moving: the sender is blocked on the window.
+        last, stable_since = -1, time.monotonic()
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline and worker.is_alive():
+            if len(sent) != last:
+                last, stable_since = len(sent), time.monotonic()
+            elif time.monotonic() - stable_since > BLOCKED_S:
+                break
+            time.sleep(0.01)
+        assert worker.is_alive(), f"send never blocked: {worker.error!r}, {len(sent)} sent"
+        assert 0 < len(sent) < 20
+        started = time.monotonic()
+        server.close()
+        with pytest.raises(ConnectionClosedError):
+            worker.finish(WAIT_S)
+        assert time.monotonic() - started < 3.0
+    finally:
+        client.close(timeout=1.0)
+
+
+def test_wait_blocked_on_acks_raises_when_the_server_closes(
+    make_server: Any, example: Any, make_sample: Any, spawn: Any
+) -> None:
+    server = _full_ring_server(make_server)
+    client = TcpClient(LOCALHOST, server.port, example, max_inflight_msgs=64)
+    try:
+        for i in range(30):
+            client.send(make_sample(i), timeout=WAIT_S)
+        worker = spawn(client.wait, 3 * WAIT_S)
+        worker.join(BLOCKED_S)
+        assert worker.is_alive(), f"wait() returned with a full ring: {worker.error!r}"
+        started = time.monotonic()
+        server.close()
+        with pytest.raises(ConnectionClosedError):
+            worker.finish(WAIT_S)
+        assert time.monotonic() - started < 3.0
+    finally:
+        client.close(timeout=1.0)
+
+
+def test_wait_times_out_while_the_ring_is_full_and_returns_once_all_are_acked(
+    make_server: Any, example: Any, make_sample: Any, batch_ids: Any
+) -> None:
+    server = _full_ring_server(make_server)
+    client = TcpClient(LOCALHOST, server.port, example, max_inflight_msgs=64)
+    try:
+        for i in range(30):
+            client.send(make_sample(i), timeout=WAIT_S)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            client.wait(timeout=0.2)
+        assert 0.15 < time.monotonic() - started < 2.0
+        assert client.sent == 30
+        assert client.acked < 30
+        ids = _take(server, 15, batch_ids)
+        assert ids == list(range(30))
+        client.wait(timeout=WAIT_S)
+        assert client.acked == client.sent == 30
+    finally:
+        assert client.close(timeout=WAIT_S) is True
+
+
+def test_close_flushes_and_send_after_close_raises(
+    make_server: Any, example: Any, make_sample: Any, batch_ids: Any
+) -> None:
+    server = _started(make_server, batch_size=4)
+    client = TcpClient(LOCALHOST, server.port, example)
+    for i in range(8):
+        client.send(make_sample(i))
+    assert client.close(timeout=WAIT_S) is True
+    assert client.acked == client.sent == 8
+    assert _take(server, 2, batch_ids) == list(range(8))
+    with pytest.raises(ConnectionClosedError):
+        client.send(make_sample(8))
+    assert client.sent == 8
+    # Idempotent.
+    assert client.close() is True
+    assert client.close(timeout=0) is True
+    _connections(server, 0)
+
+
+def test_context_manager_closes_and_flushes(
+    make_server: Any, example: Any, make_sample: Any, batch_ids: Any
+) -> None:
+    server = _started(make_server, batch_size=4)
+    with TcpClient(LOCALHOST, server.port, example) as client:
+        client.send_many(make_sample(i) for i in range(4))
+    with pytest.raises(ConnectionClosedError):
+        client.send(make_sample(4))
+    assert _take(server, 1, batch_ids) == [0, 1, 2, 3]
+
+
+def _bad_samples(make_sample: Callable[[int], dict[str, Any]]) -> list[tuple[Any, type]]:
+    good = make_sample(-1)
+    return [
+        ({**good, "obs": np.zeros((4,), np.float32)}, ValueError),  # shape
+        ({**good, "obs": np.zeros((1, 3), np.float32)}, ValueError),  # rank
+        ({**good, "id": np.zeros((1,), np.int64)}, ValueError),  # 0-d leaf given as 1-d
+        ({**good, "obs": np.zeros((3,), np.float64)}, TypeError),  # dtype, other size
+        ({**good, "obs": np.zeros((3,), np.int32)}, TypeError),  # dtype, same size
+        ({**good, "id": -1}, TypeError),  # not an array
+        ({"obs": good["obs"]}, ValueError),  # missing key
+        ({**good, "extra": np.zeros((1,), np.float32)}, ValueError),  # extra key
+        ({"id": good["id"], "obz": good["obs"]}, ValueError),  # renamed key
+        ([good["id"], good["obs"]], ValueError),  # another container
+        ({**good, "obs": {"x": good["obs"]}}, ValueError),  # a subtree where a leaf belongs
+        ({**good, "obs": None}, ValueError),  # None is an empty subtree in optree
+    ]
+
+
+def test_bad_samples_raise_and_put_nothing_on_the_wire(
+    make_server: Any, example: Any, make_sample: Any, batch_ids: Any
+) -> None:
+    server = _started(make_server, batch_size=4)
+    client = TcpClient(LOCALHOST, server.port, example)
+    try:
+        good_ids = iter(range(100))
+        sent: list[int] = []
+        for bad, error in _bad_samples(make_sample):
+            with pytest.raises(error):
+                client.send(bad)
+            assert client.sent == len(sent), f"{bad!r} was counted as sent"
+            i = next(good_ids)
+            client.send(make_sample(i))
+            sent.append(i)
+        while len(sent) % 4:
+            sent.append(next(good_ids))
+            client.send(make_sample(sent[-1]))
+        client.wait(timeout=WAIT_S)
+        assert client.sent == client.acked == len(sent)
+        assert _take(server, len(sent) // 4, batch_ids) == sent
+        with pytest.raises(TimeoutError):
+            server.sample(timeout=0.1)
+    finally:
+        client.close(timeout=WAIT_S)
+    _connections(server, 0)
+    assert server.stats().samples_inserted_total == len(sent)
+
+
+def test_client_argument_checks(make_server: Any, example: Any) -> None:
+    server = _started(make_server)
+    with pytest.raises(ValueError, match="max_inflight_msgs"):
+        TcpClient(LOCALHOST, server.port, example, max_inflight_msgs=0)
+    with pytest.raises(TypeError, match="max_inflight_msgs"):
+        TcpClient(LOCALHOST, server.port, example, max_inflight_msgs=True)
+    with pytest.raises(TypeError):
+        TcpClient(LOCALHOST, server.port, {"id": 1})
+
+
+def test_close_with_a_timeout_gives_up_when_acks_do_not_come(
+    make_server: Any, example: Any, make_sample: Any, batch_ids: Any
+) -> None:
+    server = _full_ring_server(make_server)
+    client = TcpClient(LOCALHOST, server.port, example, max_inflight_msgs=64)
+    for i in range(30):
+        client.send(make_sample(i), timeout=WAIT_S)
+    started = time.monotonic()
+    assert client.close(timeout=0.2) is False  # the ring is full: not everything is acked
+    assert 0.15 < time.monotonic() - started < 2.0
+    with pytest.raises(ConnectionClosedError):
+        client.send(make_sample(30))
+    assert client.close(timeout=0.2) is False
+    acked = client.acked
+    assert 0 < acked < 30
+    # What the server acknowledged before the client left still arrives, in order (and so
+    # may more of what was on the wire: the server reads the socket until its end).
+    ids: list[int] = []
+    for _ in range(20):
+        try:
+            sample = server.sample(timeout=1.0)
+        except TimeoutError:
+            break
+        assert sample is not None
+        ids += batch_ids(sample.batch)
+    assert ids == list(range(len(ids)))
+    info = _connections(server, 0)
+    assert info.samples_inserted_total >= acked
+    assert info.samples_inserted_total == len(ids) + info.store_size
+
+
+def test_threads_sharing_one_client_never_interleave_samples(
+    make_server: Any, example: Any, make_sample: Any, batch_ids: Any, spawn: Any
+) -> None:
+    server = _started(make_server, batch_size=4)
+    client = TcpClient(LOCALHOST, server.port, example, max_inflight_msgs=8)
+    num_threads, per_thread = 4, 100
+
+    def send(t: int) -> None:
+        for seq in range(per_thread):
+            client.send(make_sample(t * 1000 + seq), timeout=WAIT_S)
+
+    try:
+        senders = [spawn(send, t) for t in range(num_threads)]
+        ids = _take(server, num_threads * per_thread // 4, batch_ids)
+        for sender in senders:
+            sender.finish(WAIT_S)
+        for t in range(num_threads):
+            assert [i % 1000 for i in ids if i // 1000 == t] == list(range(per_thread))
+        assert len(ids) == len(set(ids))
+    finally:
+        assert client.close(timeout=WAIT_S) is True
+    assert client.sent == client.acked == num_threads * per_thread
+
+
+@pytest.mark.parametrize("n", [1, 5_000, 40_000], ids=["small", "40KB", "320KB"])
+def test_mixed_dtypes_and_large_payloads_arrive_intact(make_server: Any, n: int) -> None:
+    """Leaf order, dtypes and every byte survive, for payloads below, around and above the
+    transport's staging buffer, and from non-contiguous and Fortran-ordered inputs."""
+    example = {
+        "a": np.zeros((7,), np.uint8),
+        "b": np.zeros((n,), np.float64),
+        "c": np.zeros((3, 5), np.int16),
+        "d": {"e": np.zeros((), np.bool_)},
+    }
+
+    def make(i: int) -> dict[str, Any]:
+        b = np.arange(2 * n, dtype=np.float64) + i * 1e6
+        return {
+            "a": ((np.arange(7) + i) % 256).astype(np.uint8),
+            "b": b[::2] if i % 2 else b[:n],  # every other one is a strided view
+            "c": np.asfortranarray(np.arange(15, dtype=np.int16).reshape(3, 5) + i),
+            "d": {"e": np.array(i % 3 == 0)},
+        }
+
+    batch_size, num_samples = 3, 12
+    server = _started(make_server, ex=example, batch_size=batch_size)
+    with TcpClient(LOCALHOST, server.port, example, max_inflight_msgs=4) as client:
+        for i in range(num_samples):
+            client.send(make(i), timeout=WAIT_S)
+            if i % batch_size == batch_size - 1:
+                sample = server.sample(timeout=WAIT_S)
+                assert sample is not None
+                for k in range(batch_size):
+                    want = make(i - batch_size + 1 + k)
+                    got = sample.batch
+                    np.testing.assert_array_equal(got["a"][k], want["a"])
+                    np.testing.assert_array_equal(got["b"][k], want["b"])
+                    np.testing.assert_array_equal(got["c"][k], want["c"])
+                    assert bool(got["d"]["e"][k]) == bool(want["d"]["e"])
+                assert sample.batch["b"].dtype == np.float64
+                assert sample.batch["c"].shape == (batch_size, 3, 5)
+
+
+@pytest.mark.parametrize(
+    ("n", "window"), [(1 << 20, 64), (1 << 16, 2)], ids=["4MB-mid-sample", "256KB-window"]
+)
+def test_send_with_a_timeout_sends_a_whole_sample_or_nothing(
+    make_server: Any, spawn: Any, n: int, window: int
+) -> None:
+    """While nobody samples, the sender runs into a full window (256 KB samples, window 2) or
+    a full socket in the middle of a sample (4 MB samples). `send(timeout=...)` must either
+    send the whole sample or nothing: what it reports as sent arrives whole and in order,
+    and nothing else arrives."""
+    example = {"id": np.zeros((), np.int64), "obs": np.zeros((n,), np.float32)}
+    server = _started(
+        make_server,
+        ex=example,
+        batch_size=1,
+        num_buffers=2,
+        num_drainers=1,
+        producer_queue_size=1,
+    )
+    received: list[int] = []
+    stop = threading.Event()
+
+    def consume() -> None:
+        time.sleep(1.0)  # let the sender run into the full ring first
+        deadline = time.monotonic() + 3 * WAIT_S
+        while not stop.is_set() and time.monotonic() < deadline:
+            try:
+                sample = server.sample(timeout=0.1)
+            except TimeoutError:
+                continue
+            if sample is None:
+                return
+            i = int(sample.batch["id"][0])
+            obs = sample.batch["obs"][0]
+            assert np.all(obs == np.float32(i)), f"sample {i} is torn: {obs[0]} .. {obs[-1]}"
+            received.append(i)
+
+    consumer = spawn(consume)
+    client = TcpClient(LOCALHOST, server.port, example, max_inflight_msgs=window)
+    sent: list[int] = []
+    timeouts, longest = 0, 0.0
+    try:
+        for i in range(16):
+            sample = {"id": np.array(i, np.int64), "obs": np.full((n,), i, np.float32)}
+            began = time.monotonic()
+            try:
+                client.send(sample, timeout=0.2)
+            except TimeoutError:
+                timeouts += 1
+            else:
+                sent.append(i)
+            longest = max(longest, time.monotonic() - began)
+        assert client.close(timeout=2 * WAIT_S) is True
+        assert client.sent == len(sent)
+        _poll(lambda: len(received), lambda k: k >= len(sent), "all sent samples received")
+    finally:
+        stop.set()
+        consumer.finish(4 * WAIT_S)
+    assert received == sent
+    # The test did reach the state it is about.
+    assert timeouts > 0 or longest > 0.5, (timeouts, longest)
+    if window == 2:
+        assert timeouts > 0
+
+
+CLIENT_PRELUDE = textwrap.dedent(
+    """
+    import sys, threading
+    import numpy as np
+    import echo
+
+    EXAMPLE = {"id": np.zeros((), np.int64), "obs": np.zeros((3,), np.float32)}
+
+    def make_sample(i):
+        return {"id": np.array(i, np.int64), "obs": np.full((3,), i, np.float32)}
+
+    # Nobody samples: the ring and the ingress fill after a few samples.
+    server = echo.Server(
+        EXAMPLE, batch_size=1, num_buffers=2, num_drainers=1, producer_queue_size=1,
+        transport=echo.TcpTransport(port=0, host="127.0.0.1"),
+    )
+    server.start()
+    client = echo.TcpClient("127.0.0.1", server.port, EXAMPLE, max_inflight_msgs=2)
+    """
+)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+@pytest.mark.parametrize("blocked_in", ["send", "wait"])
+def test_ctrl_c_interrupts_a_blocked_send_or_wait_promptly(blocked_in: str) -> None:
+    body = {
+        "send": """
+            print("ready", flush=True)
+            for i in range(1000):
+                client.send(make_sample(i))
+            """,
+        "wait": """
+            for i in range(40):
+                client.send(make_sample(i), timeout=5)
+            print("ready", flush=True)
+            client.wait()
+            """,
+    }[blocked_in]
+    prelude = CLIENT_PRELUDE
+    if blocked_in == "wait":
+        # A window wide enough that every send goes out and only wait() blocks.
+        prelude = prelude.replace("max_inflight_msgs=2", "max_inflight_msgs=64")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", prelude + textwrap.dedent(body)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+    )
+    try:
+        line = _read_line(proc, timeout=30)
+        assert line.strip() == "ready", f"child did not get ready: {line!r}"
+        time.sleep(0.5)  # bounded: let the child block
+        assert proc.poll() is None, "child exited before SIGINT"
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=5)
+        elapsed = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert "KeyboardInterrupt" in stderr, stderr
+    for marker in ("panicked", "PanicException", "Fatal Python error"):
+        assert marker not in stderr, stderr
+    assert proc.returncode != 0
+    assert elapsed < 2.0, f"took {elapsed:.2f}s to honour Ctrl-C"
+
+
+def test_interpreter_exit_with_a_thread_blocked_in_send_is_clean(run_python: Any) -> None:
+    proc = run_python(
+        CLIENT_PRELUDE
+        + textwrap.dedent(
+            """
+            def flood():
+                for i in range(1000):
+                    client.send(make_sample(i))
+
+            thread = threading.Thread(target=flood, daemon=True)
+            thread.start()
+            thread.join(0.5)
+            assert thread.is_alive()
+            print("blocked", flush=True)
+            """
+        )
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "blocked"
+    assert proc.stderr == ""
+
+
+# --- Server and TcpTransport ---------------------------------------------------------------
+
+
+def test_port_is_none_before_start_and_start_twice_is_harmless(
+    make_server: Any, example: Any, make_sample: Any, batch_ids: Any
+) -> None:
+    server = make_server(transport=_tcp())
+    assert server.port is None
+    server.start()
+    port = server.port
+    assert isinstance(port, int)
+    assert 0 < port < 65536
+    server.start()
+    assert server.port == port
+    with TcpClient(LOCALHOST, port, example) as client:
+        client.send_many(make_sample(i) for i in range(4))
+    assert _take(server, 1, batch_ids) == [0, 1, 2, 3]
+    assert _connections(server, 0).active_connections == 0
+
+
+def test_in_process_server_has_no_port(make_server: Any) -> None:
+    server = make_server()
+    server.start()
+    assert server.port is None
+
+
+def test_port_in_use_is_an_os_error_naming_the_port(make_server: Any) -> None:
+    with socket.create_server((LOCALHOST, 0)) as taken:
+        port = taken.getsockname()[1]
+        server = make_server(transport=TcpTransport(port=port, host=LOCALHOST))
+        with pytest.raises(OSError, match=str(port)):
+            server.start()
+        assert server.port is None
+    # ... also when an echo server holds it.
+    first = _started(make_server)
+    second = make_server(transport=TcpTransport(port=first.port, host=LOCALHOST))
+    with pytest.raises(OSError, match=str(first.port)):
+        second.start()
+
+
+@pytest.mark.parametrize("transport", ["tcp", 50051, object(), {"port": 0}], ids=repr)
+def test_transport_of_a_wrong_type_is_a_type_error(
+    make_server: Any, example: Any, transport: Any
+) -> None:
+    with pytest.raises(TypeError, match="transport"):
+        Server(example, 4, transport=transport)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"port": -1}, ValueError),
+        ({"port": 70000}, ValueError),
+        ({"port": 65536}, ValueError),
+        ({"port": 0, "num_threads": 0}, ValueError),
+        ({"port": 0, "num_threads": -2}, ValueError),
+        ({"port": 0, "max_connections": 0}, ValueError),
+        ({"port": 0, "host": ""}, TypeError),
+        ({"port": 0, "host": None}, TypeError),
+        ({"port": 0, "host": b"127.0.0.1"}, TypeError),
+        ({"port": True}, TypeError),
+        ({"port": 0, "num_threads": True}, TypeError),
+        ({"port": 0, "max_connections": False}, TypeError),
+        ({"port": "50051"}, TypeError),
+        ({"port": 1.5}, TypeError),
+    ],
+    ids=lambda v: repr(v) if isinstance(v, dict) else v.__name__,
+)
+def test_tcp_transport_validates_its_arguments(kwargs: dict[str, Any], error: type) -> None:
+    with pytest.raises(error):
+        TcpTransport(**kwargs)
+
+
+def test_tcp_transport_defaults() -> None:
+    transport = TcpTransport(port=0)
+    assert transport.host == "0.0.0.0"
+    assert transport.num_threads == 8
+    assert transport.max_connections >= 1
+    assert TcpTransport(65535).port == 65535
+
+
+def test_active_connections_follows_clients(make_server: Any, example: Any) -> None:
+    server = _started(make_server)
+    assert server.stats().active_connections == 0
+    clients = [TcpClient(LOCALHOST, server.port, example) for _ in range(3)]
+    try:
+        _connections(server, 3)
+        clients[1].close()
+        _connections(server, 2)
+        clients.append(TcpClient(LOCALHOST, server.port, example))
+        _connections(server, 3)
+    finally:
+        for client in clients:
+            client.close(timeout=WAIT_S)
+    _connections(server, 0)
+
+
+def test_inserted_and_notify_counts(
+    make_server: Any, example: Any, make_sample: Any, batch_ids: Any
+) -> None:
+    n, batch_size = 42, 4
+    server = _started(make_server, batch_size=batch_size, num_buffers=4)
+    with TcpClient(LOCALHOST, server.port, example) as client:
+        for i in range(n):
+            client.send(make_sample(i), timeout=WAIT_S)
+            if i % batch_size == batch_size - 1:
+                assert batch_ids(server.sample(timeout=WAIT_S).batch)[-1] == i  # type: ignore[union-attr]
+    info = _poll_stats(
+        server, lambda s: s.samples_inserted_total == n, "samples_inserted_total == n"
+    )
+    assert info.notify_count == n // batch_size
+    assert info.store_size == n % batch_size
+
+
+def test_push_blocked_count_grows_when_the_consumer_stalls(
+    make_server: Any, example: Any, make_sample: Any, batch_ids: Any
+) -> None:
+    server = _full_ring_server(make_server)
+    client = TcpClient(LOCALHOST, server.port, example, max_inflight_msgs=64)
+    try:
+        for i in range(20):
+            client.send(make_sample(i), timeout=WAIT_S)
+        info = _poll_stats(server, lambda s: s.push_blocked_count > 0, "push_blocked_count > 0")
+        assert info.samples_inserted_total <= 2 * 2 + 2  # the ring (+ a drainer's round)
+        assert _take(server, 10, batch_ids) == list(range(20))
+        client.wait(timeout=WAIT_S)
+    finally:
+        client.close(timeout=WAIT_S)
+
+
+def test_max_connections_refuses_extra_clients_cleanly(
+    make_server: Any, example: Any, make_sample: Any, batch_ids: Any
+) -> None:
+    server = _started(make_server, batch_size=4, transport=_tcp(max_connections=2))
+    first = TcpClient(LOCALHOST, server.port, example)
+    second = TcpClient(LOCALHOST, server.port, example)
+    clients = [first, second]
+    try:
+        with pytest.raises(ConnectionClosedError):
+            TcpClient(LOCALHOST, server.port, example)
+        _connections(server, 2)
+        for i in range(2):
+            first.send(make_sample(i))
+            second.send(make_sample(100 + i))
+        assert sorted(_take(server, 1, batch_ids)) == [0, 1, 100, 101]
+        # A slot that frees up can be taken again (the server notices the close shortly).
+        first.close(timeout=WAIT_S)
+        third = None
+        for _ in range(200):
+            try:
+                third = TcpClient(LOCALHOST, server.port, example)
+                break
+            except ConnectionClosedError:
+                time.sleep(0.02)
+        assert third is not None, "a freed connection slot was never given out again"
+        clients.append(third)
+        for i in range(2):
+            second.send(make_sample(102 + i))
+            third.send(make_sample(200 + i))
+        ids = _take(server, 1, batch_ids)
+        assert sorted(ids) == [102, 103, 200, 201]
+    finally:
+        for client in clients:
+            client.close(timeout=WAIT_S)
+
+
+# --- robustness: bad peers do not disturb good ones ----------------------------------------
+
+
+def _garbage_without_reading(port: int) -> None:
+    """Connects, sends less than one sample of garbage without reading the handshake, leaves."""
+    with _raw_connect(port) as sock:
+        sock.sendall(bytes(range(13)))
+
+
+def _garbage_after_whole_samples(port: int, ids: list[int]) -> None:
+    """Sends whole samples `ids`, waits for their acks, then a torn one, then leaves."""
+    with _raw_connect(port) as sock:
+        assert _recv_exact(sock, len(HANDSHAKE)) == HANDSHAKE
+        sock.sendall(b"".join(_raw_sample(i) for i in ids))
+        assert _recv_exact(sock, len(ids)) == b"\x01" * len(ids)
+        sock.sendall(b"\xff" * (PAYLOAD // 2 + 3))  # no multiple of the payload
+
+
+def _dribble(port: int, i: int) -> None:
+    """Sends sample `i` and a few more bytes one byte at a time, every 40 ms (about 1 s)."""
+    with _raw_connect(port) as sock:
+        assert _recv_exact(sock, len(HANDSHAKE)) == HANDSHAKE
+        for byte in _raw_sample(i) + b"\x07" * 5:
+            sock.sendall(bytes([byte]))
+            time.sleep(0.04)
+        assert _recv_exact(sock, 1) == b"\x01"
+
+
+def test_garbage_stalled_and_dribbling_peers_do_not_disturb_a_good_client(
+    make_server: Any, example: Any, make_sample: Any, batch_ids: Any, spawn: Any
+) -> None:
+    batch_size = 4
+    server = _started(make_server, batch_size=batch_size)
+    port = server.port
+    garbage_ids = [900_000, 900_001, 900_002]
+    dribbled = 800_000
+    silent = _raw_connect(port)  # connects and never sends
+    try:
+        bad_peers = [
+            spawn(_garbage_without_reading, port),
+            spawn(_garbage_after_whole_samples, port, garbage_ids),
+            spawn(_dribble, port, dribbled),
+        ]
+
+        def good_client() -> None:
+            with TcpClient(LOCALHOST, port, example) as client:
+                for i in range(200):
+                    client.send(make_sample(i), timeout=WAIT_S)
+
+        good = spawn(good_client)
+        expected = [*range(200), *garbage_ids, dribbled]
+        assert len(expected) % batch_size == 0
+        ids = _take(server, len(expected) // batch_size, batch_ids)
+        counts = collections.Counter(ids)
+        assert sorted(counts) == sorted(expected)
+        assert set(counts.values()) == {1}, {i: c for i, c in counts.items() if c != 1}
+        assert [i for i in ids if i < 200] == list(range(200))
+        assert [i for i in ids if i in garbage_ids] == garbage_ids
+        good.finish(WAIT_S)
+        for peer in bad_peers:
+            peer.finish(WAIT_S)
+        assert server.stats().active_connections >= 1  # the silent one is still there
+    finally:
+        silent.close()
+    info = _connections(server, 0)
+    # The torn tails were discarded, never stored.
+    assert info.samples_inserted_total == len(expected)
+    assert info.store_size == 0
+    with pytest.raises(TimeoutError):
+        server.sample(timeout=0.1)
+
+
+def test_a_burst_of_connections_leaves_no_trace(
+    make_server: Any, example: Any, make_sample: Any, batch_ids: Any
+) -> None:
+    server = _started(make_server, batch_size=4)
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(200):
+            socks.append(_raw_connect(server.port))
+        _connections(server, 200)
+    finally:
+        for sock in socks:
+            sock.close()
+    _connections(server, 0)
+    # And a short-lived connection burst that does not even wait to be served.
+    for _ in range(200):
+        _raw_connect(server.port).close()
+    info = _connections(server, 0)
+    assert info.samples_inserted_total == 0
+    with TcpClient(LOCALHOST, server.port, example) as client:
+        client.send_many(make_sample(i) for i in range(4))
+    assert _take(server, 1, batch_ids) == [0, 1, 2, 3]
+
+
+# --- lifecycle ------------------------------------------------------------------------------
+
+LEAK_SCRIPT = textwrap.dedent(
+    """
+    import gc, os, sys, threading, time
+    import numpy as np
+    import echo
+
+    EXAMPLE = {"id": np.zeros((), np.int64), "obs": np.zeros((3,), np.float32)}
+
+    def make_sample(i):
+        return {"id": np.array(i, np.int64), "obs": np.full((3,), i, np.float32)}
+
+    def counts():
+        tasks = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0
+        fds = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 0
+        return threading.active_count(), tasks, fds
+
+    def settle(baseline):
+        deadline = time.monotonic() + 5.0
+        for _ in range(1000):
+            gc.collect()
+            now = counts()
+            if now == baseline or time.monotonic() > deadline:
+                return now
+            time.sleep(0.01)
+        return counts()
+
+    baseline = counts()
+    for n in range(50):
+        server = echo.Server(
+            EXAMPLE, batch_size=4, transport=echo.TcpTransport(port=0, host="127.0.0.1")
+        )
+        server.start()
+        client = echo.TcpClient("127.0.0.1", server.port, EXAMPLE)
+        for i in range(4):
+            client.send(make_sample(i))
+        batch = server.sample(timeout=10).batch
+        assert batch["id"].tolist() == [0, 1, 2, 3], batch["id"]
+        if n % 3 == 0:
+            assert client.close(timeout=10) is True
+            server.close()
+        elif n % 3 == 1:
+            server.close()  # the server goes first: the client notices and closes quickly
+            client.close(timeout=10)
+        # else: neither is closed; dropping them must release everything too
+        del server, client, batch
+    after = settle(baseline)
+    print("baseline", baseline, "after", after)
+    assert after == baseline, f"threads/tasks/fds: baseline {baseline}, after 50 rounds {after}"
+    print("ok")
+    """
+)
+
+
+def test_fifty_server_client_rounds_leak_no_threads_or_fds(run_python: Any) -> None:
+    proc = run_python(LEAK_SCRIPT, timeout=50)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert proc.stdout.strip().endswith("ok"), proc.stdout
+    assert proc.stderr == "", proc.stderr
+
+
+# --- compatibility with the published id-echo 0.2.1 -----------------------------------------
+
+PEER_VERSION = "0.2.1"
+PEER_VENV = HERE.parents[1] / "target" / "peer-venv"
+PEER_SETUP_TIMEOUT_S = 300.0
+
+
+def _peer_env() -> dict[str, str]:
+    """Our environment without anything that would make the peer import our `echo`."""
+    drop = {"PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV", "PYTHONUSERBASE"}
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env["PYTHONNOUSERSITE"] = "1"
+    env["PYTHONSAFEPATH"] = "1"
+    return env
+
+
+def _peer_version(python: str, cwd: Path) -> tuple[str | None, str]:
+    """(`echo.__version__` as `python` sees it, or None; diagnostics)."""
+    try:
+        proc = subprocess.run(
+            [python, "-c", "import echo; print(echo.__version__); print(echo.__file__)"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=cwd,
+            env=_peer_env(),
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return None, repr(exc)
+    lines = proc.stdout.split()
+    if proc.returncode != 0 or not lines:
+        return None, proc.stderr[-2000:]
+    return lines[0], proc.stdout
+
+
+@pytest.fixture(scope="session")
+def peer_python(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A Python with id-echo 0.2.1: $ECHO_PEER_PYTHON, or a virtualenv built once under
+    target/peer-venv (skips, with the reason, when that cannot be done)."""
+    cwd = tmp_path_factory.mktemp("peer-cwd")
+    configured = os.environ.get("ECHO_PEER_PYTHON")
+    if configured:
+        version, detail = _peer_version(configured, cwd)
+        if version != PEER_VERSION:
+            pytest.fail(
+                f"ECHO_PEER_PYTHON={configured} does not import id-echo {PEER_VERSION}: "
+                f"got {version!r}\n{detail}"
+            )
+        return configured
+    python = PEER_VENV / "bin" / "python"
+    if python.exists() and _peer_version(str(python), cwd)[0] == PEER_VERSION:
+        return str(python)
+    deadline = time.monotonic() + PEER_SETUP_TIMEOUT_S
+    steps = [
+        [sys.executable, "-m", "venv", "--clear", str(PEER_VENV)],
+        [str(python), "-m", "pip", "install", "-q", f"id-echo=={PEER_VERSION}", "numpy", "optree"],
+    ]
+    for step in steps:
+        left = deadline - time.monotonic()
+        try:
+            proc = subprocess.run(
+                step,
+                capture_output=True,
+                text=True,
+                timeout=max(left, 1.0),
+                cwd=cwd,
+                env=_peer_env(),
+                check=False,
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            pytest.skip(f"cannot set up id-echo {PEER_VERSION} in {PEER_VENV}: {exc!r}")
+        if proc.returncode != 0:
+            pytest.skip(
+                f"cannot set up id-echo {PEER_VERSION} in {PEER_VENV}: {' '.join(step)} "
+                f"exited {proc.returncode}: {proc.stderr[-1000:]}"
+            )
+    version, detail = _peer_version(str(python), cwd)
+    if version != PEER_VERSION:
+        pytest.skip(f"{PEER_VENV} does not import id-echo {PEER_VERSION}: {detail}")
+    return str(python)
+
+
+PEER_PRELUDE = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    import echo
+
+    assert echo.__version__ == "0.2.1", echo.__version__
+    assert "/work/main/python" not in echo.__file__, echo.__file__
+    EXAMPLE = {"id": np.zeros((), np.int64), "obs": np.zeros((3,), np.float32)}
+
+    def make_sample(i):
+        return {"id": np.array(i, np.int64), "obs": np.full((3,), i, np.float32)}
+    """
+)
+
+PEER_CLIENT = PEER_PRELUDE + textwrap.dedent(
+    """
+    port = int(sys.argv[1])
+    try:
+        echo.TcpClient("127.0.0.1", port, {**EXAMPLE, "obs": np.zeros((4,), np.float32)})
+    except ValueError as exc:
+        print("mismatch", type(exc).__name__, flush=True)
+    client = echo.TcpClient("127.0.0.1", port, EXAMPLE, max_inflight_msgs=8)
+    for i in range(100):
+        client.send(make_sample(i))
+    client.wait()
+    client.close()
+    print("sent", flush=True)
+    """
+)
+
+PEER_SERVER = PEER_PRELUDE + textwrap.dedent(
+    """
+    server = echo.Server(EXAMPLE, 10, transport=echo.TcpTransport(0))
+    server.start()
+    print("port", server.port, flush=True)
+    for _ in range(10):
+        batch = server.sample().batch
+        print("ids", json.dumps(batch["id"].tolist(), separators=(",", ":")),
+              json.dumps(batch["obs"].tolist(), separators=(",", ":")), flush=True)
+    server.close()
+    print("done", flush=True)
+    """
+)
+
+
+def _read_line(proc: subprocess.Popen[str], timeout: float) -> str:
+    """One line of `proc`'s stdout, waiting at most `timeout` seconds."""
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            return ""
+    return proc.stdout.readline()
+
+
+@pytest.mark.peer
+def test_peer_client_sends_to_our_server(
+    make_server: Any, batch_ids: Any, peer_python: str, tmp_path: Path
+) -> None:
+    server = _started(make_server, batch_size=10)
+    proc = subprocess.Popen(
+        [peer_python, "-c", PEER_CLIENT, str(server.port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env=_peer_env(),
+    )
+    try:
+        try:
+            ids = _take(server, 10, batch_ids)
+        except TimeoutError:
+            proc.kill()
+            out, err = proc.communicate(timeout=WAIT_S)
+            pytest.fail(f"no batch from the peer client; stdout {out!r}, stderr:\n{err}")
+        assert ids == list(range(100))
+        out, err = proc.communicate(timeout=3 * WAIT_S)
+        assert proc.returncode == 0, err
+        assert out.split() == ["mismatch", "ValueError", "sent"], (out, err)
+        with pytest.raises(TimeoutError):
+            server.sample(timeout=0.1)
+        info = _connections(server, 0)
+        assert info.samples_inserted_total == 100
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=WAIT_S)
+
+
+class LineReader:
+    """Reads a process's stdout lines on a daemon thread, so each can be awaited with a
+    timeout (`readline` on a pipe has none)."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        self._stdout = proc.stdout
+        self._lines: queue.Queue[str] = queue.Queue()
+        self._thread = threading.Thread(target=self._pump, daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        for line in self._stdout:
+            self._lines.put(line.rstrip("\n"))
+        self._lines.put("")  # EOF
+
+    def get(self, timeout: float) -> str | None:
+        """The next line, "" at EOF, None if none came within `timeout`."""
+        try:
+            return self._lines.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def join(self) -> None:
+        self._thread.join(WAIT_S)
+
+
+@pytest.mark.peer
+def test_our_client_sends_to_the_peer_server(
+    example: Any, make_sample: Any, peer_python: str, tmp_path: Path
+) -> None:
+    proc = subprocess.Popen(
+        [peer_python, "-c", PEER_SERVER],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env=_peer_env(),
+    )
+    lines = LineReader(proc)
+    client = None
+    try:
+        line = lines.get(3 * WAIT_S)
+        if not (line or "").startswith("port "):
+            proc.kill()
+            _, err = proc.communicate(timeout=WAIT_S)
+            pytest.fail(f"peer server did not start: {line!r}, stderr:\n{err}")
+        port = int((line or "").split()[1])
+        with pytest.raises(ValueError, match=r"\['obs'\]"):
+            TcpClient(LOCALHOST, port, {**example, "obs": np.zeros((4,), np.float32)})
+        client = TcpClient(LOCALHOST, port, example, max_inflight_msgs=8)
+        for i in range(100):
+            client.send(make_sample(i), timeout=WAIT_S)
+        client.wait(timeout=WAIT_S)
+        # Stay connected until the peer has handed out every batch.
+        ids: list[int] = []
+        deadline = time.monotonic() + 3 * WAIT_S
+        for _ in range(11):
+            line = lines.get(max(deadline - time.monotonic(), 0.01))
+            if line in ("done", "", None):
+                break
+            tag, id_json, obs_json = line.split(" ", 2)
+            assert tag == "ids", line
+            batch = json.loads(id_json)
+            assert json.loads(obs_json) == [[float(i)] * 3 for i in batch]
+            ids += batch
+        assert line == "done", f"peer stopped at {line!r} after ids {ids}"
+        assert ids == list(range(100))
+        assert client.close(timeout=WAIT_S) is True
+        _, err = proc.communicate(timeout=WAIT_S)
+        assert proc.returncode == 0, err
+    finally:
+        if client is not None:
+            client.close(timeout=1.0)
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=WAIT_S)
+        lines.join()
