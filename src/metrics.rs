@@ -71,7 +71,8 @@ mod imp {
         }
     }
 
-    /// A latency histogram, 1 ns to 60 s at 3 significant digits.
+    /// A latency histogram, 1 ns to 60 s at 2 significant digits (1% resolution; keeps a
+    /// snapshot's percentile scan in the microseconds).
     #[derive(Debug)]
     pub struct Histo(Mutex<Histogram<u64>>);
 
@@ -83,7 +84,7 @@ mod imp {
 
     impl Histo {
         pub fn new() -> Self {
-            let h = Histogram::new_with_bounds(1, 60_000_000_000, 3).expect("valid bounds");
+            let h = Histogram::new_with_bounds(1, 60_000_000_000, 2).expect("valid bounds");
             Self(Mutex::new(h))
         }
 
@@ -98,23 +99,12 @@ mod imp {
             self.0.lock().reset();
         }
 
-        /// Adds this histogram into `into` (for merging per-drainer histograms).
-        pub fn merge_into(&self, into: &mut Option<Histogram<u64>>) {
-            let h = self.0.lock();
-            match into {
-                Some(acc) => {
-                    let _ = acc.add(&*h);
-                }
-                None => *into = Some(h.clone()),
-            }
-        }
-
         pub fn summary(&self) -> HistSummary {
             summarize(Some(&*self.0.lock()))
         }
     }
 
-    pub fn summarize(h: Option<&Histogram<u64>>) -> HistSummary {
+    fn summarize(h: Option<&Histogram<u64>>) -> HistSummary {
         match h {
             Some(h) if !h.is_empty() => HistSummary {
                 count: h.len(),
@@ -192,9 +182,6 @@ mod imp {
 }
 
 pub(crate) use imp::{Counter, Histo, Stamp};
-
-#[cfg(feature = "detailed-metrics")]
-pub(crate) use imp::summarize;
 
 /// The store's detailed metrics (writers record them).
 #[derive(Debug, Default)]

@@ -100,8 +100,13 @@ fn thirty_two_concurrent_clients_deliver_exactly_once_in_order() {
     for s in senders {
         s.join().unwrap();
     }
-    let snap = server.snapshot();
-    assert_eq!(snap.samples_inserted_total, total as u64);
+    // The drainer counts a round after its insert returns, so the count can trail the batch.
+    let deadline = Instant::now() + TIMEOUT;
+    while server.snapshot().samples_inserted_total < total as u64 {
+        assert!(Instant::now() < deadline, "samples_inserted_total stuck below {total}");
+        thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(server.snapshot().samples_inserted_total, total as u64);
     server.shutdown();
 }
 
@@ -273,7 +278,8 @@ fn a_stalled_large_write_resumes_where_it_stopped() {
     for i in 0..12u8 {
         consumer.sample(Some(Instant::now() + TIMEOUT)).unwrap();
         consumer.read_leaf(0, |b| assert!(b.iter().all(|&x| x == i), "sample {i} is torn"));
-        thread::sleep(Duration::from_millis(30)); // a slow learner: the sender must stall
+        // A slow learner: longer than the client's 50 ms write slice, so writes stall.
+        thread::sleep(Duration::from_millis(if i < 3 { 150 } else { 60 }));
     }
     let stalls = sender.join().unwrap();
     assert!(stalls > 0, "the test never exercised a stalled write");

@@ -16,6 +16,7 @@ from echo._echo import (
     SampleInfo,
     ServerClosedError,
     __version__,
+    reset_log_cache,
 )
 from echo.client import TcpClient
 from echo.server import Sample, Server
@@ -34,6 +35,7 @@ __all__ = [
     "TcpTransport",
     "TrajectoryAccumulator",
     "__version__",
+    "reset_log_cache",
 ]
 
 

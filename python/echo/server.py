@@ -16,18 +16,19 @@ __all__ = ["Sample", "Server"]
 
 
 def _cuda_runtime_candidates() -> list[str]:
-    """Where to look for the CUDA runtime, most specific first: $ECHO_CUDART, the runtime of
-    the `nvidia-cuda-runtime-cu*` wheels (what PyTorch and JAX install), then the loader's
-    search path."""
+    """Where to look for the CUDA runtime, most specific first: $ECHO_CUDART, the runtimes of
+    the NVIDIA wheels (`nvidia-cuda-runtime-cu12` installs `nvidia/cuda_runtime/lib`, the CUDA
+    13 wheel `nvidia/cu13/lib`; PyTorch and JAX pull them in), then the loader's search path."""
     candidates: list[str] = []
     explicit = os.environ.get("ECHO_CUDART")
     if explicit:
         candidates.append(explicit)
     try:
-        import nvidia.cuda_runtime  # pyright: ignore
+        import nvidia  # pyright: ignore
 
-        for root in nvidia.cuda_runtime.__path__:  # pyright: ignore
-            candidates += sorted(glob.glob(os.path.join(str(root), "lib", "libcudart.so*")))  # pyright: ignore
+        for root in nvidia.__path__:  # pyright: ignore
+            pattern = os.path.join(str(root), "*", "lib", "libcudart.so*")  # pyright: ignore
+            candidates += sorted(glob.glob(pattern), reverse=True)
     except ImportError:
         pass
     candidates += ["libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0"]
@@ -57,7 +58,9 @@ class Server:
             in-process use.
         num_buffers: Batches the ring holds (at least 2: one for the consumer, one being
             filled).
-        num_drainers: Drainer tasks moving samples from transport queues into the ring.
+        num_drainers: The most drainer threads moving samples from connection queues into the
+            ring. At most one per CPU core is started: more only race each other for ring
+            space and serve connections unevenly.
         producer_queue_size: Capacity of each connection's ingress queue, in samples.
         pin_host_memory: Page-lock every ring buffer with `cudaHostRegister`, so copies of a
             batch to a GPU are real DMA (`non_blocking=True` in PyTorch). The CUDA runtime is

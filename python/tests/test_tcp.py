@@ -1374,3 +1374,36 @@ def test_our_client_sends_to_the_peer_server(
             proc.kill()
         proc.communicate(timeout=WAIT_S)
         lines.join()
+
+
+def test_samples_just_under_the_detach_threshold_survive_a_socket_full_mid_sample(
+    make_server: Any,
+) -> None:
+    # ~60 KiB samples take the GIL-held fast path; with a wide window the socket fills in the
+    # middle of one. The write must resume, not be abandoned (which would splice two samples).
+    width = 60 * 1024 // 4
+    example = {"x": np.zeros((width,), np.float32), "id": np.zeros((), np.int64)}
+    server = make_server(
+        example, batch_size=8, num_buffers=2, transport=_tcp(), producer_queue_size=2
+    )
+    server.start()
+    total = 160
+
+    def produce() -> None:
+        with TcpClient(LOCALHOST, server.port, example, max_inflight_msgs=256) as client:
+            for i in range(total):
+                client.send({"x": np.full((width,), i, np.float32), "id": np.array(i)})
+
+    producer = threading.Thread(target=produce, daemon=True)
+    producer.start()
+    time.sleep(0.5)  # let the socket buffers fill while nobody samples
+    seen = []
+    for _ in range(total // 8):
+        got = server.sample(timeout=30)
+        assert got is not None
+        for x, i in zip(got.batch["x"], got.batch["id"], strict=True):
+            assert (x == i).all(), f"sample {i} is spliced with another one"
+            seen.append(int(i))
+    producer.join(timeout=30)
+    assert not producer.is_alive()
+    assert seen == list(range(total))

@@ -168,7 +168,9 @@ impl PyTcpSender {
             // Fast path: room in the window, the write is one short syscall.
             if let Some(mut sender) = self.sender.try_lock() {
                 match sender.send(&slices, Some(Instant::now())) {
-                    Err(ClientError::TimedOut) => {}
+                    // No room yet, or the socket filled mid-sample: the loop below waits, and
+                    // resumes a started sample where it stopped.
+                    Err(ClientError::TimedOut | ClientError::Stalled) => {}
                     other => return other.map_err(client_error),
                 }
             }

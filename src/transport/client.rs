@@ -216,8 +216,9 @@ impl TcpSender {
     /// Closes the connection in the middle of a sample (after an interrupt): the server
     /// discards the partial sample; every later call returns [`ClientError::Closed`].
     pub fn abort(&mut self, reason: &str) {
-        let _ = self.stream.shutdown(Shutdown::Both);
+        // The reason first: the reader thread reports its own once the socket shuts down.
         self.acks.lose(reason.to_owned());
+        let _ = self.stream.shutdown(Shutdown::Both);
         self.in_progress = 0;
     }
 

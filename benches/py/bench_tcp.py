@@ -1,0 +1,906 @@
+"""End-to-end TCP benchmark (learner + K worker processes) for any installed ``echo``.
+
+The learner runs in this process: ``Server(example, batch_size, transport=TcpTransport(...))``,
+``start()``, then ``sample()`` in a loop. K worker processes (``multiprocessing`` with the
+``forkserver`` context, the same interpreter and ``sys.path``, so they import the same
+``echo``; each checks ``echo.__file__`` against the learner's) each connect a ``TcpClient``
+to ``127.0.0.1``, report ready, wait for a common start signal (so no worker is still
+starting while others are timed), send samples in a loop until a common deadline, then
+``wait()`` for every ack (0.2.1's ``close()`` does not flush) and ``close()``. Only the API
+that both our ``echo`` and the published ``id-echo`` 0.2.1 provide is used:
+``TcpTransport(port)`` (``host="127.0.0.1"`` where accepted: 0.2.1 has no ``host`` and always
+binds every interface), ``Server.start()``/``port``/``sample()``/``submit()``/``close()``,
+``TcpClient(host, port, example, max_inflight_msgs=32)``, ``send()``/``wait()``/``close()``.
+
+Scenarios (pytree, batch size); every sample carries a ``meta`` leaf
+``f64[3] = (worker id, sequence number, send time)`` (send time: ``time.monotonic()``,
+``CLOCK_MONOTONIC``, one clock for every process on Linux), and element 0 of every other leaf
+holds ``seq % 2**24`` so a misaligned or torn sample is caught:
+
+* ``small``: ``{"obs": f32[4], "reward": f32[1], "meta": f64[3]}``, 44 B, batch_size 32.
+* ``large``: 40 leaves ``f32[1280]`` + ``meta`` (204,824 B per sample), batch_size 64.
+
+For each K (default 1, 4, 16, 64) the learner reports, over the timed window (``--seconds``
+after a ``--warmup`` of 0.5 s that is excluded):
+
+* samples/s and payload GB/s (1e9 B/s) received by the learner (``sample()`` returned
+  inside the window);
+* per-sample latency p50 / p99 in ms: ``time.monotonic()`` when ``sample()`` returned minus
+  the send time, for samples sent inside the window (samples in the final, marker-padded
+  batch excluded). It includes the wait for the batch to fill;
+* ``correct``: every sent sample arrived exactly once, with an intact payload, per-worker
+  order preserved (``in_order``, FIFO), no worker error, nothing stuck;
+* CPU: the learner process's CPU seconds over the window (all its threads, as cores), and
+  the workers' CPU microseconds per sample sent.
+
+The run's total is only known when every worker has reported how many samples it sent; the
+learner then ``submit()``s 1..batch_size marker samples (worker id -1) so that the last
+batch completes, and stops once it has seen everything. A lost sample therefore shows up as
+``correct: false`` (``stalled``: after 3 s without a batch the learner adds markers one by
+one until the last batch completes, so ``missing`` counts only samples that never arrived,
+then closes the server, which wakes ``sample()``). Workers ``wait()`` for their acks and
+then ``close()`` at once, as a user would; id-echo 0.2.1 sometimes drops acknowledged samples
+of a connection that closes right after its last ack (``missing > 0`` there; ours must not).
+
+Reference: raw loopback TCP bandwidth, one process ``sendall``-ing 64 KiB chunks to another
+that ``recv_into``s them, ~2 s in three transfers before the rounds and again after them, the
+best transfer counting; the large scenario's GB/s is also reported as a fraction of it
+(``frac_loopback``). This single-stream Python blast is the requested reference, not a hard
+ceiling: its cost is per syscall, so echo's larger writes (one ~200 KB vectored write per
+large sample) and K parallel connections can exceed it (``frac_loopback > 1``). A second
+reference with 1 MiB chunks (half the time) gives ``frac_loopback_1mib``.
+
+Every loop is bounded in count and time: workers send at most ``--count`` samples and stop at
+the deadline; each worker has a watchdog (``os._exit``) and the learner closes the server if
+a round overruns by ``--grace`` seconds, joins its workers and terminates any left; a
+watchdog ends the whole run after ``--max-seconds``. Only loopback traffic.
+
+Compare two implementations (one run each, same machine)::
+
+    .venv/bin/python benches/py/bench_tcp.py --label ours --json benches/results/tcp-ours.json
+    /work/venvs/peer/bin/python benches/py/bench_tcp.py --label id-echo-0.2.1 \\
+        --json benches/results/tcp-peer.json
+    python benches/py/compare_tcp.py benches/results/tcp-ours.json benches/results/tcp-peer.json
+
+``--quick`` runs K = 1, 4 with 1.5 s each; ``--only small|large``; ``--workers 1,8,100``
+(up to 1000). On a small machine the workers share the cores with the learner: the numbers
+are end-to-end for this box, not the learner's limit. Depends on numpy, echo and the
+standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import platform
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import echo
+from echo import Server, TcpClient, TcpTransport
+
+ID_MOD = 2**24  # element 0 of each f32 leaf holds seq % ID_MOD (exact in float32)
+MARKER_WID = -1.0  # worker id of the padding samples the learner submits itself
+MAX_WORKERS = 1000
+MAX_INFLIGHT = 32  # TcpClient's default window, set explicitly
+BLOCK_BATCHES = 4096  # received rows are recorded in blocks of this many batches
+MAX_ROWS = 64_000_000  # recording stops beyond this (never reached at loopback speeds)
+LOOPBACK_CHUNK = 64 * 1024  # the reference
+LOOPBACK_BULK_CHUNK = 1024 * 1024  # a second reference with fewer, larger syscalls
+STALL_S = 3.0  # once every worker reported: this long without a batch is a stall
+HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    batch_size: int
+    leaves: tuple[tuple[str, tuple[int, ...]], ...]  # float32 leaves besides "meta"
+
+    def example(self) -> dict[str, np.ndarray]:
+        tree = {k: np.zeros(s, np.float32) for k, s in self.leaves}
+        tree["meta"] = np.zeros(3, np.float64)
+        return tree
+
+    @property
+    def sample_bytes(self) -> int:
+        return sum(int(np.prod(s)) * 4 for _, s in self.leaves) + 3 * 8
+
+
+SCENARIOS = (
+    Scenario("small", 32, (("obs", (4,)), ("reward", (1,)))),
+    Scenario("large", 64, tuple((f"x{i:02d}", (1280,)) for i in range(40))),
+)
+SCENARIO_BY_NAME = {sc.name: sc for sc in SCENARIOS}
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    wid: int
+    port: int
+    scenario: str
+    max_count: int
+    warmup_s: float
+    seconds: float
+    go_timeout_s: float
+    flush_timeout_s: float
+    echo_file: str
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _log(msg: str) -> None:
+    print(f"bench_tcp: {msg}", file=sys.stderr, flush=True)
+
+
+def _start_watchdog(max_seconds: float, who: str) -> threading.Timer:
+    def fire() -> None:
+        print(f"bench_tcp: {who}: watchdog: over {max_seconds:.0f} s, aborting", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(2)
+
+    timer = threading.Timer(max_seconds, fire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def _close_later(server: Server, seconds: float) -> threading.Timer:
+    timer = threading.Timer(seconds, server.close)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    commit = out.stdout.strip()
+    return commit if out.returncode == 0 and commit else None
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def _echo_file() -> str:
+    return os.path.realpath(echo.__file__ or "")
+
+
+def _build_fingerprint() -> list[dict[str, Any]]:
+    """Size, mtime and sha256 prefix of the package's compiled modules (which build ran)."""
+    out: list[dict[str, Any]] = []
+    pkg = Path(_echo_file()).parent
+    for so in sorted(pkg.glob("*.so")):
+        try:
+            data = so.read_bytes()
+            st = so.stat()
+        except OSError:
+            continue
+        out.append(
+            {
+                "file": so.name,
+                "bytes": st.st_size,
+                "mtime": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(st.st_mtime)),
+                "sha256": hashlib.sha256(data).hexdigest()[:16],
+            }
+        )
+    return out
+
+
+def _err(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+# --------------------------------------------------------------------------- worker process
+
+
+def _worker(
+    a: WorkerArgs,
+    go: Any,  # multiprocessing Event
+    t0: Any,  # multiprocessing Value("d"): the common start time (time.monotonic())
+    ready_q: Any,
+    result_q: Any,
+) -> None:
+    _start_watchdog(
+        a.go_timeout_s + a.warmup_s + a.seconds + a.flush_timeout_s + 10.0, f"worker {a.wid}"
+    )
+    res: dict[str, Any] = {"wid": a.wid, "sent": 0, "error": None, "cpu_s": 0.0, "send_s": 0.0}
+    if _echo_file() != a.echo_file:
+        res["error"] = f"worker imported echo from {_echo_file()}, learner from {a.echo_file}"
+        ready_q.put((a.wid, False))
+        result_q.put(res)
+        return
+    sc = SCENARIO_BY_NAME[a.scenario]
+    tree = sc.example()
+    rng = np.random.default_rng(a.wid)
+    for k, _ in sc.leaves:
+        tree[k][...] = rng.random(tree[k].shape, dtype=np.float32)
+    meta = tree["meta"]
+    heads = [tree[k].reshape(-1) for k, _ in sc.leaves]  # views; [0] carries seq % ID_MOD
+    try:
+        client = TcpClient(HOST, a.port, tree, max_inflight_msgs=MAX_INFLIGHT)
+    except (OSError, ValueError, TypeError, RuntimeError) as e:
+        res["error"] = f"connect: {_err(e)}"
+        ready_q.put((a.wid, False))
+        result_q.put(res)
+        return
+    ready_q.put((a.wid, True))
+    sent = 0
+    try:
+        if not go.wait(a.go_timeout_s):
+            raise TimeoutError("no start signal from the learner")
+        t_end = t0.value + a.warmup_s + a.seconds
+        clock = time.monotonic
+        send = client.send
+        wid = float(a.wid)
+        cpu0 = time.process_time()
+        w0 = clock()
+        while sent < a.max_count:
+            v = float(sent % ID_MOD)
+            for h in heads:
+                h[0] = v
+            meta[0] = wid
+            meta[1] = sent
+            now = clock()
+            if now >= t_end:
+                break
+            meta[2] = now
+            send(tree)
+            sent += 1
+        res["send_s"] = clock() - w0
+        client.wait()  # 0.2.1's close() does not wait for acks
+        res["cpu_s"] = time.process_time() - cpu0
+    except (OSError, ValueError, TypeError, RuntimeError) as e:
+        res["error"] = _err(e)
+    finally:
+        res["sent"] = sent
+        try:
+            client.close()
+        except (OSError, ValueError, TypeError, RuntimeError) as e:
+            res["error"] = res["error"] or f"close: {_err(e)}"
+        result_q.put(res)
+
+
+# --------------------------------------------------------------------------- loopback reference
+
+
+def _loopback_receiver(port_q: Any, result_q: Any) -> None:
+    _start_watchdog(60.0, "loopback receiver")
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.bind((HOST, 0))
+    srv.listen(1)
+    srv.settimeout(30.0)
+    port_q.put(srv.getsockname()[1])
+    conn, _ = srv.accept()
+    conn.settimeout(30.0)
+    buf = bytearray(1 << 20)
+    total = 0
+    t_first = t_last = time.monotonic()
+    n = conn.recv_into(buf)
+    t_first = time.monotonic()
+    while n:
+        total += n
+        n = conn.recv_into(buf)
+    t_last = time.monotonic()
+    conn.close()
+    srv.close()
+    result_q.put({"bytes": total, "seconds": t_last - t_first})
+
+
+def _loopback_once(ctx: Any, seconds: float, chunk_bytes: int) -> dict[str, Any]:
+    port_q, result_q = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_loopback_receiver, args=(port_q, result_q), daemon=True)
+    proc.start()
+    try:
+        port = port_q.get(timeout=30.0)
+        chunk = memoryview(bytes(chunk_bytes))
+        sent = 0
+        with socket.create_connection((HOST, port), timeout=30.0) as sock:
+            t0 = time.monotonic()
+            deadline = t0 + seconds
+            for _ in range(100_000_000):
+                sock.sendall(chunk)
+                sent += chunk_bytes
+                if time.monotonic() >= deadline:
+                    break
+            send_s = time.monotonic() - t0
+        got = result_q.get(timeout=30.0)
+    finally:
+        proc.join(timeout=10.0)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout=5.0)
+    return {
+        "bytes": got["bytes"],
+        "complete": got["bytes"] == sent,
+        "seconds": got["seconds"],
+        "gbps": got["bytes"] / got["seconds"] / 1e9,
+        "sender_gbps": sent / send_s / 1e9,
+    }
+
+
+def bench_loopback(ctx: Any, seconds: float, chunk_bytes: int, reps: int = 3) -> dict[str, Any]:
+    """Plain-socket bandwidth between two processes over 127.0.0.1 (``sendall`` of chunks).
+
+    ``reps`` transfers of ``seconds / reps`` each; the best one is the reference (a shared
+    machine's transient load only ever lowers it).
+    """
+    runs = [_loopback_once(ctx, seconds / reps, chunk_bytes) for _ in range(reps)]
+    best = max(runs, key=lambda r: float(r["gbps"]))
+    return {"chunk_bytes": chunk_bytes, **best, "runs_gbps": [r["gbps"] for r in runs]}
+
+
+def _best_loopback(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    loop = dict(max(before, after, key=lambda d: float(d["gbps"])))
+    loop["before_gbps"], loop["after_gbps"] = before["gbps"], after["gbps"]
+    loop["runs_gbps"] = before["runs_gbps"] + after["runs_gbps"]
+    return loop
+
+
+# --------------------------------------------------------------------------- learner
+
+
+def _make_server(sc: Scenario) -> tuple[Server, int, str, str]:
+    """A started Server on a free loopback port: (server, port, bind, how the port was chosen)."""
+
+    def transport(port: int) -> tuple[Any, str]:
+        try:
+            return TcpTransport(port, host=HOST), HOST
+        except TypeError:  # 0.2.1: no host argument, binds every interface
+            return TcpTransport(port), "0.0.0.0 (no host argument)"
+
+    tr, bind = transport(0)
+    server = Server(sc.example(), batch_size=sc.batch_size, transport=tr)
+    try:
+        server.start()
+        port = server.port
+    except (OSError, RuntimeError, ValueError, OverflowError):
+        port = None
+    if port:
+        return server, int(port), bind, "port=0"
+    server.close()
+    last: BaseException | None = None
+    for _ in range(5):  # port=0 not supported: pick a free port, retry if it got taken
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((HOST, 0))
+            free = int(s.getsockname()[1])
+        tr, bind = transport(free)
+        server = Server(sc.example(), batch_size=sc.batch_size, transport=tr)
+        try:
+            server.start()
+        except (OSError, RuntimeError) as e:
+            last = e
+            server.close()
+            continue
+        return server, free, bind, "free port found first"
+    raise RuntimeError(f"could not start a server on a free port: {last}")
+
+
+@dataclass
+class _Collected:
+    """Filled by the collector thread: the workers' reports and the padding it submitted."""
+
+    results: dict[int, dict[str, Any]] = field(default_factory=lambda: {})
+    target: int | None = None  # total samples the learner must see (sent + markers)
+    markers: int = 0
+    complete: bool = False  # every worker reported in time
+    submit_error: str | None = None
+    rows_seen: int = 0  # updated by the consumer after every batch
+    consumer_done: bool = False
+    stalled: bool = False  # the target was never reached: closed after STALL_S without progress
+
+
+def _collect(
+    server: Server,
+    sc: Scenario,
+    k: int,
+    result_q: Any,
+    deadline: float,
+    out: _Collected,
+) -> None:
+    while len(out.results) < k:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            r = result_q.get(timeout=min(left, 1.0))
+        except queue.Empty:
+            continue
+        out.results[int(r["wid"])] = r
+    if len(out.results) < k:
+        server.close()  # wakes the consumer; the round is incomplete
+        return
+    out.complete = True
+    total = sum(int(r["sent"]) for r in out.results.values())
+    bs = sc.batch_size
+    pad = (-total) % bs or bs  # at least one, so a consumer blocked in sample() wakes
+    out.target = total + pad
+    tree = sc.example()
+    heads = [tree[key].reshape(-1) for key, _ in sc.leaves]
+
+    def submit_marker() -> None:
+        i = out.markers
+        for h in heads:
+            h[0] = float(i)
+        tree["meta"][:] = (MARKER_WID, i, time.monotonic())
+        server.submit(tree)
+        out.markers += 1
+
+    try:
+        for _ in range(pad):
+            submit_marker()
+    except (OSError, RuntimeError, ValueError, TypeError) as e:  # e.g. closed by the guard
+        out.submit_error = _err(e)
+    # A sample that never arrives leaves the last batch incomplete and the consumer blocked.
+    # After STALL_S without a batch: add markers one at a time until that batch completes (so
+    # everything that did arrive is delivered and `missing` counts only real losses), then
+    # close the server, which wakes the consumer.
+    last, last_t = out.rows_seen, time.monotonic()
+    while not out.consumer_done and time.monotonic() < deadline + STALL_S:
+        time.sleep(0.05)
+        if out.rows_seen != last:
+            last, last_t = out.rows_seen, time.monotonic()
+        elif time.monotonic() - last_t > STALL_S:
+            out.stalled = True
+            try:
+                for _ in range(bs):
+                    submit_marker()
+                    t = time.monotonic()
+                    while out.rows_seen == last and time.monotonic() - t < 0.2:
+                        time.sleep(0.01)
+                    if out.rows_seen != last:
+                        break
+                t = time.monotonic()
+                while out.rows_seen == last and time.monotonic() - t < 1.0:
+                    time.sleep(0.01)
+            except (OSError, RuntimeError, ValueError, TypeError) as e:
+                out.submit_error = _err(e)
+            server.close()
+            break
+
+
+def _verify(rows: np.ndarray, sent: list[int], markers: int, bs: int) -> dict[str, Any]:
+    """Exactly-once and per-worker order of the received (wid, seq) rows."""
+    wid = rows[:, 0]
+    is_marker = wid == MARKER_WID
+    w = wid[~is_marker].astype(np.int64)
+    s = rows[~is_marker, 1].astype(np.int64)
+    total = int(sum(sent))
+    k = len(sent)
+    counts = np.asarray(sent, np.int64)
+    in_range = (w >= 0) & (w < k)
+    in_range[in_range] &= (s[in_range] >= 0) & (s[in_range] < counts[w[in_range]])
+    offsets = np.concatenate(([0], np.cumsum(counts)))
+    flat = offsets[w[in_range]] + s[in_range]
+    seen = np.bincount(flat, minlength=total) if total else np.zeros(0, np.int64)
+    duplicates = int((seen[seen > 1] - 1).sum())
+    missing = int((seen == 0).sum())
+    order = np.argsort(w, kind="stable")
+    ws, ss = w[order], s[order]
+    same = ws[1:] == ws[:-1]
+    out_of_order = int((np.diff(ss)[same] <= 0).sum())
+    return {
+        "received_real": int(w.size),
+        "received_markers": int(is_marker.sum()),
+        "markers_expected": markers,
+        "bad_ids": int((~in_range).sum()),
+        "duplicates": duplicates,
+        "missing": missing,
+        "out_of_order": out_of_order,
+        "exactly_once": bool(
+            w.size == total and not (~in_range).any() and duplicates == 0 and missing == 0
+        ),
+        "in_order": out_of_order == 0,
+        "batches_with_markers": int(is_marker.reshape(-1, bs).any(axis=1).sum()) if bs else 0,
+    }
+
+
+def run_round(sc: Scenario, k: int, opts: argparse.Namespace, ctx: Any) -> dict[str, Any]:
+    bs = sc.batch_size
+    server, port, bind, port_how = _make_server(sc)
+    go = ctx.Event()
+    t0v = ctx.Value("d", 0.0)
+    ready_q, result_q = ctx.Queue(), ctx.Queue()
+    setup_timeout = 30.0 + 0.25 * k
+
+    def worker_args(wid: int) -> WorkerArgs:
+        return WorkerArgs(
+            wid=wid,
+            port=port,
+            scenario=sc.name,
+            max_count=opts.count,
+            warmup_s=opts.warmup,
+            seconds=opts.seconds,
+            go_timeout_s=setup_timeout + 10.0,
+            flush_timeout_s=opts.grace,
+            echo_file=_echo_file(),
+        )
+
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(worker_args(i), go, t0v, ready_q, result_q),
+            name=f"bench-tcp-worker-{i}",
+            daemon=True,
+        )
+        for i in range(k)
+    ]
+    keys = [key for key, _ in sc.leaves]
+    blocks: list[np.ndarray] = []
+    block_rows = BLOCK_BATCHES * bs
+    rows_used = 0
+    closed_early = overflow = False
+    payload_bad_batches = 0
+    busy_ns = 0
+    collected = _Collected()
+    collector: threading.Thread | None = None
+    guard: threading.Timer | None = None
+    last_info: Any = None
+    cpu_marks: dict[str, float] = {}
+    ready = 0
+    setup_s = t_done = win0 = win1 = 0.0
+    t_setup = time.monotonic()
+    try:
+        for p in procs:
+            p.start()
+        failed = 0
+        deadline = t_setup + setup_timeout
+        while ready + failed < k and time.monotonic() < deadline:
+            try:
+                _, ok = ready_q.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+            except queue.Empty:
+                continue
+            ready += bool(ok)
+            failed += not ok
+        setup_s = time.monotonic() - t_setup
+        _log(f"{sc.name} K={k}: {ready} workers ready ({failed} failed) in {setup_s:.1f} s")
+
+        t0 = time.monotonic() + 0.02
+        win0, win1 = t0 + opts.warmup, t0 + opts.warmup + opts.seconds
+        round_deadline = win1 + opts.grace
+        collector = threading.Thread(
+            target=_collect,
+            args=(server, sc, k, result_q, round_deadline, collected),
+            name="bench-tcp-collector",
+            daemon=True,
+        )
+        collector.start()
+        guard = _close_later(server, round_deadline + 5.0 - time.monotonic())
+
+        def mark_cpu() -> None:  # learner-process CPU over the timed window
+            for name, at in (("start", win0), ("end", win1)):
+                time.sleep(max(0.0, at - time.monotonic()))
+                cpu_marks[name] = time.process_time()
+
+        marker = threading.Thread(target=mark_cpu, name="bench-tcp-cpu", daemon=True)
+        marker.start()
+        t0v.value = t0
+        go.set()
+
+        clock = time.monotonic
+        clock_ns = time.perf_counter_ns
+        block = np.empty((0, 4))
+        pos = 0
+        for _ in range(MAX_ROWS // bs + 1):
+            target = collected.target
+            if target is not None and rows_used >= target:
+                break
+            smp = server.sample()
+            now = clock()
+            b0 = clock_ns()
+            if smp is None:
+                closed_early = True
+                break
+            batch = smp.batch
+            meta = batch["meta"]
+            if pos == block.shape[0]:
+                if rows_used + block_rows > MAX_ROWS:
+                    overflow = True
+                    break
+                block = np.empty((block_rows, 4))
+                blocks.append(block)
+                pos = 0
+            dst = block[pos : pos + bs]
+            dst[:, :3] = meta
+            dst[:, 3] = now
+            expect = (dst[:, 1] % ID_MOD).astype(np.float32)
+            for key in keys:
+                if not np.array_equal(batch[key][:, 0], expect):
+                    payload_bad_batches += 1
+                    break
+            pos += bs
+            rows_used += bs
+            collected.rows_seen = rows_used
+            last_info = smp.info
+            smp = batch = meta = None
+            busy_ns += clock_ns() - b0
+        t_done = time.monotonic()
+    finally:
+        collected.consumer_done = True
+        if guard is not None:
+            guard.cancel()
+        server.close()
+        go.set()  # a worker still waiting must not wait for its timeout
+        if collector is not None:
+            collector.join(timeout=opts.grace + 10.0)
+        join_deadline = time.monotonic() + 10.0
+        for p in procs:
+            p.join(timeout=max(0.1, join_deadline - time.monotonic()))
+        stuck = [p.pid for p in procs if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5.0)
+        for q in (ready_q, result_q):
+            q.close()
+            q.join_thread()
+
+    rows = np.concatenate(blocks)[:rows_used] if blocks else np.empty((0, 4))
+    results = [
+        collected.results.get(i, {"wid": i, "sent": 0, "error": "no report"}) for i in range(k)
+    ]
+    sent = [int(r["sent"]) for r in results]
+    errors = [f"worker {r['wid']}: {r['error']}" for r in results if r.get("error")]
+    ver = _verify(rows, sent, collected.markers, bs)
+    is_marker_batch = np.repeat(rows[:, 0].reshape(-1, bs).min(axis=1) == MARKER_WID, bs)
+    real = rows[:, 0] != MARKER_WID
+    t_send, t_recv = rows[:, 2], rows[:, 3]
+    in_win = real & (t_recv >= win0) & (t_recv < win1)
+    n_win = int(in_win.sum())
+    lat_sel = real & ~is_marker_batch & (t_send >= win0) & (t_send < win1)
+    lat_ms = (t_recv[lat_sel] - t_send[lat_sel]) * 1e3
+
+    def pct(q: float) -> float:
+        return float(np.percentile(lat_ms, q)) if lat_ms.size else float("nan")
+
+    cpu_learner = cpu_marks.get("end", np.nan) - cpu_marks.get("start", np.nan)
+    worker_cpu = sum(float(r.get("cpu_s", 0.0)) for r in results)
+    total_sent = int(sum(sent))
+    gbps = n_win * sc.sample_bytes / opts.seconds / 1e9
+    correct = bool(
+        ver["exactly_once"]
+        and ver["in_order"]
+        and ver["received_markers"] == collected.markers
+        and payload_bad_batches == 0
+        and not errors
+        and not closed_early
+        and not overflow
+        and collected.complete
+        and collected.submit_error is None
+        and not stuck
+        and ready == k
+    )
+    info: dict[str, Any] = {}
+    for attr in (
+        "active_connections",
+        "push_blocked_count",
+        "samples_inserted_total",
+        "queue_depth_max",
+        "notify_count",
+    ):
+        info[attr] = getattr(last_info, attr, None)
+    return {
+        "workers": k,
+        "batch_size": bs,
+        "sample_bytes": sc.sample_bytes,
+        "port": port,
+        "bind": bind,
+        "port_choice": port_how,
+        "setup_s": setup_s,
+        "workers_ready": ready,
+        "window_s": opts.seconds,
+        "warmup_s": opts.warmup,
+        "samples_in_window": n_win,
+        "samples_per_s": n_win / opts.seconds,
+        "gbps": gbps,
+        "frac_loopback": None,  # filled in once the loopback reference is final
+        "latency_n": int(lat_ms.size),
+        "p50_ms": pct(50),
+        "p90_ms": pct(90),
+        "p99_ms": pct(99),
+        "max_ms": float(lat_ms.max()) if lat_ms.size else float("nan"),
+        "sent_total": total_sent,
+        "received_total": rows_used,
+        "correct": correct,
+        **ver,
+        "payload_bad_batches": payload_bad_batches,
+        "closed_early": closed_early,
+        "overflow": overflow,
+        "reports_complete": collected.complete,
+        "submit_error": collected.submit_error,
+        "stalled": collected.stalled,
+        "worker_errors": errors[:20],
+        "workers_stuck": len(stuck),
+        "learner_cpu_cores": cpu_learner / opts.seconds,
+        "learner_busy_s": busy_ns / 1e9,  # time outside sample(): recording + checks
+        "worker_cpu_us_per_sample": worker_cpu / total_sent * 1e6 if total_sent else None,
+        # fairness between connections: samples sent per worker
+        "sent_per_worker_min": min(sent) if sent else 0,
+        "sent_per_worker_max": max(sent) if sent else 0,
+        "sent_per_worker": sent,
+        "sent_per_worker_cv": float(np.std(sent) / np.mean(sent)) if total_sent else None,
+        "worker_send_s_mean": float(np.mean([r.get("send_s", 0.0) for r in results])),
+        "drain_s": t_done - win1,  # from the end of sending until the last batch
+        "last_info": info,
+    }
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def _print_table(label: str, loop: dict[str, Any] | None, res: dict[str, Any]) -> None:
+    print(f"# {label}: echo {getattr(echo, '__version__', None)} from {echo.__file__}")
+    if loop is not None:
+        print(
+            f"raw loopback TCP ({loop['chunk_bytes'] // 1024} KiB sendall): {loop['gbps']:.2f} GB/s"
+            f" (before {loop['before_gbps']:.2f}, after {loop['after_gbps']:.2f}); with 1 MiB "
+            f"sendall {loop['bulk_1mib']['gbps']:.2f} GB/s"
+        )
+    print(
+        f"{'scenario':<8} {'K':>4} {'samples/s':>11} {'GB/s':>7} {'frac lo':>7} {'lo 1M':>6} "
+        f"{'p50 ms':>8} {'p99 ms':>8} {'correct':>7} {'order':>5} {'sent':>9} "
+        f"{'setup s':>7} {'lrn cpu':>7} {'wkr us/s':>8}"
+    )
+    for name, rounds in res.items():
+        for k, r in rounds.items():
+            frac, frac1m = r["frac_loopback"], r.get("frac_loopback_1mib")
+            wus = r["worker_cpu_us_per_sample"]
+            print(
+                f"{name:<8} {k:>4} {r['samples_per_s']:>11,.0f} {r['gbps']:>7.3f} "
+                f"{'-' if frac is None else f'{frac:.3f}':>7} "
+                f"{'-' if frac1m is None else f'{frac1m:.3f}':>6} {r['p50_ms']:>8.2f} "
+                f"{r['p99_ms']:>8.2f} {r['correct']!s:>7} {r['in_order']!s:>5} "
+                f"{r['sent_total']:>9,} {r['setup_s']:>7.1f} {r['learner_cpu_cores']:>7.2f} "
+                f"{'-' if wus is None else f'{wus:.1f}':>8}"
+            )
+            if not r["correct"]:
+                print(
+                    f"  {name} K={k}: dup {r['duplicates']} missing {r['missing']} "
+                    f"out_of_order {r['out_of_order']} bad_ids {r['bad_ids']} payload_bad "
+                    f"{r['payload_bad_batches']} closed_early {r['closed_early']} stalled "
+                    f"{r['stalled']} stuck "
+                    f"{r['workers_stuck']} errors {r['worker_errors'][:3]}"
+                )
+    print(
+        "  lrn cpu: learner process CPU (all threads) over the window, in cores; "
+        "wkr us/s: worker CPU us per sample sent"
+    )
+    print(f"  load average (1/5/15 min) at the end: {os.getloadavg()}")
+
+
+def _parse_workers(text: str) -> list[int]:
+    ks = [int(x) for x in text.split(",") if x.strip()]
+    if not ks or any(k < 1 or k > MAX_WORKERS for k in ks):
+        raise argparse.ArgumentTypeError(f"worker counts must be in [1, {MAX_WORKERS}]")
+    return ks
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n", 1)[0])
+    p.add_argument("--quick", action="store_true", help="K = 1, 4 only, 1.5 s each")
+    p.add_argument("--json", type=Path, default=None, help="write results as JSON to PATH")
+    p.add_argument("--label", default=None, help="name of this run (default: echo-<version>)")
+    p.add_argument("--only", choices=[s.name for s in SCENARIOS], action="append", default=None)
+    p.add_argument(
+        "--workers",
+        type=_parse_workers,
+        default=None,
+        help="comma-separated worker counts (default 1,4,16,64)",
+    )
+    p.add_argument("--seconds", type=float, default=None, help="timed window per round (4)")
+    p.add_argument("--warmup", type=float, default=0.5, help="untimed sending first (s)")
+    p.add_argument("--count", type=int, default=10_000_000, help="max samples per worker")
+    p.add_argument("--grace", type=float, default=30.0, help="drain/flush limit per round (s)")
+    p.add_argument("--loopback-seconds", type=float, default=2.0)
+    p.add_argument("--max-seconds", type=float, default=600.0, help="hard limit for the run")
+    args = p.parse_args(argv)
+    if args.seconds is None:
+        args.seconds = 1.5 if args.quick else 4.0
+    ks: list[int] = args.workers or ([1, 4] if args.quick else [1, 4, 16, 64])
+
+    _start_watchdog(args.max_seconds, "learner")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["numpy", "echo"])
+    load_before = os.getloadavg()
+    version = getattr(echo, "__version__", None)
+    label = args.label or f"echo-{version}"
+    _log(f"{label}: echo {version} from {_echo_file()}, python {sys.executable}")
+    build = _build_fingerprint()
+    _log(f"build: {build}")
+
+    def loopback(when: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        std = bench_loopback(ctx, args.loopback_seconds, LOOPBACK_CHUNK)
+        bulk = bench_loopback(ctx, args.loopback_seconds / 2, LOOPBACK_BULK_CHUNK)
+        _log(
+            f"raw loopback ({when}): {std['gbps']:.2f} GB/s with 64 KiB sendall, "
+            f"{bulk['gbps']:.2f} GB/s with 1 MiB"
+        )
+        return std, bulk
+
+    std0, bulk0 = loopback("before")
+    results: dict[str, dict[str, Any]] = {}
+    for sc in SCENARIOS:
+        if args.only and sc.name not in args.only:
+            continue
+        results[sc.name] = {}
+        for k in ks:
+            r = run_round(sc, k, args, ctx)
+            results[sc.name][str(k)] = r
+            _log(
+                f"{sc.name} K={k}: {r['samples_per_s']:,.0f} samples/s, {r['gbps']:.3f} GB/s, "
+                f"p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms, correct {r['correct']}"
+            )
+
+    std1, bulk1 = loopback("after")
+    # The reference is the best transfer before or after the rounds: on a shared machine a
+    # busy moment only ever lowers the measured bandwidth.
+    loop = _best_loopback(std0, std1)
+    loop["bulk_1mib"] = _best_loopback(bulk0, bulk1)
+    bulk_gbps = float(loop["bulk_1mib"]["gbps"])
+    for rounds in results.values():
+        for r in rounds.values():
+            r["frac_loopback"] = r["gbps"] / loop["gbps"] if loop["gbps"] else None
+            r["frac_loopback_1mib"] = r["gbps"] / bulk_gbps if bulk_gbps else None
+    _print_table(label, loop, results)
+    if args.json is not None:
+        doc = {
+            "label": label,
+            "python": platform.python_version(),
+            "executable": sys.executable,
+            "numpy": np.__version__,
+            "echo_version": version,
+            "echo_path": getattr(echo, "__file__", None),
+            "cpu": _cpu_model(),
+            "cpus": os.cpu_count(),
+            "commit": _git_commit(),
+            "echo_build": build,  # at the start; a rebuild during the run is flagged
+            "echo_rebuilt_during_run": _build_fingerprint() != build,
+            "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(),
+            "quick": args.quick,
+            "workers": ks,
+            "seconds": args.seconds,
+            "warmup_s": args.warmup,
+            "max_inflight_msgs": MAX_INFLIGHT,
+            "loopback": loop,
+            "scenarios": results,
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.json}")
+    ok = all(r["correct"] for rounds in results.values() for r in rounds.values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
