@@ -52,7 +52,6 @@ bench-compare OTHER_VENV:
     {{OTHER_VENV}}/bin/python benches/py/bench_inprocess.py --label other --json benches/results/inprocess-other.json
     .venv/bin/python benches/py/compare.py benches/results/inprocess-ours.json benches/results/inprocess-other.json
 
-# Build the documentation site (strict: warnings are errors)
+# Build the documentation site into target/site (strict: warnings are errors)
 docs:
-    .venv/bin/python -m pip install -q "mkdocs-material>=9.5" "mkdocstrings[python]>=0.26"
-    .venv/bin/mkdocs build --strict
+    bash scripts/docs.sh

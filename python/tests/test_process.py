@@ -270,3 +270,35 @@ def test_ctrl_c_interrupts_a_blocked_call_promptly(blocked_in: str) -> None:
     assert "PanicException" not in stderr, stderr
     assert proc.returncode != 0
     assert elapsed < 2.0, f"took {elapsed:.2f}s to honour Ctrl-C"
+
+
+def test_an_atexit_handler_registered_before_import_can_still_close_the_server(
+    run_python: Any,
+) -> None:
+    # atexit runs handlers last-registered-first, so this close() runs after echo's own exit
+    # hook: the thread running the hooks must still be able to release and re-take the GIL.
+    code = textwrap.dedent(
+        """
+        import atexit
+        holder = []
+        atexit.register(lambda: [s.close() for s in holder])
+
+        import threading
+        import numpy as np
+        import echo
+
+        server = echo.Server(
+            {"x": np.zeros(3, np.float32)},
+            batch_size=2,
+            transport=echo.TcpTransport(port=0, host="127.0.0.1"),
+        )
+        server.start()
+        holder.append(server)
+        threading.Thread(target=server.sample, daemon=True).start()
+        print("ready", flush=True)
+        """
+    )
+    proc = run_python(code, timeout=20)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ready"
+    assert proc.stderr == ""

@@ -44,7 +44,7 @@ pub(crate) fn detach<T: Send>(py: Python<'_>, f: impl FnOnce() -> T + Send) -> T
         // the flag, and its store of the flag and load of the count, are totally ordered.
         REATTACHING.fetch_add(1, Ordering::SeqCst);
         // ORDERING: SeqCst — see above.
-        if INTERPRETER_EXITING.load(Ordering::SeqCst) {
+        if INTERPRETER_EXITING.load(Ordering::SeqCst) && !is_exit_thread() {
             // ORDERING: SeqCst — see above.
             REATTACHING.fetch_sub(1, Ordering::SeqCst);
             loop {
@@ -56,6 +56,14 @@ pub(crate) fn detach<T: Send>(py: Python<'_>, f: impl FnOnce() -> T + Send) -> T
     // ORDERING: SeqCst — see above; we hold the GIL again.
     REATTACHING.fetch_sub(1, Ordering::SeqCst);
     out
+}
+
+/// The thread that ran the `atexit` hook: it finalises the interpreter, holds the GIL through
+/// it, and must keep working (e.g. an earlier-registered `atexit` handler calling `close()`).
+static EXIT_THREAD: std::sync::OnceLock<std::thread::ThreadId> = std::sync::OnceLock::new();
+
+fn is_exit_thread() -> bool {
+    EXIT_THREAD.get() == Some(&std::thread::current().id())
 }
 
 /// Runs `attempt(slice_end)` with the GIL released until it returns `Some`, checking for
@@ -155,6 +163,7 @@ fn reset_log_cache() {
 /// re-taking the GIL; the ones already on their way back get it before we return.
 #[pyfunction]
 fn _interpreter_exiting(py: Python<'_>) {
+    let _ = EXIT_THREAD.set(std::thread::current().id());
     // ORDERING: SeqCst — pairs with `detach` (see there).
     INTERPRETER_EXITING.store(true, Ordering::SeqCst);
     let deadline = Instant::now() + EXIT_GRACE;
