@@ -1089,8 +1089,19 @@ LEAK_SCRIPT = textwrap.dedent(
             time.sleep(0.01)
         return counts()
 
+    def rss_kib():
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+        return 0
+
     baseline = counts()
-    for n in range(50):
+    rss_warm = 0
+    for n in range(100):
+        if n == 10:
+            gc.collect()
+            rss_warm = rss_kib()
         server = echo.Server(
             EXAMPLE, batch_size=4, transport=echo.TcpTransport(port=0, host="127.0.0.1")
         )
@@ -1110,14 +1121,16 @@ LEAK_SCRIPT = textwrap.dedent(
         del server, client, batch
     after = settle(baseline)
     print("baseline", baseline, "after", after)
-    assert after == baseline, f"threads/tasks/fds: baseline {baseline}, after 50 rounds {after}"
+    assert after == baseline, f"threads/tasks/fds: baseline {baseline}, after 100 rounds {after}"
+    grown = rss_kib() - rss_warm
+    assert grown < 16 * 1024, f"RSS grew by {grown} KiB over 90 server lifetimes"
     print("ok")
     """
 )
 
 
-def test_fifty_server_client_rounds_leak_no_threads_or_fds(run_python: Any) -> None:
-    proc = run_python(LEAK_SCRIPT, timeout=50)
+def test_a_hundred_server_client_rounds_leak_no_threads_fds_or_memory(run_python: Any) -> None:
+    proc = run_python(LEAK_SCRIPT, timeout=100)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert proc.stdout.strip().endswith("ok"), proc.stdout
     assert proc.stderr == "", proc.stderr
