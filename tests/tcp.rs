@@ -257,6 +257,7 @@ fn a_stalled_large_write_resumes_where_it_stopped() {
     let server =
         TcpIngress::start(&store, IngressConfig { num_drainers: 1, queue_size: 1 }, &tcp).unwrap();
     let port = server.local_addr().port();
+    let (stalled_tx, stalled_rx) = mpsc::channel();
     let sender = thread::spawn(move || {
         let mut client = TcpSender::connect("127.0.0.1", port, 8, TIMEOUT).unwrap();
         let mut stalls = 0;
@@ -266,7 +267,10 @@ fn a_stalled_large_write_resumes_where_it_stopped() {
             loop {
                 match client.send(&[&payload], Some(Instant::now() + Duration::from_millis(5))) {
                     Ok(()) => break,
-                    Err(ClientError::Stalled) => stalls += 1,
+                    Err(ClientError::Stalled) => {
+                        stalls += 1;
+                        let _ = stalled_tx.send(());
+                    }
                     Err(ClientError::TimedOut) => assert_eq!(client.in_progress(), 0),
                     Err(e) => panic!("{e:?}"),
                 }
@@ -275,11 +279,12 @@ fn a_stalled_large_write_resumes_where_it_stopped() {
         assert!(client.close(Some(Instant::now() + TIMEOUT)));
         stalls
     });
+    // Consume nothing until a write has stalled mid-sample: with the ring, queue and pool full
+    // the server stops reading, and 16 MiB samples do not fit in the socket buffers.
+    stalled_rx.recv_timeout(TIMEOUT).expect("no write ever stalled mid-sample");
     for i in 0..12u8 {
         consumer.sample(Some(Instant::now() + TIMEOUT)).unwrap();
         consumer.read_leaf(0, |b| assert!(b.iter().all(|&x| x == i), "sample {i} is torn"));
-        // A slow learner: longer than the client's 50 ms write slice, so writes stall.
-        thread::sleep(Duration::from_millis(if i < 3 { 150 } else { 60 }));
     }
     let stalls = sender.join().unwrap();
     assert!(stalls > 0, "the test never exercised a stalled write");
