@@ -144,10 +144,11 @@ impl RingBuf {
         let buf = &self.leaves[leaf];
         let start = buf.base.as_ptr().wrapping_add(slots.start * buf.slot_bytes);
         let len = (slots.end - slots.start) * buf.slot_bytes;
-        // SAFETY: the range is inside the allocation (asserted above; for an empty leaf `len`
-        // is 0 and `start` is aligned and non-null), the memory is initialised (allocated
-        // zeroed, then only overwritten with whole byte copies), and the caller guarantees no
-        // writer mutates it while the slice lives (it does not escape `f`).
+        // The range is inside the allocation (asserted above; for an empty leaf `len` is 0 and
+        // `start` is aligned and non-null) and initialised (allocated zeroed, then only
+        // overwritten by whole byte copies).
+        // SAFETY: bounds and initialisation as above; the caller guarantees no writer mutates
+        // these slots while the slice lives, and it does not escape `f`.
         let bytes = unsafe { std::slice::from_raw_parts(start, len) };
         f(bytes)
     }

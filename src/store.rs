@@ -302,10 +302,10 @@ impl Store {
             for i in 0..len {
                 let slot = self.ring_slot(start + i as u64);
                 for leaf in 0..self.spec.len() {
-                    // SAFETY: `reserve` gave this thread slots `start..start + len` exclusively:
-                    // the CAS made the range unique among writers, and the space check put it
-                    // below `read_cursor + capacity`, i.e. outside anything the consumer holds.
-                    // Sizes were validated above; `src` is caller memory, not the ring.
+                    // `reserve`'s CAS made `start..start + len` unique among writers, and its
+                    // space check put it below `read_cursor + capacity`: nobody else touches it.
+                    // SAFETY: exclusive slots as above; sizes were validated by `validate`, and
+                    // `src` is caller memory, not the ring.
                     unsafe { self.ring.write_slot(slot, leaf, src.leaf(inserted + i, leaf)) };
                 }
             }

@@ -157,11 +157,10 @@ pub(crate) fn byte_slices<'a>(
             // SAFETY: reading the `data` field of a live ndarray is what numpy's `PyArray_DATA`
             // macro does.
             let data = unsafe { (*array.as_array_ptr()).data };
-            // SAFETY: `LeafSpecs::check` verified that `array` is C-contiguous with the spec's
-            // dtype and shape, so `data` holds exactly `len` initialised bytes, and `arrays`
-            // (borrowed for `'a`) keeps it alive. Another Python thread could write to it
-            // concurrently, exactly as with numpy's own GIL-released copies: the bytes may
-            // then be torn, never out of bounds.
+            // Another Python thread could write to the array concurrently, exactly as with
+            // numpy's own GIL-released copies: the bytes may then be torn, never out of bounds.
+            // SAFETY: `LeafSpecs::check` verified `array` is C-contiguous with the spec's dtype
+            // and shape, so `data` holds exactly `len` bytes; `arrays` keeps it alive for `'a`.
             unsafe { std::slice::from_raw_parts(data.cast::<u8>(), len) }
         })
         .collect()

@@ -59,11 +59,11 @@ fn new_array<'py>(
     // SAFETY: `get_type_object` only reads numpy's API table, which `PY_ARRAY_API` imports on
     // first use with the GIL held (we hold it: `py`).
     let subtype = unsafe { PY_ARRAY_API.get_type_object(py, npyffi::NpyTypes::PyArray_Type) };
-    // SAFETY: `descr` is an owned reference (stolen by the call), `dims` has `nd` entries, null
-    // strides mean C order. `data` is either null (numpy allocates) or points at
-    // `product(dims) * itemsize` bytes inside the ring (a batch start: aligned to at least the
-    // element size, since each leaf buffer is 64-byte aligned and slots are whole elements),
-    // kept alive by the `RingLease` the caller sets as base before the array escapes.
+    // `data` is either null (numpy allocates) or a batch start inside the ring: aligned to at
+    // least the element size (leaf buffers are 64-byte aligned, slots are whole elements).
+    // SAFETY: `descr` is an owned reference (stolen), `dims` has `nd` entries, null strides mean
+    // C order; a non-null `data` has `product(dims) * itemsize` bytes kept alive by the
+    // `RingLease` the caller sets as base before the array escapes.
     let raw = unsafe {
         PY_ARRAY_API.PyArray_NewFromDescr(
             py,
