@@ -39,18 +39,21 @@ fmt:
 lint:
     bash scripts/lint.sh
 
-# In-process benchmark of this build (JSON into benches/results/)
-bench:
-    mkdir -p benches/results
+# `python -m benches` writes JSON, PNG plots (with matplotlib) and a summary table into
+# benches/results/<timestamp>/; ARGS go to it (--quick, --out DIR, --workers 1,4,16,64, ...)
+# Criterion microbenchmarks, then python -m benches (raw limits, in-process, TCP actor sweep)
+bench *ARGS:
     cargo bench --bench store
-    .venv/bin/python benches/py/bench_inprocess.py --label ours --json benches/results/inprocess-ours.json
+    .venv/bin/python -m benches {{ARGS}}
 
-# The same benchmark against another installed echo (e.g. a venv with id-echo==0.2.1), with ratios
-bench-compare OTHER_VENV:
-    mkdir -p benches/results
-    .venv/bin/python benches/py/bench_inprocess.py --label ours --json benches/results/inprocess-ours.json
-    {{OTHER_VENV}}/bin/python benches/py/bench_inprocess.py --label other --json benches/results/inprocess-other.json
-    .venv/bin/python benches/py/compare.py benches/results/inprocess-ours.json benches/results/inprocess-other.json
+# The same scenarios with another installed echo, interleaved in one session, both on the plots
+# The benchmarks against another echo's venv (e.g. id-echo==0.2.1), with ratios ours / other
+bench-compare OTHER_VENV *ARGS:
+    .venv/bin/python -m benches --compare {{OTHER_VENV}}/bin/python {{ARGS}}
+
+# The benchmarks' smoke run as CI runs it (python -m benches --quick, then check the JSON)
+bench-smoke:
+    bash scripts/bench_smoke.sh
 
 # Build the documentation site into target/site (strict: warnings are errors)
 docs:

@@ -49,6 +49,7 @@ best transfer counting; the large scenario's GB/s is also reported as a fraction
 ceiling: its cost is per syscall, so echo's larger writes (one ~200 KB vectored write per
 large sample) and K parallel connections can exceed it (``frac_loopback > 1``). A second
 reference with 1 MiB chunks (half the time) gives ``frac_loopback_1mib``.
+``--loopback-seconds 0`` skips both (``python -m benches`` measures them once per session).
 
 Every loop is bounded in count and time: workers send at most ``--count`` samples and stop at
 the deadline; each worker has a watchdog (``os._exit``) and the learner closes the server if
@@ -821,7 +822,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=float, default=0.5, help="untimed sending first (s)")
     p.add_argument("--count", type=int, default=10_000_000, help="max samples per worker")
     p.add_argument("--grace", type=float, default=30.0, help="drain/flush limit per round (s)")
-    p.add_argument("--loopback-seconds", type=float, default=2.0)
+    p.add_argument(
+        "--loopback-seconds",
+        type=float,
+        default=2.0,
+        help="raw loopback reference before and after the rounds (s); 0 skips it",
+    )
     p.add_argument("--max-seconds", type=float, default=600.0, help="hard limit for the run")
     args = p.parse_args(argv)
     if args.seconds is None:
@@ -847,7 +853,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return std, bulk
 
-    std0, bulk0 = loopback("before")
+    with_loopback = args.loopback_seconds > 0  # 0: no reference (python -m benches has one)
+    std0, bulk0 = loopback("before") if with_loopback else ({}, {})
     results: dict[str, dict[str, Any]] = {}
     for sc in SCENARIOS:
         if args.only and sc.name not in args.only:
@@ -861,16 +868,18 @@ def main(argv: list[str] | None = None) -> int:
                 f"p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms, correct {r['correct']}"
             )
 
-    std1, bulk1 = loopback("after")
-    # The reference is the best transfer before or after the rounds: on a shared machine a
-    # busy moment only ever lowers the measured bandwidth.
-    loop = _best_loopback(std0, std1)
-    loop["bulk_1mib"] = _best_loopback(bulk0, bulk1)
-    bulk_gbps = float(loop["bulk_1mib"]["gbps"])
-    for rounds in results.values():
-        for r in rounds.values():
-            r["frac_loopback"] = r["gbps"] / loop["gbps"] if loop["gbps"] else None
-            r["frac_loopback_1mib"] = r["gbps"] / bulk_gbps if bulk_gbps else None
+    loop: dict[str, Any] | None = None
+    if with_loopback:
+        std1, bulk1 = loopback("after")
+        # The reference is the best transfer before or after the rounds: on a shared machine
+        # a busy moment only ever lowers the measured bandwidth.
+        loop = _best_loopback(std0, std1)
+        loop["bulk_1mib"] = _best_loopback(bulk0, bulk1)
+        bulk_gbps = float(loop["bulk_1mib"]["gbps"])
+        for rounds in results.values():
+            for r in rounds.values():
+                r["frac_loopback"] = r["gbps"] / loop["gbps"] if loop["gbps"] else None
+                r["frac_loopback_1mib"] = r["gbps"] / bulk_gbps if bulk_gbps else None
     _print_table(label, loop, results)
     if args.json is not None:
         doc = {

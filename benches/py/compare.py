@@ -34,6 +34,18 @@ def _get(d: dict[str, Any], path: tuple[str, ...]) -> float:
     return float(cur) if isinstance(cur, (int, float)) else math.nan
 
 
+def ratio_rows(
+    sa: dict[str, Any], sb: dict[str, Any]
+) -> list[tuple[str, str, float, float, float, bool]]:
+    """(scenario, metric, A, B, A/B, higher_is_better) for the scenarios in both A and B."""
+    rows: list[tuple[str, str, float, float, float, bool]] = []
+    for name in (n for n in sa if n in sb):
+        for label, path, higher in METRICS:
+            va, vb = _get(sa[name], path), _get(sb[name], path)
+            rows.append((name, label, va, vb, va / vb if vb else math.nan, higher))
+    return rows
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print(__doc__, file=sys.stderr)
@@ -48,10 +60,9 @@ def main(argv: list[str]) -> int:
 
     sa, sb = a.get("scenarios", {}), b.get("scenarios", {})
     print(f"{'scenario':<8} {'metric':<18} {'A':>12} {'B':>12} {'A/B':>8}  better")
+    rows = ratio_rows(sa, sb)
     for name in (n for n in sa if n in sb):
-        for label, path, higher in METRICS:
-            va, vb = _get(sa[name], path), _get(sb[name], path)
-            ratio = va / vb if vb else math.nan
+        for _, label, va, vb, ratio, higher in (r for r in rows if r[0] == name):
             print(
                 f"{name:<8} {label:<18} {va:>12.4g} {vb:>12.4g} {ratio:>8.3f}  "
                 f"{'higher' if higher else 'lower'}"

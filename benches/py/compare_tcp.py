@@ -27,6 +27,19 @@ def _num(d: dict[str, Any], key: str) -> float:
     return float(v) if isinstance(v, (int, float)) else math.nan
 
 
+def ratio_rows(
+    sa: dict[str, Any], sb: dict[str, Any]
+) -> list[tuple[str, str, str, float, float, float, bool]]:
+    """(scenario, K, metric, A, B, A/B, higher_is_better) for the rounds in both A and B."""
+    rows: list[tuple[str, str, str, float, float, float, bool]] = []
+    for name in (n for n in sa if n in sb):
+        for k in (k for k in sa[name] if k in sb[name]):
+            for label, key, higher in METRICS:
+                va, vb = _num(sa[name][k], key), _num(sb[name][k], key)
+                rows.append((name, k, label, va, vb, va / vb if vb else math.nan, higher))
+    return rows
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print(__doc__, file=sys.stderr)
@@ -53,9 +66,7 @@ def main(argv: list[str]) -> int:
         for k in (k for k in sa[name] if k in sb[name]):
             ra, rb = sa[name][k], sb[name][k]
             flag = f"   ({ra.get('correct')}/{rb.get('correct')})"
-            for label, key, higher in METRICS:
-                va, vb = _num(ra, key), _num(rb, key)
-                ratio = va / vb if vb else math.nan
+            for _, _, label, va, vb, ratio, higher in ratio_rows({name: {k: ra}}, {name: {k: rb}}):
                 print(
                     f"{name:<8} {k:>4} {label:<10} {va:>11.4g} {vb:>11.4g} {ratio:>7.3f}  "
                     f"{'higher' if higher else 'lower '}{flag}"

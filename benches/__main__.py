@@ -1,0 +1,10 @@
+"""``python -m benches``: see :mod:`benches.cli`."""
+
+from __future__ import annotations
+
+import sys
+
+from benches.cli import main
+
+if __name__ == "__main__":  # not when multiprocessing re-imports this module as __mp_main__
+    sys.exit(main())

@@ -1,0 +1,844 @@
+"""``python -m benches``: the machine's raw limits, the in-process scenarios and the TCP actor
+sweep in one session, as JSON, PNG plots and a summary table.
+
+Usage::
+
+    python -m benches [--quick] [--out DIR] [--label NAME] [--compare PYTHON]
+                      [--workers 1,4,16,64] [--seconds S]
+
+Each scenario runs in a child process of the interpreter under test: ``bench_inprocess.py``
+or ``bench_tcp.py`` from ``benches/py``, as their own command lines run them. That keeps
+their watchdogs (which end their process) away from this one, keeps the progress bars out of
+the measured process, and treats the two sides of a comparison alike: with
+``--compare PYTHON`` each scenario runs with our interpreter and with ``PYTHON``, one right
+after the other, the first of the pair alternating from scenario to scenario (ours first,
+then the other first, ...), so that a drift in the machine's speed does not favour one side.
+Ratios are ours / other, computed with ``compare.py`` and ``compare_tcp.py``.
+
+The raw limits are measured once, in this process, before the scenarios; the loopback
+blast is repeated after the TCP sweep (not with ``--quick``) and the faster measurement is
+the reference for ``frac_loopback``. Everything is bounded: each child runs under its own
+``--max-seconds`` watchdog and is ended (its process group: it and the workers it started)
+15 s past it, and no child starts after ``--max-seconds`` of the whole session.
+
+Writes ``DIR/results.json`` (commit, machine, interpreters and echo builds, parameters,
+every number), ``DIR/summary.txt``, the children's JSON in ``DIR/raw/`` and their output in
+``DIR/logs/``, and ``DIR/tcp-throughput.png`` and ``DIR/tcp-latency.png`` where matplotlib is
+importable. Exit status 0 when every scenario of ours ran and was ``correct``, 1 otherwise
+(the other side's failures are reported, not fatal), 2 for a bad invocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import queue
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from benches import limits, plots
+from benches.py import bench_inprocess, bench_tcp, compare, compare_tcp
+
+try:
+    import tqdm as _tqdm
+except ImportError:  # progress bars are optional
+    _tqdm = None
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "benches" / "py"
+SIDES = ("ours", "other")
+SCENARIO_NAMES = tuple(sc.name for sc in bench_inprocess.SCENARIOS)
+DEFAULT_WORKERS = (1, 4, 16, 64)
+QUICK_WORKERS = (1, 4)
+TCP_WARMUP_S = 0.5  # bench_tcp's default
+TCP_GRACE_S = 30.0  # bench_tcp's default
+MAX_EVENTS = 50_000_000  # output lines and 0.25 s ticks per child (its deadline comes first)
+KILL_GRACE_S = 15.0  # a child still running this long past its own watchdog is ended
+TCP_LINE = re.compile(r"^bench_tcp: (\w+) K=(\d+): (.*)$")
+PROBE = (
+    "import json, platform, sys, numpy, echo; print(json.dumps({'executable': sys.executable,"
+    " 'python_version': platform.python_version(), 'numpy': numpy.__version__,"
+    " 'echo_version': getattr(echo, '__version__', None), 'echo_path': echo.__file__}))"
+)
+
+
+# --------------------------------------------------------------------------- progress
+
+
+class _NoBar:
+    """Stands in for a tqdm bar when progress is off."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        pass
+
+    def set_description_str(self, desc: str = "", refresh: bool = True) -> None:
+        pass
+
+    def refresh(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Progress:
+    """Progress bars (tqdm) on stderr, or none; messages go above the bars either way."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled and _tqdm is not None
+
+    def bar(self, total: int, desc: str, unit: str, position: int, leave: bool) -> Any:
+        if not self.enabled or _tqdm is None:
+            return _NoBar()
+        return _tqdm.tqdm(
+            total=total,
+            desc=desc,
+            unit=unit,
+            position=position,
+            leave=leave,
+            file=sys.stderr,
+            dynamic_ncols=True,
+            mininterval=0.2,
+        )
+
+    def say(self, msg: str) -> None:
+        if self.enabled and _tqdm is not None:
+            _tqdm.tqdm.write(msg, file=sys.stderr)
+        else:
+            print(msg, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- machine, interpreters
+
+
+def _meminfo_gib() -> float | None:
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) / 1024**2
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def machine_info() -> dict[str, Any]:
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    return {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "cores_usable": affinity,
+        "memory_gib": _meminfo_gib(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "loadavg_before": os.getloadavg(),
+    }
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def probe(python: str) -> dict[str, Any]:
+    """Which echo, numpy and Python an interpreter has (raises RuntimeError if it has none)."""
+    try:
+        out = subprocess.run(
+            [python, "-c", PROBE],
+            cwd=SCRIPTS,  # as the scripts run: the repository root is not on sys.path
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(f"{python}: {e}") from e
+    if out.returncode != 0:
+        raise RuntimeError(f"{python} cannot import numpy and echo:\n{out.stderr.strip()}")
+    info: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return info
+
+
+# --------------------------------------------------------------------------- child processes
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: str  # "inprocess" or "tcp"
+    scenario: str
+    side: str  # "ours" or "other"
+    python: str
+    label: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}-{self.scenario}-{self.side}"
+
+
+def _end_group(proc: subprocess.Popen[str]) -> None:
+    """Ends the child's process group: the child, which runs in a session of its own, and
+    whatever it started that is still there. SIGTERM, then SIGKILL after 5 s."""
+    for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return  # nothing of that group is left
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=wait_s)
+
+
+def run_child(
+    cmd: list[str],
+    log_path: Path,
+    timeout_s: float,
+    on_line: Callable[[str, str], None],
+    tick: Callable[[], None],
+) -> tuple[int | None, bool]:
+    """Runs ``cmd`` in ``ROOT``, streaming its output lines to ``on_line(stream, line)`` and
+    to ``log_path``; returns (exit status or None, timed out)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    lines: queue.Queue[tuple[str, str | None]] = queue.Queue()
+    timed_out = False
+    with open(log_path, "w", encoding="utf-8") as log:
+        log.write(f"$ {shlex.join(cmd)}\n")
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+        )
+
+        def pump(stream: IO[str] | None, name: str) -> None:
+            if stream is not None:
+                for line in stream:
+                    lines.put((name, line))
+            lines.put((name, None))
+
+        pumps = [
+            threading.Thread(target=pump, args=(proc.stdout, "out"), daemon=True),
+            threading.Thread(target=pump, args=(proc.stderr, "err"), daemon=True),
+        ]
+        for t in pumps:
+            t.start()
+        open_streams = len(pumps)
+        deadline = time.monotonic() + timeout_s
+        exited_at: float | None = None
+        try:
+            for _ in range(MAX_EVENTS):
+                if not open_streams or time.monotonic() >= deadline:
+                    break
+                if exited_at is None and proc.poll() is not None:
+                    exited_at = time.monotonic()
+                if exited_at is not None and time.monotonic() - exited_at > 5.0:
+                    break  # something the child started still holds its pipes
+                try:
+                    name, line = lines.get(timeout=0.25)
+                except queue.Empty:
+                    tick()
+                    continue
+                if line is None:
+                    open_streams -= 1
+                    continue
+                log.write(line if name == "out" else f"[stderr] {line}")
+                on_line(name, line.rstrip("\n"))
+                tick()
+        except BaseException:  # Ctrl-C, SIGTERM (see main): take the child down with us
+            _end_group(proc)
+            raise
+        if proc.poll() is None:
+            timed_out = True
+            log.write(f"[benches] over {timeout_s:.0f} s: ending the process group\n")
+        if proc.poll() is None or open_streams:
+            _end_group(proc)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10.0)
+        for t in pumps:
+            t.join(timeout=2.0)
+        for _ in range(1_000_000):  # whatever is left in the queue
+            try:
+                name, line = lines.get_nowait()
+            except queue.Empty:
+                break
+            if line is not None:
+                log.write(line if name == "out" else f"[stderr] {line}")
+        log.write(f"[benches] exit status {proc.returncode}\n")
+    return proc.returncode, timed_out
+
+
+def _tcp_limit_s(ks: list[int], seconds: float) -> float:
+    """bench_tcp's worst case per round: setup timeout, window, grace, joins."""
+    return sum(30.0 + 0.25 * k + TCP_WARMUP_S + seconds + TCP_GRACE_S + 20.0 for k in ks)
+
+
+def step_command(
+    step: Step, out: Path, quick: bool, ks: list[int], seconds: float
+) -> tuple[list[str], Path, float]:
+    """(command line, JSON path, the child's own --max-seconds) for one step."""
+    json_path = out / "raw" / f"{step.name}.json"
+    if step.kind == "inprocess":
+        limit = 60.0 if quick else 300.0
+        cmd = [
+            step.python,
+            str(SCRIPTS / "bench_inprocess.py"),
+            *(["--quick"] if quick else []),
+            f"--only={step.scenario}",
+            f"--label={step.label}",
+            f"--json={json_path}",
+            f"--max-seconds={limit:.0f}",
+        ]
+    else:
+        limit = _tcp_limit_s(ks, seconds)
+        cmd = [
+            step.python,
+            str(SCRIPTS / "bench_tcp.py"),
+            *(["--quick"] if quick else []),
+            f"--only={step.scenario}",
+            f"--workers={','.join(str(k) for k in ks)}",
+            f"--seconds={seconds:g}",
+            "--loopback-seconds=0",  # measured once for the session, in raw limits
+            f"--label={step.label}",
+            f"--json={json_path}",
+            f"--max-seconds={limit:.0f}",
+        ]
+    return cmd, json_path, limit
+
+
+# --------------------------------------------------------------------------- the session
+
+
+@dataclass
+class Session:
+    args: argparse.Namespace
+    out: Path
+    ks: list[int]
+    seconds: float
+    progress: Progress
+    deadline: float
+    doc: dict[str, Any]
+
+    def run_step(self, step: Step, overall: Any) -> None:
+        quick: bool = self.args.quick
+        cmd, json_path, limit = step_command(step, self.out, quick, self.ks, self.seconds)
+        record: dict[str, Any] = {"step": step.name, "python": step.python, "cmd": cmd}
+        self.doc["steps"].append(record)
+        left = self.deadline - time.monotonic()
+        if left < 5.0:
+            record["skipped"] = "over --max-seconds"
+            self.progress.say(f"benches: {step.name}: skipped, over --max-seconds")
+            overall.update(1)
+            return
+        overall.set_postfix_str(step.name)
+        is_tcp = step.kind == "tcp"
+        bar = self.progress.bar(
+            total=len(self.ks) if is_tcp else 1,
+            desc=f"{step.kind} {step.scenario} [{step.label}]",
+            unit="round" if is_tcp else "scenario",
+            position=1,
+            leave=False,
+        )
+        say = self.progress.say
+
+        def on_line(stream: str, line: str) -> None:
+            m = TCP_LINE.match(line) if stream == "err" else None
+            if m is None:
+                return
+            k, rest = m.group(2), m.group(3)
+            if "samples/s" in rest:
+                bar.update(1)
+                bar.set_postfix_str(f"K={k}: {rest.split(', p50')[0]}")
+                say(f"  {step.scenario} [{step.label}] K={k}: {rest}")
+            else:
+                bar.set_postfix_str(f"K={k}: {rest}")
+
+        json_path.unlink(missing_ok=True)  # never report a previous run's numbers
+        t0 = time.monotonic()
+        rc, timed_out = run_child(
+            cmd,
+            self.out / "logs" / f"{step.name}.log",
+            min(limit + KILL_GRACE_S, left),
+            on_line,
+            bar.refresh,
+        )
+        wall = time.monotonic() - t0
+        bar.close()
+        record.update(rc=rc, timed_out=timed_out, wall_s=wall, log=f"logs/{step.name}.log")
+        result: dict[str, Any] | None = None
+        if json_path.exists():
+            child = json.loads(json_path.read_text(encoding="utf-8"))
+            record["json"] = f"raw/{step.name}.json"
+            record["echo_path"] = child.get("echo_path")
+            expected = self.doc["interpreters"][step.side]["echo_path"]
+            if child.get("echo_path") != expected:
+                record["warning"] = f"imported echo from {child.get('echo_path')}, not {expected}"
+                say(f"benches: warning: {step.name}: {record['warning']}")
+            result = child.get("scenarios", {}).get(step.scenario)
+            for key in ("loadavg_before", "loadavg_after", "echo_build"):
+                if key in child:
+                    record[key] = child[key]
+        if result is None:
+            tail = (self.out / "logs" / f"{step.name}.log").read_text(encoding="utf-8")
+            say(f"benches: {step.name} failed (exit {rc}, timed out {timed_out}); log tail:")
+            say("\n".join(tail.splitlines()[-15:]))
+        else:
+            self.doc[step.kind].setdefault(step.side, {})[step.scenario] = result
+            if step.kind == "inprocess":
+                say(
+                    f"  {step.scenario} [{step.label}] in-process: "
+                    f"{result['samples_per_s']:,.0f} samples/s, {result['gbps']:.3f} GB/s, "
+                    f"sample() p50 {result['sample_overhead'].get('p50_us', math.nan):.1f} us, "
+                    f"correct {result['correct']} ({wall:.1f} s)"
+                )
+        overall.update(1)
+
+
+def _plan(args: argparse.Namespace, labels: dict[str, str]) -> list[Step]:
+    pythons = {"ours": sys.executable, "other": args.compare}
+    sides = list(SIDES) if args.compare else ["ours"]
+    steps: list[Step] = []
+    i = 0
+    for kind in ("inprocess", "tcp"):
+        for name in SCENARIO_NAMES:
+            order = sides if i % 2 == 0 else sides[::-1]
+            steps += [Step(kind, name, s, pythons[s], labels[s]) for s in order]
+            i += 1
+    return steps
+
+
+def _run_limits(progress: Progress, quick: bool, after: bool) -> dict[str, Any]:
+    todo = limits.loopback_steps(quick) if after else limits.steps(quick)
+    desc = "raw limits (loopback again)" if after else "raw limits"
+    bar = progress.bar(total=len(todo), desc=desc, unit="step", position=1, leave=False)
+    res: dict[str, Any] = {}
+    for name, fn in todo:
+        bar.set_postfix_str(name)
+        res[name] = fn()
+        bar.update(1)
+    bar.close()
+    return res
+
+
+def _fill_fractions(doc: dict[str, Any]) -> None:
+    lo = doc["limits"].get("loopback_64k", {}).get("gbps")
+    lo1m = doc["limits"].get("loopback_1m", {}).get("gbps")
+    for side in doc["tcp"].values():
+        for rounds in side.values():
+            for r in rounds.values():
+                r["frac_loopback"] = r["gbps"] / lo if lo else None
+                r["frac_loopback_1mib"] = r["gbps"] / lo1m if lo1m else None
+    mem = doc["limits"].get("memcpy", {}).get("gbps")
+    for side in doc["inprocess"].values():
+        for r in side.values():
+            r["frac_of_raw_memcpy"] = r["gbps"] / mem if mem else None
+
+
+def _ratios(doc: dict[str, Any]) -> dict[str, Any]:
+    ip, tcp = doc["inprocess"], doc["tcp"]
+    out: dict[str, Any] = {"inprocess": [], "tcp": []}
+    if ip.get("ours") and ip.get("other"):
+        for name, metric, a, b, ratio, higher in compare.ratio_rows(ip["ours"], ip["other"]):
+            out["inprocess"].append(
+                {
+                    "scenario": name,
+                    "metric": metric,
+                    "ours": a,
+                    "other": b,
+                    "ratio": ratio,
+                    "higher_is_better": higher,
+                }
+            )
+    if tcp.get("ours") and tcp.get("other"):
+        for name, k, metric, a, b, ratio, higher in compare_tcp.ratio_rows(
+            tcp["ours"], tcp["other"]
+        ):
+            out["tcp"].append(
+                {
+                    "scenario": name,
+                    "workers": int(k),
+                    "metric": metric,
+                    "ours": a,
+                    "other": b,
+                    "ratio": ratio,
+                    "higher_is_better": higher,
+                }
+            )
+    return out
+
+
+# --------------------------------------------------------------------------- summary table
+
+
+def _f(v: Any, fmt: str, width: int) -> str:
+    if not isinstance(v, (int, float)) or (isinstance(v, float) and math.isnan(v)):
+        return f"{'-':>{width}}"
+    return f"{v:>{width}{fmt}}"
+
+
+def _ratio(a: Any, b: Any, width: int) -> str:
+    """``a / b`` as ``1.23x``, or ``-`` where either is missing, NaN or ``b`` is 0."""
+    nums = all(isinstance(v, (int, float)) and math.isfinite(v) for v in (a, b))
+    return f"{(f'{a / b:.2f}x' if nums and b else '-'):>{width}}"
+
+
+def summary(doc: dict[str, Any]) -> str:
+    lines: list[str] = []
+    add = lines.append
+    m = doc["machine"]
+    interp = doc["interpreters"]
+    commit = (doc.get("commit") or "unknown")[:12] + (" (+dirty)" if doc["commit_dirty"] else "")
+    add(f"== echo benchmarks, {doc['started']}{' (--quick)' if doc['parameters']['quick'] else ''}")
+    add(
+        f"machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib'] or 0:.1f} GiB, "
+        f"{m['platform']}; commit {commit}"
+    )
+    add(f"load average before {m['loadavg_before']}, after {m.get('loadavg_after')}")
+    for side in SIDES:
+        if side in interp:
+            i = interp[side]
+            add(
+                f"{side:>5}: {i['label']}: echo {i['echo_version']} from {i['echo_path']} "
+                f"(Python {i['python_version']}, numpy {i['numpy']}, {i['executable']})"
+            )
+    lim = doc["limits"]
+    add("")
+    add("raw limits of this machine")
+    rows: list[tuple[str, str, str]] = []
+    if "memcpy" in lim:
+        cache = lim.get("memcpy_cache", {}).get("gbps")
+        rows.append(
+            (
+                "memcpy, 1 thread, 64 MiB (np.copyto)",
+                f"{lim['memcpy']['gbps']:8.2f} GB/s",
+                f"256 KiB, in cache: {_f(cache, '.1f', 0).strip()} GB/s",
+            )
+        )
+    for key, what in (("loopback_64k", "64 KiB"), ("loopback_1m", "1 MiB")):
+        if key in lim:
+            r = lim[key]
+            after = r.get("after_gbps")
+            note = "" if after is None else f"before {r['before_gbps']:.2f}, after {after:.2f}"
+            rows.append((f"loopback TCP, {what} sendall", f"{r['gbps']:8.2f} GB/s", note))
+    for key in ("flatten_small", "flatten_large"):
+        if key in lim:
+            r = lim[key]
+            rows.append(
+                (
+                    f"optree.tree_flatten, {r['leaves']} leaves",
+                    f"{r['us_per_call']:8.2f} us/call",
+                    "",
+                )
+            )
+    for what, value, note in rows:
+        add(f"  {what:<38} {value:<16}{f'  ({note})' if note else ''}".rstrip())
+
+    sides = [s for s in SIDES if doc["inprocess"].get(s)]
+    both = len(sides) == 2
+    if sides:
+        add("")
+        add("in-process: 1 producer thread submit(), main thread sample() (bench_inprocess.py)")
+        add(
+            f"{'scenario':<8} {'side':<6} {'samples/s':>12} {'GB/s':>8} {'frac memcpy':>11} "
+            f"{'sample p50 us':>13} {'p99 us':>8} {'correct':>7}"
+        )
+        for name in SCENARIO_NAMES:
+            rs = {s: doc["inprocess"][s].get(name) for s in sides}
+            for s, r in rs.items():
+                if r is None:
+                    continue
+                ov = r["sample_overhead"]
+                add(
+                    f"{name:<8} {s:<6} {r['samples_per_s']:>12,.0f} {r['gbps']:>8.3f} "
+                    f"{r['frac_of_memcpy']:>11.4f} {_f(ov.get('p50_us'), '.1f', 13)} "
+                    f"{_f(ov.get('p99_us'), '.1f', 8)} {r['correct']!s:>7}"
+                )
+            a, b = rs.get("ours"), rs.get("other")
+            if both and a and b:
+                oa, ob = a["sample_overhead"], b["sample_overhead"]
+                add(
+                    f"{name:<8} {'ratio':<6} {_ratio(a['samples_per_s'], b['samples_per_s'], 12)} "
+                    f"{_ratio(a['gbps'], b['gbps'], 8)} "
+                    f"{_ratio(a['frac_of_memcpy'], b['frac_of_memcpy'], 11)} "
+                    f"{_ratio(oa.get('p50_us'), ob.get('p50_us'), 13)} "
+                    f"{_ratio(oa.get('p99_us'), ob.get('p99_us'), 8)}"
+                )
+        add("  frac memcpy: of a per-leaf np.copyto of one batch (the scenario's own reference)")
+
+    sides = [s for s in SIDES if doc["tcp"].get(s)]
+    both = len(sides) == 2
+    if sides:
+        add("")
+        add(
+            f"TCP end to end: learner + K worker processes on 127.0.0.1, "
+            f"{doc['parameters']['tcp_seconds']:g} s window per K (bench_tcp.py)"
+        )
+        add(
+            f"{'scenario':<8} {'K':>4} {'side':<6} {'samples/s':>11} {'GB/s':>7} "
+            f"{'frac loop':>9} {'p50 ms':>8} {'p99 ms':>8} {'correct':>7}"
+        )
+        for name in SCENARIO_NAMES:
+            ks = sorted({int(k) for s in sides for k in doc["tcp"][s].get(name, {})})
+            for k in ks:
+                rs = {s: doc["tcp"][s].get(name, {}).get(str(k)) for s in sides}
+                for s, r in rs.items():
+                    if r is None:
+                        continue
+                    add(
+                        f"{name:<8} {k:>4} {s:<6} {r['samples_per_s']:>11,.0f} "
+                        f"{r['gbps']:>7.3f} {_f(r.get('frac_loopback'), '.3f', 9)} "
+                        f"{_f(r['p50_ms'], '.2f', 8)} {_f(r['p99_ms'], '.2f', 8)} "
+                        f"{r['correct']!s:>7}"
+                    )
+                a, b = rs.get("ours"), rs.get("other")
+                if both and a and b:
+                    add(
+                        f"{name:<8} {k:>4} {'ratio':<6} "
+                        f"{_ratio(a['samples_per_s'], b['samples_per_s'], 11)} "
+                        f"{_ratio(a['gbps'], b['gbps'], 7)} {'':>9} "
+                        f"{_ratio(a['p50_ms'], b['p50_ms'], 8)} "
+                        f"{_ratio(a['p99_ms'], b['p99_ms'], 8)}"
+                    )
+        add("  frac loop: GB/s as a fraction of the raw loopback blast (64 KiB sendall) above")
+    if both:
+        add("  ratio: ours / other; above 1 is better for samples/s and GB/s, below 1 for times")
+    failed = [s["step"] for s in doc["steps"] if s.get("rc") not in (0, 1) or s.get("skipped")]
+    if failed:
+        add(f"steps that did not finish: {', '.join(failed)}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def _parse_workers(text: str) -> list[int]:
+    try:
+        ks = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    if not ks or any(k < 1 or k > bench_tcp.MAX_WORKERS for k in ks):
+        raise argparse.ArgumentTypeError(f"worker counts must be in [1, {bench_tcp.MAX_WORKERS}]")
+    return ks
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benches",
+        description="echo's benchmarks: raw machine limits, in-process scenarios and the TCP "
+        "actor sweep in one session; JSON, PNG plots and a summary table.",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke mode: short in-process runs, TCP K=1,4 with 1.5 s each",
+    )
+    p.add_argument("--out", type=Path, default=None, help="default benches/results/<timestamp>")
+    p.add_argument("--label", default=None, help="name of our side (default echo-<version>)")
+    p.add_argument(
+        "--compare",
+        metavar="PYTHON",
+        default=None,
+        help="another interpreter with its own echo (e.g. /venvs/peer/bin/python): run every "
+        "scenario with it too, interleaved, and report ratios",
+    )
+    p.add_argument("--compare-label", default=None, help="name of the other side")
+    p.add_argument(
+        "--workers",
+        type=_parse_workers,
+        default=None,
+        help=f"TCP worker counts, comma-separated, each up to {bench_tcp.MAX_WORKERS} "
+        "(default 1,4,16,64; --quick 1,4)",
+    )
+    p.add_argument(
+        "--seconds", type=float, default=None, help="TCP window per K (default 4; --quick 1.5)"
+    )
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="no step starts after this long (default 3600; --quick 300)",
+    )
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bars on stderr (default: when stderr is a terminal)",
+    )
+    return p
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through run_child, which ends the running child
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    t_start = time.monotonic()
+    quick: bool = args.quick
+    ks: list[int] = args.workers or list(QUICK_WORKERS if quick else DEFAULT_WORKERS)
+    seconds: float = args.seconds or (1.5 if quick else 4.0)
+    if not 0.1 <= seconds <= 600:
+        print("benches: --seconds must be in [0.1, 600]", file=sys.stderr)
+        return 2
+    max_seconds: float = args.max_seconds or (300.0 if quick else 3600.0)
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    out: Path = args.out or ROOT / "benches" / "results" / time.strftime("%Y%m%d-%H%M%S")
+    progress = Progress(sys.stderr.isatty() if args.progress is None else args.progress)
+    if args.progress and _tqdm is None:
+        print("benches: tqdm is not installed: no progress bars", file=sys.stderr)
+
+    compare_py: str | None = args.compare
+    if compare_py:  # the children run in the repository root: an absolute path
+        found = shutil.which(compare_py) if os.sep not in compare_py else compare_py
+        args.compare = compare_py = os.path.abspath(found or compare_py)
+    try:
+        interpreters = {"ours": probe(sys.executable)}
+        if compare_py:
+            interpreters["other"] = probe(compare_py)
+    except RuntimeError as e:
+        print(f"benches: {e}", file=sys.stderr)
+        return 2
+    ours = interpreters["ours"]
+    labels = {"ours": args.label or f"echo-{ours['echo_version']}"}
+    if "other" in interpreters:
+        other = interpreters["other"]
+        if os.path.realpath(other["echo_path"]) == os.path.realpath(ours["echo_path"]):
+            print(
+                f"benches: --compare {compare_py} imports the same echo "
+                f"({ours['echo_path']}): nothing to compare",
+                file=sys.stderr,
+            )
+            return 2
+        label = args.compare_label or f"echo-{other['echo_version']}"
+        labels["other"] = label if label != labels["ours"] else f"{label} (other)"
+    for side, info in interpreters.items():
+        info["label"] = labels[side]
+
+    for sub in ("raw", "logs"):
+        (out / sub).mkdir(parents=True, exist_ok=True)
+    commit = (_git("rev-parse", "HEAD") or "").strip() or None
+    dirty = bool((_git("status", "--porcelain", "--untracked-files=no") or "").strip())
+    steps = _plan(args, labels)
+    doc: dict[str, Any] = {
+        "schema": "echo-benches/1",
+        "label": labels["ours"],
+        "compare_label": labels.get("other"),
+        "started": started,
+        "commit": commit,
+        "commit_dirty": dirty,
+        "machine": machine_info(),
+        "interpreters": interpreters,
+        "driver": {"executable": sys.executable, "argv": sys.argv[1:] if argv is None else argv},
+        "parameters": {
+            "quick": quick,
+            "workers": ks,
+            "tcp_seconds": seconds,
+            "tcp_warmup_s": TCP_WARMUP_S,
+            "inprocess": "bench_inprocess.py defaults" + (" with --quick" if quick else ""),
+            "order": [s.name for s in steps],
+            "max_seconds": max_seconds,
+        },
+        "limits": {},
+        "inprocess": {},
+        "tcp": {},
+        "steps": [],
+    }
+    session = Session(args, out, ks, seconds, progress, t_start + max_seconds, doc)
+    progress.say(
+        f"benches: {' vs '.join(labels.values())}; {len(steps)} scenario runs, TCP K="
+        f"{','.join(map(str, ks))} x {seconds:g} s; output in {out}"
+    )
+
+    overall = progress.bar(
+        total=len(steps) + 1 + (0 if quick else 1),
+        desc="benches",
+        unit="step",
+        position=0,
+        leave=True,
+    )
+    overall.set_postfix_str("raw limits")
+    doc["limits"] = _run_limits(progress, quick, after=False)
+    overall.update(1)
+    lim = doc["limits"]
+    progress.say(
+        f"  raw limits: memcpy {lim['memcpy']['gbps']:.2f} GB/s, loopback "
+        f"{lim['loopback_64k']['gbps']:.2f} GB/s (64 KiB) / {lim['loopback_1m']['gbps']:.2f} GB/s"
+        f" (1 MiB), flatten {lim['flatten_small']['us_per_call']:.2f} / "
+        f"{lim['flatten_large']['us_per_call']:.2f} us"
+    )
+    for step in steps:
+        session.run_step(step, overall)
+    again: dict[str, Any] = {}
+    if not quick:
+        overall.set_postfix_str("loopback again")
+        again = _run_limits(progress, quick, after=True)
+        overall.update(1)
+    for key in ("loopback_64k", "loopback_1m"):
+        lim[key] = limits.best_loopback(lim[key], again.get(key))
+    overall.close()
+
+    _fill_fractions(doc)
+    doc["ratios"] = _ratios(doc)
+    doc["machine"]["loadavg_after"] = os.getloadavg()
+    doc["wall_s"] = time.monotonic() - t_start
+    ok_steps = [s for s in doc["steps"] if s["step"].endswith("-ours")]
+    ours_ok = all(s.get("rc") == 0 for s in ok_steps) and all(
+        r.get("correct") for r in doc["inprocess"].get("ours", {}).values()
+    )
+    ours_ok = ours_ok and all(
+        r.get("correct") for rounds in doc["tcp"].get("ours", {}).values() for r in rounds.values()
+    )
+    doc["ours_correct"] = ours_ok
+    results = out / "results.json"
+    results.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    try:
+        pngs = plots.plot_all(doc, out)
+    except Exception as e:  # noqa: BLE001  a plot must never lose the numbers
+        print(f"benches: plotting failed: {type(e).__name__}: {e}", file=sys.stderr)
+        pngs = []
+    doc["plots"] = [p.name for p in pngs]
+    results.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    text = summary(doc)
+    (out / "summary.txt").write_text(text + "\n", encoding="utf-8")
+    print(text)
+    print(f"wrote {results}" + "".join(f", {p}" for p in pngs) + f" in {doc['wall_s']:.0f} s")
+    if not ours_ok:
+        print("benches: some scenario of ours failed or was not correct", file=sys.stderr)
+    return 0 if ours_ok else 1

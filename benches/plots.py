@@ -1,0 +1,175 @@
+"""PNG plots of a ``python -m benches`` result: TCP throughput and latency vs actor count.
+
+``python -m benches.plots DIR/results.json [OUT_DIR]`` draws them again from a saved result.
+
+matplotlib is optional: without it :func:`plot_all` prints one line and draws nothing.
+Both sides of a comparison share the axes (ours in blue, the other interpreter in orange).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+COLORS = {"ours": "#1f6fb4", "other": "#e07b28"}
+
+
+def _times(x: Any, factor: float) -> Any:
+    return x * factor
+
+
+def _finish(plt: Any, fig: Any, title: str, subtitle: str, path: Path) -> Path:
+    fig.suptitle(title, fontsize=11)
+    fig.text(0.5, 0.005, subtitle, ha="center", fontsize=8, color="0.35")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def machine_line(doc: dict[str, Any]) -> str:
+    m = doc["machine"]
+    return f"{m.get('cpu') or 'unknown CPU'}, {m.get('cores')} cores"
+
+
+def _series(rounds: dict[str, Any], key: str) -> tuple[list[int], list[float]]:
+    ks = sorted(int(k) for k in rounds)
+    ys = [float(rounds[str(k)].get(key) or math.nan) for k in ks]
+    return ks, ys
+
+
+def _hollow_if_incorrect(
+    ax: Any, rounds: dict[str, Any], key: str, color: str, marker: str
+) -> None:
+    """Redraws the points of rounds that were not ``correct`` with a hollow marker."""
+    bad = sorted(int(k) for k, r in rounds.items() if not r.get("correct"))
+    if bad:
+        ys = [float(rounds[str(k)].get(key) or math.nan) for k in bad]
+        ax.plot(bad, ys, marker, ls="none", mfc="white", mec=color, ms=8, mew=1.5, zorder=3)
+
+
+def _any_incorrect(doc: dict[str, Any]) -> bool:
+    return any(
+        not r.get("correct")
+        for side in doc["tcp"].values()
+        for rounds in side.values()
+        for r in rounds.values()
+    )
+
+
+def _sides(doc: dict[str, Any]) -> list[tuple[str, str]]:
+    """(side, legend label) for each side that has TCP results."""
+    labels = {"ours": doc["label"], "other": doc.get("compare_label") or "other"}
+    return [(side, labels[side]) for side in ("ours", "other") if doc["tcp"].get(side)]
+
+
+def _subtitle(doc: dict[str, Any]) -> str:
+    p = doc["parameters"]
+    commit = (doc.get("commit") or "unknown")[:10]
+    dirty = "+dirty" if doc.get("commit_dirty") else ""
+    note = "; hollow marker: round not correct (samples lost)" if _any_incorrect(doc) else ""
+    return (
+        f"{p['tcp_seconds']:g} s per point, {doc['started'][:10]}, commit {commit}{dirty}"
+        f"{', quick' if p['quick'] else ''}{note}"
+    )
+
+
+def plot_all(doc: dict[str, Any], out_dir: Path) -> list[Path]:
+    """Writes ``tcp-throughput.png`` and ``tcp-latency.png`` into ``out_dir``."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("benches: matplotlib is not installed: no PNG plots (JSON only)")
+        return []
+    sides = _sides(doc)
+    scenarios = [n for n in ("small", "large") if any(n in doc["tcp"][s] for s, _ in sides)]
+    if not sides or not scenarios:
+        return []
+    machine = machine_line(doc)
+    written: list[Path] = []
+
+    # ---- throughput vs actor count
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(5.2 * len(scenarios), 4.2), dpi=100)
+    axs = list(axes) if len(scenarios) > 1 else [axes]
+    for ax, name in zip(axs, scenarios, strict=True):
+        sample_bytes = 0
+        for side, label in sides:
+            rounds = doc["tcp"][side].get(name)
+            if not rounds:
+                continue
+            sample_bytes = int(next(iter(rounds.values()))["sample_bytes"])
+            ks, ys = _series(rounds, "samples_per_s")
+            ax.plot(ks, ys, "o-", color=COLORS[side], label=label)
+            _hollow_if_incorrect(ax, rounds, "samples_per_s", COLORS[side], "o")
+        loop = doc["limits"].get("loopback_64k")
+        if name == "large" and loop and sample_bytes:
+            ref = float(loop["gbps"]) * 1e9 / sample_bytes
+            ax.axhline(ref, color="0.45", ls="--", lw=1, label="raw loopback (64 KiB sendall)")
+            gb = sample_bytes / 1e9
+            sec = ax.secondary_yaxis(
+                "right", functions=(partial(_times, factor=gb), partial(_times, factor=1 / gb))
+            )
+            sec.set_ylabel("GB/s")
+        ax.set_xscale("log", base=2)
+        ks_all = sorted({int(k) for s, _ in sides for k in doc["tcp"][s].get(name, {})})
+        ax.set_xticks(ks_all, [str(k) for k in ks_all])
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("actors (worker processes)")
+        ax.set_ylabel("samples/s received by the learner")
+        ax.set_title(f"{name} ({sample_bytes:,} B per sample)", fontsize=10)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8, loc="best")
+    title = f"echo over TCP: throughput vs actors. {machine}"
+    written.append(_finish(plt, fig, title, _subtitle(doc), out_dir / "tcp-throughput.png"))
+
+    # ---- latency p50 / p99 vs actor count
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(5.2 * len(scenarios), 4.2), dpi=100)
+    axs = list(axes) if len(scenarios) > 1 else [axes]
+    for ax, name in zip(axs, scenarios, strict=True):
+        for side, label in sides:
+            rounds = doc["tcp"][side].get(name)
+            if not rounds:
+                continue
+            ks, p50 = _series(rounds, "p50_ms")
+            _, p99 = _series(rounds, "p99_ms")
+            ax.plot(ks, p50, "o-", color=COLORS[side], label=f"{label} p50")
+            ax.plot(ks, p99, "^--", color=COLORS[side], label=f"{label} p99", alpha=0.8)
+            _hollow_if_incorrect(ax, rounds, "p50_ms", COLORS[side], "o")
+            _hollow_if_incorrect(ax, rounds, "p99_ms", COLORS[side], "^")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ks_all = sorted({int(k) for s, _ in sides for k in doc["tcp"][s].get(name, {})})
+        ax.set_xticks(ks_all, [str(k) for k in ks_all])
+        ax.set_xlabel("actors (worker processes)")
+        ax.set_ylabel("send to sample() latency, ms")
+        ax.set_title(name, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8, loc="best")
+    title = f"echo over TCP: latency vs actors. {machine}"
+    written.append(_finish(plt, fig, title, _subtitle(doc), out_dir / "tcp-latency.png"))
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) not in (1, 2):
+        print("usage: python -m benches.plots RESULTS_JSON [OUT_DIR]", file=sys.stderr)
+        return 2
+    src = Path(args[0])
+    doc: dict[str, Any] = json.loads(src.read_text(encoding="utf-8"))
+    out = Path(args[1]) if len(args) == 2 else src.parent
+    out.mkdir(parents=True, exist_ok=True)
+    for path in plot_all(doc, out):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

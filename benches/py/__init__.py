@@ -1,0 +1,2 @@
+"""The benchmark scripts. Each one also runs on its own (``python benches/py/NAME.py``) with
+any interpreter that has numpy and an ``echo``; ``python -m benches`` imports them."""
