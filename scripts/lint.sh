@@ -10,6 +10,8 @@ echo ">> cargo clippy (core, bindings, all targets)"
 cargo clippy --quiet --all-targets -- -D warnings
 cargo clippy --quiet --all-targets --features python -- -D warnings
 cargo clippy --quiet --all-targets --features python,detailed-metrics -- -D warnings
+echo ">> rustdoc (warnings are errors)"
+RUSTDOCFLAGS=-Dwarnings cargo doc --quiet --no-deps --features python,detailed-metrics
 echo ">> every atomic ordering has an ORDERING: comment"
 bash scripts/check_orderings.sh
 echo ">> ruff"

@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
-# Runs the core's unit tests, store tests and a small stress test under valgrind memcheck.
-# Fails on any memory error or definite leak.
+# Runs the core's unit tests, store tests, a small stress test and the sum tree's property tests
+# under valgrind memcheck. Fails on any memory error or definite leak.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-cargo test --quiet --no-run --lib --test store --test stress_store 2>/dev/null
+cargo test --quiet --no-run --lib --test store --test stress_store --test prop_sumtree 2>/dev/null
 run() {
-  echo "   valgrind $1"
+  local bin=$1
+  shift
+  echo "   valgrind $bin"
   ECHO_STRESS_COUNT=2000 valgrind --quiet --error-exitcode=99 --leak-check=full \
-    --errors-for-leak-kinds=definite --show-possibly-lost=no "$1" --test-threads=2 -q >/dev/null
+    --errors-for-leak-kinds=definite --show-possibly-lost=no "$bin" --test-threads=2 -q "$@" >/dev/null
+}
+latest() {
+  ls -t target/debug/deps/"$1"-* | grep -v '\.d$' | head -n 1
 }
 for name in echo store stress_store; do
-  bin=$(ls -t target/debug/deps/${name}-* | grep -v '\.d$' | head -n 1)
-  run "$bin"
+  run "$(latest "$name")"
 done
+# The sum tree's property tests: 16 cases instead of 256, and without the 1e6-draw frequency
+# tests (pure arithmetic over the same code paths, about a minute under valgrind).
+PROPTEST_CASES=16 run "$(latest prop_sumtree)" --skip frequencies
 echo "   valgrind: no errors"

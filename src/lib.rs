@@ -11,6 +11,7 @@
 //! | `ring`      | the raw slot memory and its only `unsafe` accessors                |
 //! | [`store`]   | cursors, reservation, commit, wake-ups, release, shutdown          |
 //! | [`sampler`] | which batch the consumer gets next, which slots are freed          |
+//! | [`sumtree`] | priorities for prioritized sampling: sum/max/min tree, O(log n)    |
 //! | `ingress`   | per-connection queues, buffer pools, the drainer pool               |
 //! | `transport` | the wire format, the tokio TCP server, the blocking TCP client      |
 //! | [`metrics`] | detailed counters/histograms, free unless `detailed-metrics` is on  |
@@ -34,6 +35,7 @@ mod ring;
 pub mod sampler;
 pub mod spec;
 pub mod store;
+pub mod sumtree;
 mod sync;
 #[cfg(not(loom))]
 pub mod transport;

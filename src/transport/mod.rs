@@ -1,5 +1,5 @@
 //! Transports: where samples come from besides in-process inserts. A transport only accepts
-//! connections, reads raw payloads and pushes them into [`Ingress`](crate::ingress::Ingress)
+//! connections, reads raw payloads and pushes them into [`Ingress`]
 //! connections; ordering, batching and backpressure are the ingress's and store's business.
 //!
 //! - [`wire`]: the v1 wire format, defined once.
