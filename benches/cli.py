@@ -52,6 +52,7 @@ from typing import IO, Any
 
 from benches import limits, plots
 from benches.py import bench_inprocess, bench_tcp, compare, compare_tcp
+from benches.py.machine import cpu_model
 
 try:
     import tqdm as _tqdm
@@ -137,17 +138,6 @@ def _meminfo_gib() -> float | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
-
-
-def cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
 
 
 def machine_info() -> dict[str, Any]:

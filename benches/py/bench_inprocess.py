@@ -59,7 +59,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import threading
 import time
@@ -69,6 +68,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+try:  # run as a script: benches/py is on sys.path
+    from machine import cpu_model, git_commit
+except ImportError:  # imported as benches.py.<module> (python -m benches)
+    from benches.py.machine import cpu_model, git_commit
 
 import echo
 from echo import Server
@@ -139,33 +143,6 @@ def _touch_fn(shape: tuple[int, ...]) -> Callable[[np.ndarray], object]:
 
 def _percentile_us(ns: np.ndarray, q: float) -> float:
     return float(np.percentile(ns, q)) / 1e3
-
-
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    commit = out.stdout.strip()
-    return commit if out.returncode == 0 and commit else None
-
-
-def _cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
 
 
 def _close_later(server: Server, seconds: float) -> threading.Timer:
@@ -521,9 +498,9 @@ def main(argv: list[str] | None = None) -> int:
             "numpy": np.__version__,
             "echo_version": version,
             "echo_path": getattr(echo, "__file__", None),
-            "cpu": _cpu_model(),
+            "cpu": cpu_model(),
             "cpus": os.cpu_count(),
-            "commit": _git_commit(),
+            "commit": git_commit(),
             "loadavg_before": load_before,  # 1/5/15-min; another busy process skews numbers
             "loadavg_after": os.getloadavg(),
             "quick": args.quick,

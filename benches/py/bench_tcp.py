@@ -79,7 +79,6 @@ import os
 import platform
 import queue
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -88,6 +87,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+try:  # run as a script: benches/py is on sys.path
+    from machine import cpu_model, git_commit
+except ImportError:  # imported as benches.py.<module> (python -m benches)
+    from benches.py.machine import cpu_model, git_commit
 
 import echo
 from echo import Server, TcpClient, TcpTransport
@@ -164,33 +168,6 @@ def _close_later(server: Server, seconds: float) -> threading.Timer:
     timer.daemon = True
     timer.start()
     return timer
-
-
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    commit = out.stdout.strip()
-    return commit if out.returncode == 0 and commit else None
-
-
-def _cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
 
 
 def _echo_file() -> str:
@@ -889,9 +866,9 @@ def main(argv: list[str] | None = None) -> int:
             "numpy": np.__version__,
             "echo_version": version,
             "echo_path": getattr(echo, "__file__", None),
-            "cpu": _cpu_model(),
+            "cpu": cpu_model(),
             "cpus": os.cpu_count(),
-            "commit": _git_commit(),
+            "commit": git_commit(),
             "echo_build": build,  # at the start; a rebuild during the run is flagged
             "echo_rebuilt_during_run": _build_fingerprint() != build,
             "loadavg_before": load_before,
