@@ -33,6 +33,9 @@ pub enum EchoError {
         /// Leaves that arrived.
         got: usize,
     },
+    /// A priority (or a priority update) is invalid (maps to `ValueError`).
+    #[error("{0}")]
+    Priority(String),
     /// The ring could not be allocated (maps to `MemoryError`).
     #[error("cannot allocate {bytes} bytes for the ring buffer")]
     OutOfMemory {

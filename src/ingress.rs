@@ -33,7 +33,7 @@ use parking_lot::Mutex;
 use crate::error::EchoError;
 use crate::metrics::{HistSummary, Histo, Stamp};
 use crate::spec::DataSpec;
-use crate::store::{InsertError, SampleSource, Store};
+use crate::store::{InsertError, SampleSource, Sink};
 use crate::sync::{Arc, AtomicBool, AtomicU64, AtomicUsize};
 
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
@@ -234,7 +234,7 @@ pub struct IngressSnapshot {
 
 /// The drainer pool and connection registry.
 pub struct Ingress {
-    store: Arc<Store>,
+    store: Arc<dyn Sink>,
     config: IngressConfig,
     drainers: Vec<Arc<DrainerShared>>,
     handles: Mutex<Vec<JoinHandle<()>>>,
@@ -251,7 +251,7 @@ impl Ingress {
     ///
     /// # Errors
     /// [`EchoError::Config`] for bad settings, [`EchoError::Io`] if a thread cannot start.
-    pub fn start(store: Arc<Store>, config: IngressConfig) -> Result<Arc<Self>, EchoError> {
+    pub fn start(store: Arc<dyn Sink>, config: IngressConfig) -> Result<Arc<Self>, EchoError> {
         config.validate()?;
         let drainers: Vec<_> =
             (0..config.effective_drainers()).map(|_| Arc::new(DrainerShared::new())).collect();
@@ -318,8 +318,8 @@ impl Ingress {
         self.drainers.len()
     }
 
-    /// The store the drainers insert into.
-    pub fn store(&self) -> &Arc<Store> {
+    /// The sink (FIFO store or replay table) the drainers insert into.
+    pub fn store(&self) -> &Arc<dyn Sink> {
         &self.store
     }
 
@@ -424,7 +424,7 @@ impl Drainer {
             }
             let store = &self.ingress.store;
             let source = Popped { spec: store.spec(), bufs: &self.bufs };
-            match store.insert(&source, None) {
+            match store.insert_samples(&source, None) {
                 Ok(()) => {
                     // ORDERING: Relaxed — statistics.
                     self.shared.inserted.fetch_add(self.bufs.len() as u64, Relaxed);

@@ -12,6 +12,7 @@
 //! | [`store`]   | cursors, reservation, commit, wake-ups, release, shutdown          |
 //! | [`sampler`] | which batch the consumer gets next, which slots are freed          |
 //! | [`sumtree`] | priorities for prioritized sampling: sum/max/min tree, O(log n)    |
+//! | [`replay`]  | replay tables: uniform/prioritized/LIFO sampling, eviction, rate limits |
 //! | `ingress`   | per-connection queues, buffer pools, the drainer pool               |
 //! | `transport` | the wire format, the tokio TCP server, the blocking TCP client      |
 //! | [`metrics`] | detailed counters/histograms, free unless `detailed-metrics` is on  |
@@ -31,6 +32,8 @@ pub mod ingress;
 pub mod metrics;
 #[cfg(not(loom))]
 pub mod pinned;
+#[cfg(not(loom))]
+pub mod replay;
 mod ring;
 pub mod sampler;
 pub mod spec;
@@ -48,5 +51,5 @@ pub use ring::RING_ALIGN;
 pub use sampler::{Fifo, Remover, Sampler};
 pub use spec::{ArraySpec, DataSpec};
 pub use store::{
-    Consumer, InsertError, Leaves, Payloads, SampleError, SampleSource, Store, StoreStats,
+    Consumer, InsertError, Leaves, Payloads, SampleError, SampleSource, Sink, Store, StoreStats,
 };

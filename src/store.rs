@@ -98,6 +98,65 @@ impl SampleSource for Payloads<'_> {
     }
 }
 
+/// Checks every sample of `src` against `spec`: leaf count and each leaf's byte size.
+///
+/// # Errors
+/// [`EchoError::LeafCount`] or [`EchoError::SizeMismatch`] for the first sample that is wrong.
+pub(crate) fn validate_source<S: SampleSource + ?Sized>(
+    spec: &DataSpec,
+    src: &S,
+) -> Result<(), EchoError> {
+    for sample in 0..src.num_samples() {
+        let got = src.num_leaves(sample);
+        if got != spec.len() {
+            return Err(EchoError::LeafCount { expected: spec.len(), got });
+        }
+        for (leaf, array) in spec.arrays().iter().enumerate() {
+            let got = src.leaf(sample, leaf).len();
+            if got != array.num_bytes() {
+                return Err(EchoError::SizeMismatch { leaf, expected: array.num_bytes(), got });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Where the ingress puts samples: the FIFO [`Store`] or a replay table. Transports and the
+/// drainer pool only ever see this.
+pub trait Sink: Send + Sync + 'static {
+    /// The sample layout.
+    fn spec(&self) -> &DataSpec;
+    /// Inserts every sample of `src`, waiting for room until `deadline`.
+    ///
+    /// # Errors
+    /// As [`Store::insert`].
+    fn insert_samples(
+        &self,
+        src: &dyn SampleSource,
+        deadline: Option<Instant>,
+    ) -> Result<(), InsertError>;
+    /// Closes the sink: waiting inserts fail with [`InsertError::Closed`].
+    fn close(&self);
+}
+
+impl Sink for Store {
+    fn spec(&self) -> &DataSpec {
+        &self.spec
+    }
+
+    fn insert_samples(
+        &self,
+        src: &dyn SampleSource,
+        deadline: Option<Instant>,
+    ) -> Result<(), InsertError> {
+        self.insert(src, deadline)
+    }
+
+    fn close(&self) {
+        Store::close(self);
+    }
+}
+
 /// Why an insert stopped early.
 #[derive(Debug, thiserror::Error)]
 pub enum InsertError {
@@ -289,7 +348,7 @@ impl Store {
         src: &S,
         deadline: Option<Instant>,
     ) -> Result<(), InsertError> {
-        self.validate(src)?;
+        validate_source(&self.spec, src)?;
         let total = src.num_samples();
         let mut inserted = 0;
         while inserted < total {
@@ -312,22 +371,6 @@ impl Store {
             self.metrics.memcpy.record_since(copy_started);
             self.commit(start, len);
             inserted += len;
-        }
-        Ok(())
-    }
-
-    fn validate<S: SampleSource + ?Sized>(&self, src: &S) -> Result<(), EchoError> {
-        for sample in 0..src.num_samples() {
-            let got = src.num_leaves(sample);
-            if got != self.spec.len() {
-                return Err(EchoError::LeafCount { expected: self.spec.len(), got });
-            }
-            for (leaf, array) in self.spec.arrays().iter().enumerate() {
-                let got = src.leaf(sample, leaf).len();
-                if got != array.num_bytes() {
-                    return Err(EchoError::SizeMismatch { leaf, expected: array.num_bytes(), got });
-                }
-            }
         }
         Ok(())
     }

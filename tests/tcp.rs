@@ -30,7 +30,8 @@ fn start(
     let consumer = store.consumer().unwrap();
     let tcp = TcpConfig { host: "127.0.0.1".into(), port: 0, num_threads: 2, max_connections };
     let ingress =
-        TcpIngress::start(&store, IngressConfig { num_drainers: 2, queue_size }, &tcp).unwrap();
+        TcpIngress::start(store.clone(), IngressConfig { num_drainers: 2, queue_size }, &tcp)
+            .unwrap();
     let addr = ingress.local_addr();
     (consumer, ingress, addr)
 }
@@ -240,9 +241,10 @@ fn a_port_in_use_is_an_error_naming_it() {
         num_threads: 1,
         max_connections: 4,
     };
-    let err = TcpIngress::start(&store, IngressConfig { num_drainers: 1, queue_size: 2 }, &tcp)
-        .err()
-        .expect("bind must fail");
+    let err =
+        TcpIngress::start(store.clone(), IngressConfig { num_drainers: 1, queue_size: 2 }, &tcp)
+            .err()
+            .expect("bind must fail");
     assert!(err.to_string().contains(&format!("127.0.0.1:{}", addr.port())), "{err}");
 }
 
@@ -255,7 +257,8 @@ fn a_stalled_large_write_resumes_where_it_stopped() {
     let mut consumer = store.consumer().unwrap();
     let tcp = TcpConfig { host: "127.0.0.1".into(), port: 0, num_threads: 1, max_connections: 4 };
     let server =
-        TcpIngress::start(&store, IngressConfig { num_drainers: 1, queue_size: 1 }, &tcp).unwrap();
+        TcpIngress::start(store.clone(), IngressConfig { num_drainers: 1, queue_size: 1 }, &tcp)
+            .unwrap();
     let port = server.local_addr().port();
     let (stalled_tx, stalled_rx) = mpsc::channel();
     let sender = thread::spawn(move || {

@@ -19,6 +19,16 @@ from echo._echo import (
     reset_log_cache,
 )
 from echo.client import TcpClient
+from echo.replay import (
+    Fifo,
+    Lifo,
+    MinPriority,
+    MinSize,
+    Prioritized,
+    Queue,
+    SampleToInsertRatio,
+    Uniform,
+)
 from echo.server import Sample, Server
 from echo.trajectory import TrajectoryAccumulator
 from echo.transport import TcpTransport
@@ -26,14 +36,22 @@ from echo.transport import TcpTransport
 __all__ = [
     "DETAILED_METRICS",
     "ConnectionClosedError",
+    "Fifo",
     "HistSnapshot",
+    "Lifo",
+    "MinPriority",
+    "MinSize",
+    "Prioritized",
+    "Queue",
     "Sample",
     "SampleInfo",
+    "SampleToInsertRatio",
     "Server",
     "ServerClosedError",
     "TcpClient",
     "TcpTransport",
     "TrajectoryAccumulator",
+    "Uniform",
     "__version__",
     "reset_log_cache",
 ]

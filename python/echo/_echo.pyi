@@ -75,6 +75,27 @@ class SampleInfo:
     @property
     def queue_dwell(self) -> HistSnapshot: ...
     @property
+    def items_sampled_total(self) -> int:
+        """Replay only (0 for FIFO): items handed out; a batch counts `batch_size`."""
+    @property
+    def evicted_total(self) -> int:
+        """Replay only: items evicted by the remover because the table was full."""
+    @property
+    def removed_max_times_sampled_total(self) -> int:
+        """Replay only: items removed after `max_times_sampled` draws."""
+    @property
+    def priority_updates_total(self) -> int:
+        """Replay only: priorities changed by `update_priorities`."""
+    @property
+    def unknown_keys_total(self) -> int:
+        """Replay only: keys `update_priorities` skipped (evicted, removed or never seen)."""
+    @property
+    def insert_blocked_ns_total(self) -> int:
+        """Replay only: nanoseconds inserts spent waiting for the rate limiter."""
+    @property
+    def sample_blocked_ns_total(self) -> int:
+        """Replay only: nanoseconds `sample()` spent waiting."""
+    @property
     def wait_ns(self) -> int:
         """Nanoseconds the consumer waited inside `sample()` for this batch."""
     @property
@@ -127,6 +148,70 @@ class RingServer:
     def sample(
         self, timeout: float | None = None, copy: bool = False
     ) -> tuple[list[npt.NDArray[Any]], SampleInfo] | None: ...
+    def stats(self) -> SampleInfo: ...
+    def reset_histograms(self) -> None: ...
+    def close(self) -> None: ...
+
+@final
+class ReplayTable:
+    """The native half of `echo.Server` with a replay sampler: items in, gathered batches out."""
+
+    def __new__(
+        cls,
+        shapes: list[tuple[int, ...]],
+        dtypes: list[np.dtype[Any]],
+        names: list[str],
+        batch_size: int,
+        max_size: int,
+        sampler: str,
+        exponent: float,
+        remover: str,
+        limiter: str,
+        samples_per_insert: float,
+        min_size: int,
+        min_diff: float,
+        max_diff: float,
+        max_times_sampled: int,
+        seed: int | None = None,
+        flat_keys: list[str] | None = None,
+    ) -> ReplayTable: ...
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def max_size(self) -> int: ...
+    @property
+    def payload_size(self) -> int: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def pinned(self) -> bool: ...
+    def pin_host_memory(self, cuda_runtimes: list[str]) -> None:
+        """Page-locks the batch area with cudaHostRegister (RuntimeError if CUDA is unavailable)."""
+    def start_tcp(
+        self,
+        host: str,
+        port: int,
+        num_threads: int,
+        max_connections: int,
+        num_drainers: int,
+        queue_size: int,
+    ) -> int:
+        """Starts the drainers and the TCP server; returns the bound port."""
+    def submit(
+        self, leaves: list[Any], timeout: float | None = None, priority: float | None = None
+    ) -> None: ...
+    def submit_flat(
+        self, sample: object, timeout: float | None = None, priority: float | None = None
+    ) -> bool: ...
+    def sample(
+        self, timeout: float | None = None, copy: bool = False
+    ) -> tuple[list[npt.NDArray[Any]], SampleInfo] | None: ...
+    def update_priorities(
+        self, keys: npt.NDArray[np.uint64], priorities: npt.NDArray[np.float64]
+    ) -> int:
+        """Sets priorities by key; returns how many keys were unknown."""
+    def priority(self, key: int) -> float | None:
+        """The priority of the item with `key`, `None` if it is not in the table."""
     def stats(self) -> SampleInfo: ...
     def reset_histograms(self) -> None: ...
     def close(self) -> None: ...

@@ -3,13 +3,30 @@
 from __future__ import annotations
 
 import glob
+import math
 import os
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-from echo._echo import RingServer, SampleInfo, ServerClosedError
+import numpy as np
+import numpy.typing as npt
+
+from echo._echo import ReplayTable, RingServer, SampleInfo, ServerClosedError
 from echo._pytree import TreeLayout
 from echo._validate import check_int
+from echo.replay import (
+    Fifo,
+    Lifo,
+    MinPriority,
+    MinSize,
+    Prioritized,
+    Queue,
+    RateLimiter,
+    Remover,
+    Sampler,
+    SampleToInsertRatio,
+    Uniform,
+)
 from echo.transport import TcpTransport
 
 __all__ = ["Sample", "Server"]
@@ -35,16 +52,74 @@ def _cuda_runtime_candidates() -> list[str]:
     return candidates
 
 
-class Sample(NamedTuple):
-    """One batch and the server's counters when it was handed out.
-
-    `batch` has the example's structure; each leaf has shape `(batch_size, *leaf.shape)` and
-    the leaf's dtype. Unless it came from `copy=True`, every leaf is a read-only view into the
-    ring that is only meaningful until the next `sample()` call (see the zero-copy guide).
-    """
-
+class _Batch(NamedTuple):
     batch: Any
     info: SampleInfo
+
+
+class Sample(_Batch):
+    """One batch and the server's counters when it was handed out: a named tuple
+    `(batch, info)`.
+
+    `batch` has the example's structure; each leaf has shape `(batch_size, *leaf.shape)` and
+    the leaf's dtype. Unless it came from `copy=True`, every leaf is a read-only view that is
+    only meaningful until the next `sample()` call (see the zero-copy guide).
+
+    With a replay sampler (anything but `Fifo()`) three per-item arrays come along as
+    attributes (`None` for FIFO): `keys` (uint64, stable per item: pass them to
+    `update_priorities`), `probabilities` (float64, the probability each item was drawn with,
+    for importance weights) and `times_sampled` (uint32, including this draw).
+    """
+
+    keys: npt.NDArray[np.uint64] | None
+    probabilities: npt.NDArray[np.float64] | None
+    times_sampled: npt.NDArray[np.uint32] | None
+
+    def __new__(
+        cls,
+        batch: Any,
+        info: SampleInfo,
+        keys: npt.NDArray[np.uint64] | None = None,
+        probabilities: npt.NDArray[np.float64] | None = None,
+        times_sampled: npt.NDArray[np.uint32] | None = None,
+    ) -> Sample:
+        self = super().__new__(cls, batch, info)
+        self.keys = keys
+        self.probabilities = probabilities
+        self.times_sampled = times_sampled
+        return self
+
+
+def _limiter_args(limiter: RateLimiter) -> tuple[str, float, int, float, float]:
+    """`(kind, samples_per_insert, min_size, min_diff, max_diff)` for `ReplayTable`."""
+    if isinstance(limiter, MinSize):
+        return ("min_size", 1.0, limiter.min_size, -math.inf, math.inf)
+    if isinstance(limiter, Queue):
+        return ("queue", 1.0, limiter.size, 0.0, float(limiter.size))
+    low, high = limiter.window
+    return ("ratio", limiter.samples_per_insert, limiter.min_size_to_sample, low, high)
+
+
+def _keys_array(keys: Any) -> npt.NDArray[np.uint64]:
+    array = np.asarray(keys)
+    if array.dtype.kind not in "ui":
+        raise TypeError(
+            f"keys must be integers (the uint64 Sample.keys of a batch), got dtype {array.dtype}"
+        )
+    if array.ndim != 1:
+        raise ValueError(f"keys must be 1-D, got shape {array.shape}")
+    if array.dtype.kind == "i" and array.size and int(array.min()) < 0:
+        raise ValueError(f"keys must be >= 0, got {int(array.min())}")
+    return np.ascontiguousarray(array, dtype=np.uint64)
+
+
+def _priorities_array(priorities: Any) -> npt.NDArray[np.float64]:
+    array = np.asarray(priorities)
+    if array.dtype.kind not in "uif":
+        raise TypeError(f"priorities must be real numbers, got dtype {array.dtype}")
+    if array.ndim != 1:
+        raise ValueError(f"priorities must be 1-D, got shape {array.shape}")
+    return np.ascontiguousarray(array, dtype=np.float64)
 
 
 class Server:
@@ -65,7 +140,19 @@ class Server:
         pin_host_memory: Page-lock every ring buffer with `cudaHostRegister`, so copies of a
             batch to a GPU are real DMA (`non_blocking=True` in PyTorch). The CUDA runtime is
             loaded at run time ($ECHO_CUDART, the nvidia-cuda-runtime wheel, or the loader's
-            path); unregistered when the last view of the ring is gone.
+            path); unregistered when the last view of the ring is gone. With a replay sampler
+            the batch area (what a learner copies to the GPU) is page-locked instead.
+        sampler: `Fifo()` (default): the zero-copy ring, each sample handed out once.
+            `Uniform()`, `Prioritized(exponent)` or `Lifo()`: a replay table of `max_size`
+            items drawn many times (see `echo.replay` and the replay guide).
+        remover: Replay only. Which item a full table evicts: `Fifo()` (default), `Lifo()`,
+            `MinPriority()`.
+        max_size: Replay only, required there. Items the table holds (pre-allocated).
+        rate_limiter: `MinSize(n)`, `SampleToInsertRatio(...)` or `Queue(size)`. Replay
+            default: `MinSize(1)` (sampling starts with the first item). With `Fifo()` only
+            `Queue(size)` is accepted; it sizes the ring.
+        max_times_sampled: Replay only. Remove an item after this many draws (0: never).
+        seed: Replay only. Fixes the sampling sequence, for reproducible runs.
 
     Raises:
         TypeError: A leaf of `example` is not a numpy array, or an argument has the wrong type.
@@ -83,25 +170,87 @@ class Server:
         num_drainers: int = 8,
         producer_queue_size: int = 8,
         pin_host_memory: bool = False,
+        *,
+        sampler: Sampler | None = None,
+        remover: Remover | None = None,
+        max_size: int | None = None,
+        rate_limiter: RateLimiter | None = None,
+        max_times_sampled: int = 0,
+        seed: int | None = None,
     ) -> None:
         batch_size = check_int("batch_size", batch_size, 1)
         num_buffers = check_int("num_buffers", num_buffers, 2)
+        max_times_sampled = check_int("max_times_sampled", max_times_sampled, 0, 2**32 - 1)
+        if seed is not None:
+            seed = check_int("seed", seed, 0, 2**64 - 1)
         self._num_drainers = check_int("num_drainers", num_drainers, 1)
         self._producer_queue_size = check_int("producer_queue_size", producer_queue_size, 1)
         if transport is not None and not isinstance(transport, TcpTransport):
             raise TypeError(
                 f"transport must be a TcpTransport or None, got {type(transport).__name__}"
             )
+        sampler = Fifo() if sampler is None else sampler
+        # Checked at run time too: callers without a type checker pass anything.
+        if not isinstance(sampler, (Fifo, Lifo, Uniform, Prioritized)):  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise TypeError(
+                "sampler must be Fifo(), Lifo(), Uniform() or Prioritized(exponent), "
+                f"got {type(sampler).__name__}"
+            )
+        if remover is not None and not isinstance(remover, (Fifo, Lifo, MinPriority)):  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise TypeError(
+                f"remover must be Fifo(), Lifo() or MinPriority(), got {type(remover).__name__}"
+            )
+        if rate_limiter is not None and not isinstance(
+            rate_limiter,
+            (MinSize, SampleToInsertRatio, Queue),  # pyright: ignore[reportUnnecessaryIsInstance]
+        ):
+            raise TypeError(
+                "rate_limiter must be MinSize(n), SampleToInsertRatio(...) or Queue(size), "
+                f"got {type(rate_limiter).__name__}"
+            )
         self._layout = TreeLayout(example)
         leaves = self._layout.leaves
-        self._core = RingServer(
-            [leaf.shape for leaf in leaves],
-            [leaf.dtype for leaf in leaves],
-            [leaf.name for leaf in leaves],
-            batch_size,
-            num_buffers,
-            self._layout.flat_keys,
-        )
+        shapes = [leaf.shape for leaf in leaves]
+        dtypes = [leaf.dtype for leaf in leaves]
+        names = [leaf.name for leaf in leaves]
+        self._replay = not isinstance(sampler, Fifo)
+        self._sampler: Sampler = sampler
+        self._core: RingServer | ReplayTable
+        if not self._replay:
+            num_buffers = _fifo_num_buffers(
+                batch_size, num_buffers, remover, max_size, rate_limiter, max_times_sampled, seed
+            )
+            self._core = RingServer(
+                shapes, dtypes, names, batch_size, num_buffers, self._layout.flat_keys
+            )
+        else:
+            if max_size is None:
+                raise ValueError(
+                    f"max_size is required with sampler={sampler}: the table pre-allocates "
+                    "max_size items (e.g. max_size=1_000_000)"
+                )
+            max_size = check_int("max_size", max_size, batch_size)
+            limiter = MinSize(1) if rate_limiter is None else rate_limiter
+            exponent = sampler.exponent if isinstance(sampler, Prioritized) else 0.0
+            kind = "prioritized" if isinstance(sampler, Prioritized) else "uniform"
+            kind = "lifo" if isinstance(sampler, Lifo) else kind
+            evict = {Fifo: "fifo", Lifo: "lifo", MinPriority: "min_priority"}[
+                type(remover if remover is not None else Fifo())
+            ]
+            self._core = ReplayTable(
+                shapes,
+                dtypes,
+                names,
+                batch_size,
+                max_size,
+                kind,
+                exponent,
+                evict,
+                *_limiter_args(limiter),
+                max_times_sampled,
+                seed,
+                self._layout.flat_keys,
+            )
         if pin_host_memory:
             try:
                 self._core.pin_host_memory(_cuda_runtime_candidates())
@@ -117,9 +266,21 @@ class Server:
         return self._core.batch_size
 
     @property
-    def num_buffers(self) -> int:
-        """Batches the ring holds."""
-        return self._core.num_buffers
+    def num_buffers(self) -> int | None:
+        """Batches the FIFO ring holds; `None` with a replay sampler."""
+        core = self._core
+        return core.num_buffers if isinstance(core, RingServer) else None
+
+    @property
+    def max_size(self) -> int | None:
+        """Items a replay table holds; `None` for the FIFO ring."""
+        core = self._core
+        return core.max_size if isinstance(core, ReplayTable) else None
+
+    @property
+    def sampler(self) -> Sampler:
+        """The sampler the server was built with."""
+        return self._sampler
 
     @property
     def pinned(self) -> bool:
@@ -158,25 +319,37 @@ class Server:
             self._producer_queue_size,
         )
 
-    def submit(self, sample: Any, *, timeout: float | None = None) -> None:
-        """Copies one sample into the ring (in-process ingress).
+    def submit(
+        self, sample: Any, *, timeout: float | None = None, priority: float | None = None
+    ) -> None:
+        """Copies one sample into the server (in-process ingress).
 
-        Blocks, with the GIL released, while the ring is full.
+        Blocks, with the GIL released, while the ring is full (FIFO) or the rate limiter
+        holds inserts back (replay).
 
         Args:
             sample: A pytree with the example's structure, shapes and dtypes.
-            timeout: Seconds to wait for space; `None` waits as long as it takes.
+            timeout: Seconds to wait; `None` waits as long as it takes.
+            priority: Replay only: the new item's priority. Default: the largest priority
+                seen so far (1.0 at first), as in prioritized experience replay.
 
         Raises:
-            ValueError: The structure or a leaf's shape differs from the example.
+            ValueError: The structure or a leaf's shape differs from the example, the
+                priority is invalid, or `priority` was given to a FIFO server.
             TypeError: A leaf is not a numpy array or has another dtype.
             ServerClosedError: The server is (or gets) closed.
             TimeoutError: No space freed up within `timeout`.
         """
+        core = self._core
         try:
-            # A flat-dict sample is looked up by key natively; anything else is flattened here.
-            if not self._core.submit_flat(sample, timeout):
-                self._core.submit(self._layout.flatten(sample), timeout)
+            if isinstance(core, RingServer):
+                if priority is not None:
+                    raise ValueError("priority= needs a replay sampler; this server is FIFO")
+                # A flat-dict sample is looked up natively; anything else is flattened here.
+                if not core.submit_flat(sample, timeout):
+                    core.submit(self._layout.flatten(sample), timeout)
+            elif not core.submit_flat(sample, timeout, priority):
+                core.submit(self._layout.flatten(sample), timeout, priority)
         except TypeError:
             self._layout.check_structure(sample)  # a nested container is a structure error
             raise
@@ -199,7 +372,32 @@ class Server:
         if got is None:
             return None
         leaves, info = got
-        return Sample(self._layout.unflatten(leaves), info)
+        if not self._replay:
+            return Sample(self._layout.unflatten(leaves), info)
+        keys, probabilities, times_sampled = leaves[-3:]
+        return Sample(self._layout.unflatten(leaves[:-3]), info, keys, probabilities, times_sampled)
+
+    def update_priorities(self, keys: Any, priorities: Any) -> int:
+        """Sets the priorities of the items with `keys` (from `Sample.keys`); the next batch
+        is drawn with them. Keys no longer in the table (evicted or removed) are skipped and
+        counted in `stats().unknown_keys_total`. Vectorised, GIL released.
+
+        Args:
+            keys: 1-D integer array-like (uint64).
+            priorities: 1-D array-like of finite numbers >= 0, one per key.
+
+        Returns:
+            How many keys were skipped.
+
+        Raises:
+            TypeError: `keys` are not integers or `priorities` not numbers.
+            ValueError: Shapes differ, a priority is negative, NaN or too large (naming its
+                index; nothing is updated then), or the server is FIFO.
+        """
+        core = self._core
+        if not isinstance(core, ReplayTable):
+            raise ValueError("update_priorities() needs a replay sampler; this server is FIFO")
+        return core.update_priorities(_keys_array(keys), _priorities_array(priorities))
 
     def dataset_iter(self, *, copy: bool = False) -> Iterator[Sample]:
         """Yields batches until the server is closed.
@@ -232,7 +430,47 @@ class Server:
         self.close()
 
     def __repr__(self) -> str:
+        size = (
+            f"max_size={self.max_size}, sampler={self._sampler}"
+            if self._replay
+            else f"num_buffers={self.num_buffers}"
+        )
         return (
-            f"Server(batch_size={self.batch_size}, num_buffers={self.num_buffers}, "
+            f"Server(batch_size={self.batch_size}, {size}, "
             f"leaves={len(self._layout.leaves)}, closed={self.closed})"
         )
+
+
+def _fifo_num_buffers(
+    batch_size: int,
+    num_buffers: int,
+    remover: Remover | None,
+    max_size: int | None,
+    rate_limiter: RateLimiter | None,
+    max_times_sampled: int,
+    seed: int | None,
+) -> int:
+    """Checks the replay-only arguments against the FIFO ring; returns its batch count."""
+    needs_replay = "needs a replay sampler (Uniform(), Prioritized(), Lifo())"
+    if remover is not None and not isinstance(remover, Fifo):
+        raise ValueError(
+            f"remover={remover} {needs_replay}: the FIFO ring frees each batch once read"
+        )
+    if max_size is not None:
+        raise ValueError(
+            f"max_size {needs_replay}; the FIFO ring holds num_buffers * batch_size samples"
+        )
+    if max_times_sampled not in (0, 1):
+        raise ValueError(
+            f"max_times_sampled={max_times_sampled} {needs_replay}: FIFO hands out each sample once"
+        )
+    if seed is not None:
+        raise ValueError(f"seed {needs_replay}: FIFO sampling is not random")
+    if rate_limiter is None:
+        return num_buffers
+    if not isinstance(rate_limiter, Queue):
+        raise ValueError(
+            f"rate_limiter={rate_limiter} {needs_replay}: the FIFO ring hands out each sample "
+            "once, as soon as a full batch is in; use Queue(size) to size it"
+        )
+    return max(2, -(-rate_limiter.size // batch_size))

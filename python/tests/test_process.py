@@ -229,7 +229,9 @@ def _read_line(proc: subprocess.Popen[str], timeout: float) -> str:
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
-@pytest.mark.parametrize("blocked_in", ["sample", "submit"])
+@pytest.mark.parametrize(
+    "blocked_in", ["sample", "submit", "replay_sample", "replay_submit_rate_limited"]
+)
 def test_ctrl_c_interrupts_a_blocked_call_promptly(blocked_in: str) -> None:
     body = {
         "sample": """
@@ -243,6 +245,20 @@ def test_ctrl_c_interrupts_a_blocked_call_promptly(blocked_in: str) -> None:
             server.submit(make_sample(1))
             print("ready", flush=True)
             server.submit(make_sample(2))
+            """,
+        "replay_sample": """
+            server = echo.Server(EXAMPLE, batch_size=2, sampler=echo.Uniform(), max_size=8)
+            print("ready", flush=True)
+            server.sample()
+            """,
+        "replay_submit_rate_limited": """
+            server = echo.Server(
+                EXAMPLE, batch_size=1, sampler=echo.Uniform(), max_size=8,
+                rate_limiter=echo.Queue(1),
+            )
+            server.submit(make_sample(0))
+            print("ready", flush=True)
+            server.submit(make_sample(1))
             """,
     }[blocked_in]
     proc = subprocess.Popen(

@@ -31,7 +31,8 @@ pub(crate) fn to_pyerr(err: EchoError) -> PyErr {
         EchoError::Config(_)
         | EchoError::SizeMismatch { .. }
         | EchoError::PayloadSize { .. }
-        | EchoError::LeafCount { .. } => PyValueError::new_err(err.to_string()),
+        | EchoError::LeafCount { .. }
+        | EchoError::Priority(_) => PyValueError::new_err(err.to_string()),
         EchoError::OutOfMemory { .. } => PyMemoryError::new_err(err.to_string()),
         EchoError::Closed => ServerClosedError::new_err(err.to_string()),
         EchoError::Io(io) => io.into(),
@@ -42,9 +43,9 @@ pub(crate) fn insert_error(err: InsertError) -> PyErr {
     match err {
         InsertError::Invalid(e) => to_pyerr(e),
         InsertError::Closed { .. } => ServerClosedError::new_err("submit(): the server is closed"),
-        InsertError::TimedOut { .. } => {
-            PyTimeoutError::new_err("submit(): timed out waiting for space in the ring")
-        }
+        InsertError::TimedOut { .. } => PyTimeoutError::new_err(
+            "submit(): timed out waiting for space (or for the rate limiter)",
+        ),
     }
 }
 

@@ -5,6 +5,7 @@ use pyo3::types::PyDict;
 
 use crate::ingress::IngressSnapshot;
 use crate::metrics::{DetailedSnapshot, HistSummary};
+use crate::replay::ReplayStats;
 use crate::store::StoreStats;
 
 /// A latency histogram snapshot, in nanoseconds. All zero without `detailed-metrics`, so
@@ -81,6 +82,19 @@ pub(crate) struct SampleInfo {
     drain_round: Py<HistSnapshot>,
     memcpy: Py<HistSnapshot>,
     queue_dwell: Py<HistSnapshot>,
+    /// Replay tables only (0 for FIFO): items handed out (a batch counts `batch_size`).
+    items_sampled_total: u64,
+    /// Replay tables only: items evicted by the remover because the table was full.
+    evicted_total: u64,
+    /// Replay tables only: items removed after `max_times_sampled` draws.
+    removed_max_times_sampled_total: u64,
+    /// Replay tables only: priorities changed, and keys ignored as unknown or removed.
+    priority_updates_total: u64,
+    unknown_keys_total: u64,
+    /// Replay tables only: nanoseconds inserts spent waiting for the rate limiter.
+    insert_blocked_ns_total: u64,
+    /// Replay tables only: nanoseconds `sample()` spent waiting for items or the limiter.
+    sample_blocked_ns_total: u64,
     /// Nanoseconds the consumer waited inside `sample()` for this batch.
     wait_ns: u64,
     /// 0-based number of this batch since the server started.
@@ -90,9 +104,11 @@ pub(crate) struct SampleInfo {
 impl SampleInfo {
     /// `detailed`: the detailed counters and histograms, or `None` in the default build (the
     /// shared all-zero `zero_hist` is then used for every histogram).
+    #[allow(clippy::too_many_arguments)] // each source of counters is its own snapshot
     pub(crate) fn new(
         py: Python<'_>,
         stats: &StoreStats,
+        replay: &ReplayStats,
         ingress: &IngressSnapshot,
         detailed: Option<&DetailedSnapshot>,
         sequence: u64,
@@ -118,6 +134,13 @@ impl SampleInfo {
             drain_round: hist(detailed.map(|d| d.drain_round))?,
             memcpy: hist(detailed.map(|d| d.memcpy))?,
             queue_dwell: hist(detailed.map(|d| d.queue_dwell))?,
+            items_sampled_total: replay.sampled_items,
+            evicted_total: replay.evicted,
+            removed_max_times_sampled_total: replay.removed_max_times_sampled,
+            priority_updates_total: replay.priority_updates,
+            unknown_keys_total: replay.unknown_keys,
+            insert_blocked_ns_total: replay.insert_blocked_ns,
+            sample_blocked_ns_total: replay.sample_blocked_ns,
             wait_ns,
             sequence,
         })
@@ -140,6 +163,13 @@ impl SampleInfo {
             ("cas_success_total", self.cas_success_total),
             ("cas_failure_total", self.cas_failure_total),
             ("reservation_retries_total", self.reservation_retries_total),
+            ("items_sampled_total", self.items_sampled_total),
+            ("evicted_total", self.evicted_total),
+            ("removed_max_times_sampled_total", self.removed_max_times_sampled_total),
+            ("priority_updates_total", self.priority_updates_total),
+            ("unknown_keys_total", self.unknown_keys_total),
+            ("insert_blocked_ns_total", self.insert_blocked_ns_total),
+            ("sample_blocked_ns_total", self.sample_blocked_ns_total),
             ("wait_ns", self.wait_ns),
             ("sequence", self.sequence),
         ] {

@@ -21,9 +21,11 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 mod client;
+mod common;
 mod errors;
 mod info;
 mod leaves;
+mod replay;
 mod server;
 mod views;
 
@@ -184,6 +186,7 @@ fn _echo(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("RING_ALIGN", crate::RING_ALIGN)?;
     m.add("DETAILED_METRICS", crate::metrics::ENABLED)?;
     m.add_class::<server::PyRingServer>()?;
+    m.add_class::<replay::PyReplayTable>()?;
     m.add_class::<client::PyTcpSender>()?;
     m.add_class::<views::RingLease>()?;
     m.add_class::<info::SampleInfo>()?;

@@ -4,30 +4,24 @@
 //! hands batches out as numpy views.
 
 use std::path::PathBuf;
-use std::sync::OnceLock;
 use std::time::Instant;
 
-use numpy::npyffi::npy_intp;
 use numpy::{PyArrayDescr, PyUntypedArray};
 use parking_lot::{Mutex, MutexGuard};
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PySequence, PyString};
 
-use super::errors::{insert_error, sample_timeout, to_pyerr, ServerClosedError};
+use super::common::{batch_layouts, insert_blocking, TcpSlot};
+use super::errors::{sample_timeout, to_pyerr, ServerClosedError};
 use super::info::{HistSnapshot, SampleInfo};
 use super::leaves::{byte_slices, LeafSpecs};
 use super::views::{batch_copies, batch_views, LeafLayout, RingLease};
 use super::{deadline_from_timeout, detach, wait_detached};
-use crate::ingress::{Ingress, IngressConfig};
 use crate::metrics;
-use crate::store::{Consumer, InsertError, Leaves, SampleError, Store};
+use crate::replay::ReplayStats;
+use crate::store::{Consumer, Leaves, SampleError, Store};
 use crate::sync::Arc;
-use crate::transport::tcp::TcpConfig;
-use crate::transport::TcpIngress;
-
-/// Samples at or above this many bytes are copied with the GIL released.
-const DETACH_COPY_BYTES: usize = 64 * 1024;
 
 /// The ring and its ingress: `submit` flattened leaves, `sample` batches of views.
 #[pyclass(frozen, module = "echo._echo", name = "RingServer")]
@@ -41,10 +35,7 @@ pub(crate) struct PyRingServer {
     lease: Py<RingLease>,
     /// Shared all-zero histogram for builds without `detailed-metrics`.
     zero_hist: Py<HistSnapshot>,
-    /// The TCP ingress once `start_tcp` ran; taken by `close`.
-    tcp: Mutex<Option<TcpIngress>>,
-    /// The drainer pool behind `tcp`, for counters.
-    ingress: OnceLock<Arc<Ingress>>,
+    tcp: TcpSlot,
 }
 
 #[pymethods]
@@ -65,31 +56,15 @@ impl PyRingServer {
         let leaves = LeafSpecs::new(shapes, dtypes, names, flat_keys)?;
         let store = Store::new(leaves.spec.clone(), batch_size, num_buffers).map_err(to_pyerr)?;
         let consumer = store.consumer().expect("a new store has no consumer yet");
-        let layouts = leaves
-            .shapes
-            .iter()
-            .zip(&leaves.descrs)
-            .map(|(shape, descr)| {
-                let dims = std::iter::once(batch_size)
-                    .chain(shape.iter().copied())
-                    .map(|d| {
-                        npy_intp::try_from(d).map_err(|_| {
-                            PyValueError::new_err(format!("dimension {d} is too large"))
-                        })
-                    })
-                    .collect::<PyResult<Vec<_>>>()?;
-                Ok(LeafLayout { descr: descr.clone_ref(py), dims })
-            })
-            .collect::<PyResult<Vec<_>>>()?;
+        let layouts = batch_layouts(py, &leaves, batch_size)?;
         Ok(Self {
-            lease: Py::new(py, RingLease::new(Arc::clone(&store)))?,
+            lease: Py::new(py, RingLease::new(Arc::clone(&store) as _, "FIFO ring"))?,
             zero_hist: Py::new(py, HistSnapshot::default())?,
             store,
             consumer: Mutex::new(consumer),
             leaves,
             layouts,
-            tcp: Mutex::new(None),
-            ingress: OnceLock::new(),
+            tcp: TcpSlot::default(),
         })
     }
 
@@ -148,23 +123,17 @@ impl PyRingServer {
         num_drainers: usize,
         queue_size: usize,
     ) -> PyResult<u16> {
-        if self.store.is_closed() {
-            return Err(ServerClosedError::new_err("start(): the server is closed"));
-        }
-        let mut slot = self.tcp.lock();
-        if slot.is_some() || self.ingress.get().is_some() {
-            return Err(PyValueError::new_err("start(): the TCP transport is already running"));
-        }
-        let config = TcpConfig { host, port, num_threads, max_connections };
-        let store = &self.store;
-        let started = detach(py, || {
-            TcpIngress::start(store, IngressConfig { num_drainers, queue_size }, &config)
-        })
-        .map_err(to_pyerr)?;
-        let port = started.local_addr().port();
-        let _ = self.ingress.set(started.ingress());
-        *slot = Some(started);
-        Ok(port)
+        self.tcp.start(
+            py,
+            Arc::clone(&self.store) as _,
+            self.store.is_closed(),
+            host,
+            port,
+            num_threads,
+            max_connections,
+            num_drainers,
+            queue_size,
+        )
     }
 
     /// Copies one sample, given as its flattened leaves, into the ring. Blocks (GIL released,
@@ -242,21 +211,15 @@ impl PyRingServer {
     /// `detailed-metrics`.
     fn reset_histograms(&self) {
         self.store.reset_histograms();
-        if let Some(ingress) = self.ingress.get() {
-            ingress.reset_histograms();
-        }
+        self.tcp.reset_histograms();
     }
 
     /// Closes the server: stops the transport (closing every connection), wakes a blocked
     /// `sample()` (it returns `None`) and a blocked `submit()` (it raises
     /// `ServerClosedError`), and joins every thread. Idempotent.
     fn close(&self, py: Python<'_>) {
-        let tcp = self.tcp.lock().take();
         let store = &self.store;
-        detach(py, move || {
-            store.close();
-            drop(tcp); // shuts the transport down and joins its threads
-        });
+        self.tcp.close(py, || store.close());
     }
 
     fn __repr__(&self) -> String {
@@ -287,40 +250,15 @@ impl PyRingServer {
     ) -> PyResult<()> {
         let slices = byte_slices(&self.leaves, arrays);
         let source = Leaves(&slices);
-        // Fast path: small samples into a ring with room go in without releasing the GIL.
-        if self.store.spec().payload_size() < DETACH_COPY_BYTES {
-            match self.store.insert(&source, Some(Instant::now())) {
-                Ok(()) => return Ok(()),
-                Err(InsertError::TimedOut { inserted: 0 }) => {}
-                Err(err) => return Err(insert_error(err)),
-            }
-        }
         let store = &self.store;
-        let done = wait_detached(py, deadline, |slice_end| {
-            match store.insert(&source, Some(slice_end)) {
-                Ok(()) => Some(Ok(())),
-                Err(InsertError::TimedOut { inserted: 0 }) => None,
-                Err(err) => Some(Err(err)),
-            }
-        })?;
-        match done {
-            Some(Ok(())) => Ok(()),
-            Some(Err(err)) => Err(insert_error(err)),
-            None => Err(insert_error(InsertError::TimedOut { inserted: 0 })),
-        }
+        insert_blocking(py, store.spec().payload_size(), deadline, |d| store.insert(&source, d))
     }
 
     fn info(&self, py: Python<'_>, sequence: u64, wait_ns: u64) -> PyResult<SampleInfo> {
-        let ingress = self.ingress.get().map(|i| i.snapshot()).unwrap_or_default();
-        let detailed = metrics::ENABLED.then(|| {
-            let mut d = self.store.detailed();
-            if let Some(ingress) = self.ingress.get() {
-                (d.drain_round, d.queue_dwell) = ingress.detailed();
-            }
-            d
-        });
+        let detailed = metrics::ENABLED.then(|| self.store.detailed());
         let stats = self.store.stats();
-        SampleInfo::new(py, &stats, &ingress, detailed.as_ref(), sequence, wait_ns, &self.zero_hist)
+        let replay = ReplayStats::default();
+        self.tcp.info(py, &stats, &replay, detailed, sequence, wait_ns, &self.zero_hist)
     }
 }
 
@@ -329,6 +267,6 @@ impl Drop for PyRingServer {
         // Wakes any thread still blocked in this ring and stops the transport; views keep the
         // ring memory alive.
         self.store.close();
-        drop(self.tcp.lock().take());
+        self.tcp.shutdown();
     }
 }

@@ -18,23 +18,21 @@ use crate::sync::Arc;
 /// Keeps the ring alive for as long as a numpy view into it exists (it is the views' `base`).
 #[pyclass(frozen, module = "echo._echo", name = "RingLease")]
 pub(crate) struct RingLease {
-    store: Arc<Store>,
+    /// The FIFO store or the replay table whose memory the views point into.
+    _owner: Arc<dyn std::any::Any + Send + Sync>,
+    what: &'static str,
 }
 
 #[pymethods]
 impl RingLease {
     fn __repr__(&self) -> String {
-        format!(
-            "RingLease(batch_size={}, num_buffers={})",
-            self.store.batch_size(),
-            self.store.num_batches()
-        )
+        format!("RingLease({})", self.what)
     }
 }
 
 impl RingLease {
-    pub(crate) fn new(store: Arc<Store>) -> Self {
-        Self { store }
+    pub(crate) fn new(owner: Arc<dyn std::any::Any + Send + Sync>, what: &'static str) -> Self {
+        Self { _owner: owner, what }
     }
 }
 
@@ -89,9 +87,20 @@ pub(crate) fn batch_views<'py>(
     layouts: &[LeafLayout],
     lease: &Py<RingLease>,
 ) -> PyResult<Bound<'py, PyList>> {
+    views_at(py, layouts, lease, |leaf| store.batch_ptr(batch, leaf))
+}
+
+/// Read-only views of leaf `i` at `ptr(i)` (each `layouts[i]`-shaped and kept alive by
+/// `lease`), with `lease` as numpy base.
+pub(crate) fn views_at<'py>(
+    py: Python<'py>,
+    layouts: &[LeafLayout],
+    lease: &Py<RingLease>,
+    ptr: impl Fn(usize) -> *const u8,
+) -> PyResult<Bound<'py, PyList>> {
     let list = PyList::empty(py);
     for (leaf, layout) in layouts.iter().enumerate() {
-        let array = new_array(py, layout, store.batch_ptr(batch, leaf).cast_mut())?;
+        let array = new_array(py, layout, ptr(leaf).cast_mut())?;
         // `PyArray_SetBaseObject` steals a reference to the base (also on failure).
         let base = lease.clone_ref(py).into_ptr();
         // SAFETY: `array` is a freshly created ndarray with no base yet; `base` is an owned
@@ -111,6 +120,16 @@ pub(crate) fn batch_copies<'py>(
     consumer: &Consumer,
     layouts: &[LeafLayout],
 ) -> PyResult<Bound<'py, PyList>> {
+    copies_from(py, layouts, |leaf, copy| consumer.read_leaf(leaf, |src| copy(src)))
+}
+
+/// Private, writeable arrays of `layouts`, leaf `i` filled by `read(i, copy)`, which must call
+/// `copy` with exactly the leaf's batch bytes (`product(dims) * itemsize`).
+pub(crate) fn copies_from<'py>(
+    py: Python<'py>,
+    layouts: &[LeafLayout],
+    read: impl Fn(usize, &mut dyn FnMut(&[u8])),
+) -> PyResult<Bound<'py, PyList>> {
     let list = PyList::empty(py);
     for (leaf, layout) in layouts.iter().enumerate() {
         let array = new_array(py, layout, ptr::null_mut())?;
@@ -118,10 +137,13 @@ pub(crate) fn batch_copies<'py>(
         // SAFETY: `array` is a live ndarray we just created; reading its `data` field is how
         // numpy's own C macros (`PyArray_DATA`) access it.
         let dst = unsafe { (*array_ptr).data }.cast::<u8>();
-        consumer.read_leaf(leaf, |src| {
-            // SAFETY: numpy allocated `product(dims) * itemsize` bytes at `dst`, which is
-            // exactly the leaf's batch size in the ring (`src.len()`); the new array is not
-            // shared yet, and ring memory never overlaps a numpy allocation.
+        let expected: usize = layout.dims.iter().map(|&d| d as usize).product::<usize>()
+            * layout.descr.bind(py).itemsize();
+        read(leaf, &mut |src: &[u8]| {
+            assert_eq!(src.len(), expected, "batch bytes do not match the numpy layout");
+            // SAFETY: numpy allocated `expected` bytes at `dst` and `src.len() == expected`
+            // (asserted); the new array is not shared yet, and ring or batch-area memory never
+            // overlaps a numpy allocation.
             unsafe { ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) }
         });
         list.append(array)?;

@@ -25,7 +25,7 @@ pub trait Transport: Send {
 use std::sync::Arc;
 
 use crate::ingress::{Ingress, IngressConfig, IngressSnapshot};
-use crate::store::Store;
+use crate::store::Sink;
 
 /// A TCP server and the drainer pool behind it, started and stopped together.
 pub struct TcpIngress {
@@ -40,11 +40,11 @@ impl TcpIngress {
     /// Bad settings ([`EchoError::Config`]) or a failed bind ([`EchoError::Io`], naming the
     /// address); nothing is left running on error.
     pub fn start(
-        store: &Arc<Store>,
+        store: Arc<dyn Sink>,
         ingress: IngressConfig,
         tcp: &tcp::TcpConfig,
     ) -> Result<Self, EchoError> {
-        let ingress = Ingress::start(Arc::clone(store), ingress)?;
+        let ingress = Ingress::start(store, ingress)?;
         match tcp::TcpServer::start(tcp, Arc::clone(&ingress)) {
             Ok(server) => Ok(Self { ingress, server }),
             Err(err) => {

@@ -1,0 +1,264 @@
+//! Rate limiters: when a table lets writers insert and the consumer sample.
+//!
+//! One mechanism covers all three kinds, with DeepMind Reverb's meaning. The limiter keeps
+//! `inserts` (items ever inserted, counted when their slot is reserved), `samples` (items
+//! ever handed out; a batch of `b` counts `b`) and a target `samples_per_insert`. Their
+//! *diff* `inserts * samples_per_insert - samples` must stay inside `[min_diff, max_diff]`:
+//!
+//! - a sample of `n` items is allowed when the table holds at least `min_size_to_sample`
+//!   items and `diff - n >= min_diff`;
+//! - an insert is allowed when `diff + samples_per_insert <= max_diff`, or while the table
+//!   holds fewer than `min_size_to_sample` items (so evictions can never starve sampling).
+//!
+//! | kind | samples_per_insert | min_size_to_sample | min_diff | max_diff |
+//! |---|---|---|---|---|
+//! | `MinSize(n)` | 1 | n | -inf | +inf |
+//! | `SampleToInsertRatio(r, n, e)` | r | n | `n*r - e` | `n*r + e` |
+//! | `Queue(size)` | 1 | 1 | 0 | size |
+//!
+//! The table draws a batch in rounds of what the limiter allows, so a batch larger than the
+//! error buffer does not deadlock: it waits for inserts part-way (see `table.rs`). Hence
+//! the no-deadlock condition is per item: `max_diff - min_diff >= 2 * max(1, r)`, checked by
+//! [`RateLimit::validate`].
+
+use crate::error::EchoError;
+
+/// Which rate limiter a replay table uses.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RateLimit {
+    /// Sampling waits until the table holds `min_size` items; inserts never wait.
+    MinSize(u64),
+    /// Keep `samples / inserts` near `samples_per_insert`, within a window of `max_diff -
+    /// min_diff` (Reverb's `error_buffer` is half of it, centred on `min_size_to_sample *
+    /// samples_per_insert`).
+    SampleToInsertRatio {
+        /// Target number of times each item is sampled, on average.
+        samples_per_insert: f64,
+        /// Sampling waits until the table holds this many items.
+        min_size_to_sample: u64,
+        /// Lower bound on `inserts * samples_per_insert - samples` (samples wait below it).
+        min_diff: f64,
+        /// Upper bound on it (inserts wait above it).
+        max_diff: f64,
+    },
+    /// A queue of at most `size` unsampled items: inserts wait when it is full, samples when
+    /// it is empty.
+    Queue(u64),
+}
+
+impl RateLimit {
+    /// Reverb's `SampleToInsertRatio(samples_per_insert, min_size_to_sample, error_buffer)`.
+    pub fn sample_to_insert_ratio(
+        samples_per_insert: f64,
+        min_size_to_sample: u64,
+        error_buffer: f64,
+    ) -> Self {
+        #[allow(clippy::cast_precision_loss)] // sizes far below 2^52
+        let centre = min_size_to_sample as f64 * samples_per_insert;
+        Self::SampleToInsertRatio {
+            samples_per_insert,
+            min_size_to_sample,
+            min_diff: centre - error_buffer,
+            max_diff: centre + error_buffer,
+        }
+    }
+
+    /// Checks the parameters against a table of `max_size` items.
+    ///
+    /// # Errors
+    /// [`EchoError::Config`] naming the parameter, what it must be and what it is.
+    pub fn validate(&self, max_size: u64) -> Result<(), EchoError> {
+        let config = |msg: String| Err(EchoError::Config(msg));
+        match *self {
+            Self::MinSize(n) => {
+                if n < 1 || n > max_size {
+                    return config(format!(
+                        "MinSize(min_size): min_size must be in 1..=max_size ({max_size}), got {n}"
+                    ));
+                }
+            }
+            Self::Queue(size) => {
+                if size < 1 {
+                    return config(format!("Queue(size): size must be >= 1, got {size}"));
+                }
+            }
+            Self::SampleToInsertRatio {
+                samples_per_insert,
+                min_size_to_sample,
+                min_diff,
+                max_diff,
+            } => {
+                if !(samples_per_insert.is_finite() && samples_per_insert > 0.0) {
+                    return config(format!(
+                        "SampleToInsertRatio: samples_per_insert must be a finite number > 0, got {samples_per_insert}"
+                    ));
+                }
+                if min_size_to_sample < 1 || min_size_to_sample > max_size {
+                    return config(format!(
+                        "SampleToInsertRatio: min_size_to_sample must be in 1..=max_size ({max_size}), got {min_size_to_sample}"
+                    ));
+                }
+                if !(min_diff.is_finite() && max_diff.is_finite()) {
+                    return config(format!(
+                        "SampleToInsertRatio: error_buffer must be finite, got min_diff {min_diff}, max_diff {max_diff}"
+                    ));
+                }
+                let need = 2.0 * samples_per_insert.max(1.0);
+                if max_diff - min_diff < need {
+                    return config(format!(
+                        "SampleToInsertRatio: the error buffer must span at least 2 * max(1, samples_per_insert) = {need} \
+                         (error_buffer >= {}), got max_diff - min_diff = {}; a narrower window blocks inserts and samples forever",
+                        need / 2.0,
+                        max_diff - min_diff
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The limiter's state. Not synchronised: the table keeps it under its lock.
+#[derive(Debug, Clone)]
+pub(crate) struct RateLimiter {
+    samples_per_insert: f64,
+    min_size_to_sample: u64,
+    min_diff: f64,
+    max_diff: f64,
+    inserts: u64,
+    samples: u64,
+}
+
+impl RateLimiter {
+    pub(crate) fn new(limit: RateLimit) -> Self {
+        let (samples_per_insert, min_size_to_sample, min_diff, max_diff) = match limit {
+            RateLimit::MinSize(n) => (1.0, n, f64::NEG_INFINITY, f64::INFINITY),
+            RateLimit::SampleToInsertRatio {
+                samples_per_insert,
+                min_size_to_sample,
+                min_diff,
+                max_diff,
+            } => (samples_per_insert, min_size_to_sample, min_diff, max_diff),
+            #[allow(clippy::cast_precision_loss)] // queue sizes far below 2^52
+            RateLimit::Queue(size) => (1.0, 1, 0.0, size as f64),
+        };
+        Self { samples_per_insert, min_size_to_sample, min_diff, max_diff, inserts: 0, samples: 0 }
+    }
+
+    #[allow(clippy::cast_precision_loss)] // counts far below 2^52 in any real run
+    fn diff(&self) -> f64 {
+        self.inserts as f64 * self.samples_per_insert - self.samples as f64
+    }
+
+    /// Whether one more insert may start, with `size` items in the table (pending included).
+    pub(crate) fn can_insert(&self, size: u64) -> bool {
+        size < self.min_size_to_sample || self.diff() + self.samples_per_insert <= self.max_diff
+    }
+
+    /// How many items may be sampled now, with `live` sampleable items in the table.
+    pub(crate) fn allowed_samples(&self, live: u64) -> u64 {
+        if live == 0 || live < self.min_size_to_sample {
+            return 0;
+        }
+        let room = (self.diff() - self.min_diff).floor();
+        // `as` saturates: +inf (MinSize) becomes u64::MAX, negatives and NaN become 0.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let allowed = room as u64;
+        allowed
+    }
+
+    pub(crate) fn on_insert(&mut self) {
+        self.inserts += 1;
+    }
+
+    pub(crate) fn on_sample(&mut self, n: u64) {
+        self.samples += n;
+    }
+
+    /// `(inserts, samples)` so far.
+    pub(crate) fn counts(&self) -> (u64, u64) {
+        (self.inserts, self.samples)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn min_size_blocks_sampling_until_the_size_and_never_blocks_inserts() {
+        let mut limiter = RateLimiter::new(RateLimit::MinSize(3));
+        for size in 0..3 {
+            assert_eq!(limiter.allowed_samples(size), 0);
+            assert!(limiter.can_insert(size));
+            limiter.on_insert();
+        }
+        assert_eq!(limiter.allowed_samples(3), u64::MAX);
+        limiter.on_sample(1_000_000);
+        assert!(limiter.can_insert(3));
+        assert_eq!(limiter.allowed_samples(3), u64::MAX);
+    }
+
+    #[test]
+    fn queue_allows_size_unsampled_items_and_samples_only_what_is_unsampled() {
+        let mut limiter = RateLimiter::new(RateLimit::Queue(4));
+        for size in 0..4 {
+            assert!(limiter.can_insert(size));
+            limiter.on_insert();
+        }
+        assert!(!limiter.can_insert(4), "the fifth unsampled item must wait");
+        assert_eq!(limiter.allowed_samples(4), 4);
+        limiter.on_sample(3);
+        assert_eq!(limiter.allowed_samples(1), 1);
+        assert!(limiter.can_insert(1));
+    }
+
+    #[test]
+    fn ratio_keeps_the_diff_inside_the_window() {
+        // Reverb's example numbers: 8 samples per insert, min size 10, error buffer 20.
+        let limit = RateLimit::sample_to_insert_ratio(8.0, 10, 20.0);
+        limit.validate(100).unwrap();
+        let mut limiter = RateLimiter::new(limit);
+        for size in 0..10 {
+            assert_eq!(limiter.allowed_samples(size), 0);
+            assert!(limiter.can_insert(size));
+            limiter.on_insert();
+        }
+        // diff = 80, window [60, 100]: 20 samples allowed, 2 more inserts (80 + 8 + 8 <= 100).
+        assert_eq!(limiter.allowed_samples(10), 20);
+        assert!(limiter.can_insert(10));
+        limiter.on_insert();
+        limiter.on_insert();
+        assert!(!limiter.can_insert(12), "diff 96 + 8 > 100");
+        limiter.on_sample(36);
+        assert_eq!(limiter.allowed_samples(12), 0, "diff 60 is the floor");
+        assert!(limiter.can_insert(12));
+    }
+
+    #[test]
+    fn inserts_are_allowed_below_min_size_even_past_the_window() {
+        let mut limiter = RateLimiter::new(RateLimit::sample_to_insert_ratio(1.0, 5, 1.0));
+        for _ in 0..100 {
+            limiter.on_insert();
+        }
+        // Far past max_diff, but evictions left the table below min_size.
+        assert!(limiter.can_insert(4));
+        assert!(!limiter.can_insert(5));
+    }
+
+    #[test]
+    fn validation_names_the_bad_parameter() {
+        let err = |l: RateLimit| l.validate(1_000).unwrap_err().to_string();
+        assert!(err(RateLimit::MinSize(0)).contains("min_size must be in 1..=max_size"));
+        assert!(err(RateLimit::MinSize(1_001)).contains("got 1001"));
+        assert!(err(RateLimit::Queue(0)).contains("size must be >= 1"));
+        let msg = err(RateLimit::sample_to_insert_ratio(0.0, 10, 5.0));
+        assert!(msg.contains("samples_per_insert must be a finite number > 0, got 0"), "{msg}");
+        let msg = err(RateLimit::sample_to_insert_ratio(8.0, 10, 7.0));
+        assert!(msg.contains("error_buffer >= 8"), "{msg}");
+        let msg = err(RateLimit::sample_to_insert_ratio(1.0, 0, 7.0));
+        assert!(msg.contains("min_size_to_sample must be in 1..=max_size"), "{msg}");
+        let msg = err(RateLimit::sample_to_insert_ratio(1.0, 10, f64::NAN));
+        assert!(msg.contains("error_buffer must be finite"), "{msg}");
+    }
+}

@@ -1,0 +1,28 @@
+//! Replay: items that stay in memory and are drawn at random, by priority or newest first,
+//! possibly many times, evicted by a remover when the table is full and paced by a rate
+//! limiter. DeepMind Reverb's table semantics, in-process.
+//!
+//! The FIFO store ([`crate::store`]) stays the zero-copy path for on-policy learners: each
+//! sample is handed out once, as a view into the ring. A replay [`Table`] instead decouples
+//! item storage from batches: `max_size` items of any count, each with a stable 64-bit key
+//! (its insertion number), a priority and a times-sampled count, and a batch is *gathered*
+//! into a pre-allocated, double-buffered batch area. Both implement [`crate::store::Sink`],
+//! so the ingress and every transport feed either without knowing which.
+//!
+//! | module | owns |
+//! |---|---|
+//! | `select` | samplers (`Uniform`, `Prioritized`, `Lifo`) and removers (`Fifo`, `Lifo`, `MinPriority`) |
+//! | `limiter` | `MinSize`, `SampleToInsertRatio`, `Queue` (one mechanism, Reverb's meaning) |
+//! | `table` | slots, the lock, inserts, batch assembly, priorities, counters |
+//! | `rng` | xoshiro256++, seedable |
+
+mod limiter;
+mod rng;
+mod select;
+mod table;
+
+pub use limiter::RateLimit;
+pub use select::{RemoverKind, SamplerKind};
+pub use table::{
+    ReplayBatch, ReplayConfig, ReplayConsumer, ReplayStats, Table, MAX_PRIORITY, META_LEAVES,
+};

@@ -1,0 +1,917 @@
+//! The replay table: `max_size` items that stay in memory, are drawn at random or by priority
+//! (possibly many times) and are evicted by a remover when the table is full.
+//!
+//! ```text
+//!  writers (any thread)                       consumer (one ReplayConsumer)
+//!  ───────────────────                        ─────────────────────────────
+//!  lock; wait for the rate limiter            lock; repeat until batch_size items drawn:
+//!  full? evict the remover's victim             wait until the limiter allows n > 0 samples
+//!  pop a free slot (state Writing)              draw n: times_sampled += 1, pin the slot,
+//!  copy the sample in (small samples under        remove it if times_sampled == k
+//!    the lock, large ones after unlocking)    unlock; copy every drawn slot into batch area
+//!  lock; key, priority, state Live;             half h (h alternates), GIL-free, no lock
+//!    tell sampler and remover; unlock         lock; unpin; unlock
+//! ```
+//!
+//! Every decision (which slot, which item, what the limiter allows) is made under one mutex
+//! and is O(log n) at most; only the copies of sample bytes run outside it. Unlike the FIFO
+//! store this is not lockfree, and does not need to be: a batch is one lock round trip per
+//! `batch_size` items, and an insert one or two.
+//!
+//! Invariants (checked by the tests in this file and `tests/replay.rs`):
+//! 1. A slot is `Free`, `Writing` (one writer copies into it, nobody else touches it),
+//!    `Live` (in the sampler, remover and key map; its bytes never change) or `Retired`
+//!    (removed while pinned). Writers only ever write `Free` slots they popped under the lock.
+//! 2. A slot the consumer is copying from is pinned (`pins > 0`), so it is `Live` or
+//!    `Retired`, never `Free`: its bytes stay put until it is unpinned.
+//! 3. `live + writing <= max_size`; at most `batch_size` slots are pinned (one consumer, one
+//!    batch), so `max_size + batch_size` slots always leave a free one for the next insert.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::time::Instant;
+
+use parking_lot::{Condvar, Mutex, MutexGuard};
+
+use crate::error::EchoError;
+use crate::replay::limiter::{RateLimit, RateLimiter};
+use crate::replay::rng::{splitmix64, Rng};
+use crate::replay::select::{
+    new_remover, new_sampler, ItemRemover, ItemSampler, RemoverKind, SamplerKind,
+};
+use crate::ring::RingBuf;
+use crate::spec::{ArraySpec, DataSpec};
+use crate::store::{validate_source, InsertError, SampleError, SampleSource, Sink};
+use crate::sync::{Arc, AtomicBool};
+
+// Every `Ordering::` use below is documented in place with an `ORDERING:` comment.
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
+
+/// Samples up to this size are copied into their slot under the table lock (one lock round
+/// trip per insert instead of two); larger ones after releasing it.
+const COPY_UNDER_LOCK_BYTES: usize = 4096;
+
+/// The largest priority a table accepts (far below what any sum tree can hold).
+pub const MAX_PRIORITY: f64 = 1e250;
+
+/// The three per-item leaves the batch area carries after the sample's own leaves: key
+/// (`u64`), probability (`f64`) and times sampled (`u32`).
+pub const META_LEAVES: usize = 3;
+
+/// How a replay table samples, evicts and paces. Build with [`ReplayConfig::new`] and adjust
+/// the public fields.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReplayConfig {
+    /// Items per batch.
+    pub batch_size: usize,
+    /// Items the table holds before the remover evicts one per insert.
+    pub max_size: usize,
+    /// How items are drawn.
+    pub sampler: SamplerKind,
+    /// Which item is evicted when the table is full.
+    pub remover: RemoverKind,
+    /// When inserts and samples may proceed.
+    pub rate_limit: RateLimit,
+    /// Remove an item once it was sampled this many times; 0 never does.
+    pub max_times_sampled: u32,
+    /// Fixes the sampling sequence (for reproducible runs); `None` seeds from the OS.
+    pub seed: Option<u64>,
+}
+
+impl ReplayConfig {
+    /// Uniform sampling, FIFO eviction, `MinSize(1)`, unlimited `max_times_sampled`.
+    pub fn new(batch_size: usize, max_size: usize) -> Self {
+        Self {
+            batch_size,
+            max_size,
+            sampler: SamplerKind::Uniform,
+            remover: RemoverKind::Fifo,
+            rate_limit: RateLimit::MinSize(1),
+            max_times_sampled: 0,
+            seed: None,
+        }
+    }
+
+    fn validate(&self) -> Result<usize, EchoError> {
+        let config = |msg: String| Err(EchoError::Config(msg));
+        let (batch_size, max_size) = (self.batch_size, self.max_size);
+        if batch_size < 1 {
+            return config(format!("batch_size must be >= 1, got {batch_size}"));
+        }
+        if max_size < batch_size {
+            return config(format!(
+                "max_size must be >= batch_size ({batch_size}), got {max_size}"
+            ));
+        }
+        let slots = max_size
+            .checked_add(batch_size)
+            .filter(|&s| s < u32::MAX as usize)
+            .ok_or_else(|| {
+                EchoError::Config(format!(
+                    "max_size + batch_size must be below 2^32 - 1, got {max_size} + {batch_size}"
+                ))
+            })?;
+        self.rate_limit.validate(max_size as u64)?;
+        Ok(slots)
+    }
+}
+
+/// A snapshot of a table's counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReplayStats {
+    /// Items that can be sampled now.
+    pub size: u64,
+    /// Inserts that hold a slot and are still copying.
+    pub pending_inserts: u64,
+    /// Items ever inserted (published).
+    pub inserted: u64,
+    /// Items ever handed out (a batch counts `batch_size`).
+    pub sampled_items: u64,
+    /// Batches ever handed out.
+    pub batches: u64,
+    /// Items evicted by the remover because the table was full.
+    pub evicted: u64,
+    /// Items removed because they reached `max_times_sampled`.
+    pub removed_max_times_sampled: u64,
+    /// Priorities changed by `update_priorities`.
+    pub priority_updates: u64,
+    /// Keys `update_priorities` ignored because they were unknown or already removed.
+    pub unknown_keys: u64,
+    /// Total nanoseconds inserts spent waiting for the rate limiter.
+    pub insert_blocked_ns: u64,
+    /// Total nanoseconds `sample` spent waiting for items or the rate limiter.
+    pub sample_blocked_ns: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SlotState {
+    Free,
+    Writing,
+    Live,
+    Retired,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Meta {
+    key: u64,
+    priority: f64,
+    times_sampled: u32,
+    pins: u32,
+    state: SlotState,
+}
+
+/// One item drawn into the batch being assembled.
+#[derive(Debug, Clone, Copy)]
+struct Drawn {
+    slot: usize,
+    key: u64,
+    probability: f64,
+    times_sampled: u32,
+}
+
+/// Hashes the table's keys (distinct `u64`s) with splitmix64's finaliser: cheap and well mixed.
+#[derive(Debug, Default, Clone, Copy)]
+struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        let mut state = self.0;
+        splitmix64(&mut state)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 << 8) ^ u64::from(b);
+        }
+    }
+    fn write_u64(&mut self, key: u64) {
+        self.0 = key;
+    }
+}
+
+/// Everything the lock protects.
+struct State {
+    meta: Box<[Meta]>,
+    free: Vec<u32>,
+    keys: HashMap<u64, u32, BuildHasherDefault<KeyHasher>>,
+    sampler: Box<dyn ItemSampler>,
+    remover: Box<dyn ItemRemover>,
+    limiter: RateLimiter,
+    rng: Rng,
+    /// Scratch for one draw call (`batch_size` long): no allocation per batch.
+    draw_slots: Box<[usize]>,
+    draw_probabilities: Box<[f64]>,
+    max_size: usize,
+    max_times_sampled: u32,
+    live: usize,
+    writing: usize,
+    next_key: u64,
+    /// The priority new items get: the largest priority seen so far, initially 1.
+    max_priority: f64,
+    stats: ReplayStats,
+}
+
+impl State {
+    fn insertable(&self) -> bool {
+        let size = self.live + self.writing;
+        self.limiter.can_insert(size as u64) && (size < self.max_size || self.live > 0)
+    }
+
+    /// Takes a free slot for a new item, evicting the remover's victim if the table is full.
+    fn reserve(&mut self) -> usize {
+        if self.live + self.writing >= self.max_size {
+            let victim = self.remover.victim().expect("a full table with live items has a victim");
+            self.remove_item(victim);
+            self.stats.evicted += 1;
+        }
+        // Invariant 3: at most max_size - 1 live or pending items and batch_size pinned ones.
+        let slot = self.free.pop().expect("max_size + batch_size slots leave one free") as usize;
+        self.meta[slot].state = SlotState::Writing;
+        self.writing += 1;
+        self.limiter.on_insert();
+        slot
+    }
+
+    /// Makes the item in `slot` (fully written) sampleable.
+    fn publish(&mut self, slot: usize, priority: Option<f64>) {
+        let priority = priority.unwrap_or(self.max_priority);
+        self.max_priority = self.max_priority.max(priority);
+        let key = self.next_key;
+        self.next_key += 1;
+        self.meta[slot] = Meta { key, priority, times_sampled: 0, pins: 0, state: SlotState::Live };
+        self.keys.insert(key, slot as u32);
+        self.sampler.insert(slot, priority);
+        self.remover.insert(slot, priority);
+        self.writing -= 1;
+        self.live += 1;
+        self.stats.inserted += 1;
+    }
+
+    fn remove_item(&mut self, slot: usize) {
+        let meta = &mut self.meta[slot];
+        debug_assert_eq!(meta.state, SlotState::Live);
+        self.keys.remove(&meta.key);
+        if meta.pins > 0 {
+            meta.state = SlotState::Retired;
+        } else {
+            meta.state = SlotState::Free;
+            self.free.push(slot as u32);
+        }
+        self.sampler.remove(slot);
+        self.remover.remove(slot);
+        self.live -= 1;
+    }
+
+    fn take(&mut self, slot: usize, probability: f64, pending: &mut Vec<Drawn>) {
+        let meta = &mut self.meta[slot];
+        debug_assert_eq!(meta.state, SlotState::Live);
+        meta.times_sampled = meta.times_sampled.saturating_add(1);
+        meta.pins += 1;
+        pending.push(Drawn { slot, key: meta.key, probability, times_sampled: meta.times_sampled });
+    }
+
+    /// Draws up to `n` items (`live > 0`) into `pending`; returns how many.
+    fn draw(&mut self, n: usize, pending: &mut Vec<Drawn>) -> usize {
+        if self.max_times_sampled == 0 {
+            let (slots, probabilities) =
+                (&mut self.draw_slots[..n], &mut self.draw_probabilities[..n]);
+            let got = self.sampler.draw(&mut self.rng, slots, probabilities);
+            for j in 0..got {
+                self.take(self.draw_slots[j], self.draw_probabilities[j], pending);
+            }
+            return got;
+        }
+        // One at a time, so an item that reaches `max_times_sampled` is gone before the next
+        // draw: nothing is handed out more than k times.
+        let mut got = 0;
+        while got < n && self.live > 0 {
+            let (slot, probability) =
+                (&mut self.draw_slots[..1], &mut self.draw_probabilities[..1]);
+            self.sampler.draw(&mut self.rng, slot, probability);
+            let (slot, probability) = (self.draw_slots[0], self.draw_probabilities[0]);
+            self.take(slot, probability, pending);
+            if self.meta[slot].times_sampled >= self.max_times_sampled {
+                self.remove_item(slot);
+                self.stats.removed_max_times_sampled += 1;
+            }
+            got += 1;
+        }
+        got
+    }
+
+    fn unpin(&mut self, slot: usize) {
+        let meta = &mut self.meta[slot];
+        meta.pins -= 1;
+        if meta.pins == 0 && meta.state == SlotState::Retired {
+            meta.state = SlotState::Free;
+            self.free.push(slot as u32);
+        }
+    }
+}
+
+/// A replay table. Create with [`Table::new`]; many writers [`Table::insert`], one
+/// [`ReplayConsumer`] samples.
+pub struct Table {
+    /// Page-locking of the batch area, if requested. Declared before `area` so that it is
+    /// dropped (unregistered) before the area is freed.
+    pinned: Mutex<Option<crate::pinned::HostRegistration>>,
+    spec: DataSpec,
+    config: ReplayConfig,
+    /// `max_size + batch_size` item slots.
+    storage: RingBuf,
+    /// Two batches (halves) of the sample's leaves plus [`META_LEAVES`]; batch `h` is slots
+    /// `h * batch_size .. (h + 1) * batch_size`. Only the consumer writes it.
+    area: RingBuf,
+    state: Mutex<State>,
+    /// Writers wait here for the rate limiter; notified whenever a sample progresses.
+    insert_ready: Condvar,
+    /// The consumer waits here for items or the rate limiter; notified on every publish.
+    sample_ready: Condvar,
+    closed: AtomicBool,
+    consumer_taken: AtomicBool,
+}
+
+impl std::fmt::Debug for Table {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Table").field("config", &self.config).finish_non_exhaustive()
+    }
+}
+
+/// The batch a [`ReplayConsumer::sample`] call assembled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplayBatch {
+    /// Which half of the batch area holds it (see [`Table::batch_ptr`]).
+    pub half: usize,
+    /// 0 for the first batch, then 1, 2, ...
+    pub sequence: u64,
+}
+
+impl Table {
+    /// A table for samples of `spec`.
+    ///
+    /// # Errors
+    /// [`EchoError::Config`] naming the bad parameter; [`EchoError::OutOfMemory`] if the
+    /// storage cannot be allocated.
+    pub fn new(spec: DataSpec, config: ReplayConfig) -> Result<Arc<Self>, EchoError> {
+        let slots = config.validate()?;
+        let batch_size = config.batch_size;
+        let storage = RingBuf::new(&spec, slots)?;
+        let mut area_arrays = spec.arrays().to_vec();
+        for bytes in [8, 8, 4] {
+            area_arrays.push(ArraySpec::new(Vec::new(), bytes)?);
+        }
+        let area = RingBuf::new(&DataSpec::new(area_arrays)?, 2 * batch_size)?;
+        let empty =
+            Meta { key: 0, priority: 0.0, times_sampled: 0, pins: 0, state: SlotState::Free };
+        let mut keys = HashMap::default();
+        keys.try_reserve(slots).map_err(|_| EchoError::OutOfMemory { bytes: slots * 16 })?;
+        let state = State {
+            meta: vec![empty; slots].into_boxed_slice(),
+            free: (0..slots as u32).rev().collect(),
+            keys,
+            sampler: new_sampler(config.sampler, slots, batch_size)?,
+            remover: new_remover(config.remover, slots)?,
+            limiter: RateLimiter::new(config.rate_limit),
+            rng: config.seed.map_or_else(Rng::from_entropy, Rng::from_seed),
+            draw_slots: vec![0; batch_size].into_boxed_slice(),
+            draw_probabilities: vec![0.0; batch_size].into_boxed_slice(),
+            max_size: config.max_size,
+            max_times_sampled: config.max_times_sampled,
+            live: 0,
+            writing: 0,
+            next_key: 0,
+            max_priority: 1.0,
+            stats: ReplayStats::default(),
+        };
+        Ok(Arc::new(Self {
+            pinned: Mutex::new(None),
+            spec,
+            config,
+            storage,
+            area,
+            state: Mutex::new(state),
+            insert_ready: Condvar::new(),
+            sample_ready: Condvar::new(),
+            closed: AtomicBool::new(false),
+            consumer_taken: AtomicBool::new(false),
+        }))
+    }
+
+    /// The configuration the table was built with.
+    pub fn config(&self) -> &ReplayConfig {
+        &self.config
+    }
+
+    /// The sample layout.
+    pub fn spec(&self) -> &DataSpec {
+        &self.spec
+    }
+
+    /// The single consumer handle; `None` if one was already taken.
+    pub fn consumer(self: &Arc<Self>) -> Option<ReplayConsumer> {
+        // ORDERING: Relaxed — the flag only has to be claimed once; it guards no other memory.
+        if self.consumer_taken.swap(true, Relaxed) {
+            return None;
+        }
+        Some(ReplayConsumer {
+            table: Arc::clone(self),
+            pending: Vec::with_capacity(self.config.batch_size),
+            half: 0,
+            sequence: 0,
+        })
+    }
+
+    /// Closes the table: waiting and future inserts fail with `Closed`, `sample` returns
+    /// [`SampleError::Closed`]. Idempotent.
+    pub fn close(&self) {
+        // Under the lock, so a waiter that checked `closed` before is already parked.
+        let _state = self.state.lock();
+        // ORDERING: Release pairs with the Acquire in `is_closed` (lock-free readers).
+        self.closed.store(true, Release);
+        self.insert_ready.notify_all();
+        self.sample_ready.notify_all();
+    }
+
+    /// Whether [`Table::close`] was called.
+    pub fn is_closed(&self) -> bool {
+        // ORDERING: Acquire pairs with the Release store in `close`.
+        self.closed.load(Acquire)
+    }
+
+    /// Checks one priority: finite, `>= 0`, at most [`MAX_PRIORITY`] and storable by the
+    /// sampler (`priority^exponent` must stay finite).
+    fn check_priority(&self, state: &State, priority: f64) -> Result<(), String> {
+        if !(priority.is_finite() && priority >= 0.0) {
+            return Err(format!("must be a finite number >= 0, got {priority}"));
+        }
+        if priority > MAX_PRIORITY {
+            return Err(format!("must be at most {MAX_PRIORITY:e}, got {priority:e}"));
+        }
+        state.sampler.check_priority(priority)
+    }
+
+    /// Copies every sample of `src` into the table, each as a new item with `priority` (or
+    /// the largest priority seen so far), waiting for the rate limiter until `deadline`.
+    ///
+    /// # Errors
+    /// [`InsertError::Invalid`] (nothing written) if a sample does not match the spec or the
+    /// priority is invalid; [`InsertError::Closed`] / [`InsertError::TimedOut`] with the count
+    /// inserted so far.
+    pub fn insert<S: SampleSource + ?Sized>(
+        &self,
+        src: &S,
+        priority: Option<f64>,
+        deadline: Option<Instant>,
+    ) -> Result<(), InsertError> {
+        validate_source(&self.spec, src)?;
+        let small = self.spec.payload_size() <= COPY_UNDER_LOCK_BYTES;
+        let mut state = self.state.lock();
+        if let Some(priority) = priority {
+            self.check_priority(&state, priority)
+                .map_err(|msg| EchoError::Priority(format!("priority {msg}")))?;
+        }
+        for sample in 0..src.num_samples() {
+            match self.wait_insertable(&mut state, deadline) {
+                Ok(()) => {}
+                Err(SampleError::Closed) => return Err(InsertError::Closed { inserted: sample }),
+                Err(SampleError::TimedOut) => {
+                    return Err(InsertError::TimedOut { inserted: sample })
+                }
+            }
+            let slot = state.reserve();
+            if small {
+                self.write_item(slot, src, sample);
+            } else {
+                MutexGuard::unlocked(&mut state, || self.write_item(slot, src, sample));
+            }
+            state.publish(slot, priority);
+            self.sample_ready.notify_one();
+        }
+        Ok(())
+    }
+
+    fn write_item<S: SampleSource + ?Sized>(&self, slot: usize, src: &S, sample: usize) {
+        for leaf in 0..self.spec.len() {
+            // SAFETY: `reserve` popped `slot` from the free list under the lock and marked it
+            // `Writing`; until `publish` nobody else reads or writes it (invariant 1). Sizes
+            // were checked by `validate_source`; `src` is caller memory, not the table.
+            unsafe { self.storage.write_slot(slot, leaf, src.leaf(sample, leaf)) };
+        }
+    }
+
+    fn wait_insertable(
+        &self,
+        state: &mut MutexGuard<'_, State>,
+        deadline: Option<Instant>,
+    ) -> Result<(), SampleError> {
+        let mut waited = None;
+        let outcome = loop {
+            if self.is_closed() {
+                break Err(SampleError::Closed);
+            }
+            if state.insertable() {
+                break Ok(());
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                break Err(SampleError::TimedOut);
+            }
+            waited.get_or_insert_with(Instant::now);
+            wait(&self.insert_ready, state, deadline);
+        };
+        if let Some(started) = waited {
+            state.stats.insert_blocked_ns += elapsed_ns(started);
+        }
+        outcome
+    }
+
+    /// Sets the priority of every item in `keys` that is still in the table; unknown or
+    /// removed keys are skipped and counted. The next batch is drawn with the new priorities.
+    /// Returns the number of keys skipped.
+    ///
+    /// # Errors
+    /// [`EchoError::Priority`] (nothing changed) if the lengths differ or a priority is
+    /// invalid, naming its index.
+    pub fn update_priorities(&self, keys: &[u64], priorities: &[f64]) -> Result<u64, EchoError> {
+        if keys.len() != priorities.len() {
+            return Err(EchoError::Priority(format!(
+                "keys and priorities must have the same length, got {} keys and {} priorities",
+                keys.len(),
+                priorities.len()
+            )));
+        }
+        let mut state = self.state.lock();
+        for (i, &priority) in priorities.iter().enumerate() {
+            self.check_priority(&state, priority)
+                .map_err(|msg| EchoError::Priority(format!("priorities[{i}] {msg}")))?;
+        }
+        let mut unknown = 0;
+        for (&key, &priority) in keys.iter().zip(priorities) {
+            let Some(&slot) = state.keys.get(&key) else {
+                unknown += 1;
+                continue;
+            };
+            let slot = slot as usize;
+            state.meta[slot].priority = priority;
+            state.sampler.update(slot, priority);
+            state.remover.update(slot, priority);
+            state.max_priority = state.max_priority.max(priority);
+        }
+        state.stats.priority_updates += keys.len() as u64 - unknown;
+        state.stats.unknown_keys += unknown;
+        Ok(unknown)
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> ReplayStats {
+        let state = self.state.lock();
+        ReplayStats {
+            size: state.live as u64,
+            pending_inserts: state.writing as u64,
+            ..state.stats
+        }
+    }
+
+    /// `(inserts, samples)` as the rate limiter counts them (inserts when their slot is
+    /// reserved, samples per item).
+    pub fn limiter_counts(&self) -> (u64, u64) {
+        self.state.lock().limiter.counts()
+    }
+
+    /// The priority of the item with `key`, `None` if it is not in the table.
+    pub fn priority(&self, key: u64) -> Option<f64> {
+        let state = self.state.lock();
+        state.keys.get(&key).map(|&slot| state.meta[slot as usize].priority)
+    }
+
+    /// Address of the first byte of `leaf` in batch-area half `half`: `batch_size` contiguous
+    /// values. Leaves `spec.len()..spec.len() + META_LEAVES` are the keys (`u64`),
+    /// probabilities (`f64`) and times sampled (`u32`). The bytes are stable until the
+    /// consumer's second `sample` after the one that returned `half`.
+    pub fn batch_ptr(&self, half: usize, leaf: usize) -> *const u8 {
+        self.area.slot_ptr(leaf, half * self.config.batch_size)
+    }
+
+    /// Page-locks the batch area (what a learner copies to the GPU) with `cudaHostRegister`.
+    /// Idempotent; unregistered when the table is dropped.
+    ///
+    /// # Errors
+    /// [`EchoError::Io`] saying what is missing or which CUDA call failed.
+    ///
+    /// # Safety
+    /// Every path in `cuda_runtimes` must be a CUDA runtime library (loading runs its code).
+    pub unsafe fn pin_host_memory(
+        &self,
+        cuda_runtimes: &[std::path::PathBuf],
+    ) -> Result<(), EchoError> {
+        let mut pinned = self.pinned.lock();
+        if pinned.is_none() {
+            // SAFETY: the ranges are the area's own allocations, which live as long as `self`;
+            // the registration is stored in `self.pinned`, dropped before `self.area` (field
+            // order). The caller vouches for the libraries.
+            let registration = unsafe {
+                crate::pinned::HostRegistration::register(cuda_runtimes, &self.area.buffers())?
+            };
+            *pinned = Some(registration);
+        }
+        Ok(())
+    }
+
+    /// Whether the batch area is page-locked.
+    pub fn is_pinned(&self) -> bool {
+        self.pinned.lock().is_some()
+    }
+}
+
+impl Sink for Table {
+    fn spec(&self) -> &DataSpec {
+        &self.spec
+    }
+
+    fn insert_samples(
+        &self,
+        src: &dyn SampleSource,
+        deadline: Option<Instant>,
+    ) -> Result<(), InsertError> {
+        self.insert(src, None, deadline)
+    }
+
+    fn close(&self) {
+        Table::close(self);
+    }
+}
+
+/// Waits on `cond` until notified or `deadline`.
+fn wait(cond: &Condvar, state: &mut MutexGuard<'_, State>, deadline: Option<Instant>) {
+    match deadline {
+        None => cond.wait(state),
+        Some(deadline) => {
+            let _ = cond.wait_until(state, deadline);
+        }
+    }
+}
+
+fn elapsed_ns(since: Instant) -> u64 {
+    u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// The one consumer of a [`Table`]. `sample` takes `&mut self`: one batch at a time.
+#[derive(Debug)]
+pub struct ReplayConsumer {
+    table: Arc<Table>,
+    /// Items drawn for the batch being assembled (kept across a timed-out `sample`).
+    pending: Vec<Drawn>,
+    /// The batch-area half the next batch goes into.
+    half: usize,
+    sequence: u64,
+}
+
+impl ReplayConsumer {
+    /// The table this consumer reads.
+    pub fn table(&self) -> &Arc<Table> {
+        &self.table
+    }
+
+    /// Draws the next batch and copies it into the batch area (the half not returned by the
+    /// previous call), waiting for items and the rate limiter until `deadline`.
+    ///
+    /// The batch is drawn in rounds of what the limiter allows. If the deadline passes
+    /// part-way, the items drawn so far stay reserved for the next call (nothing is drawn
+    /// twice or lost).
+    ///
+    /// # Errors
+    /// [`SampleError::Closed`] once the table is closed, [`SampleError::TimedOut`] when the
+    /// deadline passes first.
+    pub fn sample(&mut self, deadline: Option<Instant>) -> Result<ReplayBatch, SampleError> {
+        let table = &*self.table;
+        let batch_size = table.config.batch_size;
+        let mut state = table.state.lock();
+        let mut waited = None;
+        let drawn = loop {
+            if table.is_closed() {
+                break Err(SampleError::Closed);
+            }
+            let missing = batch_size - self.pending.len();
+            if missing == 0 {
+                break Ok(());
+            }
+            let allowed = state.limiter.allowed_samples(state.live as u64);
+            if allowed > 0 {
+                let n = missing.min(usize::try_from(allowed).unwrap_or(usize::MAX));
+                let got = state.draw(n, &mut self.pending);
+                state.limiter.on_sample(got as u64);
+                state.stats.sampled_items += got as u64;
+                table.insert_ready.notify_all();
+                continue;
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                break Err(SampleError::TimedOut);
+            }
+            waited.get_or_insert_with(Instant::now);
+            wait(&table.sample_ready, &mut state, deadline);
+        };
+        if let Some(started) = waited {
+            state.stats.sample_blocked_ns += elapsed_ns(started);
+        }
+        drawn?;
+        drop(state);
+        self.gather();
+        let mut state = table.state.lock();
+        for drawn in self.pending.drain(..) {
+            state.unpin(drawn.slot);
+        }
+        state.stats.batches += 1;
+        drop(state);
+        let batch = ReplayBatch { half: self.half, sequence: self.sequence };
+        self.half ^= 1;
+        self.sequence += 1;
+        Ok(batch)
+    }
+
+    /// Copies the pending items into batch-area half `self.half`.
+    fn gather(&self) {
+        let table = &*self.table;
+        let base = self.half * table.config.batch_size;
+        let leaves = table.spec.len();
+        for leaf in 0..leaves {
+            for (i, drawn) in self.pending.iter().enumerate() {
+                let slot = drawn.slot;
+                // SAFETY: `slot` is pinned by this consumer (invariant 2): it is `Live` or
+                // `Retired`, and writers only write `Free` slots, so its bytes are stable
+                // until `unpin` below.
+                unsafe {
+                    table.storage.read_slots(leaf, slot..slot + 1, |src| {
+                        self.write_area(base + i, leaf, src)
+                    })
+                }
+            }
+        }
+        for (i, drawn) in self.pending.iter().enumerate() {
+            self.write_area(base + i, leaves, &drawn.key.to_ne_bytes());
+            self.write_area(base + i, leaves + 1, &drawn.probability.to_ne_bytes());
+            self.write_area(base + i, leaves + 2, &drawn.times_sampled.to_ne_bytes());
+        }
+    }
+
+    fn write_area(&self, slot: usize, leaf: usize, src: &[u8]) {
+        // SAFETY: only this consumer (one per table, `&mut self` in `sample`) writes the batch
+        // area, and `src` is table storage or a local, never the area. Numpy views of this
+        // half from two calls ago may still be read by Python: the documented lifetime rule
+        // (a batch is stable until the second `sample` after it) makes that the user's stale
+        // read of memory that stays allocated, as with FIFO batches.
+        unsafe { self.table.area.write_slot(slot, leaf, src) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::Leaves;
+    use std::time::Duration;
+
+    fn spec() -> DataSpec {
+        DataSpec::new(vec![ArraySpec::new(vec![], 8).unwrap()]).unwrap()
+    }
+
+    fn table(config: ReplayConfig) -> Arc<Table> {
+        Table::new(spec(), config).unwrap()
+    }
+
+    fn put(table: &Table, id: u64) {
+        let bytes = id.to_ne_bytes();
+        table.insert(&Leaves(&[&bytes]), None, None).unwrap();
+    }
+
+    fn ids(consumer: &mut ReplayConsumer, batch: ReplayBatch) -> Vec<u64> {
+        let n = consumer.table.config.batch_size;
+        let ptr = consumer.table.batch_ptr(batch.half, 0).cast::<u64>();
+        // SAFETY: test-only read of a batch this consumer just assembled.
+        (0..n).map(|i| unsafe { ptr.wrapping_add(i).read_unaligned() }).collect()
+    }
+
+    #[test]
+    fn config_errors_name_the_parameter() {
+        let err = |c: ReplayConfig| Table::new(spec(), c).unwrap_err().to_string();
+        assert!(err(ReplayConfig::new(0, 4)).contains("batch_size must be >= 1, got 0"));
+        assert!(err(ReplayConfig::new(8, 4)).contains("max_size must be >= batch_size (8), got 4"));
+        assert!(err(ReplayConfig::new(1, u32::MAX as usize)).contains("below 2^32 - 1"));
+        let mut c = ReplayConfig::new(4, 16);
+        c.sampler = SamplerKind::Prioritized { exponent: -1.0 };
+        assert!(err(c).contains("exponent must be a finite number >= 0, got -1"));
+    }
+
+    #[test]
+    fn full_table_evicts_oldest_and_keys_are_insertion_order() {
+        let t = table(ReplayConfig { seed: Some(1), ..ReplayConfig::new(2, 3) });
+        for id in 0..5 {
+            put(&t, id);
+        }
+        let stats = t.stats();
+        assert_eq!((stats.size, stats.inserted, stats.evicted), (3, 5, 2));
+        assert_eq!(t.priority(1), None, "key 1 was evicted");
+        assert_eq!(t.priority(2), Some(1.0));
+        let mut c = t.consumer().unwrap();
+        for _ in 0..20 {
+            let b = c.sample(None).unwrap();
+            assert!(ids(&mut c, b).iter().all(|id| (2..5).contains(id)));
+        }
+    }
+
+    #[test]
+    fn max_times_sampled_removes_after_exactly_k_draws() {
+        let mut config = ReplayConfig::new(3, 10);
+        config.max_times_sampled = 2;
+        config.seed = Some(4);
+        let t = table(config);
+        for id in 0..6 {
+            put(&t, id);
+        }
+        let mut c = t.consumer().unwrap();
+        let mut counts = [0u32; 6];
+        for _ in 0..4 {
+            let b = c.sample(Some(Instant::now() + Duration::from_secs(5))).unwrap();
+            for id in ids(&mut c, b) {
+                counts[id as usize] += 1;
+            }
+        }
+        assert_eq!(counts, [2; 6], "12 draws from 6 items with k = 2");
+        assert_eq!(t.stats().size, 0);
+        assert_eq!(t.stats().removed_max_times_sampled, 6);
+        let timed_out = c.sample(Some(Instant::now() + Duration::from_millis(20)));
+        assert_eq!(timed_out, Err(SampleError::TimedOut));
+    }
+
+    #[test]
+    fn a_timed_out_partial_batch_is_finished_by_the_next_call() {
+        let mut config = ReplayConfig::new(4, 10);
+        config.max_times_sampled = 1;
+        let t = table(config);
+        let mut c = t.consumer().unwrap();
+        put(&t, 10);
+        put(&t, 11);
+        assert_eq!(c.sample(Some(Instant::now())), Err(SampleError::TimedOut));
+        put(&t, 12);
+        put(&t, 13);
+        let b = c.sample(None).unwrap();
+        let mut got = ids(&mut c, b);
+        got.sort_unstable();
+        assert_eq!(got, [10, 11, 12, 13]);
+    }
+
+    #[test]
+    fn retired_slots_are_not_reused_while_pinned() {
+        // max_size 1, batch 1: every insert evicts. Fill, draw (pins), and check the slot count
+        // never runs out while inserts evict the pinned item.
+        let t = table(ReplayConfig::new(1, 1));
+        let mut c = t.consumer().unwrap();
+        for id in 0..100 {
+            put(&t, id);
+            let b = c.sample(None).unwrap();
+            assert_eq!(ids(&mut c, b), [id]);
+        }
+    }
+
+    #[test]
+    fn close_wakes_a_waiting_consumer_and_writer() {
+        let mut config = ReplayConfig::new(1, 4);
+        config.rate_limit = RateLimit::Queue(1);
+        let t = table(config);
+        put(&t, 0);
+        let writer = {
+            let t = Arc::clone(&t);
+            std::thread::spawn(move || t.insert(&Leaves(&[&[0u8; 8]]), None, None))
+        };
+        let mut c = t.consumer().unwrap();
+        c.sample(None).unwrap();
+        c.sample(None).unwrap(); // the writer's item
+        let consumer = std::thread::spawn(move || c.sample(None));
+        std::thread::sleep(Duration::from_millis(50));
+        t.close();
+        assert!(writer.join().unwrap().is_ok());
+        assert_eq!(consumer.join().unwrap(), Err(SampleError::Closed));
+        assert!(matches!(put_err(&t), InsertError::Closed { inserted: 0 }));
+    }
+
+    fn put_err(t: &Table) -> InsertError {
+        t.insert(&Leaves(&[&[0u8; 8]]), None, None).unwrap_err()
+    }
+
+    #[test]
+    fn update_priorities_counts_unknown_keys_and_rejects_bad_values_atomically() {
+        let mut config = ReplayConfig::new(1, 4);
+        config.sampler = SamplerKind::Prioritized { exponent: 1.0 };
+        let t = table(config);
+        put(&t, 0);
+        put(&t, 1);
+        assert_eq!(t.update_priorities(&[0, 1, 99], &[2.0, 3.0, 4.0]).unwrap(), 1);
+        assert_eq!((t.priority(0), t.priority(1)), (Some(2.0), Some(3.0)));
+        let err = t.update_priorities(&[0, 1], &[5.0, f64::NAN]).unwrap_err().to_string();
+        assert!(err.contains("priorities[1] must be a finite number >= 0, got NaN"), "{err}");
+        assert_eq!(t.priority(0), Some(2.0), "nothing changes on error");
+        let err = t.update_priorities(&[0], &[]).unwrap_err().to_string();
+        assert!(err.contains("got 1 keys and 0 priorities"), "{err}");
+        // New items get the largest priority seen so far.
+        put(&t, 2);
+        assert_eq!(t.priority(2), Some(3.0));
+        let s = t.stats();
+        assert_eq!((s.priority_updates, s.unknown_keys), (2, 1));
+    }
+}
