@@ -52,6 +52,12 @@ pub(crate) trait ItemSampler: Send {
     fn insert(&mut self, slot: usize, priority: f64);
     fn update(&mut self, slot: usize, priority: f64);
     fn remove(&mut self, slot: usize);
+    /// `slot`'s item was replaced by a new one with `priority` (an eviction that reused the
+    /// slot at once): as `remove` then `insert`, which samplers may shortcut.
+    fn replace(&mut self, slot: usize, priority: f64) {
+        self.remove(slot);
+        self.insert(slot, priority);
+    }
     /// Draws `slots.len()` items (fewer only if the sampler draws without replacement and has
     /// fewer items) into `slots`, each with the probability it was drawn with. Returns the
     /// count. Needs at least one live item.
@@ -132,6 +138,8 @@ impl ItemSampler for Dense {
 
     fn update(&mut self, _slot: usize, _priority: f64) {}
 
+    fn replace(&mut self, _slot: usize, _priority: f64) {}
+
     fn remove(&mut self, slot: usize) {
         let at = std::mem::replace(&mut self.position[slot], NIL) as usize;
         let last = self.items.pop().expect("removing from an empty sampler");
@@ -211,6 +219,10 @@ impl ItemSampler for Prioritized {
     fn remove(&mut self, slot: usize) {
         self.dense.remove(slot);
         self.tree.clear(slot).expect("slots are in range");
+    }
+
+    fn replace(&mut self, slot: usize, priority: f64) {
+        self.update(slot, priority);
     }
 
     fn draw(&mut self, rng: &mut Rng, slots: &mut [usize], probabilities: &mut [f64]) -> usize {

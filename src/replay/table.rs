@@ -21,7 +21,9 @@
 //! Invariants (checked by the tests in this file and `tests/replay.rs`):
 //! 1. A slot is `Free`, `Writing` (one writer copies into it, nobody else touches it),
 //!    `Live` (in the sampler, remover and key map; its bytes never change) or `Retired`
-//!    (removed while pinned). Writers only ever write `Free` slots they popped under the lock.
+//!    (removed while pinned). Writers only ever write `Free` slots they popped under the lock,
+//!    or (small items, see `State::reserve`) an unpinned victim's slot they reuse without
+//!    releasing the lock between eviction and publication.
 //! 2. A slot the consumer is copying from is pinned (`pins > 0`), so it is `Live` or
 //!    `Retired`, never `Free`: its bytes stay put until it is unpinned.
 //! 3. `live + writing <= max_size`; at most `batch_size` slots are pinned (one consumer, one
@@ -35,7 +37,7 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::error::EchoError;
 use crate::replay::limiter::{RateLimit, RateLimiter};
-use crate::replay::rng::{splitmix64, Rng};
+use crate::replay::rng::Rng;
 use crate::replay::select::{
     new_remover, new_sampler, ItemRemover, ItemSampler, RemoverKind, SamplerKind,
 };
@@ -169,14 +171,17 @@ struct Drawn {
     times_sampled: u32,
 }
 
-/// Hashes the table's keys (distinct `u64`s) with splitmix64's finaliser: cheap and well mixed.
+/// Hashes the table's keys, which are insertion numbers: the low bits stay the key itself,
+/// so consecutive keys land in consecutive buckets (inserting and evicting in key order walk
+/// the map's memory sequentially instead of missing the cache twice per insert); the top 7
+/// bits, which the map compares first, are mixed so that a probe rarely compares keys.
 #[derive(Debug, Default, Clone, Copy)]
 struct KeyHasher(u64);
 
 impl Hasher for KeyHasher {
     fn finish(&self) -> u64 {
-        let mut state = self.0;
-        splitmix64(&mut state)
+        const TOP7: u64 = 0x7F << 57;
+        self.0 ^ (self.0.wrapping_mul(0x9E37_79B9_7F4A_7C15) & TOP7)
     }
     fn write(&mut self, bytes: &[u8]) {
         for &b in bytes {
@@ -217,29 +222,48 @@ impl State {
     }
 
     /// Takes a free slot for a new item, evicting the remover's victim if the table is full.
-    fn reserve(&mut self) -> usize {
+    ///
+    /// With `in_place` (the caller writes and publishes the new item before releasing the
+    /// lock) an unpinned victim's slot is reused at once and stays in the sampler until
+    /// `publish` replaces it: nobody can sample in between, and the sampler does one update
+    /// instead of a removal and an insertion. Returns the slot and whether it was reused so.
+    fn reserve(&mut self, in_place: bool) -> (usize, bool) {
         if self.live + self.writing >= self.max_size {
             let victim = self.remover.victim().expect("a full table with live items has a victim");
-            self.remove_item(victim);
             self.stats.evicted += 1;
+            if in_place && self.meta[victim].pins == 0 {
+                let meta = &mut self.meta[victim];
+                self.keys.remove(&meta.key);
+                meta.state = SlotState::Writing;
+                self.remover.remove(victim);
+                self.live -= 1;
+                self.writing += 1;
+                self.limiter.on_insert();
+                return (victim, true);
+            }
+            self.remove_item(victim);
         }
         // Invariant 3: at most max_size - 1 live or pending items and batch_size pinned ones.
         let slot = self.free.pop().expect("max_size + batch_size slots leave one free") as usize;
         self.meta[slot].state = SlotState::Writing;
         self.writing += 1;
         self.limiter.on_insert();
-        slot
+        (slot, false)
     }
 
-    /// Makes the item in `slot` (fully written) sampleable.
-    fn publish(&mut self, slot: usize, priority: Option<f64>) {
+    /// Makes the item in `slot` (fully written) sampleable; `replaced` as `reserve` said.
+    fn publish(&mut self, slot: usize, priority: Option<f64>, replaced: bool) {
         let priority = priority.unwrap_or(self.max_priority);
         self.max_priority = self.max_priority.max(priority);
         let key = self.next_key;
         self.next_key += 1;
         self.meta[slot] = Meta { key, priority, times_sampled: 0, pins: 0, state: SlotState::Live };
         self.keys.insert(key, slot as u32);
-        self.sampler.insert(slot, priority);
+        if replaced {
+            self.sampler.replace(slot, priority);
+        } else {
+            self.sampler.insert(slot, priority);
+        }
         self.remover.insert(slot, priority);
         self.writing -= 1;
         self.live += 1;
@@ -477,13 +501,13 @@ impl Table {
                     return Err(InsertError::TimedOut { inserted: sample })
                 }
             }
-            let slot = state.reserve();
+            let (slot, replaced) = state.reserve(small);
             if small {
                 self.write_item(slot, src, sample);
             } else {
                 MutexGuard::unlocked(&mut state, || self.write_item(slot, src, sample));
             }
-            state.publish(slot, priority);
+            state.publish(slot, priority, replaced);
             self.sample_ready.notify_one();
         }
         Ok(())
