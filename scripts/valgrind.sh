@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Runs the core's unit tests, store tests, a small stress test and the sum tree's property tests
-# under valgrind memcheck. Fails on any memory error or definite leak.
+# Runs the core's unit tests (replay tables included), store tests, a small stress test, the
+# replay table tests and the sum tree's property tests under valgrind memcheck. Fails on any memory error or definite leak.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-cargo test --quiet --no-run --lib --test store --test stress_store --test prop_sumtree 2>/dev/null
+cargo test --quiet --no-run --lib --test store --test stress_store --test prop_sumtree --test replay \
+  2>/dev/null
 run() {
   local bin=$1
   shift
@@ -17,6 +18,9 @@ latest() {
 for name in echo store stress_store; do
   run "$(latest "$name")"
 done
+# Replay tables without the two chi-square tests (10^5 draws of the same paths the other
+# tests take; a minute under valgrind).
+run "$(latest replay)" --skip sampling_is_uniform --skip follows_priority_to_the_exponent
 # The sum tree's property tests: 16 cases instead of 256, and without the 1e6-draw frequency
 # tests (pure arithmetic over the same code paths, about a minute under valgrind).
 PROPTEST_CASES=16 run "$(latest prop_sumtree)" --skip frequencies
