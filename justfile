@@ -40,11 +40,20 @@ lint:
     bash scripts/lint.sh
 
 # `python -m benches` writes JSON, PNG plots (with matplotlib) and a summary table into
-# benches/results/<timestamp>/; ARGS go to it (--quick, --out DIR, --workers 1,4,16,64, ...)
-# Criterion microbenchmarks, then python -m benches (raw limits, in-process, TCP actor sweep)
+# benches/results/<timestamp>/; ARGS go to it (--quick, --out DIR, --workers 1,4,16,64,
+# --launcher ray for Ray actors as TCP workers (needs ray in .venv), ...). Before it, the
+# criterion benches of the store and of the ingress drain round.
 bench *ARGS:
     cargo bench --bench store
+    cargo bench --bench ingress
     .venv/bin/python -m benches {{ARGS}}
+
+# Replay tables (#6): criterion on 1e6-item tables, then the Python-level benchmark; pass
+# --peers /path/to/venv/bin/python (with dm-reverb and torchrl) to compare in the same run
+bench-replay *ARGS:
+    cargo bench --bench sumtree
+    cargo bench --bench replay
+    .venv/bin/python benches/py/bench_replay.py {{ARGS}}
 
 # The same scenarios with another installed echo, interleaved in one session, both on the plots
 # The benchmarks against another echo's venv (e.g. id-echo==0.2.1), with ratios ours / other

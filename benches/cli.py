@@ -4,16 +4,24 @@ sweep in one session, as JSON, PNG plots and a summary table.
 Usage::
 
     python -m benches [--quick] [--out DIR] [--label NAME] [--compare PYTHON]
-                      [--workers 1,4,16,64] [--seconds S]
+                      [--workers 1,4,16,64] [--seconds S] [--launcher process|ray]
 
-Each scenario runs in a child process of the interpreter under test: ``bench_inprocess.py``
-or ``bench_tcp.py`` from ``benches/py``, as their own command lines run them. That keeps
-their watchdogs (which end their process) away from this one, keeps the progress bars out of
-the measured process, and treats the two sides of a comparison alike: with
+Each scenario runs in a child process of the interpreter under test: ``bench_inprocess.py``,
+``bench_views.py`` (``sample()`` on a complete batch of 1, 10 and 40 leaves: the cost of
+building the numpy views) or ``bench_tcp.py`` from ``benches/py``, as their own command lines
+run them. That keeps their watchdogs (which end their process) away from this one, keeps the
+progress bars out of the measured process, and treats the two sides of a comparison alike: with
 ``--compare PYTHON`` each scenario runs with our interpreter and with ``PYTHON``, one right
 after the other, the first of the pair alternating from scenario to scenario (ours first,
 then the other first, ...), so that a drift in the machine's speed does not favour one side.
 Ratios are ours / other, computed with ``compare.py`` and ``compare_tcp.py``.
+
+The TCP sweep's workers are local processes (``--launcher process``, the default, nothing
+to install) or Ray actors in a local Ray instance (``--launcher ray``, with the
+``distributed`` extra: ``pip install 'id-echo[distributed]'``; every interpreter under test
+needs it, which is checked before anything runs); either way the learner's server is in
+``bench_tcp.py``'s own process and the workers connect to it over 127.0.0.1. Worker counts
+default to 1, 4, 16, 64 and go up to 1,000 (``--workers``).
 
 The raw limits are measured once, in this process, before the scenarios; the loopback
 blast is repeated after the TCP sweep (not with ``--quick``) and the faster measurement is
@@ -51,7 +59,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from benches import limits, plots
-from benches.py import bench_inprocess, bench_tcp, compare, compare_tcp
+from benches.py import bench_inprocess, bench_tcp, bench_views, compare, compare_tcp
 from benches.py.machine import cpu_model
 
 try:
@@ -71,10 +79,12 @@ MAX_EVENTS = 50_000_000  # output lines and 0.25 s ticks per child (its deadline
 KILL_GRACE_S = 15.0  # a child still running this long past its own watchdog is ended
 TCP_LINE = re.compile(r"^bench_tcp: (\w+) K=(\d+): (.*)$")
 PROBE = (
-    "import json, platform, sys, numpy, echo; print(json.dumps({'executable': sys.executable,"
-    " 'python_version': platform.python_version(), 'numpy': numpy.__version__,"
-    " 'echo_version': getattr(echo, '__version__', None), 'echo_path': echo.__file__}))"
+    "import importlib.util, json, platform, sys, numpy, echo; print(json.dumps({'executable':"
+    " sys.executable, 'python_version': platform.python_version(), 'numpy': numpy.__version__,"
+    " 'echo_version': getattr(echo, '__version__', None), 'echo_path': echo.__file__,"
+    " 'ray': importlib.util.find_spec('ray') is not None}))"
 )
+RAY_INIT_S = 60.0  # allowance for starting (and stopping) the local Ray instance
 
 
 # --------------------------------------------------------------------------- progress
@@ -187,7 +197,7 @@ def probe(python: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Step:
-    kind: str  # "inprocess" or "tcp"
+    kind: str  # "inprocess", "views" or "tcp"
     scenario: str
     side: str  # "ours" or "other"
     python: str
@@ -293,13 +303,18 @@ def run_child(
     return proc.returncode, timed_out
 
 
-def _tcp_limit_s(ks: list[int], seconds: float) -> float:
-    """bench_tcp's worst case per round: setup timeout, window, grace, joins."""
-    return sum(30.0 + 0.25 * k + TCP_WARMUP_S + seconds + TCP_GRACE_S + 20.0 for k in ks)
+def _tcp_limit_s(ks: list[int], seconds: float, launcher: str) -> float:
+    """bench_tcp's worst case: per round the setup timeout, window, grace and joins; with
+    Ray, starting the local instance."""
+    per_round = sum(
+        bench_tcp.setup_timeout_s(launcher, k) + TCP_WARMUP_S + seconds + TCP_GRACE_S + 20.0
+        for k in ks
+    )
+    return per_round + (RAY_INIT_S if launcher == "ray" else 0.0)
 
 
 def step_command(
-    step: Step, out: Path, quick: bool, ks: list[int], seconds: float
+    step: Step, out: Path, quick: bool, ks: list[int], seconds: float, launcher: str = "process"
 ) -> tuple[list[str], Path, float]:
     """(command line, JSON path, the child's own --max-seconds) for one step."""
     json_path = out / "raw" / f"{step.name}.json"
@@ -314,8 +329,18 @@ def step_command(
             f"--json={json_path}",
             f"--max-seconds={limit:.0f}",
         ]
+    elif step.kind == "views":
+        limit = 60.0
+        cmd = [
+            step.python,
+            str(SCRIPTS / "bench_views.py"),
+            *(["--quick"] if quick else []),
+            f"--label={step.label}",
+            f"--json={json_path}",
+            f"--max-seconds={limit:.0f}",
+        ]
     else:
-        limit = _tcp_limit_s(ks, seconds)
+        limit = _tcp_limit_s(ks, seconds, launcher)
         cmd = [
             step.python,
             str(SCRIPTS / "bench_tcp.py"),
@@ -323,6 +348,7 @@ def step_command(
             f"--only={step.scenario}",
             f"--workers={','.join(str(k) for k in ks)}",
             f"--seconds={seconds:g}",
+            f"--launcher={launcher}",
             "--loopback-seconds=0",  # measured once for the session, in raw limits
             f"--label={step.label}",
             f"--json={json_path}",
@@ -346,7 +372,9 @@ class Session:
 
     def run_step(self, step: Step, overall: Any) -> None:
         quick: bool = self.args.quick
-        cmd, json_path, limit = step_command(step, self.out, quick, self.ks, self.seconds)
+        cmd, json_path, limit = step_command(
+            step, self.out, quick, self.ks, self.seconds, self.args.launcher
+        )
         record: dict[str, Any] = {"step": step.name, "python": step.python, "cmd": cmd}
         self.doc["steps"].append(record)
         left = self.deadline - time.monotonic()
@@ -416,6 +444,15 @@ class Session:
                     f"sample() p50 {result['sample_overhead'].get('p50_us', math.nan):.1f} us, "
                     f"correct {result['correct']} ({wall:.1f} s)"
                 )
+            elif step.kind == "views":
+                per = ", ".join(
+                    f"{n} leaves {r.get('us_per_call', math.nan):.2f}"
+                    for n, r in result["by_leaves"].items()
+                )
+                say(
+                    f"  sample() on a complete batch [{step.label}]: {per} us, "
+                    f"correct {result['correct']} ({wall:.1f} s)"
+                )
         overall.update(1)
 
 
@@ -424,8 +461,12 @@ def _plan(args: argparse.Namespace, labels: dict[str, str]) -> list[Step]:
     sides = list(SIDES) if args.compare else ["ours"]
     steps: list[Step] = []
     i = 0
-    for kind in ("inprocess", "tcp"):
-        for name in SCENARIO_NAMES:
+    for kind, names in (
+        ("inprocess", SCENARIO_NAMES),
+        ("views", (bench_views.SCENARIO,)),
+        ("tcp", SCENARIO_NAMES),
+    ):
+        for name in names:
             order = sides if i % 2 == 0 else sides[::-1]
             steps += [Step(kind, name, s, pythons[s], labels[s]) for s in order]
             i += 1
@@ -505,6 +546,34 @@ def _ratio(a: Any, b: Any, width: int) -> str:
     """``a / b`` as ``1.23x``, or ``-`` where either is missing, NaN or ``b`` is 0."""
     nums = all(isinstance(v, (int, float)) and math.isfinite(v) for v in (a, b))
     return f"{(f'{a / b:.2f}x' if nums and b else '-'):>{width}}"
+
+
+def _summary_views(doc: dict[str, Any], add: Callable[[str], None]) -> None:
+    """The ``sample()`` cost by leaf count (bench_views.py), with ratios when comparing."""
+    views = {s: doc["views"][s][bench_views.SCENARIO] for s in SIDES if doc["views"].get(s)}
+    if not views:
+        return
+    counts = sorted({int(n) for v in views.values() for n in v["by_leaves"]})
+    add("")
+    add("sample() on a complete batch, us per call, median (bench_views.py: the numpy views)")
+    add(
+        f"{'side':<6} "
+        + " ".join(f"{f'{n} leaves':>10}" for n in counts)
+        + f" {'per leaf':>9} {'correct':>7}"
+    )
+    for s, v in views.items():
+        cells = " ".join(
+            _f(v["by_leaves"].get(str(n), {}).get("us_per_call"), ".2f", 10) for n in counts
+        )
+        add(f"{s:<6} {cells} {_f(v.get('us_per_extra_leaf'), '.3f', 9)} {v['correct']!s:>7}")
+    if len(views) == 2:
+        a, b = views["ours"]["by_leaves"], views["other"]["by_leaves"]
+        cells = " ".join(
+            _ratio(a.get(str(n), {}).get("us_per_call"), b.get(str(n), {}).get("us_per_call"), 10)
+            for n in counts
+        )
+        add(f"{'ratio':<6} {cells}")
+    add("  per leaf: (most leaves - fewest) / extra leaves; view construction's share per leaf")
 
 
 def summary(doc: dict[str, Any]) -> str:
@@ -590,12 +659,16 @@ def summary(doc: dict[str, Any]) -> str:
                 )
         add("  frac memcpy: of a per-leaf np.copyto of one batch (the scenario's own reference)")
 
+    _summary_views(doc, add)
+
     sides = [s for s in SIDES if doc["tcp"].get(s)]
     both = len(sides) == 2
     if sides:
         add("")
+        launcher = doc["parameters"].get("tcp_launcher", "process")
+        who = "Ray actors" if launcher == "ray" else "processes"
         add(
-            f"TCP end to end: learner + K worker processes on 127.0.0.1, "
+            f"TCP end to end: learner + K worker {who} on 127.0.0.1, "
             f"{doc['parameters']['tcp_seconds']:g} s window per K (bench_tcp.py)"
         )
         add(
@@ -678,6 +751,14 @@ def _parser() -> argparse.ArgumentParser:
         "--seconds", type=float, default=None, help="TCP window per K (default 4; --quick 1.5)"
     )
     p.add_argument(
+        "--launcher",
+        choices=bench_tcp.LAUNCHERS,
+        default="process",
+        help="TCP workers as local processes (default) or as Ray actors in a local Ray "
+        "instance, the learner's server in the driver (needs the distributed extra: "
+        "pip install 'id-echo[distributed]')",
+    )
+    p.add_argument(
         "--max-seconds",
         type=float,
         default=None,
@@ -726,6 +807,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"benches: {e}", file=sys.stderr)
         return 2
     ours = interpreters["ours"]
+    if args.launcher == "ray":
+        for info in interpreters.values():
+            if not info.get("ray"):
+                msg = bench_tcp.RAY_MISSING.format(python=info["executable"])
+                print(f"benches: {msg}", file=sys.stderr)
+                return 2
     labels = {"ours": args.label or f"echo-{ours['echo_version']}"}
     if "other" in interpreters:
         other = interpreters["other"]
@@ -761,12 +848,15 @@ def main(argv: list[str] | None = None) -> int:
             "workers": ks,
             "tcp_seconds": seconds,
             "tcp_warmup_s": TCP_WARMUP_S,
+            "tcp_launcher": args.launcher,
             "inprocess": "bench_inprocess.py defaults" + (" with --quick" if quick else ""),
+            "views": "bench_views.py defaults" + (" with --quick" if quick else ""),
             "order": [s.name for s in steps],
             "max_seconds": max_seconds,
         },
         "limits": {},
         "inprocess": {},
+        "views": {},
         "tcp": {},
         "steps": [],
     }
@@ -815,6 +905,7 @@ def main(argv: list[str] | None = None) -> int:
     ours_ok = ours_ok and all(
         r.get("correct") for rounds in doc["tcp"].get("ours", {}).values() for r in rounds.values()
     )
+    ours_ok = ours_ok and all(r.get("correct") for r in doc["views"].get("ours", {}).values())
     doc["ours_correct"] = ours_ok
     results = out / "results.json"
     results.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")

@@ -25,6 +25,7 @@ missing = [k for k in ("memcpy", "loopback_64k", "loopback_1m", "flatten_small",
            if k not in doc["limits"]]
 missing += [f"inprocess {n}" for n in ("small", "large") if n not in doc["inprocess"].get("ours", {})]
 missing += [f"tcp {n}" for n in ("small", "large") if n not in doc["tcp"].get("ours", {})]
+missing += ["views"] if "views" not in doc or not doc["views"].get("ours") else []
 if missing or not doc["ours_correct"]:
     sys.exit(f"bench smoke: {sys.argv[1]}: missing {missing}, correct {doc['ours_correct']}")
 print(f"bench smoke: {sys.argv[1]} complete, every scenario correct")

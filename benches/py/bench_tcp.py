@@ -1,9 +1,9 @@
-"""End-to-end TCP benchmark (learner + K worker processes) for any installed ``echo``.
+"""End-to-end TCP benchmark (learner + K workers) for any installed ``echo``.
 
 The learner runs in this process: ``Server(example, batch_size, transport=TcpTransport(...))``,
-``start()``, then ``sample()`` in a loop. K worker processes (``multiprocessing`` with the
-``forkserver`` context, the same interpreter and ``sys.path``, so they import the same
-``echo``; each checks ``echo.__file__`` against the learner's) each connect a ``TcpClient``
+``start()``, then ``sample()`` in a loop. By default K worker processes (``multiprocessing``
+with the ``forkserver`` context, the same interpreter and ``sys.path``, so they import the
+same ``echo``; each checks ``echo.__file__`` against the learner's) each connect a ``TcpClient``
 to ``127.0.0.1``, report ready, wait for a common start signal (so no worker is still
 starting while others are timed), send samples in a loop until a common deadline, then
 ``wait()`` for every ack (0.2.1's ``close()`` does not flush) and ``close()``. Only the API
@@ -11,6 +11,16 @@ that both our ``echo`` and the published ``id-echo`` 0.2.1 provide is used:
 ``TcpTransport(port)`` (``host="127.0.0.1"`` where accepted: 0.2.1 has no ``host`` and always
 binds every interface), ``Server.start()``/``port``/``sample()``/``submit()``/``close()``,
 ``TcpClient(host, port, example, max_inflight_msgs=32)``, ``send()``/``wait()``/``close()``.
+
+``--launcher ray`` launches the workers as Ray actors instead, running the same code: an actor
+connects when it is created and says so through ``ready()``; ``run(t0)`` is the start signal
+and returns the report, collected with ``ray.wait``/``ray.get`` under timeouts.
+``ray.init()`` starts a local Ray instance (no dashboard, at most 4 CPUs, a 128 MiB object
+store) after the loopback reference and ``ray.shutdown()`` ends it after the rounds; each
+round's actors are killed at its end. Ray is optional (the ``distributed`` extra,
+``pip install 'id-echo[distributed]'``); without it ``--launcher ray`` exits with status 2
+and says so. The actors connect to 127.0.0.1 like the processes, so this is a single-machine
+run.
 
 Scenarios (pytree, batch size); every sample carries a ``meta`` leaf
 ``f64[3] = (worker id, sequence number, send time)`` (send time: ``time.monotonic()``,
@@ -64,15 +74,16 @@ Compare two implementations (one run each, same machine)::
     python benches/py/compare_tcp.py benches/results/tcp-ours.json benches/results/tcp-peer.json
 
 ``--quick`` runs K = 1, 4 with 1.5 s each; ``--only small|large``; ``--workers 1,8,100``
-(up to 1000). On a small machine the workers share the cores with the learner: the numbers
-are end-to-end for this box, not the learner's limit. Depends on numpy, echo and the
-standard library only.
+(up to 1000); ``--launcher process|ray``. On a small machine the workers share the cores with
+the learner: the numbers are end-to-end for this box, not the learner's limit. Depends on
+numpy, echo and the standard library only (Ray for ``--launcher ray``).
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import json
 import multiprocessing as mp
 import os
@@ -84,7 +95,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -99,6 +110,7 @@ from echo import Server, TcpClient, TcpTransport
 ID_MOD = 2**24  # element 0 of each f32 leaf holds seq % ID_MOD (exact in float32)
 MARKER_WID = -1.0  # worker id of the padding samples the learner submits itself
 MAX_WORKERS = 1000
+LAUNCHERS = ("process", "ray")
 MAX_INFLIGHT = 32  # TcpClient's default window, set explicitly
 BLOCK_BATCHES = 4096  # received rows are recorded in blocks of this many batches
 MAX_ROWS = 64_000_000  # recording stops beyond this (never reached at loopback speeds)
@@ -199,47 +211,57 @@ def _err(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-# --------------------------------------------------------------------------- worker process
+# --------------------------------------------------------------------------- worker
 
 
-def _worker(
-    a: WorkerArgs,
-    go: Any,  # multiprocessing Event
-    t0: Any,  # multiprocessing Value("d"): the common start time (time.monotonic())
-    ready_q: Any,
-    result_q: Any,
-) -> None:
-    _start_watchdog(
-        a.go_timeout_s + a.warmup_s + a.seconds + a.flush_timeout_s + 10.0, f"worker {a.wid}"
-    )
+@dataclass
+class _Sender:
+    """A worker's connected client and its sample, whose leaves it rewrites before each send."""
+
+    a: WorkerArgs
+    client: TcpClient
+    tree: dict[str, np.ndarray]
+    heads: list[np.ndarray]  # views; [0] carries seq % ID_MOD
+
+
+def _worker_limit_s(a: WorkerArgs) -> float:
+    """A worker's whole life at most: waiting for the start, sending, flushing."""
+    return a.go_timeout_s + a.warmup_s + a.seconds + a.flush_timeout_s + 10.0
+
+
+def _worker_connect(a: WorkerArgs) -> tuple[_Sender | None, dict[str, Any]]:
+    """Checks the echo build and connects: (the sender, or None with the error in the report;
+    the worker's report)."""
     res: dict[str, Any] = {"wid": a.wid, "sent": 0, "error": None, "cpu_s": 0.0, "send_s": 0.0}
     if _echo_file() != a.echo_file:
         res["error"] = f"worker imported echo from {_echo_file()}, learner from {a.echo_file}"
-        ready_q.put((a.wid, False))
-        result_q.put(res)
-        return
+        return None, res
     sc = SCENARIO_BY_NAME[a.scenario]
     tree = sc.example()
     rng = np.random.default_rng(a.wid)
     for k, _ in sc.leaves:
         tree[k][...] = rng.random(tree[k].shape, dtype=np.float32)
-    meta = tree["meta"]
-    heads = [tree[k].reshape(-1) for k, _ in sc.leaves]  # views; [0] carries seq % ID_MOD
+    heads = [tree[k].reshape(-1) for k, _ in sc.leaves]
     try:
         client = TcpClient(HOST, a.port, tree, max_inflight_msgs=MAX_INFLIGHT)
     except (OSError, ValueError, TypeError, RuntimeError) as e:
         res["error"] = f"connect: {_err(e)}"
-        ready_q.put((a.wid, False))
-        result_q.put(res)
-        return
-    ready_q.put((a.wid, True))
+        return None, res
+    return _Sender(a, client, tree, heads), res
+
+
+def _worker_send(s: _Sender, t0: float | None, res: dict[str, Any]) -> dict[str, Any]:
+    """The send loop: from ``t0`` (None: the start signal never came) until the common
+    deadline or ``max_count`` samples, then wait for every ack and close. Fills ``res``."""
+    a, client, meta, heads = s.a, s.client, s.tree["meta"], s.heads
     sent = 0
     try:
-        if not go.wait(a.go_timeout_s):
+        if t0 is None:
             raise TimeoutError("no start signal from the learner")
-        t_end = t0.value + a.warmup_s + a.seconds
+        t_end = t0 + a.warmup_s + a.seconds
         clock = time.monotonic
         send = client.send
+        tree = s.tree
         wid = float(a.wid)
         cpu0 = time.process_time()
         w0 = clock()
@@ -266,7 +288,237 @@ def _worker(
             client.close()
         except (OSError, ValueError, TypeError, RuntimeError) as e:
             res["error"] = res["error"] or f"close: {_err(e)}"
-        result_q.put(res)
+    return res
+
+
+def _worker(
+    a: WorkerArgs,
+    go: Any,  # multiprocessing Event
+    t0: Any,  # multiprocessing Value("d"): the common start time (time.monotonic())
+    ready_q: Any,
+    result_q: Any,
+) -> None:
+    """A worker process (``--launcher process``): connect, report ready, wait for the start
+    signal, send, report."""
+    _start_watchdog(_worker_limit_s(a), f"worker {a.wid}")
+    sender, res = _worker_connect(a)
+    ready_q.put((a.wid, sender is not None))
+    if sender is not None:
+        _worker_send(sender, t0.value if go.wait(a.go_timeout_s) else None, res)
+    result_q.put(res)
+
+
+class _RayWorker:
+    """A worker as a Ray actor (``--launcher ray``), running the worker process's code: it
+    connects when created, ``ready()`` reports that, ``run(t0)`` sends and returns the report.
+    Decorated with ``ray.remote`` only once Ray is imported (it is optional)."""
+
+    def __init__(self, a: WorkerArgs) -> None:
+        _start_watchdog(_worker_limit_s(a), f"worker {a.wid}")
+        self._sender, self._res = _worker_connect(a)
+
+    def ready(self) -> bool:
+        return self._sender is not None
+
+    def run(self, t0: float) -> dict[str, Any]:
+        if self._sender is not None:
+            _worker_send(self._sender, t0, self._res)
+            self._sender = None
+        return self._res
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+class _ProcessWorkers:
+    """K worker processes (``multiprocessing`` forkserver: the learner's interpreter and
+    ``sys.path``); the start signal is a shared Event and start time."""
+
+    def __init__(self, ctx: Any, args: list[WorkerArgs]) -> None:
+        self._go = ctx.Event()
+        self._t0 = ctx.Value("d", 0.0)
+        self._ready_q, self._result_q = ctx.Queue(), ctx.Queue()
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(a, self._go, self._t0, self._ready_q, self._result_q),
+                name=f"bench-tcp-worker-{a.wid}",
+                daemon=True,
+            )
+            for a in args
+        ]
+
+    def start(self) -> None:
+        for p in self._procs:
+            p.start()
+
+    def poll_ready(self, timeout: float) -> list[bool]:
+        """Readiness reports that arrived within ``timeout`` (True: connected)."""
+        try:
+            return [bool(self._ready_q.get(timeout=timeout)[1])]
+        except queue.Empty:
+            return []
+
+    def go(self, t0: float) -> None:
+        self._t0.value = t0
+        self._go.set()
+
+    def poll_result(self, timeout: float) -> dict[str, Any] | None:
+        """One worker's report, or None if none arrived within ``timeout``."""
+        try:
+            r: dict[str, Any] = self._result_q.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        return r
+
+    def release(self) -> None:
+        """The round is over: a worker still waiting for the start must not wait for its
+        timeout (it starts with a deadline in the past and reports 0 sent)."""
+        self._go.set()
+
+    def stop(self) -> list[str]:
+        """Joins the workers (10 s in all), terminates the rest; returns those that were stuck."""
+        join_deadline = time.monotonic() + 10.0
+        for p in self._procs:
+            p.join(timeout=max(0.1, join_deadline - time.monotonic()))
+        stuck = [f"pid {p.pid}" for p in self._procs if p.is_alive()]
+        for p in self._procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5.0)
+        for q in (self._ready_q, self._result_q):
+            q.close()
+            q.join_thread()
+        return stuck
+
+
+class _Workers(Protocol):
+    """What a round needs from its K workers, however they were launched."""
+
+    def start(self) -> None:
+        """Launches them; each connects to the learner and reports whether it could."""
+
+    def poll_ready(self, timeout: float) -> list[bool]:
+        """Connection reports that arrived within ``timeout`` (True: connected)."""
+        ...
+
+    def go(self, t0: float) -> None:
+        """The common start: send from ``t0`` (``time.monotonic()``) for warm-up + window."""
+
+    def poll_result(self, timeout: float) -> dict[str, Any] | None:
+        """One worker's final report, or None if none arrived within ``timeout``."""
+        ...
+
+    def release(self) -> None:
+        """The round is over (or failed): nothing may wait for a start any more."""
+
+    def stop(self) -> list[str]:
+        """Ends every worker (bounded); returns the ones that had to be forced."""
+        ...
+
+
+RAY_MISSING = (
+    "--launcher ray needs Ray, which is not installed for {python}: "
+    "pip install 'id-echo[distributed]' (or pip install ray)"
+)
+RAY_NUM_CPUS = 4  # the most CPUs the local Ray instance schedules with
+RAY_OBJECT_STORE_BYTES = 128 * 1024 * 1024  # Ray's default takes 30% of the memory
+
+
+def import_ray() -> Any:
+    """The ``ray`` module; RuntimeError with the install hint where it is not installed."""
+    try:
+        return importlib.import_module("ray")
+    except ImportError as e:
+        raise RuntimeError(RAY_MISSING.format(python=sys.executable)) from e
+
+
+def ray_start(ray: Any) -> None:
+    """A local Ray instance for the actors: no dashboard, a bounded CPU count and object
+    store. The actors are ordinary Ray workers, so they get this process's environment:
+    ``PYTHONPATH`` gains the directories that this process imports echo and this script from,
+    so the actors import the same echo (each checks ``echo.__file__`` against ours anyway)."""
+    paths = [str(Path(_echo_file()).parent.parent), str(Path(__file__).resolve().parent)]
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([*paths, *([old] if old else [])])
+    ray.init(
+        num_cpus=max(1, min(RAY_NUM_CPUS, os.cpu_count() or 1)),
+        include_dashboard=False,
+        object_store_memory=RAY_OBJECT_STORE_BYTES,
+        configure_logging=False,
+    )
+
+
+class _RayWorkers:
+    """K Ray actors in the running Ray instance; the start signal is the ``run(t0)`` call."""
+
+    def __init__(self, ray: Any, args: list[WorkerArgs]) -> None:
+        self._ray = ray
+        self._args = args
+        # num_cpus=0: an actor holds no CPU slot, so K is not capped by the CPU count.
+        self._cls = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)(_RayWorker)
+        self._actors: list[Any] = []
+        self._ready: dict[Any, int] = {}  # pending ready() refs -> worker id
+        self._running: dict[Any, int] = {}  # pending run() refs -> worker id
+        self._lock = threading.Lock()  # the collector thread polls while the learner stops
+
+    def start(self) -> None:
+        self._actors = [self._cls.remote(a) for a in self._args]
+        pairs = zip(self._actors, self._args, strict=True)
+        self._ready = {actor.ready.remote(): a.wid for actor, a in pairs}
+
+    def poll_ready(self, timeout: float) -> list[bool]:
+        pending = list(self._ready)
+        if not pending:
+            return []
+        done, _ = self._ray.wait(pending, num_returns=len(pending), timeout=timeout)
+        out: list[bool] = []
+        for ref in done:
+            del self._ready[ref]
+            try:
+                out.append(bool(self._ray.get(ref, timeout=10.0)))
+            except self._ray.exceptions.RayError:  # the actor died while connecting
+                out.append(False)
+        return out
+
+    def go(self, t0: float) -> None:
+        pairs = zip(self._actors, self._args, strict=True)
+        with self._lock:
+            self._running = {actor.run.remote(t0): a.wid for actor, a in pairs}
+
+    def release(self) -> None:
+        """Nothing to do: an actor that was never told to run is killed in ``stop()``."""
+
+    def poll_result(self, timeout: float) -> dict[str, Any] | None:
+        with self._lock:
+            pending = list(self._running)
+        if not pending:  # not started yet, or every report is in
+            time.sleep(timeout)
+            return None
+        done, _ = self._ray.wait(pending, num_returns=1, timeout=timeout)
+        if not done:
+            return None
+        with self._lock:
+            wid = self._running.pop(done[0])
+        try:
+            r: dict[str, Any] = self._ray.get(done[0], timeout=10.0)
+        except self._ray.exceptions.RayError as e:  # the actor died
+            r = {"wid": wid, "sent": 0, "error": f"actor: {_err(e)}"}
+        return r
+
+    def stop(self) -> list[str]:
+        """Waits 10 s for the actors still running, then kills every actor of the round;
+        returns those that were stuck."""
+        with self._lock:
+            running = dict(self._running)
+        stuck: list[str] = []
+        if running:
+            _, left = self._ray.wait(list(running), num_returns=len(running), timeout=10.0)
+            stuck = [f"actor {running[ref]}" for ref in left]
+        for actor in self._actors:
+            self._ray.kill(actor, no_restart=True)
+        self._actors = []
+        return stuck
 
 
 # --------------------------------------------------------------------------- loopback reference
@@ -402,7 +654,7 @@ def _collect(
     server: Server,
     sc: Scenario,
     k: int,
-    result_q: Any,
+    workers: _Workers,
     deadline: float,
     out: _Collected,
 ) -> None:
@@ -410,11 +662,9 @@ def _collect(
         left = deadline - time.monotonic()
         if left <= 0:
             break
-        try:
-            r = result_q.get(timeout=min(left, 1.0))
-        except queue.Empty:
-            continue
-        out.results[int(r["wid"])] = r
+        r = workers.poll_result(min(left, 1.0))
+        if r is not None:
+            out.results[int(r["wid"])] = r
     if len(out.results) < k:
         server.close()  # wakes the consumer; the round is incomplete
         return
@@ -503,13 +753,20 @@ def _verify(rows: np.ndarray, sent: list[int], markers: int, bs: int) -> dict[st
     }
 
 
-def run_round(sc: Scenario, k: int, opts: argparse.Namespace, ctx: Any) -> dict[str, Any]:
+def setup_timeout_s(launcher: str, k: int) -> float:
+    """How long K workers may take to start and connect. A Ray actor is a fresh Ray worker
+    process, and Ray starts only a few of those at a time."""
+    return 60.0 + 1.0 * k if launcher == "ray" else 30.0 + 0.25 * k
+
+
+def run_round(
+    sc: Scenario, k: int, opts: argparse.Namespace, ctx: Any, ray: Any = None
+) -> dict[str, Any]:
+    """One round: the learner here, K workers launched as processes or (``ray`` given) as
+    Ray actors."""
     bs = sc.batch_size
     server, port, bind, port_how = _make_server(sc)
-    go = ctx.Event()
-    t0v = ctx.Value("d", 0.0)
-    ready_q, result_q = ctx.Queue(), ctx.Queue()
-    setup_timeout = 30.0 + 0.25 * k
+    setup_timeout = setup_timeout_s("ray" if ray is not None else "process", k)
 
     def worker_args(wid: int) -> WorkerArgs:
         return WorkerArgs(
@@ -524,15 +781,10 @@ def run_round(sc: Scenario, k: int, opts: argparse.Namespace, ctx: Any) -> dict[
             echo_file=_echo_file(),
         )
 
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(worker_args(i), go, t0v, ready_q, result_q),
-            name=f"bench-tcp-worker-{i}",
-            daemon=True,
-        )
-        for i in range(k)
-    ]
+    all_args = [worker_args(i) for i in range(k)]
+    workers: _Workers = (
+        _ProcessWorkers(ctx, all_args) if ray is None else _RayWorkers(ray, all_args)
+    )
     keys = [key for key, _ in sc.leaves]
     blocks: list[np.ndarray] = []
     block_rows = BLOCK_BATCHES * bs
@@ -549,17 +801,13 @@ def run_round(sc: Scenario, k: int, opts: argparse.Namespace, ctx: Any) -> dict[
     setup_s = t_done = win0 = win1 = 0.0
     t_setup = time.monotonic()
     try:
-        for p in procs:
-            p.start()
+        workers.start()
         failed = 0
         deadline = t_setup + setup_timeout
         while ready + failed < k and time.monotonic() < deadline:
-            try:
-                _, ok = ready_q.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
-            except queue.Empty:
-                continue
-            ready += bool(ok)
-            failed += not ok
+            for ok in workers.poll_ready(min(1.0, max(0.01, deadline - time.monotonic()))):
+                ready += ok
+                failed += not ok
         setup_s = time.monotonic() - t_setup
         _log(f"{sc.name} K={k}: {ready} workers ready ({failed} failed) in {setup_s:.1f} s")
 
@@ -568,7 +816,7 @@ def run_round(sc: Scenario, k: int, opts: argparse.Namespace, ctx: Any) -> dict[
         round_deadline = win1 + opts.grace
         collector = threading.Thread(
             target=_collect,
-            args=(server, sc, k, result_q, round_deadline, collected),
+            args=(server, sc, k, workers, round_deadline, collected),
             name="bench-tcp-collector",
             daemon=True,
         )
@@ -582,8 +830,7 @@ def run_round(sc: Scenario, k: int, opts: argparse.Namespace, ctx: Any) -> dict[
 
         marker = threading.Thread(target=mark_cpu, name="bench-tcp-cpu", daemon=True)
         marker.start()
-        t0v.value = t0
-        go.set()
+        workers.go(t0)
 
         clock = time.monotonic
         clock_ns = time.perf_counter_ns
@@ -628,20 +875,10 @@ def run_round(sc: Scenario, k: int, opts: argparse.Namespace, ctx: Any) -> dict[
         if guard is not None:
             guard.cancel()
         server.close()
-        go.set()  # a worker still waiting must not wait for its timeout
+        workers.release()
         if collector is not None:
             collector.join(timeout=opts.grace + 10.0)
-        join_deadline = time.monotonic() + 10.0
-        for p in procs:
-            p.join(timeout=max(0.1, join_deadline - time.monotonic()))
-        stuck = [p.pid for p in procs if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5.0)
-        for q in (ready_q, result_q):
-            q.close()
-            q.join_thread()
+        stuck = workers.stop()
 
     rows = np.concatenate(blocks)[:rows_used] if blocks else np.empty((0, 4))
     results = [
@@ -736,8 +973,13 @@ def run_round(sc: Scenario, k: int, opts: argparse.Namespace, ctx: Any) -> dict[
 # --------------------------------------------------------------------------- driver
 
 
-def _print_table(label: str, loop: dict[str, Any] | None, res: dict[str, Any]) -> None:
-    print(f"# {label}: echo {getattr(echo, '__version__', None)} from {echo.__file__}")
+def _print_table(
+    label: str, launcher: str, loop: dict[str, Any] | None, res: dict[str, Any]
+) -> None:
+    print(
+        f"# {label}: echo {getattr(echo, '__version__', None)} from {echo.__file__}; "
+        f"workers as {'Ray actors' if launcher == 'ray' else 'processes'}"
+    )
     if loop is not None:
         print(
             f"raw loopback TCP ({loop['chunk_bytes'] // 1024} KiB sendall): {loop['gbps']:.2f} GB/s"
@@ -805,11 +1047,25 @@ def main(argv: list[str] | None = None) -> int:
         default=2.0,
         help="raw loopback reference before and after the rounds (s); 0 skips it",
     )
+    p.add_argument(
+        "--launcher",
+        choices=LAUNCHERS,
+        default="process",
+        help="workers as local processes (default) or as Ray actors in a local Ray instance "
+        "(needs the distributed extra: pip install 'id-echo[distributed]')",
+    )
     p.add_argument("--max-seconds", type=float, default=600.0, help="hard limit for the run")
     args = p.parse_args(argv)
     if args.seconds is None:
         args.seconds = 1.5 if args.quick else 4.0
     ks: list[int] = args.workers or ([1, 4] if args.quick else [1, 4, 16, 64])
+    ray: Any = None
+    if args.launcher == "ray":
+        try:
+            ray = import_ray()
+        except RuntimeError as e:
+            print(f"bench_tcp: {e}", file=sys.stderr)
+            return 2
 
     _start_watchdog(args.max_seconds, "learner")
     ctx = mp.get_context("forkserver")
@@ -833,17 +1089,26 @@ def main(argv: list[str] | None = None) -> int:
     with_loopback = args.loopback_seconds > 0  # 0: no reference (python -m benches has one)
     std0, bulk0 = loopback("before") if with_loopback else ({}, {})
     results: dict[str, dict[str, Any]] = {}
-    for sc in SCENARIOS:
-        if args.only and sc.name not in args.only:
-            continue
-        results[sc.name] = {}
-        for k in ks:
-            r = run_round(sc, k, args, ctx)
-            results[sc.name][str(k)] = r
-            _log(
-                f"{sc.name} K={k}: {r['samples_per_s']:,.0f} samples/s, {r['gbps']:.3f} GB/s, "
-                f"p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms, correct {r['correct']}"
-            )
+    if ray is not None:  # after the loopback reference: Ray's own processes take CPU
+        t_ray = time.monotonic()
+        ray_start(ray)
+        _log(f"ray {ray.__version__}: local instance up in {time.monotonic() - t_ray:.1f} s")
+    try:
+        for sc in SCENARIOS:
+            if args.only and sc.name not in args.only:
+                continue
+            results[sc.name] = {}
+            for k in ks:
+                r = run_round(sc, k, args, ctx, ray)
+                results[sc.name][str(k)] = r
+                _log(
+                    f"{sc.name} K={k}: {r['samples_per_s']:,.0f} samples/s, "
+                    f"{r['gbps']:.3f} GB/s, p50 {r['p50_ms']:.2f} ms, "
+                    f"p99 {r['p99_ms']:.2f} ms, correct {r['correct']}"
+                )
+    finally:
+        if ray is not None:
+            ray.shutdown()
 
     loop: dict[str, Any] | None = None
     if with_loopback:
@@ -857,7 +1122,7 @@ def main(argv: list[str] | None = None) -> int:
             for r in rounds.values():
                 r["frac_loopback"] = r["gbps"] / loop["gbps"] if loop["gbps"] else None
                 r["frac_loopback_1mib"] = r["gbps"] / bulk_gbps if bulk_gbps else None
-    _print_table(label, loop, results)
+    _print_table(label, args.launcher, loop, results)
     if args.json is not None:
         doc = {
             "label": label,
@@ -878,6 +1143,8 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": args.seconds,
             "warmup_s": args.warmup,
             "max_inflight_msgs": MAX_INFLIGHT,
+            "launcher": args.launcher,
+            "ray_version": getattr(ray, "__version__", None),
             "loopback": loop,
             "scenarios": results,
         }
