@@ -126,3 +126,33 @@ def test_an_unpinned_server_says_so() -> None:
     server = echo.Server(EXAMPLE, batch_size=2)
     assert not server.pinned
     server.close()
+
+
+def test_a_replay_server_pins_its_batch_area_not_its_table(cuda_log: Path) -> None:
+    server = echo.Server(
+        EXAMPLE, batch_size=2, sampler=echo.Uniform(), max_size=64, pin_host_memory=True
+    )
+    assert server.pinned
+    calls = _calls(cuda_log)
+    # Two halves of 2 items: obs (48 bytes each), keys (8), probabilities (8), times (4); the
+    # 64-item table itself (64 x 48 bytes of obs) is not registered.
+    assert [(what, size) for what, _, size in calls] == [
+        ("register", 4 * 48),
+        ("register", 4 * 8),
+        ("register", 4 * 8),
+        ("register", 4 * 4),
+    ]
+    for i in range(3):
+        server.submit({"obs": np.full((4, 3), i, np.float32), "empty": np.zeros(0, np.int8)})
+    sample = server.sample(timeout=5)
+    assert sample is not None
+    start = calls[0][1]
+    address = sample.batch["obs"].__array_interface__["data"][0]
+    assert start <= address < start + 4 * 48  # the batch is a view into the pinned area
+    server.close()
+    del server
+    gc.collect()
+    assert len(_calls(cuda_log)) == 4, "unregistered under a live view"
+    del sample
+    gc.collect()
+    assert sorted(c[0] for c in _calls(cuda_log)[4:]) == ["unregister"] * 4
