@@ -386,8 +386,11 @@ impl Table {
         let area = RingBuf::new(&DataSpec::new(area_arrays)?, 2 * batch_size)?;
         let empty =
             Meta { key: 0, priority: 0.0, times_sampled: 0, pins: 0, state: SlotState::Free };
+        // Twice the most keys it ever holds: removals leave tombstones, and when they use up
+        // the spare room the map rehashes in place only while it is at most half full;
+        // otherwise it would allocate a bigger table in the middle of an insert.
         let mut keys = HashMap::default();
-        keys.try_reserve(slots).map_err(|_| EchoError::OutOfMemory { bytes: slots * 16 })?;
+        keys.try_reserve(2 * slots).map_err(|_| EchoError::OutOfMemory { bytes: slots * 32 })?;
         let state = State {
             meta: vec![empty; slots].into_boxed_slice(),
             free: (0..slots as u32).rev().collect(),
@@ -916,6 +919,22 @@ mod tests {
 
     fn put_err(t: &Table) -> InsertError {
         t.insert(&Leaves(&[&[0u8; 8]]), None, None).unwrap_err()
+    }
+
+    #[test]
+    fn the_key_map_never_grows_however_many_items_pass_through() {
+        for remover in [RemoverKind::Fifo, RemoverKind::Lifo, RemoverKind::MinPriority] {
+            let t = table(ReplayConfig { remover, ..ReplayConfig::new(4, 100) });
+            let capacity = t.state.lock().keys.capacity();
+            for id in 0..200_000 {
+                put(&t, id);
+            }
+            let state = t.state.lock();
+            // Tombstones lower `capacity()` until the next in-place rehash; only a reallocation
+            // (to a bigger table) can raise it.
+            assert!(state.keys.capacity() <= capacity, "{remover:?}: the map reallocated");
+            assert_eq!(state.keys.len(), 100);
+        }
     }
 
     #[test]
