@@ -253,8 +253,18 @@ fn contend(
     let mut seen = HashMap::new();
     let batch_size = table.config().batch_size;
     let started = Instant::now();
+    // Once the producers are done, a limiter that never blocks sampling (MinSize) would let
+    // this loop run forever: it stops after this many more batches.
+    let mut after_done = 100;
     loop {
         let finished = producers.iter().all(|p| p.is_finished());
+        if finished {
+            if after_done == 0 {
+                break;
+            }
+            after_done -= 1;
+        }
+        assert!(started.elapsed() < 3 * PATIENCE, "the consumer ran for {:?}", started.elapsed());
         let wait = if finished { Duration::from_millis(200) } else { PATIENCE };
         match consumer.sample(Some(Instant::now() + wait)) {
             Ok(batch) => {
@@ -314,6 +324,22 @@ fn sample_to_insert_ratio_keeps_its_window_and_never_deadlocks_with_big_batches(
     // 4,000 inserts allow (4000 * 8 - 7900) = 24,100 samples: 94 full batches.
     let sampled: u32 = seen.values().sum();
     assert_eq!(sampled, 94 * 256);
+}
+
+#[test]
+fn min_size_never_samples_before_the_size_under_contention() {
+    let mut config = ReplayConfig::new(32, 100_000);
+    config.rate_limit = RateLimit::MinSize(5_000);
+    config.sampler = SamplerKind::Prioritized { exponent: 0.6 };
+    config.max_times_sampled = 0;
+    let seen = contend(config, 3, 3_000, |inserts, samples| {
+        // Nothing is evicted (max_size is larger than all inserts), so the table holds every
+        // insert: no sample may happen before 5,000 of them.
+        assert!(samples == 0 || inserts >= 5_000, "sampled {samples} after {inserts} inserts");
+    });
+    // Every batch drawn is full and made of inserted samples; the consumer ran until the
+    // producers were done, so it drew at least once after the table reached 5,000.
+    assert!(!seen.is_empty());
 }
 
 #[test]
