@@ -20,6 +20,40 @@ type HostRegister = unsafe extern "C" fn(*mut c_void, usize, c_uint) -> c_int;
 type HostUnregister = unsafe extern "C" fn(*mut c_void) -> c_int;
 type GetDeviceCount = unsafe extern "C" fn(*mut c_int) -> c_int;
 
+/// The page-locking of one owner's buffers (the FIFO ring, a replay table's batch area):
+/// made on the first [`Pinning::pin`], kept until dropped.
+#[derive(Debug, Default)]
+pub(crate) struct Pinning(parking_lot::Mutex<Option<HostRegistration>>);
+
+impl Pinning {
+    /// Registers `ranges()` unless this already holds a registration. Idempotent.
+    ///
+    /// # Errors
+    /// As [`HostRegistration::register`]; nothing stays registered then.
+    ///
+    /// # Safety
+    /// As [`HostRegistration::register`]: every range is a live allocation that outlives this
+    /// `Pinning` (its owner declares it before the buffers, so it is dropped first), and every
+    /// path in `candidates` is a CUDA runtime.
+    pub(crate) unsafe fn pin(
+        &self,
+        candidates: &[PathBuf],
+        ranges: impl FnOnce() -> Vec<(*mut u8, usize)>,
+    ) -> Result<(), EchoError> {
+        let mut slot = self.0.lock();
+        if slot.is_none() {
+            // SAFETY: the caller's contract is `register`'s.
+            *slot = Some(unsafe { HostRegistration::register(candidates, &ranges())? });
+        }
+        Ok(())
+    }
+
+    /// Whether the buffers are page-locked.
+    pub(crate) fn is_pinned(&self) -> bool {
+        self.0.lock().is_some()
+    }
+}
+
 /// Ranges registered with `cudaHostRegister`, unregistered on drop.
 pub struct HostRegistration {
     library: Library,

@@ -207,7 +207,7 @@ pub struct Store {
     /// Page-locking of the ring, if requested. Declared before `ring` so that it is dropped
     /// (unregistered) before the ring memory is freed.
     #[cfg(not(loom))]
-    pinned: parking_lot::Mutex<Option<crate::pinned::HostRegistration>>,
+    pinned: crate::pinned::Pinning,
     ring: RingBuf,
     spec: DataSpec,
     batch_size: usize,
@@ -268,7 +268,7 @@ impl Store {
         let commits = (0..num_batches).map(|_| CachePadded::new(AtomicUsize::new(0))).collect();
         Ok(Arc::new(Self {
             #[cfg(not(loom))]
-            pinned: parking_lot::Mutex::new(None),
+            pinned: crate::pinned::Pinning::default(),
             ring,
             spec,
             batch_size,
@@ -493,23 +493,16 @@ impl Store {
         &self,
         cuda_runtimes: &[std::path::PathBuf],
     ) -> Result<(), EchoError> {
-        let mut pinned = self.pinned.lock();
-        if pinned.is_none() {
-            // SAFETY: the ranges are the ring's own allocations, which live as long as `self`;
-            // the registration is stored in `self.pinned`, which is dropped before `self.ring`
-            // (field order). The caller vouches for the libraries.
-            let registration = unsafe {
-                crate::pinned::HostRegistration::register(cuda_runtimes, &self.ring.buffers())?
-            };
-            *pinned = Some(registration);
-        }
-        Ok(())
+        // SAFETY: the ranges are the ring's own allocations, which live as long as `self`;
+        // `self.pinned` is dropped before `self.ring` (field order). The caller vouches for
+        // the libraries.
+        unsafe { self.pinned.pin(cuda_runtimes, || self.ring.buffers()) }
     }
 
     /// Whether the ring is page-locked.
     #[cfg(not(loom))]
     pub fn is_pinned(&self) -> bool {
-        self.pinned.lock().is_some()
+        self.pinned.is_pinned()
     }
 
     /// The detailed counters and the `memcpy` histogram (all zero without `detailed-metrics`).

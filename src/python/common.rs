@@ -5,19 +5,19 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 use numpy::npyffi::npy_intp;
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use super::errors::{insert_error, to_pyerr, ServerClosedError};
+use super::errors::{insert_error, sample_timeout, to_pyerr, ServerClosedError};
 use super::info::{HistSnapshot, SampleInfo};
 use super::leaves::LeafSpecs;
 use super::views::LeafLayout;
 use super::{detach, wait_detached};
 use crate::ingress::{Ingress, IngressConfig};
 use crate::metrics::{self, DetailedSnapshot};
-use crate::replay::ReplayStats;
-use crate::store::{InsertError, Sink, StoreStats};
+use crate::replay::{ReplayBatch, ReplayConsumer, ReplayStats};
+use crate::store::{Consumer, InsertError, SampleError, Sink, StoreStats};
 use crate::sync::Arc;
 use crate::transport::tcp::TcpConfig;
 use crate::transport::TcpIngress;
@@ -73,6 +73,56 @@ pub(crate) fn insert_blocking(
         Some(Ok(())) => Ok(()),
         Some(Err(err)) => Err(insert_error(err)),
         None => Err(insert_error(InsertError::TimedOut { inserted: 0 })),
+    }
+}
+
+/// A consumer that `sample()` waits on: the FIFO store's or a replay table's.
+pub(crate) trait BlockingSample: Send {
+    /// What a successful sample hands back.
+    type Batch: Send;
+    /// Waits until `deadline` for the next batch.
+    fn sample_until(&mut self, deadline: Instant) -> Result<Self::Batch, SampleError>;
+}
+
+impl BlockingSample for Consumer {
+    type Batch = u64;
+    fn sample_until(&mut self, deadline: Instant) -> Result<u64, SampleError> {
+        self.sample(Some(deadline))
+    }
+}
+
+impl BlockingSample for ReplayConsumer {
+    type Batch = ReplayBatch;
+    fn sample_until(&mut self, deadline: Instant) -> Result<ReplayBatch, SampleError> {
+        self.sample(Some(deadline))
+    }
+}
+
+/// Waits for `consumer`'s next batch in GIL-free slices that honour Ctrl-C. Returns the
+/// consumer, still locked (so nobody samples over the batch while it is turned into arrays),
+/// and the batch; `None` once the server is closed.
+///
+/// # Errors
+/// `TimeoutError` when `deadline` passes first, `KeyboardInterrupt` on Ctrl-C.
+pub(crate) fn sample_blocking<'a, C: BlockingSample>(
+    py: Python<'_>,
+    consumer: &'a Mutex<C>,
+    deadline: Option<Instant>,
+) -> PyResult<Option<(MutexGuard<'a, C>, C::Batch)>> {
+    // The mutex serialises `sample()` calls from several Python threads; it is only ever
+    // taken with the GIL released, so it cannot deadlock against the GIL.
+    let got = wait_detached(py, deadline, |slice_end| {
+        let mut guard = consumer.try_lock_until(slice_end)?;
+        match guard.sample_until(slice_end) {
+            Ok(batch) => Some(Ok((guard, batch))),
+            Err(SampleError::Closed) => Some(Err(SampleError::Closed)),
+            Err(SampleError::TimedOut) => None,
+        }
+    })?;
+    match got {
+        Some(Ok(held)) => Ok(Some(held)),
+        Some(Err(_closed)) => Ok(None),
+        None => Err(sample_timeout(SampleError::TimedOut)),
     }
 }
 

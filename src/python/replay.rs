@@ -7,22 +7,21 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use numpy::{PyArrayDescr, PyReadonlyArray1, PyUntypedArray};
-use parking_lot::{Mutex, MutexGuard};
+use parking_lot::Mutex;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PySequence, PyString};
 
-use super::common::{batch_layouts, insert_blocking, TcpSlot};
-use super::errors::{sample_timeout, to_pyerr, ServerClosedError};
+use super::common::{batch_layouts, insert_blocking, sample_blocking, TcpSlot};
+use super::errors::{to_pyerr, ServerClosedError};
 use super::info::{HistSnapshot, SampleInfo};
 use super::leaves::{byte_slices, LeafSpecs};
 use super::views::{copies_from, views_at, LeafLayout, RingLease};
-use super::{deadline_from_timeout, detach, wait_detached};
+use super::{deadline_from_timeout, detach};
 use crate::replay::{
-    RateLimit, RemoverKind, ReplayBatch, ReplayConfig, ReplayConsumer, SamplerKind, Table,
-    META_LEAVES,
+    RateLimit, RemoverKind, ReplayConfig, ReplayConsumer, SamplerKind, Table, META_LEAVES,
 };
-use crate::store::{Leaves, SampleError, StoreStats};
+use crate::store::{Leaves, StoreStats};
 use crate::sync::Arc;
 
 /// A replay table: `submit` flattened leaves, `sample` gathered batches.
@@ -257,19 +256,8 @@ impl PyReplayTable {
     ) -> PyResult<Option<(Bound<'py, PyList>, SampleInfo)>> {
         let deadline = deadline_from_timeout(timeout)?;
         let started = Instant::now();
-        let consumer = &self.consumer;
-        let got = wait_detached(py, deadline, |slice_end| {
-            let mut guard = consumer.try_lock_until(slice_end)?;
-            match guard.sample(Some(slice_end)) {
-                Ok(batch) => Some(Ok((guard, batch))),
-                Err(SampleError::Closed) => Some(Err(SampleError::Closed)),
-                Err(SampleError::TimedOut) => None,
-            }
-        })?;
-        let (guard, batch): (MutexGuard<'_, ReplayConsumer>, ReplayBatch) = match got {
-            Some(Ok(held)) => held,
-            Some(Err(_closed)) => return Ok(None),
-            None => return Err(sample_timeout(SampleError::TimedOut)),
+        let Some((guard, batch)) = sample_blocking(py, &self.consumer, deadline)? else {
+            return Ok(None);
         };
         let wait_ns = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
         let table = &self.table;

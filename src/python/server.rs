@@ -7,20 +7,20 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use numpy::{PyArrayDescr, PyUntypedArray};
-use parking_lot::{Mutex, MutexGuard};
+use parking_lot::Mutex;
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PySequence, PyString};
 
-use super::common::{batch_layouts, insert_blocking, TcpSlot};
-use super::errors::{sample_timeout, to_pyerr, ServerClosedError};
+use super::common::{batch_layouts, insert_blocking, sample_blocking, TcpSlot};
+use super::errors::{to_pyerr, ServerClosedError};
 use super::info::{HistSnapshot, SampleInfo};
 use super::leaves::{byte_slices, LeafSpecs};
 use super::views::{batch_copies, batch_views, LeafLayout, RingLease};
-use super::{deadline_from_timeout, detach, wait_detached};
+use super::{deadline_from_timeout, detach};
 use crate::metrics;
 use crate::replay::ReplayStats;
-use crate::store::{Consumer, Leaves, SampleError, Store};
+use crate::store::{Consumer, Leaves, Store};
 use crate::sync::Arc;
 
 /// The ring and its ingress: `submit` flattened leaves, `sample` batches of views.
@@ -178,19 +178,8 @@ impl PyRingServer {
     ) -> PyResult<Option<(Bound<'py, PyList>, SampleInfo)>> {
         let deadline = deadline_from_timeout(timeout)?;
         let started = Instant::now();
-        let consumer = &self.consumer;
-        let got = wait_detached(py, deadline, |slice_end| {
-            let mut guard = consumer.try_lock_until(slice_end)?;
-            match guard.sample(Some(slice_end)) {
-                Ok(batch) => Some(Ok((guard, batch))),
-                Err(SampleError::Closed) => Some(Err(SampleError::Closed)),
-                Err(SampleError::TimedOut) => None,
-            }
-        })?;
-        let (guard, batch): (MutexGuard<'_, Consumer>, u64) = match got {
-            Some(Ok(held)) => held,
-            Some(Err(_closed)) => return Ok(None),
-            None => return Err(sample_timeout(SampleError::TimedOut)),
+        let Some((guard, batch)) = sample_blocking(py, &self.consumer, deadline)? else {
+            return Ok(None);
         };
         let wait_ns = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
         let leaves = if copy {

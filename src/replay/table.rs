@@ -337,7 +337,7 @@ impl State {
 pub struct Table {
     /// Page-locking of the batch area, if requested. Declared before `area` so that it is
     /// dropped (unregistered) before the area is freed.
-    pinned: Mutex<Option<crate::pinned::HostRegistration>>,
+    pinned: crate::pinned::Pinning,
     spec: DataSpec,
     config: ReplayConfig,
     /// `max_size + batch_size` item slots.
@@ -410,7 +410,7 @@ impl Table {
             stats: ReplayStats::default(),
         };
         Ok(Arc::new(Self {
-            pinned: Mutex::new(None),
+            pinned: crate::pinned::Pinning::default(),
             spec,
             config,
             storage,
@@ -629,22 +629,15 @@ impl Table {
         &self,
         cuda_runtimes: &[std::path::PathBuf],
     ) -> Result<(), EchoError> {
-        let mut pinned = self.pinned.lock();
-        if pinned.is_none() {
-            // SAFETY: the ranges are the area's own allocations, which live as long as `self`;
-            // the registration is stored in `self.pinned`, dropped before `self.area` (field
-            // order). The caller vouches for the libraries.
-            let registration = unsafe {
-                crate::pinned::HostRegistration::register(cuda_runtimes, &self.area.buffers())?
-            };
-            *pinned = Some(registration);
-        }
-        Ok(())
+        // SAFETY: the ranges are the batch area's own allocations, which live as long as
+        // `self`; `self.pinned` is dropped before `self.area` (field order). The caller vouches
+        // for the libraries.
+        unsafe { self.pinned.pin(cuda_runtimes, || self.area.buffers()) }
     }
 
     /// Whether the batch area is page-locked.
     pub fn is_pinned(&self) -> bool {
-        self.pinned.lock().is_some()
+        self.pinned.is_pinned()
     }
 }
 
