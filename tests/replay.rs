@@ -256,17 +256,15 @@ fn contend(
     // Once the producers are done, a limiter that never blocks sampling (MinSize) would let
     // this loop run forever: it stops after this many more batches.
     let mut after_done = 100;
+    let producers_done =
+        |producers: &[thread::JoinHandle<()>]| producers.iter().all(|p| p.is_finished());
     loop {
-        let finished = producers.iter().all(|p| p.is_finished());
-        if finished {
-            if after_done == 0 {
-                break;
-            }
-            after_done -= 1;
-        }
         assert!(started.elapsed() < 3 * PATIENCE, "the consumer ran for {:?}", started.elapsed());
-        let wait = if finished { Duration::from_millis(200) } else { PATIENCE };
-        match consumer.sample(Some(Instant::now() + wait)) {
+        // Short waits, with the producers' state read after each: they may finish while the
+        // consumer waits for a batch the limiter will never allow. A deadlock still fails the
+        // test: the producers' own inserts time out after PATIENCE and panic, which ends them,
+        // and the join below reports it.
+        match consumer.sample(Some(Instant::now() + Duration::from_millis(200))) {
             Ok(batch) => {
                 let leaves: [Vec<u8>; 3] = [0, 1, 2].map(|leaf| {
                     let bytes = table.spec().arrays()[leaf].num_bytes() * batch_size;
@@ -277,8 +275,15 @@ fn contend(
                 for i in 0..batch_size {
                     *seen.entry(decode(&leaves, i)).or_insert(0) += 1;
                 }
+                if producers_done(&producers) {
+                    after_done -= 1;
+                    if after_done == 0 {
+                        break;
+                    }
+                }
             }
-            Err(SampleError::TimedOut) if finished => break,
+            Err(SampleError::TimedOut) if producers_done(&producers) => break,
+            Err(SampleError::TimedOut) => {}
             Err(err) => panic!("consumer: {err} after {:?}", started.elapsed()),
         }
     }
