@@ -102,6 +102,8 @@ def _limiter_args(limiter: RateLimiter) -> tuple[str, float, int, float, float]:
 
 def _keys_array(keys: Any) -> npt.NDArray[np.uint64]:
     array = np.asarray(keys)
+    if array.size == 0 and array.ndim == 1:  # `[]` is float64 to numpy; nothing to update
+        return np.zeros(0, np.uint64)
     if array.dtype.kind not in "ui":
         raise TypeError(
             f"keys must be integers (the uint64 Sample.keys of a batch), got dtype {array.dtype}"

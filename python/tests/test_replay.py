@@ -482,3 +482,19 @@ def test_tcp_workers_feed_a_replay_table_exactly_once() -> None:
         assert server.stats().samples_inserted_total == per_worker * workers
     finally:
         server.close()
+
+
+def test_update_priorities_converts_dtypes_and_accepts_empty_and_strided_input(
+    make_server: Any, make_sample: Any
+) -> None:
+    server = make_server(sampler=echo.Prioritized(1.0), max_size=8)
+    for i in range(4):
+        server.submit(make_sample(i))
+    assert server.update_priorities(np.array([], np.uint64), np.array([])) == 0
+    assert server.update_priorities([], []) == 0
+    keys = np.array([0, 9, 1, 9, 2, 9], np.int32)[::2]  # strided int32: 0, 1, 2
+    assert server.update_priorities(keys, np.array([1, 2, 3], np.int64)) == 0
+    assert server.update_priorities(np.uint8(3).reshape(1), np.float32([0.5])) == 0
+    assert [server._core.priority(k) for k in range(4)] == [1.0, 2.0, 3.0, 0.5]
+    with pytest.raises(TypeError, match=r"keys must be integers .* got dtype object"):
+        server.update_priorities([2**70], [1.0])
