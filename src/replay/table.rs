@@ -510,10 +510,20 @@ impl Table {
             } else {
                 MutexGuard::unlocked(&mut state, || self.write_item(slot, src, sample));
             }
-            state.publish(slot, priority, replaced);
-            self.sample_ready.notify_one();
+            self.publish(&mut state, slot, priority, replaced);
         }
         Ok(())
+    }
+
+    /// `State::publish` plus the wake-ups it owes: the consumer may wait for an item, and
+    /// when the table goes from no live item to one, writers that found it full of pending
+    /// (large, still copying) items may now evict.
+    fn publish(&self, state: &mut State, slot: usize, priority: Option<f64>, replaced: bool) {
+        state.publish(slot, priority, replaced);
+        self.sample_ready.notify_one();
+        if state.live == 1 {
+            self.insert_ready.notify_all();
+        }
     }
 
     fn write_item<S: SampleSource + ?Sized>(&self, slot: usize, src: &S, sample: usize) {
@@ -928,6 +938,34 @@ mod tests {
             assert!(state.keys.capacity() <= capacity, "{remover:?}: the map reallocated");
             assert_eq!(state.keys.len(), 100);
         }
+    }
+
+    #[test]
+    fn a_writer_waiting_on_a_table_full_of_pending_items_is_woken_by_a_publish() {
+        // max_size 2 with both slots reserved by (simulated) large inserts still copying: no
+        // live item to evict, so a third insert must wait until one is published, and that
+        // publish alone (no sample) must wake it.
+        let t = table(ReplayConfig::new(1, 2));
+        let (first, second) = {
+            let mut state = t.state.lock();
+            (state.reserve(false).0, state.reserve(false).0)
+        };
+        let writer = {
+            let t = Arc::clone(&t);
+            std::thread::spawn(move || {
+                let bytes = 7u64.to_ne_bytes();
+                t.insert(&Leaves(&[&bytes]), None, Some(Instant::now() + Duration::from_secs(10)))
+            })
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!writer.is_finished(), "the third insert cannot proceed yet");
+        let started = Instant::now();
+        t.publish(&mut t.state.lock(), first, None, false);
+        writer.join().unwrap().unwrap();
+        assert!(started.elapsed() < Duration::from_secs(5), "woken by the publish");
+        t.publish(&mut t.state.lock(), second, None, false);
+        let stats = t.stats();
+        assert_eq!((stats.size, stats.inserted, stats.evicted), (2, 3, 1));
     }
 
     #[test]
