@@ -7,7 +7,7 @@
 //!   batches/s is elements/s / 256);
 //! - `sumtree_1e6/update_256`: 256 `set`s of random leaves, what `update_priorities` of 256
 //!   keys costs in the tree (elements = updates);
-//! - `sumtree_1e6/argmin`: the lookup a min-priority remover makes per eviction.
+//! - `sumtree_1e6/argmin`: the exact minimum's lowest index.
 //!
 //! Run with `cargo bench --bench sumtree`.
 

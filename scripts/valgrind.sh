@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 cargo test --quiet --no-run --lib --test store --test stress_store --test prop_sumtree --test replay \
+  --test prop_replay \
   2>/dev/null
 run() {
   local bin=$1
@@ -21,6 +22,7 @@ done
 # Replay tables without the two chi-square tests (10^5 draws of the same paths the other
 # tests take; a minute under valgrind).
 run "$(latest replay)" --skip sampling_is_uniform --skip follows_priority_to_the_exponent
+PROPTEST_CASES=32 run "$(latest prop_replay)"
 # The sum tree's property tests: 16 cases instead of 256, and without the 1e6-draw frequency
 # tests (pure arithmetic over the same code paths, about a minute under valgrind).
 PROPTEST_CASES=16 run "$(latest prop_sumtree)" --skip frequencies

@@ -77,7 +77,7 @@ class Prioritized:
 
 @dataclass(frozen=True)
 class MinPriority:
-    """Remover: evict the item with the lowest priority (the oldest slot among equals)."""
+    """Remover: evict the item with the lowest priority; among equal priorities the oldest."""
 
 
 @dataclass(frozen=True)

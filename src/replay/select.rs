@@ -7,7 +7,7 @@
 //! | `Uniform` sampler | dense array of live slots | O(1) | O(1) |
 //! | `Prioritized(a)` sampler | sum tree of `priority^a` (+ the dense array) | O(log n) | O(log n) |
 //! | `Lifo` sampler, `Fifo`/`Lifo` removers | insertion-ordered linked list | O(1) per item | O(1) |
-//! | `MinPriority` remover | min tree of priorities | O(log n) | O(log n) |
+//! | `MinPriority` remover | indexed min-heap on (priority, insertion order) | O(1) | O(log n) |
 //!
 //! Nothing here allocates after construction, and nothing here is shared between threads:
 //! the table calls these under its lock.
@@ -41,7 +41,7 @@ pub enum RemoverKind {
     Fifo,
     /// Evict the newest item.
     Lifo,
-    /// Evict the item with the lowest priority (the lowest slot among equals).
+    /// Evict the item with the lowest priority (the oldest among equals).
     MinPriority,
 }
 
@@ -96,7 +96,7 @@ pub(crate) fn new_remover(
     Ok(match kind {
         RemoverKind::Fifo => Box::new(Evict { order: Ordered::new(slots), newest: false }),
         RemoverKind::Lifo => Box::new(Evict { order: Ordered::new(slots), newest: true }),
-        RemoverKind::MinPriority => Box::new(MinPriority(SumTree::new(slots)?)),
+        RemoverKind::MinPriority => Box::new(MinPriority::new(slots)),
     })
 }
 
@@ -349,25 +349,119 @@ impl ItemRemover for Evict {
     }
 }
 
-/// Min-priority eviction: the tree's exact minimum (ties: the lowest slot).
+/// Min-priority eviction: an indexed binary min-heap of live slots ordered by (priority,
+/// insertion order), so the victim is the lowest priority and, among equal priorities (every
+/// new item gets the same default), the oldest, exactly as a FIFO remover would pick. O(log n)
+/// insert, update and remove through `position`, O(1) victim; no allocation after `new`.
 #[derive(Debug)]
-struct MinPriority(SumTree);
+struct MinPriority {
+    heap: Vec<u32>,
+    /// `position[slot]`: where `slot` is in `heap`, [`NIL`] if absent.
+    position: Box<[u32]>,
+    priority: Box<[f64]>,
+    /// Insertion number of the slot's item (the tie-break).
+    order: Box<[u64]>,
+    next_order: u64,
+}
+
+impl MinPriority {
+    fn new(slots: usize) -> Self {
+        Self {
+            heap: Vec::with_capacity(slots),
+            position: vec![NIL; slots].into_boxed_slice(),
+            priority: vec![0.0; slots].into_boxed_slice(),
+            order: vec![0; slots].into_boxed_slice(),
+            next_order: 0,
+        }
+    }
+
+    /// Whether the item in slot `a` is evicted before the one in slot `b`.
+    fn before(&self, a: u32, b: u32) -> bool {
+        let (a, b) = (a as usize, b as usize);
+        // Priorities are finite and >= 0 (the table checks), so `total_cmp` is the usual order.
+        match self.priority[a].total_cmp(&self.priority[b]) {
+            std::cmp::Ordering::Equal => self.order[a] < self.order[b],
+            less_or_greater => less_or_greater.is_lt(),
+        }
+    }
+
+    fn place(&mut self, at: usize, slot: u32) {
+        self.heap[at] = slot;
+        self.position[slot as usize] = slot32(at);
+    }
+
+    fn sift_up(&mut self, mut at: usize) {
+        let slot = self.heap[at];
+        while at > 0 {
+            let parent = (at - 1) / 2;
+            if !self.before(slot, self.heap[parent]) {
+                break;
+            }
+            self.place(at, self.heap[parent]);
+            at = parent;
+        }
+        self.place(at, slot);
+    }
+
+    fn sift_down(&mut self, mut at: usize) {
+        let slot = self.heap[at];
+        loop {
+            let left = 2 * at + 1;
+            if left >= self.heap.len() {
+                break;
+            }
+            let right = left + 1;
+            let child = if right < self.heap.len() && self.before(self.heap[right], self.heap[left])
+            {
+                right
+            } else {
+                left
+            };
+            if !self.before(self.heap[child], slot) {
+                break;
+            }
+            self.place(at, self.heap[child]);
+            at = child;
+        }
+        self.place(at, slot);
+    }
+
+    /// Restores the heap order around `at` after its entry changed.
+    fn fix(&mut self, at: usize) {
+        if at > 0 && self.before(self.heap[at], self.heap[(at - 1) / 2]) {
+            self.sift_up(at);
+        } else {
+            self.sift_down(at);
+        }
+    }
+}
 
 impl ItemRemover for MinPriority {
     fn insert(&mut self, slot: usize, priority: f64) {
-        self.update(slot, priority);
+        debug_assert_eq!(self.position[slot], NIL, "slot {slot} inserted twice");
+        self.priority[slot] = priority;
+        self.order[slot] = self.next_order;
+        self.next_order += 1;
+        self.heap.push(slot32(slot));
+        self.sift_up(self.heap.len() - 1);
     }
 
     fn update(&mut self, slot: usize, priority: f64) {
-        self.0.set(slot, priority).expect("priorities are checked before they reach the tree");
+        self.priority[slot] = priority;
+        self.fix(self.position[slot] as usize);
     }
 
     fn remove(&mut self, slot: usize) {
-        self.0.clear(slot).expect("slots are in range");
+        let at = std::mem::replace(&mut self.position[slot], NIL) as usize;
+        let last = self.heap.pop().expect("removing from an empty remover");
+        if at < self.heap.len() {
+            self.place(at, last);
+            self.fix(at);
+        }
     }
 
     fn victim(&self) -> Option<usize> {
-        self.0.argmin()
+        self.heap.first().map(|&slot| slot as usize)
     }
 }
 
@@ -423,6 +517,55 @@ mod tests {
         assert_eq!(lifo.draw(&mut rng, &mut slots, &mut probs), 3);
         assert_eq!(slots[..3], [3, 1, 6]);
         assert_eq!(probs[..3], [1.0; 3]);
+    }
+
+    #[test]
+    fn min_priority_breaks_ties_by_age_and_keeps_a_valid_heap() {
+        let mut r = MinPriority::new(64);
+        // Equal priorities: oldest first, like FIFO, whatever the slots.
+        for slot in [9, 3, 40, 1] {
+            r.insert(slot, 1.0);
+        }
+        let mut order = Vec::new();
+        while let Some(v) = r.victim() {
+            order.push(v);
+            r.remove(v);
+        }
+        assert_eq!(order, [9, 3, 40, 1]);
+        // A pseudo-random mix of operations against a sort, with the heap property checked.
+        let mut state = 1u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let mut live: Vec<(usize, f64, u64)> = Vec::new(); // (slot, priority, order)
+        let mut order = 0;
+        for _ in 0..5_000 {
+            let roll = next() % 10;
+            if roll < 5 && live.len() < 64 {
+                let slot = (0..64).find(|s| live.iter().all(|l| l.0 != *s)).unwrap();
+                let priority = (next() % 8) as f64;
+                r.insert(slot, priority);
+                live.push((slot, priority, order));
+                order += 1;
+            } else if roll < 8 && !live.is_empty() {
+                let i = (next() % live.len() as u64) as usize;
+                let priority = (next() % 8) as f64;
+                r.update(live[i].0, priority);
+                live[i].1 = priority;
+            } else if !live.is_empty() {
+                let i = (next() % live.len() as u64) as usize;
+                r.remove(live.swap_remove(i).0);
+            }
+            let expected =
+                live.iter().min_by(|a, b| a.1.total_cmp(&b.1).then(a.2.cmp(&b.2))).map(|l| l.0);
+            assert_eq!(r.victim(), expected);
+            for at in 1..r.heap.len() {
+                assert!(!r.before(r.heap[at], r.heap[(at - 1) / 2]), "heap order at {at}");
+            }
+        }
     }
 
     #[test]
