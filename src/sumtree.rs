@@ -25,9 +25,12 @@
 //!    empty (a float sum of non-negative numbers is zero only if all of them are), and
 //!    [`SumTree::find`] only ever descends into subtrees whose sum is positive: it never
 //!    returns an index whose priority is zero, whatever `u` and whatever the rounding.
-//! 4. A leaf is *empty* (never set, or cleared) or *occupied*. Empty leaves weigh 0 in the
-//!    sums and are left out of [`SumTree::max`], [`SumTree::min`] and [`SumTree::argmin`];
-//!    an occupied leaf may have priority 0 (it is never sampled but is still the minimum).
+//! 4. A leaf is *empty* (never set, or cleared) or *occupied* (its bit in an occupancy
+//!    bitmap). Empty leaves weigh 0 in the sums and are left out of [`SumTree::max`],
+//!    [`SumTree::min`] and [`SumTree::argmin`]; an occupied leaf may have priority 0 (it is
+//!    never sampled but is still the minimum).
+//! 5. A [`SumTree::sums_only`] tree keeps the same `sum` array, bit for bit, as a full tree
+//!    given the same operations, and no `max`/`min` arrays at all.
 //!
 //! Precision: sums are f64 and pairwise (a balanced tree), so `total()` is within about
 //! `depth * 2^-53` (relative) of the exact sum of the leaves, `depth = ceil(log2 n)`: about
@@ -124,11 +127,16 @@ pub struct SumTree {
     /// children, computed exactly that way (invariant 2).
     sum: Box<[f64]>,
     /// Like `sum` with `max(l, r)`. Empty leaves hold 0, which is harmless because every
-    /// priority is `>= 0` and `max()` answers `None` when nothing is occupied.
+    /// priority is `>= 0` and `max()` answers `None` when nothing is occupied. Empty (never
+    /// allocated) in a [`SumTree::sums_only`] tree.
     max: Box<[f64]>,
-    /// Like `sum` with `min(l, r)`. Empty leaves and padding hold `+inf`: a leaf is occupied
-    /// if and only if its `min` entry is finite.
+    /// Like `sum` with `min(l, r)`. Empty leaves and padding hold `+inf`. Empty in a
+    /// [`SumTree::sums_only`] tree.
     min: Box<[f64]>,
+    /// Whether `max` and `min` are kept (false for [`SumTree::sums_only`]).
+    extrema: bool,
+    /// Bit `i` is set if and only if leaf `i` is occupied.
+    occupied: Box<[u64]>,
     /// Largest priority `set` accepts: `f64::MAX / 2^levels`, so that no sum overflows.
     priority_limit: f64,
 }
@@ -141,6 +149,22 @@ impl SumTree {
     /// [`SumTreeError::ZeroCapacity`] if `capacity` is 0, [`SumTreeError::CapacityTooLarge`]
     /// if the node count overflows `usize` or the memory cannot be allocated.
     pub fn new(capacity: usize) -> Result<Self, SumTreeError> {
+        Self::build(capacity, true)
+    }
+
+    /// A tree of `capacity` empty leaves that keeps only the sums (16 bytes per leaf): every
+    /// `set` and `clear` then updates one array per level instead of three. Everything but
+    /// [`SumTree::max`], [`SumTree::min`] and [`SumTree::argmin`] (which answer `None`)
+    /// behaves exactly, bit for bit, as in a [`SumTree::new`] tree. What a prioritized sampler
+    /// needs.
+    ///
+    /// # Errors
+    /// As [`SumTree::new`].
+    pub fn sums_only(capacity: usize) -> Result<Self, SumTreeError> {
+        Self::build(capacity, false)
+    }
+
+    fn build(capacity: usize, extrema: bool) -> Result<Self, SumTreeError> {
         if capacity == 0 {
             return Err(SumTreeError::ZeroCapacity);
         }
@@ -174,8 +198,10 @@ impl SumTree {
             widths,
             root: offsets[levels - 1],
             sum: filled(nodes, 0.0).ok_or(too_large)?,
-            max: filled(nodes, 0.0).ok_or(too_large)?,
-            min: filled(nodes, f64::INFINITY).ok_or(too_large)?,
+            max: filled(if extrema { nodes } else { 0 }, 0.0).ok_or(too_large)?,
+            min: filled(if extrema { nodes } else { 0 }, f64::INFINITY).ok_or(too_large)?,
+            extrema,
+            occupied: filled(capacity.div_ceil(64), 0u64).ok_or(too_large)?,
             priority_limit,
         })
     }
@@ -218,8 +244,9 @@ impl SumTree {
         if priority > self.priority_limit {
             return Err(SumTreeError::PriorityTooLarge { priority, limit: self.priority_limit });
         }
-        if self.min[index] == f64::INFINITY {
+        if !self.is_occupied(index) {
             self.len += 1;
+            self.occupied[index / 64] |= 1 << (index % 64);
         }
         // `+ 0.0` turns `-0.0` into `0.0` and leaves every other value alone.
         let priority = priority + 0.0;
@@ -234,8 +261,9 @@ impl SumTree {
     /// [`SumTreeError::IndexOutOfRange`] if `index >= capacity`.
     pub fn clear(&mut self, index: usize) -> Result<(), SumTreeError> {
         self.check_index(index)?;
-        if self.min[index] != f64::INFINITY {
+        if self.is_occupied(index) {
             self.len -= 1;
+            self.occupied[index / 64] &= !(1 << (index % 64));
             self.write_leaf(index, 0.0, f64::INFINITY);
         }
         Ok(())
@@ -243,12 +271,8 @@ impl SumTree {
 
     /// The priority of leaf `index`, or `None` if the leaf is empty or `index >= capacity`.
     pub fn get(&self, index: usize) -> Option<f64> {
-        if index >= self.capacity {
-            return None;
-        }
-        // Leaves are the first `capacity` entries; an empty leaf holds `+inf` in `min`.
-        let priority = self.min[index];
-        priority.is_finite().then_some(priority)
+        // Leaves are the first `capacity` entries of `sum`.
+        (index < self.capacity && self.is_occupied(index)).then(|| self.sum[index])
     }
 
     /// The sum of all priorities. O(1).
@@ -256,22 +280,22 @@ impl SumTree {
         self.sum[self.root]
     }
 
-    /// The largest priority among occupied leaves (what prioritized replay gives new items),
-    /// `None` if no leaf is occupied. O(1).
+    /// The largest priority among occupied leaves, `None` if no leaf is occupied or the tree
+    /// is [`SumTree::sums_only`]. O(1).
     pub fn max(&self) -> Option<f64> {
-        (self.len > 0).then(|| self.max[self.root])
+        (self.len > 0 && self.extrema).then(|| self.max[self.root])
     }
 
     /// The smallest priority among occupied leaves (zero priorities included), `None` if no
-    /// leaf is occupied. O(1).
+    /// leaf is occupied or the tree is [`SumTree::sums_only`]. O(1).
     pub fn min(&self) -> Option<f64> {
-        (self.len > 0).then(|| self.min[self.root])
+        (self.len > 0 && self.extrema).then(|| self.min[self.root])
     }
 
-    /// The lowest index among occupied leaves holding [`SumTree::min`] (the item a
-    /// min-priority remover evicts), `None` if no leaf is occupied. O(log n).
+    /// The lowest index among occupied leaves holding [`SumTree::min`], `None` if no leaf is
+    /// occupied or the tree is [`SumTree::sums_only`]. O(log n).
     pub fn argmin(&self) -> Option<usize> {
-        if self.len == 0 {
+        if self.len == 0 || !self.extrema {
             return None;
         }
         let mut k = 0;
@@ -422,10 +446,16 @@ impl SumTree {
 
     /// Writes leaf `index` (`value` into sum and max, `min_value` into min) and recomputes
     /// its ancestors from their children, bottom-up.
+    fn is_occupied(&self, index: usize) -> bool {
+        self.occupied[index / 64] & (1 << (index % 64)) != 0
+    }
+
     fn write_leaf(&mut self, index: usize, value: f64, min_value: f64) {
         self.sum[index] = value;
-        self.max[index] = value;
-        self.min[index] = min_value;
+        if self.extrema {
+            self.max[index] = value;
+            self.min[index] = min_value;
+        }
         let mut k = index;
         for level in 1..self.levels {
             let child = self.offsets[level - 1] + (k & !1);
@@ -437,13 +467,15 @@ impl SumTree {
     /// Sets node `node` from its children `child` and `child + 1`.
     fn recompute(&mut self, node: usize, child: usize) {
         self.sum[node] = self.sum[child] + self.sum[child + 1];
-        self.max[node] = self.max[child].max(self.max[child + 1]);
-        self.min[node] = self.min[child].min(self.min[child + 1]);
+        if self.extrema {
+            self.max[node] = self.max[child].max(self.max[child + 1]);
+            self.min[node] = self.min[child].min(self.min[child + 1]);
+        }
     }
 }
 
 /// A boxed slice of `len` copies of `value`, or `None` if it cannot be allocated.
-fn filled(len: usize, value: f64) -> Option<Box<[f64]>> {
+fn filled<T: Copy>(len: usize, value: T) -> Option<Box<[T]>> {
     let mut v = Vec::new();
     v.try_reserve_exact(len).ok()?;
     v.resize(len, value);
@@ -460,6 +492,43 @@ mod tests {
             t.set(i, p).unwrap();
         }
         t
+    }
+
+    #[test]
+    fn a_sums_only_tree_matches_a_full_tree_bit_for_bit() {
+        let mut state = 3u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for capacity in [1, 2, 3, 7, 64, 65, 1000] {
+            let (mut full, mut sums) =
+                (SumTree::new(capacity).unwrap(), SumTree::sums_only(capacity).unwrap());
+            assert!(sums.max.is_empty() && sums.min.is_empty(), "no extrema allocated");
+            for _ in 0..2_000 {
+                let index = (next() % capacity as u64) as usize;
+                if next() % 4 == 0 {
+                    full.clear(index).unwrap();
+                    sums.clear(index).unwrap();
+                } else {
+                    let priority = (next() % 1000) as f64 / 7.0;
+                    full.set(index, priority).unwrap();
+                    sums.set(index, priority).unwrap();
+                }
+                assert_eq!(full.sum, sums.sum);
+                assert_eq!(
+                    (full.len(), full.total().to_bits()),
+                    (sums.len(), sums.total().to_bits())
+                );
+                assert_eq!(full.get(index), sums.get(index));
+                let u = (next() >> 11) as f64 / (1u64 << 53) as f64;
+                assert_eq!(full.sample(u), sums.sample(u));
+                assert_eq!((sums.max(), sums.min(), sums.argmin()), (None, None, None));
+            }
+            assert_no_drift(&sums);
+        }
     }
 
     /// Checks invariant 2 directly: every node equals its recomputation, bit for bit.

@@ -179,7 +179,7 @@ impl Prioritized {
             )));
         }
         Ok(Self {
-            tree: SumTree::new(slots)?,
+            tree: SumTree::sums_only(slots)?,
             dense: Dense::new(slots),
             exponent,
             uniforms: vec![0.0; batch_size].into_boxed_slice(),
