@@ -41,21 +41,25 @@ lint:
 
 # `python -m benches` writes JSON, PNG plots (with matplotlib) and a summary table into
 # benches/results/<timestamp>/; ARGS go to it (--quick, --out DIR, --workers 1,4,16,64,
-# --launcher ray for Ray actors as TCP workers (needs ray in .venv), ...). Before it, the
-# criterion benches of the store and of the ingress drain round.
+# --launcher ray for Ray actors as TCP workers (needs ray in .venv), ...).
+#
+# Criterion (store, ingress drain round), then python -m benches (limits, in-process, TCP sweep)
 bench *ARGS:
     cargo bench --bench store
     cargo bench --bench ingress
     .venv/bin/python -m benches {{ARGS}}
 
-# Replay tables (#6): criterion on 1e6-item tables, then the Python-level benchmark; pass
-# --peers /path/to/venv/bin/python (with dm-reverb and torchrl) to compare in the same run
+# ARGS go to benches/py/bench_replay.py: --peers /path/to/venv/bin/python (a virtualenv with
+# dm-reverb and torchrl) compares in the same run.
+#
+# Replay tables: criterion on 1e6-item tables, then the Python benchmark (vs Reverb/TorchRL)
 bench-replay *ARGS:
     cargo bench --bench sumtree
     cargo bench --bench replay
     .venv/bin/python benches/py/bench_replay.py {{ARGS}}
 
-# The same scenarios with another installed echo, interleaved in one session, both on the plots
+# The same scenarios with another installed echo, interleaved in one session, both on the plots.
+#
 # The benchmarks against another echo's venv (e.g. id-echo==0.2.1), with ratios ours / other
 bench-compare OTHER_VENV *ARGS:
     .venv/bin/python -m benches --compare {{OTHER_VENV}}/bin/python {{ARGS}}
