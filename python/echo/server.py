@@ -90,6 +90,41 @@ class Sample(_Batch):
         return self
 
 
+def _check_strategies(sampler: object, remover: object, rate_limiter: object) -> None:
+    """TypeError unless each is one of its strategy classes (callers without a type checker
+    pass anything)."""
+    if not isinstance(sampler, (Fifo, Lifo, Uniform, Prioritized)):
+        raise TypeError(
+            "sampler must be Fifo(), Lifo(), Uniform() or Prioritized(exponent), "
+            f"got {type(sampler).__name__}"
+        )
+    if remover is not None and not isinstance(remover, (Fifo, Lifo, MinPriority)):
+        raise TypeError(
+            f"remover must be Fifo(), Lifo() or MinPriority(), got {type(remover).__name__}"
+        )
+    if rate_limiter is not None and not isinstance(
+        rate_limiter, (MinSize, SampleToInsertRatio, Queue)
+    ):
+        raise TypeError(
+            "rate_limiter must be MinSize(n), SampleToInsertRatio(...) or Queue(size), "
+            f"got {type(rate_limiter).__name__}"
+        )
+
+
+def _sampler_args(sampler: Sampler) -> tuple[str, float]:
+    """`(kind, exponent)` for `ReplayTable`."""
+    if isinstance(sampler, Prioritized):
+        return ("prioritized", sampler.exponent)
+    return ("lifo" if isinstance(sampler, Lifo) else "uniform", 0.0)
+
+
+def _remover_arg(remover: Remover | None) -> str:
+    """The remover's name for `ReplayTable` (FIFO when not given)."""
+    if isinstance(remover, MinPriority):
+        return "min_priority"
+    return "lifo" if isinstance(remover, Lifo) else "fifo"
+
+
 def _limiter_args(limiter: RateLimiter) -> tuple[str, float, int, float, float]:
     """`(kind, samples_per_insert, min_size, min_diff, max_diff)` for `ReplayTable`."""
     if isinstance(limiter, MinSize):
@@ -192,29 +227,13 @@ class Server:
                 f"transport must be a TcpTransport or None, got {type(transport).__name__}"
             )
         sampler = Fifo() if sampler is None else sampler
-        # Checked at run time too: callers without a type checker pass anything.
-        if not isinstance(sampler, (Fifo, Lifo, Uniform, Prioritized)):  # pyright: ignore[reportUnnecessaryIsInstance]
-            raise TypeError(
-                "sampler must be Fifo(), Lifo(), Uniform() or Prioritized(exponent), "
-                f"got {type(sampler).__name__}"
-            )
-        if remover is not None and not isinstance(remover, (Fifo, Lifo, MinPriority)):  # pyright: ignore[reportUnnecessaryIsInstance]
-            raise TypeError(
-                f"remover must be Fifo(), Lifo() or MinPriority(), got {type(remover).__name__}"
-            )
-        if rate_limiter is not None and not isinstance(
-            rate_limiter,
-            (MinSize, SampleToInsertRatio, Queue),  # pyright: ignore[reportUnnecessaryIsInstance]
-        ):
-            raise TypeError(
-                "rate_limiter must be MinSize(n), SampleToInsertRatio(...) or Queue(size), "
-                f"got {type(rate_limiter).__name__}"
-            )
+        _check_strategies(sampler, remover, rate_limiter)
         self._layout = TreeLayout(example)
         leaves = self._layout.leaves
         shapes = [leaf.shape for leaf in leaves]
         dtypes = [leaf.dtype for leaf in leaves]
         names = [leaf.name for leaf in leaves]
+        flat_keys = self._layout.flat_keys
         self._replay = not isinstance(sampler, Fifo)
         self._sampler: Sampler = sampler
         self._core: RingServer | ReplayTable
@@ -222,9 +241,7 @@ class Server:
             num_buffers = _fifo_num_buffers(
                 batch_size, num_buffers, remover, max_size, rate_limiter, max_times_sampled, seed
             )
-            self._core = RingServer(
-                shapes, dtypes, names, batch_size, num_buffers, self._layout.flat_keys
-            )
+            self._core = RingServer(shapes, dtypes, names, batch_size, num_buffers, flat_keys)
         else:
             if max_size is None:
                 raise ValueError(
@@ -232,26 +249,18 @@ class Server:
                     "max_size items (e.g. max_size=1_000_000)"
                 )
             max_size = check_int("max_size", max_size, batch_size)
-            limiter = MinSize(1) if rate_limiter is None else rate_limiter
-            exponent = sampler.exponent if isinstance(sampler, Prioritized) else 0.0
-            kind = "prioritized" if isinstance(sampler, Prioritized) else "uniform"
-            kind = "lifo" if isinstance(sampler, Lifo) else kind
-            evict = {Fifo: "fifo", Lifo: "lifo", MinPriority: "min_priority"}[
-                type(remover if remover is not None else Fifo())
-            ]
             self._core = ReplayTable(
                 shapes,
                 dtypes,
                 names,
                 batch_size,
                 max_size,
-                kind,
-                exponent,
-                evict,
-                *_limiter_args(limiter),
+                *_sampler_args(sampler),
+                _remover_arg(remover),
+                *_limiter_args(MinSize(1) if rate_limiter is None else rate_limiter),
                 max_times_sampled,
                 seed,
-                self._layout.flat_keys,
+                flat_keys,
             )
         if pin_host_memory:
             try:
