@@ -782,11 +782,11 @@ impl ReplayConsumer {
     }
 
     fn write_area(&self, slot: usize, leaf: usize, src: &[u8]) {
-        // SAFETY: only this consumer (one per table, `&mut self` in `sample`) writes the batch
-        // area, and `src` is table storage or a local, never the area. Numpy views of this
-        // half from two calls ago may still be read by Python: the documented lifetime rule
-        // (a batch is stable until the second `sample` after it) makes that the user's stale
-        // read of memory that stays allocated, as with FIFO batches.
+        // Numpy views of this half from two calls ago may still be read by Python: the
+        // documented lifetime rule (a batch is stable until the second `sample` after it)
+        // makes that the user's stale read of memory that stays allocated, as with FIFO.
+        // SAFETY: only this consumer (one per table, `&mut self` in `sample`) writes the
+        // batch area, and `src` is table storage or a local, never the area.
         unsafe { self.table.area.write_slot(slot, leaf, src) };
     }
 }
