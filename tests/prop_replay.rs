@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use echo::replay::{RemoverKind, ReplayBatch, ReplayConfig, SamplerKind, Table, META_LEAVES};
+use echo::replay::{RemoverKind, ReplayBatch, ReplayConfig, SamplerKind, Table};
 use echo::{ArraySpec, DataSpec, Leaves, SampleError};
 use proptest::prelude::*;
 
@@ -241,7 +241,6 @@ fn run(case: &Case) -> Result<(), TestCaseError> {
             prop_assert_eq!(table.priority(key), Some(priority), "priority of key {}", key);
         }
     }
-    let _ = META_LEAVES;
     Ok(())
 }
 

@@ -89,15 +89,12 @@ pub(crate) fn new_sampler(
 }
 
 /// Builds the remover for `kind` over `slots` slots.
-pub(crate) fn new_remover(
-    kind: RemoverKind,
-    slots: usize,
-) -> Result<Box<dyn ItemRemover>, EchoError> {
-    Ok(match kind {
+pub(crate) fn new_remover(kind: RemoverKind, slots: usize) -> Box<dyn ItemRemover> {
+    match kind {
         RemoverKind::Fifo => Box::new(Evict { order: Ordered::new(slots), newest: false }),
         RemoverKind::Lifo => Box::new(Evict { order: Ordered::new(slots), newest: true }),
         RemoverKind::MinPriority => Box::new(MinPriority::new(slots)),
-    })
+    }
 }
 
 fn slot32(slot: usize) -> u32 {
@@ -488,8 +485,8 @@ mod tests {
 
     #[test]
     fn ordered_list_tracks_oldest_and_newest_through_removals() {
-        let mut fifo = new_remover(RemoverKind::Fifo, 6).unwrap();
-        let mut lifo = new_remover(RemoverKind::Lifo, 6).unwrap();
+        let mut fifo = new_remover(RemoverKind::Fifo, 6);
+        let mut lifo = new_remover(RemoverKind::Lifo, 6);
         for s in [4, 0, 2, 5] {
             fifo.insert(s, 1.0);
             lifo.insert(s, 1.0);
@@ -570,7 +567,7 @@ mod tests {
 
     #[test]
     fn min_priority_evicts_the_lowest_and_follows_updates() {
-        let mut r = new_remover(RemoverKind::MinPriority, 5).unwrap();
+        let mut r = new_remover(RemoverKind::MinPriority, 5);
         r.insert(0, 3.0);
         r.insert(1, 1.0);
         r.insert(2, 2.0);

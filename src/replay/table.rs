@@ -396,7 +396,7 @@ impl Table {
             free: (0..slots as u32).rev().collect(),
             keys,
             sampler: new_sampler(config.sampler, slots, batch_size)?,
-            remover: new_remover(config.remover, slots)?,
+            remover: new_remover(config.remover, slots),
             limiter: RateLimiter::new(config.rate_limit),
             rng: config.seed.map_or_else(Rng::from_entropy, Rng::from_seed),
             draw_slots: vec![0; batch_size].into_boxed_slice(),
