@@ -14,7 +14,7 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use echo::sumtree::SumTree;
+use echo::replay::sumtree::SumTree;
 
 const LEAVES: usize = 1_000_000;
 const BATCH: usize = 256;

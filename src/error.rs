@@ -1,5 +1,14 @@
-//! The core's one error type. It knows nothing about Python: `src/python/errors.rs` maps each
-//! variant onto the exception a Python user expects.
+//! The core's errors. They know nothing about Python: `src/python/errors.rs` maps each
+//! variant onto the exception a Python user expects, in one place.
+//!
+//! Two layers, no more:
+//! - [`EchoError`]: what went wrong, for every module (stores, replay tables, the ingress,
+//!   the wire format and the TCP client).
+//! - [`InsertError`]: an insert of several samples that stopped early carries how many went
+//!   in before the [`EchoError`] that stopped it, so a caller can resume or account for them.
+//!
+//! The sum tree keeps its own small error (`replay::sumtree::SumTreeError`) for the states a
+//! caller checks for; it converts into [`EchoError`] where it leaves the replay module.
 
 /// Everything that can go wrong in the core.
 #[derive(Debug, thiserror::Error)]
@@ -33,10 +42,11 @@ pub enum EchoError {
         /// Leaves that arrived.
         got: usize,
     },
-    /// A priority (or a priority update) is invalid (maps to `ValueError`).
+    /// A priority (or a priority update) is invalid, or the store has no priorities (maps to
+    /// `ValueError`).
     #[error("{0}")]
     Priority(String),
-    /// The ring could not be allocated (maps to `MemoryError`).
+    /// Memory could not be allocated (maps to `MemoryError`).
     #[error("cannot allocate {bytes} bytes for the ring buffer")]
     OutOfMemory {
         /// Bytes requested for one leaf's buffer.
@@ -45,7 +55,56 @@ pub enum EchoError {
     /// The store was closed; nothing more goes in or comes out (maps to `ServerClosedError`).
     #[error("the server is closed")]
     Closed,
+    /// A deadline passed before the call could complete; nothing is lost and the same call can
+    /// be repeated (maps to `TimeoutError`).
+    #[error("timed out")]
+    TimedOut,
+    /// The peer does not speak echo's wire protocol, or describes samples it cannot hold
+    /// (maps to `ValueError`).
+    #[error("{0}")]
+    Protocol(String),
+    /// The connection is gone: closed by us, or the peer went away (maps to
+    /// `ConnectionClosedError`).
+    #[error("connection closed: {0}")]
+    Disconnected(String),
+    /// A deadline passed in the middle of writing a sample to a peer that applies
+    /// backpressure: the sample is partly on the wire, so the same send must be repeated to
+    /// finish it (or the connection aborted).
+    #[error("the write of a sample is in progress")]
+    Stalled,
     /// An operating-system error (maps to the matching `OSError`).
     #[error(transparent)]
     Io(#[from] std::io::Error),
+}
+
+/// An insert that stopped before every sample of its source went in.
+#[derive(Debug, thiserror::Error)]
+#[error("{error} ({inserted} samples were inserted)")]
+pub struct InsertError {
+    /// Samples of the source inserted (committed, in order) before `error`. Always 0 for
+    /// input errors: the whole source is validated before anything is written.
+    pub inserted: usize,
+    /// Why it stopped: [`EchoError::Closed`], [`EchoError::TimedOut`], or an input error.
+    #[source]
+    pub error: EchoError,
+}
+
+impl InsertError {
+    /// Stopped by `error` after `inserted` samples.
+    pub fn new(inserted: usize, error: EchoError) -> Self {
+        Self { inserted, error }
+    }
+
+    /// Whether nothing went in because the deadline passed first (the insert can simply be
+    /// repeated).
+    pub fn is_timeout_before_any(&self) -> bool {
+        self.inserted == 0 && matches!(self.error, EchoError::TimedOut)
+    }
+}
+
+impl From<EchoError> for InsertError {
+    /// An error before anything was inserted (input errors).
+    fn from(error: EchoError) -> Self {
+        Self { inserted: 0, error }
+    }
 }

@@ -32,8 +32,7 @@ use parking_lot::Mutex;
 
 use crate::error::EchoError;
 use crate::metrics::{HistSummary, Histo, Stamp};
-use crate::spec::DataSpec;
-use crate::store::{InsertError, SampleSource, Sink};
+use crate::sink::{Payloads, Sink};
 use crate::sync::{Arc, AtomicBool, AtomicU64, AtomicUsize};
 
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
@@ -378,24 +377,6 @@ impl Ingress {
     }
 }
 
-/// Payload buffers popped in one drainer round, as a [`SampleSource`].
-struct Popped<'a> {
-    spec: &'a DataSpec,
-    bufs: &'a [Box<[u8]>],
-}
-
-impl SampleSource for Popped<'_> {
-    fn num_samples(&self) -> usize {
-        self.bufs.len()
-    }
-    fn num_leaves(&self, _sample: usize) -> usize {
-        self.spec.len()
-    }
-    fn leaf(&self, sample: usize, leaf: usize) -> &[u8] {
-        &self.bufs[sample][self.spec.leaf_range(leaf)]
-    }
-}
-
 /// One drainer thread's private state.
 struct Drainer {
     ingress: Arc<Ingress>,
@@ -423,13 +404,16 @@ impl Drainer {
                 continue;
             }
             let store = &self.ingress.store;
-            let source = Popped { spec: store.spec(), bufs: &self.bufs };
-            match store.insert_samples(&source, None) {
+            // Every buffer is `payload_size` long: connections allocate them so.
+            let inserted = Payloads::new(store.spec(), &self.bufs)
+                .map_err(Into::into)
+                .and_then(|source| store.insert_samples(&source, None));
+            match inserted {
                 Ok(()) => {
                     // ORDERING: Relaxed — statistics.
                     self.shared.inserted.fetch_add(self.bufs.len() as u64, Relaxed);
                 }
-                Err(InsertError::Closed { .. }) => return,
+                Err(err) if matches!(err.error, EchoError::Closed) => return,
                 Err(err) => {
                     log::error!("echo drainer: dropping {} samples: {err}", self.bufs.len())
                 }

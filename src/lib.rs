@@ -8,16 +8,16 @@
 //! | module      | owns                                                               |
 //! |-------------|--------------------------------------------------------------------|
 //! | [`spec`]    | sample layout, overflow-checked sizes                              |
-//! | `ring`      | the raw slot memory and its only `unsafe` accessors                |
-//! | [`store`]   | cursors, reservation, commit, wake-ups, release, shutdown          |
-//! | [`sampler`] | which batch the consumer gets next, which slots are freed          |
-//! | [`sumtree`] | priorities for prioritized sampling: sum/max/min tree, O(log n)    |
+//! | `slots`     | the raw slot memory and its only `unsafe` accessors                |
+//! | [`sink`]    | how samples are handed to a backend: sources and the `Sink` trait  |
+//! | [`store`]   | the FIFO ring: cursors, reservation, commit, wake-ups, release      |
 //! | [`replay`]  | replay tables: uniform/prioritized/LIFO sampling, eviction, rate limits |
+//! | [`backend`] | one face over both: build, insert, sample, batch memory, statistics |
 //! | `ingress`   | per-connection queues, buffer pools, the drainer pool               |
 //! | `transport` | the wire format, the tokio TCP server, the blocking TCP client      |
-//! | [`metrics`] | detailed counters/histograms, free unless `detailed-metrics` is on  |
-//! | `pinned`    | page-locking the ring with a run-time loaded CUDA runtime           |
-//! | [`error`]   | the one error enum                                                 |
+//! | [`metrics`] | statistics counters; detailed histograms behind `detailed-metrics` |
+//! | `pinned`    | page-locking memory with a run-time loaded CUDA runtime            |
+//! | [`error`]   | the error enum, and the partial-insert error layered on it         |
 //! | `sync`      | std/loom facade, so loom models run the real code                  |
 //!
 //! The pyo3 bindings live in `python` behind the `python` cargo feature (on for maturin
@@ -26,6 +26,8 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
+#[cfg(not(loom))]
+pub mod backend;
 pub mod error;
 #[cfg(not(loom))]
 pub mod ingress;
@@ -34,11 +36,10 @@ pub mod metrics;
 pub mod pinned;
 #[cfg(not(loom))]
 pub mod replay;
-mod ring;
-pub mod sampler;
+pub mod sink;
+mod slots;
 pub mod spec;
 pub mod store;
-pub mod sumtree;
 mod sync;
 #[cfg(not(loom))]
 pub mod transport;
@@ -46,10 +47,8 @@ pub mod transport;
 #[cfg(feature = "python")]
 mod python;
 
-pub use error::EchoError;
-pub use ring::RING_ALIGN;
-pub use sampler::{Fifo, Remover, Sampler};
+pub use error::{EchoError, InsertError};
+pub use sink::{Leaves, Payloads, SampleSource, Sink};
+pub use slots::RING_ALIGN;
 pub use spec::{ArraySpec, DataSpec};
-pub use store::{
-    Consumer, InsertError, Leaves, Payloads, SampleError, SampleSource, Sink, Store, StoreStats,
-};
+pub use store::{Consumer, Store, StoreStats};

@@ -5,8 +5,9 @@
 //! Without the feature every type is zero-sized and every method an empty `#[inline]` body, so
 //! call sites need no `#[cfg]` and the default build pays nothing (not even a timestamp).
 //!
-//! Always-on counters (notify count, ingress depths, ...) live with the code that owns them
-//! (`store`, `ingress`); this module only holds what the default build must not pay for.
+//! Always-on statistics (notify count, ingress depths, ...) live with the code that owns them
+//! (`store`, `ingress`) but all go through one small type, [`Counter`], so the one reason
+//! their atomics may be `Relaxed` is written down once.
 
 /// A histogram summary in nanoseconds. All zero when nothing was recorded or the feature is off.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -47,6 +48,40 @@ pub struct DetailedSnapshot {
 /// Whether this build records detailed metrics.
 pub const ENABLED: bool = cfg!(feature = "detailed-metrics");
 
+/// An always-on statistics value: an event count, or a gauge that one owner sets.
+///
+/// Every access is `Relaxed`, and that is the point of the type: a counter is only ever read
+/// for a snapshot (`stats()`, `SampleInfo`), it publishes no other memory, and no thread acts
+/// on its value together with other memory. Atomicity (no lost increments) is all it needs.
+/// Anything that synchronises must use a real atomic with its own `ORDERING:` reason instead.
+#[derive(Debug, Default)]
+pub(crate) struct Counter(AtomicU64);
+
+impl Counter {
+    /// A counter starting at `value`.
+    pub(crate) fn new(value: u64) -> Self {
+        Self(AtomicU64::new(value))
+    }
+
+    #[inline]
+    pub(crate) fn add(&self, n: u64) {
+        // ORDERING: Relaxed — statistics (see the type's docs).
+        self.0.fetch_add(n, Relaxed);
+    }
+
+    #[inline]
+    pub(crate) fn set(&self, value: u64) {
+        // ORDERING: Relaxed — statistics (see the type's docs).
+        self.0.store(value, Relaxed);
+    }
+
+    #[inline]
+    pub(crate) fn get(&self) -> u64 {
+        // ORDERING: Relaxed — statistics (see the type's docs).
+        self.0.load(Relaxed)
+    }
+}
+
 #[cfg(feature = "detailed-metrics")]
 mod imp {
     use std::time::Instant;
@@ -55,10 +90,7 @@ mod imp {
     use hdrhistogram::Histogram;
     use parking_lot::Mutex;
 
-    use super::HistSummary;
-    use crate::sync::AtomicU64;
-
-    use std::sync::atomic::Ordering::Relaxed;
+    use super::{Counter, HistSummary};
 
     /// A point in time (a real `Instant` in this build).
     #[derive(Debug, Clone, Copy)]
@@ -119,20 +151,18 @@ mod imp {
         }
     }
 
-    /// A relaxed event counter on its own cache line.
+    /// A detailed event counter on its own cache line.
     #[derive(Debug, Default)]
-    pub struct Counter(CachePadded<AtomicU64>);
+    pub struct DetailedCounter(CachePadded<Counter>);
 
-    impl Counter {
+    impl DetailedCounter {
         #[inline]
         pub fn add(&self, n: u64) {
-            // ORDERING: Relaxed — statistics, read only for snapshots.
-            self.0.fetch_add(n, Relaxed);
+            self.0.add(n);
         }
 
         pub fn get(&self) -> u64 {
-            // ORDERING: Relaxed — statistics.
-            self.0.load(Relaxed)
+            self.0.get()
         }
     }
 }
@@ -170,9 +200,9 @@ mod imp {
 
     /// A counter that counts nothing.
     #[derive(Debug, Default)]
-    pub struct Counter;
+    pub struct DetailedCounter;
 
-    impl Counter {
+    impl DetailedCounter {
         #[inline(always)]
         pub fn add(&self, _n: u64) {}
         pub fn get(&self) -> u64 {
@@ -181,14 +211,17 @@ mod imp {
     }
 }
 
-pub(crate) use imp::{Counter, Histo, Stamp};
+pub(crate) use imp::{DetailedCounter, Histo, Stamp};
+
+use crate::sync::AtomicU64;
+use std::sync::atomic::Ordering::Relaxed;
 
 /// The store's detailed metrics (writers record them).
 #[derive(Debug, Default)]
 pub(crate) struct StoreMetrics {
-    pub(crate) cas_success: Counter,
-    pub(crate) cas_failure: Counter,
-    pub(crate) reservation_retries: Counter,
+    pub(crate) cas_success: DetailedCounter,
+    pub(crate) cas_failure: DetailedCounter,
+    pub(crate) reservation_retries: DetailedCounter,
     pub(crate) memcpy: Histo,
 }
 

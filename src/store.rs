@@ -29,115 +29,15 @@ use std::time::Instant;
 
 use crossbeam_utils::CachePadded;
 
-use crate::error::EchoError;
-use crate::metrics::{DetailedSnapshot, Stamp, StoreMetrics};
-use crate::ring::RingBuf;
-use crate::sampler::{Fifo, Remover, Sampler};
+use crate::error::{EchoError, InsertError};
+use crate::metrics::{Counter, DetailedSnapshot, Stamp, StoreMetrics};
+use crate::sink::{validate_source, SampleSource, Sink};
+use crate::slots::Slots;
 use crate::spec::DataSpec;
 use crate::sync::{Arc, AtomicBool, AtomicU64, AtomicUsize, Signal};
 
 // Every `Ordering::` use below is documented in place with an `ORDERING:` comment.
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
-
-/// Where samples come from: `num_samples` samples, each `num_leaves` byte slices.
-pub trait SampleSource {
-    /// Number of samples.
-    fn num_samples(&self) -> usize;
-    /// Number of leaves sample `sample` has.
-    fn num_leaves(&self, sample: usize) -> usize;
-    /// The bytes of leaf `leaf` of sample `sample`.
-    fn leaf(&self, sample: usize, leaf: usize) -> &[u8];
-}
-
-/// One sample given leaf by leaf (the in-process `submit` path).
-#[derive(Debug, Clone, Copy)]
-pub struct Leaves<'a>(pub &'a [&'a [u8]]);
-
-impl SampleSource for Leaves<'_> {
-    fn num_samples(&self) -> usize {
-        1
-    }
-    fn num_leaves(&self, _sample: usize) -> usize {
-        self.0.len()
-    }
-    fn leaf(&self, _sample: usize, leaf: usize) -> &[u8] {
-        self.0[leaf]
-    }
-}
-
-/// Samples given as concatenated payloads (the wire format): each payload is every leaf's
-/// bytes back to back, in spec order.
-#[derive(Debug, Clone, Copy)]
-pub struct Payloads<'a> {
-    spec: &'a DataSpec,
-    payloads: &'a [&'a [u8]],
-}
-
-impl<'a> Payloads<'a> {
-    /// Checks that every payload is exactly `spec.payload_size()` bytes.
-    ///
-    /// # Errors
-    /// [`EchoError::PayloadSize`] naming the size of the first payload that is wrong.
-    pub fn new(spec: &'a DataSpec, payloads: &'a [&'a [u8]]) -> Result<Self, EchoError> {
-        if let Some(bad) = payloads.iter().find(|p| p.len() != spec.payload_size()) {
-            return Err(EchoError::PayloadSize { expected: spec.payload_size(), got: bad.len() });
-        }
-        Ok(Self { spec, payloads })
-    }
-}
-
-impl SampleSource for Payloads<'_> {
-    fn num_samples(&self) -> usize {
-        self.payloads.len()
-    }
-    fn num_leaves(&self, _sample: usize) -> usize {
-        self.spec.len()
-    }
-    fn leaf(&self, sample: usize, leaf: usize) -> &[u8] {
-        &self.payloads[sample][self.spec.leaf_range(leaf)]
-    }
-}
-
-/// Checks every sample of `src` against `spec`: leaf count and each leaf's byte size.
-///
-/// # Errors
-/// [`EchoError::LeafCount`] or [`EchoError::SizeMismatch`] for the first sample that is wrong.
-pub(crate) fn validate_source<S: SampleSource + ?Sized>(
-    spec: &DataSpec,
-    src: &S,
-) -> Result<(), EchoError> {
-    for sample in 0..src.num_samples() {
-        let got = src.num_leaves(sample);
-        if got != spec.len() {
-            return Err(EchoError::LeafCount { expected: spec.len(), got });
-        }
-        for (leaf, array) in spec.arrays().iter().enumerate() {
-            let got = src.leaf(sample, leaf).len();
-            if got != array.num_bytes() {
-                return Err(EchoError::SizeMismatch { leaf, expected: array.num_bytes(), got });
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Where the ingress puts samples: the FIFO [`Store`] or a replay table. Transports and the
-/// drainer pool only ever see this.
-pub trait Sink: Send + Sync + 'static {
-    /// The sample layout.
-    fn spec(&self) -> &DataSpec;
-    /// Inserts every sample of `src`, waiting for room until `deadline`.
-    ///
-    /// # Errors
-    /// As [`Store::insert`].
-    fn insert_samples(
-        &self,
-        src: &dyn SampleSource,
-        deadline: Option<Instant>,
-    ) -> Result<(), InsertError>;
-    /// Closes the sink: waiting inserts fail with [`InsertError::Closed`].
-    fn close(&self);
-}
 
 impl Sink for Store {
     fn spec(&self) -> &DataSpec {
@@ -155,37 +55,6 @@ impl Sink for Store {
     fn close(&self) {
         Store::close(self);
     }
-}
-
-/// Why an insert stopped early.
-#[derive(Debug, thiserror::Error)]
-pub enum InsertError {
-    /// The input does not match the spec; nothing was written.
-    #[error(transparent)]
-    Invalid(#[from] EchoError),
-    /// The store closed after `inserted` samples went in.
-    #[error("the server is closed ({inserted} samples were inserted before it closed)")]
-    Closed {
-        /// Samples committed before the store closed.
-        inserted: usize,
-    },
-    /// The deadline passed while waiting for space, after `inserted` samples went in.
-    #[error("timed out waiting for space in the ring ({inserted} samples were inserted)")]
-    TimedOut {
-        /// Samples committed before the deadline.
-        inserted: usize,
-    },
-}
-
-/// Why [`Consumer::sample`] returned no batch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum SampleError {
-    /// The store is closed.
-    #[error("the server is closed")]
-    Closed,
-    /// The deadline passed before a full batch was committed.
-    #[error("timed out waiting for a full batch")]
-    TimedOut,
 }
 
 /// A snapshot of the store's counters.
@@ -208,7 +77,7 @@ pub struct Store {
     /// (unregistered) before the ring memory is freed.
     #[cfg(not(loom))]
     pinned: crate::pinned::Pinning,
-    ring: RingBuf,
+    ring: Slots,
     spec: DataSpec,
     batch_size: usize,
     num_batches: usize,
@@ -230,9 +99,9 @@ pub struct Store {
     batch_ready: Signal,
     /// Writers wait here for free slots; the consumer notifies on every release.
     space_free: Signal,
-    notify_count: CachePadded<AtomicU64>,
+    notify_count: CachePadded<Counter>,
     /// Index of the batch the consumer holds, [`NOT_HELD`] if none: statistics only.
-    held_batch: AtomicU64,
+    held_batch: Counter,
     /// Zero-sized unless the `detailed-metrics` feature is on.
     metrics: StoreMetrics,
 }
@@ -256,15 +125,15 @@ impl Store {
         }
         if num_batches < 2 {
             return Err(EchoError::Config(format!(
-                "num_buffers must be >= 2 (one batch for the consumer, one for writers), got {num_batches}"
+                "a store needs at least 2 batches (one for the consumer, one for writers), got {num_batches}"
             )));
         }
         let capacity = batch_size.checked_mul(num_batches).ok_or_else(|| {
             EchoError::Config(format!(
-                "batch_size {batch_size} * num_buffers {num_batches} overflows"
+                "{num_batches} batches of {batch_size} samples overflow usize"
             ))
         })?;
-        let ring = RingBuf::new(&spec, capacity)?;
+        let ring = Slots::new(&spec, capacity)?;
         let commits = (0..num_batches).map(|_| CachePadded::new(AtomicUsize::new(0))).collect();
         Ok(Arc::new(Self {
             #[cfg(not(loom))]
@@ -281,8 +150,8 @@ impl Store {
             consumer_taken: AtomicBool::new(false),
             batch_ready: Signal::default(),
             space_free: Signal::default(),
-            notify_count: CachePadded::new(AtomicU64::new(0)),
-            held_batch: AtomicU64::new(NOT_HELD),
+            notify_count: CachePadded::new(Counter::default()),
+            held_batch: Counter::new(NOT_HELD),
             metrics: StoreMetrics::default(),
         }))
     }
@@ -302,26 +171,17 @@ impl Store {
         self.num_batches
     }
 
-    /// The single consumer handle, with FIFO sampling. `None` if one was already taken.
+    /// The single consumer handle. `None` if one was already taken.
     pub fn consumer(self: &Arc<Self>) -> Option<Consumer> {
-        self.consumer_with(Fifo::default(), Fifo::default())
-    }
-
-    /// The single consumer handle with the given strategies. `None` if one was already taken.
-    pub fn consumer_with<S: Sampler, R: Remover>(
-        self: &Arc<Self>,
-        sampler: S,
-        remover: R,
-    ) -> Option<Consumer<S, R>> {
         // ORDERING: Relaxed — the flag only has to be claimed once; it guards no other memory.
         if self.consumer_taken.swap(true, Relaxed) {
             return None;
         }
-        Some(Consumer { store: Arc::clone(self), sampler, remover, held: None })
+        Some(Consumer { store: Arc::clone(self), next: 0, held: None })
     }
 
     /// Closes the store: blocked and future inserts fail with `Closed`, the consumer's
-    /// `sample` returns [`SampleError::Closed`]. Idempotent.
+    /// `sample` returns [`EchoError::Closed`]. Idempotent.
     pub fn close(&self) {
         // ORDERING: Release/Acquire pair with the waiters' `is_closed` loads; the notifications
         // below take the signals' locks, so a waiter that checked before the store is parked.
@@ -341,8 +201,8 @@ impl Store {
     /// the spec before anything is written.
     ///
     /// # Errors
-    /// [`InsertError::Invalid`] (nothing written) if a sample's leaf count or a leaf's size is
-    /// wrong; [`InsertError::Closed`] / [`InsertError::TimedOut`] with the count written so far.
+    /// An input error ([`EchoError::LeafCount`], [`EchoError::SizeMismatch`]; nothing written),
+    /// or [`EchoError::Closed`] / [`EchoError::TimedOut`] with the count written so far.
     pub fn insert<S: SampleSource + ?Sized>(
         &self,
         src: &S,
@@ -352,11 +212,9 @@ impl Store {
         let total = src.num_samples();
         let mut inserted = 0;
         while inserted < total {
-            let (start, len) = match self.reserve(total - inserted, deadline) {
-                Ok(reserved) => reserved,
-                Err(SampleError::Closed) => return Err(InsertError::Closed { inserted }),
-                Err(SampleError::TimedOut) => return Err(InsertError::TimedOut { inserted }),
-            };
+            let (start, len) = self
+                .reserve(total - inserted, deadline)
+                .map_err(|error| InsertError::new(inserted, error))?;
             let copy_started = Stamp::now();
             for i in 0..len {
                 let slot = self.ring_slot(start + i as u64);
@@ -377,12 +235,12 @@ impl Store {
 
     /// Reserves up to `want` slots (at least one, never across a batch boundary). Returns the
     /// first absolute slot and the count.
-    fn reserve(&self, want: usize, deadline: Option<Instant>) -> Result<(u64, usize), SampleError> {
+    fn reserve(&self, want: usize, deadline: Option<Instant>) -> Result<(u64, usize), EchoError> {
         debug_assert!(want > 0);
         let batch_size = self.batch_size as u64;
         loop {
             if self.is_closed() {
-                return Err(SampleError::Closed);
+                return Err(EchoError::Closed);
             }
             // ORDERING: Relaxed — the CAS below only needs to hand out unique ranges; it fails
             // (and we retry) if this value is stale.
@@ -397,7 +255,7 @@ impl Store {
                     deadline,
                 );
                 if !ready {
-                    return Err(SampleError::TimedOut);
+                    return Err(EchoError::TimedOut);
                 }
                 continue;
             }
@@ -435,8 +293,7 @@ impl Store {
         let before = counter.fetch_add(len, Release);
         debug_assert!(before + len <= self.batch_size, "commit overflowed its batch");
         if before + len == self.batch_size {
-            // ORDERING: Relaxed — a statistics counter, read only for snapshots.
-            self.notify_count.fetch_add(1, Relaxed);
+            self.notify_count.add(1);
             // Exactly one writer sees the count reach `batch_size`, so one wake-up per batch.
             self.batch_ready.notify_one();
         }
@@ -459,8 +316,7 @@ impl Store {
     /// A snapshot of the counters. `store_size` counts committed samples in every batch the
     /// consumer does not hold.
     pub fn stats(&self) -> StoreStats {
-        // ORDERING: Relaxed — statistics; only the consumer stores it.
-        let held = self.held_batch.load(Relaxed);
+        let held = self.held_batch.get();
         let held_index = (held != NOT_HELD).then(|| self.batch_index(held));
         let store_size = (0..self.num_batches)
             .filter(|&i| Some(i) != held_index)
@@ -469,11 +325,10 @@ impl Store {
             .sum();
         StoreStats {
             store_size,
-            // ORDERING: Relaxed — statistics.
-            notify_count: self.notify_count.load(Relaxed),
-            // ORDERING: Relaxed — statistics.
+            notify_count: self.notify_count.get(),
+            // ORDERING: Relaxed — a snapshot of the cursors, not used to access slots.
             write_cursor: self.write_cursor.load(Relaxed),
-            // ORDERING: Relaxed — statistics.
+            // ORDERING: Relaxed — as above.
             read_cursor: self.read_cursor.load(Relaxed),
         }
     }
@@ -536,15 +391,15 @@ impl Store {
 /// The one consumer of a [`Store`]. Not `Clone` and `sample` takes `&mut self`, so two threads
 /// can never be inside it at once; share it behind a mutex if you must.
 #[derive(Debug)]
-pub struct Consumer<S: Sampler = Fifo, R: Remover = Fifo> {
+pub struct Consumer {
     store: Arc<Store>,
-    sampler: S,
-    remover: R,
+    /// Absolute index of the batch handed out next: batches go out in commit-slot order.
+    next: u64,
     /// The batch handed out by the last `sample`, given back on the next call or `release`.
     held: Option<u64>,
 }
 
-impl<S: Sampler, R: Remover> Consumer<S, R> {
+impl Consumer {
     /// The store this consumer reads.
     pub fn store(&self) -> &Arc<Store> {
         &self.store
@@ -556,13 +411,14 @@ impl<S: Sampler, R: Remover> Consumer<S, R> {
             return;
         };
         let store = &self.store;
-        // ORDERING: Relaxed — statistics only.
-        store.held_batch.store(NOT_HELD, Relaxed);
+        store.held_batch.set(NOT_HELD);
         // ORDERING: Relaxed — the Release store of `read_cursor` below publishes the reset to
         // every writer that can next increment this counter (they Acquire `read_cursor` first).
         store.commits[store.batch_index(batch)].store(0, Relaxed);
-        let read = self.remover.on_released(batch, store.batch_size);
-        debug_assert_eq!(read % store.batch_size as u64, 0, "read cursor moves in whole batches");
+        // FIFO: every slot below the end of the released batch may be rewritten. A whole
+        // number of batches, so a reservation (never across a batch boundary) is either
+        // entirely free or entirely busy.
+        let read = (batch + 1) * store.batch_size as u64;
         // ORDERING: Release pairs with the writers' Acquire in `has_space`: our reads of the
         // batch and the counter reset happen before any writer reuses the slots.
         store.read_cursor.store(read, Release);
@@ -575,25 +431,24 @@ impl<S: Sampler, R: Remover> Consumer<S, R> {
     /// full batch and holds it. Returns its absolute batch index.
     ///
     /// # Errors
-    /// [`SampleError::Closed`] once the store is closed, [`SampleError::TimedOut`] when the
+    /// [`EchoError::Closed`] once the store is closed, [`EchoError::TimedOut`] when the
     /// deadline passes first (nothing is lost: the same batch is awaited on the next call).
-    pub fn sample(&mut self, deadline: Option<Instant>) -> Result<u64, SampleError> {
+    pub fn sample(&mut self, deadline: Option<Instant>) -> Result<u64, EchoError> {
         self.release();
         let store = &self.store;
-        let batch = self.sampler.next_batch();
+        let batch = self.next;
         let ready = store
             .batch_ready
             .wait_until(|| store.is_closed() || store.is_committed(batch), deadline);
         if store.is_closed() {
-            return Err(SampleError::Closed);
+            return Err(EchoError::Closed);
         }
         if !ready {
-            return Err(SampleError::TimedOut);
+            return Err(EchoError::TimedOut);
         }
-        self.sampler.on_sampled(batch);
+        self.next = batch + 1;
         self.held = Some(batch);
-        // ORDERING: Relaxed — statistics only.
-        store.held_batch.store(batch, Relaxed);
+        store.held_batch.set(batch);
         Ok(batch)
     }
 

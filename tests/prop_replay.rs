@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use echo::replay::{RemoverKind, ReplayBatch, ReplayConfig, SamplerKind, Table};
-use echo::{ArraySpec, DataSpec, Leaves, SampleError};
+use echo::{ArraySpec, DataSpec, EchoError, Leaves};
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
@@ -150,7 +150,7 @@ fn run(case: &Case) -> Result<(), TestCaseError> {
                 if draws_left < b as u64 {
                     if model.items.is_empty() {
                         let now = Some(Instant::now());
-                        prop_assert_eq!(consumer.sample(now), Err(SampleError::TimedOut));
+                        prop_assert!(matches!(consumer.sample(now), Err(EchoError::TimedOut)));
                     }
                     continue;
                 }

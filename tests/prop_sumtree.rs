@@ -14,7 +14,7 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 
-use echo::sumtree::{SumTree, SumTreeError};
+use echo::replay::sumtree::{SumTree, SumTreeError};
 use proptest::prelude::*;
 
 /// A fixed-seed xorshift64* generator: uniforms in `[0, 1)` with 53 random bits.

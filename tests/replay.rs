@@ -15,7 +15,7 @@ use common::{decode, tagged_payload, tagged_spec};
 use echo::replay::{
     RateLimit, RemoverKind, ReplayBatch, ReplayConfig, ReplayConsumer, SamplerKind, Table,
 };
-use echo::{ArraySpec, DataSpec, Leaves, Payloads, SampleError};
+use echo::{ArraySpec, DataSpec, EchoError, Leaves, Payloads};
 
 /// Long enough for any healthy wait on a loaded 2-core machine; a deadlock hits it.
 const PATIENCE: Duration = Duration::from_secs(20);
@@ -164,10 +164,10 @@ fn max_times_sampled_hands_every_item_out_exactly_k_times() {
     assert!(counts.iter().all(|&c| c == 3), "{counts:?}");
     let stats = table.stats();
     assert_eq!((stats.size, stats.removed_max_times_sampled), (0, 100));
-    assert_eq!(
+    assert!(matches!(
         consumer.sample(Some(Instant::now() + Duration::from_millis(10))),
-        Err(SampleError::TimedOut)
-    );
+        Err(EchoError::TimedOut)
+    ));
 }
 
 /// The ids left in a table after inserting `0..inserts` (with `priority(id)`).
@@ -281,8 +281,8 @@ fn contend(
                     }
                 }
             }
-            Err(SampleError::TimedOut) if producers_done(&producers) => break,
-            Err(SampleError::TimedOut) => {}
+            Err(EchoError::TimedOut) if producers_done(&producers) => break,
+            Err(EchoError::TimedOut) => {}
             Err(err) => panic!("consumer: {err} after {:?}", started.elapsed()),
         }
     }
@@ -355,7 +355,7 @@ fn min_size_holds_sampling_back_until_the_table_is_big_enough() {
         put(&table, id, None);
     }
     let quick = Some(Instant::now() + Duration::from_millis(20));
-    assert_eq!(consumer.sample(quick), Err(SampleError::TimedOut));
+    assert!(matches!(consumer.sample(quick), Err(EchoError::TimedOut)));
     let stats = table.stats();
     assert_eq!(stats.size, 499);
     assert!(stats.sample_blocked_ns >= 15_000_000, "waited {} ns", stats.sample_blocked_ns);
@@ -374,7 +374,7 @@ fn blocked_inserts_are_timed_and_released_by_sampling() {
     let bytes = 9u64.to_le_bytes();
     let quick = Some(Instant::now() + Duration::from_millis(20));
     let err = table.insert(&Leaves(&[&bytes]), None, quick).unwrap_err();
-    assert!(matches!(err, echo::InsertError::TimedOut { inserted: 0 }), "{err}");
+    assert!(matches!(err, echo::InsertError { inserted: 0, error: EchoError::TimedOut }), "{err}");
     let writer = {
         let table = Arc::clone(&table);
         thread::spawn(move || put(&table, 4, None))

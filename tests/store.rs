@@ -7,7 +7,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use common::{decode, tagged_payload, tagged_spec};
-use echo::{ArraySpec, DataSpec, EchoError, InsertError, Leaves, Payloads, SampleError, Store};
+use echo::{ArraySpec, DataSpec, EchoError, InsertError, Leaves, Payloads, Store};
 
 fn read_batch(consumer: &echo::Consumer) -> [Vec<u8>; 3] {
     std::array::from_fn(|leaf| consumer.read_leaf(leaf, <[u8]>::to_vec))
@@ -41,11 +41,11 @@ fn a_partial_batch_is_not_handed_out() {
         let p = tagged_payload(0, seq);
         store.insert(&Payloads::new(store.spec(), &[&p[..]]).unwrap(), None).unwrap();
     }
-    assert_eq!(consumer.sample(soon()), Err(SampleError::TimedOut));
+    assert!(matches!(consumer.sample(soon()), Err(EchoError::TimedOut)));
     assert_eq!(consumer.stats().store_size, 3);
     let p = tagged_payload(0, 3);
     store.insert(&Payloads::new(store.spec(), &[&p[..]]).unwrap(), None).unwrap();
-    assert_eq!(consumer.sample(soon()), Ok(0));
+    assert_eq!(consumer.sample(soon()).unwrap(), 0);
     assert_eq!(consumer.stats().notify_count, 1);
     assert_eq!(consumer.stats().store_size, 0);
 }
@@ -62,13 +62,19 @@ fn invalid_samples_write_nothing() {
     assert!(
         matches!(
             err,
-            InsertError::Invalid(EchoError::SizeMismatch { leaf: 1, expected: 8, got: 7 })
+            InsertError {
+                inserted: 0,
+                error: EchoError::SizeMismatch { leaf: 1, expected: 8, got: 7 }
+            }
         ),
         "{err}"
     );
     let too_few: [&[u8]; 2] = [&[0; 4], &[0; 8]];
     let err = store.insert(&Leaves(&too_few), None).unwrap_err();
-    assert!(matches!(err, InsertError::Invalid(EchoError::LeafCount { expected: 3, got: 2 })));
+    assert!(matches!(
+        err,
+        InsertError { inserted: 0, error: EchoError::LeafCount { expected: 3, got: 2 } }
+    ));
     assert_eq!(store.stats().write_cursor, 0, "a rejected insert must not reserve slots");
 }
 
@@ -78,7 +84,7 @@ fn bad_configuration_is_an_error_not_a_panic() {
         matches!(Store::new(tagged_spec(), 0, 3), Err(EchoError::Config(m)) if m.contains("batch_size"))
     );
     assert!(
-        matches!(Store::new(tagged_spec(), 4, 1), Err(EchoError::Config(m)) if m.contains("num_buffers"))
+        matches!(Store::new(tagged_spec(), 4, 1), Err(EchoError::Config(m)) if m.contains("at least 2 batches"))
     );
     assert!(matches!(Store::new(tagged_spec(), usize::MAX, 2), Err(EchoError::Config(_))));
 }
@@ -102,14 +108,20 @@ fn a_full_ring_blocks_writers_until_the_consumer_moves_on() {
     for seq in 0..4 {
         insert(seq, None).unwrap();
     }
-    assert!(matches!(insert(4, soon()), Err(InsertError::TimedOut { inserted: 0 })));
-    assert_eq!(consumer.sample(None), Ok(0));
+    assert!(matches!(
+        insert(4, soon()),
+        Err(InsertError { inserted: 0, error: EchoError::TimedOut })
+    ));
+    assert_eq!(consumer.sample(None).unwrap(), 0);
     // The consumer still holds batch 0: the ring is still full.
-    assert!(matches!(insert(4, soon()), Err(InsertError::TimedOut { inserted: 0 })));
-    assert_eq!(consumer.sample(None), Ok(1)); // releases batch 0
+    assert!(matches!(
+        insert(4, soon()),
+        Err(InsertError { inserted: 0, error: EchoError::TimedOut })
+    ));
+    assert_eq!(consumer.sample(None).unwrap(), 1); // releases batch 0
     insert(4, soon()).unwrap();
     insert(5, soon()).unwrap();
-    assert_eq!(consumer.sample(None), Ok(2));
+    assert_eq!(consumer.sample(None).unwrap(), 2);
     let leaves = read_batch(&consumer);
     assert_eq!((decode(&leaves, 0), decode(&leaves, 1)), ((3, 4), (3, 5)));
 }
@@ -127,7 +139,7 @@ fn a_blocked_writer_is_woken_by_release() {
         })
     };
     for expected in 0..6u64 {
-        assert_eq!(consumer.sample(None), Ok(expected));
+        assert_eq!(consumer.sample(None).unwrap(), expected);
         assert_eq!(decode(&read_batch(&consumer), 0), (9, expected));
     }
     writer.join().unwrap().unwrap();
@@ -149,7 +161,7 @@ fn close_wakes_a_blocked_consumer() {
     let (rx, handle) = with_watchdog(move || consumer.sample(None));
     store.close();
     let result = rx.recv_timeout(Duration::from_secs(10)).expect("consumer was not woken by close");
-    assert_eq!(result, Err(SampleError::Closed));
+    assert!(matches!(result, Err(EchoError::Closed)));
     handle.join().unwrap();
 }
 
@@ -165,7 +177,10 @@ fn close_wakes_a_blocked_writer() {
     });
     store.close();
     let result = rx.recv_timeout(Duration::from_secs(10)).expect("writer was not woken by close");
-    assert!(matches!(result, Err(InsertError::Closed { inserted: 0 })), "{result:?}");
+    assert!(
+        matches!(result, Err(InsertError { inserted: 0, error: EchoError::Closed })),
+        "{result:?}"
+    );
     handle.join().unwrap();
 }
 
@@ -176,7 +191,7 @@ fn sample_after_close_returns_closed() {
     let p = tagged_payload(0, 0);
     store.insert(&Payloads::new(store.spec(), &[&p[..]]).unwrap(), None).unwrap();
     store.close();
-    assert_eq!(consumer.sample(None), Err(SampleError::Closed));
+    assert!(matches!(consumer.sample(None), Err(EchoError::Closed)));
     store.close(); // idempotent
 }
 
@@ -189,10 +204,10 @@ fn reservations_stop_at_batch_boundaries() {
     let refs: Vec<&[u8]> = payloads.iter().map(|p| &p[..]).collect();
     store.insert(&Payloads::new(store.spec(), &refs).unwrap(), None).unwrap();
     assert_eq!(store.stats().notify_count, 2);
-    assert_eq!(consumer.sample(soon()), Ok(0));
-    assert_eq!(consumer.sample(soon()), Ok(1));
+    assert_eq!(consumer.sample(soon()).unwrap(), 0);
+    assert_eq!(consumer.sample(soon()).unwrap(), 1);
     assert_eq!(decode(&read_batch(&consumer), 3), (1, 7));
-    assert_eq!(consumer.sample(soon()), Err(SampleError::TimedOut));
+    assert!(matches!(consumer.sample(soon()), Err(EchoError::TimedOut)));
     assert_eq!(consumer.stats().store_size, 2);
 }
 

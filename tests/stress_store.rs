@@ -53,7 +53,7 @@ fn run(batch_size: usize, num_batches: usize) {
         let mut next = vec![0u64; WRITERS as usize];
         let batches = total / batch_size as u64;
         for expected_batch in 0..batches {
-            assert_eq!(consumer.sample(None), Ok(expected_batch));
+            assert_eq!(consumer.sample(None).unwrap(), expected_batch);
             let leaves: [Vec<u8>; 3] =
                 std::array::from_fn(|l| consumer.read_leaf(l, <[u8]>::to_vec));
             for i in 0..batch_size {

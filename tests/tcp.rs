@@ -12,11 +12,11 @@ use std::time::{Duration, Instant};
 
 use common::{decode, tagged_payload, tagged_spec};
 use echo::ingress::IngressConfig;
-use echo::transport::client::{ClientError, TcpSender};
+use echo::transport::client::TcpSender;
 use echo::transport::tcp::TcpConfig;
 use echo::transport::wire::encode_handshake;
 use echo::transport::TcpIngress;
-use echo::{Consumer, SampleError, Store};
+use echo::{Consumer, EchoError, Store};
 
 const TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -40,7 +40,7 @@ fn connect(addr: SocketAddr, max_inflight: u64) -> TcpSender {
     TcpSender::connect("127.0.0.1", addr.port(), max_inflight, TIMEOUT).unwrap()
 }
 
-fn send_tagged(client: &mut TcpSender, producer: u32, seq: u64) -> Result<(), ClientError> {
+fn send_tagged(client: &mut TcpSender, producer: u32, seq: u64) -> Result<(), EchoError> {
     let p = tagged_payload(producer, seq);
     client.send(&[&p[..4], &p[4..12], &p[12..]], Some(Instant::now() + TIMEOUT))
 }
@@ -182,7 +182,7 @@ fn connections_beyond_the_limit_are_refused_cleanly() {
     let mut a = connect(addr, 8);
     let _b = connect(addr, 8);
     match TcpSender::connect("127.0.0.1", addr.port(), 8, TIMEOUT) {
-        Err(ClientError::Closed(msg)) => assert!(msg.contains("handshake"), "{msg}"),
+        Err(EchoError::Disconnected(msg)) => assert!(msg.contains("handshake"), "{msg}"),
         Err(other) => panic!("expected a clean refusal, got {other:?}"),
         Ok(_) => panic!("a third connection was accepted with max_connections = 2"),
     }
@@ -210,7 +210,7 @@ fn shutdown_with_live_connections_unblocks_everyone() {
                     seq += 1;
                     assert!(seq < 1_000_000, "never blocked");
                 };
-                assert!(matches!(err, ClientError::Closed(_)), "{err:?}");
+                assert!(matches!(err, EchoError::Disconnected(_)), "{err:?}");
             })
         })
         .collect();
@@ -228,7 +228,7 @@ fn shutdown_with_live_connections_unblocks_everyone() {
     for s in senders {
         s.join().unwrap();
     }
-    assert_eq!(consumer.sample(None), Err(SampleError::Closed));
+    assert!(matches!(consumer.sample(None), Err(EchoError::Closed)));
 }
 
 #[test]
@@ -270,11 +270,11 @@ fn a_stalled_large_write_resumes_where_it_stopped() {
             loop {
                 match client.send(&[&payload], Some(Instant::now() + Duration::from_millis(5))) {
                     Ok(()) => break,
-                    Err(ClientError::Stalled) => {
+                    Err(EchoError::Stalled) => {
                         stalls += 1;
                         let _ = stalled_tx.send(());
                     }
-                    Err(ClientError::TimedOut) => assert_eq!(client.in_progress(), 0),
+                    Err(EchoError::TimedOut) => assert_eq!(client.in_progress(), 0),
                     Err(e) => panic!("{e:?}"),
                 }
             }

@@ -5,6 +5,10 @@ from typing import Any, Final, final
 import numpy as np
 import numpy.typing as npt
 
+from echo._pytree import TreeLayout
+from echo.server import _ServerConfig  # pyright: ignore[reportPrivateUsage]
+from echo.transport import TcpTransport
+
 __version__: Final[str]
 RING_ALIGN: Final[int]
 DETAILED_METRICS: Final[bool]
@@ -109,22 +113,19 @@ class RingLease:
     """The numpy `base` of every batch view: keeps the ring memory alive."""
 
 @final
-class RingServer:
-    """The native half of `echo.Server`: flattened leaves in, batches of views out."""
+class ServerCore:
+    """The native half of `echo.Server`, over the FIFO ring or a replay table: flattened
+    leaves in, batches of views out."""
 
-    def __new__(
-        cls,
-        shapes: list[tuple[int, ...]],
-        dtypes: list[np.dtype[Any]],
-        names: list[str],
-        batch_size: int,
-        num_buffers: int,
-        flat_keys: list[str] | None = None,
-    ) -> RingServer: ...
+    def __new__(cls, layout: TreeLayout, config: _ServerConfig) -> ServerCore: ...
     @property
     def batch_size(self) -> int: ...
     @property
-    def num_buffers(self) -> int: ...
+    def num_buffers(self) -> int | None:
+        """Batches the FIFO ring holds; `None` for a replay table."""
+    @property
+    def max_size(self) -> int | None:
+        """Items a replay table holds; `None` for the FIFO ring."""
     @property
     def payload_size(self) -> int: ...
     @property
@@ -132,70 +133,8 @@ class RingServer:
     @property
     def pinned(self) -> bool: ...
     def pin_host_memory(self, cuda_runtimes: list[str]) -> None:
-        """Page-locks the ring with cudaHostRegister (RuntimeError if CUDA is unavailable)."""
-    def start_tcp(
-        self,
-        host: str,
-        port: int,
-        num_threads: int,
-        max_connections: int,
-        num_drainers: int,
-        queue_size: int,
-    ) -> int:
-        """Starts the drainers and the TCP server; returns the bound port."""
-    def submit(self, leaves: list[Any], timeout: float | None = None) -> None: ...
-    def submit_flat(self, sample: object, timeout: float | None = None) -> bool: ...
-    def sample(
-        self, timeout: float | None = None, copy: bool = False
-    ) -> tuple[list[npt.NDArray[Any]], SampleInfo] | None: ...
-    def stats(self) -> SampleInfo: ...
-    def reset_histograms(self) -> None: ...
-    def close(self) -> None: ...
-
-@final
-class ReplayTable:
-    """The native half of `echo.Server` with a replay sampler: items in, gathered batches out."""
-
-    def __new__(
-        cls,
-        shapes: list[tuple[int, ...]],
-        dtypes: list[np.dtype[Any]],
-        names: list[str],
-        batch_size: int,
-        max_size: int,
-        sampler: str,
-        exponent: float,
-        remover: str,
-        limiter: str,
-        samples_per_insert: float,
-        min_size: int,
-        min_diff: float,
-        max_diff: float,
-        max_times_sampled: int,
-        seed: int | None = None,
-        flat_keys: list[str] | None = None,
-    ) -> ReplayTable: ...
-    @property
-    def batch_size(self) -> int: ...
-    @property
-    def max_size(self) -> int: ...
-    @property
-    def payload_size(self) -> int: ...
-    @property
-    def closed(self) -> bool: ...
-    @property
-    def pinned(self) -> bool: ...
-    def pin_host_memory(self, cuda_runtimes: list[str]) -> None:
-        """Page-locks the batch area with cudaHostRegister (RuntimeError if CUDA is unavailable)."""
-    def start_tcp(
-        self,
-        host: str,
-        port: int,
-        num_threads: int,
-        max_connections: int,
-        num_drainers: int,
-        queue_size: int,
-    ) -> int:
+        """Page-locks the batch memory with cudaHostRegister (RuntimeError without CUDA)."""
+    def start(self, transport: TcpTransport) -> int:
         """Starts the drainers and the TCP server; returns the bound port."""
     def submit(
         self, leaves: list[Any], timeout: float | None = None, priority: float | None = None
@@ -205,7 +144,9 @@ class ReplayTable:
     ) -> bool: ...
     def sample(
         self, timeout: float | None = None, copy: bool = False
-    ) -> tuple[list[npt.NDArray[Any]], SampleInfo] | None: ...
+    ) -> tuple[list[npt.NDArray[Any]], SampleInfo, tuple[npt.NDArray[Any], ...]] | None:
+        """`(leaves, info, meta)`; `meta` is `(keys, probabilities, times_sampled)` for a
+        replay table and `()` for FIFO."""
     def update_priorities(
         self, keys: npt.NDArray[np.uint64], priorities: npt.NDArray[np.float64]
     ) -> int:
@@ -215,6 +156,8 @@ class ReplayTable:
     def stats(self) -> SampleInfo: ...
     def reset_histograms(self) -> None: ...
     def close(self) -> None: ...
+    def describe(self) -> str:
+        """`num_buffers=3` or `max_size=100, sampler=Uniform()`."""
 
 @final
 class TcpSender:
@@ -224,12 +167,9 @@ class TcpSender:
         cls,
         host: str,
         port: int,
-        shapes: list[tuple[int, ...]],
-        dtypes: list[np.dtype[Any]],
-        names: list[str],
+        layout: TreeLayout,
         max_inflight: int,
         connect_timeout: float,
-        flat_keys: list[str] | None = None,
     ) -> TcpSender: ...
     def send(self, leaves: list[Any], timeout: float | None = None) -> None: ...
     def send_flat(self, sample: object, timeout: float | None = None) -> bool: ...
@@ -245,3 +185,6 @@ class TcpSender:
 def _interpreter_exiting() -> None: ...
 def reset_log_cache() -> None:
     """Forgets the cached Python logger levels (call after changing `logging` levels)."""
+
+def check_strategy(strategy: object) -> None:
+    """Checks a replay strategy's values (ValueError saying what is wrong)."""

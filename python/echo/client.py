@@ -44,17 +44,7 @@ class TcpClient:
     ) -> None:
         max_inflight_msgs = check_int("max_inflight_msgs", max_inflight_msgs, 1)
         self._layout = TreeLayout(data_sample)
-        leaves = self._layout.leaves
-        self._sender = TcpSender(
-            host,
-            port,
-            [leaf.shape for leaf in leaves],
-            [leaf.dtype for leaf in leaves],
-            [leaf.name for leaf in leaves],
-            max_inflight_msgs,
-            connect_timeout,
-            self._layout.flat_keys,
-        )
+        self._sender = TcpSender(host, port, self._layout, max_inflight_msgs, connect_timeout)
         self._closed = False
 
     def send(self, sample: Any, *, timeout: float | None = None) -> None:

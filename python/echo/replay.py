@@ -8,9 +8,9 @@ that are drawn many times, with DeepMind Reverb's semantics.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+from echo._echo import check_strategy
 from echo._validate import check_int
 
 __all__ = [
@@ -67,12 +67,8 @@ class Prioritized:
     exponent: float = 0.6
 
     def __post_init__(self) -> None:
-        exponent = _check_float("Prioritized(exponent)", self.exponent)
-        if not (math.isfinite(exponent) and exponent >= 0.0):
-            raise ValueError(
-                f"Prioritized(exponent): exponent must be a finite number >= 0, got {exponent}"
-            )
-        object.__setattr__(self, "exponent", exponent)
+        object.__setattr__(self, "exponent", _check_float("Prioritized(exponent)", self.exponent))
+        check_strategy(self)
 
 
 @dataclass(frozen=True)
@@ -121,25 +117,11 @@ class SampleToInsertRatio:
 
     def __post_init__(self) -> None:
         spi = _check_float("SampleToInsertRatio(samples_per_insert)", self.samples_per_insert)
-        if not (math.isfinite(spi) and spi > 0.0):
-            raise ValueError(
-                f"SampleToInsertRatio: samples_per_insert must be a finite number > 0, got {spi}"
-            )
         object.__setattr__(self, "samples_per_insert", spi)
         min_size = check_int("SampleToInsertRatio(min_size_to_sample)", self.min_size_to_sample, 1)
         object.__setattr__(self, "min_size_to_sample", min_size)
-        low, high = self.window
-        if not (math.isfinite(low) and math.isfinite(high)):
-            raise ValueError(
-                f"SampleToInsertRatio: error_buffer must be finite, got {self.error_buffer}"
-            )
-        need = 2.0 * max(1.0, spi)
-        if high - low < need:
-            raise ValueError(
-                f"SampleToInsertRatio: the error buffer must span at least 2 * max(1, "
-                f"samples_per_insert) = {need} (error_buffer >= {need / 2}), got "
-                f"{self.error_buffer}; a narrower window blocks inserts and samples forever"
-            )
+        self.window  # noqa: B018 -- checks error_buffer's type and shape
+        check_strategy(self)  # the values: positive ratio, a wide enough finite window
 
     @property
     def window(self) -> tuple[float, float]:

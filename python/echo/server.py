@@ -3,30 +3,18 @@
 from __future__ import annotations
 
 import glob
-import math
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
-from echo._echo import ReplayTable, RingServer, SampleInfo, ServerClosedError
+from echo._echo import SampleInfo, ServerClosedError, ServerCore
 from echo._pytree import TreeLayout
 from echo._validate import check_int
-from echo.replay import (
-    Fifo,
-    Lifo,
-    MinPriority,
-    MinSize,
-    Prioritized,
-    Queue,
-    RateLimiter,
-    Remover,
-    Sampler,
-    SampleToInsertRatio,
-    Uniform,
-)
+from echo.replay import Fifo, RateLimiter, Remover, Sampler
 from echo.transport import TcpTransport
 
 __all__ = ["Sample", "Server"]
@@ -90,49 +78,21 @@ class Sample(_Batch):
         return self
 
 
-def _check_strategies(sampler: object, remover: object, rate_limiter: object) -> None:
-    """TypeError unless each is one of its strategy classes (callers without a type checker
-    pass anything)."""
-    if not isinstance(sampler, (Fifo, Lifo, Uniform, Prioritized)):
-        raise TypeError(
-            "sampler must be Fifo(), Lifo(), Uniform() or Prioritized(exponent), "
-            f"got {type(sampler).__name__}"
-        )
-    if remover is not None and not isinstance(remover, (Fifo, Lifo, MinPriority)):
-        raise TypeError(
-            f"remover must be Fifo(), Lifo() or MinPriority(), got {type(remover).__name__}"
-        )
-    if rate_limiter is not None and not isinstance(
-        rate_limiter, (MinSize, SampleToInsertRatio, Queue)
-    ):
-        raise TypeError(
-            "rate_limiter must be MinSize(n), SampleToInsertRatio(...) or Queue(size), "
-            f"got {type(rate_limiter).__name__}"
-        )
+@dataclass(frozen=True)
+class _ServerConfig:
+    """`Server`'s arguments as `ServerCore` reads them (src/python/config.rs): their types
+    checked here, their values and how they combine checked natively, in one place."""
 
-
-def _sampler_args(sampler: Sampler) -> tuple[str, float]:
-    """`(kind, exponent)` for `ReplayTable`."""
-    if isinstance(sampler, Prioritized):
-        return ("prioritized", sampler.exponent)
-    return ("lifo" if isinstance(sampler, Lifo) else "uniform", 0.0)
-
-
-def _remover_arg(remover: Remover | None) -> str:
-    """The remover's name for `ReplayTable` (FIFO when not given)."""
-    if isinstance(remover, MinPriority):
-        return "min_priority"
-    return "lifo" if isinstance(remover, Lifo) else "fifo"
-
-
-def _limiter_args(limiter: RateLimiter) -> tuple[str, float, int, float, float]:
-    """`(kind, samples_per_insert, min_size, min_diff, max_diff)` for `ReplayTable`."""
-    if isinstance(limiter, MinSize):
-        return ("min_size", 1.0, limiter.min_size, -math.inf, math.inf)
-    if isinstance(limiter, Queue):
-        return ("queue", 1.0, limiter.size, 0.0, float(limiter.size))
-    low, high = limiter.window
-    return ("ratio", limiter.samples_per_insert, limiter.min_size_to_sample, low, high)
+    batch_size: int
+    num_buffers: int
+    num_drainers: int
+    producer_queue_size: int
+    sampler: Sampler
+    remover: Remover | None
+    rate_limiter: RateLimiter | None
+    max_size: int | None
+    max_times_sampled: int
+    seed: int | None
 
 
 def _keys_array(keys: Any) -> npt.NDArray[np.uint64]:
@@ -215,53 +175,25 @@ class Server:
         max_times_sampled: int = 0,
         seed: int | None = None,
     ) -> None:
-        batch_size = check_int("batch_size", batch_size, 1)
-        num_buffers = check_int("num_buffers", num_buffers, 2)
-        max_times_sampled = check_int("max_times_sampled", max_times_sampled, 0, 2**32 - 1)
-        if seed is not None:
-            seed = check_int("seed", seed, 0, 2**64 - 1)
-        self._num_drainers = check_int("num_drainers", num_drainers, 1)
-        self._producer_queue_size = check_int("producer_queue_size", producer_queue_size, 1)
+        config = _ServerConfig(
+            batch_size=check_int("batch_size", batch_size, 1),
+            num_buffers=check_int("num_buffers", num_buffers, 2),
+            num_drainers=check_int("num_drainers", num_drainers, 1),
+            producer_queue_size=check_int("producer_queue_size", producer_queue_size, 1),
+            sampler=Fifo() if sampler is None else sampler,
+            remover=remover,
+            rate_limiter=rate_limiter,
+            max_size=None if max_size is None else check_int("max_size", max_size, 1),
+            max_times_sampled=check_int("max_times_sampled", max_times_sampled, 0, 2**32 - 1),
+            seed=None if seed is None else check_int("seed", seed, 0, 2**64 - 1),
+        )
         if transport is not None and not isinstance(transport, TcpTransport):
             raise TypeError(
                 f"transport must be a TcpTransport or None, got {type(transport).__name__}"
             )
-        sampler = Fifo() if sampler is None else sampler
-        _check_strategies(sampler, remover, rate_limiter)
         self._layout = TreeLayout(example)
-        leaves = self._layout.leaves
-        shapes = [leaf.shape for leaf in leaves]
-        dtypes = [leaf.dtype for leaf in leaves]
-        names = [leaf.name for leaf in leaves]
-        flat_keys = self._layout.flat_keys
-        self._replay = not isinstance(sampler, Fifo)
-        self._sampler: Sampler = sampler
-        self._core: RingServer | ReplayTable
-        if not self._replay:
-            num_buffers = _fifo_num_buffers(
-                batch_size, num_buffers, remover, max_size, rate_limiter, max_times_sampled, seed
-            )
-            self._core = RingServer(shapes, dtypes, names, batch_size, num_buffers, flat_keys)
-        else:
-            if max_size is None:
-                raise ValueError(
-                    f"max_size is required with sampler={sampler}: the table pre-allocates "
-                    "max_size items (e.g. max_size=1_000_000)"
-                )
-            max_size = check_int("max_size", max_size, batch_size)
-            self._core = ReplayTable(
-                shapes,
-                dtypes,
-                names,
-                batch_size,
-                max_size,
-                *_sampler_args(sampler),
-                _remover_arg(remover),
-                *_limiter_args(MinSize(1) if rate_limiter is None else rate_limiter),
-                max_times_sampled,
-                seed,
-                flat_keys,
-            )
+        self._sampler: Sampler = config.sampler
+        self._core = ServerCore(self._layout, config)
         if pin_host_memory:
             try:
                 self._core.pin_host_memory(_cuda_runtime_candidates())
@@ -279,14 +211,12 @@ class Server:
     @property
     def num_buffers(self) -> int | None:
         """Batches the FIFO ring holds; `None` with a replay sampler."""
-        core = self._core
-        return core.num_buffers if isinstance(core, RingServer) else None
+        return self._core.num_buffers
 
     @property
     def max_size(self) -> int | None:
         """Items a replay table holds; `None` for the FIFO ring."""
-        core = self._core
-        return core.max_size if isinstance(core, ReplayTable) else None
+        return self._core.max_size
 
     @property
     def sampler(self) -> Sampler:
@@ -321,14 +251,7 @@ class Server:
         transport = self._transport
         if transport is None or self._port is not None:
             return
-        self._port = self._core.start_tcp(
-            transport.host,
-            transport.port,
-            transport.num_threads,
-            transport.max_connections,
-            self._num_drainers,
-            self._producer_queue_size,
-        )
+        self._port = self._core.start(transport)
 
     def submit(
         self, sample: Any, *, timeout: float | None = None, priority: float | None = None
@@ -353,13 +276,8 @@ class Server:
         """
         core = self._core
         try:
-            if isinstance(core, RingServer):
-                if priority is not None:
-                    raise ValueError("priority= needs a replay sampler; this server is FIFO")
-                # A flat-dict sample is looked up natively; anything else is flattened here.
-                if not core.submit_flat(sample, timeout):
-                    core.submit(self._layout.flatten(sample), timeout)
-            elif not core.submit_flat(sample, timeout, priority):
+            # A flat-dict sample is looked up natively; anything else is flattened here.
+            if not core.submit_flat(sample, timeout, priority):
                 core.submit(self._layout.flatten(sample), timeout, priority)
         except TypeError:
             self._layout.check_structure(sample)  # a nested container is a structure error
@@ -382,11 +300,8 @@ class Server:
         got = self._core.sample(timeout, copy)
         if got is None:
             return None
-        leaves, info = got
-        if not self._replay:
-            return Sample(self._layout.unflatten(leaves), info)
-        keys, probabilities, times_sampled = leaves[-3:]
-        return Sample(self._layout.unflatten(leaves[:-3]), info, keys, probabilities, times_sampled)
+        leaves, info, meta = got  # meta: (keys, probabilities, times_sampled), or () for FIFO
+        return Sample(self._layout.unflatten(leaves), info, *meta)
 
     def update_priorities(self, keys: Any, priorities: Any) -> int:
         """Sets the priorities of the items with `keys` (from `Sample.keys`); the next batch
@@ -405,10 +320,7 @@ class Server:
             ValueError: Shapes differ, a priority is negative, NaN or too large (naming its
                 index; nothing is updated then), or the server is FIFO.
         """
-        core = self._core
-        if not isinstance(core, ReplayTable):
-            raise ValueError("update_priorities() needs a replay sampler; this server is FIFO")
-        return core.update_priorities(_keys_array(keys), _priorities_array(priorities))
+        return self._core.update_priorities(_keys_array(keys), _priorities_array(priorities))
 
     def dataset_iter(self, *, copy: bool = False) -> Iterator[Sample]:
         """Yields batches until the server is closed.
@@ -441,47 +353,7 @@ class Server:
         self.close()
 
     def __repr__(self) -> str:
-        size = (
-            f"max_size={self.max_size}, sampler={self._sampler}"
-            if self._replay
-            else f"num_buffers={self.num_buffers}"
-        )
         return (
-            f"Server(batch_size={self.batch_size}, {size}, "
+            f"Server(batch_size={self.batch_size}, {self._core.describe()}, "
             f"leaves={len(self._layout.leaves)}, closed={self.closed})"
         )
-
-
-def _fifo_num_buffers(
-    batch_size: int,
-    num_buffers: int,
-    remover: Remover | None,
-    max_size: int | None,
-    rate_limiter: RateLimiter | None,
-    max_times_sampled: int,
-    seed: int | None,
-) -> int:
-    """Checks the replay-only arguments against the FIFO ring; returns its batch count."""
-    needs_replay = "needs a replay sampler (Uniform(), Prioritized(), Lifo())"
-    if remover is not None and not isinstance(remover, Fifo):
-        raise ValueError(
-            f"remover={remover} {needs_replay}: the FIFO ring frees each batch once read"
-        )
-    if max_size is not None:
-        raise ValueError(
-            f"max_size {needs_replay}; the FIFO ring holds num_buffers * batch_size samples"
-        )
-    if max_times_sampled not in (0, 1):
-        raise ValueError(
-            f"max_times_sampled={max_times_sampled} {needs_replay}: FIFO hands out each sample once"
-        )
-    if seed is not None:
-        raise ValueError(f"seed {needs_replay}: FIFO sampling is not random")
-    if rate_limiter is None:
-        return num_buffers
-    if not isinstance(rate_limiter, Queue):
-        raise ValueError(
-            f"rate_limiter={rate_limiter} {needs_replay}: the FIFO ring hands out each sample "
-            "once, as soon as a full batch is in; use Queue(size) to size it"
-        )
-    return max(2, -(-rate_limiter.size // batch_size))

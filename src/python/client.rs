@@ -4,30 +4,22 @@
 
 use std::time::{Duration, Instant};
 
-use numpy::{PyArrayDescr, PyUntypedArray};
+use numpy::PyUntypedArray;
 use parking_lot::Mutex;
-use pyo3::exceptions::{PyTimeoutError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PySequence, PyString};
+use pyo3::types::PySequence;
 
-use super::errors::ConnectionClosedError;
+use super::config::LayoutArg;
+use super::errors::{error_in, to_pyerr, Call};
 use super::leaves::{byte_slices, py_shape, LeafSpecs};
 use super::{deadline_from_timeout, detach, wait_detached};
+use crate::error::EchoError;
 use crate::spec::DataSpec;
-use crate::transport::client::{ClientError, TcpSender};
+use crate::transport::client::TcpSender;
 
 /// Samples at or above this many bytes are written with the GIL released.
 const DETACH_WRITE_BYTES: usize = 64 * 1024;
-
-fn client_error(err: ClientError) -> PyErr {
-    match err {
-        ClientError::Protocol(msg) => PyValueError::new_err(msg),
-        ClientError::Closed(msg) => ConnectionClosedError::new_err(msg),
-        ClientError::TimedOut => PyTimeoutError::new_err("timed out waiting for acknowledgements"),
-        ClientError::Stalled => PyTimeoutError::new_err("timed out in the middle of a sample"),
-        ClientError::Io(err) => err.into(),
-    }
-}
 
 /// A connection to an echo server that sends samples given as flattened leaves.
 #[pyclass(frozen, module = "echo._echo", name = "TcpSender")]
@@ -40,18 +32,13 @@ pub(crate) struct PyTcpSender {
 impl PyTcpSender {
     /// Connects to `host:port` and checks that the server stores samples shaped like ours.
     #[new]
-    #[pyo3(signature = (host, port, shapes, dtypes, names, max_inflight, connect_timeout, flat_keys=None))]
-    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         host: String,
         port: u16,
-        shapes: Vec<Vec<usize>>,
-        dtypes: Vec<Bound<'_, PyArrayDescr>>,
-        names: Vec<String>,
+        layout: LayoutArg<'_>,
         max_inflight: u64,
         connect_timeout: f64,
-        flat_keys: Option<Vec<Bound<'_, PyString>>>,
     ) -> PyResult<Self> {
         if max_inflight == 0 {
             return Err(PyValueError::new_err("max_inflight_msgs must be >= 1, got 0"));
@@ -61,10 +48,10 @@ impl PyTcpSender {
                 "connect_timeout must be a positive number of seconds, got {connect_timeout}"
             )));
         }
-        let leaves = LeafSpecs::new(shapes, dtypes, names, flat_keys)?;
+        let leaves = LeafSpecs::new(layout)?;
         let timeout = Duration::from_secs_f64(connect_timeout);
         let sender = detach(py, || TcpSender::connect(&host, port, max_inflight, timeout))
-            .map_err(client_error)?;
+            .map_err(to_pyerr)?;
         check_server_spec(&leaves, sender.spec(), &host, port)?;
         Ok(Self { leaves, sender: Mutex::new(sender) })
     }
@@ -106,14 +93,11 @@ impl PyTcpSender {
         let done = wait_detached(py, deadline, |slice_end| {
             let sender = sender.try_lock_until(slice_end)?;
             match sender.wait(Some(slice_end)) {
-                Err(ClientError::TimedOut) => None,
+                Err(EchoError::TimedOut) => None,
                 other => Some(other),
             }
         })?;
-        match done {
-            Some(result) => result.map_err(client_error),
-            None => Err(client_error(ClientError::TimedOut)),
-        }
+        done.unwrap_or(Err(EchoError::TimedOut)).map_err(|e| error_in(Call::Wait, e))
     }
 
     /// Flushes (waits for the acks of everything sent, at most `timeout` seconds), then closes
@@ -127,7 +111,7 @@ impl PyTcpSender {
         let flushed = wait_detached(py, deadline, |slice_end| {
             let sender = sender.try_lock_until(slice_end)?;
             match sender.wait(Some(slice_end)) {
-                Err(ClientError::TimedOut) => None,
+                Err(EchoError::TimedOut) => None,
                 Ok(()) => Some(true),
                 Err(_) => Some(false),
             }
@@ -170,8 +154,8 @@ impl PyTcpSender {
                 match sender.send(&slices, Some(Instant::now())) {
                     // No room yet, or the socket filled mid-sample: the loop below waits, and
                     // resumes a started sample where it stopped.
-                    Err(ClientError::TimedOut | ClientError::Stalled) => {}
-                    other => return other.map_err(client_error),
+                    Err(EchoError::TimedOut | EchoError::Stalled) => {}
+                    other => return other.map_err(|e| error_in(Call::Send, e)),
                 }
             }
         }
@@ -181,16 +165,16 @@ impl PyTcpSender {
             let done = wait_detached(py, deadline, |slice_end| {
                 let mut sender = sender.try_lock_until(slice_end)?;
                 match sender.send(&slices, Some(slice_end)) {
-                    Err(ClientError::TimedOut | ClientError::Stalled) => None,
+                    Err(EchoError::TimedOut | EchoError::Stalled) => None,
                     other => Some(other),
                 }
             });
             match done {
-                Ok(Some(result)) => return result.map_err(client_error),
+                Ok(Some(result)) => return result.map_err(|e| error_in(Call::Send, e)),
                 // The user's timeout only bounds the wait for window room: a sample whose
                 // first bytes are on the wire is finished (or the stream would be misaligned).
                 Ok(None) if sender.lock().in_progress() > 0 => deadline = None,
-                Ok(None) => return Err(client_error(ClientError::TimedOut)),
+                Ok(None) => return Err(error_in(Call::Send, EchoError::TimedOut)),
                 Err(interrupted) => {
                     let mut sender = sender.lock();
                     if sender.in_progress() > 0 {

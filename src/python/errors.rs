@@ -1,8 +1,9 @@
 //! The exception hierarchy and the one mapping from core errors to Python exceptions.
 //!
 //! Builtins users already catch are the bases: a closed server is a `RuntimeError`, a lost
-//! peer a `ConnectionError`, bad sizes a `ValueError`, allocation failure a `MemoryError`,
-//! operating-system failures the matching `OSError` subclass.
+//! peer a `ConnectionError`, bad sizes and layouts a `ValueError`, a deadline a
+//! `TimeoutError`, allocation failure a `MemoryError`, operating-system failures the matching
+//! `OSError` subclass. Every other binding module goes through [`to_pyerr`] or [`error_in`].
 
 use pyo3::exceptions::{
     PyConnectionError, PyMemoryError, PyRuntimeError, PyTimeoutError, PyValueError,
@@ -10,7 +11,6 @@ use pyo3::exceptions::{
 use pyo3::prelude::*;
 
 use crate::error::EchoError;
-use crate::store::{InsertError, SampleError};
 
 pyo3::create_exception!(
     echo._echo,
@@ -25,31 +25,67 @@ pyo3::create_exception!(
     "The connection to the peer is closed (by `close()` or because the peer went away)."
 );
 
-/// Converts a core error into the Python exception a user expects.
+/// The Python call an error happened in: it names the call in messages about the call itself
+/// (closed, timed out), and says what the call was waiting for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Call {
+    Start,
+    Submit,
+    Sample,
+    Send,
+    Wait,
+}
+
+impl Call {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Start => "start()",
+            Self::Submit => "submit()",
+            Self::Sample => "sample()",
+            Self::Send => "send()",
+            Self::Wait => "wait()",
+        }
+    }
+
+    fn timed_out(self) -> &'static str {
+        match self {
+            Self::Start => "timed out",
+            Self::Submit => "timed out waiting for space (or for the rate limiter)",
+            Self::Sample => "no full batch arrived before the timeout",
+            Self::Send | Self::Wait => "timed out waiting for acknowledgements",
+        }
+    }
+}
+
+/// A core error raised by `call`, as the exception a Python user expects.
+pub(crate) fn error_in(call: Call, err: EchoError) -> PyErr {
+    match err {
+        EchoError::Closed => {
+            ServerClosedError::new_err(format!("{}: the server is closed", call.name()))
+        }
+        EchoError::TimedOut => {
+            PyTimeoutError::new_err(format!("{}: {}", call.name(), call.timed_out()))
+        }
+        EchoError::Stalled => {
+            PyTimeoutError::new_err(format!("{}: timed out in the middle of a sample", call.name()))
+        }
+        other => to_pyerr(other),
+    }
+}
+
+/// A core error as the exception a Python user expects (messages as the core words them).
 pub(crate) fn to_pyerr(err: EchoError) -> PyErr {
     match err {
         EchoError::Config(_)
         | EchoError::SizeMismatch { .. }
         | EchoError::PayloadSize { .. }
         | EchoError::LeafCount { .. }
-        | EchoError::Priority(_) => PyValueError::new_err(err.to_string()),
+        | EchoError::Priority(_)
+        | EchoError::Protocol(_) => PyValueError::new_err(err.to_string()),
         EchoError::OutOfMemory { .. } => PyMemoryError::new_err(err.to_string()),
         EchoError::Closed => ServerClosedError::new_err(err.to_string()),
+        EchoError::TimedOut | EchoError::Stalled => PyTimeoutError::new_err(err.to_string()),
+        EchoError::Disconnected(msg) => ConnectionClosedError::new_err(msg),
         EchoError::Io(io) => io.into(),
     }
-}
-
-pub(crate) fn insert_error(err: InsertError) -> PyErr {
-    match err {
-        InsertError::Invalid(e) => to_pyerr(e),
-        InsertError::Closed { .. } => ServerClosedError::new_err("submit(): the server is closed"),
-        InsertError::TimedOut { .. } => PyTimeoutError::new_err(
-            "submit(): timed out waiting for space (or for the rate limiter)",
-        ),
-    }
-}
-
-pub(crate) fn sample_timeout(err: SampleError) -> PyErr {
-    debug_assert_eq!(err, SampleError::TimedOut);
-    PyTimeoutError::new_err("sample(): no full batch arrived before the timeout")
 }

@@ -3,10 +3,9 @@
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::backend::BackendStats;
 use crate::ingress::IngressSnapshot;
 use crate::metrics::{DetailedSnapshot, HistSummary};
-use crate::replay::ReplayStats;
-use crate::store::StoreStats;
 
 /// A latency histogram snapshot, in nanoseconds. All zero without `detailed-metrics`, so
 /// `if info.memcpy.count > 0:` works in every build.
@@ -101,16 +100,26 @@ pub(crate) struct SampleInfo {
     sequence: u64,
 }
 
+/// Every counter of a server at one moment, before it becomes a [`SampleInfo`].
+pub(crate) struct Snapshot {
+    pub(crate) backend: BackendStats,
+    /// Zero before a transport started.
+    pub(crate) ingress: IngressSnapshot,
+    /// `None` in the default build (no `detailed-metrics`).
+    pub(crate) detailed: Option<DetailedSnapshot>,
+}
+
 impl SampleInfo {
-    /// `detailed`: the detailed counters and histograms, or `None` in the default build (the
-    /// shared all-zero `zero_hist` is then used for every histogram).
-    #[allow(clippy::too_many_arguments)] // each source of counters is its own snapshot
+    /// `SampleInfo` of batch `sequence`, which the consumer waited `wait_ns` for. Without
+    /// detailed metrics every histogram is the shared all-zero `zero_hist`.
+    ///
+    /// The FIFO ring and replay tables count in their own terms; the always-on fields mean
+    /// the same for both: `store_size` is what the consumer could be handed now (committed
+    /// samples not yet handed out / items in the table), `notify_count` the batches
+    /// completed (FIFO) or handed out (replay). The replay-only fields are 0 for FIFO.
     pub(crate) fn new(
         py: Python<'_>,
-        stats: &StoreStats,
-        replay: &ReplayStats,
-        ingress: &IngressSnapshot,
-        detailed: Option<&DetailedSnapshot>,
+        snap: &Snapshot,
         sequence: u64,
         wait_ns: u64,
         zero_hist: &Py<HistSnapshot>,
@@ -119,15 +128,20 @@ impl SampleInfo {
             Some(h) => Py::new(py, HistSnapshot::from(h)),
             None => Ok(zero_hist.clone_ref(py)),
         };
+        let (store_size, notify_count, replay) = match snap.backend {
+            BackendStats::Fifo(fifo) => (fifo.store_size, fifo.notify_count, Default::default()),
+            BackendStats::Replay(replay) => (replay.size, replay.batches, replay),
+        };
+        let (ingress, detailed) = (&snap.ingress, snap.detailed.as_ref());
         let d = detailed.copied().unwrap_or_default();
         Ok(Self {
-            store_size: stats.store_size,
+            store_size,
             active_connections: ingress.active_connections,
             queue_depth_sum: ingress.queue_depth_sum,
             queue_depth_max: ingress.queue_depth_max,
             push_blocked_count: ingress.push_blocked_count,
             samples_inserted_total: ingress.samples_inserted_total,
-            notify_count: stats.notify_count,
+            notify_count,
             cas_success_total: d.cas_success_total,
             cas_failure_total: d.cas_failure_total,
             reservation_retries_total: d.reservation_retries_total,

@@ -1,4 +1,4 @@
-//! The native half of the sample contract, shared by `RingServer.submit` and `TcpSender.send`:
+//! The native half of the sample contract, shared by `ServerCore.submit` and `TcpSender.send`:
 //! the example's leaves (dtype, shape, name) and the checks that turn a list of numpy arrays
 //! into byte slices that are safe to copy from.
 
@@ -8,6 +8,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PySequence, PyString};
 
+use super::config::LayoutArg;
 use super::errors::to_pyerr;
 use crate::spec::{ArraySpec, DataSpec};
 
@@ -24,23 +25,18 @@ pub(crate) struct LeafSpecs {
 
 impl LeafSpecs {
     /// Validates the example's leaves (no object dtypes, sizes that fit) into a [`DataSpec`].
-    pub(crate) fn new(
-        shapes: Vec<Vec<usize>>,
-        dtypes: Vec<Bound<'_, PyArrayDescr>>,
-        names: Vec<String>,
-        flat_keys: Option<Vec<Bound<'_, PyString>>>,
-    ) -> PyResult<Self> {
-        if flat_keys.as_ref().is_some_and(|k| k.len() != shapes.len()) {
+    pub(crate) fn new(layout: LayoutArg<'_>) -> PyResult<Self> {
+        let count = layout.leaves.len();
+        if layout.flat_keys.as_ref().is_some_and(|k| k.len() != count) {
             return Err(PyValueError::new_err("flat_keys must have one key per leaf"));
         }
-        if shapes.len() != dtypes.len() || shapes.len() != names.len() {
-            return Err(PyValueError::new_err(format!(
-                "shapes, dtypes and names must have the same length, got {}, {} and {}",
-                shapes.len(),
-                dtypes.len(),
-                names.len()
-            )));
+        let (mut shapes, mut dtypes, mut names) = (Vec::new(), Vec::new(), Vec::new());
+        for leaf in layout.leaves {
+            shapes.push(leaf.shape);
+            dtypes.push(leaf.dtype);
+            names.push(leaf.name);
         }
+        let flat_keys = layout.flat_keys;
         let mut arrays = Vec::with_capacity(shapes.len());
         for ((shape, dtype), name) in shapes.iter().zip(&dtypes).zip(&names) {
             if dtype.has_object() {

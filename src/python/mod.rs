@@ -21,11 +21,10 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 mod client;
-mod common;
+mod config;
 mod errors;
 mod info;
 mod leaves;
-mod replay;
 mod server;
 mod views;
 
@@ -185,8 +184,7 @@ fn _echo(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("RING_ALIGN", crate::RING_ALIGN)?;
     m.add("DETAILED_METRICS", crate::metrics::ENABLED)?;
-    m.add_class::<server::PyRingServer>()?;
-    m.add_class::<replay::PyReplayTable>()?;
+    m.add_class::<server::PyServerCore>()?;
     m.add_class::<client::PyTcpSender>()?;
     m.add_class::<views::RingLease>()?;
     m.add_class::<info::SampleInfo>()?;
@@ -195,5 +193,6 @@ fn _echo(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ConnectionClosedError", py.get_type::<errors::ConnectionClosedError>())?;
     m.add_function(wrap_pyfunction!(_interpreter_exiting, m)?)?;
     m.add_function(wrap_pyfunction!(reset_log_cache, m)?)?;
+    m.add_function(wrap_pyfunction!(config::check_strategy, m)?)?;
     Ok(())
 }

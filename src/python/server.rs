@@ -1,194 +1,239 @@
-//! `echo._echo.RingServer`: the native half of `echo.Server`. It receives flattened leaves
-//! (the Python layer owns the pytree structure), checks everything memory safety depends on
-//! (leaf count, dtype, shape, contiguity, byte sizes), runs the TCP ingress when asked, and
-//! hands batches out as numpy views.
+//! `echo._echo.ServerCore`: the native half of `echo.Server`, one class over both backends
+//! ([`Backend`]: the FIFO ring or a replay table). It receives flattened leaves (the Python
+//! layer owns the pytree structure), checks everything memory safety depends on (leaf count,
+//! dtype, shape, contiguity, byte sizes), runs the TCP ingress when asked, and hands batches
+//! out as numpy views. Which backend it drives is decided once, from the settings, in Rust.
 
 use std::path::PathBuf;
+use std::sync::OnceLock;
 use std::time::Instant;
 
-use numpy::{PyArrayDescr, PyUntypedArray};
-use parking_lot::Mutex;
-use pyo3::exceptions::PyRuntimeError;
+use numpy::npyffi::npy_intp;
+use numpy::{PyArrayDescr, PyReadonlyArray1, PyUntypedArray};
+use parking_lot::{Mutex, MutexGuard};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PySequence, PyString};
+use pyo3::types::{PyList, PySequence, PyTuple};
 
-use super::common::{batch_layouts, insert_blocking, sample_blocking, TcpSlot};
-use super::errors::{to_pyerr, ServerClosedError};
-use super::info::{HistSnapshot, SampleInfo};
+use super::config::{LayoutArg, ServerConfig, TcpArg};
+use super::errors::{error_in, to_pyerr, Call, ServerClosedError};
+use super::info::{HistSnapshot, SampleInfo, Snapshot};
 use super::leaves::{byte_slices, LeafSpecs};
 use super::views::{batch_copies, batch_views, LeafLayout, RingLease};
-use super::{deadline_from_timeout, detach};
+use super::{deadline_from_timeout, detach, wait_detached};
+use crate::backend::{Backend, BatchConsumer, BatchRef};
+use crate::error::EchoError;
+use crate::ingress::{Ingress, IngressConfig};
 use crate::metrics;
-use crate::replay::ReplayStats;
-use crate::store::{Consumer, Leaves, Store};
+use crate::sink::Leaves;
 use crate::sync::Arc;
+use crate::transport::TcpIngress;
 
-/// The ring and its ingress: `submit` flattened leaves, `sample` batches of views.
-#[pyclass(frozen, module = "echo._echo", name = "RingServer")]
-pub(crate) struct PyRingServer {
-    store: Arc<Store>,
+/// Samples at or above this many bytes are copied with the GIL released.
+const DETACH_COPY_BYTES: usize = 64 * 1024;
+
+/// What `sample` hands back: the sample's leaves, the counters, the per-item arrays.
+type SampleOut<'py> = (Bound<'py, PyList>, SampleInfo, Bound<'py, PyTuple>);
+
+/// A server: `submit` flattened leaves, `sample` batches of views.
+#[pyclass(frozen, module = "echo._echo", name = "ServerCore")]
+pub(crate) struct PyServerCore {
+    backend: Backend,
     /// The single consumer. The mutex serialises `sample()` calls from several Python threads
     /// (it is always taken with the GIL released, so it cannot deadlock against the GIL).
-    consumer: Mutex<Consumer>,
+    consumer: Mutex<BatchConsumer>,
     leaves: LeafSpecs,
+    /// Every leaf of a handed-out batch: the sample's, then the backend's per-item values.
     layouts: Vec<LeafLayout>,
     lease: Py<RingLease>,
     /// Shared all-zero histogram for builds without `detailed-metrics`.
     zero_hist: Py<HistSnapshot>,
-    tcp: TcpSlot,
+    ingress_config: IngressConfig,
+    tcp: Mutex<Option<TcpIngress>>,
+    /// The drainer pool behind `tcp`, for counters (kept after `close`).
+    ingress: OnceLock<Arc<Ingress>>,
+    /// `num_buffers=3` or `max_size=..., sampler=...`, for `repr`.
+    description: String,
 }
 
 #[pymethods]
-impl PyRingServer {
-    /// `shapes[i]`, `dtypes[i]` and `names[i]` describe leaf `i` in flattened order.
+impl PyServerCore {
+    /// `layout`: the example's `TreeLayout`; `config`: `echo.server._ServerConfig`.
     #[new]
-    /// `flat_keys`: the example's keys in leaf order when it is a flat dict of arrays.
-    #[pyo3(signature = (shapes, dtypes, names, batch_size, num_buffers, flat_keys=None))]
-    fn new(
-        py: Python<'_>,
-        shapes: Vec<Vec<usize>>,
-        dtypes: Vec<Bound<'_, PyArrayDescr>>,
-        names: Vec<String>,
-        batch_size: usize,
-        num_buffers: usize,
-        flat_keys: Option<Vec<Bound<'_, PyString>>>,
-    ) -> PyResult<Self> {
-        let leaves = LeafSpecs::new(shapes, dtypes, names, flat_keys)?;
-        let store = Store::new(leaves.spec.clone(), batch_size, num_buffers).map_err(to_pyerr)?;
-        let consumer = store.consumer().expect("a new store has no consumer yet");
-        let layouts = batch_layouts(py, &leaves, batch_size)?;
+    fn new(py: Python<'_>, layout: LayoutArg<'_>, config: ServerConfig) -> PyResult<Self> {
+        let leaves = LeafSpecs::new(layout)?;
+        let backend_config = config.backend()?;
+        let description = config.describe(&backend_config);
+        let spec = leaves.spec.clone();
+        let (backend, consumer) =
+            detach(py, || Backend::new(spec, backend_config)).map_err(to_pyerr)?;
+        let layouts = batch_layouts(py, &leaves, &backend)?;
+        let ingress_config = IngressConfig {
+            num_drainers: config.num_drainers,
+            queue_size: config.producer_queue_size,
+        };
         Ok(Self {
-            lease: Py::new(py, RingLease::new(Arc::clone(&store) as _, "FIFO ring"))?,
+            lease: Py::new(py, RingLease::new(&backend))?,
             zero_hist: Py::new(py, HistSnapshot::default())?,
-            store,
+            backend,
             consumer: Mutex::new(consumer),
             leaves,
             layouts,
-            tcp: TcpSlot::default(),
+            ingress_config,
+            tcp: Mutex::new(None),
+            ingress: OnceLock::new(),
+            description,
         })
     }
 
     /// Samples per batch.
     #[getter]
     fn batch_size(&self) -> usize {
-        self.store.batch_size()
+        self.backend.batch_size()
     }
 
-    /// Batches the ring holds.
+    /// Batches the FIFO ring holds; `None` for a replay table.
     #[getter]
-    fn num_buffers(&self) -> usize {
-        self.store.num_batches()
+    fn num_buffers(&self) -> Option<usize> {
+        self.backend.num_batches()
+    }
+
+    /// Items a replay table holds; `None` for the FIFO ring.
+    #[getter]
+    fn max_size(&self) -> Option<usize> {
+        self.backend.max_size()
     }
 
     /// Bytes of one sample.
     #[getter]
     fn payload_size(&self) -> usize {
-        self.store.spec().payload_size()
+        self.backend.spec().payload_size()
     }
 
     /// Whether `close()` was called.
     #[getter]
     fn closed(&self) -> bool {
-        self.store.is_closed()
+        self.backend.is_closed()
     }
 
-    /// Page-locks every ring buffer with `cudaHostRegister`, loading the CUDA runtime from the
-    /// first path of `cuda_runtimes` that opens. RuntimeError if none loads, there is no
-    /// device, or registration fails.
+    /// Page-locks the batch memory (the FIFO ring, or a replay table's batch area) with
+    /// `cudaHostRegister`, loading the CUDA runtime from the first path of `cuda_runtimes`
+    /// that opens. RuntimeError if none loads, there is no device, or registration fails.
     fn pin_host_memory(&self, py: Python<'_>, cuda_runtimes: Vec<PathBuf>) -> PyResult<()> {
-        let store = &self.store;
+        let backend = &self.backend;
         // SAFETY: the paths come from `echo.server._cuda_runtime_candidates`, which only names
         // CUDA runtime libraries (or the file the user put in $ECHO_CUDART).
-        let pinned = detach(py, || unsafe { store.pin_host_memory(&cuda_runtimes) });
+        let pinned = detach(py, || unsafe { backend.pin_host_memory(&cuda_runtimes) });
         pinned.map_err(|e| PyRuntimeError::new_err(e.to_string()))
     }
 
-    /// Whether the ring is page-locked.
+    /// Whether the batch memory is page-locked.
     #[getter]
     fn pinned(&self) -> bool {
-        self.store.is_pinned()
+        self.backend.is_pinned()
     }
 
-    /// Starts the drainer pool and the TCP server; returns the bound port. Binding happens
-    /// here, so a port in use raises `OSError` naming it.
-    #[pyo3(signature = (host, port, num_threads, max_connections, num_drainers, queue_size))]
-    #[allow(clippy::too_many_arguments)] // one per Python keyword argument
-    fn start_tcp(
-        &self,
-        py: Python<'_>,
-        host: String,
-        port: u16,
-        num_threads: usize,
-        max_connections: usize,
-        num_drainers: usize,
-        queue_size: usize,
-    ) -> PyResult<u16> {
-        self.tcp.start(
-            py,
-            Arc::clone(&self.store) as _,
-            self.store.is_closed(),
-            host,
-            port,
-            num_threads,
-            max_connections,
-            num_drainers,
-            queue_size,
-        )
+    /// Starts the drainer pool and the TCP server described by `transport` (an
+    /// `echo.TcpTransport`); returns the bound port. Binding happens here, so a port in use
+    /// raises `OSError` naming it.
+    fn start(&self, py: Python<'_>, transport: TcpArg) -> PyResult<u16> {
+        if self.backend.is_closed() {
+            return Err(error_in(Call::Start, EchoError::Closed));
+        }
+        let mut slot = self.tcp.lock();
+        if slot.is_some() || self.ingress.get().is_some() {
+            return Err(PyValueError::new_err("start(): the TCP transport is already running"));
+        }
+        let (sink, config, tcp) = (self.backend.sink(), self.ingress_config, transport.into());
+        let started = detach(py, || TcpIngress::start(sink, config, &tcp)).map_err(to_pyerr)?;
+        let port = started.local_addr().port();
+        let _ = self.ingress.set(started.ingress());
+        *slot = Some(started);
+        Ok(port)
     }
 
-    /// Copies one sample, given as its flattened leaves, into the ring. Blocks (GIL released,
-    /// Ctrl-C honoured) while the ring is full.
-    #[pyo3(signature = (leaves, timeout=None))]
+    /// Copies one sample, given as its flattened leaves, into the backend, as a new item with
+    /// `priority` (replay; default: the largest priority seen so far). Blocks (GIL released,
+    /// Ctrl-C honoured) while the ring is full or the rate limiter holds inserts back.
+    #[pyo3(signature = (leaves, timeout=None, priority=None))]
     fn submit(
         &self,
         py: Python<'_>,
         leaves: &Bound<'_, PySequence>,
         timeout: Option<f64>,
+        priority: Option<f64>,
     ) -> PyResult<()> {
-        let deadline = deadline_from_timeout(timeout)?;
-        self.ensure_open()?;
+        let deadline = self.check_submit(timeout, priority)?;
         let arrays = self.leaves.check(leaves)?;
-        self.insert(py, &arrays, deadline)
+        self.insert(py, &arrays, priority, deadline)
     }
 
     /// `submit` for a flat-dict example, taking the sample dict itself. Returns `False`
     /// (nothing done) if the example is not a flat dict or `sample` lacks its exact keys.
-    #[pyo3(signature = (sample, timeout=None))]
+    #[pyo3(signature = (sample, timeout=None, priority=None))]
     fn submit_flat(
         &self,
         py: Python<'_>,
         sample: &Bound<'_, PyAny>,
         timeout: Option<f64>,
+        priority: Option<f64>,
     ) -> PyResult<bool> {
-        let deadline = deadline_from_timeout(timeout)?;
-        self.ensure_open()?;
+        let deadline = self.check_submit(timeout, priority)?;
         let Some(arrays) = self.leaves.check_flat_dict(sample)? else { return Ok(false) };
-        self.insert(py, &arrays, deadline)?;
+        self.insert(py, &arrays, priority, deadline)?;
         Ok(true)
     }
 
-    /// Gives back the previous batch, waits for the next full one (GIL released, Ctrl-C
-    /// honoured) and returns `(leaves, info)`, or `None` once the server is closed.
+    /// Waits for the next batch (GIL released, Ctrl-C honoured) and returns `(leaves, info,
+    /// meta)`: the sample's leaves, the counters, and the per-item arrays of a replay table
+    /// (`(keys, probabilities, times_sampled)`; `()` for FIFO). `None` once closed.
     #[pyo3(signature = (timeout=None, copy=false))]
     fn sample<'py>(
         &self,
         py: Python<'py>,
         timeout: Option<f64>,
         copy: bool,
-    ) -> PyResult<Option<(Bound<'py, PyList>, SampleInfo)>> {
+    ) -> PyResult<Option<SampleOut<'py>>> {
         let deadline = deadline_from_timeout(timeout)?;
         let started = Instant::now();
-        let Some((guard, batch)) = sample_blocking(py, &self.consumer, deadline)? else {
+        let Some((guard, batch)) = self.sample_blocking(py, deadline)? else {
             return Ok(None);
         };
         let wait_ns = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        let leaves = if copy {
-            batch_copies(py, &guard, &self.layouts)?
+        let arrays = if copy {
+            batch_copies(py, &guard, &batch, &self.layouts)?
         } else {
-            batch_views(py, &self.store, batch, &self.layouts, &self.lease)?
+            batch_views(py, &self.backend, &batch, &self.layouts, &self.lease)?
         };
         drop(guard);
-        Ok(Some((leaves, self.info(py, batch, wait_ns)?)))
+        let leaves = arrays.get_slice(0, self.leaves.len());
+        let meta = arrays.get_slice(self.leaves.len(), self.layouts.len()).to_tuple();
+        Ok(Some((leaves, self.info(py, batch.sequence, wait_ns)?, meta)))
+    }
+
+    /// Sets the priorities of the items with these keys (GIL released); unknown or removed
+    /// keys are skipped. Returns how many were skipped.
+    fn update_priorities(
+        &self,
+        py: Python<'_>,
+        keys: PyReadonlyArray1<'_, u64>,
+        priorities: PyReadonlyArray1<'_, f64>,
+    ) -> PyResult<u64> {
+        if !self.backend.has_priorities() {
+            return Err(PyValueError::new_err(
+                "update_priorities() needs a replay sampler; this server is FIFO",
+            ));
+        }
+        let keys = keys.as_slice().map_err(|e| PyValueError::new_err(format!("keys: {e}")))?;
+        let priorities =
+            priorities.as_slice().map_err(|e| PyValueError::new_err(format!("priorities: {e}")))?;
+        let backend = &self.backend;
+        detach(py, || backend.update_priorities(keys, priorities)).map_err(to_pyerr)
+    }
+
+    /// The priority of the item with `key`, `None` if it is not in the table (or FIFO).
+    fn priority(&self, key: u64) -> Option<f64> {
+        self.backend.priority(key)
     }
 
     /// A snapshot of the counters without sampling (`sequence` and `wait_ns` are 0).
@@ -199,63 +244,167 @@ impl PyRingServer {
     /// Clears the timing histograms (counters stay). Nothing to clear without
     /// `detailed-metrics`.
     fn reset_histograms(&self) {
-        self.store.reset_histograms();
-        self.tcp.reset_histograms();
+        self.backend.reset_histograms();
+        if let Some(ingress) = self.ingress.get() {
+            ingress.reset_histograms();
+        }
     }
 
     /// Closes the server: stops the transport (closing every connection), wakes a blocked
     /// `sample()` (it returns `None`) and a blocked `submit()` (it raises
     /// `ServerClosedError`), and joins every thread. Idempotent.
     fn close(&self, py: Python<'_>) {
-        let store = &self.store;
-        self.tcp.close(py, || store.close());
+        let tcp = self.tcp.lock().take();
+        let backend = &self.backend;
+        detach(py, move || {
+            // First, so that drainers blocked on a full backend return.
+            backend.close();
+            drop(tcp); // shuts the transport down and joins its threads
+        });
+    }
+
+    /// `num_buffers=3` or `max_size=100, sampler=Uniform()`.
+    fn describe(&self) -> &str {
+        &self.description
     }
 
     fn __repr__(&self) -> String {
         format!(
-            "RingServer(leaves={}, batch_size={}, num_buffers={}, closed={})",
+            "ServerCore(leaves={}, batch_size={}, {}, closed={})",
             self.leaves.len(),
-            self.store.batch_size(),
-            self.store.num_batches(),
-            self.store.is_closed()
+            self.backend.batch_size(),
+            self.description,
+            self.backend.is_closed()
         )
     }
 }
 
-impl PyRingServer {
-    fn ensure_open(&self) -> PyResult<()> {
-        if self.store.is_closed() {
+impl PyServerCore {
+    /// The deadline of a `submit`, after the checks every submit makes first.
+    fn check_submit(
+        &self,
+        timeout: Option<f64>,
+        priority: Option<f64>,
+    ) -> PyResult<Option<Instant>> {
+        let deadline = deadline_from_timeout(timeout)?;
+        if priority.is_some() && !self.backend.has_priorities() {
+            return Err(PyValueError::new_err(
+                "priority= needs a replay sampler; this server is FIFO",
+            ));
+        }
+        if self.backend.is_closed() {
             return Err(ServerClosedError::new_err("submit(): the server is closed"));
         }
-        Ok(())
+        Ok(deadline)
     }
 
-    /// Copies checked arrays (from `LeafSpecs`) into the ring, waiting for space.
+    /// Copies checked arrays (from `LeafSpecs`) into the backend: first without releasing the
+    /// GIL when the sample is small (the common case of free room costs no thread switch),
+    /// then in GIL-free slices that honour Ctrl-C, until `deadline`.
     fn insert(
         &self,
         py: Python<'_>,
         arrays: &[Bound<'_, PyUntypedArray>],
+        priority: Option<f64>,
         deadline: Option<Instant>,
     ) -> PyResult<()> {
         let slices = byte_slices(&self.leaves, arrays);
         let source = Leaves(&slices);
-        let store = &self.store;
-        insert_blocking(py, store.spec().payload_size(), deadline, |d| store.insert(&source, d))
+        let backend = &self.backend;
+        let insert = |d: Option<Instant>| backend.insert(&source, priority, d);
+        if self.backend.spec().payload_size() < DETACH_COPY_BYTES {
+            match insert(Some(Instant::now())) {
+                Err(err) if err.is_timeout_before_any() => {}
+                done => return done.map_err(|e| error_in(Call::Submit, e.error)),
+            }
+        }
+        let done = wait_detached(py, deadline, |slice_end| match insert(Some(slice_end)) {
+            Err(err) if err.is_timeout_before_any() => None,
+            done => Some(done),
+        })?;
+        let result = done.unwrap_or_else(|| Err(EchoError::TimedOut.into()));
+        result.map_err(|e| error_in(Call::Submit, e.error))
+    }
+
+    /// Waits for the consumer's next batch in GIL-free slices that honour Ctrl-C. Returns the
+    /// consumer, still locked (so nobody samples over the batch while it is turned into
+    /// arrays), and the batch; `None` once the server is closed.
+    fn sample_blocking(
+        &self,
+        py: Python<'_>,
+        deadline: Option<Instant>,
+    ) -> PyResult<Option<(MutexGuard<'_, BatchConsumer>, BatchRef)>> {
+        let consumer = &self.consumer;
+        // The mutex is only ever taken with the GIL released, so it cannot deadlock against
+        // the GIL.
+        let got = wait_detached(py, deadline, |slice_end| {
+            let mut guard = consumer.try_lock_until(slice_end)?;
+            match guard.sample(Some(slice_end)) {
+                Ok(batch) => Some(Ok((guard, batch))),
+                Err(EchoError::TimedOut) => None,
+                Err(other) => Some(Err(other)),
+            }
+        })?;
+        match got {
+            Some(Ok(held)) => Ok(Some(held)),
+            Some(Err(EchoError::Closed)) => Ok(None),
+            Some(Err(other)) => Err(error_in(Call::Sample, other)),
+            None => Err(error_in(Call::Sample, EchoError::TimedOut)),
+        }
     }
 
     fn info(&self, py: Python<'_>, sequence: u64, wait_ns: u64) -> PyResult<SampleInfo> {
-        let detailed = metrics::ENABLED.then(|| self.store.detailed());
-        let stats = self.store.stats();
-        let replay = ReplayStats::default();
-        self.tcp.info(py, &stats, &replay, detailed, sequence, wait_ns, &self.zero_hist)
+        let ingress = self.ingress.get();
+        let detailed = metrics::ENABLED.then(|| {
+            let mut d = self.backend.detailed();
+            if let Some(ingress) = ingress {
+                (d.drain_round, d.queue_dwell) = ingress.detailed();
+            }
+            d
+        });
+        let snap = Snapshot {
+            backend: self.backend.stats(),
+            ingress: ingress.map(|i| i.snapshot()).unwrap_or_default(),
+            detailed,
+        };
+        SampleInfo::new(py, &snap, sequence, wait_ns, &self.zero_hist)
     }
 }
 
-impl Drop for PyRingServer {
+impl Drop for PyServerCore {
     fn drop(&mut self) {
-        // Wakes any thread still blocked in this ring and stops the transport; views keep the
-        // ring memory alive.
-        self.store.close();
-        self.tcp.shutdown();
+        // Wakes any thread still blocked in this backend and stops the transport; views keep
+        // the batch memory alive.
+        self.backend.close();
+        drop(self.tcp.lock().take());
     }
+}
+
+/// The numpy layout of every leaf of a batch: `[batch_size, *leaf_shape]` with the leaf's
+/// dtype, then `[batch_size]` for each of the backend's per-item values.
+fn batch_layouts(
+    py: Python<'_>,
+    leaves: &LeafSpecs,
+    backend: &Backend,
+) -> PyResult<Vec<LeafLayout>> {
+    let batch_size = backend.batch_size();
+    let layout = |descr: &Bound<'_, PyArrayDescr>, shape: &[usize]| {
+        let dims = std::iter::once(batch_size)
+            .chain(shape.iter().copied())
+            .map(|d| {
+                npy_intp::try_from(d)
+                    .map_err(|_| PyValueError::new_err(format!("dimension {d} is too large")))
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok::<_, PyErr>(LeafLayout { descr: descr.clone().unbind(), dims })
+    };
+    let mut layouts = Vec::with_capacity(leaves.len() + backend.batch_meta().len());
+    for (shape, descr) in leaves.shapes.iter().zip(&leaves.descrs) {
+        layouts.push(layout(descr.bind(py), shape)?);
+    }
+    for meta in backend.batch_meta() {
+        let descr = PyArrayDescr::new(py, format!("{}{}", meta.kind, meta.bytes).as_str())?;
+        layouts.push(layout(&descr, &[])?);
+    }
+    Ok(layouts)
 }

@@ -1,8 +1,9 @@
 //! Batches as numpy arrays: zero-copy read-only views into the ring, or private copies.
 //!
-//! The memory rule: every view's numpy `base` is a [`RingLease`], which owns an `Arc<Store>`.
-//! The ring therefore lives as long as the last view, even if the `Server` is long gone: a view
-//! kept too long may show newer samples (documented), but it never reads freed memory.
+//! The memory rule: every view's numpy `base` is a [`RingLease`], which owns the backend's
+//! memory ([`Backend::memory_owner`]: the FIFO store or the replay table). That memory therefore
+//! lives as long as the last view, even if the `Server` is long gone: a view kept too long may
+//! show newer samples (documented), but it never reads freed memory.
 
 use std::ffi::c_int;
 use std::ptr;
@@ -12,7 +13,7 @@ use numpy::{PyArrayDescr, PyArrayDescrMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
-use crate::store::{Consumer, Store};
+use crate::backend::{Backend, BatchConsumer, BatchRef};
 use crate::sync::Arc;
 
 /// Keeps the ring alive for as long as a numpy view into it exists (it is the views' `base`).
@@ -31,8 +32,10 @@ impl RingLease {
 }
 
 impl RingLease {
-    pub(crate) fn new(owner: Arc<dyn std::any::Any + Send + Sync>, what: &'static str) -> Self {
-        Self { _owner: owner, what }
+    /// A lease on `backend`'s batch memory.
+    pub(crate) fn new(backend: &Backend) -> Self {
+        let what = if backend.has_priorities() { "replay batch area" } else { "FIFO ring" };
+        Self { _owner: backend.memory_owner(), what }
     }
 }
 
@@ -79,28 +82,18 @@ fn new_array<'py>(
     unsafe { Bound::from_owned_ptr_or_err(py, raw) }
 }
 
-/// Read-only views of every leaf of the held `batch`, each with `lease` as its numpy base.
+/// Read-only views of every leaf of `batch` (each `layouts[i]`-shaped), each with `lease`
+/// (a lease on `backend`) as its numpy base.
 pub(crate) fn batch_views<'py>(
     py: Python<'py>,
-    store: &Store,
-    batch: u64,
+    backend: &Backend,
+    batch: &BatchRef,
     layouts: &[LeafLayout],
     lease: &Py<RingLease>,
-) -> PyResult<Bound<'py, PyList>> {
-    views_at(py, layouts, lease, |leaf| store.batch_ptr(batch, leaf))
-}
-
-/// Read-only views of leaf `i` at `ptr(i)` (each `layouts[i]`-shaped and kept alive by
-/// `lease`), with `lease` as numpy base.
-pub(crate) fn views_at<'py>(
-    py: Python<'py>,
-    layouts: &[LeafLayout],
-    lease: &Py<RingLease>,
-    ptr: impl Fn(usize) -> *const u8,
 ) -> PyResult<Bound<'py, PyList>> {
     let list = PyList::empty(py);
     for (leaf, layout) in layouts.iter().enumerate() {
-        let array = new_array(py, layout, ptr(leaf).cast_mut())?;
+        let array = new_array(py, layout, backend.batch_ptr(batch, leaf).cast_mut())?;
         // `PyArray_SetBaseObject` steals a reference to the base (also on failure).
         let base = lease.clone_ref(py).into_ptr();
         // SAFETY: `array` is a freshly created ndarray with no base yet; `base` is an owned
@@ -114,21 +107,12 @@ pub(crate) fn views_at<'py>(
     Ok(list)
 }
 
-/// Private, writeable copies of every leaf of the batch `consumer` holds.
+/// Private, writeable copies of every leaf of `batch`, which `consumer` just handed out.
 pub(crate) fn batch_copies<'py>(
     py: Python<'py>,
-    consumer: &Consumer,
+    consumer: &BatchConsumer,
+    batch: &BatchRef,
     layouts: &[LeafLayout],
-) -> PyResult<Bound<'py, PyList>> {
-    copies_from(py, layouts, |leaf, copy| consumer.read_leaf(leaf, |src| copy(src)))
-}
-
-/// Private, writeable arrays of `layouts`, leaf `i` filled by `read(i, copy)`, which must call
-/// `copy` with exactly the leaf's batch bytes (`product(dims) * itemsize`).
-pub(crate) fn copies_from<'py>(
-    py: Python<'py>,
-    layouts: &[LeafLayout],
-    read: impl Fn(usize, &mut dyn FnMut(&[u8])),
 ) -> PyResult<Bound<'py, PyList>> {
     let list = PyList::empty(py);
     for (leaf, layout) in layouts.iter().enumerate() {
@@ -139,7 +123,7 @@ pub(crate) fn copies_from<'py>(
         let dst = unsafe { (*array_ptr).data }.cast::<u8>();
         let expected: usize = layout.dims.iter().map(|&d| d as usize).product::<usize>()
             * layout.descr.bind(py).itemsize();
-        read(leaf, &mut |src: &[u8]| {
+        consumer.read_leaf(batch, leaf, |src: &[u8]| {
             assert_eq!(src.len(), expected, "batch bytes do not match the numpy layout");
             // SAFETY: numpy allocated `expected` bytes at `dst` and `src.len() == expected`
             // (asserted); the new array is not shared yet, and ring or batch-area memory never

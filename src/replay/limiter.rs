@@ -63,56 +63,64 @@ impl RateLimit {
         }
     }
 
-    /// Checks the parameters against a table of `max_size` items.
+    /// Checks the parameters that do not depend on the table: a positive, finite
+    /// `samples_per_insert` and a window wide enough that inserts and samples can never block
+    /// each other for good (`max_diff - min_diff >= 2 * max(1, samples_per_insert)`). The one
+    /// place this is checked: the Python strategy objects call it when they are built.
+    ///
+    /// # Errors
+    /// [`EchoError::Config`] saying what the value must be and what it is.
+    pub fn check(&self) -> Result<(), EchoError> {
+        let Self::SampleToInsertRatio { samples_per_insert, min_diff, max_diff, .. } = *self else {
+            return Ok(());
+        };
+        let config = |msg: String| Err(EchoError::Config(msg));
+        if !(samples_per_insert.is_finite() && samples_per_insert > 0.0) {
+            return config(format!(
+                "SampleToInsertRatio: samples_per_insert must be a finite number > 0, got {samples_per_insert:?}"
+            ));
+        }
+        if !(min_diff.is_finite() && max_diff.is_finite()) {
+            return config(format!(
+                "SampleToInsertRatio: error_buffer must be finite, got the window ({min_diff:?}, {max_diff:?})"
+            ));
+        }
+        let need = 2.0 * samples_per_insert.max(1.0);
+        let width = max_diff - min_diff;
+        if width < need {
+            return config(format!(
+                "SampleToInsertRatio: the error buffer must span at least 2 * max(1, samples_per_insert) = {need:?} \
+                 (error_buffer >= {:?}), got {:?} (the window ({min_diff:?}, {max_diff:?})); a narrower window \
+                 blocks inserts and samples forever",
+                need / 2.0,
+                width / 2.0,
+            ));
+        }
+        Ok(())
+    }
+
+    /// [`RateLimit::check`], then the sizes against a table of `max_size` items.
     ///
     /// # Errors
     /// [`EchoError::Config`] naming the parameter, what it must be and what it is.
     pub fn validate(&self, max_size: u64) -> Result<(), EchoError> {
-        let config = |msg: String| Err(EchoError::Config(msg));
-        match *self {
-            Self::MinSize(n) => {
-                if n < 1 || n > max_size {
-                    return config(format!(
-                        "MinSize(min_size): min_size must be in 1..=max_size ({max_size}), got {n}"
-                    ));
-                }
+        self.check()?;
+        let (what, n) = match *self {
+            Self::Queue(size) if size < 1 => {
+                return Err(EchoError::Config(format!(
+                    "Queue(size): size must be >= 1, got {size}"
+                )))
             }
-            Self::Queue(size) => {
-                if size < 1 {
-                    return config(format!("Queue(size): size must be >= 1, got {size}"));
-                }
+            Self::Queue(_) => return Ok(()),
+            Self::MinSize(n) => ("MinSize(min_size): min_size", n),
+            Self::SampleToInsertRatio { min_size_to_sample, .. } => {
+                ("SampleToInsertRatio: min_size_to_sample", min_size_to_sample)
             }
-            Self::SampleToInsertRatio {
-                samples_per_insert,
-                min_size_to_sample,
-                min_diff,
-                max_diff,
-            } => {
-                if !(samples_per_insert.is_finite() && samples_per_insert > 0.0) {
-                    return config(format!(
-                        "SampleToInsertRatio: samples_per_insert must be a finite number > 0, got {samples_per_insert}"
-                    ));
-                }
-                if min_size_to_sample < 1 || min_size_to_sample > max_size {
-                    return config(format!(
-                        "SampleToInsertRatio: min_size_to_sample must be in 1..=max_size ({max_size}), got {min_size_to_sample}"
-                    ));
-                }
-                if !(min_diff.is_finite() && max_diff.is_finite()) {
-                    return config(format!(
-                        "SampleToInsertRatio: error_buffer must be finite, got min_diff {min_diff}, max_diff {max_diff}"
-                    ));
-                }
-                let need = 2.0 * samples_per_insert.max(1.0);
-                if max_diff - min_diff < need {
-                    return config(format!(
-                        "SampleToInsertRatio: the error buffer must span at least 2 * max(1, samples_per_insert) = {need} \
-                         (error_buffer >= {}), got max_diff - min_diff = {}; a narrower window blocks inserts and samples forever",
-                        need / 2.0,
-                        max_diff - min_diff
-                    ));
-                }
-            }
+        };
+        if n < 1 || n > max_size {
+            return Err(EchoError::Config(format!(
+                "{what} must be in 1..=max_size ({max_size}), got {n}"
+            )));
         }
         Ok(())
     }

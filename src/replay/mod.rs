@@ -6,7 +6,7 @@
 //! sample is handed out once, as a view into the ring. A replay [`Table`] instead decouples
 //! item storage from batches: `max_size` items of any count, each with a stable 64-bit key
 //! (its insertion number), a priority and a times-sampled count, and a batch is *gathered*
-//! into a pre-allocated, double-buffered batch area. Both implement [`crate::store::Sink`],
+//! into a pre-allocated, double-buffered batch area. Both implement [`crate::sink::Sink`],
 //! so the ingress and every transport feed either without knowing which.
 //!
 //! | module | owns |
@@ -15,14 +15,17 @@
 //! | `limiter` | `MinSize`, `SampleToInsertRatio`, `Queue` (one mechanism, Reverb's meaning) |
 //! | `table` | slots, the lock, inserts, batch assembly, priorities, counters |
 //! | `rng` | xoshiro256++, seedable |
+//! | [`sumtree`] | the priority sum tree behind `Prioritized`: O(log n) update and draw |
 
 mod limiter;
 mod rng;
 mod select;
+pub mod sumtree;
 mod table;
 
 pub use limiter::RateLimit;
 pub use select::{RemoverKind, SamplerKind};
 pub use table::{
-    ReplayBatch, ReplayConfig, ReplayConsumer, ReplayStats, Table, MAX_PRIORITY, META_LEAVES,
+    MetaLeaf, ReplayBatch, ReplayConfig, ReplayConsumer, ReplayStats, Table, BATCH_META,
+    MAX_PRIORITY,
 };

@@ -14,7 +14,7 @@
 
 use crate::error::EchoError;
 use crate::replay::rng::Rng;
-use crate::sumtree::SumTree;
+use crate::replay::sumtree::SumTree;
 
 /// Marks "no slot" in the `u32` index arrays.
 const NIL: u32 = u32::MAX;
@@ -32,6 +32,23 @@ pub enum SamplerKind {
     },
     /// The newest items first.
     Lifo,
+}
+
+impl SamplerKind {
+    /// Checks the sampler's parameters.
+    ///
+    /// # Errors
+    /// [`EchoError::Config`] for a negative, NaN or infinite `Prioritized` exponent.
+    pub fn check(&self) -> Result<(), EchoError> {
+        match *self {
+            Self::Prioritized { exponent } if !(exponent.is_finite() && exponent >= 0.0) => {
+                Err(EchoError::Config(format!(
+                    "Prioritized(exponent): exponent must be a finite number >= 0, got {exponent}"
+                )))
+            }
+            _ => Ok(()),
+        }
+    }
 }
 
 /// The remover a replay table uses when it is full.
@@ -170,11 +187,7 @@ struct Prioritized {
 
 impl Prioritized {
     fn new(slots: usize, batch_size: usize, exponent: f64) -> Result<Self, EchoError> {
-        if !(exponent.is_finite() && exponent >= 0.0) {
-            return Err(EchoError::Config(format!(
-                "Prioritized(exponent): exponent must be a finite number >= 0, got {exponent}"
-            )));
-        }
+        SamplerKind::Prioritized { exponent }.check()?;
         Ok(Self {
             tree: SumTree::sums_only(slots)?,
             dense: Dense::new(slots),

@@ -35,15 +35,15 @@ use std::time::Instant;
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
-use crate::error::EchoError;
+use crate::error::{EchoError, InsertError};
 use crate::replay::limiter::{RateLimit, RateLimiter};
 use crate::replay::rng::Rng;
 use crate::replay::select::{
     new_remover, new_sampler, ItemRemover, ItemSampler, RemoverKind, SamplerKind,
 };
-use crate::ring::RingBuf;
+use crate::sink::{validate_source, SampleSource, Sink};
+use crate::slots::Slots;
 use crate::spec::{ArraySpec, DataSpec};
-use crate::store::{validate_source, InsertError, SampleError, SampleSource, Sink};
 use crate::sync::{Arc, AtomicBool};
 
 // Every `Ordering::` use below is documented in place with an `ORDERING:` comment.
@@ -56,9 +56,27 @@ const COPY_UNDER_LOCK_BYTES: usize = 4096;
 /// The largest priority a table accepts (far below what any sum tree can hold).
 pub const MAX_PRIORITY: f64 = 1e250;
 
-/// The three per-item leaves the batch area carries after the sample's own leaves: key
-/// (`u64`), probability (`f64`) and times sampled (`u32`).
-pub const META_LEAVES: usize = 3;
+/// One per-item value a replay batch carries after the sample's own leaves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MetaLeaf {
+    /// What it is called where a batch is handed out (`Sample.keys`, ...).
+    pub name: &'static str,
+    /// Its element type as a numpy type character: `u` unsigned, `f` floating point.
+    pub kind: char,
+    /// Bytes per element (native byte order).
+    pub bytes: usize,
+}
+
+/// The per-item values of a replay batch, in the order the batch area stores them after the
+/// sample's leaves: the item's key, the probability it was drawn with, and how many times it
+/// has been sampled (this draw included). The one definition of that layout: the batch area
+/// is built from it, [`ReplayConsumer`] writes [`Drawn::meta_bytes`] in this order, and the
+/// bindings describe the arrays from it.
+pub const BATCH_META: [MetaLeaf; 3] = [
+    MetaLeaf { name: "keys", kind: 'u', bytes: 8 },
+    MetaLeaf { name: "probabilities", kind: 'f', bytes: 8 },
+    MetaLeaf { name: "times_sampled", kind: 'u', bytes: 4 },
+];
 
 /// How a replay table samples, evicts and paces. Build with [`ReplayConfig::new`] and adjust
 /// the public fields.
@@ -169,6 +187,18 @@ struct Drawn {
     key: u64,
     probability: f64,
     times_sampled: u32,
+}
+
+impl Drawn {
+    /// The item's [`BATCH_META`] values, in that order and of those sizes.
+    fn meta_bytes(&self) -> [([u8; 8], usize); BATCH_META.len()] {
+        let widen = |b: [u8; 4]| [b[0], b[1], b[2], b[3], 0, 0, 0, 0];
+        [
+            (self.key.to_ne_bytes(), BATCH_META[0].bytes),
+            (self.probability.to_ne_bytes(), BATCH_META[1].bytes),
+            (widen(self.times_sampled.to_ne_bytes()), BATCH_META[2].bytes),
+        ]
+    }
 }
 
 /// Hashes the table's keys, which are insertion numbers: the low bits stay the key itself,
@@ -341,10 +371,10 @@ pub struct Table {
     spec: DataSpec,
     config: ReplayConfig,
     /// `max_size + batch_size` item slots.
-    storage: RingBuf,
-    /// Two batches (halves) of the sample's leaves plus [`META_LEAVES`]; batch `h` is slots
+    storage: Slots,
+    /// Two batches (halves) of the sample's leaves plus [`BATCH_META`]; batch `h` is slots
     /// `h * batch_size .. (h + 1) * batch_size`. Only the consumer writes it.
-    area: RingBuf,
+    area: Slots,
     state: Mutex<State>,
     /// Writers wait here for the rate limiter; notified whenever a sample progresses.
     insert_ready: Condvar,
@@ -378,12 +408,12 @@ impl Table {
     pub fn new(spec: DataSpec, config: ReplayConfig) -> Result<Arc<Self>, EchoError> {
         let slots = config.validate()?;
         let batch_size = config.batch_size;
-        let storage = RingBuf::new(&spec, slots)?;
+        let storage = Slots::new(&spec, slots)?;
         let mut area_arrays = spec.arrays().to_vec();
-        for bytes in [8, 8, 4] {
-            area_arrays.push(ArraySpec::new(Vec::new(), bytes)?);
+        for meta in BATCH_META {
+            area_arrays.push(ArraySpec::new(Vec::new(), meta.bytes)?);
         }
-        let area = RingBuf::new(&DataSpec::new(area_arrays)?, 2 * batch_size)?;
+        let area = Slots::new(&DataSpec::new(area_arrays)?, 2 * batch_size)?;
         let empty =
             Meta { key: 0, priority: 0.0, times_sampled: 0, pins: 0, state: SlotState::Free };
         // Twice the most keys it ever holds: removals leave tombstones, and when they use up
@@ -448,7 +478,7 @@ impl Table {
     }
 
     /// Closes the table: waiting and future inserts fail with `Closed`, `sample` returns
-    /// [`SampleError::Closed`]. Idempotent.
+    /// [`EchoError::Closed`]. Idempotent.
     pub fn close(&self) {
         // Under the lock, so a waiter that checked `closed` before is already parked.
         let _state = self.state.lock();
@@ -480,9 +510,8 @@ impl Table {
     /// the largest priority seen so far), waiting for the rate limiter until `deadline`.
     ///
     /// # Errors
-    /// [`InsertError::Invalid`] (nothing written) if a sample does not match the spec or the
-    /// priority is invalid; [`InsertError::Closed`] / [`InsertError::TimedOut`] with the count
-    /// inserted so far.
+    /// An input error (nothing written) if a sample does not match the spec or the priority is
+    /// invalid; [`EchoError::Closed`] / [`EchoError::TimedOut`] with the count inserted so far.
     pub fn insert<S: SampleSource + ?Sized>(
         &self,
         src: &S,
@@ -497,13 +526,8 @@ impl Table {
                 .map_err(|msg| EchoError::Priority(format!("priority {msg}")))?;
         }
         for sample in 0..src.num_samples() {
-            match self.wait_insertable(&mut state, deadline) {
-                Ok(()) => {}
-                Err(SampleError::Closed) => return Err(InsertError::Closed { inserted: sample }),
-                Err(SampleError::TimedOut) => {
-                    return Err(InsertError::TimedOut { inserted: sample })
-                }
-            }
+            self.wait_insertable(&mut state, deadline)
+                .map_err(|error| InsertError::new(sample, error))?;
             let (slot, replaced) = state.reserve(small);
             if small {
                 self.write_item(slot, src, sample);
@@ -539,17 +563,17 @@ impl Table {
         &self,
         state: &mut MutexGuard<'_, State>,
         deadline: Option<Instant>,
-    ) -> Result<(), SampleError> {
+    ) -> Result<(), EchoError> {
         let mut waited = None;
         let outcome = loop {
             if self.is_closed() {
-                break Err(SampleError::Closed);
+                break Err(EchoError::Closed);
             }
             if state.insertable() {
                 break Ok(());
             }
             if deadline.is_some_and(|d| Instant::now() >= d) {
-                break Err(SampleError::TimedOut);
+                break Err(EchoError::TimedOut);
             }
             waited.get_or_insert_with(Instant::now);
             wait(&self.insert_ready, state, deadline);
@@ -620,9 +644,9 @@ impl Table {
     }
 
     /// Address of the first byte of `leaf` in batch-area half `half`: `batch_size` contiguous
-    /// values. Leaves `spec.len()..spec.len() + META_LEAVES` are the keys (`u64`),
-    /// probabilities (`f64`) and times sampled (`u32`). The bytes are stable until the
-    /// consumer's second `sample` after the one that returned `half`.
+    /// values. Leaves `spec.len()..spec.len() + BATCH_META.len()` are the [`BATCH_META`]
+    /// values. The bytes are stable until the consumer's second `sample` after the one that
+    /// returned `half`.
     pub fn batch_ptr(&self, half: usize, leaf: usize) -> *const u8 {
         self.area.slot_ptr(leaf, half * self.config.batch_size)
     }
@@ -708,16 +732,16 @@ impl ReplayConsumer {
     /// twice or lost).
     ///
     /// # Errors
-    /// [`SampleError::Closed`] once the table is closed, [`SampleError::TimedOut`] when the
+    /// [`EchoError::Closed`] once the table is closed, [`EchoError::TimedOut`] when the
     /// deadline passes first.
-    pub fn sample(&mut self, deadline: Option<Instant>) -> Result<ReplayBatch, SampleError> {
+    pub fn sample(&mut self, deadline: Option<Instant>) -> Result<ReplayBatch, EchoError> {
         let table = &*self.table;
         let batch_size = table.config.batch_size;
         let mut state = table.state.lock();
         let mut waited = None;
         let drawn = loop {
             if table.is_closed() {
-                break Err(SampleError::Closed);
+                break Err(EchoError::Closed);
             }
             let missing = batch_size - self.pending.len();
             if missing == 0 {
@@ -733,7 +757,7 @@ impl ReplayConsumer {
                 continue;
             }
             if deadline.is_some_and(|d| Instant::now() >= d) {
-                break Err(SampleError::TimedOut);
+                break Err(EchoError::TimedOut);
             }
             waited.get_or_insert_with(Instant::now);
             wait(&table.sample_ready, &mut state, deadline);
@@ -775,10 +799,24 @@ impl ReplayConsumer {
             }
         }
         for (i, drawn) in self.pending.iter().enumerate() {
-            self.write_area(base + i, leaves, &drawn.key.to_ne_bytes());
-            self.write_area(base + i, leaves + 1, &drawn.probability.to_ne_bytes());
-            self.write_area(base + i, leaves + 2, &drawn.times_sampled.to_ne_bytes());
+            for (m, (bytes, len)) in drawn.meta_bytes().iter().enumerate() {
+                self.write_area(base + i, leaves + m, &bytes[..*len]);
+            }
         }
+    }
+
+    /// Calls `f` with the bytes of `leaf` (a sample leaf, then the [`BATCH_META`] values) of
+    /// the batch `batch` (from this consumer's `sample`): `batch_size` values back to back.
+    ///
+    /// # Panics
+    /// If `leaf` is out of range.
+    pub fn read_leaf<T>(&self, batch: ReplayBatch, leaf: usize, f: impl FnOnce(&[u8]) -> T) -> T {
+        let batch_size = self.table.config.batch_size;
+        let start = batch.half * batch_size;
+        // SAFETY: only this consumer writes the batch area, in `sample` (`&mut self`), which
+        // cannot run while `&self` is borrowed here; `half` is 0 or 1, so the range is inside
+        // the area's `2 * batch_size` slots.
+        unsafe { self.table.area.read_slots(leaf, start..start + batch_size, f) }
     }
 
     fn write_area(&self, slot: usize, leaf: usize, src: &[u8]) {
@@ -794,7 +832,7 @@ impl ReplayConsumer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::Leaves;
+    use crate::sink::Leaves;
     use std::time::Duration;
 
     fn spec() -> DataSpec {
@@ -866,7 +904,7 @@ mod tests {
         assert_eq!(t.stats().size, 0);
         assert_eq!(t.stats().removed_max_times_sampled, 6);
         let timed_out = c.sample(Some(Instant::now() + Duration::from_millis(20)));
-        assert_eq!(timed_out, Err(SampleError::TimedOut));
+        assert!(matches!(timed_out, Err(EchoError::TimedOut)));
     }
 
     #[test]
@@ -877,7 +915,7 @@ mod tests {
         let mut c = t.consumer().unwrap();
         put(&t, 10);
         put(&t, 11);
-        assert_eq!(c.sample(Some(Instant::now())), Err(SampleError::TimedOut));
+        assert!(matches!(c.sample(Some(Instant::now())), Err(EchoError::TimedOut)));
         put(&t, 12);
         put(&t, 13);
         let b = c.sample(None).unwrap();
@@ -916,8 +954,8 @@ mod tests {
         std::thread::sleep(Duration::from_millis(50));
         t.close();
         assert!(writer.join().unwrap().is_ok());
-        assert_eq!(consumer.join().unwrap(), Err(SampleError::Closed));
-        assert!(matches!(put_err(&t), InsertError::Closed { inserted: 0 }));
+        assert!(matches!(consumer.join().unwrap(), Err(EchoError::Closed)));
+        assert!(matches!(put_err(&t), InsertError { inserted: 0, error: EchoError::Closed }));
     }
 
     fn put_err(t: &Table) -> InsertError {

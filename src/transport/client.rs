@@ -3,7 +3,7 @@
 //! Each sample goes out with one vectored write straight from the caller's leaf buffers (no
 //! joined copy). A background thread reads the one-byte acks and counts them; `send` blocks
 //! while `max_inflight` samples are unacknowledged, and `wait` until every sample is. When
-//! the server goes away, every blocked call returns [`ClientError::Closed`] promptly.
+//! the server goes away, every blocked call returns [`EchoError::Disconnected`] promptly.
 
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
@@ -12,32 +12,12 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::wire::{read_handshake, HandshakeError, ACK};
+use super::wire::{read_handshake, ACK};
+use crate::error::EchoError;
 use crate::spec::DataSpec;
 use crate::sync::{Arc, AtomicBool, AtomicU64, Signal};
 
 use std::sync::atomic::Ordering::{Acquire, Release};
-
-/// Why a client call failed.
-#[derive(Debug, thiserror::Error)]
-pub enum ClientError {
-    /// The handshake was not an echo v1 handshake.
-    #[error("{0}")]
-    Protocol(String),
-    /// The connection is closed (by `close`, or the server went away).
-    #[error("connection closed: {0}")]
-    Closed(String),
-    /// The deadline passed before anything of the sample was written.
-    #[error("timed out")]
-    TimedOut,
-    /// The deadline passed in the middle of writing a sample (the server is applying
-    /// backpressure). Call `send` again with the same leaves to continue, or `abort`.
-    #[error("the write of a sample is in progress")]
-    Stalled,
-    /// Connecting failed.
-    #[error(transparent)]
-    Io(#[from] io::Error),
-}
 
 /// Ack bookkeeping shared with the reader thread.
 #[derive(Default)]
@@ -73,8 +53,8 @@ impl Acks {
         self.acked.load(Acquire)
     }
 
-    fn closed_error(&self) -> ClientError {
-        ClientError::Closed(self.reason.lock().clone())
+    fn closed_error(&self) -> EchoError {
+        EchoError::Disconnected(self.reason.lock().clone())
     }
 }
 
@@ -88,7 +68,7 @@ pub struct TcpSender {
     reader: Option<JoinHandle<()>>,
     closed: bool,
     /// Bytes of the current sample already written; non-zero only between a
-    /// [`ClientError::Stalled`] and the `send` that finishes the sample.
+    /// [`EchoError::Stalled`] and the `send` that finishes the sample.
     in_progress: usize,
 }
 
@@ -100,15 +80,17 @@ impl TcpSender {
     /// ack reader. Returns the client and the server's spec (compare it with yours).
     ///
     /// # Errors
-    /// [`ClientError::Io`] if connecting fails, [`ClientError::Protocol`] for a bad handshake.
+    /// [`EchoError::Io`] if connecting fails, [`EchoError::Protocol`] for a bad handshake.
     pub fn connect(
         host: &str,
         port: u16,
         max_inflight: u64,
         timeout: Duration,
-    ) -> Result<Self, ClientError> {
+    ) -> Result<Self, EchoError> {
         if max_inflight == 0 {
-            return Err(ClientError::Protocol("max_inflight_msgs must be >= 1, got 0".into()));
+            return Err(EchoError::Config(
+                "the in-flight window must allow at least 1 sample, got 0".into(),
+            ));
         }
         let mut last_err = None;
         let mut stream = None;
@@ -126,7 +108,7 @@ impl TcpSender {
             None => {
                 let err = last_err
                     .unwrap_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no address"));
-                return Err(ClientError::Io(io::Error::new(
+                return Err(EchoError::Io(io::Error::new(
                     err.kind(),
                     format!("cannot connect to {host}:{port}: {err}"),
                 )));
@@ -135,19 +117,20 @@ impl TcpSender {
         stream.set_nodelay(true)?;
         stream.set_read_timeout(Some(timeout))?;
         let spec = read_handshake(&mut stream).map_err(|e| match e {
-            HandshakeError::Protocol(m) => ClientError::Protocol(m),
-            HandshakeError::Io(err) if err.kind() == io::ErrorKind::UnexpectedEof => ClientError::Closed(
-                format!("{host}:{port} closed the connection during the handshake (too many connections?)"),
-            ),
-            HandshakeError::Io(err)
+            EchoError::Io(err) if err.kind() == io::ErrorKind::UnexpectedEof => {
+                EchoError::Disconnected(format!(
+                    "{host}:{port} closed the connection during the handshake (too many connections?)"
+                ))
+            }
+            EchoError::Io(err)
                 if matches!(err.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) =>
             {
-                ClientError::Io(io::Error::new(
+                EchoError::Io(io::Error::new(
                     io::ErrorKind::TimedOut,
                     format!("{host}:{port} sent no echo handshake within {timeout:?}"),
                 ))
             }
-            HandshakeError::Io(err) => ClientError::Io(err),
+            other => other,
         })?;
         stream.set_read_timeout(None)?;
         stream.set_write_timeout(Some(WRITE_SLICE))?;
@@ -187,17 +170,17 @@ impl TcpSender {
 
     /// Sends one sample given as its leaves (sizes are checked against the spec here). Waits
     /// first while `max_inflight` samples are unacknowledged; returns
-    /// [`ClientError::TimedOut`] if `deadline` passes while waiting (nothing was sent).
+    /// [`EchoError::TimedOut`] if `deadline` passes while waiting (nothing was sent).
     ///
     /// Once the first byte is written the sample must be finished, or the stream would be
-    /// misaligned: if `deadline` passes mid-write this returns [`ClientError::Stalled`], and
+    /// misaligned: if `deadline` passes mid-write this returns [`EchoError::Stalled`], and
     /// the next `send` (with the same leaves) continues where it stopped. [`TcpSender::abort`]
     /// gives up instead (the server discards the partial sample).
     ///
     /// # Errors
-    /// [`ClientError::Closed`] once the connection is gone; [`ClientError::Protocol`] if the
+    /// [`EchoError::Disconnected`] once the connection is gone; [`EchoError::Protocol`] if the
     /// leaves do not match the spec.
-    pub fn send(&mut self, leaves: &[&[u8]], deadline: Option<Instant>) -> Result<(), ClientError> {
+    pub fn send(&mut self, leaves: &[&[u8]], deadline: Option<Instant>) -> Result<(), EchoError> {
         self.ensure_open()?;
         if self.in_progress == 0 {
             self.check_leaves(leaves)?;
@@ -208,13 +191,13 @@ impl TcpSender {
         Ok(())
     }
 
-    /// Bytes of a sample written so far by a `send` that returned [`ClientError::Stalled`].
+    /// Bytes of a sample written so far by a `send` that returned [`EchoError::Stalled`].
     pub fn in_progress(&self) -> usize {
         self.in_progress
     }
 
     /// Closes the connection in the middle of a sample (after an interrupt): the server
-    /// discards the partial sample; every later call returns [`ClientError::Closed`].
+    /// discards the partial sample; every later call returns [`EchoError::Disconnected`].
     pub fn abort(&mut self, reason: &str) {
         // The reason first: the reader thread reports its own once the socket shuts down.
         self.acks.lose(reason.to_owned());
@@ -222,21 +205,17 @@ impl TcpSender {
         self.in_progress = 0;
     }
 
-    fn check_leaves(&self, leaves: &[&[u8]]) -> Result<(), ClientError> {
+    fn check_leaves(&self, leaves: &[&[u8]]) -> Result<(), EchoError> {
         if leaves.len() != self.spec.len() {
-            return Err(ClientError::Protocol(format!(
-                "expected {} leaves, got {}",
-                self.spec.len(),
-                leaves.len()
-            )));
+            return Err(EchoError::LeafCount { expected: self.spec.len(), got: leaves.len() });
         }
         for (i, (leaf, array)) in leaves.iter().zip(self.spec.arrays()).enumerate() {
             if leaf.len() != array.num_bytes() {
-                return Err(ClientError::Protocol(format!(
-                    "leaf {i}: expected {} bytes, got {}",
-                    array.num_bytes(),
-                    leaf.len()
-                )));
+                return Err(EchoError::SizeMismatch {
+                    leaf: i,
+                    expected: array.num_bytes(),
+                    got: leaf.len(),
+                });
             }
         }
         Ok(())
@@ -245,13 +224,13 @@ impl TcpSender {
     /// Waits until every sent sample is acknowledged (or `deadline`).
     ///
     /// # Errors
-    /// [`ClientError::Closed`] if the connection goes away first, [`ClientError::TimedOut`].
-    pub fn wait(&self, deadline: Option<Instant>) -> Result<(), ClientError> {
+    /// [`EchoError::Disconnected`] if the connection goes away first, [`EchoError::TimedOut`].
+    pub fn wait(&self, deadline: Option<Instant>) -> Result<(), EchoError> {
         self.wait_for_acks(self.sent, deadline)
     }
 
     /// Waits until at least `target` acks have arrived.
-    fn wait_for_acks(&self, target: u64, deadline: Option<Instant>) -> Result<(), ClientError> {
+    fn wait_for_acks(&self, target: u64, deadline: Option<Instant>) -> Result<(), EchoError> {
         let acks = &self.acks;
         let reached =
             acks.changed.wait_until(|| acks.acked() >= target || acks.is_lost(), deadline);
@@ -261,7 +240,7 @@ impl TcpSender {
             Err(acks.closed_error())
         } else {
             debug_assert!(!reached);
-            Err(ClientError::TimedOut)
+            Err(EchoError::TimedOut)
         }
     }
 
@@ -270,7 +249,7 @@ impl TcpSender {
         &mut self,
         leaves: &[&[u8]],
         deadline: Option<Instant>,
-    ) -> Result<(), ClientError> {
+    ) -> Result<(), EchoError> {
         let mut slices: Vec<IoSlice<'_>> =
             leaves.iter().filter(|l| !l.is_empty()).map(|l| IoSlice::new(l)).collect();
         let mut remaining = &mut slices[..];
@@ -293,9 +272,9 @@ impl TcpSender {
                     self.ensure_open()?;
                     if deadline.is_some_and(|d| Instant::now() >= d) {
                         return Err(if self.in_progress == 0 {
-                            ClientError::TimedOut
+                            EchoError::TimedOut
                         } else {
-                            ClientError::Stalled
+                            EchoError::Stalled
                         });
                     }
                 }
@@ -310,9 +289,9 @@ impl TcpSender {
         Ok(())
     }
 
-    fn ensure_open(&self) -> Result<(), ClientError> {
+    fn ensure_open(&self) -> Result<(), EchoError> {
         if self.closed {
-            return Err(ClientError::Closed("the client was closed".into()));
+            return Err(EchoError::Disconnected("the client was closed".into()));
         }
         if self.acks.is_lost() {
             return Err(self.acks.closed_error());

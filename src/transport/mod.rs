@@ -1,6 +1,8 @@
 //! Transports: where samples come from besides in-process inserts. A transport only accepts
-//! connections, reads raw payloads and pushes them into [`Ingress`]
-//! connections; ordering, batching and backpressure are the ingress's and store's business.
+//! connections, reads raw payloads and pushes them into [`Ingress`] connections; ordering,
+//! batching and backpressure are the ingress's and the backend's business. A second transport
+//! (shared memory, say) is a second type next to [`tcp::TcpServer`] feeding the same
+//! [`Ingress`]; a common trait waits until there is something to abstract over.
 //!
 //! - [`wire`]: the v1 wire format, defined once.
 //! - [`tcp`]: the tokio TCP server ([`tcp::TcpServer`]).
@@ -11,21 +13,12 @@ pub mod tcp;
 pub mod wire;
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 
 use crate::error::EchoError;
 
-/// A running source of samples.
-pub trait Transport: Send {
-    /// The address it listens on, if any.
-    fn local_addr(&self) -> Option<SocketAddr>;
-    /// Stops accepting, closes every connection and joins its threads. Idempotent.
-    fn shutdown(&mut self) -> Result<(), EchoError>;
-}
-
-use std::sync::Arc;
-
 use crate::ingress::{Ingress, IngressConfig, IngressSnapshot};
-use crate::store::Sink;
+use crate::sink::Sink;
 
 /// A TCP server and the drainer pool behind it, started and stopped together.
 pub struct TcpIngress {
@@ -56,7 +49,7 @@ impl TcpIngress {
 
     /// The bound address.
     pub fn local_addr(&self) -> SocketAddr {
-        self.server.local_addr().expect("a TCP server has an address")
+        self.server.local_addr()
     }
 
     /// The drainer pool.
@@ -72,7 +65,7 @@ impl TcpIngress {
     /// Stops accepting and closes every connection, closes the store (so drainers blocked on a
     /// full ring return), and joins every thread. Idempotent.
     pub fn shutdown(&mut self) {
-        let _ = self.server.shutdown();
+        self.server.shutdown();
         self.ingress.store().close();
         self.ingress.shutdown();
     }

@@ -23,7 +23,6 @@ use tokio::runtime::Runtime;
 use tokio::sync::{Notify, Semaphore};
 
 use super::wire::{encode_handshake, ACK};
-use super::Transport;
 use crate::error::EchoError;
 use crate::ingress::{Connection, Ingress, SpaceWaker};
 
@@ -90,26 +89,25 @@ impl TcpServer {
         runtime.spawn(accept_loop(listener, ingress, handshake, limit, max));
         Ok(Self { runtime: Some(runtime), local_addr })
     }
-}
 
-impl Transport for TcpServer {
-    fn local_addr(&self) -> Option<SocketAddr> {
-        Some(self.local_addr)
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
     }
 
-    fn shutdown(&mut self) -> Result<(), EchoError> {
+    /// Stops accepting, closes every connection and joins the runtime's threads. Idempotent.
+    pub fn shutdown(&mut self) {
         if let Some(runtime) = self.runtime.take() {
             // Cancels the accept loop and every connection task at its next await point;
             // their guards mark the connections closed. Joins the worker threads.
             runtime.shutdown_timeout(SHUTDOWN_GRACE);
         }
-        Ok(())
     }
 }
 
 impl Drop for TcpServer {
     fn drop(&mut self) {
-        let _ = self.shutdown();
+        self.shutdown();
     }
 }
 

@@ -51,41 +51,30 @@ pub fn encode_handshake(spec: &DataSpec) -> Result<Vec<u8>, EchoError> {
     Ok(out)
 }
 
-/// Why a handshake could not be read.
-#[derive(Debug, thiserror::Error)]
-pub enum HandshakeError {
-    /// The peer is not an echo server (or speaks another version).
-    #[error("{0}")]
-    Protocol(String),
-    /// The socket failed or closed early.
-    #[error("reading the handshake failed: {0}")]
-    Io(#[from] io::Error),
-}
-
 /// Reads and validates a handshake from `reader`.
 ///
 /// # Errors
-/// [`HandshakeError::Protocol`] for a wrong magic or version, absurd counts or a spec that
-/// holds no data; [`HandshakeError::Io`] if the stream ends or fails.
-pub fn read_handshake(reader: &mut impl Read) -> Result<DataSpec, HandshakeError> {
+/// [`EchoError::Protocol`] for a wrong magic or version, absurd counts or a spec that holds
+/// no data; [`EchoError::Io`] if the stream ends or fails.
+pub fn read_handshake(reader: &mut impl Read) -> Result<DataSpec, EchoError> {
     let mut head = [0u8; 9];
     reader.read_exact(&mut head)?;
     if &head[..4] != MAGIC {
-        return Err(HandshakeError::Protocol(format!(
+        return Err(EchoError::Protocol(format!(
             "not an echo server: expected magic {:?}, got {:?}",
             String::from_utf8_lossy(MAGIC),
             String::from_utf8_lossy(&head[..4])
         )));
     }
     if head[4] != VERSION {
-        return Err(HandshakeError::Protocol(format!(
+        return Err(EchoError::Protocol(format!(
             "unsupported protocol version: expected {VERSION}, got {}",
             head[4]
         )));
     }
     let n_arrays = u32::from_le_bytes(head[5..9].try_into().expect("4 bytes"));
     if n_arrays > MAX_ARRAYS {
-        return Err(HandshakeError::Protocol(format!(
+        return Err(EchoError::Protocol(format!(
             "handshake announces {n_arrays} arrays, more than the {MAX_ARRAYS} allowed"
         )));
     }
@@ -94,7 +83,7 @@ pub fn read_handshake(reader: &mut impl Read) -> Result<DataSpec, HandshakeError
         let dtype_size = read_u32(reader)?;
         let ndim = read_u32(reader)?;
         if ndim > MAX_DIMS {
-            return Err(HandshakeError::Protocol(format!(
+            return Err(EchoError::Protocol(format!(
                 "array {index} has {ndim} dimensions, more than the {MAX_DIMS} allowed"
             )));
         }
@@ -102,10 +91,10 @@ pub fn read_handshake(reader: &mut impl Read) -> Result<DataSpec, HandshakeError
             .map(|_| read_u32(reader).map(|d| d as usize))
             .collect::<Result<Vec<_>, _>>()?;
         let array = ArraySpec::new(shape, dtype_size as usize)
-            .map_err(|e| HandshakeError::Protocol(format!("array {index}: {e}")))?;
+            .map_err(|e| EchoError::Protocol(format!("array {index}: {e}")))?;
         arrays.push(array);
     }
-    DataSpec::new(arrays).map_err(|e| HandshakeError::Protocol(e.to_string()))
+    DataSpec::new(arrays).map_err(|e| EchoError::Protocol(e.to_string()))
 }
 
 fn read_u32(reader: &mut impl Read) -> io::Result<u32> {
@@ -149,11 +138,11 @@ mod tests {
         let mut bytes = encode_handshake(&spec()).unwrap();
         bytes[0] = b'X';
         let err = read_handshake(&mut &bytes[..]).unwrap_err();
-        assert!(matches!(err, HandshakeError::Protocol(m) if m.contains("magic")));
+        assert!(matches!(err, EchoError::Protocol(m) if m.contains("magic")));
         let mut bytes = encode_handshake(&spec()).unwrap();
         bytes[4] = 2;
         let err = read_handshake(&mut &bytes[..]).unwrap_err();
-        assert!(matches!(err, HandshakeError::Protocol(m) if m.contains("version")));
+        assert!(matches!(err, EchoError::Protocol(m) if m.contains("version")));
         let bytes = encode_handshake(&spec()).unwrap();
         for cut in 0..bytes.len() {
             assert!(read_handshake(&mut &bytes[..cut]).is_err(), "truncated at {cut}");
@@ -164,11 +153,11 @@ mod tests {
     fn absurd_counts_are_rejected_before_allocating() {
         let mut bytes = b"ECHO\x01".to_vec();
         bytes.extend_from_slice(&u32::MAX.to_le_bytes());
-        assert!(matches!(read_handshake(&mut &bytes[..]), Err(HandshakeError::Protocol(_))));
+        assert!(matches!(read_handshake(&mut &bytes[..]), Err(EchoError::Protocol(_))));
         let mut bytes = b"ECHO\x01".to_vec();
         for word in [1u32, 4, 1000] {
             bytes.extend_from_slice(&word.to_le_bytes());
         }
-        assert!(matches!(read_handshake(&mut &bytes[..]), Err(HandshakeError::Protocol(_))));
+        assert!(matches!(read_handshake(&mut &bytes[..]), Err(EchoError::Protocol(_))));
     }
 }

@@ -1,7 +1,9 @@
-//! The ring's raw memory: one pre-allocated, 64-byte aligned, zero-initialised buffer per leaf,
-//! each `capacity` slots long. This is the only module that touches slot memory; every access
-//! goes through an `unsafe fn` whose `# Safety` section states the exclusivity it needs, and
-//! the [`Store`](crate::store::Store) protocol is what provides it.
+//! Raw slot memory: one pre-allocated, 64-byte aligned, zero-initialised buffer per leaf,
+//! each `capacity` slots long. The FIFO store's ring, a replay table's item storage and its
+//! batch area are all [`Slots`]. This is the only module that touches slot memory; every
+//! access goes through an `unsafe fn` whose `# Safety` section states the exclusivity it
+//! needs, and the owner's protocol (the [`Store`](crate::store::Store)'s cursors, the replay
+//! table's slot states) is what provides it.
 //!
 //! Slot `s` of leaf `l` lives at `leaves[l].base + s * slot_bytes(l)`, so slots `[a, b)` of a
 //! leaf are one contiguous, stride-free byte range: a batch is a plain C-contiguous array.
@@ -25,25 +27,25 @@ struct LeafBuf {
     layout: Option<Layout>,
 }
 
-/// Raw storage for `capacity` samples of a [`DataSpec`].
+/// Raw storage for `capacity` samples of a [`DataSpec`], leaf by leaf.
 #[derive(Debug)]
-pub(crate) struct RingBuf {
+pub(crate) struct Slots {
     leaves: Box<[LeafBuf]>,
     capacity: usize,
     /// One tracker per slot; zero-sized (so this box allocates nothing) outside loom builds.
     trackers: Box<[SlotTracker]>,
 }
 
-// SAFETY: `RingBuf` owns its allocations exclusively, like a `Box<[u8]>`; moving it to another
+// SAFETY: `Slots` owns its allocations exclusively, like a `Box<[u8]>`; moving it to another
 // thread moves that ownership. Nothing in it is tied to a thread.
-unsafe impl Send for RingBuf {}
+unsafe impl Send for Slots {}
 // SAFETY: shared access only hands out raw pointers (harmless) or goes through `unsafe fn`s
 // whose contracts require the caller to own the slots it touches (write reservation or consumer
 // hold), which the store's cursor protocol guarantees. Like `UnsafeCell<[u8]>` behind such a
-// protocol (crossbeam's `ArrayQueue`), `&RingBuf` is then safe to share.
-unsafe impl Sync for RingBuf {}
+// protocol (crossbeam's `ArrayQueue`), `&Slots` is then safe to share.
+unsafe impl Sync for Slots {}
 
-impl RingBuf {
+impl Slots {
     /// Allocates zeroed storage for `capacity` samples of `spec`.
     pub(crate) fn new(spec: &DataSpec, capacity: usize) -> Result<Self, EchoError> {
         let mut leaves = Vec::with_capacity(spec.len());
@@ -87,7 +89,7 @@ impl RingBuf {
     }
 
     /// Address of slot `slot` of `leaf`. Computing it is safe; reading or writing through it is
-    /// governed by the same rules as [`RingBuf::write_slot`] and [`RingBuf::read_slots`].
+    /// governed by the same rules as [`Slots::write_slot`] and [`Slots::read_slots`].
     ///
     /// # Panics
     /// If `leaf` or `slot` is out of range (a bug in the caller, not bad input).
@@ -154,7 +156,7 @@ impl RingBuf {
     }
 }
 
-impl Drop for RingBuf {
+impl Drop for Slots {
     fn drop(&mut self) {
         for leaf in self.leaves.iter() {
             if let Some(layout) = leaf.layout {
@@ -190,7 +192,7 @@ mod tests {
 
     #[test]
     fn slots_are_contiguous_aligned_and_zeroed() {
-        let ring = RingBuf::new(&spec(), 4).unwrap();
+        let ring = Slots::new(&spec(), 4).unwrap();
         for leaf in 0..3 {
             assert_eq!(ring.slot_ptr(leaf, 0) as usize % RING_ALIGN, 0);
         }
@@ -203,7 +205,7 @@ mod tests {
 
     #[test]
     fn written_slots_read_back_in_order() {
-        let ring = RingBuf::new(&spec(), 4).unwrap();
+        let ring = Slots::new(&spec(), 4).unwrap();
         for slot in 0..4u8 {
             let bytes = [slot; 12];
             // SAFETY: single-threaded test: this thread owns every slot.
@@ -226,7 +228,7 @@ mod tests {
     #[test]
     #[should_panic(expected = "slot holds 12 bytes, got 11")]
     fn wrong_size_write_panics_instead_of_overflowing() {
-        let ring = RingBuf::new(&spec(), 2).unwrap();
+        let ring = Slots::new(&spec(), 2).unwrap();
         // SAFETY: single-threaded test; the size check fires before any copy.
         unsafe { ring.write_slot(0, 0, &[0; 11]) };
     }
@@ -234,13 +236,13 @@ mod tests {
     #[test]
     #[should_panic(expected = "out of range")]
     fn out_of_range_slot_panics() {
-        let ring = RingBuf::new(&spec(), 2).unwrap();
+        let ring = Slots::new(&spec(), 2).unwrap();
         let _ = ring.slot_ptr(0, 2);
     }
 
     #[test]
     fn absurd_capacity_is_an_error_not_an_abort() {
         let spec = DataSpec::new(vec![ArraySpec::new(vec![1 << 20], 8).unwrap()]).unwrap();
-        assert!(RingBuf::new(&spec, usize::MAX / 4).is_err());
+        assert!(Slots::new(&spec, usize::MAX / 4).is_err());
     }
 }

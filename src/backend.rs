@@ -1,0 +1,393 @@
+//! One face over the two storage backends, so that everything above the core (the Python
+//! bindings, a future transport, checkpoints) is written once.
+//!
+//! ```text
+//!                 Backend (insert side, shared)            BatchConsumer (the one reader)
+//!               ┌──────────────────────────────┐        ┌────────────────────────────────┐
+//!  FIFO         │ Fifo(Arc<Store>)             │        │ Fifo(Consumer)                 │
+//!               │   zero-copy ring of batches  │        │   next committed batch, held   │
+//!  replay       │ Replay(Arc<Table>)           │        │ Replay(ReplayConsumer)         │
+//!               │   items, sampler, limiter    │        │   drawn + gathered batch       │
+//!               └──────────────────────────────┘        └────────────────────────────────┘
+//!        insert / sink() / stats() / batch_ptr()            sample() -> BatchRef, read_leaf()
+//! ```
+//!
+//! A [`BatchRef`] names a batch the consumer holds; its leaves are the sample's leaves and,
+//! for replay, the [`BATCH_META`] values after them ([`Backend::batch_meta`]). Where the
+//! bytes of a leaf live ([`Backend::batch_ptr`]) is stable until the consumer's next
+//! `sample` (FIFO: the slots go back to writers then) or the one after (replay: the batch
+//! area is double-buffered).
+
+use std::any::Any;
+use std::time::Instant;
+
+use crate::error::{EchoError, InsertError};
+use crate::metrics::DetailedSnapshot;
+use crate::replay::{MetaLeaf, ReplayBatch, ReplayConfig, ReplayConsumer, ReplayStats, Table};
+use crate::sink::{SampleSource, Sink};
+use crate::spec::DataSpec;
+use crate::store::{Consumer, Store, StoreStats};
+use crate::sync::Arc;
+
+pub use crate::replay::BATCH_META;
+
+/// Which backend to build, with its settings.
+#[derive(Debug, Clone, PartialEq)]
+pub enum BackendConfig {
+    /// The FIFO ring: `num_batches` batches of `batch_size` samples, each handed out once.
+    Fifo {
+        /// Samples per batch.
+        batch_size: usize,
+        /// Batches the ring holds (at least 2).
+        num_batches: usize,
+    },
+    /// A replay table.
+    Replay(ReplayConfig),
+}
+
+/// The insert side of a backend; cheap to share (`Arc` inside).
+#[derive(Debug, Clone)]
+pub enum Backend {
+    /// The FIFO ring.
+    Fifo(Arc<Store>),
+    /// A replay table.
+    Replay(Arc<Table>),
+}
+
+/// The one reader of a backend. `sample` takes `&mut self`: one batch at a time.
+#[derive(Debug)]
+pub enum BatchConsumer {
+    /// Hands out committed batches of the ring in order.
+    Fifo(Consumer),
+    /// Draws and gathers batches from a replay table.
+    Replay(ReplayConsumer),
+}
+
+/// A batch the consumer handed out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchRef {
+    /// 0 for the first batch, then 1, 2, ...
+    pub sequence: u64,
+    at: BatchAt,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BatchAt {
+    /// Absolute batch index in the FIFO ring.
+    Ring(u64),
+    /// A half of a replay table's batch area.
+    Area(ReplayBatch),
+}
+
+/// A backend's counters, each in its own terms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendStats {
+    /// The FIFO ring's cursors and counts.
+    Fifo(StoreStats),
+    /// A replay table's counts.
+    Replay(ReplayStats),
+}
+
+impl Backend {
+    /// Builds the backend for samples of `spec` and its single consumer.
+    ///
+    /// # Errors
+    /// [`EchoError::Config`] naming the bad setting; [`EchoError::OutOfMemory`] if the
+    /// storage cannot be allocated.
+    pub fn new(spec: DataSpec, config: BackendConfig) -> Result<(Self, BatchConsumer), EchoError> {
+        match config {
+            BackendConfig::Fifo { batch_size, num_batches } => {
+                let store = Store::new(spec, batch_size, num_batches)?;
+                let consumer = store.consumer().expect("a new store has no consumer yet");
+                Ok((Self::Fifo(store), BatchConsumer::Fifo(consumer)))
+            }
+            BackendConfig::Replay(config) => {
+                let table = Table::new(spec, config)?;
+                let consumer = table.consumer().expect("a new table has no consumer yet");
+                Ok((Self::Replay(table), BatchConsumer::Replay(consumer)))
+            }
+        }
+    }
+
+    /// The sample layout.
+    pub fn spec(&self) -> &DataSpec {
+        match self {
+            Self::Fifo(store) => store.spec(),
+            Self::Replay(table) => table.spec(),
+        }
+    }
+
+    /// Samples (items) per batch.
+    pub fn batch_size(&self) -> usize {
+        match self {
+            Self::Fifo(store) => store.batch_size(),
+            Self::Replay(table) => table.config().batch_size,
+        }
+    }
+
+    /// Batches the FIFO ring holds; `None` for a replay table.
+    pub fn num_batches(&self) -> Option<usize> {
+        match self {
+            Self::Fifo(store) => Some(store.num_batches()),
+            Self::Replay(_) => None,
+        }
+    }
+
+    /// Items a replay table holds; `None` for the FIFO ring.
+    pub fn max_size(&self) -> Option<usize> {
+        match self {
+            Self::Fifo(_) => None,
+            Self::Replay(table) => Some(table.config().max_size),
+        }
+    }
+
+    /// Whether items carry priorities (a replay table).
+    pub fn has_priorities(&self) -> bool {
+        matches!(self, Self::Replay(_))
+    }
+
+    /// The per-item values a batch carries after the sample's leaves: [`BATCH_META`] for a
+    /// replay table, none for the FIFO ring.
+    pub fn batch_meta(&self) -> &'static [MetaLeaf] {
+        match self {
+            Self::Fifo(_) => &[],
+            Self::Replay(_) => &BATCH_META,
+        }
+    }
+
+    /// The backend as the ingress and transports see it.
+    pub fn sink(&self) -> Arc<dyn Sink> {
+        match self {
+            Self::Fifo(store) => Arc::clone(store) as _,
+            Self::Replay(table) => Arc::clone(table) as _,
+        }
+    }
+
+    /// The owner of every byte a [`BatchRef`] points into: keep it alive to keep them valid.
+    pub fn memory_owner(&self) -> Arc<dyn Any + Send + Sync> {
+        match self {
+            Self::Fifo(store) => Arc::clone(store) as _,
+            Self::Replay(table) => Arc::clone(table) as _,
+        }
+    }
+
+    /// Inserts every sample of `src`, waiting for room (FIFO) or the rate limiter (replay)
+    /// until `deadline`. `priority` is the new items' priority (replay; `None`: the largest
+    /// seen so far).
+    ///
+    /// # Errors
+    /// [`EchoError::Priority`] if a priority is given to the FIFO ring or is invalid; as
+    /// [`Store::insert`] and [`Table::insert`] otherwise.
+    pub fn insert<S: SampleSource + ?Sized>(
+        &self,
+        src: &S,
+        priority: Option<f64>,
+        deadline: Option<Instant>,
+    ) -> Result<(), InsertError> {
+        match self {
+            Self::Fifo(_) if priority.is_some() => Err(EchoError::Priority(
+                "the FIFO ring has no priorities: a priority needs a replay table".into(),
+            )
+            .into()),
+            Self::Fifo(store) => store.insert(src, deadline),
+            Self::Replay(table) => table.insert(src, priority, deadline),
+        }
+    }
+
+    /// Closes the backend: waiting inserts fail and the consumer's `sample` returns
+    /// [`EchoError::Closed`]. Idempotent.
+    pub fn close(&self) {
+        match self {
+            Self::Fifo(store) => store.close(),
+            Self::Replay(table) => table.close(),
+        }
+    }
+
+    /// Whether [`Backend::close`] was called.
+    pub fn is_closed(&self) -> bool {
+        match self {
+            Self::Fifo(store) => store.is_closed(),
+            Self::Replay(table) => table.is_closed(),
+        }
+    }
+
+    /// Address of the first byte of `leaf` of `batch`: `batch_size` contiguous values. Reading
+    /// through it is sound while the bytes are stable (see the module docs) and
+    /// [`Backend::memory_owner`] is alive.
+    pub fn batch_ptr(&self, batch: &BatchRef, leaf: usize) -> *const u8 {
+        match (self, batch.at) {
+            (Self::Fifo(store), BatchAt::Ring(index)) => store.batch_ptr(index, leaf),
+            (Self::Replay(table), BatchAt::Area(area)) => table.batch_ptr(area.half, leaf),
+            _ => unreachable!("a BatchRef comes from this backend's own consumer"),
+        }
+    }
+
+    /// Sets the priorities of the items with these keys; returns how many keys were unknown.
+    ///
+    /// # Errors
+    /// [`EchoError::Priority`] for the FIFO ring (it has none), or as
+    /// [`Table::update_priorities`].
+    pub fn update_priorities(&self, keys: &[u64], priorities: &[f64]) -> Result<u64, EchoError> {
+        match self {
+            Self::Fifo(_) => Err(EchoError::Priority(
+                "the FIFO ring has no priorities to update: that needs a replay table".into(),
+            )),
+            Self::Replay(table) => table.update_priorities(keys, priorities),
+        }
+    }
+
+    /// The priority of the item with `key`; `None` if it is not in the table (or FIFO).
+    pub fn priority(&self, key: u64) -> Option<f64> {
+        match self {
+            Self::Fifo(_) => None,
+            Self::Replay(table) => table.priority(key),
+        }
+    }
+
+    /// A snapshot of the backend's counters.
+    pub fn stats(&self) -> BackendStats {
+        match self {
+            Self::Fifo(store) => BackendStats::Fifo(store.stats()),
+            Self::Replay(table) => BackendStats::Replay(table.stats()),
+        }
+    }
+
+    /// The detailed counters and histograms (all zero without `detailed-metrics`; a replay
+    /// table records none).
+    pub fn detailed(&self) -> DetailedSnapshot {
+        match self {
+            Self::Fifo(store) => store.detailed(),
+            Self::Replay(_) => DetailedSnapshot::default(),
+        }
+    }
+
+    /// Clears the timing histograms; counters keep counting.
+    pub fn reset_histograms(&self) {
+        match self {
+            Self::Fifo(store) => store.reset_histograms(),
+            Self::Replay(_) => {}
+        }
+    }
+
+    /// Page-locks the memory batches are read from (the FIFO ring, or a replay table's batch
+    /// area) with `cudaHostRegister`. Idempotent; unregistered when the backend is dropped.
+    ///
+    /// # Errors
+    /// [`EchoError::Io`] saying what is missing or which CUDA call failed.
+    ///
+    /// # Safety
+    /// Every path in `cuda_runtimes` must be a CUDA runtime library (loading runs its code).
+    pub unsafe fn pin_host_memory(
+        &self,
+        cuda_runtimes: &[std::path::PathBuf],
+    ) -> Result<(), EchoError> {
+        match self {
+            // SAFETY: the caller vouches for the libraries.
+            Self::Fifo(store) => unsafe { store.pin_host_memory(cuda_runtimes) },
+            // SAFETY: as above.
+            Self::Replay(table) => unsafe { table.pin_host_memory(cuda_runtimes) },
+        }
+    }
+
+    /// Whether the batch memory is page-locked.
+    pub fn is_pinned(&self) -> bool {
+        match self {
+            Self::Fifo(store) => store.is_pinned(),
+            Self::Replay(table) => table.is_pinned(),
+        }
+    }
+}
+
+impl BatchConsumer {
+    /// Gives back what the previous call handed out (FIFO) and waits until `deadline` for the
+    /// next batch.
+    ///
+    /// # Errors
+    /// [`EchoError::Closed`] once the backend is closed, [`EchoError::TimedOut`] when the
+    /// deadline passes first (nothing is lost: the next call goes on where this one stopped).
+    pub fn sample(&mut self, deadline: Option<Instant>) -> Result<BatchRef, EchoError> {
+        match self {
+            Self::Fifo(consumer) => {
+                let index = consumer.sample(deadline)?;
+                Ok(BatchRef { sequence: index, at: BatchAt::Ring(index) })
+            }
+            Self::Replay(consumer) => {
+                let batch = consumer.sample(deadline)?;
+                Ok(BatchRef { sequence: batch.sequence, at: BatchAt::Area(batch) })
+            }
+        }
+    }
+
+    /// Calls `f` with the bytes of `leaf` of `batch` (the last batch `sample` returned):
+    /// `batch_size` values back to back.
+    ///
+    /// # Panics
+    /// If `batch` is not this consumer's current batch or `leaf` is out of range.
+    pub fn read_leaf<T>(&self, batch: &BatchRef, leaf: usize, f: impl FnOnce(&[u8]) -> T) -> T {
+        match (self, batch.at) {
+            (Self::Fifo(consumer), BatchAt::Ring(index)) => {
+                assert_eq!(consumer.held(), Some(index), "read_leaf needs the held batch");
+                consumer.read_leaf(leaf, f)
+            }
+            (Self::Replay(consumer), BatchAt::Area(area)) => consumer.read_leaf(area, leaf, f),
+            _ => unreachable!("a BatchRef comes from this consumer"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sink::Leaves;
+    use crate::spec::ArraySpec;
+
+    fn spec() -> DataSpec {
+        DataSpec::new(vec![ArraySpec::new(vec![], 8).unwrap()]).unwrap()
+    }
+
+    fn put(backend: &Backend, id: u64) {
+        backend.insert(&Leaves(&[&id.to_ne_bytes()]), None, None).unwrap();
+    }
+
+    fn ids(consumer: &BatchConsumer, batch: &BatchRef, n: usize) -> Vec<u64> {
+        consumer.read_leaf(batch, 0, |bytes| {
+            assert_eq!(bytes.len(), 8 * n);
+            bytes.chunks_exact(8).map(|c| u64::from_ne_bytes(c.try_into().unwrap())).collect()
+        })
+    }
+
+    #[test]
+    fn both_backends_hand_out_batches_through_one_face() {
+        let fifo = BackendConfig::Fifo { batch_size: 2, num_batches: 2 };
+        let mut replay = ReplayConfig::new(2, 4);
+        replay.max_times_sampled = 1;
+        replay.sampler = crate::replay::SamplerKind::Lifo;
+        for (config, meta) in [(fifo, 0), (BackendConfig::Replay(replay), BATCH_META.len())] {
+            let (backend, mut consumer) = Backend::new(spec(), config).unwrap();
+            assert_eq!(backend.batch_meta().len(), meta);
+            put(&backend, 7);
+            put(&backend, 9);
+            let batch = consumer.sample(None).unwrap();
+            assert_eq!(batch.sequence, 0);
+            let mut got = ids(&consumer, &batch, 2);
+            got.sort_unstable();
+            assert_eq!(got, [7, 9]);
+            // SAFETY: test-only read of the batch just handed out, whose memory is alive.
+            let first = unsafe { backend.batch_ptr(&batch, 0).cast::<u64>().read_unaligned() };
+            assert!(first == 7 || first == 9);
+            backend.close();
+            assert!(matches!(consumer.sample(None), Err(EchoError::Closed)));
+        }
+    }
+
+    #[test]
+    fn the_fifo_ring_refuses_priorities() {
+        let config = BackendConfig::Fifo { batch_size: 1, num_batches: 2 };
+        let (backend, _consumer) = Backend::new(spec(), config).unwrap();
+        let err = backend.insert(&Leaves(&[&[0; 8]]), Some(1.0), None).unwrap_err();
+        assert!(matches!(err.error, EchoError::Priority(_)), "{err}");
+        assert!(backend.update_priorities(&[0], &[1.0]).is_err());
+        assert_eq!(backend.priority(0), None);
+        assert!(matches!(backend.stats(), BackendStats::Fifo(s) if s.write_cursor == 0));
+    }
+}

@@ -1,0 +1,292 @@
+//! Settings as they cross from Python: each read once, into the core's own types, and
+//! checked in one place.
+//!
+//! - [`LayoutArg`]: the example's leaves, from `echo._pytree.TreeLayout`.
+//! - [`ServerConfig`]: `echo.Server`'s arguments (the private `_ServerConfig` dataclass),
+//!   turned into a [`BackendConfig`] by [`ServerConfig::backend`], which is where the FIFO
+//!   and replay arguments are checked against each other.
+//! - The replay strategies (`echo.replay.Uniform()`, ... frozen dataclasses) become
+//!   [`SamplerKind`], [`RemoverKind`] and [`RateLimit`]; their values are checked by the
+//!   core (`check_strategy` runs that check when a strategy is built).
+//! - [`TcpArg`] is `echo.TcpTransport`.
+
+use numpy::PyArrayDescr;
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyString, PyType};
+
+use super::errors::to_pyerr;
+use crate::backend::BackendConfig;
+use crate::replay::{RateLimit, RemoverKind, ReplayConfig, SamplerKind};
+use crate::transport::tcp::TcpConfig;
+
+/// One leaf of the example: `echo._pytree.LeafSpec`.
+#[derive(FromPyObject)]
+pub(crate) struct LeafArg<'py> {
+    pub(crate) name: String,
+    pub(crate) shape: Vec<usize>,
+    pub(crate) dtype: Bound<'py, PyArrayDescr>,
+}
+
+/// The example's structure as the core needs it: `echo._pytree.TreeLayout`.
+#[derive(FromPyObject)]
+pub(crate) struct LayoutArg<'py> {
+    /// Every leaf in flattened order.
+    pub(crate) leaves: Vec<LeafArg<'py>>,
+    /// The example's keys in leaf order when it is a flat dict of arrays.
+    pub(crate) flat_keys: Option<Vec<Bound<'py, PyString>>>,
+}
+
+/// `echo.TcpTransport`, whose fields the dataclass has already checked.
+#[derive(FromPyObject)]
+pub(crate) struct TcpArg {
+    host: String,
+    port: u16,
+    num_threads: usize,
+    max_connections: usize,
+}
+
+impl From<TcpArg> for TcpConfig {
+    fn from(t: TcpArg) -> Self {
+        TcpConfig {
+            host: t.host,
+            port: t.port,
+            num_threads: t.num_threads,
+            max_connections: t.max_connections,
+        }
+    }
+}
+
+/// A strategy object and how Python prints it (for messages that name it).
+pub(crate) struct Strategy<T> {
+    pub(crate) kind: T,
+    pub(crate) repr: String,
+}
+
+/// What `sampler=` selects: the FIFO ring, or a replay table drawing with `SamplerKind`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum SamplerArg {
+    Fifo,
+    Replay(SamplerKind),
+}
+
+/// `echo.Server`'s arguments (`echo.server._ServerConfig`), types already checked in Python.
+pub(crate) struct ServerConfig {
+    pub(crate) batch_size: usize,
+    num_buffers: usize,
+    pub(crate) num_drainers: usize,
+    pub(crate) producer_queue_size: usize,
+    pub(crate) sampler: Strategy<SamplerArg>,
+    remover: Option<Strategy<RemoverKind>>,
+    rate_limiter: Option<Strategy<RateLimit>>,
+    max_size: Option<usize>,
+    max_times_sampled: u32,
+    seed: Option<u64>,
+}
+
+impl<'py> FromPyObject<'_, 'py> for ServerConfig {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'_, 'py, PyAny>) -> PyResult<Self> {
+        let get = |name: &str| obj.getattr(name);
+        let optional = |name: &str| -> PyResult<Option<Bound<'py, PyAny>>> {
+            let value = get(name)?;
+            Ok((!value.is_none()).then_some(value))
+        };
+        Ok(Self {
+            batch_size: get("batch_size")?.extract()?,
+            num_buffers: get("num_buffers")?.extract()?,
+            num_drainers: get("num_drainers")?.extract()?,
+            producer_queue_size: get("producer_queue_size")?.extract()?,
+            sampler: sampler(&get("sampler")?)?,
+            remover: optional("remover")?.map(|r| remover(&r)).transpose()?,
+            rate_limiter: optional("rate_limiter")?.map(|r| rate_limiter(&r)).transpose()?,
+            max_size: get("max_size")?.extract()?,
+            max_times_sampled: get("max_times_sampled")?.extract()?,
+            seed: get("seed")?.extract()?,
+        })
+    }
+}
+
+impl ServerConfig {
+    /// The backend these arguments describe. The replay-only arguments are refused with the
+    /// FIFO sampler, and `max_size` is required with any other.
+    pub(crate) fn backend(&self) -> PyResult<BackendConfig> {
+        let batch_size = self.batch_size;
+        let SamplerArg::Replay(sampler) = self.sampler.kind else {
+            return Ok(BackendConfig::Fifo { batch_size, num_batches: self.fifo_num_batches()? });
+        };
+        let Some(max_size) = self.max_size else {
+            return Err(PyValueError::new_err(format!(
+                "max_size is required with sampler={}: the table pre-allocates max_size items \
+                 (e.g. max_size=1_000_000)",
+                self.sampler.repr
+            )));
+        };
+        if max_size < batch_size {
+            return Err(PyValueError::new_err(format!(
+                "max_size must be >= {batch_size}, got {max_size}"
+            )));
+        }
+        Ok(BackendConfig::Replay(ReplayConfig {
+            batch_size,
+            max_size,
+            sampler,
+            remover: self.remover.as_ref().map_or(RemoverKind::Fifo, |r| r.kind),
+            rate_limit: self.rate_limiter.as_ref().map_or(RateLimit::MinSize(1), |r| r.kind),
+            max_times_sampled: self.max_times_sampled,
+            seed: self.seed,
+        }))
+    }
+
+    /// Checks the replay-only arguments against the FIFO ring; returns its batch count.
+    fn fifo_num_batches(&self) -> PyResult<usize> {
+        let refuse = |what: String, why: &str| {
+            Err(PyValueError::new_err(format!(
+                "{what} needs a replay sampler (Uniform(), Prioritized(), Lifo()){why}"
+            )))
+        };
+        if let Some(r) = self.remover.as_ref().filter(|r| r.kind != RemoverKind::Fifo) {
+            return refuse(
+                format!("remover={}", r.repr),
+                ": the FIFO ring frees each batch once read",
+            );
+        }
+        if self.max_size.is_some() {
+            return refuse(
+                "max_size".into(),
+                "; the FIFO ring holds num_buffers * batch_size samples",
+            );
+        }
+        if self.max_times_sampled > 1 {
+            return refuse(
+                format!("max_times_sampled={}", self.max_times_sampled),
+                ": FIFO hands out each sample once",
+            );
+        }
+        if self.seed.is_some() {
+            return refuse("seed".into(), ": FIFO sampling is not random");
+        }
+        match &self.rate_limiter {
+            None => Ok(self.num_buffers),
+            Some(Strategy { kind: RateLimit::Queue(size), .. }) => {
+                let size = usize::try_from(*size).unwrap_or(usize::MAX);
+                Ok(size.div_ceil(self.batch_size).max(2))
+            }
+            Some(other) => refuse(
+                format!("rate_limiter={}", other.repr),
+                ": the FIFO ring hands out each sample once, as soon as a full batch is in; \
+                 use Queue(size) to size it",
+            ),
+        }
+    }
+
+    /// `num_buffers=3` or `max_size=100, sampler=Uniform()`: the backend's size, for reprs.
+    pub(crate) fn describe(&self, backend: &BackendConfig) -> String {
+        match backend {
+            BackendConfig::Fifo { num_batches, .. } => format!("num_buffers={num_batches}"),
+            BackendConfig::Replay(c) => {
+                format!("max_size={}, sampler={}", c.max_size, self.sampler.repr)
+            }
+        }
+    }
+}
+
+/// The class `echo.replay.<name>`.
+fn strategy_class<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyType>> {
+    static REPLAY: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
+    let module =
+        REPLAY.get_or_try_init(py, || Ok::<_, PyErr>(py.import("echo.replay")?.unbind()))?;
+    Ok(module.bind(py).getattr(name)?.cast_into::<PyType>()?)
+}
+
+/// The name of the first of `names` that `obj` is an instance of.
+fn which<'a>(obj: &Bound<'_, PyAny>, names: &[&'a str]) -> PyResult<Option<&'a str>> {
+    for &name in names {
+        if obj.is_instance(strategy_class(obj.py(), name)?.as_any())? {
+            return Ok(Some(name));
+        }
+    }
+    Ok(None)
+}
+
+fn wrong_type(what: &str, expected: &str, obj: &Bound<'_, PyAny>) -> PyErr {
+    let got = obj.get_type().name().map_or_else(|_| "?".to_owned(), |n| n.to_string());
+    PyTypeError::new_err(format!("{what} must be {expected}, got {got}"))
+}
+
+fn strategy<T>(obj: &Bound<'_, PyAny>, kind: T) -> PyResult<Strategy<T>> {
+    Ok(Strategy { kind, repr: obj.repr()?.to_string() })
+}
+
+/// `sampler=`: `Fifo()`, `Lifo()`, `Uniform()` or `Prioritized(exponent)`.
+pub(crate) fn sampler(obj: &Bound<'_, PyAny>) -> PyResult<Strategy<SamplerArg>> {
+    let kind = match which(obj, &["Fifo", "Lifo", "Uniform", "Prioritized"])? {
+        Some("Fifo") => SamplerArg::Fifo,
+        Some("Lifo") => SamplerArg::Replay(SamplerKind::Lifo),
+        Some("Uniform") => SamplerArg::Replay(SamplerKind::Uniform),
+        Some(_) => SamplerArg::Replay(SamplerKind::Prioritized {
+            exponent: obj.getattr("exponent")?.extract()?,
+        }),
+        None => {
+            return Err(wrong_type(
+                "sampler",
+                "Fifo(), Lifo(), Uniform() or Prioritized(exponent)",
+                obj,
+            ))
+        }
+    };
+    strategy(obj, kind)
+}
+
+/// `remover=`: `Fifo()`, `Lifo()` or `MinPriority()`.
+pub(crate) fn remover(obj: &Bound<'_, PyAny>) -> PyResult<Strategy<RemoverKind>> {
+    let kind = match which(obj, &["Fifo", "Lifo", "MinPriority"])? {
+        Some("Fifo") => RemoverKind::Fifo,
+        Some("Lifo") => RemoverKind::Lifo,
+        Some(_) => RemoverKind::MinPriority,
+        None => return Err(wrong_type("remover", "Fifo(), Lifo() or MinPriority()", obj)),
+    };
+    strategy(obj, kind)
+}
+
+/// `rate_limiter=`: `MinSize(n)`, `SampleToInsertRatio(...)` or `Queue(size)`.
+pub(crate) fn rate_limiter(obj: &Bound<'_, PyAny>) -> PyResult<Strategy<RateLimit>> {
+    let kind = match which(obj, &["MinSize", "SampleToInsertRatio", "Queue"])? {
+        Some("MinSize") => RateLimit::MinSize(obj.getattr("min_size")?.extract()?),
+        Some("Queue") => RateLimit::Queue(obj.getattr("size")?.extract()?),
+        Some(_) => {
+            let (min_diff, max_diff) = obj.getattr("window")?.extract()?;
+            RateLimit::SampleToInsertRatio {
+                samples_per_insert: obj.getattr("samples_per_insert")?.extract()?,
+                min_size_to_sample: obj.getattr("min_size_to_sample")?.extract()?,
+                min_diff,
+                max_diff,
+            }
+        }
+        None => {
+            return Err(wrong_type(
+                "rate_limiter",
+                "MinSize(n), SampleToInsertRatio(...) or Queue(size)",
+                obj,
+            ))
+        }
+    };
+    strategy(obj, kind)
+}
+
+/// Checks a strategy's values where the core defines them (called by the strategy
+/// dataclasses once their fields have the right types): `ValueError` saying what is wrong.
+#[pyfunction]
+pub(crate) fn check_strategy(strategy: &Bound<'_, PyAny>) -> PyResult<()> {
+    if which(strategy, &["MinSize", "SampleToInsertRatio", "Queue"])?.is_some() {
+        return rate_limiter(strategy)?.kind.check().map_err(to_pyerr);
+    }
+    if which(strategy, &["Prioritized"])?.is_some() {
+        if let SamplerArg::Replay(kind) = sampler(strategy)?.kind {
+            return kind.check().map_err(to_pyerr);
+        }
+    }
+    Ok(())
+}
