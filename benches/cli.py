@@ -14,7 +14,7 @@ progress bars out of the measured process, and treats the two sides of a compari
 ``--compare PYTHON`` each scenario runs with our interpreter and with ``PYTHON``, one right
 after the other, the first of the pair alternating from scenario to scenario (ours first,
 then the other first, ...), so that a drift in the machine's speed does not favour one side.
-Ratios are ours / other, computed with ``compare.py`` and ``compare_tcp.py``.
+Ratios are ours / other, computed with ``compare.py``.
 
 The TCP sweep's workers are local processes (``--launcher process``, the default, nothing
 to install) or Ray actors in a local Ray instance (``--launcher ray``, with the
@@ -59,8 +59,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from benches import limits, plots
-from benches.py import bench_inprocess, bench_tcp, bench_views, compare, compare_tcp
-from benches.py.machine import cpu_model
+from benches.py import bench_inprocess, bench_tcp, bench_views, compare
+from benches.py import helpers as h
 
 try:
     import tqdm as _tqdm
@@ -139,38 +139,18 @@ class Progress:
 # --------------------------------------------------------------------------- machine, interpreters
 
 
-def _meminfo_gib() -> float | None:
-    try:
-        with open("/proc/meminfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) / 1024**2
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def machine_info() -> dict[str, Any]:
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    mem_kib = h.proc_kib("/proc/meminfo", "MemTotal").get("MemTotal")
     return {
-        "cpu": cpu_model(),
+        "cpu": h.cpu_model(),
         "cores": os.cpu_count(),
         "cores_usable": affinity,
-        "memory_gib": _meminfo_gib(),
+        "memory_gib": mem_kib / 1024**2 if mem_kib else None,
         "platform": platform.platform(),
         "machine": platform.machine(),
         "loadavg_before": os.getloadavg(),
     }
-
-
-def _git(*args: str) -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10, check=False
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout if out.returncode == 0 else None
 
 
 def probe(python: str) -> dict[str, Any]:
@@ -283,6 +263,9 @@ def run_child(
         except BaseException:  # Ctrl-C, SIGTERM (see main): take the child down with us
             _end_group(proc)
             raise
+        if not open_streams:  # its output is closed: it is exiting, give it the time to
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
         if proc.poll() is None:
             timed_out = True
             log.write(f"[benches] over {timeout_s:.0f} s: ending the process group\n")
@@ -501,51 +484,27 @@ def _fill_fractions(doc: dict[str, Any]) -> None:
 
 
 def _ratios(doc: dict[str, Any]) -> dict[str, Any]:
-    ip, tcp = doc["inprocess"], doc["tcp"]
-    out: dict[str, Any] = {"inprocess": [], "tcp": []}
-    if ip.get("ours") and ip.get("other"):
-        for name, metric, a, b, ratio, higher in compare.ratio_rows(ip["ours"], ip["other"]):
-            out["inprocess"].append(
-                {
-                    "scenario": name,
-                    "metric": metric,
-                    "ours": a,
-                    "other": b,
-                    "ratio": ratio,
-                    "higher_is_better": higher,
-                }
-            )
-    if tcp.get("ours") and tcp.get("other"):
-        for name, k, metric, a, b, ratio, higher in compare_tcp.ratio_rows(
-            tcp["ours"], tcp["other"]
-        ):
-            out["tcp"].append(
-                {
-                    "scenario": name,
-                    "workers": int(k),
-                    "metric": metric,
-                    "ours": a,
-                    "other": b,
-                    "ratio": ratio,
-                    "higher_is_better": higher,
-                }
-            )
+    """Per kind, one record per metric: ours, other and ours / other (``compare.py``)."""
+    out: dict[str, Any] = {}
+    for kind, ratio_rows, ids in (
+        ("inprocess", compare.inprocess_ratio_rows, ("scenario",)),
+        ("tcp", compare.tcp_ratio_rows, ("scenario", "workers")),
+    ):
+        sides = doc[kind]
+        out[kind] = []
+        if not (sides.get("ours") and sides.get("other")):
+            continue
+        for row in ratio_rows(sides["ours"], sides["other"]):
+            *names, metric, a, b, ratio, higher = row
+            rec: dict[str, Any] = dict(zip(ids, names, strict=True))
+            if "workers" in rec:
+                rec["workers"] = int(rec["workers"])
+            rec.update(metric=metric, ours=a, other=b, ratio=ratio, higher_is_better=higher)
+            out[kind].append(rec)
     return out
 
 
 # --------------------------------------------------------------------------- summary table
-
-
-def _f(v: Any, fmt: str, width: int) -> str:
-    if not isinstance(v, (int, float)) or (isinstance(v, float) and math.isnan(v)):
-        return f"{'-':>{width}}"
-    return f"{v:>{width}{fmt}}"
-
-
-def _ratio(a: Any, b: Any, width: int) -> str:
-    """``a / b`` as ``1.23x``, or ``-`` where either is missing, NaN or ``b`` is 0."""
-    nums = all(isinstance(v, (int, float)) and math.isfinite(v) for v in (a, b))
-    return f"{(f'{a / b:.2f}x' if nums and b else '-'):>{width}}"
 
 
 def _summary_views(doc: dict[str, Any], add: Callable[[str], None]) -> None:
@@ -563,13 +522,15 @@ def _summary_views(doc: dict[str, Any], add: Callable[[str], None]) -> None:
     )
     for s, v in views.items():
         cells = " ".join(
-            _f(v["by_leaves"].get(str(n), {}).get("us_per_call"), ".2f", 10) for n in counts
+            h.fmt_num(v["by_leaves"].get(str(n), {}).get("us_per_call"), ".2f", 10) for n in counts
         )
-        add(f"{s:<6} {cells} {_f(v.get('us_per_extra_leaf'), '.3f', 9)} {v['correct']!s:>7}")
+        add(f"{s:<6} {cells} {h.fmt_num(v.get('us_per_extra_leaf'), '.3f', 9)} {v['correct']!s:>7}")
     if len(views) == 2:
         a, b = views["ours"]["by_leaves"], views["other"]["by_leaves"]
         cells = " ".join(
-            _ratio(a.get(str(n), {}).get("us_per_call"), b.get(str(n), {}).get("us_per_call"), 10)
+            h.fmt_ratio(
+                a.get(str(n), {}).get("us_per_call"), b.get(str(n), {}).get("us_per_call"), 10
+            )
             for n in counts
         )
         add(f"{'ratio':<6} {cells}")
@@ -605,7 +566,7 @@ def summary(doc: dict[str, Any]) -> str:
             (
                 "memcpy, 1 thread, 64 MiB (np.copyto)",
                 f"{lim['memcpy']['gbps']:8.2f} GB/s",
-                f"256 KiB, in cache: {_f(cache, '.1f', 0).strip()} GB/s",
+                f"256 KiB, in cache: {h.fmt_num(cache, '.1f', 0).strip()} GB/s",
             )
         )
     for key, what in (("loopback_64k", "64 KiB"), ("loopback_1m", "1 MiB")):
@@ -644,18 +605,19 @@ def summary(doc: dict[str, Any]) -> str:
                 ov = r["sample_overhead"]
                 add(
                     f"{name:<8} {s:<6} {r['samples_per_s']:>12,.0f} {r['gbps']:>8.3f} "
-                    f"{r['frac_of_memcpy']:>11.4f} {_f(ov.get('p50_us'), '.1f', 13)} "
-                    f"{_f(ov.get('p99_us'), '.1f', 8)} {r['correct']!s:>7}"
+                    f"{r['frac_of_memcpy']:>11.4f} {h.fmt_num(ov.get('p50_us'), '.1f', 13)} "
+                    f"{h.fmt_num(ov.get('p99_us'), '.1f', 8)} {r['correct']!s:>7}"
                 )
             a, b = rs.get("ours"), rs.get("other")
             if both and a and b:
                 oa, ob = a["sample_overhead"], b["sample_overhead"]
                 add(
-                    f"{name:<8} {'ratio':<6} {_ratio(a['samples_per_s'], b['samples_per_s'], 12)} "
-                    f"{_ratio(a['gbps'], b['gbps'], 8)} "
-                    f"{_ratio(a['frac_of_memcpy'], b['frac_of_memcpy'], 11)} "
-                    f"{_ratio(oa.get('p50_us'), ob.get('p50_us'), 13)} "
-                    f"{_ratio(oa.get('p99_us'), ob.get('p99_us'), 8)}"
+                    f"{name:<8} {'ratio':<6} "
+                    f"{h.fmt_ratio(a['samples_per_s'], b['samples_per_s'], 12)} "
+                    f"{h.fmt_ratio(a['gbps'], b['gbps'], 8)} "
+                    f"{h.fmt_ratio(a['frac_of_memcpy'], b['frac_of_memcpy'], 11)} "
+                    f"{h.fmt_ratio(oa.get('p50_us'), ob.get('p50_us'), 13)} "
+                    f"{h.fmt_ratio(oa.get('p99_us'), ob.get('p99_us'), 8)}"
                 )
         add("  frac memcpy: of a per-leaf np.copyto of one batch (the scenario's own reference)")
 
@@ -684,18 +646,18 @@ def summary(doc: dict[str, Any]) -> str:
                         continue
                     add(
                         f"{name:<8} {k:>4} {s:<6} {r['samples_per_s']:>11,.0f} "
-                        f"{r['gbps']:>7.3f} {_f(r.get('frac_loopback'), '.3f', 9)} "
-                        f"{_f(r['p50_ms'], '.2f', 8)} {_f(r['p99_ms'], '.2f', 8)} "
+                        f"{r['gbps']:>7.3f} {h.fmt_num(r.get('frac_loopback'), '.3f', 9)} "
+                        f"{h.fmt_num(r['p50_ms'], '.2f', 8)} {h.fmt_num(r['p99_ms'], '.2f', 8)} "
                         f"{r['correct']!s:>7}"
                     )
                 a, b = rs.get("ours"), rs.get("other")
                 if both and a and b:
                     add(
                         f"{name:<8} {k:>4} {'ratio':<6} "
-                        f"{_ratio(a['samples_per_s'], b['samples_per_s'], 11)} "
-                        f"{_ratio(a['gbps'], b['gbps'], 7)} {'':>9} "
-                        f"{_ratio(a['p50_ms'], b['p50_ms'], 8)} "
-                        f"{_ratio(a['p99_ms'], b['p99_ms'], 8)}"
+                        f"{h.fmt_ratio(a['samples_per_s'], b['samples_per_s'], 11)} "
+                        f"{h.fmt_ratio(a['gbps'], b['gbps'], 7)} {'':>9} "
+                        f"{h.fmt_ratio(a['p50_ms'], b['p50_ms'], 8)} "
+                        f"{h.fmt_ratio(a['p99_ms'], b['p99_ms'], 8)}"
                     )
         add("  frac loop: GB/s as a fraction of the raw loopback blast (64 KiB sendall) above")
     if both:
@@ -707,16 +669,6 @@ def summary(doc: dict[str, Any]) -> str:
 
 
 # --------------------------------------------------------------------------- main
-
-
-def _parse_workers(text: str) -> list[int]:
-    try:
-        ks = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from e
-    if not ks or any(k < 1 or k > bench_tcp.MAX_WORKERS for k in ks):
-        raise argparse.ArgumentTypeError(f"worker counts must be in [1, {bench_tcp.MAX_WORKERS}]")
-    return ks
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -742,7 +694,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-label", default=None, help="name of the other side")
     p.add_argument(
         "--workers",
-        type=_parse_workers,
+        type=bench_tcp.parse_workers,
         default=None,
         help=f"TCP worker counts, comma-separated, each up to {bench_tcp.MAX_WORKERS} "
         "(default 1,4,16,64; --quick 1,4)",
@@ -830,8 +782,8 @@ def main(argv: list[str] | None = None) -> int:
 
     for sub in ("raw", "logs"):
         (out / sub).mkdir(parents=True, exist_ok=True)
-    commit = (_git("rev-parse", "HEAD") or "").strip() or None
-    dirty = bool((_git("status", "--porcelain", "--untracked-files=no") or "").strip())
+    commit = h.git_commit()
+    dirty = bool((h.git("status", "--porcelain", "--untracked-files=no") or "").strip())
     steps = _plan(args, labels)
     doc: dict[str, Any] = {
         "schema": "echo-benches/1",
@@ -891,7 +843,7 @@ def main(argv: list[str] | None = None) -> int:
         again = _run_limits(progress, quick, after=True)
         overall.update(1)
     for key in ("loopback_64k", "loopback_1m"):
-        lim[key] = limits.best_loopback(lim[key], again.get(key))
+        lim[key] = bench_tcp.best_loopback(lim[key], again.get(key))
     overall.close()
 
     _fill_fractions(doc)
@@ -908,14 +860,14 @@ def main(argv: list[str] | None = None) -> int:
     ours_ok = ours_ok and all(r.get("correct") for r in doc["views"].get("ours", {}).values())
     doc["ours_correct"] = ours_ok
     results = out / "results.json"
-    results.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    h.write_json(results, doc, say=False)
     try:
         pngs = plots.plot_all(doc, out)
     except Exception as e:  # noqa: BLE001  a plot must never lose the numbers
         print(f"benches: plotting failed: {type(e).__name__}: {e}", file=sys.stderr)
         pngs = []
     doc["plots"] = [p.name for p in pngs]
-    results.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    h.write_json(results, doc, say=False)
     text = summary(doc)
     (out / "summary.txt").write_text(text + "\n", encoding="utf-8")
     print(text)

@@ -26,6 +26,7 @@ import numpy as np
 import optree
 
 from benches.py import bench_inprocess, bench_tcp
+from benches.py import helpers as h
 
 MEMCPY_BYTES = 64 * 1024 * 1024
 MEMCPY_CACHE_BYTES = 256 * 1024
@@ -40,15 +41,8 @@ def memcpy(nbytes: int, seconds: float) -> dict[str, Any]:
     np.copyto(dst, src)  # fault the pages in before timing
     runs: list[float] = []
     for _ in range(3):
-        reps = 0
-        t0 = time.perf_counter()
-        deadline = t0 + seconds / 3
-        while reps < MAX_REPS:
-            np.copyto(dst, src)
-            reps += 1
-            if time.perf_counter() >= deadline:
-                break
-        runs.append(reps * nbytes / (time.perf_counter() - t0) / 1e9)
+        reps, elapsed = h.timed_loop(lambda: np.copyto(dst, src), seconds / 3, MAX_REPS, warmup=0)
+        runs.append(reps * nbytes / elapsed / 1e9)
     return {"bytes": nbytes, "gbps": max(runs), "runs_gbps": runs}
 
 
@@ -104,13 +98,3 @@ def steps(quick: bool) -> list[tuple[str, Callable[[], dict[str, Any]]]]:
 def loopback_steps(quick: bool) -> list[tuple[str, Callable[[], dict[str, Any]]]]:
     """The loopback measurements alone (repeated after the sweep; the best one counts)."""
     return [(name, fn) for name, fn in steps(quick) if name.startswith("loopback")]
-
-
-def best_loopback(first: dict[str, Any], again: dict[str, Any] | None) -> dict[str, Any]:
-    """The faster of two loopback measurements (a busy moment only ever lowers it)."""
-    if again is None:
-        return dict(first, before_gbps=first["gbps"], after_gbps=None)
-    best = dict(max(first, again, key=lambda d: float(d["gbps"])))
-    best["before_gbps"], best["after_gbps"] = first["gbps"], again["gbps"]
-    best["runs_gbps"] = list(first["runs_gbps"]) + list(again["runs_gbps"])
-    return best

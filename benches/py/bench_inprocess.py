@@ -55,24 +55,20 @@ the load average before and after). Depends on numpy, echo and the standard libr
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
 import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 try:  # run as a script: benches/py is on sys.path
-    from machine import cpu_model, git_commit
+    import helpers as h
 except ImportError:  # imported as benches.py.<module> (python -m benches)
-    from benches.py.machine import cpu_model, git_commit
+    from benches.py import helpers as h
 
 import echo
 from echo import Server
@@ -143,25 +139,6 @@ def _touch_fn(shape: tuple[int, ...]) -> Callable[[np.ndarray], object]:
 
 def _percentile_us(ns: np.ndarray, q: float) -> float:
     return float(np.percentile(ns, q)) / 1e3
-
-
-def _close_later(server: Server, seconds: float) -> threading.Timer:
-    """Close ``server`` after ``seconds`` so a ``sample()`` that would never return wakes up."""
-    timer = threading.Timer(seconds, server.close)
-    timer.daemon = True
-    timer.start()
-    return timer
-
-
-def _start_watchdog(max_seconds: float) -> None:
-    def fire() -> None:
-        print(f"bench_inprocess: watchdog: over {max_seconds:.0f} s, aborting", file=sys.stderr)
-        sys.stderr.flush()
-        os._exit(2)
-
-    timer = threading.Timer(max_seconds, fire)
-    timer.daemon = True
-    timer.start()
 
 
 # --------------------------------------------------------------------------- memcpy reference
@@ -293,7 +270,7 @@ def bench_throughput(sc: Scenario, n: int, seconds: float) -> dict[str, Any]:
 
     server = Server(sc.example(), batch_size=bs)
     state = _ProducerState()
-    guard = _close_later(server, seconds + CLOSE_GRACE_S)
+    guard = h.call_later(seconds + CLOSE_GRACE_S, server.close)
     try:
         producer = threading.Thread(
             target=_produce,
@@ -382,7 +359,7 @@ def bench_sample_overhead(sc: Scenario, n_timed: int, seconds: float) -> dict[st
     got = 0
     error: str | None = None
     server = Server(sc.example(), batch_size=bs)
-    guard = _close_later(server, seconds + CLOSE_GRACE_S)
+    guard = h.call_later(seconds + CLOSE_GRACE_S, server.close)
     try:
         clock = time.perf_counter_ns
         deadline = time.perf_counter() + seconds
@@ -447,14 +424,14 @@ def _print_table(label: str, results: dict[str, dict[str, Any]]) -> None:
         f"{'scenario':<8} {'samples/s':>11} {'GB/s':>8} {'memcpy':>8} {'frac':>7} "
         f"{'p50 us':>8} {'p99 us':>8} {'correct':>7} {'order':>5} {'trunc':>5}"
     )
-    print(f"# {label}: echo {getattr(echo, '__version__', None)} from {echo.__file__}")
+    print(h.run_title(label, echo))
     print(head)
     for name, r in results.items():
         ov = r["sample_overhead"]
         print(
             f"{name:<8} {r['samples_per_s']:>11,.0f} {r['gbps']:>8.3f} {r['memcpy_gbps']:>8.2f} "
-            f"{r['frac_of_memcpy']:>7.4f} {ov.get('p50_us', float('nan')):>8.1f} "
-            f"{ov.get('p99_us', float('nan')):>8.1f} {r['correct']!s:>7} "
+            f"{r['frac_of_memcpy']:>7.4f} {h.fmt_num(ov.get('p50_us'), '.1f', 8)} "
+            f"{h.fmt_num(ov.get('p99_us'), '.1f', 8)} {r['correct']!s:>7} "
             f"{r['in_order']!s:>5} {r['truncated']!s:>5}"
         )
     for name, r in results.items():
@@ -471,19 +448,14 @@ def _print_table(label: str, results: dict[str, dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
-    p.add_argument("--quick", action="store_true", help="tiny N, a couple of seconds in total")
-    p.add_argument("--json", type=Path, default=None, help="write results as JSON to PATH")
-    p.add_argument("--label", default=None, help="name of this run (default: echo-<version>)")
+    p = h.bench_parser(__doc__, "tiny N, a couple of seconds in total", max_seconds=300.0)
     p.add_argument("--only", choices=[s.name for s in SCENARIOS], action="append", default=None)
     p.add_argument("--seconds", type=float, default=20.0, help="time bound per phase")
-    p.add_argument("--max-seconds", type=float, default=300.0, help="hard limit for the run")
     args = p.parse_args(argv)
 
-    _start_watchdog(args.max_seconds)
-    load_before = os.getloadavg()
-    version = getattr(echo, "__version__", None)
-    label = args.label or f"echo-{version}"
+    h.start_watchdog(args.max_seconds, "bench_inprocess")
+    load_before = h.loadavg()
+    label = h.default_label(args.label, echo)
     results: dict[str, dict[str, Any]] = {}
     for sc in SCENARIOS:
         if args.only and sc.name not in args.only:
@@ -493,21 +465,13 @@ def main(argv: list[str] | None = None) -> int:
     _print_table(label, results)
     if args.json is not None:
         doc = {
-            "label": label,
-            "python": platform.python_version(),
-            "numpy": np.__version__,
-            "echo_version": version,
-            "echo_path": getattr(echo, "__file__", None),
-            "cpu": cpu_model(),
-            "cpus": os.cpu_count(),
-            "commit": git_commit(),
-            "loadavg_before": load_before,  # 1/5/15-min; another busy process skews numbers
-            "loadavg_after": os.getloadavg(),
+            **h.run_facts(label, echo),
+            "loadavg_before": load_before,
+            "loadavg_after": h.loadavg(),
             "quick": args.quick,
             "scenarios": results,
         }
-        args.json.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-        print(f"wrote {args.json}")
+        h.write_json(args.json, doc)
     ok = all(r["correct"] for r in results.values())
     return 0 if ok else 1
 

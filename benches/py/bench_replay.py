@@ -33,20 +33,18 @@ import itertools
 import json
 import os
 import platform
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from machine import cpu_model, git_commit
+try:  # run as a script: benches/py is on sys.path
+    import helpers as h
+except ImportError:  # imported as benches.py.<module>
+    from benches.py import helpers as h
 
 import echo
 
@@ -69,20 +67,6 @@ def items(n: int) -> list[dict[str, np.ndarray]]:
         {"obs": obs[i], "action": np.array(i % 4, np.int32), "reward": np.array(0.5, np.float32)}
         for i in range(n)
     ]
-
-
-def timed(fn: Callable[[], Any], seconds: float, max_iters: int) -> tuple[int, float]:
-    """Calls ``fn`` until ``seconds`` or ``max_iters``; returns (calls, elapsed)."""
-    for _ in range(2):
-        fn()
-    count, start = 0, time.perf_counter()
-    deadline = start + seconds
-    while count < max_iters:
-        fn()
-        count += 1
-        if time.perf_counter() >= deadline:
-            break
-    return count, time.perf_counter() - start
 
 
 def fill(server: echo.Server, data: list[dict[str, np.ndarray]], seconds: float) -> float:
@@ -129,7 +113,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             assert got is not None
             got.batch["obs"].sum()
 
-        calls, dt = timed(draw, seconds, 1_000_000)
+        calls, dt = h.timed_loop(draw, seconds, 1_000_000)
         out[f"sample_{name}_batches_per_s"] = calls / dt
         out[f"sample_{name}_items_per_s"] = calls * batch / dt
         if name == "prioritized":
@@ -143,7 +127,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 keys, priorities = next(cycle)
                 server.update_priorities(keys, priorities)
 
-            calls, dt = timed(update, seconds, 1_000_000)
+            calls, dt = h.timed_loop(update, seconds, 1_000_000)
             out["update_priorities_calls_per_s"] = calls / dt
             out["update_priorities_keys_per_s"] = calls * batch / dt
             m = min(n, 500_000)
@@ -157,27 +141,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_peers(python: str, args: argparse.Namespace) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "peers.json")
-        cmd = [
-            python,
-            str(HERE / "bench_replay_peers.py"),
-            "--items",
-            str(args.items),
-            "--batch",
-            str(args.batch),
-            "--seconds",
-            str(args.seconds),
-            "--only",
-            "all",
-            "--json",
-            path,
-        ]
-        proc = subprocess.run(cmd, timeout=3600, check=False)
-        if proc.returncode != 0 or not os.path.exists(path):
-            return {"error": f"peer script exited {proc.returncode}"}
-        with open(path) as f:
-            return json.load(f)
+    """``bench_replay_peers.py --only all`` with the same sizes under ``python``."""
+    cmd = [python, str(HERE / "bench_replay_peers.py"), "--only", "all"]
+    for name in ("items", "batch", "seconds"):
+        cmd += [f"--{name}", str(getattr(args, name))]
+    return h.run_json_child(cmd, timeout_s=3600)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,9 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("need items >= batch >= 1 and seconds > 0")
     ours = bench(args)
     result: dict[str, Any] = {
-        "commit": git_commit(),
+        "commit": h.git_commit(),
         "machine": {
-            "cpu": cpu_model(),
+            "cpu": h.cpu_model(),
             "cores": os.cpu_count(),
             "python": platform.python_version(),
         },
@@ -208,8 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         result["peers"] = run_peers(args.peers, args)
         print(json.dumps(result["peers"], indent=1)[:4000])
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        h.write_json(args.json, result, say=False)
     return 0
 
 

@@ -59,13 +59,15 @@ one process is asking for trouble) and merges the results.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import subprocess
 import sys
-import tempfile
 import time
+
+try:  # run as a script: benches/py is on sys.path
+    import helpers as h
+except ImportError:  # imported as benches.py.<module>
+    from benches.py import helpers as h
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -84,30 +86,30 @@ def _versions(names):
     return out
 
 
-def _loadavg():
-    try:
-        return list(os.getloadavg())
-    except OSError:
-        return None
+def _inserts(done, dt):
+    return {"items": done, "seconds": dt, "inserts_per_s": h.rate(done, dt)}
 
 
-def timed_loop(fn, seconds, max_iters, warmup=2):
-    """Call fn() until max_iters calls or `seconds` elapsed; returns (calls, elapsed_s)."""
-    for _ in range(warmup):
-        fn()
-    n = 0
-    t0 = time.perf_counter()
-    deadline = t0 + seconds
-    while n < max_iters:
-        fn()
-        n += 1
-        if time.perf_counter() >= deadline:
+def _batches(calls, dt, b):
+    rates = {"batches_per_s": h.rate(calls, dt), "items_per_s": h.rate(calls * b, dt)}
+    return {"batches": calls, "seconds": dt, **rates}
+
+
+def _updates(calls, dt, b, **extra):
+    rates = {"calls_per_s": h.rate(calls, dt), "keys_per_s": h.rate(calls * b, dt)}
+    return {"calls": calls, "seconds": dt, **extra, **rates}
+
+
+def _insert_loop(add, n, deadline, every):
+    """Calls ``add(i)`` for i in [0, n) until ``deadline`` (checked every ``every`` items);
+    returns how many items it added."""
+    done = 0
+    for i in range(n):
+        add(i)
+        done += 1
+        if done % every == 0 and time.perf_counter() > deadline:
             break
-    return n, time.perf_counter() - t0
-
-
-def _rate(count, dt):
-    return count / dt if dt > 0 else float("nan")
+    return done
 
 
 def make_data(n, seed=0):
@@ -185,14 +187,8 @@ class _ReverbServerHandle:
             self.pid = self._proc.pid
 
     def rss_mib(self):
-        try:
-            with open(f"/proc/{self.pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        return int(line.split()[1]) / 1024.0
-        except OSError:
-            pass
-        return None
+        kib = h.proc_kib(f"/proc/{self.pid}/status", "VmRSS").get("VmRSS")
+        return None if kib is None else kib / 1024.0
 
     def stop(self):
         if self.mode == "inprocess":
@@ -205,80 +201,64 @@ class _ReverbServerHandle:
                 self._proc.join(10)
 
 
-def _reverb_fill(client, table, obs, action, reward, prio, n, deadline):
-    """Fastest path found: legacy writer, 16-step chunks, unlimited in-flight items."""
-    t0 = time.perf_counter()
-    done = 0
-    with client.writer(max_sequence_length=16, chunk_length=16, max_in_flight_items=None) as w:
-        for i in range(n):
+# the fastest legacy writer found: 16-step chunks, unlimited in-flight items
+FAST_WRITER = {"max_sequence_length": 16, "chunk_length": 16, "max_in_flight_items": None}
+
+
+def _writer_fill(client, writer_kwargs, table, data, n, deadline, every):
+    """``n`` items through ``client.writer(**writer_kwargs)``, one ``create_item`` each."""
+    obs, action, reward, prio = data
+    with client.writer(**writer_kwargs) as w:
+
+        def add(i):
             w.append((obs[i], action[i], reward[i]))
             w.create_item(table, 1, prio[i])
-            done += 1
-            if (i & 4095) == 4095 and time.perf_counter() > deadline:
-                break
+
+        return _insert_loop(add, n, deadline, every)
+
+
+def _reverb_fill(client, table, data, n, deadline):
+    """Fastest path found: legacy writer, 16-step chunks, unlimited in-flight items."""
+    t0 = time.perf_counter()
+    done = _writer_fill(client, FAST_WRITER, table, data, n, deadline, 4096)
     return done, time.perf_counter() - t0
 
 
-def _reverb_insert_paths(client, obs, action, reward, prio, args):
+def _reverb_insert_paths(client, data, args):
     """Bounded (count and time) per-item insert paths on the scratch table."""
+    obs, action, reward, prio = data
     out = {}
-    secs = args.seconds
     n = len(prio)
 
     def run(name, max_items, body):
         t0 = time.perf_counter()
-        deadline = t0 + secs
-        done = body(min(max_items, n), deadline)
-        dt = time.perf_counter() - t0
-        out[name] = {"items": done, "seconds": dt, "inserts_per_s": _rate(done, dt)}
+        done = body(min(max_items, n), t0 + args.seconds)
+        out[name] = _inserts(done, time.perf_counter() - t0)
 
     def b_insert(m, deadline):
-        done = 0
-        for i in range(m):
+        def add(i):
             client.insert((obs[i], action[i], reward[i]), {"scratch": prio[i]})
-            done += 1
-            if (i & 255) == 255 and time.perf_counter() > deadline:
-                break
-        return done
+
+        return _insert_loop(add, m, deadline, 256)
 
     def b_traj(m, deadline):
-        done = 0
         with client.trajectory_writer(num_keep_alive_refs=1) as w:
-            for i in range(m):
+
+            def add(i):
                 w.append((obs[i], action[i], reward[i]))
                 w.create_item("scratch", prio[i], tuple(col[-1] for col in w.history))
-                done += 1
-                if (i & 1023) == 1023 and time.perf_counter() > deadline:
-                    break
+
+            done = _insert_loop(add, m, deadline, 1024)
             w.flush()
         return done
 
-    def b_legacy_default(m, deadline):
-        done = 0
-        with client.writer(max_sequence_length=1) as w:
-            for i in range(m):
-                w.append((obs[i], action[i], reward[i]))
-                w.create_item("scratch", 1, prio[i])
-                done += 1
-                if (i & 1023) == 1023 and time.perf_counter() > deadline:
-                    break
-        return done
-
-    def b_legacy_fast(m, deadline):
-        done = 0
-        with client.writer(max_sequence_length=16, chunk_length=16, max_in_flight_items=None) as w:
-            for i in range(m):
-                w.append((obs[i], action[i], reward[i]))
-                w.create_item("scratch", 1, prio[i])
-                done += 1
-                if (i & 1023) == 1023 and time.perf_counter() > deadline:
-                    break
-        return done
+    def b_writer(kwargs):
+        return lambda m, deadline: _writer_fill(client, kwargs, "scratch", data, m, deadline, 1024)
 
     run("client.insert", 20_000, b_insert)
     run("trajectory_writer(1)+create_item", SCRATCH_SIZE, b_traj)
-    run("writer(1) defaults+create_item", SCRATCH_SIZE, b_legacy_default)
-    run("writer(16,chunk16,inflight=None)+create_item", SCRATCH_SIZE, b_legacy_fast)
+    run("writer(1) defaults+create_item", SCRATCH_SIZE, b_writer({"max_sequence_length": 1}))
+    run("writer(16,chunk16,inflight=None)+create_item", SCRATCH_SIZE, b_writer(FAST_WRITER))
     return out
 
 
@@ -291,7 +271,7 @@ def bench_reverb(args):
         "library": "reverb",
         "versions": _versions(["dm-reverb", "tensorflow", "numpy"]),
         "server_mode": args.reverb_server,
-        "load_before": _loadavg(),
+        "load_before": h.loadavg(),
     }
     n, b, secs = args.items, args.batch, args.seconds
     obs, action, reward, prio_np = make_data(n)
@@ -307,17 +287,11 @@ def bench_reverb(args):
         fill = {}
         for table, pr in (("prio", prio), ("unif", ones)):
             deadline = time.perf_counter() + args.fill_seconds
-            done, dt = _reverb_fill(client, table, obs, action, reward, pr, n, deadline)
+            done, dt = _reverb_fill(client, table, (obs, action, reward, pr), n, deadline)
             size = client.server_info()[table].current_size
-            fill[table] = {
-                "items": done,
-                "table_size": size,
-                "seconds": dt,
-                "inserts_per_s": _rate(done, dt),
-                "full": size >= n,
-            }
+            fill[table] = {**_inserts(done, dt), "table_size": size, "full": size >= n}
             print(
-                f"[reverb] fill {table}: {done} items in {dt:.1f}s -> {_rate(done, dt):,.0f}/s "
+                f"[reverb] fill {table}: {done} items in {dt:.1f}s -> {h.rate(done, dt):,.0f}/s "
                 f"(table size {size})",
                 flush=True,
             )
@@ -329,7 +303,8 @@ def bench_reverb(args):
         res["server_rss_mib_after_fill"] = srv.rss_mib()
 
         # --- per-path insert comparison (scratch table)
-        res["insert_paths"] = _reverb_insert_paths(client, obs, action, reward, prio, args)
+        data = (obs, action, reward, prio)
+        res["insert_paths"] = _reverb_insert_paths(client, data, args)
         for k, v in res["insert_paths"].items():
             print(
                 f"[reverb] insert path {k}: {v['inserts_per_s']:,.0f}/s ({v['items']} items)",
@@ -353,13 +328,8 @@ def bench_reverb(args):
                 assert a.shape == (b,)
                 assert r.shape == (b,)
 
-            calls, dt = timed_loop(client_sample, secs, args.max_iters)
-            sample[f"client.sample/{table}"] = {
-                "batches": calls,
-                "seconds": dt,
-                "batches_per_s": _rate(calls, dt),
-                "items_per_s": _rate(calls * b, dt),
-            }
+            calls, dt = h.timed_loop(client_sample, secs, args.max_iters)
+            sample[f"client.sample/{table}"] = _batches(calls, dt, b)
 
             ds = (
                 reverb.TrajectoryDataset(
@@ -385,13 +355,8 @@ def bench_reverb(args):
                 assert a.shape == (b,)
                 assert r.shape == (b,)
 
-            calls, dt = timed_loop(ds_sample, secs, args.max_iters, warmup=5)
-            sample[f"TrajectoryDataset/{table}"] = {
-                "batches": calls,
-                "seconds": dt,
-                "batches_per_s": _rate(calls, dt),
-                "items_per_s": _rate(calls * b, dt),
-            }
+            calls, dt = h.timed_loop(ds_sample, secs, args.max_iters, warmup=5)
+            sample[f"TrajectoryDataset/{table}"] = _batches(calls, dt, b)
             del it, ds
         res["sample"] = sample
         for k, v in sample.items():
@@ -416,23 +381,22 @@ def bench_reverb(args):
             client.mutate_priorities("prio", updates=dicts[ctr[0] % n_dicts])
             ctr[0] += 1
 
-        calls, dt = timed_loop(mutate, secs, args.max_iters)
-        res["update_priorities"] = {
-            "calls": calls,
-            "seconds": dt,
-            "key_pool": len(pool),
-            "calls_per_s": _rate(calls, dt),
-            "keys_per_s": _rate(calls * b, dt),
-            "path": "client.mutate_priorities('prio', updates={key: prio} x batch)",
-        }
+        calls, dt = h.timed_loop(mutate, secs, args.max_iters)
+        res["update_priorities"] = u = _updates(
+            calls,
+            dt,
+            b,
+            key_pool=len(pool),
+            path="client.mutate_priorities('prio', updates={key: prio} x batch)",
+        )
         print(
-            f"[reverb] mutate_priorities: {_rate(calls, dt):,.1f} calls/s "
-            f"({_rate(calls * b, dt):,.0f} keys/s, pool {len(pool)} keys)",
+            f"[reverb] mutate_priorities: {u['calls_per_s']:,.1f} calls/s "
+            f"({u['keys_per_s']:,.0f} keys/s, pool {len(pool)} keys)",
             flush=True,
         )
     finally:
         srv.stop()
-    res["load_after"] = _loadavg()
+    res["load_after"] = h.loadavg()
     return res
 
 
@@ -451,7 +415,7 @@ def bench_torchrl(args):
         "library": "torchrl",
         "versions": _versions(["torchrl", "tensordict", "torch", "numpy"]),
         "torch_num_threads": torch.get_num_threads(),
-        "load_before": _loadavg(),
+        "load_before": h.loadavg(),
     }
     n, b, secs, chunk = args.items, args.batch, args.seconds, args.chunk
     obs, action, reward, prio_np = make_data(n)
@@ -495,8 +459,8 @@ def bench_torchrl(args):
             if time.perf_counter() - t0 > args.fill_seconds:
                 break
         dt = time.perf_counter() - t0
-        cold[kind] = {"items": len(w), "seconds": dt, "inserts_per_s": _rate(len(w), dt)}
-        print(f"[torchrl] cold fill {kind} (warm-up): {_rate(len(w), dt):,.0f}/s", flush=True)
+        cold[kind] = _inserts(len(w), dt)
+        print(f"[torchrl] cold fill {kind} (warm-up): {h.rate(len(w), dt):,.0f}/s", flush=True)
         w.sample()
         del w
     res["fill_cold_first_in_process"] = cold
@@ -517,7 +481,7 @@ def bench_torchrl(args):
             rb = make_rb(kind)
             done, dt = fill(rb, with_prio)
             runs.append((done, dt))
-        rates = sorted(_rate(d, t) for d, t in runs)
+        rates = sorted(h.rate(d, t) for d, t in runs)
         done, dt = runs[-1]
         med = rates[len(rates) // 2]
         fills[name] = {
@@ -525,7 +489,7 @@ def bench_torchrl(args):
             "buffer_len": len(rb),
             "seconds": dt,
             "inserts_per_s": med,
-            "inserts_per_s_all": [_rate(d, t) for d, t in runs],
+            "inserts_per_s_all": [h.rate(d, t) for d, t in runs],
             "full": len(rb) >= n,
             "chunk": chunk,
         }
@@ -547,16 +511,10 @@ def bench_torchrl(args):
     for kind in ("prio", "unif"):
         rb = make_rb(kind)
         t0 = time.perf_counter()
-        deadline = t0 + secs
-        done = 0
-        for i in range(m):
-            rb.add(singles[i])
-            done += 1
-            if (i & 255) == 255 and time.perf_counter() > deadline:
-                break
+        done = _insert_loop(lambda i, add=rb.add, xs=singles: add(xs[i]), m, t0 + secs, 256)
         dt = time.perf_counter() - t0
-        add_res[kind] = {"items": done, "seconds": dt, "inserts_per_s": _rate(done, dt)}
-        print(f"[torchrl] add single {kind}: {_rate(done, dt):,.0f}/s ({done} items)", flush=True)
+        add_res[kind] = _inserts(done, dt)
+        print(f"[torchrl] add single {kind}: {h.rate(done, dt):,.0f}/s ({done} items)", flush=True)
         del rb
     res["add_single"] = add_res
     del singles
@@ -569,16 +527,11 @@ def bench_torchrl(args):
             out = rb.sample()
             assert out.batch_size[0] == b
 
-        calls, dt = timed_loop(s, secs, args.max_iters)
-        sample[label] = {
-            "batches": calls,
-            "seconds": dt,
-            "batches_per_s": _rate(calls, dt),
-            "items_per_s": _rate(calls * b, dt),
-        }
+        calls, dt = h.timed_loop(s, secs, args.max_iters)
+        sample[label] = v = _batches(calls, dt, b)
         print(
-            f"[torchrl] sample {label}: {_rate(calls, dt):,.1f} batches/s "
-            f"({_rate(calls * b, dt):,.0f} items/s)",
+            f"[torchrl] sample {label}: {v['batches_per_s']:,.1f} batches/s "
+            f"({v['items_per_s']:,.0f} items/s)",
             flush=True,
         )
     res["sample"] = sample
@@ -595,20 +548,16 @@ def bench_torchrl(args):
         rbp.update_priority(idx_sets[k], pr_sets[k])
         ctr[0] += 1
 
-    calls, dt = timed_loop(upd, secs, args.max_iters)
-    res["update_priorities"] = {
-        "calls": calls,
-        "seconds": dt,
-        "calls_per_s": _rate(calls, dt),
-        "keys_per_s": _rate(calls * b, dt),
-        "path": "ReplayBuffer.update_priority(idx_tensor, prio_tensor)",
-    }
+    calls, dt = h.timed_loop(upd, secs, args.max_iters)
+    res["update_priorities"] = u = _updates(
+        calls, dt, b, path="ReplayBuffer.update_priority(idx_tensor, prio_tensor)"
+    )
     print(
-        f"[torchrl] update_priority: {_rate(calls, dt):,.1f} calls/s "
-        f"({_rate(calls * b, dt):,.0f} keys/s)",
+        f"[torchrl] update_priority: {u['calls_per_s']:,.1f} calls/s "
+        f"({u['keys_per_s']:,.0f} keys/s)",
         flush=True,
     )
-    res["load_after"] = _loadavg()
+    res["load_after"] = h.loadavg()
     return res
 
 
@@ -617,61 +566,53 @@ def bench_torchrl(args):
 # ----------------------------------------------------------------------------------------
 
 
+# (result section, row label, main cell, detail cell), formatted with the section's entries
+TABLE = (
+    ("fill", "fill {k}", "{inserts_per_s:,.0f} inserts/s", "{items:,} items, {seconds:.1f}s"),
+    ("insert_paths", "insert path {k}", "{inserts_per_s:,.0f} inserts/s", "{items:,} items"),
+    ("add_single", "add single {k}", "{inserts_per_s:,.0f} inserts/s", "{items:,} items"),
+    (
+        "sample",
+        "sample {k} (B={b})",
+        "{batches_per_s:,.1f} batches/s",
+        "{items_per_s:,.0f} items/s",
+    ),
+    (
+        "update_priorities",
+        "update_priorities (B={b})",
+        "{calls_per_s:,.1f} calls/s",
+        "{keys_per_s:,.0f} keys/s",
+    ),
+)
+
+
 def _print_table(results, batch):
     rows = []
     for name, r in results.items():
         if "error" in r:
             rows.append((name, "ERROR", r["error"][:100], ""))
             continue
-        for k, v in r.get("fill", {}).items():
-            rows.append(
-                (
-                    name,
-                    f"fill {k}",
-                    f"{v['inserts_per_s']:,.0f} inserts/s",
-                    f"{v['items']:,} items, {v['seconds']:.1f}s",
-                )
-            )
-        for k, v in r.get("insert_paths", {}).items():
-            rows.append(
-                (
-                    name,
-                    f"insert path {k}",
-                    f"{v['inserts_per_s']:,.0f} inserts/s",
-                    f"{v['items']:,} items",
-                )
-            )
-        for k, v in r.get("add_single", {}).items():
-            rows.append(
-                (
-                    name,
-                    f"add single {k}",
-                    f"{v['inserts_per_s']:,.0f} inserts/s",
-                    f"{v['items']:,} items",
-                )
-            )
-        for k, v in r.get("sample", {}).items():
-            rows.append(
-                (
-                    name,
-                    f"sample {k} (B={batch})",
-                    f"{v['batches_per_s']:,.1f} batches/s",
-                    f"{v['items_per_s']:,.0f} items/s",
-                )
-            )
-        u = r.get("update_priorities")
-        if u:
-            rows.append(
-                (
-                    name,
-                    f"update_priorities (B={batch})",
-                    f"{u['calls_per_s']:,.1f} calls/s",
-                    f"{u['keys_per_s']:,.0f} keys/s",
-                )
-            )
-    w = [max(len(str(row[i])) for row in rows) for i in range(4)] if rows else [0] * 4
-    for row in rows:
-        print("  ".join(str(c).ljust(w[i]) for i, c in enumerate(row)))
+        for section, *cells in TABLE:
+            entries = r.get(section) or {}
+            if section == "update_priorities":  # one entry, not one per path or table
+                entries = {"": entries} if entries else {}
+            for k, v in entries.items():
+                rows.append((name, *(c.format(k=k, b=batch, **v) for c in cells)))
+    h.print_columns(rows)
+
+
+# the options that --only all passes on to its per-library children
+CHILD_OPTIONS = (
+    "items",
+    "batch",
+    "seconds",
+    "fill_seconds",
+    "max_iters",
+    "chunk",
+    "add_items",
+    "fill_repeats",
+    "reverb_server",
+)
 
 
 def main(argv=None):
@@ -700,40 +641,11 @@ def main(argv=None):
     libs = ["reverb", "torchrl"] if args.only == "all" else [args.only]
     if args.only == "all":
         for lib in libs:
-            with tempfile.TemporaryDirectory() as td:
-                out = os.path.join(td, f"{lib}.json")
-                cmd = [
-                    sys.executable,
-                    os.path.abspath(__file__),
-                    "--only",
-                    lib,
-                    "--json",
-                    out,
-                    "--items",
-                    str(args.items),
-                    "--batch",
-                    str(args.batch),
-                    "--seconds",
-                    str(args.seconds),
-                    "--fill-seconds",
-                    str(args.fill_seconds),
-                    "--max-iters",
-                    str(args.max_iters),
-                    "--chunk",
-                    str(args.chunk),
-                    "--add-items",
-                    str(args.add_items),
-                    "--fill-repeats",
-                    str(args.fill_repeats),
-                    "--reverb-server",
-                    args.reverb_server,
-                ]
-                try:
-                    subprocess.run(cmd, timeout=args.child_timeout, check=False)
-                    with open(out) as f:
-                        results.update(json.load(f)["results"])
-                except (subprocess.TimeoutExpired, OSError, ValueError, KeyError) as e:
-                    results[lib] = {"error": f"{type(e).__name__}: {e}"}
+            cmd = [sys.executable, os.path.abspath(__file__), "--only", lib]
+            for name in CHILD_OPTIONS:
+                cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+            doc = h.run_json_child(cmd, args.child_timeout)
+            results.update(doc.get("results") or {lib: {"error": doc.get("error", "no result")}})
     else:
         lib = libs[0]
         fn = bench_reverb if lib == "reverb" else bench_torchrl
@@ -755,8 +667,7 @@ def main(argv=None):
             print(f"  {lib}: {r['versions']}")
     _print_table(results, args.batch)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=2)
+        h.write_json(args.json, {"meta": meta, "results": results}, say=False)
     return 0
 
 

@@ -71,7 +71,7 @@ Compare two implementations (one run each, same machine)::
     .venv/bin/python benches/py/bench_tcp.py --label ours --json benches/results/tcp-ours.json
     /work/venvs/peer/bin/python benches/py/bench_tcp.py --label id-echo-0.2.1 \\
         --json benches/results/tcp-peer.json
-    python benches/py/compare_tcp.py benches/results/tcp-ours.json benches/results/tcp-peer.json
+    python benches/py/compare.py benches/results/tcp-ours.json benches/results/tcp-peer.json
 
 ``--quick`` runs K = 1, 4 with 1.5 s each; ``--only small|large``; ``--workers 1,8,100``
 (up to 1000); ``--launcher process|ray``. On a small machine the workers share the cores with
@@ -82,12 +82,9 @@ numpy, echo and the standard library only (Ray for ``--launcher ray``).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib
-import json
 import multiprocessing as mp
 import os
-import platform
 import queue
 import socket
 import sys
@@ -100,9 +97,9 @@ from typing import Any, Protocol
 import numpy as np
 
 try:  # run as a script: benches/py is on sys.path
-    from machine import cpu_model, git_commit
+    import helpers as h
 except ImportError:  # imported as benches.py.<module> (python -m benches)
-    from benches.py.machine import cpu_model, git_commit
+    from benches.py import helpers as h
 
 import echo
 from echo import Server, TcpClient, TcpTransport
@@ -159,52 +156,15 @@ class WorkerArgs:
 # --------------------------------------------------------------------------- helpers
 
 
-def _log(msg: str) -> None:
-    print(f"bench_tcp: {msg}", file=sys.stderr, flush=True)
+_log = h.logger("bench_tcp")
 
 
-def _start_watchdog(max_seconds: float, who: str) -> threading.Timer:
-    def fire() -> None:
-        print(f"bench_tcp: {who}: watchdog: over {max_seconds:.0f} s, aborting", file=sys.stderr)
-        sys.stderr.flush()
-        os._exit(2)
-
-    timer = threading.Timer(max_seconds, fire)
-    timer.daemon = True
-    timer.start()
-    return timer
-
-
-def _close_later(server: Server, seconds: float) -> threading.Timer:
-    timer = threading.Timer(seconds, server.close)
-    timer.daemon = True
-    timer.start()
-    return timer
+def _watchdog(max_seconds: float, who: str) -> None:
+    h.start_watchdog(max_seconds, f"bench_tcp: {who}")
 
 
 def _echo_file() -> str:
     return os.path.realpath(echo.__file__ or "")
-
-
-def _build_fingerprint() -> list[dict[str, Any]]:
-    """Size, mtime and sha256 prefix of the package's compiled modules (which build ran)."""
-    out: list[dict[str, Any]] = []
-    pkg = Path(_echo_file()).parent
-    for so in sorted(pkg.glob("*.so")):
-        try:
-            data = so.read_bytes()
-            st = so.stat()
-        except OSError:
-            continue
-        out.append(
-            {
-                "file": so.name,
-                "bytes": st.st_size,
-                "mtime": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(st.st_mtime)),
-                "sha256": hashlib.sha256(data).hexdigest()[:16],
-            }
-        )
-    return out
 
 
 def _err(e: BaseException) -> str:
@@ -300,7 +260,7 @@ def _worker(
 ) -> None:
     """A worker process (``--launcher process``): connect, report ready, wait for the start
     signal, send, report."""
-    _start_watchdog(_worker_limit_s(a), f"worker {a.wid}")
+    _watchdog(_worker_limit_s(a), f"worker {a.wid}")
     sender, res = _worker_connect(a)
     ready_q.put((a.wid, sender is not None))
     if sender is not None:
@@ -314,7 +274,7 @@ class _RayWorker:
     Decorated with ``ray.remote`` only once Ray is imported (it is optional)."""
 
     def __init__(self, a: WorkerArgs) -> None:
-        _start_watchdog(_worker_limit_s(a), f"worker {a.wid}")
+        _watchdog(_worker_limit_s(a), f"worker {a.wid}")
         self._sender, self._res = _worker_connect(a)
 
     def ready(self) -> bool:
@@ -525,7 +485,7 @@ class _RayWorkers:
 
 
 def _loopback_receiver(port_q: Any, result_q: Any) -> None:
-    _start_watchdog(60.0, "loopback receiver")
+    _watchdog(60.0, "loopback receiver")
     srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     srv.bind((HOST, 0))
     srv.listen(1)
@@ -590,10 +550,14 @@ def bench_loopback(ctx: Any, seconds: float, chunk_bytes: int, reps: int = 3) ->
     return {"chunk_bytes": chunk_bytes, **best, "runs_gbps": [r["gbps"] for r in runs]}
 
 
-def _best_loopback(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+def best_loopback(before: dict[str, Any], after: dict[str, Any] | None) -> dict[str, Any]:
+    """The faster of two loopback measurements, before and after the rounds (a busy moment
+    only ever lowers it), with both numbers; ``after`` None: ``before`` alone."""
+    if after is None:
+        return dict(before, before_gbps=before["gbps"], after_gbps=None)
     loop = dict(max(before, after, key=lambda d: float(d["gbps"])))
     loop["before_gbps"], loop["after_gbps"] = before["gbps"], after["gbps"]
-    loop["runs_gbps"] = before["runs_gbps"] + after["runs_gbps"]
+    loop["runs_gbps"] = list(before["runs_gbps"]) + list(after["runs_gbps"])
     return loop
 
 
@@ -821,7 +785,7 @@ def run_round(
             daemon=True,
         )
         collector.start()
-        guard = _close_later(server, round_deadline + 5.0 - time.monotonic())
+        guard = h.call_later(round_deadline + 5.0 - time.monotonic(), server.close)
 
         def mark_cpu() -> None:  # learner-process CPU over the timed window
             for name, at in (("start", win0), ("end", win1)):
@@ -977,7 +941,7 @@ def _print_table(
     label: str, launcher: str, loop: dict[str, Any] | None, res: dict[str, Any]
 ) -> None:
     print(
-        f"# {label}: echo {getattr(echo, '__version__', None)} from {echo.__file__}; "
+        f"{h.run_title(label, echo)}; "
         f"workers as {'Ray actors' if launcher == 'ray' else 'processes'}"
     )
     if loop is not None:
@@ -993,15 +957,13 @@ def _print_table(
     )
     for name, rounds in res.items():
         for k, r in rounds.items():
-            frac, frac1m = r["frac_loopback"], r.get("frac_loopback_1mib")
-            wus = r["worker_cpu_us_per_sample"]
             print(
                 f"{name:<8} {k:>4} {r['samples_per_s']:>11,.0f} {r['gbps']:>7.3f} "
-                f"{'-' if frac is None else f'{frac:.3f}':>7} "
-                f"{'-' if frac1m is None else f'{frac1m:.3f}':>6} {r['p50_ms']:>8.2f} "
+                f"{h.fmt_num(r['frac_loopback'], '.3f', 7)} "
+                f"{h.fmt_num(r.get('frac_loopback_1mib'), '.3f', 6)} {r['p50_ms']:>8.2f} "
                 f"{r['p99_ms']:>8.2f} {r['correct']!s:>7} {r['in_order']!s:>5} "
                 f"{r['sent_total']:>9,} {r['setup_s']:>7.1f} {r['learner_cpu_cores']:>7.2f} "
-                f"{'-' if wus is None else f'{wus:.1f}':>8}"
+                f"{h.fmt_num(r['worker_cpu_us_per_sample'], '.1f', 8)}"
             )
             if not r["correct"]:
                 print(
@@ -1018,22 +980,15 @@ def _print_table(
     print(f"  load average (1/5/15 min) at the end: {os.getloadavg()}")
 
 
-def _parse_workers(text: str) -> list[int]:
-    ks = [int(x) for x in text.split(",") if x.strip()]
-    if not ks or any(k < 1 or k > MAX_WORKERS for k in ks):
-        raise argparse.ArgumentTypeError(f"worker counts must be in [1, {MAX_WORKERS}]")
-    return ks
+parse_workers = h.int_list("worker counts", MAX_WORKERS)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n", 1)[0])
-    p.add_argument("--quick", action="store_true", help="K = 1, 4 only, 1.5 s each")
-    p.add_argument("--json", type=Path, default=None, help="write results as JSON to PATH")
-    p.add_argument("--label", default=None, help="name of this run (default: echo-<version>)")
+    p = h.bench_parser(__doc__, "K = 1, 4 only, 1.5 s each", max_seconds=600.0)
     p.add_argument("--only", choices=[s.name for s in SCENARIOS], action="append", default=None)
     p.add_argument(
         "--workers",
-        type=_parse_workers,
+        type=parse_workers,
         default=None,
         help="comma-separated worker counts (default 1,4,16,64)",
     )
@@ -1054,7 +1009,6 @@ def main(argv: list[str] | None = None) -> int:
         help="workers as local processes (default) or as Ray actors in a local Ray instance "
         "(needs the distributed extra: pip install 'id-echo[distributed]')",
     )
-    p.add_argument("--max-seconds", type=float, default=600.0, help="hard limit for the run")
     args = p.parse_args(argv)
     if args.seconds is None:
         args.seconds = 1.5 if args.quick else 4.0
@@ -1067,14 +1021,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench_tcp: {e}", file=sys.stderr)
             return 2
 
-    _start_watchdog(args.max_seconds, "learner")
+    _watchdog(args.max_seconds, "learner")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["numpy", "echo"])
-    load_before = os.getloadavg()
-    version = getattr(echo, "__version__", None)
-    label = args.label or f"echo-{version}"
-    _log(f"{label}: echo {version} from {_echo_file()}, python {sys.executable}")
-    build = _build_fingerprint()
+    load_before = h.loadavg()
+    label = h.default_label(args.label, echo)
+    _log(
+        f"{label}: echo {getattr(echo, '__version__', None)} from {_echo_file()}, "
+        f"python {sys.executable}"
+    )
+    build = h.echo_build(echo)
     _log(f"build: {build}")
 
     def loopback(when: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -1115,8 +1071,8 @@ def main(argv: list[str] | None = None) -> int:
         std1, bulk1 = loopback("after")
         # The reference is the best transfer before or after the rounds: on a shared machine
         # a busy moment only ever lowers the measured bandwidth.
-        loop = _best_loopback(std0, std1)
-        loop["bulk_1mib"] = _best_loopback(bulk0, bulk1)
+        loop = best_loopback(std0, std1)
+        loop["bulk_1mib"] = best_loopback(bulk0, bulk1)
         bulk_gbps = float(loop["bulk_1mib"]["gbps"])
         for rounds in results.values():
             for r in rounds.values():
@@ -1125,19 +1081,11 @@ def main(argv: list[str] | None = None) -> int:
     _print_table(label, args.launcher, loop, results)
     if args.json is not None:
         doc = {
-            "label": label,
-            "python": platform.python_version(),
-            "executable": sys.executable,
-            "numpy": np.__version__,
-            "echo_version": version,
-            "echo_path": getattr(echo, "__file__", None),
-            "cpu": cpu_model(),
-            "cpus": os.cpu_count(),
-            "commit": git_commit(),
+            **h.run_facts(label, echo),
             "echo_build": build,  # at the start; a rebuild during the run is flagged
-            "echo_rebuilt_during_run": _build_fingerprint() != build,
+            "echo_rebuilt_during_run": h.echo_build(echo) != build,
             "loadavg_before": load_before,
-            "loadavg_after": os.getloadavg(),
+            "loadavg_after": h.loadavg(),
             "quick": args.quick,
             "workers": ks,
             "seconds": args.seconds,
@@ -1148,9 +1096,7 @@ def main(argv: list[str] | None = None) -> int:
             "loopback": loop,
             "scenarios": results,
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-        print(f"wrote {args.json}")
+        h.write_json(args.json, doc)
     ok = all(r["correct"] for rounds in results.values() for r in rounds.values())
     return 0 if ok else 1
 

@@ -29,22 +29,16 @@ standard library only.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
 import sys
-import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 try:  # run as a script: benches/py is on sys.path
-    from machine import cpu_model, git_commit
+    import helpers as h
 except ImportError:  # imported as benches.py.<module> (python -m benches)
-    from benches.py.machine import cpu_model, git_commit
+    from benches.py import helpers as h
 
 import echo
 from echo import Server
@@ -57,21 +51,7 @@ WARMUP = 20
 MAX_CALLS = 200_000
 CLOSE_GRACE_S = 10.0
 SCENARIO = "sample"  # the one scenario of this script, as python -m benches files it
-
-
-def _log(msg: str) -> None:
-    print(f"bench_views: {msg}", file=sys.stderr, flush=True)
-
-
-def _start_watchdog(max_seconds: float) -> None:
-    def fire() -> None:
-        print(f"bench_views: watchdog: over {max_seconds:.0f} s, aborting", file=sys.stderr)
-        sys.stderr.flush()
-        os._exit(2)
-
-    timer = threading.Timer(max_seconds, fire)
-    timer.daemon = True
-    timer.start()
+_log = h.logger("bench_views")
 
 
 def example(n_leaves: int) -> dict[str, np.ndarray]:
@@ -87,9 +67,7 @@ def measure(n_leaves: int, seconds: float) -> dict[str, Any]:
     error: str | None = None
     correct = zero_copy = True
     server = Server(tree, batch_size=BATCH_SIZE)
-    guard = threading.Timer(seconds + CLOSE_GRACE_S, server.close)
-    guard.daemon = True
-    guard.start()
+    guard = h.call_later(seconds + CLOSE_GRACE_S, server.close)
     try:
         clock = time.perf_counter_ns
         submit, sample = server.submit, server.sample
@@ -165,33 +143,20 @@ def run(leaf_counts: list[int], seconds: float) -> dict[str, Any]:
     }
 
 
-def _parse_leaves(text: str) -> list[int]:
-    try:
-        ns = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from e
-    if not ns or any(n < 1 or n > MAX_LEAVES for n in ns):
-        raise argparse.ArgumentTypeError(f"leaf counts must be in [1, {MAX_LEAVES}]")
-    return sorted(set(ns))
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n", 1)[0])
-    p.add_argument("--quick", action="store_true", help="0.15 s per leaf count")
-    p.add_argument("--leaves", type=_parse_leaves, default=list(LEAF_COUNTS))
+    p = h.bench_parser(__doc__, "0.15 s per leaf count", max_seconds=120.0)
+    p.add_argument(
+        "--leaves", type=h.int_list("leaf counts", MAX_LEAVES), default=list(LEAF_COUNTS)
+    )
     p.add_argument("--seconds", type=float, default=None, help="window per leaf count (1)")
-    p.add_argument("--json", type=Path, default=None, help="write results as JSON to PATH")
-    p.add_argument("--label", default=None, help="name of this run (default: echo-<version>)")
-    p.add_argument("--max-seconds", type=float, default=120.0, help="hard limit for the run")
     args = p.parse_args(argv)
     seconds: float = args.seconds or (0.15 if args.quick else 1.0)
     if not 0.01 <= seconds <= 60:
         p.error("--seconds must be in [0.01, 60]")
-    _start_watchdog(args.max_seconds)
-    version = getattr(echo, "__version__", None)
-    label = args.label or f"echo-{version}"
-    res = run(args.leaves, seconds)
-    print(f"# {label}: echo {version} from {echo.__file__}")
+    h.start_watchdog(args.max_seconds, "bench_views")
+    label = h.default_label(args.label, echo)
+    res = run(sorted(set(args.leaves)), seconds)
+    print(h.run_title(label, echo))
     print(f"{'leaves':>6} {'calls':>8} {'p50 us':>8} {'p10 us':>8} {'p90 us':>8} {'p99 us':>8}")
     for n, r in res["by_leaves"].items():
         if not r.get("calls"):
@@ -207,22 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     _log(f"correct {res['correct']}")
     if args.json is not None:
         doc = {
-            "label": label,
-            "python": platform.python_version(),
-            "executable": sys.executable,
-            "numpy": str(getattr(np, "__version__", None)),
-            "echo_version": version,
-            "echo_path": getattr(echo, "__file__", None),
-            "cpu": cpu_model(),
-            "cpus": os.cpu_count(),
-            "commit": git_commit(),
+            **h.run_facts(label, echo),
             "quick": args.quick,
-            "loadavg_after": os.getloadavg(),
+            "loadavg_after": h.loadavg(),
             "scenarios": {SCENARIO: res},
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-        print(f"wrote {args.json}")
+        h.write_json(args.json, doc)
     return 0 if res["correct"] else 1
 
 

@@ -1,7 +1,7 @@
 """`pin_host_memory=True`: the error path everywhere, and the registration protocol against a
 fake CUDA runtime (three C functions compiled here with gcc) that logs every call.
 
-The real thing (a GPU, DMA timings) is checked by benches/gpu_check.py on a machine with one.
+The real thing (a GPU, DMA timings) is checked by benches/tools/gpu_check.py on a machine with one.
 """
 
 from __future__ import annotations

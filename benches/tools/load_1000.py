@@ -32,7 +32,7 @@ ends the learner process it started after ``--timeout`` + 15 s. Loopback only.
 
 Usage::
 
-    .venv/bin/python benches/py/load_1000.py --json benches/results/load-ours.json
+    .venv/bin/python benches/tools/load_1000.py --json benches/results/load-ours.json
 """
 
 from __future__ import annotations
@@ -41,8 +41,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
-import platform
 import resource
 import struct
 import subprocess
@@ -53,6 +51,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "py"))
+import helpers as h
+
 HOST = "127.0.0.1"
 MAGIC = b"ECHO"
 ACK = 0x01
@@ -60,8 +61,7 @@ OBS_LEN = 60  # float32 elements of the "obs" leaf
 ID_FMT = struct.Struct("<qq")
 
 
-def _log(msg: str) -> None:
-    print(f"load_1000: {msg}", file=sys.stderr, flush=True)
+_log = h.logger("load_1000")
 
 
 def _raise_nofile(needed: int) -> dict[str, int]:
@@ -75,16 +75,8 @@ def _raise_nofile(needed: int) -> dict[str, int]:
 
 
 def _rss_mb() -> dict[str, float]:
-    out: dict[str, float] = {}
-    try:
-        with open("/proc/self/status", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith(("VmRSS:", "VmHWM:")):
-                    key, val = line.split(":", 1)
-                    out[key] = int(val.split()[0]) / 1024.0  # kB -> MiB
-    except OSError:
-        pass
-    return out
+    """This process's ``VmRSS`` and ``VmHWM`` in MiB."""
+    return {k: kib / 1024.0 for k, kib in h.proc_kib("/proc/self/status", "VmRSS", "VmHWM").items()}
 
 
 # --------------------------------------------------------------------------- learner process
@@ -97,9 +89,7 @@ def learner_main(args: argparse.Namespace) -> int:
     from echo import Server, TcpTransport
 
     limits = _raise_nofile(args.connections + 256)
-    stop = threading.Timer(args.timeout, lambda: os._exit(3))  # last resort
-    stop.daemon = True
-    stop.start()
+    h.start_watchdog(args.timeout, "load_1000: learner", status=3)  # last resort
     bs = args.batch_size
     expected = args.connections * args.samples
     pad = (-expected) % bs
@@ -131,18 +121,14 @@ def learner_main(args: argparse.Namespace) -> int:
             peak["rss"] = max(peak["rss"], rss)
             if time.monotonic() - last_print >= 1.0:
                 last_print = time.monotonic()
-                print(
-                    f"load_1000: learner: {received:,}/{n_total:,} received, RSS {rss:.1f} MB,"
-                    f" active connections {max_active}",
-                    file=sys.stderr,
-                    flush=True,
+                _log(
+                    f"learner: {received:,}/{n_total:,} received, RSS {rss:.1f} MB,"
+                    f" active connections {max_active}"
                 )
 
     mon = threading.Thread(target=monitor, name="rss-monitor", daemon=True)
     mon.start()
-    guard = threading.Timer(args.timeout - 5.0, server.close)
-    guard.daemon = True
-    guard.start()
+    guard = h.call_later(args.timeout - 5.0, server.close)
     t_first = t_last = 0.0
     closed_early = False
     try:
@@ -183,10 +169,7 @@ def learner_main(args: argparse.Namespace) -> int:
     result = {
         "echo_version": getattr(echo, "__version__", None),
         "echo_path": echo.__file__,
-        "echo_build": [
-            {"file": so.name, "bytes": so.stat().st_size, "mtime": so.stat().st_mtime}
-            for so in sorted(Path(echo.__file__ or ".").parent.glob("*.so"))
-        ],
+        "echo_build": h.echo_build(echo),
         "nofile": limits,
         "expected": expected,
         "markers_expected": pad,
@@ -368,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
 
     limits = _raise_nofile(args.connections + 256)
     _log(f"RLIMIT_NOFILE {limits}; {args.connections} connections x {args.samples} samples")
-    load_before = os.getloadavg()
+    load_before = h.loadavg()
     try:
         res = asyncio.run(asyncio.wait_for(_drive(args), args.timeout + 15.0))
     except asyncio.TimeoutError:
@@ -413,12 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.json is not None:
         doc = {
-            "label": args.label,
-            "python": platform.python_version(),
-            "executable": sys.executable,
-            "cpus": os.cpu_count(),
+            **h.run_facts(args.label),
             "loadavg_before": load_before,
-            "loadavg_after": os.getloadavg(),
+            "loadavg_after": h.loadavg(),
             "connections": args.connections,
             "samples_per_connection": args.samples,
             "window": args.window,
@@ -426,9 +406,7 @@ def main(argv: list[str] | None = None) -> int:
             "correct": correct,
             **res,
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-        print(f"wrote {args.json}")
+        h.write_json(args.json, doc)
     return 0 if correct else 1
 
 

@@ -3,12 +3,13 @@ host-to-device copies of a batch from the page-locked ring and from ordinary num
 
 Run it on a machine with a GPU, from the repository root, with echo built or installed::
 
-    python benches/gpu_check.py --json out.json
+    python benches/tools/gpu_check.py --json out.json
 
 It needs numpy, echo and the CUDA runtime library (``libcudart``), and nothing else (no
-PyTorch): CUDA is called through ``ctypes``. The runtime is looked up like echo looks it up
-(``$ECHO_CUDART``, the ``nvidia-cuda-runtime-cu12`` wheel's ``nvidia/cuda_runtime/lib``, then
-the loader's ``libcudart.so*``), plus the CUDA 13 wheel's ``nvidia/cu13/lib``.
+PyTorch; from this checkout, ``benches/py/helpers.py``): CUDA is called through ``ctypes``.
+The runtime is looked up like echo looks it up (``$ECHO_CUDART``, the
+``nvidia-cuda-runtime-cu12`` wheel's ``nvidia/cuda_runtime/lib``, then the loader's
+``libcudart.so*``), plus the CUDA 13 wheel's ``nvidia/cu13/lib``.
 
 What it does, all bounded (one batch, ``--reps`` copies of it per measurement):
 
@@ -38,7 +39,6 @@ import ctypes
 import glob
 import importlib
 import itertools
-import json
 import os
 import platform
 import statistics
@@ -50,6 +50,9 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "py"))
+import helpers as h
 
 import echo
 
@@ -389,25 +392,18 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"\npinned / pageable (sync, median): {report['speedup_sync']:.2f}x")
 
 
-def positive(limit: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        value = int(text)
-        if not 1 <= value <= limit:
-            raise argparse.ArgumentTypeError(f"must be between 1 and {limit}, got {value}")
-        return value
-
-    return parse
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--json", type=Path, help="write the results as JSON to this path")
-    parser.add_argument("--leaves", type=positive(1024), default=40, help="leaves (default 40)")
-    parser.add_argument(
-        "--leaf-size", type=positive(1 << 24), default=1280, help="float32 per leaf (1280)"
-    )
-    parser.add_argument("--batch-size", type=positive(4096), default=64, help="batch (64)")
-    parser.add_argument("--reps", type=positive(1000), default=50, help="copies timed (50)")
+    for flag, limit, default, what in (
+        ("--leaves", 1024, 40, "leaves"),
+        ("--leaf-size", 1 << 24, 1280, "float32 per leaf"),
+        ("--batch-size", 4096, 64, "batch"),
+        ("--reps", 1000, 50, "copies timed"),
+    ):
+        parser.add_argument(
+            flag, type=h.bounded_int(flag, limit), default=default, help=f"{what} ({default})"
+        )
     args = parser.parse_args(argv)
     batch_bytes = args.leaves * args.leaf_size * args.batch_size * 4
     if batch_bytes > MAX_BATCH_BYTES:
@@ -443,7 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gpu_check: FAILED: {err}", file=sys.stderr)
         status = EXIT_CHECK_FAILED
     if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        h.write_json(args.json, report, say=False)
     return status
 
 
