@@ -178,9 +178,9 @@ impl Backend {
     /// # Errors
     /// [`EchoError::Priority`] if a priority is given to the FIFO ring or is invalid; as
     /// [`Store::insert`] and [`Table::insert`] otherwise.
-    pub fn insert<S: SampleSource + ?Sized>(
+    pub fn insert(
         &self,
-        src: &S,
+        src: &dyn SampleSource,
         priority: Option<f64>,
         deadline: Option<Instant>,
     ) -> Result<(), InsertError> {

@@ -137,11 +137,9 @@ class ServerCore:
     def start(self, transport: TcpTransport) -> int:
         """Starts the drainers and the TCP server; returns the bound port."""
     def submit(
-        self, leaves: list[Any], timeout: float | None = None, priority: float | None = None
-    ) -> None: ...
-    def submit_flat(
         self, sample: object, timeout: float | None = None, priority: float | None = None
-    ) -> bool: ...
+    ) -> None:
+        """Checks and copies one sample (a pytree like the example)."""
     def sample(
         self, timeout: float | None = None, copy: bool = False
     ) -> tuple[list[npt.NDArray[Any]], SampleInfo, tuple[npt.NDArray[Any], ...]] | None:
@@ -171,8 +169,8 @@ class TcpSender:
         max_inflight: int,
         connect_timeout: float,
     ) -> TcpSender: ...
-    def send(self, leaves: list[Any], timeout: float | None = None) -> None: ...
-    def send_flat(self, sample: object, timeout: float | None = None) -> bool: ...
+    def send(self, sample: object, timeout: float | None = None) -> None:
+        """Checks and sends one sample (a pytree like the example)."""
     def wait(self, timeout: float | None = None) -> None: ...
     def close(self, timeout: float | None = None) -> bool: ...
     @property

@@ -61,13 +61,9 @@ class TcpClient:
             ConnectionClosedError: After `close()`, or once the server is gone.
             TimeoutError: The window stayed full for `timeout` seconds (nothing is sent).
         """
-        try:
-            # A flat-dict sample is looked up by key natively; anything else is flattened here.
-            if not self._sender.send_flat(sample, timeout):
-                self._sender.send(self._layout.flatten(sample), timeout)
-        except TypeError:
-            self._layout.check_structure(sample)
-            raise
+        # A flat-dict sample is looked up by key natively; anything else is flattened by the
+        # layout.
+        self._sender.send(sample, timeout)
 
     def send_many(self, samples: Any, *, timeout: float | None = None) -> None:
         """Sends each sample of an iterable in order (e.g. one per vectorised environment)."""

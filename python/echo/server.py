@@ -274,14 +274,8 @@ class Server:
             ServerClosedError: The server is (or gets) closed.
             TimeoutError: No space freed up within `timeout`.
         """
-        core = self._core
-        try:
-            # A flat-dict sample is looked up natively; anything else is flattened here.
-            if not core.submit_flat(sample, timeout, priority):
-                core.submit(self._layout.flatten(sample), timeout, priority)
-        except TypeError:
-            self._layout.check_structure(sample)  # a nested container is a structure error
-            raise
+        # A flat-dict sample is looked up natively; anything else is flattened by the layout.
+        self._core.submit(sample, timeout, priority)
 
     def sample(self, timeout: float | None = None, *, copy: bool = False) -> Sample | None:
         """Waits for the next full batch and returns it, or `None` once the server is closed.

@@ -8,9 +8,7 @@ use numpy::PyUntypedArray;
 use parking_lot::Mutex;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PySequence;
 
-use super::config::LayoutArg;
 use super::errors::{error_in, to_pyerr, Call};
 use super::leaves::{byte_slices, py_shape, LeafSpecs};
 use super::{deadline_from_timeout, detach, wait_detached};
@@ -36,7 +34,7 @@ impl PyTcpSender {
         py: Python<'_>,
         host: String,
         port: u16,
-        layout: LayoutArg<'_>,
+        layout: &Bound<'_, PyAny>,
         max_inflight: u64,
         connect_timeout: f64,
     ) -> PyResult<Self> {
@@ -56,33 +54,18 @@ impl PyTcpSender {
         Ok(Self { leaves, sender: Mutex::new(sender) })
     }
 
-    /// Sends one sample (its flattened leaves). Blocks while `max_inflight` samples are
+    /// Sends one sample (a pytree like the example). Blocks while `max_inflight` samples are
     /// unacknowledged; raises `TimeoutError` if `timeout` passes first (nothing sent).
-    #[pyo3(signature = (leaves, timeout=None))]
-    fn send(
-        &self,
-        py: Python<'_>,
-        leaves: &Bound<'_, PySequence>,
-        timeout: Option<f64>,
-    ) -> PyResult<()> {
-        let deadline = deadline_from_timeout(timeout)?;
-        let arrays = self.leaves.check(leaves)?;
-        self.send_arrays(py, &arrays, deadline)
-    }
-
-    /// `send` for a flat-dict example, taking the sample dict itself. Returns `False`
-    /// (nothing sent) if the example is not a flat dict or `sample` lacks its exact keys.
     #[pyo3(signature = (sample, timeout=None))]
-    fn send_flat(
+    fn send(
         &self,
         py: Python<'_>,
         sample: &Bound<'_, PyAny>,
         timeout: Option<f64>,
-    ) -> PyResult<bool> {
+    ) -> PyResult<()> {
         let deadline = deadline_from_timeout(timeout)?;
-        let Some(arrays) = self.leaves.check_flat_dict(sample)? else { return Ok(false) };
-        self.send_arrays(py, &arrays, deadline)?;
-        Ok(true)
+        let arrays = self.leaves.arrays(sample)?;
+        self.send_arrays(py, &arrays, deadline)
     }
 
     /// Waits until every sent sample is acknowledged.

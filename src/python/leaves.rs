@@ -8,6 +8,8 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PySequence, PyString};
 
+use pyo3::intern;
+
 use super::config::LayoutArg;
 use super::errors::to_pyerr;
 use crate::spec::{ArraySpec, DataSpec};
@@ -21,11 +23,15 @@ pub(crate) struct LeafSpecs {
     /// For an example that is a flat dict of arrays: its keys in leaf order, so samples can be
     /// looked up by key without flattening them in Python.
     flat_keys: Option<Vec<Py<PyString>>>,
+    /// The example's `echo._pytree.TreeLayout`: flattens other samples, explains mismatches.
+    layout: Py<PyAny>,
 }
 
 impl LeafSpecs {
-    /// Validates the example's leaves (no object dtypes, sizes that fit) into a [`DataSpec`].
-    pub(crate) fn new(layout: LayoutArg<'_>) -> PyResult<Self> {
+    /// Validates the leaves of `tree_layout` (an `echo._pytree.TreeLayout`: no object dtypes,
+    /// sizes that fit) into a [`DataSpec`].
+    pub(crate) fn new(tree_layout: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let layout: LayoutArg<'_> = tree_layout.extract()?;
         let count = layout.leaves.len();
         if layout.flat_keys.as_ref().is_some_and(|k| k.len() != count) {
             return Err(PyValueError::new_err("flat_keys must have one key per leaf"));
@@ -49,7 +55,7 @@ impl LeafSpecs {
         let spec = DataSpec::new(arrays).map_err(to_pyerr)?;
         let descrs = dtypes.into_iter().map(Bound::unbind).collect();
         let flat_keys = flat_keys.map(|keys| keys.into_iter().map(Bound::unbind).collect());
-        Ok(Self { descrs, shapes, names, spec, flat_keys })
+        Ok(Self { descrs, shapes, names, spec, flat_keys, layout: tree_layout.clone().unbind() })
     }
 
     /// Number of leaves.
@@ -57,10 +63,39 @@ impl LeafSpecs {
         self.shapes.len()
     }
 
-    /// Checks every leaf of `leaves` and returns C-contiguous arrays to copy from (numpy
-    /// scalars converted, non-contiguous inputs copied). The caller keeps them alive while it
-    /// uses [`byte_slices`].
-    pub(crate) fn check<'py>(
+    /// Checks `sample`, a pytree like the example, and returns its leaves as C-contiguous
+    /// arrays to copy from (numpy scalars converted, non-contiguous inputs copied). The caller
+    /// keeps them alive while it uses [`byte_slices`].
+    ///
+    /// A flat dict with the example's keys is looked up here; anything else is flattened by
+    /// the `TreeLayout` (a `ValueError` for another structure). A leaf of the wrong type that
+    /// is really a structural difference (a container where an array belongs) is reported as
+    /// the structure error it is.
+    pub(crate) fn arrays<'py>(
+        &self,
+        sample: &Bound<'py, PyAny>,
+    ) -> PyResult<Vec<Bound<'py, PyUntypedArray>>> {
+        let py = sample.py();
+        let layout = self.layout.bind(py);
+        let checked = match self.check_flat_dict(sample) {
+            Ok(Some(arrays)) => Ok(arrays),
+            Ok(None) => {
+                let leaves = layout.call_method1(intern!(py, "flatten"), (sample,))?;
+                self.check(leaves.cast::<PySequence>()?)
+            }
+            Err(err) => Err(err),
+        };
+        match checked {
+            Err(err) if err.is_instance_of::<PyTypeError>(py) => {
+                layout.call_method1(intern!(py, "check_structure"), (sample,))?;
+                Err(err)
+            }
+            other => other,
+        }
+    }
+
+    /// Checks every leaf of `leaves` (the sample flattened), as [`LeafSpecs::arrays`].
+    fn check<'py>(
         &self,
         leaves: &Bound<'py, PySequence>,
     ) -> PyResult<Vec<Bound<'py, PyUntypedArray>>> {
@@ -77,7 +112,7 @@ impl LeafSpecs {
     /// The fast path for flat-dict examples: if `sample` is a dict with exactly the example's
     /// keys, checks its values like [`LeafSpecs::check`]. `None` if the example is not a flat
     /// dict or `sample` does not have its keys (the caller then flattens in Python).
-    pub(crate) fn check_flat_dict<'py>(
+    fn check_flat_dict<'py>(
         &self,
         sample: &Bound<'py, PyAny>,
     ) -> PyResult<Option<Vec<Bound<'py, PyUntypedArray>>>> {

@@ -13,10 +13,10 @@ use numpy::{PyArrayDescr, PyReadonlyArray1, PyUntypedArray};
 use parking_lot::{Mutex, MutexGuard};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PySequence, PyTuple};
+use pyo3::types::{PyList, PyTuple};
 
-use super::config::{LayoutArg, ServerConfig, TcpArg};
-use super::errors::{error_in, to_pyerr, Call, ServerClosedError};
+use super::config::{ServerConfig, TcpArg};
+use super::errors::{error_in, to_pyerr, Call};
 use super::info::{HistSnapshot, SampleInfo, Snapshot};
 use super::leaves::{byte_slices, LeafSpecs};
 use super::views::{batch_copies, batch_views, LeafLayout, RingLease};
@@ -60,7 +60,7 @@ pub(crate) struct PyServerCore {
 impl PyServerCore {
     /// `layout`: the example's `TreeLayout`; `config`: `echo.server._ServerConfig`.
     #[new]
-    fn new(py: Python<'_>, layout: LayoutArg<'_>, config: ServerConfig) -> PyResult<Self> {
+    fn new(py: Python<'_>, layout: &Bound<'_, PyAny>, config: ServerConfig) -> PyResult<Self> {
         let leaves = LeafSpecs::new(layout)?;
         let backend_config = config.backend()?;
         let description = config.describe(&backend_config);
@@ -152,36 +152,28 @@ impl PyServerCore {
         Ok(port)
     }
 
-    /// Copies one sample, given as its flattened leaves, into the backend, as a new item with
+    /// Copies one sample (a pytree like the example) into the backend, as a new item with
     /// `priority` (replay; default: the largest priority seen so far). Blocks (GIL released,
     /// Ctrl-C honoured) while the ring is full or the rate limiter holds inserts back.
-    #[pyo3(signature = (leaves, timeout=None, priority=None))]
-    fn submit(
-        &self,
-        py: Python<'_>,
-        leaves: &Bound<'_, PySequence>,
-        timeout: Option<f64>,
-        priority: Option<f64>,
-    ) -> PyResult<()> {
-        let deadline = self.check_submit(timeout, priority)?;
-        let arrays = self.leaves.check(leaves)?;
-        self.insert(py, &arrays, priority, deadline)
-    }
-
-    /// `submit` for a flat-dict example, taking the sample dict itself. Returns `False`
-    /// (nothing done) if the example is not a flat dict or `sample` lacks its exact keys.
     #[pyo3(signature = (sample, timeout=None, priority=None))]
-    fn submit_flat(
+    fn submit(
         &self,
         py: Python<'_>,
         sample: &Bound<'_, PyAny>,
         timeout: Option<f64>,
         priority: Option<f64>,
-    ) -> PyResult<bool> {
-        let deadline = self.check_submit(timeout, priority)?;
-        let Some(arrays) = self.leaves.check_flat_dict(sample)? else { return Ok(false) };
-        self.insert(py, &arrays, priority, deadline)?;
-        Ok(true)
+    ) -> PyResult<()> {
+        let deadline = deadline_from_timeout(timeout)?;
+        if priority.is_some() && !self.backend.has_priorities() {
+            return Err(PyValueError::new_err(
+                "priority= needs a replay sampler; this server is FIFO",
+            ));
+        }
+        if self.backend.is_closed() {
+            return Err(error_in(Call::Submit, EchoError::Closed));
+        }
+        let arrays = self.leaves.arrays(sample)?;
+        self.insert(py, &arrays, priority, deadline)
     }
 
     /// Waits for the next batch (GIL released, Ctrl-C honoured) and returns `(leaves, info,
@@ -280,24 +272,6 @@ impl PyServerCore {
 }
 
 impl PyServerCore {
-    /// The deadline of a `submit`, after the checks every submit makes first.
-    fn check_submit(
-        &self,
-        timeout: Option<f64>,
-        priority: Option<f64>,
-    ) -> PyResult<Option<Instant>> {
-        let deadline = deadline_from_timeout(timeout)?;
-        if priority.is_some() && !self.backend.has_priorities() {
-            return Err(PyValueError::new_err(
-                "priority= needs a replay sampler; this server is FIFO",
-            ));
-        }
-        if self.backend.is_closed() {
-            return Err(ServerClosedError::new_err("submit(): the server is closed"));
-        }
-        Ok(deadline)
-    }
-
     /// Copies checked arrays (from `LeafSpecs`) into the backend: first without releasing the
     /// GIL when the sample is small (the common case of free room costs no thread switch),
     /// then in GIL-free slices that honour Ctrl-C, until `deadline`.
