@@ -2,7 +2,7 @@
 //! handshake against the example, and sends each sample straight from its numpy buffers with
 //! one vectored write; every wait releases the GIL and honours Ctrl-C.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use numpy::PyUntypedArray;
 use parking_lot::Mutex;
@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 
 use super::errors::{error_in, to_pyerr, Call};
 use super::leaves::{byte_slices, py_shape, LeafSpecs};
-use super::{deadline_from_timeout, detach, wait_detached};
+use super::{deadline_after, deadline_from_timeout, detach, wait_detached};
 use crate::error::EchoError;
 use crate::spec::DataSpec;
 use crate::transport::client::TcpSender;
@@ -41,14 +41,19 @@ impl PyTcpSender {
         if max_inflight == 0 {
             return Err(PyValueError::new_err("max_inflight_msgs must be >= 1, got 0"));
         }
-        if !(connect_timeout.is_finite() && connect_timeout > 0.0) {
+        if connect_timeout.is_nan() || connect_timeout <= 0.0 {
             return Err(PyValueError::new_err(format!(
                 "connect_timeout must be a positive number of seconds, got {connect_timeout}"
             )));
         }
         let leaves = LeafSpecs::new(layout)?;
-        let timeout = Duration::from_secs_f64(connect_timeout);
-        let sender = detach(py, || TcpSender::connect(&host, port, max_inflight, timeout))
+        // One deadline for the whole connect and handshake (too large for a `Duration`: none).
+        let deadline = deadline_after("connect_timeout", Some(connect_timeout))?;
+        let mut connecting =
+            TcpSender::connecting(&host, port, max_inflight, deadline).map_err(to_pyerr)?;
+        // Polled in slices with the GIL released, so Ctrl-C interrupts a slow connect.
+        let sender = wait_detached(py, None, |slice_end| connecting.poll(slice_end).transpose())?
+            .expect("waits without a deadline until the connect succeeds or fails")
             .map_err(to_pyerr)?;
         check_server_spec(&leaves, sender.spec(), &host, port)?;
         Ok(Self { leaves, sender: Mutex::new(sender) })
@@ -106,14 +111,17 @@ impl PyTcpSender {
 
     /// Samples sent so far.
     #[getter]
-    fn sent(&self) -> u64 {
-        self.sender.lock().sent()
+    fn sent(&self, py: Python<'_>) -> u64 {
+        // The lock is held by a `send` waiting (GIL released) for room: wait detached too.
+        let sender = &self.sender;
+        detach(py, || sender.lock().sent())
     }
 
     /// Samples acknowledged so far.
     #[getter]
-    fn acked(&self) -> u64 {
-        self.sender.lock().acked()
+    fn acked(&self, py: Python<'_>) -> u64 {
+        let sender = &self.sender;
+        detach(py, || sender.lock().acked())
     }
 
     /// Bytes of one sample on the wire.

@@ -6,7 +6,7 @@ use numpy::{PyArrayDescr, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMet
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyDict, PySequence, PyString};
+use pyo3::types::{IntoPyDict, PyDict, PySequence, PyString};
 
 use pyo3::intern;
 
@@ -141,7 +141,18 @@ impl LeafSpecs {
             Ok(array) => array.clone(),
             // A numpy scalar (`np.float32(1.0)`) is a 0-d array in all but type.
             Err(_) if item.is_instance(numpy_generic(py)?)? => {
-                numpy_module(py)?.call_method1("asarray", (item,))?.cast_into::<PyUntypedArray>()?
+                let array = numpy_module(py)?.call_method1("asarray", (item,))?;
+                let array = array.cast_into::<PyUntypedArray>().map_err(PyErr::from)?;
+                if array.ndim() != 0 {
+                    // Its `__array__` (a subclass may override it) did not return a scalar.
+                    return Err(PyTypeError::new_err(format!(
+                        "leaf {name}: the numpy scalar ({}) converted to an array of shape {}, \
+                         not to a 0-d array",
+                        item.get_type().name()?,
+                        py_shape(array.shape())
+                    )));
+                }
+                array
             }
             Err(_) => {
                 return Err(PyTypeError::new_err(format!(
@@ -150,6 +161,30 @@ impl LeafSpecs {
                 )))
             }
         };
+        self.check_array(i, &array)?;
+        if array.is_c_contiguous() {
+            return Ok(array);
+        }
+        // Copied by numpy itself into a plain ndarray: never by the object's own `copy`, which
+        // a subclass may override to return anything. And memory safety never rests on what a
+        // conversion returned: the copy is checked like the original.
+        let kwargs = [(intern!(py, "order"), "C")].into_py_dict(py)?;
+        let copy =
+            numpy_module(py)?.getattr(intern!(py, "array"))?.call((&array,), Some(&kwargs))?;
+        let copy = copy.cast_into::<PyUntypedArray>().map_err(PyErr::from)?;
+        self.check_array(i, &copy)?;
+        if !copy.is_c_contiguous() {
+            return Err(PyTypeError::new_err(format!(
+                "leaf {name}: could not make a C-contiguous copy of it"
+            )));
+        }
+        Ok(copy)
+    }
+
+    /// Checks that `array` (an ndarray, as numpy's C struct describes it: neither its dtype
+    /// nor its shape come from Python attributes) has leaf `i`'s dtype and shape.
+    fn check_array(&self, i: usize, array: &Bound<'_, PyUntypedArray>) -> PyResult<()> {
+        let (py, name) = (array.py(), &self.names[i]);
         let expected = self.descrs[i].bind(py);
         let dtype = array.dtype();
         if !dtype.is_equiv_to(expected) {
@@ -164,11 +199,7 @@ impl LeafSpecs {
                 py_shape(array.shape())
             )));
         }
-        if array.is_c_contiguous() {
-            Ok(array)
-        } else {
-            Ok(array.call_method1("copy", ("C",))?.cast_into::<PyUntypedArray>()?)
-        }
+        Ok(())
     }
 }
 

@@ -88,15 +88,24 @@ pub(crate) fn wait_detached<T: Send>(
     }
 }
 
-/// `timeout` in seconds (`None`: wait forever) as a deadline.
+/// `timeout` in seconds (`None`: wait forever) as a deadline. A timeout too large for a
+/// `Duration` or an `Instant` (`1e30`, `inf`) means no limit, like `None`.
+///
+/// # Errors
+/// `ValueError` for NaN or a negative number.
 pub(crate) fn deadline_from_timeout(timeout: Option<f64>) -> PyResult<Option<Instant>> {
-    match timeout {
+    deadline_after("timeout", timeout)
+}
+
+/// [`deadline_from_timeout`] for the argument called `name`.
+pub(crate) fn deadline_after(name: &str, seconds: Option<f64>) -> PyResult<Option<Instant>> {
+    match seconds {
         None => Ok(None),
-        Some(t) if t.is_finite() && t >= 0.0 => {
-            Ok(Instant::now().checked_add(Duration::from_secs_f64(t)))
+        Some(t) if t >= 0.0 => {
+            Ok(Duration::try_from_secs_f64(t).ok().and_then(|d| Instant::now().checked_add(d)))
         }
         Some(t) => Err(PyValueError::new_err(format!(
-            "timeout must be None or a finite number of seconds >= 0, got {t}"
+            "{name} must be None or a number of seconds >= 0, got {t}"
         ))),
     }
 }

@@ -137,19 +137,31 @@ impl PyServerCore {
     /// `echo.TcpTransport`); returns the bound port. Binding happens here, so a port in use
     /// raises `OSError` naming it.
     fn start(&self, py: Python<'_>, transport: TcpArg) -> PyResult<u16> {
-        if self.backend.is_closed() {
-            return Err(error_in(Call::Start, EchoError::Closed));
-        }
-        let mut slot = self.tcp.lock();
-        if slot.is_some() || self.ingress.get().is_some() {
-            return Err(PyValueError::new_err("start(): the TCP transport is already running"));
-        }
-        let (sink, config, tcp) = (self.backend.sink(), self.ingress_config, transport.into());
-        let started = detach(py, || TcpIngress::start(sink, config, &tcp)).map_err(to_pyerr)?;
-        let port = started.local_addr().port();
-        let _ = self.ingress.set(started.ingress());
-        *slot = Some(started);
-        Ok(port)
+        let tcp = transport.into();
+        // All under the transport lock, taken with the GIL released (so a `close` waiting for
+        // it cannot hold the GIL this needs). `close` marks the backend closed before it takes
+        // the lock: a start that gets the lock first is shut down by that close, one that gets
+        // it after sees the mark and starts nothing.
+        let started = detach(py, || {
+            let mut slot = self.tcp.lock();
+            if self.backend.is_closed() {
+                return Err(None);
+            }
+            if slot.is_some() || self.ingress.get().is_some() {
+                return Err(Some(EchoError::Config("the TCP transport is already running".into())));
+            }
+            let started =
+                TcpIngress::start(self.backend.sink(), self.ingress_config, &tcp).map_err(Some)?;
+            let port = started.local_addr().port();
+            let _ = self.ingress.set(started.ingress());
+            *slot = Some(started);
+            Ok(port)
+        });
+        started.map_err(|err| match err {
+            None => error_in(Call::Start, EchoError::Closed),
+            Some(EchoError::Config(msg)) => PyValueError::new_err(format!("start(): {msg}")),
+            Some(other) => to_pyerr(other),
+        })
     }
 
     /// Copies one sample (a pytree like the example) into the backend, as a new item with
@@ -188,7 +200,7 @@ impl PyServerCore {
     ) -> PyResult<Option<SampleOut<'py>>> {
         let deadline = deadline_from_timeout(timeout)?;
         let started = Instant::now();
-        let Some((guard, batch)) = self.sample_blocking(py, deadline)? else {
+        let Some((guard, batch, snap)) = self.sample_blocking(py, deadline)? else {
             return Ok(None);
         };
         let wait_ns = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
@@ -200,7 +212,8 @@ impl PyServerCore {
         drop(guard);
         let leaves = arrays.get_slice(0, self.leaves.len());
         let meta = arrays.get_slice(self.leaves.len(), self.layouts.len()).to_tuple();
-        Ok(Some((leaves, self.info(py, batch.sequence, wait_ns)?, meta)))
+        let info = SampleInfo::new(py, &snap, batch.sequence, wait_ns, &self.zero_hist)?;
+        Ok(Some((leaves, info, meta)))
     }
 
     /// Sets the priorities of the items with these keys (GIL released); unknown or removed
@@ -224,8 +237,10 @@ impl PyServerCore {
     }
 
     /// The priority of the item with `key`, `None` if it is not in the table (or FIFO).
-    fn priority(&self, key: u64) -> Option<f64> {
-        self.backend.priority(key)
+    fn priority(&self, py: Python<'_>, key: u64) -> Option<f64> {
+        // The table's lock may be held for long (a large `update_priorities`).
+        let backend = &self.backend;
+        detach(py, || backend.priority(key))
     }
 
     /// A snapshot of the counters without sampling (`sequence` and `wait_ns` are 0).
@@ -235,22 +250,24 @@ impl PyServerCore {
 
     /// Clears the timing histograms (counters stay). Nothing to clear without
     /// `detailed-metrics`.
-    fn reset_histograms(&self) {
-        self.backend.reset_histograms();
-        if let Some(ingress) = self.ingress.get() {
-            ingress.reset_histograms();
-        }
+    fn reset_histograms(&self, py: Python<'_>) {
+        detach(py, || {
+            self.backend.reset_histograms();
+            if let Some(ingress) = self.ingress.get() {
+                ingress.reset_histograms();
+            }
+        });
     }
 
     /// Closes the server: stops the transport (closing every connection), wakes a blocked
     /// `sample()` (it returns `None`) and a blocked `submit()` (it raises
     /// `ServerClosedError`), and joins every thread. Idempotent.
     fn close(&self, py: Python<'_>) {
-        let tcp = self.tcp.lock().take();
-        let backend = &self.backend;
-        detach(py, move || {
-            // First, so that drainers blocked on a full backend return.
-            backend.close();
+        detach(py, || {
+            // First: drainers blocked on a full backend return, and a `start` racing this one
+            // sees it (see `start`).
+            self.backend.close();
+            let tcp = self.tcp.lock().take();
             drop(tcp); // shuts the transport down and joins its threads
         });
     }
@@ -302,19 +319,20 @@ impl PyServerCore {
 
     /// Waits for the consumer's next batch in GIL-free slices that honour Ctrl-C. Returns the
     /// consumer, still locked (so nobody samples over the batch while it is turned into
-    /// arrays), and the batch; `None` once the server is closed.
+    /// arrays), the batch, and the counters right after it was handed out (taken while
+    /// detached anyway); `None` once the server is closed.
     fn sample_blocking(
         &self,
         py: Python<'_>,
         deadline: Option<Instant>,
-    ) -> PyResult<Option<(MutexGuard<'_, BatchConsumer>, BatchRef)>> {
+    ) -> PyResult<Option<(MutexGuard<'_, BatchConsumer>, BatchRef, Snapshot)>> {
         let consumer = &self.consumer;
         // The mutex is only ever taken with the GIL released, so it cannot deadlock against
         // the GIL.
         let got = wait_detached(py, deadline, |slice_end| {
             let mut guard = consumer.try_lock_until(slice_end)?;
             match guard.sample(Some(slice_end)) {
-                Ok(batch) => Some(Ok((guard, batch))),
+                Ok(batch) => Some(Ok((guard, batch, self.snapshot()))),
                 Err(EchoError::TimedOut) => None,
                 Err(other) => Some(Err(other)),
             }
@@ -328,6 +346,13 @@ impl PyServerCore {
     }
 
     fn info(&self, py: Python<'_>, sequence: u64, wait_ns: u64) -> PyResult<SampleInfo> {
+        // Counters behind locks (a replay table's, the histograms'): taken with the GIL released.
+        let snap = detach(py, || self.snapshot());
+        SampleInfo::new(py, &snap, sequence, wait_ns, &self.zero_hist)
+    }
+
+    /// Every counter now. May wait for the replay table's lock: never call it attached.
+    fn snapshot(&self) -> Snapshot {
         let ingress = self.ingress.get();
         let detailed = metrics::ENABLED.then(|| {
             let mut d = self.backend.detailed();
@@ -336,12 +361,11 @@ impl PyServerCore {
             }
             d
         });
-        let snap = Snapshot {
+        Snapshot {
             backend: self.backend.stats(),
             ingress: ingress.map(|i| i.snapshot()).unwrap_or_default(),
             detailed,
-        };
-        SampleInfo::new(py, &snap, sequence, wait_ns, &self.zero_hist)
+        }
     }
 }
 

@@ -520,7 +520,16 @@ impl Table {
     ) -> Result<(), InsertError> {
         validate_source(&self.spec, src)?;
         let small = self.spec.payload_size() <= COPY_UNDER_LOCK_BYTES;
-        let mut state = self.state.lock();
+        // The deadline bounds the wait for the lock too: a caller that must not block (the
+        // bindings try once with the GIL held, passing `now`) never waits behind a long
+        // `update_priorities`.
+        let mut state = match deadline {
+            Some(deadline) => self
+                .state
+                .try_lock_until(deadline)
+                .ok_or(InsertError::new(0, EchoError::TimedOut))?,
+            None => self.state.lock(),
+        };
         if let Some(priority) = priority {
             self.check_priority(&state, priority)
                 .map_err(|msg| EchoError::Priority(format!("priority {msg}")))?;

@@ -7,12 +7,13 @@
 
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::wire::{read_handshake, ACK};
+use super::wire::{parse_handshake, ACK};
 use crate::error::EchoError;
 use crate::spec::DataSpec;
 use crate::sync::{Arc, AtomicBool, AtomicU64, Signal};
@@ -74,64 +75,181 @@ pub struct TcpSender {
 
 /// How long one blocking write may take before `send` checks its deadline again.
 const WRITE_SLICE: Duration = Duration::from_millis(50);
+/// How long [`TcpSender::connect`] waits in one [`Connecting::poll`].
+const CONNECT_SLICE: Duration = Duration::from_millis(50);
 
-impl TcpSender {
-    /// Connects to `host:port` (within `timeout`), reads the server's handshake and starts the
-    /// ack reader. Returns the client and the server's spec (compare it with yours).
+/// A connection being opened ([`TcpSender::connecting`]). Each [`Connecting::poll`] waits at
+/// most until the time it is given, so a caller can check for interrupts (Ctrl-C) between
+/// polls; the deadline given to `connecting` bounds the whole connect and handshake. Dropping
+/// it abandons the connect (its thread ends on its own, at the latest at the deadline).
+pub struct Connecting {
+    /// `host:port`, for messages.
+    address: String,
+    max_inflight: u64,
+    started: Instant,
+    deadline: Option<Instant>,
+    /// The result of the TCP connect, from its thread.
+    connected: Receiver<io::Result<TcpStream>>,
+    /// Connected, reading the handshake.
+    stream: Option<TcpStream>,
+    /// Handshake bytes received so far.
+    received: Vec<u8>,
+}
+
+impl Connecting {
+    /// Waits until `until` (or the deadline, if sooner) for the connection and the handshake.
+    /// `Ok(None)`: not yet, call again.
     ///
     /// # Errors
-    /// [`EchoError::Io`] if connecting fails, [`EchoError::Protocol`] for a bad handshake.
+    /// [`EchoError::Io`] if connecting fails (`TimedOut` once the deadline passes, naming
+    /// what was missing); [`EchoError::Protocol`] if the peer is not an echo v1 server (from
+    /// its first wrong byte on); [`EchoError::Disconnected`] if it closes the connection
+    /// during the handshake (an echo server at `max_connections` does that).
+    pub fn poll(&mut self, until: Instant) -> Result<Option<TcpSender>, EchoError> {
+        let until = self.deadline.map_or(until, |d| d.min(until));
+        if self.stream.is_none() {
+            let wait = until.saturating_duration_since(Instant::now());
+            match self.connected.recv_timeout(wait) {
+                Ok(stream) => self.stream = Some(stream?),
+                Err(RecvTimeoutError::Timeout) => return self.not_yet("could not connect"),
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(EchoError::Io(io::Error::other(format!(
+                        "connecting to {}: the connect thread ended without a result",
+                        self.address
+                    ))))
+                }
+            }
+        }
+        let stream = self.stream.as_mut().expect("connected above");
+        let mut chunk = [0u8; 512];
+        loop {
+            if let Some((spec, len)) = parse_handshake(&self.received)? {
+                debug_assert_eq!(len, self.received.len(), "the server sends nothing else first");
+                let stream = self.stream.take().expect("connected above");
+                return TcpSender::start(stream, spec, self.max_inflight).map(Some);
+            }
+            let wait = until.saturating_duration_since(Instant::now());
+            if wait.is_zero() {
+                return self.not_yet("sent no complete echo handshake");
+            }
+            stream.set_read_timeout(Some(wait))?;
+            match stream.read(&mut chunk) {
+                Ok(0) => {
+                    return Err(EchoError::Disconnected(format!(
+                        "{} closed the connection during the handshake (too many connections?)",
+                        self.address
+                    )))
+                }
+                Ok(n) => self.received.extend_from_slice(&chunk[..n]),
+                Err(e)
+                    if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) =>
+                {
+                    return self.not_yet("sent no complete echo handshake");
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// `Ok(None)` before the deadline; after it, a `TimedOut` error saying what was missing.
+    fn not_yet(&self, what: &str) -> Result<Option<TcpSender>, EchoError> {
+        if self.deadline.is_some_and(|d| Instant::now() >= d) {
+            return Err(EchoError::Io(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!(
+                    "{} {what} within the connect timeout ({:.1?}: the handshake had {} bytes)",
+                    self.address,
+                    self.started.elapsed(),
+                    self.received.len()
+                ),
+            )));
+        }
+        Ok(None)
+    }
+}
+
+/// Resolves `host` and connects to the first address that answers, before `deadline`.
+fn open_stream(host: &str, port: u16, deadline: Option<Instant>) -> io::Result<TcpStream> {
+    let mut last_err = None;
+    for addr in (host, port).to_socket_addrs()? {
+        let attempt = match deadline {
+            None => TcpStream::connect(addr),
+            Some(deadline) => match deadline.checked_duration_since(Instant::now()) {
+                Some(left) if !left.is_zero() => TcpStream::connect_timeout(&addr, left),
+                _ => Err(io::Error::new(io::ErrorKind::TimedOut, "the connect timeout passed")),
+            },
+        };
+        match attempt {
+            Ok(stream) => {
+                stream.set_nodelay(true)?;
+                return Ok(stream);
+            }
+            Err(e) => last_err = Some(e),
+        }
+    }
+    let err = last_err.unwrap_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no address"));
+    Err(io::Error::new(err.kind(), format!("cannot connect to {host}:{port}: {err}")))
+}
+
+impl TcpSender {
+    /// Connects to `host:port`, reads the server's handshake and starts the ack reader, all
+    /// within `timeout`. Returns the client; compare [`TcpSender::spec`] with yours.
+    ///
+    /// # Errors
+    /// As [`Connecting::poll`].
     pub fn connect(
         host: &str,
         port: u16,
         max_inflight: u64,
         timeout: Duration,
     ) -> Result<Self, EchoError> {
+        let mut connecting =
+            Self::connecting(host, port, max_inflight, Instant::now().checked_add(timeout))?;
+        loop {
+            if let Some(sender) = connecting.poll(Instant::now() + CONNECT_SLICE)? {
+                return Ok(sender);
+            }
+        }
+    }
+
+    /// Starts connecting to `host:port`; drive it with [`Connecting::poll`] until it returns
+    /// the client. `deadline` bounds everything (name resolution, the TCP connect, the whole
+    /// handshake); `None` waits as long as it takes.
+    ///
+    /// # Errors
+    /// [`EchoError::Config`] if `max_inflight` is 0; [`EchoError::Io`] if no thread can start.
+    pub fn connecting(
+        host: &str,
+        port: u16,
+        max_inflight: u64,
+        deadline: Option<Instant>,
+    ) -> Result<Connecting, EchoError> {
         if max_inflight == 0 {
             return Err(EchoError::Config(
                 "the in-flight window must allow at least 1 sample, got 0".into(),
             ));
         }
-        let mut last_err = None;
-        let mut stream = None;
-        for addr in (host, port).to_socket_addrs()? {
-            match TcpStream::connect_timeout(&addr, timeout) {
-                Ok(s) => {
-                    stream = Some(s);
-                    break;
-                }
-                Err(e) => last_err = Some(e),
-            }
-        }
-        let mut stream = match stream {
-            Some(s) => s,
-            None => {
-                let err = last_err
-                    .unwrap_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no address"));
-                return Err(EchoError::Io(io::Error::new(
-                    err.kind(),
-                    format!("cannot connect to {host}:{port}: {err}"),
-                )));
-            }
-        };
-        stream.set_nodelay(true)?;
-        stream.set_read_timeout(Some(timeout))?;
-        let spec = read_handshake(&mut stream).map_err(|e| match e {
-            EchoError::Io(err) if err.kind() == io::ErrorKind::UnexpectedEof => {
-                EchoError::Disconnected(format!(
-                    "{host}:{port} closed the connection during the handshake (too many connections?)"
-                ))
-            }
-            EchoError::Io(err)
-                if matches!(err.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) =>
-            {
-                EchoError::Io(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    format!("{host}:{port} sent no echo handshake within {timeout:?}"),
-                ))
-            }
-            other => other,
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let target = (host.to_owned(), port);
+        // std has no non-blocking connect: it runs on a short-lived thread of its own, bounded
+        // by `deadline`, and `poll` waits for its result in slices.
+        thread::Builder::new().name("echo-client-connect".into()).spawn(move || {
+            let _ = tx.send(open_stream(&target.0, target.1, deadline));
         })?;
+        Ok(Connecting {
+            address: format!("{host}:{port}"),
+            max_inflight,
+            started: Instant::now(),
+            deadline,
+            connected: rx,
+            stream: None,
+            received: Vec::new(),
+        })
+    }
+
+    /// Starts the ack reader on a connected stream whose handshake announced `spec`.
+    fn start(stream: TcpStream, spec: DataSpec, max_inflight: u64) -> Result<Self, EchoError> {
         stream.set_read_timeout(None)?;
         stream.set_write_timeout(Some(WRITE_SLICE))?;
         let acks = Arc::new(Acks::default());

@@ -58,14 +58,9 @@ pub fn encode_handshake(spec: &DataSpec) -> Result<Vec<u8>, EchoError> {
 /// no data; [`EchoError::Io`] if the stream ends or fails.
 pub fn read_handshake(reader: &mut impl Read) -> Result<DataSpec, EchoError> {
     let mut head = [0u8; 9];
-    reader.read_exact(&mut head)?;
-    if &head[..4] != MAGIC {
-        return Err(EchoError::Protocol(format!(
-            "not an echo server: expected magic {:?}, got {:?}",
-            String::from_utf8_lossy(MAGIC),
-            String::from_utf8_lossy(&head[..4])
-        )));
-    }
+    reader.read_exact(&mut head[..4])?;
+    check_magic(&head[..4])?;
+    reader.read_exact(&mut head[4..])?;
     if head[4] != VERSION {
         return Err(EchoError::Protocol(format!(
             "unsupported protocol version: expected {VERSION}, got {}",
@@ -95,6 +90,40 @@ pub fn read_handshake(reader: &mut impl Read) -> Result<DataSpec, EchoError> {
         arrays.push(array);
     }
     DataSpec::new(arrays).map_err(|e| EchoError::Protocol(e.to_string()))
+}
+
+/// Checks the start of a handshake as far as it has arrived: the bytes so far must begin the
+/// magic. So a peer that is not an echo server is recognised from its first byte, not only
+/// once a whole handshake's worth has arrived (it may never send that many).
+///
+/// # Errors
+/// [`EchoError::Protocol`] ("not an echo server") if they differ.
+pub fn check_magic(start: &[u8]) -> Result<(), EchoError> {
+    let n = start.len().min(MAGIC.len());
+    if start[..n] == MAGIC[..n] {
+        return Ok(());
+    }
+    Err(EchoError::Protocol(format!(
+        "not an echo server: expected magic {:?}, got {:?}",
+        String::from_utf8_lossy(MAGIC),
+        String::from_utf8_lossy(&start[..n])
+    )))
+}
+
+/// Parses a handshake from the bytes received so far. `Ok(None)`: valid so far, more bytes
+/// needed. `Ok(Some((spec, len)))`: complete, the first `len` bytes were the handshake.
+///
+/// # Errors
+/// As [`read_handshake`], except that running out of bytes is `Ok(None)`; a wrong magic is
+/// reported as soon as its first wrong byte is in.
+pub fn parse_handshake(received: &[u8]) -> Result<Option<(DataSpec, usize)>, EchoError> {
+    check_magic(received)?;
+    let mut rest = received;
+    match read_handshake(&mut rest) {
+        Ok(spec) => Ok(Some((spec, received.len() - rest.len()))),
+        Err(EchoError::Io(err)) if err.kind() == io::ErrorKind::UnexpectedEof => Ok(None),
+        Err(err) => Err(err),
+    }
 }
 
 fn read_u32(reader: &mut impl Read) -> io::Result<u32> {
@@ -146,6 +175,20 @@ mod tests {
         let bytes = encode_handshake(&spec()).unwrap();
         for cut in 0..bytes.len() {
             assert!(read_handshake(&mut &bytes[..cut]).is_err(), "truncated at {cut}");
+        }
+    }
+
+    #[test]
+    fn a_partial_handshake_needs_more_bytes_and_a_wrong_first_byte_is_not_echo() {
+        let bytes = encode_handshake(&spec()).unwrap();
+        for cut in 0..bytes.len() {
+            assert!(matches!(parse_handshake(&bytes[..cut]), Ok(None)), "cut at {cut}");
+        }
+        let (parsed, len) = parse_handshake(&bytes).unwrap().unwrap();
+        assert_eq!((parsed, len), (spec(), bytes.len()));
+        for wrong in [&b"N"[..], b"EX", b"ECHX", b"HTTP/1.1"] {
+            let err = parse_handshake(wrong).unwrap_err();
+            assert!(matches!(&err, EchoError::Protocol(m) if m.contains("not an echo server")));
         }
     }
 

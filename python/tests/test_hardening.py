@@ -1,0 +1,320 @@
+"""Hostile and unlucky callers: inputs that lie about themselves, races between lifecycle
+calls, absurd timeouts, peers that are not echo servers, and calls that must never hold the
+GIL while they wait for a native lock (issue #11). Each test here failed before its fix."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import echo
+from echo import ConnectionClosedError, Server, TcpClient, TcpTransport
+
+LOCALHOST = "127.0.0.1"
+WAIT_S = 10.0
+
+
+# --- 1. leaves whose own methods lie ---------------------------------------------------------
+
+
+class _LyingCopy(np.ndarray):  # type: ignore[type-arg]
+    """An ndarray whose `copy()` returns a 1-byte array whatever it is asked for."""
+
+    def copy(self, order: str = "C") -> Any:  # type: ignore[override]
+        return np.zeros(1, np.uint8)
+
+
+class _LyingScalar(np.float32):
+    """A numpy scalar whose `__array__` returns a large array of another shape."""
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
+        return np.zeros(100_000, np.float32)
+
+
+def _strided(values: np.ndarray, cls: type) -> np.ndarray:
+    """`values` as a non-C-contiguous view of class `cls` (every other element)."""
+    doubled = np.repeat(values, 2)
+    return doubled[::2].view(cls)
+
+
+def test_a_non_contiguous_leaf_is_copied_by_numpy_not_by_its_own_copy_method() -> None:
+    n = 1000
+    server = Server({"x": np.zeros(n, np.float32)}, batch_size=1)
+    values = np.arange(n, dtype=np.float32)
+    leaf = _strided(values, _LyingCopy)
+    assert not leaf.flags.c_contiguous and leaf.shape == (n,)
+    server.submit({"x": leaf})
+    got = server.sample(timeout=WAIT_S)
+    assert got is not None
+    np.testing.assert_array_equal(got.batch["x"][0], values)
+    server.close()
+
+
+def test_a_scalar_leaf_is_converted_by_numpy_whatever_its_array_method_says() -> None:
+    # A guard rather than a regression test: numpy converts its own scalar types without
+    # asking `__array__`, and the native side re-checks whatever a conversion returns.
+    server = Server({"x": np.zeros((), np.float32)}, batch_size=1)
+    server.submit({"x": _LyingScalar(1.5)})
+    got = server.sample(timeout=WAIT_S)
+    assert got is not None and got.batch["x"].tolist() == [1.5]
+    server.close()
+
+
+def test_tcp_send_copies_a_lying_non_contiguous_leaf_correctly() -> None:
+    n = 1000
+    example = {"x": np.zeros(n, np.float32)}
+    server = Server(example, batch_size=1, transport=TcpTransport(port=0, host=LOCALHOST))
+    server.start()
+    assert server.port is not None
+    values = np.arange(n, dtype=np.float32) * 3
+    with TcpClient(LOCALHOST, server.port, example) as client:
+        client.send({"x": _strided(values, _LyingCopy)})
+        client.wait(timeout=WAIT_S)
+    got = server.sample(timeout=WAIT_S)
+    assert got is not None
+    np.testing.assert_array_equal(got.batch["x"][0], values)
+    server.close()
+
+
+# --- 2. start() racing close() ----------------------------------------------------------------
+
+
+def test_start_racing_close_neither_deadlocks_nor_leaves_a_listener(
+    run_python: Callable[..., Any],
+) -> None:
+    # In a child process: a deadlock holds the GIL, so it can only be caught from outside.
+    code = textwrap.dedent(
+        """
+        import socket, threading
+        import numpy as np
+        from echo import Server, ServerClosedError, TcpTransport
+
+        for attempt in range(40):
+            server = Server({"x": np.zeros(2, np.float32)}, 4,
+                            transport=TcpTransport(port=0, host="127.0.0.1", num_threads=64))
+            outcome = {}
+            def start():
+                try:
+                    server.start()
+                    outcome["port"] = server.port
+                except ServerClosedError:
+                    outcome["port"] = None
+            t = threading.Thread(target=start)
+            t.start()
+            server.close()
+            t.join(20)
+            assert not t.is_alive(), f"attempt {attempt}: start() hung"
+            port = outcome["port"]
+            if port is not None:  # start won: close() must still have stopped the listener
+                s = socket.socket()
+                s.settimeout(5)
+                try:
+                    s.connect(("127.0.0.1", port))
+                    s.settimeout(2)
+                    assert s.recv(64) == b"", f"attempt {attempt}: a live listener after close()"
+                except (ConnectionRefusedError, ConnectionResetError):
+                    pass
+                finally:
+                    s.close()
+        print("ok")
+        """
+    )
+    result = run_python(code, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+# --- 6. no wait for a native lock with the GIL held ------------------------------------------
+
+
+def _longest_gap_while(busy: Callable[[], None], during: Callable[[], None]) -> tuple[float, float]:
+    """Runs `busy` in a thread; once it is under way, times `during` in this thread while a
+    third thread ticks. Returns (how long `during` took, the ticker's longest gap meanwhile)."""
+    stop = threading.Event()
+    gaps: list[float] = []
+    in_during = threading.Event()
+
+    def tick() -> None:
+        last = time.perf_counter()
+        while not stop.is_set():
+            time.sleep(0.001)
+            now = time.perf_counter()
+            if in_during.is_set():
+                gaps.append(now - last)
+            last = now
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    worker = threading.Thread(target=busy, daemon=True)
+    ticker.start()
+    worker.start()
+    time.sleep(0.05)  # let `busy` take the lock (its own call releases the GIL)
+    in_during.set()
+    started = time.perf_counter()
+    during()
+    took = time.perf_counter() - started
+    in_during.clear()
+    worker.join(WAIT_S * 6)
+    stop.set()
+    ticker.join(WAIT_S)
+    return took, max(gaps, default=0.0)
+
+
+@pytest.mark.parametrize("call", ["stats", "priority", "submit"])
+def test_waiting_for_the_replay_lock_releases_the_gil(call: str) -> None:
+    example = {"x": np.zeros((), np.float32)}
+    server = Server(example, 1, sampler=echo.Prioritized(), max_size=64)
+    for i in range(64):
+        server.submit({"x": np.float32(i)})
+    n = 8_000_000
+    keys = np.arange(n, dtype=np.uint64) % 64
+    priorities = np.ones(n, np.float64)
+
+    def busy() -> None:
+        server.update_priorities(keys, priorities)  # holds the table lock for a while
+
+    calls: dict[str, Callable[[], object]] = {
+        "stats": server.stats,
+        "priority": lambda: server._core.priority(3),  # pyright: ignore[reportPrivateUsage]
+        "submit": lambda: server.submit({"x": np.float32(1.0)}),
+    }
+    took, gap = _longest_gap_while(busy, lambda: calls[call]())
+    server.close()
+    if took < 0.1:
+        pytest.skip(f"{call}() did not have to wait for the lock ({took:.3f} s)")
+    # Holding the GIL while waiting freezes every other thread for the whole wait.
+    assert gap < took / 2, f"{call}() waited {took:.3f} s; another thread stalled {gap:.3f} s"
+
+
+# --- 8. absurd timeouts -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("timeout", [1e30, float("inf"), sys.float_info.max])
+def test_a_timeout_too_large_for_a_duration_means_no_limit(timeout: float) -> None:
+    server = Server({"x": np.zeros((), np.float32)}, batch_size=1)
+    server.submit({"x": np.float32(1.0)}, timeout=timeout)
+    got = server.sample(timeout=timeout)
+    assert got is not None and float(got.batch["x"][0]) == 1.0
+    server.close()
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), -1.0, -1e-9])
+def test_a_nan_or_negative_timeout_is_a_value_error(timeout: float) -> None:
+    server = Server({"x": np.zeros((), np.float32)}, batch_size=1)
+    with pytest.raises(ValueError, match="timeout"):
+        server.sample(timeout=timeout)
+    with pytest.raises(ValueError, match="timeout"):
+        server.submit({"x": np.float32(1.0)}, timeout=timeout)
+    server.close()
+
+
+def test_a_huge_connect_timeout_means_no_limit() -> None:
+    example = {"x": np.zeros((), np.float32)}
+    server = Server(example, 1, transport=TcpTransport(port=0, host=LOCALHOST))
+    server.start()
+    assert server.port is not None
+    for timeout in (1e30, float("inf")):
+        TcpClient(LOCALHOST, server.port, example, connect_timeout=timeout).close()
+    with pytest.raises(ValueError, match="connect_timeout"):
+        TcpClient(LOCALHOST, server.port, example, connect_timeout=float("nan"))
+    server.close()
+
+
+# --- 12. a peer that is not an echo server --------------------------------------------------
+
+
+@pytest.fixture
+def one_shot_server() -> Iterator[Callable[..., int]]:
+    """`serve(chunks, delay=0)`: a plain socket on 127.0.0.1 that sends each chunk to the
+    first connection (`delay` seconds apart), then closes it. Returns the port."""
+    threads: list[threading.Thread] = []
+    listeners: list[socket.socket] = []
+
+    def serve(chunks: list[bytes], delay: float = 0.0) -> int:
+        listener = socket.create_server((LOCALHOST, 0))
+        listener.settimeout(WAIT_S)
+        listeners.append(listener)
+
+        def run() -> None:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                for chunk in chunks:
+                    try:
+                        conn.sendall(chunk)
+                    except OSError:
+                        return
+                    time.sleep(delay)
+
+        threads.append(threading.Thread(target=run, daemon=True))
+        threads[-1].start()
+        return int(listener.getsockname()[1])
+
+    yield serve
+    for thread in threads:
+        thread.join(WAIT_S * 3)
+    for listener in listeners:
+        listener.close()
+
+
+@pytest.mark.parametrize("reply", [b"NOPE", b"HTTP", b"EX", b"\x00"], ids=str)
+def test_a_peer_that_sends_wrong_bytes_and_closes_is_not_an_echo_server(
+    one_shot_server: Callable[..., int], reply: bytes
+) -> None:
+    port = one_shot_server([reply])
+    with pytest.raises(ValueError, match="not an echo server"):
+        TcpClient(LOCALHOST, port, {"x": np.zeros((), np.float32)})
+
+
+def test_a_peer_that_closes_after_a_prefix_of_the_magic_is_a_closed_connection(
+    one_shot_server: Callable[..., int],
+) -> None:
+    port = one_shot_server([b"EC"])
+    with pytest.raises(ConnectionClosedError):
+        TcpClient(LOCALHOST, port, {"x": np.zeros((), np.float32)})
+
+
+# --- 7. connect_timeout bounds the whole connect -------------------------------------------
+
+
+def test_connect_timeout_bounds_a_trickled_handshake(one_shot_server: Callable[..., int]) -> None:
+    example = {"x": np.zeros((), np.float32)}
+    server = Server(example, 1)  # only for the handshake bytes it would send
+    handshake = b"ECHO\x01" + (1).to_bytes(4, "little") + (4).to_bytes(4, "little") + bytes(4)
+    server.close()
+    # One byte every 0.3 s: each read is quick, the whole handshake takes 6 s.
+    port = one_shot_server([bytes([b]) for b in handshake], delay=0.3)
+    with pytest.raises(TimeoutError, match="handshake"):
+        TcpClient(LOCALHOST, port, example, connect_timeout=1.0)
+
+
+def test_ctrl_c_interrupts_a_connect_waiting_for_the_handshake(
+    run_python: Callable[..., Any],
+) -> None:
+    code = textwrap.dedent(
+        """
+        import os, signal, socket, threading, time
+        import numpy as np
+        from echo import TcpClient
+
+        listener = socket.create_server(("127.0.0.1", 0))  # accepts (backlog), never answers
+        port = listener.getsockname()[1]
+        threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        started = time.monotonic()
+        try:
+            TcpClient("127.0.0.1", port, {"x": np.zeros((), np.float32)}, connect_timeout=60)
+        except KeyboardInterrupt:
+            print(f"interrupted {time.monotonic() - started < 10}")
+        """
+    )
+    result = run_python(code, timeout=60)
+    assert result.stdout.strip() == "interrupted True", result.stderr
