@@ -1,5 +1,6 @@
-# echo's task runner. `pip install rust-just` (in the dev extra) provides `just`.
-# CI runs `bash .ci/run`, which calls the same scripts as `just test` and `just lint`.
+# echo's task runner. Every recipe runs one script in scripts/ (the scripts' headers say more);
+# .ci/run calls the same scripts. `just` comes with the dev extra: .venv/bin/just once any
+# script has made .venv, or `pip install rust-just`.
 
 default:
     @just --list
@@ -8,61 +9,57 @@ default:
 demo *ARGS:
     bash scripts/demo.sh {{ARGS}}
 
-# Build and run every test: cargo, loom, valgrind (if installed), pytest
+# All that CI runs: the README test command, lint, the strict docs build, the bench smoke run
+ci:
+    bash .ci/run
+
+# Build and run every test: cargo, loom, valgrind (if installed), pytest, the telemetry build
 test:
     bash scripts/test.sh
 
-# Only the Python tests (after a build)
-test-py *ARGS:
-    .venv/bin/python -m pytest python/tests {{ARGS}}
+# The core's Rust tests (cargo test, debug build); ARGS go to cargo test
+test-rust *ARGS:
+    bash scripts/test_rust.sh {{ARGS}}
 
-# The loom models of the store protocol
-test-loom:
-    RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 cargo test --release --test loom_store --target-dir target/loom
+# Build, then only the Python tests; ARGS go to pytest
+test-py *ARGS:
+    bash scripts/test_py.sh {{ARGS}}
+
+# The loom models: every tests/loom_*.rs; ARGS go to cargo test
+test-loom *ARGS:
+    bash scripts/loom.sh {{ARGS}}
 
 # The core's tests under valgrind memcheck
 valgrind:
     bash scripts/valgrind.sh
 
-# Build with the detailed metrics (CAS counters, histograms) into target/detailed-site;
-# use it with PYTHONPATH=target/detailed-site
+# The detailed-metrics build: its core tests, then the whole pytest suite against it
+test-telemetry:
+    bash scripts/test_telemetry.sh
+
+# Build with the detailed metrics into target/detailed-site (use with PYTHONPATH=that)
 install-telemetry:
     bash scripts/build_telemetry.sh target/detailed-site
 
-# Format everything
+# Format everything in place (rustfmt, ruff format, ruff check --fix)
 fmt:
-    cargo fmt --all
-    .venv/bin/ruff format python benches examples
-    .venv/bin/ruff check --fix python benches examples
+    bash scripts/fmt.sh
 
-# Format, clippy, ORDERING comments, ruff, pyright, stubtest
+# Format check, clippy, rustdoc, ORDERING comments, ruff, pyright, stubtest
 lint:
     bash scripts/lint.sh
 
-# `python -m benches` writes JSON, PNG plots (with matplotlib) and a summary table into
-# benches/results/<timestamp>/; ARGS go to it (--quick, --out DIR, --workers 1,4,16,64,
-# --launcher ray for Ray actors as TCP workers (needs ray in .venv), ...).
-#
 # Criterion (store, ingress drain round), then python -m benches (limits, in-process, TCP sweep)
 bench *ARGS:
-    cargo bench --bench store
-    cargo bench --bench ingress
-    .venv/bin/python -m benches {{ARGS}}
+    bash scripts/bench.sh {{ARGS}}
 
-# ARGS go to benches/py/bench_replay.py: --peers /path/to/venv/bin/python (a virtualenv with
-# dm-reverb and torchrl) compares in the same run.
-#
 # Replay tables: criterion on 1e6-item tables, then the Python benchmark (vs Reverb/TorchRL)
 bench-replay *ARGS:
-    cargo bench --bench sumtree
-    cargo bench --bench replay
-    .venv/bin/python benches/py/bench_replay.py {{ARGS}}
+    bash scripts/bench_replay.sh {{ARGS}}
 
-# The same scenarios with another installed echo, interleaved in one session, both on the plots.
-#
 # The benchmarks against another echo's venv (e.g. id-echo==0.2.1), with ratios ours / other
 bench-compare OTHER_VENV *ARGS:
-    .venv/bin/python -m benches --compare {{OTHER_VENV}}/bin/python {{ARGS}}
+    bash scripts/bench_py.sh --compare {{OTHER_VENV}}/bin/python {{ARGS}}
 
 # The benchmarks' smoke run as CI runs it (python -m benches --quick, then check the JSON)
 bench-smoke:

@@ -1,19 +1,19 @@
-# Shared by scripts/*.sh: a project virtualenv with the build and test tools, and the
-# extension built into it (release mode). Idempotent; re-running only rebuilds what changed.
+# shellcheck shell=bash
+# Sourced by scripts/*.sh: the project virtualenv .venv with the runtime dependencies and
+# pyproject.toml's dev extra (build, test and lint tools; scripts/venv.sh), activated, and
+# the extension built into it (release mode). Idempotent; re-running only rebuilds what
+# changed. A script run by one that has built already (scripts/test.sh runs several) does
+# not build again; ECHO_NO_BUILD=1 skips the build (scripts/fmt.sh needs only the tools).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-PY=${PYTHON:-python3}
-if [[ ! -x .venv/bin/python ]]; then
-  echo ">> creating .venv"
-  "$PY" -m venv .venv
-fi
+bash scripts/venv.sh .venv --deps dev
 export VIRTUAL_ENV="$PWD/.venv"
 export PATH="$VIRTUAL_ENV/bin:$PATH"
-if ! python -c "import maturin, numpy, optree, pytest, pytest_timeout, hypothesis, tqdm" 2>/dev/null; then
-  echo ">> installing build and test tools into .venv"
-  python -m pip install -q --upgrade pip
-  python -m pip install -q "maturin>=1.5,<2" "numpy>=1.24" "optree>=0.11" "pytest>=8" \
-    "pytest-timeout>=2.3" "hypothesis>=6.100" "tqdm>=4.66"
+# What ruff formats and lints (scripts/fmt.sh, scripts/lint.sh).
+# shellcheck disable=SC2034
+PY_SOURCES=(python benches examples scripts)
+if [[ ${ECHO_NO_BUILD:-} != 1 && ${ECHO_BUILT:-} != "$PWD" ]]; then
+  echo ">> building the extension (release)"
+  maturin develop --release -q
+  export ECHO_BUILT=$PWD
 fi
-echo ">> building the extension (release)"
-maturin develop --release -q

@@ -3,17 +3,11 @@
 #
 #   bash scripts/docs.sh            # -> target/site
 #
-# Uses its own virtualenv, target/docs-venv, created (and mkdocs installed into it) on the
-# first run only; delete that folder to reinstall.
+# Uses its own virtualenv, target/docs-venv, with pyproject.toml's docs extra installed by
+# scripts/venv.sh (again only when that extra changes).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-
-VENV=target/docs-venv
-if [[ ! -x "$VENV/bin/mkdocs" ]]; then
-    python3 -m venv "$VENV"
-    "$VENV/bin/python" -m pip install -q "mkdocs-material>=9.5" "mkdocstrings[python]>=0.26"
-fi
-
+bash scripts/venv.sh target/docs-venv docs
 # mkdocs-material prints a banner about MkDocs 2.0 on every build; it is not a docs warning.
 export NO_MKDOCS_2_WARNING=1
-"$VENV/bin/mkdocs" build --strict -d target/site "$@"
+target/docs-venv/bin/mkdocs build --strict -d target/site "$@"

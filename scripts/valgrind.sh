@@ -3,6 +3,7 @@
 # replay table tests and the sum tree's property tests under valgrind memcheck. Fails on any memory error or definite leak.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+echo ">> valgrind memcheck: unit tests, store, stress (small count), replay and property tests"
 cargo test --quiet --no-run --lib --test store --test stress_store --test prop_sumtree --test replay \
   --test prop_replay \
   2>/dev/null
@@ -13,8 +14,12 @@ run() {
   ECHO_STRESS_COUNT=2000 valgrind --quiet --error-exitcode=99 --leak-check=full \
     --errors-for-leak-kinds=definite --show-possibly-lost=no "$bin" --test-threads=2 -q "$@" >/dev/null
 }
-latest() {
-  ls -t target/debug/deps/"$1"-* | grep -v '\.d$' | head -n 1
+latest() { # the newest test binary cargo built for $1 (not its .d file)
+  local file newest=""
+  for file in target/debug/deps/"$1"-*; do
+    [[ $file != *.d && ( -z $newest || $file -nt $newest ) ]] && newest=$file
+  done
+  echo "$newest"
 }
 for name in echo store stress_store; do
   run "$(latest "$name")"
