@@ -22,14 +22,14 @@
 //!   once its queue is empty, so acknowledged samples reach the store even if the client
 //!   disconnects right after.
 
-use std::sync::atomic::{fence, Ordering::SeqCst};
-use std::thread::{self, JoinHandle, Thread};
+use std::thread::{self, JoinHandle};
 use std::time::Duration;
 
 use crossbeam_queue::ArrayQueue;
 use crossbeam_utils::CachePadded;
 use parking_lot::Mutex;
 
+use crate::doorbell::Doorbell;
 use crate::error::EchoError;
 use crate::metrics::{HistSummary, Histo, Stamp};
 use crate::sink::{Payloads, Sink};
@@ -126,7 +126,7 @@ impl Connection {
     pub fn try_push(&self, buf: Box<[u8]>) -> Result<(), Box<[u8]>> {
         debug_assert_eq!(buf.len(), self.payload_size);
         self.queue.push((buf, Stamp::now())).map_err(|(buf, _)| buf)?;
-        self.drainer.wake_after_push();
+        self.drainer.bell.wake_if_sleeping();
         Ok(())
     }
 
@@ -143,7 +143,7 @@ impl Connection {
         if !self.closed.swap(true, Release) {
             // ORDERING: Relaxed — statistics.
             self.stats.active_connections.fetch_sub(1, Relaxed);
-            self.drainer.wake();
+            self.drainer.bell.wake();
         }
     }
 
@@ -166,9 +166,9 @@ struct DrainerShared {
     incoming: Mutex<Vec<Arc<Connection>>>,
     /// Connections assigned (adopted or incoming) and not pruned: for load balancing.
     load: AtomicUsize,
-    /// Set while the drainer is about to sleep or sleeping.
-    sleeping: AtomicBool,
-    thread: Mutex<Option<Thread>>,
+    /// Where the drainer sleeps when it has nothing to do. Rung after every push
+    /// (`wake_if_sleeping`) and by `register`, `close` and `shutdown` (`wake`).
+    bell: Doorbell,
     /// Samples in this drainer's queues at its last round (sum, largest).
     depth_sum: CachePadded<AtomicU64>,
     depth_max: AtomicU64,
@@ -180,31 +180,10 @@ impl DrainerShared {
         Self {
             incoming: Mutex::new(Vec::new()),
             load: AtomicUsize::new(0),
-            sleeping: AtomicBool::new(false),
-            thread: Mutex::new(None),
+            bell: Doorbell::new(),
             depth_sum: CachePadded::new(AtomicU64::new(0)),
             depth_max: AtomicU64::new(0),
             inserted: CachePadded::new(AtomicU64::new(0)),
-        }
-    }
-
-    /// Called by a producer after a push.
-    fn wake_after_push(&self) {
-        // ORDERING: SeqCst fence + the drainer's SeqCst store/fence in `sleep` form a Dekker
-        // pair: either the drainer's re-check sees our push, or we see `sleeping == true` here.
-        fence(SeqCst);
-        // ORDERING: Relaxed — ordered by the fence above.
-        if self.sleeping.load(Relaxed) {
-            self.wake();
-        }
-    }
-
-    fn wake(&self) {
-        // ORDERING: Relaxed — `unpark` itself synchronises with `park`; the flag only avoids
-        // unpark calls while the drainer is busy.
-        self.sleeping.store(false, Relaxed);
-        if let Some(thread) = self.thread.lock().as_ref() {
-            thread.unpark();
         }
     }
 }
@@ -271,7 +250,7 @@ impl Ingress {
                 .spawn(move || Drainer::new(ingress_ref, shared_ref).run());
             match spawned {
                 Ok(handle) => {
-                    *shared.thread.lock() = Some(handle.thread().clone());
+                    shared.bell.set_sleeper(handle.thread().clone());
                     ingress.handles.lock().push(handle);
                 }
                 Err(err) => {
@@ -308,7 +287,7 @@ impl Ingress {
             stats: Arc::clone(&self.stats),
         });
         drainer.incoming.lock().push(Arc::clone(&conn));
-        drainer.wake();
+        drainer.bell.wake();
         conn
     }
 
@@ -361,7 +340,7 @@ impl Ingress {
         // ORDERING: Release pairs with the drainers' Acquire loads of the flag.
         self.shutdown.store(true, Release);
         for d in &self.drainers {
-            d.wake();
+            d.bell.wake();
         }
         let handles = std::mem::take(&mut *self.handles.lock());
         for handle in handles {
@@ -488,18 +467,19 @@ impl Drainer {
         }
     }
 
-    /// Sleeps until a producer pushes, a connection arrives or closes, or shutdown.
+    /// Sleeps until a producer pushes, a connection arrives or closes, or shutdown (or
+    /// `IDLE_PARK` passes). The last look for work covers every wake source: a push
+    /// (`wake_if_sleeping`, the Dekker pair in `doorbell.rs`), a connection to prune, one in
+    /// `incoming`, and the shutdown flag.
     fn sleep(&mut self) {
-        // ORDERING: SeqCst store + fence pair with the producers' fence in `wake_after_push`.
-        self.shared.sleeping.store(true, SeqCst);
-        fence(SeqCst);
-        let has_work = self.conns.iter().any(|c| !c.queue.is_empty() || c.is_drained())
-            || !self.shared.incoming.lock().is_empty()
-            || self.ingress.is_shutting_down();
-        if !has_work {
-            thread::park_timeout(IDLE_PARK);
-        }
-        // ORDERING: Relaxed — only suppresses redundant unparks.
-        self.shared.sleeping.store(false, Relaxed);
+        let (conns, shared, ingress) = (&self.conns, &self.shared, &self.ingress);
+        shared.bell.sleep_unless(
+            || {
+                conns.iter().any(|c| !c.queue.is_empty() || c.is_drained())
+                    || !shared.incoming.lock().is_empty()
+                    || ingress.is_shutting_down()
+            },
+            Some(IDLE_PARK),
+        );
     }
 }

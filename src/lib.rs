@@ -14,10 +14,12 @@
 //! | [`replay`]  | replay tables: uniform/prioritized/LIFO sampling, eviction, rate limits |
 //! | [`backend`] | one face over both: build, insert, sample, batch memory, statistics |
 //! | `ingress`   | per-connection queues, buffer pools, the drainer pool               |
+//! | `doorbell`  | the drainers' sleep/wake protocol, loom-checked                     |
 //! | `transport` | the wire format, the tokio TCP server, the blocking TCP client      |
 //! | [`metrics`] | statistics counters; detailed histograms behind `detailed-metrics` |
 //! | `pinned`    | page-locking memory with a run-time loaded CUDA runtime            |
 //! | [`error`]   | the error enum, and the partial-insert error layered on it         |
+//! | `doorbell`  | the drainers' sleep/wake protocol (a loom model checks it)         |
 //! | `sync`      | std/loom facade, so loom models run the real code                  |
 //!
 //! The pyo3 bindings live in `python` behind the `python` cargo feature (on for maturin
@@ -28,6 +30,8 @@
 
 #[cfg(not(loom))]
 pub mod backend;
+#[doc(hidden)]
+pub mod doorbell;
 pub mod error;
 #[cfg(not(loom))]
 pub mod ingress;

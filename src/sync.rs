@@ -4,19 +4,28 @@
 //! `RUSTFLAGS="--cfg loom"` swap every primitive for its [`loom`] twin, so the loom models
 //! in `tests/loom_store.rs` explore every interleaving of the real store code, not a copy.
 //!
-//! Two wrappers hide the differences between the two worlds:
+//! Wrappers hide the differences between the two worlds:
 //! - [`Signal`]: a mutex + condvar pair for "wait until a predicate holds". Under loom a wait
 //!   has no timeout, so a lost wake-up shows up as a deadlock that loom reports.
+//! - [`park`]: `std::thread::park`/`park_timeout`, or loom's `park` with no timeout, for the
+//!   same reason; [`Thread`] is the matching handle whose `unpark` ends it.
+//! - [`Mutex`]: `parking_lot`'s mutex, or a loom mutex with the same infallible `lock`.
 //! - [`SlotTracker`]: a zero-sized marker in normal builds, a `loom::cell::UnsafeCell<()>` under
 //!   loom, touched around every slot read and write so loom detects two threads accessing the
 //!   same ring slot without a happens-before edge between them.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 #[cfg(loom)]
-pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
+pub(crate) use loom::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicUsize};
+#[cfg(loom)]
+pub(crate) use loom::thread::Thread;
 #[cfg(not(loom))]
-pub(crate) use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
+pub(crate) use parking_lot::Mutex;
+#[cfg(not(loom))]
+pub(crate) use std::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicUsize};
+#[cfg(not(loom))]
+pub(crate) use std::thread::Thread;
 // `Arc` stays `std`'s in loom builds too: its refcount is not part of any protocol we model,
 // and `self: &Arc<Self>` receivers need the real type.
 pub(crate) use std::sync::Arc;
@@ -141,5 +150,36 @@ impl SlotTracker {
         {
             f()
         }
+    }
+}
+
+/// Blocks the current thread until its [`Thread::unpark`] token is available or `timeout`
+/// passes (`None`: no limit). Like `std::thread::park`, it may also return spuriously, so
+/// callers re-check their condition. Under loom the timeout is ignored: a wake-up that never
+/// comes is a deadlock that loom reports, not a delay.
+#[cfg(not(loom))]
+#[inline]
+pub(crate) fn park(timeout: Option<Duration>) {
+    match timeout {
+        Some(timeout) => std::thread::park_timeout(timeout),
+        None => std::thread::park(),
+    }
+}
+
+#[cfg(loom)]
+pub(crate) fn park(_timeout: Option<Duration>) {
+    loom::thread::park();
+}
+
+/// A loom mutex with `parking_lot`'s infallible `lock` (a panic while holding it aborts the
+/// model anyway, so poisoning carries no information).
+#[cfg(loom)]
+#[derive(Debug, Default)]
+pub(crate) struct Mutex<T>(loom::sync::Mutex<T>);
+
+#[cfg(loom)]
+impl<T> Mutex<T> {
+    pub(crate) fn lock(&self) -> loom::sync::MutexGuard<'_, T> {
+        self.0.lock().unwrap()
     }
 }
