@@ -59,7 +59,7 @@ fn run(conns: usize, iters: u64) -> Duration {
     let store = Store::new(small_spec(), BATCH_SIZE, NUM_BATCHES).unwrap();
     let mut consumer = store.consumer().unwrap();
     let sink: Arc<dyn Sink> = Arc::clone(&store) as Arc<dyn Sink>;
-    let config = IngressConfig { num_drainers: 1, queue_size: QUEUE_SIZE };
+    let config = IngressConfig::new(1, QUEUE_SIZE);
     let ingress = Ingress::start(sink, config).unwrap();
     assert_eq!(store.spec().payload_size(), 40);
     let ready = Arc::new(Barrier::new(2));

@@ -37,11 +37,7 @@ use crate::sync::{Arc, AtomicBool, AtomicU64, AtomicUsize};
 
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 
-/// How long an idle drainer sleeps before looking again on its own (wake-ups are explicit;
-/// this only bounds the cost of a bug).
-const IDLE_PARK: Duration = Duration::from_millis(100);
-
-/// Ingress settings.
+/// Ingress settings. Build them with [`IngressConfig::new`], then change fields as needed.
 #[derive(Debug, Clone, Copy)]
 pub struct IngressConfig {
     /// The most drainer threads to run. [`Ingress::start`] runs at most one per available
@@ -50,9 +46,21 @@ pub struct IngressConfig {
     pub num_drainers: usize,
     /// Capacity of each connection's queue, in samples.
     pub queue_size: usize,
+    /// How long an idle drainer sleeps before looking again on its own; `None`: until woken.
+    /// Wake-ups are explicit, so this only bounds the cost of a lost one (a bug). Tests set
+    /// `None` so that a lost wake-up hangs and their watchdog catches it.
+    pub idle_park: Option<Duration>,
 }
 
 impl IngressConfig {
+    /// The default [`IngressConfig::idle_park`]: 100 ms.
+    pub const DEFAULT_IDLE_PARK: Duration = Duration::from_millis(100);
+
+    /// `num_drainers` drainers, queues of `queue_size`, and the default `idle_park`.
+    pub fn new(num_drainers: usize, queue_size: usize) -> Self {
+        Self { num_drainers, queue_size, idle_park: Some(Self::DEFAULT_IDLE_PARK) }
+    }
+
     /// Drainer threads actually started: `num_drainers`, capped at the available CPUs.
     pub fn effective_drainers(&self) -> usize {
         let cpus = thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
@@ -467,8 +475,8 @@ impl Drainer {
         }
     }
 
-    /// Sleeps until a producer pushes, a connection arrives or closes, or shutdown (or
-    /// `IDLE_PARK` passes). The last look for work covers every wake source: a push
+    /// Sleeps until a producer pushes, a connection arrives or closes, or shutdown (or, if
+    /// set, `idle_park` passes). The last look for work covers every wake source: a push
     /// (`wake_if_sleeping`, the Dekker pair in `doorbell.rs`), a connection to prune, one in
     /// `incoming`, and the shutdown flag.
     fn sleep(&mut self) {
@@ -479,7 +487,7 @@ impl Drainer {
                     || !shared.incoming.lock().is_empty()
                     || ingress.is_shutting_down()
             },
-            Some(IDLE_PARK),
+            ingress.config.idle_park,
         );
     }
 }

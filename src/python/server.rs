@@ -68,10 +68,7 @@ impl PyServerCore {
         let (backend, consumer) =
             detach(py, || Backend::new(spec, backend_config)).map_err(to_pyerr)?;
         let layouts = batch_layouts(py, &leaves, &backend)?;
-        let ingress_config = IngressConfig {
-            num_drainers: config.num_drainers,
-            queue_size: config.producer_queue_size,
-        };
+        let ingress_config = IngressConfig::new(config.num_drainers, config.producer_queue_size);
         Ok(Self {
             lease: Py::new(py, RingLease::new(&backend))?,
             zero_hist: Py::new(py, HistSnapshot::default())?,
