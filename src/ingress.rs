@@ -31,9 +31,9 @@ use parking_lot::Mutex;
 
 use crate::doorbell::Doorbell;
 use crate::error::EchoError;
-use crate::metrics::{HistSummary, Histo, Stamp};
+use crate::metrics::{Counter, HistSummary, Histo, Stamp};
 use crate::sink::{Payloads, Sink};
-use crate::sync::{Arc, AtomicBool, AtomicU64, AtomicUsize};
+use crate::sync::{Arc, AtomicBool, AtomicUsize};
 
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 
@@ -140,8 +140,7 @@ impl Connection {
 
     /// Records that the transport task had to wait for space (backpressure).
     pub fn note_blocked(&self) {
-        // ORDERING: Relaxed — statistics.
-        self.stats.push_blocked.fetch_add(1, Relaxed);
+        self.stats.push_blocked.add(1);
     }
 
     /// The transport task is done with this connection. Its queued samples are still inserted.
@@ -149,8 +148,7 @@ impl Connection {
         // ORDERING: Release pairs with the drainer's Acquire in `is_drained`: every push this
         // task made is visible to the drainer once it sees `closed`.
         if !self.closed.swap(true, Release) {
-            // ORDERING: Relaxed — statistics.
-            self.stats.active_connections.fetch_sub(1, Relaxed);
+            self.stats.active_connections.sub(1);
             self.drainer.bell.wake();
         }
     }
@@ -173,25 +171,25 @@ struct DrainerShared {
     /// Connections handed to this drainer and not yet adopted by it.
     incoming: Mutex<Vec<Arc<Connection>>>,
     /// Connections assigned (adopted or incoming) and not pruned: for load balancing.
-    load: AtomicUsize,
+    load: Counter,
     /// Where the drainer sleeps when it has nothing to do. Rung after every push
     /// (`wake_if_sleeping`) and by `register`, `close` and `shutdown` (`wake`).
     bell: Doorbell,
     /// Samples in this drainer's queues at its last round (sum, largest).
-    depth_sum: CachePadded<AtomicU64>,
-    depth_max: AtomicU64,
-    inserted: CachePadded<AtomicU64>,
+    depth_sum: CachePadded<Counter>,
+    depth_max: Counter,
+    inserted: CachePadded<Counter>,
 }
 
 impl DrainerShared {
     fn new() -> Self {
         Self {
             incoming: Mutex::new(Vec::new()),
-            load: AtomicUsize::new(0),
+            load: Counter::default(),
             bell: Doorbell::new(),
-            depth_sum: CachePadded::new(AtomicU64::new(0)),
-            depth_max: AtomicU64::new(0),
-            inserted: CachePadded::new(AtomicU64::new(0)),
+            depth_sum: CachePadded::default(),
+            depth_max: Counter::default(),
+            inserted: CachePadded::default(),
         }
     }
 }
@@ -199,8 +197,8 @@ impl DrainerShared {
 /// Counters shared by connections and drainers.
 #[derive(Debug, Default)]
 pub struct IngressStats {
-    active_connections: CachePadded<AtomicU64>,
-    push_blocked: CachePadded<AtomicU64>,
+    active_connections: CachePadded<Counter>,
+    push_blocked: CachePadded<Counter>,
 }
 
 /// A snapshot of the ingress counters.
@@ -273,16 +271,10 @@ impl Ingress {
     /// A new connection, assigned to the least-loaded drainer. `waker` is called whenever a
     /// buffer or queue slot of this connection comes free.
     pub fn register(&self, waker: Box<dyn SpaceWaker>) -> Arc<Connection> {
-        let drainer = self
-            .drainers
-            .iter()
-            // ORDERING: Relaxed — load balancing is a heuristic.
-            .min_by_key(|d| d.load.load(Relaxed))
-            .expect("at least one drainer");
-        // ORDERING: Relaxed — heuristic and statistics.
-        drainer.load.fetch_add(1, Relaxed);
-        // ORDERING: Relaxed — statistics.
-        self.stats.active_connections.fetch_add(1, Relaxed);
+        let drainer =
+            self.drainers.iter().min_by_key(|d| d.load.get()).expect("at least one drainer");
+        drainer.load.add(1);
+        self.stats.active_connections.add(1);
         let payload_size = self.store.spec().payload_size();
         let conn = Arc::new(Connection {
             queue: ArrayQueue::new(self.config.queue_size),
@@ -312,19 +304,14 @@ impl Ingress {
     /// A snapshot of the counters.
     pub fn snapshot(&self) -> IngressSnapshot {
         let mut snap = IngressSnapshot {
-            // ORDERING: Relaxed — statistics.
-            active_connections: self.stats.active_connections.load(Relaxed),
-            // ORDERING: Relaxed — statistics.
-            push_blocked_count: self.stats.push_blocked.load(Relaxed),
+            active_connections: self.stats.active_connections.get(),
+            push_blocked_count: self.stats.push_blocked.get(),
             ..IngressSnapshot::default()
         };
         for d in &self.drainers {
-            // ORDERING: Relaxed — statistics.
-            snap.queue_depth_sum += d.depth_sum.load(Relaxed);
-            // ORDERING: Relaxed — statistics.
-            snap.queue_depth_max = snap.queue_depth_max.max(d.depth_max.load(Relaxed));
-            // ORDERING: Relaxed — statistics.
-            snap.samples_inserted_total += d.inserted.load(Relaxed);
+            snap.queue_depth_sum += d.depth_sum.get();
+            snap.queue_depth_max = snap.queue_depth_max.max(d.depth_max.get());
+            snap.samples_inserted_total += d.inserted.get();
         }
         snap
     }
@@ -397,8 +384,7 @@ impl Drainer {
                 .and_then(|source| store.insert_samples(&source, None));
             match inserted {
                 Ok(()) => {
-                    // ORDERING: Relaxed — statistics.
-                    self.shared.inserted.fetch_add(self.bufs.len() as u64, Relaxed);
+                    self.shared.inserted.add(self.bufs.len() as u64);
                 }
                 Err(err) if matches!(err.error, EchoError::Closed) => return,
                 Err(err) => {
@@ -439,10 +425,8 @@ impl Drainer {
                 }
             }
         }
-        // ORDERING: Relaxed — statistics.
-        self.shared.depth_sum.store(sum, Relaxed);
-        // ORDERING: Relaxed — statistics.
-        self.shared.depth_max.store(max, Relaxed);
+        self.shared.depth_sum.set(sum);
+        self.shared.depth_max.set(max);
         self.bufs.len()
     }
 
@@ -470,8 +454,7 @@ impl Drainer {
         self.conns.retain(|c| !c.is_drained());
         let pruned = before - self.conns.len();
         if pruned > 0 {
-            // ORDERING: Relaxed — load balancing heuristic.
-            self.shared.load.fetch_sub(pruned, Relaxed);
+            self.shared.load.sub(pruned as u64);
         }
     }
 

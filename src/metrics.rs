@@ -9,6 +9,10 @@
 //! (`store`, `ingress`) but all go through one small type, [`Counter`], so the one reason
 //! their atomics may be `Relaxed` is written down once.
 
+use crate::sync::AtomicU64;
+
+use std::sync::atomic::Ordering::Relaxed;
+
 /// A histogram summary in nanoseconds. All zero when nothing was recorded or the feature is off.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct HistSummary {
@@ -51,9 +55,10 @@ pub const ENABLED: bool = cfg!(feature = "detailed-metrics");
 /// An always-on statistics value: an event count, or a gauge that one owner sets.
 ///
 /// Every access is `Relaxed`, and that is the point of the type: a counter is only ever read
-/// for a snapshot (`stats()`, `SampleInfo`), it publishes no other memory, and no thread acts
-/// on its value together with other memory. Atomicity (no lost increments) is all it needs.
-/// Anything that synchronises must use a real atomic with its own `ORDERING:` reason instead.
+/// for a snapshot (`stats()`, `SampleInfo`) or a heuristic that tolerates a stale value (the
+/// ingress's least-loaded drainer); it publishes no other memory, and no thread acts on its
+/// value together with other memory. Atomicity (no lost updates) is all it needs. Anything
+/// that synchronises must use a real atomic with its own `ORDERING:` reason instead.
 #[derive(Debug, Default)]
 pub(crate) struct Counter(AtomicU64);
 
@@ -67,6 +72,12 @@ impl Counter {
     pub(crate) fn add(&self, n: u64) {
         // ORDERING: Relaxed — statistics (see the type's docs).
         self.0.fetch_add(n, Relaxed);
+    }
+
+    #[inline]
+    pub(crate) fn sub(&self, n: u64) {
+        // ORDERING: Relaxed — statistics (see the type's docs).
+        self.0.fetch_sub(n, Relaxed);
     }
 
     #[inline]
@@ -212,9 +223,6 @@ mod imp {
 }
 
 pub(crate) use imp::{DetailedCounter, Histo, Stamp};
-
-use crate::sync::AtomicU64;
-use std::sync::atomic::Ordering::Relaxed;
 
 /// The store's detailed metrics (writers record them).
 #[derive(Debug, Default)]
