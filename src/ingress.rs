@@ -343,6 +343,13 @@ impl Ingress {
                 log::error!("an echo drainer thread panicked");
             }
         }
+        // A connection registered while its drainer was blocked (on a full backend) was never
+        // adopted, and `Connection -> DrainerShared -> incoming -> Connection` is a cycle:
+        // break it, or the connection and its buffers outlive the server. (Adopted ones went
+        // with their drainer's thread.)
+        for d in &self.drainers {
+            d.incoming.lock().clear();
+        }
     }
 
     fn is_shutting_down(&self) -> bool {

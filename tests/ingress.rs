@@ -1,0 +1,57 @@
+//! The ingress's promises about memory: what it holds is bounded, and everything it holds is
+//! freed once it shuts down, whatever state the drainers were in.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{tagged_payload, tagged_spec};
+use echo::ingress::{Connection, Ingress, IngressConfig, SpaceWaker};
+use echo::Store;
+
+struct NoWake;
+
+impl SpaceWaker for NoWake {
+    fn wake(&self) {}
+}
+
+/// Polls `done` until it holds; fails the test after 10 s (a hang).
+fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !done() {
+        assert!(Instant::now() < deadline, "{what}: not within 10 s");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn push(conn: &Connection, producer: u32, seq: u64) {
+    let mut buf = conn.take_buffer().expect("a free buffer");
+    buf.copy_from_slice(&tagged_payload(producer, seq));
+    assert!(conn.try_push(buf).is_ok(), "room in the queue");
+}
+
+#[test]
+fn a_connection_registered_while_its_drainer_is_blocked_is_freed_at_shutdown() {
+    // A ring of 2 slots that nobody samples: the drainer inserts two samples, then blocks on
+    // the third. A connection registered now is never adopted by that drainer.
+    let store = Store::new(tagged_spec(), 1, 2).unwrap();
+    let ingress = Ingress::start(Arc::clone(&store) as _, IngressConfig::new(1, 4)).unwrap();
+    let first = ingress.register(Box::new(NoWake));
+    for seq in 0..3 {
+        push(&first, 0, seq);
+    }
+    eventually("the drainer takes all three", || first.queue_len() == 0);
+    eventually("the ring fills", || store.stats().write_cursor == 2);
+    let late = ingress.register(Box::new(NoWake));
+    push(&late, 1, 0);
+    first.close();
+    late.close();
+    store.close();
+    ingress.shutdown();
+    drop(ingress);
+    // Connection -> its drainer's shared state -> incoming list -> Connection was a cycle
+    // that kept the connection and its buffers alive after shutdown.
+    assert_eq!(Arc::strong_count(&late), 1, "the ingress still holds the late connection");
+    assert_eq!(Arc::strong_count(&first), 1, "the ingress still holds the first connection");
+}
