@@ -252,6 +252,16 @@ impl Backend {
         }
     }
 
+    /// `(writers, consumers)` parked right now: inserts waiting for room (FIFO) or for the rate
+    /// limiter (replay), and a `sample` waiting for a batch. For tests that must know a call
+    /// is blocked before they unblock it.
+    pub fn waiting(&self) -> (u64, u64) {
+        match self {
+            Self::Fifo(store) => (store.waiting_inserts(), store.waiting_samples()),
+            Self::Replay(table) => (table.waiting_inserts(), table.waiting_samples()),
+        }
+    }
+
     /// The detailed counters and histograms (all zero without `detailed-metrics`; a replay
     /// table records none).
     pub fn detailed(&self) -> DetailedSnapshot {

@@ -100,6 +100,9 @@ pub struct Store {
     /// Writers wait here for free slots; the consumer notifies on every release.
     space_free: Signal,
     notify_count: CachePadded<Counter>,
+    /// Writers waiting on `space_free`, and the consumer waiting on `batch_ready`.
+    waiting_inserts: Waiting,
+    waiting_samples: Waiting,
     /// Index of the batch the consumer holds, [`NOT_HELD`] if none: statistics only.
     held_batch: Counter,
     /// Zero-sized unless the `detailed-metrics` feature is on.
@@ -108,6 +111,34 @@ pub struct Store {
 
 /// `held_batch` when the consumer holds nothing.
 const NOT_HELD: u64 = u64::MAX;
+
+/// How many threads are inside one kind of wait: entries and exits, each a statistics
+/// [`Counter`]. Their difference is exact whenever nobody enters or leaves; a reader racing
+/// an exit may see it before the entry, hence the saturation. Not counted under loom: the
+/// models check the protocol, and two more atomics per wait would multiply their interleavings
+/// for statistics that order nothing.
+#[derive(Debug, Default)]
+struct Waiting {
+    entered: Counter,
+    left: Counter,
+}
+
+impl Waiting {
+    /// Runs `wait`, counted as one thread waiting.
+    fn during<R>(&self, wait: impl FnOnce() -> R) -> R {
+        #[cfg(not(loom))]
+        self.entered.add(1);
+        let out = wait();
+        #[cfg(not(loom))]
+        self.left.add(1);
+        out
+    }
+
+    fn now(&self) -> u64 {
+        let left = self.left.get();
+        self.entered.get().saturating_sub(left)
+    }
+}
 
 impl Store {
     /// A store holding `num_batches` batches of `batch_size` samples of `spec`.
@@ -151,6 +182,8 @@ impl Store {
             batch_ready: Signal::default(),
             space_free: Signal::default(),
             notify_count: CachePadded::new(Counter::default()),
+            waiting_inserts: Waiting::default(),
+            waiting_samples: Waiting::default(),
             held_batch: Counter::new(NOT_HELD),
             metrics: StoreMetrics::default(),
         }))
@@ -247,13 +280,15 @@ impl Store {
             let write = self.write_cursor.load(Relaxed);
             if !self.has_space(write) {
                 self.metrics.reservation_retries.add(1);
-                let ready = self.space_free.wait_until(
-                    || {
-                        // ORDERING: Relaxed — see above; `has_space` acquires `read_cursor`.
-                        self.is_closed() || self.has_space(self.write_cursor.load(Relaxed))
-                    },
-                    deadline,
-                );
+                let ready = self.waiting_inserts.during(|| {
+                    self.space_free.wait_until(
+                        || {
+                            // ORDERING: Relaxed — see above; `has_space` acquires `read_cursor`.
+                            self.is_closed() || self.has_space(self.write_cursor.load(Relaxed))
+                        },
+                        deadline,
+                    )
+                });
                 if !ready {
                     return Err(EchoError::TimedOut);
                 }
@@ -331,6 +366,19 @@ impl Store {
             // ORDERING: Relaxed — as above.
             read_cursor: self.read_cursor.load(Relaxed),
         }
+    }
+
+    /// Writers inside `insert` waiting for free slots right now. With
+    /// [`Store::waiting_samples`], lets a test see that a call is blocked instead of sleeping
+    /// and hoping it is.
+    pub fn waiting_inserts(&self) -> u64 {
+        self.waiting_inserts.now()
+    }
+
+    /// 1 while the consumer is in `sample` waiting for the next batch (or just checking that
+    /// it is complete), else 0.
+    pub fn waiting_samples(&self) -> u64 {
+        self.waiting_samples.now()
     }
 
     /// Page-locks every ring buffer with `cudaHostRegister`, loading the CUDA runtime from the
@@ -437,9 +485,11 @@ impl Consumer {
         self.release();
         let store = &self.store;
         let batch = self.next;
-        let ready = store
-            .batch_ready
-            .wait_until(|| store.is_closed() || store.is_committed(batch), deadline);
+        let ready = store.waiting_samples.during(|| {
+            store
+                .batch_ready
+                .wait_until(|| store.is_closed() || store.is_committed(batch), deadline)
+        });
         if store.is_closed() {
             return Err(EchoError::Closed);
         }

@@ -16,22 +16,20 @@ use std::cell::Cell;
 
 use echo::replay::sumtree::{SumTree, SumTreeError};
 use proptest::prelude::*;
+use proptest::test_runner::{RngAlgorithm, TestRng};
 
-/// A fixed-seed xorshift64* generator: uniforms in `[0, 1)` with 53 random bits.
-struct XorShift(u64);
+/// Uniforms in `[0, 1)` with 53 random bits from proptest's ChaCha generator, fixed by `seed`.
+struct Uniforms(TestRng);
 
-impl XorShift {
-    fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+impl Uniforms {
+    fn new(seed: u64) -> Self {
+        let mut key = [0u8; 32];
+        key[..8].copy_from_slice(&seed.to_le_bytes());
+        Self(TestRng::from_seed(RngAlgorithm::ChaCha, &key))
     }
 
     fn uniform(&mut self) -> f64 {
-        #[allow(clippy::cast_precision_loss)] // 53 bits convert exactly
-        let mantissa = (self.next_u64() >> 11) as f64;
-        mantissa * (1.0 / (1u64 << 53) as f64)
+        self.0.random()
     }
 }
 
@@ -258,7 +256,7 @@ fn apply(tree: &mut SumTree, model: &mut Model, op: Op) -> Result<(), TestCaseEr
             }
         }
         Op::Stratified { batch, seed, mismatch } => {
-            let mut rng = XorShift(seed | 1);
+            let mut rng = Uniforms::new(seed);
             let uniforms: Vec<f64> =
                 (0..batch + usize::from(mismatch)).map(|_| rng.uniform()).collect();
             let mut out = vec![usize::MAX; batch];
@@ -352,7 +350,7 @@ const DRAWS: u64 = 1_000_000;
 
 /// 777 leaves (not a power of two) with priorities in [0.25, 4), some zero, some cleared.
 fn mixed_tree() -> (SumTree, Vec<f64>) {
-    let mut rng = XorShift(0xDEAD_BEEF_1234_5678);
+    let mut rng = Uniforms::new(0xDEAD_BEEF_1234_5678);
     let mut tree = SumTree::new(777).unwrap();
     let mut weights = vec![0.0; 777];
     for (i, w) in weights.iter_mut().enumerate() {
@@ -379,7 +377,7 @@ fn mixed_tree() -> (SumTree, Vec<f64>) {
 #[test]
 fn sampling_frequencies_match_priorities() {
     let (tree, weights) = mixed_tree();
-    let mut rng = XorShift(42);
+    let mut rng = Uniforms::new(42);
     let mut counts = vec![0u64; weights.len()];
     for _ in 0..DRAWS {
         counts[tree.sample(rng.uniform()).unwrap()] += 1;
@@ -392,7 +390,7 @@ fn sampling_frequencies_match_priorities() {
 #[test]
 fn stratified_sampling_frequencies_match_priorities() {
     let (tree, weights) = mixed_tree();
-    let mut rng = XorShift(7);
+    let mut rng = Uniforms::new(7);
     let mut counts = vec![0u64; weights.len()];
     let (mut uniforms, mut out) = ([0.0; 256], [0usize; 256]);
     let batches = DRAWS / 256;
@@ -418,7 +416,7 @@ fn sampling_frequencies_match_skewed_priorities() {
         *w = 1.1f64.powi(i32::try_from(i).unwrap());
         tree.set(i, *w).unwrap();
     }
-    let mut rng = XorShift(0x5EED);
+    let mut rng = Uniforms::new(0x5EED);
     let mut counts = vec![0u64; 100];
     for _ in 0..DRAWS {
         counts[tree.sample(rng.uniform()).unwrap()] += 1;
@@ -466,7 +464,7 @@ static GLOBAL: CountingAlloc = CountingAlloc;
 #[test]
 fn nothing_allocates_after_construction() {
     let mut tree = SumTree::new(1000).unwrap();
-    let mut rng = XorShift(3);
+    let mut rng = Uniforms::new(3);
     let (mut uniforms, mut out) = ([0.0; 64], [0usize; 64]);
     let before = ALLOCATIONS.with(Cell::get);
     for i in 0..1000 {

@@ -11,14 +11,11 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::{decode, tagged_payload, tagged_spec};
+use common::{decode, tagged_payload, tagged_spec, wait_until, PATIENCE};
 use echo::replay::{
     RateLimit, RemoverKind, ReplayBatch, ReplayConfig, ReplayConsumer, SamplerKind, Table,
 };
 use echo::{ArraySpec, DataSpec, EchoError, Leaves, Payloads};
-
-/// Long enough for any healthy wait on a loaded 2-core machine; a deadlock hits it.
-const PATIENCE: Duration = Duration::from_secs(20);
 
 fn id_spec() -> DataSpec {
     DataSpec::new(vec![ArraySpec::new(vec![], 8).unwrap()]).unwrap()
@@ -195,16 +192,23 @@ fn each_remover_evicts_the_right_item() {
     assert_eq!(survivors(RemoverKind::MinPriority, 6, p), [0, 2, 5]);
 }
 
-#[test]
-fn lifo_sampler_hands_out_the_newest_items_newest_first() {
-    let mut config = ReplayConfig::new(4, 10);
+/// A LIFO table of `max_size` items, batches of 4, that hands each item out once, holding
+/// ids `0..max_size`; and its consumer.
+fn lifo_once(max_size: usize) -> (Arc<Table>, ReplayConsumer) {
+    let mut config = ReplayConfig::new(4, max_size);
     config.sampler = SamplerKind::Lifo;
     config.max_times_sampled = 1;
     let table = Table::new(id_spec(), config).unwrap();
-    for id in 0..10 {
+    for id in 0..max_size as u64 {
         put(&table, id, None);
     }
-    let mut consumer = table.consumer().unwrap();
+    let consumer = table.consumer().unwrap();
+    (table, consumer)
+}
+
+#[test]
+fn lifo_sampler_hands_out_the_newest_items_newest_first() {
+    let (table, mut consumer) = lifo_once(10);
     assert_eq!(read::<u64>(&table, sample(&mut consumer), 0), [9, 8, 7, 6]);
     put(&table, 10, None);
     assert_eq!(read::<u64>(&table, sample(&mut consumer), 0), [10, 5, 4, 3]);
@@ -354,11 +358,21 @@ fn min_size_holds_sampling_back_until_the_table_is_big_enough() {
     for id in 0..499 {
         put(&table, id, None);
     }
-    let quick = Some(Instant::now() + Duration::from_millis(20));
-    assert!(matches!(consumer.sample(quick), Err(EchoError::TimedOut)));
+    // The sample parks on the limiter until its deadline, and all of that counts as blocked:
+    // at least the time from when this thread sees it parked to the deadline.
+    let deadline = Instant::now() + Duration::from_millis(200);
+    let waiter = thread::spawn(move || {
+        let result = consumer.sample(Some(deadline));
+        (consumer, result)
+    });
+    wait_until("the sample parks", || table.waiting_samples() == 1 || waiter.is_finished());
+    let floor = deadline.saturating_duration_since(Instant::now());
+    let (mut consumer, result) = waiter.join().unwrap();
+    assert!(matches!(result, Err(EchoError::TimedOut)), "{result:?}");
     let stats = table.stats();
     assert_eq!(stats.size, 499);
-    assert!(stats.sample_blocked_ns >= 15_000_000, "waited {} ns", stats.sample_blocked_ns);
+    let blocked = Duration::from_nanos(stats.sample_blocked_ns);
+    assert!(blocked > Duration::ZERO && blocked >= floor, "blocked {blocked:?}, parked {floor:?}");
     put(&table, 499, None);
     sample(&mut consumer);
 }
@@ -371,33 +385,44 @@ fn blocked_inserts_are_timed_and_released_by_sampling() {
     for id in 0..4 {
         put(&table, id, None);
     }
-    let bytes = 9u64.to_le_bytes();
-    let quick = Some(Instant::now() + Duration::from_millis(20));
-    let err = table.insert(&Leaves(&[&bytes]), None, quick).unwrap_err();
-    assert!(matches!(err, echo::InsertError { inserted: 0, error: EchoError::TimedOut }), "{err}");
-    let writer = {
+    let insert = |id: u64, timeout: Duration| {
         let table = Arc::clone(&table);
-        thread::spawn(move || put(&table, 4, None))
+        thread::spawn(move || {
+            let bytes = id.to_le_bytes();
+            table.insert(&Leaves(&[&bytes]), None, Some(Instant::now() + timeout))
+        })
     };
-    thread::sleep(Duration::from_millis(30));
+    // The queue is full: a writer parks until a sample makes room ...
+    let writer = insert(4, PATIENCE);
+    wait_until("the writer parks", || table.waiting_inserts() == 1);
+    let writer_parked = Instant::now();
+    // ... and one with a deadline parks beside it and gives up at the deadline, its wait
+    // counted (the other one's is counted when it ends).
+    let timeout = Duration::from_millis(100);
+    let deadline = Instant::now() + timeout;
+    let timed_out = insert(9, timeout);
+    wait_until("both park", || table.waiting_inserts() == 2 || timed_out.is_finished());
+    let floor = deadline.saturating_duration_since(Instant::now());
+    let err = timed_out.join().unwrap().unwrap_err();
+    assert!(matches!(err, echo::InsertError { inserted: 0, error: EchoError::TimedOut }), "{err}");
+    assert!(!writer.is_finished(), "nothing was sampled: the first writer still waits");
+    let timed = Duration::from_nanos(table.stats().insert_blocked_ns);
+    assert!(timed > Duration::ZERO && timed >= floor, "blocked {timed:?}, parked {floor:?}");
+    // The first writer has been parked since before `writer_parked`, and a sample releases it.
+    let released = Instant::now();
     let mut consumer = table.consumer().unwrap();
     sample(&mut consumer);
-    writer.join().unwrap();
+    writer.join().unwrap().unwrap();
     let stats = table.stats();
-    assert!(stats.insert_blocked_ns >= 35_000_000, "blocked {} ns", stats.insert_blocked_ns);
+    let waited = Duration::from_nanos(stats.insert_blocked_ns) - timed;
+    assert!(waited >= released - writer_parked, "blocked {waited:?}, parked longer");
+    assert!(released - writer_parked >= timeout, "the timed-out insert ran in between");
     assert_eq!(stats.inserted, 5);
 }
 
 #[test]
 fn batch_area_alternates_halves_and_keeps_the_previous_batch_intact() {
-    let mut config = ReplayConfig::new(4, 8);
-    config.sampler = SamplerKind::Lifo;
-    config.max_times_sampled = 1;
-    let table = Table::new(id_spec(), config).unwrap();
-    for id in 0..8 {
-        put(&table, id, None);
-    }
-    let mut consumer = table.consumer().unwrap();
+    let (table, mut consumer) = lifo_once(8);
     let first = sample(&mut consumer);
     let second = sample(&mut consumer);
     assert_ne!(first.half, second.half);

@@ -6,7 +6,7 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::{decode, tagged_payload, tagged_spec};
+use common::{decode, tagged_payload, tagged_spec, wait_until};
 use echo::{ArraySpec, DataSpec, EchoError, InsertError, Leaves, Payloads, Store};
 
 fn read_batch(consumer: &echo::Consumer) -> [Vec<u8>; 3] {
@@ -159,6 +159,8 @@ fn close_wakes_a_blocked_consumer() {
     let store = Store::new(tagged_spec(), 1, 2).unwrap();
     let mut consumer = store.consumer().unwrap();
     let (rx, handle) = with_watchdog(move || consumer.sample(None));
+    wait_until("the consumer parks", || store.waiting_samples() == 1);
+    assert!(rx.try_recv().is_err(), "nothing was committed: the consumer must still wait");
     store.close();
     let result = rx.recv_timeout(Duration::from_secs(10)).expect("consumer was not woken by close");
     assert!(matches!(result, Err(EchoError::Closed)));
@@ -175,6 +177,8 @@ fn close_wakes_a_blocked_writer() {
         let p = tagged_payload(0, 1);
         writer_store.insert(&Payloads::new(writer_store.spec(), &[&p[..]]).unwrap(), None)
     });
+    wait_until("the writer parks", || store.waiting_inserts() == 1);
+    assert!(rx.try_recv().is_err(), "the ring is full: the writer must still wait");
     store.close();
     let result = rx.recv_timeout(Duration::from_secs(10)).expect("writer was not woken by close");
     assert!(

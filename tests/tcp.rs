@@ -10,7 +10,7 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::{decode, tagged_payload, tagged_spec};
+use common::{decode, tagged_payload, tagged_spec, wait_until};
 use echo::ingress::IngressConfig;
 use echo::transport::client::TcpSender;
 use echo::transport::tcp::TcpConfig;
@@ -30,8 +30,7 @@ fn start(
     let consumer = store.consumer().unwrap();
     let tcp = TcpConfig { host: "127.0.0.1".into(), port: 0, num_threads: 2, max_connections };
     let ingress =
-        TcpIngress::start(store.clone(), IngressConfig { num_drainers: 2, queue_size }, &tcp)
-            .unwrap();
+        TcpIngress::start(store.clone(), IngressConfig::new(2, queue_size), &tcp).unwrap();
     let addr = ingress.local_addr();
     (consumer, ingress, addr)
 }
@@ -43,6 +42,24 @@ fn connect(addr: SocketAddr, max_inflight: u64) -> TcpSender {
 fn send_tagged(client: &mut TcpSender, producer: u32, seq: u64) -> Result<(), EchoError> {
     let p = tagged_payload(producer, seq);
     client.send(&[&p[..4], &p[4..12], &p[12..]], Some(Instant::now() + TIMEOUT))
+}
+
+/// Starts `producers` threads that each connect, send `per_producer` tagged samples in order
+/// and close; each returns whether its close flushed every ack.
+fn spawn_senders(
+    addr: SocketAddr,
+    producers: u32,
+    per_producer: u64,
+    max_inflight: u64,
+) -> Vec<thread::JoinHandle<bool>> {
+    let send_all = move |producer| {
+        let mut client = connect(addr, max_inflight);
+        for seq in 0..per_producer {
+            send_tagged(&mut client, producer, seq).unwrap();
+        }
+        client.close(Some(Instant::now() + TIMEOUT))
+    };
+    (0..producers).map(|producer| thread::spawn(move || send_all(producer))).collect()
 }
 
 /// Takes `batches` batches and returns every (producer, seq) in arrival order.
@@ -84,29 +101,17 @@ fn thirty_two_concurrent_clients_deliver_exactly_once_in_order() {
     const CLIENTS: u32 = 32;
     const PER_CLIENT: u64 = 2_000;
     let (mut consumer, mut server, addr) = start(64, 4, 8, 64);
-    let senders: Vec<_> = (0..CLIENTS)
-        .map(|producer| {
-            thread::spawn(move || {
-                let mut client = connect(addr, 32);
-                for seq in 0..PER_CLIENT {
-                    send_tagged(&mut client, producer, seq).unwrap();
-                }
-                assert!(client.close(Some(Instant::now() + TIMEOUT)), "close() did not flush");
-            })
-        })
-        .collect();
+    let senders = spawn_senders(addr, CLIENTS, PER_CLIENT, 32);
     let total = CLIENTS as usize * PER_CLIENT as usize;
     let got = collect(&mut consumer, total / 64);
     assert_exactly_once_in_order(&got, CLIENTS, PER_CLIENT);
     for s in senders {
-        s.join().unwrap();
+        assert!(s.join().unwrap(), "close() did not flush");
     }
     // The drainer counts a round after its insert returns, so the count can trail the batch.
-    let deadline = Instant::now() + TIMEOUT;
-    while server.snapshot().samples_inserted_total < total as u64 {
-        assert!(Instant::now() < deadline, "samples_inserted_total stuck below {total}");
-        thread::sleep(Duration::from_millis(1));
-    }
+    wait_until(&format!("samples_inserted_total reaching {total}"), || {
+        server.snapshot().samples_inserted_total >= total as u64
+    });
     assert_eq!(server.snapshot().samples_inserted_total, total as u64);
     server.shutdown();
 }
@@ -137,23 +142,9 @@ fn a_partial_sample_is_discarded_and_never_misaligns_the_ring() {
 fn a_slow_consumer_blocks_producers_and_nothing_is_dropped() {
     const PER_CLIENT: u64 = 500;
     let (mut consumer, server, addr) = start(4, 2, 2, 16);
-    let senders: Vec<_> = (0..4u32)
-        .map(|producer| {
-            thread::spawn(move || {
-                let mut client = connect(addr, 4);
-                for seq in 0..PER_CLIENT {
-                    send_tagged(&mut client, producer, seq).unwrap();
-                }
-                client.close(Some(Instant::now() + TIMEOUT));
-            })
-        })
-        .collect();
+    let senders = spawn_senders(addr, 4, PER_CLIENT, 4);
     // Let the ring and every queue fill up before consuming anything.
-    let deadline = Instant::now() + TIMEOUT;
-    while server.snapshot().push_blocked_count == 0 {
-        assert!(Instant::now() < deadline, "producers never hit backpressure");
-        thread::sleep(Duration::from_millis(5));
-    }
+    wait_until("producers hitting backpressure", || server.snapshot().push_blocked_count > 0);
     let got = collect(&mut consumer, 4 * PER_CLIENT as usize / 4);
     assert_exactly_once_in_order(&got, 4, PER_CLIENT);
     for s in senders {
@@ -217,11 +208,7 @@ fn shutdown_with_live_connections_unblocks_everyone() {
     for _ in 0..4 {
         rx.recv_timeout(TIMEOUT).unwrap();
     }
-    let deadline = Instant::now() + TIMEOUT;
-    while server.snapshot().push_blocked_count == 0 {
-        assert!(Instant::now() < deadline, "producers never blocked");
-        thread::sleep(Duration::from_millis(5));
-    }
+    wait_until("producers blocking", || server.snapshot().push_blocked_count > 0);
     let started = Instant::now();
     server.shutdown();
     assert!(started.elapsed() < Duration::from_secs(5), "shutdown took {:?}", started.elapsed());
@@ -241,10 +228,9 @@ fn a_port_in_use_is_an_error_naming_it() {
         num_threads: 1,
         max_connections: 4,
     };
-    let err =
-        TcpIngress::start(store.clone(), IngressConfig { num_drainers: 1, queue_size: 2 }, &tcp)
-            .err()
-            .expect("bind must fail");
+    let err = TcpIngress::start(store.clone(), IngressConfig::new(1, 2), &tcp)
+        .err()
+        .expect("bind must fail");
     assert!(err.to_string().contains(&format!("127.0.0.1:{}", addr.port())), "{err}");
 }
 
@@ -256,9 +242,7 @@ fn a_stalled_large_write_resumes_where_it_stopped() {
     let store = Store::new(spec, 1, 2).unwrap();
     let mut consumer = store.consumer().unwrap();
     let tcp = TcpConfig { host: "127.0.0.1".into(), port: 0, num_threads: 1, max_connections: 4 };
-    let server =
-        TcpIngress::start(store.clone(), IngressConfig { num_drainers: 1, queue_size: 1 }, &tcp)
-            .unwrap();
+    let server = TcpIngress::start(store.clone(), IngressConfig::new(1, 1), &tcp).unwrap();
     let port = server.local_addr().port();
     let (stalled_tx, stalled_rx) = mpsc::channel();
     let sender = thread::spawn(move || {

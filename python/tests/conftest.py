@@ -8,10 +8,14 @@ torn or misaligned.
 from __future__ import annotations
 
 import os
+import selectors
+import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -38,6 +42,8 @@ def pytest_configure(config: pytest.Config) -> None:
         "or network access to build a virtualenv with it)",
     )
 
+
+HERE = Path(__file__).resolve().parent
 
 # How long any single blocking step in a test may take before it counts as a hang.
 WAIT_S = 10.0
@@ -79,6 +85,25 @@ def batch_ids() -> Callable[[Any], list[int]]:
     return ids
 
 
+def poll(
+    probe: Callable[[], Any], done: Callable[[Any], bool], what: str, timeout: float = WAIT_S
+) -> Any:
+    """Calls `probe` until `done(value)` (at most `timeout` seconds); returns the value.
+
+    How a test waits for another thread or process to reach a state (a counter, a queue
+    depth) instead of sleeping and hoping it got there."""
+    deadline = time.monotonic() + timeout
+    value = probe()
+    for _ in range(100_000):
+        if done(value):
+            return value
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+        value = probe()
+    raise AssertionError(f"{what}: not reached within {timeout}s, last value {value!r}")
+
+
 class Worker(threading.Thread):
     """A daemon thread that records its target's return value or exception (never raises,
     so pytest's unhandled-thread-exception warning, an error here, cannot fire)."""
@@ -104,6 +129,60 @@ class Worker(threading.Thread):
         if self.error is not None:
             raise self.error
         return self.result
+
+
+def assert_blocked(worker: Worker, probe: Callable[[], bool], what: str = "the call") -> None:
+    """Waits (bounded) until `probe()` shows `worker`'s call blocked (see `_blocked.blocked`),
+    then asserts the worker is still running: nothing could have unblocked it."""
+    poll(probe, bool, f"{what} blocking")
+    assert worker.is_alive(), f"expected {what} to block, it ended: {worker.error!r}"
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a child interpreter: faulthandler on, and this folder importable
+    (for `_blocked`)."""
+    path = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONFAULTHANDLER": "1", "PYTHONPATH": path}
+
+
+def read_line(proc: subprocess.Popen[str], timeout: float) -> str:
+    """One line of `proc`'s stdout, waiting at most `timeout` seconds ("" if none came)."""
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            return ""
+    return proc.stdout.readline()
+
+
+def assert_ctrl_c_interrupts_promptly(code: str) -> None:
+    """Runs `code` in a fresh interpreter that prints `ready` once its main thread is blocked
+    (`_blocked.announce_when`), sends it SIGINT, and checks that it ends within 2 s with a
+    KeyboardInterrupt and nothing worse."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+    )
+    try:
+        line = read_line(proc, timeout=30)
+        assert line.strip() == "ready", f"child did not block: {line!r}"
+        assert proc.poll() is None, "child exited before SIGINT"
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=5)
+        elapsed = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert "KeyboardInterrupt" in stderr, stderr
+    for marker in ("panicked", "PanicException", "Fatal Python error"):
+        assert marker not in stderr, stderr
+    assert proc.returncode != 0
+    assert elapsed < 2.0, f"took {elapsed:.2f}s to honour Ctrl-C"
 
 
 class _Registry:
@@ -143,6 +222,29 @@ def make_server(_registry: _Registry, example: dict[str, np.ndarray]) -> Callabl
 
 
 @pytest.fixture
+def make_filled(
+    make_server: Callable[..., echo.Server], make_sample: Callable[[int], Any]
+) -> Callable[..., echo.Server]:
+    """`make_filled(n, **kwargs)`: a `make_server(**kwargs)` holding `make_sample(0..n)`, each
+    submitted with `timeout=0` (there must be room for them)."""
+
+    def make(n: int, **kwargs: Any) -> echo.Server:
+        server = make_server(**kwargs)
+        for i in range(n):
+            server.submit(make_sample(i), timeout=0)
+        return server
+
+    return make
+
+
+def take(server: echo.Server, **kwargs: Any) -> Any:
+    """`server.sample(timeout=WAIT_S, **kwargs)`, asserted to be a batch (not `None`)."""
+    sample = server.sample(timeout=WAIT_S, **kwargs)
+    assert sample is not None, "sample() returned None: the server is closed"
+    return sample
+
+
+@pytest.fixture
 def spawn(_registry: _Registry) -> Callable[..., Worker]:
     """`spawn(fn, *args, **kwargs)`: starts a `Worker`; joined (after closing servers) at
     teardown."""
@@ -166,7 +268,7 @@ def run_python() -> Callable[..., subprocess.CompletedProcess[str]]:
             capture_output=True,
             text=True,
             timeout=timeout,
-            env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+            env=child_env(),
             check=False,
         )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -153,8 +154,8 @@ def test_two_threads_sampling_at_once_each_batch_goes_to_exactly_one(
         assert sequences == sorted(sequences)
 
 
-def test_other_threads_run_while_sample_waits(make_server: Any, spawn: Any) -> None:
-    server = make_server(batch_size=2)
+def _python_progress_while(call: Callable[[], Any], spawn: Any) -> int:
+    """How far a pure-Python counting thread (it needs the GIL) gets while `call()` runs here."""
     counter = [0]
     running = threading.Event()
     stop = threading.Event()
@@ -165,16 +166,29 @@ def test_other_threads_run_while_sample_waits(make_server: Any, spawn: Any) -> N
             counter[0] += 1
 
     counter_thread = spawn(count)
-    assert running.wait(WAIT_S)
-    before = counter[0]
-    with pytest.raises(TimeoutError):
-        server.sample(timeout=0.3)
-    after = counter[0]
-    stop.set()
-    counter_thread.finish()
+    try:
+        assert running.wait(WAIT_S)
+        before = counter[0]
+        call()
+        return counter[0] - before
+    finally:
+        stop.set()
+        counter_thread.finish()
+
+
+def _times_out(call: Callable[..., Any], *args: Any) -> Callable[[], None]:
+    def run() -> None:
+        with pytest.raises(TimeoutError):
+            call(*args, timeout=0.3)
+
+    return run
+
+
+def test_other_threads_run_while_sample_waits(make_server: Any, spawn: Any) -> None:
+    server = make_server(batch_size=2)
     # With the GIL held for 0.3 s the counter could not move (the main thread never yields
     # it from inside native code); released, a Python loop counts far beyond this.
-    assert after - before > 1000
+    assert _python_progress_while(_times_out(server.sample), spawn) > 1000
 
 
 def test_another_thread_can_complete_the_batch_that_sample_waits_for(
@@ -200,32 +214,11 @@ def test_another_thread_can_complete_the_batch_that_sample_waits_for(
     assert batch_ids(sample.batch) == [0, 1, 2]
 
 
-def test_other_threads_run_while_submit_waits_for_space(make_server: Any, make_sample: Any) -> None:
-    server = make_server(batch_size=1, num_buffers=2)
-    server.submit(make_sample(0))
-    server.submit(make_sample(1))
-    counter = [0]
-    stop = threading.Event()
-    running = threading.Event()
-
-    def count() -> None:
-        running.set()
-        while not stop.is_set():
-            counter[0] += 1
-
-    thread = threading.Thread(target=count, daemon=True)
-    thread.start()
-    try:
-        assert running.wait(WAIT_S)
-        before = counter[0]
-        with pytest.raises(TimeoutError):
-            server.submit(make_sample(2), timeout=0.3)
-        after = counter[0]
-    finally:
-        stop.set()
-        thread.join(WAIT_S)
-    assert not thread.is_alive()
-    assert after - before > 1000
+def test_other_threads_run_while_submit_waits_for_space(
+    make_filled: Any, make_sample: Any, spawn: Any
+) -> None:
+    server = make_filled(2, batch_size=1, num_buffers=2)
+    assert _python_progress_while(_times_out(server.submit, make_sample(2)), spawn) > 1000
 
 
 def test_large_samples_from_several_threads_are_never_torn(make_server: Any, spawn: Any) -> None:

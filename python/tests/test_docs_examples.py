@@ -331,19 +331,17 @@ import numpy as np
 from echo import TrajectoryAccumulator
 
 T, OBS = 16, 4
+_dt_step = {"obs": np.zeros(OBS, np.float32), "action": np.int64(0), "reward": np.float32(0),
+            "done": np.bool_(False)}
+# The guide's `example`: T slots of every step leaf, and one bootstrap observation.
 example = {
-    "steps": {
-        "obs": np.zeros((T, OBS), np.float32),
-        "action": np.zeros((T,), np.int64),
-        "reward": np.zeros((T,), np.float32),
-        "done": np.zeros((T,), np.bool_),
-    },
+    "steps": {_dt_k: np.zeros((T, *np.shape(_dt_v)), np.asarray(_dt_v).dtype)
+              for _dt_k, _dt_v in _dt_step.items()},
     "bootstrap": {"obs": np.zeros((1, OBS), np.float32)},
 }
 acc = TrajectoryAccumulator(example)
 for _dt_t in range(T):
-    acc.add("steps", {"obs": np.zeros(OBS, np.float32), "action": np.int64(_dt_t),
-                      "reward": np.float32(0), "done": np.bool_(False)})
+    acc.add("steps", {**_dt_step, "action": np.int64(_dt_t)})
 acc.add("bootstrap", {"obs": np.zeros(OBS, np.float32)})
 step = {"obs": np.full(OBS, 7, np.float32), "action": np.int64(1), "reward": np.float32(1),
         "done": np.bool_(True)}

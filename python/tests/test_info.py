@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from conftest import take
 
 import echo
 
@@ -137,40 +138,24 @@ def test_sequence_counts_batches_from_zero(make_server: Any, make_sample: Any) -
 
 
 def test_notify_count_is_the_number_of_completed_batches(
-    make_server: Any, make_sample: Any
+    make_filled: Any, make_sample: Any
 ) -> None:
-    server = make_server(batch_size=2, num_buffers=4)
-    for i in range(5):  # two full batches and one half batch
-        server.submit(make_sample(i))
-    first = server.sample(timeout=WAIT_S)
-    assert first is not None
-    assert first.info.notify_count == 2
-    second = server.sample(timeout=WAIT_S)
-    assert second is not None
-    assert second.info.notify_count == 2
+    server = make_filled(5, batch_size=2, num_buffers=4)  # two full batches, a half batch
+    assert take(server).info.notify_count == 2
+    assert take(server).info.notify_count == 2
     server.submit(make_sample(5))
-    third = server.sample(timeout=WAIT_S)
-    assert third is not None
-    assert third.info.notify_count == 3
+    assert take(server).info.notify_count == 3
 
 
 def test_store_size_counts_committed_samples_not_yet_sampled(
-    make_server: Any, make_sample: Any
+    make_filled: Any, make_sample: Any
 ) -> None:
-    server = make_server(batch_size=2, num_buffers=4)
-    for i in range(5):
-        server.submit(make_sample(i))
-    first = server.sample(timeout=WAIT_S)
-    assert first is not None
-    assert first.info.store_size == 3  # samples 2, 3 and 4
-    second = server.sample(timeout=WAIT_S)
-    assert second is not None
-    assert second.info.store_size == 1  # sample 4
+    server = make_filled(5, batch_size=2, num_buffers=4)
+    assert take(server).info.store_size == 3  # samples 2, 3 and 4
+    assert take(server).info.store_size == 1  # sample 4
     for i in range(5, 8):
         server.submit(make_sample(i))
-    third = server.sample(timeout=WAIT_S)
-    assert third is not None
-    assert third.info.store_size == 2  # samples 6 and 7
+    assert take(server).info.store_size == 2  # samples 6 and 7
 
 
 def test_stats_store_size_excludes_the_batch_already_sampled(

@@ -7,19 +7,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _blocked import blocked
+from conftest import assert_blocked, take
 
 import echo
 
 # Bound on any single blocking step before it counts as a hang.
 WAIT_S = 10.0
-
-# How long a thread must stay blocked before we believe it is waiting, not just slow to start.
-BLOCKED_S = 0.2
-
-
-def _assert_blocked(worker: Any) -> None:
-    worker.join(BLOCKED_S)
-    assert worker.is_alive(), f"expected the thread to block, it ended: {worker.error!r}"
 
 
 # --- timeouts --------------------------------------------------------------------------------
@@ -66,26 +60,18 @@ def test_sample_with_negative_or_nan_timeout_is_a_value_error(
 
 
 def test_submit_with_timeout_raises_timeout_error_while_the_ring_is_full(
-    make_server: Any, make_sample: Any, batch_ids: Any
+    make_filled: Any, make_sample: Any, batch_ids: Any
 ) -> None:
-    server = make_server(batch_size=2, num_buffers=2)
-    for i in range(4):
-        server.submit(make_sample(i), timeout=0)
+    server = make_filled(4, batch_size=2, num_buffers=2)
     for timeout in (0, 0.05):
         with pytest.raises(TimeoutError):
             server.submit(make_sample(99), timeout=timeout)
-    seen = []
-    for _ in range(2):
-        sample = server.sample(timeout=WAIT_S)
-        assert sample is not None
-        seen.extend(batch_ids(sample.batch))
+    seen = [*batch_ids(take(server).batch), *batch_ids(take(server).batch)]
     assert seen == [0, 1, 2, 3]
     # The held batch goes back on the next sample(); until then one batch of space is free.
     server.submit(make_sample(4), timeout=0)
     server.submit(make_sample(5), timeout=0)
-    sample = server.sample(timeout=WAIT_S)
-    assert sample is not None
-    assert batch_ids(sample.batch) == [4, 5]
+    assert batch_ids(take(server).batch) == [4, 5]
 
 
 # --- close() ---------------------------------------------------------------------------------
@@ -130,7 +116,7 @@ def test_dataset_iter_ends_after_close(make_server: Any, make_sample: Any) -> No
 def test_close_from_another_thread_unblocks_a_blocked_sample(make_server: Any, spawn: Any) -> None:
     server = make_server(batch_size=2)
     waiter = spawn(server.sample)
-    _assert_blocked(waiter)
+    assert_blocked(waiter, blocked(server, "sample"), "sample()")
     server.close()
     assert waiter.finish() is None
 
@@ -152,7 +138,7 @@ def test_close_from_another_thread_ends_dataset_iter(
     server.submit(make_sample(0))
     server.submit(make_sample(1))
     assert first_batch_seen.wait(WAIT_S)
-    _assert_blocked(waiter)
+    assert_blocked(waiter, blocked(server, "sample"), "dataset_iter()")
     server.close()
     assert waiter.finish() == [[0, 1]]
 
@@ -160,36 +146,35 @@ def test_close_from_another_thread_ends_dataset_iter(
 def test_close_unblocks_every_thread_blocked_in_sample(make_server: Any, spawn: Any) -> None:
     server = make_server(batch_size=2)
     waiters = [spawn(server.sample) for _ in range(3)]
+    # One waits in the core, the others for their turn at the consumer.
+    probe = blocked(server, "sample")
     for waiter in waiters:
-        _assert_blocked(waiter)
+        assert_blocked(waiter, probe, "sample()")
     server.close()
     assert [w.finish() for w in waiters] == [None, None, None]
 
 
 def test_close_releases_a_submit_blocked_on_a_full_ring(
-    make_server: Any, make_sample: Any, spawn: Any
+    make_filled: Any, make_sample: Any, spawn: Any
 ) -> None:
-    server = make_server(batch_size=2, num_buffers=2)
-    for i in range(4):
-        server.submit(make_sample(i), timeout=0)
-    blocked = spawn(server.submit, make_sample(4))
-    _assert_blocked(blocked)
+    server = make_filled(4, batch_size=2, num_buffers=2)
+    submitter = spawn(server.submit, make_sample(4))
+    assert_blocked(submitter, blocked(server, "submit"), "submit()")
     server.close()
     with pytest.raises(echo.ServerClosedError, match="closed"):
-        blocked.finish()
+        submitter.finish()
 
 
 def test_close_releases_several_submits_blocked_on_a_full_ring(
-    make_server: Any, make_sample: Any, spawn: Any
+    make_filled: Any, make_sample: Any, spawn: Any
 ) -> None:
-    server = make_server(batch_size=1, num_buffers=2)
-    server.submit(make_sample(0))
-    server.submit(make_sample(1))
-    blocked = [spawn(server.submit, make_sample(i)) for i in range(2, 5)]
-    for worker in blocked:
-        _assert_blocked(worker)
+    server = make_filled(2, batch_size=1, num_buffers=2)
+    submitters = [spawn(server.submit, make_sample(i)) for i in range(2, 5)]
+    probe = blocked(server, "submit", count=3)
+    for worker in submitters:
+        assert_blocked(worker, probe, "submit()")
     server.close()
-    for worker in blocked:
+    for worker in submitters:
         with pytest.raises(echo.ServerClosedError):
             worker.finish()
 
@@ -290,18 +275,15 @@ def test_copies_are_writeable_private_arrays(make_server: Any, make_sample: Any)
 
 
 def test_default_views_are_only_meaningful_until_the_next_sample(
-    make_server: Any, make_sample: Any, batch_ids: Any
+    make_filled: Any, make_sample: Any, batch_ids: Any
 ) -> None:
     # Documentation, not a guarantee either way: a view of an earlier batch may show newer
     # samples once its slots were given back and rewritten. Only its shape, dtype and
     # read-only flag are stable; copy=True (or np.copy) keeps values.
-    server = make_server(batch_size=2, num_buffers=2)
-    for i in range(4):
-        server.submit(make_sample(i))
-    old = server.sample(timeout=WAIT_S)
-    assert old is not None
+    server = make_filled(4, batch_size=2, num_buffers=2)
+    old = take(server)
     kept = np.copy(old.batch["id"])
-    assert server.sample(timeout=WAIT_S) is not None
+    take(server)
     server.submit(make_sample(10))
     server.submit(make_sample(11))
     assert old.batch["id"].shape == (2,)

@@ -3,22 +3,20 @@ fails one test instead of taking the whole run down."""
 
 from __future__ import annotations
 
-import os
-import selectors
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 from typing import Any
 
 import pytest
+from conftest import assert_ctrl_c_interrupts_promptly, child_env
 
 PRELUDE = textwrap.dedent(
     """
     import gc, sys, threading
     import numpy as np
     import echo
+    from _blocked import announce_when, blocked, wait_for
 
     EXAMPLE = {"id": np.zeros((), np.int64), "obs": np.zeros((3,), np.float32)}
 
@@ -40,10 +38,21 @@ def _script(body: str) -> str:
     return PRELUDE + textwrap.dedent(body)
 
 
+def _run_clean(
+    run_python: Any, body: str, stdout: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Runs `_script(body)`, checks it exited cleanly (and printed `stdout`, if given)."""
+    proc = run_python(_script(body))
+    _assert_clean(proc)
+    if stdout is not None:
+        assert proc.stdout.strip() == stdout
+    return proc
+
+
 def test_view_read_after_server_is_deleted_gives_the_old_values(run_python: Any) -> None:
-    proc = run_python(
-        _script(
-            """
+    _run_clean(
+        run_python,
+        """
             server = echo.Server(EXAMPLE, batch_size=4, num_buffers=2)
             for i in range(4):
                 server.submit(make_sample(10 + i))
@@ -58,19 +67,17 @@ def test_view_read_after_server_is_deleted_gives_the_old_values(run_python: Any)
             assert batch["obs"].tolist() == [[float(10 + i)] * 3 for i in range(4)], batch["obs"]
             assert batch["id"].base is not None
             print("ok")
-            """
-        )
+        """,
+        stdout="ok",
     )
-    _assert_clean(proc)
-    assert proc.stdout.strip() == "ok"
 
 
 def test_view_outlives_a_closed_and_deleted_server_after_other_views_die(
     run_python: Any,
 ) -> None:
-    proc = run_python(
-        _script(
-            """
+    _run_clean(
+        run_python,
+        """
             server = echo.Server(EXAMPLE, batch_size=2)
             for i in range(4):
                 server.submit(make_sample(i))
@@ -82,17 +89,15 @@ def test_view_outlives_a_closed_and_deleted_server_after_other_views_die(
             gc.collect()
             assert obs.tolist() == [[0.0] * 3, [1.0] * 3], obs
             print("ok")
-            """
-        )
+        """,
+        stdout="ok",
     )
-    _assert_clean(proc)
-    assert proc.stdout.strip() == "ok"
 
 
 def test_deleting_an_unclosed_server_prints_nothing(run_python: Any) -> None:
-    proc = run_python(
-        _script(
-            """
+    proc = _run_clean(
+        run_python,
+        """
             for n in range(20):
                 server = echo.Server(EXAMPLE, batch_size=2)
                 server.submit(make_sample(0))
@@ -104,19 +109,17 @@ def test_deleting_an_unclosed_server_prints_nothing(run_python: Any) -> None:
             # and one left for interpreter shutdown to collect
             last = echo.Server(EXAMPLE, batch_size=2)
             last.submit(make_sample(0))
-            """
-        )
+        """,
     )
-    _assert_clean(proc)
     assert proc.stderr == ""
 
 
 def test_interpreter_exit_with_threads_blocked_in_sample_and_submit_is_clean(
     run_python: Any,
 ) -> None:
-    proc = run_python(
-        _script(
-            """
+    proc = _run_clean(
+        run_python,
+        """
             waiting = echo.Server(EXAMPLE, batch_size=2)
             full = echo.Server(EXAMPLE, batch_size=1, num_buffers=2)
             full.submit(make_sample(0))
@@ -125,22 +128,19 @@ def test_interpreter_exit_with_threads_blocked_in_sample_and_submit_is_clean(
             submitter = threading.Thread(target=full.submit, args=(make_sample(2),), daemon=True)
             sampler.start()
             submitter.start()
-            sampler.join(0.2)
-            submitter.join(0.2)
+            assert wait_for(blocked(waiting, "sample")) and wait_for(blocked(full, "submit"))
             assert sampler.is_alive() and submitter.is_alive()
             print("blocked", flush=True)
-            """
-        )
+        """,
+        stdout="blocked",
     )
-    _assert_clean(proc)
-    assert proc.stdout.strip() == "blocked"
     assert proc.stderr == ""
 
 
 def test_interpreter_exit_with_a_blocked_dataset_iter_thread_is_clean(run_python: Any) -> None:
-    proc = run_python(
-        _script(
-            """
+    proc = _run_clean(
+        run_python,
+        """
             server = echo.Server(EXAMPLE, batch_size=1)
             got = threading.Event()
             def consume():
@@ -150,14 +150,12 @@ def test_interpreter_exit_with_a_blocked_dataset_iter_thread_is_clean(run_python
             thread.start()
             server.submit(make_sample(0))
             assert got.wait(10)
-            thread.join(0.2)
+            assert wait_for(blocked(server, "sample"))
             assert thread.is_alive()
             print("blocked", flush=True)
-            """
-        )
+        """,
+        stdout="blocked",
     )
-    _assert_clean(proc)
-    assert proc.stdout.strip() == "blocked"
     assert proc.stderr == ""
 
 
@@ -204,6 +202,7 @@ def test_interpreter_exit_while_threads_poll_with_timeouts_is_clean() -> None:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
+                env=child_env(),
             )
             for _ in range(4)
         ]
@@ -219,15 +218,6 @@ def test_interpreter_exit_while_threads_poll_with_timeouts_is_clean() -> None:
     assert not failures, f"{len(failures)} of 12 runs exited badly: {failures}"
 
 
-def _read_line(proc: subprocess.Popen[str], timeout: float) -> str:
-    assert proc.stdout is not None
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout):
-            return ""
-    return proc.stdout.readline()
-
-
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 @pytest.mark.parametrize(
     "blocked_in", ["sample", "submit", "replay_sample", "replay_submit_rate_limited"]
@@ -236,19 +226,19 @@ def test_ctrl_c_interrupts_a_blocked_call_promptly(blocked_in: str) -> None:
     body = {
         "sample": """
             server = echo.Server(EXAMPLE, batch_size=2)
-            print("ready", flush=True)
+            announce_when(blocked(server, "sample"))
             server.sample()
             """,
         "submit": """
             server = echo.Server(EXAMPLE, batch_size=1, num_buffers=2)
             server.submit(make_sample(0))
             server.submit(make_sample(1))
-            print("ready", flush=True)
+            announce_when(blocked(server, "submit"))
             server.submit(make_sample(2))
             """,
         "replay_sample": """
             server = echo.Server(EXAMPLE, batch_size=2, sampler=echo.Uniform(), max_size=8)
-            print("ready", flush=True)
+            announce_when(blocked(server, "sample"))
             server.sample()
             """,
         "replay_submit_rate_limited": """
@@ -257,35 +247,11 @@ def test_ctrl_c_interrupts_a_blocked_call_promptly(blocked_in: str) -> None:
                 rate_limiter=echo.Queue(1),
             )
             server.submit(make_sample(0))
-            print("ready", flush=True)
+            announce_when(blocked(server, "submit"))
             server.submit(make_sample(1))
             """,
     }[blocked_in]
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _script(body)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONFAULTHANDLER": "1"},
-    )
-    try:
-        line = _read_line(proc, timeout=30)
-        assert line.strip() == "ready", f"child did not get ready: {line!r}"
-        time.sleep(0.3)  # bounded: let the child enter the blocking call
-        assert proc.poll() is None, "child exited before SIGINT"
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=5)
-        elapsed = time.monotonic() - sent
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert "KeyboardInterrupt" in stderr, stderr
-    assert "panicked" not in stderr, stderr
-    assert "PanicException" not in stderr, stderr
-    assert proc.returncode != 0
-    assert elapsed < 2.0, f"took {elapsed:.2f}s to honour Ctrl-C"
+    assert_ctrl_c_interrupts_promptly(_script(body))
 
 
 def test_an_atexit_handler_registered_before_import_can_still_close_the_server(

@@ -8,6 +8,7 @@ The heavy statistics (chi-square over 10^5 draws for every sampler) live in
 
 from __future__ import annotations
 
+import functools
 import gc
 import time
 from collections.abc import Callable
@@ -15,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import WAIT_S, Worker
+from conftest import WAIT_S, Worker, poll
 
 import echo
 
@@ -346,51 +347,97 @@ def test_max_times_sampled_removes_an_item_after_exactly_k_draws(
 # --- rate limiting, blocking, close ---------------------------------------------------------
 
 
-def test_min_size_blocks_sampling_and_the_wait_shows_in_metrics(
-    make_server: Any, make_sample: Any
-) -> None:
+def _rate_limited(
+    make_server: Any, make_sample: Any, batch_size: int, limiter: Any, items: int
+) -> echo.Server:
+    """A uniform replay server of 8 items paced by `limiter`, holding `items` samples."""
     server = make_server(
-        batch_size=2, sampler=echo.Uniform(), max_size=8, rate_limiter=echo.MinSize(3)
+        batch_size=batch_size, sampler=echo.Uniform(), max_size=8, rate_limiter=limiter
     )
-    server.submit(make_sample(0))
-    server.submit(make_sample(1))
-    with pytest.raises(TimeoutError):
-        server.sample(timeout=0.1)
-    assert server.stats().sample_blocked_ns_total >= 50_000_000
+    for i in range(items):
+        server.submit(make_sample(i))
+    return server
+
+
+# A blocked `sample()`/`submit()` waits in slices of at most 50 ms (so Ctrl-C works); each
+# slice that ends without progress adds its wait to `sample_blocked_ns_total` /
+# `insert_blocked_ns_total`. So a counter that grew while nothing could unblock the call shows,
+# without sleeping, that the call is blocked (not merely slow to start), and how long it was.
+
+
+def _time_out_then_block(
+    server: echo.Server,
+    field: str,
+    time_out: Callable[[], Any],
+    block: Callable[[], Any],
+    at_least_ns: int,
+    spawn: Callable[..., Worker],
+) -> Worker:
+    """Runs `time_out()` (a call that must time out), then `block()` in a worker, and checks
+    that `stats().<field>` counts both waits: the timed-out one, and at least `at_least_ns` of
+    the blocked one while it still runs; never more than the time that passed. Returns the
+    worker, still blocked."""
+    started = time.monotonic()
+    time_out()
+    timed_out = getattr(server.stats(), field)
+    assert 0 < timed_out <= (time.monotonic() - started) * 1e9
+    worker = spawn(block)
+    poll(
+        server.stats,
+        lambda s: getattr(s, field) >= timed_out + at_least_ns,
+        f"the blocked call counted in {field}",
+    )
+    assert worker.is_alive(), f"the call returned while it could not proceed: {worker.error!r}"
+    assert getattr(server.stats(), field) <= (time.monotonic() - started) * 1e9
+    return worker
+
+
+def test_min_size_blocks_sampling_and_the_wait_shows_in_metrics(
+    make_server: Any, make_sample: Any, spawn: Any
+) -> None:
+    server = _rate_limited(make_server, make_sample, 2, echo.MinSize(3), items=2)
+
+    def time_out() -> None:
+        with pytest.raises(TimeoutError):
+            server.sample(timeout=0.1)
+
+    field = "sample_blocked_ns_total"
+    block = functools.partial(server.sample, timeout=WAIT_S)
+    waiter = _time_out_then_block(server, field, time_out, block, 50_000_000, spawn)
     server.submit(make_sample(2))
-    assert server.sample(timeout=WAIT_S) is not None
+    assert waiter.finish() is not None
 
 
 def test_a_queue_blocks_inserts_until_a_sample_frees_room(
-    make_server: Any, make_sample: Any
+    make_server: Any, make_sample: Any, spawn: Any
 ) -> None:
-    server = make_server(
-        batch_size=1, sampler=echo.Uniform(), max_size=8, rate_limiter=echo.Queue(2)
-    )
-    server.submit(make_sample(0))
-    server.submit(make_sample(1))
-    with pytest.raises(TimeoutError, match="submit\\(\\): timed out"):
-        server.submit(make_sample(2), timeout=0.05)
-    worker = Worker(server.submit, make_sample(3), timeout=WAIT_S)
-    worker.start()
-    time.sleep(0.1)
-    assert worker.is_alive()
+    server = _rate_limited(make_server, make_sample, 1, echo.Queue(2), items=2)
+    started = time.monotonic()
+
+    def time_out() -> None:
+        with pytest.raises(TimeoutError, match="submit\\(\\): timed out"):
+            server.submit(make_sample(2), timeout=0.05)
+
+    field = "insert_blocked_ns_total"
+    block = functools.partial(server.submit, make_sample(3), timeout=WAIT_S)
+    worker = _time_out_then_block(server, field, time_out, block, 100_000_000, spawn)
     assert server.sample(timeout=WAIT_S) is not None
     worker.finish()
-    assert server.stats().insert_blocked_ns_total >= 100_000_000
+    blocked = server.stats().insert_blocked_ns_total
+    assert 100_000_000 <= blocked <= (time.monotonic() - started) * 1e9
 
 
-def test_close_wakes_blocked_sample_and_submit(make_server: Any, make_sample: Any) -> None:
+def test_close_wakes_blocked_sample_and_submit(
+    make_server: Any, make_sample: Any, spawn: Any
+) -> None:
     sampler = make_server(batch_size=2, sampler=echo.Uniform(), max_size=8)
-    inserter = make_server(
-        batch_size=1, sampler=echo.Uniform(), max_size=8, rate_limiter=echo.Queue(1)
-    )
-    inserter.submit(make_sample(0))
-    waiting_sample = Worker(sampler.sample)
-    waiting_submit = Worker(inserter.submit, make_sample(1))
-    waiting_sample.start()
-    waiting_submit.start()
-    time.sleep(0.1)
+    inserter = _rate_limited(make_server, make_sample, 1, echo.Queue(1), items=1)
+    waiting_sample = spawn(sampler.sample)
+    waiting_submit = spawn(inserter.submit, make_sample(1))
+    poll(sampler.stats, lambda s: s.sample_blocked_ns_total > 0, "sample() blocking")
+    poll(inserter.stats, lambda s: s.insert_blocked_ns_total > 0, "submit() blocking")
+    assert waiting_sample.is_alive(), "sample() returned from an empty table"
+    assert waiting_submit.is_alive(), "submit() returned with Queue(1) full"
     sampler.close()
     inserter.close()
     assert waiting_sample.finish() is None

@@ -8,11 +8,10 @@ value), so `batch_ids` both reads a batch's ids and checks that no slot is torn.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import queue
-import selectors
-import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +24,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _blocked import after
+from conftest import assert_blocked, assert_ctrl_c_interrupts_promptly, poll
 
 import echo
 from echo import ConnectionClosedError, Server, TcpClient, TcpTransport
@@ -69,24 +70,18 @@ def _started(make_server: Callable[..., Server], **kwargs: Any) -> Server:
     return server
 
 
-def _poll(
-    probe: Callable[[], Any], done: Callable[[Any], bool], what: str, timeout: float = WAIT_S
-) -> Any:
-    """Calls `probe` until `done(value)` (at most `timeout` seconds); returns the value."""
-    deadline = time.monotonic() + timeout
-    value = probe()
-    for _ in range(100_000):
-        if done(value):
-            return value
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.01)
-        value = probe()
-    raise AssertionError(f"{what}: not reached within {timeout}s, last value {value!r}")
+def _started_with_client(
+    make_server: Any, example: Any, window: int | None = None, **kwargs: Any
+) -> tuple[Server, TcpClient]:
+    """`_started(make_server, **kwargs)` and a client connected to it (`window`: its
+    `max_inflight_msgs`, default if None)."""
+    server = _started(make_server, **kwargs)
+    limits = {} if window is None else {"max_inflight_msgs": window}
+    return server, TcpClient(LOCALHOST, server.port, example, **limits)
 
 
 def _poll_stats(server: Server, done: Callable[[Any], bool], what: str) -> Any:
-    return _poll(server.stats, done, what)
+    return poll(server.stats, done, what)
 
 
 def _connections(server: Server, n: int) -> Any:
@@ -357,8 +352,7 @@ def test_client_resolves_host_names(
 def test_send_after_the_server_closed_raises_connection_closed(
     make_server: Any, example: Any, make_sample: Any, batch_ids: Any
 ) -> None:
-    server = _started(make_server, batch_size=2)
-    client = TcpClient(LOCALHOST, server.port, example)
+    server, client = _started_with_client(make_server, example, batch_size=2)
     try:
         client.send(make_sample(0))
         client.send(make_sample(1))
@@ -382,24 +376,56 @@ def test_send_after_the_server_closed_raises_connection_closed(
         client.close(timeout=1.0)
 
 
+# A server whose ring and ingress fill after a handful of samples (nobody samples).
+_FULL_RING = {"batch_size": 2, "num_buffers": 2, "num_drainers": 1, "producer_queue_size": 1}
+
+
 def _full_ring_server(make_server: Any) -> Server:
-    """A server whose ring and ingress fill after a handful of samples (nobody samples)."""
-    return _started(make_server, batch_size=2, num_buffers=2, num_drainers=1, producer_queue_size=1)
+    return _started(make_server, **_FULL_RING)
+
+
+@contextlib.contextmanager
+def _client_of_a_full_ring(
+    make_server: Any,
+    example: Any,
+    make_sample: Any,
+    *,
+    window: int = 64,
+    sent: int = 0,
+    must_flush: bool = False,
+) -> Iterator[tuple[Server, TcpClient]]:
+    """A `_full_ring_server` and a client of it that has sent `make_sample(0..sent)`. The
+    client is closed at the end; with `must_flush`, that close must flush every ack."""
+    server, client = _started_with_client(make_server, example, window, **_FULL_RING)
+    try:
+        for i in range(sent):
+            client.send(make_sample(i), timeout=WAIT_S)
+        yield server, client
+    finally:
+        flushed = client.close(timeout=WAIT_S if must_flush else 1.0)
+    assert flushed or not must_flush, "close() did not flush every ack"
+
+
+def _assert_close_ends_it_with_connection_closed(server: Server, worker: Any) -> None:
+    """Closes `server` under `worker`'s blocked client call, which must raise within 3 s."""
+    started = time.monotonic()
+    server.close()
+    with pytest.raises(ConnectionClosedError):
+        worker.finish(WAIT_S)
+    assert time.monotonic() - started < 3.0
 
 
 def test_send_blocked_on_the_inflight_limit_raises_when_the_server_closes(
     make_server: Any, example: Any, make_sample: Any, spawn: Any
 ) -> None:
-    server = _full_ring_server(make_server)
-    client = TcpClient(LOCALHOST, server.port, example, max_inflight_msgs=2)
     sent: list[int] = []
+    with _client_of_a_full_ring(make_server, example, make_sample, window=2) as (server, client):
 
-    def send_until_blocked() -> None:
-        for i in range(1000):
-            client.send(make_sample(i), timeout=3 * WAIT_S)
-            sent.append(i)
+        def send_until_blocked() -> None:
+            for i in range(1000):
+                client.send(make_sample(i), timeout=3 * WAIT_S)
+                sent.append(i)
 
-    try:
         worker = spawn(send_until_blocked)
         # Wait until the count stops moving: the sender is blocked on the window.
         last, stable_since = -1, time.monotonic()
@@ -412,43 +438,24 @@ def test_send_blocked_on_the_inflight_limit_raises_when_the_server_closes(
             time.sleep(0.01)
         assert worker.is_alive(), f"send never blocked: {worker.error!r}, {len(sent)} sent"
         assert 0 < len(sent) < 20
-        started = time.monotonic()
-        server.close()
-        with pytest.raises(ConnectionClosedError):
-            worker.finish(WAIT_S)
-        assert time.monotonic() - started < 3.0
-    finally:
-        client.close(timeout=1.0)
+        _assert_close_ends_it_with_connection_closed(server, worker)
 
 
 def test_wait_blocked_on_acks_raises_when_the_server_closes(
     make_server: Any, example: Any, make_sample: Any, spawn: Any
 ) -> None:
-    server = _full_ring_server(make_server)
-    client = TcpClient(LOCALHOST, server.port, example, max_inflight_msgs=64)
-    try:
-        for i in range(30):
-            client.send(make_sample(i), timeout=WAIT_S)
+    with _client_of_a_full_ring(make_server, example, make_sample, sent=30) as (server, client):
         worker = spawn(client.wait, 3 * WAIT_S)
-        worker.join(BLOCKED_S)
-        assert worker.is_alive(), f"wait() returned with a full ring: {worker.error!r}"
-        started = time.monotonic()
-        server.close()
-        with pytest.raises(ConnectionClosedError):
-            worker.finish(WAIT_S)
-        assert time.monotonic() - started < 3.0
-    finally:
-        client.close(timeout=1.0)
+        # No counter shows a blocked wait(): it must still run after BLOCKED_S.
+        assert_blocked(worker, after(BLOCKED_S), "wait() with a full ring")
+        _assert_close_ends_it_with_connection_closed(server, worker)
 
 
 def test_wait_times_out_while_the_ring_is_full_and_returns_once_all_are_acked(
     make_server: Any, example: Any, make_sample: Any, batch_ids: Any
 ) -> None:
-    server = _full_ring_server(make_server)
-    client = TcpClient(LOCALHOST, server.port, example, max_inflight_msgs=64)
-    try:
-        for i in range(30):
-            client.send(make_sample(i), timeout=WAIT_S)
+    ring = _client_of_a_full_ring(make_server, example, make_sample, sent=30, must_flush=True)
+    with ring as (server, client):
         started = time.monotonic()
         with pytest.raises(TimeoutError):
             client.wait(timeout=0.2)
@@ -459,15 +466,12 @@ def test_wait_times_out_while_the_ring_is_full_and_returns_once_all_are_acked(
         assert ids == list(range(30))
         client.wait(timeout=WAIT_S)
         assert client.acked == client.sent == 30
-    finally:
-        assert client.close(timeout=WAIT_S) is True
 
 
 def test_close_flushes_and_send_after_close_raises(
     make_server: Any, example: Any, make_sample: Any, batch_ids: Any
 ) -> None:
-    server = _started(make_server, batch_size=4)
-    client = TcpClient(LOCALHOST, server.port, example)
+    server, client = _started_with_client(make_server, example, batch_size=4)
     for i in range(8):
         client.send(make_sample(i))
     assert client.close(timeout=WAIT_S) is True
@@ -514,8 +518,7 @@ def _bad_samples(make_sample: Callable[[int], dict[str, Any]]) -> list[tuple[Any
 def test_bad_samples_raise_and_put_nothing_on_the_wire(
     make_server: Any, example: Any, make_sample: Any, batch_ids: Any
 ) -> None:
-    server = _started(make_server, batch_size=4)
-    client = TcpClient(LOCALHOST, server.port, example)
+    server, client = _started_with_client(make_server, example, batch_size=4)
     try:
         good_ids = iter(range(100))
         sent: list[int] = []
@@ -698,7 +701,7 @@ def test_send_with_a_timeout_sends_a_whole_sample_or_nothing(
             longest = max(longest, time.monotonic() - began)
         assert client.close(timeout=2 * WAIT_S) is True
         assert client.sent == len(sent)
-        _poll(lambda: len(received), lambda k: k >= len(sent), "all sent samples received")
+        poll(lambda: len(received), lambda k: k >= len(sent), "all sent samples received")
     finally:
         stop.set()
         consumer.finish(4 * WAIT_S)
@@ -734,16 +737,17 @@ CLIENT_PRELUDE = textwrap.dedent(
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 @pytest.mark.parametrize("blocked_in", ["send", "wait"])
 def test_ctrl_c_interrupts_a_blocked_send_or_wait_promptly(blocked_in: str) -> None:
+    # No counter shows a blocked TcpClient call: the child announces it after 0.5 s.
     body = {
         "send": """
-            print("ready", flush=True)
+            announce_when(after(0.5))
             for i in range(1000):
                 client.send(make_sample(i))
             """,
         "wait": """
             for i in range(40):
                 client.send(make_sample(i), timeout=5)
-            print("ready", flush=True)
+            announce_when(after(0.5))
             client.wait()
             """,
     }[blocked_in]
@@ -751,31 +755,9 @@ def test_ctrl_c_interrupts_a_blocked_send_or_wait_promptly(blocked_in: str) -> N
     if blocked_in == "wait":
         # A window wide enough that every send goes out and only wait() blocks.
         prelude = prelude.replace("max_inflight_msgs=2", "max_inflight_msgs=64")
-    proc = subprocess.Popen(
-        [sys.executable, "-c", prelude + textwrap.dedent(body)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+    assert_ctrl_c_interrupts_promptly(
+        "from _blocked import after, announce_when\n" + prelude + textwrap.dedent(body)
     )
-    try:
-        line = _read_line(proc, timeout=30)
-        assert line.strip() == "ready", f"child did not get ready: {line!r}"
-        time.sleep(0.5)  # bounded: let the child block
-        assert proc.poll() is None, "child exited before SIGINT"
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=5)
-        elapsed = time.monotonic() - sent
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert "KeyboardInterrupt" in stderr, stderr
-    for marker in ("panicked", "PanicException", "Fatal Python error"):
-        assert marker not in stderr, stderr
-    assert proc.returncode != 0
-    assert elapsed < 2.0, f"took {elapsed:.2f}s to honour Ctrl-C"
 
 
 def test_interpreter_exit_with_a_thread_blocked_in_send_is_clean(run_python: Any) -> None:
@@ -917,17 +899,12 @@ def test_inserted_and_notify_counts(
 def test_push_blocked_count_grows_when_the_consumer_stalls(
     make_server: Any, example: Any, make_sample: Any, batch_ids: Any
 ) -> None:
-    server = _full_ring_server(make_server)
-    client = TcpClient(LOCALHOST, server.port, example, max_inflight_msgs=64)
-    try:
-        for i in range(20):
-            client.send(make_sample(i), timeout=WAIT_S)
+    ring = _client_of_a_full_ring(make_server, example, make_sample, sent=20, must_flush=True)
+    with ring as (server, client):
         info = _poll_stats(server, lambda s: s.push_blocked_count > 0, "push_blocked_count > 0")
         assert info.samples_inserted_total <= 2 * 2 + 2  # the ring (+ a drainer's round)
         assert _take(server, 10, batch_ids) == list(range(20))
         client.wait(timeout=WAIT_S)
-    finally:
-        client.close(timeout=WAIT_S)
 
 
 def test_max_connections_refuses_extra_clients_cleanly(
@@ -1263,16 +1240,6 @@ PEER_SERVER = PEER_PRELUDE + textwrap.dedent(
     print("done", flush=True)
     """
 )
-
-
-def _read_line(proc: subprocess.Popen[str], timeout: float) -> str:
-    """One line of `proc`'s stdout, waiting at most `timeout` seconds."""
-    assert proc.stdout is not None
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout):
-            return ""
-    return proc.stdout.readline()
 
 
 @pytest.mark.peer

@@ -24,14 +24,17 @@ T = 4
 OBS = 3
 
 
+# The leaves of one step: their dtypes, in order.
+STEP_DTYPES = {"obs": np.float32, "action": np.int64, "reward": np.float32, "done": np.bool_}
+
+
 def rollout_example(horizon: int = T, obs: int = OBS) -> dict[str, Any]:
     """T steps of (obs, action, reward, done) plus one bootstrap observation."""
+    step_shapes = {"obs": (obs,), "action": (), "reward": (), "done": ()}
     return {
         "steps": {
-            "obs": np.zeros((horizon, obs), np.float32),
-            "action": np.zeros((horizon,), np.int64),
-            "reward": np.zeros((horizon,), np.float32),
-            "done": np.zeros((horizon,), np.bool_),
+            name: np.zeros((horizon, *step_shapes[name]), dtype)
+            for name, dtype in STEP_DTYPES.items()
         },
         "bootstrap": {"obs": np.zeros((1, obs), np.float32)},
     }
@@ -283,59 +286,46 @@ def test_add_with_another_structure_is_a_value_error(item: Any, got: str) -> Non
 
 
 @pytest.mark.parametrize(
-    ("value", "type_name"),
+    ("leaf", "value", "error", "expected"),
     [
-        pytest.param(1.0, "float", id="float"),
-        pytest.param(1, "int", id="int"),
-        pytest.param("a", "str", id="str"),
-        pytest.param(object(), "object", id="object"),
+        *(
+            pytest.param("reward", value, TypeError, rf"a numpy\.ndarray, got {name}", id=name)
+            for value, name in [(1.0, "float"), (1, "int"), ("a", "str"), (object(), "object")]
+        ),
+        *(
+            pytest.param("reward", value, TypeError, f"dtype float32, got {got}", id=name)
+            for value, got, name in [
+                (np.float64(0), "float64", "float64-scalar"),
+                (np.zeros((), np.float16), "float16", "float16-array"),
+                (np.zeros((), np.dtype(">f4")), ">f4", "byte-order"),
+                (np.int32(0), "int32", "int32"),
+            ]
+        ),
+        *(
+            pytest.param(
+                "obs",
+                value,
+                ValueError,
+                rf"shape \(3,\) \(one slot of the \(4, 3\) leaf\), got {got}",
+                id=name,
+            )
+            for value, got, name in [
+                (np.zeros((OBS + 1,), np.float32), r"\(4,\)", "longer"),
+                (np.zeros((1, OBS), np.float32), r"\(1, 3\)", "extra-dim"),
+                (np.zeros((T, OBS), np.float32), r"\(4, 3\)", "whole-leaf"),
+                (np.float32(0), r"\(\)", "scalar"),
+            ]
+        ),
     ],
 )
-def test_add_with_a_non_array_leaf_is_a_type_error(value: Any, type_name: str) -> None:
+def test_add_with_a_wrong_leaf_names_the_leaf_and_what_it_expected(
+    leaf: str, value: Any, error: type, expected: str
+) -> None:
     acc = TrajectoryAccumulator(rollout_example())
     with pytest.raises(
-        TypeError,
-        match=rf"add\('steps'\): leaf \['steps'\]\['reward'\]: expected a numpy\.ndarray, "
-        rf"got {type_name}$",
+        error, match=rf"add\('steps'\): leaf \['steps'\]\['{leaf}'\]: expected {expected}$"
     ):
-        acc.add("steps", {**step(0), "reward": value})
-
-
-@pytest.mark.parametrize(
-    ("value", "got"),
-    [
-        pytest.param(np.float64(0), "float64", id="float64-scalar"),
-        pytest.param(np.zeros((), np.float16), "float16", id="float16-array"),
-        pytest.param(np.zeros((), np.dtype(">f4")), ">f4", id="byte-order"),
-        pytest.param(np.int32(0), "int32", id="int32"),
-    ],
-)
-def test_add_with_another_dtype_is_a_type_error(value: Any, got: str) -> None:
-    acc = TrajectoryAccumulator(rollout_example())
-    with pytest.raises(
-        TypeError,
-        match=rf"add\('steps'\): leaf \['steps'\]\['reward'\]: expected dtype float32, got {got}$",
-    ):
-        acc.add("steps", {**step(0), "reward": value})
-
-
-@pytest.mark.parametrize(
-    ("value", "got"),
-    [
-        pytest.param(np.zeros((OBS + 1,), np.float32), r"\(4,\)", id="longer"),
-        pytest.param(np.zeros((1, OBS), np.float32), r"\(1, 3\)", id="extra-dim"),
-        pytest.param(np.zeros((T, OBS), np.float32), r"\(4, 3\)", id="whole-leaf"),
-        pytest.param(np.float32(0), r"\(\)", id="scalar"),
-    ],
-)
-def test_add_with_another_shape_is_a_value_error(value: Any, got: str) -> None:
-    acc = TrajectoryAccumulator(rollout_example())
-    with pytest.raises(
-        ValueError,
-        match=r"add\('steps'\): leaf \['steps'\]\['obs'\]: expected shape \(3,\) "
-        rf"\(one slot of the \(4, 3\) leaf\), got {got}$",
-    ):
-        acc.add("steps", {**step(0), "obs": value})
+        acc.add("steps", {**step(0), leaf: value})
 
 
 def test_a_rejected_add_writes_nothing() -> None:

@@ -227,46 +227,29 @@ def _assert_ring_untouched(server: echo.Server, make_sample: Any, batch_ids: Any
     assert sample.info.store_size == 0
 
 
-@pytest.mark.parametrize("bad", WRONG_STRUCTURE)
-def test_submit_with_wrong_structure_is_a_value_error_and_writes_nothing(
-    make_server: Any, make_sample: Any, batch_ids: Any, bad: Any
+# Each bad sample with the exception and message it must raise: (kind, cases, type, match).
+REJECTED = [
+    ("structure", WRONG_STRUCTURE, ValueError, "structure"),
+    ("shape", WRONG_SHAPE, ValueError, "shape"),
+    ("dtype", WRONG_DTYPE, TypeError, "dtype"),
+    ("non-array", NON_ARRAY_LEAF, TypeError, r"numpy\.ndarray"),
+]
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "match"),
+    [
+        pytest.param(*case.values, error, match, id=f"{kind}-{case.id}")
+        for kind, cases, error, match in REJECTED
+        for case in cases
+    ],
+)
+def test_a_rejected_submit_raises_a_precise_error_and_writes_nothing(
+    make_server: Any, make_sample: Any, batch_ids: Any, bad: Any, error: type, match: str
 ) -> None:
     server = make_server(batch_size=3)
     for _ in range(3):
-        with pytest.raises(ValueError, match="structure"):
-            server.submit(bad)
-    _assert_ring_untouched(server, make_sample, batch_ids)
-
-
-@pytest.mark.parametrize("bad", WRONG_SHAPE)
-def test_submit_with_wrong_shape_is_a_value_error_and_writes_nothing(
-    make_server: Any, make_sample: Any, batch_ids: Any, bad: Any
-) -> None:
-    server = make_server(batch_size=3)
-    for _ in range(3):
-        with pytest.raises(ValueError, match="shape"):
-            server.submit(bad)
-    _assert_ring_untouched(server, make_sample, batch_ids)
-
-
-@pytest.mark.parametrize("bad", WRONG_DTYPE)
-def test_submit_with_wrong_dtype_is_a_type_error_and_writes_nothing(
-    make_server: Any, make_sample: Any, batch_ids: Any, bad: Any
-) -> None:
-    server = make_server(batch_size=3)
-    for _ in range(3):
-        with pytest.raises(TypeError, match="dtype"):
-            server.submit(bad)
-    _assert_ring_untouched(server, make_sample, batch_ids)
-
-
-@pytest.mark.parametrize("bad", NON_ARRAY_LEAF)
-def test_submit_with_a_non_array_leaf_is_a_type_error_and_writes_nothing(
-    make_server: Any, make_sample: Any, batch_ids: Any, bad: Any
-) -> None:
-    server = make_server(batch_size=3)
-    for _ in range(3):
-        with pytest.raises(TypeError, match=r"numpy\.ndarray"):
+        with pytest.raises(error, match=match):
             server.submit(bad)
     _assert_ring_untouched(server, make_sample, batch_ids)
 

@@ -269,6 +269,13 @@ impl PyServerCore {
         });
     }
 
+    /// `(inserts, samples)` parked in the backend right now (for tests that must know a call
+    /// is blocked; the replay table's count waits for its lock, so detached).
+    fn _waiting(&self, py: Python<'_>) -> (u64, u64) {
+        let backend = &self.backend;
+        detach(py, || backend.waiting())
+    }
+
     /// `num_buffers=3` or `max_size=100, sampler=Uniform()`.
     fn describe(&self) -> &str {
         &self.description

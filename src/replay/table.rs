@@ -243,6 +243,9 @@ struct State {
     /// The priority new items get: the largest priority seen so far, initially 1.
     max_priority: f64,
     stats: ReplayStats,
+    /// Writers parked on `insert_ready`, and the consumer parked on `sample_ready`.
+    waiting_inserts: u64,
+    waiting_samples: u64,
 }
 
 impl State {
@@ -438,6 +441,8 @@ impl Table {
             next_key: 0,
             max_priority: 1.0,
             stats: ReplayStats::default(),
+            waiting_inserts: 0,
+            waiting_samples: 0,
         };
         Ok(Arc::new(Self {
             pinned: crate::pinned::Pinning::default(),
@@ -585,7 +590,9 @@ impl Table {
                 break Err(EchoError::TimedOut);
             }
             waited.get_or_insert_with(Instant::now);
+            state.waiting_inserts += 1;
             wait(&self.insert_ready, state, deadline);
+            state.waiting_inserts -= 1;
         };
         if let Some(started) = waited {
             state.stats.insert_blocked_ns += elapsed_ns(started);
@@ -638,6 +645,18 @@ impl Table {
             pending_inserts: state.writing as u64,
             ..state.stats
         }
+    }
+
+    /// Writers inside `insert` parked on the rate limiter (or a table full of pending items)
+    /// right now. Counted under the table lock, which the wait releases: a test that reads
+    /// 1 knows the writer is parked, so it can check a call is blocked without sleeping.
+    pub fn waiting_inserts(&self) -> u64 {
+        self.state.lock().waiting_inserts
+    }
+
+    /// 1 while the consumer is parked in `sample` waiting for items or the rate limiter.
+    pub fn waiting_samples(&self) -> u64 {
+        self.state.lock().waiting_samples
     }
 
     /// `(inserts, samples)` as the rate limiter counts them (inserts when their slot is
@@ -769,7 +788,9 @@ impl ReplayConsumer {
                 break Err(EchoError::TimedOut);
             }
             waited.get_or_insert_with(Instant::now);
+            state.waiting_samples += 1;
             wait(&table.sample_ready, &mut state, deadline);
+            state.waiting_samples -= 1;
         };
         if let Some(started) = waited {
             state.stats.sample_blocked_ns += elapsed_ns(started);
@@ -855,6 +876,15 @@ mod tests {
     fn put(table: &Table, id: u64) {
         let bytes = id.to_ne_bytes();
         table.insert(&Leaves(&[&bytes]), None, None).unwrap();
+    }
+
+    /// Polls `done` until it holds; fails the test if that takes 10 s (a hang).
+    fn wait_until(what: &str, done: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !done() {
+            assert!(Instant::now() < deadline, "{what}: not within 10 s");
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     fn ids(consumer: &mut ReplayConsumer, batch: ReplayBatch) -> Vec<u64> {
@@ -960,7 +990,8 @@ mod tests {
         c.sample(None).unwrap();
         c.sample(None).unwrap(); // the writer's item
         let consumer = std::thread::spawn(move || c.sample(None));
-        std::thread::sleep(Duration::from_millis(50));
+        wait_until("the consumer parks", || t.waiting_samples() == 1);
+        assert!(!consumer.is_finished(), "nothing to sample: the consumer must be waiting");
         t.close();
         assert!(writer.join().unwrap().is_ok());
         assert!(matches!(consumer.join().unwrap(), Err(EchoError::Closed)));
@@ -1004,7 +1035,7 @@ mod tests {
                 t.insert(&Leaves(&[&bytes]), None, Some(Instant::now() + Duration::from_secs(10)))
             })
         };
-        std::thread::sleep(Duration::from_millis(50));
+        wait_until("the third insert parks", || t.waiting_inserts() == 1);
         assert!(!writer.is_finished(), "the third insert cannot proceed yet");
         let started = Instant::now();
         t.publish(&mut t.state.lock(), first, None, false);

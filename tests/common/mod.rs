@@ -2,7 +2,25 @@
 //! and in which order, so consumers can check exactly-once, in-order, uncorrupted delivery.
 #![allow(dead_code)]
 
+use std::thread;
+use std::time::{Duration, Instant};
+
 use echo::{ArraySpec, DataSpec};
+
+/// Long enough for any healthy wait on a loaded 2-core machine; a deadlock or a lost
+/// wake-up runs into it and fails the test instead of hanging it.
+pub const PATIENCE: Duration = Duration::from_secs(20);
+
+/// Polls `done` (1 ms apart) until it holds; panics naming `what` after [`PATIENCE`]. How a
+/// test waits for another thread to reach a state (a count of parked threads, a counter),
+/// instead of sleeping and hoping it got there.
+pub fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + PATIENCE;
+    while !done() {
+        assert!(Instant::now() < deadline, "{what}: not reached within {PATIENCE:?}");
+        thread::sleep(Duration::from_millis(1));
+    }
+}
 
 /// Leaf 0: producer id (u32). Leaf 1: sequence number (u64). Leaf 2: 13 bytes derived from
 /// both (an odd size, to catch misaligned or torn copies).
