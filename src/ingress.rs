@@ -33,6 +33,8 @@ use crate::doorbell::Doorbell;
 use crate::error::EchoError;
 use crate::metrics::{Counter, HistSummary, Histo, Stamp};
 use crate::sink::{Payloads, Sink};
+use std::sync::Weak;
+
 use crate::sync::{Arc, AtomicBool, AtomicUsize};
 
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
@@ -50,15 +52,30 @@ pub struct IngressConfig {
     /// Wake-ups are explicit, so this only bounds the cost of a lost one (a bug). Tests set
     /// `None` so that a lost wake-up hangs and their watchdog catches it.
     pub idle_park: Option<Duration>,
+    /// The most bytes of sample buffers all connections together may hold: samples queued
+    /// (acknowledged, not yet in the backend), in a drainer's round, being read, and each
+    /// connection's pool of empty buffers. At the bound a connection that needs a new buffer
+    /// waits (it stops reading, so it stops acknowledging) until buffers are freed; nothing
+    /// acknowledged is ever dropped. At least one sample's bytes.
+    pub max_buffered_bytes: usize,
 }
 
 impl IngressConfig {
     /// The default [`IngressConfig::idle_park`]: 100 ms.
     pub const DEFAULT_IDLE_PARK: Duration = Duration::from_millis(100);
 
-    /// `num_drainers` drainers, queues of `queue_size`, and the default `idle_park`.
+    /// The default [`IngressConfig::max_buffered_bytes`]: 1 GiB.
+    pub const DEFAULT_MAX_BUFFERED_BYTES: usize = 1 << 30;
+
+    /// `num_drainers` drainers, queues of `queue_size`, the default `idle_park` and
+    /// `max_buffered_bytes`.
     pub fn new(num_drainers: usize, queue_size: usize) -> Self {
-        Self { num_drainers, queue_size, idle_park: Some(Self::DEFAULT_IDLE_PARK) }
+        Self {
+            num_drainers,
+            queue_size,
+            idle_park: Some(Self::DEFAULT_IDLE_PARK),
+            max_buffered_bytes: Self::DEFAULT_MAX_BUFFERED_BYTES,
+        }
     }
 
     /// Drainer threads actually started: `num_drainers`, capped at the available CPUs.
@@ -67,16 +84,24 @@ impl IngressConfig {
         self.num_drainers.min(cpus).max(1)
     }
 
-    /// Checks the values.
+    /// Checks the values for samples of `payload_size` bytes.
     ///
     /// # Errors
-    /// [`EchoError::Config`] if either is zero.
-    pub fn validate(&self) -> Result<(), EchoError> {
+    /// [`EchoError::Config`] if a count is zero or the byte bound holds no sample.
+    pub fn validate(&self, payload_size: usize) -> Result<(), EchoError> {
         if self.num_drainers == 0 {
-            return Err(EchoError::Config("num_drainers must be >= 1, got 0".into()));
+            return Err(EchoError::Config("the ingress needs at least 1 drainer, got 0".into()));
         }
         if self.queue_size == 0 {
-            return Err(EchoError::Config("producer_queue_size must be >= 1, got 0".into()));
+            return Err(EchoError::Config(
+                "a connection queue must hold at least 1 sample, got 0".into(),
+            ));
+        }
+        if self.max_buffered_bytes < payload_size {
+            return Err(EchoError::Config(format!(
+                "max_buffered_bytes ({}) must hold at least one sample ({payload_size} bytes)",
+                self.max_buffered_bytes
+            )));
         }
         Ok(())
     }
@@ -88,6 +113,74 @@ pub trait SpaceWaker: Send + Sync {
     fn wake(&self);
 }
 
+/// The bound on the bytes of sample buffers every connection together holds
+/// ([`IngressConfig::max_buffered_bytes`]), and the connections waiting for some to be freed.
+struct ByteBudget {
+    limit: usize,
+    /// Bytes of buffers that exist now.
+    allocated: AtomicUsize,
+    /// Connections that found the budget spent: woken on every release. Registering happens
+    /// under this lock before a last try, and a release wakes under it after returning its
+    /// bytes, so a connection either sees the bytes or is woken (no lost wake-up).
+    waiting: Mutex<Vec<Weak<Connection>>>,
+    /// `waiting.len()`, readable without the lock: recycling drainers free buffers instead of
+    /// pooling them while somebody waits.
+    num_waiting: Counter,
+}
+
+impl ByteBudget {
+    fn new(limit: usize) -> Self {
+        Self {
+            limit,
+            allocated: AtomicUsize::new(0),
+            waiting: Mutex::new(Vec::new()),
+            num_waiting: Counter::default(),
+        }
+    }
+
+    /// Takes `bytes` if they fit under the limit.
+    fn try_take(&self, bytes: usize) -> bool {
+        // ORDERING: Relaxed — the count only bounds allocation (every read-modify-write sees
+        // the latest value, so the bound holds); it publishes no memory. The wake-up protocol
+        // relies on the `waiting` lock, not on this.
+        self.allocated
+            .fetch_update(Relaxed, Relaxed, |a| a.checked_add(bytes).filter(|&n| n <= self.limit))
+            .is_ok()
+    }
+
+    /// Gives `bytes` back and wakes every waiting connection.
+    fn release(&self, bytes: usize) {
+        // ORDERING: Relaxed — see `try_take`.
+        self.allocated.fetch_sub(bytes, Relaxed);
+        if self.num_waiting.get() == 0 {
+            return;
+        }
+        let waiting = std::mem::take(&mut *self.waiting.lock());
+        self.num_waiting.set(0);
+        for conn in waiting.iter().filter_map(Weak::upgrade) {
+            conn.waker.wake();
+        }
+    }
+
+    /// `bytes`, or `false` after registering `conn` to be woken by the next release.
+    fn take_or_wait(&self, bytes: usize, conn: &Arc<Connection>) -> bool {
+        if self.try_take(bytes) {
+            return true;
+        }
+        let mut waiting = self.waiting.lock();
+        waiting.push(Arc::downgrade(conn));
+        self.num_waiting.set(waiting.len() as u64);
+        drop(waiting);
+        // A release between the failed try and the registration woke nobody: try again.
+        self.try_take(bytes)
+    }
+
+    fn allocated(&self) -> usize {
+        // ORDERING: Relaxed — a statistics read.
+        self.allocated.load(Relaxed)
+    }
+}
+
 /// One client connection's queue and buffer pool, shared by its transport task and drainer.
 pub struct Connection {
     /// Filled payloads in arrival order, with their push time (zero-sized without
@@ -95,8 +188,9 @@ pub struct Connection {
     queue: ArrayQueue<(Box<[u8]>, Stamp)>,
     /// Empty buffers ready for reuse. Producer: the drainer; consumer: the transport task.
     free: ArrayQueue<Box<[u8]>>,
-    /// Buffers ever allocated for this connection; never exceeds `free.capacity()`.
+    /// Buffers of this connection that exist; never exceeds `free.capacity()`.
     allocated: AtomicUsize,
+    budget: Arc<ByteBudget>,
     payload_size: usize,
     /// Set by the transport task when the socket is done; the drainer prunes the connection
     /// once this is set and the queue is empty.
@@ -107,26 +201,52 @@ pub struct Connection {
 }
 
 impl Connection {
-    /// An empty buffer of `payload_size` bytes, from the pool or newly allocated while the pool
-    /// is below its cap. `None` when every buffer is in use (wait for [`SpaceWaker::wake`]).
-    pub fn take_buffer(&self) -> Option<Box<[u8]>> {
+    /// An empty buffer of `payload_size` bytes, from the pool, or newly allocated while the
+    /// pool is below its cap and the ingress's byte budget allows. `None` when every buffer
+    /// is in use or the budget is spent (wait for [`SpaceWaker::wake`], then retry).
+    pub fn take_buffer(self: &Arc<Self>) -> Option<Box<[u8]>> {
         if let Some(buf) = self.free.pop() {
             return Some(buf);
         }
-        // ORDERING: Relaxed — only this connection's transport task allocates; the counter
-        // just bounds how many buffers exist.
-        let allocated = self.allocated.load(Relaxed);
-        if allocated < self.free.capacity() {
-            // ORDERING: Relaxed — see above (single writer).
-            self.allocated.store(allocated + 1, Relaxed);
-            return Some(vec![0u8; self.payload_size].into_boxed_slice());
+        // ORDERING: Relaxed — only this connection's transport task adds to the count (the
+        // drainer only lowers it), and it just bounds how many buffers exist.
+        if self.allocated.load(Relaxed) >= self.free.capacity() {
+            return None;
         }
-        None
+        if !self.budget.take_or_wait(self.payload_size, self) {
+            return None;
+        }
+        // ORDERING: Relaxed — see above.
+        self.allocated.fetch_add(1, Relaxed);
+        Some(vec![0u8; self.payload_size].into_boxed_slice())
     }
 
     /// Gives back a buffer the transport task did not fill (e.g. a partial sample).
     pub fn return_buffer(&self, buf: Box<[u8]>) {
-        let _ = self.free.push(buf);
+        self.recycle(buf);
+    }
+
+    /// Puts an empty buffer back in the pool, or frees it: when the connection is closed (it
+    /// will not need it), or when other connections wait for bytes and this one keeps at
+    /// least one buffer.
+    fn recycle(&self, buf: Box<[u8]>) {
+        // ORDERING: Relaxed — a hint: a stale answer pools a buffer that could have been freed
+        // (freed later, with the connection) or frees one that could have been pooled.
+        let spare = self.allocated.load(Relaxed) > 1;
+        // ORDERING: Relaxed — also a hint; `close` frees what is pooled after it anyway.
+        let closed = self.closed.load(Relaxed);
+        if closed || (spare && self.budget.num_waiting.get() > 0) {
+            self.free_buffer(buf);
+        } else if let Err(buf) = self.free.push(buf) {
+            self.free_buffer(buf);
+        }
+    }
+
+    fn free_buffer(&self, buf: Box<[u8]>) {
+        drop(buf);
+        // ORDERING: Relaxed — see `take_buffer`.
+        self.allocated.fetch_sub(1, Relaxed);
+        self.budget.release(self.payload_size);
     }
 
     /// Queues a filled buffer for the drainer, waking it if it sleeps. Gives the buffer back if
@@ -143,12 +263,16 @@ impl Connection {
         self.stats.push_blocked.add(1);
     }
 
-    /// The transport task is done with this connection. Its queued samples are still inserted.
+    /// The transport task is done with this connection. Its queued samples are still
+    /// inserted; its empty buffers are freed now (and those the drainer hands back later).
     pub fn close(&self) {
         // ORDERING: Release pairs with the drainer's Acquire in `is_drained`: every push this
         // task made is visible to the drainer once it sees `closed`.
         if !self.closed.swap(true, Release) {
             self.stats.active_connections.sub(1);
+            while let Some(buf) = self.free.pop() {
+                self.free_buffer(buf);
+            }
             self.drainer.bell.wake();
         }
     }
@@ -163,6 +287,14 @@ impl Connection {
         // ORDERING: Acquire pairs with the Release in `close`: pushes made before the close are
         // visible, so an empty queue here really is the end.
         self.closed.load(Acquire) && self.queue.is_empty()
+    }
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        // Whatever buffers are left (pooled, queued at shutdown) go with the connection.
+        let left = *self.allocated.get_mut();
+        self.budget.release(left * self.payload_size);
     }
 }
 
@@ -214,6 +346,8 @@ pub struct IngressSnapshot {
     pub push_blocked_count: u64,
     /// Samples the drainers moved into the store.
     pub samples_inserted_total: u64,
+    /// Bytes of sample buffers the connections hold now (at most `max_buffered_bytes`).
+    pub buffered_bytes: u64,
 }
 
 /// The drainer pool and connection registry.
@@ -224,6 +358,8 @@ pub struct Ingress {
     handles: Mutex<Vec<JoinHandle<()>>>,
     shutdown: AtomicBool,
     stats: Arc<IngressStats>,
+    /// Bytes of sample buffers all connections hold, bounded by `max_buffered_bytes`.
+    budget: Arc<ByteBudget>,
     /// Shared by all drainers (zero-sized without `detailed-metrics`).
     drain_round: Histo,
     queue_dwell: Histo,
@@ -236,7 +372,7 @@ impl Ingress {
     /// # Errors
     /// [`EchoError::Config`] for bad settings, [`EchoError::Io`] if a thread cannot start.
     pub fn start(store: Arc<dyn Sink>, config: IngressConfig) -> Result<Arc<Self>, EchoError> {
-        config.validate()?;
+        config.validate(store.spec().payload_size())?;
         let drainers: Vec<_> =
             (0..config.effective_drainers()).map(|_| Arc::new(DrainerShared::new())).collect();
         let ingress = Arc::new(Self {
@@ -246,6 +382,7 @@ impl Ingress {
             handles: Mutex::new(Vec::new()),
             shutdown: AtomicBool::new(false),
             stats: Arc::new(IngressStats::default()),
+            budget: Arc::new(ByteBudget::new(config.max_buffered_bytes)),
             drain_round: Histo::new(),
             queue_dwell: Histo::new(),
         });
@@ -280,6 +417,7 @@ impl Ingress {
             queue: ArrayQueue::new(self.config.queue_size),
             free: ArrayQueue::new(2 * self.config.queue_size + 1),
             allocated: AtomicUsize::new(0),
+            budget: Arc::clone(&self.budget),
             payload_size,
             closed: AtomicBool::new(false),
             drainer: Arc::clone(drainer),
@@ -306,6 +444,7 @@ impl Ingress {
         let mut snap = IngressSnapshot {
             active_connections: self.stats.active_connections.get(),
             push_blocked_count: self.stats.push_blocked.get(),
+            buffered_bytes: self.budget.allocated() as u64,
             ..IngressSnapshot::default()
         };
         for d in &self.drainers {
@@ -442,7 +581,7 @@ impl Drainer {
         let mut last = usize::MAX;
         for (buf, owner) in self.bufs.drain(..).zip(self.owners.drain(..)) {
             let conn = &self.conns[owner];
-            let _ = conn.free.push(buf);
+            conn.recycle(buf);
             if owner != last {
                 if last != usize::MAX {
                     self.conns[last].waker.wake();

@@ -3,10 +3,11 @@
 
 mod common;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{tagged_payload, tagged_spec};
+use common::{tagged_payload, tagged_spec, TAGGED_PAYLOAD};
 use echo::ingress::{Connection, Ingress, IngressConfig, SpaceWaker};
 use echo::Store;
 
@@ -25,7 +26,7 @@ fn eventually(what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
-fn push(conn: &Connection, producer: u32, seq: u64) {
+fn push(conn: &Arc<Connection>, producer: u32, seq: u64) {
     let mut buf = conn.take_buffer().expect("a free buffer");
     buf.copy_from_slice(&tagged_payload(producer, seq));
     assert!(conn.try_push(buf).is_ok(), "room in the queue");
@@ -54,4 +55,58 @@ fn a_connection_registered_while_its_drainer_is_blocked_is_freed_at_shutdown() {
     // that kept the connection and its buffers alive after shutdown.
     assert_eq!(Arc::strong_count(&late), 1, "the ingress still holds the late connection");
     assert_eq!(Arc::strong_count(&first), 1, "the ingress still holds the first connection");
+}
+
+/// Counts its wake-ups.
+struct CountWakes(Arc<AtomicUsize>);
+
+impl SpaceWaker for CountWakes {
+    fn wake(&self) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+#[test]
+fn the_ingress_holds_at_most_max_buffered_bytes_and_waiters_are_woken_when_it_frees() {
+    let store = Store::new(tagged_spec(), 1, 2).unwrap();
+    let config =
+        IngressConfig { max_buffered_bytes: 3 * TAGGED_PAYLOAD, ..IngressConfig::new(1, 8) };
+    let ingress = Ingress::start(Arc::clone(&store) as _, config).unwrap();
+    let first = ingress.register(Box::new(NoWake));
+    // Nobody samples: two samples fill the ring, then the bound stops this connection. Its
+    // queue (8) and pool (17) would take many more without it.
+    let mut pushed = 0;
+    eventually("the bound is reached with the ring full", || {
+        while let Some(mut buf) = first.take_buffer() {
+            buf.copy_from_slice(&tagged_payload(0, pushed));
+            first.try_push(buf).expect("room in the queue");
+            pushed += 1;
+            assert!(pushed <= 2 + 3, "more samples taken in than the ring and the bound allow");
+        }
+        let full = ingress.snapshot().buffered_bytes == 3 * TAGGED_PAYLOAD as u64;
+        full && store.stats().write_cursor == 2
+    });
+    let snap = ingress.snapshot();
+    assert!(snap.buffered_bytes <= 3 * TAGGED_PAYLOAD as u64, "{snap:?}");
+    // A second connection waits for bytes: no buffer now, and a wake-up once some are freed.
+    let wakes = Arc::new(AtomicUsize::new(0));
+    let second = ingress.register(Box::new(CountWakes(Arc::clone(&wakes))));
+    assert!(second.take_buffer().is_none(), "the bound is spent");
+    let mut consumer = store.consumer().unwrap();
+    let mut sampled = 0;
+    eventually("the learner frees room and the waiter is woken", || {
+        if consumer.sample(Some(Instant::now())).is_ok() {
+            sampled += 1;
+        }
+        wakes.load(Ordering::SeqCst) > 0
+    });
+    eventually("the waiter gets a buffer", || {
+        let _ = consumer.sample(Some(Instant::now()));
+        second.take_buffer().is_some()
+    });
+    assert!(sampled >= 1);
+    first.close();
+    second.close();
+    store.close();
+    ingress.shutdown();
 }

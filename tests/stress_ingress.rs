@@ -63,7 +63,7 @@ impl SpaceWaker for Unpark {
 
 /// Pushes one payload, parking (without timeout: the watchdog covers it) while the connection
 /// has no free buffer or queue slot.
-fn push(conn: &Connection, payload: &[u8]) {
+fn push(conn: &Arc<Connection>, payload: &[u8]) {
     loop {
         if let Some(mut buf) = conn.take_buffer() {
             buf.copy_from_slice(payload);

@@ -64,6 +64,10 @@ class SampleInfo:
     def samples_inserted_total(self) -> int:
         """Samples moved into the ring by drainers (`submit()` is not counted)."""
     @property
+    def buffered_bytes(self) -> int:
+        """Bytes of sample buffers the TCP ingress holds now (queued samples, buffer pools),
+        at most `TcpTransport.max_buffered_bytes`."""
+    @property
     def notify_count(self) -> int:
         """Consumer wake-ups: one per completed batch."""
     @property

@@ -23,15 +23,22 @@ class TcpTransport:
             (this machine only), or any local address.
         max_connections: Connections served at once; more are accepted and closed at once,
             which the client reports as a closed connection during the handshake.
+        max_buffered_bytes: The most bytes of sample buffers the ingress holds for all
+            connections together: samples acknowledged but not yet in the ring, and each
+            connection's pool of empty buffers (default 1 GiB). At the bound connections stop
+            reading, and so stop acknowledging, until the learner makes room; an acknowledged
+            sample is never dropped. Must hold at least one sample (checked by `start()`).
     """
 
     port: int
     num_threads: int = 8
     host: str = "0.0.0.0"
     max_connections: int = 4096
+    max_buffered_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         check_int("port", self.port, 0, 65535)
         check_int("num_threads", self.num_threads, 1)
         check_int("max_connections", self.max_connections, 1)
+        check_int("max_buffered_bytes", self.max_buffered_bytes, 1)
         check_str("host", self.host)

@@ -50,7 +50,8 @@ def test_a_non_contiguous_leaf_is_copied_by_numpy_not_by_its_own_copy_method() -
     server = Server({"x": np.zeros(n, np.float32)}, batch_size=1)
     values = np.arange(n, dtype=np.float32)
     leaf = _strided(values, _LyingCopy)
-    assert not leaf.flags.c_contiguous and leaf.shape == (n,)
+    assert not leaf.flags.c_contiguous
+    assert leaf.shape == (n,)
     server.submit({"x": leaf})
     got = server.sample(timeout=WAIT_S)
     assert got is not None
@@ -64,7 +65,8 @@ def test_a_scalar_leaf_is_converted_by_numpy_whatever_its_array_method_says() ->
     server = Server({"x": np.zeros((), np.float32)}, batch_size=1)
     server.submit({"x": _LyingScalar(1.5)})
     got = server.sample(timeout=WAIT_S)
-    assert got is not None and got.batch["x"].tolist() == [1.5]
+    assert got is not None
+    assert got.batch["x"].tolist() == [1.5]
     server.close()
 
 
@@ -201,7 +203,8 @@ def test_a_timeout_too_large_for_a_duration_means_no_limit(timeout: float) -> No
     server = Server({"x": np.zeros((), np.float32)}, batch_size=1)
     server.submit({"x": np.float32(1.0)}, timeout=timeout)
     got = server.sample(timeout=timeout)
-    assert got is not None and float(got.batch["x"][0]) == 1.0
+    assert got is not None
+    assert float(got.batch["x"][0]) == 1.0
     server.close()
 
 
@@ -318,3 +321,76 @@ def test_ctrl_c_interrupts_a_connect_waiting_for_the_handshake(
     )
     result = run_python(code, timeout=60)
     assert result.stdout.strip() == "interrupted True", result.stderr
+
+
+# --- 4. the ingress's memory is bounded in bytes -----------------------------------------------
+
+
+def _recv_acks(sock: socket.socket, quiet: float) -> int:
+    """Acks received until none arrives for `quiet` seconds."""
+    got = 0
+    sock.settimeout(quiet)
+    while True:
+        try:
+            chunk = sock.recv(4096)
+        except (TimeoutError, OSError):
+            return got
+        if not chunk:
+            return got
+        assert set(chunk) == {1}
+        got += len(chunk)
+
+
+def test_acknowledged_but_unsampled_bytes_stay_under_max_buffered_bytes() -> None:
+    # 64 KiB samples; a learner that does not sample; peers that send 8 samples and close.
+    # Without a bound, every closed connection's acknowledged samples stay in memory.
+    example = {"id": np.zeros((), np.int64), "obs": np.zeros((16383,), np.float32)}
+    payload = 8 + 4 * 16383
+    limit = 6 * payload
+    transport = TcpTransport(port=0, host=LOCALHOST, max_buffered_bytes=limit)
+    server = Server(example, batch_size=1, num_buffers=2, transport=transport)
+    server.start()
+    assert server.port is not None
+    handshake_len = 5 + 4 + 2 * 8 + 4  # magic+version, count, two arrays, one dim
+    acked: list[int] = []
+    for peer in range(12):
+        with socket.create_connection((LOCALHOST, server.port), timeout=WAIT_S) as sock:
+            sock.settimeout(WAIT_S)
+            got = b""
+            while len(got) < handshake_len:
+                got += sock.recv(handshake_len - len(got))
+            sock.setblocking(False)
+            for k in range(8):
+                i = peer * 8 + k
+                data = np.array(i, np.int64).tobytes() + np.full(16383, i, np.float32).tobytes()
+                try:
+                    sock.sendall(data)
+                except (BlockingIOError, OSError):
+                    break
+            sock.setblocking(True)
+            n = _recv_acks(sock, quiet=0.3)
+            acked += [peer * 8 + k for k in range(n)]
+        stats = server.stats()
+        assert stats.buffered_bytes <= limit, stats
+    # The ring holds 2 samples and the ingress at most `limit` bytes: nothing more was acked.
+    assert len(acked) <= 2 + limit // payload, f"{len(acked)} samples acknowledged"
+    # And nothing acknowledged is lost: the learner gets every one of them, exactly once.
+    seen: list[int] = []
+    while not set(acked) <= set(seen):  # unacknowledged ones may come in too, in any order
+        got = server.sample(timeout=WAIT_S)
+        assert got is not None
+        ids = got.batch["id"].tolist()
+        assert (got.batch["obs"] == got.batch["id"][:, None]).all()
+        seen += ids
+    assert len(seen) == len(set(seen))
+    assert set(acked) <= set(seen)
+    server.close()
+
+
+def test_max_buffered_bytes_must_hold_one_sample() -> None:
+    example = {"obs": np.zeros((1024,), np.float32)}
+    transport = TcpTransport(port=0, host=LOCALHOST, max_buffered_bytes=100)
+    server = Server(example, batch_size=1, transport=transport)
+    with pytest.raises(ValueError, match=r"max_buffered_bytes \(100\) must hold at least one"):
+        server.start()
+    server.close()

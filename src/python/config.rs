@@ -45,15 +45,17 @@ pub(crate) struct TcpArg {
     port: u16,
     num_threads: usize,
     max_connections: usize,
+    pub(crate) max_buffered_bytes: usize,
 }
 
-impl From<TcpArg> for TcpConfig {
-    fn from(t: TcpArg) -> Self {
+impl TcpArg {
+    /// The TCP server's settings (the rest go to the ingress).
+    pub(crate) fn tcp_config(&self) -> TcpConfig {
         TcpConfig {
-            host: t.host,
-            port: t.port,
-            num_threads: t.num_threads,
-            max_connections: t.max_connections,
+            host: self.host.clone(),
+            port: self.port,
+            num_threads: self.num_threads,
+            max_connections: self.max_connections,
         }
     }
 }

@@ -73,6 +73,8 @@ pub(crate) struct SampleInfo {
     push_blocked_count: u64,
     /// Samples moved into the ring by drainers (`submit()` is not counted).
     samples_inserted_total: u64,
+    /// Bytes of sample buffers the TCP ingress holds now (queued samples and buffer pools).
+    buffered_bytes: u64,
     /// Consumer wake-ups: one per completed batch.
     notify_count: u64,
     cas_success_total: u64,
@@ -141,6 +143,7 @@ impl SampleInfo {
             queue_depth_max: ingress.queue_depth_max,
             push_blocked_count: ingress.push_blocked_count,
             samples_inserted_total: ingress.samples_inserted_total,
+            buffered_bytes: ingress.buffered_bytes,
             notify_count,
             cas_success_total: d.cas_success_total,
             cas_failure_total: d.cas_failure_total,
@@ -173,6 +176,7 @@ impl SampleInfo {
             ("queue_depth_max", self.queue_depth_max),
             ("push_blocked_count", self.push_blocked_count),
             ("samples_inserted_total", self.samples_inserted_total),
+            ("buffered_bytes", self.buffered_bytes),
             ("notify_count", self.notify_count),
             ("cas_success_total", self.cas_success_total),
             ("cas_failure_total", self.cas_failure_total),

@@ -134,7 +134,11 @@ impl PyServerCore {
     /// `echo.TcpTransport`); returns the bound port. Binding happens here, so a port in use
     /// raises `OSError` naming it.
     fn start(&self, py: Python<'_>, transport: TcpArg) -> PyResult<u16> {
-        let tcp = transport.into();
+        let tcp = transport.tcp_config();
+        let ingress_config = IngressConfig {
+            max_buffered_bytes: transport.max_buffered_bytes,
+            ..self.ingress_config
+        };
         // All under the transport lock, taken with the GIL released (so a `close` waiting for
         // it cannot hold the GIL this needs). `close` marks the backend closed before it takes
         // the lock: a start that gets the lock first is shut down by that close, one that gets
@@ -148,7 +152,7 @@ impl PyServerCore {
                 return Err(Some(EchoError::Config("the TCP transport is already running".into())));
             }
             let started =
-                TcpIngress::start(self.backend.sink(), self.ingress_config, &tcp).map_err(Some)?;
+                TcpIngress::start(self.backend.sink(), ingress_config, &tcp).map_err(Some)?;
             let port = started.local_addr().port();
             let _ = self.ingress.set(started.ingress());
             *slot = Some(started);
