@@ -25,8 +25,9 @@ use std::thread::{self, Thread};
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use echo::backend::Backend;
 use echo::ingress::{Ingress, IngressConfig, SpaceWaker};
-use echo::{ArraySpec, DataSpec, Sink, Store};
+use echo::{ArraySpec, DataSpec, Store};
 
 const BATCH_SIZE: usize = 32;
 const NUM_BATCHES: usize = 3;
@@ -58,9 +59,9 @@ fn run(conns: usize, iters: u64) -> Duration {
     let total = iters.div_ceil(BATCH_SIZE as u64) * BATCH_SIZE as u64;
     let store = Store::new(small_spec(), BATCH_SIZE, NUM_BATCHES).unwrap();
     let mut consumer = store.consumer().unwrap();
-    let sink: Arc<dyn Sink> = Arc::clone(&store) as Arc<dyn Sink>;
+    let backend = Backend::Fifo(Arc::clone(&store));
     let config = IngressConfig::new(1, QUEUE_SIZE);
-    let ingress = Ingress::start(sink, config).unwrap();
+    let ingress = Ingress::start(backend, config).unwrap();
     assert_eq!(store.spec().payload_size(), 40);
     let ready = Arc::new(Barrier::new(2));
     let deadline = Instant::now() + MAX_RUN;

@@ -9,7 +9,7 @@
 //!  replay       │ Replay(Arc<Table>)           │        │ Replay(ReplayConsumer)         │
 //!               │   items, sampler, limiter    │        │   drawn + gathered batch       │
 //!               └──────────────────────────────┘        └────────────────────────────────┘
-//!        insert / sink() / stats() / batch_ptr()            sample() -> BatchRef, read_leaf()
+//!        insert / stats() / batch_ptr()                     sample() -> BatchRef, read_leaf()
 //! ```
 //!
 //! A [`BatchRef`] names a batch the consumer holds; its leaves are the sample's leaves and,
@@ -24,7 +24,7 @@ use std::time::Instant;
 use crate::error::{EchoError, InsertError};
 use crate::metrics::DetailedSnapshot;
 use crate::replay::{MetaLeaf, ReplayBatch, ReplayConfig, ReplayConsumer, ReplayStats, Table};
-use crate::sink::{SampleSource, Sink};
+use crate::source::SampleSource;
 use crate::spec::DataSpec;
 use crate::store::{Consumer, Store, StoreStats};
 use crate::sync::Arc;
@@ -152,14 +152,6 @@ impl Backend {
         match self {
             Self::Fifo(_) => &[],
             Self::Replay(_) => &BATCH_META,
-        }
-    }
-
-    /// The backend as the ingress and transports see it.
-    pub fn sink(&self) -> Arc<dyn Sink> {
-        match self {
-            Self::Fifo(store) => Arc::clone(store) as _,
-            Self::Replay(table) => Arc::clone(table) as _,
         }
     }
 
@@ -348,7 +340,7 @@ impl BatchConsumer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sink::Leaves;
+    use crate::source::Leaves;
     use crate::spec::ArraySpec;
 
     fn spec() -> DataSpec {

@@ -1,11 +1,12 @@
-//! Ingress: per-connection queues and the drainer pool that moves their samples into the store.
+//! Ingress: per-connection queues and the drainer pool that moves their samples into the
+//! backend (the FIFO store or a replay table).
 //!
 //! ```text
 //!  transport task (one per connection)         drainer thread (fixed pool, owns a subset)
 //!  ───────────────────────────────────         ──────────────────────────────────────────
 //!  buf = conn.free.pop() (or allocate,         every round, starting one queue further:
 //!        up to the pool cap; else wait)          pop at most each queue's depth on arrival
-//!  read exactly payload_size bytes into buf      store.insert(all popped)   (one call)
+//!  read exactly payload_size bytes into buf      backend.insert(all popped) (one call)
 //!  conn.queue.push(buf)   (full: wait)           give buffers back to conn.free, wake conns
 //!  ack once queued                               prune closed connections once drained
 //!  wake the drainer if it sleeps                 nothing popped: sleep until woken
@@ -19,7 +20,7 @@
 //! - Per-connection order is kept: one drainer owns a connection, pops in FIFO order and inserts
 //!   what it popped in order.
 //! - A sample acknowledged to the client is in its queue; a closed connection is pruned only
-//!   once its queue is empty, so acknowledged samples reach the store even if the client
+//!   once its queue is empty, so acknowledged samples reach the backend even if the client
 //!   disconnects right after.
 
 use std::thread::{self, JoinHandle};
@@ -29,10 +30,11 @@ use crossbeam_queue::ArrayQueue;
 use crossbeam_utils::CachePadded;
 use parking_lot::Mutex;
 
+use crate::backend::Backend;
 use crate::doorbell::Doorbell;
 use crate::error::EchoError;
 use crate::metrics::{Counter, HistSummary, Histo, Stamp};
-use crate::sink::{Payloads, Sink};
+use crate::source::Payloads;
 use std::sync::Weak;
 
 use crate::sync::{Arc, AtomicBool, AtomicUsize};
@@ -344,7 +346,7 @@ pub struct IngressSnapshot {
     pub queue_depth_max: u64,
     /// Times a transport task waited for a free buffer or queue slot.
     pub push_blocked_count: u64,
-    /// Samples the drainers moved into the store.
+    /// Samples the drainers moved into the backend.
     pub samples_inserted_total: u64,
     /// Bytes of sample buffers the connections hold now (at most `max_buffered_bytes`).
     pub buffered_bytes: u64,
@@ -352,7 +354,7 @@ pub struct IngressSnapshot {
 
 /// The drainer pool and connection registry.
 pub struct Ingress {
-    store: Arc<dyn Sink>,
+    backend: Backend,
     config: IngressConfig,
     drainers: Vec<Arc<DrainerShared>>,
     handles: Mutex<Vec<JoinHandle<()>>>,
@@ -367,16 +369,16 @@ pub struct Ingress {
 
 impl Ingress {
     /// Starts `min(config.num_drainers, available CPUs)` drainer threads inserting into
-    /// `store`.
+    /// `backend`.
     ///
     /// # Errors
     /// [`EchoError::Config`] for bad settings, [`EchoError::Io`] if a thread cannot start.
-    pub fn start(store: Arc<dyn Sink>, config: IngressConfig) -> Result<Arc<Self>, EchoError> {
-        config.validate(store.spec().payload_size())?;
+    pub fn start(backend: Backend, config: IngressConfig) -> Result<Arc<Self>, EchoError> {
+        config.validate(backend.spec().payload_size())?;
         let drainers: Vec<_> =
             (0..config.effective_drainers()).map(|_| Arc::new(DrainerShared::new())).collect();
         let ingress = Arc::new(Self {
-            store,
+            backend,
             config,
             drainers,
             handles: Mutex::new(Vec::new()),
@@ -412,7 +414,7 @@ impl Ingress {
             self.drainers.iter().min_by_key(|d| d.load.get()).expect("at least one drainer");
         drainer.load.add(1);
         self.stats.active_connections.add(1);
-        let payload_size = self.store.spec().payload_size();
+        let payload_size = self.backend.spec().payload_size();
         let conn = Arc::new(Connection {
             queue: ArrayQueue::new(self.config.queue_size),
             free: ArrayQueue::new(2 * self.config.queue_size + 1),
@@ -434,9 +436,9 @@ impl Ingress {
         self.drainers.len()
     }
 
-    /// The sink (FIFO store or replay table) the drainers insert into.
-    pub fn store(&self) -> &Arc<dyn Sink> {
-        &self.store
+    /// The backend (FIFO store or replay table) the drainers insert into.
+    pub fn backend(&self) -> &Backend {
+        &self.backend
     }
 
     /// A snapshot of the counters.
@@ -467,7 +469,7 @@ impl Ingress {
         self.queue_dwell.reset();
     }
 
-    /// Stops and joins every drainer. Close the store first, so that a drainer blocked on a
+    /// Stops and joins every drainer. Close the backend first, so that a drainer blocked on a
     /// full ring returns. Samples still queued are dropped (the server is closing). Idempotent.
     /// Drainers hold the ingress alive, so this must be called; dropping is not enough.
     pub fn shutdown(&self) {
@@ -523,11 +525,11 @@ impl Drainer {
                 self.sleep();
                 continue;
             }
-            let store = &self.ingress.store;
+            let backend = &self.ingress.backend;
             // Every buffer is `payload_size` long: connections allocate them so.
-            let inserted = Payloads::new(store.spec(), &self.bufs)
+            let inserted = Payloads::new(backend.spec(), &self.bufs)
                 .map_err(Into::into)
-                .and_then(|source| store.insert_samples(&source, None));
+                .and_then(|source| backend.insert(&source, None, None));
             match inserted {
                 Ok(()) => {
                     self.shared.inserted.add(self.bufs.len() as u64);

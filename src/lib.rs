@@ -9,7 +9,7 @@
 //! |-------------|--------------------------------------------------------------------|
 //! | [`spec`]    | sample layout, overflow-checked sizes                              |
 //! | `slots`     | the raw slot memory and its only `unsafe` accessors                |
-//! | [`sink`]    | how samples are handed to a backend: sources and the `Sink` trait  |
+//! | [`source`]  | how samples are handed to a backend: `SampleSource` and its kinds  |
 //! | [`store`]   | the FIFO ring: cursors, reservation, commit, wake-ups, release      |
 //! | [`replay`]  | replay tables: uniform/prioritized/LIFO sampling, eviction, rate limits |
 //! | [`backend`] | one face over both: build, insert, sample, batch memory, statistics |
@@ -40,8 +40,8 @@ pub mod metrics;
 pub mod pinned;
 #[cfg(not(loom))]
 pub mod replay;
-pub mod sink;
 mod slots;
+pub mod source;
 pub mod spec;
 pub mod store;
 mod sync;
@@ -52,7 +52,7 @@ pub mod transport;
 mod python;
 
 pub use error::{EchoError, InsertError};
-pub use sink::{Leaves, Payloads, SampleSource, Sink};
 pub use slots::RING_ALIGN;
+pub use source::{Leaves, Payloads, SampleSource};
 pub use spec::{ArraySpec, DataSpec};
 pub use store::{Consumer, Store, StoreStats};

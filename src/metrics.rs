@@ -6,7 +6,7 @@
 //! call sites need no `#[cfg]` and the default build pays nothing (not even a timestamp).
 //!
 //! Always-on statistics (notify count, ingress depths, ...) live with the code that owns them
-//! (`store`, `ingress`) but all go through one small type, [`Counter`], so the one reason
+//! (`store`, `ingress`) but all go through one small type, `Counter`, so the one reason
 //! their atomics may be `Relaxed` is written down once.
 
 use crate::sync::AtomicU64;

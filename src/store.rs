@@ -31,31 +31,13 @@ use crossbeam_utils::CachePadded;
 
 use crate::error::{EchoError, InsertError};
 use crate::metrics::{Counter, DetailedSnapshot, Stamp, StoreMetrics};
-use crate::sink::{validate_source, SampleSource, Sink};
 use crate::slots::Slots;
+use crate::source::{validate_source, SampleSource};
 use crate::spec::DataSpec;
 use crate::sync::{Arc, AtomicBool, AtomicU64, AtomicUsize, Signal};
 
 // Every `Ordering::` use below is documented in place with an `ORDERING:` comment.
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
-
-impl Sink for Store {
-    fn spec(&self) -> &DataSpec {
-        &self.spec
-    }
-
-    fn insert_samples(
-        &self,
-        src: &dyn SampleSource,
-        deadline: Option<Instant>,
-    ) -> Result<(), InsertError> {
-        self.insert(src, deadline)
-    }
-
-    fn close(&self) {
-        Store::close(self);
-    }
-}
 
 /// A snapshot of the store's counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

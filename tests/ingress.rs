@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{tagged_payload, tagged_spec, TAGGED_PAYLOAD};
+use echo::backend::Backend;
 use echo::ingress::{Connection, Ingress, IngressConfig, SpaceWaker};
 use echo::Store;
 
@@ -37,7 +38,8 @@ fn a_connection_registered_while_its_drainer_is_blocked_is_freed_at_shutdown() {
     // A ring of 2 slots that nobody samples: the drainer inserts two samples, then blocks on
     // the third. A connection registered now is never adopted by that drainer.
     let store = Store::new(tagged_spec(), 1, 2).unwrap();
-    let ingress = Ingress::start(Arc::clone(&store) as _, IngressConfig::new(1, 4)).unwrap();
+    let ingress =
+        Ingress::start(Backend::Fifo(Arc::clone(&store)), IngressConfig::new(1, 4)).unwrap();
     let first = ingress.register(Box::new(NoWake));
     for seq in 0..3 {
         push(&first, 0, seq);
@@ -71,7 +73,7 @@ fn the_ingress_holds_at_most_max_buffered_bytes_and_waiters_are_woken_when_it_fr
     let store = Store::new(tagged_spec(), 1, 2).unwrap();
     let config =
         IngressConfig { max_buffered_bytes: 3 * TAGGED_PAYLOAD, ..IngressConfig::new(1, 8) };
-    let ingress = Ingress::start(Arc::clone(&store) as _, config).unwrap();
+    let ingress = Ingress::start(Backend::Fifo(Arc::clone(&store)), config).unwrap();
     let first = ingress.register(Box::new(NoWake));
     // Nobody samples: two samples fill the ring, then the bound stops this connection. Its
     // queue (8) and pool (17) would take many more without it.

@@ -28,8 +28,9 @@ use std::thread::{self, Thread};
 use std::time::Duration;
 
 use common::{decode, tagged_payload, tagged_spec};
+use echo::backend::Backend;
 use echo::ingress::{Connection, Ingress, IngressConfig, SpaceWaker};
-use echo::{Sink, Store};
+use echo::Store;
 
 /// A lost wake-up must fail the test well before CI's own timeout.
 const WATCHDOG: Duration = Duration::from_secs(60);
@@ -85,7 +86,7 @@ fn run(producers: u32, num_drainers: usize, queue_size: usize, ring_batches: usi
     let store = Store::new(tagged_spec(), 1, ring_batches).unwrap();
     let mut consumer = store.consumer().unwrap();
     let config = IngressConfig { idle_park: None, ..IngressConfig::new(num_drainers, queue_size) };
-    let ingress = Ingress::start(Arc::clone(&store) as Arc<dyn Sink>, config).unwrap();
+    let ingress = Ingress::start(Backend::Fifo(Arc::clone(&store)), config).unwrap();
 
     let (done_tx, done_rx) = mpsc::channel();
     let scenario = {

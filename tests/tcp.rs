@@ -11,6 +11,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use common::{decode, tagged_payload, tagged_spec, wait_until};
+use echo::backend::Backend;
 use echo::ingress::IngressConfig;
 use echo::transport::client::TcpSender;
 use echo::transport::tcp::TcpConfig;
@@ -30,7 +31,8 @@ fn start(
     let consumer = store.consumer().unwrap();
     let tcp = TcpConfig { host: "127.0.0.1".into(), port: 0, num_threads: 2, max_connections };
     let ingress =
-        TcpIngress::start(store.clone(), IngressConfig::new(2, queue_size), &tcp).unwrap();
+        TcpIngress::start(Backend::Fifo(store.clone()), IngressConfig::new(2, queue_size), &tcp)
+            .unwrap();
     let addr = ingress.local_addr();
     (consumer, ingress, addr)
 }
@@ -228,7 +230,7 @@ fn a_port_in_use_is_an_error_naming_it() {
         num_threads: 1,
         max_connections: 4,
     };
-    let err = TcpIngress::start(store.clone(), IngressConfig::new(1, 2), &tcp)
+    let err = TcpIngress::start(Backend::Fifo(store.clone()), IngressConfig::new(1, 2), &tcp)
         .err()
         .expect("bind must fail");
     assert!(err.to_string().contains(&format!("127.0.0.1:{}", addr.port())), "{err}");
@@ -242,7 +244,8 @@ fn a_stalled_large_write_resumes_where_it_stopped() {
     let store = Store::new(spec, 1, 2).unwrap();
     let mut consumer = store.consumer().unwrap();
     let tcp = TcpConfig { host: "127.0.0.1".into(), port: 0, num_threads: 1, max_connections: 4 };
-    let server = TcpIngress::start(store.clone(), IngressConfig::new(1, 1), &tcp).unwrap();
+    let server =
+        TcpIngress::start(Backend::Fifo(store.clone()), IngressConfig::new(1, 1), &tcp).unwrap();
     let port = server.local_addr().port();
     let (stalled_tx, stalled_rx) = mpsc::channel();
     let sender = thread::spawn(move || {

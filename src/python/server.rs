@@ -25,7 +25,7 @@ use crate::backend::{Backend, BatchConsumer, BatchRef};
 use crate::error::EchoError;
 use crate::ingress::{Ingress, IngressConfig};
 use crate::metrics;
-use crate::sink::Leaves;
+use crate::source::Leaves;
 use crate::sync::Arc;
 use crate::transport::TcpIngress;
 
@@ -152,7 +152,7 @@ impl PyServerCore {
                 return Err(Some(EchoError::Config("the TCP transport is already running".into())));
             }
             let started =
-                TcpIngress::start(self.backend.sink(), ingress_config, &tcp).map_err(Some)?;
+                TcpIngress::start(self.backend.clone(), ingress_config, &tcp).map_err(Some)?;
             let port = started.local_addr().port();
             let _ = self.ingress.set(started.ingress());
             *slot = Some(started);

@@ -6,7 +6,7 @@
 //! sample is handed out once, as a view into the ring. A replay [`Table`] instead decouples
 //! item storage from batches: `max_size` items of any count, each with a stable 64-bit key
 //! (its insertion number), a priority and a times-sampled count, and a batch is *gathered*
-//! into a pre-allocated, double-buffered batch area. Both implement [`crate::sink::Sink`],
+//! into a pre-allocated, double-buffered batch area. Both are fed through [`crate::backend::Backend`],
 //! so the ingress and every transport feed either without knowing which.
 //!
 //! | module | owns |

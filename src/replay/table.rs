@@ -41,8 +41,8 @@ use crate::replay::rng::Rng;
 use crate::replay::select::{
     new_remover, new_sampler, ItemRemover, ItemSampler, RemoverKind, SamplerKind,
 };
-use crate::sink::{validate_source, SampleSource, Sink};
 use crate::slots::Slots;
+use crate::source::{validate_source, SampleSource};
 use crate::spec::{ArraySpec, DataSpec};
 use crate::sync::{Arc, AtomicBool};
 
@@ -70,7 +70,7 @@ pub struct MetaLeaf {
 /// The per-item values of a replay batch, in the order the batch area stores them after the
 /// sample's leaves: the item's key, the probability it was drawn with, and how many times it
 /// has been sampled (this draw included). The one definition of that layout: the batch area
-/// is built from it, [`ReplayConsumer`] writes [`Drawn::meta_bytes`] in this order, and the
+/// is built from it, [`ReplayConsumer`] writes `Drawn::meta_bytes` in this order, and the
 /// bindings describe the arrays from it.
 pub const BATCH_META: [MetaLeaf; 3] = [
     MetaLeaf { name: "keys", kind: 'u', bytes: 8 },
@@ -703,24 +703,6 @@ impl Table {
     }
 }
 
-impl Sink for Table {
-    fn spec(&self) -> &DataSpec {
-        &self.spec
-    }
-
-    fn insert_samples(
-        &self,
-        src: &dyn SampleSource,
-        deadline: Option<Instant>,
-    ) -> Result<(), InsertError> {
-        self.insert(src, None, deadline)
-    }
-
-    fn close(&self) {
-        Table::close(self);
-    }
-}
-
 /// Waits on `cond` until notified or `deadline`.
 fn wait(cond: &Condvar, state: &mut MutexGuard<'_, State>, deadline: Option<Instant>) {
     match deadline {
@@ -862,7 +844,7 @@ impl ReplayConsumer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sink::Leaves;
+    use crate::source::Leaves;
     use std::time::Duration;
 
     fn spec() -> DataSpec {

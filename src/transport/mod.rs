@@ -17,8 +17,8 @@ use std::sync::Arc;
 
 use crate::error::EchoError;
 
+use crate::backend::Backend;
 use crate::ingress::{Ingress, IngressConfig, IngressSnapshot};
-use crate::sink::Sink;
 
 /// A TCP server and the drainer pool behind it, started and stopped together.
 pub struct TcpIngress {
@@ -33,11 +33,11 @@ impl TcpIngress {
     /// Bad settings ([`EchoError::Config`]) or a failed bind ([`EchoError::Io`], naming the
     /// address); nothing is left running on error.
     pub fn start(
-        store: Arc<dyn Sink>,
+        backend: Backend,
         ingress: IngressConfig,
         tcp: &tcp::TcpConfig,
     ) -> Result<Self, EchoError> {
-        let ingress = Ingress::start(store, ingress)?;
+        let ingress = Ingress::start(backend, ingress)?;
         match tcp::TcpServer::start(tcp, Arc::clone(&ingress)) {
             Ok(server) => Ok(Self { ingress, server }),
             Err(err) => {
@@ -62,11 +62,11 @@ impl TcpIngress {
         self.ingress.snapshot()
     }
 
-    /// Stops accepting and closes every connection, closes the store (so drainers blocked on a
+    /// Stops accepting and closes every connection, closes the backend (so drainers blocked on a
     /// full ring return), and joins every thread. Idempotent.
     pub fn shutdown(&mut self) {
         self.server.shutdown();
-        self.ingress.store().close();
+        self.ingress.backend().close();
         self.ingress.shutdown();
     }
 }

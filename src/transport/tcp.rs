@@ -64,7 +64,7 @@ impl TcpServer {
         if config.max_connections == 0 {
             return Err(EchoError::Config("max_connections must be >= 1, got 0".into()));
         }
-        let handshake: Arc<[u8]> = encode_handshake(ingress.store().spec())?.into();
+        let handshake: Arc<[u8]> = encode_handshake(ingress.backend().spec())?.into();
         let addr = (config.host.as_str(), config.port);
         let listener = StdListener::bind(addr).map_err(|e| {
             io::Error::new(
@@ -187,7 +187,7 @@ async fn serve_inner(stream: TcpStream, ingress: &Ingress, handshake: &[u8]) -> 
     let space = Arc::new(Notify::new());
     let conn = ingress.register(Box::new(NotifyWaker(Arc::clone(&space))));
     let _closer = CloseOnDrop(Arc::clone(&conn));
-    let payload_size = ingress.store().spec().payload_size();
+    let payload_size = ingress.backend().spec().payload_size();
     let mut staging = vec![0u8; STAGING.min(payload_size.saturating_mul(64)).max(1)];
     let (mut lo, mut hi) = (0usize, 0usize);
     let mut acks = 0usize;

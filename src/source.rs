@@ -1,15 +1,11 @@
-//! What every storage backend accepts and how samples are handed to it.
-//!
-//! - [`SampleSource`]: `n` samples, each a list of byte slices (one per leaf); [`Leaves`] is
-//!   one sample given leaf by leaf (in-process `submit`), [`Payloads`] samples as
-//!   concatenated wire payloads (the ingress).
-//! - [`Sink`]: where the ingress and every transport put samples, the FIFO
-//!   [`Store`](crate::store::Store) or a replay [`Table`](crate::replay::Table); they never
-//!   know which.
+//! How samples are handed to a backend: [`SampleSource`] is `n` samples, each a list of byte
+//! slices (one per leaf); [`Leaves`] is one sample given leaf by leaf (in-process `submit`),
+//! [`Payloads`] samples as concatenated wire payloads (the ingress). Both backends, the FIFO
+//! [`Store`](crate::store::Store) and a replay [`Table`](crate::replay::Table), take any
+//! source, through [`Backend::insert`](crate::backend::Backend::insert) where the caller does
+//! not know which backend it feeds (the ingress, every transport).
 
-use std::time::Instant;
-
-use crate::error::{EchoError, InsertError};
+use crate::error::EchoError;
 use crate::spec::DataSpec;
 
 /// Where samples come from: `num_samples` samples, each `num_leaves` byte slices.
@@ -94,23 +90,4 @@ pub(crate) fn validate_source<S: SampleSource + ?Sized>(
         }
     }
     Ok(())
-}
-
-/// Where the ingress puts samples: the FIFO [`Store`](crate::store::Store) or a replay
-/// [`Table`](crate::replay::Table). Transports and the drainer pool only ever see this.
-pub trait Sink: Send + Sync + 'static {
-    /// The sample layout.
-    fn spec(&self) -> &DataSpec;
-    /// Inserts every sample of `src` in order, waiting for room until `deadline`.
-    ///
-    /// # Errors
-    /// An input error (nothing written), or [`EchoError::Closed`] / [`EchoError::TimedOut`]
-    /// with the count inserted before it.
-    fn insert_samples(
-        &self,
-        src: &dyn SampleSource,
-        deadline: Option<Instant>,
-    ) -> Result<(), InsertError>;
-    /// Closes the sink: waiting inserts fail with [`EchoError::Closed`].
-    fn close(&self);
 }
