@@ -333,6 +333,10 @@ impl DrainerShared {
 pub struct IngressStats {
     active_connections: CachePadded<Counter>,
     push_blocked: CachePadded<Counter>,
+    /// Connections a transport refused (every slot taken by a working connection).
+    refused: Counter,
+    /// Idle connections a transport closed to admit new ones.
+    evicted: Counter,
 }
 
 /// A snapshot of the ingress counters.
@@ -350,6 +354,10 @@ pub struct IngressSnapshot {
     pub samples_inserted_total: u64,
     /// Bytes of sample buffers the connections hold now (at most `max_buffered_bytes`).
     pub buffered_bytes: u64,
+    /// Connections refused because every slot was taken by a working connection.
+    pub connections_refused_total: u64,
+    /// Idle connections closed to admit new ones.
+    pub connections_evicted_total: u64,
 }
 
 /// The drainer pool and connection registry.
@@ -431,6 +439,16 @@ impl Ingress {
         conn
     }
 
+    /// A transport refused a connection (counted for the statistics).
+    pub fn note_refused(&self) {
+        self.stats.refused.add(1);
+    }
+
+    /// A transport closed an idle connection to admit a new one (counted).
+    pub fn note_evicted(&self) {
+        self.stats.evicted.add(1);
+    }
+
     /// Number of drainer threads running.
     pub fn num_drainers(&self) -> usize {
         self.drainers.len()
@@ -447,6 +465,8 @@ impl Ingress {
             active_connections: self.stats.active_connections.get(),
             push_blocked_count: self.stats.push_blocked.get(),
             buffered_bytes: self.budget.allocated() as u64,
+            connections_refused_total: self.stats.refused.get(),
+            connections_evicted_total: self.stats.evicted.get(),
             ..IngressSnapshot::default()
         };
         for d in &self.drainers {

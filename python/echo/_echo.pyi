@@ -68,6 +68,12 @@ class SampleInfo:
         """Bytes of sample buffers the TCP ingress holds now (queued samples, buffer pools),
         at most `TcpTransport.max_buffered_bytes`."""
     @property
+    def connections_refused_total(self) -> int:
+        """Connections refused because every slot was taken by a working connection."""
+    @property
+    def connections_evicted_total(self) -> int:
+        """Idle connections closed to admit new ones (see the TCP guide's connection limit)."""
+    @property
     def notify_count(self) -> int:
         """Consumer wake-ups: one per completed batch."""
     @property

@@ -394,3 +394,81 @@ def test_max_buffered_bytes_must_hold_one_sample() -> None:
     with pytest.raises(ValueError, match=r"max_buffered_bytes \(100\) must hold at least one"):
         server.start()
     server.close()
+
+
+# --- 5 and 9. idle connections cannot lock a worker out; refusals are logged in aggregate -----
+
+
+def _silent_connections(port: int, n: int) -> list[socket.socket]:
+    """`n` connections that read nothing and send nothing."""
+    return [socket.create_connection((LOCALHOST, port), timeout=WAIT_S) for _ in range(n)]
+
+
+def test_idle_connections_holding_every_slot_do_not_lock_a_worker_out() -> None:
+    example = {"x": np.zeros((), np.float32)}
+    transport = TcpTransport(port=0, host=LOCALHOST, max_connections=8)
+    server = Server(example, batch_size=1, transport=transport)
+    server.start()
+    assert server.port is not None
+    idle = _silent_connections(server.port, 8)
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while server.stats().active_connections < 8:
+            assert time.monotonic() < deadline, "the idle connections were not all served"
+            time.sleep(0.01)
+        with TcpClient(LOCALHOST, server.port, example) as client:
+            client.send({"x": np.float32(7.0)})
+            client.wait(timeout=WAIT_S)
+        got = server.sample(timeout=WAIT_S)
+        assert got is not None and got.batch["x"].tolist() == [7.0]
+        assert server.stats().connections_evicted_total >= 1
+    finally:
+        for sock in idle:
+            sock.close()
+        server.close()
+
+
+def test_working_connections_are_never_evicted_for_a_newcomer() -> None:
+    example = {"x": np.zeros((), np.float32)}
+    transport = TcpTransport(port=0, host=LOCALHOST, max_connections=2)
+    server = Server(example, batch_size=1, num_buffers=8, transport=transport)
+    server.start()
+    assert server.port is not None
+    workers = [TcpClient(LOCALHOST, server.port, example) for _ in range(2)]
+    try:
+        for i, worker in enumerate(workers):
+            worker.send({"x": np.float32(i)})
+            worker.wait(timeout=WAIT_S)
+        with pytest.raises(ConnectionClosedError):
+            TcpClient(LOCALHOST, server.port, example)
+        for i, worker in enumerate(workers):  # both still work
+            worker.send({"x": np.float32(10 + i)})
+            worker.wait(timeout=WAIT_S)
+        assert server.stats().connections_refused_total == 1
+    finally:
+        for worker in workers:
+            worker.close()
+        server.close()
+
+
+def test_a_flood_of_refused_connections_is_logged_in_aggregate(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    example = {"x": np.zeros((), np.float32)}
+    transport = TcpTransport(port=0, host=LOCALHOST, max_connections=1)
+    server = Server(example, batch_size=1, num_buffers=8, transport=transport)
+    server.start()
+    assert server.port is not None
+    echo.reset_log_cache()
+    with caplog.at_level("DEBUG", logger="echo"), TcpClient(
+        LOCALHOST, server.port, example
+    ) as worker:
+        worker.send({"x": np.float32(1.0)})
+        worker.wait(timeout=WAIT_S)
+        for _ in range(50):
+            with pytest.raises(ConnectionClosedError):
+                TcpClient(LOCALHOST, server.port, example)
+        assert server.stats().connections_refused_total == 50
+    refusals = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert 1 <= len(refusals) <= 2, [r.getMessage() for r in refusals]
+    server.close()

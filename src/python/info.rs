@@ -75,6 +75,10 @@ pub(crate) struct SampleInfo {
     samples_inserted_total: u64,
     /// Bytes of sample buffers the TCP ingress holds now (queued samples and buffer pools).
     buffered_bytes: u64,
+    /// Connections refused because every slot was taken by a working connection.
+    connections_refused_total: u64,
+    /// Idle connections closed to admit new ones.
+    connections_evicted_total: u64,
     /// Consumer wake-ups: one per completed batch.
     notify_count: u64,
     cas_success_total: u64,
@@ -144,6 +148,8 @@ impl SampleInfo {
             push_blocked_count: ingress.push_blocked_count,
             samples_inserted_total: ingress.samples_inserted_total,
             buffered_bytes: ingress.buffered_bytes,
+            connections_refused_total: ingress.connections_refused_total,
+            connections_evicted_total: ingress.connections_evicted_total,
             notify_count,
             cas_success_total: d.cas_success_total,
             cas_failure_total: d.cas_failure_total,
@@ -177,6 +183,8 @@ impl SampleInfo {
             ("push_blocked_count", self.push_blocked_count),
             ("samples_inserted_total", self.samples_inserted_total),
             ("buffered_bytes", self.buffered_bytes),
+            ("connections_refused_total", self.connections_refused_total),
+            ("connections_evicted_total", self.connections_evicted_total),
             ("notify_count", self.notify_count),
             ("cas_success_total", self.cas_success_total),
             ("cas_failure_total", self.cas_failure_total),

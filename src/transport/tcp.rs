@@ -11,16 +11,21 @@
 //! queue), so a client streaming many small samples gets one ack write per read, not one per
 //! sample, and never waits for an ack that is sitting in our buffer.
 
+use std::collections::HashMap;
 use std::io;
-use std::net::{SocketAddr, TcpListener as StdListener};
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::OwnedWriteHalf;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::runtime::Runtime;
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::task::AbortHandle;
 
 use super::wire::{encode_handshake, ACK};
 use crate::error::EchoError;
@@ -65,15 +70,6 @@ impl TcpServer {
             return Err(EchoError::Config("max_connections must be >= 1, got 0".into()));
         }
         let handshake: Arc<[u8]> = encode_handshake(ingress.backend().spec())?.into();
-        let addr = (config.host.as_str(), config.port);
-        let listener = StdListener::bind(addr).map_err(|e| {
-            io::Error::new(
-                e.kind(),
-                format!("cannot listen on {}:{}: {e}", config.host, config.port),
-            )
-        })?;
-        listener.set_nonblocking(true)?;
-        let local_addr = listener.local_addr()?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(config.num_threads)
             .thread_name("echo-tcp")
@@ -82,11 +78,16 @@ impl TcpServer {
             .build()?;
         let listener = {
             let _entered = runtime.enter();
-            TcpListener::from_std(listener)?
+            listen(config).map_err(|e| {
+                io::Error::new(
+                    e.kind(),
+                    format!("cannot listen on {}:{}: {e}", config.host, config.port),
+                )
+            })?
         };
-        let limit = Arc::new(Semaphore::new(config.max_connections));
-        let max = config.max_connections;
-        runtime.spawn(accept_loop(listener, ingress, handshake, limit, max));
+        let local_addr = listener.local_addr()?;
+        let admission = Admission::new(config.max_connections);
+        runtime.spawn(accept_loop(listener, ingress, handshake, admission));
         Ok(Self { runtime: Some(runtime), local_addr })
     }
 
@@ -111,34 +112,204 @@ impl Drop for TcpServer {
     }
 }
 
+/// Binds a listener whose accept backlog holds `max_connections` (the kernel caps it at its
+/// own limit, `net.core.somaxconn`), so a burst of workers connecting at once is not refused
+/// by the kernel before the accept loop sees it.
+fn listen(config: &TcpConfig) -> io::Result<TcpListener> {
+    let mut last_err = None;
+    for addr in (config.host.as_str(), config.port).to_socket_addrs()? {
+        let socket = if addr.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
+        socket.set_reuseaddr(true)?;
+        let backlog = u32::try_from(config.max_connections).unwrap_or(u32::MAX).max(128);
+        match socket.bind(addr).and_then(|()| socket.listen(backlog)) {
+            Ok(listener) => return Ok(listener),
+            Err(e) => last_err = Some(e),
+        }
+    }
+    Err(last_err.unwrap_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no address")))
+}
+
+/// How long a connection that has completed a sample may be silent before it, too, may be
+/// evicted to admit a new one.
+const SILENT_EVICTABLE: Duration = Duration::from_secs(60);
+/// How often refusals and evictions are logged: one record per interval, with a count.
+const LOG_EVERY: Duration = Duration::from_secs(10);
+/// How long an accepted connection waits for the slot of the connection evicted for it.
+const EVICTION_GRACE: Duration = Duration::from_secs(1);
+
+/// What a connection's task tells the accept loop about it.
+#[derive(Debug, Default)]
+struct Activity {
+    /// Milliseconds since the server started at its last read of a byte.
+    last_read_ms: AtomicU64,
+    /// Whether it has queued (and acknowledged) a whole sample.
+    completed: AtomicBool,
+}
+
+impl Activity {
+    fn read(&self, epoch: Instant) {
+        let ms = u64::try_from(epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
+        // ORDERING: Relaxed — a heuristic for choosing whom to evict; it guards no memory.
+        self.last_read_ms.store(ms, Relaxed);
+    }
+
+    fn complete(&self) {
+        // ORDERING: Relaxed — as above.
+        self.completed.store(true, Relaxed);
+    }
+
+    /// `Some(last read)` if this connection may be evicted now: it has not completed a sample,
+    /// or it has been silent for [`SILENT_EVICTABLE`].
+    fn evictable(&self, now_ms: u64) -> Option<u64> {
+        // ORDERING: Relaxed — as above.
+        let (last, completed) = (self.last_read_ms.load(Relaxed), self.completed.load(Relaxed));
+        let silent = now_ms.saturating_sub(last) >= SILENT_EVICTABLE.as_millis() as u64;
+        (!completed || silent).then_some(last)
+    }
+}
+
+/// Every served connection's activity and the handle that ends its task, by id.
+type Registry = Arc<Mutex<HashMap<u64, (Arc<Activity>, AbortHandle)>>>;
+
+/// Who gets one of the `max_connections` slots. The policy, when every slot is taken: evict
+/// the connection that has been silent longest among those that have not completed a sample
+/// (or have been silent for a minute), and give its slot to the newcomer; refuse the newcomer
+/// only when every connection is productive. So idle connections, however many, cannot lock
+/// a worker out, and a working connection is never dropped for a newcomer.
+struct Admission {
+    limit: Arc<Semaphore>,
+    max: usize,
+    epoch: Instant,
+    next_id: AtomicU64,
+    /// Every served connection's activity and the handle that ends its task.
+    served: Registry,
+    /// Refusals and evictions since the last log record, and when that was.
+    unlogged: (u64, u64),
+    logged_at: Option<Instant>,
+}
+
+impl Admission {
+    fn new(max: usize) -> Self {
+        Self {
+            limit: Arc::new(Semaphore::new(max)),
+            max,
+            epoch: Instant::now(),
+            next_id: AtomicU64::new(0),
+            served: Arc::default(),
+            unlogged: (0, 0),
+            logged_at: None,
+        }
+    }
+
+    /// A slot for a new connection: a free one, or the slot of a connection evicted for it.
+    async fn admit(&mut self, ingress: &Ingress) -> Option<OwnedSemaphorePermit> {
+        if let Ok(permit) = Arc::clone(&self.limit).try_acquire_owned() {
+            return Some(permit);
+        }
+        if self.evict_one() {
+            ingress.note_evicted();
+            self.unlogged.1 += 1;
+            let slot =
+                tokio::time::timeout(EVICTION_GRACE, Arc::clone(&self.limit).acquire_owned());
+            if let Ok(Ok(permit)) = slot.await {
+                self.log_now_and_then();
+                return Some(permit);
+            }
+        }
+        ingress.note_refused();
+        self.unlogged.0 += 1;
+        self.log_now_and_then();
+        None
+    }
+
+    /// Ends the task of the longest-silent evictable connection; whether there was one.
+    fn evict_one(&self) -> bool {
+        let now_ms = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let mut served = self.served.lock();
+        let victim = served
+            .iter()
+            .filter_map(|(&id, (activity, _))| activity.evictable(now_ms).map(|last| (last, id)))
+            .min();
+        let Some((_, id)) = victim else { return false };
+        if let Some((_, task)) = served.remove(&id) {
+            // Dropping the task's future releases its slot and closes its connection.
+            task.abort();
+        }
+        true
+    }
+
+    /// The first refusal or eviction is logged at once, later ones once per [`LOG_EVERY`] with
+    /// a count: a flood of connections must not slow accepting (or the learner, whose GIL
+    /// every Python log record takes).
+    fn log_now_and_then(&mut self) {
+        if self.logged_at.is_some_and(|at| at.elapsed() < LOG_EVERY) {
+            return;
+        }
+        let (refused, evicted) = std::mem::take(&mut self.unlogged);
+        if refused > 0 {
+            log::warn!(
+                "refused {refused} connection(s): all {} connections are working ones",
+                self.max
+            );
+        }
+        if evicted > 0 {
+            log::info!(
+                "evicted {evicted} idle connection(s) to admit new ones ({} connections open)",
+                self.max
+            );
+        }
+        self.logged_at = Some(Instant::now());
+    }
+}
+
 async fn accept_loop(
     listener: TcpListener,
     ingress: Arc<Ingress>,
     handshake: Arc<[u8]>,
-    limit: Arc<Semaphore>,
-    max: usize,
+    mut admission: Admission,
 ) {
     loop {
         match listener.accept().await {
-            Ok((stream, peer)) => match Arc::clone(&limit).try_acquire_owned() {
-                Ok(permit) => {
-                    let (ingress, handshake) = (Arc::clone(&ingress), Arc::clone(&handshake));
-                    tokio::spawn(async move {
-                        serve(stream, peer, &ingress, &handshake).await;
-                        drop(permit);
-                    });
-                }
-                Err(_) => {
-                    log::warn!("refusing connection from {peer}: {max} connections already open");
+            Ok((stream, peer)) => {
+                let Some(permit) = admission.admit(&ingress).await else {
                     drop(stream);
-                }
-            },
+                    continue;
+                };
+                // ORDERING: Relaxed — only this loop hands out ids; they only need to differ.
+                let id = admission.next_id.fetch_add(1, Relaxed);
+                let activity = Arc::new(Activity::default());
+                activity.read(admission.epoch);
+                let served = Arc::clone(&admission.served);
+                let (ingress, handshake) = (Arc::clone(&ingress), Arc::clone(&handshake));
+                let (epoch, mine) = (admission.epoch, Arc::clone(&activity));
+                // Registered before the task can finish (the lock is held), and the task takes
+                // itself out of the registry however it ends.
+                let mut registry = admission.served.lock();
+                let task = tokio::spawn(async move {
+                    let _leave = Leave { served, id };
+                    serve(stream, peer, &ingress, &handshake, &mine, epoch).await;
+                    drop(permit);
+                });
+                registry.insert(id, (activity, task.abort_handle()));
+            }
             Err(err) => {
                 // Out of file descriptors and the like: back off instead of spinning.
                 log::warn!("accept failed: {err}");
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
         }
+    }
+}
+
+/// Takes a finished (or aborted) connection task out of the admission registry.
+struct Leave {
+    served: Registry,
+    id: u64,
+}
+
+impl Drop for Leave {
+    fn drop(&mut self) {
+        self.served.lock().remove(&self.id);
     }
 }
 
@@ -162,8 +333,15 @@ impl Drop for CloseOnDrop {
     }
 }
 
-async fn serve(stream: TcpStream, peer: SocketAddr, ingress: &Ingress, handshake: &[u8]) {
-    match serve_inner(stream, ingress, handshake).await {
+async fn serve(
+    stream: TcpStream,
+    peer: SocketAddr,
+    ingress: &Ingress,
+    handshake: &[u8],
+    activity: &Activity,
+    epoch: Instant,
+) {
+    match serve_inner(stream, ingress, handshake, activity, epoch).await {
         Ok(()) => log::debug!("{peer}: connection closed"),
         Err(err) if is_disconnect(&err) => log::debug!("{peer}: connection lost: {err}"),
         Err(err) => log::warn!("{peer}: connection failed: {err}"),
@@ -180,7 +358,13 @@ fn is_disconnect(err: &io::Error) -> bool {
     )
 }
 
-async fn serve_inner(stream: TcpStream, ingress: &Ingress, handshake: &[u8]) -> io::Result<()> {
+async fn serve_inner(
+    stream: TcpStream,
+    ingress: &Ingress,
+    handshake: &[u8],
+    activity: &Activity,
+    epoch: Instant,
+) -> io::Result<()> {
     stream.set_nodelay(true)?;
     let (mut reader, mut writer) = stream.into_split();
     writer.write_all(handshake).await?;
@@ -221,6 +405,7 @@ async fn serve_inner(stream: TcpStream, ingress: &Ingress, handshake: &[u8]) -> 
             } else {
                 reader.read(&mut staging).await?
             };
+            activity.read(epoch);
             if n == 0 {
                 // EOF: clean between samples; a partial sample is discarded, never queued.
                 conn.return_buffer(buf);
@@ -247,6 +432,7 @@ async fn serve_inner(stream: TcpStream, ingress: &Ingress, handshake: &[u8]) -> 
             space.notified().await;
         }
         acks += 1;
+        activity.complete();
     }
 }
 
