@@ -34,7 +34,7 @@ use crate::backend::Backend;
 use crate::doorbell::Doorbell;
 use crate::error::EchoError;
 use crate::metrics::{Counter, HistSummary, Histo, Stamp};
-use crate::source::Payloads;
+use crate::source::{Payloads, SampleSource};
 use std::sync::Weak;
 
 use crate::sync::{Arc, AtomicBool, AtomicUsize};
@@ -256,6 +256,7 @@ impl Connection {
     pub fn try_push(&self, buf: Box<[u8]>) -> Result<(), Box<[u8]>> {
         debug_assert_eq!(buf.len(), self.payload_size);
         self.queue.push((buf, Stamp::now())).map_err(|(buf, _)| buf)?;
+        self.stats.pending.add(1);
         self.drainer.bell.wake_if_sleeping();
         Ok(())
     }
@@ -337,6 +338,9 @@ pub struct IngressStats {
     refused: Counter,
     /// Idle connections a transport closed to admit new ones.
     evicted: Counter,
+    /// Samples queued (acknowledged) and not yet in the backend: +1 on every push, -n as a
+    /// drainer's insert puts them in (or drops them).
+    pending: CachePadded<Counter>,
 }
 
 /// A snapshot of the ingress counters.
@@ -358,6 +362,8 @@ pub struct IngressSnapshot {
     pub connections_refused_total: u64,
     /// Idle connections closed to admit new ones.
     pub connections_evicted_total: u64,
+    /// Samples acknowledged and not yet in the backend (queued, or in a drainer's round).
+    pub samples_pending: u64,
 }
 
 /// The drainer pool and connection registry.
@@ -467,6 +473,7 @@ impl Ingress {
             buffered_bytes: self.budget.allocated() as u64,
             connections_refused_total: self.stats.refused.get(),
             connections_evicted_total: self.stats.evicted.get(),
+            samples_pending: self.stats.pending.get(),
             ..IngressSnapshot::default()
         };
         for d in &self.drainers {
@@ -519,6 +526,30 @@ impl Ingress {
     }
 }
 
+/// One drainer round's samples, counted as the backend takes them in (so the counters are
+/// right also while the rest of the round waits for room).
+struct Round<'a> {
+    payloads: Payloads<'a, Box<[u8]>>,
+    drainer: &'a DrainerShared,
+    stats: &'a IngressStats,
+}
+
+impl SampleSource for Round<'_> {
+    fn num_samples(&self) -> usize {
+        self.payloads.num_samples()
+    }
+    fn num_leaves(&self, sample: usize) -> usize {
+        self.payloads.num_leaves(sample)
+    }
+    fn leaf(&self, sample: usize, leaf: usize) -> &[u8] {
+        self.payloads.leaf(sample, leaf)
+    }
+    fn inserted(&self, count: usize) {
+        self.drainer.inserted.add(count as u64);
+        self.stats.pending.sub(count as u64);
+    }
+}
+
 /// One drainer thread's private state.
 struct Drainer {
     ingress: Arc<Ingress>,
@@ -547,16 +578,20 @@ impl Drainer {
             }
             let backend = &self.ingress.backend;
             // Every buffer is `payload_size` long: connections allocate them so.
-            let inserted = Payloads::new(backend.spec(), &self.bufs)
-                .map_err(Into::into)
-                .and_then(|source| backend.insert(&source, None, None));
+            let inserted = Payloads::new(backend.spec(), &self.bufs).map_err(Into::into).and_then(
+                |payloads| {
+                    let round =
+                        Round { payloads, drainer: &self.shared, stats: &self.ingress.stats };
+                    backend.insert(&round, None, None)
+                },
+            );
             match inserted {
-                Ok(()) => {
-                    self.shared.inserted.add(self.bufs.len() as u64);
-                }
+                Ok(()) => {}
                 Err(err) if matches!(err.error, EchoError::Closed) => return,
                 Err(err) => {
-                    log::error!("echo drainer: dropping {} samples: {err}", self.bufs.len())
+                    let dropped = self.bufs.len() - err.inserted;
+                    self.ingress.stats.pending.sub(dropped as u64);
+                    log::error!("echo drainer: dropping {dropped} samples: {err}");
                 }
             }
             self.recycle();

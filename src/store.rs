@@ -243,6 +243,7 @@ impl Store {
             }
             self.metrics.memcpy.record_since(copy_started);
             self.commit(start, len);
+            src.inserted(len);
             inserted += len;
         }
         Ok(())

@@ -74,6 +74,9 @@ class SampleInfo:
     def connections_evicted_total(self) -> int:
         """Idle connections closed to admit new ones (see the TCP guide's connection limit)."""
     @property
+    def samples_pending(self) -> int:
+        """Samples acknowledged to TCP workers and not yet in the ring (queued in the ingress)."""
+    @property
     def notify_count(self) -> int:
         """Consumer wake-ups: one per completed batch."""
     @property
@@ -163,7 +166,10 @@ class ServerCore:
         """The priority of the item with `key`, `None` if it is not in the table."""
     def stats(self) -> SampleInfo: ...
     def reset_histograms(self) -> None: ...
-    def close(self) -> None: ...
+    def close(self, drain: bool = False) -> None: ...
+    @property
+    def dropped_at_close(self) -> int | None:
+        """Samples that never reached the learner, counted at the final close."""
     def _waiting(self) -> tuple[int, int]:
         """`(inserts, samples)` parked in the backend right now (for tests)."""
     def describe(self) -> str:

@@ -334,10 +334,33 @@ class Server:
         """Clears the timing histograms; counters keep counting."""
         self._core.reset_histograms()
 
-    def close(self) -> None:
+    def close(self, *, drain: bool = False) -> None:
         """Shuts down: a `sample()` blocked in another thread returns `None`, a blocked
-        `submit()` raises `ServerClosedError`. Idempotent. Existing views stay readable."""
-        self._core.close()
+        `submit()` raises `ServerClosedError`. Idempotent. Existing views stay readable.
+
+        A plain `close()` drops what the learner has not been handed: samples acknowledged to
+        workers but still queued in the ingress, and (FIFO) samples in the ring. Their number
+        is `dropped_at_close` afterwards (and a warning is logged when it is not 0).
+
+        Args:
+            drain: Stop accepting and reading instead (every connection is closed, nothing
+                more is acknowledged, `submit()` raises `ServerClosedError`), but keep handing
+                out what was acknowledged: `sample()` and `dataset_iter()` go on returning full
+                batches while the queued samples reach the ring, and the server closes for
+                good when the ingress is empty and fewer than a batch remain (FIFO; a replay
+                table closes once the ingress is empty). Then `sample()` returns `None` and
+                `dropped_at_close` says how many were left (fewer than `batch_size`). Returns
+                at once; call `close()` to stop draining early.
+        """
+        self._core.close(drain)
+
+    @property
+    def dropped_at_close(self) -> int | None:
+        """How many samples never reached the learner, counted when the server closed for
+        good (`None` while it is open or draining): acknowledged samples still queued in the
+        ingress, plus, for FIFO, samples committed to the ring but not handed out (after a
+        drain: fewer than a batch). A replay table's items are not counted."""
+        return self._core.dropped_at_close
 
     def __enter__(self) -> Server:
         self.start()

@@ -472,3 +472,74 @@ def test_a_flood_of_refused_connections_is_logged_in_aggregate(
     refusals = [r for r in caplog.records if "refused" in r.getMessage()]
     assert 1 <= len(refusals) <= 2, [r.getMessage() for r in refusals]
     server.close()
+
+
+# --- 10. close() and "nothing lost" -------------------------------------------------------------
+
+
+def _acked_clients(port: int, example: Any, per_client: list[range]) -> None:
+    """Sends each range's ids from its own client and waits until all are acknowledged."""
+    clients = [TcpClient(LOCALHOST, port, example, max_inflight_msgs=64) for _ in per_client]
+    for client, ids in zip(clients, per_client, strict=True):
+        for i in ids:
+            client.send({"id": np.array(i, np.int64), "x": np.full(3, i, np.float32)})
+    for client in clients:
+        client.wait(timeout=WAIT_S)
+        client.close()
+
+
+def _drain_server(batch_size: int) -> Server:
+    example = {"id": np.zeros((), np.int64), "x": np.zeros(3, np.float32)}
+    transport = TcpTransport(port=0, host=LOCALHOST)
+    server = Server(example, batch_size, num_buffers=2, producer_queue_size=64, transport=transport)
+    server.start()
+    assert server.port is not None
+    _acked_clients(server.port, example, [range(0, 21), range(100, 121)])  # 42 acknowledged
+    return server
+
+
+def test_close_with_drain_hands_out_every_acknowledged_full_batch() -> None:
+    server = _drain_server(batch_size=4)
+    deadline = time.monotonic() + WAIT_S
+    while server.stats().samples_inserted_total < 8:  # the ring is full, the rest queued
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    server.close(drain=True)
+    assert server.dropped_at_close is None  # still draining
+    with pytest.raises(echo.ServerClosedError):
+        server.submit({"id": np.array(-1, np.int64), "x": np.zeros(3, np.float32)})
+    seen: list[int] = []
+    for sample in server.dataset_iter():
+        ids = sample.batch["id"].tolist()
+        assert (sample.batch["x"] == sample.batch["id"][:, None]).all()
+        seen += ids
+    assert len(seen) == 40 and len(set(seen)) == 40  # 10 full batches, each sample once
+    assert server.dropped_at_close == 2  # 42 acknowledged: fewer than a batch left
+    assert set(seen) <= set(range(0, 21)) | set(range(100, 121))
+    for ids in (range(0, 21), range(100, 121)):  # per-client order
+        mine = [i for i in seen if i in ids]
+        assert mine == sorted(mine)
+
+
+def test_a_plain_close_reports_the_acknowledged_samples_it_dropped() -> None:
+    server = _drain_server(batch_size=4)
+    deadline = time.monotonic() + WAIT_S
+    while server.stats().samples_inserted_total < 8:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert server.stats().samples_pending == 34
+    server.close()
+    assert server.dropped_at_close == 42
+    assert server.sample(timeout=WAIT_S) is None
+
+
+def test_samples_inserted_total_counts_each_sample_when_it_goes_in() -> None:
+    server = _drain_server(batch_size=4)  # one drainer round of ~40 blocks after 8
+    deadline = time.monotonic() + WAIT_S
+    while server.stats().store_size < 8:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    stats = server.stats()
+    assert stats.samples_inserted_total == stats.store_size == 8, stats
+    assert stats.samples_pending == 42 - 8
+    server.close()

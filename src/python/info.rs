@@ -79,6 +79,8 @@ pub(crate) struct SampleInfo {
     connections_refused_total: u64,
     /// Idle connections closed to admit new ones.
     connections_evicted_total: u64,
+    /// Samples acknowledged to TCP workers and not yet in the ring (queued in the ingress).
+    samples_pending: u64,
     /// Consumer wake-ups: one per completed batch.
     notify_count: u64,
     cas_success_total: u64,
@@ -150,6 +152,7 @@ impl SampleInfo {
             buffered_bytes: ingress.buffered_bytes,
             connections_refused_total: ingress.connections_refused_total,
             connections_evicted_total: ingress.connections_evicted_total,
+            samples_pending: ingress.samples_pending,
             notify_count,
             cas_success_total: d.cas_success_total,
             cas_failure_total: d.cas_failure_total,
@@ -185,6 +188,7 @@ impl SampleInfo {
             ("buffered_bytes", self.buffered_bytes),
             ("connections_refused_total", self.connections_refused_total),
             ("connections_evicted_total", self.connections_evicted_total),
+            ("samples_pending", self.samples_pending),
             ("notify_count", self.notify_count),
             ("cas_success_total", self.cas_success_total),
             ("cas_failure_total", self.cas_failure_total),

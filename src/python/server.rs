@@ -5,6 +5,7 @@
 //! out as numpy views. Which backend it drives is decided once, from the settings, in Rust.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::OnceLock;
 use std::time::Instant;
 
@@ -21,7 +22,7 @@ use super::info::{HistSnapshot, SampleInfo, Snapshot};
 use super::leaves::{byte_slices, LeafSpecs};
 use super::views::{batch_copies, batch_views, LeafLayout, RingLease};
 use super::{deadline_from_timeout, detach, wait_detached};
-use crate::backend::{Backend, BatchConsumer, BatchRef};
+use crate::backend::{Backend, BackendStats, BatchConsumer, BatchRef};
 use crate::error::EchoError;
 use crate::ingress::{Ingress, IngressConfig};
 use crate::metrics;
@@ -54,6 +55,11 @@ pub(crate) struct PyServerCore {
     ingress: OnceLock<Arc<Ingress>>,
     /// `num_buffers=3` or `max_size=..., sampler=...`, for `repr`.
     description: String,
+    /// Set by `close(drain=True)`: nothing more comes in; `sample` hands out what is left.
+    draining: AtomicBool,
+    /// Acknowledged or submitted samples that never reached the learner, set when the server
+    /// closes for good (see `close`).
+    dropped_at_close: OnceLock<u64>,
 }
 
 #[pymethods]
@@ -80,6 +86,8 @@ impl PyServerCore {
             tcp: Mutex::new(None),
             ingress: OnceLock::new(),
             description,
+            draining: AtomicBool::new(false),
+            dropped_at_close: OnceLock::new(),
         })
     }
 
@@ -182,7 +190,7 @@ impl PyServerCore {
                 "priority= needs a replay sampler; this server is FIFO",
             ));
         }
-        if self.backend.is_closed() {
+        if self.backend.is_closed() || self.is_draining() {
             return Err(error_in(Call::Submit, EchoError::Closed));
         }
         let arrays = self.leaves.arrays(sample)?;
@@ -263,14 +271,34 @@ impl PyServerCore {
     /// Closes the server: stops the transport (closing every connection), wakes a blocked
     /// `sample()` (it returns `None`) and a blocked `submit()` (it raises
     /// `ServerClosedError`), and joins every thread. Idempotent.
-    fn close(&self, py: Python<'_>) {
-        detach(py, || {
-            // First: drainers blocked on a full backend return, and a `start` racing this one
-            // sees it (see `start`).
-            self.backend.close();
-            let tcp = self.tcp.lock().take();
-            drop(tcp); // shuts the transport down and joins its threads
-        });
+    ///
+    /// With `drain`: stops accepting and reading (every connection is closed, nothing more is
+    /// acknowledged) and refuses `submit()`, but lets what was acknowledged reach the backend:
+    /// `sample()` keeps handing out full batches, and returns `None` (the server then closes
+    /// for good) once the ingress is empty and no full batch is left (FIFO), or once the
+    /// ingress is empty (replay).
+    #[pyo3(signature = (drain=false))]
+    fn close(&self, py: Python<'_>, drain: bool) {
+        if drain && !self.backend.is_closed() {
+            // ORDERING: Relaxed — read by `sample`/`submit` of this object only as a mode
+            // switch; the drain's end is decided on the ingress's own counters.
+            self.draining.store(true, Relaxed);
+            detach(py, || {
+                if let Some(tcp) = self.tcp.lock().as_mut() {
+                    tcp.stop_accepting();
+                }
+            });
+            return;
+        }
+        detach(py, || self.close_now());
+    }
+
+    /// Acknowledged or submitted samples that never reached the learner, counted when the
+    /// server closed for good (`None` before): what was still queued in the ingress, plus, for
+    /// FIFO, what was committed to the ring but never handed out.
+    #[getter]
+    fn dropped_at_close(&self) -> Option<u64> {
+        self.dropped_at_close.get().copied()
     }
 
     /// `(inserts, samples)` parked in the backend right now (for tests that must know a call
@@ -325,6 +353,39 @@ impl PyServerCore {
         result.map_err(|e| error_in(Call::Submit, e.error))
     }
 
+    fn is_draining(&self) -> bool {
+        // ORDERING: Relaxed — see `close`.
+        self.draining.load(Relaxed)
+    }
+
+    /// Closes for good (never attached: it joins threads): the backend first, so drainers
+    /// blocked on a full backend return and a `start` racing this sees it (see `start`), then
+    /// the transport and the drainers; then counts what was dropped.
+    fn close_now(&self) {
+        self.backend.close();
+        let tcp = self.tcp.lock().take();
+        drop(tcp); // shuts the transport down and joins its threads
+        let queued = self.ingress.get().map_or(0, |i| i.snapshot().samples_pending);
+        let committed = match self.backend.stats() {
+            BackendStats::Fifo(fifo) => fifo.store_size,
+            BackendStats::Replay(_) => 0, // the items stay in the table, nothing is lost
+        };
+        let dropped = queued + committed;
+        if self.dropped_at_close.set(dropped).is_ok() && dropped > 0 {
+            log::warn!(
+                "closed with {dropped} samples that never reached the learner ({queued} still \
+                 queued in the ingress, {committed} committed but fewer than a batch or not \
+                 sampled); close(drain=True) hands out every full batch first"
+            );
+        }
+    }
+
+    /// During a drain: whether nothing more can reach the consumer (the ingress is empty). The
+    /// caller then takes what is left and closes.
+    fn drained(&self) -> bool {
+        self.is_draining() && self.ingress.get().is_none_or(|i| i.snapshot().samples_pending == 0)
+    }
+
     /// Waits for the consumer's next batch in GIL-free slices that honour Ctrl-C. Returns the
     /// consumer, still locked (so nobody samples over the batch while it is turned into
     /// arrays), the batch, and the counters right after it was handed out (taken while
@@ -339,8 +400,20 @@ impl PyServerCore {
         // the GIL.
         let got = wait_detached(py, deadline, |slice_end| {
             let mut guard = consumer.try_lock_until(slice_end)?;
-            match guard.sample(Some(slice_end)) {
+            // Checked before the wait: once drained, only what is committed now is left.
+            let drained = self.drained();
+            if drained && self.backend.has_priorities() {
+                // Replay tables sample forever: a drain ends when the ingress is empty.
+                self.close_now();
+                return Some(Err(EchoError::Closed));
+            }
+            let wait_until = if drained { Instant::now() } else { slice_end };
+            match guard.sample(Some(wait_until)) {
                 Ok(batch) => Some(Ok((guard, batch, self.snapshot()))),
+                Err(EchoError::TimedOut) if drained => {
+                    self.close_now(); // fewer than a batch left, and nothing more coming
+                    Some(Err(EchoError::Closed))
+                }
                 Err(EchoError::TimedOut) => None,
                 Err(other) => Some(Err(other)),
             }

@@ -549,6 +549,7 @@ impl Table {
                 MutexGuard::unlocked(&mut state, || self.write_item(slot, src, sample));
             }
             self.publish(&mut state, slot, priority, replaced);
+            src.inserted(1);
         }
         Ok(())
     }

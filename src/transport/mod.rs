@@ -62,6 +62,13 @@ impl TcpIngress {
         self.ingress.snapshot()
     }
 
+    /// Stops accepting and closes every connection (nothing more is read or acknowledged),
+    /// but leaves the drainers running: what the connections queued still goes into the
+    /// backend. For a drain; [`TcpIngress::shutdown`] ends the rest. Idempotent.
+    pub fn stop_accepting(&mut self) {
+        self.server.shutdown();
+    }
+
     /// Stops accepting and closes every connection, closes the backend (so drainers blocked on a
     /// full ring return), and joins every thread. Idempotent.
     pub fn shutdown(&mut self) {
