@@ -420,7 +420,8 @@ def test_idle_connections_holding_every_slot_do_not_lock_a_worker_out() -> None:
             client.send({"x": np.float32(7.0)})
             client.wait(timeout=WAIT_S)
         got = server.sample(timeout=WAIT_S)
-        assert got is not None and got.batch["x"].tolist() == [7.0]
+        assert got is not None
+        assert got.batch["x"].tolist() == [7.0]
         assert server.stats().connections_evicted_total >= 1
     finally:
         for sock in idle:
@@ -460,9 +461,10 @@ def test_a_flood_of_refused_connections_is_logged_in_aggregate(
     server.start()
     assert server.port is not None
     echo.reset_log_cache()
-    with caplog.at_level("DEBUG", logger="echo"), TcpClient(
-        LOCALHOST, server.port, example
-    ) as worker:
+    with (
+        caplog.at_level("DEBUG", logger="echo"),
+        TcpClient(LOCALHOST, server.port, example) as worker,
+    ):
         worker.send({"x": np.float32(1.0)})
         worker.wait(timeout=WAIT_S)
         for _ in range(50):
@@ -513,7 +515,8 @@ def test_close_with_drain_hands_out_every_acknowledged_full_batch() -> None:
         ids = sample.batch["id"].tolist()
         assert (sample.batch["x"] == sample.batch["id"][:, None]).all()
         seen += ids
-    assert len(seen) == 40 and len(set(seen)) == 40  # 10 full batches, each sample once
+    assert len(seen) == 40
+    assert len(set(seen)) == 40
     assert server.dropped_at_close == 2  # 42 acknowledged: fewer than a batch left
     assert set(seen) <= set(range(0, 21)) | set(range(100, 121))
     for ids in (range(0, 21), range(100, 121)):  # per-client order
