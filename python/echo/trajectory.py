@@ -33,6 +33,13 @@ def _flatten(tree: object) -> tuple[list[Any], PyTreeSpec]:
     )
 
 
+def _without_leading_ones(shape: tuple[int, ...]) -> tuple[int, ...]:
+    start = 0
+    while start < len(shape) and shape[start] == 1:
+        start += 1
+    return shape[start:]
+
+
 class _Timescale:
     """One top-level key of the example: its buffers, slot views and fill count."""
 
@@ -50,6 +57,7 @@ class _Timescale:
         "slot_shapes",
         "slots",
         "stacked",
+        "targets",
         "treespec",
     )
 
@@ -82,16 +90,15 @@ class _Timescale:
                     "every leaf a leading dim of 1"
                 )
             self.capacity = shapes[0][0]
-            if self.capacity == 0:
-                raise ValueError(
-                    f"timescale {self.label}: a leading dim of 0 gives no slots; use N > 1 for "
-                    "a buffered timescale, or 1 for a single item"
-                )
-            self.slot_shapes = [shape[1:] for shape in shapes]
+            self.slot_shapes: list[tuple[int, ...]] = [shape[1:] for shape in shapes]
         else:
             self.capacity = 1
             self.slot_shapes = shapes
-        self.buffered = self.capacity > 1
+        # Leading dim 0 is a buffered timescale without slots: always full, never added to.
+        self.buffered = self.capacity != 1
+        # An item leaf fits a slot when the shapes agree once leading dims of 1 are dropped
+        # from both: numpy assignment without its broadcasting, which would repeat values.
+        self.targets = [_without_leading_ones(shape) for shape in self.slot_shapes]
         self.size = 0
 
         # Pre-allocated once; `add()` only copies into these slot views.
@@ -115,47 +122,84 @@ class _Timescale:
         self.flat_keyset = frozenset(self.flat_keys or ())
 
     def flatten(self, item: object) -> list[Any]:
-        """The leaves of `item` in the timescale's order; ValueError if the structure differs."""
+        """The item's values at the timescale's leaves, in order; ValueError if the structure
+        differs above them (a value at a leaf may be a list or any other array-like)."""
         if self.flat_keys is not None and type(item) is dict:
             flat = cast("dict[Any, Any]", item)
             if flat.keys() == self.flat_keyset:
                 return [flat[key] for key in self.flat_keys]
-        return self.flatten_checked(cast("object", item))
-
-    def flatten_checked(self, item: object) -> list[Any]:
-        leaves, treespec = _flatten(item)
-        if treespec != self.treespec:
+        try:
+            return cast(
+                "list[Any]",
+                self.treespec.flatten_up_to(item),  # pyright: ignore[reportArgumentType]
+            )
+        except ValueError:
+            _, treespec = _flatten(cast("object", item))
             raise ValueError(
                 f"add({self.label}): item structure does not match timescale {self.label}: "
                 f"expected {self.treespec}, got {treespec}"
-            )
-        return leaves
+            ) from None
 
-    def check(self, item: object, values: list[Any]) -> None:
-        """Raises TypeError/ValueError unless `values` fit one slot (nothing is written)."""
+    def prepare(self, item: object) -> list[Any]:
+        """The item's leaves, each ready to copy into its slot; nothing is written.
+
+        Raises TypeError (not an array, or a cast that changes the kind), ValueError
+        (structure or shape) or OverflowError (an integer that does not fit the leaf's dtype).
+        """
+        values = self.flatten(item)
         for i, value in enumerate(values):
-            name = self.leaf_names[i]
-            if not isinstance(value, (np.ndarray, np.generic)):
-                self.flatten_checked(item)  # a nested container is a structure error
-                raise TypeError(
-                    f"add({self.label}): leaf {name}: expected a numpy.ndarray, "
-                    f"got {type(value).__name__}"
+            if isinstance(value, (np.ndarray, np.generic)):
+                arr = cast("np.ndarray[Any, Any]", value)
+                if arr.dtype == self.dtypes[i] and arr.shape == self.slot_shapes[i]:
+                    continue  # the common case: copied as it is
+            values[i] = self.convert(i, cast("object", value))
+        return values
+
+    def convert(self, i: int, value: object) -> np.ndarray[Any, Any]:
+        """Checks one leaf that is not an exact match, and returns it as an array for its slot."""
+        where = f"add({self.label}): leaf {self.leaf_names[i]}"
+        dtype = self.dtypes[i]
+        try:
+            arr: np.ndarray[Any, Any] = np.asarray(value)
+        except (TypeError, ValueError) as err:  # a ragged list, or an array-like that fails
+            raise TypeError(
+                f"{where}: expected a numpy array, or a value numpy turns into one, got "
+                f"{type(value).__name__} ({err})"
+            ) from None
+        if arr.dtype.hasobject and not dtype.hasobject:
+            if isinstance(value, int):  # beyond int64 and uint64
+                raise OverflowError(
+                    f"{where}: expected a value that fits dtype {dtype}, got {value}"
                 )
-            arr = cast("np.ndarray[Any, Any]", value)
-            if arr.dtype != self.dtypes[i]:
-                raise TypeError(
-                    f"add({self.label}): leaf {name}: expected dtype {self.dtypes[i]}, "
-                    f"got {arr.dtype}"
+            raise TypeError(
+                f"{where}: expected a numpy array (or a scalar or list numpy turns into one) of "
+                f"dtype {dtype}, got {type(value).__name__}"
+            )
+        src = arr.dtype
+        integers = src.kind in "iu" and dtype.kind in "iub"
+        if not (integers or np.can_cast(src, dtype, "same_kind")):
+            raise TypeError(
+                f"{where}: expected dtype {dtype}, or one that numpy casts to it within its "
+                f"kind ('same_kind'), got {src}; convert it first (.astype)"
+            )
+        # Leading 1s aside, the shapes agree: `np.copyto` adds or drops those, nothing else.
+        if _without_leading_ones(arr.shape) != self.targets[i]:
+            shape = self.slot_shapes[i]
+            expected = str(shape)
+            if self.stacked:
+                expected += f" (one slot of the {self.buffers[i].shape} leaf)"
+            elif shape:
+                expected += f" (the whole leaf: a 0-d leaf makes {self.label} single-item)"
+            raise ValueError(f"{where}: expected shape {expected}, got {arr.shape}")
+        if integers and arr.size and not np.can_cast(src, dtype, "safe"):
+            low, high = (0, 1) if dtype.kind == "b" else (np.iinfo(dtype).min, np.iinfo(dtype).max)
+            least, most = int(arr.min()), int(arr.max())
+            if least < low or most > high:
+                got = f"{least}" if least == most else f"values from {least} to {most}"
+                raise OverflowError(
+                    f"{where}: expected values that fit dtype {dtype} ({low} to {high}), got {got}"
                 )
-            if arr.shape != self.slot_shapes[i]:
-                expected = str(self.slot_shapes[i])
-                if self.stacked:
-                    expected += f" (one slot of the {self.buffers[i].shape} leaf)"
-                elif self.slot_shapes[i]:
-                    expected += f" (the whole leaf: a 0-d leaf makes {self.label} single-item)"
-                raise ValueError(
-                    f"add({self.label}): leaf {name}: expected shape {expected}, got {arr.shape}"
-                )
+        return arr
 
 
 class TrajectoryAccumulator:
@@ -168,28 +212,37 @@ class TrajectoryAccumulator:
     - **Buffered** timescale: every leaf has the same leading dim `N > 1`. It has `N` slots;
       each `add()` fills the next one with an item shaped like the leaves without their
       leading dim (`obs` of shape `(T, 4)` takes items of shape `(4,)`).
-    - **Single-item** timescale, capacity 1; `add()` replaces its item:
+    - **Single-item** timescale, capacity 1, one `add()` until the next `build()`/`reset()`:
         - every leaf has leading dim 1: the item is shaped like the leaves without that dim
           (like one slot of a buffered timescale: `(1, 4)` takes `(4,)`);
         - some leaf is 0-d: the item is shaped exactly like the example's leaves.
 
-    Items must match exactly: same structure, and each leaf a numpy array (or a numpy scalar
-    for a 0-d slot) of the example's dtype and slot shape. Nothing is cast or broadcast.
+    An item has the timescale's structure. Each of its leaves is a numpy array, numpy scalar,
+    Python scalar or list, as `id-echo` 0.2.1 accepted them, with two rules where numpy
+    assignment would silently change the data:
+
+    - shape: the slot's shape, with or without leading dims of 1 (`(4,)` or `(1, 4)` for a
+      `(4,)` slot); nothing is broadcast, so a `()` item does not fill a `(4,)` slot.
+    - dtype: the leaf's, or one numpy casts to it within its kind (`float64` to `float32`,
+      `int` to `float`, `bool` to anything); integers of another width or sign only if every
+      value fits (`OverflowError` otherwise). Casts that change the kind (`float` to `int` or
+      `bool`, `complex` to `float`, text, objects) are refused.
 
     `build()` needs every timescale full (every slot of a buffered one, and an item in every
-    single-item one), so a sample with stale or missing steps is never built. It returns read-
-    only views of the internal buffers, which the next `add()` overwrites: send or copy the
-    result before adding again.
+    single-item one), so a sample with stale or missing steps is never built. It returns views
+    of the internal buffers, which the next `add()` overwrites: send or copy the result before
+    adding again.
 
     Not thread-safe: use one accumulator per environment (or per thread).
 
     Args:
-        example: A dict of timescales, each a pytree of numpy arrays. The values are unused.
+        example: A dict of timescales, each a pytree of numpy arrays (a numpy scalar counts as
+            a 0-d array). The values are unused.
 
     Raises:
-        TypeError: `example` is not a dict; a leaf is not a numpy array or has an object dtype.
-        ValueError: `example` has no timescales; a timescale has no leaves; the leaves of a
-            timescale without 0-d leaves have different leading dims, or leading dim 0.
+        TypeError: `example` is not a dict; a leaf is not a numpy array or numpy scalar.
+        ValueError: A timescale has no leaves; the leaves of a timescale without 0-d leaves
+            have different leading dims.
 
     Example:
         ```python
@@ -212,8 +265,6 @@ class TrajectoryAccumulator:
                 f"got {type(example).__name__}"
             )
         timescales = cast("dict[Any, Any]", example)
-        if not timescales:
-            raise ValueError("example has no timescales: it needs at least one key")
         paths, leaves, treespec = cast(
             "tuple[list[tuple[Any, ...]], list[object], PyTreeSpec]",
             optree.tree_flatten_with_path(
@@ -228,18 +279,12 @@ class TrajectoryAccumulator:
             )
         arrays: list[np.ndarray[Any, Any]] = []
         for path, leaf in zip(paths, leaves, strict=True):
-            if not isinstance(leaf, np.ndarray):
+            if not isinstance(leaf, (np.ndarray, np.generic)):
                 raise TypeError(
-                    f"example leaf {_path_name(path)}: expected a numpy.ndarray, "
-                    f"got {type(leaf).__name__}"
+                    f"example leaf {_path_name(path)}: expected a numpy.ndarray or numpy "
+                    f"scalar, got {type(leaf).__name__}"
                 )
-            arr = cast("np.ndarray[Any, Any]", leaf)
-            if arr.dtype.hasobject:
-                raise TypeError(
-                    f"example leaf {_path_name(path)}: dtype {arr.dtype} holds Python objects, "
-                    "which cannot be sent as a sample"
-                )
-            arrays.append(arr)
+            arrays.append(np.asarray(cast("np.ndarray[Any, Any]", leaf)))
         # optree lists each timescale's leaves together, in the order it flattens the subtree
         # alone: group them by their first path entry, keeping that order for `build()`.
         groups: dict[Any, list[int]] = {}
@@ -262,20 +307,14 @@ class TrajectoryAccumulator:
         ]
         by_name = {ts.name: ts for ts in self._order}
         self._timescales: dict[Any, _Timescale] = {name: by_name[name] for name in timescales}
-        # What `build()` hands out: read-only views of every buffer, in optree's leaf order.
-        views: list[np.ndarray[Any, Any]] = []
-        for ts in self._order:
-            for buf in ts.buffers:
-                view: np.ndarray[Any, Any] = buf[...]
-                view.flags.writeable = False
-                views.append(view)
-        self._views = views
+        # Every buffer in optree's leaf order, for `build()`.
+        self._buffers = [buf for ts in self._order for buf in ts.buffers]
 
     def _get(self, name: Hashable) -> _Timescale:
         try:
             return self._timescales[name]
         except KeyError:
-            known = ", ".join(repr(key) for key in self._timescales)
+            known = ", ".join(repr(key) for key in self._timescales) or "no timescales"
             raise KeyError(f"unknown timescale {name!r}: the example has {known}") from None
 
     @property
@@ -300,7 +339,7 @@ class TrajectoryAccumulator:
         return self._get(name).size
 
     def is_buffered(self, name: Hashable) -> bool:
-        """Whether timescale `name` is buffered (`N > 1` slots) rather than single-item.
+        """Whether timescale `name` is buffered (`N > 1` slots, or 0) rather than single-item.
 
         Raises:
             KeyError: `name` is not a timescale of the example.
@@ -315,40 +354,41 @@ class TrajectoryAccumulator:
     def add(self, name: Hashable, item: Any) -> None:
         """Copies `item` into the next slot of timescale `name`.
 
-        A buffered timescale fills its slots in order; a single-item timescale's item is
-        replaced. The item is checked completely before anything is written, so a rejected
-        `add()` changes nothing.
+        A buffered timescale fills its slots in order; a single-item timescale takes one item.
+        The item is checked completely before anything is written, so a rejected `add()`
+        changes nothing.
 
         Args:
             name: A top-level key of the example.
-            item: A pytree with the timescale's structure whose leaves have the example's
-                dtypes and slot shapes (see the class docstring).
+            item: A pytree with the timescale's structure whose leaves fit the example's slot
+                shapes and dtypes (see the class docstring).
 
         Raises:
             KeyError: `name` is not a timescale of the example.
-            IndexError: The buffered timescale is full: `build()` or `reset()` first.
+            IndexError: The timescale is full (every slot of a buffered one, or the item of a
+                single-item one): `build()` or `reset()` first.
             ValueError: The structure or a leaf's shape differs.
-            TypeError: A leaf is not a numpy array or has another dtype.
+            TypeError: A leaf is not array-like, or its dtype would have to change kind.
+            OverflowError: An integer leaf has a value that its slot's dtype cannot hold.
         """
         ts = self._get(name)
-        if ts.size == ts.capacity and ts.buffered:
+        if ts.size == ts.capacity:
             raise IndexError(
                 f"add({ts.label}): timescale {ts.label} is full ({ts.size} of {ts.capacity} "
                 "slots): call build() or reset() first"
             )
-        values = ts.flatten(item)
-        ts.check(item, values)
-        slot = ts.size if ts.buffered else 0
-        for dst, value in zip(ts.slots[slot], values, strict=True):
-            np.copyto(dst, value, casting="no")
-        ts.size = slot + 1
+        values = ts.prepare(item)
+        for dst, value in zip(ts.slots[ts.size], values, strict=True):
+            np.copyto(dst, value, casting="unsafe")  # `prepare` allowed only lossless kinds
+        ts.size += 1
 
     def build(self) -> Any:
         """Returns the filled sample and empties every timescale for the next trajectory.
 
-        The result has the example's structure, shapes and dtypes. Its leaves are read-only
-        views of the internal buffers, not copies: the next `add()` overwrites them. Send or
-        submit it (both copy) or `np.copy` it before adding again.
+        The result has the example's structure, shapes and dtypes. Its leaves are views of the
+        internal buffers, not copies: the next `add()` overwrites them. Send or submit it (both
+        copy) or `np.copy` it before adding again. Writing to them is allowed; it cannot leak
+        into a later trajectory, which `build()` returns only once every slot is written again.
 
         Raises:
             ValueError: A timescale is not full (the message names each one and how many of
@@ -363,7 +403,7 @@ class TrajectoryAccumulator:
                 f"build(): not every timescale is full: {detail}; add() the missing items "
                 "or reset() to drop this trajectory"
             )
-        tree = self._treespec.unflatten(self._views)
+        tree = self._treespec.unflatten([buf[...] for buf in self._buffers])
         self.reset()
         return tree
 
