@@ -35,7 +35,7 @@ def make_example(horizon: int, obs_dim: int) -> dict[str, dict[str, np.ndarray]]
         },
         # Single item, leading dim 1: `add()` takes an observation of shape (obs_dim,).
         "bootstrap": {"obs": np.zeros((1, obs_dim), np.float32)},
-        # Single item with 0-d leaves: `add()` takes exactly these shapes.
+        # Single item with 0-d leaves: `add()` takes these shapes (or a leading dim of 1).
         "meta": {"worker": np.zeros((), np.int64), "seq": np.zeros((), np.int64)},
     }
 
