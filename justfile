@@ -33,6 +33,14 @@ test-loom *ARGS:
 valgrind:
     bash scripts/valgrind.sh
 
+# The core's Rust tests under AddressSanitizer (nightly, target/asan); ARGS go to cargo test
+asan *ARGS:
+    bash scripts/asan.sh {{ARGS}}
+
+# Fuzz every target for 60 s each (ECHO_FUZZ_SECONDS=N for longer), or only the TARGETS named
+fuzz *TARGETS:
+    bash scripts/fuzz.sh {{TARGETS}}
+
 # The detailed-metrics build: its core tests, then the whole pytest suite against it
 test-telemetry:
     bash scripts/test_telemetry.sh

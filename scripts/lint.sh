@@ -8,6 +8,9 @@ echo ">> cargo clippy (core, bindings, all targets)"
 cargo clippy --quiet --all-targets -- -D warnings
 cargo clippy --quiet --all-targets --features python -- -D warnings
 cargo clippy --quiet --all-targets --features python,detailed-metrics -- -D warnings
+echo ">> the fuzz crate (its own workspace): fmt and clippy"
+cargo fmt --manifest-path fuzz/Cargo.toml -- --check
+cargo clippy --quiet --manifest-path fuzz/Cargo.toml --all-targets -- -D warnings
 echo ">> rustdoc (warnings are errors)"
 RUSTDOCFLAGS=-Dwarnings cargo doc --quiet --no-deps --features python,detailed-metrics
 echo ">> every atomic ordering has an ORDERING: comment"

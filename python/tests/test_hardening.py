@@ -546,3 +546,13 @@ def test_samples_inserted_total_counts_each_sample_when_it_goes_in() -> None:
     assert stats.samples_inserted_total == stats.store_size == 8, stats
     assert stats.samples_pending == 42 - 8
     server.close()
+
+
+def test_a_server_sending_bytes_after_its_handshake_is_not_echo(
+    one_shot_server: Callable[..., int],
+) -> None:
+    # Found by fuzzing: a debug build asserted here, a release build dropped the byte.
+    handshake = b"ECHO\x01" + (1).to_bytes(4, "little") + (4).to_bytes(4, "little") + bytes(4)
+    port = one_shot_server([handshake + b"\x01"])
+    with pytest.raises(ValueError, match="after its handshake"):
+        TcpClient(LOCALHOST, port, {"x": np.zeros((), np.float32)})

@@ -124,7 +124,16 @@ impl Connecting {
         let mut chunk = [0u8; 512];
         loop {
             if let Some((spec, len)) = parse_handshake(&self.received)? {
-                debug_assert_eq!(len, self.received.len(), "the server sends nothing else first");
+                if len != self.received.len() {
+                    // A v1 server sends nothing after its handshake until a sample arrives
+                    // (then one ack each): anything else is not echo's protocol.
+                    return Err(EchoError::Protocol(format!(
+                        "{} sent {} bytes after its handshake, before any sample: not an echo \
+                         v1 server",
+                        self.address,
+                        self.received.len() - len
+                    )));
+                }
                 let stream = self.stream.take().expect("connected above");
                 return TcpSender::start(stream, spec, self.max_inflight).map(Some);
             }

@@ -73,7 +73,9 @@ pub fn read_handshake(reader: &mut impl Read) -> Result<DataSpec, EchoError> {
             "handshake announces {n_arrays} arrays, more than the {MAX_ARRAYS} allowed"
         )));
     }
-    let mut arrays = Vec::with_capacity(n_arrays as usize);
+    // Not `n_arrays` itself: 9 bytes of a hostile peer must not reserve megabytes (the client
+    // re-parses a trickled handshake on every read). The vector grows as arrays really arrive.
+    let mut arrays = Vec::with_capacity((n_arrays as usize).min(64));
     for index in 0..n_arrays {
         let dtype_size = read_u32(reader)?;
         let ndim = read_u32(reader)?;
