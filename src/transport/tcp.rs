@@ -45,7 +45,8 @@ pub struct TcpConfig {
     pub port: u16,
     /// Tokio worker threads.
     pub num_threads: usize,
-    /// Connections served at once; more are accepted and closed at once.
+    /// Connections served at once. At the limit an idle one (no completed sample yet) is
+    /// evicted for a newcomer; if there is none, the newcomer is accepted and closed at once.
     pub max_connections: usize,
 }
 
@@ -66,8 +67,12 @@ impl TcpServer {
         if config.num_threads == 0 {
             return Err(EchoError::Config("num_threads must be >= 1, got 0".into()));
         }
-        if config.max_connections == 0 {
-            return Err(EchoError::Config("max_connections must be >= 1, got 0".into()));
+        if config.max_connections == 0 || config.max_connections > Semaphore::MAX_PERMITS {
+            return Err(EchoError::Config(format!(
+                "max_connections must be in 1..={}, got {}",
+                Semaphore::MAX_PERMITS,
+                config.max_connections
+            )));
         }
         let handshake: Arc<[u8]> = encode_handshake(ingress.backend().spec())?.into();
         let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -129,9 +134,6 @@ fn listen(config: &TcpConfig) -> io::Result<TcpListener> {
     Err(last_err.unwrap_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no address")))
 }
 
-/// How long a connection that has completed a sample may be silent before it, too, may be
-/// evicted to admit a new one.
-const SILENT_EVICTABLE: Duration = Duration::from_secs(60);
 /// How often refusals and evictions are logged: one record per interval, with a count.
 const LOG_EVERY: Duration = Duration::from_secs(10);
 /// How long an accepted connection waits for the slot of the connection evicted for it.
@@ -158,13 +160,12 @@ impl Activity {
         self.completed.store(true, Relaxed);
     }
 
-    /// `Some(last read)` if this connection may be evicted now: it has not completed a sample,
-    /// or it has been silent for [`SILENT_EVICTABLE`].
-    fn evictable(&self, now_ms: u64) -> Option<u64> {
+    /// `Some(last read)` if this connection may be evicted: it has not completed a sample.
+    /// (Silence is no reason once it has: a worker held back by backpressure is silent too.)
+    fn evictable(&self) -> Option<u64> {
         // ORDERING: Relaxed — as above.
         let (last, completed) = (self.last_read_ms.load(Relaxed), self.completed.load(Relaxed));
-        let silent = now_ms.saturating_sub(last) >= SILENT_EVICTABLE.as_millis() as u64;
-        (!completed || silent).then_some(last)
+        (!completed).then_some(last)
     }
 }
 
@@ -173,9 +174,9 @@ type Registry = Arc<Mutex<HashMap<u64, (Arc<Activity>, AbortHandle)>>>;
 
 /// Who gets one of the `max_connections` slots. The policy, when every slot is taken: evict
 /// the connection that has been silent longest among those that have not completed a sample
-/// (or have been silent for a minute), and give its slot to the newcomer; refuse the newcomer
-/// only when every connection is productive. So idle connections, however many, cannot lock
-/// a worker out, and a working connection is never dropped for a newcomer.
+/// yet, and give its slot to the newcomer; refuse the newcomer only when every connection has
+/// completed one. So idle connections, however many, cannot lock a worker out, and a working
+/// connection (also one held back by backpressure) is never dropped for a newcomer.
 struct Admission {
     limit: Arc<Semaphore>,
     max: usize,
@@ -224,11 +225,10 @@ impl Admission {
 
     /// Ends the task of the longest-silent evictable connection; whether there was one.
     fn evict_one(&self) -> bool {
-        let now_ms = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
         let mut served = self.served.lock();
         let victim = served
             .iter()
-            .filter_map(|(&id, (activity, _))| activity.evictable(now_ms).map(|last| (last, id)))
+            .filter_map(|(&id, (activity, _))| activity.evictable().map(|last| (last, id)))
             .min();
         let Some((_, id)) = victim else { return false };
         if let Some((_, task)) = served.remove(&id) {
@@ -372,7 +372,9 @@ async fn serve_inner(
     let conn = ingress.register(Box::new(NotifyWaker(Arc::clone(&space))));
     let _closer = CloseOnDrop(Arc::clone(&conn));
     let payload_size = ingress.backend().spec().payload_size();
-    let mut staging = vec![0u8; STAGING.min(payload_size.saturating_mul(64)).max(1)];
+    // Allocated at the first read, so a connection that never sends holds no staging memory.
+    let staging_len = STAGING.min(payload_size.saturating_mul(64)).max(1);
+    let mut staging = Vec::new();
     let (mut lo, mut hi) = (0usize, 0usize);
     let mut acks = 0usize;
     loop {
@@ -399,7 +401,10 @@ async fn serve_inner(
             }
             // About to block on the socket: first let the client know what we have queued.
             flush_acks(&mut writer, &mut acks).await?;
-            let direct = payload_size - filled >= staging.len() / 2;
+            let direct = payload_size - filled >= staging_len / 2;
+            if !direct && staging.is_empty() {
+                staging = vec![0u8; staging_len];
+            }
             let n = if direct {
                 reader.read(&mut buf[filled..]).await?
             } else {
