@@ -213,14 +213,15 @@ impl PyServerCore {
             return Ok(None);
         };
         let wait_ns = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        let arrays = if copy {
+        let mut arrays = if copy {
             batch_copies(py, &guard, &batch, &self.layouts)?
         } else {
             batch_views(py, &self.backend, &batch, &self.layouts, &self.lease)?
         };
         drop(guard);
-        let leaves = arrays.get_slice(0, self.leaves.len());
-        let meta = arrays.get_slice(self.leaves.len(), self.layouts.len()).to_tuple();
+        let meta = arrays.split_off(self.leaves.len());
+        let meta = if meta.is_empty() { PyTuple::empty(py) } else { PyTuple::new(py, meta)? };
+        let leaves = PyList::new(py, arrays)?;
         let info = SampleInfo::new(py, &snap, batch.sequence, wait_ns, &self.zero_hist)?;
         Ok(Some((leaves, info, meta)))
     }

@@ -11,7 +11,6 @@ use std::ptr;
 use numpy::npyffi::{self, npy_intp, NPY_ARRAY_ALIGNED, NPY_ARRAY_C_CONTIGUOUS, PY_ARRAY_API};
 use numpy::{PyArrayDescr, PyArrayDescrMethods};
 use pyo3::prelude::*;
-use pyo3::types::PyList;
 
 use crate::backend::{Backend, BatchConsumer, BatchRef};
 use crate::sync::Arc;
@@ -90,8 +89,8 @@ pub(crate) fn batch_views<'py>(
     batch: &BatchRef,
     layouts: &[LeafLayout],
     lease: &Py<RingLease>,
-) -> PyResult<Bound<'py, PyList>> {
-    let list = PyList::empty(py);
+) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    let mut list = Vec::with_capacity(layouts.len());
     for (leaf, layout) in layouts.iter().enumerate() {
         let array = new_array(py, layout, backend.batch_ptr(batch, leaf).cast_mut())?;
         // `PyArray_SetBaseObject` steals a reference to the base (also on failure).
@@ -102,7 +101,7 @@ pub(crate) fn batch_views<'py>(
         if status != 0 {
             return Err(PyErr::fetch(py));
         }
-        list.append(array)?;
+        list.push(array);
     }
     Ok(list)
 }
@@ -113,8 +112,8 @@ pub(crate) fn batch_copies<'py>(
     consumer: &BatchConsumer,
     batch: &BatchRef,
     layouts: &[LeafLayout],
-) -> PyResult<Bound<'py, PyList>> {
-    let list = PyList::empty(py);
+) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    let mut list = Vec::with_capacity(layouts.len());
     for (leaf, layout) in layouts.iter().enumerate() {
         let array = new_array(py, layout, ptr::null_mut())?;
         let array_ptr = array.as_ptr().cast::<npyffi::PyArrayObject>();
@@ -130,7 +129,7 @@ pub(crate) fn batch_copies<'py>(
             // overlaps a numpy allocation.
             unsafe { ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) }
         });
-        list.append(array)?;
+        list.push(array);
     }
     Ok(list)
 }
