@@ -1,4 +1,10 @@
 """One-off tools, run by hand and by no ``just`` recipe: ``gpu_check.py`` (the pinned ring and
-host-to-device copies on a machine with an NVIDIA GPU) and ``load_1000.py`` (1,000 concurrent
-TCP connections to one learner). Each runs on its own (``python benches/tools/NAME.py``) and
-imports ``benches/py/helpers.py``, as the benchmark scripts do."""
+host-to-device copies on a machine with an NVIDIA GPU), ``load_1000.py`` (1,000 concurrent
+TCP connections to one learner), ``issue10_ratios.py`` / ``issue10_rerun.py`` (before/after
+ratios over several ``python -m benches --compare`` runs, and interleaved A/B re-runs of one
+scenario with CPU per sample), and the ``issue11_*.py`` measurements behind the hardening
+issue's closing note (RSS over server lifetimes, the ingress memory bound, idle-connection
+lock-out, the longest GIL gap during a large ``update_priorities``, the accept rate under a
+connection flood), which run the current build and another interpreter's echo interleaved
+(``_issue11.py`` holds what they share). Each runs on its own (``python
+benches/tools/NAME.py``) and imports ``benches/py/helpers.py`` or ``_issue11.py``."""
