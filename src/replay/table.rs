@@ -70,7 +70,7 @@ pub struct MetaLeaf {
 /// The per-item values of a replay batch, in the order the batch area stores them after the
 /// sample's leaves: the item's key, the probability it was drawn with, and how many times it
 /// has been sampled (this draw included). The one definition of that layout: the batch area
-/// is built from it, [`ReplayConsumer`] writes `Drawn::meta_bytes` in this order, and the
+/// is built from it, [`ReplayConsumer`] writes `Drawn::write_meta` in this order, and the
 /// bindings describe the arrays from it.
 pub const BATCH_META: [MetaLeaf; 3] = [
     MetaLeaf { name: "keys", kind: 'u', bytes: 8 },
@@ -190,14 +190,12 @@ struct Drawn {
 }
 
 impl Drawn {
-    /// The item's [`BATCH_META`] values, in that order and of those sizes.
-    fn meta_bytes(&self) -> [([u8; 8], usize); BATCH_META.len()] {
-        let widen = |b: [u8; 4]| [b[0], b[1], b[2], b[3], 0, 0, 0, 0];
-        [
-            (self.key.to_ne_bytes(), BATCH_META[0].bytes),
-            (self.probability.to_ne_bytes(), BATCH_META[1].bytes),
-            (widen(self.times_sampled.to_ne_bytes()), BATCH_META[2].bytes),
-        ]
+    /// Calls `write(m, bytes)` with the item's [`BATCH_META`] value `m`, for each in order.
+    /// (The area's slots are sized from `BATCH_META`, and `write_slot` checks every length.)
+    fn write_meta(&self, mut write: impl FnMut(usize, &[u8])) {
+        write(0, &self.key.to_ne_bytes());
+        write(1, &self.probability.to_ne_bytes());
+        write(2, &self.times_sampled.to_ne_bytes());
     }
 }
 
@@ -812,9 +810,7 @@ impl ReplayConsumer {
             }
         }
         for (i, drawn) in self.pending.iter().enumerate() {
-            for (m, (bytes, len)) in drawn.meta_bytes().iter().enumerate() {
-                self.write_area(base + i, leaves + m, &bytes[..*len]);
-            }
+            drawn.write_meta(|m, bytes| self.write_area(base + i, leaves + m, bytes));
         }
     }
 
