@@ -121,12 +121,14 @@ struct ByteBudget {
     limit: usize,
     /// Bytes of buffers that exist now.
     allocated: AtomicUsize,
-    /// Connections that found the budget spent: woken on every release. Registering happens
-    /// under this lock before a last try, and a release wakes under it after returning its
-    /// bytes, so a connection either sees the bytes or is woken (no lost wake-up).
+    /// Connections that found the budget spent, each once: woken on every release. A
+    /// connection registers and makes its last try under this lock; a release returns its
+    /// bytes and then always takes the lock to wake. So either the release's lock comes after
+    /// the registration (the connection is woken), or before it, and then the last try, which
+    /// the lock orders after the returned bytes, sees them. No lost wake-up.
     waiting: Mutex<Vec<Weak<Connection>>>,
-    /// `waiting.len()`, readable without the lock: recycling drainers free buffers instead of
-    /// pooling them while somebody waits.
+    /// `waiting.len()`, readable without the lock: a hint for recycling drainers, which free
+    /// buffers instead of pooling them while somebody waits.
     num_waiting: Counter,
 }
 
@@ -150,15 +152,17 @@ impl ByteBudget {
             .is_ok()
     }
 
-    /// Gives `bytes` back and wakes every waiting connection.
+    /// Gives `bytes` back and wakes every waiting connection. Not on the steady-state path:
+    /// buffers are pooled, and only freed when a connection closes or others wait for bytes.
     fn release(&self, bytes: usize) {
-        // ORDERING: Relaxed — see `try_take`.
+        // ORDERING: Relaxed — see `try_take`; the `waiting` lock below orders it before a
+        // registered connection's last try.
         self.allocated.fetch_sub(bytes, Relaxed);
-        if self.num_waiting.get() == 0 {
-            return;
-        }
-        let waiting = std::mem::take(&mut *self.waiting.lock());
-        self.num_waiting.set(0);
+        let waiting = {
+            let mut guard = self.waiting.lock();
+            self.num_waiting.set(0);
+            std::mem::take(&mut *guard)
+        };
         for conn in waiting.iter().filter_map(Weak::upgrade) {
             conn.waker.wake();
         }
@@ -170,10 +174,12 @@ impl ByteBudget {
             return true;
         }
         let mut waiting = self.waiting.lock();
-        waiting.push(Arc::downgrade(conn));
-        self.num_waiting.set(waiting.len() as u64);
-        drop(waiting);
-        // A release between the failed try and the registration woke nobody: try again.
+        if !waiting.iter().any(|w| std::ptr::eq(w.as_ptr(), Arc::as_ptr(conn))) {
+            waiting.push(Arc::downgrade(conn));
+            self.num_waiting.set(waiting.len() as u64);
+        }
+        // Under the lock (see `waiting`): a release before the registration woke nobody, but
+        // its bytes are seen here.
         self.try_take(bytes)
     }
 
