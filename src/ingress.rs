@@ -66,6 +66,10 @@ impl IngressConfig {
     /// The default [`IngressConfig::idle_park`]: 100 ms.
     pub const DEFAULT_IDLE_PARK: Duration = Duration::from_millis(100);
 
+    /// The largest [`IngressConfig::queue_size`]: every connection allocates its queue and
+    /// pool (`2 * queue_size + 1` pointers) up front, so an absurd size must fail here.
+    pub const MAX_QUEUE_SIZE: usize = 1 << 16;
+
     /// The default [`IngressConfig::max_buffered_bytes`]: 1 GiB.
     pub const DEFAULT_MAX_BUFFERED_BYTES: usize = 1 << 30;
 
@@ -94,10 +98,12 @@ impl IngressConfig {
         if self.num_drainers == 0 {
             return Err(EchoError::Config("the ingress needs at least 1 drainer, got 0".into()));
         }
-        if self.queue_size == 0 {
-            return Err(EchoError::Config(
-                "a connection queue must hold at least 1 sample, got 0".into(),
-            ));
+        if self.queue_size == 0 || self.queue_size > Self::MAX_QUEUE_SIZE {
+            return Err(EchoError::Config(format!(
+                "a connection queue holds 1 to {} samples, got {}",
+                Self::MAX_QUEUE_SIZE,
+                self.queue_size
+            )));
         }
         if self.max_buffered_bytes < payload_size {
             return Err(EchoError::Config(format!(

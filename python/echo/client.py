@@ -42,7 +42,7 @@ class TcpClient:
         *,
         connect_timeout: float = 10.0,
     ) -> None:
-        max_inflight_msgs = check_int("max_inflight_msgs", max_inflight_msgs, 1)
+        max_inflight_msgs = check_int("max_inflight_msgs", max_inflight_msgs, 1, 2**32 - 1)
         self._layout = TreeLayout(data_sample)
         self._sender = TcpSender(host, port, self._layout, max_inflight_msgs, connect_timeout)
         self._closed = False

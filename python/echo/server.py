@@ -178,8 +178,8 @@ class Server:
         config = _ServerConfig(
             batch_size=check_int("batch_size", batch_size, 1),
             num_buffers=check_int("num_buffers", num_buffers, 2),
-            num_drainers=check_int("num_drainers", num_drainers, 1),
-            producer_queue_size=check_int("producer_queue_size", producer_queue_size, 1),
+            num_drainers=check_int("num_drainers", num_drainers, 1, 1 << 16),
+            producer_queue_size=check_int("producer_queue_size", producer_queue_size, 1, 1 << 16),
             sampler=Fifo() if sampler is None else sampler,
             remover=remover,
             rate_limiter=rate_limiter,

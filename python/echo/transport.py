@@ -42,7 +42,7 @@ class TcpTransport:
 
     def __post_init__(self) -> None:
         check_int("port", self.port, 0, 65535)
-        check_int("num_threads", self.num_threads, 1)
+        check_int("num_threads", self.num_threads, 1, 1024)
         check_int("max_connections", self.max_connections, 1, 2**32 - 1)
         check_int("max_buffered_bytes", self.max_buffered_bytes, 1, 2**63 - 1)
         check_str("host", self.host)

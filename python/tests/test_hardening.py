@@ -556,3 +556,28 @@ def test_a_server_sending_bytes_after_its_handshake_is_not_echo(
     port = one_shot_server([handshake + b"\x01"])
     with pytest.raises(ValueError, match="after its handshake"):
         TcpClient(LOCALHOST, port, {"x": np.zeros((), np.float32)})
+
+
+# --- careless sizes: an absurd setting is a ValueError, never a panic or an abort ----------------
+
+
+@pytest.mark.parametrize(
+    ("make", "name"),
+    [
+        (lambda: Server({"x": np.zeros(2, np.float32)}, 2, producer_queue_size=2**62), "producer"),
+        (lambda: Server({"x": np.zeros(2, np.float32)}, 2, num_drainers=2**62), "num_drainers"),
+        (lambda: TcpTransport(0, num_threads=10**6), "num_threads"),
+        (lambda: TcpTransport(0, max_connections=2**62), "max_connections"),
+        (lambda: TcpTransport(0, max_buffered_bytes=2**70), "max_buffered_bytes"),
+        (
+            lambda: TcpClient(
+                LOCALHOST, 1, {"x": np.zeros(2, np.float32)}, max_inflight_msgs=2**70
+            ),
+            "max_inflight_msgs",
+        ),
+    ],
+    ids=str,
+)
+def test_an_absurd_size_is_a_value_error(make: Callable[[], object], name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        make()

@@ -33,6 +33,8 @@ use crate::ingress::{Connection, Ingress, SpaceWaker};
 
 /// Bytes read from a socket at a time for small samples.
 const STAGING: usize = 64 * 1024;
+/// The most tokio worker threads a server starts (they are started at once).
+const MAX_THREADS: usize = 1024;
 /// How long `shutdown` waits for the runtime's tasks to stop.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 
@@ -64,8 +66,11 @@ impl TcpServer {
     /// [`EchoError::Config`] for bad settings or a spec the wire format cannot express;
     /// [`EchoError::Io`] (naming the address) if binding or starting the runtime fails.
     pub fn start(config: &TcpConfig, ingress: Arc<Ingress>) -> Result<Self, EchoError> {
-        if config.num_threads == 0 {
-            return Err(EchoError::Config("num_threads must be >= 1, got 0".into()));
+        if config.num_threads == 0 || config.num_threads > MAX_THREADS {
+            return Err(EchoError::Config(format!(
+                "num_threads must be in 1..={MAX_THREADS}, got {}",
+                config.num_threads
+            )));
         }
         if config.max_connections == 0 || config.max_connections > Semaphore::MAX_PERMITS {
             return Err(EchoError::Config(format!(
