@@ -9,7 +9,7 @@ default:
 demo *ARGS:
     bash scripts/demo.sh {{ARGS}}
 
-# All that CI runs: the README test command, lint, the strict docs build, the bench smoke run
+# All that CI runs: the README test command, lint, docs, the wheel check, the bench smoke run
 ci:
     bash .ci/run
 
@@ -76,3 +76,7 @@ bench-smoke:
 # Build the documentation site into target/site (strict: warnings are errors)
 docs:
     bash scripts/docs.sh
+
+# The manylinux2014 abi3 wheel into dist/ (or DIR), checked: auditwheel, a fresh venv, the demo
+wheel *DIR:
+    bash scripts/wheel.sh {{DIR}}

@@ -7,6 +7,8 @@ client (which flushes). The learner consumes whole batches, checks that every sa
 exactly once and in per-worker order, and prints the throughput.
 
     bash scripts/demo.sh --workers 4 --samples 20000
+
+It needs only echo and numpy: with tqdm installed (the bench extra) it shows a progress bar.
 """
 
 from __future__ import annotations
@@ -15,9 +17,14 @@ import argparse
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 
 import numpy as np
-from tqdm import tqdm
+
+try:
+    from tqdm import tqdm
+except ModuleNotFoundError:  # tqdm comes with the bench extra; without it, no progress bar
+    tqdm = None
 
 from echo import Server, TcpClient, TcpTransport
 
@@ -62,7 +69,11 @@ def learner(args: argparse.Namespace) -> None:
     next_seq = np.zeros(args.workers, np.int64)
     start: float | None = None
     try:
-        with tqdm(total=batches * args.batch_size, unit="samples", unit_scale=True) as bar:
+        total_samples = batches * args.batch_size
+        progress = (
+            tqdm(total=total_samples, unit="samples", unit_scale=True) if tqdm else nullcontext()
+        )
+        with progress as bar:
             for _ in range(batches):
                 sample = server.sample(timeout=120)
                 assert sample is not None
@@ -73,7 +84,8 @@ def learner(args: argparse.Namespace) -> None:
                             f"worker {worker_id}: expected {next_seq[worker_id]}, got {seq}"
                         )
                     next_seq[worker_id] += 1
-                bar.update(args.batch_size)
+                if bar is not None:
+                    bar.update(args.batch_size)
         elapsed = time.perf_counter() - (start or time.perf_counter())
         for proc in workers:
             proc.wait(timeout=60)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Format, lint and type gates, changing nothing (scripts/fmt.sh fixes what it can). ruff,
-# pyright and mypy come with the dev extra; stubtest needs the built extension.
+# pyright, mypy and actionlint come with the dev extra; stubtest needs the built extension.
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh" >/dev/null
 echo ">> cargo fmt --check"
 cargo fmt --all -- --check
@@ -15,6 +15,8 @@ echo ">> rustdoc (warnings are errors)"
 RUSTDOCFLAGS=-Dwarnings cargo doc --quiet --no-deps --features python,detailed-metrics
 echo ">> every atomic ordering has an ORDERING: comment"
 bash scripts/check_orderings.sh
+echo ">> actionlint: the GitHub Actions workflows"
+actionlint .github/workflows/*.yml
 echo ">> ruff"
 ruff check "${PY_SOURCES[@]}"
 ruff format --check "${PY_SOURCES[@]}"
