@@ -177,10 +177,7 @@ impl Backend {
         deadline: Option<Instant>,
     ) -> Result<(), InsertError> {
         match self {
-            Self::Fifo(_) if priority.is_some() => Err(EchoError::Priority(
-                "the FIFO ring has no priorities: a priority needs a replay table".into(),
-            )
-            .into()),
+            Self::Fifo(_) if priority.is_some() => Err(fifo_has_no_priorities().into()),
             Self::Fifo(store) => store.insert(src, deadline),
             Self::Replay(table) => table.insert(src, priority, deadline),
         }
@@ -225,6 +222,17 @@ impl Backend {
                 "the FIFO ring has no priorities to update: that needs a replay table".into(),
             )),
             Self::Replay(table) => table.update_priorities(keys, priorities),
+        }
+    }
+
+    /// Checks a priority an insert would be given.
+    ///
+    /// # Errors
+    /// [`EchoError::Priority`]: the FIFO ring has none, or it is invalid for the table.
+    pub fn check_priority(&self, priority: f64) -> Result<(), EchoError> {
+        match self {
+            Self::Fifo(_) => Err(fifo_has_no_priorities()),
+            Self::Replay(table) => table.check_one_priority(priority),
         }
     }
 
@@ -335,6 +343,10 @@ impl BatchConsumer {
             _ => unreachable!("a BatchRef comes from this consumer"),
         }
     }
+}
+
+fn fifo_has_no_priorities() -> EchoError {
+    EchoError::Priority("the FIFO ring has no priorities: a priority needs a replay table".into())
 }
 
 #[cfg(test)]

@@ -63,6 +63,10 @@ pub enum EchoError {
     /// (maps to `ValueError`).
     #[error("{0}")]
     Protocol(String),
+    /// The peer does not know the token, or we cannot prove it to the peer (maps to
+    /// `PermissionError`).
+    #[error("{0}")]
+    Auth(String),
     /// The connection is gone: closed by us, or the peer went away (maps to
     /// `ConnectionClosedError`).
     #[error("connection closed: {0}")]

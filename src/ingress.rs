@@ -195,11 +195,14 @@ impl ByteBudget {
     }
 }
 
+/// A queued sample: its payload, its push time, and the priority it was sent with (wire v2).
+type Queued = (Box<[u8]>, Stamp, Option<f64>);
+
 /// One client connection's queue and buffer pool, shared by its transport task and drainer.
 pub struct Connection {
     /// Filled payloads in arrival order, with their push time (zero-sized without
     /// `detailed-metrics`). Producer: the transport task; consumer: the drainer.
-    queue: ArrayQueue<(Box<[u8]>, Stamp)>,
+    queue: ArrayQueue<Queued>,
     /// Empty buffers ready for reuse. Producer: the drainer; consumer: the transport task.
     free: ArrayQueue<Box<[u8]>>,
     /// Buffers of this connection that exist; never exceeds `free.capacity()`.
@@ -266,8 +269,14 @@ impl Connection {
     /// Queues a filled buffer for the drainer, waking it if it sleeps. Gives the buffer back if
     /// the queue is full (wait for [`SpaceWaker::wake`], then retry).
     pub fn try_push(&self, buf: Box<[u8]>) -> Result<(), Box<[u8]>> {
+        self.try_push_with(buf, None)
+    }
+
+    /// [`Connection::try_push`] for a sample with its own priority (replay backends; check it
+    /// with [`Backend::check_priority`] first: an invalid one fails the drainer's whole round).
+    pub fn try_push_with(&self, buf: Box<[u8]>, priority: Option<f64>) -> Result<(), Box<[u8]>> {
         debug_assert_eq!(buf.len(), self.payload_size);
-        self.queue.push((buf, Stamp::now())).map_err(|(buf, _)| buf)?;
+        self.queue.push((buf, Stamp::now(), priority)).map_err(|(buf, ..)| buf)?;
         self.stats.pending.add(1);
         self.drainer.bell.wake_if_sleeping();
         Ok(())
@@ -284,12 +293,24 @@ impl Connection {
         // ORDERING: Release pairs with the drainer's Acquire in `is_drained`: every push this
         // task made is visible to the drainer once it sees `closed`.
         if !self.closed.swap(true, Release) {
-            self.stats.active_connections.sub(1);
             while let Some(buf) = self.free.pop() {
                 self.free_buffer(buf);
             }
             self.drainer.bell.wake();
         }
+    }
+
+    /// The peer went away but may come back (a v2 session): the connection stays open (what
+    /// it queued stays queued, in order) and frees its pooled empty buffers.
+    pub fn detach(&self) {
+        while let Some(buf) = self.free.pop() {
+            self.free_buffer(buf);
+        }
+    }
+
+    /// Bytes of each of this connection's samples.
+    pub fn payload_size(&self) -> usize {
+        self.payload_size
     }
 
     /// Samples waiting in this connection's queue.
@@ -353,6 +374,14 @@ pub struct IngressStats {
     /// Samples queued (acknowledged) and not yet in the backend: +1 on every push, -n as a
     /// drainer's insert puts them in (or drops them).
     pending: CachePadded<Counter>,
+    /// [`TransportEvent`] counts, in the order of [`IngressSnapshot`]'s fields.
+    v1: Counter,
+    v2: Counter,
+    resumed: Counter,
+    deduplicated: Counter,
+    refused_protocol: Counter,
+    refused_auth: Counter,
+    refused_layout: Counter,
 }
 
 /// A snapshot of the ingress counters.
@@ -376,6 +405,40 @@ pub struct IngressSnapshot {
     pub connections_evicted_total: u64,
     /// Samples acknowledged and not yet in the backend (queued, or in a drainer's round).
     pub samples_pending: u64,
+    /// Connections that spoke wire protocol v1.
+    pub v1_connections_total: u64,
+    /// Connections that spoke wire protocol v2.
+    pub v2_connections_total: u64,
+    /// v2 connections that resumed a session (a client reconnecting).
+    pub sessions_resumed_total: u64,
+    /// Samples a resuming client did not resend because they were already queued.
+    pub samples_deduplicated_total: u64,
+    /// Handshakes refused as malformed or unsupported (a v1 client at a server with a token).
+    pub handshakes_refused_protocol_total: u64,
+    /// Handshakes refused for a missing or wrong token.
+    pub handshakes_refused_auth_total: u64,
+    /// Handshakes refused because the client's samples have another layout.
+    pub handshakes_refused_layout_total: u64,
+}
+
+/// What a transport reports about its connections, for the counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransportEvent {
+    /// A connection negotiated wire protocol v1.
+    V1,
+    /// A connection negotiated wire protocol v2.
+    V2,
+    /// A v2 connection resumed a session, skipping this many already queued samples.
+    Resumed {
+        /// Samples the client had sent before that were already queued.
+        deduplicated: u64,
+    },
+    /// A handshake was refused as malformed or unsupported.
+    RefusedProtocol,
+    /// A handshake was refused for a missing or wrong token.
+    RefusedAuth,
+    /// A handshake was refused for another layout.
+    RefusedLayout,
 }
 
 /// The drainer pool and connection registry.
@@ -439,7 +502,6 @@ impl Ingress {
         let drainer =
             self.drainers.iter().min_by_key(|d| d.load.get()).expect("at least one drainer");
         drainer.load.add(1);
-        self.stats.active_connections.add(1);
         let payload_size = self.backend.spec().payload_size();
         let conn = Arc::new(Connection {
             queue: ArrayQueue::new(self.config.queue_size),
@@ -457,6 +519,17 @@ impl Ingress {
         conn
     }
 
+    /// A transport accepted a connection; [`Ingress::connection_ended`] when it ends. Counted
+    /// as `active_connections` (connections open, whether or not they have sent anything).
+    pub fn connection_opened(&self) {
+        self.stats.active_connections.add(1);
+    }
+
+    /// A connection counted by [`Ingress::connection_opened`] ended.
+    pub fn connection_ended(&self) {
+        self.stats.active_connections.sub(1);
+    }
+
     /// A transport refused a connection (counted for the statistics).
     pub fn note_refused(&self) {
         self.stats.refused.add(1);
@@ -465,6 +538,22 @@ impl Ingress {
     /// A transport closed an idle connection to admit a new one (counted).
     pub fn note_evicted(&self) {
         self.stats.evicted.add(1);
+    }
+
+    /// Counts a transport's event for the statistics.
+    pub fn note(&self, event: TransportEvent) {
+        let stats = &self.stats;
+        match event {
+            TransportEvent::V1 => stats.v1.add(1),
+            TransportEvent::V2 => stats.v2.add(1),
+            TransportEvent::Resumed { deduplicated } => {
+                stats.resumed.add(1);
+                stats.deduplicated.add(deduplicated);
+            }
+            TransportEvent::RefusedProtocol => stats.refused_protocol.add(1),
+            TransportEvent::RefusedAuth => stats.refused_auth.add(1),
+            TransportEvent::RefusedLayout => stats.refused_layout.add(1),
+        }
     }
 
     /// Number of drainer threads running.
@@ -486,6 +575,13 @@ impl Ingress {
             connections_refused_total: self.stats.refused.get(),
             connections_evicted_total: self.stats.evicted.get(),
             samples_pending: self.stats.pending.get(),
+            v1_connections_total: self.stats.v1.get(),
+            v2_connections_total: self.stats.v2.get(),
+            sessions_resumed_total: self.stats.resumed.get(),
+            samples_deduplicated_total: self.stats.deduplicated.get(),
+            handshakes_refused_protocol_total: self.stats.refused_protocol.get(),
+            handshakes_refused_auth_total: self.stats.refused_auth.get(),
+            handshakes_refused_layout_total: self.stats.refused_layout.get(),
             ..IngressSnapshot::default()
         };
         for d in &self.drainers {
@@ -542,6 +638,7 @@ impl Ingress {
 /// right also while the rest of the round waits for room).
 struct Round<'a> {
     payloads: Payloads<'a, Box<[u8]>>,
+    priorities: &'a [Option<f64>],
     drainer: &'a DrainerShared,
     stats: &'a IngressStats,
 }
@@ -555,6 +652,9 @@ impl SampleSource for Round<'_> {
     }
     fn leaf(&self, sample: usize, leaf: usize) -> &[u8] {
         self.payloads.leaf(sample, leaf)
+    }
+    fn priority(&self, sample: usize) -> Option<f64> {
+        self.priorities[sample]
     }
     fn inserted(&self, count: usize) {
         self.drainer.inserted.add(count as u64);
@@ -571,12 +671,21 @@ struct Drainer {
     /// Both keep their capacity across rounds.
     bufs: Vec<Box<[u8]>>,
     owners: Vec<usize>,
+    priorities: Vec<Option<f64>>,
     round: usize,
 }
 
 impl Drainer {
     fn new(ingress: Arc<Ingress>, shared: Arc<DrainerShared>) -> Self {
-        Self { ingress, shared, conns: Vec::new(), bufs: Vec::new(), owners: Vec::new(), round: 0 }
+        Self {
+            ingress,
+            shared,
+            conns: Vec::new(),
+            bufs: Vec::new(),
+            owners: Vec::new(),
+            priorities: Vec::new(),
+            round: 0,
+        }
     }
 
     fn run(mut self) {
@@ -592,8 +701,12 @@ impl Drainer {
             // Every buffer is `payload_size` long: connections allocate them so.
             let inserted = Payloads::new(backend.spec(), &self.bufs).map_err(Into::into).and_then(
                 |payloads| {
-                    let round =
-                        Round { payloads, drainer: &self.shared, stats: &self.ingress.stats };
+                    let round = Round {
+                        payloads,
+                        priorities: &self.priorities,
+                        drainer: &self.shared,
+                        stats: &self.ingress.stats,
+                    };
                     backend.insert(&round, None, None)
                 },
             );
@@ -633,9 +746,10 @@ impl Drainer {
                 sum += depth as u64;
                 max = max.max(depth as u64);
                 for _ in 0..depth {
-                    let Some((buf, pushed)) = conn.queue.pop() else { break };
+                    let Some((buf, pushed, priority)) = conn.queue.pop() else { break };
                     self.ingress.queue_dwell.record_since(pushed);
                     self.bufs.push(buf);
+                    self.priorities.push(priority);
                     self.owners.push(index);
                 }
             }
@@ -648,6 +762,7 @@ impl Drainer {
     /// Gives this round's buffers back to their connections and wakes each connection once.
     fn recycle(&mut self) {
         let mut last = usize::MAX;
+        self.priorities.clear();
         for (buf, owner) in self.bufs.drain(..).zip(self.owners.drain(..)) {
             let conn = &self.conns[owner];
             conn.recycle(buf);

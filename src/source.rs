@@ -16,6 +16,12 @@ pub trait SampleSource {
     fn num_leaves(&self, sample: usize) -> usize;
     /// The bytes of leaf `leaf` of sample `sample`.
     fn leaf(&self, sample: usize, leaf: usize) -> &[u8];
+    /// The priority sample `sample` carries itself (wire v2 frames); `None`: the one the
+    /// insert call gives. Default: `None`.
+    fn priority(&self, sample: usize) -> Option<f64> {
+        let _ = sample;
+        None
+    }
     /// Called by the backend each time `count` more samples of this source (the next ones, in
     /// order) are in: committed and visible to the consumer. Lets a caller count inserts as
     /// they happen, also while the rest of the source still waits for room. Default: nothing.

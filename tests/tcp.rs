@@ -13,9 +13,10 @@ use std::time::{Duration, Instant};
 use common::{decode, tagged_payload, tagged_spec, wait_until};
 use echo::backend::Backend;
 use echo::ingress::IngressConfig;
-use echo::transport::client::TcpSender;
+use echo::transport::client::{ClientConfig, Protocol, TcpSender};
 use echo::transport::tcp::TcpConfig;
 use echo::transport::wire::encode_handshake;
+use echo::transport::wire::v2::{Layout, OFFER_LEN};
 use echo::transport::TcpIngress;
 use echo::{Consumer, EchoError, Store};
 
@@ -29,7 +30,7 @@ fn start(
 ) -> (Consumer, TcpIngress, SocketAddr) {
     let store = Store::new(tagged_spec(), batch_size, num_batches).unwrap();
     let consumer = store.consumer().unwrap();
-    let tcp = TcpConfig { host: "127.0.0.1".into(), port: 0, num_threads: 2, max_connections };
+    let tcp = TcpConfig { num_threads: 2, max_connections, ..TcpConfig::new("127.0.0.1", 0) };
     let ingress =
         TcpIngress::start(Backend::Fifo(store.clone()), IngressConfig::new(2, queue_size), &tcp)
             .unwrap();
@@ -37,13 +38,25 @@ fn start(
     (consumer, ingress, addr)
 }
 
+fn client_config(port: u16, max_inflight: u64, protocol: Protocol) -> ClientConfig {
+    ClientConfig {
+        max_inflight,
+        protocol,
+        ..ClientConfig::new("127.0.0.1", port, Layout::untyped(&tagged_spec()))
+    }
+}
+
 fn connect(addr: SocketAddr, max_inflight: u64) -> TcpSender {
-    TcpSender::connect("127.0.0.1", addr.port(), max_inflight, TIMEOUT).unwrap()
+    connect_with(addr, max_inflight, Protocol::Auto)
+}
+
+fn connect_with(addr: SocketAddr, max_inflight: u64, protocol: Protocol) -> TcpSender {
+    TcpSender::connect(client_config(addr.port(), max_inflight, protocol), TIMEOUT).unwrap()
 }
 
 fn send_tagged(client: &mut TcpSender, producer: u32, seq: u64) -> Result<(), EchoError> {
     let p = tagged_payload(producer, seq);
-    client.send(&[&p[..4], &p[4..12], &p[12..]], Some(Instant::now() + TIMEOUT))
+    client.send(&[&p[..4], &p[4..12], &p[12..]], None, Some(Instant::now() + TIMEOUT))
 }
 
 /// Starts `producers` threads that each connect, send `per_producer` tagged samples in order
@@ -54,8 +67,11 @@ fn spawn_senders(
     per_producer: u64,
     max_inflight: u64,
 ) -> Vec<thread::JoinHandle<bool>> {
-    let send_all = move |producer| {
-        let mut client = connect(addr, max_inflight);
+    let send_all = move |producer: u32| {
+        // Odd producers speak v1 (as id-echo 0.2.1), even ones negotiate v2: both at once.
+        let protocol = if producer % 2 == 1 { Protocol::V1 } else { Protocol::Auto };
+        let mut client = connect_with(addr, max_inflight, protocol);
+        assert_eq!(client.protocol(), if producer % 2 == 1 { 1 } else { 2 });
         for seq in 0..per_producer {
             send_tagged(&mut client, producer, seq).unwrap();
         }
@@ -87,15 +103,19 @@ fn assert_exactly_once_in_order(got: &[(u32, u64)], producers: u32, per_producer
 }
 
 #[test]
-fn handshake_bytes_are_exactly_the_v1_format() {
+fn the_greeting_is_the_v1_handshake_then_a_v2_offer_without_ack_bytes() {
     let (_consumer, _server, addr) = start(4, 2, 8, 16);
     let mut raw = TcpStream::connect(addr).unwrap();
     let expected = encode_handshake(&tagged_spec()).unwrap();
-    let mut got = vec![0u8; expected.len()];
+    let mut got = vec![0u8; expected.len() + OFFER_LEN];
     raw.read_exact(&mut got).unwrap();
-    assert_eq!(got, expected);
+    assert_eq!(got[..expected.len()], expected[..]);
     assert_eq!(&got[..5], b"ECHO\x01");
     assert_eq!(u32::from_le_bytes(got[5..9].try_into().unwrap()), 3);
+    let offer = &got[expected.len()..];
+    assert_eq!(&offer[..6], b"ECHO\x02o");
+    // A v1 client counts 0x01 bytes as acks: the offer must hold none.
+    assert!(!offer.contains(&1), "{offer:?}");
 }
 
 #[test]
@@ -122,7 +142,7 @@ fn thirty_two_concurrent_clients_deliver_exactly_once_in_order() {
 fn a_partial_sample_is_discarded_and_never_misaligns_the_ring() {
     let (mut consumer, _server, addr) = start(2, 2, 8, 16);
     let mut raw = TcpStream::connect(addr).unwrap();
-    let mut hs = vec![0u8; encode_handshake(&tagged_spec()).unwrap().len()];
+    let mut hs = vec![0u8; encode_handshake(&tagged_spec()).unwrap().len() + OFFER_LEN];
     raw.read_exact(&mut hs).unwrap();
     let whole = tagged_payload(7, 0);
     let half = tagged_payload(7, 1);
@@ -180,7 +200,7 @@ fn connections_beyond_the_limit_are_refused_cleanly() {
     send_tagged(&mut b, 1, 0).unwrap();
     a.wait(Some(Instant::now() + TIMEOUT)).unwrap();
     b.wait(Some(Instant::now() + TIMEOUT)).unwrap();
-    match TcpSender::connect("127.0.0.1", addr.port(), 8, TIMEOUT) {
+    match TcpSender::connect(client_config(addr.port(), 8, Protocol::Auto), TIMEOUT) {
         Err(EchoError::Disconnected(msg)) => assert!(msg.contains("handshake"), "{msg}"),
         Err(other) => panic!("expected a clean refusal, got {other:?}"),
         Ok(_) => panic!("a third connection was accepted with max_connections = 2"),
@@ -233,10 +253,9 @@ fn a_port_in_use_is_an_error_naming_it() {
     let (_consumer, _server, addr) = start(1, 2, 8, 4);
     let store = Store::new(tagged_spec(), 1, 2).unwrap();
     let tcp = TcpConfig {
-        host: "127.0.0.1".into(),
-        port: addr.port(),
         num_threads: 1,
         max_connections: 4,
+        ..TcpConfig::new("127.0.0.1", addr.port())
     };
     let err = TcpIngress::start(Backend::Fifo(store.clone()), IngressConfig::new(1, 2), &tcp)
         .err()
@@ -251,19 +270,26 @@ fn a_stalled_large_write_resumes_where_it_stopped() {
     let spec = DataSpec::new(vec![ArraySpec::new(vec![BYTES], 1).unwrap()]).unwrap();
     let store = Store::new(spec, 1, 2).unwrap();
     let mut consumer = store.consumer().unwrap();
-    let tcp = TcpConfig { host: "127.0.0.1".into(), port: 0, num_threads: 1, max_connections: 4 };
+    let tcp = TcpConfig { num_threads: 1, max_connections: 4, ..TcpConfig::new("127.0.0.1", 0) };
     let server =
         TcpIngress::start(Backend::Fifo(store.clone()), IngressConfig::new(1, 1), &tcp).unwrap();
     let port = server.local_addr().port();
     let (stalled_tx, stalled_rx) = mpsc::channel();
     let sender = thread::spawn(move || {
-        let mut client = TcpSender::connect("127.0.0.1", port, 8, TIMEOUT).unwrap();
+        let layout =
+            Layout::untyped(&DataSpec::new(vec![ArraySpec::new(vec![BYTES], 1).unwrap()]).unwrap());
+        let mut client =
+            TcpSender::connect(ClientConfig::new("127.0.0.1", port, layout), TIMEOUT).unwrap();
         let mut stalls = 0;
         for i in 0..12u8 {
             let payload = vec![i; BYTES];
             // Tiny deadlines: the writes stall mid-sample and must resume, not restart.
             loop {
-                match client.send(&[&payload], Some(Instant::now() + Duration::from_millis(5))) {
+                match client.send(
+                    &[&payload],
+                    None,
+                    Some(Instant::now() + Duration::from_millis(5)),
+                ) {
                     Ok(()) => break,
                     Err(EchoError::Stalled) => {
                         stalls += 1;

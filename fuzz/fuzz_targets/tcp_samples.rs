@@ -3,7 +3,8 @@
 //! closes its side. There is no framing on the wire (a sample is `payload_size` raw bytes), so
 //! the server's whole job is to cut the stream into exact-size samples:
 //!
-//! - the server sends the handshake of its spec first;
+//! - the server sends the handshake of its spec first, then its offer of wire v2 (which a v1
+//!   client skips; it holds no `ACK` byte);
 //! - every whole sample is acknowledged with exactly one `ACK` byte, and nothing else comes
 //!   back before the server closes the connection (it must close, partial tail or not);
 //! - every whole sample reaches the store exactly once, in order and intact (each input's
@@ -33,6 +34,7 @@ use arbitrary::Arbitrary;
 use echo::backend::Backend;
 use echo::ingress::IngressConfig;
 use echo::transport::tcp::TcpConfig;
+use echo::transport::wire::v2::OFFER_LEN;
 use echo::transport::wire::{encode_handshake, ACK};
 use echo::transport::TcpIngress;
 use echo::{ArraySpec, DataSpec, Payloads, Store};
@@ -99,7 +101,7 @@ fn harness(index: usize) -> &'static Harness {
         let store = Store::new(spec.clone(), BATCH, 3).unwrap();
         let mut consumer = store.consumer().unwrap();
         let tcp =
-            TcpConfig { host: "127.0.0.1".into(), port: 0, num_threads: 1, max_connections: 64 };
+            TcpConfig { num_threads: 1, max_connections: 64, ..TcpConfig::new("127.0.0.1", 0) };
         // No idle wake-up: a lost wake-up hangs, and the deadlines below turn that into a crash.
         let mut ingress = IngressConfig::new(1, 32);
         ingress.idle_park = None;
@@ -184,6 +186,9 @@ fuzz_target!(|input: Input| {
     let mut handshake = vec![0u8; h.handshake.len()];
     conn.read_exact(&mut handshake).expect("handshake");
     assert_eq!(handshake, h.handshake);
+    let mut offer = [0u8; OFFER_LEN];
+    conn.read_exact(&mut offer).expect("offer");
+    assert!(offer.starts_with(b"ECHO\x02o") && !offer.contains(&ACK), "{offer:?}");
 
     // The acks (one byte per sample, at most MAX_SAMPLES) fit in the socket buffer, so the
     // server never blocks on them and one thread can write everything before reading them.

@@ -77,6 +77,28 @@ class SampleInfo:
     def samples_pending(self) -> int:
         """Samples acknowledged to TCP workers and not yet in the ring (queued in the ingress)."""
     @property
+    def v1_connections_total(self) -> int:
+        """TCP connections that negotiated wire protocol 1 (id-echo 0.2.1, `protocol=1`)."""
+    @property
+    def v2_connections_total(self) -> int:
+        """TCP connections that negotiated wire protocol 2."""
+    @property
+    def sessions_resumed_total(self) -> int:
+        """v2 reconnections that resumed their session on this server."""
+    @property
+    def samples_deduplicated_total(self) -> int:
+        """Samples reconnecting clients did not resend because they were already queued."""
+    @property
+    def handshakes_refused_protocol_total(self) -> int:
+        """Handshakes refused as malformed, or v1 clients at a server with a token."""
+    @property
+    def handshakes_refused_auth_total(self) -> int:
+        """Handshakes refused for a missing or wrong token."""
+    @property
+    def handshakes_refused_layout_total(self) -> int:
+        """Handshakes refused because the client's samples have another dtype, leaf name or
+        shape."""
+    @property
     def notify_count(self) -> int:
         """Consumer wake-ups: one per completed batch."""
     @property
@@ -186,8 +208,14 @@ class TcpSender:
         layout: TreeLayout,
         max_inflight: int,
         connect_timeout: float,
+        protocol: int = 0,
+        token: str | None = None,
+        reconnect_timeout: float | None = None,
+        heartbeat_timeout: float | None = 10.0,
     ) -> TcpSender: ...
-    def send(self, sample: object, timeout: float | None = None) -> None:
+    def send(
+        self, sample: object, timeout: float | None = None, priority: float | None = None
+    ) -> None:
         """Checks and sends one sample (a pytree like the example)."""
     def wait(self, timeout: float | None = None) -> None: ...
     def close(self, timeout: float | None = None) -> bool: ...
@@ -195,6 +223,12 @@ class TcpSender:
     def sent(self) -> int: ...
     @property
     def acked(self) -> int: ...
+    @property
+    def protocol(self) -> int: ...
+    @property
+    def reconnects(self) -> int: ...
+    @property
+    def resent(self) -> int: ...
     @property
     def payload_size(self) -> int: ...
 

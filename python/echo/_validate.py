@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import operator
 
-__all__ = ["check_int", "check_str"]
+__all__ = ["check_int", "check_seconds", "check_str", "check_token"]
 
 
 def check_int(name: str, value: object, low: int, high: int | None = None) -> int:
@@ -26,3 +26,27 @@ def check_str(name: str, value: object) -> str:
     if not isinstance(value, str) or not value:
         raise TypeError(f"{name} must be a non-empty str, got {value!r}")
     return value
+
+
+def check_token(name: str, value: object) -> str | None:
+    """`value` as a token: None (read `$ECHO_TOKEN` later) or a non-empty str."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str or None, got {type(value).__name__}")
+    if not value:
+        raise ValueError(f"{name} must be a non-empty string (or None to read $ECHO_TOKEN), got ''")
+    return value
+
+
+def check_seconds(name: str, value: object, *, optional: bool) -> float | None:
+    """`value` as a positive number of seconds (or None where `optional`)."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        kind = "a number of seconds or None" if optional else "a number of seconds"
+        raise TypeError(f"{name} must be {kind}, got {type(value).__name__}")
+    seconds = float(value)
+    if not seconds > 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    return seconds

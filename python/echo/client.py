@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from echo._echo import TcpSender
 from echo._pytree import TreeLayout
-from echo._validate import check_int
+from echo._validate import check_int, check_seconds, check_token
 
 __all__ = ["TcpClient"]
 
@@ -14,10 +14,12 @@ __all__ = ["TcpClient"]
 class TcpClient:
     """Sends samples to an echo server over TCP (wire-compatible with id-echo 0.2.1).
 
-    Connecting reads the server's handshake and checks that it stores samples shaped like
-    `data_sample`. Each `send()` writes the sample's leaves straight from their numpy buffers
-    (one vectored write, no joined copy). At most `max_inflight_msgs` samples are in flight
-    unacknowledged; `send()` blocks (GIL released, Ctrl-C honoured) beyond that.
+    Connecting negotiates the wire protocol and checks that the server stores samples shaped
+    like `data_sample`: with protocol 2 (echo servers) every leaf's dtype, name and shape,
+    with protocol 1 (id-echo 0.2.1 servers) element sizes and shapes. Each `send()` writes
+    the sample's leaves straight from their numpy buffers (one vectored write, no joined
+    copy). At most `max_inflight_msgs` samples are in flight unacknowledged; `send()` blocks
+    (GIL released, Ctrl-C honoured) beyond that.
 
     Args:
         host: Server host name or address.
@@ -25,9 +27,28 @@ class TcpClient:
         data_sample: A pytree like the server's example (same structure, shapes and dtypes).
         max_inflight_msgs: Unacknowledged samples allowed before `send()` blocks.
         connect_timeout: Seconds to wait for the connection and the handshake.
+        protocol: `"auto"` (protocol 2 when the server offers it, else 1), `1` (as id-echo
+            0.2.1: no priorities, token, reconnection or heartbeats) or `2` (refuse servers
+            that do not speak it). See the TCP guide for when "auto" can pick 1 wrongly.
+        token: The shared secret the server requires (`TcpTransport(token=...)`); `None`
+            reads the environment variable `ECHO_TOKEN` (unset or empty: no token). A client
+            with a token speaks only protocol 2 and refuses a server that cannot prove it
+            knows the same token.
+        reconnect: When the connection drops, reconnect (exponential backoff with jitter) for
+            up to `reconnect_timeout` seconds and resend every sample not yet acknowledged;
+            the server stores each exactly once when it is the same server process. `send()`
+            and `wait()` block meanwhile. Keeps a copy of each unacknowledged sample.
+            Protocol 2 only.
+        reconnect_timeout: Seconds to keep trying after a drop before `ConnectionClosedError`.
+        heartbeat_timeout: Seconds the server may stay silent (protocol 2 servers send
+            heartbeats) before the connection is taken for dead; `None` never.
 
     Raises:
-        ValueError: The server's handshake is not echo's, or describes another layout.
+        ValueError: The server is not an echo server, speaks only protocol 1 with
+            `protocol=2`, or stores samples of another layout (the message names the leaf,
+            what the server expects and what `data_sample` has).
+        PermissionError: A token problem: the server requires one and there is none, the
+            token is wrong, or the server cannot prove this client's token.
         ConnectionClosedError: The server closed the connection during the handshake (for
             example, because it is at `max_connections`).
         OSError: Connecting failed (e.g. `ConnectionRefusedError`).
@@ -41,29 +62,59 @@ class TcpClient:
         max_inflight_msgs: int = 32,
         *,
         connect_timeout: float = 10.0,
+        protocol: Literal["auto", 1, 2] = "auto",
+        token: str | None = None,
+        reconnect: bool = False,
+        reconnect_timeout: float = 60.0,
+        heartbeat_timeout: float | None = 10.0,
     ) -> None:
         max_inflight_msgs = check_int("max_inflight_msgs", max_inflight_msgs, 1, 2**32 - 1)
+        if protocol not in ("auto", 1, 2) or isinstance(protocol, bool):
+            raise ValueError(f'protocol must be "auto", 1 or 2, got {protocol!r}')
+        if not isinstance(reconnect, bool):
+            raise TypeError(f"reconnect must be a bool, got {type(reconnect).__name__}")
+        if reconnect and protocol == 1:
+            raise ValueError("reconnect=True needs protocol 2 (v1 has no sequence numbers)")
+        token = check_token("token", token)
+        timeout = check_seconds("reconnect_timeout", reconnect_timeout, optional=False)
+        heartbeat = check_seconds("heartbeat_timeout", heartbeat_timeout, optional=True)
         self._layout = TreeLayout(data_sample)
-        self._sender = TcpSender(host, port, self._layout, max_inflight_msgs, connect_timeout)
+        self._sender = TcpSender(
+            host,
+            port,
+            self._layout,
+            max_inflight_msgs,
+            connect_timeout,
+            0 if protocol == "auto" else protocol,
+            token,
+            timeout if reconnect else None,
+            heartbeat,
+        )
         self._closed = False
 
-    def send(self, sample: Any, *, timeout: float | None = None) -> None:
+    def send(
+        self, sample: Any, *, timeout: float | None = None, priority: float | None = None
+    ) -> None:
         """Sends one sample.
 
         Args:
             sample: A pytree with `data_sample`'s structure, shapes and dtypes.
-            timeout: Seconds to wait for room in the in-flight window; `None` waits as long
-                as it takes.
+            timeout: Seconds to wait for room in the in-flight window (or for a reconnect);
+                `None` waits as long as it takes.
+            priority: The new item's priority on a replay server (protocol 2); `None` gives
+                it the table's default (the largest priority seen so far).
 
         Raises:
-            ValueError: Wrong structure or shape (nothing is sent).
+            ValueError: Wrong structure or shape (nothing is sent); a priority for a FIFO
+                server, on a protocol-1 connection, or not a finite number >= 0.
             TypeError: A leaf is not a numpy array or has another dtype (nothing is sent).
-            ConnectionClosedError: After `close()`, or once the server is gone.
+            ConnectionClosedError: After `close()`, or once the server is gone (and, with
+                `reconnect=True`, reconnecting failed for `reconnect_timeout` seconds).
             TimeoutError: The window stayed full for `timeout` seconds (nothing is sent).
         """
         # A flat-dict sample is looked up by key natively; anything else is flattened by the
         # layout.
-        self._sender.send(sample, timeout)
+        self._sender.send(sample, timeout, priority)
 
     def send_many(self, samples: Any, *, timeout: float | None = None) -> None:
         """Sends each sample of an iterable in order (e.g. one per vectorised environment)."""
@@ -98,6 +149,22 @@ class TcpClient:
         """Samples the server has acknowledged so far."""
         return self._sender.acked
 
+    @property
+    def protocol(self) -> int:
+        """The wire protocol this connection speaks: 1 or 2."""
+        return self._sender.protocol
+
+    @property
+    def reconnects(self) -> int:
+        """Times the client reconnected after its connection dropped."""
+        return self._sender.reconnects
+
+    @property
+    def resent(self) -> int:
+        """Samples sent again after reconnecting (unacknowledged when the connection
+        dropped; the server stores each once)."""
+        return self._sender.resent
+
     def __enter__(self) -> TcpClient:
         return self
 
@@ -105,4 +172,7 @@ class TcpClient:
         self.close()
 
     def __repr__(self) -> str:
-        return f"TcpClient(sent={self.sent}, acked={self.acked}, closed={self._closed})"
+        return (
+            f"TcpClient(protocol={self.protocol}, sent={self.sent}, acked={self.acked}, "
+            f"closed={self._closed})"
+        )

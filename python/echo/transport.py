@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from echo._validate import check_int, check_str
+from echo._validate import check_int, check_seconds, check_str, check_token
 
 __all__ = ["TcpTransport"]
 
@@ -12,6 +12,10 @@ __all__ = ["TcpTransport"]
 @dataclass(frozen=True)
 class TcpTransport:
     """TCP ingress for rollout workers (`TcpClient`s), wire-compatible with id-echo 0.2.1.
+
+    It speaks wire protocol 2 (typed layout check, priorities, tokens, reconnecting clients,
+    heartbeats) with echo clients and protocol 1 with id-echo 0.2.1 clients, negotiated per
+    connection; with a token it speaks only protocol 2 (see the TCP guide).
 
     The server side runs on its own tokio runtime; each connection gets a bounded queue and
     a buffer pool, and a fixed pool of drainer threads moves samples into the ring.
@@ -32,6 +36,16 @@ class TcpTransport:
             reading, and so stop acknowledging, until the learner makes room; an acknowledged
             sample is never dropped. Must hold at least one sample (checked by `start()`).
             Besides this, each connection that sends uses a read buffer of at most 64 KiB.
+        token: A shared secret clients must prove (HMAC-SHA256 challenge-response: the token
+            never crosses the wire). `None` reads the environment variable `ECHO_TOKEN` when
+            the server starts (unset or empty: no token). With a token, protocol-1 clients,
+            clients without the token and clients with another one are refused before any
+            sample is accepted. Not shown in `repr()`.
+        heartbeat_timeout: Seconds a protocol-2 client may stay silent before its connection
+            is taken for dead (clients send heartbeats when idle); `None` never.
+        session_timeout: Seconds the server keeps a protocol-2 client's session (its queue
+            and how many of its samples are stored) after its connection dropped, so that a
+            reconnecting client resumes exactly once and in order.
     """
 
     port: int
@@ -39,6 +53,9 @@ class TcpTransport:
     host: str = "0.0.0.0"
     max_connections: int = 4096
     max_buffered_bytes: int = 1 << 30
+    token: str | None = field(default=None, repr=False, kw_only=True)
+    heartbeat_timeout: float | None = field(default=10.0, kw_only=True)
+    session_timeout: float = field(default=300.0, kw_only=True)
 
     def __post_init__(self) -> None:
         check_int("port", self.port, 0, 65535)
@@ -46,3 +63,6 @@ class TcpTransport:
         check_int("max_connections", self.max_connections, 1, 2**32 - 1)
         check_int("max_buffered_bytes", self.max_buffered_bytes, 1, 2**63 - 1)
         check_str("host", self.host)
+        check_token("token", self.token)
+        check_seconds("heartbeat_timeout", self.heartbeat_timeout, optional=True)
+        check_seconds("session_timeout", self.session_timeout, optional=False)

@@ -47,6 +47,7 @@ DATA_LEN = 16382
 PAYLOAD = DATA_LEN * 4 + 8
 HANDSHAKE = b"ECHO" + struct.pack("<BI", 1, 2) + struct.pack("<III", 4, 1, DATA_LEN)
 HANDSHAKE += struct.pack("<II", 8, 0)
+OFFER_LEN = 38
 
 # id = MAGIC << 48 | worker << 32 | conn << 24 | seq. No garbage byte is 0xEC (the top byte).
 MAGIC = 0xEC41
@@ -116,9 +117,14 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def _handshake(sock: socket.socket) -> None:
+    """The greeting as a v1 client reads it: the handshake, then the server's offer of wire
+    v2 (38 bytes, none of them an ack byte), skipped."""
     got = _recv_exact(sock, len(HANDSHAKE))
     if got != HANDSHAKE:
         raise SystemExit(f"unexpected handshake {got!r}")
+    offer = _recv_exact(sock, OFFER_LEN)
+    if offer[:6] != b"ECHO\x02o" or b"\x01" in offer:
+        raise SystemExit(f"unexpected offer {offer!r}")
 
 
 # --- worker -----------------------------------------------------------------------------------

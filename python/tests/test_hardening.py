@@ -351,7 +351,8 @@ def test_acknowledged_but_unsampled_bytes_stay_under_max_buffered_bytes() -> Non
     server = Server(example, batch_size=1, num_buffers=2, transport=transport)
     server.start()
     assert server.port is not None
-    handshake_len = 5 + 4 + 2 * 8 + 4  # magic+version, count, two arrays, one dim
+    # magic+version, count, two arrays, one dim; then the 38-byte offer of wire v2.
+    handshake_len = 5 + 4 + 2 * 8 + 4 + 38
     acked: list[int] = []
     for peer in range(12):
         with socket.create_connection((LOCALHOST, server.port), timeout=WAIT_S) as sock:

@@ -50,6 +50,17 @@ HANDSHAKE = (
     + b"".join(w.to_bytes(4, "little") for w in (8, 0))  # id: 8-byte elements, 0 dims
     + b"".join(w.to_bytes(4, "little") for w in (4, 1, 3))  # obs: 4-byte elements, (3,)
 )
+# After the v1 handshake an open echo server offers wire v2: b"ECHO" 0x02 b"o" and 32 hex
+# digits, no 0x01 byte among them (a v1 client counts those as acks).
+OFFER_LEN = 38
+
+
+def _read_greeting(sock: socket.socket) -> None:
+    """Reads an open echo server's greeting as a v1 client does: the handshake (checked byte
+    by byte), then the v2 offer, which v1 clients skip."""
+    assert _recv_exact(sock, len(HANDSHAKE)) == HANDSHAKE
+    offer = _recv_exact(sock, OFFER_LEN)
+    assert offer[:6] == b"ECHO\x02o" and b"\x01" not in offer, offer
 
 
 def _tcp(**kwargs: Any) -> TcpTransport:
@@ -245,7 +256,7 @@ def test_handshake_bytes_are_exactly_wire_v1_and_each_sample_is_acked(
 ) -> None:
     server = _started(make_server, batch_size=2)
     with _raw_connect(server.port) as sock:
-        assert _recv_exact(sock, len(HANDSHAKE)) == HANDSHAKE
+        _read_greeting(sock)
         sock.sendall(_raw_sample(7) + _raw_sample(8))
         assert _recv_exact(sock, 2) == b"\x01\x01"
         assert batch_ids(server.sample(timeout=WAIT_S).batch) == [7, 8]  # type: ignore[union-attr]
@@ -959,7 +970,7 @@ def _garbage_without_reading(port: int) -> None:
 def _garbage_after_whole_samples(port: int, ids: list[int]) -> None:
     """Sends whole samples `ids`, waits for their acks, then a torn one, then leaves."""
     with _raw_connect(port) as sock:
-        assert _recv_exact(sock, len(HANDSHAKE)) == HANDSHAKE
+        _read_greeting(sock)
         sock.sendall(b"".join(_raw_sample(i) for i in ids))
         assert _recv_exact(sock, len(ids)) == b"\x01" * len(ids)
         sock.sendall(b"\xff" * (PAYLOAD // 2 + 3))  # no multiple of the payload
@@ -968,7 +979,7 @@ def _garbage_after_whole_samples(port: int, ids: list[int]) -> None:
 def _dribble(port: int, i: int) -> None:
     """Sends sample `i` and a few more bytes one byte at a time, every 40 ms (about 1 s)."""
     with _raw_connect(port) as sock:
-        assert _recv_exact(sock, len(HANDSHAKE)) == HANDSHAKE
+        _read_greeting(sock)
         for byte in _raw_sample(i) + b"\x07" * 5:
             sock.sendall(bytes([byte]))
             time.sleep(0.04)

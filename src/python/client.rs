@@ -9,12 +9,12 @@ use parking_lot::Mutex;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+use super::config::{resolve_token, seconds};
 use super::errors::{error_in, to_pyerr, Call};
-use super::leaves::{byte_slices, py_shape, LeafSpecs};
+use super::leaves::{byte_slices, LeafSpecs};
 use super::{deadline_after, deadline_from_timeout, detach, wait_detached};
 use crate::error::EchoError;
-use crate::spec::DataSpec;
-use crate::transport::client::TcpSender;
+use crate::transport::client::{ClientConfig, Protocol, TcpSender};
 
 /// Samples at or above this many bytes are written with the GIL released.
 const DETACH_WRITE_BYTES: usize = 64 * 1024;
@@ -28,8 +28,11 @@ pub(crate) struct PyTcpSender {
 
 #[pymethods]
 impl PyTcpSender {
-    /// Connects to `host:port` and checks that the server stores samples shaped like ours.
+    /// Connects to `host:port`, negotiates the wire protocol and checks that the server stores
+    /// samples shaped like ours.
     #[new]
+    #[pyo3(signature = (host, port, layout, max_inflight, connect_timeout, protocol=0, token=None, reconnect_timeout=None, heartbeat_timeout=Some(10.0)))]
+    #[allow(clippy::too_many_arguments)] // One per `TcpClient` setting, checked there.
     fn new(
         py: Python<'_>,
         host: String,
@@ -37,6 +40,10 @@ impl PyTcpSender {
         layout: &Bound<'_, PyAny>,
         max_inflight: u64,
         connect_timeout: f64,
+        protocol: u8,
+        token: Option<String>,
+        reconnect_timeout: Option<f64>,
+        heartbeat_timeout: Option<f64>,
     ) -> PyResult<Self> {
         if max_inflight == 0 {
             return Err(PyValueError::new_err("max_inflight_msgs must be >= 1, got 0"));
@@ -47,39 +54,59 @@ impl PyTcpSender {
             )));
         }
         let leaves = LeafSpecs::new(layout)?;
+        let mut config = ClientConfig::new(host, port, leaves.typed_layout(py));
+        config.max_inflight = max_inflight;
+        config.protocol = match protocol {
+            0 => Protocol::Auto,
+            1 => Protocol::V1,
+            2 => Protocol::V2,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "protocol must be \"auto\", 1 or 2, got {other}"
+                )))
+            }
+        };
+        config.token = resolve_token(token.as_deref())?;
+        if protocol == 0 && config.token.is_some() {
+            // A token needs v2: "auto" must not settle for v1.
+            config.protocol = Protocol::V2;
+        }
+        config.heartbeat_timeout = seconds("heartbeat_timeout", heartbeat_timeout)?;
+        config.reconnect_timeout = seconds("reconnect_timeout", reconnect_timeout)?;
         // One deadline for the whole connect and handshake (too large for a `Duration`: none).
         let deadline = deadline_after("connect_timeout", Some(connect_timeout))?;
-        let mut connecting =
-            TcpSender::connecting(&host, port, max_inflight, deadline).map_err(to_pyerr)?;
+        let mut connecting = TcpSender::connecting(config, deadline).map_err(to_pyerr)?;
         // Polled in slices with the GIL released, so Ctrl-C interrupts a slow connect.
         let sender = wait_detached(py, None, |slice_end| connecting.poll(slice_end).transpose())?
             .expect("waits without a deadline until the connect succeeds or fails")
             .map_err(to_pyerr)?;
-        check_server_spec(&leaves, sender.spec(), &host, port)?;
         Ok(Self { leaves, sender: Mutex::new(sender) })
     }
 
-    /// Sends one sample (a pytree like the example). Blocks while `max_inflight` samples are
-    /// unacknowledged; raises `TimeoutError` if `timeout` passes first (nothing sent).
-    #[pyo3(signature = (sample, timeout=None))]
+    /// Sends one sample (a pytree like the example), with `priority` (v2 replay servers).
+    /// Blocks while `max_inflight` samples are unacknowledged (or while reconnecting); raises
+    /// `TimeoutError` if `timeout` passes first (nothing sent).
+    #[pyo3(signature = (sample, timeout=None, priority=None))]
     fn send(
         &self,
         py: Python<'_>,
         sample: &Bound<'_, PyAny>,
         timeout: Option<f64>,
+        priority: Option<f64>,
     ) -> PyResult<()> {
         let deadline = deadline_from_timeout(timeout)?;
         let arrays = self.leaves.arrays(sample)?;
-        self.send_arrays(py, &arrays, deadline)
+        self.send_arrays(py, &arrays, priority, deadline)
     }
 
-    /// Waits until every sent sample is acknowledged.
+    /// Waits until every sent sample is acknowledged (reconnecting and resending meanwhile
+    /// if the client does).
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
         let deadline = deadline_from_timeout(timeout)?;
         let sender = &self.sender;
         let done = wait_detached(py, deadline, |slice_end| {
-            let sender = sender.try_lock_until(slice_end)?;
+            let mut sender = sender.try_lock_until(slice_end)?;
             match sender.wait(Some(slice_end)) {
                 Err(EchoError::TimedOut) => None,
                 other => Some(other),
@@ -97,7 +124,7 @@ impl PyTcpSender {
         let sender = &self.sender;
         // Flush in slices so Ctrl-C still works, then close for real.
         let flushed = wait_detached(py, deadline, |slice_end| {
-            let sender = sender.try_lock_until(slice_end)?;
+            let mut sender = sender.try_lock_until(slice_end)?;
             match sender.wait(Some(slice_end)) {
                 Err(EchoError::TimedOut) => None,
                 Ok(()) => Some(true),
@@ -113,15 +140,31 @@ impl PyTcpSender {
     #[getter]
     fn sent(&self, py: Python<'_>) -> u64 {
         // The lock is held by a `send` waiting (GIL released) for room: wait detached too.
-        let sender = &self.sender;
-        detach(py, || sender.lock().sent())
+        self.read(py, TcpSender::sent)
     }
 
     /// Samples acknowledged so far.
     #[getter]
     fn acked(&self, py: Python<'_>) -> u64 {
-        let sender = &self.sender;
-        detach(py, || sender.lock().acked())
+        self.read(py, TcpSender::acked)
+    }
+
+    /// The wire protocol the connection speaks: 1 or 2.
+    #[getter]
+    fn protocol(&self, py: Python<'_>) -> u8 {
+        self.read(py, TcpSender::protocol)
+    }
+
+    /// Successful reconnections so far.
+    #[getter]
+    fn reconnects(&self, py: Python<'_>) -> u64 {
+        self.read(py, TcpSender::reconnects)
+    }
+
+    /// Samples sent again after reconnections.
+    #[getter]
+    fn resent(&self, py: Python<'_>) -> u64 {
+        self.read(py, TcpSender::resent)
     }
 
     /// Bytes of one sample on the wire.
@@ -132,17 +175,24 @@ impl PyTcpSender {
 }
 
 impl PyTcpSender {
+    /// Reads one value off the sender, waiting (detached) while a `send` holds it.
+    fn read<T: Send>(&self, py: Python<'_>, get: impl FnOnce(&TcpSender) -> T + Send) -> T {
+        let sender = &self.sender;
+        detach(py, || get(&sender.lock()))
+    }
+
     fn send_arrays(
         &self,
         py: Python<'_>,
         arrays: &[Bound<'_, PyUntypedArray>],
+        priority: Option<f64>,
         deadline: Option<Instant>,
     ) -> PyResult<()> {
         let slices = byte_slices(&self.leaves, arrays);
         if self.leaves.spec.payload_size() < DETACH_WRITE_BYTES {
             // Fast path: room in the window, the write is one short syscall.
             if let Some(mut sender) = self.sender.try_lock() {
-                match sender.send(&slices, Some(Instant::now())) {
+                match sender.send(&slices, priority, Some(Instant::now())) {
                     // No room yet, or the socket filled mid-sample: the loop below waits, and
                     // resumes a started sample where it stopped.
                     Err(EchoError::TimedOut | EchoError::Stalled) => {}
@@ -155,7 +205,7 @@ impl PyTcpSender {
         loop {
             let done = wait_detached(py, deadline, |slice_end| {
                 let mut sender = sender.try_lock_until(slice_end)?;
-                match sender.send(&slices, Some(slice_end)) {
+                match sender.send(&slices, priority, Some(slice_end)) {
                     Err(EchoError::TimedOut | EchoError::Stalled) => None,
                     other => Some(other),
                 }
@@ -178,33 +228,4 @@ impl PyTcpSender {
             }
         }
     }
-}
-
-/// The server's handshake must describe our leaves: same count, element sizes and shapes.
-fn check_server_spec(ours: &LeafSpecs, theirs: &DataSpec, host: &str, port: u16) -> PyResult<()> {
-    let mismatch = |detail: String| {
-        PyValueError::new_err(format!(
-            "the server at {host}:{port} stores samples of another layout: {detail}"
-        ))
-    };
-    if theirs.len() != ours.len() {
-        return Err(mismatch(format!(
-            "it has {} leaves, data_sample has {}",
-            theirs.len(),
-            ours.len()
-        )));
-    }
-    for (i, (mine, server)) in ours.spec.arrays().iter().zip(theirs.arrays()).enumerate() {
-        if mine.shape() != server.shape() || mine.dtype_size() != server.dtype_size() {
-            return Err(mismatch(format!(
-                "leaf {}: server expects shape {} with {}-byte elements, data_sample has shape {} with {}-byte elements",
-                ours.names[i],
-                py_shape(server.shape()),
-                server.dtype_size(),
-                py_shape(mine.shape()),
-                mine.dtype_size()
-            )));
-        }
-    }
-    Ok(())
 }

@@ -20,6 +20,8 @@ use super::errors::to_pyerr;
 use crate::backend::BackendConfig;
 use crate::replay::{RateLimit, RemoverKind, ReplayConfig, SamplerKind};
 use crate::transport::tcp::TcpConfig;
+use crate::transport::wire::v2::Layout;
+use std::time::Duration;
 
 /// One leaf of the example: `echo._pytree.LeafSpec`.
 #[derive(FromPyObject)]
@@ -46,18 +48,57 @@ pub(crate) struct TcpArg {
     num_threads: usize,
     max_connections: usize,
     pub(crate) max_buffered_bytes: usize,
+    token: Option<String>,
+    heartbeat_timeout: Option<f64>,
+    session_timeout: f64,
 }
 
 impl TcpArg {
-    /// The TCP server's settings (the rest go to the ingress).
-    pub(crate) fn tcp_config(&self) -> TcpConfig {
-        TcpConfig {
+    /// The TCP server's settings (the rest go to the ingress); `layout` is the example's.
+    pub(crate) fn tcp_config(&self, layout: Layout) -> PyResult<TcpConfig> {
+        Ok(TcpConfig {
             host: self.host.clone(),
             port: self.port,
             num_threads: self.num_threads,
             max_connections: self.max_connections,
-        }
+            token: resolve_token(self.token.as_deref())?,
+            heartbeat_timeout: seconds("heartbeat_timeout", self.heartbeat_timeout)?,
+            session_timeout: seconds("session_timeout", Some(self.session_timeout))?
+                .unwrap_or(Duration::MAX),
+            layout: Some(layout),
+        })
     }
+}
+
+/// The environment variable a token is read from when none is given.
+pub(crate) const TOKEN_VAR: &str = "ECHO_TOKEN";
+
+/// The token to use: `given`, else `$ECHO_TOKEN` (empty: none).
+///
+/// # Errors
+/// `ValueError` for an empty `given` token.
+pub(crate) fn resolve_token(given: Option<&str>) -> PyResult<Option<Vec<u8>>> {
+    match given {
+        Some("") => Err(PyValueError::new_err(format!(
+            "token must be a non-empty string (or None to read ${TOKEN_VAR}), got ''"
+        ))),
+        Some(token) => Ok(Some(token.as_bytes().to_vec())),
+        None => Ok(std::env::var(TOKEN_VAR).ok().filter(|t| !t.is_empty()).map(String::into_bytes)),
+    }
+}
+
+/// A positive number of seconds (`None`: no limit) as a `Duration`; too large for one: none.
+///
+/// # Errors
+/// `ValueError` naming `what` for zero, negative or NaN.
+pub(crate) fn seconds(what: &str, value: Option<f64>) -> PyResult<Option<Duration>> {
+    let Some(value) = value else { return Ok(None) };
+    if value.is_nan() || value <= 0.0 {
+        return Err(PyValueError::new_err(format!(
+            "{what} must be a positive number of seconds or None, got {value}"
+        )));
+    }
+    Ok(Duration::try_from_secs_f64(value).ok())
 }
 
 /// A strategy object and how Python prints it (for messages that name it).

@@ -6,7 +6,8 @@
 //! `OSError` subclass. Every other binding module goes through [`to_pyerr`] or [`error_in`].
 
 use pyo3::exceptions::{
-    PyConnectionError, PyMemoryError, PyRuntimeError, PyTimeoutError, PyValueError,
+    PyConnectionError, PyMemoryError, PyPermissionError, PyRuntimeError, PyTimeoutError,
+    PyValueError,
 };
 use pyo3::prelude::*;
 
@@ -83,6 +84,7 @@ pub(crate) fn to_pyerr(err: EchoError) -> PyErr {
         | EchoError::Priority(_)
         | EchoError::Protocol(_) => PyValueError::new_err(err.to_string()),
         EchoError::OutOfMemory { .. } => PyMemoryError::new_err(err.to_string()),
+        EchoError::Auth(msg) => PyPermissionError::new_err(msg),
         EchoError::Closed => ServerClosedError::new_err(err.to_string()),
         EchoError::TimedOut | EchoError::Stalled => PyTimeoutError::new_err(err.to_string()),
         EchoError::Disconnected(msg) => ConnectionClosedError::new_err(msg),

@@ -81,6 +81,18 @@ pub(crate) struct SampleInfo {
     connections_evicted_total: u64,
     /// Samples acknowledged to TCP workers and not yet in the ring (queued in the ingress).
     samples_pending: u64,
+    /// TCP connections that negotiated wire protocol v1 / v2.
+    v1_connections_total: u64,
+    v2_connections_total: u64,
+    /// v2 reconnections that resumed a session, and the samples they did not need to resend
+    /// because they were already queued.
+    sessions_resumed_total: u64,
+    samples_deduplicated_total: u64,
+    /// Handshakes refused: malformed or v1 at a server with a token; missing or wrong token;
+    /// samples of another layout (dtype, leaf name or shape).
+    handshakes_refused_protocol_total: u64,
+    handshakes_refused_auth_total: u64,
+    handshakes_refused_layout_total: u64,
     /// Consumer wake-ups: one per completed batch.
     notify_count: u64,
     cas_success_total: u64,
@@ -153,6 +165,13 @@ impl SampleInfo {
             connections_refused_total: ingress.connections_refused_total,
             connections_evicted_total: ingress.connections_evicted_total,
             samples_pending: ingress.samples_pending,
+            v1_connections_total: ingress.v1_connections_total,
+            v2_connections_total: ingress.v2_connections_total,
+            sessions_resumed_total: ingress.sessions_resumed_total,
+            samples_deduplicated_total: ingress.samples_deduplicated_total,
+            handshakes_refused_protocol_total: ingress.handshakes_refused_protocol_total,
+            handshakes_refused_auth_total: ingress.handshakes_refused_auth_total,
+            handshakes_refused_layout_total: ingress.handshakes_refused_layout_total,
             notify_count,
             cas_success_total: d.cas_success_total,
             cas_failure_total: d.cas_failure_total,
@@ -189,6 +208,13 @@ impl SampleInfo {
             ("connections_refused_total", self.connections_refused_total),
             ("connections_evicted_total", self.connections_evicted_total),
             ("samples_pending", self.samples_pending),
+            ("v1_connections_total", self.v1_connections_total),
+            ("v2_connections_total", self.v2_connections_total),
+            ("sessions_resumed_total", self.sessions_resumed_total),
+            ("samples_deduplicated_total", self.samples_deduplicated_total),
+            ("handshakes_refused_protocol_total", self.handshakes_refused_protocol_total),
+            ("handshakes_refused_auth_total", self.handshakes_refused_auth_total),
+            ("handshakes_refused_layout_total", self.handshakes_refused_layout_total),
             ("notify_count", self.notify_count),
             ("cas_success_total", self.cas_success_total),
             ("cas_failure_total", self.cas_failure_total),

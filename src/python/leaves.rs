@@ -13,6 +13,7 @@ use pyo3::intern;
 use super::config::LayoutArg;
 use super::errors::to_pyerr;
 use crate::spec::{ArraySpec, DataSpec};
+use crate::transport::wire::v2::{DType, Layout, LeafType};
 
 /// The example's leaves in flattened order.
 pub(crate) struct LeafSpecs {
@@ -56,6 +57,32 @@ impl LeafSpecs {
         let descrs = dtypes.into_iter().map(Bound::unbind).collect();
         let flat_keys = flat_keys.map(|keys| keys.into_iter().map(Bound::unbind).collect());
         Ok(Self { descrs, shapes, names, spec, flat_keys, layout: tree_layout.clone().unbind() })
+    }
+
+    /// The leaves with their dtypes and names, as wire v2 checks them.
+    pub(crate) fn typed_layout(&self, py: Python<'_>) -> Layout {
+        let leaves = self.descrs.iter().zip(&self.shapes).zip(&self.names);
+        Layout(
+            leaves
+                .map(|((descr, shape), name)| {
+                    let descr = descr.bind(py);
+                    let order = match descr.byteorder() {
+                        b'=' if cfg!(target_endian = "little") => b'<',
+                        b'=' => b'>',
+                        other => other,
+                    };
+                    LeafType {
+                        name: name.clone(),
+                        dtype: DType {
+                            order,
+                            kind: descr.kind(),
+                            size: u32::try_from(descr.itemsize()).unwrap_or(u32::MAX),
+                        },
+                        shape: shape.clone(),
+                    }
+                })
+                .collect(),
+        )
     }
 
     /// Number of leaves.

@@ -142,7 +142,7 @@ impl PyServerCore {
     /// `echo.TcpTransport`); returns the bound port. Binding happens here, so a port in use
     /// raises `OSError` naming it.
     fn start(&self, py: Python<'_>, transport: TcpArg) -> PyResult<u16> {
-        let tcp = transport.tcp_config();
+        let tcp = transport.tcp_config(self.leaves.typed_layout(py))?;
         let ingress_config = IngressConfig {
             max_buffered_bytes: transport.max_buffered_bytes,
             ..self.ingress_config

@@ -509,6 +509,16 @@ impl Table {
         state.sampler.check_priority(priority)
     }
 
+    /// Checks one priority as an insert or an update would (takes the lock briefly).
+    ///
+    /// # Errors
+    /// [`EchoError::Priority`] saying what is wrong with it.
+    pub fn check_one_priority(&self, priority: f64) -> Result<(), EchoError> {
+        let state = self.state.lock();
+        self.check_priority(&state, priority)
+            .map_err(|msg| EchoError::Priority(format!("priority {msg}")))
+    }
+
     /// Copies every sample of `src` into the table, each as a new item with `priority` (or
     /// the largest priority seen so far), waiting for the rate limiter until `deadline`.
     ///
@@ -538,6 +548,13 @@ impl Table {
                 .map_err(|msg| EchoError::Priority(format!("priority {msg}")))?;
         }
         for sample in 0..src.num_samples() {
+            if let Some(own) = src.priority(sample) {
+                self.check_priority(&state, own).map_err(|msg| {
+                    EchoError::Priority(format!("sample {sample}'s priority {msg}"))
+                })?;
+            }
+        }
+        for sample in 0..src.num_samples() {
             self.wait_insertable(&mut state, deadline)
                 .map_err(|error| InsertError::new(sample, error))?;
             let (slot, replaced) = state.reserve(small);
@@ -546,7 +563,7 @@ impl Table {
             } else {
                 MutexGuard::unlocked(&mut state, || self.write_item(slot, src, sample));
             }
-            self.publish(&mut state, slot, priority, replaced);
+            self.publish(&mut state, slot, src.priority(sample).or(priority), replaced);
             src.inserted(1);
         }
         Ok(())

@@ -1,10 +1,19 @@
-//! A blocking TCP client for rollout workers: connect, check the handshake, stream samples.
+//! A blocking TCP client for rollout workers: connect, negotiate wire v1 or v2, stream samples.
 //!
 //! Each sample goes out with one vectored write straight from the caller's leaf buffers (no
-//! joined copy). A background thread reads the one-byte acks and counts them; `send` blocks
-//! while `max_inflight` samples are unacknowledged, and `wait` until every sample is. When
-//! the server goes away, every blocked call returns [`EchoError::Disconnected`] promptly.
+//! joined copy), unless the client reconnects: then it keeps a copy of every unacknowledged
+//! sample to send again. A background thread reads the acks and counts them (and, on v2,
+//! sends heartbeats and watches the server's); `send` blocks while `max_inflight` samples are
+//! unacknowledged, and `wait` until every sample is. When the server goes away, every blocked
+//! call returns [`EchoError::Disconnected`] promptly, or, with reconnection on, blocks while
+//! the client reconnects and resends.
+//!
+//! Negotiation ([`super::wire::v2`]): an echo server greets with the v1 handshake and then a
+//! v2 offer (or the offer alone when it has a token); id-echo 0.2.1 sends the handshake
+//! alone. With [`Protocol::Auto`] the client waits [`OFFER_GRACE`] after a v1 handshake for
+//! an offer; without one it speaks v1, so it never writes a v2 byte to a v1 server.
 
+use std::collections::VecDeque;
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
@@ -13,20 +22,110 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::wire::{parse_handshake, ACK};
+use super::wire::v2::{self, Hello, Layout, Mode, Offer, Reply};
+use super::wire::{parse_handshake, ACK, MAGIC};
 use crate::error::EchoError;
 use crate::spec::DataSpec;
 use crate::sync::{Arc, AtomicBool, AtomicU64, Signal};
 
 use std::sync::atomic::Ordering::{Acquire, Release};
 
-/// Ack bookkeeping shared with the reader thread.
+/// How long a client in [`Protocol::Auto`] waits after a v1 handshake for a v2 offer. An echo
+/// server writes both at once, so only a lost segment delays the offer this long.
+pub const OFFER_GRACE: Duration = Duration::from_millis(100);
+/// How long one blocking write may take before `send` checks its deadline again.
+const WRITE_SLICE: Duration = Duration::from_millis(50);
+/// How long [`TcpSender::connect`] waits in one [`Connecting::poll`].
+const CONNECT_SLICE: Duration = Duration::from_millis(50);
+/// First and largest pause between reconnection attempts (each is jittered to 50-100%).
+const BACKOFF_FIRST: Duration = Duration::from_millis(50);
+const BACKOFF_MAX: Duration = Duration::from_secs(2);
+
+/// Which wire protocol to speak.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Protocol {
+    /// v2 when the server offers it, else v1.
+    Auto,
+    /// v1 only (as id-echo 0.2.1).
+    V1,
+    /// v2 only.
+    V2,
+}
+
+/// A client's settings.
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    /// Server host.
+    pub host: String,
+    /// Server port.
+    pub port: u16,
+    /// Our samples: dtypes, names, shapes.
+    pub layout: Layout,
+    /// Unacknowledged samples allowed before `send` waits.
+    pub max_inflight: u64,
+    /// Which protocol to speak.
+    pub protocol: Protocol,
+    /// The shared secret to prove (v2); `None`: none.
+    pub token: Option<Vec<u8>>,
+    /// The server is dead after this long without a byte from it (v2); `None`: never.
+    pub heartbeat_timeout: Option<Duration>,
+    /// Reconnect (v2) for up to this long after the connection drops; `None`: do not.
+    pub reconnect_timeout: Option<Duration>,
+}
+
+impl ClientConfig {
+    /// Settings for `host:port` sending samples of `layout`, with the defaults: 32 in
+    /// flight, [`Protocol::Auto`], no token, 10 s heartbeat timeout, no reconnection.
+    pub fn new(host: impl Into<String>, port: u16, layout: Layout) -> Self {
+        Self {
+            host: host.into(),
+            port,
+            layout,
+            max_inflight: 32,
+            protocol: Protocol::Auto,
+            token: None,
+            heartbeat_timeout: Some(Duration::from_secs(10)),
+            reconnect_timeout: None,
+        }
+    }
+
+    fn address(&self) -> String {
+        format!("{}:{}", self.host, self.port)
+    }
+
+    fn validate(&self) -> Result<(), EchoError> {
+        if self.max_inflight == 0 {
+            return Err(EchoError::Config(
+                "the in-flight window must allow at least 1 sample, got 0".into(),
+            ));
+        }
+        if self.token.as_ref().is_some_and(Vec::is_empty) {
+            return Err(EchoError::Config("the token must not be empty".into()));
+        }
+        if self.protocol == Protocol::V1 && self.token.is_some() {
+            return Err(EchoError::Config(
+                "a token needs wire protocol 2 (protocol=1 cannot prove it)".into(),
+            ));
+        }
+        if self.protocol == Protocol::V1 && self.reconnect_timeout.is_some() {
+            return Err(EchoError::Config(
+                "reconnecting needs wire protocol 2 (v1 has no sequence numbers to resume from)"
+                    .into(),
+            ));
+        }
+        self.layout.spec().map(drop)
+    }
+}
+
+/// Ack bookkeeping of one connection, shared with its reader thread.
 #[derive(Default)]
 struct Acks {
-    /// Acknowledgements received.
+    /// Acknowledgements received on this connection.
     acked: AtomicU64,
     /// Set (with `reason`) when the connection is gone.
     lost: AtomicBool,
+    /// Set with `lost` when reconnecting would not help (the server refused what we sent).
+    fatal: AtomicBool,
     reason: Mutex<String>,
     changed: Signal,
 }
@@ -54,58 +153,146 @@ impl Acks {
         self.acked.load(Acquire)
     }
 
-    fn closed_error(&self) -> EchoError {
-        EchoError::Disconnected(self.reason.lock().clone())
+    fn reason(&self) -> String {
+        self.reason.lock().clone()
     }
 }
 
-/// A connection to an echo server.
-pub struct TcpSender {
-    stream: TcpStream,
-    spec: DataSpec,
-    acks: Arc<Acks>,
-    sent: u64,
-    max_inflight: u64,
-    reader: Option<JoinHandle<()>>,
-    closed: bool,
-    /// Bytes of the current sample already written; non-zero only between a
-    /// [`EchoError::Stalled`] and the `send` that finishes the sample.
-    in_progress: usize,
+/// When to send heartbeats and when to give up on a silent server (v2 only).
+#[derive(Debug, Clone, Copy)]
+struct Beat {
+    every: Duration,
+    dead_after: Option<Duration>,
 }
 
-/// How long one blocking write may take before `send` checks its deadline again.
-const WRITE_SLICE: Duration = Duration::from_millis(50);
-/// How long [`TcpSender::connect`] waits in one [`Connecting::poll`].
-const CONNECT_SLICE: Duration = Duration::from_millis(50);
+impl Beat {
+    fn new(own: Option<Duration>, peer_ms: u32) -> Option<Self> {
+        let peer = (peer_ms > 0).then(|| Duration::from_millis(u64::from(peer_ms)));
+        let shortest = match (own, peer) {
+            (Some(a), Some(b)) => a.min(b),
+            (a, b) => a.or(b)?,
+        };
+        Some(Self { every: (shortest / 4).max(Duration::from_millis(10)), dead_after: own })
+    }
+}
+
+/// What the writer and the heartbeat (on the reader thread) share.
+struct Writing {
+    /// A frame is partly written: no heartbeat may go in between.
+    mid_frame: bool,
+    last_write: Instant,
+}
+
+/// One established connection.
+struct Link {
+    stream: TcpStream,
+    /// 1 or 2.
+    version: u8,
+    /// Sequence number of the first sample sent on this connection.
+    base: u64,
+    acks: Arc<Acks>,
+    writing: Arc<Mutex<Writing>>,
+    reader: Option<JoinHandle<()>>,
+}
+
+impl Link {
+    fn acked_total(&self) -> u64 {
+        self.base + self.acks.acked()
+    }
+
+    /// Closes the socket and joins the reader.
+    fn shut(&mut self) {
+        let _ = self.stream.shutdown(Shutdown::Both);
+        if let Some(reader) = self.reader.take() {
+            let _ = reader.join();
+        }
+    }
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        self.shut();
+    }
+}
+
+/// What a finished handshake gives.
+struct Established {
+    stream: TcpStream,
+    version: u8,
+    spec: DataSpec,
+    accept: Option<v2::Accept>,
+    /// Bytes received after the handshake (acks or heartbeats), for the reader.
+    leftover: Vec<u8>,
+    /// v1 by [`Protocol::Auto`]'s choice: a late offer is possible and skipped.
+    skip_offer: bool,
+}
 
 /// A connection being opened ([`TcpSender::connecting`]). Each [`Connecting::poll`] waits at
 /// most until the time it is given, so a caller can check for interrupts (Ctrl-C) between
 /// polls; the deadline given to `connecting` bounds the whole connect and handshake. Dropping
 /// it abandons the connect (its thread ends on its own, at the latest at the deadline).
 pub struct Connecting {
-    /// `host:port`, for messages.
+    config: Arc<ClientConfig>,
     address: String,
-    max_inflight: u64,
     started: Instant,
     deadline: Option<Instant>,
+    session: [u8; 16],
+    first_seq: u64,
     /// The result of the TCP connect, from its thread.
     connected: Receiver<io::Result<TcpStream>>,
-    /// Connected, reading the handshake.
+    /// Connected, negotiating.
     stream: Option<TcpStream>,
-    /// Handshake bytes received so far.
+    /// Bytes received and not yet used.
     received: Vec<u8>,
+    /// When the v1 handshake was complete (Auto and V2 then wait for an offer).
+    v1_at: Option<Instant>,
+    /// The v2 hello we sent and the offer it answers, once sent.
+    sent_hello: Option<(Offer, Hello)>,
 }
 
 impl Connecting {
+    fn start(
+        config: Arc<ClientConfig>,
+        session: [u8; 16],
+        first_seq: u64,
+        deadline: Option<Instant>,
+    ) -> Result<Self, EchoError> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let target = (config.host.clone(), config.port);
+        // std has no non-blocking connect: it runs on a short-lived thread of its own, bounded
+        // by `deadline`, and `poll` waits for its result in slices.
+        thread::Builder::new().name("echo-client-connect".into()).spawn(move || {
+            let _ = tx.send(open_stream(&target.0, target.1, deadline));
+        })?;
+        Ok(Self {
+            address: config.address(),
+            config,
+            started: Instant::now(),
+            deadline,
+            session,
+            first_seq,
+            connected: rx,
+            stream: None,
+            received: Vec::new(),
+            v1_at: None,
+            sent_hello: None,
+        })
+    }
+
     /// Waits until `until` (or the deadline, if sooner) for the connection and the handshake.
     /// `Ok(None)`: not yet, call again.
     ///
     /// # Errors
     /// [`EchoError::Io`] if connecting fails (`TimedOut` once the deadline passes, naming
-    /// what was missing); [`EchoError::Protocol`] if the peer is not an echo v1 server (from
-    /// its first wrong byte on); [`EchoError::Disconnected`] if it closes the connection
-    /// during the handshake (an echo server at `max_connections` does that).
+    /// what was missing); [`EchoError::Protocol`] if the peer is not an echo server (from its
+    /// first wrong byte on), speaks only v1 when v2 is required, or refuses our layout;
+    /// [`EchoError::Auth`] for a token problem; [`EchoError::Disconnected`] if it closes the
+    /// connection during the handshake (an echo server at `max_connections` does that).
     pub fn poll(&mut self, until: Instant) -> Result<Option<TcpSender>, EchoError> {
+        Ok(self.poll_established(until)?.map(|est| TcpSender::from_established(self, est)))
+    }
+
+    fn poll_established(&mut self, until: Instant) -> Result<Option<Established>, EchoError> {
         let until = self.deadline.map_or(until, |d| d.min(until));
         if self.stream.is_none() {
             let wait = until.saturating_duration_since(Instant::now());
@@ -120,28 +307,25 @@ impl Connecting {
                 }
             }
         }
-        let stream = self.stream.as_mut().expect("connected above");
-        let mut chunk = [0u8; 512];
         loop {
-            if let Some((spec, len)) = parse_handshake(&self.received)? {
-                if len != self.received.len() {
-                    // A v1 server sends nothing after its handshake until a sample arrives
-                    // (then one ack each): anything else is not echo's protocol.
-                    return Err(EchoError::Protocol(format!(
-                        "{} sent {} bytes after its handshake, before any sample: not an echo \
-                         v1 server",
-                        self.address,
-                        self.received.len() - len
-                    )));
-                }
-                let stream = self.stream.take().expect("connected above");
-                return TcpSender::start(stream, spec, self.max_inflight).map(Some);
+            if let Some(done) = self.advance()? {
+                return Ok(Some(done));
             }
-            let wait = until.saturating_duration_since(Instant::now());
+            // Wait for more bytes, at most until `until` (or the end of the offer grace).
+            let mut wait_until = until;
+            if let Some(at) = self.v1_at {
+                wait_until = wait_until.min(at + OFFER_GRACE);
+            }
+            let wait = wait_until.saturating_duration_since(Instant::now());
             if wait.is_zero() {
+                if self.v1_at.is_some_and(|at| at.elapsed() >= OFFER_GRACE) {
+                    continue; // `advance` decides: no offer came.
+                }
                 return self.not_yet("sent no complete echo handshake");
             }
+            let stream = self.stream.as_mut().expect("connected above");
             stream.set_read_timeout(Some(wait))?;
+            let mut chunk = [0u8; 4096];
             match stream.read(&mut chunk) {
                 Ok(0) => {
                     return Err(EchoError::Disconnected(format!(
@@ -151,18 +335,176 @@ impl Connecting {
                 }
                 Ok(n) => self.received.extend_from_slice(&chunk[..n]),
                 Err(e)
-                    if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) =>
-                {
-                    return self.not_yet("sent no complete echo handshake");
-                }
+                    if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {}
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e.into()),
             }
         }
     }
 
+    /// Takes the negotiation as far as the bytes received allow.
+    fn advance(&mut self) -> Result<Option<Established>, EchoError> {
+        if self.sent_hello.is_some() {
+            return self.read_reply();
+        }
+        let received = &self.received;
+        // A server with a token sends its offer alone.
+        if received.len() > 4 && received[..4] == MAGIC[..] && received[4] == v2::VERSION {
+            let Some(offer) = Offer::parse(received)? else { return Ok(None) };
+            self.check_nothing_after(v2::OFFER_LEN, "its offer")?;
+            if self.config.protocol == Protocol::V1 {
+                return Err(EchoError::Auth(format!(
+                    "the server at {} requires a token and wire protocol 2; this client was \
+                     created with protocol=1",
+                    self.address
+                )));
+            }
+            return self.answer(offer);
+        }
+        let Some((spec, len)) = parse_handshake(received)? else { return Ok(None) };
+        let rest = &received[len..];
+        if rest.is_empty() {
+            let at = *self.v1_at.get_or_insert_with(Instant::now);
+            if self.config.protocol == Protocol::V1 {
+                return self.speak_v1(spec, len, true);
+            }
+            if at.elapsed() < OFFER_GRACE {
+                return Ok(None);
+            }
+            if self.config.protocol == Protocol::V2 {
+                return Err(EchoError::Protocol(format!(
+                    "the server at {} speaks only wire protocol 1 (id-echo 0.2.1 or older), \
+                     and this client requires protocol 2",
+                    self.address
+                )));
+            }
+            return self.speak_v1(spec, len, true);
+        }
+        let parsed = Offer::parse(rest).map_err(|e| {
+            EchoError::Protocol(format!(
+                "{} sent {} bytes after its handshake that are not an echo v2 offer ({e}): not an \
+                 echo server",
+                self.address,
+                rest.len()
+            ))
+        })?;
+        let Some(offer) = parsed else { return Ok(None) };
+        self.check_nothing_after(len + v2::OFFER_LEN, "its offer")?;
+        if self.config.protocol == Protocol::V1 {
+            return self.speak_v1(spec, len + v2::OFFER_LEN, false);
+        }
+        self.answer(offer)
+    }
+
+    fn check_nothing_after(&self, len: usize, what: &str) -> Result<(), EchoError> {
+        if self.received.len() > len {
+            return Err(EchoError::Protocol(format!(
+                "{} sent {} bytes after {what}, before any sample: not an echo server",
+                self.address,
+                self.received.len() - len
+            )));
+        }
+        Ok(())
+    }
+
+    /// Settles on v1 with the server's handshake (`len` bytes of greeting consumed).
+    fn speak_v1(
+        &mut self,
+        spec: DataSpec,
+        len: usize,
+        skip_offer: bool,
+    ) -> Result<Option<Established>, EchoError> {
+        if self.config.token.is_some() {
+            return Err(EchoError::Auth(format!(
+                "the server at {} speaks only wire protocol 1 and cannot check the token this \
+                 client has (unset ECHO_TOKEN or token= to send to it)",
+                self.address
+            )));
+        }
+        check_v1_layout(&self.config.layout, &spec, &self.address)?;
+        if self.config.reconnect_timeout.is_some() {
+            log::warn!(
+                "{}: the server speaks only wire protocol 1; this client will not reconnect",
+                self.address
+            );
+        }
+        let leftover = self.received.split_off(len);
+        let stream = self.stream.take().expect("connected");
+        Ok(Some(Established { stream, version: 1, spec, accept: None, leftover, skip_offer }))
+    }
+
+    /// Sends our hello in answer to `offer`.
+    fn answer(&mut self, offer: Offer) -> Result<Option<Established>, EchoError> {
+        if offer.mode == Mode::Token && self.config.token.is_none() {
+            return Err(EchoError::Auth(format!(
+                "the server at {} requires a token: pass token= or set ECHO_TOKEN",
+                self.address
+            )));
+        }
+        let hello = Hello {
+            session: self.session,
+            first_seq: self.first_seq,
+            heartbeat_ms: self
+                .config
+                .heartbeat_timeout
+                .map_or(0, |d| u32::try_from(d.as_millis()).unwrap_or(u32::MAX).max(1)),
+            client_nonce: v2::random()?,
+            layout: self.config.layout.clone(),
+            mac: None,
+        };
+        let bytes = hello.encode(&offer, self.config.token.as_deref())?;
+        let stream = self.stream.as_mut().expect("connected");
+        let left = self.deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        stream.set_write_timeout(left.map(|l| l.max(Duration::from_millis(1))))?;
+        stream.write_all(&bytes)?;
+        self.received.clear();
+        self.sent_hello = Some((offer, hello));
+        self.read_reply()
+    }
+
+    fn read_reply(&mut self) -> Result<Option<Established>, EchoError> {
+        let Some((reply, len)) = Reply::parse(&self.received)? else { return Ok(None) };
+        let (offer, hello) = self.sent_hello.as_ref().expect("hello sent");
+        let accept = match reply {
+            Reply::Refused(why, message) => return Err(why.into_error(message)),
+            Reply::Accepted(accept) => accept,
+        };
+        if let Some(token) = &self.config.token {
+            if accept.mac.is_none() {
+                return Err(EchoError::Auth(format!(
+                    "the server at {} did not prove the token: it has none (set ECHO_TOKEN for \
+                     the learner too, or unset it for this client)",
+                    self.address
+                )));
+            }
+            if !accept.verify(token, hello, offer) {
+                return Err(EchoError::Auth(format!(
+                    "the server at {} does not know this client's token",
+                    self.address
+                )));
+            }
+        }
+        if accept.resume_seq < self.first_seq {
+            return Err(EchoError::Protocol(format!(
+                "the server at {} resumed at sample {} before the {} acknowledged",
+                self.address, accept.resume_seq, self.first_seq
+            )));
+        }
+        let spec = self.config.layout.spec()?;
+        let leftover = self.received.split_off(len);
+        let stream = self.stream.take().expect("connected");
+        Ok(Some(Established {
+            stream,
+            version: 2,
+            spec,
+            accept: Some(accept),
+            leftover,
+            skip_offer: false,
+        }))
+    }
+
     /// `Ok(None)` before the deadline; after it, a `TimedOut` error saying what was missing.
-    fn not_yet(&self, what: &str) -> Result<Option<TcpSender>, EchoError> {
+    fn not_yet<T>(&self, what: &str) -> Result<Option<T>, EchoError> {
         if self.deadline.is_some_and(|d| Instant::now() >= d) {
             return Err(EchoError::Io(io::Error::new(
                 io::ErrorKind::TimedOut,
@@ -176,6 +518,37 @@ impl Connecting {
         }
         Ok(None)
     }
+}
+
+/// A v1 server's handshake must describe our samples: same count, element sizes and shapes
+/// (v1 carries no dtypes or names).
+fn check_v1_layout(ours: &Layout, theirs: &DataSpec, address: &str) -> Result<(), EchoError> {
+    let mismatch = |detail: String| {
+        EchoError::Protocol(format!(
+            "the server at {address} stores samples of another layout: {detail}"
+        ))
+    };
+    if theirs.len() != ours.0.len() {
+        return Err(mismatch(format!(
+            "it has {} leaves, data_sample has {}",
+            theirs.len(),
+            ours.0.len()
+        )));
+    }
+    for (mine, server) in ours.0.iter().zip(theirs.arrays()) {
+        if mine.shape != server.shape() || mine.dtype.size as usize != server.dtype_size() {
+            return Err(mismatch(format!(
+                "leaf {}: server expects shape {:?} with {}-byte elements, data_sample has shape \
+                 {:?} with {}-byte elements",
+                mine.name,
+                server.shape(),
+                server.dtype_size(),
+                mine.shape,
+                mine.dtype.size
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Resolves `host` and connects to the first address that answers, before `deadline`.
@@ -201,20 +574,59 @@ fn open_stream(host: &str, port: u16, deadline: Option<Instant>) -> io::Result<T
     Err(io::Error::new(err.kind(), format!("cannot connect to {host}:{port}: {err}")))
 }
 
+/// A sample kept until it is acknowledged, to send again after a reconnect.
+struct Retained {
+    /// The frame's bytes: header, then payload.
+    frame: Box<[u8]>,
+}
+
+/// A reconnection in progress.
+struct Recovery {
+    since: Instant,
+    attempt: u32,
+    next_try: Instant,
+    connecting: Option<Connecting>,
+    last_error: String,
+}
+
+/// A connection to an echo server.
+pub struct TcpSender {
+    config: Arc<ClientConfig>,
+    spec: DataSpec,
+    session: [u8; 16],
+    /// The connection; `None` while reconnecting, or after `close`.
+    link: Option<Link>,
+    version: u8,
+    replay: bool,
+    /// Samples accepted by `send` (the sequence number of the next one).
+    sent: u64,
+    /// Samples wholly written on the current connection (retention only; else `sent`).
+    written: u64,
+    /// Bytes of the frame at `written` (or of the sample being sent) already written.
+    in_progress: usize,
+    /// Acknowledged samples of past connections (their total when the last one dropped).
+    acked_floor: u64,
+    /// With reconnection: every sample from `retained_base` to `sent`, as frames.
+    retained: VecDeque<Retained>,
+    retained_base: u64,
+    reconnect: bool,
+    recovery: Option<Recovery>,
+    /// Why the client can no longer send (reconnection gave up, or was never on).
+    failed: Option<String>,
+    closed: bool,
+    reconnects: u64,
+    resent: u64,
+    /// A sample accepted into `retained` by a `send` that returned before it was written.
+    carry: bool,
+}
+
 impl TcpSender {
-    /// Connects to `host:port`, reads the server's handshake and starts the ack reader, all
-    /// within `timeout`. Returns the client; compare [`TcpSender::spec`] with yours.
+    /// Connects, negotiates and starts the ack reader, all within `timeout`.
     ///
     /// # Errors
-    /// As [`Connecting::poll`].
-    pub fn connect(
-        host: &str,
-        port: u16,
-        max_inflight: u64,
-        timeout: Duration,
-    ) -> Result<Self, EchoError> {
-        let mut connecting =
-            Self::connecting(host, port, max_inflight, Instant::now().checked_add(timeout))?;
+    /// As [`TcpSender::connecting`] and [`Connecting::poll`].
+    pub fn connect(config: ClientConfig, timeout: Duration) -> Result<Self, EchoError> {
+        let mut connecting = Self::connecting(config, Instant::now().checked_add(timeout))?;
         loop {
             if let Some(sender) = connecting.poll(Instant::now() + CONNECT_SLICE)? {
                 return Ok(sender);
@@ -222,67 +634,93 @@ impl TcpSender {
         }
     }
 
-    /// Starts connecting to `host:port`; drive it with [`Connecting::poll`] until it returns
-    /// the client. `deadline` bounds everything (name resolution, the TCP connect, the whole
-    /// handshake); `None` waits as long as it takes.
+    /// Starts connecting; drive it with [`Connecting::poll`] until it returns the client.
+    /// `deadline` bounds everything (name resolution, the TCP connect, the whole handshake);
+    /// `None` waits as long as it takes.
     ///
     /// # Errors
-    /// [`EchoError::Config`] if `max_inflight` is 0; [`EchoError::Io`] if no thread can start.
+    /// [`EchoError::Config`] for bad settings; [`EchoError::Io`] if no thread can start.
     pub fn connecting(
-        host: &str,
-        port: u16,
-        max_inflight: u64,
+        config: ClientConfig,
         deadline: Option<Instant>,
     ) -> Result<Connecting, EchoError> {
-        if max_inflight == 0 {
-            return Err(EchoError::Config(
-                "the in-flight window must allow at least 1 sample, got 0".into(),
-            ));
-        }
-        let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        let target = (host.to_owned(), port);
-        // std has no non-blocking connect: it runs on a short-lived thread of its own, bounded
-        // by `deadline`, and `poll` waits for its result in slices.
-        thread::Builder::new().name("echo-client-connect".into()).spawn(move || {
-            let _ = tx.send(open_stream(&target.0, target.1, deadline));
-        })?;
-        Ok(Connecting {
-            address: format!("{host}:{port}"),
-            max_inflight,
-            started: Instant::now(),
-            deadline,
-            connected: rx,
-            stream: None,
-            received: Vec::new(),
-        })
+        config.validate()?;
+        Connecting::start(Arc::new(config), v2::random()?, 0, deadline)
     }
 
-    /// Starts the ack reader on a connected stream whose handshake announced `spec`.
-    fn start(stream: TcpStream, spec: DataSpec, max_inflight: u64) -> Result<Self, EchoError> {
+    fn from_established(connecting: &Connecting, est: Established) -> Self {
+        let config = Arc::clone(&connecting.config);
+        let reconnect = est.version == 2 && config.reconnect_timeout.is_some();
+        let replay = est.accept.as_ref().is_some_and(|a| a.replay);
+        let mut sender = Self {
+            spec: est.spec.clone(),
+            session: connecting.session,
+            link: None,
+            version: est.version,
+            replay,
+            sent: 0,
+            written: 0,
+            in_progress: 0,
+            acked_floor: 0,
+            retained: VecDeque::new(),
+            retained_base: 0,
+            reconnect,
+            recovery: None,
+            failed: None,
+            closed: false,
+            reconnects: 0,
+            resent: 0,
+            carry: false,
+            config,
+        };
+        match sender.install(est) {
+            Ok(()) => {}
+            Err(err) => sender.failed = Some(err.to_string()),
+        }
+        sender
+    }
+
+    /// Starts the reader on an established connection and makes it the current one.
+    fn install(&mut self, est: Established) -> Result<(), EchoError> {
+        let Established { stream, version, accept, leftover, skip_offer, .. } = est;
         stream.set_read_timeout(None)?;
         stream.set_write_timeout(Some(WRITE_SLICE))?;
+        let base = accept.as_ref().map_or(0, |a| a.resume_seq);
+        let beat =
+            accept.as_ref().and_then(|a| Beat::new(self.config.heartbeat_timeout, a.heartbeat_ms));
         let acks = Arc::new(Acks::default());
+        let writing =
+            Arc::new(Mutex::new(Writing { mid_frame: false, last_write: Instant::now() }));
         let reader = {
-            let (mut stream, acks) = (stream.try_clone()?, Arc::clone(&acks));
-            thread::Builder::new()
-                .name("echo-client-acks".into())
-                .spawn(move || read_acks(&mut stream, &acks))?
+            let mut reading = Reading {
+                stream: stream.try_clone()?,
+                acks: Arc::clone(&acks),
+                writing: Arc::clone(&writing),
+                beat,
+                version,
+                skip_offer,
+                pending: leftover,
+                last_heard: Instant::now(),
+            };
+            thread::Builder::new().name("echo-client-acks".into()).spawn(move || reading.run())?
         };
-        Ok(Self {
-            stream,
-            spec,
-            acks,
-            sent: 0,
-            max_inflight,
-            reader: Some(reader),
-            closed: false,
-            in_progress: 0,
-        })
+        self.link = Some(Link { stream, version, base, acks, writing, reader: Some(reader) });
+        Ok(())
     }
 
     /// The server's sample layout.
     pub fn spec(&self) -> &DataSpec {
         &self.spec
+    }
+
+    /// The wire protocol spoken: 1 or 2.
+    pub fn protocol(&self) -> u8 {
+        self.version
+    }
+
+    /// Whether the server takes priorities (v2 with a replay table).
+    pub fn takes_priorities(&self) -> bool {
+        self.replay
     }
 
     /// Samples sent so far.
@@ -292,44 +730,126 @@ impl TcpSender {
 
     /// Samples acknowledged so far.
     pub fn acked(&self) -> u64 {
-        self.acks.acked()
+        match &self.link {
+            Some(link) => link.acked_total().max(self.acked_floor),
+            None => self.acked_floor,
+        }
     }
 
-    /// Sends one sample given as its leaves (sizes are checked against the spec here). Waits
-    /// first while `max_inflight` samples are unacknowledged; returns
-    /// [`EchoError::TimedOut`] if `deadline` passes while waiting (nothing was sent).
+    /// Successful reconnections so far.
+    pub fn reconnects(&self) -> u64 {
+        self.reconnects
+    }
+
+    /// Samples sent again after reconnections.
+    pub fn resent(&self) -> u64 {
+        self.resent
+    }
+
+    /// Bytes of a sample written so far by a `send` that returned [`EchoError::Stalled`]
+    /// (with reconnection: non-zero while an accepted sample is not yet written).
+    pub fn in_progress(&self) -> usize {
+        if self.carry {
+            self.in_progress.max(1)
+        } else {
+            self.in_progress
+        }
+    }
+
+    /// Sends one sample given as its leaves (sizes are checked against the spec here), with
+    /// `priority` (v2 replay servers only). Waits first while `max_inflight` samples are
+    /// unacknowledged; returns [`EchoError::TimedOut`] if `deadline` passes while waiting
+    /// (nothing was sent).
     ///
     /// Once the first byte is written the sample must be finished, or the stream would be
     /// misaligned: if `deadline` passes mid-write this returns [`EchoError::Stalled`], and
     /// the next `send` (with the same leaves) continues where it stopped. [`TcpSender::abort`]
-    /// gives up instead (the server discards the partial sample).
+    /// gives up instead (the server discards the partial sample). With reconnection the
+    /// sample is kept until acknowledged and a dropped connection is reconnected first.
     ///
     /// # Errors
-    /// [`EchoError::Disconnected`] once the connection is gone; [`EchoError::Protocol`] if the
-    /// leaves do not match the spec.
-    pub fn send(&mut self, leaves: &[&[u8]], deadline: Option<Instant>) -> Result<(), EchoError> {
-        self.ensure_open()?;
+    /// [`EchoError::Disconnected`] once the connection is gone (and reconnecting gave up);
+    /// [`EchoError::Protocol`]/[`EchoError::Priority`] for leaves or a priority the server
+    /// cannot take.
+    pub fn send(
+        &mut self,
+        leaves: &[&[u8]],
+        priority: Option<f64>,
+        deadline: Option<Instant>,
+    ) -> Result<(), EchoError> {
+        self.ensure_usable()?;
+        if self.carry {
+            self.drive(deadline)?;
+            self.carry = false;
+            return Ok(());
+        }
         if self.in_progress == 0 {
             self.check_leaves(leaves)?;
-            self.wait_for_acks((self.sent + 1).saturating_sub(self.max_inflight), deadline)?;
+            self.check_priority(priority)?;
+            loop {
+                self.drive(deadline)?;
+                let target = (self.sent + 1).saturating_sub(self.config.max_inflight);
+                match self.wait_for_acks(target, deadline) {
+                    Err(EchoError::Disconnected(_)) if self.reconnect => {}
+                    other => break other?,
+                }
+            }
         }
-        self.write_sample(leaves, deadline)?;
+        let header = frame_header(self.version, priority);
+        if self.reconnect {
+            let mut frame = Vec::with_capacity(header.len() + self.spec.payload_size());
+            frame.extend_from_slice(&header);
+            for leaf in leaves {
+                frame.extend_from_slice(leaf);
+            }
+            self.retained.push_back(Retained { frame: frame.into_boxed_slice() });
+            self.sent += 1;
+            self.carry = true;
+            self.drive(deadline)?;
+            self.carry = false;
+            return Ok(());
+        }
+        let mut slices: Vec<&[u8]> = Vec::with_capacity(leaves.len() + 1);
+        slices.push(&header);
+        slices.extend_from_slice(leaves);
+        self.write_frame(&slices, deadline)?;
         self.sent += 1;
+        self.written = self.sent;
         Ok(())
     }
 
-    /// Bytes of a sample written so far by a `send` that returned [`EchoError::Stalled`].
-    pub fn in_progress(&self) -> usize {
-        self.in_progress
+    fn check_priority(&self, priority: Option<f64>) -> Result<(), EchoError> {
+        let Some(priority) = priority else { return Ok(()) };
+        if self.version == 1 {
+            return Err(EchoError::Protocol(format!(
+                "a priority needs wire protocol 2, and the server at {} speaks 1",
+                self.config.address()
+            )));
+        }
+        if !self.replay {
+            return Err(EchoError::Priority(
+                "the server's FIFO ring has no priorities: a priority needs a replay table".into(),
+            ));
+        }
+        if !(priority.is_finite() && priority >= 0.0) {
+            return Err(EchoError::Priority(format!(
+                "priority must be a finite number >= 0, got {priority}"
+            )));
+        }
+        Ok(())
     }
 
     /// Closes the connection in the middle of a sample (after an interrupt): the server
     /// discards the partial sample; every later call returns [`EchoError::Disconnected`].
     pub fn abort(&mut self, reason: &str) {
-        // The reason first: the reader thread reports its own once the socket shuts down.
-        self.acks.lose(reason.to_owned());
-        let _ = self.stream.shutdown(Shutdown::Both);
+        self.failed.get_or_insert_with(|| reason.to_owned());
+        if let Some(link) = &mut self.link {
+            // The reason first: the reader thread reports its own once the socket shuts down.
+            link.acks.lose(reason.to_owned());
+            link.shut();
+        }
         self.in_progress = 0;
+        self.carry = false;
     }
 
     fn check_leaves(&self, leaves: &[&[u8]]) -> Result<(), EchoError> {
@@ -348,47 +868,243 @@ impl TcpSender {
         Ok(())
     }
 
-    /// Waits until every sent sample is acknowledged (or `deadline`).
+    /// Waits until every sent sample is acknowledged (or `deadline`), reconnecting and
+    /// resending meanwhile if the client does.
     ///
     /// # Errors
-    /// [`EchoError::Disconnected`] if the connection goes away first, [`EchoError::TimedOut`].
-    pub fn wait(&self, deadline: Option<Instant>) -> Result<(), EchoError> {
-        self.wait_for_acks(self.sent, deadline)
+    /// [`EchoError::Disconnected`] if the connection goes away first (and reconnecting gave
+    /// up), [`EchoError::TimedOut`].
+    pub fn wait(&mut self, deadline: Option<Instant>) -> Result<(), EchoError> {
+        loop {
+            if self.acked() >= self.sent {
+                return Ok(());
+            }
+            self.ensure_usable()?;
+            self.drive(deadline)?;
+            match self.wait_for_acks(self.sent, deadline) {
+                Err(EchoError::Disconnected(_)) if self.reconnect => {}
+                other => return other,
+            }
+        }
     }
 
-    /// Waits until at least `target` acks have arrived.
+    /// Waits until at least `target` acks have arrived on the current connection.
     fn wait_for_acks(&self, target: u64, deadline: Option<Instant>) -> Result<(), EchoError> {
-        let acks = &self.acks;
+        if self.acked() >= target {
+            return Ok(());
+        }
+        let Some(link) = &self.link else {
+            return Err(EchoError::Disconnected(self.failure()));
+        };
+        let acks = &link.acks;
         let reached =
-            acks.changed.wait_until(|| acks.acked() >= target || acks.is_lost(), deadline);
-        if acks.acked() >= target {
+            acks.changed.wait_until(|| link.acked_total() >= target || acks.is_lost(), deadline);
+        if link.acked_total() >= target {
             Ok(())
         } else if acks.is_lost() {
-            Err(acks.closed_error())
+            Err(EchoError::Disconnected(acks.reason()))
         } else {
             debug_assert!(!reached);
             Err(EchoError::TimedOut)
         }
     }
 
-    /// Writes the sample from byte `in_progress` on, until done or `deadline` passes.
-    fn write_sample(
-        &mut self,
-        leaves: &[&[u8]],
-        deadline: Option<Instant>,
-    ) -> Result<(), EchoError> {
+    fn failure(&self) -> String {
+        if let Some(failed) = &self.failed {
+            return failed.clone();
+        }
+        self.link.as_ref().map_or_else(|| "the connection is gone".into(), |l| l.acks.reason())
+    }
+
+    fn ensure_usable(&self) -> Result<(), EchoError> {
+        if self.closed {
+            return Err(EchoError::Disconnected("the client was closed".into()));
+        }
+        if let Some(failed) = &self.failed {
+            return Err(EchoError::Disconnected(failed.clone()));
+        }
+        if !self.reconnect {
+            if let Some(link) = &self.link {
+                if link.acks.is_lost() {
+                    return Err(EchoError::Disconnected(link.acks.reason()));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// With reconnection: reconnects if the connection dropped, then writes every retained
+    /// sample not yet written on this connection. Without: checks the connection.
+    fn drive(&mut self, deadline: Option<Instant>) -> Result<(), EchoError> {
+        if !self.reconnect {
+            return self.ensure_usable();
+        }
+        loop {
+            self.recover(deadline)?;
+            match self.pump(deadline) {
+                Err(EchoError::Disconnected(_)) if self.failed.is_none() => {}
+                other => return other,
+            }
+        }
+    }
+
+    /// Writes retained frames from `written` to `sent`.
+    fn pump(&mut self, deadline: Option<Instant>) -> Result<(), EchoError> {
+        while self.written < self.sent {
+            // Drop what is acknowledged: it is never needed again.
+            let acked = self.acked();
+            while self.retained_base < acked && !self.retained.is_empty() {
+                self.retained.pop_front();
+                self.retained_base += 1;
+            }
+            let index = usize::try_from(self.written - self.retained_base).expect("retained");
+            // Taken out while it is written (`write_frame` borrows the sender), then put back:
+            // it stays retained until acknowledged.
+            let frame = std::mem::take(&mut self.retained[index].frame);
+            let result = self.write_frame(&[&frame[..]], deadline);
+            self.retained[index].frame = frame;
+            result?;
+            self.written += 1;
+        }
+        Ok(())
+    }
+
+    /// Makes sure there is a live connection, reconnecting (until `deadline` in this call,
+    /// until `reconnect_timeout` in all) if it dropped.
+    fn recover(&mut self, deadline: Option<Instant>) -> Result<(), EchoError> {
+        if let Some(link) = &self.link {
+            if !link.acks.is_lost() {
+                return Ok(());
+            }
+            // ORDERING: Acquire pairs with the reader's Release store of `fatal`, made before
+            // it set `lost` (which we saw).
+            if link.acks.fatal.load(Acquire) {
+                let reason = link.acks.reason();
+                self.failed = Some(reason.clone());
+                return Err(EchoError::Disconnected(reason));
+            }
+        }
+        if let Some(mut link) = self.link.take() {
+            // ORDERING: the reader has stopped counting once `lost` is set (Acquire above).
+            self.acked_floor = self.acked_floor.max(link.acked_total());
+            let reason = link.acks.reason();
+            link.shut();
+            log::warn!("{}: connection lost ({reason}); reconnecting", self.config.address());
+            self.recovery = Some(Recovery {
+                since: Instant::now(),
+                attempt: 0,
+                next_try: Instant::now(),
+                connecting: None,
+                last_error: reason,
+            });
+        }
+        let timeout = self.config.reconnect_timeout.unwrap_or_default();
+        loop {
+            let recovery = self.recovery.as_mut().expect("reconnecting");
+            let now = Instant::now();
+            if now.duration_since(recovery.since) >= timeout {
+                let reason = format!(
+                    "could not reconnect to {} within {timeout:?}: {}",
+                    self.config.address(),
+                    recovery.last_error
+                );
+                self.failed = Some(reason.clone());
+                return Err(EchoError::Disconnected(reason));
+            }
+            if deadline.is_some_and(|d| now >= d) {
+                return Err(EchoError::TimedOut);
+            }
+            let slice_end = deadline.map_or(now + CONNECT_SLICE, |d| d.min(now + CONNECT_SLICE));
+            let Some(connecting) = &mut recovery.connecting else {
+                if now < recovery.next_try {
+                    thread::sleep(recovery.next_try.min(slice_end) - now);
+                    continue;
+                }
+                let until = recovery.since + timeout;
+                recovery.connecting = Some(Connecting::start(
+                    Arc::clone(&self.config),
+                    self.session,
+                    self.acked_floor,
+                    Some(until),
+                )?);
+                continue;
+            };
+            match connecting.poll_established(slice_end) {
+                Ok(None) => {}
+                Ok(Some(est)) => return self.resume(est),
+                Err(err @ (EchoError::Auth(_) | EchoError::Protocol(_))) => {
+                    self.failed = Some(err.to_string());
+                    return Err(err);
+                }
+                Err(err) => {
+                    recovery.last_error = err.to_string();
+                    recovery.attempt += 1;
+                    recovery.connecting = None;
+                    recovery.next_try = Instant::now() + backoff(recovery.attempt);
+                }
+            }
+        }
+    }
+
+    /// Continues on a new connection: drops what the server already has, resends the rest.
+    fn resume(&mut self, est: Established) -> Result<(), EchoError> {
+        let Some(accept) = &est.accept else {
+            let reason = format!(
+                "reconnected to {}, which now speaks only wire protocol 1: cannot resume",
+                self.config.address()
+            );
+            self.failed = Some(reason.clone());
+            return Err(EchoError::Disconnected(reason));
+        };
+        let resume = accept.resume_seq;
+        if resume > self.sent {
+            let reason = format!(
+                "the server at {} resumed at sample {resume}, past the {} sent",
+                self.config.address(),
+                self.sent
+            );
+            self.failed = Some(reason.clone());
+            return Err(EchoError::Disconnected(reason));
+        }
+        self.replay = accept.replay;
+        while self.retained_base < resume && !self.retained.is_empty() {
+            self.retained.pop_front();
+            self.retained_base += 1;
+        }
+        self.acked_floor = resume;
+        self.written = resume;
+        self.in_progress = 0;
+        self.resent += self.sent - resume;
+        self.reconnects += 1;
+        self.recovery = None;
+        log::info!(
+            "{}: reconnected; resending {} samples from sample {resume}",
+            self.config.address(),
+            self.sent - resume
+        );
+        self.install(est)
+    }
+
+    /// Writes one frame (given as slices) from byte `in_progress` on, until done or
+    /// `deadline` passes.
+    fn write_frame(&mut self, parts: &[&[u8]], deadline: Option<Instant>) -> Result<(), EchoError> {
+        let link =
+            self.link.as_mut().ok_or_else(|| EchoError::Disconnected("no connection".into()))?;
         let mut slices: Vec<IoSlice<'_>> =
-            leaves.iter().filter(|l| !l.is_empty()).map(|l| IoSlice::new(l)).collect();
+            parts.iter().filter(|l| !l.is_empty()).map(|l| IoSlice::new(l)).collect();
         let mut remaining = &mut slices[..];
         IoSlice::advance_slices(&mut remaining, self.in_progress);
+        let mut writing = link.writing.lock();
         while !remaining.is_empty() {
-            match self.stream.write_vectored(remaining) {
+            match link.stream.write_vectored(remaining) {
                 Ok(0) => {
-                    self.acks.lose("the server stopped reading (write returned 0)".into());
-                    return Err(self.acks.closed_error());
+                    link.acks.lose("the server stopped reading (write returned 0)".into());
+                    return Err(EchoError::Disconnected(link.acks.reason()));
                 }
                 Ok(n) => {
                     self.in_progress += n;
+                    writing.mid_frame = true;
+                    writing.last_write = Instant::now();
                     IoSlice::advance_slices(&mut remaining, n);
                 }
                 Err(e)
@@ -396,7 +1112,9 @@ impl TcpSender {
                 {
                     // The server is applying backpressure; keep going unless it vanished or
                     // the caller wants control back.
-                    self.ensure_open()?;
+                    if link.acks.is_lost() {
+                        return Err(EchoError::Disconnected(link.acks.reason()));
+                    }
                     if deadline.is_some_and(|d| Instant::now() >= d) {
                         return Err(if self.in_progress == 0 {
                             EchoError::TimedOut
@@ -407,37 +1125,33 @@ impl TcpSender {
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => {
-                    self.acks.lose(format!("sending failed: {e}"));
-                    return Err(self.acks.closed_error());
+                    link.acks.lose(format!("sending failed: {e}"));
+                    return Err(EchoError::Disconnected(link.acks.reason()));
                 }
             }
         }
+        writing.mid_frame = false;
         self.in_progress = 0;
         Ok(())
     }
 
-    fn ensure_open(&self) -> Result<(), EchoError> {
-        if self.closed {
-            return Err(EchoError::Disconnected("the client was closed".into()));
-        }
-        if self.acks.is_lost() {
-            return Err(self.acks.closed_error());
-        }
-        Ok(())
-    }
-
-    /// Flushes (waits for every ack, until `deadline`), then closes the socket and joins the
-    /// ack reader. Idempotent. Returns whether every sent sample was acknowledged.
+    /// Flushes (waits for every ack, until `deadline`), says goodbye (v2: the server forgets
+    /// the session), closes the socket and joins the ack reader. Idempotent. Returns whether
+    /// every sent sample was acknowledged.
     pub fn close(&mut self, deadline: Option<Instant>) -> bool {
         if self.closed {
-            return self.acks.acked() >= self.sent;
+            return self.acked() >= self.sent;
         }
         let flushed = self.wait(deadline).is_ok();
         self.closed = true;
-        let _ = self.stream.shutdown(Shutdown::Both);
-        self.acks.lose("the client was closed".into());
-        if let Some(reader) = self.reader.take() {
-            let _ = reader.join();
+        if let Some(mut link) = self.link.take() {
+            self.acked_floor = self.acked_floor.max(link.acked_total());
+            if link.version == 2 && flushed && !link.acks.is_lost() {
+                let _guard = link.writing.lock();
+                let _ = link.stream.write_all(&[v2::BYE]);
+            }
+            link.acks.lose("the client was closed".into());
+            link.shut();
         }
         flushed
     }
@@ -445,33 +1159,155 @@ impl TcpSender {
 
 impl Drop for TcpSender {
     fn drop(&mut self) {
-        // Do not wait for acks on drop; just release the socket and the thread.
-        if !self.closed {
-            self.closed = true;
-            let _ = self.stream.shutdown(Shutdown::Both);
-            if let Some(reader) = self.reader.take() {
-                let _ = reader.join();
+        // Do not wait for acks on drop; say goodbye (v2, between frames: the server forgets the
+        // session, which no reconnect will resume), release the socket and the thread.
+        self.closed = true;
+        if let Some(link) = self.link.take() {
+            if link.version == 2 && self.in_progress == 0 && !link.acks.is_lost() {
+                let _guard = link.writing.lock();
+                let _ = (&link.stream).write_all(&[v2::BYE]);
             }
         }
     }
 }
 
-fn read_acks(stream: &mut TcpStream, acks: &Acks) {
-    let mut buf = [0u8; 4096];
-    loop {
-        match stream.read(&mut buf) {
-            Ok(0) => return acks.lose("the server closed the connection".into()),
-            Ok(n) => {
-                if let Some(bad) = buf[..n].iter().find(|&&b| b != ACK) {
-                    return acks
-                        .lose(format!("protocol error: expected ack byte 0x01, got {bad:#04x}"));
-                }
-                // ORDERING: Release pairs with the Acquire in `Acks::acked`.
-                acks.acked.fetch_add(n as u64, Release);
-                acks.changed.notify_all();
-            }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return acks.lose(format!("the connection failed: {e}")),
+/// The bytes before a sample's payload: none on v1; the frame type (and priority) on v2.
+fn frame_header(version: u8, priority: Option<f64>) -> Vec<u8> {
+    match (version, priority) {
+        (1, _) => Vec::new(),
+        (_, None) => vec![v2::SAMPLE],
+        (_, Some(p)) => {
+            let mut header = vec![v2::SAMPLE_PRIORITY];
+            header.extend_from_slice(&p.to_le_bytes());
+            header
         }
+    }
+}
+
+/// The pause before reconnection attempt `attempt` (from 1): doubling from
+/// [`BACKOFF_FIRST`] up to [`BACKOFF_MAX`], jittered to 50-100% so that a fleet of workers
+/// does not reconnect in lockstep.
+fn backoff(attempt: u32) -> Duration {
+    let base = BACKOFF_FIRST.saturating_mul(1 << attempt.min(16)).min(BACKOFF_MAX);
+    let jitter = v2::random::<1>().map_or(255, |b| b[0]);
+    base / 2 + base.mul_f64(f64::from(jitter) / 510.0)
+}
+
+/// The reader thread's state: counts acks, answers and watches heartbeats (v2).
+struct Reading {
+    stream: TcpStream,
+    acks: Arc<Acks>,
+    writing: Arc<Mutex<Writing>>,
+    beat: Option<Beat>,
+    version: u8,
+    /// v1 chosen by `Auto`: an offer may still arrive before the first ack; skip it.
+    skip_offer: bool,
+    /// Bytes received and not yet processed.
+    pending: Vec<u8>,
+    last_heard: Instant,
+}
+
+impl Reading {
+    fn run(&mut self) {
+        if let Err(reason) = self.read_loop() {
+            self.acks.lose(reason);
+        }
+    }
+
+    fn read_loop(&mut self) -> Result<(), String> {
+        let every = self.beat.map(|b| b.every);
+        self.stream.set_read_timeout(every).map_err(|e| e.to_string())?;
+        let mut buf = [0u8; 4096];
+        loop {
+            self.process()?;
+            match self.stream.read(&mut buf) {
+                Ok(0) => return Err("the server closed the connection".into()),
+                Ok(n) => {
+                    self.last_heard = Instant::now();
+                    self.pending.extend_from_slice(&buf[..n]);
+                }
+                Err(e)
+                    if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) =>
+                {
+                    self.heartbeat()?;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(format!("the connection failed: {e}")),
+            }
+        }
+    }
+
+    /// Sends a heartbeat if nothing was written for a while; fails if the server has been
+    /// silent too long.
+    fn heartbeat(&mut self) -> Result<(), String> {
+        let Some(beat) = self.beat else { return Ok(()) };
+        if let Some(dead_after) = beat.dead_after {
+            if self.last_heard.elapsed() >= dead_after {
+                let _ = self.stream.shutdown(Shutdown::Both);
+                return Err(format!("no heartbeat from the server for {dead_after:?}"));
+            }
+        }
+        if let Some(mut writing) = self.writing.try_lock() {
+            if !writing.mid_frame && writing.last_write.elapsed() >= beat.every {
+                // A short write with the writer's lock held; a full socket buffer means data
+                // is flowing anyway.
+                if self.stream.write(&[v2::HEARTBEAT]).is_ok() {
+                    writing.last_write = Instant::now();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Consumes the complete messages in `pending`.
+    fn process(&mut self) -> Result<(), String> {
+        let mut used = 0;
+        let mut acked = 0u64;
+        let result = loop {
+            let Some(&byte) = self.pending.get(used) else { break Ok(()) };
+            match byte {
+                ACK => {
+                    acked += 1;
+                    used += 1;
+                    self.skip_offer = false;
+                }
+                v2::BEAT if self.version == 2 => used += 1,
+                v2::ERROR if self.version == 2 => {
+                    match v2::parse_error(&self.pending[used + 1..]) {
+                        Ok(Some((message, len))) => {
+                            // ORDERING: Release, before `lose` sets `lost`: whoever sees
+                            // the loss sees that it is fatal (Acquire in `recover`).
+                            self.acks.fatal.store(true, Release);
+                            used += 1 + len;
+                            break Err(format!("the server closed the connection: {message}"));
+                        }
+                        Ok(None) => break Ok(()),
+                        Err(e) => break Err(format!("protocol error: {e}")),
+                    }
+                }
+                b'E' if self.skip_offer => match Offer::parse(&self.pending[used..]) {
+                    Ok(Some(_)) => {
+                        log::warn!(
+                            "the server's offer of wire protocol 2 arrived after {OFFER_GRACE:?}; \
+                             this connection speaks protocol 1"
+                        );
+                        used += v2::OFFER_LEN;
+                        self.skip_offer = false;
+                    }
+                    Ok(None) => break Ok(()),
+                    Err(e) => break Err(format!("protocol error: {e}")),
+                },
+                bad => {
+                    break Err(format!("protocol error: expected ack byte 0x01, got {bad:#04x}"));
+                }
+            }
+        };
+        self.pending.drain(..used);
+        if acked > 0 {
+            // ORDERING: Release pairs with the Acquire in `Acks::acked`.
+            self.acks.acked.fetch_add(acked, Release);
+            self.acks.changed.notify_all();
+        }
+        result
     }
 }

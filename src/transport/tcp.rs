@@ -1,6 +1,11 @@
 //! The TCP transport: a tokio runtime of its own, an accept loop, and one task per connection
-//! that sends the handshake, reads exact-size samples into recycled buffers, queues them and
-//! acknowledges each queued sample with one byte.
+//! that sends the greeting, negotiates wire protocol v1 or v2 (see [`super::wire::v2`]), reads
+//! exact-size samples into recycled buffers, queues them and acknowledges each queued sample
+//! with one byte.
+//!
+//! v2 connections belong to a session (the client's, kept across its reconnects): the
+//! session owns the ingress queue, so a reconnecting client's samples stay in order, and
+//! counts the samples queued, so a resent one is never queued twice.
 //!
 //! Reading: small samples arrive many per `read` into a staging buffer and are copied out;
 //! samples of at least half the staging size are read straight into their payload buffer, so
@@ -21,15 +26,16 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::OwnedWriteHalf;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::runtime::Runtime;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::task::AbortHandle;
 
+use super::wire::v2::{self, Hello, Layout, Mode, Offer, Opening, Refusal, Reply};
 use super::wire::{encode_handshake, ACK};
 use crate::error::EchoError;
-use crate::ingress::{Connection, Ingress, SpaceWaker};
+use crate::ingress::{Connection, Ingress, SpaceWaker, TransportEvent};
 
 /// Bytes read from a socket at a time for small samples.
 const STAGING: usize = 64 * 1024;
@@ -50,6 +56,34 @@ pub struct TcpConfig {
     /// Connections served at once. At the limit an idle one (no completed sample yet) is
     /// evicted for a newcomer; if there is none, the newcomer is accepted and closed at once.
     pub max_connections: usize,
+    /// The shared secret v2 clients must prove (HMAC-SHA256 challenge-response); `None`: an
+    /// open server, which also speaks v1.
+    pub token: Option<Vec<u8>>,
+    /// How long a v2 peer may stay silent before it is taken for dead (heartbeats keep live
+    /// ones talking); `None`: forever.
+    pub heartbeat_timeout: Option<Duration>,
+    /// How long a v2 session outlives its connection, waiting for the client to reconnect.
+    pub session_timeout: Duration,
+    /// The samples' dtypes and leaf names, which v2 clients must match; `None`: derived from
+    /// the backend's byte layout ([`Layout::untyped`]).
+    pub layout: Option<Layout>,
+}
+
+impl TcpConfig {
+    /// Settings for `host:port` with the defaults: 2 threads, 4096 connections, no token,
+    /// 10 s heartbeat timeout, 300 s session timeout.
+    pub fn new(host: impl Into<String>, port: u16) -> Self {
+        Self {
+            host: host.into(),
+            port,
+            num_threads: 2,
+            max_connections: 4096,
+            token: None,
+            heartbeat_timeout: Some(Duration::from_secs(10)),
+            session_timeout: Duration::from_secs(300),
+            layout: None,
+        }
+    }
 }
 
 /// A running TCP server feeding an [`Ingress`].
@@ -79,7 +113,22 @@ impl TcpServer {
                 config.max_connections
             )));
         }
-        let handshake: Arc<[u8]> = encode_handshake(ingress.backend().spec())?.into();
+        let layout =
+            config.layout.clone().unwrap_or_else(|| Layout::untyped(ingress.backend().spec()));
+        if layout.spec()? != *ingress.backend().spec() {
+            return Err(EchoError::Config(
+                "the typed layout does not describe the backend's samples".into(),
+            ));
+        }
+        if config.token.as_ref().is_some_and(Vec::is_empty) {
+            return Err(EchoError::Config("the token must not be empty".into()));
+        }
+        // Only an open server greets v1 clients with the v1 handshake; one with a token sends
+        // the v2 offer alone, which v1 clients refuse (version 2) before writing anything.
+        let v1_handshake = match config.token {
+            None => encode_handshake(ingress.backend().spec())?,
+            Some(_) => Vec::new(),
+        };
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(config.num_threads)
             .thread_name("echo-tcp")
@@ -97,7 +146,21 @@ impl TcpServer {
         };
         let local_addr = listener.local_addr()?;
         let admission = Admission::new(config.max_connections);
-        runtime.spawn(accept_loop(listener, ingress, handshake, admission));
+        let shared = Arc::new(Shared {
+            max_hello: v2::max_hello_body(&layout),
+            ingress,
+            v1_handshake,
+            token: config.token.clone(),
+            layout,
+            heartbeat: config.heartbeat_timeout,
+            sessions: Sessions::default(),
+            session_timeout: config.session_timeout,
+            max_sessions: config.max_connections,
+            served: Arc::clone(&admission.served),
+            epoch: admission.epoch,
+        });
+        runtime.spawn(reap_sessions(Arc::clone(&shared)));
+        runtime.spawn(accept_loop(listener, shared, admission));
         Ok(Self { runtime: Some(runtime), local_addr })
     }
 
@@ -267,16 +330,11 @@ impl Admission {
     }
 }
 
-async fn accept_loop(
-    listener: TcpListener,
-    ingress: Arc<Ingress>,
-    handshake: Arc<[u8]>,
-    mut admission: Admission,
-) {
+async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, mut admission: Admission) {
     loop {
         match listener.accept().await {
             Ok((stream, peer)) => {
-                let Some(permit) = admission.admit(&ingress).await else {
+                let Some(permit) = admission.admit(&shared.ingress).await else {
                     drop(stream);
                     continue;
                 };
@@ -284,15 +342,13 @@ async fn accept_loop(
                 let id = admission.next_id.fetch_add(1, Relaxed);
                 let activity = Arc::new(Activity::default());
                 activity.read(admission.epoch);
-                let served = Arc::clone(&admission.served);
-                let (ingress, handshake) = (Arc::clone(&ingress), Arc::clone(&handshake));
-                let (epoch, mine) = (admission.epoch, Arc::clone(&activity));
+                let (shared, mine) = (Arc::clone(&shared), Arc::clone(&activity));
                 // Registered before the task can finish (the lock is held), and the task takes
                 // itself out of the registry however it ends.
                 let mut registry = admission.served.lock();
                 let task = tokio::spawn(async move {
-                    let _leave = Leave { served, id };
-                    serve(stream, peer, &ingress, &handshake, &mine, epoch).await;
+                    let _leave = Leave { served: Arc::clone(&shared.served), id };
+                    serve(stream, peer, &shared, id, &mine).await;
                     drop(permit);
                 });
                 registry.insert(id, (activity, task.abort_handle()));
@@ -338,15 +394,104 @@ impl Drop for CloseOnDrop {
     }
 }
 
-async fn serve(
-    stream: TcpStream,
-    peer: SocketAddr,
-    ingress: &Ingress,
-    handshake: &[u8],
-    activity: &Activity,
+/// What every connection task of a server shares.
+struct Shared {
+    ingress: Arc<Ingress>,
+    /// The v1 handshake (open servers), sent before the v2 offer; empty with a token.
+    v1_handshake: Vec<u8>,
+    token: Option<Vec<u8>>,
+    layout: Layout,
+    /// The largest hello body accepted (sized from `layout`).
+    max_hello: usize,
+    heartbeat: Option<Duration>,
+    sessions: Sessions,
+    session_timeout: Duration,
+    /// Detached sessions kept at most (the oldest go first).
+    max_sessions: usize,
+    served: Registry,
     epoch: Instant,
-) {
-    match serve_inner(stream, ingress, handshake, activity, epoch).await {
+}
+
+impl Shared {
+    fn mode(&self) -> Mode {
+        if self.token.is_some() {
+            Mode::Token
+        } else {
+            Mode::Open
+        }
+    }
+}
+
+/// A v2 client's session: its ingress queue and how many of its samples are queued. It
+/// outlives its connections, so a reconnecting client keeps its order and is deduplicated.
+struct Session {
+    conn: Arc<Connection>,
+    space: Arc<Notify>,
+    /// Sequence number of the next sample: samples of this session queued so far. Written
+    /// only by the task that holds `owner`.
+    next_seq: AtomicU64,
+    /// Held by the one task that serves the session.
+    owner: Arc<tokio::sync::Mutex<()>>,
+    /// The admission id of that task, to end it when the client reconnects.
+    serving: Mutex<Option<u64>>,
+    /// When its last connection ended (`None` while one is served).
+    detached_at: Mutex<Option<Instant>>,
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        // Forgotten (expired, said goodbye, or the server stopped): what it queued is still
+        // inserted; the queue is pruned once empty.
+        self.conn.close();
+    }
+}
+
+/// Every session by its id.
+#[derive(Default)]
+struct Sessions(Mutex<HashMap<[u8; 16], Arc<Session>>>);
+
+/// How long a reconnecting client waits for its session's previous connection to end.
+const TAKEOVER_GRACE: Duration = Duration::from_secs(5);
+/// A strict prefix of a hello that stalls this long is taken as v1 sample data.
+const PREFIX_GRACE: Duration = Duration::from_millis(200);
+/// How long a client may take to send its hello once it started.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Forgets sessions whose client has not come back within `session_timeout`, and the oldest
+/// detached ones beyond `max_sessions`.
+async fn reap_sessions(shared: Arc<Shared>) {
+    let period =
+        (shared.session_timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(5));
+    loop {
+        tokio::time::sleep(period).await;
+        let mut sessions = shared.sessions.0.lock();
+        let mut detached: Vec<(Instant, [u8; 16])> = sessions
+            .iter()
+            .filter_map(|(key, s)| s.detached_at.lock().map(|at| (at, *key)))
+            .collect();
+        detached.sort_unstable();
+        let excess = detached.len().saturating_sub(shared.max_sessions);
+        for (rank, (at, key)) in detached.into_iter().enumerate() {
+            if rank < excess || at.elapsed() >= shared.session_timeout {
+                sessions.remove(&key);
+            }
+        }
+    }
+}
+
+/// Counts a connection in `active_connections` while its task runs.
+struct Open<'a>(&'a Ingress);
+
+impl Drop for Open<'_> {
+    fn drop(&mut self) {
+        self.0.connection_ended();
+    }
+}
+
+async fn serve(stream: TcpStream, peer: SocketAddr, shared: &Shared, id: u64, activity: &Activity) {
+    shared.ingress.connection_opened();
+    let _open = Open(&shared.ingress);
+    match serve_inner(stream, peer, shared, id, activity).await {
         Ok(()) => log::debug!("{peer}: connection closed"),
         Err(err) if is_disconnect(&err) => log::debug!("{peer}: connection lost: {err}"),
         Err(err) => log::warn!("{peer}: connection failed: {err}"),
@@ -363,95 +508,540 @@ fn is_disconnect(err: &io::Error) -> bool {
     )
 }
 
+fn invalid(message: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, message)
+}
+
 async fn serve_inner(
     stream: TcpStream,
-    ingress: &Ingress,
-    handshake: &[u8],
+    peer: SocketAddr,
+    shared: &Shared,
+    id: u64,
     activity: &Activity,
-    epoch: Instant,
 ) -> io::Result<()> {
     stream.set_nodelay(true)?;
-    let (mut reader, mut writer) = stream.into_split();
-    writer.write_all(handshake).await?;
-    let space = Arc::new(Notify::new());
-    let conn = ingress.register(Box::new(NotifyWaker(Arc::clone(&space))));
-    let _closer = CloseOnDrop(Arc::clone(&conn));
-    let payload_size = ingress.backend().spec().payload_size();
-    // Allocated at the first read, so a connection that never sends holds no staging memory.
-    let staging_len = STAGING.min(payload_size.saturating_mul(64)).max(1);
-    let mut staging = Vec::new();
-    let (mut lo, mut hi) = (0usize, 0usize);
-    let mut acks = 0usize;
+    let (reader, writer) = stream.into_split();
+    let payload_size = shared.ingress.backend().spec().payload_size();
+    let mut link = Link {
+        reader,
+        writer,
+        staging: Vec::new(),
+        lo: 0,
+        hi: 0,
+        // Allocated at the first read, so a connection that never sends holds no staging
+        // memory.
+        staging_len: STAGING.min(payload_size.saturating_mul(64)).max(1),
+        acks: 0,
+        beat: None,
+        last_write: Instant::now(),
+        last_heard: Instant::now(),
+        activity,
+        epoch: shared.epoch,
+    };
+    let offer = Offer::new(shared.mode()).map_err(|e| io::Error::other(e.to_string()))?;
+    let mut greeting = shared.v1_handshake.clone();
+    greeting.extend_from_slice(&offer.encode());
+    link.write(&greeting).await?;
+    let ingress = &shared.ingress;
+    match negotiate(&mut link, &offer, shared.max_hello).await {
+        Ok(None) => Ok(()),
+        Ok(Some(Opening::V1)) if shared.token.is_some() => {
+            // It did not read our greeting as v1 (there was no v1 handshake), yet sends data.
+            ingress.note(TransportEvent::RefusedProtocol);
+            Err(invalid("sent v1 data to a server with a token (v2 only)".into()))
+        }
+        Ok(Some(Opening::V1)) => {
+            ingress.note(TransportEvent::V1);
+            let space = Arc::new(Notify::new());
+            let conn = ingress.register(Box::new(NotifyWaker(Arc::clone(&space))));
+            let _closer = CloseOnDrop(Arc::clone(&conn));
+            serve_v1(&mut link, &conn, &space).await
+        }
+        Ok(Some(Opening::Hello(hello, body, _))) => {
+            serve_v2(&mut link, peer, shared, id, &offer, &hello, &body).await
+        }
+        Ok(Some(Opening::NeedMore)) => unreachable!("negotiate returns whole openings"),
+        // The peer went away (or reset) before it said anything we could judge.
+        Err(EchoError::Io(err)) => Err(err),
+        Err(err) => {
+            ingress.note(TransportEvent::RefusedProtocol);
+            link.refuse(Refusal::Protocol, &err.to_string()).await;
+            Err(invalid(format!("refused: {err}")))
+        }
+    }
+}
+
+/// Reads the client's first bytes until they are v1 data or a whole v2 hello. `None`: the
+/// client closed without sending anything.
+async fn negotiate(
+    link: &mut Link<'_>,
+    offer: &Offer,
+    max_hello: usize,
+) -> Result<Option<Opening>, EchoError> {
+    let mut received = Vec::new();
+    let started = Instant::now();
     loop {
-        let mut buf = match conn.take_buffer() {
-            Some(buf) => buf,
-            None => {
-                flush_acks(&mut writer, &mut acks).await?;
-                conn.note_blocked();
-                loop {
-                    space.notified().await;
-                    if let Some(buf) = conn.take_buffer() {
-                        break buf;
-                    }
+        match v2::parse_opening(&received, offer, max_hello)? {
+            Opening::NeedMore => {}
+            Opening::V1 => {
+                link.stage(received);
+                return Ok(Some(Opening::V1));
+            }
+            Opening::Hello(hello, body, len) => {
+                link.stage(received.split_off(len));
+                return Ok(Some(Opening::Hello(hello, body, len)));
+            }
+        }
+        let mut chunk = [0u8; 4096];
+        // Nothing yet: a v1 worker may compute for a long time before its first sample. A
+        // strict prefix of a hello: a v2 client writes its hello at once, so a stall means v1
+        // data that happens to start like our nonce.
+        let read = link.reader.read(&mut chunk);
+        let n = if received.is_empty() {
+            read.await?
+        } else {
+            if started.elapsed() > HELLO_TIMEOUT {
+                return Err(EchoError::Protocol("the hello did not arrive in time".into()));
+            }
+            match tokio::time::timeout(PREFIX_GRACE, read).await {
+                Ok(n) => n?,
+                Err(_) => {
+                    link.stage(received);
+                    return Ok(Some(Opening::V1));
                 }
             }
         };
+        link.activity.read(link.epoch);
+        if n == 0 {
+            if received.is_empty() {
+                return Ok(None);
+            }
+            // A hello is never cut short by its sender; v1 data that happens to start like
+            // the nonce is (its whole samples are still queued, the rest discarded).
+            link.stage(received);
+            return Ok(Some(Opening::V1));
+        }
+        received.extend_from_slice(&chunk[..n]);
+    }
+}
+
+async fn serve_v1(link: &mut Link<'_>, conn: &Arc<Connection>, space: &Notify) -> io::Result<()> {
+    let payload_size = conn_payload(conn);
+    loop {
+        let mut buf = link.buffer(conn, space).await?;
+        if !link.fill(buf.bytes(), payload_size).await? {
+            return Ok(());
+        }
+        link.push(conn, space, buf, None).await?;
+        link.acks += 1;
+        link.activity.complete();
+    }
+}
+
+fn conn_payload(conn: &Connection) -> usize {
+    conn.payload_size()
+}
+
+/// Ends a session's service when its task ends however it ends: the session waits for its
+/// client to come back (or is forgotten after a goodbye).
+struct Serving<'a> {
+    shared: &'a Shared,
+    key: [u8; 16],
+    session: Arc<Session>,
+    id: u64,
+    goodbye: bool,
+}
+
+impl Drop for Serving<'_> {
+    fn drop(&mut self) {
+        let mut serving = self.session.serving.lock();
+        if *serving == Some(self.id) {
+            *serving = None;
+            if self.goodbye {
+                self.shared.sessions.0.lock().remove(&self.key);
+            } else {
+                *self.session.detached_at.lock() = Some(Instant::now());
+                self.session.conn.detach();
+            }
+        }
+    }
+}
+
+async fn serve_v2(
+    link: &mut Link<'_>,
+    peer: SocketAddr,
+    shared: &Shared,
+    id: u64,
+    offer: &Offer,
+    hello: &Hello,
+    body: &[u8],
+) -> io::Result<()> {
+    let ingress = &shared.ingress;
+    if let Some(token) = &shared.token {
+        let why = if hello.mac.is_none() {
+            Some("this echo server requires a token: pass token= or set ECHO_TOKEN")
+        } else if !hello.verify(offer, token, body) {
+            Some("wrong token: the client's proof does not match this server's token")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            ingress.note(TransportEvent::RefusedAuth);
+            link.refuse(Refusal::Auth, why).await;
+            return Err(invalid(format!("refused: {why}")));
+        }
+    }
+    if let Some(why) = shared.layout.mismatch(&hello.layout) {
+        ingress.note(TransportEvent::RefusedLayout);
+        let message =
+            format!("the server at {} stores samples of another layout: {why}", link.local());
+        link.refuse(Refusal::Layout, &message).await;
+        return Err(invalid(format!("refused: {why}")));
+    }
+    // The session: created, or taken over from the connection that served it before.
+    let (session, existed) = {
+        let mut sessions = shared.sessions.0.lock();
+        match sessions.get(&hello.session) {
+            Some(session) => (Arc::clone(session), true),
+            None => {
+                let space = Arc::new(Notify::new());
+                let conn = ingress.register(Box::new(NotifyWaker(Arc::clone(&space))));
+                let session = Arc::new(Session {
+                    conn,
+                    space,
+                    next_seq: AtomicU64::new(hello.first_seq),
+                    owner: Arc::new(tokio::sync::Mutex::new(())),
+                    serving: Mutex::new(None),
+                    detached_at: Mutex::new(None),
+                });
+                sessions.insert(hello.session, Arc::clone(&session));
+                (session, false)
+            }
+        }
+    };
+    let previous = session.serving.lock().take();
+    if let Some(previous) = previous {
+        if let Some((_, task)) = shared.served.lock().get(&previous) {
+            // Its socket is half dead (the client already reconnected): end it. Its guard
+            // releases `owner` once it stops at an await point.
+            task.abort();
+        }
+    }
+    let Ok(_owner) =
+        tokio::time::timeout(TAKEOVER_GRACE, Arc::clone(&session.owner).lock_owned()).await
+    else {
+        return Err(invalid("the session's previous connection did not end in time".into()));
+    };
+    *session.serving.lock() = Some(id);
+    *session.detached_at.lock() = None;
+    let mut serving =
+        Serving { shared, key: hello.session, session: Arc::clone(&session), id, goodbye: false };
+    // ORDERING: Relaxed — `next_seq` is written only under `owner`, which we hold; the mutex
+    // orders it after the previous holder's writes.
+    let queued = session.next_seq.load(Relaxed);
+    let resume_seq = queued.max(hello.first_seq);
+    session.next_seq.store(resume_seq, Relaxed);
+    ingress.note(TransportEvent::V2);
+    if existed {
+        ingress.note(TransportEvent::Resumed { deduplicated: resume_seq - hello.first_seq });
+    }
+    let own_ms = shared.heartbeat.map_or(0, |d| u32::try_from(d.as_millis()).unwrap_or(u32::MAX));
+    let signed = shared.token.as_deref().map(|token| (token, hello, offer));
+    let accept = v2::Accept::new(ingress.backend().has_priorities(), resume_seq, own_ms, signed);
+    link.write(&Reply::Accepted(accept).encode()).await?;
+    link.beat = Beat::new(shared.heartbeat, hello.heartbeat_ms);
+    log::debug!("{peer}: v2 session resumed at sample {resume_seq} (resumed: {existed})");
+    let (conn, space) = (&session.conn, &*session.space);
+    let payload_size = conn_payload(conn);
+    loop {
+        let Some(kind) = link.next_byte().await? else { return Ok(()) };
+        let priority = match kind {
+            v2::HEARTBEAT => continue,
+            v2::BYE => {
+                serving.goodbye = true;
+                return Ok(());
+            }
+            v2::SAMPLE => None,
+            v2::SAMPLE_PRIORITY => {
+                let mut raw = [0u8; 8];
+                if !link.fill(&mut raw, 8).await? {
+                    return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "closed mid-frame"));
+                }
+                let priority = f64::from_le_bytes(raw);
+                if let Err(err) = ingress.backend().check_priority(priority) {
+                    return Err(link.fail(&err.to_string()).await);
+                }
+                Some(priority)
+            }
+            other => return Err(link.fail(&format!("unknown frame type {other:#04x}")).await),
+        };
+        let mut buf = link.buffer(conn, space).await?;
+        if !link.fill(buf.bytes(), payload_size).await? {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "closed mid-frame"));
+        }
+        link.push(conn, space, buf, priority).await?;
+        // ORDERING: Relaxed — see above; pushed and counted with no await in between, so an
+        // abort cannot separate them.
+        session.next_seq.fetch_add(1, Relaxed);
+        link.acks += 1;
+        link.activity.complete();
+    }
+}
+
+/// When to send heartbeats and when to give up on a silent peer (v2 only).
+#[derive(Debug, Clone, Copy)]
+struct Beat {
+    /// Send one after this long without writing.
+    every: Duration,
+    /// The peer is dead after this long without a byte from it (`None`: never).
+    dead_after: Option<Duration>,
+}
+
+impl Beat {
+    /// From our timeout and the peer's (in ms, 0 = none): we write at least four times per
+    /// the shorter of the two.
+    fn new(own: Option<Duration>, peer_ms: u32) -> Option<Self> {
+        let peer = (peer_ms > 0).then(|| Duration::from_millis(u64::from(peer_ms)));
+        let shortest = match (own, peer) {
+            (Some(a), Some(b)) => a.min(b),
+            (a, b) => a.or(b)?,
+        };
+        Some(Self { every: (shortest / 4).max(Duration::from_millis(10)), dead_after: own })
+    }
+}
+
+/// A pooled buffer being filled; given back to its connection if the task stops first (an
+/// aborted task must not keep its share of the byte budget).
+struct Pooled<'c> {
+    conn: &'c Connection,
+    buf: Option<Box<[u8]>>,
+}
+
+impl Pooled<'_> {
+    fn bytes(&mut self) -> &mut [u8] {
+        self.buf.as_mut().expect("present until pushed")
+    }
+}
+
+impl Drop for Pooled<'_> {
+    fn drop(&mut self) {
+        if let Some(buf) = self.buf.take() {
+            self.conn.return_buffer(buf);
+        }
+    }
+}
+
+/// One connection's socket: buffered reads, batched acks and heartbeats.
+struct Link<'a> {
+    reader: OwnedReadHalf,
+    writer: OwnedWriteHalf,
+    staging: Vec<u8>,
+    /// Unread bytes are `staging[lo..hi]`.
+    lo: usize,
+    hi: usize,
+    staging_len: usize,
+    /// Samples queued and not yet acknowledged.
+    acks: usize,
+    beat: Option<Beat>,
+    last_write: Instant,
+    last_heard: Instant,
+    activity: &'a Activity,
+    epoch: Instant,
+}
+
+impl Link<'_> {
+    fn local(&self) -> String {
+        self.writer.local_addr().map_or_else(|_| "?".into(), |a| a.to_string())
+    }
+
+    /// Bytes read during negotiation that belong to the stream.
+    fn stage(&mut self, bytes: Vec<u8>) {
+        (self.lo, self.hi) = (0, bytes.len());
+        if !bytes.is_empty() {
+            self.staging = bytes;
+            let len = self.staging_len.max(self.staging.len());
+            self.staging.resize(len, 0);
+        }
+    }
+
+    async fn write(&mut self, bytes: &[u8]) -> io::Result<()> {
+        self.writer.write_all(bytes).await?;
+        self.last_write = Instant::now();
+        Ok(())
+    }
+
+    /// Writes the pending acks, as runs of ack bytes.
+    async fn flush(&mut self) -> io::Result<()> {
+        const ACKS: [u8; 4096] = [ACK; 4096];
+        while self.acks > 0 {
+            let n = self.acks.min(ACKS.len());
+            self.writer.write_all(&ACKS[..n]).await?;
+            self.acks -= n;
+            self.last_write = Instant::now();
+        }
+        Ok(())
+    }
+
+    /// Refuses the hello with `why` (best effort: the peer may be gone).
+    async fn refuse(&mut self, why: Refusal, message: &str) {
+        let _ = self.write(&Reply::Refused(why, message.into()).encode()).await;
+        let _ = self.writer.shutdown().await;
+    }
+
+    /// Tells a v2 peer why we close (after its acks), and returns the error to end with.
+    async fn fail(&mut self, message: &str) -> io::Error {
+        if self.flush().await.is_ok() {
+            let _ = self.write(&v2::encode_error(message)).await;
+            let _ = self.writer.shutdown().await;
+        }
+        invalid(message.into())
+    }
+
+    /// Between awaits for the peer or for space: a heartbeat if we have been quiet, an error
+    /// if the peer has been silent too long (`reading`: only while we wait for it).
+    async fn tick(&mut self, reading: bool) -> io::Result<()> {
+        let Some(beat) = self.beat else { return Ok(()) };
+        if let Some(dead_after) = beat.dead_after {
+            if reading && self.last_heard.elapsed() >= dead_after {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("no heartbeat from the client for {dead_after:?}"),
+                ));
+            }
+        }
+        if self.last_write.elapsed() >= beat.every {
+            self.flush().await?;
+            self.write(&[v2::BEAT]).await?;
+        }
+        Ok(())
+    }
+
+    /// One socket read into `target`, or into the staging buffer when `target` is `None`;
+    /// acks are flushed first (we are about to block). 0 at end of stream.
+    async fn read(&mut self, mut target: Option<&mut [u8]>) -> io::Result<usize> {
+        self.flush().await?;
+        loop {
+            let into: &mut [u8] = match target.as_deref_mut() {
+                Some(t) => t,
+                None => {
+                    if self.staging.is_empty() {
+                        self.staging = vec![0u8; self.staging_len];
+                    }
+                    &mut self.staging
+                }
+            };
+            let read = self.reader.read(into);
+            let n = match self.beat {
+                None => read.await?,
+                Some(beat) => match tokio::time::timeout(beat.every, read).await {
+                    Ok(n) => n?,
+                    Err(_) => {
+                        self.tick(true).await?;
+                        continue;
+                    }
+                },
+            };
+            self.activity.read(self.epoch);
+            self.last_heard = Instant::now();
+            if target.is_none() {
+                (self.lo, self.hi) = (0, n);
+            }
+            return Ok(n);
+        }
+    }
+
+    /// The next byte of the stream; `None` at a clean end of stream.
+    async fn next_byte(&mut self) -> io::Result<Option<u8>> {
+        if self.lo == self.hi && self.read(None).await? == 0 {
+            return Ok(None);
+        }
+        self.lo += 1;
+        Ok(Some(self.staging[self.lo - 1]))
+    }
+
+    /// Fills `buf` (`len` bytes) from the stream: `false` if the stream ended before its
+    /// first byte; an `UnexpectedEof` error if it ended after (a partial sample is never
+    /// queued). Reads of at least half the staging size go straight into `buf`.
+    async fn fill(&mut self, buf: &mut [u8], len: usize) -> io::Result<bool> {
         let mut filled = 0;
-        while filled < payload_size {
-            if lo < hi {
-                let n = (hi - lo).min(payload_size - filled);
-                buf[filled..filled + n].copy_from_slice(&staging[lo..lo + n]);
-                (lo, filled) = (lo + n, filled + n);
+        while filled < len {
+            if self.lo < self.hi {
+                let n = (self.hi - self.lo).min(len - filled);
+                buf[filled..filled + n].copy_from_slice(&self.staging[self.lo..self.lo + n]);
+                (self.lo, filled) = (self.lo + n, filled + n);
                 continue;
             }
-            // About to block on the socket: first let the client know what we have queued.
-            flush_acks(&mut writer, &mut acks).await?;
-            let direct = payload_size - filled >= staging_len / 2;
-            if !direct && staging.is_empty() {
-                staging = vec![0u8; staging_len];
-            }
+            let direct = len - filled >= self.staging_len / 2;
             let n = if direct {
-                reader.read(&mut buf[filled..]).await?
+                self.read(Some(&mut buf[filled..len])).await?
             } else {
-                reader.read(&mut staging).await?
+                self.read(None).await?
             };
-            activity.read(epoch);
             if n == 0 {
-                // EOF: clean between samples; a partial sample is discarded, never queued.
-                conn.return_buffer(buf);
                 return if filled == 0 {
-                    Ok(())
+                    Ok(false)
                 } else {
                     Err(io::Error::new(
                         io::ErrorKind::UnexpectedEof,
-                        format!("peer closed mid-sample ({filled} of {payload_size} bytes)"),
+                        format!("peer closed mid-sample ({filled} of {len} bytes)"),
                     ))
                 };
             }
             if direct {
                 filled += n;
-            } else {
-                (lo, hi) = (0, n);
             }
         }
-        let mut pending = buf;
-        while let Err(back) = conn.try_push(pending) {
-            pending = back;
-            flush_acks(&mut writer, &mut acks).await?;
-            conn.note_blocked();
-            space.notified().await;
-        }
-        acks += 1;
-        activity.complete();
+        Ok(true)
     }
-}
 
-async fn flush_acks(writer: &mut OwnedWriteHalf, acks: &mut usize) -> io::Result<()> {
-    const ACKS: [u8; 4096] = [ACK; 4096];
-    while *acks > 0 {
-        let n = (*acks).min(ACKS.len());
-        writer.write_all(&ACKS[..n]).await?;
-        *acks -= n;
+    /// Waits for space (a buffer or a queue slot), sending heartbeats meanwhile.
+    async fn wait_space(&mut self, conn: &Connection, space: &Notify) -> io::Result<()> {
+        self.flush().await?;
+        conn.note_blocked();
+        match self.beat {
+            None => space.notified().await,
+            Some(beat) => {
+                if tokio::time::timeout(beat.every, space.notified()).await.is_err() {
+                    self.tick(false).await?;
+                }
+            }
+        }
+        Ok(())
     }
-    Ok(())
+
+    /// A buffer to fill, waiting for one if the pool is empty.
+    async fn buffer<'c>(
+        &mut self,
+        conn: &'c Arc<Connection>,
+        space: &Notify,
+    ) -> io::Result<Pooled<'c>> {
+        loop {
+            if let Some(buf) = conn.take_buffer() {
+                return Ok(Pooled { conn, buf: Some(buf) });
+            }
+            self.wait_space(conn, space).await?;
+        }
+    }
+
+    /// Queues a filled buffer, waiting while the queue is full.
+    async fn push(
+        &mut self,
+        conn: &Connection,
+        space: &Notify,
+        mut pooled: Pooled<'_>,
+        priority: Option<f64>,
+    ) -> io::Result<()> {
+        let mut buf = pooled.buf.take().expect("present until pushed");
+        loop {
+            match conn.try_push_with(buf, priority) {
+                Ok(()) => return Ok(()),
+                Err(back) => {
+                    // Back in the guard while we wait: an abort gives it back to the pool.
+                    pooled.buf = Some(back);
+                    self.wait_space(conn, space).await?;
+                    buf = pooled.buf.take().expect("put back above");
+                }
+            }
+        }
+    }
 }

@@ -1,4 +1,5 @@
-//! Wire protocol v1, the one definition of it (compatible both ways with id-echo 0.2.1).
+//! The wire protocol, defined once: v1 here (compatible both ways with id-echo 0.2.1), v2 in
+//! [`v2`] (negotiated next to v1: typed layouts, tokens, priorities, sessions, heartbeats).
 //!
 //! ```text
 //! server -> client, on accept:   b"ECHO" | version: u8 = 1 | n_arrays: u32 LE
@@ -10,6 +11,8 @@
 //!
 //! Decoding is defensive: array and dimension counts are capped before anything is allocated,
 //! and sizes are recomputed with overflow checks, so a hostile peer gets an error, not an OOM.
+
+pub mod v2;
 
 use std::io::{self, Read};
 

@@ -1,0 +1,820 @@
+//! Wire protocol v2: negotiated next to v1, typed layouts, tokens, sessions and heartbeats.
+//!
+//! ```text
+//! server -> client, on accept:  open server:  v1 handshake | OFFER      (one write)
+//!                               token server: OFFER
+//! OFFER (38 bytes):             b"ECHO" | 0x02 | mode: b'o' (open) or b't' (token) | nonce: 32
+//!                               ASCII hex digits (16 random bytes). No byte of it is 0x01, so a
+//!                               v1 client counting 0x01 acks is not confused by it.
+//! client -> server, HELLO:      nonce (32, echoed) | b"ECHO" | 0x02 | body_len: u32 | body
+//!   body:                       flags: u8 (bit 0: MAC at the end) | session: 16 bytes
+//!                               | first_seq: u64 | heartbeat_ms: u32 | client_nonce: 16 bytes
+//!                               | n_leaves: u32 | per leaf: name_len: u16 | name (UTF-8)
+//!                               | byte order: u8 | kind: u8 | itemsize: u32 | ndim: u32
+//!                               | ndim x dim: u32 | [mac: 32 bytes]
+//! server -> client, REPLY:      b"ECHO" | 0x02 | status: u8 | msg_len: u32 | msg (UTF-8)
+//!   status 0 (accepted), then:  flags: u8 (bit 0: replay, priorities accepted; bit 1: MAC)
+//!                               | resume_seq: u64 | heartbeat_ms: u32 | [mac: 32 bytes]
+//! client -> server, frames:     0x10 payload | 0x11 priority: f64 | payload | 0x20 (heartbeat)
+//!                               | 0x30 (bye: the session is over)
+//! server -> client, bytes:      0x01 (ack: one sample queued) | 0x02 (heartbeat)
+//!                               | 0x03 msg_len: u32 | msg (error; the server then closes)
+//! ```
+//!
+//! All integers are little-endian. The k-th sample frame of a connection has sequence number
+//! `resume_seq + k`. MACs are HMAC-SHA256 keyed by the token: the client's covers
+//! `b"echo-v2-client" | server nonce | body without the MAC`, the server's
+//! `b"echo-v2-server" | client_nonce | server nonce | resume_seq`; the token never crosses the
+//! wire. Decoding is defensive: lengths are capped before anything is allocated.
+
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+use crate::error::EchoError;
+use crate::spec::{ArraySpec, DataSpec};
+
+/// The version byte of every v2 message.
+pub const VERSION: u8 = 2;
+/// Length of the server's nonce on the wire (hex digits).
+pub const NONCE_LEN: usize = 32;
+/// Length of an OFFER.
+pub const OFFER_LEN: usize = 4 + 1 + 1 + NONCE_LEN;
+/// Length of a MAC.
+pub const MAC_LEN: usize = 32;
+
+/// Client frame: a sample follows.
+pub const SAMPLE: u8 = 0x10;
+/// Client frame: a priority (f64) and a sample follow.
+pub const SAMPLE_PRIORITY: u8 = 0x11;
+/// Client frame, and server byte [`BEAT`]: nothing follows; "still here".
+pub const HEARTBEAT: u8 = 0x20;
+/// Client frame: the client is done; the server forgets the session.
+pub const BYE: u8 = 0x30;
+/// Server byte: one sample queued (the same byte as v1's ack).
+pub const ACK: u8 = super::ACK;
+/// Server byte: heartbeat.
+pub const BEAT: u8 = 0x02;
+/// Server byte: an error message follows, then the server closes.
+pub const ERROR: u8 = 0x03;
+
+/// Reply status: accepted.
+pub const ACCEPTED: u8 = 0;
+/// The most bytes of an error or refusal message.
+pub const MAX_MESSAGE: u32 = 64 * 1024;
+
+/// Why a server refused a hello.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// Malformed hello or an unsupported request.
+    Protocol = 1,
+    /// Missing or wrong token.
+    Auth = 2,
+    /// The client's samples are not shaped like the server's.
+    Layout = 3,
+}
+
+impl Refusal {
+    fn from_status(status: u8) -> Option<Self> {
+        match status {
+            1 => Some(Self::Protocol),
+            2 => Some(Self::Auth),
+            3 => Some(Self::Layout),
+            _ => None,
+        }
+    }
+
+    /// The error a client reports for this refusal.
+    pub fn into_error(self, message: String) -> EchoError {
+        match self {
+            Self::Auth => EchoError::Auth(message),
+            Self::Protocol | Self::Layout => EchoError::Protocol(message),
+        }
+    }
+}
+
+/// Whether a server needs a token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// v1 and v2 clients, no token.
+    Open,
+    /// v2 clients that prove the token.
+    Token,
+}
+
+/// The server's offer of v2: its mode and a fresh nonce.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Offer {
+    /// Whether a token is required.
+    pub mode: Mode,
+    /// 32 ASCII hex digits.
+    pub nonce: [u8; NONCE_LEN],
+}
+
+const HEX: &[u8; 16] = b"0123456789abcdef";
+
+/// `N` random bytes from the operating system.
+///
+/// # Errors
+/// [`EchoError::Io`] if the OS has no randomness to give.
+pub fn random<const N: usize>() -> Result<[u8; N], EchoError> {
+    let mut bytes = [0u8; N];
+    getrandom::fill(&mut bytes)
+        .map_err(|e| EchoError::Io(std::io::Error::other(format!("no OS randomness: {e}"))))?;
+    Ok(bytes)
+}
+
+impl Offer {
+    /// An offer with a fresh random nonce.
+    ///
+    /// # Errors
+    /// As [`random`].
+    pub fn new(mode: Mode) -> Result<Self, EchoError> {
+        let raw: [u8; NONCE_LEN / 2] = random()?;
+        let mut nonce = [0u8; NONCE_LEN];
+        for (i, byte) in raw.iter().enumerate() {
+            nonce[2 * i] = HEX[usize::from(byte >> 4)];
+            nonce[2 * i + 1] = HEX[usize::from(byte & 15)];
+        }
+        Ok(Self { mode, nonce })
+    }
+
+    /// The offer's bytes.
+    pub fn encode(&self) -> [u8; OFFER_LEN] {
+        let mut out = [0u8; OFFER_LEN];
+        out[..4].copy_from_slice(super::MAGIC);
+        out[4] = VERSION;
+        out[5] = match self.mode {
+            Mode::Open => b'o',
+            Mode::Token => b't',
+        };
+        out[6..].copy_from_slice(&self.nonce);
+        out
+    }
+
+    /// Parses an offer at the start of `bytes`: `Ok(None)` if fewer than [`OFFER_LEN`] bytes
+    /// are there yet (and what is there is a valid start).
+    ///
+    /// # Errors
+    /// [`EchoError::Protocol`] if the bytes are not an offer.
+    pub fn parse(bytes: &[u8]) -> Result<Option<Self>, EchoError> {
+        let bad = |what: String| {
+            EchoError::Protocol(format!(
+                "not an echo server: a wire version 2 greeting must be an offer, got {what}"
+            ))
+        };
+        super::check_magic(bytes)?;
+        if bytes.len() > 4 && bytes[4] != VERSION {
+            return Err(bad(format!("version {}", bytes[4])));
+        }
+        let mode = match bytes.get(5) {
+            None => return Ok(None),
+            Some(b'o') => Mode::Open,
+            Some(b't') => Mode::Token,
+            Some(other) => return Err(bad(format!("mode byte {other:#04x}"))),
+        };
+        let Some(nonce) = bytes.get(6..OFFER_LEN) else { return Ok(None) };
+        if let Some(bad_digit) = nonce.iter().find(|b| !HEX.contains(b)) {
+            return Err(bad(format!("nonce byte {bad_digit:#04x} is not a hex digit")));
+        }
+        Ok(Some(Self { mode, nonce: nonce.try_into().expect("32 bytes") }))
+    }
+}
+
+/// A numpy dtype as the wire describes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DType {
+    /// `b'<'`, `b'>'` or `b'|'` (not applicable).
+    pub order: u8,
+    /// numpy's kind character (`b'f'`, `b'i'`, `b'u'`, `b'b'`, `b'c'`, `b'V'`, ...).
+    pub kind: u8,
+    /// Bytes per element.
+    pub size: u32,
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = match (self.kind, self.size) {
+            (b'b', 1) => return write!(f, "bool"),
+            (b'f', n) => format!("float{}", n * 8),
+            (b'i', n) => format!("int{}", n * 8),
+            (b'u', n) => format!("uint{}", n * 8),
+            (b'c', n) => format!("complex{}", n * 8),
+            (kind, n) => format!("{}{n}", char::from(kind)),
+        };
+        match self.order {
+            b'>' => write!(f, "{name} (big-endian)"),
+            _ => write!(f, "{name}"),
+        }
+    }
+}
+
+/// One leaf: its path name, dtype and shape.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeafType {
+    /// The leaf's path in the pytree, e.g. `['obs']['pixels']`.
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Shape.
+    pub shape: Vec<usize>,
+}
+
+/// A sample layout with dtypes and names, as v2 checks it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout(pub Vec<LeafType>);
+
+impl Layout {
+    /// The layout of `spec` when nothing more is known (Rust callers): leaves named by index,
+    /// of raw-byte kind `b'V'`.
+    pub fn untyped(spec: &DataSpec) -> Self {
+        Self(
+            spec.arrays()
+                .iter()
+                .enumerate()
+                .map(|(i, a)| LeafType {
+                    name: i.to_string(),
+                    dtype: DType {
+                        order: b'|',
+                        kind: b'V',
+                        size: u32::try_from(a.dtype_size()).unwrap_or(u32::MAX),
+                    },
+                    shape: a.shape().to_vec(),
+                })
+                .collect(),
+        )
+    }
+
+    /// The byte layout this describes.
+    ///
+    /// # Errors
+    /// [`EchoError::Config`] if a size overflows or there is no data.
+    pub fn spec(&self) -> Result<DataSpec, EchoError> {
+        let arrays = self
+            .0
+            .iter()
+            .map(|l| ArraySpec::new(l.shape.clone(), l.dtype.size as usize))
+            .collect::<Result<Vec<_>, _>>()?;
+        DataSpec::new(arrays)
+    }
+
+    /// Why `client` (a client's layout) is not this (the server's) one; `None` if it is.
+    pub fn mismatch(&self, client: &Layout) -> Option<String> {
+        if self.0.len() != client.0.len() {
+            return Some(format!(
+                "the server stores samples of {} leaves, the client sends {}",
+                self.0.len(),
+                client.0.len()
+            ));
+        }
+        for (i, (ours, theirs)) in self.0.iter().zip(&client.0).enumerate() {
+            if ours.name != theirs.name {
+                return Some(format!(
+                    "leaf {i}: the server expects leaf {}, the client sends leaf {}",
+                    ours.name, theirs.name
+                ));
+            }
+            if ours.dtype != theirs.dtype || ours.shape != theirs.shape {
+                return Some(format!(
+                    "leaf {}: the server expects {} of shape {}, the client has {} of shape {}",
+                    ours.name,
+                    ours.dtype,
+                    shape_text(&ours.shape),
+                    theirs.dtype,
+                    shape_text(&theirs.shape)
+                ));
+            }
+        }
+        None
+    }
+
+    fn encode_into(&self, out: &mut Vec<u8>) -> Result<(), EchoError> {
+        out.extend_from_slice(&count(self.0.len(), "leaf count")?.to_le_bytes());
+        for leaf in &self.0 {
+            let name = u16::try_from(leaf.name.len()).map_err(|_| {
+                EchoError::Config(format!("leaf name {:?} is over 65535 bytes", leaf.name))
+            })?;
+            out.extend_from_slice(&name.to_le_bytes());
+            out.extend_from_slice(leaf.name.as_bytes());
+            out.push(leaf.dtype.order);
+            out.push(leaf.dtype.kind);
+            out.extend_from_slice(&leaf.dtype.size.to_le_bytes());
+            out.extend_from_slice(&count(leaf.shape.len(), "dimension count")?.to_le_bytes());
+            for &dim in &leaf.shape {
+                out.extend_from_slice(&count(dim, "dimension")?.to_le_bytes());
+            }
+        }
+        Ok(())
+    }
+
+    fn decode(reader: &mut Cursor<'_>) -> Result<Self, EchoError> {
+        let n = reader.u32()?;
+        if n > super::MAX_ARRAYS {
+            return Err(EchoError::Protocol(format!(
+                "hello announces {n} leaves, more than the {} allowed",
+                super::MAX_ARRAYS
+            )));
+        }
+        let mut leaves = Vec::with_capacity((n as usize).min(64));
+        for index in 0..n {
+            let name_len = usize::from(reader.u16()?);
+            let name = String::from_utf8(reader.take(name_len)?.to_vec())
+                .map_err(|_| EchoError::Protocol(format!("leaf {index}: the name is not UTF-8")))?;
+            let order = reader.u8()?;
+            let kind = reader.u8()?;
+            let size = reader.u32()?;
+            let ndim = reader.u32()?;
+            if ndim > super::MAX_DIMS {
+                return Err(EchoError::Protocol(format!(
+                    "leaf {name}: {ndim} dimensions, more than the {} allowed",
+                    super::MAX_DIMS
+                )));
+            }
+            let shape =
+                (0..ndim).map(|_| reader.u32().map(|d| d as usize)).collect::<Result<_, _>>()?;
+            leaves.push(LeafType { name, dtype: DType { order, kind, size }, shape });
+        }
+        Ok(Self(leaves))
+    }
+
+    /// Bytes of this layout in a hello.
+    fn encoded_len(&self) -> usize {
+        4 + self
+            .0
+            .iter()
+            .map(|l| 2 + l.name.len() + 1 + 1 + 4 + 4 + 4 * l.shape.len())
+            .sum::<usize>()
+    }
+}
+
+fn shape_text(shape: &[usize]) -> String {
+    match shape {
+        [one] => format!("({one},)"),
+        dims => format!("({})", dims.iter().map(usize::to_string).collect::<Vec<_>>().join(", ")),
+    }
+}
+
+fn count(v: usize, what: &str) -> Result<u32, EchoError> {
+    u32::try_from(v)
+        .map_err(|_| EchoError::Config(format!("{what} {v} does not fit the wire format's u32")))
+}
+
+/// A client's hello.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hello {
+    /// The client's session, the same across its reconnects.
+    pub session: [u8; 16],
+    /// Samples of this session the client has had acknowledged.
+    pub first_seq: u64,
+    /// The client's dead-peer timeout in milliseconds (0: none).
+    pub heartbeat_ms: u32,
+    /// The client's nonce, for the server's proof.
+    pub client_nonce: [u8; 16],
+    /// The client's samples.
+    pub layout: Layout,
+    /// The client's proof of the token, if it has one.
+    pub mac: Option<[u8; MAC_LEN]>,
+}
+
+/// Fixed bytes of a hello before its body: nonce, magic, version, body length.
+const HELLO_HEAD: usize = NONCE_LEN + 4 + 1 + 4;
+/// Fixed bytes of a hello body before the layout.
+const BODY_FIXED: usize = 1 + 16 + 8 + 4 + 16;
+
+fn hmac(token: &[u8]) -> Hmac<Sha256> {
+    // HMAC takes keys of any length.
+    Hmac::<Sha256>::new_from_slice(token).expect("HMAC accepts keys of any length")
+}
+
+impl Hello {
+    /// The hello's bytes, answering `offer`; with `token`, signed.
+    ///
+    /// # Errors
+    /// [`EchoError::Config`] if the layout does not fit the format.
+    pub fn encode(&self, offer: &Offer, token: Option<&[u8]>) -> Result<Vec<u8>, EchoError> {
+        let mut body = Vec::with_capacity(BODY_FIXED + self.layout.encoded_len() + MAC_LEN);
+        body.push(u8::from(token.is_some()));
+        body.extend_from_slice(&self.session);
+        body.extend_from_slice(&self.first_seq.to_le_bytes());
+        body.extend_from_slice(&self.heartbeat_ms.to_le_bytes());
+        body.extend_from_slice(&self.client_nonce);
+        self.layout.encode_into(&mut body)?;
+        if let Some(token) = token {
+            let mut mac = hmac(token);
+            mac.update(b"echo-v2-client");
+            mac.update(&offer.nonce);
+            mac.update(&body);
+            body.extend_from_slice(&mac.finalize().into_bytes());
+        }
+        let mut out = Vec::with_capacity(HELLO_HEAD + body.len());
+        out.extend_from_slice(&offer.nonce);
+        out.extend_from_slice(super::MAGIC);
+        out.push(VERSION);
+        out.extend_from_slice(&count(body.len(), "hello size")?.to_le_bytes());
+        out.extend_from_slice(&body);
+        Ok(out)
+    }
+
+    /// Whether `token` signed this hello (constant-time comparison).
+    pub fn verify(&self, offer: &Offer, token: &[u8], body: &[u8]) -> bool {
+        let Some(mac) = &self.mac else { return false };
+        let mut check = hmac(token);
+        check.update(b"echo-v2-client");
+        check.update(&offer.nonce);
+        check.update(&body[..body.len() - MAC_LEN]);
+        check.verify_slice(mac).is_ok()
+    }
+}
+
+/// What the first bytes a client sent are.
+#[derive(Debug)]
+pub enum Opening {
+    /// Not a hello: v1 sample data (they do not start with the offer's nonce).
+    V1,
+    /// A strict prefix of a hello so far: read more.
+    NeedMore,
+    /// A whole hello: it, its body (for [`Hello::verify`]) and its length on the wire.
+    Hello(Box<Hello>, Vec<u8>, usize),
+}
+
+/// Tells a hello from v1 sample data in the first bytes a client sent, and parses it.
+/// `max_body` caps the body length a hello may announce (the server sizes it from its own
+/// layout, so a peer cannot make it buffer much).
+///
+/// # Errors
+/// [`EchoError::Protocol`] for a malformed hello (one that starts with the nonce).
+pub fn parse_opening(
+    received: &[u8],
+    offer: &Offer,
+    max_body: usize,
+) -> Result<Opening, EchoError> {
+    let n = received.len().min(NONCE_LEN);
+    if received[..n] != offer.nonce[..n] {
+        return Ok(Opening::V1);
+    }
+    if received.len() < HELLO_HEAD {
+        let magic = &received[n..];
+        super::check_magic(magic)?;
+        return Ok(Opening::NeedMore);
+    }
+    let head = &received[NONCE_LEN..HELLO_HEAD];
+    super::check_magic(&head[..4])?;
+    if head[4] != VERSION {
+        return Err(EchoError::Protocol(format!("hello version {}, expected {VERSION}", head[4])));
+    }
+    let body_len = u32::from_le_bytes(head[5..9].try_into().expect("4 bytes")) as usize;
+    if body_len > max_body {
+        return Err(EchoError::Protocol(format!(
+            "hello of {body_len} bytes, more than the {max_body} this server's layout needs"
+        )));
+    }
+    let Some(body) = received.get(HELLO_HEAD..HELLO_HEAD + body_len) else {
+        return Ok(Opening::NeedMore);
+    };
+    let hello = decode_body(body)?;
+    Ok(Opening::Hello(Box::new(hello), body.to_vec(), HELLO_HEAD + body_len))
+}
+
+fn decode_body(body: &[u8]) -> Result<Hello, EchoError> {
+    let mut reader = Cursor(body);
+    let flags = reader.u8()?;
+    let session = reader.array::<16>()?;
+    let first_seq = reader.u64()?;
+    let heartbeat_ms = reader.u32()?;
+    let client_nonce = reader.array::<16>()?;
+    let layout = Layout::decode(&mut reader)?;
+    let mac = if flags & 1 != 0 { Some(reader.array::<MAC_LEN>()?) } else { None };
+    if !reader.0.is_empty() {
+        return Err(EchoError::Protocol(format!(
+            "hello has {} bytes after its end",
+            reader.0.len()
+        )));
+    }
+    Ok(Hello { session, first_seq, heartbeat_ms, client_nonce, layout, mac })
+}
+
+/// The most bytes a hello body for `layout` may have: its exact size with a MAC, doubled
+/// (names may differ in length), plus 64 KiB.
+pub fn max_hello_body(layout: &Layout) -> usize {
+    (BODY_FIXED + layout.encoded_len() + MAC_LEN) * 2 + 64 * 1024
+}
+
+/// A server's acceptance.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Accept {
+    /// The backend is a replay table: sample frames may carry priorities.
+    pub replay: bool,
+    /// The sequence number of the first sample the server wants on this connection.
+    pub resume_seq: u64,
+    /// The server's dead-peer timeout in milliseconds (0: none).
+    pub heartbeat_ms: u32,
+    /// The server's proof of the token, if it has one.
+    pub mac: Option<[u8; MAC_LEN]>,
+}
+
+/// A server's answer to a hello.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reply {
+    /// Accepted.
+    Accepted(Accept),
+    /// Refused, and why.
+    Refused(Refusal, String),
+}
+
+fn server_mac(token: &[u8], hello: &Hello, offer: &Offer, resume_seq: u64) -> Hmac<Sha256> {
+    let mut mac = hmac(token);
+    mac.update(b"echo-v2-server");
+    mac.update(&hello.client_nonce);
+    mac.update(&offer.nonce);
+    mac.update(&resume_seq.to_le_bytes());
+    mac
+}
+
+impl Accept {
+    /// An acceptance of `hello`, signed with `token` if the server has one.
+    pub fn new(
+        replay: bool,
+        resume_seq: u64,
+        heartbeat_ms: u32,
+        signed: Option<(&[u8], &Hello, &Offer)>,
+    ) -> Self {
+        let mac = signed.map(|(token, hello, offer)| {
+            server_mac(token, hello, offer, resume_seq).finalize().into_bytes().into()
+        });
+        Self { replay, resume_seq, heartbeat_ms, mac }
+    }
+
+    /// Whether the server proved `token` (constant-time comparison).
+    pub fn verify(&self, token: &[u8], hello: &Hello, offer: &Offer) -> bool {
+        let Some(mac) = &self.mac else { return false };
+        server_mac(token, hello, offer, self.resume_seq).verify_slice(mac).is_ok()
+    }
+}
+
+impl Reply {
+    /// The reply's bytes.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(64);
+        out.extend_from_slice(super::MAGIC);
+        out.push(VERSION);
+        match self {
+            Self::Accepted(accept) => {
+                out.push(ACCEPTED);
+                out.extend_from_slice(&0u32.to_le_bytes());
+                out.push(u8::from(accept.replay) | (u8::from(accept.mac.is_some()) << 1));
+                out.extend_from_slice(&accept.resume_seq.to_le_bytes());
+                out.extend_from_slice(&accept.heartbeat_ms.to_le_bytes());
+                if let Some(mac) = &accept.mac {
+                    out.extend_from_slice(mac);
+                }
+            }
+            Self::Refused(why, message) => {
+                out.push(*why as u8);
+                push_message(&mut out, message);
+            }
+        }
+        out
+    }
+
+    /// Parses a reply from the bytes received so far: `Ok(None)` if incomplete, else the
+    /// reply and its length.
+    ///
+    /// # Errors
+    /// [`EchoError::Protocol`] if the bytes are not a reply.
+    pub fn parse(received: &[u8]) -> Result<Option<(Self, usize)>, EchoError> {
+        super::check_magic(received)?;
+        let mut reader = Cursor(received);
+        let parsed = (|| {
+            reader.take(4)?;
+            let version = reader.u8()?;
+            if version != VERSION {
+                return Err(EchoError::Protocol(format!("reply version {version}")));
+            }
+            let status = reader.u8()?;
+            let message = read_message(&mut reader)?;
+            if status != ACCEPTED {
+                let why = Refusal::from_status(status).ok_or_else(|| {
+                    EchoError::Protocol(format!("unknown reply status {status}: {message}"))
+                })?;
+                return Ok(Self::Refused(why, message));
+            }
+            let flags = reader.u8()?;
+            let resume_seq = reader.u64()?;
+            let heartbeat_ms = reader.u32()?;
+            let mac = if flags & 2 != 0 { Some(reader.array::<MAC_LEN>()?) } else { None };
+            Ok(Self::Accepted(Accept { replay: flags & 1 != 0, resume_seq, heartbeat_ms, mac }))
+        })();
+        match parsed {
+            Ok(reply) => Ok(Some((reply, received.len() - reader.0.len()))),
+            Err(EchoError::Io(_)) => Ok(None),
+            Err(err) => Err(err),
+        }
+    }
+}
+
+/// An error frame's bytes: [`ERROR`], then the message.
+pub fn encode_error(message: &str) -> Vec<u8> {
+    let mut out = vec![ERROR];
+    push_message(&mut out, message);
+    out
+}
+
+/// Parses the message of an error frame (the bytes after [`ERROR`]): `Ok(None)` if incomplete.
+///
+/// # Errors
+/// [`EchoError::Protocol`] for an oversized message.
+pub fn parse_error(received: &[u8]) -> Result<Option<(String, usize)>, EchoError> {
+    let mut reader = Cursor(received);
+    match read_message(&mut reader) {
+        Ok(message) => Ok(Some((message, received.len() - reader.0.len()))),
+        Err(EchoError::Io(_)) => Ok(None),
+        Err(err) => Err(err),
+    }
+}
+
+fn push_message(out: &mut Vec<u8>, message: &str) {
+    let mut end = message.len().min(MAX_MESSAGE as usize);
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    out.extend_from_slice(&(end as u32).to_le_bytes());
+    out.extend_from_slice(&message.as_bytes()[..end]);
+}
+
+fn read_message(reader: &mut Cursor<'_>) -> Result<String, EchoError> {
+    let len = reader.u32()?;
+    if len > MAX_MESSAGE {
+        return Err(EchoError::Protocol(format!("message of {len} bytes")));
+    }
+    Ok(String::from_utf8_lossy(reader.take(len as usize)?).into_owned())
+}
+
+/// Reads little-endian values off a byte slice; running out is an `Io(UnexpectedEof)` error
+/// (callers turn it into "need more bytes").
+struct Cursor<'a>(&'a [u8]);
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], EchoError> {
+        if self.0.len() < n {
+            return Err(EchoError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+        }
+        let (head, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Ok(head)
+    }
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], EchoError> {
+        Ok(self.take(N)?.try_into().expect("N bytes"))
+    }
+    fn u8(&mut self) -> Result<u8, EchoError> {
+        Ok(self.take(1)?[0])
+    }
+    fn u16(&mut self) -> Result<u16, EchoError> {
+        Ok(u16::from_le_bytes(self.array()?))
+    }
+    fn u32(&mut self) -> Result<u32, EchoError> {
+        Ok(u32::from_le_bytes(self.array()?))
+    }
+    fn u64(&mut self) -> Result<u64, EchoError> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout() -> Layout {
+        Layout(vec![
+            LeafType {
+                name: "['obs']".into(),
+                dtype: DType { order: b'<', kind: b'f', size: 4 },
+                shape: vec![3],
+            },
+            LeafType {
+                name: "['id']".into(),
+                dtype: DType { order: b'<', kind: b'i', size: 8 },
+                shape: vec![],
+            },
+        ])
+    }
+
+    fn hello(mac: bool) -> (Offer, Vec<u8>) {
+        let offer = Offer::new(Mode::Token).unwrap();
+        let hello = Hello {
+            session: [7; 16],
+            first_seq: 42,
+            heartbeat_ms: 10_000,
+            client_nonce: [9; 16],
+            layout: layout(),
+            mac: None,
+        };
+        let token: &[u8] = b"secret";
+        let bytes = hello.encode(&offer, mac.then_some(token)).unwrap();
+        (offer, bytes)
+    }
+
+    #[test]
+    fn an_offer_round_trips_and_holds_no_ack_byte() {
+        for mode in [Mode::Open, Mode::Token] {
+            let offer = Offer::new(mode).unwrap();
+            let bytes = offer.encode();
+            assert!(!bytes.contains(&ACK), "{bytes:?}");
+            assert_eq!(Offer::parse(&bytes).unwrap(), Some(offer));
+            for cut in 0..OFFER_LEN {
+                assert_eq!(Offer::parse(&bytes[..cut]).unwrap(), None, "cut at {cut}");
+            }
+        }
+        assert!(Offer::parse(b"ECHO\x01").is_err());
+        assert!(Offer::parse(b"ECHO\x02x").is_err());
+    }
+
+    #[test]
+    fn a_hello_round_trips_signed_and_verifies_only_with_the_token() {
+        let (offer, bytes) = hello(true);
+        let max = max_hello_body(&layout());
+        for cut in 0..bytes.len() {
+            assert!(
+                matches!(parse_opening(&bytes[..cut], &offer, max).unwrap(), Opening::NeedMore),
+                "cut at {cut}"
+            );
+        }
+        let Opening::Hello(parsed, body, len) = parse_opening(&bytes, &offer, max).unwrap() else {
+            panic!("not a hello")
+        };
+        assert_eq!(len, bytes.len());
+        assert_eq!((parsed.first_seq, parsed.session, &parsed.layout), (42, [7; 16], &layout()));
+        assert!(parsed.verify(&offer, b"secret", &body));
+        assert!(!parsed.verify(&offer, b"Secret", &body));
+        let other = Offer::new(Mode::Token).unwrap();
+        assert!(!parsed.verify(&other, b"secret", &body), "a replayed hello must not verify");
+        let (offer, bytes) = hello(false);
+        let Opening::Hello(parsed, body, _) = parse_opening(&bytes, &offer, max).unwrap() else {
+            panic!("not a hello")
+        };
+        assert!(parsed.mac.is_none() && !parsed.verify(&offer, b"secret", &body));
+    }
+
+    #[test]
+    fn bytes_that_do_not_start_with_the_nonce_are_v1_data() {
+        let offer = Offer::new(Mode::Open).unwrap();
+        let mut data = offer.nonce.to_vec();
+        data[3] ^= 0x20;
+        assert!(matches!(parse_opening(&data, &offer, 1 << 20).unwrap(), Opening::V1));
+        assert!(matches!(parse_opening(&[0, 0, 0], &offer, 1 << 20).unwrap(), Opening::V1));
+        assert!(matches!(parse_opening(&offer.nonce[..5], &offer, 1).unwrap(), Opening::NeedMore));
+    }
+
+    #[test]
+    fn an_oversized_hello_is_refused_before_it_is_read() {
+        let (offer, bytes) = hello(false);
+        let err = parse_opening(&bytes[..HELLO_HEAD], &offer, 10).unwrap_err();
+        assert!(matches!(err, EchoError::Protocol(m) if m.contains("more than")));
+    }
+
+    #[test]
+    fn replies_round_trip_and_the_server_proof_binds_the_nonces() {
+        let (offer, bytes) = hello(true);
+        let Opening::Hello(parsed, ..) =
+            parse_opening(&bytes, &offer, max_hello_body(&layout())).unwrap()
+        else {
+            panic!("not a hello")
+        };
+        let accept = Accept::new(true, 40, 5000, Some((b"secret", &parsed, &offer)));
+        let bytes = Reply::Accepted(accept.clone()).encode();
+        for cut in 0..bytes.len() {
+            assert_eq!(Reply::parse(&bytes[..cut]).unwrap(), None, "cut at {cut}");
+        }
+        let (reply, len) = Reply::parse(&bytes).unwrap().unwrap();
+        assert_eq!((reply, len), (Reply::Accepted(accept.clone()), bytes.len()));
+        assert!(accept.verify(b"secret", &parsed, &offer));
+        assert!(!accept.verify(b"other", &parsed, &offer));
+        let refused = Reply::Refused(Refusal::Layout, "leaf x".into());
+        assert_eq!(Reply::parse(&refused.encode()).unwrap().unwrap().0, refused);
+    }
+
+    #[test]
+    fn layout_mismatches_name_the_leaf_and_both_sides() {
+        let mut client = layout();
+        client.0[0].dtype = DType { order: b'<', kind: b'i', size: 4 };
+        let msg = layout().mismatch(&client).unwrap();
+        assert!(
+            msg.contains("['obs']") && msg.contains("float32") && msg.contains("int32"),
+            "{msg}"
+        );
+        let mut client = layout();
+        client.0[1].name = "['ident']".into();
+        let msg = layout().mismatch(&client).unwrap();
+        assert!(msg.contains("['id']") && msg.contains("['ident']"), "{msg}");
+        assert_eq!(layout().mismatch(&layout()), None);
+    }
+
+    #[test]
+    fn error_frames_round_trip() {
+        let bytes = encode_error("bad priority");
+        assert_eq!(bytes[0], ERROR);
+        assert_eq!(
+            parse_error(&bytes[1..]).unwrap(),
+            Some(("bad priority".into(), bytes.len() - 1))
+        );
+        assert_eq!(parse_error(&bytes[1..4]).unwrap(), None);
+    }
+}

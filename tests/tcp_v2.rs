@@ -1,0 +1,278 @@
+//! Wire protocol v2 over real loopback sockets: tokens, the typed layout check, sessions that
+//! survive dropped connections exactly once and in order, and heartbeats that find a dead
+//! peer. The Python suite covers the same with id-echo 0.2.1 and worker processes.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use common::{decode, tagged_payload, tagged_spec, wait_until, PATIENCE};
+use echo::backend::Backend;
+use echo::ingress::IngressConfig;
+use echo::transport::client::{ClientConfig, Protocol, TcpSender};
+use echo::transport::tcp::TcpConfig;
+use echo::transport::wire::v2::{DType, Layout};
+use echo::transport::TcpIngress;
+use echo::{Consumer, EchoError, Store};
+
+fn start(tcp: TcpConfig, batch_size: usize) -> (Consumer, TcpIngress, SocketAddr) {
+    let store = Store::new(tagged_spec(), batch_size, 4).unwrap();
+    let consumer = store.consumer().unwrap();
+    let ingress =
+        TcpIngress::start(Backend::Fifo(store.clone()), IngressConfig::new(2, 8), &tcp).unwrap();
+    let addr = ingress.local_addr();
+    (consumer, ingress, addr)
+}
+
+fn local() -> TcpConfig {
+    TcpConfig::new("127.0.0.1", 0)
+}
+
+fn client(port: u16) -> ClientConfig {
+    ClientConfig::new("127.0.0.1", port, Layout::untyped(&tagged_spec()))
+}
+
+fn send_tagged(client: &mut TcpSender, producer: u32, seq: u64) -> Result<(), EchoError> {
+    let p = tagged_payload(producer, seq);
+    client.send(&[&p[..4], &p[4..12], &p[12..]], None, Some(Instant::now() + PATIENCE))
+}
+
+fn collect(consumer: &mut Consumer, batches: usize) -> Vec<(u32, u64)> {
+    let mut out = Vec::new();
+    for _ in 0..batches {
+        consumer.sample(Some(Instant::now() + PATIENCE)).expect("batch did not arrive");
+        let leaves: [Vec<u8>; 3] = std::array::from_fn(|l| consumer.read_leaf(l, <[u8]>::to_vec));
+        for i in 0..consumer.store().batch_size() {
+            out.push(decode(&leaves, i));
+        }
+    }
+    out
+}
+
+#[test]
+fn a_token_server_admits_only_clients_that_prove_the_token() {
+    let tcp = TcpConfig { token: Some(b"s3cret".to_vec()), ..local() };
+    let (mut consumer, server, addr) = start(tcp, 2);
+    let refusals = [
+        (ClientConfig { token: None, ..client(addr.port()) }, "requires a token"),
+        (ClientConfig { token: Some(b"wrong".to_vec()), ..client(addr.port()) }, "wrong token"),
+        (ClientConfig { protocol: Protocol::V1, ..client(addr.port()) }, "protocol=1"),
+    ];
+    for (config, expected) in refusals {
+        match TcpSender::connect(config, PATIENCE) {
+            Err(EchoError::Auth(msg)) => assert!(msg.contains(expected), "{msg}"),
+            Err(other) => panic!("expected an Auth error with {expected:?}, got {other:?}"),
+            Ok(_) => panic!("admitted without the right token ({expected})"),
+        }
+    }
+    wait_until("the wrong token counted", || server.snapshot().handshakes_refused_auth_total == 1);
+    let mut good = TcpSender::connect(
+        ClientConfig { token: Some(b"s3cret".to_vec()), ..client(addr.port()) },
+        PATIENCE,
+    )
+    .unwrap();
+    assert_eq!(good.protocol(), 2);
+    send_tagged(&mut good, 1, 0).unwrap();
+    send_tagged(&mut good, 1, 1).unwrap();
+    assert_eq!(collect(&mut consumer, 1), vec![(1, 0), (1, 1)]);
+}
+
+#[test]
+fn a_client_with_a_token_refuses_a_server_that_cannot_prove_it() {
+    let (_consumer, _server, addr) = start(local(), 2);
+    let config = ClientConfig { token: Some(b"s3cret".to_vec()), ..client(addr.port()) };
+    match TcpSender::connect(config, PATIENCE) {
+        Err(EchoError::Auth(msg)) => assert!(msg.contains("did not prove the token"), "{msg}"),
+        other => panic!("expected an Auth error, got {:?}", other.map(|_| ())),
+    }
+}
+
+#[test]
+fn a_layout_mismatch_is_refused_naming_the_leaf_and_both_dtypes() {
+    let mut typed = Layout::untyped(&tagged_spec());
+    typed.0[1].dtype = DType { order: b'<', kind: b'u', size: 8 };
+    typed.0[1].name = "['seq']".into();
+    let tcp = TcpConfig { layout: Some(typed.clone()), ..local() };
+    let (_consumer, server, addr) = start(tcp, 2);
+    let mut theirs = typed.clone();
+    theirs.0[1].dtype = DType { order: b'<', kind: b'f', size: 8 };
+    match TcpSender::connect(ClientConfig::new("127.0.0.1", addr.port(), theirs), PATIENCE) {
+        Err(EchoError::Protocol(msg)) => {
+            assert!(
+                msg.contains("['seq']") && msg.contains("uint64") && msg.contains("float64"),
+                "{msg}"
+            );
+        }
+        other => panic!("expected a layout refusal, got {:?}", other.map(|_| ())),
+    }
+    let mut renamed = typed.clone();
+    renamed.0[1].name = "['step']".into();
+    match TcpSender::connect(ClientConfig::new("127.0.0.1", addr.port(), renamed), PATIENCE) {
+        Err(EchoError::Protocol(msg)) => assert!(msg.contains("['step']"), "{msg}"),
+        other => panic!("expected a layout refusal, got {:?}", other.map(|_| ())),
+    }
+    assert_eq!(server.snapshot().handshakes_refused_layout_total, 2);
+    // The same client as v1 sees only sizes and shapes, which match.
+    let mut theirs = typed;
+    theirs.0[1].dtype = DType { order: b'<', kind: b'f', size: 8 };
+    let v1 = ClientConfig {
+        protocol: Protocol::V1,
+        ..ClientConfig::new("127.0.0.1", addr.port(), theirs)
+    };
+    assert_eq!(TcpSender::connect(v1, PATIENCE).unwrap().protocol(), 1);
+}
+
+/// A loopback proxy that cuts each connection after a number of client bytes (a different
+/// number each time), or, once `black_hole` is set, stops forwarding but keeps the sockets.
+struct Proxy {
+    port: u16,
+    cuts: Arc<AtomicUsize>,
+    black_hole: Arc<AtomicBool>,
+}
+
+impl Proxy {
+    fn start(target: SocketAddr, max_cuts: usize) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let cuts = Arc::new(AtomicUsize::new(0));
+        let black_hole = Arc::new(AtomicBool::new(false));
+        let (counter, hole) = (Arc::clone(&cuts), Arc::clone(&black_hole));
+        thread::spawn(move || {
+            for (k, client) in listener.incoming().enumerate().take(10_000) {
+                let Ok(client) = client else { return };
+                let Ok(server) = TcpStream::connect(target) else { return };
+                // Cut after 1..40 KB of client bytes, until `max_cuts` connections were cut.
+                let limit = if counter.load(Relaxed) < max_cuts {
+                    1_000 + (k * 7_919) % 40_000
+                } else {
+                    usize::MAX
+                };
+                let pumps = [
+                    (client.try_clone().unwrap(), server.try_clone().unwrap(), limit),
+                    (server, client, usize::MAX),
+                ];
+                for (mut from, mut to, limit) in pumps {
+                    let (counter, hole) = (Arc::clone(&counter), Arc::clone(&hole));
+                    thread::spawn(move || {
+                        let mut buf = [0u8; 4096];
+                        let mut moved = 0;
+                        while let Ok(n) = from.read(&mut buf) {
+                            if n == 0 {
+                                break;
+                            }
+                            while hole.load(Relaxed) {
+                                thread::sleep(Duration::from_millis(5));
+                            }
+                            let n = n.min(limit - moved);
+                            if to.write_all(&buf[..n]).is_err() {
+                                break;
+                            }
+                            moved += n;
+                            if moved >= limit {
+                                counter.fetch_add(1, Relaxed);
+                                break;
+                            }
+                        }
+                        let _ = from.shutdown(Shutdown::Both);
+                        let _ = to.shutdown(Shutdown::Both);
+                    });
+                }
+            }
+        });
+        Self { port, cuts, black_hole }
+    }
+}
+
+#[test]
+fn reconnecting_clients_deliver_exactly_once_in_order_through_dropped_connections() {
+    const PRODUCERS: u32 = 4;
+    const PER_PRODUCER: u64 = 3_000;
+    let (mut consumer, server, addr) = start(local(), 50);
+    let proxy = Proxy::start(addr, 24);
+    let senders: Vec<_> = (0..PRODUCERS)
+        .map(|producer| {
+            let config = ClientConfig {
+                max_inflight: 16,
+                reconnect_timeout: Some(PATIENCE),
+                ..client(proxy.port)
+            };
+            thread::spawn(move || {
+                let mut sender = TcpSender::connect(config, PATIENCE).unwrap();
+                for seq in 0..PER_PRODUCER {
+                    send_tagged(&mut sender, producer, seq).unwrap();
+                }
+                assert!(sender.close(Some(Instant::now() + PATIENCE)), "close did not flush");
+                (sender.reconnects(), sender.resent())
+            })
+        })
+        .collect();
+    let total = PRODUCERS as usize * PER_PRODUCER as usize;
+    let got = collect(&mut consumer, total / 50);
+    let mut next = [0u64; PRODUCERS as usize];
+    for (p, s) in got {
+        assert_eq!(s, next[p as usize], "producer {p}: lost, duplicated or reordered");
+        next[p as usize] += 1;
+    }
+    let reconnects: u64 = senders.into_iter().map(|s| s.join().unwrap().0).sum();
+    assert!(proxy.cuts.load(Relaxed) > 0 && reconnects > 0, "no connection was ever cut");
+    let snap = server.snapshot();
+    assert_eq!(snap.sessions_resumed_total, reconnects);
+    assert_eq!(snap.samples_inserted_total, total as u64);
+}
+
+#[test]
+fn heartbeats_find_a_silent_server_within_the_timeout() {
+    let (_consumer, _server, addr) = start(local(), 2);
+    let proxy = Proxy::start(addr, 0);
+    let config =
+        ClientConfig { heartbeat_timeout: Some(Duration::from_millis(400)), ..client(proxy.port) };
+    let mut sender = TcpSender::connect(config, PATIENCE).unwrap();
+    send_tagged(&mut sender, 0, 0).unwrap();
+    sender.wait(Some(Instant::now() + PATIENCE)).unwrap();
+    proxy.black_hole.store(true, Relaxed);
+    let started = Instant::now();
+    match sender.wait(Some(Instant::now() + PATIENCE)).and_then(|()| send_tagged(&mut sender, 0, 1))
+    {
+        Ok(()) => {
+            // The send went into the socket buffer; its ack never comes.
+            match sender.wait(Some(Instant::now() + PATIENCE)) {
+                Err(EchoError::Disconnected(msg)) => assert!(msg.contains("heartbeat"), "{msg}"),
+                other => panic!("expected a dead server, got {other:?}"),
+            }
+        }
+        Err(EchoError::Disconnected(msg)) => assert!(msg.contains("heartbeat"), "{msg}"),
+        Err(other) => panic!("{other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+}
+
+#[test]
+fn the_server_drops_a_v2_client_that_goes_silent() {
+    let tcp = TcpConfig { heartbeat_timeout: Some(Duration::from_millis(300)), ..local() };
+    let (_consumer, server, addr) = start(tcp, 2);
+    let proxy = Proxy::start(addr, 0);
+    // A client that never sends heartbeats itself (its own timeout is off) and whose bytes
+    // stop at the proxy: the server must give up on it.
+    let config = ClientConfig { heartbeat_timeout: None, ..client(proxy.port) };
+    let mut sender = TcpSender::connect(config, PATIENCE).unwrap();
+    wait_until("the connection served", || server.snapshot().v2_connections_total == 1);
+    proxy.black_hole.store(true, Relaxed);
+    let started = Instant::now();
+    // The server's heartbeats stop at the proxy too; what ends the wait is the server
+    // closing the connection, which the proxy passes on once its hole closes.
+    thread::sleep(Duration::from_millis(1_000));
+    proxy.black_hole.store(false, Relaxed);
+    match sender.wait(Some(Instant::now() + PATIENCE)).and_then(|()| {
+        send_tagged(&mut sender, 0, 0)?;
+        sender.wait(Some(Instant::now() + PATIENCE))
+    }) {
+        Err(EchoError::Disconnected(_)) => {}
+        other => panic!("the server kept a silent client: {other:?}"),
+    }
+    assert!(started.elapsed() < PATIENCE);
+}
