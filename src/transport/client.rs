@@ -795,10 +795,11 @@ impl TcpSender {
                 }
             }
         }
-        let header = frame_header(self.version, priority);
+        let (header, header_len) = frame_header(self.version, priority);
+        let header = &header[..header_len];
         if self.reconnect {
             let mut frame = Vec::with_capacity(header.len() + self.spec.payload_size());
-            frame.extend_from_slice(&header);
+            frame.extend_from_slice(header);
             for leaf in leaves {
                 frame.extend_from_slice(leaf);
             }
@@ -809,10 +810,7 @@ impl TcpSender {
             self.carry = false;
             return Ok(());
         }
-        let mut slices: Vec<&[u8]> = Vec::with_capacity(leaves.len() + 1);
-        slices.push(&header);
-        slices.extend_from_slice(leaves);
-        self.write_frame(&slices, deadline)?;
+        self.write_frame(header, leaves, deadline)?;
         self.sent += 1;
         self.written = self.sent;
         Ok(())
@@ -961,7 +959,7 @@ impl TcpSender {
             // Taken out while it is written (`write_frame` borrows the sender), then put back:
             // it stays retained until acknowledged.
             let frame = std::mem::take(&mut self.retained[index].frame);
-            let result = self.write_frame(&[&frame[..]], deadline);
+            let result = self.write_frame(&[], &[&frame[..]], deadline);
             self.retained[index].frame = frame;
             result?;
             self.written += 1;
@@ -1085,13 +1083,21 @@ impl TcpSender {
         self.install(est)
     }
 
-    /// Writes one frame (given as slices) from byte `in_progress` on, until done or
+    /// Writes one frame (`header`, then `parts`) from byte `in_progress` on, until done or
     /// `deadline` passes.
-    fn write_frame(&mut self, parts: &[&[u8]], deadline: Option<Instant>) -> Result<(), EchoError> {
+    fn write_frame(
+        &mut self,
+        header: &[u8],
+        parts: &[&[u8]],
+        deadline: Option<Instant>,
+    ) -> Result<(), EchoError> {
         let link =
             self.link.as_mut().ok_or_else(|| EchoError::Disconnected("no connection".into()))?;
-        let mut slices: Vec<IoSlice<'_>> =
-            parts.iter().filter(|l| !l.is_empty()).map(|l| IoSlice::new(l)).collect();
+        let mut slices: Vec<IoSlice<'_>> = std::iter::once(header)
+            .chain(parts.iter().copied())
+            .filter(|l| !l.is_empty())
+            .map(IoSlice::new)
+            .collect();
         let mut remaining = &mut slices[..];
         IoSlice::advance_slices(&mut remaining, self.in_progress);
         let mut writing = link.writing.lock();
@@ -1171,15 +1177,20 @@ impl Drop for TcpSender {
     }
 }
 
-/// The bytes before a sample's payload: none on v1; the frame type (and priority) on v2.
-fn frame_header(version: u8, priority: Option<f64>) -> Vec<u8> {
+/// The bytes before a sample's payload, on the stack (`header[..len]`): none on v1; the frame
+/// type (and priority) on v2.
+fn frame_header(version: u8, priority: Option<f64>) -> ([u8; 9], usize) {
+    let mut header = [0u8; 9];
     match (version, priority) {
-        (1, _) => Vec::new(),
-        (_, None) => vec![v2::SAMPLE],
+        (1, _) => (header, 0),
+        (_, None) => {
+            header[0] = v2::SAMPLE;
+            (header, 1)
+        }
         (_, Some(p)) => {
-            let mut header = vec![v2::SAMPLE_PRIORITY];
-            header.extend_from_slice(&p.to_le_bytes());
-            header
+            header[0] = v2::SAMPLE_PRIORITY;
+            header[1..].copy_from_slice(&p.to_le_bytes());
+            (header, 9)
         }
     }
 }
