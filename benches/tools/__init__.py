@@ -6,5 +6,7 @@ scenario with CPU per sample), and the ``issue11_*.py`` measurements behind the 
 issue's closing note (RSS over server lifetimes, the ingress memory bound, idle-connection
 lock-out, the longest GIL gap during a large ``update_priorities``, the accept rate under a
 connection flood), which run the current build and another interpreter's echo interleaved
-(``_issue11.py`` holds what they share). Each runs on its own (``python
-benches/tools/NAME.py``) and imports ``benches/py/helpers.py`` or ``_issue11.py``."""
+(``_issue11.py`` holds what they share), and ``issue12_v2_vs_v1.py`` (samples/s of wire v2
+against v1 on the same learner, small and ~200 KB samples, K = 1, 4, 16 worker processes).
+Each runs on its own (``python benches/tools/NAME.py``) and imports ``benches/py/helpers.py``
+or ``_issue11.py``."""

@@ -60,7 +60,8 @@ def _read_greeting(sock: socket.socket) -> None:
     by byte), then the v2 offer, which v1 clients skip."""
     assert _recv_exact(sock, len(HANDSHAKE)) == HANDSHAKE
     offer = _recv_exact(sock, OFFER_LEN)
-    assert offer[:6] == b"ECHO\x02o" and b"\x01" not in offer, offer
+    assert offer[:6] == b"ECHO\x02o", offer
+    assert b"\x01" not in offer, offer
 
 
 def _tcp(**kwargs: Any) -> TcpTransport:

@@ -66,11 +66,9 @@ impl PyTcpSender {
                 )))
             }
         };
+        // With a token "auto" still settles for v1 at a v1-only server, which then fails
+        // with the token problem it is (PermissionError), not a protocol one.
         config.token = resolve_token(token.as_deref())?;
-        if protocol == 0 && config.token.is_some() {
-            // A token needs v2: "auto" must not settle for v1.
-            config.protocol = Protocol::V2;
-        }
         config.heartbeat_timeout = seconds("heartbeat_timeout", heartbeat_timeout)?;
         config.reconnect_timeout = seconds("reconnect_timeout", reconnect_timeout)?;
         // One deadline for the whole connect and handshake (too large for a `Duration`: none).

@@ -1236,6 +1236,9 @@ impl Reading {
                 Ok(n) => {
                     self.last_heard = Instant::now();
                     self.pending.extend_from_slice(&buf[..n]);
+                    // The server's own heartbeats (or acks) may arrive more often than our
+                    // read timeout: ours are due by our last write, not by a quiet socket.
+                    self.heartbeat()?;
                 }
                 Err(e)
                     if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) =>

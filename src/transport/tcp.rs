@@ -158,6 +158,7 @@ impl TcpServer {
             max_sessions: config.max_connections,
             served: Arc::clone(&admission.served),
             epoch: admission.epoch,
+            failures: Throttled::default(),
         });
         runtime.spawn(reap_sessions(Arc::clone(&shared)));
         runtime.spawn(accept_loop(listener, shared, admission));
@@ -410,6 +411,7 @@ struct Shared {
     max_sessions: usize,
     served: Registry,
     epoch: Instant,
+    failures: Throttled,
 }
 
 impl Shared {
@@ -494,7 +496,34 @@ async fn serve(stream: TcpStream, peer: SocketAddr, shared: &Shared, id: u64, ac
     match serve_inner(stream, peer, shared, id, activity).await {
         Ok(()) => log::debug!("{peer}: connection closed"),
         Err(err) if is_disconnect(&err) => log::debug!("{peer}: connection lost: {err}"),
-        Err(err) => log::warn!("{peer}: connection failed: {err}"),
+        Err(err) => shared.failures.log(&format!("{peer}: connection failed: {err}")),
+    }
+}
+
+/// Connection failures (refused handshakes, dead peers, protocol errors) logged at most once
+/// per [`LOG_EVERY`] at WARNING, with how many were not: a peer retrying a wrong token must
+/// not make the learner log (and take the GIL) once per attempt. The rest go to DEBUG; every
+/// one is counted in the statistics.
+#[derive(Default)]
+struct Throttled(Mutex<(Option<Instant>, u64)>);
+
+impl Throttled {
+    fn log(&self, message: &str) {
+        let mut state = self.0.lock();
+        let (last, unlogged) = &mut *state;
+        if last.is_some_and(|at| at.elapsed() < LOG_EVERY) {
+            *unlogged += 1;
+            log::debug!("{message}");
+            return;
+        }
+        let more = std::mem::take(unlogged);
+        *last = Some(Instant::now());
+        drop(state);
+        if more > 0 {
+            log::warn!("{message} (and {more} more failed connections in the last {LOG_EVERY:?})");
+        } else {
+            log::warn!("{message}");
+        }
     }
 }
 
