@@ -208,10 +208,10 @@ class TcpSender:
         layout: TreeLayout,
         max_inflight: int,
         connect_timeout: float,
-        protocol: int = 0,
-        token: str | None = None,
-        reconnect_timeout: float | None = None,
-        heartbeat_timeout: float | None = 10.0,
+        protocol: int,
+        token: str | None,
+        reconnect_timeout: float | None,
+        heartbeat_timeout: float | None,
     ) -> TcpSender: ...
     def send(
         self, sample: object, timeout: float | None = None, priority: float | None = None

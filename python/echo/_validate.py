@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import operator
 
-__all__ = ["check_int", "check_seconds", "check_str", "check_token"]
+__all__ = ["check_bool", "check_int", "check_protocol", "check_seconds", "check_str", "check_token"]
 
 
 def check_int(name: str, value: object, low: int, high: int | None = None) -> int:
@@ -50,3 +50,19 @@ def check_seconds(name: str, value: object, *, optional: bool) -> float | None:
     if not seconds > 0:
         raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
     return seconds
+
+
+def check_bool(name: str, value: object) -> bool:
+    """`value` as a bool (no truthy stand-ins)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def check_protocol(value: object) -> int:
+    """A `TcpClient` protocol: 0 for "auto", else 1 or 2."""
+    if value == "auto":
+        return 0
+    if isinstance(value, int) and not isinstance(value, bool) and value in (1, 2):
+        return value
+    raise ValueError(f'protocol must be "auto", 1 or 2, got {value!r}')

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from echo._echo import TcpSender
 from echo._pytree import TreeLayout
-from echo._validate import check_int, check_seconds, check_token
+from echo._validate import check_bool, check_int, check_protocol, check_seconds, check_token
 
 __all__ = ["TcpClient"]
 
@@ -69,11 +69,9 @@ class TcpClient:
         heartbeat_timeout: float | None = 10.0,
     ) -> None:
         max_inflight_msgs = check_int("max_inflight_msgs", max_inflight_msgs, 1, 2**32 - 1)
-        if protocol not in ("auto", 1, 2) or isinstance(protocol, bool):
-            raise ValueError(f'protocol must be "auto", 1 or 2, got {protocol!r}')
-        if not isinstance(reconnect, bool):
-            raise TypeError(f"reconnect must be a bool, got {type(reconnect).__name__}")
-        if reconnect and protocol == 1:
+        version = check_protocol(protocol)
+        reconnect = check_bool("reconnect", reconnect)
+        if reconnect and version == 1:
             raise ValueError("reconnect=True needs protocol 2 (v1 has no sequence numbers)")
         token = check_token("token", token)
         timeout = check_seconds("reconnect_timeout", reconnect_timeout, optional=False)
@@ -85,7 +83,7 @@ class TcpClient:
             self._layout,
             max_inflight_msgs,
             connect_timeout,
-            0 if protocol == "auto" else protocol,
+            version,
             token,
             timeout if reconnect else None,
             heartbeat,

@@ -31,7 +31,6 @@ impl PyTcpSender {
     /// Connects to `host:port`, negotiates the wire protocol and checks that the server stores
     /// samples shaped like ours.
     #[new]
-    #[pyo3(signature = (host, port, layout, max_inflight, connect_timeout, protocol=0, token=None, reconnect_timeout=None, heartbeat_timeout=Some(10.0)))]
     #[allow(clippy::too_many_arguments)] // One per `TcpClient` setting, checked there.
     fn new(
         py: Python<'_>,
