@@ -93,15 +93,24 @@ class TreeLayout:
     def flatten(self, sample: object) -> list[Any]:
         """The leaves of `sample` in the example's order; ValueError if the structure differs.
 
-        A flat-dict sample is looked up by key without checking that its values are leaves;
-        when the native check then rejects a value, call `check_structure` to report a nested
-        container or `None` there as the structure mismatch it is.
+        A flat-dict sample is looked up by key, any other by the example's treespec
+        (`flatten_up_to`, which follows the cached structure instead of discovering the
+        sample's: several times cheaper than flattening and comparing treespecs). Neither
+        checks that the values at leaf positions are leaves; when the native check then
+        rejects a value, call `check_structure` to report a nested container or `None` there
+        as the structure mismatch it is. Only a failure runs the full flatten, to explain it.
         """
         if self._flat_keys is not None and type(sample) is dict:
             flat = cast("dict[Any, Any]", sample)
             if flat.keys() == self._flat_keyset:
                 return [flat[k] for k in self._flat_keys]
-        return self._flatten_checked(cast("object", sample))
+        try:
+            return cast(
+                "list[Any]",
+                self.treespec.flatten_up_to(sample),  # pyright: ignore[reportArgumentType]
+            )
+        except (ValueError, TypeError):
+            return self._flatten_checked(cast("object", sample))
 
     def check_structure(self, sample: object) -> None:
         """Raises ValueError if `sample`'s structure differs from the example's."""
