@@ -53,6 +53,6 @@ mod python;
 
 pub use error::{EchoError, InsertError};
 pub use slots::RING_ALIGN;
-pub use source::{Leaves, Payloads, SampleSource};
+pub use source::{Leaves, Payloads, Rows, SampleSource};
 pub use spec::{ArraySpec, DataSpec};
 pub use store::{Consumer, Store, StoreStats};

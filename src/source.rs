@@ -81,6 +81,87 @@ impl<P: AsRef<[u8]>> SampleSource for Payloads<'_, P> {
     }
 }
 
+/// Samples given as rows of batched leaves (`submit_batch`, `send_batch`): leaf `l` holds the
+/// values of `n` samples back to back, so sample `i` is row `i` of every leaf; optionally with
+/// a priority per row. [`Rows::skip`] continues after rows already inserted.
+#[derive(Debug, Clone, Copy)]
+pub struct Rows<'a> {
+    spec: &'a DataSpec,
+    leaves: &'a [&'a [u8]],
+    first: usize,
+    count: usize,
+    priorities: Option<&'a [f64]>,
+}
+
+impl<'a> Rows<'a> {
+    /// `n` rows of every leaf in `leaves` (one slice per leaf of `spec`, `n` rows each).
+    ///
+    /// # Errors
+    /// [`EchoError::LeafCount`] or [`EchoError::SizeMismatch`] if a leaf does not hold exactly
+    /// `n` rows; [`EchoError::Priority`] if `priorities` is not one per row.
+    pub fn new(
+        spec: &'a DataSpec,
+        leaves: &'a [&'a [u8]],
+        n: usize,
+        priorities: Option<&'a [f64]>,
+    ) -> Result<Self, EchoError> {
+        if leaves.len() != spec.len() {
+            return Err(EchoError::LeafCount { expected: spec.len(), got: leaves.len() });
+        }
+        for (leaf, (bytes, array)) in leaves.iter().zip(spec.arrays()).enumerate() {
+            let expected = array.num_bytes().checked_mul(n).ok_or_else(|| {
+                EchoError::Config(format!("{n} rows of leaf {leaf} overflow the address space"))
+            })?;
+            if bytes.len() != expected {
+                return Err(EchoError::SizeMismatch { leaf, expected, got: bytes.len() });
+            }
+        }
+        if let Some(p) = priorities {
+            if p.len() != n {
+                return Err(EchoError::Priority(format!(
+                    "one priority per row: expected {n}, got {}",
+                    p.len()
+                )));
+            }
+        }
+        Ok(Self { spec, leaves, first: 0, count: n, priorities })
+    }
+
+    /// The rows after the first `k`.
+    #[must_use]
+    pub fn skip(&self, k: usize) -> Self {
+        let k = k.min(self.count);
+        Self { first: self.first + k, count: self.count - k, ..*self }
+    }
+
+    /// The priority row `i` carries, if any.
+    pub fn row_priority(&self, i: usize) -> Option<f64> {
+        self.priorities.map(|p| p[self.first + i])
+    }
+
+    /// Leaf `leaf` of row `i`.
+    pub fn row_leaf(&self, i: usize, leaf: usize) -> &'a [u8] {
+        let size = self.spec.arrays()[leaf].num_bytes();
+        let at = (self.first + i) * size;
+        &self.leaves[leaf][at..at + size]
+    }
+}
+
+impl SampleSource for Rows<'_> {
+    fn num_samples(&self) -> usize {
+        self.count
+    }
+    fn num_leaves(&self, _sample: usize) -> usize {
+        self.spec.len()
+    }
+    fn leaf(&self, sample: usize, leaf: usize) -> &[u8] {
+        self.row_leaf(sample, leaf)
+    }
+    fn priority(&self, sample: usize) -> Option<f64> {
+        self.row_priority(sample)
+    }
+}
+
 /// Checks every sample of `src` against `spec`: leaf count and each leaf's byte size.
 ///
 /// # Errors
@@ -102,4 +183,42 @@ pub(crate) fn validate_source<S: SampleSource + ?Sized>(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::ArraySpec;
+
+    #[test]
+    fn rows_are_samples_and_skip_continues() {
+        let spec = DataSpec::new(vec![
+            ArraySpec::new(vec![2], 1).unwrap(),
+            ArraySpec::new(vec![], 4).unwrap(),
+        ])
+        .unwrap();
+        let a = [1u8, 2, 3, 4, 5, 6];
+        let b: Vec<u8> = [10u32, 20, 30].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let leaves = [&a[..], &b[..]];
+        let prio = [0.5, 1.5, 2.5];
+        let rows = Rows::new(&spec, &leaves, 3, Some(&prio)).unwrap();
+        assert_eq!(
+            (rows.num_samples(), rows.leaf(1, 0), rows.leaf(2, 1)),
+            (3, &[3u8, 4][..], &30u32.to_le_bytes()[..])
+        );
+        let rest = rows.skip(2);
+        assert_eq!(
+            (rest.num_samples(), rest.leaf(0, 0), rest.priority(0)),
+            (1, &[5u8, 6][..], Some(2.5))
+        );
+        validate_source(&spec, &rows).unwrap();
+        assert!(matches!(
+            Rows::new(&spec, &leaves, 2, None),
+            Err(EchoError::SizeMismatch { leaf: 0, .. })
+        ));
+        assert!(matches!(
+            Rows::new(&spec, &leaves, 3, Some(&prio[..2])),
+            Err(EchoError::Priority(_))
+        ));
+    }
 }

@@ -7,6 +7,7 @@ issue's closing note (RSS over server lifetimes, the ingress memory bound, idle-
 lock-out, the longest GIL gap during a large ``update_priorities``, the accept rate under a
 connection flood), which run the current build and another interpreter's echo interleaved
 (``_issue11.py`` holds what they share), and ``issue12_v2_vs_v1.py`` (samples/s of wire v2
-against v1 on the same learner, small and ~200 KB samples, K = 1, 4, 16 worker processes).
+against v1 on the same learner, small and ~200 KB samples, K = 1, 4, 16 worker processes),
+``issue15_batch_inserts.py`` (``submit_batch``/``send_batch`` against one call per row).
 Each runs on its own (``python benches/tools/NAME.py``) and imports ``benches/py/helpers.py``
 or ``_issue11.py``."""

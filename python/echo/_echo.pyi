@@ -175,6 +175,10 @@ class ServerCore:
         self, sample: object, timeout: float | None = None, priority: float | None = None
     ) -> None:
         """Checks and copies one sample (a pytree like the example)."""
+    def submit_batch(
+        self, tree: object, timeout: float | None = None, priority: object = None
+    ) -> int:
+        """Checks and copies a batch of samples, one per row; returns the row count."""
     def sample(
         self, timeout: float | None = None, copy: bool = False
     ) -> tuple[list[npt.NDArray[Any]], SampleInfo, tuple[npt.NDArray[Any], ...]] | None:
@@ -217,6 +221,10 @@ class TcpSender:
         self, sample: object, timeout: float | None = None, priority: float | None = None
     ) -> None:
         """Checks and sends one sample (a pytree like the example)."""
+    def send_batch(
+        self, tree: object, timeout: float | None = None, priority: object = None
+    ) -> int:
+        """Checks and sends a batch of samples, one per row; returns the row count."""
     def wait(self, timeout: float | None = None) -> None: ...
     def close(self, timeout: float | None = None) -> bool: ...
     @property

@@ -277,6 +277,37 @@ class Server:
         # A flat-dict sample is looked up natively; anything else is flattened by the layout.
         self._core.submit(sample, timeout, priority)
 
+    def submit_batch(
+        self, batch: Any, *, timeout: float | None = None, priority: Any = None
+    ) -> int:
+        """Copies a batch of samples, one per row: what a vectorized environment's step gives.
+
+        Every leaf has the example's dtype and shape with a leading dimension `N` in front,
+        the same `N` for all leaves (`{"obs": (64, 4), "reward": (64,)}` for 64 samples of
+        `{"obs": (4,), "reward": ()}`). The rows go in in order, exactly as `N` calls of
+        `submit()` would put them, but the batch is checked once and copied in as few
+        reservations as the ring allows. `N = 0` inserts nothing.
+
+        Args:
+            batch: A pytree with the example's structure whose leaves have `N` rows.
+            timeout: Seconds to wait for room; `None` waits as long as it takes.
+            priority: Replay only: one number for every row, or one per row (a length-`N`
+                array, e.g. the rows' TD errors). Default: as `submit()`.
+
+        Returns:
+            `N`, the number of samples inserted.
+
+        Raises:
+            ValueError: The structure differs, a leaf lacks the leading dimension or has
+                another shape, the leaves' `N` differ, a priority is invalid or not one per
+                row, or `priority` was given to a FIFO server. Nothing is written.
+            TypeError: A leaf is not a numpy array or has another dtype. Nothing is written.
+            ServerClosedError: The server is (or gets) closed.
+            TimeoutError: No room within `timeout`; if some rows went in, the message says
+                how many (the first ones, in order).
+        """
+        return self._core.submit_batch(batch, timeout, priority)
+
     def sample(self, timeout: float | None = None, *, copy: bool = False) -> Sample | None:
         """Waits for the next full batch and returns it, or `None` once the server is closed.
 

@@ -15,6 +15,10 @@ use super::errors::to_pyerr;
 use crate::spec::{ArraySpec, DataSpec};
 use crate::transport::wire::v2::{DType, Layout, LeafType};
 
+/// Checks leaf `i` of a sample and returns it as an array to copy from.
+type CheckLeaf<'c, 'py> =
+    dyn FnMut(usize, &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyUntypedArray>> + 'c;
+
 /// The example's leaves in flattened order.
 pub(crate) struct LeafSpecs {
     pub(crate) descrs: Vec<Py<PyArrayDescr>>,
@@ -102,13 +106,36 @@ impl LeafSpecs {
         &self,
         sample: &Bound<'py, PyAny>,
     ) -> PyResult<Vec<Bound<'py, PyUntypedArray>>> {
+        self.walk(sample, &mut |i, item| self.check_leaf(i, item))
+    }
+
+    /// [`LeafSpecs::arrays`] for a batch of samples (`submit_batch`, `send_batch`): every leaf
+    /// has a leading dimension `n`, the same for all, one sample per row. Returns `n` and the
+    /// arrays (C-contiguous; use [`batch_byte_slices`]).
+    pub(crate) fn batch_arrays<'py>(
+        &self,
+        tree: &Bound<'py, PyAny>,
+    ) -> PyResult<(usize, Vec<Bound<'py, PyUntypedArray>>)> {
+        let mut rows: Option<(usize, usize)> = None;
+        let arrays = self.walk(tree, &mut |i, item| self.check_rows(i, item, &mut rows))?;
+        Ok((rows.map_or(0, |(n, _)| n), arrays))
+    }
+
+    /// The leaves of `sample` (a flat dict looked up by key, anything else flattened by the
+    /// `TreeLayout`), each checked by `check`; a wrong type that is really a structural
+    /// difference is reported as the structure error it is.
+    fn walk<'py>(
+        &self,
+        sample: &Bound<'py, PyAny>,
+        check: &mut CheckLeaf<'_, 'py>,
+    ) -> PyResult<Vec<Bound<'py, PyUntypedArray>>> {
         let py = sample.py();
         let layout = self.layout.bind(py);
-        let checked = match self.check_flat_dict(sample) {
+        let checked = match self.check_flat_dict(sample, check) {
             Ok(Some(arrays)) => Ok(arrays),
             Ok(None) => {
                 let leaves = layout.call_method1(intern!(py, "flatten"), (sample,))?;
-                self.check(leaves.cast::<PySequence>()?)
+                self.check(leaves.cast::<PySequence>()?, check)
             }
             Err(err) => Err(err),
         };
@@ -125,6 +152,7 @@ impl LeafSpecs {
     fn check<'py>(
         &self,
         leaves: &Bound<'py, PySequence>,
+        check: &mut CheckLeaf<'_, 'py>,
     ) -> PyResult<Vec<Bound<'py, PyUntypedArray>>> {
         let count = leaves.len()?;
         if count != self.len() {
@@ -133,7 +161,7 @@ impl LeafSpecs {
                 self.len()
             )));
         }
-        (0..count).map(|i| self.check_leaf(i, &leaves.get_item(i)?)).collect()
+        (0..count).map(|i| check(i, &leaves.get_item(i)?)).collect()
     }
 
     /// The fast path for flat-dict examples: if `sample` is a dict with exactly the example's
@@ -142,6 +170,7 @@ impl LeafSpecs {
     fn check_flat_dict<'py>(
         &self,
         sample: &Bound<'py, PyAny>,
+        check: &mut CheckLeaf<'_, 'py>,
     ) -> PyResult<Option<Vec<Bound<'py, PyUntypedArray>>>> {
         let Some(keys) = &self.flat_keys else { return Ok(None) };
         let Ok(dict) = sample.cast_exact::<PyDict>() else { return Ok(None) };
@@ -151,7 +180,7 @@ impl LeafSpecs {
         let mut arrays = Vec::with_capacity(keys.len());
         for (i, key) in keys.iter().enumerate() {
             let Some(value) = dict.get_item(key.bind(sample.py()))? else { return Ok(None) };
-            arrays.push(self.check_leaf(i, &value)?);
+            arrays.push(check(i, &value)?);
         }
         Ok(Some(arrays))
     }
@@ -188,7 +217,74 @@ impl LeafSpecs {
                 )))
             }
         };
-        self.check_array(i, &array)?;
+        self.contiguous(i, array, &mut |array| self.check_array(i, array))
+    }
+
+    /// Checks leaf `i` of a batch: an ndarray of the example's dtype and shape `(n, *shape)`,
+    /// with `n` the same for every leaf (`rows`: `n` and the leaf that set it).
+    fn check_rows<'py>(
+        &self,
+        i: usize,
+        item: &Bound<'py, PyAny>,
+        rows: &mut Option<(usize, usize)>,
+    ) -> PyResult<Bound<'py, PyUntypedArray>> {
+        let name = &self.names[i];
+        let Ok(array) = item.cast::<PyUntypedArray>() else {
+            return Err(PyTypeError::new_err(format!(
+                "leaf {name}: expected a numpy.ndarray with one row per sample, got {}",
+                item.get_type().name()?
+            )));
+        };
+        let check = |array: &Bound<'_, PyUntypedArray>| -> PyResult<usize> {
+            let expected = self.descrs[i].bind(array.py());
+            let dtype = array.dtype();
+            if !dtype.is_equiv_to(expected) {
+                return Err(PyTypeError::new_err(format!(
+                    "leaf {name}: expected dtype {expected}, got {dtype}"
+                )));
+            }
+            let shape = array.shape();
+            let leaf = self.shapes[i].as_slice();
+            if shape.len() != leaf.len() + 1 || &shape[1..] != leaf {
+                let dims: Vec<String> = std::iter::once("N".to_owned())
+                    .chain(leaf.iter().map(usize::to_string))
+                    .collect();
+                let expected = if leaf.is_empty() {
+                    "(N,)".to_owned()
+                } else {
+                    format!("({})", dims.join(", "))
+                };
+                return Err(PyValueError::new_err(format!(
+                    "leaf {name}: expected shape {expected} with one row per sample, got {}",
+                    py_shape(shape)
+                )));
+            }
+            Ok(shape[0])
+        };
+        let n = check(array)?;
+        match *rows {
+            None => *rows = Some((n, i)),
+            Some((m, first)) if m != n => {
+                return Err(PyValueError::new_err(format!(
+                    "leaf {name} has {n} rows, leaf {} has {m}: every leaf of a batch needs the \
+                     same leading dimension (one row per sample)",
+                    self.names[first]
+                )))
+            }
+            Some(_) => {}
+        }
+        self.contiguous(i, array.clone(), &mut |array| check(array).map(drop))
+    }
+
+    /// `array` itself if C-contiguous, else a C-contiguous copy made by numpy, which `recheck`
+    /// checks again.
+    fn contiguous<'py>(
+        &self,
+        i: usize,
+        array: Bound<'py, PyUntypedArray>,
+        recheck: &mut dyn FnMut(&Bound<'py, PyUntypedArray>) -> PyResult<()>,
+    ) -> PyResult<Bound<'py, PyUntypedArray>> {
+        let (py, name) = (array.py(), &self.names[i]);
         if array.is_c_contiguous() {
             return Ok(array);
         }
@@ -199,7 +295,7 @@ impl LeafSpecs {
         let copy =
             numpy_module(py)?.getattr(intern!(py, "array"))?.call((&array,), Some(&kwargs))?;
         let copy = copy.cast_into::<PyUntypedArray>().map_err(PyErr::from)?;
-        self.check_array(i, &copy)?;
+        recheck(&copy)?;
         if !copy.is_c_contiguous() {
             return Err(PyTypeError::new_err(format!(
                 "leaf {name}: could not make a C-contiguous copy of it"
@@ -253,6 +349,52 @@ pub(crate) fn byte_slices<'a>(
             unsafe { std::slice::from_raw_parts(data.cast::<u8>(), len) }
         })
         .collect()
+}
+
+/// The bytes of each checked batch array (from [`LeafSpecs::batch_arrays`]): `n` rows each.
+pub(crate) fn batch_byte_slices<'a>(
+    specs: &LeafSpecs,
+    arrays: &'a [Bound<'_, PyUntypedArray>],
+    n: usize,
+) -> Vec<&'a [u8]> {
+    arrays
+        .iter()
+        .zip(specs.spec.arrays())
+        .map(|(array, spec)| {
+            let len = spec.num_bytes() * n;
+            if len == 0 {
+                return &[][..];
+            }
+            // SAFETY: as in `byte_slices`: reading the `data` field of a live ndarray.
+            let data = unsafe { (*array.as_array_ptr()).data };
+            // SAFETY: `LeafSpecs::batch_arrays` verified `array` is C-contiguous with the spec's
+            // dtype and shape `(n, *shape)`, so `data` holds exactly `len` bytes (no overflow:
+            // numpy allocated them); `arrays` keeps it alive for `'a`.
+            unsafe { std::slice::from_raw_parts(data.cast::<u8>(), len) }
+        })
+        .collect()
+}
+
+/// A batch's priorities: `priority` as one number for all `n` rows, or one per row (any
+/// 1-d array-like of `n` numbers).
+///
+/// # Errors
+/// `ValueError` for another length or shape; `TypeError` for what is not numbers.
+pub(crate) fn row_priorities(priority: &Bound<'_, PyAny>, n: usize) -> PyResult<Vec<f64>> {
+    if let Ok(one) = priority.extract::<f64>() {
+        return Ok(vec![one; n]);
+    }
+    let py = priority.py();
+    let kwargs = [(intern!(py, "dtype"), "float64")].into_py_dict(py)?;
+    let array = numpy_module(py)?.call_method("asarray", (priority,), Some(&kwargs))?;
+    let array = array.cast_into::<PyUntypedArray>().map_err(PyErr::from)?;
+    if array.shape() != [n] {
+        return Err(PyValueError::new_err(format!(
+            "priority must be one number or one per row ({n},), got shape {}",
+            py_shape(array.shape())
+        )));
+    }
+    array.call_method0(intern!(py, "tolist"))?.extract()
 }
 
 /// `(4,)`, `()`, `(2, 3)`: a shape the way Python prints it.

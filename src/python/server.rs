@@ -12,14 +12,14 @@ use std::time::Instant;
 use numpy::npyffi::npy_intp;
 use numpy::{PyArrayDescr, PyReadonlyArray1, PyUntypedArray};
 use parking_lot::{Mutex, MutexGuard};
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
 use super::config::{ServerConfig, TcpArg};
 use super::errors::{error_in, to_pyerr, Call};
 use super::info::{HistSnapshot, SampleInfo, Snapshot};
-use super::leaves::{byte_slices, LeafSpecs};
+use super::leaves::{batch_byte_slices, byte_slices, row_priorities, LeafSpecs};
 use super::views::{batch_copies, batch_views, LeafLayout, RingLease};
 use super::{deadline_from_timeout, detach, wait_detached};
 use crate::backend::{Backend, BackendStats, BatchConsumer, BatchRef};
@@ -27,6 +27,7 @@ use crate::error::EchoError;
 use crate::ingress::{Ingress, IngressConfig};
 use crate::metrics;
 use crate::source::Leaves;
+use crate::source::Rows;
 use crate::sync::Arc;
 use crate::transport::TcpIngress;
 
@@ -195,6 +196,61 @@ impl PyServerCore {
         }
         let arrays = self.leaves.arrays(sample)?;
         self.insert(py, &arrays, priority, deadline)
+    }
+
+    /// Copies a batch of samples, one per row of every leaf (all with the same leading
+    /// dimension `n`), in order, as if submitted one by one, with the rows checked together
+    /// and inserted in as few reservations as the backend allows. `priority`: one number for
+    /// every row, or one per row (replay). Returns `n`. A timeout after some rows went in
+    /// says how many.
+    #[pyo3(signature = (tree, timeout=None, priority=None))]
+    fn submit_batch(
+        &self,
+        py: Python<'_>,
+        tree: &Bound<'_, PyAny>,
+        timeout: Option<f64>,
+        priority: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<usize> {
+        let deadline = deadline_from_timeout(timeout)?;
+        if priority.is_some() && !self.backend.has_priorities() {
+            return Err(PyValueError::new_err(
+                "priority= needs a replay sampler; this server is FIFO",
+            ));
+        }
+        if self.backend.is_closed() || self.is_draining() {
+            return Err(error_in(Call::Submit, EchoError::Closed));
+        }
+        let (n, arrays) = self.leaves.batch_arrays(tree)?;
+        if n == 0 {
+            return Ok(0);
+        }
+        let priorities = priority.map(|p| row_priorities(p, n)).transpose()?;
+        let slices = batch_byte_slices(&self.leaves, &arrays, n);
+        let rows =
+            Rows::new(self.backend.spec(), &slices, n, priorities.as_deref()).map_err(to_pyerr)?;
+        let backend = &self.backend;
+        let mut done = 0;
+        let outcome = wait_detached(py, deadline, |slice_end| {
+            match backend.insert(&rows.skip(done), None, Some(slice_end)) {
+                Ok(()) => {
+                    done = n;
+                    Some(Ok(()))
+                }
+                Err(err) => {
+                    done += err.inserted;
+                    (!matches!(err.error, EchoError::TimedOut)).then_some(Err(err.error))
+                }
+            }
+        })?;
+        match outcome {
+            Some(Ok(())) => Ok(n),
+            Some(Err(err)) => Err(error_in(Call::Submit, err)),
+            None if done == 0 => Err(error_in(Call::Submit, EchoError::TimedOut)),
+            None => Err(PyTimeoutError::new_err(format!(
+                "submit_batch(): timed out after inserting {done} of the {n} rows (the first \
+                 {done}, in order); submit the rest again"
+            ))),
+        }
     }
 
     /// Waits for the next batch (GIL released, Ctrl-C honoured) and returns `(leaves, info,

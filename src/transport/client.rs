@@ -25,6 +25,7 @@ use parking_lot::Mutex;
 use super::wire::v2::{self, Hello, Layout, Mode, Offer, Reply};
 use super::wire::{parse_handshake, ACK, MAGIC};
 use crate::error::EchoError;
+use crate::source::{Rows, SampleSource};
 use crate::spec::DataSpec;
 use crate::sync::{Arc, AtomicBool, AtomicU64, Signal};
 
@@ -33,6 +34,8 @@ use std::sync::atomic::Ordering::{Acquire, Release};
 /// How long a client in [`Protocol::Auto`] waits after a v1 handshake for a v2 offer. An echo
 /// server writes both at once, so only a lost segment delays the offer this long.
 pub const OFFER_GRACE: Duration = Duration::from_millis(100);
+/// The most iovecs one vectored write takes (Linux's `IOV_MAX`).
+const MAX_IOVECS: usize = 1024;
 /// How long one blocking write may take before `send` checks its deadline again.
 const WRITE_SLICE: Duration = Duration::from_millis(50);
 /// How long [`TcpSender::connect`] waits in one [`Connecting::poll`].
@@ -813,6 +816,77 @@ impl TcpSender {
         self.write_frame(header, leaves, deadline)?;
         self.sent += 1;
         self.written = self.sent;
+        Ok(())
+    }
+
+    /// Sends the rows of `rows` from `*done` on, in order, advancing `*done` as each is wholly
+    /// written: as many frames per vectored write as the in-flight window has room for (one
+    /// system call for a window-full, not one per sample). Waits for room like
+    /// [`TcpSender::send`]; on [`EchoError::TimedOut`] or [`EchoError::Stalled`] call again
+    /// with the same `rows` and `done` to continue (a row half written is finished first).
+    /// With reconnection each row goes through [`TcpSender::send`] (it is kept until
+    /// acknowledged).
+    ///
+    /// # Errors
+    /// As [`TcpSender::send`], for the row at `*done`.
+    pub fn send_rows(
+        &mut self,
+        rows: &Rows<'_>,
+        done: &mut usize,
+        deadline: Option<Instant>,
+    ) -> Result<(), EchoError> {
+        let n = rows.num_samples();
+        let leaf_count = self.spec.len();
+        if *done == 0 && self.in_progress == 0 && !self.carry {
+            for i in 0..n {
+                self.check_priority(rows.row_priority(i))?;
+            }
+        }
+        let mut row: Vec<&[u8]> = Vec::with_capacity(leaf_count);
+        if self.reconnect {
+            while *done < n {
+                row.clear();
+                row.extend((0..leaf_count).map(|leaf| rows.row_leaf(*done, leaf)));
+                self.send(&row, rows.row_priority(*done), deadline)?;
+                *done += 1;
+            }
+            return Ok(());
+        }
+        self.ensure_usable()?;
+        let header_len = frame_header(self.version, rows.row_priority(0)).1;
+        let frame_len = header_len + self.spec.payload_size();
+        // At most this many frames per write (each is a header and the leaves' rows).
+        let per_write = (MAX_IOVECS / (leaf_count + 1)).max(1);
+        while *done < n {
+            if self.in_progress == 0 {
+                let target = (self.sent + 1).saturating_sub(self.config.max_inflight);
+                self.wait_for_acks(target, deadline)?;
+            }
+            let in_flight = self.sent.saturating_sub(self.acked());
+            let room = usize::try_from(self.config.max_inflight.saturating_sub(in_flight))
+                .unwrap_or(usize::MAX)
+                .max(1);
+            let k = room.min(n - *done).min(per_write);
+            let headers: Vec<([u8; 9], usize)> =
+                (0..k).map(|j| frame_header(self.version, rows.row_priority(*done + j))).collect();
+            let mut parts: Vec<&[u8]> = Vec::with_capacity(k * (leaf_count + 1));
+            for (j, (header, len)) in headers.iter().enumerate() {
+                parts.push(&header[..*len]);
+                parts.extend((0..leaf_count).map(|leaf| rows.row_leaf(*done + j, leaf)));
+            }
+            let result = self.write_frame(&[], &parts, deadline);
+            // `write_frame` counts bytes across the frames: whole ones are sent.
+            let written = match &result {
+                Ok(()) => k * frame_len,
+                Err(_) => self.in_progress,
+            };
+            let whole = written / frame_len;
+            self.sent += whole as u64;
+            self.written = self.sent;
+            *done += whole;
+            self.in_progress = written % frame_len;
+            result?;
+        }
         Ok(())
     }
 
