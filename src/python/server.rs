@@ -17,7 +17,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
 use super::config::{ServerConfig, TcpArg};
-use super::errors::{error_in, to_pyerr, Call};
+use super::errors::{error_in, sample_timed_out, to_pyerr, Call};
 use super::info::{HistSnapshot, SampleInfo, Snapshot};
 use super::leaves::{byte_slices, LeafSpecs};
 use super::views::{batch_copies, batch_views, LeafLayout, RingLease};
@@ -55,6 +55,8 @@ pub(crate) struct PyServerCore {
     ingress: OnceLock<Arc<Ingress>>,
     /// `num_buffers=3` or `max_size=..., sampler=...`, for `repr`.
     description: String,
+    /// The rate limiter's repr, for timeout messages (replay tables only use it).
+    limiter_repr: String,
     /// Set by `close(drain=True)`: nothing more comes in; `sample` hands out what is left.
     draining: AtomicBool,
     /// Acknowledged or submitted samples that never reached the learner, set when the server
@@ -70,6 +72,7 @@ impl PyServerCore {
         let leaves = LeafSpecs::new(layout)?;
         let backend_config = config.backend()?;
         let description = config.describe(&backend_config);
+        let limiter_repr = config.limiter_repr();
         let spec = leaves.spec.clone();
         let (backend, consumer) =
             detach(py, || Backend::new(spec, backend_config)).map_err(to_pyerr)?;
@@ -86,6 +89,7 @@ impl PyServerCore {
             tcp: Mutex::new(None),
             ingress: OnceLock::new(),
             description,
+            limiter_repr,
             draining: AtomicBool::new(false),
             dropped_at_close: OnceLock::new(),
         })
@@ -397,6 +401,8 @@ impl PyServerCore {
         deadline: Option<Instant>,
     ) -> PyResult<Option<(MutexGuard<'_, BatchConsumer>, BatchRef, Snapshot)>> {
         let consumer = &self.consumer;
+        // What held the last timed-out slice back, for the message if the deadline passes.
+        let mut holdback = None;
         // The mutex is only ever taken with the GIL released, so it cannot deadlock against
         // the GIL.
         let got = wait_detached(py, deadline, |slice_end| {
@@ -415,7 +421,10 @@ impl PyServerCore {
                     self.close_now(); // fewer than a batch left, and nothing more coming
                     Some(Err(EchoError::Closed))
                 }
-                Err(EchoError::TimedOut) => None,
+                Err(EchoError::TimedOut) => {
+                    holdback = guard.holdback();
+                    None
+                }
                 Err(other) => Some(Err(other)),
             }
         })?;
@@ -423,14 +432,14 @@ impl PyServerCore {
             Some(Ok(held)) => Ok(Some(held)),
             Some(Err(EchoError::Closed)) => Ok(None),
             Some(Err(other)) => Err(error_in(Call::Sample, other)),
-            None => Err(error_in(Call::Sample, EchoError::TimedOut)),
+            None => Err(sample_timed_out(holdback.as_ref(), &self.limiter_repr)),
         }
     }
 
     fn info(&self, py: Python<'_>, sequence: u64, wait_ns: u64) -> PyResult<SampleInfo> {
         // Counters behind locks (a replay table's, the histograms'): taken with the GIL released.
         let snap = detach(py, || self.snapshot());
-        SampleInfo::new(py, &snap, sequence, wait_ns, &self.zero_hist)
+        SampleInfo::new(py, &snap, sequence, wait_ns, &self.zero_hist, None)
     }
 
     /// Every counter now. May wait for the replay table's lock: never call it attached.
