@@ -224,9 +224,14 @@ impl PyServerCore {
         };
         drop(guard);
         let meta = arrays.split_off(self.leaves.len());
+        // A replay batch's (keys, probabilities, times_sampled) go into `info` as well.
+        let meta_arrays = <[Bound<'py, PyAny>; 3]>::try_from(meta.clone())
+            .ok()
+            .map(|arrays| arrays.map(Bound::unbind));
         let meta = if meta.is_empty() { PyTuple::empty(py) } else { PyTuple::new(py, meta)? };
         let leaves = PyList::new(py, arrays)?;
-        let info = SampleInfo::new(py, &snap, batch.sequence, wait_ns, &self.zero_hist)?;
+        let info =
+            SampleInfo::new(py, &snap, batch.sequence, wait_ns, &self.zero_hist, meta_arrays)?;
         Ok(Some((leaves, info, meta)))
     }
 
