@@ -23,7 +23,9 @@ use std::time::Instant;
 
 use crate::error::{EchoError, InsertError};
 use crate::metrics::DetailedSnapshot;
-use crate::replay::{MetaLeaf, ReplayBatch, ReplayConfig, ReplayConsumer, ReplayStats, Table};
+use crate::replay::{
+    MetaLeaf, ReplayBatch, ReplayConfig, ReplayConsumer, ReplayStats, SampleHoldback, Table,
+};
 use crate::source::SampleSource;
 use crate::spec::DataSpec;
 use crate::store::{Consumer, Store, StoreStats};
@@ -325,6 +327,15 @@ impl BatchConsumer {
                 let batch = consumer.sample(deadline)?;
                 Ok(BatchRef { sequence: batch.sequence, at: BatchAt::Area(batch) })
             }
+        }
+    }
+
+    /// What held the last `sample` back when its deadline passed (a replay table's rate
+    /// limiter or an empty table); `None` for the FIFO ring, which has no limiter.
+    pub fn holdback(&self) -> Option<SampleHoldback> {
+        match self {
+            Self::Fifo(_) => None,
+            Self::Replay(consumer) => consumer.holdback(),
         }
     }
 

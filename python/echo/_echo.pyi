@@ -22,8 +22,23 @@ class ConnectionClosedError(ConnectionError):
 
 @final
 class HistSnapshot:
-    """A latency histogram snapshot in nanoseconds; all zero without `detailed-metrics`."""
+    """A latency histogram snapshot in nanoseconds; all zero without `detailed-metrics`.
+    Picklable."""
 
+    def __new__(
+        cls,
+        count: int = 0,
+        min_ns: int = 0,
+        max_ns: int = 0,
+        mean_ns: float = 0.0,
+        p50_ns: int = 0,
+        p90_ns: int = 0,
+        p99_ns: int = 0,
+    ) -> HistSnapshot:
+        """A snapshot with these values (what unpickling calls; echo builds its own)."""
+    def __reduce__(
+        self,
+    ) -> tuple[type[HistSnapshot], tuple[int, int, int, float, int, int, int]]: ...
     @property
     def count(self) -> int: ...
     @property
@@ -43,7 +58,7 @@ class HistSnapshot:
 
 @final
 class SampleInfo:
-    """What the server looked like when a batch was handed out (frozen)."""
+    """What the server looked like when a batch was handed out (frozen, picklable)."""
 
     @property
     def store_size(self) -> int:
@@ -140,8 +155,18 @@ class SampleInfo:
     @property
     def sequence(self) -> int:
         """0-based number of this batch since the server started."""
+    @property
+    def keys(self) -> npt.NDArray[np.uint64] | None:
+        """Replay batches only (`None` for FIFO and `stats()`): `Sample.keys`."""
+    @property
+    def probabilities(self) -> npt.NDArray[np.float64] | None:
+        """Replay batches only: `Sample.probabilities`."""
+    @property
+    def times_sampled(self) -> npt.NDArray[np.uint32] | None:
+        """Replay batches only: `Sample.times_sampled`."""
     def as_dict(self) -> dict[str, Any]:
-        """The fields as a plain dict (histograms as nested dicts)."""
+        """The counters as a plain dict (histograms as nested dicts; no replay arrays)."""
+    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]: ...
 
 @final
 class RingLease:
@@ -243,6 +268,9 @@ class TcpSender:
 def _interpreter_exiting() -> None: ...
 def reset_log_cache() -> None:
     """Forgets the cached Python logger levels (call after changing `logging` levels)."""
+
+def _sample_info(state: dict[str, Any]) -> SampleInfo:
+    """Rebuilds a `SampleInfo` from its pickled state (fields by name; unknown ones skipped)."""
 
 def check_strategy(strategy: object) -> None:
     """Checks a replay strategy's values (ValueError saying what is wrong)."""

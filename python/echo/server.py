@@ -10,9 +10,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
+import optree
 
 from echo._echo import SampleInfo, ServerClosedError, ServerCore
-from echo._pytree import TreeLayout
+from echo._pytree import NONE_IS_LEAF, TreeLayout
 from echo._validate import check_int
 from echo.replay import Fifo, RateLimiter, Remover, Sampler
 from echo.transport import TcpTransport
@@ -45,6 +46,47 @@ class _Batch(NamedTuple):
     info: SampleInfo
 
 
+class _LeafSummary:
+    """Stands in for an array in `repr(sample)`: its dtype and shape, not its contents."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, leaf: object) -> None:
+        shape = getattr(leaf, "shape", None)
+        dtype = getattr(leaf, "dtype", None)
+        if shape is None or dtype is None:
+            self.text = type(leaf).__name__
+        else:
+            self.text = f"{dtype}[{', '.join(str(d) for d in shape)}]"
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _tree_summary(batch: object) -> str:
+    """`batch` with every leaf replaced by its dtype and shape: `{'obs': float32[32, 4]}`."""
+    try:
+        summary = optree.tree_map(
+            _LeafSummary,
+            batch,  # pyright: ignore[reportArgumentType]
+            none_is_leaf=NONE_IS_LEAF,
+        )
+    except Exception:  # noqa: BLE001 -- a repr never raises; say what it is instead
+        return type(batch).__name__
+    return repr(summary)
+
+
+def _array_summary(array: npt.NDArray[Any]) -> str:
+    """`uint64[32] 0..97`: dtype, length and range of a replay per-item array."""
+    head = f"{array.dtype}[{', '.join(str(d) for d in array.shape)}]"
+    if array.size == 0:
+        return head
+    low, high = array.min(), array.max()
+    if array.dtype.kind == "f":
+        return f"{head} {float(low):.4g}..{float(high):.4g}"
+    return f"{head} {int(low)}..{int(high)}"
+
+
 class Sample(_Batch):
     """One batch and the server's counters when it was handed out: a named tuple
     `(batch, info)`.
@@ -56,7 +98,12 @@ class Sample(_Batch):
     With a replay sampler (anything but `Fifo()`) three per-item arrays come along as
     attributes (`None` for FIFO): `keys` (uint64, stable per item: pass them to
     `update_priorities`), `probabilities` (float64, the probability each item was drawn with,
-    for importance weights) and `times_sampled` (uint32, including this draw).
+    for importance weights) and `times_sampled` (uint32, including this draw). `info` carries
+    the same three arrays (`info.keys`, ...), so `batch, info = sample` unpacks every sample,
+    FIFO or replay, into two values and loses nothing.
+
+    `repr(sample)` shows the batch's structure with each leaf's dtype and shape (not its
+    contents), the batch's `sequence`, and for replay the range of each per-item array.
     """
 
     keys: npt.NDArray[np.uint64] | None
@@ -76,6 +123,15 @@ class Sample(_Batch):
         self.probabilities = probabilities
         self.times_sampled = times_sampled
         return self
+
+    def __repr__(self) -> str:
+        parts = [f"sequence={getattr(self.info, 'sequence', '?')}"]
+        parts.append(f"batch={_tree_summary(self.batch)}")
+        for name in ("keys", "probabilities", "times_sampled"):
+            array = getattr(self, name, None)
+            if array is not None:
+                parts.append(f"{name}={_array_summary(np.asarray(array))}")
+        return f"Sample({', '.join(parts)})"
 
 
 @dataclass(frozen=True)
@@ -319,7 +375,9 @@ class Server:
             copy: Return private, writeable copies instead of read-only views into the ring.
 
         Raises:
-            TimeoutError: No full batch arrived within `timeout`.
+            TimeoutError: No full batch arrived within `timeout`. With a replay sampler the
+                message says what held the batch back: the rate limiter (its repr and its
+                counters: inserts, samples, the limit) or a table with nothing to sample.
             KeyboardInterrupt: Ctrl-C while waiting.
         """
         got = self._core.sample(timeout, copy)
@@ -347,14 +405,24 @@ class Server:
         """
         return self._core.update_priorities(_keys_array(keys), _priorities_array(priorities))
 
-    def dataset_iter(self, *, copy: bool = False) -> Iterator[Sample]:
+    def dataset_iter(self, *, copy: bool = False, timeout: float | None = None) -> Iterator[Sample]:
         """Yields batches until the server is closed.
 
         Args:
             copy: Yield private copies that stay valid forever (instead of views that are only
                 meaningful until the next batch is requested).
+            timeout: Seconds to wait for each batch, as `sample(timeout=...)`: the clock
+                starts when the next batch is requested, so the time the loop body spends on
+                a batch does not count. `None` (the default) waits as long as it takes.
+
+        Raises:
+            TimeoutError: No full batch arrived within `timeout` (the same message as
+                `sample()`). It is raised from the `next()` that waited, which ends the
+                iterator; nothing is lost (a replay batch's items drawn so far stay reserved),
+                so a new `dataset_iter()` or `sample()` goes on where it stopped.
+            ValueError: `timeout` is negative or NaN (checked on the first `next()`).
         """
-        while (sample := self.sample(copy=copy)) is not None:
+        while (sample := self.sample(timeout, copy=copy)) is not None:
             yield sample
 
     def stats(self) -> SampleInfo:

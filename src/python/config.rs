@@ -225,6 +225,14 @@ impl ServerConfig {
         }
     }
 
+    /// How Python prints the rate limiter, for messages: the user's object's `repr`, or the
+    /// replay default `MinSize(min_size=1)` (as the dataclass prints it).
+    pub(crate) fn limiter_repr(&self) -> String {
+        self.rate_limiter
+            .as_ref()
+            .map_or_else(|| RateLimit::MinSize(1).to_string(), |r| r.repr.clone())
+    }
+
     /// `num_buffers=3` or `max_size=100, sampler=Uniform()`: the backend's size, for reprs.
     pub(crate) fn describe(&self, backend: &BackendConfig) -> String {
         match backend {

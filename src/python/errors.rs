@@ -12,6 +12,7 @@ use pyo3::exceptions::{
 use pyo3::prelude::*;
 
 use crate::error::EchoError;
+use crate::replay::SampleHoldback;
 
 pyo3::create_exception!(
     echo._echo,
@@ -71,6 +72,23 @@ pub(crate) fn error_in(call: Call, err: EchoError) -> PyErr {
             PyTimeoutError::new_err(format!("{}: timed out in the middle of a sample", call.name()))
         }
         other => to_pyerr(other),
+    }
+}
+
+/// The `TimeoutError` of a `sample()` whose deadline passed. A replay table says what held
+/// it back (`holdback`, with `limiter` the rate limiter's repr): the limiter and its counters,
+/// or an empty table, so a user waiting on the limiter does not go looking for a missing
+/// producer. The FIFO ring (no `holdback`) keeps the plain message.
+pub(crate) fn sample_timed_out(holdback: Option<&SampleHoldback>, limiter: &str) -> PyErr {
+    let call = Call::Sample;
+    match holdback {
+        None => error_in(call, EchoError::TimedOut),
+        Some(holdback) => PyTimeoutError::new_err(format!(
+            "{}: {}: {}",
+            call.name(),
+            call.timed_out(),
+            holdback.explain(limiter)
+        )),
     }
 }
 

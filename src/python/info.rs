@@ -1,7 +1,7 @@
 //! `SampleInfo` and `HistSnapshot`: frozen per-batch snapshots of the server's counters.
 
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyType};
 
 use crate::backend::BackendStats;
 use crate::ingress::IngressSnapshot;
@@ -37,6 +37,30 @@ impl From<HistSummary> for HistSnapshot {
 
 #[pymethods]
 impl HistSnapshot {
+    /// A snapshot with these values (what unpickling calls; echo builds its own).
+    #[new]
+    #[pyo3(signature = (count=0, min_ns=0, max_ns=0, mean_ns=0.0, p50_ns=0, p90_ns=0, p99_ns=0))]
+    fn py_new(
+        count: u64,
+        min_ns: u64,
+        max_ns: u64,
+        mean_ns: f64,
+        p50_ns: u64,
+        p90_ns: u64,
+        p99_ns: u64,
+    ) -> Self {
+        Self { count, min_ns, max_ns, mean_ns, p50_ns, p90_ns, p99_ns }
+    }
+
+    /// Pickle support: the class and its fields in constructor order.
+    #[allow(clippy::type_complexity)]
+    fn __reduce__<'py>(
+        slf: &Bound<'py, Self>,
+    ) -> (Bound<'py, PyType>, (u64, u64, u64, f64, u64, u64, u64)) {
+        let h = slf.get();
+        (slf.get_type(), (h.count, h.min_ns, h.max_ns, h.mean_ns, h.p50_ns, h.p90_ns, h.p99_ns))
+    }
+
     /// The fields as a plain dict.
     fn as_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
@@ -118,7 +142,74 @@ pub(crate) struct SampleInfo {
     wait_ns: u64,
     /// 0-based number of this batch since the server started.
     sequence: u64,
+    /// Replay batches only (`None` for FIFO and `stats()`): the batch's per-item arrays, the
+    /// same objects as `Sample.keys`, `probabilities` and `times_sampled`, so that
+    /// `batch, info = sample` keeps them.
+    keys: Option<Py<PyAny>>,
+    probabilities: Option<Py<PyAny>>,
+    times_sampled: Option<Py<PyAny>>,
 }
+
+/// Every `u64` counter of [`SampleInfo`], in `as_dict` order: the one list `as_dict`,
+/// pickling and unpickling read, so a new counter cannot be forgotten by one of them.
+macro_rules! counters {
+    ($($name:ident),* $(,)?) => {
+        impl SampleInfo {
+            const COUNTERS: usize = [$(stringify!($name)),*].len();
+
+            fn counters(&self) -> [(&'static str, u64); Self::COUNTERS] {
+                [$((stringify!($name), self.$name)),*]
+            }
+
+            /// Sets the counter called `name`; `false` if there is none (a newer echo's).
+            fn set_counter(&mut self, name: &str, value: u64) -> bool {
+                match name {
+                    $(stringify!($name) => self.$name = value,)*
+                    _ => return false,
+                }
+                true
+            }
+        }
+    };
+}
+
+counters!(
+    store_size,
+    active_connections,
+    queue_depth_sum,
+    queue_depth_max,
+    push_blocked_count,
+    samples_inserted_total,
+    buffered_bytes,
+    connections_refused_total,
+    connections_evicted_total,
+    samples_pending,
+    v1_connections_total,
+    v2_connections_total,
+    sessions_resumed_total,
+    samples_deduplicated_total,
+    handshakes_refused_protocol_total,
+    handshakes_refused_auth_total,
+    handshakes_refused_layout_total,
+    notify_count,
+    cas_success_total,
+    cas_failure_total,
+    reservation_retries_total,
+    items_sampled_total,
+    evicted_total,
+    removed_max_times_sampled_total,
+    priority_updates_total,
+    unknown_keys_total,
+    insert_blocked_ns_total,
+    sample_blocked_ns_total,
+    wait_ns,
+    sequence,
+);
+
+/// The histogram fields of [`SampleInfo`], by name.
+const HISTOGRAMS: [&str; 3] = ["drain_round", "memcpy", "queue_dwell"];
+/// The replay-only per-item arrays of [`SampleInfo`], by name.
+const REPLAY_ARRAYS: [&str; 3] = ["keys", "probabilities", "times_sampled"];
 
 /// Every counter of a server at one moment, before it becomes a [`SampleInfo`].
 pub(crate) struct Snapshot {
@@ -137,12 +228,15 @@ impl SampleInfo {
     /// the same for both: `store_size` is what the consumer could be handed now (committed
     /// samples not yet handed out / items in the table), `notify_count` the batches
     /// completed (FIFO) or handed out (replay). The replay-only fields are 0 for FIFO.
+    ///
+    /// `meta`: a replay batch's `(keys, probabilities, times_sampled)` arrays.
     pub(crate) fn new(
         py: Python<'_>,
         snap: &Snapshot,
         sequence: u64,
         wait_ns: u64,
         zero_hist: &Py<HistSnapshot>,
+        meta: Option<[Py<PyAny>; 3]>,
     ) -> PyResult<Self> {
         let hist = |h: Option<HistSummary>| match h {
             Some(h) => Py::new(py, HistSnapshot::from(h)),
@@ -154,6 +248,7 @@ impl SampleInfo {
         };
         let (ingress, detailed) = (&snap.ingress, snap.detailed.as_ref());
         let d = detailed.copied().unwrap_or_default();
+        let [keys, probabilities, times_sampled] = meta.map_or([None, None, None], |m| m.map(Some));
         Ok(Self {
             store_size,
             active_connections: ingress.active_connections,
@@ -188,53 +283,101 @@ impl SampleInfo {
             sample_blocked_ns_total: replay.sample_blocked_ns,
             wait_ns,
             sequence,
+            keys,
+            probabilities,
+            times_sampled,
         })
     }
+
+    /// All counters 0, histograms empty, no replay arrays: where unpickling starts.
+    fn zeroed(py: Python<'_>) -> PyResult<Self> {
+        let snap = Snapshot {
+            backend: BackendStats::Fifo(Default::default()),
+            ingress: IngressSnapshot::default(),
+            detailed: None,
+        };
+        Self::new(py, &snap, 0, 0, &Py::new(py, HistSnapshot::default())?, None)
+    }
+
+    /// The histogram called `name` (one of [`HISTOGRAMS`]).
+    fn histogram(&self, name: &str) -> &Py<HistSnapshot> {
+        match name {
+            "drain_round" => &self.drain_round,
+            "memcpy" => &self.memcpy,
+            _ => &self.queue_dwell,
+        }
+    }
+
+    /// The replay array called `name` (one of [`REPLAY_ARRAYS`]).
+    fn replay_array(&mut self, name: &str) -> &mut Option<Py<PyAny>> {
+        match name {
+            "keys" => &mut self.keys,
+            "probabilities" => &mut self.probabilities,
+            _ => &mut self.times_sampled,
+        }
+    }
+}
+
+/// Rebuilds a [`SampleInfo`] from the state its `__reduce__` pickles: every field by name.
+/// Fields the state lacks stay 0 / empty / `None` and names this build does not know are
+/// skipped, so a logger process running another echo version still unpickles it.
+#[pyfunction]
+pub(crate) fn _sample_info(state: &Bound<'_, PyDict>) -> PyResult<SampleInfo> {
+    let py = state.py();
+    let mut info = SampleInfo::zeroed(py)?;
+    for (name, value) in state.iter() {
+        let name: String = name.extract()?;
+        if let Some(&hist) = HISTOGRAMS.iter().find(|h| **h == name) {
+            let value: Py<HistSnapshot> = value.extract()?;
+            match hist {
+                "drain_round" => info.drain_round = value,
+                "memcpy" => info.memcpy = value,
+                _ => info.queue_dwell = value,
+            }
+        } else if REPLAY_ARRAYS.contains(&name.as_str()) {
+            *info.replay_array(&name) = (!value.is_none()).then(|| value.unbind());
+        } else if let Ok(counter) = value.extract::<u64>() {
+            info.set_counter(&name, counter);
+        }
+    }
+    Ok(info)
 }
 
 #[pymethods]
 impl SampleInfo {
-    /// The fields as a plain dict (histograms as nested dicts), ready for a metrics logger.
+    /// The counters as a plain dict (histograms as nested dicts), ready for a metrics
+    /// logger. The replay arrays (`keys`, ...) are not counters and are left out.
     fn as_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
-        for (key, value) in [
-            ("store_size", self.store_size),
-            ("active_connections", self.active_connections),
-            ("queue_depth_sum", self.queue_depth_sum),
-            ("queue_depth_max", self.queue_depth_max),
-            ("push_blocked_count", self.push_blocked_count),
-            ("samples_inserted_total", self.samples_inserted_total),
-            ("buffered_bytes", self.buffered_bytes),
-            ("connections_refused_total", self.connections_refused_total),
-            ("connections_evicted_total", self.connections_evicted_total),
-            ("samples_pending", self.samples_pending),
-            ("v1_connections_total", self.v1_connections_total),
-            ("v2_connections_total", self.v2_connections_total),
-            ("sessions_resumed_total", self.sessions_resumed_total),
-            ("samples_deduplicated_total", self.samples_deduplicated_total),
-            ("handshakes_refused_protocol_total", self.handshakes_refused_protocol_total),
-            ("handshakes_refused_auth_total", self.handshakes_refused_auth_total),
-            ("handshakes_refused_layout_total", self.handshakes_refused_layout_total),
-            ("notify_count", self.notify_count),
-            ("cas_success_total", self.cas_success_total),
-            ("cas_failure_total", self.cas_failure_total),
-            ("reservation_retries_total", self.reservation_retries_total),
-            ("items_sampled_total", self.items_sampled_total),
-            ("evicted_total", self.evicted_total),
-            ("removed_max_times_sampled_total", self.removed_max_times_sampled_total),
-            ("priority_updates_total", self.priority_updates_total),
-            ("unknown_keys_total", self.unknown_keys_total),
-            ("insert_blocked_ns_total", self.insert_blocked_ns_total),
-            ("sample_blocked_ns_total", self.sample_blocked_ns_total),
-            ("wait_ns", self.wait_ns),
-            ("sequence", self.sequence),
-        ] {
+        for (key, value) in self.counters() {
             d.set_item(key, value)?;
         }
-        d.set_item("drain_round", self.drain_round.get().as_dict(py)?)?;
-        d.set_item("memcpy", self.memcpy.get().as_dict(py)?)?;
-        d.set_item("queue_dwell", self.queue_dwell.get().as_dict(py)?)?;
+        for name in HISTOGRAMS {
+            d.set_item(name, self.histogram(name).get().as_dict(py)?)?;
+        }
         Ok(d)
+    }
+
+    /// Pickle support (for a logger process or a Ray actor): `echo._echo._sample_info` and
+    /// every field by name. Replay arrays are pickled as numpy pickles them (copies).
+    fn __reduce__<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<(Bound<'py, PyAny>, (Bound<'py, PyDict>,))> {
+        let state = PyDict::new(py);
+        for (key, value) in self.counters() {
+            state.set_item(key, value)?;
+        }
+        for name in HISTOGRAMS {
+            state.set_item(name, self.histogram(name))?;
+        }
+        for (name, value) in
+            REPLAY_ARRAYS.into_iter().zip([&self.keys, &self.probabilities, &self.times_sampled])
+        {
+            state.set_item(name, value)?;
+        }
+        let restore = PyModule::import(py, "echo._echo")?.getattr("_sample_info")?;
+        Ok((restore, (state,)))
     }
 
     fn __repr__(&self) -> String {

@@ -17,7 +17,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
 use super::config::{ServerConfig, TcpArg};
-use super::errors::{error_in, to_pyerr, Call};
+use super::errors::{error_in, sample_timed_out, to_pyerr, Call};
 use super::info::{HistSnapshot, SampleInfo, Snapshot};
 use super::leaves::{batch_byte_slices, byte_slices, row_priorities, LeafSpecs};
 use super::views::{batch_copies, batch_views, LeafLayout, RingLease};
@@ -56,6 +56,8 @@ pub(crate) struct PyServerCore {
     ingress: OnceLock<Arc<Ingress>>,
     /// `num_buffers=3` or `max_size=..., sampler=...`, for `repr`.
     description: String,
+    /// The rate limiter's repr, for timeout messages (replay tables only use it).
+    limiter_repr: String,
     /// Set by `close(drain=True)`: nothing more comes in; `sample` hands out what is left.
     draining: AtomicBool,
     /// Acknowledged or submitted samples that never reached the learner, set when the server
@@ -71,6 +73,7 @@ impl PyServerCore {
         let leaves = LeafSpecs::new(layout)?;
         let backend_config = config.backend()?;
         let description = config.describe(&backend_config);
+        let limiter_repr = config.limiter_repr();
         let spec = leaves.spec.clone();
         let (backend, consumer) =
             detach(py, || Backend::new(spec, backend_config)).map_err(to_pyerr)?;
@@ -87,6 +90,7 @@ impl PyServerCore {
             tcp: Mutex::new(None),
             ingress: OnceLock::new(),
             description,
+            limiter_repr,
             draining: AtomicBool::new(false),
             dropped_at_close: OnceLock::new(),
         })
@@ -276,9 +280,14 @@ impl PyServerCore {
         };
         drop(guard);
         let meta = arrays.split_off(self.leaves.len());
+        // A replay batch's (keys, probabilities, times_sampled) go into `info` as well.
+        let meta_arrays = <[Bound<'py, PyAny>; 3]>::try_from(meta.clone())
+            .ok()
+            .map(|arrays| arrays.map(Bound::unbind));
         let meta = if meta.is_empty() { PyTuple::empty(py) } else { PyTuple::new(py, meta)? };
         let leaves = PyList::new(py, arrays)?;
-        let info = SampleInfo::new(py, &snap, batch.sequence, wait_ns, &self.zero_hist)?;
+        let info =
+            SampleInfo::new(py, &snap, batch.sequence, wait_ns, &self.zero_hist, meta_arrays)?;
         Ok(Some((leaves, info, meta)))
     }
 
@@ -453,6 +462,8 @@ impl PyServerCore {
         deadline: Option<Instant>,
     ) -> PyResult<Option<(MutexGuard<'_, BatchConsumer>, BatchRef, Snapshot)>> {
         let consumer = &self.consumer;
+        // What held the last timed-out slice back, for the message if the deadline passes.
+        let mut holdback = None;
         // The mutex is only ever taken with the GIL released, so it cannot deadlock against
         // the GIL.
         let got = wait_detached(py, deadline, |slice_end| {
@@ -471,7 +482,10 @@ impl PyServerCore {
                     self.close_now(); // fewer than a batch left, and nothing more coming
                     Some(Err(EchoError::Closed))
                 }
-                Err(EchoError::TimedOut) => None,
+                Err(EchoError::TimedOut) => {
+                    holdback = guard.holdback();
+                    None
+                }
                 Err(other) => Some(Err(other)),
             }
         })?;
@@ -479,14 +493,14 @@ impl PyServerCore {
             Some(Ok(held)) => Ok(Some(held)),
             Some(Err(EchoError::Closed)) => Ok(None),
             Some(Err(other)) => Err(error_in(Call::Sample, other)),
-            None => Err(error_in(Call::Sample, EchoError::TimedOut)),
+            None => Err(sample_timed_out(holdback.as_ref(), &self.limiter_repr)),
         }
     }
 
     fn info(&self, py: Python<'_>, sequence: u64, wait_ns: u64) -> PyResult<SampleInfo> {
         // Counters behind locks (a replay table's, the histograms'): taken with the GIL released.
         let snap = detach(py, || self.snapshot());
-        SampleInfo::new(py, &snap, sequence, wait_ns, &self.zero_hist)
+        SampleInfo::new(py, &snap, sequence, wait_ns, &self.zero_hist, None)
     }
 
     /// Every counter now. May wait for the replay table's lock: never call it attached.

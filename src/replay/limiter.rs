@@ -126,6 +126,103 @@ impl RateLimit {
     }
 }
 
+impl std::fmt::Display for RateLimit {
+    /// The limiter as Python spells it (`MinSize(min_size=1)`, the default of a replay
+    /// server), for messages.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            Self::MinSize(n) => write!(f, "MinSize(min_size={n})"),
+            Self::Queue(size) => write!(f, "Queue(size={size})"),
+            Self::SampleToInsertRatio {
+                samples_per_insert,
+                min_size_to_sample,
+                min_diff,
+                max_diff,
+            } => write!(
+                f,
+                "SampleToInsertRatio(samples_per_insert={samples_per_insert:?}, \
+                 min_size_to_sample={min_size_to_sample}, error_buffer=({min_diff:?}, {max_diff:?}))"
+            ),
+        }
+    }
+}
+
+/// What held a replay `sample` back when its deadline passed: the limiter and its counters
+/// at that moment, under the table's lock. It tells a user waiting on the rate limiter (a
+/// configuration question) from one waiting on an empty table (a producer question).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SampleHoldback {
+    /// The table's rate limiter.
+    pub limit: RateLimit,
+    /// Items ever inserted, as the limiter counts them (when their slot is reserved).
+    pub inserts: u64,
+    /// Items ever handed out, as the limiter counts them (a batch of `b` counts `b`).
+    pub samples: u64,
+    /// Sampleable items in the table.
+    pub live: u64,
+    /// Items of the unfinished batch drawn so far; they stay reserved for the next call.
+    pub drawn: usize,
+    /// Items per batch.
+    pub batch_size: usize,
+}
+
+impl SampleHoldback {
+    /// Whether the rate limiter holds sampling back, rather than an empty table (where no
+    /// limiter setting would help: nothing was inserted, or everything was removed).
+    pub fn is_rate_limited(&self) -> bool {
+        self.live > 0
+    }
+
+    /// One sentence for a timeout message, naming the limiter as `limiter` (its Python
+    /// `repr`; [`RateLimit`]'s `Display` gives the same).
+    pub fn explain(&self, limiter: &str) -> String {
+        let Self { limit, inserts, samples, live, drawn, batch_size } = *self;
+        let counters = format!("inserts={inserts}, samples={samples}");
+        let mut text = if live == 0 {
+            format!(
+                "the replay table holds no item to sample ({counters}, rate limiter {limiter}): \
+                 {}",
+                if inserts == 0 {
+                    "nothing was inserted yet; is a producer running?"
+                } else {
+                    "every item inserted so far was removed (max_times_sampled) or evicted"
+                }
+            )
+        } else {
+            let mut text = format!("the rate limiter {limiter} holds sampling back ({counters}, ");
+            let limiter = RateLimiter::new(limit);
+            if live < limiter.min_size_to_sample {
+                text += &format!(
+                    "table size {live}): sampling starts once the table holds {} items",
+                    limiter.min_size_to_sample
+                );
+            } else if let RateLimit::Queue(size) = limit {
+                text += &format!(
+                    "queue size {size}): every inserted item was sampled; each insert allows one \
+                     more sample"
+                );
+            } else {
+                let spi = limiter.samples_per_insert;
+                #[allow(clippy::cast_precision_loss)] // counts far below 2^52 in any real run
+                let diff = inserts as f64 * spi - samples as f64;
+                text += &format!(
+                    "table size {live}): inserts * samples_per_insert - samples = {diff:?} \
+                     and a sample may not take it below min_diff = {:?}; each insert allows \
+                     {spi:?} more samples",
+                    limiter.min_diff
+                );
+            }
+            text
+        };
+        if drawn > 0 {
+            text += &format!(
+                " ({drawn} of the batch's {batch_size} items are drawn and kept for the next call)"
+            );
+        }
+        text
+    }
+}
+
 /// The limiter's state. Not synchronised: the table keeps it under its lock.
 #[derive(Debug, Clone)]
 pub(crate) struct RateLimiter {
@@ -268,5 +365,55 @@ mod tests {
         assert!(msg.contains("min_size_to_sample must be in 1..=max_size"), "{msg}");
         let msg = err(RateLimit::sample_to_insert_ratio(1.0, 10, f64::NAN));
         assert!(msg.contains("error_buffer must be finite"), "{msg}");
+    }
+
+    #[test]
+    fn a_limit_displays_as_python_spells_it() {
+        assert_eq!(RateLimit::MinSize(1).to_string(), "MinSize(min_size=1)");
+        assert_eq!(RateLimit::Queue(4).to_string(), "Queue(size=4)");
+        assert_eq!(
+            RateLimit::sample_to_insert_ratio(8.0, 10, 20.0).to_string(),
+            "SampleToInsertRatio(samples_per_insert=8.0, min_size_to_sample=10, \
+             error_buffer=(60.0, 100.0))"
+        );
+    }
+
+    #[test]
+    fn a_holdback_says_whether_the_limiter_or_an_empty_table_holds_sampling() {
+        let holdback = |limit, inserts, samples, live, drawn| SampleHoldback {
+            limit,
+            inserts,
+            samples,
+            live,
+            drawn,
+            batch_size: 8,
+        };
+        let empty = holdback(RateLimit::MinSize(1), 0, 0, 0, 0);
+        assert!(!empty.is_rate_limited());
+        assert_eq!(
+            empty.explain("MinSize(min_size=1)"),
+            "the replay table holds no item to sample (inserts=0, samples=0, rate limiter \
+             MinSize(min_size=1)): nothing was inserted yet; is a producer running?"
+        );
+        let below = holdback(RateLimit::MinSize(100), 10, 0, 10, 0);
+        assert!(below.is_rate_limited());
+        assert_eq!(
+            below.explain("MinSize(min_size=100)"),
+            "the rate limiter MinSize(min_size=100) holds sampling back (inserts=10, samples=0, \
+             table size 10): sampling starts once the table holds 100 items"
+        );
+        let queue = holdback(RateLimit::Queue(4), 12, 12, 4, 3);
+        assert_eq!(
+            queue.explain("Queue(size=4)"),
+            "the rate limiter Queue(size=4) holds sampling back (inserts=12, samples=12, queue \
+             size 4): every inserted item was sampled; each insert allows one more sample (3 of \
+             the batch's 8 items are drawn and kept for the next call)"
+        );
+        let ratio = holdback(RateLimit::sample_to_insert_ratio(8.0, 10, 20.0), 12, 36, 12, 0);
+        assert!(ratio.explain("R").ends_with(
+            "(inserts=12, samples=36, table size 12): inserts * samples_per_insert - \
+             samples = 60.0 and a sample may not take it below min_diff = 60.0; each insert \
+             allows 8.0 more samples"
+        ));
     }
 }

@@ -23,7 +23,7 @@ mod select;
 pub mod sumtree;
 mod table;
 
-pub use limiter::RateLimit;
+pub use limiter::{RateLimit, SampleHoldback};
 pub use select::{RemoverKind, SamplerKind};
 pub use table::{
     MetaLeaf, ReplayBatch, ReplayConfig, ReplayConsumer, ReplayStats, Table, BATCH_META,

@@ -36,7 +36,7 @@ use std::time::Instant;
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::error::{EchoError, InsertError};
-use crate::replay::limiter::{RateLimit, RateLimiter};
+use crate::replay::limiter::{RateLimit, RateLimiter, SampleHoldback};
 use crate::replay::rng::Rng;
 use crate::replay::select::{
     new_remover, new_sampler, ItemRemover, ItemSampler, RemoverKind, SamplerKind,
@@ -477,6 +477,7 @@ impl Table {
             pending: Vec::with_capacity(self.config.batch_size),
             half: 0,
             sequence: 0,
+            holdback: None,
         })
     }
 
@@ -742,6 +743,8 @@ pub struct ReplayConsumer {
     /// The batch-area half the next batch goes into.
     half: usize,
     sequence: u64,
+    /// What held the last `sample` back when it timed out (`None` after a batch).
+    holdback: Option<SampleHoldback>,
 }
 
 impl ReplayConsumer {
@@ -783,6 +786,15 @@ impl ReplayConsumer {
                 continue;
             }
             if deadline.is_some_and(|d| Instant::now() >= d) {
+                let (inserts, samples) = state.limiter.counts();
+                self.holdback = Some(SampleHoldback {
+                    limit: table.config.rate_limit,
+                    inserts,
+                    samples,
+                    live: state.live as u64,
+                    drawn: self.pending.len(),
+                    batch_size,
+                });
                 break Err(EchoError::TimedOut);
             }
             waited.get_or_insert_with(Instant::now);
@@ -794,6 +806,7 @@ impl ReplayConsumer {
             state.stats.sample_blocked_ns += elapsed_ns(started);
         }
         drawn?;
+        self.holdback = None;
         drop(state);
         self.gather();
         let mut state = table.state.lock();
@@ -806,6 +819,12 @@ impl ReplayConsumer {
         self.half ^= 1;
         self.sequence += 1;
         Ok(batch)
+    }
+
+    /// What held the last `sample` back when its deadline passed: the rate limiter's counters
+    /// then, for a timeout message. `None` once a batch was handed out since.
+    pub fn holdback(&self) -> Option<SampleHoldback> {
+        self.holdback
     }
 
     /// Copies the pending items into batch-area half `self.half`.
@@ -940,6 +959,9 @@ mod tests {
         assert_eq!(t.stats().removed_max_times_sampled, 6);
         let timed_out = c.sample(Some(Instant::now() + Duration::from_millis(20)));
         assert!(matches!(timed_out, Err(EchoError::TimedOut)));
+        let holdback = c.holdback().expect("a timed-out sample records what held it back");
+        assert_eq!((holdback.inserts, holdback.samples, holdback.live), (6, 12, 0));
+        assert!(!holdback.is_rate_limited(), "an empty table, not the limiter");
     }
 
     #[test]
@@ -951,9 +973,12 @@ mod tests {
         put(&t, 10);
         put(&t, 11);
         assert!(matches!(c.sample(Some(Instant::now())), Err(EchoError::TimedOut)));
+        let holdback = c.holdback().unwrap();
+        assert_eq!((holdback.drawn, holdback.batch_size, holdback.live), (2, 4, 0));
         put(&t, 12);
         put(&t, 13);
         let b = c.sample(None).unwrap();
+        assert_eq!(c.holdback(), None, "a batch clears the last timeout's holdback");
         let mut got = ids(&mut c, b);
         got.sort_unstable();
         assert_eq!(got, [10, 11, 12, 13]);
