@@ -4,6 +4,7 @@ row of every leaf, in order, exactly once, checked as a whole before anything is
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -225,6 +226,10 @@ def test_send_batch_priorities_reach_a_replay_server_and_fifo_refuses_them() -> 
         client.send_batch(rows([0, 1, 2]), priority=[3.0, 2.0, 1.0])
         client.send_batch(rows([3]), priority=9.0)
         client.wait(timeout=WAIT_S)
+    # Acknowledged means queued; the drainer puts them in the table a moment later.
+    deadline = time.monotonic() + WAIT_S
+    while replay.stats().store_size < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
     got = [replay._core.priority(k) for k in range(4)]
     replay.close()
     assert got == [3.0, 2.0, 1.0, 9.0]

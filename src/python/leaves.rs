@@ -217,6 +217,7 @@ impl LeafSpecs {
                 )))
             }
         };
+        self.check_array(i, &array)?;
         self.contiguous(i, array, &mut |array| self.check_array(i, array))
     }
 
