@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 
 use super::config::{resolve_token, seconds};
 use super::errors::{error_in, to_pyerr, Call};
-use super::leaves::{batch_byte_slices, byte_slices, row_priorities, LeafSpecs};
+use super::leaves::{byte_slices, LeafSpecs};
 use super::{deadline_after, deadline_from_timeout, detach, wait_detached};
 use crate::error::EchoError;
 use crate::source::Rows;
@@ -110,14 +110,14 @@ impl PyTcpSender {
         priority: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
         let mut deadline = deadline_from_timeout(timeout)?;
-        let (n, arrays) = self.leaves.batch_arrays(tree)?;
+        let batch = self.leaves.batch(tree, priority)?;
+        let n = batch.n;
         if n == 0 {
             return Ok(0);
         }
-        let priorities = priority.map(|p| row_priorities(p, n)).transpose()?;
-        let slices = batch_byte_slices(&self.leaves, &arrays, n);
+        let slices = batch.slices(&self.leaves);
         let rows =
-            Rows::new(&self.leaves.spec, &slices, n, priorities.as_deref()).map_err(to_pyerr)?;
+            Rows::new(&self.leaves.spec, &slices, n, batch.priorities()).map_err(to_pyerr)?;
         let sender = &self.sender;
         let mut done = 0usize;
         loop {

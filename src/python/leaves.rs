@@ -110,15 +110,18 @@ impl LeafSpecs {
     }
 
     /// [`LeafSpecs::arrays`] for a batch of samples (`submit_batch`, `send_batch`): every leaf
-    /// has a leading dimension `n`, the same for all, one sample per row. Returns `n` and the
-    /// arrays (C-contiguous; use [`batch_byte_slices`]).
-    pub(crate) fn batch_arrays<'py>(
+    /// has a leading dimension `n`, the same for all, one sample per row; `priority` is one
+    /// number for every row or one per row.
+    pub(crate) fn batch<'py>(
         &self,
         tree: &Bound<'py, PyAny>,
-    ) -> PyResult<(usize, Vec<Bound<'py, PyUntypedArray>>)> {
+        priority: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Batch<'py>> {
         let mut rows: Option<(usize, usize)> = None;
         let arrays = self.walk(tree, &mut |i, item| self.check_rows(i, item, &mut rows))?;
-        Ok((rows.map_or(0, |(n, _)| n), arrays))
+        let n = rows.map_or(0, |(n, _)| n);
+        let priorities = priority.map(|p| row_priorities(p, n)).transpose()?;
+        Ok(Batch { n, arrays, priorities })
     }
 
     /// The leaves of `sample` (a flat dict looked up by key, anything else flattened by the
@@ -352,8 +355,28 @@ pub(crate) fn byte_slices<'a>(
         .collect()
 }
 
-/// The bytes of each checked batch array (from [`LeafSpecs::batch_arrays`]): `n` rows each.
-pub(crate) fn batch_byte_slices<'a>(
+/// A checked batch ([`LeafSpecs::batch`]): `n` rows of every leaf, C-contiguous, and the
+/// rows' priorities if any.
+pub(crate) struct Batch<'py> {
+    pub(crate) n: usize,
+    arrays: Vec<Bound<'py, PyUntypedArray>>,
+    priorities: Option<Vec<f64>>,
+}
+
+impl Batch<'_> {
+    /// Each leaf's bytes (`n` rows each), to build a [`crate::source::Rows`] from.
+    pub(crate) fn slices(&self, specs: &LeafSpecs) -> Vec<&[u8]> {
+        batch_byte_slices(specs, &self.arrays, self.n)
+    }
+
+    /// One priority per row, if the caller gave any.
+    pub(crate) fn priorities(&self) -> Option<&[f64]> {
+        self.priorities.as_deref()
+    }
+}
+
+/// The bytes of each checked batch array: `n` rows each.
+fn batch_byte_slices<'a>(
     specs: &LeafSpecs,
     arrays: &'a [Bound<'_, PyUntypedArray>],
     n: usize,
@@ -381,7 +404,7 @@ pub(crate) fn batch_byte_slices<'a>(
 ///
 /// # Errors
 /// `ValueError` for another length or shape; `TypeError` for what is not numbers.
-pub(crate) fn row_priorities(priority: &Bound<'_, PyAny>, n: usize) -> PyResult<Vec<f64>> {
+fn row_priorities(priority: &Bound<'_, PyAny>, n: usize) -> PyResult<Vec<f64>> {
     if let Ok(one) = priority.extract::<f64>() {
         return Ok(vec![one; n]);
     }

@@ -19,7 +19,7 @@ use pyo3::types::{PyList, PyTuple};
 use super::config::{ServerConfig, TcpArg};
 use super::errors::{error_in, sample_timed_out, to_pyerr, Call};
 use super::info::{HistSnapshot, SampleInfo, Snapshot};
-use super::leaves::{batch_byte_slices, byte_slices, row_priorities, LeafSpecs};
+use super::leaves::{byte_slices, LeafSpecs};
 use super::views::{batch_copies, batch_views, LeafLayout, RingLease};
 use super::{deadline_from_timeout, detach, wait_detached};
 use crate::backend::{Backend, BackendStats, BatchConsumer, BatchRef};
@@ -190,14 +190,7 @@ impl PyServerCore {
         priority: Option<f64>,
     ) -> PyResult<()> {
         let deadline = deadline_from_timeout(timeout)?;
-        if priority.is_some() && !self.backend.has_priorities() {
-            return Err(PyValueError::new_err(
-                "priority= needs a replay sampler; this server is FIFO",
-            ));
-        }
-        if self.backend.is_closed() || self.is_draining() {
-            return Err(error_in(Call::Submit, EchoError::Closed));
-        }
+        self.check_submit(priority.is_some())?;
         let arrays = self.leaves.arrays(sample)?;
         self.insert(py, &arrays, priority, deadline)
     }
@@ -216,22 +209,15 @@ impl PyServerCore {
         priority: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
         let deadline = deadline_from_timeout(timeout)?;
-        if priority.is_some() && !self.backend.has_priorities() {
-            return Err(PyValueError::new_err(
-                "priority= needs a replay sampler; this server is FIFO",
-            ));
-        }
-        if self.backend.is_closed() || self.is_draining() {
-            return Err(error_in(Call::Submit, EchoError::Closed));
-        }
-        let (n, arrays) = self.leaves.batch_arrays(tree)?;
+        self.check_submit(priority.is_some())?;
+        let batch = self.leaves.batch(tree, priority)?;
+        let n = batch.n;
         if n == 0 {
             return Ok(0);
         }
-        let priorities = priority.map(|p| row_priorities(p, n)).transpose()?;
-        let slices = batch_byte_slices(&self.leaves, &arrays, n);
+        let slices = batch.slices(&self.leaves);
         let rows =
-            Rows::new(self.backend.spec(), &slices, n, priorities.as_deref()).map_err(to_pyerr)?;
+            Rows::new(self.backend.spec(), &slices, n, batch.priorities()).map_err(to_pyerr)?;
         let backend = &self.backend;
         let mut done = 0;
         let outcome = wait_detached(py, deadline, |slice_end| {
@@ -417,6 +403,20 @@ impl PyServerCore {
         })?;
         let result = done.unwrap_or_else(|| Err(EchoError::TimedOut.into()));
         result.map_err(|e| error_in(Call::Submit, e.error))
+    }
+
+    /// What every submit checks first: a priority needs a replay table, and the server
+    /// must be open.
+    fn check_submit(&self, with_priority: bool) -> PyResult<()> {
+        if with_priority && !self.backend.has_priorities() {
+            return Err(PyValueError::new_err(
+                "priority= needs a replay sampler; this server is FIFO",
+            ));
+        }
+        if self.backend.is_closed() || self.is_draining() {
+            return Err(error_in(Call::Submit, EchoError::Closed));
+        }
+        Ok(())
     }
 
     fn is_draining(&self) -> bool {

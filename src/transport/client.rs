@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::wire::v2::{self, Hello, Layout, Mode, Offer, Reply};
+use super::wire::v2::{self, Beat, Hello, Layout, Mode, Offer, Reply};
 use super::wire::{parse_handshake, ACK, MAGIC};
 use crate::error::EchoError;
 use crate::source::{Rows, SampleSource};
@@ -158,24 +158,6 @@ impl Acks {
 
     fn reason(&self) -> String {
         self.reason.lock().clone()
-    }
-}
-
-/// When to send heartbeats and when to give up on a silent server (v2 only).
-#[derive(Debug, Clone, Copy)]
-struct Beat {
-    every: Duration,
-    dead_after: Option<Duration>,
-}
-
-impl Beat {
-    fn new(own: Option<Duration>, peer_ms: u32) -> Option<Self> {
-        let peer = (peer_ms > 0).then(|| Duration::from_millis(u64::from(peer_ms)));
-        let shortest = match (own, peer) {
-            (Some(a), Some(b)) => a.min(b),
-            (a, b) => a.or(b)?,
-        };
-        Some(Self { every: (shortest / 4).max(Duration::from_millis(10)), dead_after: own })
     }
 }
 

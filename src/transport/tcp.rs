@@ -32,7 +32,7 @@ use tokio::runtime::Runtime;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::task::AbortHandle;
 
-use super::wire::v2::{self, Hello, Layout, Mode, Offer, Opening, Refusal, Reply};
+use super::wire::v2::{self, Beat, Hello, Layout, Mode, Offer, Opening, Refusal, Reply};
 use super::wire::{encode_handshake, ACK};
 use crate::error::EchoError;
 use crate::ingress::{Connection, Ingress, SpaceWaker, TransportEvent};
@@ -814,28 +814,6 @@ async fn serve_v2(
         session.next_seq.fetch_add(1, Relaxed);
         link.acks += 1;
         link.activity.complete();
-    }
-}
-
-/// When to send heartbeats and when to give up on a silent peer (v2 only).
-#[derive(Debug, Clone, Copy)]
-struct Beat {
-    /// Send one after this long without writing.
-    every: Duration,
-    /// The peer is dead after this long without a byte from it (`None`: never).
-    dead_after: Option<Duration>,
-}
-
-impl Beat {
-    /// From our timeout and the peer's (in ms, 0 = none): we write at least four times per
-    /// the shorter of the two.
-    fn new(own: Option<Duration>, peer_ms: u32) -> Option<Self> {
-        let peer = (peer_ms > 0).then(|| Duration::from_millis(u64::from(peer_ms)));
-        let shortest = match (own, peer) {
-            (Some(a), Some(b)) => a.min(b),
-            (a, b) => a.or(b)?,
-        };
-        Some(Self { every: (shortest / 4).max(Duration::from_millis(10)), dead_after: own })
     }
 }
 

@@ -27,6 +27,8 @@
 //! `b"echo-v2-server" | client_nonce | server nonce | resume_seq`; the token never crosses the
 //! wire. Decoding is defensive: lengths are capped before anything is allocated.
 
+use std::time::Duration;
+
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
@@ -61,6 +63,29 @@ pub const ERROR: u8 = 0x03;
 pub const ACCEPTED: u8 = 0;
 /// The most bytes of an error or refusal message.
 pub const MAX_MESSAGE: u32 = 64 * 1024;
+
+/// When one side sends heartbeats and when it gives up on a silent peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Beat {
+    /// Send a heartbeat after this long without writing.
+    pub every: Duration,
+    /// The peer is dead after this long without a byte from it (`None`: never).
+    pub dead_after: Option<Duration>,
+}
+
+impl Beat {
+    /// From this side's timeout and the peer's (in ms as the handshake carries it, 0 = none):
+    /// write at least four times per the shorter of the two, give up after our own. `None`
+    /// when neither side has one.
+    pub fn new(own: Option<Duration>, peer_ms: u32) -> Option<Self> {
+        let peer = (peer_ms > 0).then(|| Duration::from_millis(u64::from(peer_ms)));
+        let shortest = match (own, peer) {
+            (Some(a), Some(b)) => a.min(b),
+            (a, b) => a.or(b)?,
+        };
+        Some(Self { every: (shortest / 4).max(Duration::from_millis(10)), dead_after: own })
+    }
+}
 
 /// Why a server refused a hello.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
