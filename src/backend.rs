@@ -24,7 +24,8 @@ use std::time::Instant;
 use crate::error::{EchoError, InsertError};
 use crate::metrics::DetailedSnapshot;
 use crate::replay::{
-    MetaLeaf, ReplayBatch, ReplayConfig, ReplayConsumer, ReplayStats, SampleHoldback, Table,
+    Checkpoint, MetaLeaf, ReplayBatch, ReplayConfig, ReplayConsumer, ReplayStats, SampleHoldback,
+    SnapshotItems, Table, TableState,
 };
 use crate::source::SampleSource;
 use crate::spec::DataSpec;
@@ -224,6 +225,38 @@ impl Backend {
                 "the FIFO ring has no priorities to update: that needs a replay table".into(),
             )),
             Self::Replay(table) => table.update_priorities(keys, priorities),
+        }
+    }
+
+    /// Starts a checkpoint of a replay table ([`Table::checkpoint`]).
+    ///
+    /// # Errors
+    /// [`EchoError::Config`] for the FIFO ring (its checkpoints are not implemented yet);
+    /// [`EchoError::Busy`] while another checkpoint of the table runs.
+    pub fn checkpoint(&self) -> Result<Checkpoint, EchoError> {
+        match self {
+            Self::Fifo(_) => Err(EchoError::Config(
+                "checkpoints of a FIFO server are not implemented yet (replay tables only)".into(),
+            )),
+            Self::Replay(table) => table.checkpoint(),
+        }
+    }
+
+    /// Fills a new replay table with a checkpoint's contents ([`Table::restore`]).
+    ///
+    /// # Errors
+    /// [`EchoError::Config`] for the FIFO ring, or as [`Table::restore`].
+    pub fn restore(
+        &self,
+        items: &SnapshotItems,
+        state: &TableState,
+        leaves: &[&[u8]],
+    ) -> Result<(), EchoError> {
+        match self {
+            Self::Fifo(_) => Err(EchoError::Config(
+                "checkpoints of a FIFO server are not implemented yet (replay tables only)".into(),
+            )),
+            Self::Replay(table) => table.restore(items, state, leaves),
         }
     }
 

@@ -76,6 +76,10 @@ pub enum EchoError {
     /// finish it (or the connection aborted).
     #[error("the write of a sample is in progress")]
     Stalled,
+    /// The operation cannot run now because another one of its kind is running (a second
+    /// checkpoint of the same table) (maps to `RuntimeError`).
+    #[error("{0}")]
+    Busy(String),
     /// An operating-system error (maps to the matching `OSError`).
     #[error(transparent)]
     Io(#[from] std::io::Error),

@@ -30,6 +30,8 @@
 
 #[cfg(not(loom))]
 pub mod backend;
+#[cfg(not(loom))]
+pub mod checkpoint;
 #[doc(hidden)]
 pub mod doorbell;
 pub mod error;

@@ -8,6 +8,8 @@ lock-out, the longest GIL gap during a large ``update_priorities``, the accept r
 connection flood), which run the current build and another interpreter's echo interleaved
 (``_issue11.py`` holds what they share), and ``issue12_v2_vs_v1.py`` (samples/s of wire v2
 against v1 on the same learner, small and ~200 KB samples, K = 1, 4, 16 worker processes),
-``issue15_batch_inserts.py`` (``submit_batch``/``send_batch`` against one call per row).
+``issue15_batch_inserts.py`` (``submit_batch``/``send_batch`` against one call per row),
+``issue13_checkpoint_stall.py`` (insert/sample latency with and without a checkpoint running,
+checkpoint write/restore throughput against numpy ``tofile``/``fromfile``).
 Each runs on its own (``python benches/tools/NAME.py``) and imports ``benches/py/helpers.py``
 or ``_issue11.py``."""

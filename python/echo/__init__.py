@@ -18,6 +18,7 @@ from echo._echo import (
     __version__,
     reset_log_cache,
 )
+from echo.checkpoint import CheckpointError
 from echo.client import TcpClient
 from echo.replay import (
     Fifo,
@@ -35,6 +36,7 @@ from echo.transport import TcpTransport
 
 __all__ = [
     "DETAILED_METRICS",
+    "CheckpointError",
     "ConnectionClosedError",
     "Fifo",
     "HistSnapshot",

@@ -223,6 +223,28 @@ class ServerCore:
         """Samples that never reached the learner, counted at the final close."""
     def _waiting(self) -> tuple[int, int]:
         """`(inserts, samples)` parked in the backend right now (for tests)."""
+    def _checkpoint(
+        self, files: list[tuple[str, str, tuple[int, ...]]]
+    ) -> tuple[
+        npt.NDArray[np.uint64],
+        npt.NDArray[np.float64],
+        npt.NDArray[np.uint32],
+        tuple[int, int, list[int], int, float],
+        list[bytes],
+    ]:
+        """Writes a snapshot of the replay table's items, one `.npy` file per leaf
+        `(path, descr, item_shape)`; returns `(keys, priorities, times_sampled, (inserts,
+        samples, rng_state, next_key, max_priority), sha256 digests)`."""
+    def _restore(
+        self,
+        leaves: list[npt.NDArray[np.uint8]],
+        keys: npt.NDArray[np.uint64],
+        priorities: npt.NDArray[np.float64],
+        times_sampled: npt.NDArray[np.uint32],
+        state: tuple[int, int, list[int], int, float],
+    ) -> None:
+        """Fills this new replay server with a checkpoint's items and state (ValueError if
+        they do not fit; nothing is inserted then)."""
     def describe(self) -> str:
         """`num_buffers=3` or `max_size=100, sampler=Uniform()`."""
 

@@ -72,6 +72,8 @@ class TreeLayout:
             )
         self.treespec: PyTreeSpec = treespec
         self.leaves = specs
+        # Each leaf's path (the keys and indices leading to it), for checkpoint manifests.
+        self.paths: list[tuple[Any, ...]] = [tuple(p) for p in paths]
         # Fast path for the most common sample, a flat dict of arrays: look the leaves up by
         # key in optree's order instead of calling into optree for every sample.
         self._flat_keys: tuple[Any, ...] | None = None

@@ -12,10 +12,12 @@ import numpy as np
 import numpy.typing as npt
 import optree
 
+from echo import checkpoint as _checkpoint
 from echo._echo import SampleInfo, ServerClosedError, ServerCore
 from echo._pytree import NONE_IS_LEAF, TreeLayout
 from echo._validate import check_int
-from echo.replay import Fifo, RateLimiter, Remover, Sampler
+from echo.checkpoint import CheckpointError
+from echo.replay import Fifo, MinSize, RateLimiter, Remover, Sampler
 from echo.transport import TcpTransport
 
 __all__ = ["Sample", "Server"]
@@ -249,6 +251,7 @@ class Server:
             )
         self._layout = TreeLayout(example)
         self._sampler: Sampler = config.sampler
+        self._config = config
         self._core = ServerCore(self._layout, config)
         if pin_host_memory:
             try:
@@ -424,6 +427,104 @@ class Server:
         """
         while (sample := self.sample(timeout, copy=copy)) is not None:
             yield sample
+
+    def checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Writes a consistent snapshot of the replay table to the directory `path` while
+        inserts and `sample()` go on (they wait at most for one ~1 MiB chunk's copy at a time).
+
+        The snapshot holds every item's data, key, priority and times-sampled count in
+        insertion order, the rate limiter's counters, the sampler's RNG state, the next key
+        and the settings: `Server.restore(path)` rebuilds a server that samples, evicts,
+        paces and numbers new items as this one would have. Inserts still being copied when
+        the snapshot is taken are not in it.
+
+        `path` becomes a symbolic link to a sibling directory (`.<name>.ckpt-<token>`) that
+        holds `manifest.json` and one `.npy` file per leaf plus `keys.npy`,
+        `priorities.npy` and `times_sampled.npy` (`np.load(..., mmap_mode="r")` opens them).
+        The replacement is atomic: a process killed at any point leaves `path` at the
+        previous complete checkpoint or the new one. One writer per `path` at a time.
+
+        Raises:
+            NotImplementedError: The server is FIFO (`sampler=Fifo()`): FIFO checkpoints are
+                not implemented yet.
+            FileExistsError: `path` exists and is not a checkpoint link (a non-empty
+                directory or a file).
+            RuntimeError: Another checkpoint of this server is being written.
+            OSError: Writing failed (nothing at `path` changed then).
+        """
+        if isinstance(self._sampler, Fifo):
+            raise NotImplementedError(
+                "checkpoint(): checkpoints of a FIFO server (sampler=Fifo()) are not "
+                "implemented yet; replay servers (Uniform, Prioritized, Lifo) support them"
+            )
+        config = self._config
+        max_size = self._core.max_size
+        assert max_size is not None  # a replay server always has one
+        settings = _checkpoint.settings_dict(
+            batch_size=config.batch_size,
+            max_size=max_size,
+            sampler=config.sampler,
+            remover=Fifo() if config.remover is None else config.remover,
+            rate_limiter=MinSize(1) if config.rate_limiter is None else config.rate_limiter,
+            max_times_sampled=config.max_times_sampled,
+        )
+        _checkpoint.write(self._core, self._layout, settings, path)
+
+    @classmethod
+    def restore(
+        cls,
+        path: str | os.PathLike[str],
+        example: Any = None,
+        *,
+        transport: Any = None,
+        pin_host_memory: bool = False,
+    ) -> Server:
+        """A new replay server with the contents and settings of the checkpoint at `path`
+        (written by `checkpoint()`): the same items (data, keys, priorities, times sampled,
+        insertion order), rate limiter counters, RNG state, next key, batch size, sampler,
+        remover, rate limiter, `max_size` and `max_times_sampled`.
+
+        Like the constructor, it returns a server that is not started: call `start()` (or use
+        `with`) to bind `transport`; `submit()` and `sample()` work at once.
+
+        Every file is checked against the manifest's size and SHA-256 before anything is
+        loaded, so nothing is half-restored.
+
+        Args:
+            path: The checkpoint (the link `checkpoint()` made, or a copy of its directory).
+            example: A pytree that must match the checkpoint's layout (structure, dtypes,
+                shapes). `None` rebuilds the example from the manifest, which works for trees
+                of dicts with str keys (pass `example` for tuples, lists or namedtuples).
+            transport: As the constructor's.
+            pin_host_memory: As the constructor's.
+
+        Raises:
+            CheckpointError: (a `ValueError`) a file is missing, truncated or corrupted, the
+                format version is newer than this echo reads, or `example` does not match;
+                the message names the file.
+        """
+        loaded = _checkpoint.read(path, example)
+        server = cls(
+            loaded.example,
+            transport=transport,
+            pin_host_memory=pin_host_memory,
+            **loaded.server_kwargs(),
+        )
+        try:
+            server._core._restore(  # pyright: ignore[reportPrivateUsage]
+                loaded.leaf_bytes(),
+                loaded.keys,
+                loaded.priorities,
+                loaded.times_sampled,
+                loaded.state,
+            )
+        except ValueError as e:
+            server.close()
+            raise CheckpointError(f"{os.fspath(path)}: {e}") from e
+        except BaseException:
+            server.close()
+            raise
+        return server
 
     def stats(self) -> SampleInfo:
         """The server's counters now, without sampling (`sequence` and `wait_ns` are 0)."""

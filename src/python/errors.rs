@@ -106,6 +106,7 @@ pub(crate) fn to_pyerr(err: EchoError) -> PyErr {
         EchoError::Closed => ServerClosedError::new_err(err.to_string()),
         EchoError::TimedOut | EchoError::Stalled => PyTimeoutError::new_err(err.to_string()),
         EchoError::Disconnected(msg) => ConnectionClosedError::new_err(msg),
+        EchoError::Busy(msg) => PyRuntimeError::new_err(msg),
         EchoError::Io(io) => io.into(),
     }
 }

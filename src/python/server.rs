@@ -10,11 +10,11 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 use numpy::npyffi::npy_intp;
-use numpy::{PyArrayDescr, PyReadonlyArray1, PyUntypedArray};
+use numpy::{PyArray1, PyArrayDescr, PyReadonlyArray1, PyUntypedArray};
 use parking_lot::{Mutex, MutexGuard};
 use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyTuple};
+use pyo3::types::{PyBytes, PyList, PyTuple};
 
 use super::config::{ServerConfig, TcpArg};
 use super::errors::{error_in, sample_timed_out, to_pyerr, Call};
@@ -23,9 +23,11 @@ use super::leaves::{byte_slices, LeafSpecs};
 use super::views::{batch_copies, batch_views, LeafLayout, RingLease};
 use super::{deadline_from_timeout, detach, wait_detached};
 use crate::backend::{Backend, BackendStats, BatchConsumer, BatchRef};
+use crate::checkpoint::{write_leaf_files, LeafFile};
 use crate::error::EchoError;
 use crate::ingress::{Ingress, IngressConfig};
 use crate::metrics;
+use crate::replay::{SnapshotItems, TableState};
 use crate::source::Leaves;
 use crate::source::Rows;
 use crate::sync::Arc;
@@ -33,6 +35,15 @@ use crate::transport::TcpIngress;
 
 /// Samples at or above this many bytes are copied with the GIL released.
 const DETACH_COPY_BYTES: usize = 64 * 1024;
+
+/// What `_checkpoint` hands back (see there).
+type CheckpointOut<'py> = (
+    Bound<'py, PyArray1<u64>>,
+    Bound<'py, PyArray1<f64>>,
+    Bound<'py, PyArray1<u32>>,
+    (u64, u64, [u64; 4], u64, f64),
+    Vec<Bound<'py, PyBytes>>,
+);
 
 /// What `sample` hands back: the sample's leaves, the counters, the per-item arrays.
 type SampleOut<'py> = (Bound<'py, PyList>, SampleInfo, Bound<'py, PyTuple>);
@@ -295,6 +306,68 @@ impl PyServerCore {
             priorities.as_slice().map_err(|e| PyValueError::new_err(format!("priorities: {e}")))?;
         let backend = &self.backend;
         detach(py, || backend.update_priorities(keys, priorities)).map_err(to_pyerr)
+    }
+
+    /// Writes a consistent snapshot of the replay table's items, leaf `l` into the new
+    /// `.npy` file `files[l] = (path, descr, item_shape)` (`descr`: the dtype as the header
+    /// spells it), rows in key order, fsynced, with the GIL released while inserts and
+    /// sampling go on. Returns the snapshot's metadata: `(keys, priorities, times_sampled,
+    /// (inserts, samples, rng_state, next_key, max_priority), sha256 digests of the files)`.
+    fn _checkpoint<'py>(
+        &self,
+        py: Python<'py>,
+        files: Vec<(PathBuf, String, Vec<usize>)>,
+    ) -> PyResult<CheckpointOut<'py>> {
+        let files: Vec<LeafFile> =
+            files.into_iter().map(|(path, descr, shape)| LeafFile { path, descr, shape }).collect();
+        let backend = &self.backend;
+        let (items, state, digests) = detach(py, || {
+            let mut checkpoint = backend.checkpoint()?;
+            let digests = write_leaf_files(&mut checkpoint, &files)?;
+            Ok::<_, EchoError>((checkpoint.items().clone(), *checkpoint.state(), digests))
+        })
+        .map_err(to_pyerr)?;
+        let digests = digests.iter().map(|d| PyBytes::new(py, d)).collect();
+        Ok((
+            PyArray1::from_vec(py, items.keys),
+            PyArray1::from_vec(py, items.priorities),
+            PyArray1::from_vec(py, items.times_sampled),
+            (state.inserts, state.samples, state.rng, state.next_key, state.max_priority),
+            digests,
+        ))
+    }
+
+    /// Fills this new replay server with a checkpoint's items (`leaves[l]`: leaf `l` of every
+    /// item as bytes, in key order) and state `(inserts, samples, rng_state, next_key,
+    /// max_priority)`. ValueError naming what does not fit; nothing is inserted then.
+    fn _restore(
+        &self,
+        py: Python<'_>,
+        leaves: Vec<PyReadonlyArray1<'_, u8>>,
+        keys: PyReadonlyArray1<'_, u64>,
+        priorities: PyReadonlyArray1<'_, f64>,
+        times_sampled: PyReadonlyArray1<'_, u32>,
+        state: (u64, u64, [u64; 4], u64, f64),
+    ) -> PyResult<()> {
+        let contiguous = |what: &str, e: numpy::NotContiguousError| {
+            PyValueError::new_err(format!("restore: {what}: {e}"))
+        };
+        let items = SnapshotItems {
+            keys: keys.as_slice().map_err(|e| contiguous("keys", e))?.to_vec(),
+            priorities: priorities.as_slice().map_err(|e| contiguous("priorities", e))?.to_vec(),
+            times_sampled: times_sampled
+                .as_slice()
+                .map_err(|e| contiguous("times_sampled", e))?
+                .to_vec(),
+        };
+        let (inserts, samples, rng, next_key, max_priority) = state;
+        let saved = TableState { inserts, samples, rng, next_key, max_priority };
+        let leaves = leaves
+            .iter()
+            .map(|leaf| leaf.as_slice().map_err(|e| contiguous("leaf", e)))
+            .collect::<PyResult<Vec<&[u8]>>>()?;
+        let backend = &self.backend;
+        detach(py, || backend.restore(&items, &saved, &leaves)).map_err(to_pyerr)
     }
 
     /// The priority of the item with `key`, `None` if it is not in the table (or FIFO).

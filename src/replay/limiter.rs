@@ -284,6 +284,12 @@ impl RateLimiter {
     pub(crate) fn counts(&self) -> (u64, u64) {
         (self.inserts, self.samples)
     }
+
+    /// Sets the counters (a restored checkpoint's).
+    pub(crate) fn set_counts(&mut self, inserts: u64, samples: u64) {
+        self.inserts = inserts;
+        self.samples = samples;
+    }
 }
 
 #[cfg(test)]

@@ -26,6 +26,6 @@ mod table;
 pub use limiter::{RateLimit, SampleHoldback};
 pub use select::{RemoverKind, SamplerKind};
 pub use table::{
-    MetaLeaf, ReplayBatch, ReplayConfig, ReplayConsumer, ReplayStats, Table, BATCH_META,
-    MAX_PRIORITY,
+    Checkpoint, MetaLeaf, ReplayBatch, ReplayConfig, ReplayConsumer, ReplayStats, SnapshotItems,
+    Table, TableState, BATCH_META, MAX_PRIORITY,
 };

@@ -36,6 +36,17 @@ impl Rng {
         Self::from_seed(hasher.finish())
     }
 
+    /// The generator's whole state (for a checkpoint).
+    pub(crate) fn state(&self) -> [u64; 4] {
+        self.s
+    }
+
+    /// A generator that continues from `state` (from [`Rng::state`]); `None` for the all-zero
+    /// state, which xoshiro can never leave and never produces.
+    pub(crate) fn from_state(state: [u64; 4]) -> Option<Self> {
+        (state != [0; 4]).then_some(Self { s: state })
+    }
+
     /// The next 64 random bits.
     #[inline]
     pub(crate) fn next_u64(&mut self) -> u64 {
@@ -79,6 +90,18 @@ mod tests {
         let zs: Vec<u64> = (0..8).map(|_| c.next_u64()).collect();
         assert_eq!(xs, ys);
         assert_ne!(xs, zs);
+    }
+
+    #[test]
+    fn a_generator_restored_from_its_state_continues_the_sequence() {
+        let mut a = Rng::from_seed(9);
+        a.next_u64();
+        let mut b = Rng::from_state(a.state()).unwrap();
+        assert_eq!(
+            (0..4).map(|_| a.next_u64()).collect::<Vec<_>>(),
+            (0..4).map(|_| b.next_u64()).collect::<Vec<_>>()
+        );
+        assert!(Rng::from_state([0; 4]).is_none());
     }
 
     #[test]

@@ -28,6 +28,16 @@
 //!    `Retired`, never `Free`: its bytes stay put until it is unpinned.
 //! 3. `live + writing <= max_size`; at most `batch_size` slots are pinned (one consumer, one
 //!    batch), so `max_size + batch_size` slots always leave a free one for the next insert.
+//! 4. While a [`Checkpoint`] lives, `cow.pending[s]` is set exactly for the snapshot's slots
+//!    whose bytes it has not copied yet and that no writer has reserved since the snapshot, so
+//!    their bytes are still the snapshot's; a writer that reserves such a slot first saves its
+//!    bytes into `cow.saved` and clears the bit, under the lock (copy-on-write).
+//!
+//! Checkpoints ([`Table::checkpoint`]): a point-in-time snapshot while inserts and sampling go
+//! on. One lock hold copies every live item's metadata and the table-wide state (limiter
+//! counters, RNG, next key, largest priority) and arms the copy-on-write marker; then
+//! [`Checkpoint::next_chunk`] copies the item bytes in key order, about a chunk at a time, each
+//! chunk under the lock, so writers and the sampler wait at most one chunk's copy.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -221,6 +231,15 @@ impl Hasher for KeyHasher {
     }
 }
 
+/// Copy-on-write bookkeeping of the running [`Checkpoint`] (invariant 4).
+struct Cow {
+    /// `pending[slot]`: the slot holds a snapshot item whose bytes are still to be copied.
+    pending: Box<[bool]>,
+    /// Bytes of snapshot items whose slot a writer reserved before the checkpoint copied them
+    /// (every leaf's bytes back to back), by slot.
+    saved: HashMap<u32, Box<[u8]>>,
+}
+
 /// Everything the lock protects.
 struct State {
     meta: Box<[Meta]>,
@@ -244,6 +263,8 @@ struct State {
     /// Writers parked on `insert_ready`, and the consumer parked on `sample_ready`.
     waiting_inserts: u64,
     waiting_samples: u64,
+    /// The checkpoint being written, if any.
+    cow: Option<Cow>,
 }
 
 impl State {
@@ -441,6 +462,7 @@ impl Table {
             stats: ReplayStats::default(),
             waiting_inserts: 0,
             waiting_samples: 0,
+            cow: None,
         };
         Ok(Arc::new(Self {
             pinned: crate::pinned::Pinning::default(),
@@ -559,6 +581,7 @@ impl Table {
             self.wait_insertable(&mut state, deadline)
                 .map_err(|error| InsertError::new(sample, error))?;
             let (slot, replaced) = state.reserve(small);
+            self.preserve_for_checkpoint(&mut state, slot);
             if small {
                 self.write_item(slot, src, sample);
             } else {
@@ -579,6 +602,27 @@ impl Table {
         if state.live == 1 {
             self.insert_ready.notify_all();
         }
+    }
+
+    /// Invariant 4: saves the snapshot bytes of `slot`, just reserved by this writer (under the
+    /// lock, before anything is written to it), if a running checkpoint still needs them.
+    fn preserve_for_checkpoint(&self, state: &mut State, slot: usize) {
+        let Some(cow) = state.cow.as_mut() else {
+            return;
+        };
+        if !std::mem::take(&mut cow.pending[slot]) {
+            return;
+        }
+        let mut bytes = Vec::with_capacity(self.spec.payload_size());
+        for leaf in 0..self.spec.len() {
+            // SAFETY: the caller reserved `slot` under the lock it still holds and has not
+            // written it yet; the pending bit says no writer reserved it since the snapshot
+            // (invariant 4), so nobody writes it while we read (the consumer may read it too).
+            unsafe {
+                self.storage.read_slots(leaf, slot..slot + 1, |b| bytes.extend_from_slice(b));
+            }
+        }
+        cow.saved.insert(slot as u32, bytes.into_boxed_slice());
     }
 
     fn write_item<S: SampleSource + ?Sized>(&self, slot: usize, src: &S, sample: usize) {
@@ -717,6 +761,281 @@ impl Table {
     /// Whether the batch area is page-locked.
     pub fn is_pinned(&self) -> bool {
         self.pinned.is_pinned()
+    }
+
+    /// Starts a checkpoint: a consistent snapshot of the live items (in key order) and the
+    /// table-wide state as of now, taken in one lock hold that copies only metadata. The
+    /// items' bytes are then copied with [`Checkpoint::next_chunk`] while inserts and sampling
+    /// go on; dropping the checkpoint disarms the copy-on-write marker.
+    ///
+    /// Inserts still copying their sample (reserved, not yet published) are not in the
+    /// snapshot, and the limiter's insert count leaves them out too: the snapshot is the table
+    /// as if they had not started. Items drawn into a batch being assembled are counted as
+    /// sampled.
+    ///
+    /// # Errors
+    /// [`EchoError::Busy`] if another checkpoint of this table is running.
+    pub fn checkpoint(self: &Arc<Self>) -> Result<Checkpoint, EchoError> {
+        let slots = self.config.max_size + self.config.batch_size;
+        // Allocated before taking the lock: the lock hold only scans and copies.
+        let mut pending = vec![false; slots].into_boxed_slice();
+        let mut rows: Vec<(u64, u32, f64, u32)> = Vec::with_capacity(self.config.max_size);
+        let mut state = self.state.lock();
+        if state.cow.is_some() {
+            return Err(EchoError::Busy(
+                "a checkpoint of this table is already being written".to_owned(),
+            ));
+        }
+        for (slot, meta) in state.meta.iter().enumerate() {
+            if meta.state == SlotState::Live {
+                rows.push((meta.key, slot as u32, meta.priority, meta.times_sampled));
+                pending[slot] = true;
+            }
+        }
+        let (inserts, samples) = state.limiter.counts();
+        let table_state = TableState {
+            inserts: inserts - state.writing as u64,
+            samples,
+            rng: state.rng.state(),
+            next_key: state.next_key,
+            max_priority: state.max_priority,
+        };
+        state.cow = Some(Cow { pending, saved: HashMap::new() });
+        drop(state);
+        rows.sort_unstable_by_key(|row| row.0);
+        let items = SnapshotItems {
+            keys: rows.iter().map(|row| row.0).collect(),
+            priorities: rows.iter().map(|row| row.2).collect(),
+            times_sampled: rows.iter().map(|row| row.3).collect(),
+        };
+        Ok(Checkpoint {
+            table: Arc::clone(self),
+            slots: rows.iter().map(|row| row.1).collect(),
+            items,
+            state: table_state,
+            next_row: 0,
+        })
+    }
+
+    /// Fills a new, empty table with a checkpoint's items (in key order, `leaves[l]` holding
+    /// leaf `l` of every item back to back) and state, so that it samples, evicts, paces and
+    /// numbers new items exactly as the checkpointed table would have.
+    ///
+    /// # Errors
+    /// [`EchoError::Config`] naming what does not fit (nothing is inserted then): the table is
+    /// not new, lengths differ, more items than `max_size`, keys not increasing or not below
+    /// `next_key`, an invalid priority, a count at `max_times_sampled`, an all-zero RNG state.
+    pub fn restore(
+        &self,
+        items: &SnapshotItems,
+        saved: &TableState,
+        leaves: &[&[u8]],
+    ) -> Result<(), EchoError> {
+        let config = |msg: String| Err(EchoError::Config(format!("restore: {msg}")));
+        let n = items.keys.len();
+        if items.priorities.len() != n || items.times_sampled.len() != n {
+            return config(format!(
+                "{n} keys, {} priorities and {} times_sampled: one of each per item",
+                items.priorities.len(),
+                items.times_sampled.len()
+            ));
+        }
+        if n > self.config.max_size {
+            return config(format!("{n} items do not fit max_size {}", self.config.max_size));
+        }
+        if leaves.len() != self.spec.len() {
+            return config(format!("{} leaves, the layout has {}", leaves.len(), self.spec.len()));
+        }
+        for (leaf, (bytes, array)) in leaves.iter().zip(self.spec.arrays()).enumerate() {
+            if Some(bytes.len()) != n.checked_mul(array.num_bytes()) {
+                return config(format!(
+                    "leaf {leaf}: {} bytes for {n} items of {} bytes",
+                    bytes.len(),
+                    array.num_bytes()
+                ));
+            }
+        }
+        if let Some(i) = items.keys.windows(2).position(|w| w[0] >= w[1]) {
+            return config(format!("keys must increase, but keys[{}] >= keys[{}]", i, i + 1));
+        }
+        if items.keys.last().is_some_and(|&last| last >= saved.next_key) {
+            return config(format!("keys must be below next_key {}", saved.next_key));
+        }
+        let k = self.config.max_times_sampled;
+        if let Some(i) = items.times_sampled.iter().position(|&t| k > 0 && t >= k) {
+            return config(format!(
+                "times_sampled[{i}] = {} has reached max_times_sampled {k}",
+                items.times_sampled[i]
+            ));
+        }
+        let rng = Rng::from_state(saved.rng).map_or_else(
+            || Err(EchoError::Config("restore: the RNG state is all zeros".to_owned())),
+            Ok,
+        )?;
+        let mut state = self.state.lock();
+        for (i, &priority) in items.priorities.iter().enumerate() {
+            self.check_priority(&state, priority)
+                .map_err(|msg| EchoError::Config(format!("restore: priorities[{i}] {msg}")))?;
+        }
+        self.check_priority(&state, saved.max_priority)
+            .map_err(|msg| EchoError::Config(format!("restore: max_priority {msg}")))?;
+        if state.live + state.writing > 0 || state.stats.inserted > 0 || state.cow.is_some() {
+            return config("the table is not new".to_owned());
+        }
+        for i in 0..n {
+            let slot = state.free.pop().expect("n <= max_size slots are free") as usize;
+            for (leaf, bytes) in leaves.iter().enumerate() {
+                let len = self.spec.arrays()[leaf].num_bytes();
+                // SAFETY: `slot` was just popped from the free list under the lock we hold and
+                // is not published yet: nobody else reads or writes it (invariant 1). Sizes
+                // were checked above; `bytes` is caller memory, not the table.
+                unsafe { self.storage.write_slot(slot, leaf, &bytes[i * len..(i + 1) * len]) };
+            }
+            let (key, priority) = (items.keys[i], items.priorities[i]);
+            let times_sampled = items.times_sampled[i];
+            state.meta[slot] =
+                Meta { key, priority, times_sampled, pins: 0, state: SlotState::Live };
+            state.keys.insert(key, slot as u32);
+            state.sampler.insert(slot, priority);
+            state.remover.insert(slot, priority);
+            state.live += 1;
+        }
+        state.limiter.set_counts(saved.inserts, saved.samples);
+        state.rng = rng;
+        state.next_key = saved.next_key;
+        state.max_priority = saved.max_priority;
+        drop(state);
+        self.sample_ready.notify_one();
+        Ok(())
+    }
+}
+
+/// The table-wide values a checkpoint saves besides the items.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TableState {
+    /// The rate limiter's insert count (inserts still copying at the snapshot left out).
+    pub inserts: u64,
+    /// The rate limiter's sample count (items drawn).
+    pub samples: u64,
+    /// The sampler's RNG state (xoshiro256++), never all zeros.
+    pub rng: [u64; 4],
+    /// The key the next item gets.
+    pub next_key: u64,
+    /// The priority new items get (the largest priority seen so far).
+    pub max_priority: f64,
+}
+
+/// A snapshot's items in key (insertion) order, one entry per item in each array.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SnapshotItems {
+    /// Each item's key.
+    pub keys: Vec<u64>,
+    /// Each item's priority.
+    pub priorities: Vec<f64>,
+    /// How many times each item was sampled.
+    pub times_sampled: Vec<u32>,
+}
+
+/// A running checkpoint of a [`Table`] (from [`Table::checkpoint`]): the snapshot's metadata,
+/// and the items' bytes still to copy with [`Checkpoint::next_chunk`]. At most one per table.
+pub struct Checkpoint {
+    table: Arc<Table>,
+    items: SnapshotItems,
+    state: TableState,
+    /// The slot each snapshot item was in, in key order.
+    slots: Vec<u32>,
+    /// Items whose bytes were handed out by `next_chunk` so far.
+    next_row: usize,
+}
+
+impl std::fmt::Debug for Checkpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Checkpoint")
+            .field("items", &self.slots.len())
+            .field("next_row", &self.next_row)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Checkpoint {
+    /// The snapshot's items (keys, priorities, times sampled), in key order.
+    pub fn items(&self) -> &SnapshotItems {
+        &self.items
+    }
+
+    /// The snapshot's table-wide state.
+    pub fn state(&self) -> &TableState {
+        &self.state
+    }
+
+    /// The table's sample layout (what each leaf's rows hold).
+    pub fn spec(&self) -> &DataSpec {
+        &self.table.spec
+    }
+
+    /// Items in the snapshot.
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Whether the snapshot holds no item.
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    /// Copies the bytes of the next items (in key order), about `max_bytes` of them but at
+    /// least one item, into `out`: `out[l]` is cleared and then holds leaf `l` of each item
+    /// back to back. One lock hold per call. Returns the number of items; 0 when done.
+    ///
+    /// # Panics
+    /// If `out` does not have one buffer per leaf.
+    pub fn next_chunk(&mut self, max_bytes: usize, out: &mut [Vec<u8>]) -> usize {
+        let table = &*self.table;
+        let spec = &table.spec;
+        assert_eq!(out.len(), spec.len(), "one buffer per leaf");
+        for buf in out.iter_mut() {
+            buf.clear();
+        }
+        let n =
+            (max_bytes / spec.payload_size().max(1)).max(1).min(self.slots.len() - self.next_row);
+        if n == 0 {
+            return 0;
+        }
+        let rows = self.next_row..self.next_row + n;
+        let mut state = table.state.lock();
+        let cow = state.cow.as_mut().expect("armed while the checkpoint lives");
+        for &slot in &self.slots[rows] {
+            if std::mem::take(&mut cow.pending[slot as usize]) {
+                let slot = slot as usize;
+                for (leaf, buf) in out.iter_mut().enumerate() {
+                    // SAFETY: the pending bit says no writer reserved `slot` since the
+                    // snapshot (invariant 4), and none can while we hold the lock, so its bytes
+                    // are the snapshot item's and nobody writes them during the read.
+                    unsafe {
+                        table
+                            .storage
+                            .read_slots(leaf, slot..slot + 1, |b| buf.extend_from_slice(b));
+                    }
+                }
+            } else {
+                let saved = cow.saved.remove(&slot).expect("a reused snapshot slot was saved");
+                let mut at = 0;
+                for (array, buf) in spec.arrays().iter().zip(out.iter_mut()) {
+                    let len = array.num_bytes();
+                    buf.extend_from_slice(&saved[at..at + len]);
+                    at += len;
+                }
+            }
+        }
+        drop(state);
+        self.next_row += n;
+        n
+    }
+}
+
+impl Drop for Checkpoint {
+    fn drop(&mut self) {
+        self.table.state.lock().cow = None;
     }
 }
 
@@ -1086,5 +1405,190 @@ mod tests {
         assert_eq!(t.priority(2), Some(3.0));
         let s = t.stats();
         assert_eq!((s.priority_updates, s.unknown_keys), (2, 1));
+    }
+
+    /// Every chunk of `ckpt` (at most `max_bytes` each), leaf by leaf.
+    fn drain(ckpt: &mut Checkpoint, max_bytes: usize) -> Vec<Vec<u8>> {
+        let leaves = ckpt.spec().len();
+        let mut all = vec![Vec::new(); leaves];
+        let mut chunk = vec![Vec::new(); leaves];
+        while ckpt.next_chunk(max_bytes, &mut chunk) > 0 {
+            for (all, chunk) in all.iter_mut().zip(&chunk) {
+                all.extend_from_slice(chunk);
+            }
+        }
+        all
+    }
+
+    fn u64s(bytes: &[u8]) -> Vec<u64> {
+        bytes.chunks_exact(8).map(|c| u64::from_ne_bytes(c.try_into().unwrap())).collect()
+    }
+
+    #[test]
+    fn a_checkpoint_keeps_its_snapshot_when_every_slot_is_reused_before_it_is_copied() {
+        // Small items: evictions reuse the victim's slot in place; the copy-on-write must save
+        // each snapshot item before its slot is overwritten.
+        let t = table(ReplayConfig::new(2, 4));
+        for id in 0..4 {
+            put(&t, id);
+        }
+        let mut ckpt = t.checkpoint().unwrap();
+        for id in 100..112 {
+            put(&t, id);
+        }
+        assert_eq!(ckpt.items().keys, [0, 1, 2, 3]);
+        assert_eq!(u64s(&drain(&mut ckpt, 8)[0]), [0, 1, 2, 3]);
+        assert!(t.state.lock().cow.as_ref().unwrap().saved.is_empty(), "saved bytes are consumed");
+        drop(ckpt);
+        assert!(t.state.lock().cow.is_none(), "dropping the checkpoint disarms the marker");
+    }
+
+    #[test]
+    fn a_checkpoint_of_large_items_survives_slots_freed_by_sampling_and_reused() {
+        // Large items (copied outside the lock, from the free list) and max_times_sampled = 1:
+        // sampling retires and frees the snapshot's slots, and new inserts reuse them.
+        const LEN: usize = 8192;
+        let spec = DataSpec::new(vec![ArraySpec::new(vec![LEN], 1).unwrap()]).unwrap();
+        let config =
+            ReplayConfig { max_times_sampled: 1, seed: Some(3), ..ReplayConfig::new(2, 6) };
+        let t = Table::new(spec, config).unwrap();
+        let put_big = |id: u8| t.insert(&Leaves(&[&[id; LEN]]), None, None).unwrap();
+        for id in 0..6 {
+            put_big(id);
+        }
+        let mut c = t.consumer().unwrap();
+        c.sample(None).unwrap();
+        let mut ckpt = t.checkpoint().unwrap();
+        assert_eq!(ckpt.len(), 4, "two items were removed by the first batch");
+        for _ in 0..2 {
+            c.sample(None).unwrap();
+        }
+        for id in 10..16 {
+            put_big(id);
+        }
+        let data = drain(&mut ckpt, 3 * LEN).remove(0);
+        let ids: Vec<u64> = ckpt.items().keys.clone();
+        for (row, &key) in data.chunks_exact(LEN).zip(&ids) {
+            assert!(row.iter().all(|&b| u64::from(b) == key), "item {key} intact");
+        }
+        assert!(ckpt.items().times_sampled.iter().all(|&n| n == 0));
+    }
+
+    #[test]
+    fn one_checkpoint_at_a_time_per_table() {
+        let t = table(ReplayConfig::new(1, 4));
+        put(&t, 0);
+        let first = t.checkpoint().unwrap();
+        assert!(matches!(t.checkpoint(), Err(EchoError::Busy(_))));
+        drop(first);
+        assert_eq!(t.checkpoint().unwrap().len(), 1);
+    }
+
+    #[test]
+    fn restore_reproduces_items_state_and_the_next_key() {
+        for remover in [RemoverKind::Fifo, RemoverKind::Lifo, RemoverKind::MinPriority] {
+            let mut config = ReplayConfig::new(2, 5);
+            config.sampler = SamplerKind::Prioritized { exponent: 0.5 };
+            config.remover = remover;
+            config.seed = Some(11);
+            let t = table(config.clone());
+            for id in 0..8u64 {
+                t.insert(&Leaves(&[&id.to_ne_bytes()]), Some(1.0 + (id % 3) as f64), None).unwrap();
+            }
+            let mut c = t.consumer().unwrap();
+            c.sample(None).unwrap();
+            let mut ckpt = t.checkpoint().unwrap();
+            let data = drain(&mut ckpt, 1 << 20);
+            let (items, saved) = (ckpt.items().clone(), *ckpt.state());
+            let r = table(ReplayConfig { seed: Some(99), ..config });
+            r.restore(&items, &saved, &[&data[0]]).unwrap();
+            assert_eq!(r.limiter_counts(), t.limiter_counts(), "{remover:?}");
+            for (&key, &priority) in items.keys.iter().zip(&items.priorities) {
+                assert_eq!(r.priority(key), Some(priority));
+            }
+            // The same victim next, and the same key for the next item.
+            let victim = |t: &Table| {
+                let state = t.state.lock();
+                state.meta[state.remover.victim().unwrap()].key
+            };
+            assert_eq!(victim(&r), victim(&t), "{remover:?}");
+            assert_eq!(live_items(&r), live_items(&t), "{remover:?}");
+            drop(ckpt);
+            put(&r, 100);
+            put(&t, 100);
+            assert_eq!(live_items(&r), live_items(&t), "the same eviction and next key");
+            assert!(r.restore(&items, &saved, &[&data[0]]).is_err(), "only a new table");
+        }
+    }
+
+    /// `(key, priority, times_sampled)` of every live item, in key order.
+    fn live_items(t: &Table) -> Vec<(u64, f64, u32)> {
+        let state = t.state.lock();
+        let mut rows: Vec<_> = state
+            .meta
+            .iter()
+            .filter(|m| m.state == SlotState::Live)
+            .map(|m| (m.key, m.priority, m.times_sampled))
+            .collect();
+        rows.sort_unstable_by_key(|r| r.0);
+        rows
+    }
+
+    #[test]
+    fn restore_rejects_inconsistent_input_and_inserts_nothing() {
+        let t = table(ReplayConfig::new(1, 4));
+        let items = SnapshotItems {
+            keys: vec![3, 2],
+            priorities: vec![1.0, 1.0],
+            times_sampled: vec![0, 0],
+        };
+        let saved = TableState {
+            inserts: 4,
+            samples: 0,
+            rng: [1, 2, 3, 4],
+            next_key: 4,
+            max_priority: 1.0,
+        };
+        let data = [0u8; 16];
+        let err = t.restore(&items, &saved, &[&data]).unwrap_err().to_string();
+        assert!(err.contains("keys must increase"), "{err}");
+        let err = t.restore(&items, &saved, &[&data[..8]]).unwrap_err().to_string();
+        assert!(err.contains("leaf 0: 8 bytes for 2 items"), "{err}");
+        let zero = TableState { rng: [0; 4], ..saved };
+        let sorted = SnapshotItems { keys: vec![2, 3], ..items };
+        assert!(t.restore(&sorted, &zero, &[&data]).unwrap_err().to_string().contains("all zeros"));
+        assert_eq!(t.stats().size, 0);
+        t.restore(&sorted, &saved, &[&data]).unwrap();
+        assert_eq!(t.stats().size, 2);
+    }
+
+    #[test]
+    fn a_checkpoint_under_concurrent_inserts_and_samples_is_a_consistent_snapshot() {
+        // One writer: item bytes = its id = its key. Every restored row must hold its key.
+        const ITEMS: u64 = if cfg!(miri) { 200 } else { 50_000 };
+        let config =
+            ReplayConfig { max_times_sampled: 3, seed: Some(5), ..ReplayConfig::new(4, 64) };
+        let t = table(config);
+        let writer = {
+            let t = Arc::clone(&t);
+            std::thread::spawn(move || (0..ITEMS).for_each(|id| put(&t, id)))
+        };
+        let mut c = t.consumer().unwrap();
+        let sampler = std::thread::spawn(move || {
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while c.sample(Some(deadline)).is_ok() {}
+        });
+        let mut checked = 0;
+        while !writer.is_finished() || checked == 0 {
+            let mut ckpt = t.checkpoint().unwrap();
+            let data = u64s(&drain(&mut ckpt, 16).remove(0));
+            assert_eq!(data, ckpt.items().keys, "every item intact, in key order");
+            assert!(ckpt.items().keys.iter().all(|&k| k < ckpt.state().next_key));
+            checked += 1;
+        }
+        writer.join().unwrap();
+        t.close();
+        sampler.join().unwrap();
+        assert!(checked > 0);
     }
 }

@@ -1,0 +1,136 @@
+"""Checkpoint stall and throughput (issue #13): the worst and p99 latency of `submit()` and
+`sample()` under a steady producer and consumer, without and with checkpoints running, and
+the write / restore throughput of a checkpoint against a plain numpy `tofile` / `fromfile` of
+the same bytes on the same disk.
+
+The table is filled to `--items` items of `--bytes` bytes first; each phase then runs for
+`--seconds` with one producer thread (`submit`) and one consumer thread (`sample`), and in
+the second phase the main thread checkpoints back to back. Run:
+``python benches/tools/issue13_checkpoint_stall.py [--items 100000] [--bytes 1024]
+[--seconds 3] [--dir /tmp]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+import echo
+
+
+def percentile(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
+
+
+def phase(server: echo.Server, seconds: float, checkpoint_to: str | None) -> dict[str, Any]:
+    stop = threading.Event()
+    inserts: list[float] = []
+    samples: list[float] = []
+    n_bytes = server._core.payload_size  # pyright: ignore[reportPrivateUsage]
+    row = {"x": np.zeros(n_bytes, np.uint8)}
+
+    def producer() -> None:
+        while not stop.is_set():
+            t = time.perf_counter()
+            server.submit(row, timeout=10)
+            inserts.append(time.perf_counter() - t)
+
+    def consumer() -> None:
+        while not stop.is_set():
+            t = time.perf_counter()
+            server.sample(timeout=10)
+            samples.append(time.perf_counter() - t)
+
+    threads = [threading.Thread(target=producer), threading.Thread(target=consumer)]
+    for t in threads:
+        t.start()
+    checkpoints: list[float] = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        if checkpoint_to is None:
+            stop.wait(min(0.05, max(0.0, end - time.perf_counter())))
+            continue
+        t = time.perf_counter()
+        server.checkpoint(checkpoint_to)
+        checkpoints.append(time.perf_counter() - t)
+    stop.set()
+    for t in threads:
+        t.join(timeout=30)
+    return {
+        "insert_p99_ms": 1e3 * percentile(inserts, 99),
+        "insert_max_ms": 1e3 * max(inserts, default=float("nan")),
+        "sample_p99_ms": 1e3 * percentile(samples, 99),
+        "sample_max_ms": 1e3 * max(samples, default=float("nan")),
+        "inserts": len(inserts),
+        "samples": len(samples),
+        "checkpoints": len(checkpoints),
+        "checkpoint_s": float(np.median(checkpoints)) if checkpoints else float("nan"),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--items", type=int, default=100_000)
+    parser.add_argument("--bytes", type=int, default=1024)
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--dir", default=tempfile.gettempdir())
+    args = parser.parse_args()
+    root = tempfile.mkdtemp(prefix="echo-issue13-", dir=args.dir)
+    try:
+        example = {"x": np.zeros(args.bytes, np.uint8)}
+        server = echo.Server(example, 32, max_size=args.items, sampler=echo.Uniform(), seed=0)
+        block = np.zeros((10_000, args.bytes), np.uint8)
+        for start in range(0, args.items, len(block)):
+            server.submit_batch({"x": block[: min(len(block), args.items - start)]})
+        total = args.items * args.bytes
+        mib = total / 2**20
+        print(f"echo {echo.__version__}: {args.items} items x {args.bytes} B = {mib:.0f} MiB")
+        for name, target in (("no checkpoint", None), ("checkpoints", os.path.join(root, "c"))):
+            r = phase(server, args.seconds, target)
+            print(
+                f"{name:>14}: insert p99 {r['insert_p99_ms']:.3f} ms"
+                f" max {r['insert_max_ms']:.3f} ms"
+                f" | sample p99 {r['sample_p99_ms']:.3f} ms"
+                f" max {r['sample_max_ms']:.3f} ms"
+                f" | {r['inserts']} inserts {r['samples']} batches {r['checkpoints']} checkpoints"
+                + (f" ({r['checkpoint_s']:.2f} s each)" if target else "")
+            )
+        path = os.path.join(root, "quiet")
+        t = time.perf_counter()
+        server.checkpoint(path)
+        write_s = time.perf_counter() - t
+        server.close()
+        t = time.perf_counter()
+        echo.Server.restore(path).close()
+        restore_s = time.perf_counter() - t
+        raw = os.path.join(root, "raw.bin")
+        data = np.random.default_rng(0).integers(0, 255, total, np.uint8)
+        t = time.perf_counter()
+        with open(raw, "wb") as f:
+            data.tofile(f)
+            f.flush()
+            os.fsync(f.fileno())
+        tofile_s = time.perf_counter() - t
+        t = time.perf_counter()
+        np.fromfile(raw, np.uint8)
+        fromfile_s = time.perf_counter() - t
+        print(
+            f"write: checkpoint {mib / write_s:.0f} MiB/s"
+            f" vs tofile+fsync {mib / tofile_s:.0f} MiB/s"
+            f" ({tofile_s / write_s:.0%}); restore {mib / restore_s:.0f} MiB/s"
+            f" vs fromfile {mib / fromfile_s:.0f} MiB/s"
+            f" ({fromfile_s / restore_s:.0%}; page cache warm for both)"
+        )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

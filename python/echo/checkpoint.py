@@ -1,0 +1,416 @@
+"""Checkpoints of a replay server on disk: `Server.checkpoint(path)` and `Server.restore(path)`.
+
+A checkpoint is a directory:
+
+- `manifest.json`: the format version, the echo version, the layout (each leaf's path name,
+  dtype, shape and file), the settings (batch size, sampler, remover, rate limiter,
+  `max_size`, `max_times_sampled`), the counts, the table-wide state (the rate limiter's
+  counters, the sampler's RNG state, the next key, the largest priority) and the size and
+  SHA-256 of every other file;
+- one `.npy` file per leaf (`leaf_000.npy`, ...), `N` rows in key (insertion) order;
+- `keys.npy` (uint64), `priorities.npy` (float64), `times_sampled.npy` (uint32).
+
+`np.load(file, mmap_mode="r")` opens any of them, for inspection or offline RL.
+
+Atomic replacement: `path` is a symbolic link to a sibling directory `.<name>.ckpt-<token>`.
+A checkpoint writes a new sibling directory (every file fsynced, then the directory), points
+a new link at it and renames that link over `path` (rename(2) replaces a link atomically,
+where it cannot replace a non-empty directory), fsyncs the parent, and only then deletes the
+previous directory. A process killed at any point leaves `path` naming either the previous
+complete checkpoint or the new complete one; the next checkpoint removes the leftovers. This
+works on Linux and macOS alike, unlike `renameat2(RENAME_EXCHANGE)`, which is Linux only. One
+writer per `path` at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, cast
+
+import numpy as np
+import numpy.typing as npt
+
+from echo import replay
+from echo._echo import __version__
+from echo._pytree import TreeLayout
+
+__all__ = ["FORMAT_VERSION", "CheckpointError"]
+
+FORMAT_VERSION = 1
+"""The checkpoint format this echo writes, and the newest it reads."""
+
+MANIFEST = "manifest.json"
+_META_FILES = (
+    ("keys", "keys.npy", np.dtype(np.uint64)),
+    ("priorities", "priorities.npy", np.dtype(np.float64)),
+    ("times_sampled", "times_sampled.npy", np.dtype(np.uint32)),
+)
+_HASH_CHUNK = 1 << 20
+
+# Tests set this to observe (and kill the process at) the stages of a checkpoint:
+# "leaves-written" (leaf files complete, manifest not written) and "before-swap" (the new
+# directory complete, `path` not yet pointing at it).
+_test_hook: Callable[[str], None] | None = None
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be restored: a file is missing, truncated or corrupted (its SHA-256
+    differs from the manifest's), its format version is newer than this echo reads, or the
+    example does not match its layout. The message names the file and what is wrong."""
+
+
+def _hook(stage: str) -> None:
+    if _test_hook is not None:
+        _test_hook(stage)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _str_path(path: str | os.PathLike[str]) -> str:
+    return path if isinstance(path, str) else path.__fspath__()
+
+
+def _write_small(path: str, data: bytes) -> str:
+    """Writes `data` to the new file `path`, fsynced; returns its SHA-256."""
+    with open(path, "xb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return hashlib.sha256(data).hexdigest()
+
+
+def _npy_bytes(array: npt.NDArray[Any]) -> bytes:
+    buf = io.BytesIO()
+    np.lib.format.write_array(buf, array, allow_pickle=False)
+    return buf.getvalue()
+
+
+def _strategy(value: Any) -> dict[str, Any]:
+    fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if isinstance(value, replay.SampleToInsertRatio):
+        fields["error_buffer"] = list(value.window)
+    return {"type": type(value).__name__, **fields}
+
+
+def _from_strategy(spec: dict[str, Any]) -> Any:
+    kwargs = {k: v for k, v in spec.items() if k != "type"}
+    if spec["type"] == "SampleToInsertRatio":
+        kwargs["error_buffer"] = tuple(kwargs["error_buffer"])
+    return getattr(replay, spec["type"])(**kwargs)
+
+
+def settings_dict(
+    *,
+    batch_size: int,
+    max_size: int,
+    sampler: Any,
+    remover: Any,
+    rate_limiter: Any,
+    max_times_sampled: int,
+) -> dict[str, Any]:
+    """A replay server's settings as the manifest stores them."""
+    return {
+        "batch_size": batch_size,
+        "max_size": max_size,
+        "sampler": _strategy(sampler),
+        "remover": _strategy(remover),
+        "rate_limiter": _strategy(rate_limiter),
+        "max_times_sampled": max_times_sampled,
+    }
+
+
+def _clean_leftovers(parent: str, name: str, keep: str | None) -> None:
+    """Removes the data directories of `name` that `path` does not point at (the previous
+    checkpoint, and leftovers of checkpoints killed part-way)."""
+    prefix = f".{name}.ckpt-"
+    for entry in os.listdir(parent):
+        if entry.startswith(prefix) and entry != keep:
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+        elif entry.startswith(f".{name}.link-"):
+            os.unlink(os.path.join(parent, entry))
+
+
+def write(
+    core: Any, layout: TreeLayout, settings: dict[str, Any], path: str | os.PathLike[str]
+) -> None:
+    """Writes a checkpoint of `core` (a replay `ServerCore`) to `path` (see the module doc)."""
+    target = os.path.abspath(_str_path(path))
+    parent, name = os.path.split(target)
+    if os.path.lexists(target) and not os.path.islink(target):
+        if os.path.isdir(target) and not os.listdir(target):
+            os.rmdir(target)
+        else:
+            raise FileExistsError(
+                f"checkpoint(): {target} exists and is not a checkpoint link written by "
+                "Server.checkpoint(); pass a new path or remove it"
+            )
+    token = f"{time.time_ns():x}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    data_name = f".{name}.ckpt-{token}"
+    data_dir = os.path.join(parent, data_name)
+    link_tmp = os.path.join(parent, f".{name}.link-{token}")
+    os.mkdir(data_dir)
+    linked = False
+    try:
+        leaf_files = [f"leaf_{i:03d}.npy" for i in range(len(layout.leaves))]
+        native = [
+            (
+                os.path.join(data_dir, file),
+                repr(np.lib.format.dtype_to_descr(leaf.dtype)),
+                leaf.shape,
+            )
+            for leaf, file in zip(layout.leaves, leaf_files, strict=True)
+        ]
+        keys, priorities, times_sampled, state, digests = core._checkpoint(native)
+        n = len(keys)
+        files: dict[str, dict[str, Any]] = {}
+        for file, digest in zip(leaf_files, digests, strict=True):
+            size = os.path.getsize(os.path.join(data_dir, file))
+            files[file] = {"sha256": digest.hex(), "bytes": size}
+        _hook("leaves-written")
+        for key, file, dtype in _META_FILES:
+            array = {"keys": keys, "priorities": priorities, "times_sampled": times_sampled}[key]
+            data = _npy_bytes(np.ascontiguousarray(array, dtype=dtype))
+            files[file] = {
+                "sha256": _write_small(os.path.join(data_dir, file), data),
+                "bytes": len(data),
+            }
+        inserts, samples, rng, next_key, max_priority = state
+        manifest = {
+            "format": "echo-replay-checkpoint",
+            "format_version": FORMAT_VERSION,
+            "echo_version": __version__,
+            "created_unix_ns": time.time_ns(),
+            "settings": settings,
+            "layout": {
+                "treespec": str(layout.treespec),
+                "leaves": [
+                    {
+                        "name": leaf.name,
+                        "path": list(p),
+                        "dtype": np.lib.format.dtype_to_descr(leaf.dtype),
+                        "shape": list(leaf.shape),
+                        "file": file,
+                    }
+                    for leaf, p, file in zip(layout.leaves, layout.paths, leaf_files, strict=True)
+                ],
+            },
+            "counts": {"items": n},
+            "state": {
+                "inserts": inserts,
+                "samples": samples,
+                "rng": list(rng),
+                "next_key": next_key,
+                "max_priority": max_priority,
+            },
+            "files": files,
+        }
+        _write_small(os.path.join(data_dir, MANIFEST), json.dumps(manifest, indent=1).encode())
+        _fsync_dir(data_dir)
+        _hook("before-swap")
+        os.symlink(data_name, link_tmp)
+        os.replace(link_tmp, target)
+        linked = True
+        _fsync_dir(parent)
+    finally:
+        if not linked:
+            shutil.rmtree(data_dir, ignore_errors=True)
+            if os.path.lexists(link_tmp):
+                os.unlink(link_tmp)
+    _clean_leftovers(parent, name, keep=data_name)
+
+
+def _file_digest(path: str) -> dict[str, Any]:
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return {"sha256": h.hexdigest(), "bytes": size}
+
+
+@dataclasses.dataclass
+class Loaded:
+    """A checkpoint read and checked by `read`, ready for `ServerCore._restore`."""
+
+    example: Any
+    settings: dict[str, Any]
+    leaves: list[npt.NDArray[Any]]
+    keys: npt.NDArray[np.uint64]
+    priorities: npt.NDArray[np.float64]
+    times_sampled: npt.NDArray[np.uint32]
+    state: tuple[int, int, list[int], int, float]
+
+    def server_kwargs(self) -> dict[str, Any]:
+        """The `Server` keyword arguments that rebuild the checkpointed settings."""
+        s = self.settings
+        return {
+            "batch_size": s["batch_size"],
+            "max_size": s["max_size"],
+            "sampler": _from_strategy(s["sampler"]),
+            "remover": _from_strategy(s["remover"]),
+            "rate_limiter": _from_strategy(s["rate_limiter"]),
+            "max_times_sampled": s["max_times_sampled"],
+        }
+
+    def leaf_bytes(self) -> list[npt.NDArray[np.uint8]]:
+        """Each leaf's rows as one flat byte array (views of the memory-mapped files)."""
+        return [
+            cast("npt.NDArray[np.uint8]", np.ascontiguousarray(a).reshape(-1).view(np.uint8))  # pyright: ignore[reportUnknownMemberType]
+            for a in self.leaves
+        ]
+
+
+def _read_manifest(root: str) -> dict[str, Any]:
+    file = os.path.join(root, MANIFEST)
+    try:
+        with open(file, "rb") as f:
+            manifest = json.loads(f.read())
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: missing (not a checkpoint, or an incomplete one)") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{file}: not a checkpoint manifest (a JSON object)")
+    manifest = cast("dict[str, Any]", manifest)
+    version = manifest.get("format_version")
+    if manifest.get("format") != "echo-replay-checkpoint" or not isinstance(version, int):
+        raise CheckpointError(f"{file}: not an echo replay checkpoint manifest")
+    if version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{file}: format version {version} is newer than this echo ({__version__}) reads "
+            f"(up to {FORMAT_VERSION}); upgrade echo to restore it"
+        )
+    return manifest
+
+
+def _check_file(root: str, name: str, expected: dict[str, Any]) -> None:
+    file = os.path.join(root, name)
+    try:
+        digest = _file_digest(file)
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: missing") from None
+    if digest["bytes"] != expected["bytes"]:
+        raise CheckpointError(
+            f"{file}: {digest['bytes']} bytes, the manifest says {expected['bytes']} (truncated?)"
+        )
+    if digest["sha256"] != expected["sha256"]:
+        raise CheckpointError(
+            f"{file}: SHA-256 {digest['sha256']} differs from the manifest's "
+            f"{expected['sha256']} (corrupted)"
+        )
+
+
+def _load(root: str, name: str, dtype: np.dtype[Any], shape: tuple[int, ...]) -> npt.NDArray[Any]:
+    file = os.path.join(root, name)
+    try:
+        array = np.load(file, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{file}: not a readable .npy file ({e})") from None
+    if array.dtype != dtype or array.shape != shape:
+        raise CheckpointError(
+            f"{file}: holds {array.dtype}{list(array.shape)}, expected {dtype}{list(shape)}"
+        )
+    return cast("npt.NDArray[Any]", array)
+
+
+def _example_from_paths(file: str, leaves: list[dict[str, Any]]) -> Any:
+    """The example pytree of nested dicts the manifest's leaf paths describe; CheckpointError
+    if a path holds something else (then the caller must pass `example=`)."""
+    root: dict[str, Any] = {}
+    for leaf in leaves:
+        path = leaf["path"]
+        if not path or not all(isinstance(k, str) for k in path):
+            raise CheckpointError(
+                f"{file}: leaf {leaf['name']} is not in a tree of dicts with str keys; "
+                "pass example= to restore it"
+            )
+        node = root
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = np.zeros(leaf["shape"], np.dtype(leaf["dtype"]))
+    return root
+
+
+def read(path: str | os.PathLike[str], example: Any = None) -> Loaded:
+    """Reads and checks the checkpoint at `path` (every file's size and SHA-256, the format
+    version, the layout against `example`); CheckpointError naming the file otherwise."""
+    root = os.path.realpath(_str_path(path))
+    manifest = _read_manifest(root)
+    mfile = os.path.join(root, MANIFEST)
+    try:
+        files: dict[str, dict[str, Any]] = manifest["files"]
+        leaves: list[dict[str, Any]] = manifest["layout"]["leaves"]
+        n = int(manifest["counts"]["items"])
+        st = manifest["state"]
+        state = (
+            int(st["inserts"]),
+            int(st["samples"]),
+            [int(x) for x in st["rng"]],
+            int(st["next_key"]),
+            float(st["max_priority"]),
+        )
+        settings: dict[str, Any] = manifest["settings"]
+        needed = [leaf["file"] for leaf in leaves] + [f for _, f, _ in _META_FILES]
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{mfile}: malformed ({type(e).__name__}: {e})") from None
+    for name in needed:
+        if name not in files:
+            raise CheckpointError(f"{mfile}: lists no checksum for {name}")
+    for name, expected in files.items():
+        if os.path.basename(name) != name:
+            raise CheckpointError(f"{mfile}: file name {name!r} is not a plain name")
+        _check_file(root, name, expected)
+    if example is None:
+        example = _example_from_paths(mfile, leaves)
+    layout = TreeLayout(example)
+    if len(layout.leaves) != len(leaves):
+        raise CheckpointError(
+            f"{mfile}: the example has {len(layout.leaves)} leaves, the checkpoint "
+            f"{len(leaves)} ({manifest['layout']['treespec']})"
+        )
+    for mine, theirs in zip(layout.leaves, leaves, strict=True):
+        dtype = np.dtype(theirs["dtype"])
+        if (
+            mine.name != theirs["name"]
+            or mine.dtype != dtype
+            or list(mine.shape) != theirs["shape"]
+        ):
+            raise CheckpointError(
+                f"{mfile}: the example's leaf {mine.name} ({mine.dtype}{list(mine.shape)}) "
+                f"does not match the checkpoint's {theirs['name']} "
+                f"({dtype}{theirs['shape']}, {theirs['file']})"
+            )
+    if str(layout.treespec) != manifest["layout"]["treespec"]:
+        raise CheckpointError(
+            f"{mfile}: the example's structure {layout.treespec} differs from the "
+            f"checkpoint's {manifest['layout']['treespec']}"
+        )
+    arrays = [
+        _load(root, leaf["file"], mine.dtype, (n, *mine.shape))
+        for leaf, mine in zip(leaves, layout.leaves, strict=True)
+    ]
+    meta = {key: _load(root, file, dtype, (n,)) for key, file, dtype in _META_FILES}
+    return Loaded(
+        example=example,
+        settings=settings,
+        leaves=arrays,
+        keys=meta["keys"],
+        priorities=meta["priorities"],
+        times_sampled=meta["times_sampled"],
+        state=state,
+    )

@@ -1,0 +1,120 @@
+//! Writing a replay table's checkpoint data to files: one `.npy` file per leaf (the numpy
+//! format: a header with the dtype and shape, then the rows in key order, C order), streamed
+//! from a [`Checkpoint`] a chunk at a time, hashed (SHA-256) while written and fsynced before
+//! returning. The header is built here because the row count is only known once the snapshot
+//! is taken; the dtype's descriptor comes from the caller (the core knows only sizes). The manifest, the metadata arrays and
+//! the atomic replacement of the checkpoint directory live in `python/echo/checkpoint.py`.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::PathBuf;
+
+use sha2::{Digest, Sha256};
+
+use crate::error::EchoError;
+use crate::replay::Checkpoint;
+
+/// Bytes of item data copied per lock hold (summed over the leaves): long enough to amortise
+/// the lock and the write call, short enough that an insert or `sample()` waiting behind it
+/// waits well under a millisecond.
+pub const CHUNK_BYTES: usize = 1 << 20;
+
+/// One output file: where it goes and what its rows are.
+#[derive(Debug, Clone)]
+pub struct LeafFile {
+    /// The file to create (it must not exist).
+    pub path: PathBuf,
+    /// The dtype as the `.npy` header spells it: a Python literal (`'<f4'`, or a list for a
+    /// structured dtype), as `repr(numpy.lib.format.dtype_to_descr(dtype))` gives it.
+    pub descr: String,
+    /// One item's shape (the file's shape is `(items, *shape)`).
+    pub shape: Vec<usize>,
+}
+
+/// The `.npy` header (format 1.0, or 2.0 when the header does not fit 64 KiB) of a C-order
+/// array of dtype `descr` (a Python literal) and shape `shape`.
+pub fn npy_header(descr: &str, shape: &[usize]) -> Vec<u8> {
+    let dims = match shape {
+        [n] => format!("({n},)"),
+        _ => format!("({})", shape.iter().map(usize::to_string).collect::<Vec<_>>().join(", ")),
+    };
+    let mut dict = format!("{{'descr': {descr}, 'fortran_order': False, 'shape': {dims}, }}");
+    // Magic (6), version (2), length (2 or 4); the whole header is padded with spaces to a
+    // multiple of 64 bytes and ends with a newline.
+    let (version, prefix) =
+        if dict.len() + 11 + 63 <= usize::from(u16::MAX) { (1u8, 10) } else { (2, 12) };
+    let total = (prefix + dict.len() + 1).div_ceil(64) * 64;
+    dict.extend(std::iter::repeat_n(' ', total - prefix - dict.len() - 1));
+    dict.push('\n');
+    let mut header = Vec::with_capacity(total);
+    header.extend_from_slice(b"\x93NUMPY");
+    header.extend_from_slice(&[version, 0]);
+    if version == 1 {
+        header.extend_from_slice(&u16::try_from(dict.len()).expect("checked above").to_le_bytes());
+    } else {
+        header.extend_from_slice(&u32::try_from(dict.len()).unwrap_or(u32::MAX).to_le_bytes());
+    }
+    header.extend_from_slice(dict.as_bytes());
+    header
+}
+
+/// Writes every leaf of `checkpoint` into its file (`files[l]` for leaf `l`), each file
+/// created new, written in full and fsynced; returns each file's SHA-256.
+///
+/// # Errors
+/// [`EchoError::Config`] if `files` does not have one entry per leaf; [`EchoError::Io`] from
+/// creating, writing or syncing a file (the files written so far are left for the caller to
+/// remove with their directory).
+pub fn write_leaf_files(
+    checkpoint: &mut Checkpoint,
+    files: &[LeafFile],
+) -> Result<Vec<[u8; 32]>, EchoError> {
+    let leaves = checkpoint.spec().len();
+    if files.len() != leaves {
+        return Err(EchoError::Config(format!(
+            "checkpoint: {} files for {leaves} leaves",
+            files.len()
+        )));
+    }
+    let items = checkpoint.len();
+    let mut outs = Vec::with_capacity(leaves);
+    for file in files {
+        let mut shape = vec![items];
+        shape.extend_from_slice(&file.shape);
+        let header = npy_header(&file.descr, &shape);
+        let mut out = File::options().write(true).create_new(true).open(&file.path)?;
+        out.write_all(&header)?;
+        let mut hasher = Sha256::new();
+        hasher.update(&header);
+        outs.push((out, hasher));
+    }
+    let mut chunk: Vec<Vec<u8>> = (0..leaves).map(|_| Vec::with_capacity(CHUNK_BYTES)).collect();
+    while checkpoint.next_chunk(CHUNK_BYTES, &mut chunk) > 0 {
+        for ((out, hasher), bytes) in outs.iter_mut().zip(&chunk) {
+            out.write_all(bytes)?;
+            hasher.update(bytes);
+        }
+    }
+    let mut digests = Vec::with_capacity(leaves);
+    for (out, hasher) in outs {
+        out.sync_all()?;
+        digests.push(hasher.finalize().into());
+    }
+    Ok(digests)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn npy_headers_are_padded_to_64_bytes_and_spell_the_shape_as_python_does() {
+        let h = npy_header("'<f4'", &[3, 4]);
+        assert_eq!(h.len() % 64, 0);
+        assert_eq!(&h[..8], b"\x93NUMPY\x01\x00");
+        let text = std::str::from_utf8(&h[10..]).unwrap();
+        assert!(text.starts_with("{'descr': '<f4', 'fortran_order': False, 'shape': (3, 4), }"));
+        assert!(text.ends_with(" \n"));
+        assert!(std::str::from_utf8(&npy_header("'<u8'", &[5])[10..]).unwrap().contains("(5,)"));
+    }
+}
