@@ -14,6 +14,7 @@ step on one batch overlaps the copy of the next. The rules it keeps:
 
 from __future__ import annotations
 
+import importlib
 import queue
 import threading
 import time
@@ -137,7 +138,7 @@ def torch_transfer(device: Any) -> Callable[[Any], Any]:
     memory to a later copy while the learner's kernels may still read it.
     """
     try:
-        import torch
+        torch: Any = importlib.import_module("torch")  # optional: typed as Any
     except ImportError as error:
         raise ImportError(
             "dataset_iter(device=...) copies batches into torch tensors and needs PyTorch "
@@ -147,12 +148,12 @@ def torch_transfer(device: Any) -> Callable[[Any], Any]:
     target = torch.device(device)
     if target.type == "cpu":
 
+        def leaf_to_cpu(leaf: Any) -> Any:
+            return torch.from_numpy(leaf).clone()
+
         def to_cpu(tree: Any) -> Any:
-            return optree.tree_map(
-                lambda leaf: torch.from_numpy(leaf).clone(),  # pyright: ignore
-                tree,
-                none_is_leaf=NONE_IS_LEAF,
-            )
+            out: Any = optree.tree_map(leaf_to_cpu, tree, none_is_leaf=NONE_IS_LEAF)
+            return out
 
         return to_cpu
     if target.type != "cuda":
@@ -162,17 +163,16 @@ def torch_transfer(device: Any) -> Callable[[Any], Any]:
     side_stream = torch.cuda.Stream(device=target)
     consumer_stream = torch.cuda.current_stream(target)
 
+    def leaf_to_cuda(leaf: Any) -> Any:
+        return torch.from_numpy(leaf).to(target, non_blocking=True)
+
     def to_cuda(tree: Any) -> Any:
         with torch.cuda.stream(side_stream):
-            out = optree.tree_map(
-                lambda leaf: torch.from_numpy(leaf).to(target, non_blocking=True),  # pyright: ignore
-                tree,
-                none_is_leaf=NONE_IS_LEAF,
-            )
+            out: Any = optree.tree_map(leaf_to_cuda, tree, none_is_leaf=NONE_IS_LEAF)
             done = torch.cuda.Event()
             done.record(side_stream)
         done.synchronize()  # the copy has read the ring: its slots may go back now
-        for tensor in optree.tree_leaves(out, none_is_leaf=NONE_IS_LEAF):  # pyright: ignore
+        for tensor in optree.tree_leaves(out, none_is_leaf=NONE_IS_LEAF):
             tensor.record_stream(consumer_stream)
         return out
 

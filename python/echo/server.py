@@ -319,7 +319,10 @@ class Server:
         holds inserts back (replay).
 
         Args:
-            sample: A pytree with the example's structure, shapes and dtypes.
+            sample: A pytree with the example's structure, shapes and dtypes. A leaf may be
+                a numpy array or any array sharing its memory through `__dlpack__` (torch and
+                JAX CPU arrays), `__array_interface__` or the buffer protocol; read without a
+                copy when C-contiguous.
             timeout: Seconds to wait; `None` waits as long as it takes.
             priority: Replay only: the new item's priority. Default: the largest priority
                 seen so far (1.0 at first), as in prioritized experience replay.
@@ -327,7 +330,8 @@ class Server:
         Raises:
             ValueError: The structure or a leaf's shape differs from the example, the
                 priority is invalid, or `priority` was given to a FIFO server.
-            TypeError: A leaf is not a numpy array or has another dtype.
+            TypeError: A leaf is not an array (numpy, or anything with `__dlpack__`,
+                `__array_interface__` or the buffer protocol) or has another dtype.
             ServerClosedError: The server is (or gets) closed.
             TimeoutError: No space freed up within `timeout`.
         """
@@ -358,7 +362,8 @@ class Server:
             ValueError: The structure differs, a leaf lacks the leading dimension or has
                 another shape, the leaves' `N` differ, a priority is invalid or not one per
                 row, or `priority` was given to a FIFO server. Nothing is written.
-            TypeError: A leaf is not a numpy array or has another dtype. Nothing is written.
+            TypeError: A leaf is not an array (as for `submit()`) or has another dtype.
+                Nothing is written.
             ServerClosedError: The server is (or gets) closed.
             TimeoutError: No room within `timeout`; if some rows went in, the message says
                 how many (the first ones, in order).
