@@ -205,10 +205,10 @@ class ServerCore:
     ) -> int:
         """Checks and copies a batch of samples, one per row; returns the row count."""
     def sample(
-        self, timeout: float | None = None, copy: bool = False
+        self, timeout: float | None = None, copy: bool = False, writable: bool = False
     ) -> tuple[list[npt.NDArray[Any]], SampleInfo, tuple[npt.NDArray[Any], ...]] | None:
         """`(leaves, info, meta)`; `meta` is `(keys, probabilities, times_sampled)` for a
-        replay table and `()` for FIFO."""
+        replay table and `()` for FIFO. `writable`: the leaves' views are writeable."""
     def update_priorities(
         self, keys: npt.NDArray[np.uint64], priorities: npt.NDArray[np.float64]
     ) -> int:

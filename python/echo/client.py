@@ -105,7 +105,9 @@ class TcpClient:
         Raises:
             ValueError: Wrong structure or shape (nothing is sent); a priority for a FIFO
                 server, on a protocol-1 connection, or not a finite number >= 0.
-            TypeError: A leaf is not a numpy array or has another dtype (nothing is sent).
+            TypeError: A leaf is not an array (numpy, or anything with `__dlpack__`,
+                `__array_interface__` or the buffer protocol, read without a copy when
+                C-contiguous) or has another dtype (nothing is sent).
             ConnectionClosedError: After `close()`, or once the server is gone (and, with
                 `reconnect=True`, reconnecting failed for `reconnect_timeout` seconds).
             TimeoutError: The window stayed full for `timeout` seconds (nothing is sent).

@@ -14,6 +14,7 @@ import optree
 
 from echo import checkpoint as _checkpoint
 from echo._echo import SampleInfo, ServerClosedError, ServerCore
+from echo._prefetch import Prefetcher, torch_transfer
 from echo._pytree import NONE_IS_LEAF, TreeLayout
 from echo._validate import check_int
 from echo.checkpoint import CheckpointError
@@ -321,7 +322,10 @@ class Server:
         holds inserts back (replay).
 
         Args:
-            sample: A pytree with the example's structure, shapes and dtypes.
+            sample: A pytree with the example's structure, shapes and dtypes. A leaf may be
+                a numpy array or any array sharing its memory through `__dlpack__` (torch and
+                JAX CPU arrays), `__array_interface__` or the buffer protocol; read without a
+                copy when C-contiguous.
             timeout: Seconds to wait; `None` waits as long as it takes.
             priority: Replay only: the new item's priority. Default: the largest priority
                 seen so far (1.0 at first), as in prioritized experience replay.
@@ -329,7 +333,8 @@ class Server:
         Raises:
             ValueError: The structure or a leaf's shape differs from the example, the
                 priority is invalid, or `priority` was given to a FIFO server.
-            TypeError: A leaf is not a numpy array or has another dtype.
+            TypeError: A leaf is not an array (numpy, or anything with `__dlpack__`,
+                `__array_interface__` or the buffer protocol) or has another dtype.
             ServerClosedError: The server is (or gets) closed.
             TimeoutError: No space freed up within `timeout`.
         """
@@ -360,14 +365,17 @@ class Server:
             ValueError: The structure differs, a leaf lacks the leading dimension or has
                 another shape, the leaves' `N` differ, a priority is invalid or not one per
                 row, or `priority` was given to a FIFO server. Nothing is written.
-            TypeError: A leaf is not a numpy array or has another dtype. Nothing is written.
+            TypeError: A leaf is not an array (as for `submit()`) or has another dtype.
+                Nothing is written.
             ServerClosedError: The server is (or gets) closed.
             TimeoutError: No room within `timeout`; if some rows went in, the message says
                 how many (the first ones, in order).
         """
         return self._core.submit_batch(batch, timeout, priority)
 
-    def sample(self, timeout: float | None = None, *, copy: bool = False) -> Sample | None:
+    def sample(
+        self, timeout: float | None = None, *, copy: bool = False, writable: bool = False
+    ) -> Sample | None:
         """Waits for the next full batch and returns it, or `None` once the server is closed.
 
         Calling `sample()` gives the previous batch's slots back to the writers, so views from
@@ -376,6 +384,12 @@ class Server:
         Args:
             timeout: Seconds to wait; `None` waits as long as it takes.
             copy: Return private, writeable copies instead of read-only views into the ring.
+            writable: Return writeable views into the ring (zero-copy, still only meaningful
+                until the next `sample()`), for consumers that cannot take read-only memory:
+                `torch.as_tensor`, `torch.from_numpy`, `jax.dlpack.from_dlpack`. The batch's
+                slots are the learner's until the next `sample()`: writing into them before
+                then is safe; after it, a write may garble a sample being written. The
+                replay per-item arrays (`keys`, ...) stay read-only.
 
         Raises:
             TimeoutError: No full batch arrived within `timeout`. With a replay sampler the
@@ -383,7 +397,7 @@ class Server:
                 counters: inserts, samples, the limit) or a table with nothing to sample.
             KeyboardInterrupt: Ctrl-C while waiting.
         """
-        got = self._core.sample(timeout, copy)
+        got = self._core.sample(timeout, copy, writable)
         if got is None:
             return None
         leaves, info, meta = got  # meta: (keys, probabilities, times_sampled), or () for FIFO
@@ -408,7 +422,15 @@ class Server:
         """
         return self._core.update_priorities(_keys_array(keys), _priorities_array(priorities))
 
-    def dataset_iter(self, *, copy: bool = False, timeout: float | None = None) -> Iterator[Sample]:
+    def dataset_iter(
+        self,
+        *,
+        copy: bool = False,
+        timeout: float | None = None,
+        writable: bool = False,
+        device: Any = None,
+        prefetch: int | None = None,
+    ) -> Iterator[Sample]:
         """Yields batches until the server is closed.
 
         Args:
@@ -417,16 +439,61 @@ class Server:
             timeout: Seconds to wait for each batch, as `sample(timeout=...)`: the clock
                 starts when the next batch is requested, so the time the loop body spends on
                 a batch does not count. `None` (the default) waits as long as it takes.
+            writable: Yield writeable views, as `sample(writable=True)`.
+            device: A torch device (`"cuda:0"`, `"cpu"`, a `torch.device`): yield batches whose
+                leaves are torch tensors on it, copied from the ring by a background thread
+                (non-blocking copies on a side stream for CUDA; page-lock the ring with
+                `pin_host_memory=True` for real DMA). A batch's ring slots go back once its
+                copy has completed, so the learner's step overlaps the next copy. Needs
+                PyTorch. With a replay sampler the batch is copied out of the table first (its
+                per-item arrays must outlive the next draw).
+            prefetch: How many copied batches the background thread keeps ready (default 2
+                with `device`). Without `device` it needs `copy=True`: the thread then makes
+                the private numpy copies in the background.
+
+        With `device` or `prefetch`, every batch is still delivered once and in order; an
+        error of the thread (a `TimeoutError`, a failed copy) is raised by the `next()` that
+        would have returned the batch it failed on; leaving the loop (`break`, an exception,
+        the iterator being closed or collected) or `close()` stops the thread and joins it.
+        `timeout` then bounds each of the thread's waits for a batch.
 
         Raises:
             TimeoutError: No full batch arrived within `timeout` (the same message as
                 `sample()`). It is raised from the `next()` that waited, which ends the
                 iterator; nothing is lost (a replay batch's items drawn so far stay reserved),
                 so a new `dataset_iter()` or `sample()` goes on where it stopped.
-            ValueError: `timeout` is negative or NaN (checked on the first `next()`).
+            ValueError: `timeout` is negative or NaN, `prefetch` is not a positive int, or
+                `prefetch` without `device` and without `copy=True` (checked on the first
+                `next()`).
+            ImportError: `device` without PyTorch installed (on the first `next()`).
         """
-        while (sample := self.sample(timeout, copy=copy)) is not None:
-            yield sample
+        if device is None and prefetch is None:
+            while (sample := self.sample(timeout, copy=copy, writable=writable)) is not None:
+                yield sample
+            return
+        depth = check_int("prefetch", 2 if prefetch is None else prefetch, 1, 1 << 16)
+        if device is None:
+            if not copy:
+                raise ValueError(
+                    "prefetch without device needs copy=True: views into the ring cannot be "
+                    "fetched ahead (the next sample() gives their slots back)"
+                )
+
+            def fetch(wait_s: float) -> Sample | None:
+                return self.sample(wait_s, copy=True)
+
+        else:
+            transfer = torch_transfer(device)
+            replay = self._core.max_size is not None
+
+            def fetch(wait_s: float) -> Sample | None:
+                got = self.sample(wait_s, copy=replay, writable=True)
+                if got is None:
+                    return None
+                batch = transfer(got.batch)
+                return Sample(batch, got.info, got.keys, got.probabilities, got.times_sampled)
+
+        yield from Prefetcher(fetch, depth, timeout)
 
     def checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Writes a consistent snapshot of the replay table to the directory `path` while

@@ -25,7 +25,8 @@ comment, any number of comment lines:
         exception (for blocks that show errors, one per line).
     <!-- docs-test: requires="detailed-metrics" -->
         Runs only in the telemetry build (`echo.DETAILED_METRICS`); skipped, with that reason,
-        in the default build.
+        in the default build. `requires="jax"` / `requires="torch"`: runs only where that
+        package is installed (JAX is in the `test` extra, so CI runs those; PyTorch is not).
 
 A block with neither a marker nor a clean exit fails, and so does a malformed marker, a marker
 that is not directly above a ```python fence, or a fence the parser did not collect.
@@ -37,6 +38,7 @@ traceback points at the markdown line. The preludes' own names start with `_dt_`
 from __future__ import annotations
 
 import builtins
+import importlib.util
 import os
 import re
 import subprocess
@@ -372,6 +374,14 @@ server.close()
 }
 
 REQUIREMENTS = {
+    "jax": (
+        lambda: importlib.util.find_spec("jax") is not None,
+        "needs JAX (the `test` extra: pip install -e '.[test]')",
+    ),
+    "torch": (
+        lambda: importlib.util.find_spec("torch") is not None,
+        "needs PyTorch, which CI does not install (see .ci/run)",
+    ),
     "detailed-metrics": (
         lambda: bool(echo.DETAILED_METRICS),
         "needs the telemetry build (cargo feature detailed-metrics); echo.DETAILED_METRICS is"

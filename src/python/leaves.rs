@@ -6,7 +6,7 @@ use numpy::{PyArrayDescr, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMet
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{IntoPyDict, PyDict, PySequence, PyString};
+use pyo3::types::{IntoPyDict, PyByteArray, PyBytes, PyDict, PyMemoryView, PySequence, PyString};
 
 use pyo3::intern;
 
@@ -213,12 +213,16 @@ impl LeafSpecs {
                 }
                 array
             }
-            Err(_) => {
-                return Err(PyTypeError::new_err(format!(
-                    "leaf {name}: expected a numpy.ndarray, got {}",
-                    item.get_type().name()?
-                )))
-            }
+            Err(_) => match self.array_like(i, item)? {
+                Some(array) => array,
+                None => {
+                    return Err(PyTypeError::new_err(format!(
+                        "leaf {name}: expected a numpy.ndarray (or an array with __dlpack__, \
+                         __array_interface__ or the buffer protocol), got {}",
+                        item.get_type().name()?
+                    )))
+                }
+            },
         };
         self.check_array(i, &array)?;
         self.contiguous(i, array, &mut |array| self.check_array(i, array))
@@ -233,11 +237,21 @@ impl LeafSpecs {
         rows: &mut Option<(usize, usize)>,
     ) -> PyResult<Bound<'py, PyUntypedArray>> {
         let name = &self.names[i];
-        let Ok(array) = item.cast::<PyUntypedArray>() else {
-            return Err(PyTypeError::new_err(format!(
-                "leaf {name}: expected a numpy.ndarray with one row per sample, got {}",
-                item.get_type().name()?
-            )));
+        let converted;
+        let array = match item.cast::<PyUntypedArray>() {
+            Ok(array) => array,
+            // A numpy scalar has no rows; anything else that shares its memory as an array
+            // (a torch or JAX CPU array) is read as one.
+            Err(_) if !item.is_instance(numpy_generic(item.py())?)? => {
+                match self.array_like(i, item)? {
+                    Some(array) => {
+                        converted = array;
+                        &converted
+                    }
+                    None => return Err(not_rows(name, item)),
+                }
+            }
+            Err(_) => return Err(not_rows(name, item)),
         };
         let check = |array: &Bound<'_, PyUntypedArray>| -> PyResult<usize> {
             let expected = self.descrs[i].bind(array.py());
@@ -306,6 +320,54 @@ impl LeafSpecs {
             )));
         }
         Ok(copy)
+    }
+
+    /// A leaf `item` that is not an ndarray but shares its memory as an array: through DLPack
+    /// (`__dlpack__`: torch and JAX CPU arrays, via `np.from_dlpack`), the array interface
+    /// (`np.asarray`) or the buffer protocol (`np.asarray(memoryview(item))`), as an ndarray
+    /// over the same memory; the caller checks it like any ndarray (and copies it if it is not
+    /// C-contiguous). `None` for anything else (lists, Python numbers, strings).
+    ///
+    /// # Errors
+    /// `TypeError` when the object offers an array but numpy cannot read it (a GPU tensor, a
+    /// torch tensor that requires grad, a dtype numpy lacks), with numpy's error as the cause.
+    fn array_like<'py>(
+        &self,
+        i: usize,
+        item: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyUntypedArray>>> {
+        let py = item.py();
+        let numpy = numpy_module(py)?;
+        let converted = if item.hasattr(intern!(py, "__dlpack__"))? {
+            numpy.call_method1(intern!(py, "from_dlpack"), (item,))
+        } else if item.hasattr(intern!(py, "__array_interface__"))?
+            || item.hasattr(intern!(py, "__array_struct__"))?
+        {
+            numpy.call_method1(intern!(py, "asarray"), (item,))
+        } else if is_byte_string(item)? {
+            // Raw bytes are data, not an array: numpy itself reads `bytes` as one string.
+            return Ok(None);
+        } else {
+            match PyMemoryView::from(item) {
+                Ok(view) => numpy.call_method1(intern!(py, "asarray"), (view,)),
+                Err(_) => return Ok(None), // not a buffer either
+            }
+        };
+        let name = &self.names[i];
+        let kind = item.get_type().name()?;
+        let converted = converted.map_err(|cause| {
+            let err = PyTypeError::new_err(format!(
+                "leaf {name}: numpy could not read the {kind} as an array: {cause}"
+            ));
+            err.set_cause(py, Some(cause));
+            err
+        })?;
+        match converted.cast_into::<PyUntypedArray>() {
+            Ok(array) => Ok(Some(array)),
+            Err(_) => Err(PyTypeError::new_err(format!(
+                "leaf {name}: the {kind} did not convert to a numpy.ndarray"
+            ))),
+        }
     }
 
     /// Checks that `array` (an ndarray, as numpy's C struct describes it: neither its dtype
@@ -419,6 +481,30 @@ fn row_priorities(priority: &Bound<'_, PyAny>, n: usize) -> PyResult<Vec<f64>> {
         )));
     }
     array.call_method0(intern!(py, "tolist"))?.extract()
+}
+
+/// Whether `item` is a byte string (`bytes`, `bytearray`) or a memoryview of one: buffers,
+/// but not arrays, so they stay the `TypeError` a non-array leaf gets.
+fn is_byte_string(item: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let bytes = |obj: &Bound<'_, PyAny>| {
+        obj.is_instance_of::<PyBytes>() || obj.is_instance_of::<PyByteArray>()
+    };
+    if bytes(item) {
+        return Ok(true);
+    }
+    match item.cast::<PyMemoryView>() {
+        Ok(view) => Ok(bytes(&view.getattr(intern!(item.py(), "obj"))?)),
+        Err(_) => Ok(false),
+    }
+}
+
+/// The `TypeError` for a batch leaf that is no array with rows.
+fn not_rows(name: &str, item: &Bound<'_, PyAny>) -> PyErr {
+    let kind = item.get_type().name().map_or_else(|_| "?".to_owned(), |n| n.to_string());
+    PyTypeError::new_err(format!(
+        "leaf {name}: expected a numpy.ndarray with one row per sample (or an array with \
+         __dlpack__, __array_interface__ or the buffer protocol), got {kind}"
+    ))
 }
 
 /// `(4,)`, `()`, `(2, 3)`: a shape the way Python prints it.

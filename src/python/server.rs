@@ -256,13 +256,15 @@ impl PyServerCore {
 
     /// Waits for the next batch (GIL released, Ctrl-C honoured) and returns `(leaves, info,
     /// meta)`: the sample's leaves, the counters, and the per-item arrays of a replay table
-    /// (`(keys, probabilities, times_sampled)`; `()` for FIFO). `None` once closed.
-    #[pyo3(signature = (timeout=None, copy=false))]
+    /// (`(keys, probabilities, times_sampled)`; `()` for FIFO). `None` once closed. With
+    /// `writable`, the leaves' views are writeable (the per-item arrays stay read-only).
+    #[pyo3(signature = (timeout=None, copy=false, writable=false))]
     fn sample<'py>(
         &self,
         py: Python<'py>,
         timeout: Option<f64>,
         copy: bool,
+        writable: bool,
     ) -> PyResult<Option<SampleOut<'py>>> {
         let deadline = deadline_from_timeout(timeout)?;
         let started = Instant::now();
@@ -273,7 +275,8 @@ impl PyServerCore {
         let mut arrays = if copy {
             batch_copies(py, &guard, &batch, &self.layouts)?
         } else {
-            batch_views(py, &self.backend, &batch, &self.layouts, &self.lease)?
+            let writeable = if writable { self.leaves.len() } else { 0 };
+            batch_views(py, &self.backend, &batch, &self.layouts, &self.lease, writeable)?
         };
         drop(guard);
         let meta = arrays.split_off(self.leaves.len());

@@ -1,4 +1,5 @@
-//! Batches as numpy arrays: zero-copy read-only views into the ring, or private copies.
+//! Batches as numpy arrays: zero-copy views into the ring (read-only, or writeable on request),
+//! or private copies.
 //!
 //! The memory rule: every view's numpy `base` is a [`RingLease`], which owns the backend's
 //! memory ([`Backend::memory_owner`]: the FIFO store or the replay table). That memory therefore
@@ -8,7 +9,9 @@
 use std::ffi::c_int;
 use std::ptr;
 
-use numpy::npyffi::{self, npy_intp, NPY_ARRAY_ALIGNED, NPY_ARRAY_C_CONTIGUOUS, PY_ARRAY_API};
+use numpy::npyffi::{
+    self, npy_intp, NPY_ARRAY_ALIGNED, NPY_ARRAY_C_CONTIGUOUS, NPY_ARRAY_WRITEABLE, PY_ARRAY_API,
+};
 use numpy::{PyArrayDescr, PyArrayDescrMethods};
 use pyo3::prelude::*;
 
@@ -47,13 +50,18 @@ pub(crate) struct LeafLayout {
 }
 
 /// Creates a 1-leaf array of `layout` over `data` (or freshly allocated memory if `data` is
-/// null), C-contiguous; writeable only when numpy allocates it.
+/// null), C-contiguous; writeable when numpy allocates it, or when `writeable` is set.
 fn new_array<'py>(
     py: Python<'py>,
     layout: &LeafLayout,
     data: *mut u8,
+    writeable: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let flags: c_int = if data.is_null() { 0 } else { NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED };
+    let flags: c_int = match (data.is_null(), writeable) {
+        (true, _) => 0,
+        (false, false) => NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED,
+        (false, true) => NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED | NPY_ARRAY_WRITEABLE,
+    };
     // `PyArray_NewFromDescr` steals a reference to the descriptor: hand it a new one.
     let descr = layout.descr.clone_ref(py).into_bound(py).into_dtype_ptr();
     // SAFETY: `get_type_object` only reads numpy's API table, which `PY_ARRAY_API` imports on
@@ -81,18 +89,27 @@ fn new_array<'py>(
     unsafe { Bound::from_owned_ptr_or_err(py, raw) }
 }
 
-/// Read-only views of every leaf of `batch` (each `layouts[i]`-shaped), each with `lease`
-/// (a lease on `backend`) as its numpy base.
+/// Views of every leaf of `batch` (each `layouts[i]`-shaped), each with `lease` (a lease on
+/// `backend`) as its numpy base. The first `writeable` leaves are writeable, the rest
+/// read-only.
+///
+/// Writeable views are what `sample(writable=True)` asks for, so that consumers that cannot
+/// take read-only memory (`torch.as_tensor`, DLPack importers without the versioned protocol)
+/// alias the ring without a copy or a warning. Memory safety is the same either way: the
+/// lease keeps the memory allocated; what a late write (after the next `sample()`) can do is
+/// garble a sample being written, as a late read can see one, which the docs say.
 pub(crate) fn batch_views<'py>(
     py: Python<'py>,
     backend: &Backend,
     batch: &BatchRef,
     layouts: &[LeafLayout],
     lease: &Py<RingLease>,
+    writeable: usize,
 ) -> PyResult<Vec<Bound<'py, PyAny>>> {
     let mut list = Vec::with_capacity(layouts.len());
     for (leaf, layout) in layouts.iter().enumerate() {
-        let array = new_array(py, layout, backend.batch_ptr(batch, leaf).cast_mut())?;
+        let data = backend.batch_ptr(batch, leaf).cast_mut();
+        let array = new_array(py, layout, data, leaf < writeable)?;
         // `PyArray_SetBaseObject` steals a reference to the base (also on failure).
         let base = lease.clone_ref(py).into_ptr();
         // SAFETY: `array` is a freshly created ndarray with no base yet; `base` is an owned
@@ -115,7 +132,7 @@ pub(crate) fn batch_copies<'py>(
 ) -> PyResult<Vec<Bound<'py, PyAny>>> {
     let mut list = Vec::with_capacity(layouts.len());
     for (leaf, layout) in layouts.iter().enumerate() {
-        let array = new_array(py, layout, ptr::null_mut())?;
+        let array = new_array(py, layout, ptr::null_mut(), true)?;
         let array_ptr = array.as_ptr().cast::<npyffi::PyArrayObject>();
         // SAFETY: `array` is a live ndarray we just created; reading its `data` field is how
         // numpy's own C macros (`PyArray_DATA`) access it.
