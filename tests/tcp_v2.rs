@@ -276,3 +276,43 @@ fn the_server_drops_a_v2_client_that_goes_silent() {
     }
     assert!(started.elapsed() < PATIENCE);
 }
+
+#[test]
+fn a_hello_that_arrives_slowly_after_its_nonce_is_still_a_hello() {
+    use echo::transport::wire::encode_handshake;
+    use echo::transport::wire::v2::{Hello, Offer, Reply, OFFER_LEN, SAMPLE};
+    let (mut consumer, _server, addr) = start(local(), 1);
+    let mut raw = TcpStream::connect(addr).unwrap();
+    raw.set_read_timeout(Some(PATIENCE)).unwrap();
+    let mut greeting = vec![0u8; encode_handshake(&tagged_spec()).unwrap().len() + OFFER_LEN];
+    raw.read_exact(&mut greeting).unwrap();
+    let offer = Offer::parse(&greeting[greeting.len() - OFFER_LEN..]).unwrap().unwrap();
+    let hello = Hello {
+        session: [3; 16],
+        first_seq: 0,
+        heartbeat_ms: 0,
+        client_nonce: [4; 16],
+        layout: Layout::untyped(&tagged_spec()),
+        mac: None,
+    };
+    let bytes = hello.encode(&offer, None).unwrap();
+    // The nonce and a little more, then a pause far longer than the 200 ms a prefix of the
+    // nonce gets before it is taken for v1 data: a whole nonce is a hello for sure.
+    raw.write_all(&bytes[..40]).unwrap();
+    thread::sleep(Duration::from_millis(600));
+    raw.write_all(&bytes[40..]).unwrap();
+    let mut reply = Vec::new();
+    let mut byte = [0u8; 1];
+    let parsed = loop {
+        raw.read_exact(&mut byte).unwrap();
+        reply.push(byte[0]);
+        if let Some((reply, _)) = Reply::parse(&reply).unwrap() {
+            break reply;
+        }
+    };
+    assert!(matches!(parsed, Reply::Accepted(_)), "{parsed:?}");
+    let mut frame = vec![SAMPLE];
+    frame.extend_from_slice(&tagged_payload(9, 0));
+    raw.write_all(&frame).unwrap();
+    assert_eq!(collect(&mut consumer, 1), vec![(9, 0)]);
+}

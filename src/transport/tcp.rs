@@ -608,7 +608,7 @@ async fn negotiate(
     max_hello: usize,
 ) -> Result<Option<Opening>, EchoError> {
     let mut received = Vec::new();
-    let started = Instant::now();
+    let mut first_bytes_at = Instant::now();
     loop {
         match v2::parse_opening(&received, offer, max_hello)? {
             Opening::NeedMore => {}
@@ -622,21 +622,33 @@ async fn negotiate(
             }
         }
         let mut chunk = [0u8; 4096];
-        // Nothing yet: a v1 worker may compute for a long time before its first sample. A
-        // strict prefix of a hello: a v2 client writes its hello at once, so a stall means v1
-        // data that happens to start like our nonce.
         let read = link.reader.read(&mut chunk);
+        // Nothing yet: a v1 worker may compute for a long time before its first sample.
+        // Part of the nonce: a v2 client writes its hello at once, so a stall means v1 data
+        // that happens to start like the nonce. The whole nonce (32 random hex digits, which
+        // v1 data matches with probability 2^-128): a hello, however slowly it arrives, up to
+        // HELLO_TIMEOUT after its first bytes.
         let n = if received.is_empty() {
-            read.await?
-        } else {
-            if started.elapsed() > HELLO_TIMEOUT {
-                return Err(EchoError::Protocol("the hello did not arrive in time".into()));
-            }
+            let n = read.await?;
+            first_bytes_at = Instant::now();
+            n
+        } else if received.len() < v2::NONCE_LEN {
             match tokio::time::timeout(PREFIX_GRACE, read).await {
                 Ok(n) => n?,
                 Err(_) => {
                     link.stage(received);
                     return Ok(Some(Opening::V1));
+                }
+            }
+        } else {
+            let left = HELLO_TIMEOUT.saturating_sub(first_bytes_at.elapsed());
+            match tokio::time::timeout(left, read).await {
+                Ok(n) => n?,
+                Err(_) => {
+                    return Err(EchoError::Protocol(format!(
+                        "the hello did not arrive within {HELLO_TIMEOUT:?} ({} bytes of it did)",
+                        received.len()
+                    )))
                 }
             }
         };
@@ -645,8 +657,14 @@ async fn negotiate(
             if received.is_empty() {
                 return Ok(None);
             }
-            // A hello is never cut short by its sender; v1 data that happens to start like
-            // the nonce is (its whole samples are still queued, the rest discarded).
+            if received.len() >= v2::NONCE_LEN {
+                return Err(EchoError::Io(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!("peer closed in its hello ({} bytes of it)", received.len()),
+                )));
+            }
+            // v1 data that happens to start like the nonce, then the end of the stream: its
+            // whole samples are still queued, the rest discarded, as for any v1 client.
             link.stage(received);
             return Ok(Some(Opening::V1));
         }
