@@ -150,6 +150,15 @@ class SampleInfo:
     def sample_blocked_ns_total(self) -> int:
         """Replay only: nanoseconds `sample()` spent waiting."""
     @property
+    def last_checkpoint_unix_s(self) -> float:
+        """When the last checkpoint (manual or periodic) completed, Unix seconds; 0 before."""
+    @property
+    def last_checkpoint_duration_s(self) -> float:
+        """How long the last completed checkpoint took, seconds; 0 before one completes."""
+    @property
+    def last_checkpoint_bytes(self) -> int:
+        """Bytes of the last completed checkpoint's files; 0 before one completes."""
+    @property
     def wait_ns(self) -> int:
         """Nanoseconds the consumer waited inside `sample()` for this batch."""
     @property
@@ -235,6 +244,8 @@ class ServerCore:
         """Writes a snapshot of the replay table's items, one `.npy` file per leaf
         `(path, descr, item_shape)`; returns `(keys, priorities, times_sampled, (inserts,
         samples, rng_state, next_key, max_priority), sha256 digests)`."""
+    def _record_checkpoint(self, unix_s: float, duration_s: float, bytes: int) -> None:
+        """Records a completed checkpoint for `stats()`."""
     def _restore(
         self,
         leaves: list[npt.NDArray[np.uint8]],

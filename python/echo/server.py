@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import glob
+import math
 import os
+import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -16,8 +19,8 @@ from echo import checkpoint as _checkpoint
 from echo._echo import SampleInfo, ServerClosedError, ServerCore
 from echo._prefetch import Prefetcher, torch_transfer
 from echo._pytree import NONE_IS_LEAF, TreeLayout
-from echo._validate import check_int
-from echo.checkpoint import CheckpointError
+from echo._validate import check_int, check_seconds
+from echo.checkpoint import CheckpointError, PeriodicCheckpointer
 from echo.replay import Fifo, MinSize, RateLimiter, Remover, Sampler
 from echo.transport import TcpTransport
 
@@ -178,6 +181,43 @@ def _priorities_array(priorities: Any) -> npt.NDArray[np.float64]:
     return np.ascontiguousarray(array, dtype=np.float64)
 
 
+_FIFO_CHECKPOINT = (
+    "checkpoints of a FIFO server (sampler=Fifo()) are not implemented yet; replay servers "
+    "(Uniform, Prioritized, Lifo) support them"
+)
+
+# How long `close()` waits for a periodic checkpoint in progress before leaving its thread.
+_PERIODIC_JOIN_S = 60.0
+
+
+def _periodic_args(
+    sampler: Sampler, checkpoint_dir: Any, checkpoint_every: Any, checkpoint_keep: Any
+) -> tuple[str, float, int] | None:
+    """The checked `(dir, every, keep)` of periodic checkpoints, or None when off."""
+    keep = check_int("checkpoint_keep", checkpoint_keep, 1)
+    if checkpoint_dir is None:
+        if checkpoint_every is not None:
+            raise ValueError("checkpoint_every needs checkpoint_dir (where to write them)")
+        return None
+    if not isinstance(checkpoint_dir, (str, os.PathLike)):
+        raise TypeError(
+            f"checkpoint_dir must be a str or os.PathLike, got {type(checkpoint_dir).__name__}"
+        )
+    path_like: str | os.PathLike[Any] = checkpoint_dir  # pyright: ignore[reportUnknownVariableType]
+    directory: object = os.fspath(path_like)  # pyright: ignore[reportUnknownArgumentType]
+    if not isinstance(directory, str):
+        raise TypeError("checkpoint_dir must be a str path, got bytes")
+    if isinstance(sampler, Fifo):
+        raise NotImplementedError(f"checkpoint_dir: {_FIFO_CHECKPOINT}")
+    if checkpoint_every is None:
+        raise ValueError("checkpoint_dir needs checkpoint_every (seconds between checkpoints)")
+    every = check_seconds("checkpoint_every", checkpoint_every, optional=False)
+    assert every is not None
+    if not math.isfinite(every):
+        raise ValueError(f"checkpoint_every must be finite, got {checkpoint_every!r}")
+    return directory, every, keep
+
+
 class Server:
     """A replay buffer that assembles single samples into fixed-size batches.
 
@@ -209,10 +249,21 @@ class Server:
             `Queue(size)` is accepted; it sizes the ring.
         max_times_sampled: Replay only. Remove an item after this many draws (0: never).
         seed: Replay only. Fixes the sampling sequence, for reproducible runs.
+        checkpoint_dir: Replay only. Write a checkpoint into this directory (created if
+            missing) every `checkpoint_every` seconds, from a background thread, as
+            `checkpoint_dir/ckpt-<n>` (`n` counting up, continuing above any already there);
+            see `checkpoint()`. A failed one is logged (logger `"echo"`) and the server keeps
+            serving; the next period tries again. `echo.checkpoint.periodic_checkpoints(dir)`
+            lists them, oldest first.
+        checkpoint_every: Seconds between periodic checkpoints (> 0); needs `checkpoint_dir`.
+        checkpoint_keep: How many periodic checkpoints to keep (>= 1): after each one, all
+            but the newest `checkpoint_keep` are deleted.
 
     Raises:
         TypeError: A leaf of `example` is not a numpy array, or an argument has the wrong type.
-        ValueError: An argument is out of range, or `example` holds no data.
+        ValueError: An argument is out of range, `example` holds no data, or only one of
+            `checkpoint_dir` and `checkpoint_every` is given.
+        NotImplementedError: `checkpoint_dir` with a FIFO server, as `checkpoint()`.
         RuntimeError: `pin_host_memory=True` where CUDA is unavailable (no runtime library,
             no device) or registration fails.
     """
@@ -233,7 +284,11 @@ class Server:
         rate_limiter: RateLimiter | None = None,
         max_times_sampled: int = 0,
         seed: int | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: float | None = None,
+        checkpoint_keep: int = 3,
     ) -> None:
+        self._periodic: PeriodicCheckpointer | None = None
         config = _ServerConfig(
             batch_size=check_int("batch_size", batch_size, 1),
             num_buffers=check_int("num_buffers", num_buffers, 2),
@@ -250,6 +305,7 @@ class Server:
             raise TypeError(
                 f"transport must be a TcpTransport or None, got {type(transport).__name__}"
             )
+        periodic = _periodic_args(config.sampler, checkpoint_dir, checkpoint_every, checkpoint_keep)
         self._layout = TreeLayout(example)
         self._sampler: Sampler = config.sampler
         self._config = config
@@ -262,6 +318,26 @@ class Server:
                 raise
         self._transport: TcpTransport | None = transport
         self._port: int | None = None
+        if periodic is not None:
+            self._start_periodic(*periodic)
+
+    def _start_periodic(self, directory: str, every: float, keep: int) -> None:
+        ref = weakref.ref(self)
+
+        def checkpoint(path: str) -> bool:
+            server = ref()  # not `self`: the thread must not keep the server alive
+            if server is None or server.closed:
+                return False
+            server.checkpoint(path)
+            return True
+
+        periodic = PeriodicCheckpointer(checkpoint, directory, every, keep)
+        try:
+            periodic.start()
+        except BaseException:
+            self._core.close()
+            raise
+        self._periodic = periodic
 
     @property
     def batch_size(self) -> int:
@@ -520,10 +596,8 @@ class Server:
             OSError: Writing failed (nothing at `path` changed then).
         """
         if isinstance(self._sampler, Fifo):
-            raise NotImplementedError(
-                "checkpoint(): checkpoints of a FIFO server (sampler=Fifo()) are not "
-                "implemented yet; replay servers (Uniform, Prioritized, Lifo) support them"
-            )
+            raise NotImplementedError(f"checkpoint(): {_FIFO_CHECKPOINT}")
+        started = time.monotonic()
         config = self._config
         max_size = self._core.max_size
         assert max_size is not None  # a replay server always has one
@@ -535,7 +609,10 @@ class Server:
             rate_limiter=MinSize(1) if config.rate_limiter is None else config.rate_limiter,
             max_times_sampled=config.max_times_sampled,
         )
-        _checkpoint.write(self._core, self._layout, settings, path)
+        size = _checkpoint.write(self._core, self._layout, settings, path)
+        self._core._record_checkpoint(  # pyright: ignore[reportPrivateUsage]
+            time.time(), time.monotonic() - started, size
+        )
 
     @classmethod
     def restore(
@@ -545,6 +622,9 @@ class Server:
         *,
         transport: Any = None,
         pin_host_memory: bool = False,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: float | None = None,
+        checkpoint_keep: int = 3,
     ) -> Server:
         """A new replay server with the contents and settings of the checkpoint at `path`
         (written by `checkpoint()`): the same items (data, keys, priorities, times sampled,
@@ -564,6 +644,8 @@ class Server:
                 of dicts with str keys (pass `example` for tuples, lists or namedtuples).
             transport: As the constructor's.
             pin_host_memory: As the constructor's.
+            checkpoint_dir, checkpoint_every, checkpoint_keep: As the constructor's; the
+                periodic checkpoints start once the contents are restored.
 
         Raises:
             CheckpointError: (a `ValueError`) a file is missing, truncated or corrupted, the
@@ -571,11 +653,15 @@ class Server:
                 the message names the file.
         """
         loaded = _checkpoint.read(path, example)
+        kwargs = loaded.server_kwargs()
+        periodic = _periodic_args(
+            kwargs["sampler"], checkpoint_dir, checkpoint_every, checkpoint_keep
+        )
         server = cls(
             loaded.example,
             transport=transport,
             pin_host_memory=pin_host_memory,
-            **loaded.server_kwargs(),
+            **kwargs,
         )
         try:
             server._core._restore(  # pyright: ignore[reportPrivateUsage]
@@ -591,6 +677,8 @@ class Server:
         except BaseException:
             server.close()
             raise
+        if periodic is not None:
+            server._start_periodic(*periodic)  # pyright: ignore[reportPrivateUsage]
         return server
 
     def stats(self) -> SampleInfo:
@@ -618,8 +706,16 @@ class Server:
                 table closes once the ingress is empty). Then `sample()` returns `None` and
                 `dropped_at_close` says how many were left (fewer than `batch_size`). Returns
                 at once; call `close()` to stop draining early.
+
+        Stops the periodic checkpoints' thread and joins it (a checkpoint in progress
+        completes, or fails and removes what it wrote; the wait is bounded).
         """
+        periodic = self._periodic
+        if periodic is not None:
+            periodic.request_stop()
         self._core.close(drain)
+        if periodic is not None:
+            periodic.join(_PERIODIC_JOIN_S)
 
     @property
     def dropped_at_close(self) -> int | None:

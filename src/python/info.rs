@@ -122,6 +122,11 @@ pub(crate) struct SampleInfo {
     cas_success_total: u64,
     cas_failure_total: u64,
     reservation_retries_total: u64,
+    /// The last completed checkpoint (manual or periodic; 0 until one completes): when it
+    /// completed (Unix seconds), how long it took (seconds) and the bytes its files hold.
+    last_checkpoint_unix_s: f64,
+    last_checkpoint_duration_s: f64,
+    last_checkpoint_bytes: u64,
     drain_round: Py<HistSnapshot>,
     memcpy: Py<HistSnapshot>,
     queue_dwell: Py<HistSnapshot>,
@@ -202,9 +207,13 @@ counters!(
     unknown_keys_total,
     insert_blocked_ns_total,
     sample_blocked_ns_total,
+    last_checkpoint_bytes,
     wait_ns,
     sequence,
 );
+
+/// The `f64` fields of [`SampleInfo`], by name, in `as_dict` order (after the counters).
+const FLOATS: [&str; 2] = ["last_checkpoint_unix_s", "last_checkpoint_duration_s"];
 
 /// The histogram fields of [`SampleInfo`], by name.
 const HISTOGRAMS: [&str; 3] = ["drain_round", "memcpy", "queue_dwell"];
@@ -218,6 +227,17 @@ pub(crate) struct Snapshot {
     pub(crate) ingress: IngressSnapshot,
     /// `None` in the default build (no `detailed-metrics`).
     pub(crate) detailed: Option<DetailedSnapshot>,
+    /// The last completed checkpoint; all zero before one.
+    pub(crate) last_checkpoint: LastCheckpoint,
+}
+
+/// When the last checkpoint completed (Unix seconds), how long it took (seconds) and the
+/// bytes its files hold; all zero before the first.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct LastCheckpoint {
+    pub(crate) unix_s: f64,
+    pub(crate) duration_s: f64,
+    pub(crate) bytes: u64,
 }
 
 impl SampleInfo {
@@ -271,6 +291,9 @@ impl SampleInfo {
             cas_success_total: d.cas_success_total,
             cas_failure_total: d.cas_failure_total,
             reservation_retries_total: d.reservation_retries_total,
+            last_checkpoint_unix_s: snap.last_checkpoint.unix_s,
+            last_checkpoint_duration_s: snap.last_checkpoint.duration_s,
+            last_checkpoint_bytes: snap.last_checkpoint.bytes,
             drain_round: hist(detailed.map(|d| d.drain_round))?,
             memcpy: hist(detailed.map(|d| d.memcpy))?,
             queue_dwell: hist(detailed.map(|d| d.queue_dwell))?,
@@ -295,8 +318,17 @@ impl SampleInfo {
             backend: BackendStats::Fifo(Default::default()),
             ingress: IngressSnapshot::default(),
             detailed: None,
+            last_checkpoint: LastCheckpoint::default(),
         };
         Self::new(py, &snap, 0, 0, &Py::new(py, HistSnapshot::default())?, None)
+    }
+
+    /// The float field called `name` (one of [`FLOATS`]).
+    fn float_field(&mut self, name: &str) -> &mut f64 {
+        match name {
+            "last_checkpoint_unix_s" => &mut self.last_checkpoint_unix_s,
+            _ => &mut self.last_checkpoint_duration_s,
+        }
     }
 
     /// The histogram called `name` (one of [`HISTOGRAMS`]).
@@ -334,6 +366,8 @@ pub(crate) fn _sample_info(state: &Bound<'_, PyDict>) -> PyResult<SampleInfo> {
                 "memcpy" => info.memcpy = value,
                 _ => info.queue_dwell = value,
             }
+        } else if FLOATS.contains(&name.as_str()) {
+            *info.float_field(&name) = value.extract()?;
         } else if REPLAY_ARRAYS.contains(&name.as_str()) {
             *info.replay_array(&name) = (!value.is_none()).then(|| value.unbind());
         } else if let Ok(counter) = value.extract::<u64>() {
@@ -352,6 +386,8 @@ impl SampleInfo {
         for (key, value) in self.counters() {
             d.set_item(key, value)?;
         }
+        d.set_item(FLOATS[0], self.last_checkpoint_unix_s)?;
+        d.set_item(FLOATS[1], self.last_checkpoint_duration_s)?;
         for name in HISTOGRAMS {
             d.set_item(name, self.histogram(name).get().as_dict(py)?)?;
         }
@@ -368,6 +404,8 @@ impl SampleInfo {
         for (key, value) in self.counters() {
             state.set_item(key, value)?;
         }
+        state.set_item(FLOATS[0], self.last_checkpoint_unix_s)?;
+        state.set_item(FLOATS[1], self.last_checkpoint_duration_s)?;
         for name in HISTOGRAMS {
             state.set_item(name, self.histogram(name))?;
         }

@@ -18,7 +18,7 @@ use pyo3::types::{PyBytes, PyList, PyTuple};
 
 use super::config::{ServerConfig, TcpArg};
 use super::errors::{error_in, sample_timed_out, to_pyerr, Call};
-use super::info::{HistSnapshot, SampleInfo, Snapshot};
+use super::info::{HistSnapshot, LastCheckpoint, SampleInfo, Snapshot};
 use super::leaves::{byte_slices, LeafSpecs};
 use super::views::{batch_copies, batch_views, LeafLayout, RingLease};
 use super::{deadline_from_timeout, detach, wait_detached};
@@ -74,6 +74,9 @@ pub(crate) struct PyServerCore {
     /// Acknowledged or submitted samples that never reached the learner, set when the server
     /// closes for good (see `close`).
     dropped_at_close: OnceLock<u64>,
+    /// The last checkpoint that completed (manual or periodic), for `stats()`; all zero until
+    /// one has. Written by `_record_checkpoint` once the checkpoint's link is in place.
+    last_checkpoint: Mutex<LastCheckpoint>,
 }
 
 #[pymethods]
@@ -104,6 +107,7 @@ impl PyServerCore {
             limiter_repr,
             draining: AtomicBool::new(false),
             dropped_at_close: OnceLock::new(),
+            last_checkpoint: Mutex::new(LastCheckpoint::default()),
         })
     }
 
@@ -338,6 +342,12 @@ impl PyServerCore {
             (state.inserts, state.samples, state.rng, state.next_key, state.max_priority),
             digests,
         ))
+    }
+
+    /// Records a completed checkpoint for `stats()`: when it completed (Unix seconds), how
+    /// long it took (seconds) and how many bytes its files hold.
+    fn _record_checkpoint(&self, unix_s: f64, duration_s: f64, bytes: u64) {
+        *self.last_checkpoint.lock() = LastCheckpoint { unix_s, duration_s, bytes };
     }
 
     /// Fills this new replay server with a checkpoint's items (`leaves[l]`: leaf `l` of every
@@ -593,6 +603,7 @@ impl PyServerCore {
             backend: self.backend.stats(),
             ingress: ingress.map(|i| i.snapshot()).unwrap_or_default(),
             detailed,
+            last_checkpoint: *self.last_checkpoint.lock(),
         }
     }
 }
