@@ -644,8 +644,10 @@ class Server:
                 of dicts with str keys (pass `example` for tuples, lists or namedtuples).
             transport: As the constructor's.
             pin_host_memory: As the constructor's.
-            checkpoint_dir, checkpoint_every, checkpoint_keep: As the constructor's; the
-                periodic checkpoints start once the contents are restored.
+            checkpoint_dir: As the constructor's; periodic checkpoints start once the
+                contents are restored.
+            checkpoint_every: As the constructor's.
+            checkpoint_keep: As the constructor's.
 
         Raises:
             CheckpointError: (a `ValueError`) a file is missing, truncated or corrupted, the
