@@ -594,6 +594,8 @@ pub struct TcpSender {
     /// With reconnection: every sample from `retained_base` to `sent`, as frames.
     retained: VecDeque<Retained>,
     retained_base: u64,
+    /// Buffers of acknowledged frames, reused by the next retained ones.
+    spare: Vec<Box<[u8]>>,
     reconnect: bool,
     recovery: Option<Recovery>,
     /// Why the client can no longer send (reconnection gave up, or was never on).
@@ -649,6 +651,7 @@ impl TcpSender {
             acked_floor: 0,
             retained: VecDeque::new(),
             retained_base: 0,
+            spare: Vec::new(),
             reconnect,
             recovery: None,
             failed: None,
@@ -783,12 +786,7 @@ impl TcpSender {
         let (header, header_len) = frame_header(self.version, priority);
         let header = &header[..header_len];
         if self.reconnect {
-            let mut frame = Vec::with_capacity(header.len() + self.spec.payload_size());
-            frame.extend_from_slice(header);
-            for leaf in leaves {
-                frame.extend_from_slice(leaf);
-            }
-            self.retained.push_back(Retained { frame: frame.into_boxed_slice() });
+            self.retain(header, leaves);
             self.sent += 1;
             self.carry = true;
             self.drive(deadline)?;
@@ -870,6 +868,34 @@ impl TcpSender {
             result?;
         }
         Ok(())
+    }
+
+    /// Keeps a copy of the frame `header` + `leaves` until it is acknowledged, in a buffer
+    /// of an acknowledged frame of the same size when there is one (so a steady stream
+    /// allocates nothing per sample).
+    fn retain(&mut self, header: &[u8], leaves: &[&[u8]]) {
+        let len = header.len() + self.spec.payload_size();
+        let mut frame = match self.spare.iter().position(|f| f.len() == len) {
+            Some(i) => self.spare.swap_remove(i),
+            None => vec![0u8; len].into_boxed_slice(),
+        };
+        let mut at = header.len();
+        frame[..at].copy_from_slice(header);
+        for leaf in leaves {
+            frame[at..at + leaf.len()].copy_from_slice(leaf);
+            at += leaf.len();
+        }
+        self.retained.push_back(Retained { frame });
+    }
+
+    /// Forgets the oldest retained frame (acknowledged), keeping its buffer for reuse.
+    fn release_front(&mut self) {
+        if let Some(old) = self.retained.pop_front() {
+            // At most two buffers: one of each frame size (with and without a priority).
+            if self.spare.len() < 2 {
+                self.spare.push(old.frame);
+            }
+        }
     }
 
     fn check_priority(&self, priority: Option<f64>) -> Result<(), EchoError> {
@@ -1008,7 +1034,7 @@ impl TcpSender {
             // Drop what is acknowledged: it is never needed again.
             let acked = self.acked();
             while self.retained_base < acked && !self.retained.is_empty() {
-                self.retained.pop_front();
+                self.release_front();
                 self.retained_base += 1;
             }
             let index = usize::try_from(self.written - self.retained_base).expect("retained");
@@ -1122,7 +1148,7 @@ impl TcpSender {
         }
         self.replay = accept.replay;
         while self.retained_base < resume && !self.retained.is_empty() {
-            self.retained.pop_front();
+            self.release_front();
             self.retained_base += 1;
         }
         self.acked_floor = resume;

@@ -673,7 +673,7 @@ async fn negotiate(
 }
 
 async fn serve_v1(link: &mut Link<'_>, conn: &Arc<Connection>, space: &Notify) -> io::Result<()> {
-    let payload_size = conn_payload(conn);
+    let payload_size = conn.payload_size();
     loop {
         let mut buf = link.buffer(conn, space).await?;
         if !link.fill(buf.bytes(), payload_size).await? {
@@ -683,10 +683,6 @@ async fn serve_v1(link: &mut Link<'_>, conn: &Arc<Connection>, space: &Notify) -
         link.acks += 1;
         link.activity.complete();
     }
-}
-
-fn conn_payload(conn: &Connection) -> usize {
-    conn.payload_size()
 }
 
 /// Ends a session's service when its task ends however it ends: the session waits for its
@@ -799,7 +795,7 @@ async fn serve_v2(
     link.beat = Beat::new(shared.heartbeat, hello.heartbeat_ms);
     log::debug!("{peer}: v2 session resumed at sample {resume_seq} (resumed: {existed})");
     let (conn, space) = (&session.conn, &*session.space);
-    let payload_size = conn_payload(conn);
+    let payload_size = conn.payload_size();
     loop {
         let Some(kind) = link.next_byte().await? else { return Ok(()) };
         let priority = match kind {
