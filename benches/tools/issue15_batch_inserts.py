@@ -95,7 +95,9 @@ def measure(step: Any, seconds: float, per_call: int) -> float:
     return calls * per_call / (time.perf_counter() - start)
 
 
-def run(n: int, seconds: float, repeats: int, queue: int) -> dict[str, list[float]]:
+def run(
+    n: int, seconds: float, repeats: int, queue: int | None
+) -> tuple[dict[str, list[float]], int]:
     batches = make_batches(n)
     per_row = [row_views(b, n) for b in batches]
     results: dict[str, list[float]] = {
@@ -105,9 +107,9 @@ def run(n: int, seconds: float, repeats: int, queue: int) -> dict[str, list[floa
     server = echo.Server(EXAMPLE, batch_size=n, num_buffers=64)
     server.start()
     Learner(server, n)
-    # One connection's ingress queue holds `queue` samples (producer_queue_size, default 8):
-    # a batched sender needs room for a batch, or the connection waits on the drainer every
-    # 8 samples.
+    # One connection's ingress queue holds `queue` samples (producer_queue_size; the default
+    # None picks 64 KiB worth, 256 of these): a batched sender needs room for a batch, or the
+    # connection waits on the drainer every `queue` samples (try --queue 8, the old default).
     tcp = echo.Server(
         EXAMPLE,
         batch_size=n,
@@ -116,6 +118,7 @@ def run(n: int, seconds: float, repeats: int, queue: int) -> dict[str, list[floa
         producer_queue_size=queue,
     )
     tcp.start()
+    tcp_queue = tcp.producer_queue_size
     assert tcp.port is not None
     Learner(tcp, n)
     client = echo.TcpClient("127.0.0.1", tcp.port, EXAMPLE, max_inflight_msgs=256)
@@ -147,7 +150,7 @@ def run(n: int, seconds: float, repeats: int, queue: int) -> dict[str, list[floa
     client.close()
     server.close()
     tcp.close()
-    return results
+    return results, tcp_queue
 
 
 def main() -> None:
@@ -155,13 +158,15 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=64, help="rows per batch (vectorized envs)")
     parser.add_argument("--seconds", type=float, default=2.0, help="per round")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--queue", type=int, default=128, help="the learner's producer_queue_size")
+    parser.add_argument(
+        "--queue", type=int, default=None, help="the learner's producer_queue_size (default: auto)"
+    )
     args = parser.parse_args()
-    res = run(args.n, args.seconds, args.repeats, args.queue)
+    res, tcp_queue = run(args.n, args.seconds, args.repeats, args.queue)
     med = {k: statistics.median(v) for k, v in res.items()}
     print(
         f"N = {args.n}, small nested samples (8 leaves), "
-        f"medians of {args.repeats} interleaved rounds, producer_queue_size={args.queue}"
+        f"medians of {args.repeats} interleaved rounds, producer_queue_size={tcp_queue}"
     )
     print(f"{'path':<14}{'per row (samples/s)':>22}{'batched (samples/s)':>22}{'ratio':>8}")
     for name, row, batch in (

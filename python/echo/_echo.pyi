@@ -196,6 +196,9 @@ class ServerCore:
     def max_size(self) -> int | None:
         """Items a replay table holds; `None` for the FIFO ring."""
     @property
+    def producer_queue_size(self) -> int:
+        """Capacity of each connection's ingress queue (given or chosen)."""
+    @property
     def payload_size(self) -> int: ...
     @property
     def closed(self) -> bool: ...

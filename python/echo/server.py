@@ -148,7 +148,7 @@ class _ServerConfig:
     batch_size: int
     num_buffers: int
     num_drainers: int
-    producer_queue_size: int
+    producer_queue_size: int | None
     sampler: Sampler
     remover: Remover | None
     rate_limiter: RateLimiter | None
@@ -232,7 +232,11 @@ class Server:
         num_drainers: The most drainer threads moving samples from connection queues into the
             ring. At most one per CPU core is started: more only race each other for ring
             space and serve connections unevenly.
-        producer_queue_size: Capacity of each connection's ingress queue, in samples.
+        producer_queue_size: Capacity of each connection's ingress queue, in samples: how many
+            a TCP connection's samples may be acknowledged but not yet in the ring. `None`
+            (the default): enough samples for 64 KiB, at least 8 and at most 256 (see
+            `Server.producer_queue_size` for the value chosen), so that small samples, and
+            `send_batch` above all, are not held up by one drainer wake-up every 8 samples.
         pin_host_memory: Page-lock every ring buffer with `cudaHostRegister`, so copies of a
             batch to a GPU are real DMA (`non_blocking=True` in PyTorch). The CUDA runtime is
             loaded at run time ($ECHO_CUDART, the nvidia-cuda-runtime wheel, or the loader's
@@ -275,7 +279,7 @@ class Server:
         transport: Any = None,
         num_buffers: int = 3,
         num_drainers: int = 8,
-        producer_queue_size: int = 8,
+        producer_queue_size: int | None = None,
         pin_host_memory: bool = False,
         *,
         sampler: Sampler | None = None,
@@ -293,7 +297,9 @@ class Server:
             batch_size=check_int("batch_size", batch_size, 1),
             num_buffers=check_int("num_buffers", num_buffers, 2),
             num_drainers=check_int("num_drainers", num_drainers, 1, 1 << 16),
-            producer_queue_size=check_int("producer_queue_size", producer_queue_size, 1, 1 << 16),
+            producer_queue_size=None
+            if producer_queue_size is None
+            else check_int("producer_queue_size", producer_queue_size, 1, 1 << 16),
             sampler=Fifo() if sampler is None else sampler,
             remover=remover,
             rate_limiter=rate_limiter,
@@ -353,6 +359,12 @@ class Server:
     def max_size(self) -> int | None:
         """Items a replay table holds; `None` for the FIFO ring."""
         return self._core.max_size
+
+    @property
+    def producer_queue_size(self) -> int:
+        """Capacity of each connection's ingress queue, in samples: the one given, or the one
+        chosen for `producer_queue_size=None` (64 KiB of samples, between 8 and 256)."""
+        return self._core.producer_queue_size
 
     @property
     def sampler(self) -> Sampler:

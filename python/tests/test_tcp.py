@@ -427,6 +427,34 @@ def _assert_close_ends_it_with_connection_closed(server: Server, worker: Any) ->
     assert time.monotonic() - started < 3.0
 
 
+def test_default_queue_holds_64_kib_of_samples_per_connection(
+    make_server: Any, example: Any, make_sample: Any
+) -> None:
+    """`producer_queue_size=None` sizes each connection's queue by bytes: a connection of
+    small samples gets 256 acknowledged ahead of a full ring (a queue of 8 stopped it at
+    ~20), large samples keep 8, and a given size is kept."""
+    assert make_server(np.zeros(4096, np.uint8)).producer_queue_size == 16
+    assert make_server({"x": np.zeros(200_000, np.uint8)}).producer_queue_size == 8
+    assert make_server(producer_queue_size=3).producer_queue_size == 3
+    settings = {**_FULL_RING, "producer_queue_size": None}
+    server, client = _started_with_client(make_server, example, 1024, **settings)
+    assert server.producer_queue_size == 256
+    try:
+        for i in range(600):
+            client.send(make_sample(i), timeout=WAIT_S)
+        # Nobody samples: the ring (4) and the one drainer's round stop; the queue fills.
+        last, stable_since = -1, time.monotonic()
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline and time.monotonic() - stable_since < BLOCKED_S:
+            if client.acked != last:
+                last, stable_since = client.acked, time.monotonic()
+            time.sleep(0.01)
+        # Acknowledged: the ring's 4, what the drainer holds, and a full queue of 256.
+        assert 256 <= client.acked <= 2 * 256 + 4, client.acked
+    finally:
+        client.close(timeout=1.0)
+
+
 def test_send_blocked_on_the_inflight_limit_raises_when_the_server_closes(
     make_server: Any, example: Any, make_sample: Any, spawn: Any
 ) -> None:

@@ -125,6 +125,10 @@ def test_out_of_range_arguments_are_value_errors(kwargs: dict[str, Any], name: s
 )
 def test_non_integer_arguments_are_type_errors(name: str, value: object) -> None:
     args: dict[str, Any] = {"batch_size": 4, name: value}
+    if name == "producer_queue_size" and value is None:
+        # None is the default: the queue is sized by bytes (64 KiB of samples, 8 to 256).
+        assert echo.Server(EXAMPLE, **args).producer_queue_size == 256
+        return
     with pytest.raises(TypeError, match=name):
         echo.Server(EXAMPLE, **args)
 

@@ -119,7 +119,8 @@ pub(crate) struct ServerConfig {
     pub(crate) batch_size: usize,
     num_buffers: usize,
     pub(crate) num_drainers: usize,
-    pub(crate) producer_queue_size: usize,
+    /// `None`: [`crate::ingress::IngressConfig::queue_size_for`] the payload size.
+    pub(crate) producer_queue_size: Option<usize>,
     pub(crate) sampler: Strategy<SamplerArg>,
     remover: Option<Strategy<RemoverKind>>,
     rate_limiter: Option<Strategy<RateLimit>>,

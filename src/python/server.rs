@@ -92,7 +92,10 @@ impl PyServerCore {
         let (backend, consumer) =
             detach(py, || Backend::new(spec, backend_config)).map_err(to_pyerr)?;
         let layouts = batch_layouts(py, &leaves, &backend)?;
-        let ingress_config = IngressConfig::new(config.num_drainers, config.producer_queue_size);
+        let queue_size = config
+            .producer_queue_size
+            .unwrap_or_else(|| IngressConfig::queue_size_for(leaves.spec.payload_size()));
+        let ingress_config = IngressConfig::new(config.num_drainers, queue_size);
         Ok(Self {
             lease: Py::new(py, RingLease::new(&backend))?,
             zero_hist: Py::new(py, HistSnapshot::default())?,
@@ -127,6 +130,12 @@ impl PyServerCore {
     #[getter]
     fn max_size(&self) -> Option<usize> {
         self.backend.max_size()
+    }
+
+    /// Capacity of each connection's ingress queue, in samples (the one given, or chosen).
+    #[getter]
+    fn producer_queue_size(&self) -> usize {
+        self.ingress_config.queue_size
     }
 
     /// Bytes of one sample.
