@@ -186,6 +186,15 @@ impl Backend {
         }
     }
 
+    /// [`Store::try_insert_in_place`] for the FIFO ring; `false` (nothing called) for a
+    /// replay table, whose inserts take its lock.
+    pub fn try_insert_in_place(&self, fill: impl FnOnce(&mut [&mut [u8]])) -> bool {
+        match self {
+            Self::Fifo(store) => store.try_insert_in_place(fill),
+            Self::Replay(_) => false,
+        }
+    }
+
     /// Closes the backend: waiting inserts fail and the consumer's `sample` returns
     /// [`EchoError::Closed`]. Idempotent.
     pub fn close(&self) {

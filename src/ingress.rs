@@ -220,6 +220,11 @@ pub struct Connection {
     free: ArrayQueue<Box<[u8]>>,
     /// Buffers of this connection that exist; never exceeds `free.capacity()`.
     allocated: AtomicUsize,
+    /// Samples pushed and not yet through the backend's insert (queued, or in a drainer's
+    /// round). Zero means every sample this connection queued is in the backend, so one
+    /// inserted in place now comes after all of them.
+    unfinished: AtomicUsize,
+    backend: Backend,
     budget: Arc<ByteBudget>,
     payload_size: usize,
     /// Set by the transport task when the socket is done; the drainer prunes the connection
@@ -289,10 +294,35 @@ impl Connection {
     /// with [`Backend::check_priority`] first: an invalid one fails the drainer's whole round).
     pub fn try_push_with(&self, buf: Box<[u8]>, priority: Option<f64>) -> Result<(), Box<[u8]>> {
         debug_assert_eq!(buf.len(), self.payload_size);
-        self.queue.push((buf, Stamp::now(), priority)).map_err(|(buf, ..)| buf)?;
+        // ORDERING: Relaxed — only this task increments, and `try_insert_in_place` (the one
+        // reader that acts on it) runs on this task too, after this.
+        self.unfinished.fetch_add(1, Relaxed);
+        if let Err((buf, ..)) = self.queue.push((buf, Stamp::now(), priority)) {
+            // ORDERING: Relaxed — undoes the increment above; the drainer never saw the sample.
+            self.unfinished.fetch_sub(1, Relaxed);
+            return Err(buf);
+        }
         self.stats.pending.add(1);
         self.drainer.bell.wake_if_sleeping();
         Ok(())
+    }
+
+    /// Writes one sample straight into the backend, bypassing the queue and the drainer's
+    /// copy, when that keeps this connection's order and costs no wait: nothing this
+    /// connection pushed is still on its way to the backend, and the backend is the FIFO
+    /// ring with a free slot now ([`Backend::try_insert_in_place`]; `fill` must write every
+    /// byte, see there). Counted like a drainer's insert. `false`, nothing called, otherwise:
+    /// push a buffer as usual.
+    pub fn try_insert_in_place(&self, fill: impl FnOnce(&mut [&mut [u8]])) -> bool {
+        // ORDERING: Acquire pairs with the drainer's Release decrement after its insert
+        // returned: every sample this connection queued was committed (its ring slot
+        // reserved) before ours is reserved, so the ring keeps the connection's order.
+        if self.unfinished.load(Acquire) != 0 || !self.backend.try_insert_in_place(fill) {
+            return false;
+        }
+        self.stats.in_place.add(1);
+        self.drainer.inserted.add(1);
+        true
     }
 
     /// Records that the transport task had to wait for space (backpressure).
@@ -387,6 +417,8 @@ pub struct IngressStats {
     /// Samples queued (acknowledged) and not yet in the backend: +1 on every push, -n as a
     /// drainer's insert puts them in (or drops them).
     pending: CachePadded<Counter>,
+    /// Samples a transport wrote straight into the backend (`Connection::try_insert_in_place`).
+    in_place: Counter,
     /// [`TransportEvent`] counts, in the order of [`IngressSnapshot`]'s fields.
     v1: Counter,
     v2: Counter,
@@ -418,6 +450,9 @@ pub struct IngressSnapshot {
     pub connections_evicted_total: u64,
     /// Samples acknowledged and not yet in the backend (queued, or in a drainer's round).
     pub samples_pending: u64,
+    /// Of `samples_inserted_total`, those a transport read from its socket straight into the
+    /// ring (large samples already complete in the kernel's buffer), skipping one copy.
+    pub samples_received_in_place_total: u64,
     /// Connections that spoke wire protocol v1.
     pub v1_connections_total: u64,
     /// Connections that spoke wire protocol v2.
@@ -520,6 +555,8 @@ impl Ingress {
             queue: ArrayQueue::new(self.config.queue_size),
             free: ArrayQueue::new(2 * self.config.queue_size + 1),
             allocated: AtomicUsize::new(0),
+            unfinished: AtomicUsize::new(0),
+            backend: self.backend.clone(),
             budget: Arc::clone(&self.budget),
             payload_size,
             closed: AtomicBool::new(false),
@@ -588,6 +625,7 @@ impl Ingress {
             connections_refused_total: self.stats.refused.get(),
             connections_evicted_total: self.stats.evicted.get(),
             samples_pending: self.stats.pending.get(),
+            samples_received_in_place_total: self.stats.in_place.get(),
             v1_connections_total: self.stats.v1.get(),
             v2_connections_total: self.stats.v2.get(),
             sessions_resumed_total: self.stats.resumed.get(),
@@ -778,6 +816,9 @@ impl Drainer {
         self.priorities.clear();
         for (buf, owner) in self.bufs.drain(..).zip(self.owners.drain(..)) {
             let conn = &self.conns[owner];
+            // ORDERING: Release pairs with the Acquire in `Connection::try_insert_in_place`:
+            // this round's insert (its ring reservations) is done before the count says so.
+            conn.unfinished.fetch_sub(1, Release);
             conn.recycle(buf);
             if owner != last {
                 if last != usize::MAX {

@@ -122,6 +122,35 @@ impl Slots {
         });
     }
 
+    /// Calls `f` with slot `slot` of every leaf, in leaf order, to write them in place.
+    ///
+    /// # Safety
+    /// As [`Slots::write_slot`]: the caller holds the write reservation for `slot`.
+    ///
+    /// # Panics
+    /// If `slot` is out of range.
+    pub(crate) unsafe fn write_in_place<R>(
+        &self,
+        slot: usize,
+        f: impl FnOnce(&mut [&mut [u8]]) -> R,
+    ) -> R {
+        self.trackers[slot].writing(|| {
+            let mut leaves: Vec<&mut [u8]> = (0..self.leaves.len())
+                .map(|leaf| {
+                    let len = self.leaves[leaf].slot_bytes;
+                    let ptr = self.slot_ptr(leaf, slot).cast_mut();
+                    // SAFETY: `ptr..ptr+len` is this leaf's slot `slot`, inside its allocation
+                    // (`slot_ptr` checked the bounds; an empty leaf gives an empty slice at a
+                    // dangling but aligned, non-null base). Different leaves are different
+                    // allocations, so the slices do not overlap each other, and the caller's
+                    // reservation means nobody else reads or writes them while they live.
+                    unsafe { std::slice::from_raw_parts_mut(ptr, len) }
+                })
+                .collect();
+            f(&mut leaves)
+        })
+    }
+
     /// Calls `f` with the bytes of slots `slots` of `leaf`, one contiguous run.
     ///
     /// # Safety

@@ -249,6 +249,46 @@ impl Store {
         Ok(())
     }
 
+    /// Writes one sample straight into the ring, if a slot is free now: `fill` gets that
+    /// slot of every leaf (in spec order) and must write all of their bytes. The slot is
+    /// committed when `fill` returns, so `fill` cannot fail; whoever calls this must already
+    /// have the bytes at hand (the TCP ingress calls it only when the kernel holds the whole
+    /// sample). Returns `false`, without calling `fill`, when the ring is full or closed:
+    /// never waits.
+    pub fn try_insert_in_place(&self, fill: impl FnOnce(&mut [&mut [u8]])) -> bool {
+        let Some(start) = self.try_reserve_one() else { return false };
+        let copy_started = Stamp::now();
+        let slot = self.ring_slot(start);
+        // SAFETY: `try_reserve_one`'s CAS made slot `start` ours alone and its space check put
+        // it below `read_cursor + capacity`: nobody reads or writes it until we commit.
+        unsafe { self.ring.write_in_place(slot, fill) };
+        self.metrics.memcpy.record_since(copy_started);
+        self.commit(start, 1);
+        true
+    }
+
+    /// [`Store::reserve`] of one slot without waiting: `None` when the ring is full or closed.
+    fn try_reserve_one(&self) -> Option<u64> {
+        loop {
+            if self.is_closed() {
+                return None;
+            }
+            // ORDERING: Relaxed — as in `reserve`: the CAS hands out unique slots, and
+            // `has_space` acquires `read_cursor`.
+            let write = self.write_cursor.load(Relaxed);
+            if !self.has_space(write) {
+                return None;
+            }
+            // ORDERING: Relaxed on success and failure — as in `reserve`.
+            let cas = self.write_cursor.compare_exchange_weak(write, write + 1, Relaxed, Relaxed);
+            if cas.is_ok() {
+                self.metrics.cas_success.add(1);
+                return Some(write);
+            }
+            self.metrics.cas_failure.add(1);
+        }
+    }
+
     /// Reserves up to `want` slots (at least one, never across a batch boundary). Returns the
     /// first absolute slot and the count.
     fn reserve(&self, want: usize, deadline: Option<Instant>) -> Result<(u64, usize), EchoError> {

@@ -19,9 +19,21 @@ fn id(producer: u64, seq: u64) -> [u8; 8] {
     (producer << 32 | seq).to_le_bytes()
 }
 
-/// `writers` threads each insert `per_writer` samples one at a time (or all in one call); the
-/// consumer takes every batch and checks exactly-once, per-writer order and one wake per batch.
-fn model(writers: u64, per_writer: u64, batch_size: usize, num_batches: usize, one_call: bool) {
+/// How the writers of a [`model`] insert.
+#[derive(Clone, Copy, PartialEq)]
+enum Writes {
+    /// One `insert` call per sample.
+    OneByOne,
+    /// One `insert` call for all of a writer's samples.
+    OneCall,
+    /// Writer 0 writes each sample in place (`try_insert_in_place`, retried until a slot is
+    /// free, as the TCP ingress would fall back to its queue); the others one by one.
+    InPlace,
+}
+
+/// `writers` threads each insert `per_writer` samples as `writes` says; the consumer takes
+/// every batch and checks exactly-once, per-writer order and one wake per batch.
+fn model(writers: u64, per_writer: u64, batch_size: usize, num_batches: usize, writes: Writes) {
     loom::model(move || {
         let store = Store::new(spec(), batch_size, num_batches).unwrap();
         let mut consumer = store.consumer().unwrap();
@@ -31,8 +43,15 @@ fn model(writers: u64, per_writer: u64, batch_size: usize, num_batches: usize, o
                 thread::spawn(move || {
                     let payloads: Vec<[u8; 8]> = (0..per_writer).map(|s| id(producer, s)).collect();
                     let refs: Vec<&[u8]> = payloads.iter().map(|p| &p[..]).collect();
-                    if one_call {
+                    if writes == Writes::OneCall {
                         store.insert(&Payloads::new(store.spec(), &refs).unwrap(), None).unwrap();
+                    } else if writes == Writes::InPlace && producer == 0 {
+                        for r in &refs {
+                            while !store.try_insert_in_place(|leaves| leaves[0].copy_from_slice(r))
+                            {
+                                thread::yield_now();
+                            }
+                        }
                     } else {
                         for r in &refs {
                             store
@@ -70,26 +89,34 @@ fn model(writers: u64, per_writer: u64, batch_size: usize, num_batches: usize, o
 /// park while the consumer releases — the lost-wake-up case.
 #[test]
 fn two_writers_full_ring_release_races_park() {
-    model(2, 2, 1, 2, false);
+    model(2, 2, 1, 2, Writes::OneByOne);
 }
 
 /// Two writers share each batch of two: the completing writer, whichever it is, wakes the
 /// consumer exactly once.
 #[test]
 fn two_writers_share_batches() {
-    model(2, 2, 2, 2, false);
+    model(2, 2, 2, 2, Writes::OneByOne);
 }
 
 /// A multi-sample insert splits at the batch boundary while another writer competes.
 #[test]
 fn multi_sample_insert_splits_at_batch_boundary() {
-    model(2, 3, 2, 3, true);
+    model(2, 3, 2, 3, Writes::OneCall);
 }
 
 /// Three writers, one sample each, batches of one.
 #[test]
 fn three_writers_one_sample_each() {
-    model(3, 1, 1, 2, false);
+    model(3, 1, 1, 2, Writes::OneByOne);
+}
+
+/// A sample written in place (no waiting: the writer finds the ring full and retries) while
+/// another writer inserts and the consumer releases: the slot is exclusive, its bytes are
+/// published by the commit, and nothing is lost or reordered.
+#[test]
+fn in_place_writer_races_a_writer_and_the_consumer() {
+    model(2, 2, 1, 2, Writes::InPlace);
 }
 
 /// `close` wakes a consumer parked on an empty store and a writer parked on a full one.

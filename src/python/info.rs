@@ -105,6 +105,8 @@ pub(crate) struct SampleInfo {
     connections_evicted_total: u64,
     /// Samples acknowledged to TCP workers and not yet in the ring (queued in the ingress).
     samples_pending: u64,
+    /// Of `samples_inserted_total`, samples read from their socket straight into the ring.
+    samples_received_in_place_total: u64,
     /// TCP connections that negotiated wire protocol v1 / v2.
     v1_connections_total: u64,
     v2_connections_total: u64,
@@ -189,6 +191,7 @@ counters!(
     connections_refused_total,
     connections_evicted_total,
     samples_pending,
+    samples_received_in_place_total,
     v1_connections_total,
     v2_connections_total,
     sessions_resumed_total,
@@ -280,6 +283,7 @@ impl SampleInfo {
             connections_refused_total: ingress.connections_refused_total,
             connections_evicted_total: ingress.connections_evicted_total,
             samples_pending: ingress.samples_pending,
+            samples_received_in_place_total: ingress.samples_received_in_place_total,
             v1_connections_total: ingress.v1_connections_total,
             v2_connections_total: ingress.v2_connections_total,
             sessions_resumed_total: ingress.sessions_resumed_total,

@@ -675,6 +675,11 @@ async fn negotiate(
 async fn serve_v1(link: &mut Link<'_>, conn: &Arc<Connection>, space: &Notify) -> io::Result<()> {
     let payload_size = conn.payload_size();
     loop {
+        if link.read_in_place(conn).await? {
+            link.acks += 1;
+            link.activity.complete();
+            continue;
+        }
         let mut buf = link.buffer(conn, space).await?;
         if !link.fill(buf.bytes(), payload_size).await? {
             return Ok(());
@@ -818,6 +823,13 @@ async fn serve_v2(
             }
             other => return Err(link.fail(&format!("unknown frame type {other:#04x}")).await),
         };
+        if priority.is_none() && link.read_in_place(conn).await? {
+            // ORDERING: Relaxed — as below.
+            session.next_seq.fetch_add(1, Relaxed);
+            link.acks += 1;
+            link.activity.complete();
+            continue;
+        }
         let mut buf = link.buffer(conn, space).await?;
         if !link.fill(buf.bytes(), payload_size).await? {
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "closed mid-frame"));
@@ -830,6 +842,92 @@ async fn serve_v2(
         link.activity.complete();
     }
 }
+
+/// Fills `leaves` (one ring slot of every leaf, in order) with `staged` and then bytes read
+/// from `reader`'s socket, which already holds them (see `Link::read_in_place`). Reads with
+/// `readv` on the non-blocking descriptor, bypassing tokio's readiness (tokio finds out at
+/// its next read, which then waits for the next event as usual). Should the kernel return
+/// fewer bytes than it said it had, waits up to [`IN_PLACE_GRACE`] for the rest; failing
+/// that the rest is zeroed and an error returned (the slot must be committed either way).
+#[cfg(unix)]
+fn fill_in_place(
+    reader: &OwnedReadHalf,
+    staged: &[u8],
+    leaves: &mut [&mut [u8]],
+) -> io::Result<()> {
+    use std::io::IoSliceMut;
+    use std::os::fd::AsRawFd;
+    let fd = reader.as_ref().as_raw_fd();
+    // Skip past the staged bytes, copying them in.
+    let (mut leaf, mut at) = (0, 0);
+    let mut rest = staged;
+    while !rest.is_empty() {
+        let dst = &mut leaves[leaf][at..];
+        let n = dst.len().min(rest.len());
+        dst[..n].copy_from_slice(&rest[..n]);
+        (rest, at) = (&rest[n..], at + n);
+        if at == leaves[leaf].len() {
+            (leaf, at) = (leaf + 1, 0);
+        }
+    }
+    let deadline = Instant::now() + IN_PLACE_GRACE;
+    loop {
+        while leaf < leaves.len() && at == leaves[leaf].len() {
+            (leaf, at) = (leaf + 1, 0);
+        }
+        if leaf == leaves.len() {
+            return Ok(());
+        }
+        let mut slices: Vec<IoSliceMut<'_>> = Vec::with_capacity(leaves.len() - leaf);
+        let (first, later) = leaves[leaf..].split_at_mut(1);
+        slices.push(IoSliceMut::new(&mut first[0][at..]));
+        slices.extend(later.iter_mut().map(|l| IoSliceMut::new(l)));
+        let count = slices.len().min(1024) as libc::c_int; // IOV_MAX on Linux and macOS
+                                                           // SAFETY: `IoSliceMut` is ABI-compatible with `iovec` on unix; the slices are
+                                                           // `count` valid, writable, non-overlapping buffers borrowed for this call.
+        let got = unsafe { libc::readv(fd, slices.as_ptr().cast::<libc::iovec>(), count) };
+        drop(slices);
+        let err = match got {
+            n if n > 0 => {
+                let mut n = n as usize;
+                while n > 0 {
+                    let room = leaves[leaf].len() - at;
+                    let step = room.min(n);
+                    (at, n) = (at + step, n - step);
+                    if at == leaves[leaf].len() && n > 0 {
+                        (leaf, at) = (leaf + 1, 0);
+                    }
+                }
+                continue;
+            }
+            0 => io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed mid-sample"),
+            _ => io::Error::last_os_error(),
+        };
+        match err.kind() {
+            io::ErrorKind::Interrupted => continue,
+            io::ErrorKind::WouldBlock if Instant::now() < deadline => {
+                let mut poll = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+                // SAFETY: one valid `pollfd`; a bounded wait on a descriptor we own.
+                unsafe { libc::poll(&mut poll, 1, 10) };
+            }
+            _ => {
+                for rest in leaves[leaf..].iter_mut() {
+                    rest[at..].fill(0);
+                    at = 0;
+                }
+                return Err(err);
+            }
+        }
+    }
+}
+
+#[cfg(not(unix))]
+fn fill_in_place(_: &OwnedReadHalf, _: &[u8], _: &mut [&mut [u8]]) -> io::Result<()> {
+    unreachable!("Link::readable_bytes is None off unix, so nothing is read in place")
+}
+
+/// How long `fill_in_place` waits for bytes FIONREAD promised and a read did not return.
+const IN_PLACE_GRACE: Duration = Duration::from_secs(1);
 
 /// A pooled buffer being filled; given back to its connection if the task stops first (an
 /// aborted task must not keep its share of the byte budget).
@@ -1013,6 +1111,85 @@ impl Link<'_> {
             }
         }
         Ok(true)
+    }
+
+    /// Reads the next sample from the socket straight into a free slot of the FIFO ring
+    /// ([`Connection::try_insert_in_place`]), skipping the pooled buffer and the drainer's
+    /// copy. Only for samples large enough to be read with their own system call anyway (at
+    /// least half the staging buffer), and only when the kernel already holds all of the
+    /// sample's bytes (FIONREAD, plus what is staged), so the read cannot wait: a slow peer
+    /// never holds a ring slot. `false` (nothing read) when that does not hold, when the ring
+    /// has no free slot or something of this connection is still queued: read it into a
+    /// pooled buffer then.
+    ///
+    /// # Errors
+    /// Only if the kernel returns fewer bytes than FIONREAD promised (it must not): the slot
+    /// is committed anyway (it cannot be taken back), its missing bytes zero, the error
+    /// logged, and the connection ends.
+    async fn read_in_place(&mut self, conn: &Connection) -> io::Result<bool> {
+        let len = conn.payload_size();
+        if len < self.staging_len / 2 {
+            return Ok(false);
+        }
+        let staged = self.hi - self.lo;
+        let Some(mut in_kernel) = self.readable_bytes() else { return Ok(false) };
+        if staged == 0 && in_kernel == 0 {
+            // Idle: wait for the peer here rather than in a read into a pooled buffer, so a
+            // sample that arrives whole (one segment, or a burst) still goes in place.
+            self.wait_readable().await?;
+            in_kernel = self.readable_bytes().unwrap_or(0);
+        }
+        if staged.saturating_add(in_kernel) < len {
+            return Ok(false);
+        }
+        let from_staging = staged.min(len);
+        let staging = &self.staging[self.lo..self.lo + from_staging];
+        let reader = &self.reader;
+        let mut read = Ok(());
+        if !conn.try_insert_in_place(|leaves| read = fill_in_place(reader, staging, leaves)) {
+            return Ok(false);
+        }
+        self.lo += from_staging;
+        if from_staging < len {
+            self.activity.read(self.epoch);
+            self.last_heard = Instant::now();
+        }
+        if let Err(err) = &read {
+            log::error!("echo: a sample read in place came up short and was zeroed: {err}");
+        }
+        read.map(|()| true)
+    }
+
+    /// Waits until the socket has something to read (or its end), flushing acks first and
+    /// sending heartbeats meanwhile, like [`Link::read`].
+    async fn wait_readable(&mut self) -> io::Result<()> {
+        self.flush().await?;
+        loop {
+            let readable = self.reader.as_ref().readable();
+            match self.beat {
+                None => return readable.await,
+                Some(beat) => match tokio::time::timeout(beat.every, readable).await {
+                    Ok(ready) => return ready,
+                    Err(_) => self.tick(true).await?,
+                },
+            }
+        }
+    }
+
+    /// Bytes waiting in the socket's receive buffer (FIONREAD); `None` if it cannot say.
+    #[cfg(unix)]
+    fn readable_bytes(&self) -> Option<usize> {
+        use std::os::fd::AsRawFd;
+        let fd = self.reader.as_ref().as_raw_fd();
+        let mut bytes: libc::c_int = 0;
+        // SAFETY: FIONREAD on a socket descriptor we own writes one `c_int` to `bytes`.
+        let rc = unsafe { libc::ioctl(fd, libc::FIONREAD, &mut bytes) };
+        (rc == 0).then(|| usize::try_from(bytes).unwrap_or(0))
+    }
+
+    #[cfg(not(unix))]
+    fn readable_bytes(&self) -> Option<usize> {
+        None
     }
 
     /// Waits for space (a buffer or a queue slot), sending heartbeats meanwhile.
