@@ -17,7 +17,7 @@ import optree
 
 from echo import checkpoint as _checkpoint
 from echo._echo import SampleInfo, ServerClosedError, ServerCore
-from echo._prefetch import Prefetcher, torch_transfer
+from echo._prefetch import Prefetcher, device_transfer
 from echo._pytree import NONE_IS_LEAF, TreeLayout
 from echo._validate import check_int, check_seconds
 from echo.checkpoint import CheckpointError, PeriodicCheckpointer
@@ -531,9 +531,11 @@ class Server:
             device: A torch device (`"cuda:0"`, `"cpu"`, a `torch.device`): yield batches whose
                 leaves are torch tensors on it, copied from the ring by a background thread
                 (non-blocking copies on a side stream for CUDA; page-lock the ring with
-                `pin_host_memory=True` for real DMA). A batch's ring slots go back once its
-                copy has completed, so the learner's step overlaps the next copy. Needs
-                PyTorch. With a replay sampler the batch is copied out of the table first (its
+                `pin_host_memory=True` for real DMA). Or a JAX device (`jax.devices()[0]`):
+                leaves are `jax.Array`s committed to it (`jax.device_put`; on a CPU device
+                from a private copy, since JAX may alias host memory). A batch's ring slots
+                go back once its copy has completed, so the learner's step overlaps the next
+                copy. With a replay sampler the batch is copied out of the table first (its
                 per-item arrays must outlive the next draw).
             prefetch: How many copied batches the background thread keeps ready (default 2
                 with `device`). Without `device` it needs `copy=True`: the thread then makes
@@ -553,7 +555,8 @@ class Server:
             ValueError: `timeout` is negative or NaN, `prefetch` is not a positive int, or
                 `prefetch` without `device` and without `copy=True` (checked on the first
                 `next()`).
-            ImportError: `device` without PyTorch installed (on the first `next()`).
+            ImportError: A device other than a JAX one without PyTorch installed (on the
+                first `next()`).
         """
         if device is None and prefetch is None:
             while (sample := self.sample(timeout, copy=copy, writable=writable)) is not None:
@@ -571,7 +574,7 @@ class Server:
                 return self.sample(wait_s, copy=True)
 
         else:
-            transfer = torch_transfer(device)
+            transfer = device_transfer(device)
             replay = self._core.max_size is not None
 
             def fetch(wait_s: float) -> Sample | None:

@@ -191,3 +191,48 @@ def test_device_cpu_tensors_are_copies_not_ring_views() -> None:
     server.close()
     # the slots went back to the writers when the copy was done: the tensor must own its data
     assert ids_of({k: v.numpy() for k, v in sample.batch.items()}) == [0, 1, 2, 3]
+
+
+needs_jax = pytest.mark.skipif(
+    importlib.util.find_spec("jax") is None, reason="JAX is not installed (the test extra)"
+)
+
+
+@needs_jax
+@pytest.mark.usefixtures("no_prefetch_thread_left")
+def test_jax_cpu_device_yields_committed_arrays_once_and_in_order() -> None:
+    import jax
+
+    cpu = jax.devices("cpu")[0]
+    server = Server(EXAMPLE, batch_size=BATCH, num_buffers=2)
+    producer = produce_then_drain(server, BATCH * 50)
+    seen: list[int] = []
+    for sample in server.dataset_iter(device=cpu, prefetch=2, timeout=WAIT_S):
+        assert isinstance(sample.batch["obs"], jax.Array)
+        assert sample.batch["obs"].devices() == {cpu}
+        seen += ids_of({k: np.asarray(v) for k, v in sample.batch.items()})
+    producer.join(WAIT_S)
+    assert seen == list(range(BATCH * 50))
+
+
+@needs_jax
+def test_jax_cpu_arrays_do_not_alias_the_ring() -> None:
+    """JAX may alias host memory on a CPU device; a batch whose slots went back to the
+    writers must keep its values while they are overwritten."""
+    import jax
+
+    server = Server(EXAMPLE, batch_size=BATCH, num_buffers=2)
+    for i in range(BATCH * 2):
+        server.submit(sample_of(i))
+    batches = server.dataset_iter(device=jax.devices("cpu")[0], prefetch=1, timeout=WAIT_S)
+    first = next(batches)
+    # The thread's next sample() gave the first batch's slots back; fill them with new ids.
+    for i in range(BATCH * 2, BATCH * 3):
+        server.submit(sample_of(i), timeout=WAIT_S)
+    second = next(batches)
+    third = next(batches)  # written into the first batch's slots
+    assert ids_of({k: np.asarray(v) for k, v in first.batch.items()}) == [0, 1, 2, 3]
+    assert ids_of({k: np.asarray(v) for k, v in second.batch.items()}) == [4, 5, 6, 7]
+    assert ids_of({k: np.asarray(v) for k, v in third.batch.items()}) == [8, 9, 10, 11]
+    batches.close()
+    server.close()
