@@ -25,7 +25,7 @@ import optree
 
 from echo._pytree import NONE_IS_LEAF
 
-__all__ = ["Prefetcher", "torch_transfer"]
+__all__ = ["Prefetcher", "device_transfer", "jax_transfer", "torch_transfer"]
 
 # How long the thread waits for a batch before it looks at its stop flag again. Only an idle
 # server (no full batch) ever waits this long; a batch that arrives ends the wait at once.
@@ -125,6 +125,36 @@ class Prefetcher:
     def alive(self) -> bool:
         """Whether the thread is still running (for tests)."""
         return self._thread.is_alive()
+
+
+def device_transfer(device: Any) -> Callable[[Any], Any]:
+    """`jax_transfer` for a JAX device (`jax.devices()[0]`), else `torch_transfer`."""
+    if type(device).__module__.split(".", 1)[0] in ("jax", "jaxlib"):
+        return jax_transfer(device)
+    return torch_transfer(device)
+
+
+def jax_transfer(device: Any) -> Callable[[Any], Any]:
+    """`copy(tree)`: the tree of numpy views as JAX arrays committed to `device`, the copy
+    finished when it returns (the views' slots may then be given back).
+
+    A CPU device gets a private numpy copy first: `jax.device_put` of host memory on the CPU
+    may alias it instead of copying, and the ring's slots are rewritten once given back.
+    Other devices (GPU, TPU) copy from the ring itself; the thread waits for the transfer
+    (`block_until_ready`) before the slots go back.
+    """
+    jax: Any = importlib.import_module("jax")  # a JAX device implies JAX is importable
+    on_cpu = getattr(device, "platform", None) == "cpu"
+
+    def leaf_to_device(leaf: Any) -> Any:
+        return jax.device_put(leaf.copy() if on_cpu else leaf, device)
+
+    def to_device(tree: Any) -> Any:
+        out: Any = optree.tree_map(leaf_to_device, tree, none_is_leaf=NONE_IS_LEAF)
+        jax.block_until_ready(out)
+        return out
+
+    return to_device
 
 
 def torch_transfer(device: Any) -> Callable[[Any], Any]:
