@@ -7,7 +7,7 @@ import math
 import os
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -293,6 +293,8 @@ class Server:
         checkpoint_keep: int = 3,
     ) -> None:
         self._periodic: PeriodicCheckpointer | None = None
+        # `sample(device=...)`'s copy functions, one per device (a CUDA one owns a stream).
+        self._transfers: dict[tuple[str, str], Callable[[Any], Any]] = {}
         config = _ServerConfig(
             batch_size=check_int("batch_size", batch_size, 1),
             num_buffers=check_int("num_buffers", num_buffers, 2),
@@ -462,7 +464,12 @@ class Server:
         return self._core.submit_batch(batch, timeout, priority)
 
     def sample(
-        self, timeout: float | None = None, *, copy: bool = False, writable: bool = False
+        self,
+        timeout: float | None = None,
+        *,
+        copy: bool = False,
+        writable: bool = False,
+        device: Any = None,
     ) -> Sample | None:
         """Waits for the next full batch and returns it, or `None` once the server is closed.
 
@@ -478,18 +485,36 @@ class Server:
                 slots are the learner's until the next `sample()`: writing into them before
                 then is safe; after it, a write may garble a sample being written. The
                 replay per-item arrays (`keys`, ...) stay read-only.
+            device: Return the batch copied to this device, the copy complete: a torch device
+                (`"cuda:0"`, `"cpu"`, a `torch.device`; torch tensors) or a JAX device
+                (`jax.devices()[0]`; `jax.Array`s), as `dataset_iter(device=...)` does in
+                the background. The copy is the caller's to keep. `copy` and `writable`
+                make no difference then.
 
         Raises:
+            ImportError: `device` is not a JAX device and PyTorch is not installed.
+            ValueError: `device` is not a CPU or CUDA device (torch).
             TimeoutError: No full batch arrived within `timeout`. With a replay sampler the
                 message says what held the batch back: the rate limiter (its repr and its
                 counters: inserts, samples, the limit) or a table with nothing to sample.
             KeyboardInterrupt: Ctrl-C while waiting.
         """
-        got = self._core.sample(timeout, copy, writable)
+        transfer = None if device is None else self._transfer_to(device)
+        got = self._core.sample(
+            timeout, copy and transfer is None, writable or transfer is not None
+        )
         if got is None:
             return None
         leaves, info, meta = got  # meta: (keys, probabilities, times_sampled), or () for FIFO
-        return Sample(self._layout.unflatten(leaves), info, *meta)
+        batch = self._layout.unflatten(leaves)
+        return Sample(batch if transfer is None else transfer(batch), info, *meta)
+
+    def _transfer_to(self, device: Any) -> Callable[[Any], Any]:
+        key = (type(device).__qualname__, repr(device))
+        transfer = self._transfers.get(key)
+        if transfer is None:
+            transfer = self._transfers[key] = device_transfer(device)
+        return transfer
 
     def update_priorities(self, keys: Any, priorities: Any) -> int:
         """Sets the priorities of the items with `keys` (from `Sample.keys`); the next batch

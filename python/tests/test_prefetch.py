@@ -236,3 +236,55 @@ def test_jax_cpu_arrays_do_not_alias_the_ring() -> None:
     assert ids_of({k: np.asarray(v) for k, v in third.batch.items()}) == [8, 9, 10, 11]
     batches.close()
     server.close()
+
+
+@needs_jax
+@pytest.mark.parametrize("sampler", ["fifo", "replay"])
+def test_sample_to_a_jax_device_returns_a_finished_private_copy(sampler: str) -> None:
+    import jax
+
+    import echo
+
+    cpu = jax.devices("cpu")[0]
+    replay = {"sampler": echo.Lifo(), "max_size": BATCH} if sampler == "replay" else {}
+    server = Server(EXAMPLE, batch_size=BATCH, num_buffers=2, **replay)
+    for i in range(BATCH):
+        server.submit(sample_of(i))
+    sample = server.sample(timeout=WAIT_S, device=cpu)
+    assert sample is not None
+    assert isinstance(sample.batch["obs"], jax.Array)
+    assert sample.batch["obs"].devices() == {cpu}
+    first = sorted(ids_of({k: np.asarray(v) for k, v in sample.batch.items()}))
+    assert first == [0, 1, 2, 3]
+    # The slots (or the replay batch area) are reused by what comes next; the copy stays.
+    for i in range(BATCH, 2 * BATCH):
+        server.submit(sample_of(i), timeout=WAIT_S)
+    assert server.sample(timeout=WAIT_S) is not None  # gives the first batch's slots back
+    for i in range(2 * BATCH, 3 * BATCH):
+        server.submit(sample_of(i), timeout=WAIT_S)  # FIFO: into the first batch's slots
+    assert sorted(ids_of({k: np.asarray(v) for k, v in sample.batch.items()})) == first
+    server.close()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is not None, reason="torch is installed")
+def test_sample_to_a_torch_device_without_torch_is_a_clear_import_error() -> None:
+    server = Server(EXAMPLE, batch_size=BATCH)
+    for i in range(BATCH):
+        server.submit(sample_of(i))
+    with pytest.raises(ImportError, match="needs PyTorch"):
+        server.sample(timeout=WAIT_S, device="cpu")
+    server.close()
+
+
+@needs_torch
+def test_sample_to_the_torch_cpu_device_returns_tensors() -> None:
+    import torch
+
+    server = Server(EXAMPLE, batch_size=BATCH)
+    for i in range(BATCH):
+        server.submit(sample_of(i))
+    sample = server.sample(timeout=WAIT_S, device="cpu")
+    assert sample is not None
+    assert isinstance(sample.batch["obs"], torch.Tensor)
+    assert ids_of({k: v.numpy() for k, v in sample.batch.items()}) == [0, 1, 2, 3]
+    server.close()
