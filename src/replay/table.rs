@@ -46,6 +46,7 @@ use std::time::Instant;
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::error::{EchoError, InsertError};
+use crate::ingress::QueuedSamples;
 use crate::replay::limiter::{RateLimit, RateLimiter, SampleHoldback};
 use crate::replay::rng::Rng;
 use crate::replay::select::{
@@ -265,6 +266,9 @@ struct State {
     waiting_samples: u64,
     /// The checkpoint being written, if any.
     cow: Option<Cow>,
+    /// Set while a restore's ingress samples are still going in ([`Table::restore_queued`]):
+    /// every other insert waits, so that nothing new goes in before them.
+    restoring: bool,
 }
 
 impl State {
@@ -463,6 +467,7 @@ impl Table {
             waiting_inserts: 0,
             waiting_samples: 0,
             cow: None,
+            restoring: false,
         };
         Ok(Arc::new(Self {
             pinned: crate::pinned::Pinning::default(),
@@ -554,6 +559,17 @@ impl Table {
         priority: Option<f64>,
         deadline: Option<Instant>,
     ) -> Result<(), InsertError> {
+        self.insert_as(src, priority, deadline, false)
+    }
+
+    /// [`Table::insert`]; `restorer`: the restore's own insert, which the restore gate lets by.
+    fn insert_as<S: SampleSource + ?Sized>(
+        &self,
+        src: &S,
+        priority: Option<f64>,
+        deadline: Option<Instant>,
+        restorer: bool,
+    ) -> Result<(), InsertError> {
         validate_source(&self.spec, src)?;
         let small = self.spec.payload_size() <= COPY_UNDER_LOCK_BYTES;
         // The deadline bounds the wait for the lock too: a caller that must not block (the
@@ -578,7 +594,7 @@ impl Table {
             }
         }
         for sample in 0..src.num_samples() {
-            self.wait_insertable(&mut state, deadline)
+            self.wait_insertable(&mut state, deadline, restorer)
                 .map_err(|error| InsertError::new(sample, error))?;
             let (slot, replaced) = state.reserve(small);
             self.preserve_for_checkpoint(&mut state, slot);
@@ -638,13 +654,14 @@ impl Table {
         &self,
         state: &mut MutexGuard<'_, State>,
         deadline: Option<Instant>,
+        restorer: bool,
     ) -> Result<(), EchoError> {
         let mut waited = None;
         let outcome = loop {
             if self.is_closed() {
                 break Err(EchoError::Closed);
             }
-            if state.insertable() {
+            if state.insertable() && (restorer || !state.restoring) {
                 break Ok(());
             }
             if deadline.is_some_and(|d| Instant::now() >= d) {
@@ -776,6 +793,19 @@ impl Table {
     /// # Errors
     /// [`EchoError::Busy`] if another checkpoint of this table is running.
     pub fn checkpoint(self: &Arc<Self>) -> Result<Checkpoint, EchoError> {
+        self.checkpoint_with(|| ()).map(|(checkpoint, ())| checkpoint)
+    }
+
+    /// [`Table::checkpoint`], calling `frozen` inside the snapshot's lock hold: no item is
+    /// published meanwhile, so it can read what writers hold outside the table (the ingress)
+    /// consistently with the snapshot. `frozen` must not touch this table.
+    ///
+    /// # Errors
+    /// [`EchoError::Busy`] if another checkpoint of this table is running.
+    pub fn checkpoint_with<R>(
+        self: &Arc<Self>,
+        frozen: impl FnOnce() -> R,
+    ) -> Result<(Checkpoint, R), EchoError> {
         let slots = self.config.max_size + self.config.batch_size;
         // Allocated before taking the lock: the lock hold only scans and copies.
         let mut pending = vec![false; slots].into_boxed_slice();
@@ -801,6 +831,7 @@ impl Table {
             max_priority: state.max_priority,
         };
         state.cow = Some(Cow { pending, saved: HashMap::new() });
+        let out = frozen();
         drop(state);
         rows.sort_unstable_by_key(|row| row.0);
         let items = SnapshotItems {
@@ -808,13 +839,58 @@ impl Table {
             priorities: rows.iter().map(|row| row.2).collect(),
             times_sampled: rows.iter().map(|row| row.3).collect(),
         };
-        Ok(Checkpoint {
+        let checkpoint = Checkpoint {
             table: Arc::clone(self),
             slots: rows.iter().map(|row| row.1).collect(),
             items,
             state: table_state,
             next_row: 0,
-        })
+        };
+        Ok((checkpoint, out))
+    }
+
+    /// Inserts a checkpoint's ingress samples (`queued`, each with the priority it was sent
+    /// with) after a [`Table::restore`], from a thread named `echo-restore`, waiting for the
+    /// rate limiter like any insert; every other insert waits until they are all in (or the
+    /// table closes), so nothing new goes in before them. Returns at once.
+    ///
+    /// # Errors
+    /// [`EchoError::Io`] if the thread cannot start (nothing is inserted then).
+    pub fn restore_queued(self: &Arc<Self>, queued: QueuedSamples) -> Result<(), EchoError> {
+        if queued.is_empty() {
+            return Ok(());
+        }
+        self.state.lock().restoring = true;
+        let table = Arc::clone(self);
+        let spawned = std::thread::Builder::new().name("echo-restore".into()).spawn(move || {
+            for i in 0..queued.len() {
+                let payload = [queued.payload(i)];
+                let result = crate::source::Payloads::new(&table.spec, &payload[..])
+                    .map_err(InsertError::from)
+                    .and_then(|src| table.insert_as(&src, queued.priorities[i], None, true));
+                match result {
+                    Ok(()) => {}
+                    Err(InsertError { error: EchoError::Closed, .. }) => break,
+                    Err(err) => log::error!("echo restore: dropping a queued sample: {err}"),
+                }
+            }
+            table.end_restore();
+        });
+        if let Err(err) = spawned {
+            self.end_restore();
+            return Err(EchoError::Io(err));
+        }
+        Ok(())
+    }
+
+    /// Whether a restore's ingress samples are still going in.
+    pub fn is_restoring(&self) -> bool {
+        self.state.lock().restoring
+    }
+
+    fn end_restore(&self) {
+        self.state.lock().restoring = false;
+        self.insert_ready.notify_all();
     }
 
     /// Fills a new, empty table with a checkpoint's items (in key order, `leaves[l]` holding
