@@ -121,7 +121,8 @@ impl Chunks for FifoSnapshot {
         if n > 0 {
             return n;
         }
-        let mut rest = QueuedChunks { spec: self.ring.spec(), queued: &self.queued, next: self.next_queued };
+        let mut rest =
+            QueuedChunks { spec: self.ring.spec(), queued: &self.queued, next: self.next_queued };
         let n = rest.next_chunk(max_bytes, out);
         self.next_queued = rest.next;
         n

@@ -544,7 +544,9 @@ impl Store {
         // ORDERING: Acquire pairs with the Release store in `RingCheckpoint::drop`: the last
         // checkpoint's unpinning is done before we pin again.
         if self.checkpointing.swap(true, Acquire) {
-            return Err(EchoError::Busy("a checkpoint of this ring is already being written".into()));
+            return Err(EchoError::Busy(
+                "a checkpoint of this ring is already being written".into(),
+            ));
         }
         // Step 1. ORDERING: AcqRel — a read-modify-write, so it sees the latest cursor (every
         // reservation made so far lies below `end`) and every later CAS fails on the bit;

@@ -189,6 +189,10 @@ pub(crate) struct Mutex<T>(loom::sync::Mutex<T>);
 
 #[cfg(loom)]
 impl<T> Mutex<T> {
+    pub(crate) fn new(value: T) -> Self {
+        Self(loom::sync::Mutex::new(value))
+    }
+
     pub(crate) fn lock(&self) -> loom::sync::MutexGuard<'_, T> {
         self.0.lock().unwrap()
     }

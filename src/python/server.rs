@@ -346,7 +346,10 @@ impl PyServerCore {
             let ingress_digests = if queued.is_empty() {
                 Vec::new()
             } else {
-                write_leaf_files(&mut QueuedChunks::new(checkpoint.spec(), &queued), &ingress_files)?
+                write_leaf_files(
+                    &mut QueuedChunks::new(checkpoint.spec(), &queued),
+                    &ingress_files,
+                )?
             };
             Ok::<_, EchoError>((
                 checkpoint.items().clone(),
@@ -386,7 +389,9 @@ impl PyServerCore {
         let ingress = self.ingress.get().map(Arc::as_ref);
         let (handed_out, ring_rows, ingress_rows, digests) = detach(py, || {
             let BackendCheckpoint::Fifo(mut snapshot) = backend.checkpoint(ingress)? else {
-                return Err(EchoError::Config("_checkpoint_fifo: this server is a replay table".into()));
+                return Err(EchoError::Config(
+                    "_checkpoint_fifo: this server is a replay table".into(),
+                ));
             };
             let digests = write_leaf_files(&mut snapshot, &files)?;
             Ok::<_, EchoError>((
