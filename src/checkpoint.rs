@@ -218,6 +218,53 @@ pub fn write_leaf_files(
     Ok(digests)
 }
 
+/// Writes `values` (native byte order) as the new `.npy` file `path` of one dimension, dtype
+/// `<kind><size>` (numpy's letter, `u` or `f`), fsynced; returns its SHA-256. For the per-item
+/// metadata arrays, written here with the GIL released rather than by numpy with it held.
+///
+/// # Errors
+/// [`EchoError::Io`] from creating, writing or syncing the file.
+pub fn write_npy_1d(
+    path: &std::path::Path,
+    kind: char,
+    values: &[u8],
+    size: usize,
+) -> Result<[u8; 32], EchoError> {
+    let order = if cfg!(target_endian = "little") { '<' } else { '>' };
+    let header = npy_header(&format!("'{order}{kind}{size}'"), &[values.len() / size.max(1)]);
+    let mut out = File::options().write(true).create_new(true).open(path)?;
+    out.write_all(&header)?;
+    out.write_all(values)?;
+    out.sync_all()?;
+    let mut hasher = Sha256::new();
+    hasher.update(&header);
+    hasher.update(values);
+    Ok(hasher.finalize().into())
+}
+
+/// The bytes of a slice of plain numbers, in native byte order.
+pub fn as_bytes<T: bytemuck_free::Plain>(values: &[T]) -> &[u8] {
+    // SAFETY: `Plain` types (u32, u64, f64) have no padding and every byte pattern of them is
+    // initialised; the slice covers exactly `size_of_val(values)` bytes of `values`, which it
+    // borrows.
+    unsafe {
+        std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values))
+    }
+}
+
+/// Plain numeric types whose bytes can be viewed as `u8` (no padding, no invalid bytes).
+pub mod bytemuck_free {
+    /// # Safety
+    /// Implement only for types with no padding bytes.
+    pub unsafe trait Plain: Copy {}
+    // SAFETY: primitive integers and floats have no padding.
+    unsafe impl Plain for u32 {}
+    // SAFETY: as above.
+    unsafe impl Plain for u64 {}
+    // SAFETY: as above.
+    unsafe impl Plain for f64 {}
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -24,10 +24,11 @@
 //! 3. Slots `[read_cursor, read_cursor + capacity)` belong either to the writer that reserved
 //!    them (until commit), to nobody (committed, waiting), or to the consumer (handed out, until
 //!    released). Nobody writes a slot the consumer holds.
-//! 4. `read_cursor == min(released, pin)` (both under the `limits` lock): the consumer's
-//!    release end, and the first slot a running checkpoint has not copied yet. So a checkpoint
-//!    *pins* the slots it still has to copy: writers reuse them only once it has, and at worst
-//!    wait for space (backpressure), never see or cause torn data.
+//! 4. `read_cursor == min(released, pin rounded down to a batch)` (both under the `limits`
+//!    lock): the consumer's release end, and the first slot a running checkpoint has not
+//!    copied yet. So a checkpoint *pins* the slots it still has to copy: writers reuse them
+//!    only once it has, and at worst wait for space (backpressure), never see or cause torn
+//!    data.
 //!
 //! Checkpoints ([`Store::checkpoint`]): a point-in-time snapshot of every committed sample not
 //! yet handed to the consumer, taken while writers and the consumer go on.
@@ -102,12 +103,12 @@ pub struct Store {
     /// Next slot a writer will reserve. Only grows; writers advance it with a CAS. Its top bit
     /// is [`FROZEN`] while a checkpoint takes its snapshot: no reservation succeeds then.
     write_cursor: CachePadded<AtomicU64>,
-    /// `min(limits.released, limits.pin)`: the first slot that is not free for writers. Only
-    /// grows, and is only stored under the `limits` lock. Writers may reserve slots below
-    /// `read_cursor + capacity`.
+    /// `limits.read_cursor()`: the first slot that is not free for writers, a multiple of
+    /// `batch_size`. Only grows, and is only stored under the `limits` lock. Writers may
+    /// reserve slots below `read_cursor + capacity`.
     read_cursor: CachePadded<AtomicU64>,
-    /// What `read_cursor` is the minimum of (invariant 4). Taken once per released batch and
-    /// once per checkpoint chunk, never by writers.
+    /// What `read_cursor` is made of (invariant 4). Taken once per released batch and once
+    /// per checkpoint chunk, never by writers.
     limits: Mutex<Limits>,
     /// Batches handed to the consumer so far (the index of the next one). Only the consumer
     /// stores it; a checkpoint reads it to know where the samples not yet handed out begin.
@@ -151,8 +152,11 @@ struct Limits {
 }
 
 impl Limits {
-    fn read_cursor(&self) -> u64 {
-        self.pin.map_or(self.released, |pin| pin.min(self.released))
+    /// `min(released, pin)`, the pin rounded down to a batch boundary: `read_cursor` stays a
+    /// multiple of `batch_size` (invariant 1), so a reservation (which may run to the end of
+    /// its batch) that passes the space check never reaches a pinned slot.
+    fn read_cursor(&self, batch_size: u64) -> u64 {
+        self.pin.map_or(self.released, |pin| (pin / batch_size * batch_size).min(self.released))
     }
 }
 
@@ -595,7 +599,7 @@ impl Store {
             limits.pin = pin;
             // ORDERING: Release pairs with the writers' Acquire in `has_space`: the checkpoint's
             // reads of the slots below the pin happen before any writer reuses them.
-            self.read_cursor.store(limits.read_cursor(), Release);
+            self.read_cursor.store(limits.read_cursor(self.batch_size as u64), Release);
         }
         self.space_free.notify_all();
     }
@@ -788,7 +792,7 @@ impl Consumer {
             limits.released = released;
             // ORDERING: Release pairs with the writers' Acquire in `has_space`: our reads of
             // the batch and the counter reset happen before any writer reuses the slots.
-            store.read_cursor.store(limits.read_cursor(), Release);
+            store.read_cursor.store(limits.read_cursor(store.batch_size as u64), Release);
         }
         // Unconditional: a writer that found the ring full is parked or about to park on
         // `space_free`; it re-checks `read_cursor` under the signal's lock, so this cannot be lost.

@@ -258,29 +258,21 @@ def write(
     def fill(data_dir: str) -> dict[str, Any]:
         leaf_files = _leaf_files(layout)
         ingress_files = _leaf_files(layout, "ingress_")
-        keys, priorities, times_sampled, state, digests, ingress = core._checkpoint(
+        meta_files = [file for _, file, _ in _META_FILES]
+        keys, _, _, state, digests, ingress = core._checkpoint(
             _native_files(layout, data_dir, leaf_files),
             _native_files(layout, data_dir, ingress_files),
+            [os.path.join(data_dir, f) for f in [*meta_files, _INGRESS_PRIORITIES]],
         )
-        queued, ingress_digests, ingress_priorities = ingress
+        queued, ingress_digests, _ = ingress
         n = len(keys)
-        files = _digests(data_dir, leaf_files, digests)
+        # Every file is written (and hashed, and fsynced) natively with the GIL released.
+        files = _digests(data_dir, leaf_files + meta_files, digests)
         _hook("leaves-written")
-        metas: list[tuple[str, Any, np.dtype[Any]]] = [
-            (file, array, dtype)
-            for (_, file, dtype), array in zip(
-                _META_FILES, (keys, priorities, times_sampled), strict=True
-            )
-        ]
         if queued:
-            files.update(_digests(data_dir, ingress_files, ingress_digests))
-            metas.append((_INGRESS_PRIORITIES, ingress_priorities, np.dtype(np.float64)))
-        for file, array, dtype in metas:
-            data = _npy_bytes(np.ascontiguousarray(array, dtype=dtype))
-            files[file] = {
-                "sha256": _write_small(os.path.join(data_dir, file), data),
-                "bytes": len(data),
-            }
+            files.update(
+                _digests(data_dir, [*ingress_files, _INGRESS_PRIORITIES], ingress_digests)
+            )
         inserts, samples, rng, next_key, max_priority = state
         manifest: dict[str, Any] = {
             "format": REPLAY_FORMAT,

@@ -23,7 +23,7 @@ use super::leaves::{byte_slices, LeafSpecs};
 use super::views::{batch_copies, batch_views, LeafLayout, RingLease};
 use super::{deadline_from_timeout, detach, wait_detached};
 use crate::backend::{Backend, BackendCheckpoint, BackendStats, BatchConsumer, BatchRef};
-use crate::checkpoint::{write_leaf_files, LeafFile, QueuedChunks};
+use crate::checkpoint::{as_bytes, write_leaf_files, write_npy_1d, LeafFile, QueuedChunks};
 use crate::error::EchoError;
 use crate::ingress::{Ingress, IngressConfig, QueuedSamples};
 use crate::metrics;
@@ -327,11 +327,16 @@ impl PyServerCore {
     /// metadata: `(keys, priorities, times_sampled, (inserts, samples, rng_state, next_key,
     /// max_priority), sha256 digests of the files, (ingress samples, their files' digests,
     /// their priorities with NaN for none))`.
+    ///
+    /// `meta_files`: where the keys (uint64), priorities (float64), times sampled (uint32)
+    /// and the ingress samples' priorities (float64, only when there are some) go, as `.npy`
+    /// files written here with the GIL released; their digests follow the leaves'.
     fn _checkpoint<'py>(
         &self,
         py: Python<'py>,
         files: Vec<(PathBuf, String, Vec<usize>)>,
         ingress_files: Vec<(PathBuf, String, Vec<usize>)>,
+        meta_files: [PathBuf; 4],
     ) -> PyResult<CheckpointOut<'py>> {
         let files = leaf_files(files);
         let ingress_files = leaf_files(ingress_files);
@@ -342,14 +347,22 @@ impl PyServerCore {
             else {
                 return Err(EchoError::Config("_checkpoint: this server is FIFO".into()));
             };
-            let digests = write_leaf_files(&mut checkpoint, &files)?;
+            let mut digests = write_leaf_files(&mut checkpoint, &files)?;
+            let items = checkpoint.items();
+            digests.push(write_npy_1d(&meta_files[0], 'u', as_bytes(&items.keys), 8)?);
+            digests.push(write_npy_1d(&meta_files[1], 'f', as_bytes(&items.priorities), 8)?);
+            digests.push(write_npy_1d(&meta_files[2], 'u', as_bytes(&items.times_sampled), 4)?);
             let ingress_digests = if queued.is_empty() {
                 Vec::new()
             } else {
-                write_leaf_files(
+                let mut ingress_digests = write_leaf_files(
                     &mut QueuedChunks::new(checkpoint.spec(), &queued),
                     &ingress_files,
-                )?
+                )?;
+                let priorities: Vec<f64> =
+                    queued.priorities.iter().map(|p| p.unwrap_or(f64::NAN)).collect();
+                ingress_digests.push(write_npy_1d(&meta_files[3], 'f', as_bytes(&priorities), 8)?);
+                ingress_digests
             };
             Ok::<_, EchoError>((
                 checkpoint.items().clone(),
