@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import json
 import logging
 import os
@@ -116,12 +115,6 @@ def _write_small(path: str, data: bytes) -> str:
         f.flush()
         os.fsync(f.fileno())
     return hashlib.sha256(data).hexdigest()
-
-
-def _npy_bytes(array: npt.NDArray[Any]) -> bytes:
-    buf = io.BytesIO()
-    np.lib.format.write_array(buf, array, allow_pickle=False)
-    return buf.getvalue()
 
 
 def _strategy(value: Any) -> dict[str, Any]:
@@ -206,9 +199,7 @@ def _layout_dict(layout: TreeLayout, leaf_files: list[str]) -> dict[str, Any]:
     }
 
 
-def _write_atomically(
-    path: str | os.PathLike[str], fill: Callable[[str], dict[str, Any]]
-) -> int:
+def _write_atomically(path: str | os.PathLike[str], fill: Callable[[str], dict[str, Any]]) -> int:
     """Writes a checkpoint directory beside `path` with `fill(data_dir)` (which writes the data
     files and returns the manifest, `files` included), then swaps `path` over to it (see the
     module doc); returns the bytes its files hold (the manifest included)."""
@@ -270,9 +261,7 @@ def write(
         files = _digests(data_dir, leaf_files + meta_files, digests)
         _hook("leaves-written")
         if queued:
-            files.update(
-                _digests(data_dir, [*ingress_files, _INGRESS_PRIORITIES], ingress_digests)
-            )
+            files.update(_digests(data_dir, [*ingress_files, _INGRESS_PRIORITIES], ingress_digests))
         inserts, samples, rng, next_key, max_priority = state
         manifest: dict[str, Any] = {
             "format": REPLAY_FORMAT,
@@ -657,9 +646,7 @@ def read(path: str | os.PathLike[str], example: Any = None) -> Loaded:
     ]
     empty = {key: np.zeros(0, dtype) for key, _, dtype in _META_FILES}
     meta = (
-        empty
-        if fifo
-        else {key: _load(root, file, dtype, (n,)) for key, file, dtype in _META_FILES}
+        empty if fifo else {key: _load(root, file, dtype, (n,)) for key, file, dtype in _META_FILES}
     )
     if ingress_files:
         ingress_arrays = [

@@ -220,7 +220,9 @@ def test_acknowledged_samples_queued_in_the_ingress_are_in_a_replay_checkpoint(
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["counts"] == {"items": 4, "from_ingress": 6}
     items = intact_ids(
-        np.load(path / "leaf_002.npy"), np.load(path / "leaf_001.npy"), np.load(path / "leaf_000.npy")
+        np.load(path / "leaf_002.npy"),
+        np.load(path / "leaf_001.npy"),
+        np.load(path / "leaf_000.npy"),
     )
     queued = intact_ids(
         np.load(path / "ingress_leaf_002.npy"),
@@ -243,7 +245,8 @@ def test_acknowledged_samples_queued_in_the_ingress_are_in_a_replay_checkpoint(
         by_key: dict[int, int] = {}
         for _ in range(6):
             sample = restored.sample(timeout=WAIT_S)
-            assert sample is not None and sample.keys is not None
+            assert sample is not None
+            assert sample.keys is not None
             by_key.update(zip((int(k) for k in sample.keys), batch_ids(sample), strict=True))
         t.join(WAIT_S)
         assert done.is_set()

@@ -234,9 +234,7 @@ def test_argument_errors(
 
 def test_a_fifo_server_writes_periodic_checkpoints_that_restore(tmp_path: Path) -> None:
     directory = tmp_path / "ckpts"
-    server = Server(
-        example(), 2, sampler=Fifo(), checkpoint_dir=directory, checkpoint_every=EVERY
-    )
+    server = Server(example(), 2, sampler=Fifo(), checkpoint_dir=directory, checkpoint_every=EVERY)
     try:
         for i in range(5):
             server.submit(item(i))
