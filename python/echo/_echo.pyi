@@ -236,6 +236,7 @@ class ServerCore:
         self,
         files: list[tuple[str, str, tuple[int, ...]]],
         ingress_files: list[tuple[str, str, tuple[int, ...]]],
+        meta_files: list[str],
     ) -> tuple[
         npt.NDArray[np.uint64],
         npt.NDArray[np.float64],
@@ -245,10 +246,11 @@ class ServerCore:
         tuple[int, list[bytes], npt.NDArray[np.float64]],
     ]:
         """Writes a snapshot of the replay table's items, one `.npy` file per leaf
-        `(path, descr, item_shape)`, and the ingress's acknowledged samples into
-        `ingress_files` (only when there are some); returns `(keys, priorities,
-        times_sampled, (inserts, samples, rng_state, next_key, max_priority), sha256 digests,
-        (ingress samples, their digests, their priorities with NaN for none))`."""
+        `(path, descr, item_shape)`, the keys, priorities and times sampled into
+        `meta_files[:3]`, and the ingress's acknowledged samples into `ingress_files` and
+        their priorities into `meta_files[3]` (only when there are some); returns `(keys,
+        priorities, times_sampled, (inserts, samples, rng_state, next_key, max_priority),
+        sha256 digests, (ingress samples, their digests, their priorities, NaN for none))`."""
     def _checkpoint_fifo(
         self, files: list[tuple[str, str, tuple[int, ...]]]
     ) -> tuple[int, int, int, list[bytes]]:

@@ -644,10 +644,14 @@ def read(path: str | os.PathLike[str], example: Any = None) -> Loaded:
         _load(root, leaf["file"], mine.dtype, (n, *mine.shape))
         for leaf, mine in zip(leaves, layout.leaves, strict=True)
     ]
-    empty = {key: np.zeros(0, dtype) for key, _, dtype in _META_FILES}
-    meta = (
-        empty if fifo else {key: _load(root, file, dtype, (n,)) for key, file, dtype in _META_FILES}
-    )
+    if fifo:
+        keys: npt.NDArray[Any] = np.zeros(0, np.uint64)
+        priorities: npt.NDArray[Any] = np.zeros(0, np.float64)
+        times_sampled: npt.NDArray[Any] = np.zeros(0, np.uint32)
+    else:
+        keys, priorities, times_sampled = (
+            _load(root, file, dtype, (n,)) for _, file, dtype in _META_FILES
+        )
     if ingress_files:
         ingress_arrays = [
             _load(root, file, mine.dtype, (from_ingress, *mine.shape))
@@ -663,9 +667,9 @@ def read(path: str | os.PathLike[str], example: Any = None) -> Loaded:
         settings=settings,
         leaves=arrays,
         rows=n,
-        keys=meta["keys"],
-        priorities=meta["priorities"],
-        times_sampled=meta["times_sampled"],
+        keys=keys,
+        priorities=priorities,
+        times_sampled=times_sampled,
         state=state,
         ingress_leaves=ingress_arrays,
         ingress_priorities=priorities_in,
