@@ -4,7 +4,8 @@
 //! and fsynced, as `Server.checkpoint` writes them), for a replay table and for the FIFO ring.
 //!
 //! `cargo bench --bench checkpoint_stall -- [--items 1000000] [--bytes 1024] [--seconds 5]
-//! [--dir /tmp]` (the issue's target is the defaults: a 1e6-item, ~1 GiB table).
+//! [--dir /tmp] [--chunk 1048576] [--only replay|fifo]` (the issue's target is the defaults:
+//! a 1e6-item, ~1 GiB table).
 //! `benches/tools/issue13_checkpoint_stall.py` measures the same through Python, where the GIL
 //! adds its own stalls.
 
@@ -14,12 +15,14 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use echo::checkpoint::{write_leaf_files, Chunks, FifoSnapshot, LeafFile};
+use echo::checkpoint::{write_leaf_files_chunked, Chunks, FifoSnapshot, LeafFile};
 use echo::ingress::QueuedSamples;
 use echo::replay::{ReplayConfig, SamplerKind, Table};
 use echo::{ArraySpec, DataSpec, Leaves, Rows, Store};
 
 struct Args {
+    chunk: usize,
+    only: String,
     items: usize,
     bytes: usize,
     seconds: f64,
@@ -27,7 +30,14 @@ struct Args {
 }
 
 fn args() -> Args {
-    let mut out = Args { items: 1_000_000, bytes: 1024, seconds: 5.0, dir: std::env::temp_dir() };
+    let mut out = Args {
+        chunk: echo::checkpoint::CHUNK_BYTES,
+        only: String::new(),
+        items: 1_000_000,
+        bytes: 1024,
+        seconds: 5.0,
+        dir: std::env::temp_dir(),
+    };
     let argv: Vec<String> = std::env::args().collect();
     let mut i = 1;
     while i < argv.len() {
@@ -37,6 +47,8 @@ fn args() -> Args {
             "--bytes" => out.bytes = value.parse().expect("--bytes N"),
             "--seconds" => out.seconds = value.parse().expect("--seconds S"),
             "--dir" => out.dir = PathBuf::from(value),
+            "--chunk" => out.chunk = value.parse().expect("--chunk BYTES"),
+            "--only" => out.only = value,
             _ => {
                 i += 1;
                 continue;
@@ -187,7 +199,7 @@ fn replay(args: &Args) {
     let mut run = || {
         let files = files(&dir, args.bytes);
         let mut checkpoint = table.checkpoint().unwrap();
-        write_leaf_files(&mut checkpoint, &files).unwrap();
+        write_leaf_files_chunked(&mut checkpoint, &files, args.chunk).unwrap();
     };
     let (lat, took) = phase(
         args.seconds,
@@ -233,7 +245,7 @@ fn fifo(args: &Args) {
         let (ring, ()) = store.checkpoint_with(|| ()).unwrap();
         let mut snapshot = FifoSnapshot::new(ring, QueuedSamples::new(args.bytes));
         rows = rows.max(snapshot.len());
-        write_leaf_files(&mut snapshot, &files).unwrap();
+        write_leaf_files_chunked(&mut snapshot, &files, args.chunk).unwrap();
     };
     let (lat, took) =
         phase(args.seconds, insert(Arc::clone(&store), row), sample(consumer), Some(&mut run));
@@ -250,6 +262,11 @@ fn main() {
         thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
         args.seconds
     );
-    replay(&args);
-    fifo(&args);
+    println!("chunks of {} bytes", args.chunk);
+    if args.only != "fifo" {
+        replay(&args);
+    }
+    if args.only != "replay" {
+        fifo(&args);
+    }
 }

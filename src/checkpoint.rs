@@ -184,6 +184,19 @@ pub fn write_leaf_files(
     checkpoint: &mut dyn Chunks,
     files: &[LeafFile],
 ) -> Result<Vec<[u8; 32]>, EchoError> {
+    write_leaf_files_chunked(checkpoint, files, CHUNK_BYTES)
+}
+
+/// [`write_leaf_files`], copying about `chunk_bytes` per chunk (benchmarks try other sizes
+/// than [`CHUNK_BYTES`]).
+///
+/// # Errors
+/// As [`write_leaf_files`].
+pub fn write_leaf_files_chunked(
+    checkpoint: &mut dyn Chunks,
+    files: &[LeafFile],
+    chunk_bytes: usize,
+) -> Result<Vec<[u8; 32]>, EchoError> {
     let leaves = checkpoint.spec().len();
     if files.len() != leaves {
         return Err(EchoError::Config(format!(
@@ -203,8 +216,8 @@ pub fn write_leaf_files(
         hasher.update(&header);
         outs.push((out, hasher));
     }
-    let mut chunk: Vec<Vec<u8>> = (0..leaves).map(|_| Vec::with_capacity(CHUNK_BYTES)).collect();
-    while checkpoint.next_chunk(CHUNK_BYTES, &mut chunk) > 0 {
+    let mut chunk: Vec<Vec<u8>> = (0..leaves).map(|_| Vec::with_capacity(chunk_bytes)).collect();
+    while checkpoint.next_chunk(chunk_bytes, &mut chunk) > 0 {
         for ((out, hasher), bytes) in outs.iter_mut().zip(&chunk) {
             out.write_all(bytes)?;
             hasher.update(bytes);
