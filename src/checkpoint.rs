@@ -256,27 +256,25 @@ pub fn write_npy_1d(
 }
 
 /// The bytes of a slice of plain numbers, in native byte order.
-pub fn as_bytes<T: bytemuck_free::Plain>(values: &[T]) -> &[u8] {
-    // SAFETY: `Plain` types (u32, u64, f64) have no padding and every byte pattern of them is
-    // initialised; the slice covers exactly `size_of_val(values)` bytes of `values`, which it
-    // borrows.
+pub fn as_bytes<T: Plain>(values: &[T]) -> &[u8] {
+    // SAFETY: `Plain` types have no padding and every byte of them is initialised; the slice
+    // covers exactly `size_of_val(values)` bytes of `values`, which it borrows.
     unsafe {
         std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values))
     }
 }
 
-/// Plain numeric types whose bytes can be viewed as `u8` (no padding, no invalid bytes).
-pub mod bytemuck_free {
-    /// # Safety
-    /// Implement only for types with no padding bytes.
-    pub unsafe trait Plain: Copy {}
-    // SAFETY: primitive integers and floats have no padding.
-    unsafe impl Plain for u32 {}
-    // SAFETY: as above.
-    unsafe impl Plain for u64 {}
-    // SAFETY: as above.
-    unsafe impl Plain for f64 {}
-}
+/// Numbers whose bytes can be read as `u8` (no padding bytes).
+///
+/// # Safety
+/// Implement only for types with no padding bytes.
+pub unsafe trait Plain: Copy {}
+// SAFETY: a primitive integer has no padding.
+unsafe impl Plain for u32 {}
+// SAFETY: as above.
+unsafe impl Plain for u64 {}
+// SAFETY: a primitive float has no padding.
+unsafe impl Plain for f64 {}
 
 #[cfg(test)]
 mod tests {
