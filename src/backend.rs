@@ -21,7 +21,9 @@
 use std::any::Any;
 use std::time::Instant;
 
+use crate::checkpoint::FifoSnapshot;
 use crate::error::{EchoError, InsertError};
+use crate::ingress::{Ingress, QueuedSamples};
 use crate::metrics::DetailedSnapshot;
 use crate::replay::{
     Checkpoint, MetaLeaf, ReplayBatch, ReplayConfig, ReplayConsumer, ReplayStats, SampleHoldback,
@@ -80,6 +82,15 @@ enum BatchAt {
     Ring(u64),
     /// A half of a replay table's batch area.
     Area(ReplayBatch),
+}
+
+/// A running checkpoint of a backend, from [`Backend::checkpoint`].
+#[derive(Debug)]
+pub enum BackendCheckpoint {
+    /// The ring's samples not yet handed out, then the ingress's (one sequence of rows).
+    Fifo(FifoSnapshot),
+    /// The table's snapshot, and the ingress's samples (not items yet: no keys).
+    Replay(Checkpoint, QueuedSamples),
 }
 
 /// A backend's counters, each in its own terms.
@@ -237,35 +248,75 @@ impl Backend {
         }
     }
 
-    /// Starts a checkpoint of a replay table ([`Table::checkpoint`]).
+    /// Starts a checkpoint ([`Store::checkpoint_with`], [`Table::checkpoint_with`]): a
+    /// snapshot of the backend and, taken at the same moment, the acknowledged samples
+    /// `ingress` still holds ([`Ingress::capture`]), so that the two together hold every
+    /// acknowledged sample the learner was not handed, each once.
     ///
     /// # Errors
-    /// [`EchoError::Config`] for the FIFO ring (its checkpoints are not implemented yet);
-    /// [`EchoError::Busy`] while another checkpoint of the table runs.
-    pub fn checkpoint(&self) -> Result<Checkpoint, EchoError> {
+    /// [`EchoError::Busy`] while another checkpoint of the backend runs.
+    pub fn checkpoint(&self, ingress: Option<&Ingress>) -> Result<BackendCheckpoint, EchoError> {
+        let capture = || match ingress {
+            Some(ingress) => ingress.capture(),
+            None => QueuedSamples::new(self.spec().payload_size()),
+        };
         match self {
-            Self::Fifo(_) => Err(EchoError::Config(
-                "checkpoints of a FIFO server are not implemented yet (replay tables only)".into(),
-            )),
-            Self::Replay(table) => table.checkpoint(),
+            Self::Fifo(store) => {
+                let (ring, queued) = store.checkpoint_with(capture)?;
+                Ok(BackendCheckpoint::Fifo(FifoSnapshot::new(ring, queued)))
+            }
+            Self::Replay(table) => {
+                let (checkpoint, queued) = table.checkpoint_with(capture)?;
+                Ok(BackendCheckpoint::Replay(checkpoint, queued))
+            }
         }
     }
 
-    /// Fills a new replay table with a checkpoint's contents ([`Table::restore`]).
+    /// Fills a new replay table with a checkpoint's contents ([`Table::restore`]), then
+    /// inserts its ingress samples before anything new ([`Table::restore_queued`]).
     ///
     /// # Errors
-    /// [`EchoError::Config`] for the FIFO ring, or as [`Table::restore`].
+    /// [`EchoError::Config`] for the FIFO ring (see [`Backend::restore_fifo`]), or as
+    /// [`Table::restore`].
     pub fn restore(
         &self,
         items: &SnapshotItems,
         state: &TableState,
         leaves: &[&[u8]],
+        queued: QueuedSamples,
     ) -> Result<(), EchoError> {
         match self {
             Self::Fifo(_) => Err(EchoError::Config(
-                "checkpoints of a FIFO server are not implemented yet (replay tables only)".into(),
+                "restore: a replay checkpoint needs a replay server, this one is FIFO".into(),
             )),
-            Self::Replay(table) => table.restore(items, state, leaves),
+            Self::Replay(table) => {
+                table.restore(items, state, leaves)?;
+                table.restore_queued(queued)
+            }
+        }
+    }
+
+    /// Puts a FIFO checkpoint's `n` samples (`leaves[l]`: leaf `l` of each, back to back)
+    /// into a new FIFO ring, in order, before anything new ([`Store::restore`]). Returns how
+    /// many went in at once (the rest follow as the consumer frees room).
+    ///
+    /// # Errors
+    /// [`EchoError::Config`] for a replay table or a ring that is not new; a size error if the
+    /// leaves do not hold `n` samples.
+    pub fn restore_fifo(&self, leaves: &[&[u8]], n: usize) -> Result<usize, EchoError> {
+        match self {
+            Self::Fifo(store) => store.restore(leaves, n),
+            Self::Replay(_) => Err(EchoError::Config(
+                "restore: a FIFO checkpoint needs a FIFO server, this one is a replay table".into(),
+            )),
+        }
+    }
+
+    /// Whether a restore's samples are still going in (other inserts wait for them).
+    pub fn is_restoring(&self) -> bool {
+        match self {
+            Self::Fifo(store) => store.is_restoring(),
+            Self::Replay(table) => table.is_restoring(),
         }
     }
 

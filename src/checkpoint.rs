@@ -1,7 +1,8 @@
-//! Writing a replay table's checkpoint data to files: one `.npy` file per leaf (the numpy
-//! format: a header with the dtype and shape, then the rows in key order, C order), streamed
-//! from a [`Checkpoint`] a chunk at a time, hashed (SHA-256) while written and fsynced before
-//! returning. The header is built here because the row count is only known once the snapshot
+//! Writing checkpoint data to files: one `.npy` file per leaf (the numpy format: a header
+//! with the dtype and shape, then the rows in order, C order), streamed from a [`Chunks`]
+//! source a chunk at a time (a replay table's [`Checkpoint`], the FIFO ring's
+//! [`FifoSnapshot`], an ingress capture's [`QueuedChunks`]), hashed (SHA-256) while written
+//! and fsynced before returning. The header is built here because the row count is only known once the snapshot
 //! is taken; the dtype's descriptor comes from the caller (the core knows only sizes). The manifest, the metadata arrays and
 //! the atomic replacement of the checkpoint directory live in `python/echo/checkpoint.py`.
 
@@ -12,7 +13,121 @@ use std::path::PathBuf;
 use sha2::{Digest, Sha256};
 
 use crate::error::EchoError;
+use crate::ingress::QueuedSamples;
 use crate::replay::Checkpoint;
+use crate::spec::DataSpec;
+use crate::store::RingCheckpoint;
+
+/// Rows to write, leaf by leaf, a chunk at a time.
+pub trait Chunks {
+    /// The layout of a row.
+    fn spec(&self) -> &DataSpec;
+    /// Rows in all.
+    fn len(&self) -> usize;
+    /// Whether there are no rows.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Puts the next rows (at least one, about `max_bytes`) into `out[l]` for each leaf `l`
+    /// (cleared first); returns how many, 0 once all are out.
+    fn next_chunk(&mut self, max_bytes: usize, out: &mut [Vec<u8>]) -> usize;
+}
+
+impl Chunks for Checkpoint {
+    fn spec(&self) -> &DataSpec {
+        Checkpoint::spec(self)
+    }
+    fn len(&self) -> usize {
+        Checkpoint::len(self)
+    }
+    fn next_chunk(&mut self, max_bytes: usize, out: &mut [Vec<u8>]) -> usize {
+        Checkpoint::next_chunk(self, max_bytes, out)
+    }
+}
+
+/// An ingress capture's samples as rows.
+#[derive(Debug)]
+pub struct QueuedChunks<'a> {
+    spec: &'a DataSpec,
+    queued: &'a QueuedSamples,
+    next: usize,
+}
+
+impl<'a> QueuedChunks<'a> {
+    /// The rows of `queued`, samples of `spec`.
+    pub fn new(spec: &'a DataSpec, queued: &'a QueuedSamples) -> Self {
+        Self { spec, queued, next: 0 }
+    }
+}
+
+impl Chunks for QueuedChunks<'_> {
+    fn spec(&self) -> &DataSpec {
+        self.spec
+    }
+    fn len(&self) -> usize {
+        self.queued.len()
+    }
+    fn next_chunk(&mut self, max_bytes: usize, out: &mut [Vec<u8>]) -> usize {
+        assert_eq!(out.len(), self.spec.len(), "one buffer per leaf");
+        for buf in out.iter_mut() {
+            buf.clear();
+        }
+        let n = (max_bytes / self.spec.payload_size().max(1)).max(1).min(self.len() - self.next);
+        for i in self.next..self.next + n {
+            let payload = self.queued.payload(i);
+            for (leaf, buf) in out.iter_mut().enumerate() {
+                buf.extend_from_slice(&payload[self.spec.leaf_range(leaf)]);
+            }
+        }
+        self.next += n;
+        n
+    }
+}
+
+/// A FIFO checkpoint: the ring's snapshot, then the acknowledged samples the ingress held at
+/// the snapshot's moment, as one sequence of rows.
+#[derive(Debug)]
+pub struct FifoSnapshot {
+    /// The ring's part (its slots stay pinned until copied).
+    pub ring: RingCheckpoint,
+    /// The ingress's part.
+    pub queued: QueuedSamples,
+    ring_rows: usize,
+    next_queued: usize,
+}
+
+impl FifoSnapshot {
+    /// The ring's snapshot followed by `queued`.
+    pub fn new(ring: RingCheckpoint, queued: QueuedSamples) -> Self {
+        let ring_rows = ring.len();
+        Self { ring, queued, ring_rows, next_queued: 0 }
+    }
+
+    /// Rows from the ring (the first ones).
+    pub fn ring_rows(&self) -> usize {
+        self.ring_rows
+    }
+}
+
+impl Chunks for FifoSnapshot {
+    fn spec(&self) -> &DataSpec {
+        self.ring.spec()
+    }
+    fn len(&self) -> usize {
+        self.ring_rows + self.queued.len()
+    }
+    fn next_chunk(&mut self, max_bytes: usize, out: &mut [Vec<u8>]) -> usize {
+        let n = self.ring.next_chunk(max_bytes, out);
+        if n > 0 {
+            return n;
+        }
+        let mut rest =
+            QueuedChunks { spec: self.ring.spec(), queued: &self.queued, next: self.next_queued };
+        let n = rest.next_chunk(max_bytes, out);
+        self.next_queued = rest.next;
+        n
+    }
+}
 
 /// Bytes of item data copied per lock hold (summed over the leaves): long enough to amortise
 /// the lock and the write call, short enough that an insert or `sample()` waiting behind it
@@ -66,8 +181,21 @@ pub fn npy_header(descr: &str, shape: &[usize]) -> Vec<u8> {
 /// creating, writing or syncing a file (the files written so far are left for the caller to
 /// remove with their directory).
 pub fn write_leaf_files(
-    checkpoint: &mut Checkpoint,
+    checkpoint: &mut dyn Chunks,
     files: &[LeafFile],
+) -> Result<Vec<[u8; 32]>, EchoError> {
+    write_leaf_files_chunked(checkpoint, files, CHUNK_BYTES)
+}
+
+/// [`write_leaf_files`], copying about `chunk_bytes` per chunk (benchmarks try other sizes
+/// than [`CHUNK_BYTES`]).
+///
+/// # Errors
+/// As [`write_leaf_files`].
+pub fn write_leaf_files_chunked(
+    checkpoint: &mut dyn Chunks,
+    files: &[LeafFile],
+    chunk_bytes: usize,
 ) -> Result<Vec<[u8; 32]>, EchoError> {
     let leaves = checkpoint.spec().len();
     if files.len() != leaves {
@@ -88,8 +216,8 @@ pub fn write_leaf_files(
         hasher.update(&header);
         outs.push((out, hasher));
     }
-    let mut chunk: Vec<Vec<u8>> = (0..leaves).map(|_| Vec::with_capacity(CHUNK_BYTES)).collect();
-    while checkpoint.next_chunk(CHUNK_BYTES, &mut chunk) > 0 {
+    let mut chunk: Vec<Vec<u8>> = (0..leaves).map(|_| Vec::with_capacity(chunk_bytes)).collect();
+    while checkpoint.next_chunk(chunk_bytes, &mut chunk) > 0 {
         for ((out, hasher), bytes) in outs.iter_mut().zip(&chunk) {
             out.write_all(bytes)?;
             hasher.update(bytes);
@@ -102,6 +230,51 @@ pub fn write_leaf_files(
     }
     Ok(digests)
 }
+
+/// Writes `values` (native byte order) as the new `.npy` file `path` of one dimension, dtype
+/// `<kind><size>` (numpy's letter, `u` or `f`), fsynced; returns its SHA-256. For the per-item
+/// metadata arrays, written here with the GIL released rather than by numpy with it held.
+///
+/// # Errors
+/// [`EchoError::Io`] from creating, writing or syncing the file.
+pub fn write_npy_1d(
+    path: &std::path::Path,
+    kind: char,
+    values: &[u8],
+    size: usize,
+) -> Result<[u8; 32], EchoError> {
+    let order = if cfg!(target_endian = "little") { '<' } else { '>' };
+    let header = npy_header(&format!("'{order}{kind}{size}'"), &[values.len() / size.max(1)]);
+    let mut out = File::options().write(true).create_new(true).open(path)?;
+    out.write_all(&header)?;
+    out.write_all(values)?;
+    out.sync_all()?;
+    let mut hasher = Sha256::new();
+    hasher.update(&header);
+    hasher.update(values);
+    Ok(hasher.finalize().into())
+}
+
+/// The bytes of a slice of plain numbers, in native byte order.
+pub fn as_bytes<T: Plain>(values: &[T]) -> &[u8] {
+    // SAFETY: `Plain` types have no padding and every byte of them is initialised; the slice
+    // covers exactly `size_of_val(values)` bytes of `values`, which it borrows.
+    unsafe {
+        std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values))
+    }
+}
+
+/// Numbers whose bytes can be read as `u8` (no padding bytes).
+///
+/// # Safety
+/// Implement only for types with no padding bytes.
+pub unsafe trait Plain: Copy {}
+// SAFETY: a primitive integer has no padding.
+unsafe impl Plain for u32 {}
+// SAFETY: as above.
+unsafe impl Plain for u64 {}
+// SAFETY: a primitive float has no padding.
+unsafe impl Plain for f64 {}
 
 #[cfg(test)]
 mod tests {

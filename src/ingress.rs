@@ -22,13 +22,26 @@
 //! - A sample acknowledged to the client is in its queue; a closed connection is pruned only
 //!   once its queue is empty, so acknowledged samples reach the backend even if the client
 //!   disconnects right after.
+//!
+//! Checkpoints ([`Ingress::capture`]): every acknowledged sample not in the backend is in a
+//! drainer's round (popped, not yet inserted: the rows after its `done` count) or in a
+//! connection's queue. A checkpoint calls `capture` at the backend's snapshot moment (the FIFO
+//! ring frozen with every reservation committed; a replay table under its lock), when no
+//! drainer can move a sample into the backend, so each acknowledged sample is in exactly one
+//! of the two: the snapshot or the capture. A drainer's round and connection list sit behind
+//! its `state` lock: the drainer writes them between inserts and holds a read lock while it
+//! inserts (also while it waits for room), so `capture` reads them beside it. Queues cannot be
+//! read in place, so `capture` moves their samples into the connection's `stash`, which the
+//! drainer empties, in order, before it pops the queue again: a connection's order is kept.
 
 use std::thread::{self, JoinHandle};
 use std::time::Duration;
 
+use std::collections::VecDeque;
+
 use crossbeam_queue::ArrayQueue;
 use crossbeam_utils::CachePadded;
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 
 use crate::backend::Backend;
 use crate::doorbell::Doorbell;
@@ -214,8 +227,15 @@ type Queued = (Box<[u8]>, Stamp, Option<f64>);
 /// One client connection's queue and buffer pool, shared by its transport task and drainer.
 pub struct Connection {
     /// Filled payloads in arrival order, with their push time (zero-sized without
-    /// `detailed-metrics`). Producer: the transport task; consumer: the drainer.
+    /// `detailed-metrics`). Producer: the transport task; consumer: the drainer (and
+    /// [`Ingress::capture`], which moves them to `stash`).
     queue: ArrayQueue<Queued>,
+    /// Samples a checkpoint moved out of `queue` (all older than what `queue` holds now). The
+    /// drainer takes them before it pops the queue again. Only touched under the drainer's
+    /// `state` lock (read for `capture`, write for the drainer), besides this mutex.
+    stash: Mutex<VecDeque<Queued>>,
+    /// `stash.len()`, exact for whoever holds the drainer's `state` lock (see `stash`).
+    stashed: AtomicUsize,
     /// Empty buffers ready for reuse. Producer: the drainer; consumer: the transport task.
     free: ArrayQueue<Box<[u8]>>,
     /// Buffers of this connection that exist; never exceeds `free.capacity()`.
@@ -356,16 +376,44 @@ impl Connection {
         self.payload_size
     }
 
-    /// Samples waiting in this connection's queue.
+    /// Samples waiting in this connection's queue (and stash).
     pub fn queue_len(&self) -> usize {
-        self.queue.len()
+        self.queue.len() + self.stashed()
+    }
+
+    fn stashed(&self) -> usize {
+        // ORDERING: Relaxed — exact under the drainer's `state` lock, whose acquisition orders
+        // it (see `stash`); elsewhere a statistic.
+        self.stashed.load(Relaxed)
+    }
+
+    /// Whether there is something to pop.
+    fn has_queued(&self) -> bool {
+        !self.queue.is_empty() || self.stashed() > 0
     }
 
     /// Closed and nothing left to insert.
     fn is_drained(&self) -> bool {
         // ORDERING: Acquire pairs with the Release in `close`: pushes made before the close are
         // visible, so an empty queue here really is the end.
-        self.closed.load(Acquire) && self.queue.is_empty()
+        self.closed.load(Acquire) && !self.has_queued()
+    }
+
+    /// For [`Ingress::capture`], under the drainer's `state` lock: moves every queued sample to
+    /// the stash and calls `each` with every stashed one, oldest first.
+    fn stash_queued(&self, mut each: impl FnMut(&[u8], Option<f64>)) {
+        let mut stash = self.stash.lock();
+        while let Some(item) = self.queue.pop() {
+            stash.push_back(item);
+        }
+        // ORDERING: Relaxed — see `stashed`.
+        self.stashed.store(stash.len(), Relaxed);
+        for (buf, _, priority) in stash.iter() {
+            each(buf, *priority);
+        }
+        drop(stash);
+        // The queue has room again: a transport task may wait for it.
+        self.waker.wake();
     }
 }
 
@@ -379,6 +427,12 @@ impl Drop for Connection {
 
 /// What a drainer shares with the connections it owns and with the ingress.
 struct DrainerShared {
+    /// The drainer's connections and current round. Written by the drainer between inserts;
+    /// read by it while it inserts and by [`Ingress::capture`] (see the module docs).
+    state: RwLock<DrainerState>,
+    /// Samples of the current round the backend has taken in: `state.bufs[..done]`. Reset by
+    /// the drainer under the `state` write lock when a round starts.
+    done: AtomicUsize,
     /// Connections handed to this drainer and not yet adopted by it.
     incoming: Mutex<Vec<Arc<Connection>>>,
     /// Connections assigned (adopted or incoming) and not pruned: for load balancing.
@@ -395,6 +449,8 @@ struct DrainerShared {
 impl DrainerShared {
     fn new() -> Self {
         Self {
+            state: RwLock::new(DrainerState::default()),
+            done: AtomicUsize::new(0),
             incoming: Mutex::new(Vec::new()),
             load: Counter::default(),
             bell: Doorbell::new(),
@@ -553,6 +609,8 @@ impl Ingress {
         let payload_size = self.backend.spec().payload_size();
         let conn = Arc::new(Connection {
             queue: ArrayQueue::new(self.config.queue_size),
+            stash: Mutex::new(VecDeque::new()),
+            stashed: AtomicUsize::new(0),
             free: ArrayQueue::new(2 * self.config.queue_size + 1),
             allocated: AtomicUsize::new(0),
             unfinished: AtomicUsize::new(0),
@@ -672,16 +730,91 @@ impl Ingress {
         }
         // A connection registered while its drainer was blocked (on a full backend) was never
         // adopted, and `Connection -> DrainerShared -> incoming -> Connection` is a cycle:
-        // break it, or the connection and its buffers outlive the server. (Adopted ones went
-        // with their drainer's thread.)
+        // break it, or the connection and its buffers outlive the server.
         for d in &self.drainers {
             d.incoming.lock().clear();
+            // Adopted connections and a round's buffers sit in the drainer's shared state,
+            // which each connection points back to: the same cycle.
+            *d.state.write() = DrainerState::default();
         }
     }
 
     fn is_shutting_down(&self) -> bool {
         // ORDERING: Acquire pairs with the Release store in `shutdown`.
         self.shutdown.load(Acquire)
+    }
+
+    /// Copies every acknowledged sample that is not in the backend: each drainer's round past
+    /// what the backend took in, then each connection's queued samples, a connection's samples
+    /// in the order they arrived. Call it only at a backend's snapshot moment, when no drainer
+    /// can move a sample into the backend (see the module docs): the FIFO ring's
+    /// `Store::checkpoint_with`, a replay table's `Table::checkpoint_with`. Drainers go on
+    /// afterwards, the samples stay queued.
+    pub fn capture(&self) -> QueuedSamples {
+        let mut out = QueuedSamples::new(self.backend.spec().payload_size());
+        for drainer in &self.drainers {
+            {
+                // `read_recursive`: never waits behind the drainer asking for the write lock
+                // while it or we hold a read lock (it does not while it inserts).
+                let state = drainer.state.read_recursive();
+                // ORDERING: Relaxed — the backend's snapshot moment orders the drainer's count
+                // before us: the FIFO commit that follows it (Release) was seen with Acquire
+                // before `capture` runs, a replay table counts under the lock we hold.
+                let done = drainer.done.load(Relaxed).min(state.bufs.len());
+                for (buf, priority) in state.bufs[done..].iter().zip(&state.priorities[done..]) {
+                    out.push(buf, *priority);
+                }
+                let incoming = drainer.incoming.lock().clone();
+                for conn in state.conns.iter().chain(&incoming) {
+                    conn.stash_queued(|buf, priority| out.push(buf, priority));
+                }
+            }
+            // It may sleep with nothing in its queues any more: the stash is work too.
+            drainer.bell.wake();
+        }
+        out
+    }
+}
+
+/// Acknowledged samples an [`Ingress::capture`] copied: payloads back to back.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct QueuedSamples {
+    payload_size: usize,
+    /// Every payload, back to back.
+    pub payloads: Vec<u8>,
+    /// The priority each sample was sent with (wire v2), `None` for the insert's default.
+    pub priorities: Vec<Option<f64>>,
+}
+
+impl QueuedSamples {
+    /// No samples of `payload_size` bytes yet.
+    pub fn new(payload_size: usize) -> Self {
+        Self { payload_size, payloads: Vec::new(), priorities: Vec::new() }
+    }
+
+    /// Appends one sample.
+    ///
+    /// # Panics
+    /// If `payload` is not `payload_size` bytes.
+    pub fn push(&mut self, payload: &[u8], priority: Option<f64>) {
+        assert_eq!(payload.len(), self.payload_size, "a queued sample's payload size");
+        self.payloads.extend_from_slice(payload);
+        self.priorities.push(priority);
+    }
+
+    /// How many samples.
+    pub fn len(&self) -> usize {
+        self.priorities.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.priorities.is_empty()
+    }
+
+    /// Payload `i`.
+    pub fn payload(&self, i: usize) -> &[u8] {
+        &self.payloads[i * self.payload_size..(i + 1) * self.payload_size]
     }
 }
 
@@ -708,84 +841,117 @@ impl SampleSource for Round<'_> {
         self.priorities[sample]
     }
     fn inserted(&self, count: usize) {
+        // ORDERING: Relaxed — a checkpoint reads it at the backend's snapshot moment, which
+        // orders this after-the-fact: the FIFO store calls us before its Release commit, a
+        // replay table under its lock (see `Ingress::capture`).
+        self.drainer.done.fetch_add(count, Relaxed);
         self.drainer.inserted.add(count as u64);
         self.stats.pending.sub(count as u64);
     }
 }
 
-/// One drainer thread's private state.
-struct Drainer {
-    ingress: Arc<Ingress>,
-    shared: Arc<DrainerShared>,
+/// One drainer's connections and round, behind [`DrainerShared::state`].
+#[derive(Default)]
+struct DrainerState {
     conns: Vec<Arc<Connection>>,
-    /// Buffers popped this round and, in parallel, the index of the connection each came from.
-    /// Both keep their capacity across rounds.
+    /// Buffers popped this round and, in parallel, the index of the connection each came from
+    /// and its priority. All keep their capacity across rounds.
     bufs: Vec<Box<[u8]>>,
     owners: Vec<usize>,
     priorities: Vec<Option<f64>>,
     round: usize,
 }
 
+/// One drainer thread.
+struct Drainer {
+    ingress: Arc<Ingress>,
+    shared: Arc<DrainerShared>,
+}
+
 impl Drainer {
     fn new(ingress: Arc<Ingress>, shared: Arc<DrainerShared>) -> Self {
-        Self {
-            ingress,
-            shared,
-            conns: Vec::new(),
-            bufs: Vec::new(),
-            owners: Vec::new(),
-            priorities: Vec::new(),
-            round: 0,
-        }
+        Self { ingress, shared }
     }
 
-    fn run(mut self) {
+    fn run(self) {
         while !self.ingress.is_shutting_down() {
-            self.adopt_incoming();
             let round_started = Stamp::now();
-            if self.pop_round() == 0 {
-                self.prune();
+            let popped = {
+                let mut state = self.shared.state.write();
+                state.adopt_incoming(&self.shared);
+                // ORDERING: Relaxed — under the `state` write lock, which orders it for
+                // `capture` (a read lock holder).
+                self.shared.done.store(0, Relaxed);
+                state.pop_round(&self.shared, &self.ingress)
+            };
+            if popped == 0 {
+                self.shared.state.write().prune(&self.shared);
                 self.sleep();
                 continue;
             }
             let backend = &self.ingress.backend;
-            // Every buffer is `payload_size` long: connections allocate them so.
-            let inserted = Payloads::new(backend.spec(), &self.bufs).map_err(Into::into).and_then(
-                |payloads| {
-                    let round = Round {
-                        payloads,
-                        priorities: &self.priorities,
-                        drainer: &self.shared,
-                        stats: &self.ingress.stats,
-                    };
-                    backend.insert(&round, None, None)
-                },
-            );
+            let inserted = {
+                let state = self.shared.state.read();
+                // Every buffer is `payload_size` long: connections allocate them so.
+                Payloads::new(backend.spec(), &state.bufs).map_err(Into::into).and_then(
+                    |payloads| {
+                        let round = Round {
+                            payloads,
+                            priorities: &state.priorities,
+                            drainer: &self.shared,
+                            stats: &self.ingress.stats,
+                        };
+                        backend.insert(&round, None, None)
+                    },
+                )
+            };
             match inserted {
                 Ok(()) => {}
                 Err(err) if matches!(err.error, EchoError::Closed) => return,
                 Err(err) => {
-                    let dropped = self.bufs.len() - err.inserted;
+                    let dropped = popped - err.inserted;
                     self.ingress.stats.pending.sub(dropped as u64);
                     log::error!("echo drainer: dropping {dropped} samples: {err}");
                 }
             }
-            self.recycle();
-            self.prune();
+            {
+                let mut state = self.shared.state.write();
+                state.recycle();
+                state.prune(&self.shared);
+            }
             self.ingress.drain_round.record_since(round_started);
         }
     }
 
-    fn adopt_incoming(&mut self) {
-        let mut incoming = self.shared.incoming.lock();
+    /// Sleeps until a producer pushes, a connection arrives or closes, or shutdown (or, if
+    /// set, `idle_park` passes). The last look for work covers every wake source: a push
+    /// (`wake_if_sleeping`, the Dekker pair in `doorbell.rs`), a connection to prune, one in
+    /// `incoming`, and the shutdown flag.
+    fn sleep(&self) {
+        let (shared, ingress) = (&self.shared, &self.ingress);
+        shared.bell.sleep_unless(
+            || {
+                shared.state.read().conns.iter().any(|c| c.has_queued() || c.is_drained())
+                    || !shared.incoming.lock().is_empty()
+                    || ingress.is_shutting_down()
+            },
+            ingress.config.idle_park,
+        );
+    }
+}
+
+impl DrainerState {
+    fn adopt_incoming(&mut self, shared: &DrainerShared) {
+        let mut incoming = shared.incoming.lock();
         if !incoming.is_empty() {
             self.conns.append(&mut incoming);
         }
     }
 
-    /// Pops, from every owned queue starting one further than last round, at most the depth
-    /// the queue had when the round reached it. Returns the number popped.
-    fn pop_round(&mut self) -> usize {
+    /// Pops, from every owned connection starting one further than last round, what a
+    /// checkpoint stashed and then at most the depth the queue had when the round reached it.
+    /// Returns the number popped.
+    fn pop_round(&mut self, shared: &DrainerShared, ingress: &Ingress) -> usize {
         let n = self.conns.len();
         let (mut sum, mut max) = (0u64, 0u64);
         if n > 0 {
@@ -793,20 +959,31 @@ impl Drainer {
             for k in 0..n {
                 let index = (self.round + k) % n;
                 let conn = &self.conns[index];
+                if conn.stashed() > 0 {
+                    let mut stash = conn.stash.lock();
+                    for (buf, pushed, priority) in stash.drain(..) {
+                        ingress.queue_dwell.record_since(pushed);
+                        self.bufs.push(buf);
+                        self.priorities.push(priority);
+                        self.owners.push(index);
+                    }
+                    // ORDERING: Relaxed — see `Connection::stashed`.
+                    conn.stashed.store(0, Relaxed);
+                }
                 let depth = conn.queue.len();
                 sum += depth as u64;
                 max = max.max(depth as u64);
                 for _ in 0..depth {
                     let Some((buf, pushed, priority)) = conn.queue.pop() else { break };
-                    self.ingress.queue_dwell.record_since(pushed);
+                    ingress.queue_dwell.record_since(pushed);
                     self.bufs.push(buf);
                     self.priorities.push(priority);
                     self.owners.push(index);
                 }
             }
         }
-        self.shared.depth_sum.set(sum);
-        self.shared.depth_max.set(max);
+        shared.depth_sum.set(sum);
+        shared.depth_max.set(max);
         self.bufs.len()
     }
 
@@ -833,28 +1010,12 @@ impl Drainer {
     }
 
     /// Forgets connections that are closed and fully drained.
-    fn prune(&mut self) {
+    fn prune(&mut self, shared: &DrainerShared) {
         let before = self.conns.len();
         self.conns.retain(|c| !c.is_drained());
         let pruned = before - self.conns.len();
         if pruned > 0 {
-            self.shared.load.sub(pruned as u64);
+            shared.load.sub(pruned as u64);
         }
-    }
-
-    /// Sleeps until a producer pushes, a connection arrives or closes, or shutdown (or, if
-    /// set, `idle_park` passes). The last look for work covers every wake source: a push
-    /// (`wake_if_sleeping`, the Dekker pair in `doorbell.rs`), a connection to prune, one in
-    /// `incoming`, and the shutdown flag.
-    fn sleep(&mut self) {
-        let (conns, shared, ingress) = (&self.conns, &self.shared, &self.ingress);
-        shared.bell.sleep_unless(
-            || {
-                conns.iter().any(|c| !c.queue.is_empty() || c.is_drained())
-                    || !shared.incoming.lock().is_empty()
-                    || ingress.is_shutting_down()
-            },
-            ingress.config.idle_park,
-        );
     }
 }

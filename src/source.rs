@@ -23,7 +23,9 @@ pub trait SampleSource {
         None
     }
     /// Called by the backend each time `count` more samples of this source (the next ones, in
-    /// order) are in: committed and visible to the consumer. Lets a caller count inserts as
+    /// order) go in: the FIFO store calls it right before the commit that makes them visible
+    /// to the consumer (so a checkpoint that sees the commit sees the count), a replay table
+    /// once they are in. Lets a caller count inserts as
     /// they happen, also while the rest of the source still waits for room. Default: nothing.
     fn inserted(&self, count: usize) {
         let _ = count;
@@ -132,6 +134,12 @@ impl<'a> Rows<'a> {
     pub fn skip(&self, k: usize) -> Self {
         let k = k.min(self.count);
         Self { first: self.first + k, count: self.count - k, ..*self }
+    }
+
+    /// The first `k` rows only.
+    #[must_use]
+    pub fn take(&self, k: usize) -> Self {
+        Self { count: k.min(self.count), ..*self }
     }
 
     /// The priority row `i` carries, if any.

@@ -24,6 +24,37 @@
 //! 3. Slots `[read_cursor, read_cursor + capacity)` belong either to the writer that reserved
 //!    them (until commit), to nobody (committed, waiting), or to the consumer (handed out, until
 //!    released). Nobody writes a slot the consumer holds.
+//! 4. `read_cursor == min(released, pin rounded down to a batch)` (both under the `limits`
+//!    lock): the consumer's release end, and the first slot a running checkpoint has not
+//!    copied yet. So a checkpoint *pins* the slots it still has to copy: writers reuse them
+//!    only once it has, and at worst wait for space (backpressure), never see or cause torn
+//!    data.
+//!
+//! Checkpoints ([`Store::checkpoint`]): a point-in-time snapshot of every committed sample not
+//! yet handed to the consumer, taken while writers and the consumer go on.
+//!
+//! ```text
+//!  checkpoint                                       writers / consumer meanwhile
+//!  ──────────                                       ────────────────────────────
+//!  1. freeze: W = write_cursor.fetch_or(FROZEN)     a CAS from a value without the bit
+//!                                                   fails; `has_space` says no: writers
+//!                                                   wait on `space_free` (reservations made
+//!                                                   before the freeze go on to commit)
+//!  2. under `limits`: S = taken * batch_size,       the consumer may take batches >= S (it
+//!     pin = S (read_cursor is already <= S)         only reads them); a release stops at S
+//!  3. wait until every slot of [S, W) is committed  in-flight copies finish (no writer
+//!     (counter == expected, or the batch taken)     waits between reserve and commit)
+//!  4. thaw: clear FROZEN, notify `space_free`       writers reserve slots >= W again, but
+//!                                                   below pin + capacity: never in [pin, W)
+//!  5. copy [S, W) in chunks; after each chunk        the pin rises chunk by chunk: space
+//!     pin = copied end, read_cursor = min(...)      comes back as the copy goes
+//!  6. drop: pin = none, read_cursor = released
+//! ```
+//!
+//! Steps 1-4 are the only stop, and they stop nobody but writers that want a new reservation,
+//! for as long as the copies already reserved take to commit (a memcpy each). The partial
+//! batch at `W` is included: with no reservation past `W`, its counter tells exactly when
+//! its slots below `W` are all committed (commits may finish out of order).
 
 use std::time::Instant;
 
@@ -34,10 +65,14 @@ use crate::metrics::{Counter, DetailedSnapshot, Stamp, StoreMetrics};
 use crate::slots::Slots;
 use crate::source::{validate_source, SampleSource};
 use crate::spec::DataSpec;
-use crate::sync::{Arc, AtomicBool, AtomicU64, AtomicUsize, Signal};
+use crate::sync::{yield_now, Arc, AtomicBool, AtomicU64, AtomicUsize, Mutex, Signal};
 
 // Every `Ordering::` use below is documented in place with an `ORDERING:` comment.
-use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
+use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
+
+/// Set in `write_cursor` while a checkpoint takes its snapshot (steps 1-4 in the module docs).
+/// Cursors never come near 2^63 (that is centuries of samples at any rate).
+const FROZEN: u64 = 1 << 63;
 
 /// A snapshot of the store's counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -65,11 +100,24 @@ pub struct Store {
     num_batches: usize,
     /// `batch_size * num_batches`, the ring's slot count.
     capacity: u64,
-    /// Next slot a writer will reserve. Only grows; writers advance it with a CAS.
+    /// Next slot a writer will reserve. Only grows; writers advance it with a CAS. Its top bit
+    /// is [`FROZEN`] while a checkpoint takes its snapshot: no reservation succeeds then.
     write_cursor: CachePadded<AtomicU64>,
-    /// First slot the consumer has not given back. Only grows, in whole batches, and only the
-    /// consumer stores it. Writers may reserve slots below `read_cursor + capacity`.
+    /// `limits.read_cursor()`: the first slot that is not free for writers, a multiple of
+    /// `batch_size`. Only grows, and is only stored under the `limits` lock. Writers may
+    /// reserve slots below `read_cursor + capacity`.
     read_cursor: CachePadded<AtomicU64>,
+    /// What `read_cursor` is made of (invariant 4). Taken once per released batch and once
+    /// per checkpoint chunk, never by writers.
+    limits: Mutex<Limits>,
+    /// Batches handed to the consumer so far (the index of the next one). Only the consumer
+    /// stores it; a checkpoint reads it to know where the samples not yet handed out begin.
+    taken: CachePadded<AtomicU64>,
+    /// Set while a [`RingCheckpoint`] lives: one at a time.
+    checkpointing: AtomicBool,
+    /// Set while restored samples are still going in ([`Store::restore`]): every other insert
+    /// waits, so that nothing new goes in before them.
+    restoring: AtomicBool,
     /// `commits[b % num_batches]`: slots of batch `b` written and committed. Reaches
     /// `batch_size` exactly once per lap; reset to 0 by the consumer on release, before
     /// `read_cursor` moves past the batch (so no writer of the next lap can see the old count).
@@ -93,6 +141,24 @@ pub struct Store {
 
 /// `held_batch` when the consumer holds nothing.
 const NOT_HELD: u64 = u64::MAX;
+
+/// The two bounds `read_cursor` is the minimum of.
+#[derive(Debug, Default)]
+struct Limits {
+    /// End of the last batch the consumer gave back (0 before any).
+    released: u64,
+    /// First snapshot slot a running checkpoint has not copied yet; `None` when none runs.
+    pin: Option<u64>,
+}
+
+impl Limits {
+    /// `min(released, pin)`, the pin rounded down to a batch boundary: `read_cursor` stays a
+    /// multiple of `batch_size` (invariant 1), so a reservation (which may run to the end of
+    /// its batch) that passes the space check never reaches a pinned slot.
+    fn read_cursor(&self, batch_size: u64) -> u64 {
+        self.pin.map_or(self.released, |pin| (pin / batch_size * batch_size).min(self.released))
+    }
+}
 
 /// How many threads are inside one kind of wait: entries and exits, each a statistics
 /// [`Counter`]. Their difference is exact whenever nobody enters or leaves; a reader racing
@@ -158,6 +224,10 @@ impl Store {
             capacity: capacity as u64,
             write_cursor: CachePadded::new(AtomicU64::new(0)),
             read_cursor: CachePadded::new(AtomicU64::new(0)),
+            limits: Mutex::new(Limits::default()),
+            taken: CachePadded::new(AtomicU64::new(0)),
+            checkpointing: AtomicBool::new(false),
+            restoring: AtomicBool::new(false),
             commits,
             closed: AtomicBool::new(false),
             consumer_taken: AtomicBool::new(false),
@@ -224,6 +294,33 @@ impl Store {
         deadline: Option<Instant>,
     ) -> Result<(), InsertError> {
         validate_source(&self.spec, src)?;
+        // ORDERING: Relaxed — the flag orders no memory (restored samples are published by their
+        // commits like any others); it is set before the store is shared and cleared before a
+        // `notify_all`, which the wait below re-checks under the signal's lock.
+        if self.restoring.load(Relaxed) {
+            let ready = self.waiting_inserts.during(|| {
+                self.space_free.wait_until(
+                    // ORDERING: Relaxed — as above.
+                    || self.is_closed() || !self.restoring.load(Relaxed),
+                    deadline,
+                )
+            });
+            if self.is_closed() {
+                return Err(InsertError::new(0, EchoError::Closed));
+            }
+            if !ready {
+                return Err(InsertError::new(0, EchoError::TimedOut));
+            }
+        }
+        self.insert_unchecked(src, deadline)
+    }
+
+    /// [`Store::insert`] without the restore gate (the source is already validated).
+    fn insert_unchecked<S: SampleSource + ?Sized>(
+        &self,
+        src: &S,
+        deadline: Option<Instant>,
+    ) -> Result<(), InsertError> {
         let total = src.num_samples();
         let mut inserted = 0;
         while inserted < total {
@@ -242,8 +339,11 @@ impl Store {
                 }
             }
             self.metrics.memcpy.record_since(copy_started);
-            self.commit(start, len);
+            // Before the commit: a checkpoint that sees the commit (with Acquire) also sees the
+            // source's count of samples in (the ingress relies on it to tell which of a
+            // drainer's samples the snapshot already has).
             src.inserted(len);
+            self.commit(start, len);
             inserted += len;
         }
         Ok(())
@@ -299,7 +399,8 @@ impl Store {
                 return Err(EchoError::Closed);
             }
             // ORDERING: Relaxed — the CAS below only needs to hand out unique ranges; it fails
-            // (and we retry) if this value is stale.
+            // (and we retry) if this value is stale or a checkpoint froze the cursor since
+            // (the [`FROZEN`] bit makes the value differ). A frozen value fails `has_space`.
             let write = self.write_cursor.load(Relaxed);
             if !self.has_space(write) {
                 self.metrics.reservation_retries.add(1);
@@ -333,12 +434,15 @@ impl Store {
         }
     }
 
-    /// Whether slot `write` (absolute) is free for writing.
+    /// Whether slot `write` (absolute) is free for writing; never while `write` carries the
+    /// [`FROZEN`] bit (a checkpoint thaws it and then notifies `space_free`).
     fn has_space(&self, write: u64) -> bool {
-        // ORDERING: Acquire pairs with the consumer's Release store in `Consumer::release`: it
-        // orders the consumer's reads of the released batch and its reset of that batch's commit
-        // counter before our writes to those slots and our `fetch_add` on the counter.
-        write < self.read_cursor.load(Acquire) + self.capacity
+        // ORDERING: Acquire pairs with the Release stores of `read_cursor` (in
+        // `Consumer::release` and as a checkpoint's pin moves, both under `limits`): it orders
+        // the consumer's reads of the released batch, its reset of that batch's commit counter
+        // and a checkpoint's copy of those slots before our writes to the slots and our
+        // `fetch_add` on the counter.
+        write & FROZEN == 0 && write < self.read_cursor.load(Acquire) + self.capacity
     }
 
     /// Publishes slots `start..start + len` (all in one batch) to the consumer.
@@ -385,7 +489,7 @@ impl Store {
             store_size,
             notify_count: self.notify_count.get(),
             // ORDERING: Relaxed — a snapshot of the cursors, not used to access slots.
-            write_cursor: self.write_cursor.load(Relaxed),
+            write_cursor: self.write_cursor.load(Relaxed) & !FROZEN,
             // ORDERING: Relaxed — as above.
             read_cursor: self.read_cursor.load(Relaxed),
         }
@@ -457,6 +561,238 @@ impl Store {
     pub fn leaf_bytes(&self, leaf: usize) -> usize {
         self.ring.slot_bytes(leaf)
     }
+
+    /// Starts a checkpoint: a point-in-time snapshot of every committed sample the consumer
+    /// has not been handed yet, in order, partial batch included (see the module docs). The
+    /// samples are then copied out with [`RingCheckpoint::next_chunk`] while writers and the
+    /// consumer go on; the slots not copied yet stay pinned until then.
+    ///
+    /// # Errors
+    /// [`EchoError::Busy`] while another checkpoint of this store is running.
+    pub fn checkpoint(self: &Arc<Self>) -> Result<RingCheckpoint, EchoError> {
+        self.checkpoint_with(|| ()).map(|(checkpoint, ())| checkpoint)
+    }
+
+    /// [`Store::checkpoint`], calling `frozen` at the snapshot's moment: after every
+    /// reservation made before it committed and before any new one. Nothing enters the ring
+    /// while `frozen` runs, so it can read what writers hold outside the ring (the ingress)
+    /// consistently with the snapshot. `frozen` must not insert into this store (it would
+    /// wait for itself).
+    ///
+    /// # Errors
+    /// [`EchoError::Busy`] while another checkpoint of this store is running.
+    pub fn checkpoint_with<R>(
+        self: &Arc<Self>,
+        frozen: impl FnOnce() -> R,
+    ) -> Result<(RingCheckpoint, R), EchoError> {
+        // ORDERING: Acquire pairs with the Release store in `RingCheckpoint::drop`: the last
+        // checkpoint's unpinning is done before we pin again.
+        if self.checkpointing.swap(true, Acquire) {
+            return Err(EchoError::Busy(
+                "a checkpoint of this ring is already being written".into(),
+            ));
+        }
+        // Step 1. ORDERING: AcqRel — a read-modify-write, so it sees the latest cursor (every
+        // reservation made so far lies below `end`) and every later CAS fails on the bit;
+        // Acquire/Release order it with the steps around it in this thread.
+        let end = self.write_cursor.fetch_or(FROZEN, AcqRel) & !FROZEN;
+        let batch_size = self.batch_size as u64;
+        // Step 2.
+        let start = {
+            let mut limits = self.limits.lock();
+            // ORDERING: Acquire pairs with the consumer's Release store in `sample`. Read under
+            // `limits`, so the consumer cannot release past it before the pin is in place: it
+            // has released at most the batches it took, so `read_cursor <= start`.
+            let start = self.taken.load(Acquire) * batch_size;
+            limits.pin = Some(start);
+            start
+        };
+        // Step 3: every slot in [start, end) committed. Only writers with a reservation below
+        // `end` can be behind, and they go straight from reserve to copy to commit.
+        for batch in start / batch_size..end.div_ceil(batch_size) {
+            let expected = (end - batch * batch_size).min(batch_size) as usize;
+            let counter = &self.commits[self.batch_index(batch)];
+            loop {
+                // ORDERING: Acquire pairs with the writers' Release `fetch_add` in `commit`
+                // (the slot bytes), and with the consumer's Release store of `taken`: a batch
+                // it took was complete, and its bytes are visible through it. Checked first, as
+                // a taken batch's counter is reset to 0 when it is given back.
+                if self.taken.load(Acquire) > batch || counter.load(Acquire) == expected {
+                    break;
+                }
+                yield_now();
+            }
+        }
+        let out = frozen();
+        // Step 4. ORDERING: Release — the pin stored above (under `limits`, whose lock the
+        // writers do not take) is already what bounds them: they see a `read_cursor` <= it.
+        // The Release orders our reads of the frozen state before writers continue.
+        self.write_cursor.fetch_and(!FROZEN, Release);
+        self.space_free.notify_all();
+        Ok((RingCheckpoint { store: Arc::clone(self), start, end, next: start }, out))
+    }
+
+    /// Moves a running checkpoint's pin up to `pin` (the first slot it has not copied).
+    fn move_pin(&self, pin: Option<u64>) {
+        {
+            let mut limits = self.limits.lock();
+            limits.pin = pin;
+            // ORDERING: Release pairs with the writers' Acquire in `has_space`: the checkpoint's
+            // reads of the slots below the pin happen before any writer reuses them.
+            self.read_cursor.store(limits.read_cursor(self.batch_size as u64), Release);
+        }
+        self.space_free.notify_all();
+    }
+
+    /// Puts `rows` into this new, empty store, in order, before any other insert: every other
+    /// `insert` waits until they are all in (or the store closes). Returns how many went in at
+    /// once (as many as the ring had room for); if some did not fit, a thread named
+    /// `echo-restore` inserts them, in order, as the consumer frees room, and only then lets
+    /// other inserts in.
+    ///
+    /// # Errors
+    /// [`EchoError::Config`] if the store is not new (something was inserted before); the
+    /// errors of [`Rows::new`](crate::source::Rows::new) (as input errors) if `leaves` do not
+    /// hold `n` rows of the spec.
+    #[cfg(not(loom))]
+    pub fn restore(self: &Arc<Self>, leaves: &[&[u8]], n: usize) -> Result<usize, EchoError> {
+        let rows = crate::source::Rows::new(&self.spec, leaves, n, None)?;
+        // ORDERING: Relaxed — only a new store (not yet shared) can be restored; this checks
+        // that and publishes nothing.
+        if self.write_cursor.load(Relaxed) != 0 || self.restoring.swap(true, Relaxed) {
+            return Err(EchoError::Config(
+                "restore: only a new, empty FIFO ring can be restored into".into(),
+            ));
+        }
+        let now = n.min(self.capacity as usize);
+        let head = rows.take(now);
+        if let Err(err) = self.insert_unchecked(&head, None) {
+            self.end_restore();
+            return Err(err.error);
+        }
+        if now == n {
+            self.end_restore();
+            return Ok(now);
+        }
+        // The rest needs room the consumer has yet to free: owned copies for a thread.
+        let rest = rows.skip(now);
+        let owned: Vec<Vec<u8>> = (0..self.spec.len())
+            .map(|leaf| {
+                let size = self.spec.arrays()[leaf].num_bytes();
+                leaves[leaf][now * size..].to_vec()
+            })
+            .collect();
+        let count = rest.num_samples();
+        let store = Arc::clone(self);
+        let spawned = std::thread::Builder::new().name("echo-restore".into()).spawn(move || {
+            let slices: Vec<&[u8]> = owned.iter().map(Vec::as_slice).collect();
+            let result = crate::source::Rows::new(&store.spec, &slices, count, None)
+                .map_err(InsertError::from)
+                .and_then(|rows| store.insert_unchecked(&rows, None));
+            match result {
+                Ok(()) | Err(InsertError { error: EchoError::Closed, .. }) => {}
+                Err(err) => log::error!("echo restore: {err}"),
+            }
+            store.end_restore();
+        });
+        if let Err(err) = spawned {
+            self.end_restore();
+            return Err(EchoError::Io(err));
+        }
+        Ok(now)
+    }
+
+    /// Whether restored samples are still going in ([`Store::restore`]).
+    pub fn is_restoring(&self) -> bool {
+        // ORDERING: Relaxed — a status read for tests and statistics.
+        self.restoring.load(Relaxed)
+    }
+
+    #[cfg(not(loom))]
+    fn end_restore(&self) {
+        // ORDERING: Relaxed — see `insert`; the notification below takes the signal's lock.
+        self.restoring.store(false, Relaxed);
+        self.space_free.notify_all();
+    }
+}
+
+/// A running checkpoint of a [`Store`] (from [`Store::checkpoint`]): the snapshot's bounds and
+/// how far the copy got. Slots not copied yet are pinned (writers do not reuse them) until
+/// [`RingCheckpoint::next_chunk`] copies them or the checkpoint is dropped.
+#[derive(Debug)]
+pub struct RingCheckpoint {
+    store: Arc<Store>,
+    /// First snapshot slot (absolute): every sample before it was handed to the consumer.
+    start: u64,
+    /// One past the last snapshot slot.
+    end: u64,
+    /// First slot not copied yet; `start <= next <= end`.
+    next: u64,
+}
+
+impl RingCheckpoint {
+    /// The sample layout.
+    pub fn spec(&self) -> &DataSpec {
+        &self.store.spec
+    }
+
+    /// Samples in the snapshot.
+    pub fn len(&self) -> usize {
+        (self.end - self.start) as usize
+    }
+
+    /// Whether the snapshot holds no sample.
+    pub fn is_empty(&self) -> bool {
+        self.end == self.start
+    }
+
+    /// Samples the consumer had been handed before the snapshot (whole batches): the
+    /// snapshot's first sample is sample number `handed_out()` of this store.
+    pub fn handed_out(&self) -> u64 {
+        self.start
+    }
+
+    /// Copies the next samples (at least one, about `max_bytes` of them, never across the
+    /// ring's end) into `out[l]` for each leaf `l` (cleared first), then unpins their slots.
+    /// Returns how many samples it copied: 0 once everything is copied.
+    ///
+    /// # Panics
+    /// If `out` does not have one buffer per leaf.
+    pub fn next_chunk(&mut self, max_bytes: usize, out: &mut [Vec<u8>]) -> usize {
+        let store = &self.store;
+        assert_eq!(out.len(), store.spec.len(), "one buffer per leaf");
+        for buf in out.iter_mut() {
+            buf.clear();
+        }
+        if self.next == self.end {
+            return 0;
+        }
+        let first = store.ring_slot(self.next);
+        let per_sample = store.spec.payload_size().max(1);
+        let n = ((max_bytes / per_sample).max(1) as u64)
+            .min(self.end - self.next)
+            .min(store.capacity - first as u64) as usize;
+        for (leaf, buf) in out.iter_mut().enumerate() {
+            // SAFETY: the slots `next..next + n` are committed (step 3 of `checkpoint_with`,
+            // whose Acquire made their bytes visible) and pinned: `read_cursor <= next`, so
+            // writers reserve only below `next + capacity`, and every slot they reserved since
+            // the snapshot is at or past `end` (never `next..end` again, nor its ring slots,
+            // which come back only at `next + capacity`). The consumer only reads them.
+            unsafe { store.ring.read_slots(leaf, first..first + n, |b| buf.extend_from_slice(b)) };
+        }
+        self.next += n as u64;
+        let pin = (self.next < self.end).then_some(self.next);
+        store.move_pin(pin);
+        n
+    }
+}
+
+impl Drop for RingCheckpoint {
+    fn drop(&mut self) {
+        self.store.move_pin(None);
+        // ORDERING: Release pairs with the Acquire swap in `checkpoint_with`.
+        self.store.checkpointing.store(false, Release);
+    }
 }
 
 /// The one consumer of a [`Store`]. Not `Clone` and `sample` takes `&mut self`, so two threads
@@ -483,16 +819,21 @@ impl Consumer {
         };
         let store = &self.store;
         store.held_batch.set(NOT_HELD);
-        // ORDERING: Relaxed — the Release store of `read_cursor` below publishes the reset to
-        // every writer that can next increment this counter (they Acquire `read_cursor` first).
+        // ORDERING: Relaxed — the Release store of `read_cursor` below (ours, or a checkpoint's
+        // under the same lock, later) publishes the reset to every writer that can next
+        // increment this counter (they Acquire `read_cursor` first).
         store.commits[store.batch_index(batch)].store(0, Relaxed);
-        // FIFO: every slot below the end of the released batch may be rewritten. A whole
-        // number of batches, so a reservation (never across a batch boundary) is either
-        // entirely free or entirely busy.
-        let read = (batch + 1) * store.batch_size as u64;
-        // ORDERING: Release pairs with the writers' Acquire in `has_space`: our reads of the
-        // batch and the counter reset happen before any writer reuses the slots.
-        store.read_cursor.store(read, Release);
+        // FIFO: every slot below the end of the released batch may be rewritten, unless a
+        // checkpoint still has to copy it (invariant 4). A whole number of batches, or a
+        // checkpoint's copied end; either way the slots below it are done with.
+        let released = (batch + 1) * store.batch_size as u64;
+        {
+            let mut limits = store.limits.lock();
+            limits.released = released;
+            // ORDERING: Release pairs with the writers' Acquire in `has_space`: our reads of
+            // the batch and the counter reset happen before any writer reuses the slots.
+            store.read_cursor.store(limits.read_cursor(store.batch_size as u64), Release);
+        }
         // Unconditional: a writer that found the ring full is parked or about to park on
         // `space_free`; it re-checks `read_cursor` under the signal's lock, so this cannot be lost.
         store.space_free.notify_all();
@@ -522,6 +863,10 @@ impl Consumer {
         self.next = batch + 1;
         self.held = Some(batch);
         store.held_batch.set(batch);
+        // ORDERING: Release — a checkpoint that Acquires this count (step 3 of the module docs)
+        // sees this batch's bytes through us: our Acquire of its commit counter above saw
+        // every writer's Release.
+        store.taken.store(self.next, Release);
         Ok(batch)
     }
 

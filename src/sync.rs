@@ -171,6 +171,16 @@ pub(crate) fn park(_timeout: Option<Duration>) {
     loom::thread::park();
 }
 
+/// Lets other threads run: `std::thread::yield_now`, or loom's, which tells loom that this
+/// thread waits for another (a spin loop without it is an infinite model).
+#[inline]
+pub(crate) fn yield_now() {
+    #[cfg(loom)]
+    loom::thread::yield_now();
+    #[cfg(not(loom))]
+    std::thread::yield_now();
+}
+
 /// A loom mutex with `parking_lot`'s infallible `lock` (a panic while holding it aborts the
 /// model anyway, so poisoning carries no information).
 #[cfg(loom)]
@@ -179,6 +189,10 @@ pub(crate) struct Mutex<T>(loom::sync::Mutex<T>);
 
 #[cfg(loom)]
 impl<T> Mutex<T> {
+    pub(crate) fn new(value: T) -> Self {
+        Self(loom::sync::Mutex::new(value))
+    }
+
     pub(crate) fn lock(&self) -> loom::sync::MutexGuard<'_, T> {
         self.0.lock().unwrap()
     }

@@ -3,11 +3,20 @@
 the write / restore throughput of a checkpoint against a plain numpy `tofile` / `fromfile` of
 the same bytes on the same disk.
 
-The table is filled to `--items` items of `--bytes` bytes first; each phase then runs for
-`--seconds` with one producer thread (`submit`) and one consumer thread (`sample`), and in
-the second phase the main thread checkpoints back to back. Run:
-``python benches/tools/issue13_checkpoint_stall.py [--items 100000] [--bytes 1024]
-[--seconds 3] [--dir /tmp]``.
+The replay table (`--kind replay`, the default) is filled to `--items` items of `--bytes`
+bytes first; each phase then runs for `--seconds` with one producer thread (`submit`) and one
+consumer thread (`sample`), and in the second phase the main thread checkpoints back to back.
+`--kind fifo` does the same with a FIFO ring of `--num-buffers` batches of 32 (the producer
+keeps it near full: a checkpoint then copies a full ring and pins it chunk by chunk).
+
+The issue's target, a 1e6-item ~1 GiB table: ``python
+benches/tools/issue13_checkpoint_stall.py --items 1000000 --bytes 1024 --seconds 10``
+(about 4 GiB of memory and 3 GiB of disk at the peak). Smaller: the defaults.
+
+Throughput: the same bytes written with numpy `tofile` + fsync, and read back with
+`fromfile`, in the same run and on the same disk. Dropping the page cache needs root (it is
+not done): the restore and `fromfile` both read files just written, so both numbers are
+page-cache reads, not disk reads; compare them with each other, not with the disk.
 """
 
 from __future__ import annotations
@@ -29,7 +38,9 @@ def percentile(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
 
 
-def phase(server: echo.Server, seconds: float, checkpoint_to: str | None) -> dict[str, Any]:
+def phase(
+    server: echo.Server, seconds: float, checkpoint_to: str | None, fifo: bool
+) -> dict[str, Any]:
     stop = threading.Event()
     inserts: list[float] = []
     samples: list[float] = []
@@ -39,7 +50,12 @@ def phase(server: echo.Server, seconds: float, checkpoint_to: str | None) -> dic
     def producer() -> None:
         while not stop.is_set():
             t = time.perf_counter()
-            server.submit(row, timeout=10)
+            try:
+                server.submit(row, timeout=10)
+            except TimeoutError:
+                if fifo and stop.is_set():  # the consumer stopped first: the ring stays full
+                    return
+                raise
             inserts.append(time.perf_counter() - t)
 
     def consumer() -> None:
@@ -47,6 +63,8 @@ def phase(server: echo.Server, seconds: float, checkpoint_to: str | None) -> dic
             t = time.perf_counter()
             server.sample(timeout=10)
             samples.append(time.perf_counter() - t)
+            if fifo:  # a learner's step: the producer keeps the ring near full
+                time.sleep(0.0005)
 
     threads = [threading.Thread(target=producer), threading.Thread(target=consumer)]
     for t in threads:
@@ -72,7 +90,12 @@ def phase(server: echo.Server, seconds: float, checkpoint_to: str | None) -> dic
         "samples": len(samples),
         "checkpoints": len(checkpoints),
         "checkpoint_s": float(np.median(checkpoints)) if checkpoints else float("nan"),
+        "checkpoint_max_s": max(checkpoints, default=float("nan")),
     }
+
+
+def row_of(n_bytes: int) -> dict[str, Any]:
+    return {"x": np.zeros(n_bytes, np.uint8)}
 
 
 def main() -> None:
@@ -81,27 +104,47 @@ def main() -> None:
     parser.add_argument("--bytes", type=int, default=1024)
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--dir", default=tempfile.gettempdir())
+    parser.add_argument("--kind", choices=["replay", "fifo"], default="replay")
+    parser.add_argument("--num-buffers", type=int, default=64, help="FIFO ring batches")
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="echo-issue13-", dir=args.dir)
+    fifo = args.kind == "fifo"
     try:
         example = {"x": np.zeros(args.bytes, np.uint8)}
-        server = echo.Server(example, 32, max_size=args.items, sampler=echo.Uniform(), seed=0)
-        block = np.zeros((10_000, args.bytes), np.uint8)
-        for start in range(0, args.items, len(block)):
-            server.submit_batch({"x": block[: min(len(block), args.items - start)]})
-        total = args.items * args.bytes
+        if fifo:
+            server = echo.Server(example, 32, num_buffers=args.num_buffers)
+            items = 32 * args.num_buffers
+        else:
+            server = echo.Server(example, 32, max_size=args.items, sampler=echo.Uniform(), seed=0)
+            items = args.items
+            block = np.zeros((10_000, args.bytes), np.uint8)
+            for start in range(0, args.items, len(block)):
+                server.submit_batch({"x": block[: min(len(block), args.items - start)]})
+        total = items * args.bytes
         mib = total / 2**20
-        print(f"echo {echo.__version__}: {args.items} items x {args.bytes} B = {mib:.0f} MiB")
+        print(
+            f"echo {echo.__version__} {args.kind}: {items} items x {args.bytes} B = {mib:.0f} MiB"
+            f" ({os.cpu_count()} CPUs)"
+        )
         for name, target in (("no checkpoint", None), ("checkpoints", os.path.join(root, "c"))):
-            r = phase(server, args.seconds, target)
+            r = phase(server, args.seconds, target, fifo)
             print(
                 f"{name:>14}: insert p99 {r['insert_p99_ms']:.3f} ms"
                 f" max {r['insert_max_ms']:.3f} ms"
                 f" | sample p99 {r['sample_p99_ms']:.3f} ms"
                 f" max {r['sample_max_ms']:.3f} ms"
                 f" | {r['inserts']} inserts {r['samples']} batches {r['checkpoints']} checkpoints"
-                + (f" ({r['checkpoint_s']:.2f} s each)" if target else "")
+                + (
+                    f" (median {r['checkpoint_s']:.3f} s, max {r['checkpoint_max_s']:.3f} s)"
+                    if target
+                    else ""
+                )
             )
+        if fifo:  # the ring is what it is after the phases: fill it for the throughput part
+            while server.stats().store_size < items - 32:
+                server.submit(row_of(args.bytes), timeout=10)
+            total = server.stats().store_size * args.bytes
+            mib = total / 2**20
         path = os.path.join(root, "quiet")
         t = time.perf_counter()
         server.checkpoint(path)
@@ -110,6 +153,7 @@ def main() -> None:
         t = time.perf_counter()
         echo.Server.restore(path).close()
         restore_s = time.perf_counter() - t
+        print(f"quiet checkpoint of {mib:.0f} MiB: {write_s:.3f} s, restore {restore_s:.3f} s")
         raw = os.path.join(root, "raw.bin")
         data = np.random.default_rng(0).integers(0, 255, total, np.uint8)
         t = time.perf_counter()
@@ -126,7 +170,7 @@ def main() -> None:
             f" vs tofile+fsync {mib / tofile_s:.0f} MiB/s"
             f" ({tofile_s / write_s:.0%}); restore {mib / restore_s:.0f} MiB/s"
             f" vs fromfile {mib / fromfile_s:.0f} MiB/s"
-            f" ({fromfile_s / restore_s:.0%}; page cache warm for both)"
+            f" ({fromfile_s / restore_s:.0%}; both from the page cache: dropping it needs root)"
         )
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -241,17 +241,30 @@ class ServerCore:
     def _waiting(self) -> tuple[int, int]:
         """`(inserts, samples)` parked in the backend right now (for tests)."""
     def _checkpoint(
-        self, files: list[tuple[str, str, tuple[int, ...]]]
+        self,
+        files: list[tuple[str, str, tuple[int, ...]]],
+        ingress_files: list[tuple[str, str, tuple[int, ...]]],
+        meta_files: list[str],
     ) -> tuple[
         npt.NDArray[np.uint64],
         npt.NDArray[np.float64],
         npt.NDArray[np.uint32],
         tuple[int, int, list[int], int, float],
         list[bytes],
+        tuple[int, list[bytes], npt.NDArray[np.float64]],
     ]:
         """Writes a snapshot of the replay table's items, one `.npy` file per leaf
-        `(path, descr, item_shape)`; returns `(keys, priorities, times_sampled, (inserts,
-        samples, rng_state, next_key, max_priority), sha256 digests)`."""
+        `(path, descr, item_shape)`, the keys, priorities and times sampled into
+        `meta_files[:3]`, and the ingress's acknowledged samples into `ingress_files` and
+        their priorities into `meta_files[3]` (only when there are some); returns `(keys,
+        priorities, times_sampled, (inserts, samples, rng_state, next_key, max_priority),
+        sha256 digests, (ingress samples, their digests, their priorities, NaN for none))`."""
+    def _checkpoint_fifo(
+        self, files: list[tuple[str, str, tuple[int, ...]]]
+    ) -> tuple[int, int, int, list[bytes]]:
+        """Writes the FIFO ring's samples not yet handed out, then the ingress's acknowledged
+        samples, one `.npy` file per leaf; returns `(samples handed out before, rows from the
+        ring, rows from the ingress, sha256 digests)`."""
     def _record_checkpoint(self, unix_s: float, duration_s: float, bytes: int) -> None:
         """Records a completed checkpoint for `stats()`."""
     def _restore(
@@ -261,9 +274,19 @@ class ServerCore:
         priorities: npt.NDArray[np.float64],
         times_sampled: npt.NDArray[np.uint32],
         state: tuple[int, int, list[int], int, float],
+        ingress_leaves: list[npt.NDArray[np.uint8]],
+        ingress_priorities: npt.NDArray[np.float64],
     ) -> None:
         """Fills this new replay server with a checkpoint's items and state (ValueError if
-        they do not fit; nothing is inserted then)."""
+        they do not fit; nothing is inserted then), then inserts its ingress samples from a
+        background thread before anything new."""
+    def _restore_fifo(self, leaves: list[npt.NDArray[np.uint8]], n: int) -> int:
+        """Puts a FIFO checkpoint's `n` samples into this new FIFO server, in order, before
+        anything new; returns how many went in at once (the rest follow from a background
+        thread as `sample()` frees room)."""
+    @property
+    def _is_restoring(self) -> bool:
+        """Whether a restore's samples are still going in (other inserts wait for them)."""
     def describe(self) -> str:
         """`num_buffers=3` or `max_size=100, sampler=Uniform()`."""
 

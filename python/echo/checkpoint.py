@@ -1,14 +1,30 @@
-"""Checkpoints of a replay server on disk: `Server.checkpoint(path)` and `Server.restore(path)`.
+"""Checkpoints of a server on disk: `Server.checkpoint(path)` and `Server.restore(path)`.
 
 A checkpoint is a directory:
 
-- `manifest.json`: the format version, the echo version, the layout (each leaf's path name,
-  dtype, shape and file), the settings (batch size, sampler, remover, rate limiter,
-  `max_size`, `max_times_sampled`), the counts, the table-wide state (the rate limiter's
-  counters, the sampler's RNG state, the next key, the largest priority) and the size and
-  SHA-256 of every other file;
-- one `.npy` file per leaf (`leaf_000.npy`, ...), `N` rows in key (insertion) order;
-- `keys.npy` (uint64), `priorities.npy` (float64), `times_sampled.npy` (uint32).
+- `manifest.json`: `format` (`echo-replay-checkpoint` or `echo-fifo-checkpoint`), the format
+  version, the echo version, the layout (each leaf's path name, dtype, shape and file), the
+  settings, the counts and the size and SHA-256 of every other file;
+- one `.npy` file per leaf (`leaf_000.npy`, ...).
+
+A replay checkpoint's leaf files hold `N` rows in key (insertion) order, and beside them are
+`keys.npy` (uint64), `priorities.npy` (float64), `times_sampled.npy` (uint32); the manifest
+holds the settings (batch size, sampler, remover, rate limiter, `max_size`,
+`max_times_sampled`) and the table-wide state (the rate limiter's counters, the sampler's RNG
+state, the next key, the largest priority).
+
+A FIFO checkpoint's leaf files hold, in order, every committed sample of the ring not yet
+handed to the learner (the partial batch included), then the acknowledged samples still
+queued in the ingress; the manifest's settings are `batch_size` and `num_buffers`, its counts
+say how many rows came from each (`from_ring`, `from_ingress`) and how many samples the
+learner had been handed before (`handed_out_before`).
+
+Acknowledged samples still queued in the ingress (format version 2): a replay checkpoint
+keeps them apart, as they are not items yet (no key): `ingress_leaf_000.npy`, ... and
+`ingress_priorities.npy` (float64, NaN where the sample carried none), listed under
+`ingress` in the manifest (absent when there were none); `counts.from_ingress` says how many.
+A restore inserts them, in order, before anything new. Version 1 (replay only, no ingress
+samples) is still read.
 
 `np.load(file, mmap_mode="r")` opens any of them, for inspection or offline RL.
 
@@ -26,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import json
 import logging
 import os
@@ -48,8 +63,13 @@ __all__ = ["FORMAT_VERSION", "CheckpointError", "periodic_checkpoints"]
 
 _log = logging.getLogger("echo")
 
-FORMAT_VERSION = 1
-"""The checkpoint format this echo writes, and the newest it reads."""
+FORMAT_VERSION = 2
+"""The checkpoint format this echo writes, and the newest it reads (version 2 added FIFO
+checkpoints and the ingress's acknowledged samples; version 1 is still read)."""
+
+REPLAY_FORMAT = "echo-replay-checkpoint"
+FIFO_FORMAT = "echo-fifo-checkpoint"
+_INGRESS_PRIORITIES = "ingress_priorities.npy"
 
 MANIFEST = "manifest.json"
 _META_FILES = (
@@ -97,12 +117,6 @@ def _write_small(path: str, data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _npy_bytes(array: npt.NDArray[Any]) -> bytes:
-    buf = io.BytesIO()
-    np.lib.format.write_array(buf, array, allow_pickle=False)
-    return buf.getvalue()
-
-
 def _strategy(value: Any) -> dict[str, Any]:
     fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
     if isinstance(value, replay.SampleToInsertRatio):
@@ -148,11 +162,47 @@ def _clean_leftovers(parent: str, name: str, keep: str | None) -> None:
             os.unlink(os.path.join(parent, entry))
 
 
-def write(
-    core: Any, layout: TreeLayout, settings: dict[str, Any], path: str | os.PathLike[str]
-) -> int:
-    """Writes a checkpoint of `core` (a replay `ServerCore`) to `path` (see the module doc);
-    returns the bytes its files hold (the manifest included)."""
+def _leaf_files(layout: TreeLayout, prefix: str = "") -> list[str]:
+    return [f"{prefix}leaf_{i:03d}.npy" for i in range(len(layout.leaves))]
+
+
+def _native_files(
+    layout: TreeLayout, data_dir: str, names: list[str]
+) -> list[tuple[str, str, tuple[int, ...]]]:
+    """`(path, descr, item_shape)` per leaf, as the core's file writer takes them."""
+    return [
+        (os.path.join(data_dir, file), repr(np.lib.format.dtype_to_descr(leaf.dtype)), leaf.shape)
+        for leaf, file in zip(layout.leaves, names, strict=True)
+    ]
+
+
+def _digests(data_dir: str, names: list[str], digests: list[bytes]) -> dict[str, dict[str, Any]]:
+    return {
+        file: {"sha256": digest.hex(), "bytes": os.path.getsize(os.path.join(data_dir, file))}
+        for file, digest in zip(names, digests, strict=True)
+    }
+
+
+def _layout_dict(layout: TreeLayout, leaf_files: list[str]) -> dict[str, Any]:
+    return {
+        "treespec": str(layout.treespec),
+        "leaves": [
+            {
+                "name": leaf.name,
+                "path": list(p),
+                "dtype": np.lib.format.dtype_to_descr(leaf.dtype),
+                "shape": list(leaf.shape),
+                "file": file,
+            }
+            for leaf, p, file in zip(layout.leaves, layout.paths, leaf_files, strict=True)
+        ],
+    }
+
+
+def _write_atomically(path: str | os.PathLike[str], fill: Callable[[str], dict[str, Any]]) -> int:
+    """Writes a checkpoint directory beside `path` with `fill(data_dir)` (which writes the data
+    files and returns the manifest, `files` included), then swaps `path` over to it (see the
+    module doc); returns the bytes its files hold (the manifest included)."""
     target = os.path.abspath(_str_path(path))
     parent, name = os.path.split(target)
     if os.path.lexists(target) and not os.path.islink(target):
@@ -170,59 +220,8 @@ def write(
     os.mkdir(data_dir)
     linked = False
     try:
-        leaf_files = [f"leaf_{i:03d}.npy" for i in range(len(layout.leaves))]
-        native = [
-            (
-                os.path.join(data_dir, file),
-                repr(np.lib.format.dtype_to_descr(leaf.dtype)),
-                leaf.shape,
-            )
-            for leaf, file in zip(layout.leaves, leaf_files, strict=True)
-        ]
-        keys, priorities, times_sampled, state, digests = core._checkpoint(native)
-        n = len(keys)
-        files: dict[str, dict[str, Any]] = {}
-        for file, digest in zip(leaf_files, digests, strict=True):
-            size = os.path.getsize(os.path.join(data_dir, file))
-            files[file] = {"sha256": digest.hex(), "bytes": size}
-        _hook("leaves-written")
-        for key, file, dtype in _META_FILES:
-            array = {"keys": keys, "priorities": priorities, "times_sampled": times_sampled}[key]
-            data = _npy_bytes(np.ascontiguousarray(array, dtype=dtype))
-            files[file] = {
-                "sha256": _write_small(os.path.join(data_dir, file), data),
-                "bytes": len(data),
-            }
-        inserts, samples, rng, next_key, max_priority = state
-        manifest = {
-            "format": "echo-replay-checkpoint",
-            "format_version": FORMAT_VERSION,
-            "echo_version": __version__,
-            "created_unix_ns": time.time_ns(),
-            "settings": settings,
-            "layout": {
-                "treespec": str(layout.treespec),
-                "leaves": [
-                    {
-                        "name": leaf.name,
-                        "path": list(p),
-                        "dtype": np.lib.format.dtype_to_descr(leaf.dtype),
-                        "shape": list(leaf.shape),
-                        "file": file,
-                    }
-                    for leaf, p, file in zip(layout.leaves, layout.paths, leaf_files, strict=True)
-                ],
-            },
-            "counts": {"items": n},
-            "state": {
-                "inserts": inserts,
-                "samples": samples,
-                "rng": list(rng),
-                "next_key": next_key,
-                "max_priority": max_priority,
-            },
-            "files": files,
-        }
+        manifest = fill(data_dir)
+        files: dict[str, dict[str, Any]] = manifest["files"]
         manifest_bytes = json.dumps(manifest, indent=1).encode()
         _write_small(os.path.join(data_dir, MANIFEST), manifest_bytes)
         total_bytes = len(manifest_bytes) + sum(int(f["bytes"]) for f in files.values())
@@ -239,6 +238,85 @@ def write(
                 os.unlink(link_tmp)
     _clean_leftovers(parent, name, keep=data_name)
     return total_bytes
+
+
+def write(
+    core: Any, layout: TreeLayout, settings: dict[str, Any], path: str | os.PathLike[str]
+) -> int:
+    """Writes a checkpoint of `core` (a replay `ServerCore`) to `path` (see the module doc);
+    returns the bytes its files hold (the manifest included)."""
+
+    def fill(data_dir: str) -> dict[str, Any]:
+        leaf_files = _leaf_files(layout)
+        ingress_files = _leaf_files(layout, "ingress_")
+        meta_files = [file for _, file, _ in _META_FILES]
+        keys, _, _, state, digests, ingress = core._checkpoint(
+            _native_files(layout, data_dir, leaf_files),
+            _native_files(layout, data_dir, ingress_files),
+            [os.path.join(data_dir, f) for f in [*meta_files, _INGRESS_PRIORITIES]],
+        )
+        queued, ingress_digests, _ = ingress
+        n = len(keys)
+        # Every file is written (and hashed, and fsynced) natively with the GIL released.
+        files = _digests(data_dir, leaf_files + meta_files, digests)
+        _hook("leaves-written")
+        if queued:
+            files.update(_digests(data_dir, [*ingress_files, _INGRESS_PRIORITIES], ingress_digests))
+        inserts, samples, rng, next_key, max_priority = state
+        manifest: dict[str, Any] = {
+            "format": REPLAY_FORMAT,
+            "format_version": FORMAT_VERSION,
+            "echo_version": __version__,
+            "created_unix_ns": time.time_ns(),
+            "settings": settings,
+            "layout": _layout_dict(layout, leaf_files),
+            "counts": {"items": n, "from_ingress": queued},
+            "state": {
+                "inserts": inserts,
+                "samples": samples,
+                "rng": list(rng),
+                "next_key": next_key,
+                "max_priority": max_priority,
+            },
+            "files": files,
+        }
+        if queued:
+            manifest["ingress"] = {"files": ingress_files, "priorities": _INGRESS_PRIORITIES}
+        return manifest
+
+    return _write_atomically(path, fill)
+
+
+def write_fifo(
+    core: Any, layout: TreeLayout, settings: dict[str, Any], path: str | os.PathLike[str]
+) -> int:
+    """Writes a checkpoint of `core` (a FIFO `ServerCore`) to `path` (see the module doc);
+    returns the bytes its files hold (the manifest included)."""
+
+    def fill(data_dir: str) -> dict[str, Any]:
+        leaf_files = _leaf_files(layout)
+        handed_out, from_ring, from_ingress, digests = core._checkpoint_fifo(
+            _native_files(layout, data_dir, leaf_files)
+        )
+        files = _digests(data_dir, leaf_files, digests)
+        _hook("leaves-written")
+        return {
+            "format": FIFO_FORMAT,
+            "format_version": FORMAT_VERSION,
+            "echo_version": __version__,
+            "created_unix_ns": time.time_ns(),
+            "settings": settings,
+            "layout": _layout_dict(layout, leaf_files),
+            "counts": {
+                "items": from_ring + from_ingress,
+                "from_ring": from_ring,
+                "from_ingress": from_ingress,
+                "handed_out_before": handed_out,
+            },
+            "files": files,
+        }
+
+    return _write_atomically(path, fill)
 
 
 _PERIODIC_PREFIX = "ckpt-"
@@ -362,19 +440,26 @@ def _file_digest(path: str) -> dict[str, Any]:
 
 @dataclasses.dataclass
 class Loaded:
-    """A checkpoint read and checked by `read`, ready for `ServerCore._restore`."""
+    """A checkpoint read and checked by `read`, ready for `ServerCore._restore` (replay) or
+    `ServerCore._restore_fifo` (FIFO: `leaves` hold the ring's rows, then the ingress's)."""
 
+    fifo: bool
     example: Any
     settings: dict[str, Any]
     leaves: list[npt.NDArray[Any]]
+    rows: int
     keys: npt.NDArray[np.uint64]
     priorities: npt.NDArray[np.float64]
     times_sampled: npt.NDArray[np.uint32]
     state: tuple[int, int, list[int], int, float]
+    ingress_leaves: list[npt.NDArray[Any]]
+    ingress_priorities: npt.NDArray[np.float64]
 
     def server_kwargs(self) -> dict[str, Any]:
         """The `Server` keyword arguments that rebuild the checkpointed settings."""
         s = self.settings
+        if self.fifo:
+            return {"batch_size": s["batch_size"], "num_buffers": s["num_buffers"]}
         return {
             "batch_size": s["batch_size"],
             "max_size": s["max_size"],
@@ -386,10 +471,18 @@ class Loaded:
 
     def leaf_bytes(self) -> list[npt.NDArray[np.uint8]]:
         """Each leaf's rows as one flat byte array (views of the memory-mapped files)."""
-        return [
-            cast("npt.NDArray[np.uint8]", np.ascontiguousarray(a).reshape(-1).view(np.uint8))  # pyright: ignore[reportUnknownMemberType]
-            for a in self.leaves
-        ]
+        return _flat_bytes(self.leaves)
+
+    def ingress_bytes(self) -> list[npt.NDArray[np.uint8]]:
+        """As `leaf_bytes`, for a replay checkpoint's ingress samples."""
+        return _flat_bytes(self.ingress_leaves)
+
+
+def _flat_bytes(arrays: list[npt.NDArray[Any]]) -> list[npt.NDArray[np.uint8]]:
+    return [
+        cast("npt.NDArray[np.uint8]", np.ascontiguousarray(a).reshape(-1).view(np.uint8))  # pyright: ignore[reportUnknownMemberType]
+        for a in arrays
+    ]
 
 
 def _read_manifest(root: str) -> dict[str, Any]:
@@ -405,8 +498,14 @@ def _read_manifest(root: str) -> dict[str, Any]:
         raise CheckpointError(f"{file}: not a checkpoint manifest (a JSON object)")
     manifest = cast("dict[str, Any]", manifest)
     version = manifest.get("format_version")
-    if manifest.get("format") != "echo-replay-checkpoint" or not isinstance(version, int):
-        raise CheckpointError(f"{file}: not an echo replay checkpoint manifest")
+    form = manifest.get("format")
+    if form not in (REPLAY_FORMAT, FIFO_FORMAT) or not isinstance(version, int):
+        raise CheckpointError(
+            f"{file}: not an echo checkpoint manifest (format {form!r}, expected "
+            f"{REPLAY_FORMAT!r} or {FIFO_FORMAT!r})"
+        )
+    if form == FIFO_FORMAT and version < 2:
+        raise CheckpointError(f"{file}: a FIFO checkpoint needs format version 2, got {version}")
     if version > FORMAT_VERSION:
         raise CheckpointError(
             f"{file}: format version {version} is newer than this echo ({__version__}) reads "
@@ -469,20 +568,44 @@ def read(path: str | os.PathLike[str], example: Any = None) -> Loaded:
     root = os.path.realpath(_str_path(path))
     manifest = _read_manifest(root)
     mfile = os.path.join(root, MANIFEST)
+    fifo = manifest["format"] == FIFO_FORMAT
+    state: tuple[int, int, list[int], int, float] = (0, 0, [], 0, 0.0)
+    ingress_files: list[str] = []
+    ingress_priorities = ""
     try:
         files: dict[str, dict[str, Any]] = manifest["files"]
         leaves: list[dict[str, Any]] = manifest["layout"]["leaves"]
-        n = int(manifest["counts"]["items"])
-        st = manifest["state"]
-        state = (
-            int(st["inserts"]),
-            int(st["samples"]),
-            [int(x) for x in st["rng"]],
-            int(st["next_key"]),
-            float(st["max_priority"]),
-        )
+        counts = manifest["counts"]
+        n = int(counts["items"])
+        from_ingress = int(counts.get("from_ingress", 0))
         settings: dict[str, Any] = manifest["settings"]
-        needed = [leaf["file"] for leaf in leaves] + [f for _, f, _ in _META_FILES]
+        needed = [leaf["file"] for leaf in leaves]
+        if fifo:
+            if int(counts["from_ring"]) + from_ingress != n:
+                raise ValueError(
+                    f"counts: from_ring {counts['from_ring']} + from_ingress {from_ingress} "
+                    f"!= items {n}"
+                )
+            _ = (int(settings["batch_size"]), int(settings["num_buffers"]))
+        else:
+            st = manifest["state"]
+            state = (
+                int(st["inserts"]),
+                int(st["samples"]),
+                [int(x) for x in st["rng"]],
+                int(st["next_key"]),
+                float(st["max_priority"]),
+            )
+            needed += [f for _, f, _ in _META_FILES]
+            if from_ingress:
+                ingress = manifest["ingress"]
+                ingress_files = [str(f) for f in ingress["files"]]
+                ingress_priorities = str(ingress["priorities"])
+                if len(ingress_files) != len(leaves):
+                    raise ValueError(
+                        f"ingress: {len(ingress_files)} files for {len(leaves)} leaves"
+                    )
+                needed += [*ingress_files, ingress_priorities]
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{mfile}: malformed ({type(e).__name__}: {e})") from None
     for name in needed:
@@ -521,13 +644,33 @@ def read(path: str | os.PathLike[str], example: Any = None) -> Loaded:
         _load(root, leaf["file"], mine.dtype, (n, *mine.shape))
         for leaf, mine in zip(leaves, layout.leaves, strict=True)
     ]
-    meta = {key: _load(root, file, dtype, (n,)) for key, file, dtype in _META_FILES}
+    if fifo:
+        keys: npt.NDArray[Any] = np.zeros(0, np.uint64)
+        priorities: npt.NDArray[Any] = np.zeros(0, np.float64)
+        times_sampled: npt.NDArray[Any] = np.zeros(0, np.uint32)
+    else:
+        keys, priorities, times_sampled = (
+            _load(root, file, dtype, (n,)) for _, file, dtype in _META_FILES
+        )
+    if ingress_files:
+        ingress_arrays = [
+            _load(root, file, mine.dtype, (from_ingress, *mine.shape))
+            for file, mine in zip(ingress_files, layout.leaves, strict=True)
+        ]
+        priorities_in = _load(root, ingress_priorities, np.dtype(np.float64), (from_ingress,))
+    else:
+        ingress_arrays = [np.zeros((0, *mine.shape), mine.dtype) for mine in layout.leaves]
+        priorities_in = np.zeros(0, np.float64)
     return Loaded(
+        fifo=fifo,
         example=example,
         settings=settings,
         leaves=arrays,
-        keys=meta["keys"],
-        priorities=meta["priorities"],
-        times_sampled=meta["times_sampled"],
+        rows=n,
+        keys=keys,
+        priorities=priorities,
+        times_sampled=times_sampled,
         state=state,
+        ingress_leaves=ingress_arrays,
+        ingress_priorities=priorities_in,
     )

@@ -181,11 +181,6 @@ def _priorities_array(priorities: Any) -> npt.NDArray[np.float64]:
     return np.ascontiguousarray(array, dtype=np.float64)
 
 
-_FIFO_CHECKPOINT = (
-    "checkpoints of a FIFO server (sampler=Fifo()) are not implemented yet; replay servers "
-    "(Uniform, Prioritized, Lifo) support them"
-)
-
 # How long `close()` waits for a periodic checkpoint in progress before leaving its thread.
 _PERIODIC_JOIN_S = 60.0
 
@@ -207,8 +202,6 @@ def _periodic_args(
     directory: object = os.fspath(path_like)  # pyright: ignore[reportUnknownArgumentType]
     if not isinstance(directory, str):
         raise TypeError("checkpoint_dir must be a str path, got bytes")
-    if isinstance(sampler, Fifo):
-        raise NotImplementedError(f"checkpoint_dir: {_FIFO_CHECKPOINT}")
     if checkpoint_every is None:
         raise ValueError("checkpoint_dir needs checkpoint_every (seconds between checkpoints)")
     every = check_seconds("checkpoint_every", checkpoint_every, optional=False)
@@ -253,7 +246,7 @@ class Server:
             `Queue(size)` is accepted; it sizes the ring.
         max_times_sampled: Replay only. Remove an item after this many draws (0: never).
         seed: Replay only. Fixes the sampling sequence, for reproducible runs.
-        checkpoint_dir: Replay only. Write a checkpoint into this directory (created if
+        checkpoint_dir: Write a checkpoint into this directory (created if
             missing) every `checkpoint_every` seconds, from a background thread, as
             `checkpoint_dir/ckpt-<n>` (`n` counting up, continuing above any already there);
             see `checkpoint()`. A failed one is logged (logger `"echo"`) and the server keeps
@@ -267,7 +260,6 @@ class Server:
         TypeError: A leaf of `example` is not a numpy array, or an argument has the wrong type.
         ValueError: An argument is out of range, `example` holds no data, or only one of
             `checkpoint_dir` and `checkpoint_every` is given.
-        NotImplementedError: `checkpoint_dir` with a FIFO server, as `checkpoint()`.
         RuntimeError: `pin_host_memory=True` where CUDA is unavailable (no runtime library,
             no device) or registration fails.
     """
@@ -612,32 +604,51 @@ class Server:
         yield from Prefetcher(fetch, depth, timeout)
 
     def checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Writes a consistent snapshot of the replay table to the directory `path` while
-        inserts and `sample()` go on (they wait at most for one ~1 MiB chunk's copy at a time).
+        """Writes a consistent snapshot of the server to the directory `path` while inserts
+        and `sample()` go on.
 
-        The snapshot holds every item's data, key, priority and times-sampled count in
-        insertion order, the rate limiter's counters, the sampler's RNG state, the next key
-        and the settings: `Server.restore(path)` rebuilds a server that samples, evicts,
-        paces and numbers new items as this one would have. Inserts still being copied when
-        the snapshot is taken are not in it.
+        Replay: every item's data, key, priority and times-sampled count in insertion order,
+        the rate limiter's counters, the sampler's RNG state, the next key and the settings:
+        `Server.restore(path)` rebuilds a server that samples, evicts, paces and numbers new
+        items as this one would have. Inserts still being copied when the snapshot is taken
+        are not in it (their samples are still in the ingress, see below, or were submitted
+        by a `submit()` that had not returned). Inserts and `sample()` wait at most for one
+        ~1 MiB chunk's copy at a time.
+
+        FIFO: every committed sample not yet handed to the learner, in order, the partial
+        batch included (`batch_size` and `num_buffers` are the settings). Writers are held
+        back only for the moment the snapshot takes (the copies already under way finish),
+        and then only from ring slots the checkpoint has not copied yet: at worst they wait
+        for room, the learner never does.
+
+        Both also hold the samples acknowledged to TCP clients but still queued in the
+        ingress at the snapshot's moment (FIFO: after the ring's, in order), so that a
+        checkpoint plus a restart loses no acknowledged sample; the manifest's
+        `counts.from_ingress` says how many.
 
         `path` becomes a symbolic link to a sibling directory (`.<name>.ckpt-<token>`) that
-        holds `manifest.json` and one `.npy` file per leaf plus `keys.npy`,
-        `priorities.npy` and `times_sampled.npy` (`np.load(..., mmap_mode="r")` opens them).
-        The replacement is atomic: a process killed at any point leaves `path` at the
-        previous complete checkpoint or the new one. One writer per `path` at a time.
+        holds `manifest.json` and one `.npy` file per leaf (replay: plus `keys.npy`,
+        `priorities.npy`, `times_sampled.npy` and the ingress's samples in `ingress_*.npy`);
+        `np.load(..., mmap_mode="r")` opens them. The replacement is atomic: a process killed
+        at any point leaves `path` at the previous complete checkpoint or the new one. One
+        writer per `path` at a time.
 
         Raises:
-            NotImplementedError: The server is FIFO (`sampler=Fifo()`): FIFO checkpoints are
-                not implemented yet.
             FileExistsError: `path` exists and is not a checkpoint link (a non-empty
                 directory or a file).
             RuntimeError: Another checkpoint of this server is being written.
             OSError: Writing failed (nothing at `path` changed then).
         """
-        if isinstance(self._sampler, Fifo):
-            raise NotImplementedError(f"checkpoint(): {_FIFO_CHECKPOINT}")
         started = time.monotonic()
+        if isinstance(self._sampler, Fifo):
+            num_buffers = self._core.num_buffers
+            assert num_buffers is not None  # a FIFO server always has a ring
+            fifo_settings = {"batch_size": self._config.batch_size, "num_buffers": num_buffers}
+            size = _checkpoint.write_fifo(self._core, self._layout, fifo_settings, path)
+            self._core._record_checkpoint(  # pyright: ignore[reportPrivateUsage]
+                time.time(), time.monotonic() - started, size
+            )
+            return
         config = self._config
         max_size = self._core.max_size
         assert max_size is not None  # a replay server always has one
@@ -666,10 +677,19 @@ class Server:
         checkpoint_every: float | None = None,
         checkpoint_keep: int = 3,
     ) -> Server:
-        """A new replay server with the contents and settings of the checkpoint at `path`
-        (written by `checkpoint()`): the same items (data, keys, priorities, times sampled,
-        insertion order), rate limiter counters, RNG state, next key, batch size, sampler,
-        remover, rate limiter, `max_size` and `max_times_sampled`.
+        """A new server with the contents and settings of the checkpoint at `path` (written
+        by `checkpoint()`).
+
+        Replay: the same items (data, keys, priorities, times sampled, insertion order), rate
+        limiter counters, RNG state, next key, batch size, sampler, remover, rate limiter,
+        `max_size` and `max_times_sampled`. FIFO: the same `batch_size` and `num_buffers`,
+        and the checkpoint's samples in the ring in the same order, so that `sample()` hands
+        them out first.
+
+        The samples the checkpoint took from the ingress go in (after the replay items,
+        after the FIFO ring's samples) before anything new: as many as fit at once, the rest
+        from a background thread as `sample()` makes room; `submit()` and the transport's
+        inserts wait for them.
 
         Like the constructor, it returns a server that is not started: call `start()` (or use
         `with`) to bind `transport`; `submit()` and `sample()` work at once.
@@ -697,7 +717,7 @@ class Server:
         loaded = _checkpoint.read(path, example)
         kwargs = loaded.server_kwargs()
         periodic = _periodic_args(
-            kwargs["sampler"], checkpoint_dir, checkpoint_every, checkpoint_keep
+            kwargs.get("sampler", Fifo()), checkpoint_dir, checkpoint_every, checkpoint_keep
         )
         server = cls(
             loaded.example,
@@ -706,13 +726,20 @@ class Server:
             **kwargs,
         )
         try:
-            server._core._restore(  # pyright: ignore[reportPrivateUsage]
-                loaded.leaf_bytes(),
-                loaded.keys,
-                loaded.priorities,
-                loaded.times_sampled,
-                loaded.state,
-            )
+            if loaded.fifo:
+                server._core._restore_fifo(  # pyright: ignore[reportPrivateUsage]
+                    loaded.leaf_bytes(), loaded.rows
+                )
+            else:
+                server._core._restore(  # pyright: ignore[reportPrivateUsage]
+                    loaded.leaf_bytes(),
+                    loaded.keys,
+                    loaded.priorities,
+                    loaded.times_sampled,
+                    loaded.state,
+                    loaded.ingress_bytes(),
+                    loaded.ingress_priorities,
+                )
         except ValueError as e:
             server.close()
             raise CheckpointError(f"{os.fspath(path)}: {e}") from e

@@ -344,7 +344,8 @@ def test_a_newer_format_version_is_refused(saved: Path) -> None:
     data = json.loads(manifest.read_text())
     data["format_version"] = echo.checkpoint.FORMAT_VERSION + 1
     manifest.write_text(json.dumps(data))
-    with pytest.raises(CheckpointError, match=r"manifest\.json: format version 2 is newer"):
+    newer = echo.checkpoint.FORMAT_VERSION + 1
+    with pytest.raises(CheckpointError, match=rf"manifest\.json: format version {newer} is newer"):
         Server.restore(saved)
 
 
@@ -354,8 +355,8 @@ def test_checkpoint_files_open_with_numpy_memory_maps(saved: Path) -> None:
     assert np.load(saved / "keys.npy").dtype == np.uint64
     assert np.load(saved / "times_sampled.npy").dtype == np.uint32
     manifest = json.loads((saved / "manifest.json").read_text())
-    assert manifest["format_version"] == 1
-    assert manifest["counts"]["items"] == 6
+    assert manifest["format_version"] == echo.checkpoint.FORMAT_VERSION
+    assert manifest["counts"] == {"items": 6, "from_ingress": 0}
     assert [leaf["name"] for leaf in manifest["layout"]["leaves"]] == [
         "['extra']['blob']",
         "['extra']['id']",
@@ -377,10 +378,19 @@ def test_a_tuple_tree_needs_the_example(tmp_path: Path) -> None:
         assert int(batch.batch[1][0]) == 5
 
 
-def test_fifo_checkpoints_are_not_implemented_yet(tmp_path: Path) -> None:
-    with Server(example(), 2) as server, pytest.raises(NotImplementedError, match="FIFO"):
-        server.checkpoint(tmp_path / "f")
-    assert not (tmp_path / "f").exists()
+def test_a_version_1_checkpoint_is_still_read(saved: Path) -> None:
+    manifest = saved.resolve() / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["format_version"] = 1
+    data["counts"] = {"items": data["counts"]["items"]}  # version 1 had no ingress samples
+    manifest.write_text(json.dumps(data))
+    restored = Server.restore(saved)
+    with restored:
+        assert restored.stats().store_size == 6
+        restored.checkpoint(saved.parent / "again")
+    np.testing.assert_array_equal(
+        np.load(saved.parent / "again" / "leaf_001.npy"), np.arange(6, dtype=np.uint64)
+    )
 
 
 def test_checkpoint_refuses_to_replace_a_directory_it_did_not_write(tmp_path: Path) -> None:

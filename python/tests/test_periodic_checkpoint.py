@@ -232,13 +232,25 @@ def test_argument_errors(
     assert periodic_threads() == []
 
 
-def test_a_fifo_server_with_checkpoint_dir_raises_as_checkpoint_does(tmp_path: Path) -> None:
-    with pytest.raises(NotImplementedError, match="FIFO") as at_init:
-        Server(example(), 2, sampler=Fifo(), checkpoint_dir=tmp_path, checkpoint_every=1)
-    server = Server(example(), 2)
+def test_a_fifo_server_writes_periodic_checkpoints_that_restore(tmp_path: Path) -> None:
+    directory = tmp_path / "ckpts"
+    server = Server(example(), 2, sampler=Fifo(), checkpoint_dir=directory, checkpoint_every=EVERY)
     try:
-        with pytest.raises(NotImplementedError, match="FIFO") as manual:
-            server.checkpoint(tmp_path / "x")
+        for i in range(5):
+            server.submit(item(i))
+        first = server.sample(timeout=5)
+        assert first is not None
+        np.testing.assert_array_equal(first.batch["id"], [0, 1])
+        # A checkpoint that starts after this point holds 2, 3, 4 (4 a partial batch).
+        start = len(numbers(directory))
+        wait_until(lambda: len(numbers(directory)) >= start + 2)
     finally:
         server.close()
-    assert str(at_init.value).split(": ", 1)[1] == str(manual.value).split(": ", 1)[1]
+    restored = Server.restore(periodic_checkpoints(directory)[-1])
+    with restored:
+        assert restored.stats().store_size == 3
+        restored.submit(item(5))
+        for expected in ([2, 3], [4, 5]):
+            batch = restored.sample(timeout=5)
+            assert batch is not None
+            np.testing.assert_array_equal(batch.batch["id"], expected)

@@ -22,10 +22,10 @@ use super::info::{HistSnapshot, LastCheckpoint, SampleInfo, Snapshot};
 use super::leaves::{byte_slices, LeafSpecs};
 use super::views::{batch_copies, batch_views, LeafLayout, RingLease};
 use super::{deadline_from_timeout, detach, wait_detached};
-use crate::backend::{Backend, BackendStats, BatchConsumer, BatchRef};
-use crate::checkpoint::{write_leaf_files, LeafFile};
+use crate::backend::{Backend, BackendCheckpoint, BackendStats, BatchConsumer, BatchRef};
+use crate::checkpoint::{as_bytes, write_leaf_files, write_npy_1d, LeafFile, QueuedChunks};
 use crate::error::EchoError;
-use crate::ingress::{Ingress, IngressConfig};
+use crate::ingress::{Ingress, IngressConfig, QueuedSamples};
 use crate::metrics;
 use crate::replay::{SnapshotItems, TableState};
 use crate::source::Leaves;
@@ -43,7 +43,11 @@ type CheckpointOut<'py> = (
     Bound<'py, PyArray1<u32>>,
     (u64, u64, [u64; 4], u64, f64),
     Vec<Bound<'py, PyBytes>>,
+    (usize, Vec<Bound<'py, PyBytes>>, Bound<'py, PyArray1<f64>>),
 );
+
+/// What `_checkpoint_fifo` hands back (see there).
+type FifoCheckpointOut<'py> = (u64, usize, usize, Vec<Bound<'py, PyBytes>>);
 
 /// What `sample` hands back: the sample's leaves, the counters, the per-item arrays.
 type SampleOut<'py> = (Bound<'py, PyList>, SampleInfo, Bound<'py, PyTuple>);
@@ -327,30 +331,101 @@ impl PyServerCore {
     /// Writes a consistent snapshot of the replay table's items, leaf `l` into the new
     /// `.npy` file `files[l] = (path, descr, item_shape)` (`descr`: the dtype as the header
     /// spells it), rows in key order, fsynced, with the GIL released while inserts and
-    /// sampling go on. Returns the snapshot's metadata: `(keys, priorities, times_sampled,
-    /// (inserts, samples, rng_state, next_key, max_priority), sha256 digests of the files)`.
+    /// sampling go on; and the acknowledged samples the ingress held at the snapshot's moment
+    /// into `ingress_files` the same way (only when there are some). Returns the snapshot's
+    /// metadata: `(keys, priorities, times_sampled, (inserts, samples, rng_state, next_key,
+    /// max_priority), sha256 digests of the files, (ingress samples, their files' digests,
+    /// their priorities with NaN for none))`.
+    ///
+    /// `meta_files`: where the keys (uint64), priorities (float64), times sampled (uint32)
+    /// and the ingress samples' priorities (float64, only when there are some) go, as `.npy`
+    /// files written here with the GIL released; their digests follow the leaves'.
     fn _checkpoint<'py>(
         &self,
         py: Python<'py>,
         files: Vec<(PathBuf, String, Vec<usize>)>,
+        ingress_files: Vec<(PathBuf, String, Vec<usize>)>,
+        meta_files: [PathBuf; 4],
     ) -> PyResult<CheckpointOut<'py>> {
-        let files: Vec<LeafFile> =
-            files.into_iter().map(|(path, descr, shape)| LeafFile { path, descr, shape }).collect();
+        let files = leaf_files(files);
+        let ingress_files = leaf_files(ingress_files);
         let backend = &self.backend;
-        let (items, state, digests) = detach(py, || {
-            let mut checkpoint = backend.checkpoint()?;
-            let digests = write_leaf_files(&mut checkpoint, &files)?;
-            Ok::<_, EchoError>((checkpoint.items().clone(), *checkpoint.state(), digests))
+        let ingress = self.ingress.get().map(Arc::as_ref);
+        let (items, state, digests, queued, ingress_digests) = detach(py, || {
+            let BackendCheckpoint::Replay(mut checkpoint, queued) = backend.checkpoint(ingress)?
+            else {
+                return Err(EchoError::Config("_checkpoint: this server is FIFO".into()));
+            };
+            let mut digests = write_leaf_files(&mut checkpoint, &files)?;
+            let items = checkpoint.items();
+            digests.push(write_npy_1d(&meta_files[0], 'u', as_bytes(&items.keys), 8)?);
+            digests.push(write_npy_1d(&meta_files[1], 'f', as_bytes(&items.priorities), 8)?);
+            digests.push(write_npy_1d(&meta_files[2], 'u', as_bytes(&items.times_sampled), 4)?);
+            let ingress_digests = if queued.is_empty() {
+                Vec::new()
+            } else {
+                let mut ingress_digests = write_leaf_files(
+                    &mut QueuedChunks::new(checkpoint.spec(), &queued),
+                    &ingress_files,
+                )?;
+                let priorities: Vec<f64> =
+                    queued.priorities.iter().map(|p| p.unwrap_or(f64::NAN)).collect();
+                ingress_digests.push(write_npy_1d(&meta_files[3], 'f', as_bytes(&priorities), 8)?);
+                ingress_digests
+            };
+            Ok::<_, EchoError>((
+                checkpoint.items().clone(),
+                *checkpoint.state(),
+                digests,
+                queued,
+                ingress_digests,
+            ))
         })
         .map_err(to_pyerr)?;
         let digests = digests.iter().map(|d| PyBytes::new(py, d)).collect();
+        let ingress_digests = ingress_digests.iter().map(|d| PyBytes::new(py, d)).collect();
+        let ingress_priorities: Vec<f64> =
+            queued.priorities.iter().map(|p| p.unwrap_or(f64::NAN)).collect();
         Ok((
             PyArray1::from_vec(py, items.keys),
             PyArray1::from_vec(py, items.priorities),
             PyArray1::from_vec(py, items.times_sampled),
             (state.inserts, state.samples, state.rng, state.next_key, state.max_priority),
             digests,
+            (queued.len(), ingress_digests, PyArray1::from_vec(py, ingress_priorities)),
         ))
+    }
+
+    /// Writes a consistent snapshot of the FIFO ring's samples not yet handed out (partial
+    /// batch included), then the acknowledged samples the ingress held at that moment, leaf
+    /// `l` into the new `.npy` file `files[l] = (path, descr, item_shape)`, in order, fsynced,
+    /// with the GIL released while inserts and sampling go on. Returns `(samples handed out
+    /// before the snapshot, rows from the ring, rows from the ingress, sha256 digests)`.
+    fn _checkpoint_fifo<'py>(
+        &self,
+        py: Python<'py>,
+        files: Vec<(PathBuf, String, Vec<usize>)>,
+    ) -> PyResult<FifoCheckpointOut<'py>> {
+        let files = leaf_files(files);
+        let backend = &self.backend;
+        let ingress = self.ingress.get().map(Arc::as_ref);
+        let (handed_out, ring_rows, ingress_rows, digests) = detach(py, || {
+            let BackendCheckpoint::Fifo(mut snapshot) = backend.checkpoint(ingress)? else {
+                return Err(EchoError::Config(
+                    "_checkpoint_fifo: this server is a replay table".into(),
+                ));
+            };
+            let digests = write_leaf_files(&mut snapshot, &files)?;
+            Ok::<_, EchoError>((
+                snapshot.ring.handed_out(),
+                snapshot.ring_rows(),
+                snapshot.queued.len(),
+                digests,
+            ))
+        })
+        .map_err(to_pyerr)?;
+        let digests = digests.iter().map(|d| PyBytes::new(py, d)).collect();
+        Ok((handed_out, ring_rows, ingress_rows, digests))
     }
 
     /// Records a completed checkpoint for `stats()`: when it completed (Unix seconds), how
@@ -362,6 +437,10 @@ impl PyServerCore {
     /// Fills this new replay server with a checkpoint's items (`leaves[l]`: leaf `l` of every
     /// item as bytes, in key order) and state `(inserts, samples, rng_state, next_key,
     /// max_priority)`. ValueError naming what does not fit; nothing is inserted then.
+    ///
+    /// Then the checkpoint's ingress samples (`ingress_leaves`, `ingress_priorities` with NaN
+    /// for none) go in from a background thread before anything new (`_is_restoring`).
+    #[allow(clippy::too_many_arguments)]
     fn _restore(
         &self,
         py: Python<'_>,
@@ -370,6 +449,8 @@ impl PyServerCore {
         priorities: PyReadonlyArray1<'_, f64>,
         times_sampled: PyReadonlyArray1<'_, u32>,
         state: (u64, u64, [u64; 4], u64, f64),
+        ingress_leaves: Vec<PyReadonlyArray1<'_, u8>>,
+        ingress_priorities: PyReadonlyArray1<'_, f64>,
     ) -> PyResult<()> {
         let contiguous = |what: &str, e: numpy::NotContiguousError| {
             PyValueError::new_err(format!("restore: {what}: {e}"))
@@ -388,8 +469,57 @@ impl PyServerCore {
             .iter()
             .map(|leaf| leaf.as_slice().map_err(|e| contiguous("leaf", e)))
             .collect::<PyResult<Vec<&[u8]>>>()?;
+        let ingress_leaves = ingress_leaves
+            .iter()
+            .map(|leaf| leaf.as_slice().map_err(|e| contiguous("ingress leaf", e)))
+            .collect::<PyResult<Vec<&[u8]>>>()?;
+        let ingress_priorities =
+            ingress_priorities.as_slice().map_err(|e| contiguous("ingress priorities", e))?;
+        let spec = self.backend.spec();
+        let rows = Rows::new(spec, &ingress_leaves, ingress_priorities.len(), None)
+            .map_err(|e| PyValueError::new_err(format!("restore: ingress samples: {e}")))?;
+        let mut queued = QueuedSamples::new(spec.payload_size());
+        let mut payload = Vec::with_capacity(spec.payload_size());
+        for (i, &priority) in ingress_priorities.iter().enumerate() {
+            payload.clear();
+            for leaf in 0..spec.len() {
+                payload.extend_from_slice(rows.row_leaf(i, leaf));
+            }
+            if !priority.is_nan() {
+                self.backend.check_priority(priority).map_err(|e| {
+                    PyValueError::new_err(format!("restore: ingress sample {i}: {e}"))
+                })?;
+            }
+            queued.push(&payload, (!priority.is_nan()).then_some(priority));
+        }
         let backend = &self.backend;
-        detach(py, || backend.restore(&items, &saved, &leaves)).map_err(to_pyerr)
+        detach(py, || backend.restore(&items, &saved, &leaves, queued)).map_err(to_pyerr)
+    }
+
+    /// Puts a FIFO checkpoint's `n` samples (`leaves[l]`: leaf `l` of each, as bytes) into
+    /// this new FIFO server, in order, before anything new: as many as fit at once, the rest
+    /// from a background thread as `sample()` frees room (`_is_restoring` until then).
+    /// ValueError if they do not fit the layout; nothing is inserted then.
+    fn _restore_fifo(
+        &self,
+        py: Python<'_>,
+        leaves: Vec<PyReadonlyArray1<'_, u8>>,
+        n: usize,
+    ) -> PyResult<usize> {
+        let leaves = leaves
+            .iter()
+            .map(|leaf| {
+                leaf.as_slice().map_err(|e| PyValueError::new_err(format!("restore: leaf: {e}")))
+            })
+            .collect::<PyResult<Vec<&[u8]>>>()?;
+        let backend = &self.backend;
+        detach(py, || backend.restore_fifo(&leaves, n)).map_err(to_pyerr)
+    }
+
+    /// Whether a restore's samples are still going in (other inserts wait for them).
+    #[getter]
+    fn _is_restoring(&self) -> bool {
+        self.backend.is_restoring()
     }
 
     /// The priority of the item with `key`, `None` if it is not in the table (or FIFO).
@@ -653,4 +783,9 @@ fn batch_layouts(
         layouts.push(layout(&descr, &[])?);
     }
     Ok(layouts)
+}
+
+/// `(path, descr, item_shape)` triples as the core's [`LeafFile`]s.
+fn leaf_files(files: Vec<(PathBuf, String, Vec<usize>)>) -> Vec<LeafFile> {
+    files.into_iter().map(|(path, descr, shape)| LeafFile { path, descr, shape }).collect()
 }
