@@ -353,9 +353,15 @@ impl Store {
     /// slot of every leaf (in spec order) and must write all of their bytes. The slot is
     /// committed when `fill` returns, so `fill` cannot fail; whoever calls this must already
     /// have the bytes at hand (the TCP ingress calls it only when the kernel holds the whole
-    /// sample). Returns `false`, without calling `fill`, when the ring is full or closed:
-    /// never waits.
+    /// sample). Returns `false`, without calling `fill`, when the ring is full or closed, a
+    /// checkpoint is taking its snapshot, or restored samples are still going in: never
+    /// waits.
     pub fn try_insert_in_place(&self, fill: impl FnOnce(&mut [&mut [u8]])) -> bool {
+        // ORDERING: Relaxed — as in `insert`: restored samples go in first; the caller's
+        // fallback (`insert`) waits for them.
+        if self.restoring.load(Relaxed) {
+            return false;
+        }
         let Some(start) = self.try_reserve_one() else { return false };
         let copy_started = Stamp::now();
         let slot = self.ring_slot(start);
