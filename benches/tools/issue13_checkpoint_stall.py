@@ -45,10 +45,11 @@ def phase(
     inserts: list[float] = []
     samples: list[float] = []
     n_bytes = server._core.payload_size  # pyright: ignore[reportPrivateUsage]
-    row = {"x": np.zeros(n_bytes, np.uint8)}
+    rng = np.random.default_rng(3)
 
     def producer() -> None:
         while not stop.is_set():
+            row = {"x": rng.integers(0, 255, n_bytes, np.uint8)}
             t = time.perf_counter()
             try:
                 server.submit(row, timeout=10)
@@ -94,10 +95,6 @@ def phase(
     }
 
 
-def row_of(n_bytes: int) -> dict[str, Any]:
-    return {"x": np.zeros(n_bytes, np.uint8)}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--items", type=int, default=100_000)
@@ -117,9 +114,12 @@ def main() -> None:
         else:
             server = echo.Server(example, 32, max_size=args.items, sampler=echo.Uniform(), seed=0)
             items = args.items
-            block = np.zeros((10_000, args.bytes), np.uint8)
-            for start in range(0, args.items, len(block)):
-                server.submit_batch({"x": block[: min(len(block), args.items - start)]})
+            # Fresh random bytes, like the `tofile` comparison's: a virtual disk that skips
+            # zero blocks or deduplicates repeated ones must not favour either side.
+            rng = np.random.default_rng(1)
+            for start in range(0, args.items, 10_000):
+                n = min(10_000, args.items - start)
+                server.submit_batch({"x": rng.integers(0, 255, (n, args.bytes), np.uint8)})
         total = items * args.bytes
         mib = total / 2**20
         print(
@@ -141,8 +141,9 @@ def main() -> None:
                 )
             )
         if fifo:  # the ring is what it is after the phases: fill it for the throughput part
+            rng = np.random.default_rng(4)
             while server.stats().store_size < items - 32:
-                server.submit(row_of(args.bytes), timeout=10)
+                server.submit({"x": rng.integers(0, 255, args.bytes, np.uint8)}, timeout=10)
             total = server.stats().store_size * args.bytes
             mib = total / 2**20
         path = os.path.join(root, "quiet")
