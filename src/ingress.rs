@@ -382,6 +382,8 @@ pub struct IngressStats {
     refused_protocol: Counter,
     refused_auth: Counter,
     refused_layout: Counter,
+    shm: Counter,
+    shm_fallback: Counter,
 }
 
 /// A snapshot of the ingress counters.
@@ -419,6 +421,11 @@ pub struct IngressSnapshot {
     pub handshakes_refused_auth_total: u64,
     /// Handshakes refused because the client's samples have another layout.
     pub handshakes_refused_layout_total: u64,
+    /// v2 connections whose samples came through same-host shared memory.
+    pub shm_connections_total: u64,
+    /// v2 connections that wanted shared memory and sent over TCP instead (another host,
+    /// turned off on the server, or the attach failed).
+    pub shm_fallbacks_total: u64,
 }
 
 /// What a transport reports about its connections, for the counters.
@@ -439,6 +446,10 @@ pub enum TransportEvent {
     RefusedAuth,
     /// A handshake was refused for another layout.
     RefusedLayout,
+    /// A v2 connection attached a shared-memory channel.
+    Shm,
+    /// A v2 connection wanted shared memory and uses TCP instead.
+    ShmFallback,
 }
 
 /// The drainer pool and connection registry.
@@ -553,6 +564,8 @@ impl Ingress {
             TransportEvent::RefusedProtocol => stats.refused_protocol.add(1),
             TransportEvent::RefusedAuth => stats.refused_auth.add(1),
             TransportEvent::RefusedLayout => stats.refused_layout.add(1),
+            TransportEvent::Shm => stats.shm.add(1),
+            TransportEvent::ShmFallback => stats.shm_fallback.add(1),
         }
     }
 
@@ -582,6 +595,8 @@ impl Ingress {
             handshakes_refused_protocol_total: self.stats.refused_protocol.get(),
             handshakes_refused_auth_total: self.stats.refused_auth.get(),
             handshakes_refused_layout_total: self.stats.refused_layout.get(),
+            shm_connections_total: self.stats.shm.get(),
+            shm_fallbacks_total: self.stats.shm_fallback.get(),
             ..IngressSnapshot::default()
         };
         for d in &self.drainers {
