@@ -10,6 +10,7 @@ one did, one line per event.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import signal
 import socket
@@ -118,10 +119,8 @@ class Fleet:
 
     def kill(self) -> None:
         for pid in self.pids.values():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         if self.proc.poll() is None:
             self.proc.kill()
 
@@ -200,7 +199,12 @@ def test_forced_tcp_workers_mix_with_shared_memory_ones(make_server: Any) -> Non
         }
         paths = {**shm_fleet.reports("path"), **tcp_fleet.reports("path")}
         assert {w: line[2] for w, line in paths.items()} == {
-            0: "shm", 1: "shm", 2: "shm", 3: "shm", 4: "tcp", 5: "tcp"
+            0: "shm",
+            1: "shm",
+            2: "shm",
+            3: "shm",
+            4: "tcp",
+            5: "tcp",
         }
         info = poll(server.stats, lambda s: s.active_connections == 0, "workers gone")
         assert (info.shm_connections_total, info.v2_connections_total) == (4, 6)
@@ -279,9 +283,15 @@ def test_a_learner_gone_while_a_send_waits_for_room_raises_connection_closed(
     server.start()
     client = TcpClient(LOCALHOST, server.port, EXAMPLE, shared_memory=True, max_inflight_msgs=4)
     try:
-        with pytest.raises(TimeoutError):
-            for i in range(1000):
-                client.send(_sample(i), timeout=0.5)  # nobody samples: the ring fills
+        # Nobody samples: the ring, the ingress and then the window fill.
+        sent = 0
+        for i in range(1000):
+            try:
+                client.send(_sample(i), timeout=0.5)
+            except TimeoutError:
+                break
+            sent += 1
+        assert 0 < sent < 1000
         server.close()
         with pytest.raises(ConnectionClosedError):
             client.send(_sample(0), timeout=WAIT_S)

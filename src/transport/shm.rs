@@ -721,7 +721,7 @@ type CmsgBuf = [u64; 8];
 pub fn send_fds(fd: RawFd, data: &[u8], fds: &[RawFd]) -> io::Result<()> {
     assert!(fds.len() <= 4, "room for 4 descriptors");
     let mut control: CmsgBuf = [0; 8];
-    let fd_bytes = (fds.len() * std::mem::size_of::<RawFd>()) as libc::c_uint;
+    let fd_bytes = std::mem::size_of_val(fds) as libc::c_uint;
     let mut iov = libc::iovec { iov_base: data.as_ptr().cast_mut().cast(), iov_len: data.len() };
     // SAFETY: a zeroed msghdr is a valid empty one; we fill the fields below.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -798,8 +798,11 @@ pub fn recv_fds(fd: RawFd, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> 
             let data = unsafe { libc::CMSG_DATA(cmsg) };
             for i in 0..count {
                 // SAFETY: the kernel wrote `count` descriptors after the header, inside
-                // `control` (it truncates, and flags MSG_CTRUNC, rather than overflow it).
-                let raw = unsafe { data.add(i * 4).cast::<RawFd>().read_unaligned() };
+                // `control` (it truncates, and flags MSG_CTRUNC, rather than overflow it), so
+                // the i-th one's bytes are in bounds.
+                let at = unsafe { data.add(i * 4) };
+                // SAFETY: as above: 4 readable bytes at `at`; read unaligned.
+                let raw = unsafe { at.cast::<RawFd>().read_unaligned() };
                 // SAFETY: the kernel just installed `raw` in our table for us alone.
                 fds.push(unsafe { OwnedFd::from_raw_fd(raw) });
             }

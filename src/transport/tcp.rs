@@ -800,7 +800,7 @@ async fn serve_v2(
         v2::Accept::new(ingress.backend().has_priorities(), resume_seq, own_ms, signed);
     let mut channel = None;
     if hello.shm {
-        match shm_path::prepare(shared, peer, &link) {
+        match shm_path::prepare(shared, peer, link) {
             Ok(prepared) => {
                 accept.shm = Some(prepared.offer.clone());
                 channel = Some(prepared);
