@@ -405,8 +405,18 @@ impl Reader {
     pub fn new(payload_size: usize) -> io::Result<Self> {
         let slots = slots_for(payload_size)
             .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "sample too large"))?;
+        Self::with_slots(payload_size, slots)
+    }
+
+    /// A new channel of exactly `slots` slots (at least 1), for tests.
+    ///
+    /// # Errors
+    /// As [`Reader::new`].
+    #[doc(hidden)]
+    pub fn with_slots(payload_size: usize, slots: usize) -> io::Result<Self> {
+        let slots = slots.max(1);
         let segment = Segment::create(slots, payload_size)?;
-        let stride = slot_stride(payload_size).expect("checked by slots_for");
+        let stride = slot_stride(payload_size).expect("checked by Segment::create");
         Ok(Self {
             segment,
             slots,
