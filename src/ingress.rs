@@ -384,6 +384,9 @@ pub struct IngressStats {
     refused_layout: Counter,
     shm: Counter,
     shm_fallback: Counter,
+    /// Samples a transport inserted into the backend itself (shared memory), not through a
+    /// drainer; part of `samples_inserted_total`.
+    direct_inserted: Counter,
 }
 
 /// A snapshot of the ingress counters.
@@ -397,7 +400,8 @@ pub struct IngressSnapshot {
     pub queue_depth_max: u64,
     /// Times a transport task waited for a free buffer or queue slot.
     pub push_blocked_count: u64,
-    /// Samples the drainers moved into the backend.
+    /// Samples the drainers moved into the backend, and those a transport inserted itself
+    /// (shared-memory connections copy straight from their ring into the backend).
     pub samples_inserted_total: u64,
     /// Bytes of sample buffers the connections hold now (at most `max_buffered_bytes`).
     pub buffered_bytes: u64,
@@ -569,6 +573,12 @@ impl Ingress {
         }
     }
 
+    /// A transport inserted `n` samples into the backend itself (the shared-memory path
+    /// copies straight from its ring into the backend); counted in `samples_inserted_total`.
+    pub fn note_inserted(&self, n: u64) {
+        self.stats.direct_inserted.add(n);
+    }
+
     /// Number of drainer threads running.
     pub fn num_drainers(&self) -> usize {
         self.drainers.len()
@@ -599,6 +609,7 @@ impl Ingress {
             shm_fallbacks_total: self.stats.shm_fallback.get(),
             ..IngressSnapshot::default()
         };
+        snap.samples_inserted_total = self.stats.direct_inserted.get();
         for d in &self.drainers {
             snap.queue_depth_sum += d.depth_sum.get();
             snap.queue_depth_max = snap.queue_depth_max.max(d.depth_max.get());

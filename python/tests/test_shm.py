@@ -412,3 +412,38 @@ def test_ctrl_c_interrupts_a_send_or_wait_blocked_on_shared_memory(blocked_in: s
         """
     )
     assert_ctrl_c_interrupts_promptly(code)
+
+
+def test_priorities_over_shared_memory_land_in_a_replay_table(make_server: Any) -> None:
+    import echo
+
+    server = make_server(
+        EXAMPLE,
+        batch_size=4,
+        sampler=echo.Prioritized(1.0),
+        max_size=64,
+        transport=TcpTransport(port=0, host=LOCALHOST),
+    )
+    server.start()
+    priorities: list[float | None] = [0.5, 3.0, 1.25, None, 0.0, 2.5, None, 7.0]
+    with TcpClient(LOCALHOST, server.port, EXAMPLE, shared_memory=True) as client:
+        assert client.transport_path == "shm"
+        for i, p in enumerate(priorities):
+            client.send(_sample(i), priority=p, timeout=WAIT_S)
+        client.wait(timeout=WAIT_S)
+        with pytest.raises(ValueError, match="priority"):
+            client.send(_sample(9), priority=-1.0)
+    poll(server.stats, lambda s: s.samples_inserted_total == len(priorities), "all inserted")
+    # A sample sent without a priority gets the largest seen so far, as over TCP.
+    expected = [0.5, 3.0, 1.25, 3.0, 0.0, 2.5, 3.0, 7.0]
+    assert [server._core.priority(k) for k in range(len(expected))] == expected
+
+
+def test_a_fifo_server_refuses_priorities_over_shared_memory(make_server: Any) -> None:
+    server = _server(make_server)
+    with TcpClient(LOCALHOST, server.port, EXAMPLE, shared_memory=True) as client:
+        with pytest.raises(ValueError, match="priorit"):
+            client.send(_sample(0), priority=1.0)
+        for i in range(1, 5):
+            client.send(_sample(i))
+    assert _receive(server, 4) == {0: [1, 2, 3, 4]}

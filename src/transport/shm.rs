@@ -1,7 +1,8 @@
 //! The same-host shared-memory channel (Linux): a worker on the learner's machine writes each
 //! sample straight into a ring of fixed-size slots in a `memfd` segment, and the learner's
-//! connection task copies it once into the connection's ingress queue. The TCP connection
-//! stays open for liveness (heartbeats), the goodbye and errors.
+//! connection task copies it once, straight into the backend's ring ([`Samples`] is the
+//! segment as a `SampleSource`). The TCP connection stays open for liveness (heartbeats),
+//! the goodbye and errors.
 //!
 //! ```text
 //!  segment (created, sized, sealed and mapped by the learner; mapped by the worker):
@@ -464,19 +465,40 @@ impl Reader {
         if out.len() != self.payload_size {
             return Err(format!("buffer of {} bytes for {}", out.len(), self.payload_size));
         }
-        // `head % slots < slots`, and `HEADER_LEN + slots * stride` fits the segment (we
-        // made it), so the slot is inside: `get` checks it again regardless.
-        let index = usize::try_from(self.head % self.slots as u64).expect("< slots");
-        let offset = HEADER_LEN + index * self.stride;
+        // The header first, then the payload: both are copies, checked only as copied.
+        let meta = self.check(self.head)?;
+        self.copy_payload(self.head, 0, out);
+        Ok(meta)
+    }
+
+    /// Hands the slot of the sample copied by [`Reader::copy_next`] back to the worker.
+    pub fn advance(&mut self) {
+        self.advance_by(1);
+    }
+
+    /// Hands the slots of the next `n` samples back to the worker (they were checked with
+    /// [`Reader::check`] and copied with [`Samples`]).
+    pub fn advance_by(&mut self, n: u64) {
+        if n > 0 {
+            self.head += n;
+            self.segment.indices(self.slots).release(self.head, &self.space);
+        }
+    }
+
+    /// Copies the header of committed sample `seq` (the caller checked it is committed and
+    /// not yet taken) out of its slot and checks it.
+    ///
+    /// # Errors
+    /// What is wrong with the slot (the worker broke the protocol).
+    pub fn check(&self, seq: u64) -> Result<SlotMeta, String> {
         let mut header = [0u8; SLOT_HEADER];
-        self.segment.get(offset, &mut header);
-        self.segment.get(offset + SLOT_HEADER, out);
-        // Checked on our copies only: the worker cannot change them under us.
-        let seq = u64::from_le_bytes(header[0..8].try_into().expect("8 bytes"));
+        self.segment.get(self.slot_offset(seq), &mut header);
+        // Checked on our copy only: the worker cannot change it under us.
+        let got = u64::from_le_bytes(header[0..8].try_into().expect("8 bytes"));
         let flags = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
         let priority = f64::from_le_bytes(header[16..24].try_into().expect("8 bytes"));
-        if seq != self.head {
-            return Err(format!("slot of sample {} holds sample {seq}", self.head));
+        if got != seq {
+            return Err(format!("slot of sample {seq} holds sample {got}"));
         }
         if flags & !FLAG_PRIORITY != 0 {
             return Err(format!("sample {seq}: unknown slot flags {flags:#x}"));
@@ -484,10 +506,20 @@ impl Reader {
         Ok(SlotMeta { priority: (flags & FLAG_PRIORITY != 0).then_some(priority) })
     }
 
-    /// Hands the slot of the sample copied by [`Reader::copy_next`] back to the worker.
-    pub fn advance(&mut self) {
-        self.head += 1;
-        self.segment.indices(self.slots).release(self.head, &self.space);
+    /// The segment offset of the slot holding sample `seq`: computed from our own geometry
+    /// only, so always inside the segment (`Segment::get` checks again regardless).
+    fn slot_offset(&self, seq: u64) -> usize {
+        let index = usize::try_from(seq % self.slots as u64).expect("< slots");
+        HEADER_LEN + index * self.stride
+    }
+
+    /// Copies `dst.len()` payload bytes of sample `seq`, from byte `offset` of its payload,
+    /// into `dst` (one raw copy out of the segment). Nothing is copied if the range is not
+    /// inside the payload (a caller's bug; `dst` keeps its bytes).
+    pub fn copy_payload(&self, seq: u64, offset: usize, dst: &mut [u8]) {
+        if offset.checked_add(dst.len()).is_some_and(|end| end <= self.payload_size) {
+            self.segment.get(self.slot_offset(seq) + SLOT_HEADER + offset, dst);
+        }
     }
 
     /// Announces that we are about to sleep on `data` (see [`Indices::sleep_begin`]); look
@@ -508,6 +540,67 @@ impl Reader {
         let offset = offset.min(self.segment.len);
         let n = bytes.len().min(self.segment.len - offset);
         self.segment.put(offset, &bytes[..n]);
+    }
+}
+
+/// Committed samples of a [`Reader`] as a [`SampleSource`]: a backend copies each leaf
+/// straight out of the segment into its ring ([`SampleSource::copy_leaf`], one raw copy per
+/// leaf), so the learner copies each sample once. The slot headers were checked (copied out)
+/// before; the payload bytes are the worker's and taken as they are.
+pub struct Samples<'a> {
+    reader: &'a Reader,
+    /// Sequence number of the first sample.
+    first: u64,
+    /// Each sample's checked header.
+    metas: &'a [SlotMeta],
+    /// Each leaf's byte offset and length in the payload.
+    leaves: &'a [(usize, usize)],
+    /// [`SampleSource::leaf`]'s private copies, made only if something asks for references.
+    copies: std::cell::OnceCell<Vec<Box<[u8]>>>,
+}
+
+impl<'a> Samples<'a> {
+    /// Samples `first..first + metas.len()` of `reader`, whose payloads are split into
+    /// `leaves` (offset, length).
+    pub fn new(
+        reader: &'a Reader,
+        first: u64,
+        metas: &'a [SlotMeta],
+        leaves: &'a [(usize, usize)],
+    ) -> Self {
+        Self { reader, first, metas, leaves, copies: std::cell::OnceCell::new() }
+    }
+}
+
+impl crate::source::SampleSource for Samples<'_> {
+    fn num_samples(&self) -> usize {
+        self.metas.len()
+    }
+    fn num_leaves(&self, _sample: usize) -> usize {
+        self.leaves.len()
+    }
+    fn leaf(&self, sample: usize, leaf: usize) -> &[u8] {
+        // Never a reference into the segment: a private copy of every payload.
+        let copies = self.copies.get_or_init(|| {
+            (0..self.metas.len())
+                .map(|i| {
+                    let mut payload = vec![0u8; self.reader.payload_size].into_boxed_slice();
+                    self.reader.copy_payload(self.first + i as u64, 0, &mut payload);
+                    payload
+                })
+                .collect()
+        });
+        let (offset, len) = self.leaves[leaf];
+        &copies[sample][offset..offset + len]
+    }
+    fn leaf_len(&self, _sample: usize, leaf: usize) -> usize {
+        self.leaves[leaf].1
+    }
+    fn copy_leaf(&self, sample: usize, leaf: usize, dst: &mut [u8]) {
+        self.reader.copy_payload(self.first + sample as u64, self.leaves[leaf].0, dst);
+    }
+    fn priority(&self, sample: usize) -> Option<f64> {
+        self.metas[sample].priority
     }
 }
 
@@ -604,7 +697,7 @@ impl Writer {
         self.tail
     }
 
-    /// Samples the learner has taken (copied out of the ring into its queue).
+    /// Samples the learner has taken (inserted into its ring; their slots are free again).
     pub fn taken(&self) -> u64 {
         self.indices().taken()
     }

@@ -877,22 +877,23 @@ async fn serve_frames(
 }
 
 /// The shared-memory path of a v2 connection: offered in the reply, attached over a Unix
-/// socket, then drained into the session's queue. See [`super::shm`].
+/// socket, then inserted straight from the segment into the backend. See [`super::shm`].
 #[cfg(target_os = "linux")]
 mod shm_path {
     use std::io;
     use std::net::SocketAddr;
     use std::os::fd::{AsFd, AsRawFd};
     use std::sync::atomic::Ordering::Relaxed;
-    use std::time::Duration;
+    use std::time::{Duration, Instant};
 
     use tokio::io::unix::AsyncFd;
     use tokio::io::Interest;
     use tokio::net::{UnixListener, UnixStream};
 
     use super::{Link, Session, Shared};
+    use crate::error::EchoError;
     use crate::ingress::TransportEvent;
-    use crate::transport::shm::{self, Reader};
+    use crate::transport::shm::{self, Reader, Samples};
     use crate::transport::wire::v2::{self, ShmOffer};
 
     /// How long a client has to attach the channel it was offered.
@@ -1046,9 +1047,13 @@ mod shm_path {
         }
     }
 
-    /// Copies every committed sample into the session's queue, in order, and sleeps on the
-    /// data bell (or the TCP connection) when there are none. Ends when the client leaves,
-    /// once every committed sample is taken.
+    /// How long one blocking insert waits for room before the task checks in (heartbeats,
+    /// shutdown).
+    const INSERT_SLICE: Duration = Duration::from_millis(50);
+
+    /// Inserts every committed sample into the backend, in order, copying each straight out
+    /// of the segment into the ring, and sleeps on the data bell (or the TCP connection) when
+    /// there are none. Ends when the client leaves, once every committed sample is in.
     async fn drain(
         link: &mut Link<'_>,
         shared: &Shared,
@@ -1056,7 +1061,13 @@ mod shm_path {
         reader: &mut Reader,
     ) -> io::Result<End> {
         let ingress = &shared.ingress;
-        let (conn, space) = (&session.conn, &*session.space);
+        let backend = ingress.backend();
+        let mut leaves = Vec::new();
+        let mut offset = 0;
+        for array in backend.spec().arrays() {
+            leaves.push((offset, array.num_bytes()));
+            offset += array.num_bytes();
+        }
         // SAFETY: the `EventFd` owns its descriptor (an `OwnedFd`, a fresh duplicate) and
         // neither closes nor replaces it while the `AsyncFd` owns it; `as_raw_fd` always
         // returns that one descriptor.
@@ -1064,34 +1075,64 @@ mod shm_path {
             AsyncFd::register_with_interest(reader.data.try_clone()?, Interest::READABLE)
         }
         .map_err(|e| e.into_parts().1)?;
+        let mut metas = Vec::with_capacity(reader.slots());
         let mut ending = None;
         loop {
-            loop {
-                let available = match reader.available() {
-                    Ok(n) => n,
-                    Err(corrupt) => return Err(link.fail(&corrupt.to_string()).await),
-                };
-                if available == 0 {
-                    break;
-                }
-                let mut buf = link.buffer(conn, space).await?;
-                let meta = match reader.copy_next(buf.bytes()) {
-                    Ok(meta) => meta,
-                    Err(why) => return Err(link.fail(&format!("shared-memory slot: {why}")).await),
-                };
-                if let Some(priority) = meta.priority {
-                    if let Err(err) = ingress.backend().check_priority(priority) {
-                        return Err(link.fail(&err.to_string()).await);
+            let available = match reader.available() {
+                Ok(n) => n,
+                Err(corrupt) => return Err(link.fail(&corrupt.to_string()).await),
+            };
+            if available > 0 {
+                // Every header first (copied out, then checked): a bad one ends the channel
+                // before any sample of this run goes in.
+                metas.clear();
+                for seq in reader.head()..reader.head() + available {
+                    match reader.check(seq) {
+                        Ok(meta) => metas.push(meta),
+                        Err(why) => {
+                            return Err(link.fail(&format!("shared-memory slot: {why}")).await)
+                        }
                     }
                 }
-                link.push(conn, space, buf, meta.priority).await?;
-                // ORDERING: Relaxed — as in `serve_frames`: written only under `owner`.
-                session.next_seq.fetch_add(1, Relaxed);
-                reader.advance();
+                for meta in &metas {
+                    if let Some(priority) = meta.priority {
+                        if let Err(err) = backend.check_priority(priority) {
+                            return Err(link.fail(&err.to_string()).await);
+                        }
+                    }
+                }
+                let mut done = 0;
+                while done < metas.len() {
+                    let samples = Samples::new(reader, reader.head(), &metas[done..], &leaves);
+                    let deadline = Instant::now() + INSERT_SLICE;
+                    // The insert blocks while the ring is full (or the rate limiter holds it
+                    // back): off the runtime's scheduler, in slices.
+                    let result = tokio::task::block_in_place(|| {
+                        backend.insert(&samples, None, Some(deadline))
+                    });
+                    let (inserted, error) = match result {
+                        Ok(()) => (metas.len() - done, None),
+                        Err(e) => (e.inserted, Some(e.error)),
+                    };
+                    done += inserted;
+                    reader.advance_by(inserted as u64);
+                    ingress.note_inserted(inserted as u64);
+                    // ORDERING: Relaxed — as in `serve_frames`: written only under `owner`.
+                    session.next_seq.fetch_add(inserted as u64, Relaxed);
+                    match error {
+                        None | Some(EchoError::TimedOut) => {}
+                        Some(EchoError::Closed) => return Ok(End::Closed),
+                        Some(other) => return Err(link.fail(&other.to_string()).await),
+                    }
+                    if inserted == 0 {
+                        session.conn.note_blocked();
+                    }
+                    // Busy inserting (or waiting for room) we write nothing else: heartbeats
+                    // keep the client's watch quiet.
+                    link.tick(false).await?;
+                }
                 link.activity.complete();
-                // Busy draining we write nothing else: heartbeats keep the client's watch
-                // quiet.
-                link.tick(false).await?;
+                continue;
             }
             if let Some(end) = ending {
                 return Ok(end);
@@ -1113,7 +1154,7 @@ mod shm_path {
             reader.sleep_end();
             match byte {
                 None | Some(Some(v2::HEARTBEAT)) => {}
-                // Whatever the client committed before it left is taken first.
+                // Whatever the client committed before it left goes in first.
                 Some(None) => ending = Some(End::Closed),
                 Some(Some(v2::BYE)) => ending = Some(End::Goodbye),
                 Some(Some(v2::SHM_DECLINE)) if reader.head() == 0 => {
