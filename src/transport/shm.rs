@@ -547,6 +547,9 @@ impl Reader {
 /// straight out of the segment into its ring ([`SampleSource::copy_leaf`], one raw copy per
 /// leaf), so the learner copies each sample once. The slot headers were checked (copied out)
 /// before; the payload bytes are the worker's and taken as they are.
+///
+/// [`SampleSource`]: crate::source::SampleSource
+/// [`SampleSource::copy_leaf`]: crate::source::SampleSource::copy_leaf
 pub struct Samples<'a> {
     reader: &'a Reader,
     /// Sequence number of the first sample.
