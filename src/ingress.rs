@@ -261,9 +261,24 @@ impl Connection {
 
     fn free_buffer(&self, buf: Box<[u8]>) {
         drop(buf);
-        // ORDERING: Relaxed — see `take_buffer`.
-        self.allocated.fetch_sub(1, Relaxed);
+        // ORDERING: Release pairs with the Acquire in `is_idle`: a buffer a drainer frees
+        // after inserting its sample says that the insert is done. The count itself only
+        // bounds how many buffers exist (see `take_buffer`).
+        self.allocated.fetch_sub(1, Release);
         self.budget.release(self.payload_size);
+    }
+
+    /// Whether every sample this connection pushed is in the backend: none queued, none in a
+    /// drainer's round (each buffer is back in the pool, or freed, only after its sample's
+    /// insert returned). For the transport task, while it holds no buffer: it is the only one
+    /// that adds buffers, so the count read first can only be too high, never too low, and
+    /// a pending sample always keeps the pool below it.
+    pub fn is_idle(&self) -> bool {
+        // ORDERING: Acquire pairs with the Release in `free_buffer`; the pool's length is
+        // read after it (crossbeam's `ArrayQueue::len` loads its indices with SeqCst, pairing
+        // with the drainer's push of the buffer after its insert).
+        let allocated = self.allocated.load(Acquire);
+        allocated == self.free.len()
     }
 
     /// Queues a filled buffer for the drainer, waking it if it sleeps. Gives the buffer back if

@@ -1,8 +1,8 @@
 //! The same-host shared-memory channel (Linux): a worker on the learner's machine writes each
 //! sample straight into a ring of fixed-size slots in a `memfd` segment, and the learner's
 //! connection task copies it once, straight into the backend's ring ([`Samples`] is the
-//! segment as a `SampleSource`). The TCP connection stays open for liveness (heartbeats),
-//! the goodbye and errors.
+//! segment as a `SampleSource`), or into the connection's ingress queue while the ring is
+//! full. The TCP connection stays open for liveness (heartbeats), the goodbye and errors.
 //!
 //! ```text
 //!  segment (created, sized, sealed and mapped by the learner; mapped by the worker):
@@ -700,7 +700,7 @@ impl Writer {
         self.tail
     }
 
-    /// Samples the learner has taken (inserted into its ring; their slots are free again).
+    /// Samples the learner has taken (in its ring or queue; their slots are free again).
     pub fn taken(&self) -> u64 {
         self.indices().taken()
     }

@@ -877,7 +877,8 @@ async fn serve_frames(
 }
 
 /// The shared-memory path of a v2 connection: offered in the reply, attached over a Unix
-/// socket, then inserted straight from the segment into the backend. See [`super::shm`].
+/// socket, then inserted straight from the segment into the backend (queued while it is
+/// full). See [`super::shm`].
 #[cfg(target_os = "linux")]
 mod shm_path {
     use std::io;
@@ -1047,13 +1048,14 @@ mod shm_path {
         }
     }
 
-    /// How long one blocking insert waits for room before the task checks in (heartbeats,
-    /// shutdown).
-    const INSERT_SLICE: Duration = Duration::from_millis(50);
-
-    /// Inserts every committed sample into the backend, in order, copying each straight out
-    /// of the segment into the ring, and sleeps on the data bell (or the TCP connection) when
-    /// there are none. Ends when the client leaves, once every committed sample is in.
+    /// Takes every committed sample, in order, and sleeps on the data bell (or the TCP
+    /// connection) when there are none. Ends when the client leaves, once every committed
+    /// sample is taken.
+    ///
+    /// A sample is taken as TCP's are acknowledged: inserted into the backend straight from
+    /// the segment (one copy) while the backend has room, else copied into the session's
+    /// ingress queue for the drainers (as a TCP sample is), and straight inserts resume only
+    /// once that queue is empty and no drainer holds one of its samples, so the order holds.
     async fn drain(
         link: &mut Link<'_>,
         shared: &Shared,
@@ -1062,6 +1064,7 @@ mod shm_path {
     ) -> io::Result<End> {
         let ingress = &shared.ingress;
         let backend = ingress.backend();
+        let (conn, space) = (&session.conn, &*session.space);
         let mut leaves = Vec::new();
         let mut offset = 0;
         for array in backend.spec().arrays() {
@@ -1076,6 +1079,7 @@ mod shm_path {
         }
         .map_err(|e| e.into_parts().1)?;
         let mut metas = Vec::with_capacity(reader.slots());
+        let mut queueing = false;
         let mut ending = None;
         loop {
             let available = match reader.available() {
@@ -1101,34 +1105,42 @@ mod shm_path {
                         }
                     }
                 }
+                // Straight inserts again once the queue is empty; a run that finds the
+                // backend full takes its first sample through the queue, so this never spins.
+                if queueing && conn.is_idle() {
+                    queueing = false;
+                }
                 let mut done = 0;
                 while done < metas.len() {
-                    let samples = Samples::new(reader, reader.head(), &metas[done..], &leaves);
-                    let deadline = Instant::now() + INSERT_SLICE;
-                    // The insert blocks while the ring is full (or the rate limiter holds it
-                    // back): off the runtime's scheduler, in slices.
-                    let result = tokio::task::block_in_place(|| {
-                        backend.insert(&samples, None, Some(deadline))
-                    });
-                    let (inserted, error) = match result {
-                        Ok(()) => (metas.len() - done, None),
-                        Err(e) => (e.inserted, Some(e.error)),
+                    let taken = if queueing {
+                        // Through the queue, as over TCP: waits for a buffer and queue room.
+                        let mut buf = link.buffer(conn, space).await?;
+                        reader.copy_payload(reader.head(), 0, buf.bytes());
+                        link.push(conn, space, buf, metas[done].priority).await?;
+                        1
+                    } else {
+                        // Straight in, without waiting: a full backend switches to the queue.
+                        let samples = Samples::new(reader, reader.head(), &metas[done..], &leaves);
+                        let (inserted, error) =
+                            match backend.insert(&samples, None, Some(Instant::now())) {
+                                Ok(()) => (metas.len() - done, None),
+                                Err(e) => (e.inserted, Some(e.error)),
+                            };
+                        ingress.note_inserted(inserted as u64);
+                        match error {
+                            None => {}
+                            Some(EchoError::TimedOut) => queueing = true,
+                            Some(EchoError::Closed) => return Ok(End::Closed),
+                            Some(other) => return Err(link.fail(&other.to_string()).await),
+                        }
+                        inserted
                     };
-                    done += inserted;
-                    reader.advance_by(inserted as u64);
-                    ingress.note_inserted(inserted as u64);
+                    done += taken;
+                    reader.advance_by(taken as u64);
                     // ORDERING: Relaxed — as in `serve_frames`: written only under `owner`.
-                    session.next_seq.fetch_add(inserted as u64, Relaxed);
-                    match error {
-                        None | Some(EchoError::TimedOut) => {}
-                        Some(EchoError::Closed) => return Ok(End::Closed),
-                        Some(other) => return Err(link.fail(&other.to_string()).await),
-                    }
-                    if inserted == 0 {
-                        session.conn.note_blocked();
-                    }
-                    // Busy inserting (or waiting for room) we write nothing else: heartbeats
-                    // keep the client's watch quiet.
+                    session.next_seq.fetch_add(taken as u64, Relaxed);
+                    // Busy taking samples we write nothing else: heartbeats keep the client's
+                    // watch quiet.
                     link.tick(false).await?;
                 }
                 link.activity.complete();
