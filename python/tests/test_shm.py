@@ -447,3 +447,38 @@ def test_a_fifo_server_refuses_priorities_over_shared_memory(make_server: Any) -
         for i in range(1, 5):
             client.send(_sample(i))
     assert _receive(server, 4) == {0: [1, 2, 3, 4]}
+
+
+def test_order_holds_across_switches_between_straight_inserts_and_the_queue(
+    make_server: Any,
+) -> None:
+    # A ring of 8 samples: the workers fill it (straight inserts), then their connections'
+    # queues (as TCP samples), and go straight again once the learner has emptied those.
+    server = make_server(
+        EXAMPLE,
+        batch_size=4,
+        num_buffers=2,
+        producer_queue_size=4,
+        transport=TcpTransport(port=0, host=LOCALHOST),
+    )
+    server.start()
+    fleet = Fleet(server.port, 0, 3, 200, "true")
+    try:
+        poll(server.stats, lambda s: s.samples_pending >= 3, "samples queued behind a full ring")
+        received = _receive(server, 3 * 200)
+        assert fleet.finish() == ""
+        assert {w: seqs == list(range(200)) for w, seqs in received.items()} == {
+            0: True,
+            1: True,
+            2: True,
+        }
+        closed = fleet.reports("closed")
+        assert sorted(closed) == [0, 1, 2]
+        assert all(c[2] == "True" for c in closed.values())
+        info = poll(server.stats, lambda s: s.active_connections == 0, "workers gone")
+        assert info.shm_connections_total == 3
+        assert info.samples_inserted_total == 600
+        assert info.samples_pending == 0
+    finally:
+        fleet.kill()
+        fleet.finish()
