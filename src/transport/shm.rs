@@ -30,7 +30,7 @@
 //! space: learner -> worker) with `SCM_RIGHTS` to the first peer that presents the nonce and
 //! runs under the learner's own uid (`SO_PEERCRED`).
 
-use std::io::{self, Read, Write};
+use std::io::{self, Write};
 use std::net::IpAddr;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
@@ -664,8 +664,6 @@ impl Writer {
         if n != message.len() || &message != ATTACH_MESSAGE {
             return Err(format!("unexpected attach message {:?}", &message[..n]));
         }
-        // Best effort: the learner may already have closed its end.
-        let _ = stream.read(&mut message);
         let (segment, slots, stride) = Segment::attach(memfd, payload_size)?;
         let stop_at = std::env::var(STOP_AT_ENV).ok().and_then(|v| v.parse().ok());
         let writer = Self {
