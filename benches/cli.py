@@ -71,13 +71,17 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "benches" / "py"
 SIDES = ("ours", "other")
 SCENARIO_NAMES = tuple(sc.name for sc in bench_inprocess.SCENARIOS)
+# bench_tcp's rows beyond the shared scenarios: issue 14's nested sample over TCP and over
+# same-host shared memory (ours only: id-echo 0.2.1 has no shared-memory path).
+TCP_EXTRA = ("nest-tcp", "nest-shm")
+OURS_ONLY = frozenset({"nest-shm"})
 DEFAULT_WORKERS = (1, 4, 16, 64)
 QUICK_WORKERS = (1, 4)
 TCP_WARMUP_S = 0.5  # bench_tcp's default
 TCP_GRACE_S = 30.0  # bench_tcp's default
 MAX_EVENTS = 50_000_000  # output lines and 0.25 s ticks per child (its deadline comes first)
 KILL_GRACE_S = 15.0  # a child still running this long past its own watchdog is ended
-TCP_LINE = re.compile(r"^bench_tcp: (\w+) K=(\d+): (.*)$")
+TCP_LINE = re.compile(r"^bench_tcp: ([\w-]+) K=(\d+): (.*)$")
 PROBE = (
     "import importlib.util, json, platform, sys, numpy, echo; print(json.dumps({'executable':"
     " sys.executable, 'python_version': platform.python_version(), 'numpy': numpy.__version__,"
@@ -447,10 +451,12 @@ def _plan(args: argparse.Namespace, labels: dict[str, str]) -> list[Step]:
     for kind, names in (
         ("inprocess", SCENARIO_NAMES),
         ("views", (bench_views.SCENARIO,)),
-        ("tcp", SCENARIO_NAMES),
+        ("tcp", SCENARIO_NAMES + TCP_EXTRA),
     ):
         for name in names:
             order = sides if i % 2 == 0 else sides[::-1]
+            if name in OURS_ONLY:
+                order = ["ours"]
             steps += [Step(kind, name, s, pythons[s], labels[s]) for s in order]
             i += 1
     return steps

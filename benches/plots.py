@@ -89,7 +89,8 @@ def plot_all(doc: dict[str, Any], out_dir: Path) -> list[Path]:
         print("benches: matplotlib is not installed: no PNG plots (JSON only)")
         return []
     sides = _sides(doc)
-    scenarios = [n for n in ("small", "large") if any(n in doc["tcp"][s] for s, _ in sides)]
+    names = ("small", "large", "nest-tcp", "nest-shm")
+    scenarios = [n for n in names if any(n in doc["tcp"][s] for s, _ in sides)]
     if not sides or not scenarios:
         return []
     machine = machine_line(doc)

@@ -80,6 +80,10 @@ pub enum EchoError {
     /// checkpoint of the same table) (maps to `RuntimeError`).
     #[error("{0}")]
     Busy(String),
+    /// Shared memory was required (`shared_memory=True`) and cannot be had; the message says
+    /// why (maps to `SharedMemoryError`, a `ConnectionError`).
+    #[error("{0}")]
+    SharedMemory(String),
     /// An operating-system error (maps to the matching `OSError`).
     #[error(transparent)]
     Io(#[from] std::io::Error),

@@ -304,6 +304,17 @@ impl Connection {
         self.budget.release(self.payload_size);
     }
 
+    /// Whether every sample this connection pushed is through the backend's insert: none
+    /// queued, none in a drainer's round. For the transport task (the only one that pushes):
+    /// a sample it inserts into the backend itself after seeing `true` goes in after all of
+    /// them, so the connection's order holds.
+    pub fn is_idle(&self) -> bool {
+        // ORDERING: Acquire pairs with the drainer's Release decrement after its insert
+        // returned: every sample this connection queued was committed (its ring slot
+        // reserved, or its table item added) before the caller inserts the next one.
+        self.unfinished.load(Acquire) == 0
+    }
+
     /// Queues a filled buffer for the drainer, waking it if it sleeps. Gives the buffer back if
     /// the queue is full (wait for [`SpaceWaker::wake`], then retry).
     pub fn try_push(&self, buf: Box<[u8]>) -> Result<(), Box<[u8]>> {
@@ -334,10 +345,7 @@ impl Connection {
     /// byte, see there). Counted like a drainer's insert. `false`, nothing called, otherwise:
     /// push a buffer as usual.
     pub fn try_insert_in_place(&self, fill: impl FnOnce(&mut [&mut [u8]])) -> bool {
-        // ORDERING: Acquire pairs with the drainer's Release decrement after its insert
-        // returned: every sample this connection queued was committed (its ring slot
-        // reserved) before ours is reserved, so the ring keeps the connection's order.
-        if self.unfinished.load(Acquire) != 0 || !self.backend.try_insert_in_place(fill) {
+        if !self.is_idle() || !self.backend.try_insert_in_place(fill) {
             return false;
         }
         self.stats.in_place.add(1);
@@ -483,6 +491,11 @@ pub struct IngressStats {
     refused_protocol: Counter,
     refused_auth: Counter,
     refused_layout: Counter,
+    shm: Counter,
+    shm_fallback: Counter,
+    /// Samples a transport inserted into the backend itself (shared memory), not through a
+    /// drainer; part of `samples_inserted_total`.
+    direct_inserted: Counter,
 }
 
 /// A snapshot of the ingress counters.
@@ -496,7 +509,8 @@ pub struct IngressSnapshot {
     pub queue_depth_max: u64,
     /// Times a transport task waited for a free buffer or queue slot.
     pub push_blocked_count: u64,
-    /// Samples the drainers moved into the backend.
+    /// Samples the drainers moved into the backend, and those a transport inserted itself
+    /// (shared-memory connections copy straight from their ring into the backend).
     pub samples_inserted_total: u64,
     /// Bytes of sample buffers the connections hold now (at most `max_buffered_bytes`).
     pub buffered_bytes: u64,
@@ -523,6 +537,11 @@ pub struct IngressSnapshot {
     pub handshakes_refused_auth_total: u64,
     /// Handshakes refused because the client's samples have another layout.
     pub handshakes_refused_layout_total: u64,
+    /// v2 connections whose samples came through same-host shared memory.
+    pub shm_connections_total: u64,
+    /// v2 connections that wanted shared memory and sent over TCP instead (another host,
+    /// turned off on the server, or the attach failed).
+    pub shm_fallbacks_total: u64,
 }
 
 /// What a transport reports about its connections, for the counters.
@@ -543,6 +562,10 @@ pub enum TransportEvent {
     RefusedAuth,
     /// A handshake was refused for another layout.
     RefusedLayout,
+    /// A v2 connection attached a shared-memory channel.
+    Shm,
+    /// A v2 connection wanted shared memory and uses TCP instead.
+    ShmFallback,
 }
 
 /// The drainer pool and connection registry.
@@ -661,7 +684,15 @@ impl Ingress {
             TransportEvent::RefusedProtocol => stats.refused_protocol.add(1),
             TransportEvent::RefusedAuth => stats.refused_auth.add(1),
             TransportEvent::RefusedLayout => stats.refused_layout.add(1),
+            TransportEvent::Shm => stats.shm.add(1),
+            TransportEvent::ShmFallback => stats.shm_fallback.add(1),
         }
+    }
+
+    /// A transport inserted `n` samples into the backend itself (the shared-memory path
+    /// copies straight from its ring into the backend); counted in `samples_inserted_total`.
+    pub fn note_inserted(&self, n: u64) {
+        self.stats.direct_inserted.add(n);
     }
 
     /// Number of drainer threads running.
@@ -691,8 +722,11 @@ impl Ingress {
             handshakes_refused_protocol_total: self.stats.refused_protocol.get(),
             handshakes_refused_auth_total: self.stats.refused_auth.get(),
             handshakes_refused_layout_total: self.stats.refused_layout.get(),
+            shm_connections_total: self.stats.shm.get(),
+            shm_fallbacks_total: self.stats.shm_fallback.get(),
             ..IngressSnapshot::default()
         };
+        snap.samples_inserted_total = self.stats.direct_inserted.get();
         for d in &self.drainers {
             snap.queue_depth_sum += d.depth_sum.get();
             snap.queue_depth_max = snap.queue_depth_max.max(d.depth_max.get());
@@ -993,8 +1027,8 @@ impl DrainerState {
         self.priorities.clear();
         for (buf, owner) in self.bufs.drain(..).zip(self.owners.drain(..)) {
             let conn = &self.conns[owner];
-            // ORDERING: Release pairs with the Acquire in `Connection::try_insert_in_place`:
-            // this round's insert (its ring reservations) is done before the count says so.
+            // ORDERING: Release pairs with the Acquire in `Connection::is_idle`: this round's
+            // insert (its ring reservations) is done before the count says so.
             conn.unfinished.fetch_sub(1, Release);
             conn.recycle(buf);
             if owner != last {

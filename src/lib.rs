@@ -42,6 +42,8 @@ pub mod metrics;
 pub mod pinned;
 #[cfg(not(loom))]
 pub mod replay;
+#[doc(hidden)]
+pub mod shmring;
 mod slots;
 pub mod source;
 pub mod spec;

@@ -151,6 +151,29 @@ impl Slots {
         })
     }
 
+    /// Lets `fill` write slot `slot` of `leaf`: it gets the slot's bytes (exactly the leaf's
+    /// slot size) as a mutable slice.
+    ///
+    /// # Safety
+    /// As [`Slots::write_slot`]: the caller holds the write reservation for `slot`, so no other
+    /// thread reads or writes this slot of any leaf until the caller commits it.
+    ///
+    /// # Panics
+    /// If `slot` is out of range.
+    pub(crate) unsafe fn fill_slot(&self, slot: usize, leaf: usize, fill: impl FnOnce(&mut [u8])) {
+        let dst = self.slot_ptr(leaf, slot).cast_mut();
+        let len = self.leaves[leaf].slot_bytes;
+        self.trackers[slot].writing(|| {
+            // `dst..dst + len` is this slot of this leaf, inside the allocation (bounds
+            // checked by `slot_ptr`; for an empty leaf `len` is 0 and `dst` aligned and
+            // non-null) and initialised (allocated zeroed).
+            // SAFETY: bounds and initialisation as above; the caller's reservation makes the
+            // slot exclusively ours until it commits, and the slice does not escape `fill`.
+            let bytes = unsafe { std::slice::from_raw_parts_mut(dst, len) };
+            fill(bytes);
+        });
+    }
+
     /// Calls `f` with the bytes of slots `slots` of `leaf`, one contiguous run.
     ///
     /// # Safety

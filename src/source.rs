@@ -22,6 +22,20 @@ pub trait SampleSource {
         let _ = sample;
         None
     }
+    /// Bytes of leaf `leaf` of sample `sample`. Default: the length of
+    /// [`SampleSource::leaf`]; a source that overrides [`SampleSource::copy_leaf`] to avoid
+    /// `leaf` overrides this too.
+    fn leaf_len(&self, sample: usize, leaf: usize) -> usize {
+        self.leaf(sample, leaf).len()
+    }
+    /// Copies leaf `leaf` of sample `sample` into `dst` (exactly [`SampleSource::leaf_len`]
+    /// bytes, checked before): what the backends call to write a slot. Default: from
+    /// [`SampleSource::leaf`]. A source whose bytes live in memory another process may write
+    /// (a shared-memory ring) copies through raw pointers instead, so that no Rust reference
+    /// to that memory is ever made.
+    fn copy_leaf(&self, sample: usize, leaf: usize, dst: &mut [u8]) {
+        dst.copy_from_slice(self.leaf(sample, leaf));
+    }
     /// Called by the backend each time `count` more samples of this source (the next ones, in
     /// order) go in: the FIFO store calls it right before the commit that makes them visible
     /// to the consumer (so a checkpoint that sees the commit sees the count), a replay table
@@ -184,7 +198,7 @@ pub(crate) fn validate_source<S: SampleSource + ?Sized>(
             return Err(EchoError::LeafCount { expected: spec.len(), got });
         }
         for (leaf, array) in spec.arrays().iter().enumerate() {
-            let got = src.leaf(sample, leaf).len();
+            let got = src.leaf_len(sample, leaf);
             if got != array.num_bytes() {
                 return Err(EchoError::SizeMismatch { leaf, expected: array.num_bytes(), got });
             }

@@ -333,9 +333,12 @@ impl Store {
                 for leaf in 0..self.spec.len() {
                     // `reserve`'s CAS made `start..start + len` unique among writers, and its
                     // space check put it below `read_cursor + capacity`: nobody else touches it.
-                    // SAFETY: exclusive slots as above; sizes were validated by `validate`, and
-                    // `src` is caller memory, not the ring.
-                    unsafe { self.ring.write_slot(slot, leaf, src.leaf(inserted + i, leaf)) };
+                    // SAFETY: exclusive slots as above; sizes were validated by `validate`, so
+                    // `copy_leaf` gets a destination of exactly the leaf's size.
+                    unsafe {
+                        self.ring
+                            .fill_slot(slot, leaf, |dst| src.copy_leaf(inserted + i, leaf, dst));
+                    }
                 }
             }
             self.metrics.memcpy.record_since(copy_started);

@@ -294,6 +294,7 @@ fn a_hello_that_arrives_slowly_after_its_nonce_is_still_a_hello() {
         client_nonce: [4; 16],
         layout: Layout::untyped(&tagged_spec()),
         mac: None,
+        shm: false,
     };
     let bytes = hello.encode(&offer, None).unwrap();
     // The nonce and a little more, then a pause far longer than the 200 ms a prefix of the

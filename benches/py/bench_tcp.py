@@ -29,6 +29,12 @@ holds ``seq % 2**24`` so a misaligned or torn sample is caught:
 
 * ``small``: ``{"obs": f32[4], "reward": f32[1], "meta": f64[3]}``, 44 B, batch_size 32.
 * ``large``: 40 leaves ``f32[1280]`` + ``meta`` (204,824 B per sample), batch_size 64.
+* ``nest-tcp`` / ``nest-shm``: issue 14's sample, 40 leaves ``f32[1224]`` in 4 nested dicts
+  of 10 + ``meta`` (195,864 B), batch_size 64; ``nest-tcp`` over TCP, ``nest-shm`` over the
+  same-host shared-memory path (``shared_memory=True``; skipped for an echo without it).
+
+Our clients pass ``shared_memory=False`` in every scenario but ``nest-shm`` (where the
+installed echo takes the argument), so the TCP rows measure TCP.
 
 For each K (default 1, 4, 16, 64) the learner reports, over the timed window (``--seconds``
 after a ``--warmup`` of 0.5 s that is excluded):
@@ -83,6 +89,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import multiprocessing as mp
 import os
 import queue
@@ -122,20 +129,42 @@ class Scenario:
     name: str
     batch_size: int
     leaves: tuple[tuple[str, tuple[int, ...]], ...]  # float32 leaves besides "meta"
+    # "tcp": our clients pass shared_memory=False (where the installed echo has it);
+    # "shm": shared_memory=True (the row is skipped for an echo without it).
+    path: str = "tcp"
+    # Leaves keyed "group/name" go into nested dicts {"group": {"name": ...}}.
+    nested: bool = False
 
-    def example(self) -> dict[str, np.ndarray]:
-        tree = {k: np.zeros(s, np.float32) for k, s in self.leaves}
+    def example(self) -> dict[str, Any]:
+        tree: dict[str, Any] = {}
+        for k, s in self.leaves:
+            if self.nested:
+                group, name = k.split("/")
+                tree.setdefault(group, {})[name] = np.zeros(s, np.float32)
+            else:
+                tree[k] = np.zeros(s, np.float32)
         tree["meta"] = np.zeros(3, np.float64)
         return tree
+
+    def leaf(self, tree: Any, key: str) -> np.ndarray:
+        """The leaf `key` of a sample or a batch of this scenario."""
+        if self.nested:
+            group, name = key.split("/")
+            return tree[group][name]
+        return tree[key]
 
     @property
     def sample_bytes(self) -> int:
         return sum(int(np.prod(s)) * 4 for _, s in self.leaves) + 3 * 8
 
 
+# Issue 14's sample: 40 float32 leaves in 4 nested dicts of 10, 195,864 B with "meta".
+_NESTED = tuple((f"g{i // 10}/x{i:02d}", (1224,)) for i in range(40))
 SCENARIOS = (
     Scenario("small", 32, (("obs", (4,)), ("reward", (1,)))),
     Scenario("large", 64, tuple((f"x{i:02d}", (1280,)) for i in range(40))),
+    Scenario("nest-tcp", 64, _NESTED, path="tcp", nested=True),
+    Scenario("nest-shm", 64, _NESTED, path="shm", nested=True),
 )
 SCENARIO_BY_NAME = {sc.name: sc for sc in SCENARIOS}
 
@@ -161,6 +190,11 @@ _log = h.logger("bench_tcp")
 
 def _watchdog(max_seconds: float, who: str) -> None:
     h.start_watchdog(max_seconds, f"bench_tcp: {who}")
+
+
+def has_shared_memory() -> bool:
+    """Whether the installed echo's TcpClient takes `shared_memory=` (ours since #14)."""
+    return "shared_memory" in inspect.signature(TcpClient).parameters
 
 
 def _echo_file() -> str:
@@ -200,12 +234,21 @@ def _worker_connect(a: WorkerArgs) -> tuple[_Sender | None, dict[str, Any]]:
     tree = sc.example()
     rng = np.random.default_rng(a.wid)
     for k, _ in sc.leaves:
-        tree[k][...] = rng.random(tree[k].shape, dtype=np.float32)
-    heads = [tree[k].reshape(-1) for k, _ in sc.leaves]
+        leaf = sc.leaf(tree, k)
+        leaf[...] = rng.random(leaf.shape, dtype=np.float32)
+    heads = [sc.leaf(tree, k).reshape(-1) for k, _ in sc.leaves]
+    kwargs: dict[str, Any] = {"max_inflight_msgs": MAX_INFLIGHT}
+    if has_shared_memory():
+        kwargs["shared_memory"] = sc.path == "shm"
     try:
-        client = TcpClient(HOST, a.port, tree, max_inflight_msgs=MAX_INFLIGHT)
+        client = TcpClient(HOST, a.port, tree, **kwargs)
     except (OSError, ValueError, TypeError, RuntimeError) as e:
         res["error"] = f"connect: {_err(e)}"
+        return None, res
+    path = getattr(client, "transport_path", "tcp")
+    if path != sc.path:
+        res["error"] = f"connected over {path}, the scenario is {sc.path}"
+        client.close()
         return None, res
     return _Sender(a, client, tree, heads), res
 
@@ -638,7 +681,7 @@ def _collect(
     pad = (-total) % bs or bs  # at least one, so a consumer blocked in sample() wakes
     out.target = total + pad
     tree = sc.example()
-    heads = [tree[key].reshape(-1) for key, _ in sc.leaves]
+    heads = [sc.leaf(tree, key).reshape(-1) for key, _ in sc.leaves]
 
     def submit_marker() -> None:
         i = out.markers
@@ -824,7 +867,7 @@ def run_round(
             dst[:, 3] = now
             expect = (dst[:, 1] % ID_MOD).astype(np.float32)
             for key in keys:
-                if not np.array_equal(batch[key][:, 0], expect):
+                if not np.array_equal(sc.leaf(batch, key)[:, 0], expect):
                     payload_bad_batches += 1
                     break
             pos += bs
@@ -1052,6 +1095,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for sc in SCENARIOS:
             if args.only and sc.name not in args.only:
+                continue
+            if sc.path == "shm" and not has_shared_memory():
+                _log(f"{sc.name}: skipped (this echo has no shared-memory path)")
                 continue
             results[sc.name] = {}
             for k in ks:

@@ -15,6 +15,7 @@ from echo._echo import (
     HistSnapshot,
     SampleInfo,
     ServerClosedError,
+    SharedMemoryError,
     __version__,
     reset_log_cache,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "SampleToInsertRatio",
     "Server",
     "ServerClosedError",
+    "SharedMemoryError",
     "TcpClient",
     "TcpTransport",
     "TrajectoryAccumulator",

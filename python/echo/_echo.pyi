@@ -1,6 +1,6 @@
 """Type stubs for the native module `echo._echo` (checked against it by mypy.stubtest)."""
 
-from typing import Any, Final, final
+from typing import Any, Final, Literal, final
 
 import numpy as np
 import numpy.typing as npt
@@ -19,6 +19,10 @@ class ServerClosedError(RuntimeError):
 
 class ConnectionClosedError(ConnectionError):
     """The connection to the peer is closed (by `close()` or because the peer went away)."""
+
+class SharedMemoryError(ConnectionError):
+    """`shared_memory=True` and the same-host shared-memory path cannot be had (the message
+    says why)."""
 
 @final
 class HistSnapshot:
@@ -118,6 +122,13 @@ class SampleInfo:
     def handshakes_refused_layout_total(self) -> int:
         """Handshakes refused because the client's samples have another dtype, leaf name or
         shape."""
+    @property
+    def shm_connections_total(self) -> int:
+        """v2 connections whose samples came through same-host shared memory."""
+    @property
+    def shm_fallbacks_total(self) -> int:
+        """v2 connections that wanted shared memory and sent over TCP instead (another host,
+        `TcpTransport(shared_memory=False)`, or the attach failed)."""
     @property
     def notify_count(self) -> int:
         """Consumer wake-ups: one per completed batch."""
@@ -305,6 +316,7 @@ class TcpSender:
         token: str | None,
         reconnect_timeout: float | None,
         heartbeat_timeout: float | None,
+        shared_memory: bool | None,
     ) -> TcpSender: ...
     def send(
         self, sample: object, timeout: float | None = None, priority: float | None = None
@@ -326,6 +338,8 @@ class TcpSender:
     def reconnects(self) -> int: ...
     @property
     def resent(self) -> int: ...
+    @property
+    def transport_path(self) -> Literal["shm", "tcp"]: ...
     @property
     def payload_size(self) -> int: ...
 

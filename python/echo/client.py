@@ -42,6 +42,14 @@ class TcpClient:
         reconnect_timeout: Seconds to keep trying after a drop before `ConnectionClosedError`.
         heartbeat_timeout: Seconds the server may stay silent (protocol 2 servers send
             heartbeats) before the connection is taken for dead; `None` never.
+        shared_memory: The same-host shared-memory path (Linux, protocol 2): each sample is
+            written straight into a ring in shared memory that the learner copies from once,
+            the TCP connection staying open for liveness. `None` (the default) uses it when
+            the server offers it (the learner runs on this machine under the same user) and
+            falls back to TCP silently otherwise (a debug log says why); `False` always sends
+            over TCP; `True` requires it and raises `SharedMemoryError` saying why when it
+            cannot be had. Not with `reconnect=True` (which resends over TCP). Which path is
+            in use: `transport_path`.
 
     Raises:
         ValueError: The server is not an echo server, speaks only protocol 1 with
@@ -51,6 +59,9 @@ class TcpClient:
             token is wrong, or the server cannot prove this client's token.
         ConnectionClosedError: The server closed the connection during the handshake (for
             example, because it is at `max_connections`).
+        SharedMemoryError: `shared_memory=True` and the server did not offer shared memory
+            (another host, protocol 1, `TcpTransport(shared_memory=False)`, not Linux) or it
+            could not be attached; also with `reconnect=True` or `protocol=1`.
         OSError: Connecting failed (e.g. `ConnectionRefusedError`).
     """
 
@@ -67,6 +78,7 @@ class TcpClient:
         reconnect: bool = False,
         reconnect_timeout: float = 60.0,
         heartbeat_timeout: float | None = 10.0,
+        shared_memory: bool | None = None,
     ) -> None:
         max_inflight_msgs = check_int("max_inflight_msgs", max_inflight_msgs, 1, 2**32 - 1)
         version = check_protocol(protocol)
@@ -76,6 +88,8 @@ class TcpClient:
         token = check_token("token", token)
         timeout = check_seconds("reconnect_timeout", reconnect_timeout, optional=False)
         heartbeat = check_seconds("heartbeat_timeout", heartbeat_timeout, optional=True)
+        if shared_memory is not None:
+            shared_memory = check_bool("shared_memory", shared_memory)
         self._layout = TreeLayout(data_sample)
         self._sender = TcpSender(
             host,
@@ -87,6 +101,7 @@ class TcpClient:
             token,
             timeout if reconnect else None,
             heartbeat,
+            shared_memory,
         )
         self._closed = False
 
@@ -182,6 +197,12 @@ class TcpClient:
         return self._sender.protocol
 
     @property
+    def transport_path(self) -> Literal["shm", "tcp"]:
+        """Which path samples take: `"shm"` (same-host shared memory, see `shared_memory`)
+        or `"tcp"`."""
+        return self._sender.transport_path
+
+    @property
     def reconnects(self) -> int:
         """Times the client reconnected after its connection dropped."""
         return self._sender.reconnects
@@ -200,6 +221,7 @@ class TcpClient:
 
     def __repr__(self) -> str:
         return (
-            f"TcpClient(protocol={self.protocol}, sent={self.sent}, acked={self.acked}, "
+            f"TcpClient(protocol={self.protocol}, path={self.transport_path!r}, "
+            f"sent={self.sent}, acked={self.acked}, "
             f"closed={self._closed})"
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from echo._validate import check_int, check_seconds, check_str, check_token
+from echo._validate import check_bool, check_int, check_seconds, check_str, check_token
 
 __all__ = ["TcpTransport"]
 
@@ -46,6 +46,11 @@ class TcpTransport:
         session_timeout: Seconds the server keeps a protocol-2 client's session (its queue
             and how many of its samples are stored) after its connection dropped, so that a
             reconnecting client resumes exactly once and in order.
+        shared_memory: Offer protocol-2 clients on this machine (Linux) the same-host
+            shared-memory path: the worker writes each sample into a ring in shared memory
+            and the server copies it once into its queue, with the TCP connection kept for
+            liveness. `False` serves every client over TCP (a client with
+            `shared_memory=True` then gets a `SharedMemoryError` saying so).
     """
 
     port: int
@@ -56,6 +61,7 @@ class TcpTransport:
     token: str | None = field(default=None, repr=False, kw_only=True)
     heartbeat_timeout: float | None = field(default=10.0, kw_only=True)
     session_timeout: float = field(default=300.0, kw_only=True)
+    shared_memory: bool = field(default=True, kw_only=True)
 
     def __post_init__(self) -> None:
         check_int("port", self.port, 0, 65535)
@@ -66,3 +72,4 @@ class TcpTransport:
         check_token("token", self.token)
         check_seconds("heartbeat_timeout", self.heartbeat_timeout, optional=True)
         check_seconds("session_timeout", self.session_timeout, optional=False)
+        check_bool("shared_memory", self.shared_memory)

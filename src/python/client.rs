@@ -15,7 +15,7 @@ use super::leaves::{byte_slices, LeafSpecs};
 use super::{deadline_after, deadline_from_timeout, detach, wait_detached};
 use crate::error::EchoError;
 use crate::source::Rows;
-use crate::transport::client::{ClientConfig, Protocol, TcpSender};
+use crate::transport::client::{ClientConfig, Protocol, SharedMemory, TcpSender};
 
 /// Samples at or above this many bytes are written with the GIL released.
 const DETACH_WRITE_BYTES: usize = 64 * 1024;
@@ -44,6 +44,7 @@ impl PyTcpSender {
         token: Option<String>,
         reconnect_timeout: Option<f64>,
         heartbeat_timeout: Option<f64>,
+        shared_memory: Option<bool>,
     ) -> PyResult<Self> {
         if max_inflight == 0 {
             return Err(PyValueError::new_err("max_inflight_msgs must be >= 1, got 0"));
@@ -71,6 +72,11 @@ impl PyTcpSender {
         config.token = resolve_token(token.as_deref())?;
         config.heartbeat_timeout = seconds("heartbeat_timeout", heartbeat_timeout)?;
         config.reconnect_timeout = seconds("reconnect_timeout", reconnect_timeout)?;
+        config.shared_memory = match shared_memory {
+            None => SharedMemory::Auto,
+            Some(false) => SharedMemory::Off,
+            Some(true) => SharedMemory::Required,
+        };
         // One deadline for the whole connect and handshake (too large for a `Duration`: none).
         let deadline = deadline_after("connect_timeout", Some(connect_timeout))?;
         let mut connecting = TcpSender::connecting(config, deadline).map_err(to_pyerr)?;
@@ -205,6 +211,12 @@ impl PyTcpSender {
     #[getter]
     fn protocol(&self, py: Python<'_>) -> u8 {
         self.read(py, TcpSender::protocol)
+    }
+
+    /// Which path samples take: "shm" (same-host shared memory) or "tcp".
+    #[getter]
+    fn transport_path(&self, py: Python<'_>) -> &'static str {
+        self.read(py, TcpSender::transport_path)
     }
 
     /// Successful reconnections so far.

@@ -51,6 +51,7 @@ pub(crate) struct TcpArg {
     token: Option<String>,
     heartbeat_timeout: Option<f64>,
     session_timeout: f64,
+    shared_memory: bool,
 }
 
 impl TcpArg {
@@ -66,6 +67,7 @@ impl TcpArg {
             session_timeout: seconds("session_timeout", Some(self.session_timeout))?
                 .unwrap_or(Duration::MAX),
             layout: Some(layout),
+            shared_memory: self.shared_memory,
         })
     }
 }

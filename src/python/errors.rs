@@ -27,6 +27,13 @@ pyo3::create_exception!(
     "The connection to the peer is closed (by `close()` or because the peer went away)."
 );
 
+pyo3::create_exception!(
+    echo._echo,
+    SharedMemoryError,
+    PyConnectionError,
+    "`shared_memory=True` and the same-host shared-memory path cannot be had (the message says why)."
+);
+
 /// The Python call an error happened in: it names the call in messages about the call itself
 /// (closed, timed out), and says what the call was waiting for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -107,6 +114,7 @@ pub(crate) fn to_pyerr(err: EchoError) -> PyErr {
         EchoError::TimedOut | EchoError::Stalled => PyTimeoutError::new_err(err.to_string()),
         EchoError::Disconnected(msg) => ConnectionClosedError::new_err(msg),
         EchoError::Busy(msg) => PyRuntimeError::new_err(msg),
+        EchoError::SharedMemory(msg) => SharedMemoryError::new_err(msg),
         EchoError::Io(io) => io.into(),
     }
 }

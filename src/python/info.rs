@@ -119,6 +119,10 @@ pub(crate) struct SampleInfo {
     handshakes_refused_protocol_total: u64,
     handshakes_refused_auth_total: u64,
     handshakes_refused_layout_total: u64,
+    /// v2 connections whose samples came through same-host shared memory, and those that
+    /// wanted it and sent over TCP instead.
+    shm_connections_total: u64,
+    shm_fallbacks_total: u64,
     /// Consumer wake-ups: one per completed batch.
     notify_count: u64,
     cas_success_total: u64,
@@ -199,6 +203,8 @@ counters!(
     handshakes_refused_protocol_total,
     handshakes_refused_auth_total,
     handshakes_refused_layout_total,
+    shm_connections_total,
+    shm_fallbacks_total,
     notify_count,
     cas_success_total,
     cas_failure_total,
@@ -291,6 +297,8 @@ impl SampleInfo {
             handshakes_refused_protocol_total: ingress.handshakes_refused_protocol_total,
             handshakes_refused_auth_total: ingress.handshakes_refused_auth_total,
             handshakes_refused_layout_total: ingress.handshakes_refused_layout_total,
+            shm_connections_total: ingress.shm_connections_total,
+            shm_fallbacks_total: ingress.shm_fallbacks_total,
             notify_count,
             cas_success_total: d.cas_success_total,
             cas_failure_total: d.cas_failure_total,

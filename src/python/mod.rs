@@ -200,6 +200,7 @@ fn _echo(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<info::HistSnapshot>()?;
     m.add("ServerClosedError", py.get_type::<errors::ServerClosedError>())?;
     m.add("ConnectionClosedError", py.get_type::<errors::ConnectionClosedError>())?;
+    m.add("SharedMemoryError", py.get_type::<errors::SharedMemoryError>())?;
     m.add_function(wrap_pyfunction!(_interpreter_exiting, m)?)?;
     m.add_function(wrap_pyfunction!(reset_log_cache, m)?)?;
     m.add_function(wrap_pyfunction!(config::check_strategy, m)?)?;

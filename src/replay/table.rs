@@ -666,8 +666,8 @@ impl Table {
         for leaf in 0..self.spec.len() {
             // SAFETY: `reserve` popped `slot` from the free list under the lock and marked it
             // `Writing`; until `publish` nobody else reads or writes it (invariant 1). Sizes
-            // were checked by `validate_source`; `src` is caller memory, not the table.
-            unsafe { self.storage.write_slot(slot, leaf, src.leaf(sample, leaf)) };
+            // were checked by `validate_source`, so `copy_leaf` gets exactly the leaf's size.
+            unsafe { self.storage.fill_slot(slot, leaf, |dst| src.copy_leaf(sample, leaf, dst)) };
         }
     }
 

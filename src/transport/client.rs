@@ -31,9 +31,50 @@ use crate::sync::{Arc, AtomicBool, AtomicU64, Signal};
 
 use std::sync::atomic::Ordering::{Acquire, Release};
 
+#[cfg(target_os = "linux")]
+use super::shm::{EventFd as LossBell, Writer as ShmWriter};
+#[cfg(not(target_os = "linux"))]
+use no_shm::{LossBell, ShmWriter};
+
+/// Stand-ins where there is no shared-memory path: never constructed.
+#[cfg(not(target_os = "linux"))]
+mod no_shm {
+    use std::time::Instant;
+
+    pub(super) enum ShmWriter {}
+    pub(super) enum LossBell {}
+
+    impl ShmWriter {
+        pub(super) fn taken(&self) -> u64 {
+            match *self {}
+        }
+        pub(super) fn committed(&self) -> u64 {
+            match *self {}
+        }
+        pub(super) fn slots(&self) -> usize {
+            match *self {}
+        }
+        pub(super) fn try_send(&mut self, _: &[&[u8]], _: Option<f64>) -> bool {
+            match *self {}
+        }
+        pub(super) fn wait_taken(&self, _: u64, _: Instant) -> bool {
+            match *self {}
+        }
+    }
+
+    impl super::super::super::shmring::Bell for LossBell {
+        fn ring(&self) {
+            match *self {}
+        }
+    }
+}
+
 /// How long a client in [`Protocol::Auto`] waits after a v1 handshake for a v2 offer. An echo
 /// server writes both at once, so only a lost segment delays the offer this long.
 pub const OFFER_GRACE: Duration = Duration::from_millis(100);
+/// How long a client waits on the shared-memory space bell before it checks its deadline and
+/// the connection again.
+const SHM_SLICE: Duration = Duration::from_millis(50);
 /// The most iovecs one vectored write takes (Linux's `IOV_MAX`).
 const MAX_IOVECS: usize = 1024;
 /// How long one blocking write may take before `send` checks its deadline again.
@@ -55,6 +96,17 @@ pub enum Protocol {
     V2,
 }
 
+/// Whether to send through same-host shared memory (see [`super::shm`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SharedMemory {
+    /// TCP only.
+    Off,
+    /// Shared memory when the server offers it (same host, v2, Linux), else TCP.
+    Auto,
+    /// Shared memory or an [`EchoError::SharedMemory`] saying why not.
+    Required,
+}
+
 /// A client's settings.
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
@@ -74,11 +126,14 @@ pub struct ClientConfig {
     pub heartbeat_timeout: Option<Duration>,
     /// Reconnect (v2) for up to this long after the connection drops; `None`: do not.
     pub reconnect_timeout: Option<Duration>,
+    /// Whether to send through same-host shared memory.
+    pub shared_memory: SharedMemory,
 }
 
 impl ClientConfig {
     /// Settings for `host:port` sending samples of `layout`, with the defaults: 32 in
-    /// flight, [`Protocol::Auto`], no token, 10 s heartbeat timeout, no reconnection.
+    /// flight, [`Protocol::Auto`], no token, 10 s heartbeat timeout, no reconnection, TCP
+    /// only ([`SharedMemory::Off`]; the Python client defaults to `Auto`).
     pub fn new(host: impl Into<String>, port: u16, layout: Layout) -> Self {
         Self {
             host: host.into(),
@@ -89,7 +144,17 @@ impl ClientConfig {
             token: None,
             heartbeat_timeout: Some(Duration::from_secs(10)),
             reconnect_timeout: None,
+            shared_memory: SharedMemory::Off,
         }
+    }
+
+    /// Whether the hello asks for shared memory: not on v1, not with reconnection (a
+    /// reconnecting client resends from its own copies over TCP), only on Linux.
+    fn wants_shm(&self) -> bool {
+        self.shared_memory != SharedMemory::Off
+            && self.protocol != Protocol::V1
+            && self.reconnect_timeout.is_none()
+            && cfg!(target_os = "linux")
     }
 
     fn address(&self) -> String {
@@ -115,6 +180,20 @@ impl ClientConfig {
                 "reconnecting needs wire protocol 2 (v1 has no sequence numbers to resume from)"
                     .into(),
             ));
+        }
+        if self.shared_memory == SharedMemory::Required {
+            let why = if !cfg!(target_os = "linux") {
+                Some("the shared-memory path is Linux-only")
+            } else if self.protocol == Protocol::V1 {
+                Some("shared memory needs wire protocol 2 (protocol=1 cannot negotiate it)")
+            } else if self.reconnect_timeout.is_some() {
+                Some("shared memory and reconnect=True do not go together (a reconnecting client resends over TCP)")
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                return Err(EchoError::SharedMemory(format!("shared_memory=True: {why}")));
+            }
         }
         self.layout.spec().map(drop)
     }
@@ -178,11 +257,15 @@ struct Link {
     acks: Arc<Acks>,
     writing: Arc<Mutex<Writing>>,
     reader: Option<JoinHandle<()>>,
+    /// The shared-memory channel samples go through, if one was attached.
+    shm: Option<ShmWriter>,
 }
 
 impl Link {
     fn acked_total(&self) -> u64 {
-        self.base + self.acks.acked()
+        // On shared memory "acknowledged" is "taken by the server": it copied the sample
+        // into its queue, as a TCP ack says.
+        self.base + self.shm.as_ref().map_or_else(|| self.acks.acked(), ShmWriter::taken)
     }
 
     /// Closes the socket and joins the reader.
@@ -210,6 +293,8 @@ struct Established {
     leftover: Vec<u8>,
     /// v1 by [`Protocol::Auto`]'s choice: a late offer is possible and skipped.
     skip_offer: bool,
+    /// The shared-memory channel attached during the handshake.
+    shm: Option<ShmWriter>,
 }
 
 /// A connection being opened ([`TcpSender::connecting`]). Each [`Connecting::poll`] waits at
@@ -413,9 +498,24 @@ impl Connecting {
                 self.address
             );
         }
+        if self.config.shared_memory == SharedMemory::Required {
+            return Err(EchoError::SharedMemory(format!(
+                "shared_memory=True: the server at {} speaks only wire protocol 1 (id-echo \
+                 0.2.1, or an old echo), which has no shared-memory path",
+                self.address
+            )));
+        }
         let leftover = self.received.split_off(len);
         let stream = self.stream.take().expect("connected");
-        Ok(Some(Established { stream, version: 1, spec, accept: None, leftover, skip_offer }))
+        Ok(Some(Established {
+            stream,
+            version: 1,
+            spec,
+            accept: None,
+            leftover,
+            skip_offer,
+            shm: None,
+        }))
     }
 
     /// Sends our hello in answer to `offer`.
@@ -436,6 +536,7 @@ impl Connecting {
             client_nonce: v2::random()?,
             layout: self.config.layout.clone(),
             mac: None,
+            shm: self.config.wants_shm(),
         };
         let bytes = hello.encode(&offer, self.config.token.as_deref())?;
         let stream = self.stream.as_mut().expect("connected");
@@ -476,6 +577,7 @@ impl Connecting {
             )));
         }
         let spec = self.config.layout.spec()?;
+        let shm = self.attach_shm(&accept, spec.payload_size())?;
         let leftover = self.received.split_off(len);
         let stream = self.stream.take().expect("connected");
         Ok(Some(Established {
@@ -485,7 +587,51 @@ impl Connecting {
             accept: Some(accept),
             leftover,
             skip_offer: false,
+            shm,
         }))
+    }
+
+    /// Attaches the shared memory the server offered, if we asked for it. When it is not
+    /// offered, or attaching fails: TCP ([`SharedMemory::Auto`]; the server is told with
+    /// `SHM_DECLINE`), or the reason as an error ([`SharedMemory::Required`]; the session
+    /// ends with a goodbye).
+    fn attach_shm(
+        &mut self,
+        accept: &v2::Accept,
+        payload_size: usize,
+    ) -> Result<Option<ShmWriter>, EchoError> {
+        if !self.config.wants_shm() {
+            return Ok(None);
+        }
+        let required = self.config.shared_memory == SharedMemory::Required;
+        let why = match &accept.shm {
+            None if accept.note.is_empty() => format!(
+                "the server at {} does not offer shared memory (an echo server without it)",
+                self.address
+            ),
+            None => format!("the server at {} did not offer it: {}", self.address, accept.note),
+            Some(offer) => {
+                let left = self
+                    .deadline
+                    .map_or(SHM_ATTACH_TIMEOUT, |d| d.saturating_duration_since(Instant::now()));
+                match attach(offer, payload_size, left) {
+                    Ok(writer) => return Ok(Some(writer)),
+                    Err(why) => {
+                        format!("cannot attach the shared memory of {}: {why}", self.address)
+                    }
+                }
+            }
+        };
+        let stream = self.stream.as_mut().expect("connected");
+        if required {
+            let _ = stream.write_all(&[v2::BYE]);
+            return Err(EchoError::SharedMemory(format!("shared_memory=True: {why}")));
+        }
+        log::debug!("{why}; sending over TCP");
+        if accept.shm.is_some() {
+            stream.write_all(&[v2::SHM_DECLINE])?;
+        }
+        Ok(None)
     }
 
     /// `Ok(None)` before the deadline; after it, a `TimedOut` error saying what was missing.
@@ -503,6 +649,23 @@ impl Connecting {
         }
         Ok(None)
     }
+}
+
+/// How long attaching a shared-memory channel may take without a connect deadline.
+const SHM_ATTACH_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[cfg(target_os = "linux")]
+fn attach(
+    offer: &v2::ShmOffer,
+    payload_size: usize,
+    timeout: Duration,
+) -> Result<ShmWriter, String> {
+    ShmWriter::attach(&offer.name, &offer.nonce, payload_size, timeout)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn attach(_: &v2::ShmOffer, _: usize, _: Duration) -> Result<ShmWriter, String> {
+    Err("the shared-memory path is Linux-only".into())
 }
 
 /// A v1 server's handshake must describe our samples: same count, element sizes and shapes
@@ -605,6 +768,8 @@ pub struct TcpSender {
     resent: u64,
     /// A sample accepted into `retained` by a `send` that returned before it was written.
     carry: bool,
+    /// Whether samples go through shared memory.
+    shm: bool,
 }
 
 impl TcpSender {
@@ -659,6 +824,7 @@ impl TcpSender {
             reconnects: 0,
             resent: 0,
             carry: false,
+            shm: est.shm.is_some(),
             config,
         };
         match sender.install(est) {
@@ -670,7 +836,7 @@ impl TcpSender {
 
     /// Starts the reader on an established connection and makes it the current one.
     fn install(&mut self, est: Established) -> Result<(), EchoError> {
-        let Established { stream, version, accept, leftover, skip_offer, .. } = est;
+        let Established { stream, version, accept, leftover, skip_offer, shm, .. } = est;
         stream.set_read_timeout(None)?;
         stream.set_write_timeout(Some(WRITE_SLICE))?;
         let base = accept.as_ref().map_or(0, |a| a.resume_seq);
@@ -689,10 +855,14 @@ impl TcpSender {
                 skip_offer,
                 pending: leftover,
                 last_heard: Instant::now(),
+                wake_on_loss: match &shm {
+                    Some(writer) => Some(loss_bell(writer)?),
+                    None => None,
+                },
             };
             thread::Builder::new().name("echo-client-acks".into()).spawn(move || reading.run())?
         };
-        self.link = Some(Link { stream, version, base, acks, writing, reader: Some(reader) });
+        self.link = Some(Link { stream, version, base, acks, writing, reader: Some(reader), shm });
         Ok(())
     }
 
@@ -704,6 +874,15 @@ impl TcpSender {
     /// The wire protocol spoken: 1 or 2.
     pub fn protocol(&self) -> u8 {
         self.version
+    }
+
+    /// Which path samples take: `"shm"` (same-host shared memory) or `"tcp"`.
+    pub fn transport_path(&self) -> &'static str {
+        if self.shm {
+            "shm"
+        } else {
+            "tcp"
+        }
     }
 
     /// Whether the server takes priorities (v2 with a replay table).
@@ -771,6 +950,11 @@ impl TcpSender {
             self.carry = false;
             return Ok(());
         }
+        if self.shm {
+            self.check_leaves(leaves)?;
+            self.check_priority(priority)?;
+            return self.send_shm(leaves, priority, deadline);
+        }
         if self.in_progress == 0 {
             self.check_leaves(leaves)?;
             self.check_priority(priority)?;
@@ -823,7 +1007,7 @@ impl TcpSender {
             }
         }
         let mut row: Vec<&[u8]> = Vec::with_capacity(leaf_count);
-        if self.reconnect {
+        if self.reconnect || self.shm {
             while *done < n {
                 row.clear();
                 row.extend((0..leaf_count).map(|leaf| rows.row_leaf(*done, leaf)));
@@ -868,6 +1052,39 @@ impl TcpSender {
             result?;
         }
         Ok(())
+    }
+
+    /// Writes one sample into a free shared-memory slot and commits it, waiting (until
+    /// `deadline`) while `min(max_inflight, slots)` samples are not yet taken by the server.
+    /// A sample is never half sent: it is written whole, then committed.
+    fn send_shm(
+        &mut self,
+        leaves: &[&[u8]],
+        priority: Option<f64>,
+        deadline: Option<Instant>,
+    ) -> Result<(), EchoError> {
+        let max_inflight = self.config.max_inflight;
+        loop {
+            let failure = self.failure();
+            let link = self.link.as_mut().ok_or(EchoError::Disconnected(failure))?;
+            if link.acks.is_lost() {
+                return Err(EchoError::Disconnected(link.acks.reason()));
+            }
+            let writer = link.shm.as_mut().expect("a shared-memory link");
+            let window = max_inflight.min(writer.slots() as u64);
+            let in_flight = writer.committed() - writer.taken();
+            if in_flight < window && writer.try_send(leaves, priority) {
+                self.sent += 1;
+                self.written = self.sent;
+                return Ok(());
+            }
+            let now = Instant::now();
+            if deadline.is_some_and(|d| now >= d) {
+                return Err(EchoError::TimedOut);
+            }
+            let until = deadline.map_or(now + SHM_SLICE, |d| d.min(now + SHM_SLICE));
+            writer.wait_taken(writer.committed() + 1 - window, until);
+        }
     }
 
     /// Keeps a copy of the frame `header` + `leaves` until it is acknowledged, in a buffer
@@ -977,6 +1194,22 @@ impl TcpSender {
             return Err(EchoError::Disconnected(self.failure()));
         };
         let acks = &link.acks;
+        if let Some(writer) = &link.shm {
+            loop {
+                if link.acked_total() >= target {
+                    return Ok(());
+                }
+                if acks.is_lost() {
+                    return Err(EchoError::Disconnected(acks.reason()));
+                }
+                let now = Instant::now();
+                if deadline.is_some_and(|d| now >= d) {
+                    return Err(EchoError::TimedOut);
+                }
+                let until = deadline.map_or(now + SHM_SLICE, |d| d.min(now + SHM_SLICE));
+                writer.wait_taken(target.saturating_sub(link.base), until);
+            }
+        }
         let reached =
             acks.changed.wait_until(|| link.acked_total() >= target || acks.is_lost(), deadline);
         if link.acked_total() >= target {
@@ -1259,6 +1492,17 @@ impl Drop for TcpSender {
     }
 }
 
+/// A second descriptor of `writer`'s space bell, for the reader thread.
+#[cfg(target_os = "linux")]
+fn loss_bell(writer: &ShmWriter) -> io::Result<LossBell> {
+    writer.space_bell()
+}
+
+#[cfg(not(target_os = "linux"))]
+fn loss_bell(writer: &ShmWriter) -> io::Result<LossBell> {
+    match *writer {}
+}
+
 /// The bytes before a sample's payload, on the stack (`header[..len]`): none on v1; the frame
 /// type (and priority) on v2.
 fn frame_header(version: u8, priority: Option<f64>) -> ([u8; 9], usize) {
@@ -1298,12 +1542,18 @@ struct Reading {
     /// Bytes received and not yet processed.
     pending: Vec<u8>,
     last_heard: Instant,
+    /// On shared memory: the space bell, rung when the connection is lost so that a `send`
+    /// or `wait` sleeping on it notices at once.
+    wake_on_loss: Option<LossBell>,
 }
 
 impl Reading {
     fn run(&mut self) {
         if let Err(reason) = self.read_loop() {
             self.acks.lose(reason);
+            if let Some(bell) = &self.wake_on_loss {
+                crate::shmring::Bell::ring(bell);
+            }
         }
     }
 

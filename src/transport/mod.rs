@@ -7,8 +7,11 @@
 //! - [`wire`]: the v1 wire format, defined once.
 //! - [`tcp`]: the tokio TCP server ([`tcp::TcpServer`]).
 //! - [`client`]: a blocking TCP client ([`client::TcpSender`]) for rollout workers.
+//! - `shm` (Linux): the same-host shared-memory channel a v2 connection may negotiate.
 
 pub mod client;
+#[cfg(target_os = "linux")]
+pub mod shm;
 pub mod tcp;
 pub mod wire;
 

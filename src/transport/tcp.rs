@@ -67,11 +67,13 @@ pub struct TcpConfig {
     /// The samples' dtypes and leaf names, which v2 clients must match; `None`: derived from
     /// the backend's byte layout ([`Layout::untyped`]).
     pub layout: Option<Layout>,
+    /// Offer v2 clients on this host the shared-memory path (Linux; see [`super::shm`]).
+    pub shared_memory: bool,
 }
 
 impl TcpConfig {
     /// Settings for `host:port` with the defaults: 2 threads, 4096 connections, no token,
-    /// 10 s heartbeat timeout, 300 s session timeout.
+    /// 10 s heartbeat timeout, 300 s session timeout, shared memory offered.
     pub fn new(host: impl Into<String>, port: u16) -> Self {
         Self {
             host: host.into(),
@@ -82,6 +84,7 @@ impl TcpConfig {
             heartbeat_timeout: Some(Duration::from_secs(10)),
             session_timeout: Duration::from_secs(300),
             layout: None,
+            shared_memory: true,
         }
     }
 }
@@ -159,6 +162,7 @@ impl TcpServer {
             served: Arc::clone(&admission.served),
             epoch: admission.epoch,
             failures: Throttled::default(),
+            shared_memory: config.shared_memory,
         });
         runtime.spawn(reap_sessions(Arc::clone(&shared)));
         runtime.spawn(accept_loop(listener, shared, admission));
@@ -412,6 +416,8 @@ struct Shared {
     served: Registry,
     epoch: Instant,
     failures: Throttled,
+    /// Offer the shared-memory path to clients on this host.
+    shared_memory: bool,
 }
 
 impl Shared {
@@ -795,10 +801,49 @@ async fn serve_v2(
     }
     let own_ms = shared.heartbeat.map_or(0, |d| u32::try_from(d.as_millis()).unwrap_or(u32::MAX));
     let signed = shared.token.as_deref().map(|token| (token, hello, offer));
-    let accept = v2::Accept::new(ingress.backend().has_priorities(), resume_seq, own_ms, signed);
+    let mut accept =
+        v2::Accept::new(ingress.backend().has_priorities(), resume_seq, own_ms, signed);
+    let mut channel = None;
+    if hello.shm {
+        match shm_path::prepare(shared, peer, link) {
+            Ok(prepared) => {
+                accept.shm = Some(prepared.offer.clone());
+                channel = Some(prepared);
+            }
+            Err(why) => {
+                log::debug!("{peer}: no shared memory: {why}");
+                ingress.note(TransportEvent::ShmFallback);
+                accept.note = why;
+            }
+        }
+    }
     link.write(&Reply::Accepted(accept).encode()).await?;
     link.beat = Beat::new(shared.heartbeat, hello.heartbeat_ms);
     log::debug!("{peer}: v2 session resumed at sample {resume_seq} (resumed: {existed})");
+    if let Some(prepared) = channel {
+        match shm_path::serve(link, shared, &session, prepared).await? {
+            shm_path::End::Closed => return Ok(()),
+            shm_path::End::Goodbye => {
+                serving.goodbye = true;
+                return Ok(());
+            }
+            shm_path::End::Declined => {
+                log::debug!("{peer}: the client declined shared memory; frames over TCP");
+                ingress.note(TransportEvent::ShmFallback);
+            }
+        }
+    }
+    serve_frames(link, shared, &session, &mut serving).await
+}
+
+/// The v2 frame loop: samples (with or without a priority), heartbeats and the goodbye.
+async fn serve_frames(
+    link: &mut Link<'_>,
+    shared: &Shared,
+    session: &Session,
+    serving: &mut Serving<'_>,
+) -> io::Result<()> {
+    let ingress = &shared.ingress;
     let (conn, space) = (&session.conn, &*session.space);
     let payload_size = conn.payload_size();
     loop {
@@ -921,6 +966,317 @@ fn fill_in_place(
     }
 }
 
+/// The shared-memory path of a v2 connection: offered in the reply, attached over a Unix
+/// socket, then inserted straight from the segment into the backend (queued while it is
+/// full). See [`super::shm`].
+#[cfg(target_os = "linux")]
+mod shm_path {
+    use std::io;
+    use std::net::SocketAddr;
+    use std::os::fd::{AsFd, AsRawFd};
+    use std::sync::atomic::Ordering::Relaxed;
+    use std::time::{Duration, Instant};
+
+    use tokio::io::unix::AsyncFd;
+    use tokio::io::Interest;
+    use tokio::net::{UnixListener, UnixStream};
+
+    use super::{Link, Session, Shared};
+    use crate::error::EchoError;
+    use crate::ingress::TransportEvent;
+    use crate::transport::shm::{self, Reader, Samples};
+    use crate::transport::wire::v2::{self, ShmOffer};
+
+    /// How long a client has to attach the channel it was offered.
+    const ATTACH_TIMEOUT: Duration = Duration::from_secs(10);
+    /// How long an attaching peer has to present its nonce.
+    const NONCE_TIMEOUT: Duration = Duration::from_secs(2);
+    /// Peers refused (wrong uid or nonce) before the offer is withdrawn.
+    const MAX_ATTEMPTS: usize = 8;
+
+    /// A channel offered and not attached yet.
+    pub(super) struct Prepared {
+        pub(super) offer: ShmOffer,
+        reader: Reader,
+        listener: UnixListener,
+    }
+
+    /// How the shared-memory part of a connection ended.
+    pub(super) enum End {
+        /// The client closed the connection (every committed sample was taken).
+        Closed,
+        /// The client said goodbye (every committed sample was taken).
+        Goodbye,
+        /// The client could not attach; it sends frames instead.
+        Declined,
+    }
+
+    /// A channel for `peer`, or why it cannot have one.
+    pub(super) fn prepare(
+        shared: &Shared,
+        peer: SocketAddr,
+        link: &Link<'_>,
+    ) -> Result<Prepared, String> {
+        if !shared.shared_memory {
+            return Err(
+                "the server has shared memory turned off (TcpTransport(shared_memory=False))"
+                    .into(),
+            );
+        }
+        let local = link.local_addr().map_err(|e| format!("no local address: {e}"))?;
+        if !shm::same_host(peer.ip(), local.ip()) {
+            return Err(format!(
+                "the client ({}) is not on the learner's host ({})",
+                peer.ip(),
+                local.ip()
+            ));
+        }
+        let payload_size = shared.ingress.backend().spec().payload_size();
+        let reader =
+            Reader::new(payload_size).map_err(|e| format!("cannot create the segment: {e}"))?;
+        let name = shm::random_name().map_err(|e| e.to_string())?;
+        let listener = shm::listen(&name)
+            .and_then(UnixListener::from_std)
+            .map_err(|e| format!("cannot listen on a Unix socket: {e}"))?;
+        let nonce = v2::random().map_err(|e| e.to_string())?;
+        Ok(Prepared { offer: ShmOffer { name, nonce }, reader, listener })
+    }
+
+    /// Waits for the client to attach (or decline), then serves the channel until the client
+    /// leaves.
+    pub(super) async fn serve(
+        link: &mut Link<'_>,
+        shared: &Shared,
+        session: &Session,
+        prepared: Prepared,
+    ) -> io::Result<End> {
+        let Prepared { offer, mut reader, listener } = prepared;
+        let deadline = tokio::time::Instant::now() + ATTACH_TIMEOUT;
+        let mut attempts = 0;
+        loop {
+            tokio::select! {
+                accepted = listener.accept() => {
+                    let (stream, _) = accepted?;
+                    match hand_over(&stream, &offer, &reader).await {
+                        Ok(()) => break,
+                        Err(why) => {
+                            log::warn!("refused a shared-memory attach: {why}");
+                            attempts += 1;
+                            if attempts >= MAX_ATTEMPTS {
+                                return Err(link.fail("too many refused shared-memory attaches").await);
+                            }
+                        }
+                    }
+                }
+                byte = link.next_byte() => match byte? {
+                    None => return Ok(End::Closed),
+                    Some(v2::HEARTBEAT) => {}
+                    Some(v2::BYE) => return Ok(End::Goodbye),
+                    Some(v2::SHM_DECLINE) => return Ok(End::Declined),
+                    Some(other) => {
+                        return Err(link
+                            .fail(&format!("frame type {other:#04x} before the shared memory was attached"))
+                            .await)
+                    }
+                },
+                () = tokio::time::sleep_until(deadline) => {
+                    return Err(link
+                        .fail(&format!("the shared memory was not attached within {ATTACH_TIMEOUT:?}"))
+                        .await)
+                }
+            }
+        }
+        drop(listener);
+        shared.ingress.note(TransportEvent::Shm);
+        drain(link, shared, session, &mut reader).await
+    }
+
+    /// Checks an attaching peer (same uid as ours, the right nonce) and sends it the segment
+    /// and the bells.
+    async fn hand_over(
+        stream: &UnixStream,
+        offer: &ShmOffer,
+        reader: &Reader,
+    ) -> Result<(), String> {
+        let uid = shm::peer_uid(stream.as_fd()).map_err(|e| format!("no peer credentials: {e}"))?;
+        if uid != shm::own_uid() {
+            return Err(format!("the peer runs as uid {uid}, the learner as {}", shm::own_uid()));
+        }
+        let mut nonce = [0u8; v2::SHM_NONCE_LEN];
+        let read = async {
+            let mut at = 0;
+            while at < nonce.len() {
+                stream.readable().await?;
+                match stream.try_read(&mut nonce[at..]) {
+                    Ok(0) => return Err(io::Error::from(io::ErrorKind::UnexpectedEof)),
+                    Ok(n) => at += n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            Ok(())
+        };
+        match tokio::time::timeout(NONCE_TIMEOUT, read).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(format!("no nonce: {e}")),
+            Err(_) => return Err(format!("no nonce within {NONCE_TIMEOUT:?}")),
+        }
+        // Constant time: every byte is compared.
+        if nonce.iter().zip(&offer.nonce).fold(0u8, |acc, (a, b)| acc | (a ^ b)) != 0 {
+            return Err("wrong nonce".into());
+        }
+        let fds = reader.fds();
+        loop {
+            stream.writable().await.map_err(|e| e.to_string())?;
+            match stream.try_io(Interest::WRITABLE, || {
+                shm::send_fds(stream.as_raw_fd(), shm::ATTACH_MESSAGE, &fds)
+            }) {
+                Ok(()) => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(format!("cannot send the segment: {e}")),
+            }
+        }
+    }
+
+    /// Takes every committed sample, in order, and sleeps on the data bell (or the TCP
+    /// connection) when there are none. Ends when the client leaves, once every committed
+    /// sample is taken.
+    ///
+    /// A sample is taken as TCP's are acknowledged: inserted into the backend straight from
+    /// the segment (one copy) while the backend has room, else copied into the session's
+    /// ingress queue for the drainers (as a TCP sample is), and straight inserts resume only
+    /// once that queue is empty and no drainer holds one of its samples, so the order holds.
+    async fn drain(
+        link: &mut Link<'_>,
+        shared: &Shared,
+        session: &Session,
+        reader: &mut Reader,
+    ) -> io::Result<End> {
+        let ingress = &shared.ingress;
+        let backend = ingress.backend();
+        let (conn, space) = (&session.conn, &*session.space);
+        let mut leaves = Vec::new();
+        let mut offset = 0;
+        for array in backend.spec().arrays() {
+            leaves.push((offset, array.num_bytes()));
+            offset += array.num_bytes();
+        }
+        // SAFETY: the `EventFd` owns its descriptor (an `OwnedFd`, a fresh duplicate) and
+        // neither closes nor replaces it while the `AsyncFd` owns it; `as_raw_fd` always
+        // returns that one descriptor.
+        let data = unsafe {
+            AsyncFd::register_with_interest(reader.data.try_clone()?, Interest::READABLE)
+        }
+        .map_err(|e| e.into_parts().1)?;
+        let mut metas = Vec::with_capacity(reader.slots());
+        let mut queueing = false;
+        let mut ending = None;
+        loop {
+            let available = match reader.available() {
+                Ok(n) => n,
+                Err(corrupt) => return Err(link.fail(&corrupt.to_string()).await),
+            };
+            if available > 0 {
+                // Every header first (copied out, then checked): a bad one ends the channel
+                // before any sample of this run goes in.
+                metas.clear();
+                for seq in reader.head()..reader.head() + available {
+                    match reader.check(seq) {
+                        Ok(meta) => metas.push(meta),
+                        Err(why) => {
+                            return Err(link.fail(&format!("shared-memory slot: {why}")).await)
+                        }
+                    }
+                }
+                for meta in &metas {
+                    if let Some(priority) = meta.priority {
+                        if let Err(err) = backend.check_priority(priority) {
+                            return Err(link.fail(&err.to_string()).await);
+                        }
+                    }
+                }
+                // Straight inserts again once the queue is empty; a run that finds the
+                // backend full takes its first sample through the queue, so this never spins.
+                if queueing && conn.is_idle() {
+                    queueing = false;
+                }
+                let mut done = 0;
+                while done < metas.len() {
+                    let taken = if queueing {
+                        // Through the queue, as over TCP: waits for a buffer and queue room.
+                        let mut buf = link.buffer(conn, space).await?;
+                        reader.copy_payload(reader.head(), 0, buf.bytes());
+                        link.push(conn, space, buf, metas[done].priority).await?;
+                        1
+                    } else {
+                        // Straight in, without waiting: a full backend switches to the queue.
+                        let samples = Samples::new(reader, reader.head(), &metas[done..], &leaves);
+                        let (inserted, error) =
+                            match backend.insert(&samples, None, Some(Instant::now())) {
+                                Ok(()) => (metas.len() - done, None),
+                                Err(e) => (e.inserted, Some(e.error)),
+                            };
+                        ingress.note_inserted(inserted as u64);
+                        match error {
+                            None => {}
+                            Some(EchoError::TimedOut) => queueing = true,
+                            Some(EchoError::Closed) => return Ok(End::Closed),
+                            Some(other) => return Err(link.fail(&other.to_string()).await),
+                        }
+                        inserted
+                    };
+                    done += taken;
+                    reader.advance_by(taken as u64);
+                    // ORDERING: Relaxed — as in `serve_frames`: written only under `owner`.
+                    session.next_seq.fetch_add(taken as u64, Relaxed);
+                    // Busy taking samples we write nothing else: heartbeats keep the client's
+                    // watch quiet.
+                    link.tick(false).await?;
+                }
+                link.activity.complete();
+                continue;
+            }
+            if let Some(end) = ending {
+                return Ok(end);
+            }
+            reader.sleep_begin();
+            if reader.available().map_or(true, |n| n > 0) {
+                reader.sleep_end();
+                continue;
+            }
+            let byte = tokio::select! {
+                byte = link.next_byte() => Some(byte?),
+                ready = data.readable() => {
+                    let mut guard = ready?;
+                    reader.data.drain();
+                    guard.clear_ready();
+                    None
+                }
+            };
+            reader.sleep_end();
+            match byte {
+                None | Some(Some(v2::HEARTBEAT)) => {}
+                // Whatever the client committed before it left goes in first.
+                Some(None) => ending = Some(End::Closed),
+                Some(Some(v2::BYE)) => ending = Some(End::Goodbye),
+                Some(Some(v2::SHM_DECLINE)) if reader.head() == 0 => {
+                    if reader.available().map_or(true, |n| n > 0) {
+                        return Err(link
+                            .fail("declined shared memory after committing samples to it")
+                            .await);
+                    }
+                    return Ok(End::Declined);
+                }
+                Some(Some(other)) => {
+                    return Err(link
+                        .fail(&format!("frame type {other:#04x} on a shared-memory connection"))
+                        .await)
+                }
+            }
+        }
+    }
+}
+
 #[cfg(not(unix))]
 fn fill_in_place(_: &OwnedReadHalf, _: &[u8], _: &mut [&mut [u8]]) -> io::Result<()> {
     unreachable!("Link::readable_bytes is None off unix, so nothing is read in place")
@@ -928,6 +1284,39 @@ fn fill_in_place(_: &OwnedReadHalf, _: &[u8], _: &mut [&mut [u8]]) -> io::Result
 
 /// How long `fill_in_place` waits for bytes FIONREAD promised and a read did not return.
 const IN_PLACE_GRACE: Duration = Duration::from_secs(1);
+
+/// Platforms without the shared-memory path: every request falls back to TCP.
+#[cfg(not(target_os = "linux"))]
+mod shm_path {
+    use std::io;
+    use std::net::SocketAddr;
+
+    use super::{Link, Session, Shared};
+    use crate::transport::wire::v2::ShmOffer;
+
+    pub(super) struct Prepared {
+        pub(super) offer: ShmOffer,
+    }
+
+    pub(super) enum End {
+        Closed,
+        Goodbye,
+        Declined,
+    }
+
+    pub(super) fn prepare(_: &Shared, _: SocketAddr, _: &Link<'_>) -> Result<Prepared, String> {
+        Err("the server's platform has no shared-memory path (Linux only)".into())
+    }
+
+    pub(super) async fn serve(
+        _: &mut Link<'_>,
+        _: &Shared,
+        _: &Session,
+        _: Prepared,
+    ) -> io::Result<End> {
+        Ok(End::Declined)
+    }
+}
 
 /// A pooled buffer being filled; given back to its connection if the task stops first (an
 /// aborted task must not keep its share of the byte budget).
@@ -969,6 +1358,11 @@ struct Link<'a> {
 }
 
 impl Link<'_> {
+    /// Our address on this connection.
+    fn local_addr(&self) -> io::Result<SocketAddr> {
+        self.writer.local_addr()
+    }
+
     fn local(&self) -> String {
         self.writer.local_addr().map_or_else(|_| "?".into(), |a| a.to_string())
     }

@@ -7,16 +7,22 @@
 //!                               ASCII hex digits (16 random bytes). No byte of it is 0x01, so a
 //!                               v1 client counting 0x01 acks is not confused by it.
 //! client -> server, HELLO:      nonce (32, echoed) | b"ECHO" | 0x02 | body_len: u32 | body
-//!   body:                       flags: u8 (bit 0: MAC at the end) | session: 16 bytes
+//!   body:                       flags: u8 (bit 0: MAC at the end; bit 1: shared memory
+//!                               wanted) | session: 16 bytes
 //!                               | first_seq: u64 | heartbeat_ms: u32 | client_nonce: 16 bytes
 //!                               | n_leaves: u32 | per leaf: name_len: u16 | name (UTF-8)
 //!                               | byte order: u8 | kind: u8 | itemsize: u32 | ndim: u32
 //!                               | ndim x dim: u32 | [mac: 32 bytes]
 //! server -> client, REPLY:      b"ECHO" | 0x02 | status: u8 | msg_len: u32 | msg (UTF-8)
-//!   status 0 (accepted), then:  flags: u8 (bit 0: replay, priorities accepted; bit 1: MAC)
-//!                               | resume_seq: u64 | heartbeat_ms: u32 | [mac: 32 bytes]
+//!   status 0 (accepted), then:  flags: u8 (bit 0: replay, priorities accepted; bit 1: MAC;
+//!                               bit 2: shared memory offered) | resume_seq: u64
+//!                               | heartbeat_ms: u32 | [mac: 32 bytes]
+//!                               | [name_len: u8 | socket name | shm nonce: 16 bytes]
+//!                               (msg, empty otherwise, says why shared memory was wanted
+//!                               and not offered)
 //! client -> server, frames:     0x10 payload | 0x11 priority: f64 | payload | 0x20 (heartbeat)
-//!                               | 0x30 (bye: the session is over)
+//!                               | 0x30 (bye: the session is over) | 0x31 (no shared
+//!                               memory after all: samples come as frames)
 //! server -> client, bytes:      0x01 (ack: one sample queued) | 0x02 (heartbeat)
 //!                               | 0x03 msg_len: u32 | msg (error; the server then closes)
 //! ```
@@ -52,6 +58,15 @@ pub const SAMPLE_PRIORITY: u8 = 0x11;
 pub const HEARTBEAT: u8 = 0x20;
 /// Client frame: the client is done; the server forgets the session.
 pub const BYE: u8 = 0x30;
+/// Client frame: the client could not attach the shared memory it was offered; its samples
+/// come as frames on this connection.
+pub const SHM_DECLINE: u8 = 0x31;
+/// Hello flag: the client wants the same-host shared-memory path.
+pub const HELLO_SHM: u8 = 2;
+/// Reply flag: a shared-memory offer follows the MAC.
+pub const REPLY_SHM: u8 = 4;
+/// Length of the shared-memory nonce.
+pub const SHM_NONCE_LEN: usize = 16;
 /// Server byte: one sample queued (the same byte as v1's ack).
 pub const ACK: u8 = super::ACK;
 /// Server byte: heartbeat.
@@ -398,6 +413,8 @@ pub struct Hello {
     pub layout: Layout,
     /// The client's proof of the token, if it has one.
     pub mac: Option<[u8; MAC_LEN]>,
+    /// The client wants the same-host shared-memory path.
+    pub shm: bool,
 }
 
 /// Fixed bytes of a hello before its body: nonce, magic, version, body length.
@@ -417,7 +434,7 @@ impl Hello {
     /// [`EchoError::Config`] if the layout does not fit the format.
     pub fn encode(&self, offer: &Offer, token: Option<&[u8]>) -> Result<Vec<u8>, EchoError> {
         let mut body = Vec::with_capacity(BODY_FIXED + self.layout.encoded_len() + MAC_LEN);
-        body.push(u8::from(token.is_some()));
+        body.push(u8::from(token.is_some()) | if self.shm { HELLO_SHM } else { 0 });
         body.extend_from_slice(&self.session);
         body.extend_from_slice(&self.first_seq.to_le_bytes());
         body.extend_from_slice(&self.heartbeat_ms.to_le_bytes());
@@ -514,7 +531,8 @@ fn decode_body(body: &[u8]) -> Result<Hello, EchoError> {
             reader.0.len()
         )));
     }
-    Ok(Hello { session, first_seq, heartbeat_ms, client_nonce, layout, mac })
+    let shm = flags & HELLO_SHM != 0;
+    Ok(Hello { session, first_seq, heartbeat_ms, client_nonce, layout, mac, shm })
 }
 
 /// The most bytes a hello body for `layout` may have: its exact size with a MAC, doubled
@@ -534,6 +552,19 @@ pub struct Accept {
     pub heartbeat_ms: u32,
     /// The server's proof of the token, if it has one.
     pub mac: Option<[u8; MAC_LEN]>,
+    /// The shared-memory channel offered to a client that wanted one.
+    pub shm: Option<ShmOffer>,
+    /// Why a client that wanted shared memory was not offered it (empty otherwise).
+    pub note: String,
+}
+
+/// Where a client attaches the shared-memory channel it was offered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShmOffer {
+    /// The abstract Unix socket name (without the leading NUL), at most 255 bytes.
+    pub name: Vec<u8>,
+    /// What the client presents on that socket.
+    pub nonce: [u8; SHM_NONCE_LEN],
 }
 
 /// A server's answer to a hello.
@@ -565,7 +596,7 @@ impl Accept {
         let mac = signed.map(|(token, hello, offer)| {
             server_mac(token, hello, offer, resume_seq).finalize().into_bytes().into()
         });
-        Self { replay, resume_seq, heartbeat_ms, mac }
+        Self { replay, resume_seq, heartbeat_ms, mac, shm: None, note: String::new() }
     }
 
     /// Whether the server proved `token` (constant-time comparison).
@@ -584,12 +615,22 @@ impl Reply {
         match self {
             Self::Accepted(accept) => {
                 out.push(ACCEPTED);
-                out.extend_from_slice(&0u32.to_le_bytes());
-                out.push(u8::from(accept.replay) | (u8::from(accept.mac.is_some()) << 1));
+                push_message(&mut out, &accept.note);
+                let shm = accept.shm.as_ref().filter(|o| o.name.len() <= usize::from(u8::MAX));
+                out.push(
+                    u8::from(accept.replay)
+                        | (u8::from(accept.mac.is_some()) << 1)
+                        | if shm.is_some() { REPLY_SHM } else { 0 },
+                );
                 out.extend_from_slice(&accept.resume_seq.to_le_bytes());
                 out.extend_from_slice(&accept.heartbeat_ms.to_le_bytes());
                 if let Some(mac) = &accept.mac {
                     out.extend_from_slice(mac);
+                }
+                if let Some(offer) = shm {
+                    out.push(offer.name.len() as u8);
+                    out.extend_from_slice(&offer.name);
+                    out.extend_from_slice(&offer.nonce);
                 }
             }
             Self::Refused(why, message) => {
@@ -626,7 +667,21 @@ impl Reply {
             let resume_seq = reader.u64()?;
             let heartbeat_ms = reader.u32()?;
             let mac = if flags & 2 != 0 { Some(reader.array::<MAC_LEN>()?) } else { None };
-            Ok(Self::Accepted(Accept { replay: flags & 1 != 0, resume_seq, heartbeat_ms, mac }))
+            let shm = if flags & REPLY_SHM != 0 {
+                let len = usize::from(reader.u8()?);
+                let name = reader.take(len)?.to_vec();
+                Some(ShmOffer { name, nonce: reader.array()? })
+            } else {
+                None
+            };
+            Ok(Self::Accepted(Accept {
+                replay: flags & 1 != 0,
+                resume_seq,
+                heartbeat_ms,
+                mac,
+                shm,
+                note: message,
+            }))
         })();
         match parsed {
             Ok(reply) => Ok(Some((reply, received.len() - reader.0.len()))),
@@ -731,6 +786,7 @@ mod tests {
             client_nonce: [9; 16],
             layout: layout(),
             mac: None,
+            shm: mac,
         };
         let token: &[u8] = b"secret";
         let bytes = hello.encode(&offer, mac.then_some(token)).unwrap();
@@ -767,6 +823,7 @@ mod tests {
         };
         assert_eq!(len, bytes.len());
         assert_eq!((parsed.first_seq, parsed.session, &parsed.layout), (42, [7; 16], &layout()));
+        assert!(parsed.shm, "the shared-memory flag round-trips");
         assert!(parsed.verify(&offer, b"secret", &body));
         assert!(!parsed.verify(&offer, b"Secret", &body));
         let other = Offer::new(Mode::Token).unwrap();
@@ -812,6 +869,18 @@ mod tests {
         assert_eq!((reply, len), (Reply::Accepted(accept.clone()), bytes.len()));
         assert!(accept.verify(b"secret", &parsed, &offer));
         assert!(!accept.verify(b"other", &parsed, &offer));
+        let mut offered = accept.clone();
+        offered.shm = Some(ShmOffer { name: b"echo-shm-00ff".to_vec(), nonce: [3; 16] });
+        offered.note = String::new();
+        let bytes = Reply::Accepted(offered.clone()).encode();
+        for cut in 0..bytes.len() {
+            assert_eq!(Reply::parse(&bytes[..cut]).unwrap(), None, "cut at {cut}");
+        }
+        assert_eq!(Reply::parse(&bytes).unwrap().unwrap(), (Reply::Accepted(offered), bytes.len()));
+        let mut declined = accept;
+        declined.note = "the client is on another host".into();
+        let bytes = Reply::Accepted(declined.clone()).encode();
+        assert_eq!(Reply::parse(&bytes).unwrap().unwrap().0, Reply::Accepted(declined));
         let refused = Reply::Refused(Refusal::Layout, "leaf x".into());
         assert_eq!(Reply::parse(&refused.encode()).unwrap().unwrap().0, refused);
     }
