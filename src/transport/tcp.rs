@@ -994,10 +994,12 @@ mod shm_path {
     /// Peers refused (wrong uid or nonce) before the offer is withdrawn.
     const MAX_ATTEMPTS: usize = 8;
 
-    /// A channel offered and not attached yet.
+    /// A channel offered and not attached yet. The segment itself is created only for a
+    /// peer that proved itself (`hand_over`): any local process can ask for an offer over
+    /// TCP, and ~8 MiB of reserved pages per ask would be a cheap way to exhaust memory.
     pub(super) struct Prepared {
         pub(super) offer: ShmOffer,
-        reader: Reader,
+        payload_size: usize,
         listener: UnixListener,
     }
 
@@ -1032,14 +1034,12 @@ mod shm_path {
             ));
         }
         let payload_size = shared.ingress.backend().spec().payload_size();
-        let reader =
-            Reader::new(payload_size).map_err(|e| format!("cannot create the segment: {e}"))?;
         let name = shm::random_name().map_err(|e| e.to_string())?;
         let listener = shm::listen(&name)
             .and_then(UnixListener::from_std)
             .map_err(|e| format!("cannot listen on a Unix socket: {e}"))?;
         let nonce = v2::random().map_err(|e| e.to_string())?;
-        Ok(Prepared { offer: ShmOffer { name, nonce }, reader, listener })
+        Ok(Prepared { offer: ShmOffer { name, nonce }, payload_size, listener })
     }
 
     /// Waits for the client to attach (or decline), then serves the channel until the client
@@ -1050,15 +1050,15 @@ mod shm_path {
         session: &Session,
         prepared: Prepared,
     ) -> io::Result<End> {
-        let Prepared { offer, mut reader, listener } = prepared;
+        let Prepared { offer, payload_size, listener } = prepared;
         let deadline = tokio::time::Instant::now() + ATTACH_TIMEOUT;
         let mut attempts = 0;
-        loop {
+        let mut reader = loop {
             tokio::select! {
                 accepted = listener.accept() => {
                     let (stream, _) = accepted?;
-                    match hand_over(&stream, &offer, &reader).await {
-                        Ok(()) => break,
+                    match hand_over(&stream, &offer, payload_size).await {
+                        Ok(reader) => break reader,
                         Err(why) => {
                             log::warn!("refused a shared-memory attach: {why}");
                             attempts += 1;
@@ -1085,19 +1085,19 @@ mod shm_path {
                         .await)
                 }
             }
-        }
+        };
         drop(listener);
         shared.ingress.note(TransportEvent::Shm);
         drain(link, shared, session, &mut reader).await
     }
 
-    /// Checks an attaching peer (same uid as ours, the right nonce) and sends it the segment
-    /// and the bells.
+    /// Checks an attaching peer (same uid as ours, the right nonce), then creates the segment
+    /// and the bells and sends them to it.
     async fn hand_over(
         stream: &UnixStream,
         offer: &ShmOffer,
-        reader: &Reader,
-    ) -> Result<(), String> {
+        payload_size: usize,
+    ) -> Result<Reader, String> {
         let uid = shm::peer_uid(stream.as_fd()).map_err(|e| format!("no peer credentials: {e}"))?;
         if uid != shm::own_uid() {
             return Err(format!("the peer runs as uid {uid}, the learner as {}", shm::own_uid()));
@@ -1125,13 +1125,15 @@ mod shm_path {
         if nonce.iter().zip(&offer.nonce).fold(0u8, |acc, (a, b)| acc | (a ^ b)) != 0 {
             return Err("wrong nonce".into());
         }
+        let reader =
+            Reader::new(payload_size).map_err(|e| format!("cannot create the segment: {e}"))?;
         let fds = reader.fds();
         loop {
             stream.writable().await.map_err(|e| e.to_string())?;
             match stream.try_io(Interest::WRITABLE, || {
                 shm::send_fds(stream.as_raw_fd(), shm::ATTACH_MESSAGE, &fds)
             }) {
-                Ok(()) => return Ok(()),
+                Ok(()) => return Ok(reader),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 Err(e) => return Err(format!("cannot send the segment: {e}")),
             }
