@@ -10,7 +10,7 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::{decode, tagged_payload, tagged_spec, wait_until};
+use common::{assert_exactly_once_in_order, decode, tagged_payload, tagged_spec, wait_until};
 use echo::backend::Backend;
 use echo::ingress::IngressConfig;
 use echo::transport::client::{ClientConfig, Protocol, TcpSender};
@@ -91,15 +91,6 @@ fn collect(consumer: &mut Consumer, batches: usize) -> Vec<(u32, u64)> {
         }
     }
     out
-}
-
-fn assert_exactly_once_in_order(got: &[(u32, u64)], producers: u32, per_producer: u64) {
-    let mut next = vec![0u64; producers as usize];
-    for &(p, s) in got {
-        assert_eq!(s, next[p as usize], "producer {p}: lost, duplicated or reordered");
-        next[p as usize] += 1;
-    }
-    assert!(next.iter().all(|&n| n == per_producer), "missing samples: {next:?}");
 }
 
 #[test]

@@ -10,7 +10,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::{wait_until, PATIENCE};
+use common::{assert_exactly_once_in_order, wait_until, PATIENCE};
 use echo::backend::Backend;
 use echo::ingress::IngressConfig;
 use echo::spec::{ArraySpec, DataSpec};
@@ -77,15 +77,6 @@ fn collect(consumer: &mut Consumer, batches: usize, pause: Duration) -> Vec<(u32
         thread::sleep(pause);
     }
     out
-}
-
-fn assert_exactly_once_in_order(got: &[(u32, u64)], producers: u32, per_producer: u64) {
-    let mut next = vec![0u64; producers as usize];
-    for &(p, s) in got {
-        assert_eq!(s, next[p as usize], "producer {p}: lost, duplicated or reordered");
-        next[p as usize] += 1;
-    }
-    assert!(next.iter().all(|&n| n == per_producer), "missing samples: {next:?}");
 }
 
 fn sender(addr: SocketAddr, protocol: Protocol) -> TcpSender {

@@ -61,3 +61,14 @@ pub fn decode(leaves: &[Vec<u8>; 3], i: usize) -> (u32, u64) {
     }
     (producer, seq)
 }
+
+/// Checks that `got` (producer, seq) holds every producer's `0..per_producer` exactly once and
+/// in order (producers interleaved any way).
+pub fn assert_exactly_once_in_order(got: &[(u32, u64)], producers: u32, per_producer: u64) {
+    let mut next = vec![0u64; producers as usize];
+    for &(p, s) in got {
+        assert_eq!(s, next[p as usize], "producer {p}: lost, duplicated or reordered");
+        next[p as usize] += 1;
+    }
+    assert!(next.iter().all(|&n| n == per_producer), "missing samples: {next:?}");
+}
