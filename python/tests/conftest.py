@@ -146,13 +146,28 @@ def child_env() -> dict[str, str]:
 
 
 def read_line(proc: subprocess.Popen[str], timeout: float) -> str:
-    """One line of `proc`'s stdout, waiting at most `timeout` seconds ("" if none came)."""
+    """One line of `proc`'s stdout, waiting at most `timeout` seconds in all ("" if none came,
+    what there was at the end of the stream).
+
+    Reads the pipe's descriptor a byte at a time, never through `proc.stdout`'s buffer: a
+    buffered `readline()` reads ahead, and a second line it took along would sit in the
+    buffer where `select` cannot see it, so the next call would time out with the line in
+    hand. Whatever this leaves in the pipe, `proc.communicate()` still gets."""
     assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    deadline = time.monotonic() + timeout
+    line = bytearray()
     with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout):
-            return ""
-    return proc.stdout.readline()
+        sel.register(fd, selectors.EVENT_READ)
+        while not line.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0 or not sel.select(left):
+                return ""
+            byte = os.read(fd, 1)
+            if not byte:
+                break
+            line += byte
+    return line.decode()
 
 
 def assert_ctrl_c_interrupts_promptly(code: str) -> None:
