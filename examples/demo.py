@@ -3,8 +3,10 @@
 The learner starts a `Server` with a `TcpTransport` on a free loopback port, then launches
 `--workers` worker processes. Each worker connects a `TcpClient` and sends `--samples`
 samples (an Atari-sized observation, a reward and a (worker, sequence) id), then closes the
-client (which flushes). The learner consumes whole batches, checks that every sample arrived
-exactly once and in per-worker order, and prints the throughput.
+client (which flushes). On the learner's host the clients move samples through shared
+memory (negotiated over the TCP connection); `--tcp` makes them use TCP for the samples
+too. The learner consumes whole batches, checks that every sample arrived exactly once and
+in per-worker order, and prints the throughput.
 
     bash scripts/demo.sh --workers 4 --samples 20000
 
@@ -37,9 +39,9 @@ def example(obs_shape: tuple[int, ...]) -> dict[str, np.ndarray]:
     }
 
 
-def worker(port: int, worker_id: int, samples: int, obs_shape: tuple[int, ...]) -> None:
+def worker(port: int, worker_id: int, samples: int, obs_shape: tuple[int, ...], tcp: bool) -> None:
     """One rollout worker: connect, send `samples` samples, close (flushes)."""
-    client = TcpClient("127.0.0.1", port, example(obs_shape))
+    client = TcpClient("127.0.0.1", port, example(obs_shape), shared_memory=False if tcp else None)
     obs = np.random.default_rng(worker_id).integers(0, 255, obs_shape, dtype=np.uint8)
     for seq in range(samples):
         client.send({"obs": obs, "reward": np.float32(seq), "id": np.array([worker_id, seq])})
@@ -61,7 +63,7 @@ def learner(args: argparse.Namespace) -> None:
         f"{args.samples} samples of {sample_bytes / 1024:.1f} KiB, batch {args.batch_size}"
     )
     worker_args = ["--port", str(server.port), "--samples", str(args.samples)]
-    worker_args += ["--obs-shape", *map(str, obs_shape)]
+    worker_args += ["--obs-shape", *map(str, obs_shape)] + (["--tcp"] if args.tcp else [])
     workers = [
         subprocess.Popen([sys.executable, __file__, "--worker", str(w), *worker_args])
         for w in range(args.workers)
@@ -94,12 +96,14 @@ def learner(args: argparse.Namespace) -> None:
             if proc.poll() is None:
                 proc.kill()
         server.close()
+    on_shm = server.stats().shm_connections_total
     received = int(next_seq.sum())
     rate = (received - args.batch_size) / max(elapsed, 1e-9)
     print(
         f"received {received:,} samples exactly once, in per-worker order: "
         f"{rate:,.0f} samples/s, {rate * sample_bytes / 1e9:.2f} GB/s "
-        f"(timed from the first batch)"
+        f"(timed from the first batch); {on_shm} of {args.workers} workers on same-host "
+        f"shared memory, the rest on TCP"
     )
 
 
@@ -109,11 +113,12 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=20_000, help="samples per worker")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--obs-shape", type=int, nargs="+", default=[4, 84, 84])
+    parser.add_argument("--tcp", action="store_true", help="samples over TCP, not shared memory")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
-        worker(args.port, args.worker, args.samples, tuple(args.obs_shape))
+        worker(args.port, args.worker, args.samples, tuple(args.obs_shape), args.tcp)
     else:
         learner(args)
 
