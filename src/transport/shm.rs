@@ -174,10 +174,19 @@ impl Segment {
             .and_then(|n| n.checked_add(HEADER_LEN))
             .ok_or_else(too_big)?;
         let size = libc::off_t::try_from(len).map_err(|_| too_big())?;
-        // SAFETY: a C string literal and valid flags; the result is checked.
-        let raw = cvt(unsafe {
-            libc::memfd_create(c"echo-shm".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
-        })?;
+        // The system call, not glibc's wrapper: that arrived in glibc 2.27, and the manylinux2014
+        // wheel (glibc 2.17) would then hold an unversioned reference to it that fails to load
+        // on older systems (Linux has had the call since 3.17).
+        // SAFETY: memfd_create(name, flags) with a C string literal and valid flags; the
+        // result (a descriptor or -1) is checked.
+        let ret = unsafe {
+            libc::syscall(
+                libc::SYS_memfd_create,
+                c"echo-shm".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            )
+        };
+        let raw = cvt(libc::c_int::try_from(ret).unwrap_or(-1))?;
         // SAFETY: `raw` is a descriptor memfd_create just returned, owned by nobody else.
         let fd = unsafe { OwnedFd::from_raw_fd(raw) };
         // SAFETY: plain system calls on our own descriptor.
