@@ -47,6 +47,18 @@ fi
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+# auditwheel judges versioned symbols only: a libc function newer than glibc 2.17 that the
+# link left unversioned (zig's 2.17 stubs lack it) would pass it and fail to load on an old
+# system. Only Python's own symbols may be unversioned.
+echo ">> no unversioned libc symbols in the extension"
+python3 -m zipfile -e "$wheel" "$tmp/unpacked"
+unversioned=$(nm -D --undefined-only "$tmp"/unpacked/echo/*.so |
+  awk '$1 == "U" && $2 !~ /@/ && $2 !~ /^_?Py/ { print $2 }')
+if [[ -n $unversioned ]]; then
+  echo "wheel: unversioned symbols (call them another way, e.g. libc::syscall):" $unversioned >&2
+  exit 1
+fi
+echo "   none"
 venv=$tmp/venv
 echo ">> fresh virtualenv $venv (${PYTHON:-python3})"
 "${PYTHON:-python3}" -m venv "$venv"
