@@ -240,6 +240,20 @@ def _write_atomically(path: str | os.PathLike[str], fill: Callable[[str], dict[s
     return total_bytes
 
 
+def _manifest_head(
+    kind: str, settings: dict[str, Any], layout: TreeLayout, leaf_files: list[str]
+) -> dict[str, Any]:
+    """The manifest fields every checkpoint has, whatever its backend."""
+    return {
+        "format": kind,
+        "format_version": FORMAT_VERSION,
+        "echo_version": __version__,
+        "created_unix_ns": time.time_ns(),
+        "settings": settings,
+        "layout": _layout_dict(layout, leaf_files),
+    }
+
+
 def write(
     core: Any, layout: TreeLayout, settings: dict[str, Any], path: str | os.PathLike[str]
 ) -> int:
@@ -264,12 +278,7 @@ def write(
             files.update(_digests(data_dir, [*ingress_files, _INGRESS_PRIORITIES], ingress_digests))
         inserts, samples, rng, next_key, max_priority = state
         manifest: dict[str, Any] = {
-            "format": REPLAY_FORMAT,
-            "format_version": FORMAT_VERSION,
-            "echo_version": __version__,
-            "created_unix_ns": time.time_ns(),
-            "settings": settings,
-            "layout": _layout_dict(layout, leaf_files),
+            **_manifest_head(REPLAY_FORMAT, settings, layout, leaf_files),
             "counts": {"items": n, "from_ingress": queued},
             "state": {
                 "inserts": inserts,
@@ -301,12 +310,7 @@ def write_fifo(
         files = _digests(data_dir, leaf_files, digests)
         _hook("leaves-written")
         return {
-            "format": FIFO_FORMAT,
-            "format_version": FORMAT_VERSION,
-            "echo_version": __version__,
-            "created_unix_ns": time.time_ns(),
-            "settings": settings,
-            "layout": _layout_dict(layout, leaf_files),
+            **_manifest_head(FIFO_FORMAT, settings, layout, leaf_files),
             "counts": {
                 "items": from_ring + from_ingress,
                 "from_ring": from_ring,
