@@ -32,7 +32,7 @@ use crate::replay::{
 use crate::source::SampleSource;
 use crate::spec::DataSpec;
 use crate::store::{Consumer, Store, StoreStats};
-use crate::sync::Arc;
+use crate::sync::{Arc, AsyncBell};
 
 pub use crate::replay::BATCH_META;
 
@@ -203,6 +203,18 @@ impl Backend {
         match self {
             Self::Fifo(store) => store.try_insert_in_place(fill),
             Self::Replay(_) => false,
+        }
+    }
+
+    /// Rung whenever an insert that found no room (FIFO) or was held by the rate limiter
+    /// (replay) might now go further: room freed, a checkpoint thawed, a restore finished,
+    /// the backend closed. An async writer reads [`AsyncBell::rung`] first, tries an insert that
+    /// does not wait, and if it was refused awaits [`AsyncBell::rung_since`] and tries again,
+    /// rather than blocking a thread in [`Backend::insert`].
+    pub(crate) fn insert_bell(&self) -> &AsyncBell {
+        match self {
+            Self::Fifo(store) => store.space_bell(),
+            Self::Replay(table) => table.insert_bell(),
         }
     }
 

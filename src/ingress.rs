@@ -162,6 +162,9 @@ struct ByteBudget {
     /// `waiting.len()`, readable without the lock: a hint for recycling drainers, which free
     /// buffers instead of pooling them while somebody waits.
     num_waiting: Counter,
+    /// Of `allocated`, the bytes of shared-memory segments ([`Ingress::reserve_segment`]): at
+    /// most half of `limit`, so pooled buffers for TCP connections always have the rest.
+    segments: AtomicUsize,
 }
 
 impl ByteBudget {
@@ -171,7 +174,34 @@ impl ByteBudget {
             allocated: AtomicUsize::new(0),
             waiting: Mutex::new(Vec::new()),
             num_waiting: Counter::default(),
+            segments: AtomicUsize::new(0),
         }
+    }
+
+    /// The most bytes shared-memory segments may hold together.
+    fn segment_limit(&self) -> usize {
+        self.limit / 2
+    }
+
+    /// Takes `bytes` for a segment if they fit under both limits.
+    fn try_take_segment(&self, bytes: usize) -> bool {
+        let limit = self.segment_limit();
+        // ORDERING: Relaxed — as in `try_take`: a bound on allocation that publishes nothing.
+        let fits = self
+            .segments
+            .fetch_update(Relaxed, Relaxed, |a| a.checked_add(bytes).filter(|&n| n <= limit))
+            .is_ok();
+        if fits && !self.try_take(bytes) {
+            // ORDERING: Relaxed — as above.
+            self.segments.fetch_sub(bytes, Relaxed);
+            return false;
+        }
+        fits
+    }
+
+    fn segments(&self) -> usize {
+        // ORDERING: Relaxed — a statistics read.
+        self.segments.load(Relaxed)
     }
 
     /// Takes `bytes` if they fit under the limit.
@@ -218,6 +248,28 @@ impl ByteBudget {
     fn allocated(&self) -> usize {
         // ORDERING: Relaxed — a statistics read.
         self.allocated.load(Relaxed)
+    }
+}
+
+/// Bytes of the ingress's byte budget held by one shared-memory segment, from
+/// [`Ingress::reserve_segment`]; given back (waking connections that wait for bytes) when
+/// dropped, with the segment.
+pub struct SegmentReservation {
+    budget: Arc<ByteBudget>,
+    bytes: usize,
+}
+
+impl Drop for SegmentReservation {
+    fn drop(&mut self) {
+        // ORDERING: Relaxed — see `ByteBudget::try_take`.
+        self.budget.segments.fetch_sub(self.bytes, Relaxed);
+        self.budget.release(self.bytes);
+    }
+}
+
+impl std::fmt::Debug for SegmentReservation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SegmentReservation").field("bytes", &self.bytes).finish()
     }
 }
 
@@ -621,6 +673,42 @@ impl Ingress {
             }
         }
         Ok(ingress)
+    }
+
+    /// Reserves `bytes` of the byte budget (`max_buffered_bytes`) for a shared-memory
+    /// segment, which holds its samples as pooled buffers hold TCP's. Segments together get
+    /// at most half of the budget, so TCP connections always have the other half; beyond
+    /// that (or when the budget is spent) the connection uses TCP, and the error says why.
+    ///
+    /// # Errors
+    /// Why the bytes are not available, for the client's log and `SharedMemoryError`.
+    pub fn reserve_segment(&self, bytes: usize) -> Result<SegmentReservation, String> {
+        if self.budget.try_take_segment(bytes) {
+            return Ok(SegmentReservation { budget: Arc::clone(&self.budget), bytes });
+        }
+        Err(self
+            .segment_shortfall(bytes)
+            .unwrap_or_else(|| "the byte budget was just spent".into()))
+    }
+
+    /// Whether a segment of `bytes` would fit now ([`Ingress::reserve_segment`] without
+    /// reserving): `None`, or why not.
+    pub fn segment_shortfall(&self, bytes: usize) -> Option<String> {
+        let (used, limit) = (self.budget.segments(), self.budget.segment_limit());
+        if used.saturating_add(bytes) > limit {
+            return Some(format!(
+                "the learner's shared-memory segments already hold {used} of the {limit} bytes \
+                 they may (half of max_buffered_bytes); a segment needs {bytes}"
+            ));
+        }
+        let allocated = self.budget.allocated();
+        (allocated.saturating_add(bytes) > self.budget.limit).then(|| {
+            format!(
+                "the learner's ingress buffers hold {allocated} of max_buffered_bytes ({}); a \
+                 segment needs {bytes}",
+                self.budget.limit
+            )
+        })
     }
 
     /// A new connection, assigned to the least-loaded drainer. `waker` is called whenever a

@@ -275,6 +275,13 @@ impl Store {
         self.space_free.notify_all();
     }
 
+    /// Rung whenever a waiting insert might now go further (see [`Backend::insert_bell`]).
+    ///
+    /// [`Backend::insert_bell`]: crate::backend::Backend::insert_bell
+    pub(crate) fn space_bell(&self) -> &crate::sync::AsyncBell {
+        self.space_free.bell()
+    }
+
     /// Whether [`Store::close`] was called.
     pub fn is_closed(&self) -> bool {
         // ORDERING: Acquire pairs with the Release store in `close`.

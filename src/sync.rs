@@ -10,6 +10,8 @@
 //! - [`park`]: `std::thread::park`/`park_timeout`, or loom's `park` with no timeout, for the
 //!   same reason; [`Thread`] is the matching handle whose `unpark` ends it.
 //! - [`Mutex`]: `parking_lot`'s mutex, or a loom mutex with the same infallible `lock`.
+//! - [`AsyncBell`]: the async side of a condition: tasks await "rung since I last looked"
+//!   instead of blocking a thread. Normal types in both worlds: no loom model waits on it.
 //! - [`SlotTracker`]: a zero-sized marker in normal builds, a `loom::cell::UnsafeCell<()>` under
 //!   loom, touched around every slot read and write so loom detects two threads accessing the
 //!   same ring slot without a happens-before edge between them.
@@ -46,9 +48,18 @@ pub(crate) struct Signal {
     lock: loom::sync::Mutex<()>,
     #[cfg(loom)]
     cond: loom::sync::Condvar,
+    /// Rung by every notification, for async waiters ([`Signal::bell`]).
+    bell: AsyncBell,
 }
 
 impl Signal {
+    /// The bell that every [`Signal::notify_one`]/[`Signal::notify_all`] rings: an async task
+    /// that found the predicate false reads [`AsyncBell::rung`] *before* evaluating it, and then
+    /// awaits [`AsyncBell::rung_since`] instead of blocking in [`Signal::wait_until`].
+    pub(crate) fn bell(&self) -> &AsyncBell {
+        &self.bell
+    }
+
     /// Blocks until `ready()` returns true or `deadline` passes; returns the last `ready()`.
     ///
     /// `deadline: None` waits without limit. Under loom the deadline is ignored.
@@ -97,14 +108,20 @@ impl Signal {
 
     /// Wakes one waiter. Call it after making the predicate true.
     pub(crate) fn notify_one(&self) {
-        let _guard = self.lock();
-        self.cond.notify_one();
+        {
+            let _guard = self.lock();
+            self.cond.notify_one();
+        }
+        self.bell.ring();
     }
 
     /// Wakes every waiter. Call it after making the predicate true.
     pub(crate) fn notify_all(&self) {
-        let _guard = self.lock();
-        self.cond.notify_all();
+        {
+            let _guard = self.lock();
+            self.cond.notify_all();
+        }
+        self.bell.ring();
     }
 
     #[cfg(not(loom))]
@@ -119,6 +136,80 @@ impl Signal {
 }
 
 /// Lets loom see accesses to raw ring memory (see the module docs). Free in normal builds.
+/// A counter of notifications with the tasks waiting for the next one: how an async task
+/// waits for a condition that threads wait for on a condvar, without a thread of its own.
+///
+/// The protocol that loses no wake-up: the task reads [`AsyncBell::rung`], then evaluates its
+/// condition; if it is false, it awaits [`AsyncBell::rung_since`] with the count it read. A
+/// notifier makes the condition true first and then rings. Either the ring comes after the
+/// task registered (the count compared under the lock is the old one, and the ring, taking
+/// the same lock afterwards, wakes it), or before the task's check under the lock, which
+/// then sees the new count and returns at once. A wake-up may be spurious (rung for another
+/// reason): the task evaluates its condition again.
+#[derive(Debug, Default)]
+pub(crate) struct AsyncBell {
+    state: parking_lot::Mutex<AsyncBellState>,
+}
+
+#[derive(Debug, Default)]
+struct AsyncBellState {
+    rung: u64,
+    wakers: Vec<std::task::Waker>,
+}
+
+impl AsyncBell {
+    /// How many times the bell has rung.
+    pub(crate) fn rung(&self) -> u64 {
+        self.state.lock().rung
+    }
+
+    /// Rings: wakes every task waiting in [`AsyncBell::rung_since`].
+    pub(crate) fn ring(&self) {
+        let wakers = {
+            let mut state = self.state.lock();
+            state.rung = state.rung.wrapping_add(1);
+            if state.wakers.is_empty() {
+                return;
+            }
+            std::mem::take(&mut state.wakers)
+        };
+        for waker in wakers {
+            waker.wake();
+        }
+    }
+
+    /// Completes once the bell has rung since it had rung `seen` times.
+    pub(crate) fn rung_since(&self, seen: u64) -> RungSince<'_> {
+        RungSince { bell: self, seen }
+    }
+}
+
+/// The future of [`AsyncBell::rung_since`].
+#[derive(Debug)]
+pub(crate) struct RungSince<'a> {
+    bell: &'a AsyncBell,
+    seen: u64,
+}
+
+impl std::future::Future for RungSince<'_> {
+    type Output = ();
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<()> {
+        let mut state = self.bell.state.lock();
+        if state.rung != self.seen {
+            return std::task::Poll::Ready(());
+        }
+        // Polled again without a ring (a timeout around it, say): registered already.
+        if !state.wakers.iter().any(|w| w.will_wake(cx.waker())) {
+            state.wakers.push(cx.waker().clone());
+        }
+        std::task::Poll::Pending
+    }
+}
+
 #[derive(Debug, Default)]
 pub(crate) struct SlotTracker {
     #[cfg(loom)]
@@ -195,5 +286,129 @@ impl<T> Mutex<T> {
 
     pub(crate) fn lock(&self) -> loom::sync::MutexGuard<'_, T> {
         self.0.lock().unwrap()
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use std::future::Future;
+    use std::pin::pin;
+    use std::sync::atomic::Ordering::SeqCst;
+    use std::sync::Arc;
+    use std::task::{Context, Poll, Wake, Waker};
+    use std::time::Duration;
+
+    use super::{AsyncBell, AtomicU64, AtomicUsize};
+
+    /// A waker that counts its wake-ups.
+    struct Counted(AtomicUsize);
+
+    impl Wake for Counted {
+        fn wake(self: Arc<Self>) {
+            // ORDERING: SeqCst — test bookkeeping; the bell's lock is what is under test.
+            self.0.fetch_add(1, SeqCst);
+        }
+    }
+
+    fn counted() -> (Arc<Counted>, Waker) {
+        let count = Arc::new(Counted(AtomicUsize::new(0)));
+        let waker = Waker::from(Arc::clone(&count));
+        (count, waker)
+    }
+
+    #[test]
+    fn a_ring_between_reading_the_count_and_waiting_is_not_lost() {
+        let bell = AsyncBell::default();
+        let seen = bell.rung();
+        bell.ring();
+        let (count, waker) = counted();
+        let mut wait = pin!(bell.rung_since(seen));
+        assert_eq!(wait.as_mut().poll(&mut Context::from_waker(&waker)), Poll::Ready(()));
+        // ORDERING: SeqCst — test bookkeeping; the bell's lock is what is under test.
+        assert_eq!(count.0.load(SeqCst), 0);
+    }
+
+    #[test]
+    fn a_ring_wakes_a_waiting_task_once_however_often_it_was_polled() {
+        let bell = AsyncBell::default();
+        let (count, waker) = counted();
+        let mut cx = Context::from_waker(&waker);
+        let mut wait = pin!(bell.rung_since(bell.rung()));
+        assert!(wait.as_mut().poll(&mut cx).is_pending());
+        assert!(wait.as_mut().poll(&mut cx).is_pending());
+        // ORDERING: SeqCst — test bookkeeping; the bell's lock is what is under test.
+        assert_eq!(count.0.load(SeqCst), 0);
+        bell.ring();
+        assert_eq!(count.0.load(SeqCst), 1);
+        assert_eq!(wait.as_mut().poll(&mut cx), Poll::Ready(()));
+        bell.ring();
+        // ORDERING: SeqCst — test bookkeeping; the bell's lock is what is under test.
+        assert_eq!(count.0.load(SeqCst), 1, "woken tasks are forgotten");
+    }
+
+    /// Ping-pong: each thread makes one unit of room for its task, rings, and waits until
+    /// the task took it before making the next; each task takes its room and otherwise
+    /// waits on the bell. Every ring is the only wake-up its unit gets, so a lost one leaves
+    /// a task asleep with room left and its thread waiting: the run times out.
+    #[test]
+    fn tasks_waiting_on_rings_from_threads_take_every_unit_of_room() {
+        const PAIRS: usize = 2;
+        const UNITS: u64 = 20_000;
+        let bell = Arc::new(AsyncBell::default());
+        let rooms: Arc<Vec<AtomicU64>> = Arc::new((0..PAIRS).map(|_| AtomicU64::new(0)).collect());
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_time()
+            .build()
+            .expect("a runtime");
+        let tasks: Vec<_> = (0..PAIRS)
+            .map(|i| {
+                let (bell, rooms) = (Arc::clone(&bell), Arc::clone(&rooms));
+                runtime.spawn(async move {
+                    let mut taken = 0;
+                    while taken < UNITS {
+                        let seen = bell.rung();
+                        // ORDERING: SeqCst — test bookkeeping; the bell's lock is what is under test.
+                        if rooms[i].swap(0, SeqCst) == 1 {
+                            taken += 1;
+                        } else {
+                            bell.rung_since(seen).await;
+                        }
+                    }
+                })
+            })
+            .collect();
+        let makers: Vec<_> = (0..PAIRS)
+            .map(|i| {
+                let (bell, rooms) = (Arc::clone(&bell), Arc::clone(&rooms));
+                std::thread::spawn(move || {
+                    for unit in 0..UNITS {
+                        // ORDERING: SeqCst — test bookkeeping; the bell's lock is what is under test.
+                        rooms[i].store(1, SeqCst);
+                        bell.ring();
+                        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+                        // ORDERING: SeqCst — test bookkeeping; the bell's lock is what is under test.
+                        while rooms[i].load(SeqCst) == 1 {
+                            assert!(
+                                std::time::Instant::now() < deadline,
+                                "unit {unit} of pair {i} never taken: a lost wake-up"
+                            );
+                            std::thread::yield_now();
+                        }
+                    }
+                })
+            })
+            .collect();
+        for maker in makers {
+            maker.join().expect("every unit taken");
+        }
+        for task in tasks {
+            runtime.block_on(async {
+                tokio::time::timeout(Duration::from_secs(10), task)
+                    .await
+                    .expect("the task ends")
+                    .expect("the task does not panic");
+            });
+        }
     }
 }

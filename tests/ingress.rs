@@ -112,3 +112,38 @@ fn the_ingress_holds_at_most_max_buffered_bytes_and_waiters_are_woken_when_it_fr
     store.close();
     ingress.shutdown();
 }
+
+#[test]
+fn shared_memory_segments_take_at_most_half_the_byte_budget_and_wake_waiters_when_freed() {
+    let store = Store::new(tagged_spec(), 1, 2).unwrap();
+    let config =
+        IngressConfig { max_buffered_bytes: 8 * TAGGED_PAYLOAD, ..IngressConfig::new(1, 8) };
+    let ingress = Ingress::start(Backend::Fifo(Arc::clone(&store)), config).unwrap();
+    let segment =
+        ingress.reserve_segment(3 * TAGGED_PAYLOAD).expect("3 of the 4 segments may have");
+    let refused = ingress.reserve_segment(2 * TAGGED_PAYLOAD).unwrap_err();
+    assert!(refused.contains("half of max_buffered_bytes"), "{refused}");
+    assert_eq!(ingress.snapshot().buffered_bytes, 3 * TAGGED_PAYLOAD as u64);
+    // TCP buffers get the rest of the budget, the segment's half included.
+    let wakes = Arc::new(AtomicUsize::new(0));
+    let conn = ingress.register(Box::new(CountWakes(Arc::clone(&wakes))));
+    let mut held = Vec::new();
+    while let Some(buf) = conn.take_buffer() {
+        held.push(buf);
+    }
+    assert_eq!(held.len(), 5, "the budget less the segment");
+    let refused = ingress.reserve_segment(TAGGED_PAYLOAD).unwrap_err();
+    assert!(refused.contains("ingress buffers hold"), "{refused}");
+    // The segment goes with its worker: its bytes come back and the waiting connection is
+    // woken to take them.
+    drop(segment);
+    assert!(wakes.load(Ordering::SeqCst) > 0, "the waiting connection was not woken");
+    assert!(conn.take_buffer().is_some());
+    assert!(
+        ingress.segment_shortfall(3 * TAGGED_PAYLOAD).is_some(),
+        "TCP buffers hold 6 of the 8 payloads now"
+    );
+    conn.close();
+    store.close();
+    ingress.shutdown();
+}

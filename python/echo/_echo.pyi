@@ -84,8 +84,8 @@ class SampleInfo:
         """Samples moved into the ring by drainers (`submit()` is not counted)."""
     @property
     def buffered_bytes(self) -> int:
-        """Bytes of sample buffers the TCP ingress holds now (queued samples, buffer pools),
-        at most `TcpTransport.max_buffered_bytes`."""
+        """Bytes of sample buffers the TCP ingress holds now (queued samples, buffer pools,
+        same-host shared-memory segments), at most `TcpTransport.max_buffered_bytes`."""
     @property
     def connections_refused_total(self) -> int:
         """Connections refused because every slot was taken by a working connection."""

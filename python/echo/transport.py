@@ -35,7 +35,11 @@ class TcpTransport:
             connection's pool of empty buffers (default 1 GiB). At the bound connections stop
             reading, and so stop acknowledging, until the learner makes room; an acknowledged
             sample is never dropped. Must hold at least one sample (checked by `start()`).
-            Besides this, each connection that sends uses a read buffer of at most 64 KiB.
+            Same-host shared-memory segments (about 8 MiB each for large samples) count
+            against it too, and together may take at most half of it: a client that would
+            need more uses TCP (`shared_memory=None`) or gets `SharedMemoryError` saying so
+            (`True`). Besides this, each connection that sends uses a read buffer of at most
+            64 KiB.
         token: A shared secret clients must prove (HMAC-SHA256 challenge-response: the token
             never crosses the wire). `None` reads the environment variable `ECHO_TOKEN` when
             the server starts (unset or empty: no token). With a token, protocol-1 clients,

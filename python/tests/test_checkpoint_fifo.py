@@ -151,7 +151,11 @@ def test_acknowledged_samples_queued_in_the_ingress_are_in_a_fifo_checkpoint(
     # (acknowledged, in a drainer's round or the connection's queue) however long we wait.
     server = tcp_server(tmp_path, producer_queue_size=8)
     try:
-        client = TcpClient(LOCALHOST, server.port, example(), max_inflight_msgs=32)
+        # Over TCP, whose ingress queue holds acknowledged samples (over shared memory they
+        # wait in the worker's segment, unacknowledged: see the test after this one).
+        client = TcpClient(
+            LOCALHOST, server.port, example(), max_inflight_msgs=32, shared_memory=False
+        )
         for i in range(10):
             client.send(item(i))
         client.wait()  # every one acknowledged
@@ -191,6 +195,37 @@ def test_acknowledged_samples_queued_in_the_ingress_are_in_a_fifo_checkpoint(
         assert got == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [100, 101]]
 
 
+def test_samples_waiting_in_a_shared_memory_segment_are_not_acknowledged(
+    tmp_path: Path,
+) -> None:
+    # The same ring of 4 and 10 samples, from a same-host client over shared memory: what
+    # the ring cannot take waits in the client's segment, unacknowledged (the client still
+    # holds it to flush), so a checkpoint has the ring's 4 and nothing from the ingress, and
+    # the rest goes in, in order, as the consumer frees room.
+    server = tcp_server(tmp_path, producer_queue_size=8)
+    try:
+        client = TcpClient(LOCALHOST, server.port, example(), shared_memory=True)
+        for i in range(10):
+            client.send(item(i))
+        with pytest.raises(TimeoutError):
+            client.wait(timeout=0.5)
+        assert client.acked == 4
+        server.checkpoint(tmp_path / "s")
+        ids, counts = checkpoint_rows(tmp_path / "s")
+        assert ids == [0, 1, 2, 3]
+        assert (counts["from_ring"], counts["from_ingress"]) == (4, 0)
+        assert [batch_ids(server.sample(timeout=WAIT_S)) for _ in range(5)] == [
+            [0, 1],
+            [2, 3],
+            [4, 5],
+            [6, 7],
+            [8, 9],
+        ]
+        assert client.close(timeout=WAIT_S)
+    finally:
+        server.close()
+
+
 def test_acknowledged_samples_queued_in_the_ingress_are_in_a_replay_checkpoint(
     tmp_path: Path,
 ) -> None:
@@ -207,7 +242,9 @@ def test_acknowledged_samples_queued_in_the_ingress_are_in_a_replay_checkpoint(
     )
     server.start()
     try:
-        client = TcpClient(LOCALHOST, server.port, example(), max_inflight_msgs=32)
+        client = TcpClient(
+            LOCALHOST, server.port, example(), max_inflight_msgs=32, shared_memory=False
+        )
         for i in range(10):
             client.send(item(i))
         client.wait()

@@ -481,8 +481,13 @@ def test_a_flood_of_refused_connections_is_logged_in_aggregate(
 
 
 def _acked_clients(port: int, example: Any, per_client: list[range]) -> None:
-    """Sends each range's ids from its own client and waits until all are acknowledged."""
-    clients = [TcpClient(LOCALHOST, port, example, max_inflight_msgs=64) for _ in per_client]
+    """Sends each range's ids from its own client and waits until all are acknowledged.
+    Over TCP, whose acknowledged samples may wait in the ingress's queues (over shared memory
+    a sample is acknowledged only once it is in the ring)."""
+    clients = [
+        TcpClient(LOCALHOST, port, example, max_inflight_msgs=64, shared_memory=False)
+        for _ in per_client
+    ]
     for client, ids in zip(clients, per_client, strict=True):
         for i in ids:
             client.send({"id": np.array(i, np.int64), "x": np.full(3, i, np.float32)})

@@ -449,11 +449,12 @@ def test_a_fifo_server_refuses_priorities_over_shared_memory(make_server: Any) -
     assert _receive(server, 4) == {0: [1, 2, 3, 4]}
 
 
-def test_order_holds_across_switches_between_straight_inserts_and_the_queue(
+def test_a_full_ring_leaves_samples_in_their_segments_and_order_holds(
     make_server: Any,
 ) -> None:
-    # A ring of 8 samples: the workers fill it (straight inserts), then their connections'
-    # queues (as TCP samples), and go straight again once the learner has emptied those.
+    # A ring of 8 samples and 3 workers of 200: the ring is full at once. The rest wait in
+    # the workers' segments, untaken, never in the ingress queues (every sample is copied
+    # once, straight from its segment), and go in, in order, as the learner frees room.
     server = make_server(
         EXAMPLE,
         batch_size=4,
@@ -464,7 +465,18 @@ def test_order_holds_across_switches_between_straight_inserts_and_the_queue(
     server.start()
     fleet = Fleet(server.port, 0, 3, 200, "true")
     try:
-        poll(server.stats, lambda s: s.samples_pending >= 3, "samples queued behind a full ring")
+        poll(
+            server.stats,
+            lambda s: s.store_size == 8 and s.push_blocked_count >= 3,
+            "every connection waiting for room in a full ring",
+        )
+        time.sleep(0.3)  # time enough for queues to fill, were samples copied into them
+        held = server.stats()
+        assert (held.samples_pending, held.queue_depth_max, held.samples_inserted_total) == (
+            0,
+            0,
+            8,
+        )
         received = _receive(server, 3 * 200)
         assert fleet.finish() == ""
         assert {w: seqs == list(range(200)) for w, seqs in received.items()} == {
@@ -479,6 +491,67 @@ def test_order_holds_across_switches_between_straight_inserts_and_the_queue(
         assert info.shm_connections_total == 3
         assert info.samples_inserted_total == 600
         assert info.samples_pending == 0
+    finally:
+        fleet.kill()
+        fleet.finish()
+
+
+def test_segments_take_at_most_half_of_max_buffered_bytes(make_server: Any) -> None:
+    # EXAMPLE's 20-byte samples: 1,024 slots of 128 bytes after a 4 KiB header. Half of
+    # this budget holds one segment, not two.
+    segment = 4096 + 1024 * 128
+    server = _server(make_server, max_buffered_bytes=3 * segment)
+    first = TcpClient(LOCALHOST, server.port, EXAMPLE, shared_memory=True)
+    assert first.transport_path == "shm"
+    assert server.stats().buffered_bytes >= segment
+    with pytest.raises(SharedMemoryError, match=r"half of max_buffered_bytes\); a segment needs"):
+        TcpClient(LOCALHOST, server.port, EXAMPLE, shared_memory=True)
+    second = TcpClient(LOCALHOST, server.port, EXAMPLE)  # the default: TCP instead
+    assert second.transport_path == "tcp"
+    for k in range(4):
+        first.send(_sample(k))
+        second.send(_sample(ID_STRIDE + k))
+    first.close()
+    second.close()
+    assert _receive(server, 8) == {0: [0, 1, 2, 3], 1: [0, 1, 2, 3]}
+    # The first segment's bytes are given back with it: the next worker gets one.
+    poll(server.stats, lambda s: s.buffered_bytes < segment, "the segment's bytes given back")
+    with TcpClient(LOCALHOST, server.port, EXAMPLE, shared_memory=True) as third:
+        assert third.transport_path == "shm"
+
+
+def test_a_rate_limited_replay_table_takes_shared_memory_samples_as_it_is_sampled(
+    make_server: Any,
+) -> None:
+    import echo
+
+    # Queue(4): an insert waits while 4 items are unsampled. Each connection's task waits
+    # for the table (on its insert bell, not a thread), and each batch drawn lets more in.
+    server = make_server(
+        EXAMPLE,
+        batch_size=2,
+        sampler=echo.Uniform(),
+        max_size=8,
+        rate_limiter=echo.Queue(4),
+        max_times_sampled=1,
+        transport=TcpTransport(port=0, host=LOCALHOST),
+    )
+    server.start()
+    fleet = Fleet(server.port, 0, 2, 60, "true")
+    try:
+        got: dict[int, list[int]] = collections.defaultdict(list)
+        for _ in range(60):
+            sample = server.sample(timeout=2 * WAIT_S)
+            for v in np.asarray(sample.batch["id"]).tolist():
+                got[v // ID_STRIDE].append(v % ID_STRIDE)
+        assert fleet.finish() == ""
+        assert {w: sorted(seqs) for w, seqs in got.items()} == {
+            0: list(range(60)),
+            1: list(range(60)),
+        }
+        stats = server.stats()
+        assert (stats.shm_connections_total, stats.samples_pending) == (2, 0)
+        assert stats.push_blocked_count > 0, "the table never held a connection back"
     finally:
         fleet.kill()
         fleet.finish()

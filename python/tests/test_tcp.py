@@ -85,11 +85,12 @@ def _started(make_server: Callable[..., Server], **kwargs: Any) -> Server:
 def _started_with_client(
     make_server: Any, example: Any, window: int | None = None, **kwargs: Any
 ) -> tuple[Server, TcpClient]:
-    """`_started(make_server, **kwargs)` and a client connected to it (`window`: its
-    `max_inflight_msgs`, default if None)."""
+    """`_started(make_server, **kwargs)` and a client connected to it over TCP (`window`: its
+    `max_inflight_msgs`, default if None). TCP, not the same-host shared memory a default
+    client would take: these tests are about the TCP ingress's queues and window."""
     server = _started(make_server, **kwargs)
     limits = {} if window is None else {"max_inflight_msgs": window}
-    return server, TcpClient(LOCALHOST, server.port, example, **limits)
+    return server, TcpClient(LOCALHOST, server.port, example, shared_memory=False, **limits)
 
 
 def _poll_stats(server: Server, done: Callable[[Any], bool], what: str) -> Any:

@@ -57,7 +57,7 @@ use crate::replay::select::{
 use crate::slots::Slots;
 use crate::source::{validate_source, SampleSource};
 use crate::spec::{ArraySpec, DataSpec};
-use crate::sync::{Arc, AtomicBool};
+use crate::sync::{Arc, AsyncBell, AtomicBool};
 
 // Every `Ordering::` use below is documented in place with an `ORDERING:` comment.
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
@@ -425,6 +425,8 @@ pub struct Table {
     state: Mutex<State>,
     /// Writers wait here for the rate limiter; notified whenever a sample progresses.
     insert_ready: Condvar,
+    /// Rung with every `insert_ready` notification, for async writers ([`Table::insert_bell`]).
+    insert_bell: AsyncBell,
     /// The consumer waits here for items or the rate limiter; notified on every publish.
     sample_ready: Condvar,
     closed: AtomicBool,
@@ -498,6 +500,7 @@ impl Table {
             area,
             state: Mutex::new(state),
             insert_ready: Condvar::new(),
+            insert_bell: AsyncBell::default(),
             sample_ready: Condvar::new(),
             closed: AtomicBool::new(false),
             consumer_taken: AtomicBool::new(false),
@@ -536,7 +539,7 @@ impl Table {
         let _state = self.state.lock();
         // ORDERING: Release pairs with the Acquire in `is_closed` (lock-free readers).
         self.closed.store(true, Release);
-        self.insert_ready.notify_all();
+        self.wake_writers();
         self.sample_ready.notify_all();
     }
 
@@ -544,6 +547,20 @@ impl Table {
     pub fn is_closed(&self) -> bool {
         // ORDERING: Acquire pairs with the Release store in `close`.
         self.closed.load(Acquire)
+    }
+
+    /// Wakes the writers waiting for the rate limiter or the table's state: threads on
+    /// `insert_ready`, tasks on the bell.
+    fn wake_writers(&self) {
+        self.insert_ready.notify_all();
+        self.insert_bell.ring();
+    }
+
+    /// Rung whenever a waiting insert might now go further (see [`Backend::insert_bell`]).
+    ///
+    /// [`Backend::insert_bell`]: crate::backend::Backend::insert_bell
+    pub(crate) fn insert_bell(&self) -> &AsyncBell {
+        &self.insert_bell
     }
 
     /// Checks one priority: finite, `>= 0`, at most [`MAX_PRIORITY`] and storable by the
@@ -637,7 +654,7 @@ impl Table {
         state.publish(slot, priority, replaced);
         self.sample_ready.notify_one();
         if state.live == 1 {
-            self.insert_ready.notify_all();
+            self.wake_writers();
         }
     }
 
@@ -916,7 +933,7 @@ impl Table {
 
     fn end_restore(&self) {
         self.state.lock().restoring = false;
-        self.insert_ready.notify_all();
+        self.wake_writers();
     }
 
     /// Fills a new, empty table with a checkpoint's items (in key order, `leaves[l]` holding
@@ -1205,7 +1222,7 @@ impl ReplayConsumer {
                 let got = state.draw(n, &mut self.pending);
                 state.limiter.on_sample(got as u64);
                 state.stats.sampled_items += got as u64;
-                table.insert_ready.notify_all();
+                table.wake_writers();
                 continue;
             }
             if deadline.is_some_and(|d| Instant::now() >= d) {

@@ -1,8 +1,8 @@
 //! The same-host shared-memory channel (Linux): a worker on the learner's machine writes each
 //! sample straight into a ring of fixed-size slots in a `memfd` segment, and the learner's
 //! connection task copies it once, straight into the backend's ring ([`Samples`] is the
-//! segment as a `SampleSource`), or into the connection's ingress queue while the ring is
-//! full. The TCP connection stays open for liveness (heartbeats), the goodbye and errors.
+//! segment as a `SampleSource`); while the ring is full the samples wait in the segment and
+//! the worker's `send` waits for a free slot. The TCP connection stays open for liveness (heartbeats), the goodbye and errors.
 //!
 //! ```text
 //!  segment (created, sized, sealed and mapped by the learner; mapped by the worker):
@@ -108,6 +108,11 @@ pub fn slot_stride(payload_size: usize) -> Option<usize> {
 pub fn slots_for(payload_size: usize) -> Option<usize> {
     let stride = slot_stride(payload_size)?;
     Some((SEGMENT_TARGET / stride).clamp(MIN_SLOTS, MAX_SLOTS))
+}
+
+/// Bytes of a [`Reader::new`] segment for samples of `payload_size` bytes; `None` on overflow.
+pub fn segment_len(payload_size: usize) -> Option<usize> {
+    slot_stride(payload_size)?.checked_mul(slots_for(payload_size)?)?.checked_add(HEADER_LEN)
 }
 
 fn cvt(ret: libc::c_int) -> io::Result<libc::c_int> {
@@ -707,7 +712,7 @@ impl Writer {
         self.tail
     }
 
-    /// Samples the learner has taken (in its ring or queue; their slots are free again).
+    /// Samples the learner has taken (in its ring; their slots are free again).
     pub fn taken(&self) -> u64 {
         self.indices().taken()
     }

@@ -984,6 +984,8 @@ mod shm_path {
     use super::{Link, Session, Shared};
     use crate::error::EchoError;
     use crate::ingress::TransportEvent;
+    use crate::ingress::{Connection, Ingress, SegmentReservation};
+    use crate::sync::AsyncBell;
     use crate::transport::shm::{self, Reader, Samples};
     use crate::transport::wire::v2::{self, ShmOffer};
 
@@ -1034,6 +1036,10 @@ mod shm_path {
             ));
         }
         let payload_size = shared.ingress.backend().spec().payload_size();
+        let len = shm::segment_len(payload_size).ok_or("samples too large for a segment")?;
+        if let Some(why) = shared.ingress.segment_shortfall(len) {
+            return Err(why);
+        }
         let name = shm::random_name().map_err(|e| e.to_string())?;
         let listener = shm::listen(&name)
             .and_then(UnixListener::from_std)
@@ -1053,12 +1059,12 @@ mod shm_path {
         let Prepared { offer, payload_size, listener } = prepared;
         let deadline = tokio::time::Instant::now() + ATTACH_TIMEOUT;
         let mut attempts = 0;
-        let mut reader = loop {
+        let (mut reader, _reservation) = loop {
             tokio::select! {
                 accepted = listener.accept() => {
                     let (stream, _) = accepted?;
-                    match hand_over(&stream, &offer, payload_size).await {
-                        Ok(reader) => break reader,
+                    match hand_over(&stream, &offer, payload_size, &shared.ingress).await {
+                        Ok(attached) => break attached,
                         Err(why) => {
                             log::warn!("refused a shared-memory attach: {why}");
                             attempts += 1;
@@ -1091,13 +1097,15 @@ mod shm_path {
         drain(link, shared, session, &mut reader).await
     }
 
-    /// Checks an attaching peer (same uid as ours, the right nonce), then creates the segment
-    /// and the bells and sends them to it.
+    /// Checks an attaching peer (same uid as ours, the right nonce), then reserves the
+    /// segment's bytes in the ingress's budget, creates the segment and the bells, and sends
+    /// them to it. The reservation lives as long as the segment.
     async fn hand_over(
         stream: &UnixStream,
         offer: &ShmOffer,
         payload_size: usize,
-    ) -> Result<Reader, String> {
+        ingress: &Ingress,
+    ) -> Result<(Reader, SegmentReservation), String> {
         let uid = shm::peer_uid(stream.as_fd()).map_err(|e| format!("no peer credentials: {e}"))?;
         if uid != shm::own_uid() {
             return Err(format!("the peer runs as uid {uid}, the learner as {}", shm::own_uid()));
@@ -1125,6 +1133,8 @@ mod shm_path {
         if nonce.iter().zip(&offer.nonce).fold(0u8, |acc, (a, b)| acc | (a ^ b)) != 0 {
             return Err("wrong nonce".into());
         }
+        let len = shm::segment_len(payload_size).ok_or("samples too large for a segment")?;
+        let reservation = ingress.reserve_segment(len)?;
         let reader =
             Reader::new(payload_size).map_err(|e| format!("cannot create the segment: {e}"))?;
         let fds = reader.fds();
@@ -1133,7 +1143,7 @@ mod shm_path {
             match stream.try_io(Interest::WRITABLE, || {
                 shm::send_fds(stream.as_raw_fd(), shm::ATTACH_MESSAGE, &fds)
             }) {
-                Ok(()) => return Ok(reader),
+                Ok(()) => return Ok((reader, reservation)),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 Err(e) => return Err(format!("cannot send the segment: {e}")),
             }
@@ -1144,10 +1154,12 @@ mod shm_path {
     /// connection) when there are none. Ends when the client leaves, once every committed
     /// sample is taken.
     ///
-    /// A sample is taken as TCP's are acknowledged: inserted into the backend straight from
-    /// the segment (one copy) while the backend has room, else copied into the session's
-    /// ingress queue for the drainers (as a TCP sample is), and straight inserts resume only
-    /// once that queue is empty and no drainer holds one of its samples, so the order holds.
+    /// A sample is taken (the worker's acknowledgement) when it is inserted into the backend,
+    /// straight from the segment: one copy, always. While the backend has no room (or a
+    /// restore or checkpoint holds inserts) the samples wait in the segment and this task on
+    /// the backend's insert bell, never a thread; the worker's own ring then fills and its
+    /// `send` waits, as a TCP worker's does when its window is full. The session's ingress
+    /// queue is not used, so nothing of this connection is ever queued behind the backend.
     async fn drain(
         link: &mut Link<'_>,
         shared: &Shared,
@@ -1156,7 +1168,7 @@ mod shm_path {
     ) -> io::Result<End> {
         let ingress = &shared.ingress;
         let backend = ingress.backend();
-        let (conn, space) = (&session.conn, &*session.space);
+        let conn = &session.conn;
         let mut leaves = Vec::new();
         let mut offset = 0;
         for array in backend.spec().arrays() {
@@ -1171,7 +1183,6 @@ mod shm_path {
         }
         .map_err(|e| e.into_parts().1)?;
         let mut metas = Vec::with_capacity(reader.slots());
-        let mut queueing = false;
         let mut ending = None;
         loop {
             let available = match reader.available() {
@@ -1197,40 +1208,32 @@ mod shm_path {
                         }
                     }
                 }
-                // Straight inserts again once the queue is empty; a run that finds the
-                // backend full takes its first sample through the queue, so this never spins.
-                if queueing && conn.is_idle() {
-                    queueing = false;
-                }
+                let bell = backend.insert_bell();
                 let mut done = 0;
                 while done < metas.len() {
-                    let taken = if queueing {
-                        // Through the queue, as over TCP: waits for a buffer and queue room.
-                        let mut buf = link.buffer(conn, space).await?;
-                        reader.copy_payload(reader.head(), 0, buf.bytes());
-                        link.push(conn, space, buf, metas[done].priority).await?;
-                        1
-                    } else {
-                        // Straight in, without waiting: a full backend switches to the queue.
-                        let samples = Samples::new(reader, reader.head(), &metas[done..], &leaves);
-                        let (inserted, error) =
-                            match backend.insert(&samples, None, Some(Instant::now())) {
-                                Ok(()) => (metas.len() - done, None),
-                                Err(e) => (e.inserted, Some(e.error)),
-                            };
-                        ingress.note_inserted(inserted as u64);
-                        match error {
-                            None => {}
-                            Some(EchoError::TimedOut) => queueing = true,
-                            Some(EchoError::Closed) => return Ok(End::Closed),
-                            Some(other) => return Err(link.fail(&other.to_string()).await),
-                        }
-                        inserted
-                    };
-                    done += taken;
-                    reader.advance_by(taken as u64);
+                    // Straight from the segment into the backend, without waiting. When it
+                    // has no room the rest stay in the segment, untaken: the worker's ring
+                    // fills and its `send` waits, which is the backpressure, and every
+                    // sample is still copied once. The bell is read before the insert, so
+                    // room freed in between is not missed.
+                    let rung = bell.rung();
+                    let samples = Samples::new(reader, reader.head(), &metas[done..], &leaves);
+                    let (inserted, error) =
+                        match backend.insert(&samples, None, Some(Instant::now())) {
+                            Ok(()) => (metas.len() - done, None),
+                            Err(e) => (e.inserted, Some(e.error)),
+                        };
+                    ingress.note_inserted(inserted as u64);
+                    done += inserted;
+                    reader.advance_by(inserted as u64);
                     // ORDERING: Relaxed — as in `serve_frames`: written only under `owner`.
-                    session.next_seq.fetch_add(taken as u64, Relaxed);
+                    session.next_seq.fetch_add(inserted as u64, Relaxed);
+                    match error {
+                        None => {}
+                        Some(EchoError::TimedOut) => wait_for_room(link, conn, bell, rung).await?,
+                        Some(EchoError::Closed) => return Ok(End::Closed),
+                        Some(other) => return Err(link.fail(&other.to_string()).await),
+                    }
                     // Busy taking samples we write nothing else: heartbeats keep the client's
                     // watch quiet.
                     link.tick(false).await?;
@@ -1273,6 +1276,31 @@ mod shm_path {
                     return Err(link
                         .fail(&format!("frame type {other:#04x} on a shared-memory connection"))
                         .await)
+                }
+            }
+        }
+    }
+
+    /// Waits until the backend rings after `rung` (room, a thaw, the end of a restore, or
+    /// its close), sending heartbeats meanwhile.
+    async fn wait_for_room(
+        link: &mut Link<'_>,
+        conn: &Connection,
+        bell: &AsyncBell,
+        rung: u64,
+    ) -> io::Result<()> {
+        conn.note_blocked();
+        loop {
+            match link.beat {
+                None => {
+                    bell.rung_since(rung).await;
+                    return Ok(());
+                }
+                Some(beat) => {
+                    if tokio::time::timeout(beat.every, bell.rung_since(rung)).await.is_ok() {
+                        return Ok(());
+                    }
+                    link.tick(false).await?;
                 }
             }
         }
