@@ -711,6 +711,16 @@ fn open_stream(host: &str, port: u16, deadline: Option<Instant>) -> io::Result<T
             },
         };
         match attempt {
+            // Nobody listens on a port of this host inside the ephemeral range (a learner
+            // restarting on its old port, say): the kernel may pick that very port as our
+            // source port and connect the socket to itself (TCP simultaneous open). It would
+            // then wait for a handshake that never comes; it is a refused connection.
+            Ok(stream) if is_self_connected(&stream) => {
+                last_err = Some(io::Error::new(
+                    io::ErrorKind::ConnectionRefused,
+                    "nobody listens there (the socket connected to itself)",
+                ));
+            }
             Ok(stream) => {
                 stream.set_nodelay(true)?;
                 return Ok(stream);
@@ -720,6 +730,11 @@ fn open_stream(host: &str, port: u16, deadline: Option<Instant>) -> io::Result<T
     }
     let err = last_err.unwrap_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no address"));
     Err(io::Error::new(err.kind(), format!("cannot connect to {host}:{port}: {err}")))
+}
+
+/// Whether `stream`'s two ends are the same address (see `open_stream`).
+fn is_self_connected(stream: &TcpStream) -> bool {
+    matches!((stream.local_addr(), stream.peer_addr()), (Ok(local), Ok(peer)) if local == peer)
 }
 
 /// A sample kept until it is acknowledged, to send again after a reconnect.
@@ -1655,5 +1670,34 @@ impl Reading {
             self.acks.changed.notify_all();
         }
         result
+    }
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+
+    use super::is_self_connected;
+
+    /// A socket bound to a loopback port and connected to that same port: what the kernel
+    /// may hand `open_stream` when nobody listens on a port in the ephemeral range.
+    fn self_connected() -> TcpStream {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_io().build().unwrap();
+        runtime.block_on(async {
+            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+            socket.bind(SocketAddr::from((Ipv4Addr::LOCALHOST, 0))).unwrap();
+            let own = socket.local_addr().unwrap();
+            socket.connect(own).await.unwrap().into_std().unwrap()
+        })
+    }
+
+    #[test]
+    fn a_socket_connected_to_itself_is_told_from_a_real_connection() {
+        let looped = self_connected();
+        assert_eq!(looped.local_addr().unwrap(), looped.peer_addr().unwrap());
+        assert!(is_self_connected(&looped));
+        let listener = TcpListener::bind(SocketAddr::from((Ipv4Addr::LOCALHOST, 0))).unwrap();
+        let real = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        assert!(!is_self_connected(&real));
     }
 }
