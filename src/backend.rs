@@ -211,6 +211,7 @@ impl Backend {
     /// the backend closed. An async writer reads [`AsyncBell::rung`] first, tries an insert that
     /// does not wait, and if it was refused awaits [`AsyncBell::rung_since`] and tries again,
     /// rather than blocking a thread in [`Backend::insert`].
+    #[cfg_attr(any(loom, not(target_os = "linux")), allow(dead_code))] // only the shared-memory path (Linux) awaits it
     pub(crate) fn insert_bell(&self) -> &AsyncBell {
         match self {
             Self::Fifo(store) => store.space_bell(),

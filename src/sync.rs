@@ -56,6 +56,7 @@ impl Signal {
     /// The bell that every [`Signal::notify_one`]/[`Signal::notify_all`] rings: an async task
     /// that found the predicate false reads [`AsyncBell::rung`] *before* evaluating it, and then
     /// awaits [`AsyncBell::rung_since`] instead of blocking in [`Signal::wait_until`].
+    #[cfg_attr(any(loom, not(target_os = "linux")), allow(dead_code))] // only the shared-memory path (Linux) awaits it
     pub(crate) fn bell(&self) -> &AsyncBell {
         &self.bell
     }
@@ -159,6 +160,7 @@ struct AsyncBellState {
 
 impl AsyncBell {
     /// How many times the bell has rung.
+    #[cfg_attr(any(loom, not(target_os = "linux")), allow(dead_code))] // only the shared-memory path (Linux) awaits it
     pub(crate) fn rung(&self) -> u64 {
         self.state.lock().rung
     }
@@ -179,12 +181,14 @@ impl AsyncBell {
     }
 
     /// Completes once the bell has rung since it had rung `seen` times.
+    #[cfg_attr(any(loom, not(target_os = "linux")), allow(dead_code))] // only the shared-memory path (Linux) awaits it
     pub(crate) fn rung_since(&self, seen: u64) -> RungSince<'_> {
         RungSince { bell: self, seen }
     }
 }
 
 /// The future of [`AsyncBell::rung_since`].
+#[cfg_attr(any(loom, not(target_os = "linux")), allow(dead_code))] // only the shared-memory path (Linux) awaits it
 #[derive(Debug)]
 pub(crate) struct RungSince<'a> {
     bell: &'a AsyncBell,

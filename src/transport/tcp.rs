@@ -1328,14 +1328,25 @@ mod shm_path {
         pub(super) offer: ShmOffer,
     }
 
+    /// As on Linux; only `Declined` ever ends a channel here.
+    #[allow(dead_code)]
     pub(super) enum End {
         Closed,
         Goodbye,
         Declined,
     }
 
-    pub(super) fn prepare(_: &Shared, _: SocketAddr, _: &Link<'_>) -> Result<Prepared, String> {
-        Err("the server's platform has no shared-memory path (Linux only)".into())
+    pub(super) fn prepare(
+        shared: &Shared,
+        _: SocketAddr,
+        _: &Link<'_>,
+    ) -> Result<Prepared, String> {
+        Err(if shared.shared_memory {
+            "the server's platform has no shared-memory path (Linux only)"
+        } else {
+            "the server has shared memory turned off (TcpTransport(shared_memory=False))"
+        }
+        .into())
     }
 
     pub(super) async fn serve(
@@ -1389,6 +1400,7 @@ struct Link<'a> {
 
 impl Link<'_> {
     /// Our address on this connection.
+    #[cfg(target_os = "linux")]
     fn local_addr(&self) -> io::Result<SocketAddr> {
         self.writer.local_addr()
     }
