@@ -84,7 +84,8 @@ def main() -> None:
             code = 1
             try:
                 if stop is not None and stop[0] == w:
-                    os.environ["ECHO_SHM_TEST_STOP_AT"] = stop[1]
+                    # "N:PID": the library honours it only in the process it names.
+                    os.environ["ECHO_SHM_TEST_STOP_AT"] = f"{stop[1]}:{os.getpid()}"
                 code = run(port, w, count, shm)
             finally:
                 os._exit(code)

@@ -82,9 +82,18 @@ pub const ATTACH_MESSAGE: &[u8; 8] = b"ECHOSHM\x01";
 pub const NONCE_LEN: usize = 16;
 /// The prefix of every channel's abstract socket name.
 pub const NAME_PREFIX: &str = "echo-shm-";
-/// Environment variable (tests only): the worker stops itself (`SIGSTOP`) after writing half
-/// of sample number N into its slot, before committing it, so a test can kill it there.
+/// Environment variable (tests only): `N:PID` makes the worker process `PID` stop itself
+/// (`SIGSTOP`) after writing half of sample number N into its slot, before committing it, so
+/// a test can kill it there. Naming the process keeps the hook inert everywhere else (an
+/// inherited or stray setting never matches another process).
 pub const STOP_AT_ENV: &str = "ECHO_SHM_TEST_STOP_AT";
+
+/// The sample number [`STOP_AT_ENV`] names for this process, if it names this process.
+fn stop_at_from_env() -> Option<u64> {
+    let value = std::env::var(STOP_AT_ENV).ok()?;
+    let (sample, pid) = value.split_once(':')?;
+    (pid.parse::<u32>().ok()? == std::process::id()).then(|| sample.parse().ok()).flatten()
+}
 
 /// Whether a TCP peer at `peer`, connected to our address `local`, runs on this host: a
 /// loopback address, or our own address (a connection to one of the host's own addresses
@@ -679,7 +688,7 @@ impl Writer {
             return Err(format!("unexpected attach message {:?}", &message[..n]));
         }
         let (segment, slots, stride) = Segment::attach(memfd, payload_size)?;
-        let stop_at = std::env::var(STOP_AT_ENV).ok().and_then(|v| v.parse().ok());
+        let stop_at = stop_at_from_env();
         let writer = Self {
             tail: 0,
             segment,
