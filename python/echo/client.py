@@ -48,8 +48,9 @@ class TcpClient:
             the server offers it (the learner runs on this machine under the same user) and
             falls back to TCP silently otherwise (a debug log says why); `False` always sends
             over TCP; `True` requires it and raises `SharedMemoryError` saying why when it
-            cannot be had. Not with `reconnect=True` (which resends over TCP). Which path is
-            in use: `transport_path`.
+            cannot be had. With `reconnect=True` each new connection asks again, and what
+            the learner had not taken is resent over whichever path the new connection has.
+            Which path is in use: `transport_path`.
 
     Raises:
         ValueError: The server is not an echo server, speaks only protocol 1 with
@@ -60,8 +61,9 @@ class TcpClient:
         ConnectionClosedError: The server closed the connection during the handshake (for
             example, because it is at `max_connections`).
         SharedMemoryError: `shared_memory=True` and the server did not offer shared memory
-            (another host, protocol 1, `TcpTransport(shared_memory=False)`, not Linux) or it
-            could not be attached; also with `reconnect=True` or `protocol=1`.
+            (another host, protocol 1, `TcpTransport(shared_memory=False)`, not Linux, the
+            learner's segments already hold half of its `max_buffered_bytes`) or it could not
+            be attached; also with `protocol=1`.
         OSError: Connecting failed (e.g. `ConnectionRefusedError`).
     """
 

@@ -334,7 +334,8 @@ def test_shared_memory_true_says_precisely_why_it_cannot_be_had(make_server: Any
         assert client.transport_path == "tcp"
     with pytest.raises(SharedMemoryError, match=r"needs wire protocol 2"):
         TcpClient(LOCALHOST, server.port, EXAMPLE, protocol=1, shared_memory=True)
-    with pytest.raises(SharedMemoryError, match=r"reconnect=True"):
+    # A reconnecting client asks too (and is told the same).
+    with pytest.raises(SharedMemoryError, match=r"shared memory turned off"):
         TcpClient(LOCALHOST, server.port, EXAMPLE, reconnect=True, shared_memory=True)
     v1 = V1OnlyServer()
     try:

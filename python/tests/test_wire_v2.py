@@ -1170,7 +1170,11 @@ def test_a_dropped_connection_resumes_with_exact_counts(
     deduplicates), a sample lost in a drop is resent once; every sample is stored once."""
     server = _serve(make_server, batch_size=5, num_buffers=8)
     relay = proxy(server.port)
-    client = TcpClient(LOCALHOST, relay.port, EXAMPLE, reconnect=True, reconnect_timeout=20.0)
+    # TCP: the blackholes cut samples and acks on the relay, which shared memory goes around
+    # (test_a_shared_memory_client_resumes_through_a_dropped_connection_exactly_once).
+    client = TcpClient(
+        LOCALHOST, relay.port, EXAMPLE, reconnect=True, reconnect_timeout=20.0, shared_memory=False
+    )
     try:
         for i in range(10):
             client.send(make_sample(i), timeout=WAIT_S)
@@ -1289,8 +1293,16 @@ def test_a_new_learner_on_the_same_port_gets_every_unacknowledged_sample_once(
     server on the same port receives exactly the unacknowledged ones, in order."""
     first = _serve(make_server, batch_size=1, num_buffers=2, producer_queue_size=1, num_drainers=1)
     port = first.port
+    # TCP: the third sample is acknowledged from the ingress queue while the ring of 2 is
+    # full (over shared memory it would wait, unacknowledged, in the segment).
     client = TcpClient(
-        LOCALHOST, port, EXAMPLE, max_inflight_msgs=32, reconnect=True, reconnect_timeout=20.0
+        LOCALHOST,
+        port,
+        EXAMPLE,
+        max_inflight_msgs=32,
+        reconnect=True,
+        reconnect_timeout=20.0,
+        shared_memory=False,
     )
     try:
         for i in range(3):
@@ -1330,6 +1342,7 @@ WORKER = textwrap.dedent(
 
     signal.alarm(170)  # never outlive a broken test for long
     port, w, n, window = (int(a) for a in sys.argv[1:5])
+    shared_memory = {"auto": None, "true": True, "false": False}[sys.argv[5]]
     STRIDE = 10_000
     EXAMPLE = {"id": np.zeros((), np.int64), "obs": np.zeros((3,), np.float32)}
     lock = threading.Lock()
@@ -1347,7 +1360,8 @@ WORKER = textwrap.dedent(
     for attempt in range(50):
         try:
             client = echo.TcpClient("127.0.0.1", port, EXAMPLE, max_inflight_msgs=window,
-                                    reconnect=True, reconnect_timeout=40.0)
+                                    reconnect=True, reconnect_timeout=40.0,
+                                    shared_memory=shared_memory)
             break
         except (ConnectionError, TimeoutError) as exc:
             say(f"connect-failed {type(exc).__name__}: {exc}")
@@ -1382,19 +1396,35 @@ WORKER = textwrap.dedent(
     say("result " + json.dumps({
         "w": w, "sent": client.sent, "acked": client.acked, "reconnects": client.reconnects,
         "resent": client.resent, "protocol": client.protocol, "flushed": flushed,
-        "error": error,
+        "error": error, "path": client.transport_path,
     }))
     """
 )
 
 
 def _start_workers(
-    children: Callable[..., Child], port: int, num: int, n: int, rng: random.Random
+    children: Callable[..., Child],
+    port: int,
+    num: int,
+    n: int,
+    rng: random.Random,
+    shared_memory: str = "false",
 ) -> list[Child]:
+    """`num` reconnecting workers (`shared_memory`: "false" by default: a relay between them
+    and the learner stands for the network, which shared memory would go around)."""
     return [
         children(
             f"worker{w}",
-            [sys.executable, "-c", WORKER, str(port), str(w), str(n), str(rng.choice((1, 4, 32)))],
+            [
+                sys.executable,
+                "-c",
+                WORKER,
+                str(port),
+                str(w),
+                str(n),
+                str(rng.choice((1, 4, 32))),
+                shared_memory,
+            ],
         )
         for w in range(num)
     ]
@@ -1526,20 +1556,24 @@ def _snapshots(worker: Child) -> list[tuple[float, int, int, int]]:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("path", ["tcp", "shm"])
 def test_a_learner_killed_and_restarted_on_the_same_port_gets_every_unacknowledged_sample_once(
-    children: Callable[..., Child],
+    children: Callable[..., Child], path: str
 ) -> None:
     """8 worker processes send while the learner process is SIGKILLed at a random point and a
     new one starts on the same port. For each worker, with `acked` its count of samples the
     old learner acknowledged (read by the worker just before the new learner listened): the
     new learner receives exactly its samples `acked..n`, once each, in order. The old learner
     handed out a prefix `0..c` of each worker's samples; those between `c` and `acked` were
-    acknowledged but not yet trained on, and are lost, as documented."""
+    acknowledged but not yet trained on, and are lost, as documented. Over TCP, and over
+    same-host shared memory (a new segment from the new learner; what the old one had not
+    taken from the old segment is resent into the new one)."""
     rng = random.Random(20260412)
     num_workers, n = 8, 300
     old = children("learner-old", [sys.executable, "-c", LEARNER, "0", "0.001"], stdin=True)
     port = int(old.expect("port ").split()[1])
-    workers = _start_workers(children, port, num_workers, n, rng)
+    shared_memory = "true" if path == "shm" else "false"
+    workers = _start_workers(children, port, num_workers, n, rng, shared_memory)
     kill_after = rng.randint(300, 900)
     deadline = time.monotonic() + 60
     for _ in range(10**6):
@@ -1596,11 +1630,54 @@ def test_a_learner_killed_and_restarted_on_the_same_port_gets_every_unacknowledg
         )
         assert result["reconnects"] >= 1, result
         assert result["resent"] == sent - acked, (result, sent, acked)
+        assert result["path"] == path, result
         lost += max(0, acked - len(old_seqs))
     assert stats["sessions_resumed_total"] == 0
     assert stats["samples_deduplicated_total"] == 0
     assert stats["v2_connections_total"] >= len(running)
     print(f"killed after {kill_after} samples; {lost} acknowledged but never trained on")
+
+
+def test_a_shared_memory_client_resumes_through_a_dropped_connection_exactly_once(
+    make_server: Any, batch_ids: Any, proxy: Callable[..., Proxy]
+) -> None:
+    # A ring of 40, nobody sampling: of 60 samples the learner takes 40, and 20 wait in the
+    # worker's segment. The relay in front of the learner then resets the TCP connection
+    # (shared memory itself goes around the relay: only the connection's liveness passes
+    # it). The client reconnects to the same learner, gets a new segment, and resends the 20
+    # it was never acknowledged; the old segment's untaken samples go with the old one.
+    server = _serve(make_server, batch_size=10, num_buffers=4)
+    relay = proxy(server.port)
+    client = TcpClient(
+        LOCALHOST,
+        relay.port,
+        EXAMPLE,
+        reconnect=True,
+        reconnect_timeout=WAIT_S,
+        shared_memory=True,
+    )
+    assert client.transport_path == "shm"
+    for i in range(60):
+        client.send(make_sample(i), timeout=WAIT_S)
+    poll(lambda: (server.stats().store_size, client.acked), lambda s: s == (40, 40), "a full ring")
+    relay.command("drop")
+    # The next call that waits notices the drop and reconnects (samples written before the
+    # client noticed would go into the old segment, which the old connection's task still
+    # drains until the new connection takes the session over).
+    for _ in range(100):
+        with contextlib.suppress(TimeoutError):  # the ring is still full
+            client.wait(timeout=0.05)
+        if client.reconnects:
+            break
+    assert (client.reconnects, client.resent, client.transport_path) == (1, 20, "shm")
+    for i in range(60, 70):  # 30 in flight: within the client's window of 32
+        client.send(make_sample(i), timeout=WAIT_S)
+    assert _take(server, 7, batch_ids) == list(range(70))
+    client.wait(timeout=WAIT_S)
+    assert client.reconnects == 1
+    stats = server.stats()
+    assert (stats.sessions_resumed_total, stats.shm_connections_total) == (1, 2)
+    assert client.close(timeout=WAIT_S)
 
 
 # --- heartbeats --------------------------------------------------------------------------------

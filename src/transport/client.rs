@@ -148,12 +148,12 @@ impl ClientConfig {
         }
     }
 
-    /// Whether the hello asks for shared memory: not on v1, not with reconnection (a
-    /// reconnecting client resends from its own copies over TCP), only on Linux.
+    /// Whether the hello asks for shared memory: not on v1, only on Linux. With reconnection
+    /// too: each new connection asks again, and the copies kept for resending go through
+    /// whichever path it has.
     fn wants_shm(&self) -> bool {
         self.shared_memory != SharedMemory::Off
             && self.protocol != Protocol::V1
-            && self.reconnect_timeout.is_none()
             && cfg!(target_os = "linux")
     }
 
@@ -186,8 +186,6 @@ impl ClientConfig {
                 Some("the shared-memory path is Linux-only")
             } else if self.protocol == Protocol::V1 {
                 Some("shared memory needs wire protocol 2 (protocol=1 cannot negotiate it)")
-            } else if self.reconnect_timeout.is_some() {
-                Some("shared memory and reconnect=True do not go together (a reconnecting client resends over TCP)")
             } else {
                 None
             };
@@ -877,6 +875,7 @@ impl TcpSender {
             };
             thread::Builder::new().name("echo-client-acks".into()).spawn(move || reading.run())?
         };
+        self.shm = shm.is_some();
         self.link = Some(Link { stream, version, base, acks, writing, reader: Some(reader), shm });
         Ok(())
     }
@@ -965,7 +964,7 @@ impl TcpSender {
             self.carry = false;
             return Ok(());
         }
-        if self.shm {
+        if self.shm && !self.reconnect {
             self.check_leaves(leaves)?;
             self.check_priority(priority)?;
             return self.send_shm(leaves, priority, deadline);
@@ -1286,6 +1285,11 @@ impl TcpSender {
                 self.retained_base += 1;
             }
             let index = usize::try_from(self.written - self.retained_base).expect("retained");
+            if self.shm {
+                self.pump_shm(index, deadline)?;
+                self.written += 1;
+                continue;
+            }
             // Taken out while it is written (`write_frame` borrows the sender), then put back:
             // it stays retained until acknowledged.
             let frame = std::mem::take(&mut self.retained[index].frame);
@@ -1295,6 +1299,33 @@ impl TcpSender {
             self.written += 1;
         }
         Ok(())
+    }
+
+    /// Writes the retained frame `index` into a free shared-memory slot of the current
+    /// connection and commits it, waiting (until `deadline`) as [`TcpSender::send_shm`] does.
+    fn pump_shm(&mut self, index: usize, deadline: Option<Instant>) -> Result<(), EchoError> {
+        let max_inflight = self.config.max_inflight;
+        loop {
+            let failure = self.failure();
+            let frame = &self.retained[index].frame;
+            let (priority, payload) = split_frame(frame);
+            let link = self.link.as_mut().ok_or(EchoError::Disconnected(failure))?;
+            if link.acks.is_lost() {
+                return Err(EchoError::Disconnected(link.acks.reason()));
+            }
+            let writer = link.shm.as_mut().expect("a shared-memory link");
+            let window = max_inflight.min(writer.slots() as u64);
+            if writer.committed() - writer.taken() < window && writer.try_send(&[payload], priority)
+            {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if deadline.is_some_and(|d| now >= d) {
+                return Err(EchoError::TimedOut);
+            }
+            let until = deadline.map_or(now + SHM_SLICE, |d| d.min(now + SHM_SLICE));
+            writer.wait_taken(writer.committed() + 1 - window, until);
+        }
     }
 
     /// Makes sure there is a live connection, reconnecting (until `deadline` in this call,
@@ -1520,6 +1551,17 @@ fn loss_bell(writer: &ShmWriter) -> io::Result<LossBell> {
 
 /// The bytes before a sample's payload, on the stack (`header[..len]`): none on v1; the frame
 /// type (and priority) on v2.
+/// A retained v2 frame's priority and payload (see [`frame_header`]).
+fn split_frame(frame: &[u8]) -> (Option<f64>, &[u8]) {
+    match frame.first() {
+        Some(&v2::SAMPLE_PRIORITY) => {
+            let raw: [u8; 8] = frame[1..9].try_into().expect("a priority frame's header");
+            (Some(f64::from_le_bytes(raw)), &frame[9..])
+        }
+        _ => (None, &frame[1..]),
+    }
+}
+
 fn frame_header(version: u8, priority: Option<f64>) -> ([u8; 9], usize) {
     let mut header = [0u8; 9];
     match (version, priority) {
