@@ -1077,6 +1077,19 @@ impl TcpSender {
         priority: Option<f64>,
         deadline: Option<Instant>,
     ) -> Result<(), EchoError> {
+        self.write_shm(leaves, priority, deadline)?;
+        self.sent += 1;
+        self.written = self.sent;
+        Ok(())
+    }
+
+    /// [`TcpSender::send_shm`]'s write and wait, counting nothing.
+    fn write_shm(
+        &mut self,
+        leaves: &[&[u8]],
+        priority: Option<f64>,
+        deadline: Option<Instant>,
+    ) -> Result<(), EchoError> {
         let max_inflight = self.config.max_inflight;
         loop {
             let failure = self.failure();
@@ -1088,8 +1101,6 @@ impl TcpSender {
             let window = max_inflight.min(writer.slots() as u64);
             let in_flight = writer.committed() - writer.taken();
             if in_flight < window && writer.try_send(leaves, priority) {
-                self.sent += 1;
-                self.written = self.sent;
                 return Ok(());
             }
             let now = Instant::now();
@@ -1304,28 +1315,12 @@ impl TcpSender {
     /// Writes the retained frame `index` into a free shared-memory slot of the current
     /// connection and commits it, waiting (until `deadline`) as [`TcpSender::send_shm`] does.
     fn pump_shm(&mut self, index: usize, deadline: Option<Instant>) -> Result<(), EchoError> {
-        let max_inflight = self.config.max_inflight;
-        loop {
-            let failure = self.failure();
-            let frame = &self.retained[index].frame;
-            let (priority, payload) = split_frame(frame);
-            let link = self.link.as_mut().ok_or(EchoError::Disconnected(failure))?;
-            if link.acks.is_lost() {
-                return Err(EchoError::Disconnected(link.acks.reason()));
-            }
-            let writer = link.shm.as_mut().expect("a shared-memory link");
-            let window = max_inflight.min(writer.slots() as u64);
-            if writer.committed() - writer.taken() < window && writer.try_send(&[payload], priority)
-            {
-                return Ok(());
-            }
-            let now = Instant::now();
-            if deadline.is_some_and(|d| now >= d) {
-                return Err(EchoError::TimedOut);
-            }
-            let until = deadline.map_or(now + SHM_SLICE, |d| d.min(now + SHM_SLICE));
-            writer.wait_taken(writer.committed() + 1 - window, until);
-        }
+        // Taken out while it is written (`write_shm` borrows the sender), then put back.
+        let frame = std::mem::take(&mut self.retained[index].frame);
+        let (priority, payload) = split_frame(&frame);
+        let result = self.write_shm(&[payload], priority, deadline);
+        self.retained[index].frame = frame;
+        result
     }
 
     /// Makes sure there is a live connection, reconnecting (until `deadline` in this call,
