@@ -556,3 +556,42 @@ def test_a_rate_limited_replay_table_takes_shared_memory_samples_as_it_is_sample
     finally:
         fleet.kill()
         fleet.finish()
+
+
+def test_a_worker_killed_while_the_ring_is_full_still_has_its_committed_samples_taken(
+    make_server: Any,
+) -> None:
+    # A ring of 8 and a worker that committed 20, then is SIGKILLed. Its heartbeats (every
+    # fraction of its 0.5 s timeout) can no longer be written once it is gone: that must stop
+    # the heartbeats, not the channel. The 12 it committed to the segment still go in as the
+    # learner frees room, as a dead TCP worker's bytes in the kernel are still read.
+    server = make_server(
+        EXAMPLE, batch_size=4, num_buffers=2, transport=TcpTransport(port=0, host=LOCALHOST)
+    )
+    server.start()
+    code = textwrap.dedent(
+        f"""
+        import sys, time
+        import numpy as np
+        sys.path.insert(0, {str(HERE)!r})
+        from _shm_worker import EXAMPLE
+        import echo
+        client = echo.TcpClient("127.0.0.1", {server.port}, EXAMPLE, shared_memory=True,
+                                heartbeat_timeout=0.5)
+        for i in range(20):
+            client.send({{"id": np.array(i, np.int64), "obs": np.full((3,), i, np.float32)}})
+        print(client.transport_path, flush=True)
+        time.sleep(60)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert read_line(proc, 2 * WAIT_S).strip() == "shm"
+        poll(server.stats, lambda s: s.store_size == 8, "a full ring")
+    finally:
+        proc.kill()
+        proc.wait(timeout=WAIT_S)
+        assert proc.stdout is not None
+        proc.stdout.close()
+    time.sleep(1.0)  # several heartbeats' time: writing them to the dead socket fails
+    assert _receive(server, 20) == {0: list(range(20))}

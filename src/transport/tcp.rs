@@ -1230,13 +1230,13 @@ mod shm_path {
                     session.next_seq.fetch_add(inserted as u64, Relaxed);
                     match error {
                         None => {}
-                        Some(EchoError::TimedOut) => wait_for_room(link, conn, bell, rung).await?,
+                        Some(EchoError::TimedOut) => wait_for_room(link, conn, bell, rung).await,
                         Some(EchoError::Closed) => return Ok(End::Closed),
                         Some(other) => return Err(link.fail(&other.to_string()).await),
                     }
                     // Busy taking samples we write nothing else: heartbeats keep the client's
                     // watch quiet.
-                    link.tick(false).await?;
+                    keep_beating(link).await;
                 }
                 link.activity.complete();
                 continue;
@@ -1283,26 +1283,30 @@ mod shm_path {
 
     /// Waits until the backend rings after `rung` (room, a thaw, the end of a restore, or
     /// its close), sending heartbeats meanwhile.
-    async fn wait_for_room(
-        link: &mut Link<'_>,
-        conn: &Connection,
-        bell: &AsyncBell,
-        rung: u64,
-    ) -> io::Result<()> {
+    async fn wait_for_room(link: &mut Link<'_>, conn: &Connection, bell: &AsyncBell, rung: u64) {
         conn.note_blocked();
         loop {
             match link.beat {
-                None => {
-                    bell.rung_since(rung).await;
-                    return Ok(());
-                }
+                None => return bell.rung_since(rung).await,
                 Some(beat) => {
                     if tokio::time::timeout(beat.every, bell.rung_since(rung)).await.is_ok() {
-                        return Ok(());
+                        return;
                     }
-                    link.tick(false).await?;
+                    keep_beating(link).await;
                 }
             }
+        }
+    }
+
+    /// A heartbeat if one is due. The samples a worker committed are taken even after its
+    /// socket is gone (a worker killed while the ring was full, say), as TCP bytes already
+    /// in the kernel are read after their sender died: a heartbeat that cannot be written
+    /// stops the heartbeats, not the channel. The end of the stream ends it, once every
+    /// committed sample is in.
+    async fn keep_beating(link: &mut Link<'_>) {
+        if let Err(err) = link.tick(false).await {
+            log::debug!("the shared-memory worker's connection is gone ({err}); taking the rest");
+            link.beat = None;
         }
     }
 }
