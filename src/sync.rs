@@ -136,7 +136,6 @@ impl Signal {
     }
 }
 
-/// Lets loom see accesses to raw ring memory (see the module docs). Free in normal builds.
 /// A counter of notifications with the tasks waiting for the next one: how an async task
 /// waits for a condition that threads wait for on a condvar, without a thread of its own.
 ///
@@ -214,6 +213,7 @@ impl std::future::Future for RungSince<'_> {
     }
 }
 
+/// Lets loom see accesses to raw ring memory (see the module docs). Free in normal builds.
 #[derive(Debug, Default)]
 pub(crate) struct SlotTracker {
     #[cfg(loom)]

@@ -1544,8 +1544,6 @@ fn loss_bell(writer: &ShmWriter) -> io::Result<LossBell> {
     match *writer {}
 }
 
-/// The bytes before a sample's payload, on the stack (`header[..len]`): none on v1; the frame
-/// type (and priority) on v2.
 /// A retained v2 frame's priority and payload (see [`frame_header`]).
 fn split_frame(frame: &[u8]) -> (Option<f64>, &[u8]) {
     match frame.first() {
@@ -1557,6 +1555,8 @@ fn split_frame(frame: &[u8]) -> (Option<f64>, &[u8]) {
     }
 }
 
+/// The bytes before a sample's payload, on the stack (`header[..len]`): none on v1; the frame
+/// type (and priority) on v2.
 fn frame_header(version: u8, priority: Option<f64>) -> ([u8; 9], usize) {
     let mut header = [0u8; 9];
     match (version, priority) {
