@@ -822,12 +822,12 @@ async fn serve_v2(
     log::debug!("{peer}: v2 session resumed at sample {resume_seq} (resumed: {existed})");
     if let Some(prepared) = channel {
         match shm_path::serve(link, shared, &session, prepared).await? {
-            shm_path::End::Closed => return Ok(()),
-            shm_path::End::Goodbye => {
+            ShmEnd::Closed => return Ok(()),
+            ShmEnd::Goodbye => {
                 serving.goodbye = true;
                 return Ok(());
             }
-            shm_path::End::Declined => {
+            ShmEnd::Declined => {
                 log::debug!("{peer}: the client declined shared memory; frames over TCP");
                 ingress.note(TransportEvent::ShmFallback);
             }
@@ -969,6 +969,20 @@ fn fill_in_place(
 /// The shared-memory path of a v2 connection: offered in the reply, attached over a Unix
 /// socket, then inserted straight from the segment into the backend (queued while it is
 /// full). See [`super::shm`].
+/// Why a server started with `TcpTransport(shared_memory=False)` offers no shared memory.
+const SHM_OFF: &str = "the server has shared memory turned off (TcpTransport(shared_memory=False))";
+
+/// How the shared-memory part of a connection ended (off Linux only ever `Declined`).
+#[cfg_attr(not(target_os = "linux"), allow(dead_code))]
+enum ShmEnd {
+    /// The client closed the connection (every committed sample was taken).
+    Closed,
+    /// The client said goodbye (every committed sample was taken).
+    Goodbye,
+    /// The client could not attach; it sends frames instead.
+    Declined,
+}
+
 #[cfg(target_os = "linux")]
 mod shm_path {
     use std::io;
@@ -981,7 +995,7 @@ mod shm_path {
     use tokio::io::Interest;
     use tokio::net::{UnixListener, UnixStream};
 
-    use super::{Link, Session, Shared};
+    use super::{Link, Session, Shared, ShmEnd as End, SHM_OFF};
     use crate::error::EchoError;
     use crate::ingress::TransportEvent;
     use crate::ingress::{Connection, Ingress, SegmentReservation};
@@ -1005,16 +1019,6 @@ mod shm_path {
         listener: UnixListener,
     }
 
-    /// How the shared-memory part of a connection ended.
-    pub(super) enum End {
-        /// The client closed the connection (every committed sample was taken).
-        Closed,
-        /// The client said goodbye (every committed sample was taken).
-        Goodbye,
-        /// The client could not attach; it sends frames instead.
-        Declined,
-    }
-
     /// A channel for `peer`, or why it cannot have one.
     pub(super) fn prepare(
         shared: &Shared,
@@ -1022,10 +1026,7 @@ mod shm_path {
         link: &Link<'_>,
     ) -> Result<Prepared, String> {
         if !shared.shared_memory {
-            return Err(
-                "the server has shared memory turned off (TcpTransport(shared_memory=False))"
-                    .into(),
-            );
+            return Err(SHM_OFF.into());
         }
         let local = link.local_addr().map_err(|e| format!("no local address: {e}"))?;
         if !shm::same_host(peer.ip(), local.ip()) {
@@ -1325,19 +1326,11 @@ mod shm_path {
     use std::io;
     use std::net::SocketAddr;
 
-    use super::{Link, Session, Shared};
+    use super::{Link, Session, Shared, ShmEnd as End, SHM_OFF};
     use crate::transport::wire::v2::ShmOffer;
 
     pub(super) struct Prepared {
         pub(super) offer: ShmOffer,
-    }
-
-    /// As on Linux; only `Declined` ever ends a channel here.
-    #[allow(dead_code)]
-    pub(super) enum End {
-        Closed,
-        Goodbye,
-        Declined,
     }
 
     pub(super) fn prepare(
@@ -1348,7 +1341,7 @@ mod shm_path {
         Err(if shared.shared_memory {
             "the server's platform has no shared-memory path (Linux only)"
         } else {
-            "the server has shared memory turned off (TcpTransport(shared_memory=False))"
+            SHM_OFF
         }
         .into())
     }
