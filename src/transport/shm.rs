@@ -2,7 +2,8 @@
 //! sample straight into a ring of fixed-size slots in a `memfd` segment, and the learner's
 //! connection task copies it once, straight into the backend's ring ([`Samples`] is the
 //! segment as a `SampleSource`); while the ring is full the samples wait in the segment and
-//! the worker's `send` waits for a free slot. The TCP connection stays open for liveness (heartbeats), the goodbye and errors.
+//! the worker's `send` waits for a free slot. The TCP connection stays open for liveness
+//! (heartbeats), the goodbye and errors.
 //!
 //! ```text
 //!  segment (created, sized, sealed and mapped by the learner; mapped by the worker):

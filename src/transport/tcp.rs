@@ -1016,6 +1016,8 @@ mod shm_path {
     pub(super) struct Prepared {
         pub(super) offer: ShmOffer,
         payload_size: usize,
+        /// Bytes of the segment it will get ([`shm::segment_len`]).
+        segment_len: usize,
         listener: UnixListener,
     }
 
@@ -1037,8 +1039,9 @@ mod shm_path {
             ));
         }
         let payload_size = shared.ingress.backend().spec().payload_size();
-        let len = shm::segment_len(payload_size).ok_or("samples too large for a segment")?;
-        if let Some(why) = shared.ingress.segment_shortfall(len) {
+        let segment_len =
+            shm::segment_len(payload_size).ok_or("samples too large for a segment")?;
+        if let Some(why) = shared.ingress.segment_shortfall(segment_len) {
             return Err(why);
         }
         let name = shm::random_name().map_err(|e| e.to_string())?;
@@ -1046,7 +1049,7 @@ mod shm_path {
             .and_then(UnixListener::from_std)
             .map_err(|e| format!("cannot listen on a Unix socket: {e}"))?;
         let nonce = v2::random().map_err(|e| e.to_string())?;
-        Ok(Prepared { offer: ShmOffer { name, nonce }, payload_size, listener })
+        Ok(Prepared { offer: ShmOffer { name, nonce }, payload_size, segment_len, listener })
     }
 
     /// Waits for the client to attach (or decline), then serves the channel until the client
@@ -1057,14 +1060,15 @@ mod shm_path {
         session: &Session,
         prepared: Prepared,
     ) -> io::Result<End> {
-        let Prepared { offer, payload_size, listener } = prepared;
+        let Prepared { offer, payload_size, segment_len, listener } = prepared;
         let deadline = tokio::time::Instant::now() + ATTACH_TIMEOUT;
         let mut attempts = 0;
         let (mut reader, _reservation) = loop {
             tokio::select! {
                 accepted = listener.accept() => {
                     let (stream, _) = accepted?;
-                    match hand_over(&stream, &offer, payload_size, &shared.ingress).await {
+                    let segment = (&*shared.ingress, segment_len);
+                    match hand_over(&stream, &offer, payload_size, segment).await {
                         Ok(attached) => break attached,
                         Err(why) => {
                             log::warn!("refused a shared-memory attach: {why}");
@@ -1105,7 +1109,7 @@ mod shm_path {
         stream: &UnixStream,
         offer: &ShmOffer,
         payload_size: usize,
-        ingress: &Ingress,
+        (ingress, segment_len): (&Ingress, usize),
     ) -> Result<(Reader, SegmentReservation), String> {
         let uid = shm::peer_uid(stream.as_fd()).map_err(|e| format!("no peer credentials: {e}"))?;
         if uid != shm::own_uid() {
@@ -1134,8 +1138,7 @@ mod shm_path {
         if nonce.iter().zip(&offer.nonce).fold(0u8, |acc, (a, b)| acc | (a ^ b)) != 0 {
             return Err("wrong nonce".into());
         }
-        let len = shm::segment_len(payload_size).ok_or("samples too large for a segment")?;
-        let reservation = ingress.reserve_segment(len)?;
+        let reservation = ingress.reserve_segment(segment_len)?;
         let reader =
             Reader::new(payload_size).map_err(|e| format!("cannot create the segment: {e}"))?;
         let fds = reader.fds();
