@@ -26,8 +26,9 @@ use crate::error::{EchoError, InsertError};
 use crate::ingress::{Ingress, QueuedSamples};
 use crate::metrics::DetailedSnapshot;
 use crate::replay::{
-    Checkpoint, MetaLeaf, ReplayBatch, ReplayConfig, ReplayConsumer, ReplayStats, SampleHoldback,
-    SnapshotItems, Table, TableState,
+    Checkpoint, EpisodeEnd, MetaLeaf, ReplayBatch, ReplayConfig, ReplayConsumer, ReplayStats,
+    SampleHoldback, SequenceConfig, SequenceConsumer, SequenceStats, SequenceTable, SnapshotItems,
+    Table, TableState, SEQUENCE_META,
 };
 use crate::source::SampleSource;
 use crate::spec::DataSpec;
@@ -48,6 +49,8 @@ pub enum BackendConfig {
     },
     /// A replay table.
     Replay(ReplayConfig),
+    /// A sequence table: `max_size` steps, windows cut and sampled as a replay table's items.
+    Sequence(ReplayConfig, SequenceConfig),
 }
 
 /// The insert side of a backend; cheap to share (`Arc` inside).
@@ -57,6 +60,8 @@ pub enum Backend {
     Fifo(Arc<Store>),
     /// A replay table.
     Replay(Arc<Table>),
+    /// A sequence table.
+    Sequence(Arc<SequenceTable>),
 }
 
 /// The one reader of a backend. `sample` takes `&mut self`: one batch at a time.
@@ -66,6 +71,8 @@ pub enum BatchConsumer {
     Fifo(Consumer),
     /// Draws and gathers batches from a replay table.
     Replay(ReplayConsumer),
+    /// Draws and gathers windows from a sequence table.
+    Sequence(SequenceConsumer),
 }
 
 /// A batch the consumer handed out.
@@ -100,6 +107,8 @@ pub enum BackendStats {
     Fifo(StoreStats),
     /// A replay table's counts.
     Replay(ReplayStats),
+    /// A sequence table's counts (windows as items, plus steps, streams and episodes).
+    Sequence(SequenceStats),
 }
 
 impl Backend {
@@ -120,6 +129,11 @@ impl Backend {
                 let consumer = table.consumer().expect("a new table has no consumer yet");
                 Ok((Self::Replay(table), BatchConsumer::Replay(consumer)))
             }
+            BackendConfig::Sequence(config, sequence) => {
+                let table = SequenceTable::new(spec, config, sequence)?;
+                let consumer = table.consumer().expect("a new table has no consumer yet");
+                Ok((Self::Sequence(table), BatchConsumer::Sequence(consumer)))
+            }
         }
     }
 
@@ -128,6 +142,7 @@ impl Backend {
         match self {
             Self::Fifo(store) => store.spec(),
             Self::Replay(table) => table.spec(),
+            Self::Sequence(table) => table.spec(),
         }
     }
 
@@ -136,36 +151,47 @@ impl Backend {
         match self {
             Self::Fifo(store) => store.batch_size(),
             Self::Replay(table) => table.config().batch_size,
+            Self::Sequence(table) => table.config().batch_size,
         }
     }
 
-    /// Batches the FIFO ring holds; `None` for a replay table.
+    /// Batches the FIFO ring holds; `None` for a replay or sequence table.
     pub fn num_batches(&self) -> Option<usize> {
         match self {
             Self::Fifo(store) => Some(store.num_batches()),
-            Self::Replay(_) => None,
+            Self::Replay(_) | Self::Sequence(_) => None,
         }
     }
 
-    /// Items a replay table holds; `None` for the FIFO ring.
+    /// Items a replay table holds (steps, for a sequence table); `None` for the FIFO ring.
     pub fn max_size(&self) -> Option<usize> {
         match self {
             Self::Fifo(_) => None,
             Self::Replay(table) => Some(table.config().max_size),
+            Self::Sequence(table) => Some(table.config().max_size),
         }
     }
 
-    /// Whether items carry priorities (a replay table).
+    /// How windows are cut: `Some` for a sequence table.
+    pub fn sequence(&self) -> Option<&SequenceConfig> {
+        match self {
+            Self::Sequence(table) => Some(table.sequence()),
+            Self::Fifo(_) | Self::Replay(_) => None,
+        }
+    }
+
+    /// Whether items carry priorities (a replay or sequence table).
     pub fn has_priorities(&self) -> bool {
-        matches!(self, Self::Replay(_))
+        !matches!(self, Self::Fifo(_))
     }
 
     /// The per-item values a batch carries after the sample's leaves: [`BATCH_META`] for a
-    /// replay table, none for the FIFO ring.
+    /// replay table, [`SEQUENCE_META`] for a sequence table, none for the FIFO ring.
     pub fn batch_meta(&self) -> &'static [MetaLeaf] {
         match self {
             Self::Fifo(_) => &[],
             Self::Replay(_) => &BATCH_META,
+            Self::Sequence(_) => &SEQUENCE_META,
         }
     }
 
@@ -174,6 +200,7 @@ impl Backend {
         match self {
             Self::Fifo(store) => Arc::clone(store) as _,
             Self::Replay(table) => Arc::clone(table) as _,
+            Self::Sequence(table) => Arc::clone(table) as _,
         }
     }
 
@@ -194,6 +221,7 @@ impl Backend {
             Self::Fifo(_) if priority.is_some() => Err(fifo_has_no_priorities().into()),
             Self::Fifo(store) => store.insert(src, deadline),
             Self::Replay(table) => table.insert(src, priority, deadline),
+            Self::Sequence(table) => table.insert(src, priority, deadline),
         }
     }
 
@@ -202,7 +230,7 @@ impl Backend {
     pub fn try_insert_in_place(&self, fill: impl FnOnce(&mut [&mut [u8]])) -> bool {
         match self {
             Self::Fifo(store) => store.try_insert_in_place(fill),
-            Self::Replay(_) => false,
+            Self::Replay(_) | Self::Sequence(_) => false,
         }
     }
 
@@ -216,6 +244,7 @@ impl Backend {
         match self {
             Self::Fifo(store) => store.space_bell(),
             Self::Replay(table) => table.insert_bell(),
+            Self::Sequence(table) => table.insert_bell(),
         }
     }
 
@@ -225,6 +254,7 @@ impl Backend {
         match self {
             Self::Fifo(store) => store.close(),
             Self::Replay(table) => table.close(),
+            Self::Sequence(table) => table.close(),
         }
     }
 
@@ -233,6 +263,7 @@ impl Backend {
         match self {
             Self::Fifo(store) => store.is_closed(),
             Self::Replay(table) => table.is_closed(),
+            Self::Sequence(table) => table.is_closed(),
         }
     }
 
@@ -243,7 +274,17 @@ impl Backend {
         match (self, batch.at) {
             (Self::Fifo(store), BatchAt::Ring(index)) => store.batch_ptr(index, leaf),
             (Self::Replay(table), BatchAt::Area(area)) => table.batch_ptr(area.half, leaf),
+            (Self::Sequence(table), BatchAt::Area(area)) => table.batch_ptr(area.half, leaf),
             _ => unreachable!("a BatchRef comes from this backend's own consumer"),
+        }
+    }
+
+    /// Ends `stream`'s open episode (a sequence table; nothing for the others): as truncated
+    /// when its worker is gone for good. Returns whether it had one.
+    pub fn end_stream(&self, stream: u64, end: EpisodeEnd) -> bool {
+        match self {
+            Self::Sequence(table) => table.end_stream(stream, end),
+            Self::Fifo(_) | Self::Replay(_) => false,
         }
     }
 
@@ -258,6 +299,7 @@ impl Backend {
                 "the FIFO ring has no priorities to update: that needs a replay table".into(),
             )),
             Self::Replay(table) => table.update_priorities(keys, priorities),
+            Self::Sequence(table) => table.update_priorities(keys, priorities),
         }
     }
 
@@ -282,6 +324,9 @@ impl Backend {
                 let (checkpoint, queued) = table.checkpoint_with(capture)?;
                 Ok(BackendCheckpoint::Replay(checkpoint, queued))
             }
+            Self::Sequence(_) => Err(EchoError::Config(
+                "checkpoints of sequence tables are not supported yet".into(),
+            )),
         }
     }
 
@@ -302,6 +347,10 @@ impl Backend {
             Self::Fifo(_) => Err(EchoError::Config(
                 "restore: a replay checkpoint needs a replay server, this one is FIFO".into(),
             )),
+            Self::Sequence(_) => Err(EchoError::Config(
+                "restore: a replay checkpoint needs a replay server, this one is a sequence table"
+                    .into(),
+            )),
             Self::Replay(table) => {
                 table.restore(items, state, leaves)?;
                 table.restore_queued(queued)
@@ -319,7 +368,7 @@ impl Backend {
     pub fn restore_fifo(&self, leaves: &[&[u8]], n: usize) -> Result<usize, EchoError> {
         match self {
             Self::Fifo(store) => store.restore(leaves, n),
-            Self::Replay(_) => Err(EchoError::Config(
+            Self::Replay(_) | Self::Sequence(_) => Err(EchoError::Config(
                 "restore: a FIFO checkpoint needs a FIFO server, this one is a replay table".into(),
             )),
         }
@@ -330,6 +379,7 @@ impl Backend {
         match self {
             Self::Fifo(store) => store.is_restoring(),
             Self::Replay(table) => table.is_restoring(),
+            Self::Sequence(_) => false,
         }
     }
 
@@ -341,6 +391,7 @@ impl Backend {
         match self {
             Self::Fifo(_) => Err(fifo_has_no_priorities()),
             Self::Replay(table) => table.check_one_priority(priority),
+            Self::Sequence(table) => table.check_one_priority(priority),
         }
     }
 
@@ -349,6 +400,7 @@ impl Backend {
         match self {
             Self::Fifo(_) => None,
             Self::Replay(table) => table.priority(key),
+            Self::Sequence(table) => table.priority(key),
         }
     }
 
@@ -357,6 +409,7 @@ impl Backend {
         match self {
             Self::Fifo(store) => BackendStats::Fifo(store.stats()),
             Self::Replay(table) => BackendStats::Replay(table.stats()),
+            Self::Sequence(table) => BackendStats::Sequence(table.stats()),
         }
     }
 
@@ -367,6 +420,7 @@ impl Backend {
         match self {
             Self::Fifo(store) => (store.waiting_inserts(), store.waiting_samples()),
             Self::Replay(table) => (table.waiting_inserts(), table.waiting_samples()),
+            Self::Sequence(table) => (table.waiting_inserts(), table.waiting_samples()),
         }
     }
 
@@ -375,7 +429,7 @@ impl Backend {
     pub fn detailed(&self) -> DetailedSnapshot {
         match self {
             Self::Fifo(store) => store.detailed(),
-            Self::Replay(_) => DetailedSnapshot::default(),
+            Self::Replay(_) | Self::Sequence(_) => DetailedSnapshot::default(),
         }
     }
 
@@ -383,7 +437,7 @@ impl Backend {
     pub fn reset_histograms(&self) {
         match self {
             Self::Fifo(store) => store.reset_histograms(),
-            Self::Replay(_) => {}
+            Self::Replay(_) | Self::Sequence(_) => {}
         }
     }
 
@@ -404,6 +458,8 @@ impl Backend {
             Self::Fifo(store) => unsafe { store.pin_host_memory(cuda_runtimes) },
             // SAFETY: as above.
             Self::Replay(table) => unsafe { table.pin_host_memory(cuda_runtimes) },
+            // SAFETY: as above.
+            Self::Sequence(table) => unsafe { table.pin_host_memory(cuda_runtimes) },
         }
     }
 
@@ -412,6 +468,7 @@ impl Backend {
         match self {
             Self::Fifo(store) => store.is_pinned(),
             Self::Replay(table) => table.is_pinned(),
+            Self::Sequence(table) => table.is_pinned(),
         }
     }
 }
@@ -433,6 +490,10 @@ impl BatchConsumer {
                 let batch = consumer.sample(deadline)?;
                 Ok(BatchRef { sequence: batch.sequence, at: BatchAt::Area(batch) })
             }
+            Self::Sequence(consumer) => {
+                let batch = consumer.sample(deadline)?;
+                Ok(BatchRef { sequence: batch.sequence, at: BatchAt::Area(batch) })
+            }
         }
     }
 
@@ -442,6 +503,7 @@ impl BatchConsumer {
         match self {
             Self::Fifo(_) => None,
             Self::Replay(consumer) => consumer.holdback(),
+            Self::Sequence(consumer) => consumer.holdback(),
         }
     }
 
@@ -457,6 +519,7 @@ impl BatchConsumer {
                 consumer.read_leaf(leaf, f)
             }
             (Self::Replay(consumer), BatchAt::Area(area)) => consumer.read_leaf(area, leaf, f),
+            (Self::Sequence(consumer), BatchAt::Area(area)) => consumer.read_leaf(area, leaf, f),
             _ => unreachable!("a BatchRef comes from this consumer"),
         }
     }

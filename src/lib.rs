@@ -57,6 +57,6 @@ mod python;
 
 pub use error::{EchoError, InsertError};
 pub use slots::RING_ALIGN;
-pub use source::{Leaves, Payloads, Rows, SampleSource};
+pub use source::{EpisodeEnd, Leaves, Payloads, Rows, SampleSource, StepLeaves, StepTag};
 pub use spec::{ArraySpec, DataSpec};
 pub use store::{Consumer, Store, StoreStats};

@@ -8,6 +8,27 @@
 use crate::error::EchoError;
 use crate::spec::DataSpec;
 
+/// How a step ends its episode (sequence tables; other backends ignore it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum EpisodeEnd {
+    /// The episode goes on.
+    #[default]
+    No,
+    /// The step is the episode's last: the environment terminated it.
+    Terminated,
+    /// The step is the episode's last: it was cut short (a time limit, a worker gone).
+    Truncated,
+}
+
+/// Which stream a step belongs to and whether it ends its episode ([`SampleSource::step`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StepTag {
+    /// The stream (one episode after another).
+    pub stream: u64,
+    /// Whether the step is its episode's last.
+    pub end: EpisodeEnd,
+}
+
 /// Where samples come from: `num_samples` samples, each `num_leaves` byte slices.
 pub trait SampleSource {
     /// Number of samples.
@@ -44,6 +65,12 @@ pub trait SampleSource {
     fn inserted(&self, count: usize) {
         let _ = count;
     }
+    /// The stream sample `sample` belongs to and whether it ends its episode, for a sequence
+    /// table (other backends ignore it). Default: stream 0, the episode goes on.
+    fn step(&self, sample: usize) -> StepTag {
+        let _ = sample;
+        StepTag::default()
+    }
 }
 
 /// One sample given leaf by leaf (the in-process `submit` path).
@@ -59,6 +86,38 @@ impl SampleSource for Leaves<'_> {
     }
     fn leaf(&self, _sample: usize, leaf: usize) -> &[u8] {
         self.0[leaf]
+    }
+}
+
+/// One step given leaf by leaf, with its stream and episode flag (in-process `submit` to a
+/// sequence table).
+#[derive(Debug, Clone, Copy)]
+pub struct StepLeaves<'a>(pub &'a [&'a [u8]], pub StepTag);
+
+impl SampleSource for StepLeaves<'_> {
+    fn num_samples(&self) -> usize {
+        1
+    }
+    fn num_leaves(&self, _sample: usize) -> usize {
+        self.0.len()
+    }
+    fn leaf(&self, _sample: usize, leaf: usize) -> &[u8] {
+        self.0[leaf]
+    }
+    fn step(&self, _sample: usize) -> StepTag {
+        self.1
+    }
+}
+
+impl EpisodeEnd {
+    /// From the code the bindings and the wire use: 0 goes on, 1 terminated, 2 truncated.
+    pub fn from_code(code: u8) -> Option<Self> {
+        match code {
+            0 => Some(Self::No),
+            1 => Some(Self::Terminated),
+            2 => Some(Self::Truncated),
+            _ => None,
+        }
     }
 }
 
@@ -107,6 +166,9 @@ pub struct Rows<'a> {
     first: usize,
     count: usize,
     priorities: Option<&'a [f64]>,
+    /// Row `i` is stream `first_stream + i`, ending its episode as `ends[i]` says.
+    first_stream: u64,
+    ends: Option<&'a [EpisodeEnd]>,
 }
 
 impl<'a> Rows<'a> {
@@ -140,7 +202,35 @@ impl<'a> Rows<'a> {
                 )));
             }
         }
-        Ok(Self { spec, leaves, first: 0, count: n, priorities })
+        Ok(Self { spec, leaves, first: 0, count: n, priorities, first_stream: 0, ends: None })
+    }
+
+    /// The same rows as steps of a sequence table: row `i` is stream `first_stream + i`, and
+    /// ends its episode as `ends[i]` says (`None`: none does).
+    ///
+    /// # Errors
+    /// [`EchoError::Config`] if `ends` is not one per row or the stream ids overflow.
+    pub fn with_steps(
+        self,
+        first_stream: u64,
+        ends: Option<&'a [EpisodeEnd]>,
+    ) -> Result<Self, EchoError> {
+        if let Some(ends) = ends {
+            if ends.len() != self.count {
+                return Err(EchoError::Config(format!(
+                    "one episode flag per row: expected {}, got {}",
+                    self.count,
+                    ends.len()
+                )));
+            }
+        }
+        if first_stream.checked_add(self.count as u64).is_none() {
+            return Err(EchoError::Config(format!(
+                "streams {first_stream} + {} rows overflow",
+                self.count
+            )));
+        }
+        Ok(Self { first_stream, ends, ..self })
     }
 
     /// The rows after the first `k`.
@@ -181,6 +271,13 @@ impl SampleSource for Rows<'_> {
     }
     fn priority(&self, sample: usize) -> Option<f64> {
         self.row_priority(sample)
+    }
+    fn step(&self, sample: usize) -> StepTag {
+        let row = self.first + sample;
+        StepTag {
+            stream: self.first_stream + row as u64,
+            end: self.ends.map_or(EpisodeEnd::No, |ends| ends[row]),
+        }
     }
 }
 

@@ -29,6 +29,7 @@ from echo.replay import (
     Prioritized,
     Queue,
     SampleToInsertRatio,
+    Sequence,
     Uniform,
 )
 from echo.server import Sample, Server
@@ -49,6 +50,7 @@ __all__ = [
     "Sample",
     "SampleInfo",
     "SampleToInsertRatio",
+    "Sequence",
     "Server",
     "ServerClosedError",
     "SharedMemoryError",

@@ -166,6 +166,27 @@ class SampleInfo:
     def sample_blocked_ns_total(self) -> int:
         """Replay only: nanoseconds `sample()` spent waiting."""
     @property
+    def steps_stored(self) -> int:
+        """Sequence tables only: steps stored now."""
+    @property
+    def steps_inserted_total(self) -> int:
+        """Sequence tables only: steps ever inserted."""
+    @property
+    def steps_evicted_total(self) -> int:
+        """Sequence tables only: steps evicted to make room."""
+    @property
+    def streams_open(self) -> int:
+        """Sequence tables only: streams with an open episode."""
+    @property
+    def episodes_ended_total(self) -> int:
+        """Sequence tables only: episodes ended (terminated, truncated or their stream gone)."""
+    @property
+    def windows_inserted_total(self) -> int:
+        """Sequence tables only: windows made."""
+    @property
+    def windows_evicted_total(self) -> int:
+        """Sequence tables only: windows removed because a step of theirs was evicted."""
+    @property
     def last_checkpoint_unix_s(self) -> float:
         """When the last checkpoint (manual or periodic) completed, Unix seconds; 0 before."""
     @property
@@ -210,7 +231,15 @@ class ServerCore:
         """Batches the FIFO ring holds; `None` for a replay table."""
     @property
     def max_size(self) -> int | None:
-        """Items a replay table holds; `None` for the FIFO ring."""
+        """Items a replay table holds (steps, for a sequence table); `None` for FIFO."""
+    @property
+    def meta_names(self) -> list[str]:
+        """Names of the per-item arrays `sample` returns after the leaves."""
+    @property
+    def sequence_length(self) -> int | None:
+        """Steps per window of a sequence table; `None` otherwise."""
+    def end_stream(self, stream: int, terminated: bool) -> bool:
+        """Ends an in-process stream's open episode; returns whether it had one."""
     @property
     def producer_queue_size(self) -> int:
         """Capacity of each connection's ingress queue (given or chosen)."""
@@ -225,18 +254,30 @@ class ServerCore:
     def start(self, transport: TcpTransport) -> int:
         """Starts the drainers and the TCP server; returns the bound port."""
     def submit(
-        self, sample: object, timeout: float | None = None, priority: float | None = None
+        self,
+        sample: object,
+        timeout: float | None = None,
+        priority: float | None = None,
+        stream: int | None = None,
+        end: int = 0,
     ) -> None:
-        """Checks and copies one sample (a pytree like the example)."""
+        """Checks and copies one sample (a pytree like the example); a sequence table's step
+        of `stream`, `end` 0 (goes on), 1 (terminated) or 2 (truncated)."""
     def submit_batch(
-        self, tree: object, timeout: float | None = None, priority: object = None
+        self,
+        tree: object,
+        timeout: float | None = None,
+        priority: object = None,
+        stream: int | None = None,
+        ends: npt.NDArray[np.uint8] | None = None,
     ) -> int:
-        """Checks and copies a batch of samples, one per row; returns the row count."""
+        """Checks and copies a batch of samples, one per row; returns the row count. A
+        sequence table takes row `i` as a step of stream `stream + i`, ending as `ends[i]`."""
     def sample(
         self, timeout: float | None = None, copy: bool = False, writable: bool = False
     ) -> tuple[list[npt.NDArray[Any]], SampleInfo, tuple[npt.NDArray[Any], ...]] | None:
-        """`(leaves, info, meta)`; `meta` is `(keys, probabilities, times_sampled)` for a
-        replay table and `()` for FIFO. `writable`: the leaves' views are writeable."""
+        """`(leaves, info, meta)`; `meta` holds the arrays `meta_names` names (`()` for
+        FIFO). `writable`: the leaves' views are writeable."""
     def update_priorities(
         self, keys: npt.NDArray[np.uint64], priorities: npt.NDArray[np.float64]
     ) -> int:

@@ -9,6 +9,7 @@ that are drawn many times, with DeepMind Reverb's semantics.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from echo._echo import check_strategy
 from echo._validate import check_int
@@ -24,6 +25,7 @@ __all__ = [
     "Remover",
     "SampleToInsertRatio",
     "Sampler",
+    "Sequence",
     "Uniform",
 ]
 
@@ -161,3 +163,51 @@ class Queue:
 Sampler = Fifo | Lifo | Uniform | Prioritized
 Remover = Fifo | Lifo | MinPriority
 RateLimiter = MinSize | SampleToInsertRatio | Queue
+
+
+AtEnd = Literal["pad", "shift", "drop"]
+
+
+@dataclass(frozen=True)
+class Sequence:
+    """Makes the server a *sequence table*: samples are steps of streams, each stored once,
+    and the server samples windows of `length` consecutive steps of one episode (R2D2,
+    Dreamer, n-step returns). Pass it as `Server(example_step, batch_size,
+    sequence=Sequence(length=T), max_size=<steps>, sampler=...)`.
+
+    Windows start at steps 0, `period`, 2 `period`, ... of each episode and can be sampled
+    once their `length` steps are in. Each leaf of a batch is `(batch_size, length,
+    *step_shape)`, and `Sample.mask` `(batch_size, length)` says which steps are real.
+
+    Args:
+        length: Steps per window (`T`, >= 1).
+        period: Steps between window starts (>= 1); default `length` (windows do not
+            overlap). R2D2 uses `length // 2`.
+        at_end: The window that would run past an episode's end is `"pad"`ded (zeros, `mask`
+            false there; every start before the end gets its window), `"shift"`ed back to end
+            on the episode's last step (no padding; not made twice), or `"drop"`ped. An
+            episode shorter than `length` gets one padded window with `"pad"` and `"shift"`.
+        max_streams: Streams that may have an open episode at once (in-process streams are
+            `0 .. max_streams - 1`).
+
+    Raises:
+        TypeError: An argument has the wrong type.
+        ValueError: `length`, `period` or `max_streams` below 1, or an unknown `at_end`.
+    """
+
+    length: int
+    period: int | None = None
+    at_end: AtEnd = "pad"
+    max_streams: int = 4096
+
+    def __post_init__(self) -> None:
+        length = check_int("Sequence(length)", self.length, 1, 2**30 - 1)
+        object.__setattr__(self, "length", length)
+        period = length if self.period is None else self.period
+        object.__setattr__(self, "period", check_int("Sequence(period)", period, 1, 2**30 - 1))
+        if self.at_end not in ("pad", "shift", "drop"):
+            raise ValueError(
+                f"Sequence(at_end) must be 'pad', 'shift' or 'drop', got {self.at_end!r}"
+            )
+        streams = check_int("Sequence(max_streams)", self.max_streams, 1, 2**32)
+        object.__setattr__(self, "max_streams", streams)

@@ -19,9 +19,9 @@ from echo import checkpoint as _checkpoint
 from echo._echo import SampleInfo, ServerClosedError, ServerCore
 from echo._prefetch import Prefetcher, device_transfer
 from echo._pytree import NONE_IS_LEAF, TreeLayout
-from echo._validate import check_int, check_seconds
+from echo._validate import check_bool, check_int, check_seconds
 from echo.checkpoint import CheckpointError, PeriodicCheckpointer
-from echo.replay import Fifo, MinSize, RateLimiter, Remover, Sampler
+from echo.replay import Fifo, MinSize, RateLimiter, Remover, Sampler, Sequence, Uniform
 from echo.transport import TcpTransport
 
 __all__ = ["Sample", "Server"]
@@ -108,6 +108,13 @@ class Sample(_Batch):
     the same three arrays (`info.keys`, ...), so `batch, info = sample` unpacks every sample,
     FIFO or replay, into two values and loses nothing.
 
+    A sequence table's batch is windows: each leaf is `(batch_size, length, *shape)`, the
+    three arrays above are per window, and six more come along (`None` otherwise): `mask`
+    (bool, `(batch_size, length)`: which steps are real rather than padding), `episode`
+    (uint64 episode id), `start` (uint32, the window's first step's index in its episode),
+    `stream` (uint64), and `terminated` / `truncated` (bool: how the window's episode ended,
+    both false while it goes on).
+
     `repr(sample)` shows the batch's structure with each leaf's dtype and shape (not its
     contents), the batch's `sequence`, and for replay the range of each per-item array.
     """
@@ -115,6 +122,12 @@ class Sample(_Batch):
     keys: npt.NDArray[np.uint64] | None
     probabilities: npt.NDArray[np.float64] | None
     times_sampled: npt.NDArray[np.uint32] | None
+    mask: npt.NDArray[np.bool_] | None
+    episode: npt.NDArray[np.uint64] | None
+    start: npt.NDArray[np.uint32] | None
+    stream: npt.NDArray[np.uint64] | None
+    terminated: npt.NDArray[np.bool_] | None
+    truncated: npt.NDArray[np.bool_] | None
 
     def __new__(
         cls,
@@ -123,21 +136,79 @@ class Sample(_Batch):
         keys: npt.NDArray[np.uint64] | None = None,
         probabilities: npt.NDArray[np.float64] | None = None,
         times_sampled: npt.NDArray[np.uint32] | None = None,
+        *,
+        mask: npt.NDArray[np.bool_] | None = None,
+        episode: npt.NDArray[np.uint64] | None = None,
+        start: npt.NDArray[np.uint32] | None = None,
+        stream: npt.NDArray[np.uint64] | None = None,
+        terminated: npt.NDArray[np.bool_] | None = None,
+        truncated: npt.NDArray[np.bool_] | None = None,
     ) -> Sample:
         self = super().__new__(cls, batch, info)
         self.keys = keys
         self.probabilities = probabilities
         self.times_sampled = times_sampled
+        self.mask = mask
+        self.episode = episode
+        self.start = start
+        self.stream = stream
+        self.terminated = terminated
+        self.truncated = truncated
         return self
+
+    def _with_batch(self, batch: Any) -> Sample:
+        """The same sample with another batch (a device copy), every per-item array kept."""
+        extras = {name: getattr(self, name) for name in _PER_ITEM}
+        return Sample(batch, self.info, **extras)
 
     def __repr__(self) -> str:
         parts = [f"sequence={getattr(self.info, 'sequence', '?')}"]
         parts.append(f"batch={_tree_summary(self.batch)}")
-        for name in ("keys", "probabilities", "times_sampled"):
+        for name in ("keys", "probabilities", "times_sampled", "episode", "start", "stream"):
             array = getattr(self, name, None)
             if array is not None:
                 parts.append(f"{name}={_array_summary(np.asarray(array))}")
         return f"Sample({', '.join(parts)})"
+
+
+# Every per-item array a `Sample` may carry, by name (`ServerCore.meta_names` hands out some).
+_PER_ITEM = (
+    "keys",
+    "probabilities",
+    "times_sampled",
+    "mask",
+    "episode",
+    "start",
+    "stream",
+    "terminated",
+    "truncated",
+)
+
+
+def _episode_codes(end_episode: Any, truncated: Any) -> npt.NDArray[np.uint8] | None:
+    """`end_episode` and `truncated` (bools, or bool arrays of one flag per row) as the codes
+    the core reads: 0 goes on, 1 terminated, 2 truncated (`truncated` ends the episode too).
+    `None` when neither was given."""
+    if end_episode is None and truncated is None:
+        return None
+    flags: list[npt.NDArray[np.bool_]] = []
+    for name, value in (("end_episode", end_episode), ("truncated", truncated)):
+        array = np.asarray(False if value is None else value)
+        if array.dtype != np.bool_:
+            raise TypeError(
+                f"{name} must be a bool or an array of bools (one per row), got "
+                f"{type(value).__name__} of dtype {array.dtype}"
+            )
+        if array.ndim > 1:
+            raise ValueError(f"{name} must be a bool or 1-D (one per row), got shape {array.shape}")
+        flags.append(array)
+    ended, cut = flags
+    if ended.ndim == cut.ndim == 1 and ended.shape != cut.shape:
+        raise ValueError(
+            f"end_episode and truncated must have one flag per row each, got shapes "
+            f"{ended.shape} and {cut.shape}"
+        )
+    return np.where(cut, 2, np.where(ended, 1, 0)).astype(np.uint8)
 
 
 @dataclass(frozen=True)
@@ -155,6 +226,7 @@ class _ServerConfig:
     max_size: int | None
     max_times_sampled: int
     seed: int | None
+    sequence: Sequence | None
 
 
 def _keys_array(keys: Any) -> npt.NDArray[np.uint64]:
@@ -246,6 +318,12 @@ class Server:
             `Queue(size)` is accepted; it sizes the ring.
         max_times_sampled: Replay only. Remove an item after this many draws (0: never).
         seed: Replay only. Fixes the sampling sequence, for reproducible runs.
+        sequence: `Sequence(length, period, at_end)`: make this a sequence table, which takes
+            steps of streams (`submit(step, stream=k, end_episode=...)`, `submit_batch` with
+            one stream per row) and samples windows of `length` steps of one episode, each
+            step stored once. `max_size` then counts steps (the oldest are evicted, with every
+            window holding one); the sampler (default `Uniform()`), `rate_limiter` and
+            `max_times_sampled` work on windows. See the sequences guide.
         checkpoint_dir: Write a checkpoint into this directory (created if
             missing) every `checkpoint_every` seconds, from a background thread, as
             `checkpoint_dir/ckpt-<n>` (`n` counting up, continuing above any already there);
@@ -280,11 +358,16 @@ class Server:
         rate_limiter: RateLimiter | None = None,
         max_times_sampled: int = 0,
         seed: int | None = None,
+        sequence: Sequence | None = None,
         checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: float | None = None,
         checkpoint_keep: int = 3,
     ) -> None:
         self._periodic: PeriodicCheckpointer | None = None
+        if sequence is not None and not isinstance(sequence, Sequence):  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise TypeError(
+                f"sequence must be an echo.Sequence or None, got {type(sequence).__name__}"
+            )
         # `sample(device=...)`'s copy functions, one per device (a CUDA one owns a stream).
         self._transfers: dict[tuple[str, str], Callable[[Any], Any]] = {}
         config = _ServerConfig(
@@ -294,12 +377,13 @@ class Server:
             producer_queue_size=None
             if producer_queue_size is None
             else check_int("producer_queue_size", producer_queue_size, 1, 1 << 16),
-            sampler=Fifo() if sampler is None else sampler,
+            sampler=(Fifo() if sequence is None else Uniform()) if sampler is None else sampler,
             remover=remover,
             rate_limiter=rate_limiter,
             max_size=None if max_size is None else check_int("max_size", max_size, 1),
             max_times_sampled=check_int("max_times_sampled", max_times_sampled, 0, 2**32 - 1),
             seed=None if seed is None else check_int("seed", seed, 0, 2**64 - 1),
+            sequence=sequence,
         )
         if transport is not None and not isinstance(transport, TcpTransport):
             raise TypeError(
@@ -309,7 +393,13 @@ class Server:
         self._layout = TreeLayout(example)
         self._sampler: Sampler = config.sampler
         self._config = config
+        if sequence is not None and periodic is not None:
+            raise ValueError(
+                "checkpoint_dir: checkpoints of sequence tables are not supported yet; leave "
+                "checkpoint_dir and checkpoint_every unset with sequence="
+            )
         self._core = ServerCore(self._layout, config)
+        self._meta_names: tuple[str, ...] = tuple(self._core.meta_names)
         if pin_host_memory:
             try:
                 self._core.pin_host_memory(_cuda_runtime_candidates())
@@ -355,6 +445,11 @@ class Server:
         return self._core.max_size
 
     @property
+    def sequence(self) -> Sequence | None:
+        """How a sequence table cuts windows; `None` for FIFO and replay servers."""
+        return self._config.sequence
+
+    @property
     def producer_queue_size(self) -> int:
         """Capacity of each connection's ingress queue, in samples: the one given, or the one
         chosen for `producer_queue_size=None` (64 KiB of samples, between 8 and 256)."""
@@ -396,7 +491,14 @@ class Server:
         self._port = self._core.start(transport)
 
     def submit(
-        self, sample: Any, *, timeout: float | None = None, priority: float | None = None
+        self,
+        sample: Any,
+        *,
+        timeout: float | None = None,
+        priority: float | None = None,
+        stream: int | None = None,
+        end_episode: bool = False,
+        truncated: bool = False,
     ) -> None:
         """Copies one sample into the server (in-process ingress).
 
@@ -410,21 +512,44 @@ class Server:
                 copy when C-contiguous.
             timeout: Seconds to wait; `None` waits as long as it takes.
             priority: Replay only: the new item's priority. Default: the largest priority
-                seen so far (1.0 at first), as in prioritized experience replay.
+                seen so far (1.0 at first), as in prioritized experience replay. For a
+                sequence table, the step's priority: a new window's priority is the largest of
+                its steps' (or, when none has one, the largest priority seen so far).
+            stream: Sequence tables only: the stream the step belongs to, `0 <= stream <
+                Sequence(max_streams)` (default 0). Each stream is one episode after another.
+            end_episode: Sequence tables only: the step is its episode's last (terminated).
+            truncated: Sequence tables only: the step is its episode's last, cut short (a
+                time limit) rather than terminated. `end_episode` may be left False then.
 
         Raises:
             ValueError: The structure or a leaf's shape differs from the example, the
-                priority is invalid, or `priority` was given to a FIFO server.
+                priority is invalid, `priority` was given to a FIFO server, or `stream`,
+                `end_episode` or `truncated` to a server without `sequence=` (or `stream` is
+                out of range).
             TypeError: A leaf is not an array (numpy, or anything with `__dlpack__`,
                 `__array_interface__` or the buffer protocol) or has another dtype.
             ServerClosedError: The server is (or gets) closed.
             TimeoutError: No space freed up within `timeout`.
         """
         # A flat-dict sample is looked up natively; anything else is flattened by the layout.
-        self._core.submit(sample, timeout, priority)
+        if stream is None and end_episode is False and truncated is False:
+            self._core.submit(sample, timeout, priority)
+            return
+        end = 2 if check_bool("truncated", truncated) else 0
+        if check_bool("end_episode", end_episode) and not end:
+            end = 1
+        first = None if stream is None else check_int("stream", stream, 0)
+        self._core.submit(sample, timeout, priority, first, end)
 
     def submit_batch(
-        self, batch: Any, *, timeout: float | None = None, priority: Any = None
+        self,
+        batch: Any,
+        *,
+        timeout: float | None = None,
+        priority: Any = None,
+        stream: int | None = None,
+        end_episode: Any = None,
+        truncated: Any = None,
     ) -> int:
         """Copies a batch of samples, one per row: what a vectorized environment's step gives.
 
@@ -439,6 +564,12 @@ class Server:
             timeout: Seconds to wait for room; `None` waits as long as it takes.
             priority: Replay only: one number for every row, or one per row (a length-`N`
                 array, e.g. the rows' TD errors). Default: as `submit()`.
+            stream: Sequence tables only: row `i` is a step of stream `stream + i` (default
+                0), so a vector env of `N` envs is `N` streams.
+            end_episode: Sequence tables only: a bool for every row, or a bool array of one
+                per row (a vector env's `terminated`): the row's step ends its episode.
+            truncated: Sequence tables only: as `end_episode`, for episodes cut short (a
+                vector env's `truncated`).
 
         Returns:
             `N`, the number of samples inserted.
@@ -453,7 +584,25 @@ class Server:
             TimeoutError: No room within `timeout`; if some rows went in, the message says
                 how many (the first ones, in order).
         """
-        return self._core.submit_batch(batch, timeout, priority)
+        codes = _episode_codes(end_episode, truncated)
+        if stream is None and codes is None:
+            return self._core.submit_batch(batch, timeout, priority)
+        first = None if stream is None else check_int("stream", stream, 0)
+        return self._core.submit_batch(batch, timeout, priority, first, codes)
+
+    def end_episode(self, stream: int = 0, *, truncated: bool = True) -> bool:
+        """Sequence tables only: ends in-process stream `stream`'s open episode after its last
+        step, as truncated (default) or terminated, as if that step had carried the flag (its
+        last windows are made as `at_end` says). For a stream whose producer is gone.
+
+        Returns:
+            Whether the stream had an open episode.
+
+        Raises:
+            ValueError: The server has no `sequence=`, or `stream` is out of range.
+        """
+        first = check_int("stream", stream, 0)
+        return self._core.end_stream(first, not check_bool("truncated", truncated))
 
     def sample(
         self,
@@ -497,9 +646,10 @@ class Server:
         )
         if got is None:
             return None
-        leaves, info, meta = got  # meta: (keys, probabilities, times_sampled), or () for FIFO
+        leaves, info, meta = got  # meta: the arrays `ServerCore.meta_names` names
         batch = self._layout.unflatten(leaves)
-        return Sample(batch if transfer is None else transfer(batch), info, *meta)
+        extras = dict(zip(self._meta_names, meta, strict=True))
+        return Sample(batch if transfer is None else transfer(batch), info, **extras)
 
     def _transfer_to(self, device: Any) -> Callable[[Any], Any]:
         key = (type(device).__qualname__, repr(device))
@@ -598,8 +748,7 @@ class Server:
                 got = self.sample(wait_s, copy=replay, writable=True)
                 if got is None:
                     return None
-                batch = transfer(got.batch)
-                return Sample(batch, got.info, got.keys, got.probabilities, got.times_sampled)
+                return got._with_batch(transfer(got.batch))  # pyright: ignore[reportPrivateUsage]
 
         yield from Prefetcher(fetch, depth, timeout)
 
@@ -639,6 +788,11 @@ class Server:
             RuntimeError: Another checkpoint of this server is being written.
             OSError: Writing failed (nothing at `path` changed then).
         """
+        if self._config.sequence is not None:
+            raise NotImplementedError(
+                "checkpoints of sequence tables are not supported yet (FIFO and replay servers "
+                "checkpoint)"
+            )
         started = time.monotonic()
         if isinstance(self._sampler, Fifo):
             num_buffers = self._core.num_buffers

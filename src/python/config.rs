@@ -18,7 +18,7 @@ use pyo3::types::{PyString, PyType};
 
 use super::errors::to_pyerr;
 use crate::backend::BackendConfig;
-use crate::replay::{RateLimit, RemoverKind, ReplayConfig, SamplerKind};
+use crate::replay::{AtEnd, RateLimit, RemoverKind, ReplayConfig, SamplerKind, SequenceConfig};
 use crate::transport::tcp::TcpConfig;
 use crate::transport::wire::v2::Layout;
 use std::time::Duration;
@@ -129,6 +129,28 @@ pub(crate) struct ServerConfig {
     max_size: Option<usize>,
     max_times_sampled: u32,
     seed: Option<u64>,
+    sequence: Option<SequenceConfig>,
+}
+
+/// `echo.Sequence`, whose fields the dataclass has checked (types, ranges, `at_end`'s word).
+fn sequence_arg(obj: &Bound<'_, PyAny>) -> PyResult<SequenceConfig> {
+    let at_end: String = obj.getattr("at_end")?.extract()?;
+    let at_end = match at_end.as_str() {
+        "pad" => AtEnd::Pad,
+        "shift" => AtEnd::Shift,
+        "drop" => AtEnd::Drop,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "Sequence(at_end) must be 'pad', 'shift' or 'drop', got {other:?}"
+            )))
+        }
+    };
+    Ok(SequenceConfig {
+        length: obj.getattr("length")?.extract()?,
+        period: obj.getattr("period")?.extract()?,
+        at_end,
+        max_streams: obj.getattr("max_streams")?.extract()?,
+    })
 }
 
 impl<'py> FromPyObject<'_, 'py> for ServerConfig {
@@ -151,6 +173,7 @@ impl<'py> FromPyObject<'_, 'py> for ServerConfig {
             max_size: get("max_size")?.extract()?,
             max_times_sampled: get("max_times_sampled")?.extract()?,
             seed: get("seed")?.extract()?,
+            sequence: optional("sequence")?.map(|s| sequence_arg(&s)).transpose()?,
         })
     }
 }
@@ -161,6 +184,14 @@ impl ServerConfig {
     pub(crate) fn backend(&self) -> PyResult<BackendConfig> {
         let batch_size = self.batch_size;
         let SamplerArg::Replay(sampler) = self.sampler.kind else {
+            if self.sequence.is_some() {
+                return Err(PyValueError::new_err(format!(
+                    "sequence= needs a replay sampler (Uniform(), Prioritized(), Lifo()), got \
+                     sampler={}: the FIFO ring hands out each single sample once, a sequence \
+                     table samples windows of steps",
+                    self.sampler.repr
+                )));
+            }
             return Ok(BackendConfig::Fifo { batch_size, num_batches: self.fifo_num_batches()? });
         };
         let Some(max_size) = self.max_size else {
@@ -170,20 +201,34 @@ impl ServerConfig {
                 self.sampler.repr
             )));
         };
+        if let Some(sequence) = self.sequence {
+            if let Some(r) = self.remover.as_ref().filter(|r| r.kind != RemoverKind::Fifo) {
+                return Err(PyValueError::new_err(format!(
+                    "remover={} does not apply to a sequence table: it evicts its oldest steps \
+                     (and every window holding one) when max_size steps are stored",
+                    r.repr
+                )));
+            }
+            return Ok(BackendConfig::Sequence(self.replay_config(sampler, max_size), sequence));
+        }
         if max_size < batch_size {
             return Err(PyValueError::new_err(format!(
                 "max_size must be >= {batch_size}, got {max_size}"
             )));
         }
-        Ok(BackendConfig::Replay(ReplayConfig {
-            batch_size,
+        Ok(BackendConfig::Replay(self.replay_config(sampler, max_size)))
+    }
+
+    fn replay_config(&self, sampler: SamplerKind, max_size: usize) -> ReplayConfig {
+        ReplayConfig {
+            batch_size: self.batch_size,
             max_size,
             sampler,
             remover: self.remover.as_ref().map_or(RemoverKind::Fifo, |r| r.kind),
             rate_limit: self.rate_limiter.as_ref().map_or(RateLimit::MinSize(1), |r| r.kind),
             max_times_sampled: self.max_times_sampled,
             seed: self.seed,
-        }))
+        }
     }
 
     /// Checks the replay-only arguments against the FIFO ring; returns its batch count.
@@ -243,6 +288,14 @@ impl ServerConfig {
             BackendConfig::Replay(c) => {
                 format!("max_size={}, sampler={}", c.max_size, self.sampler.repr)
             }
+            BackendConfig::Sequence(c, seq) => format!(
+                "max_size={}, sampler={}, sequence=Sequence(length={}, period={}, at_end='{}')",
+                c.max_size,
+                self.sampler.repr,
+                seq.length,
+                seq.period,
+                seq.at_end.name()
+            ),
         }
     }
 }

@@ -149,6 +149,18 @@ pub(crate) struct SampleInfo {
     insert_blocked_ns_total: u64,
     /// Replay tables only: nanoseconds `sample()` spent waiting for items or the limiter.
     sample_blocked_ns_total: u64,
+    /// Sequence tables only (0 otherwise): steps stored now, ever inserted, and evicted to
+    /// make room (`store_size` and the replay counters above count windows there).
+    steps_stored: u64,
+    steps_inserted_total: u64,
+    steps_evicted_total: u64,
+    /// Sequence tables only: streams with an open episode, and episodes ended so far.
+    streams_open: u64,
+    episodes_ended_total: u64,
+    /// Sequence tables only: windows made, and windows removed because a step of theirs was
+    /// evicted (also in `evicted_total`).
+    windows_inserted_total: u64,
+    windows_evicted_total: u64,
     /// Nanoseconds the consumer waited inside `sample()` for this batch.
     wait_ns: u64,
     /// 0-based number of this batch since the server started.
@@ -216,6 +228,13 @@ counters!(
     unknown_keys_total,
     insert_blocked_ns_total,
     sample_blocked_ns_total,
+    steps_stored,
+    steps_inserted_total,
+    steps_evicted_total,
+    streams_open,
+    episodes_ended_total,
+    windows_inserted_total,
+    windows_evicted_total,
     last_checkpoint_bytes,
     wait_ns,
     sequence,
@@ -271,10 +290,17 @@ impl SampleInfo {
             Some(h) => Py::new(py, HistSnapshot::from(h)),
             None => Ok(zero_hist.clone_ref(py)),
         };
-        let (store_size, notify_count, replay) = match snap.backend {
-            BackendStats::Fifo(fifo) => (fifo.store_size, fifo.notify_count, Default::default()),
-            BackendStats::Replay(replay) => (replay.size, replay.batches, replay),
+        let (store_size, notify_count, replay, seq) = match snap.backend {
+            BackendStats::Fifo(fifo) => {
+                (fifo.store_size, fifo.notify_count, Default::default(), None)
+            }
+            BackendStats::Replay(replay) => (replay.size, replay.batches, replay, None),
+            BackendStats::Sequence(seq) => {
+                (seq.windows.size, seq.windows.batches, seq.windows, Some(seq))
+            }
         };
+        let seq_windows = seq.map(|s| s.windows).unwrap_or_default();
+        let seq = seq.unwrap_or_default();
         let (ingress, detailed) = (&snap.ingress, snap.detailed.as_ref());
         let d = detailed.copied().unwrap_or_default();
         let [keys, probabilities, times_sampled] = meta.map_or([None, None, None], |m| m.map(Some));
@@ -316,6 +342,13 @@ impl SampleInfo {
             unknown_keys_total: replay.unknown_keys,
             insert_blocked_ns_total: replay.insert_blocked_ns,
             sample_blocked_ns_total: replay.sample_blocked_ns,
+            steps_stored: seq.steps,
+            steps_inserted_total: seq.steps_inserted,
+            steps_evicted_total: seq.steps_evicted,
+            streams_open: seq.streams_open,
+            episodes_ended_total: seq.episodes_ended,
+            windows_inserted_total: seq_windows.inserted,
+            windows_evicted_total: seq_windows.evicted,
             wait_ns,
             sequence,
             keys,

@@ -28,8 +28,7 @@ use crate::error::EchoError;
 use crate::ingress::{Ingress, IngressConfig, QueuedSamples};
 use crate::metrics;
 use crate::replay::{SnapshotItems, TableState};
-use crate::source::Leaves;
-use crate::source::Rows;
+use crate::source::{EpisodeEnd, Rows, StepLeaves, StepTag};
 use crate::sync::Arc;
 use crate::transport::TcpIngress;
 
@@ -130,10 +129,33 @@ impl PyServerCore {
         self.backend.num_batches()
     }
 
-    /// Items a replay table holds; `None` for the FIFO ring.
+    /// Items a replay table holds (steps, for a sequence table); `None` for the FIFO ring.
     #[getter]
     fn max_size(&self) -> Option<usize> {
         self.backend.max_size()
+    }
+
+    /// The names of the per-item arrays `sample` returns after the leaves, in order: `()`
+    /// for FIFO, `(keys, probabilities, times_sampled)` for replay, and for a sequence table
+    /// those and `mask`, `episode`, `start`, `stream`, `terminated`, `truncated`.
+    #[getter]
+    fn meta_names(&self) -> Vec<&'static str> {
+        self.backend.batch_meta().iter().map(|m| m.name).collect()
+    }
+
+    /// Steps per window of a sequence table; `None` otherwise.
+    #[getter]
+    fn sequence_length(&self) -> Option<usize> {
+        self.backend.sequence().map(|s| s.length)
+    }
+
+    /// Ends the open episode of in-process stream `stream` of a sequence table as truncated
+    /// (`terminated=False`) or terminated, after its last step; returns whether it had one.
+    fn end_stream(&self, py: Python<'_>, stream: u64, terminated: bool) -> PyResult<bool> {
+        self.check_steps(Some(stream), true, 1)?;
+        let end = if terminated { EpisodeEnd::Terminated } else { EpisodeEnd::Truncated };
+        let backend = &self.backend;
+        Ok(detach(py, || backend.end_stream(stream, end)))
     }
 
     /// Capacity of each connection's ingress queue, in samples (the one given, or chosen).
@@ -208,19 +230,25 @@ impl PyServerCore {
 
     /// Copies one sample (a pytree like the example) into the backend, as a new item with
     /// `priority` (replay; default: the largest priority seen so far). Blocks (GIL released,
-    /// Ctrl-C honoured) while the ring is full or the rate limiter holds inserts back.
-    #[pyo3(signature = (sample, timeout=None, priority=None))]
+    /// Ctrl-C honoured) while the ring is full or the rate limiter holds inserts back. A
+    /// sequence table takes it as a step of `stream` (default 0); `end` says whether it ends
+    /// its episode (0 no, 1 terminated, 2 truncated).
+    #[pyo3(signature = (sample, timeout=None, priority=None, stream=None, end=0))]
     fn submit(
         &self,
         py: Python<'_>,
         sample: &Bound<'_, PyAny>,
         timeout: Option<f64>,
         priority: Option<f64>,
+        stream: Option<u64>,
+        end: u8,
     ) -> PyResult<()> {
         let deadline = deadline_from_timeout(timeout)?;
         self.check_submit(priority.is_some())?;
+        let first = self.check_steps(stream, end != 0, 1)?;
+        let end = episode_end(end)?;
         let arrays = self.leaves.arrays(sample)?;
-        self.insert(py, &arrays, priority, deadline)
+        self.insert(py, &arrays, priority, deadline, StepTag { stream: first, end })
     }
 
     /// Copies a batch of samples, one per row of every leaf (all with the same leading
@@ -228,24 +256,45 @@ impl PyServerCore {
     /// and inserted in as few reservations as the backend allows. `priority`: one number for
     /// every row, or one per row (replay). Returns `n`. A timeout after some rows went in
     /// says how many.
-    #[pyo3(signature = (tree, timeout=None, priority=None))]
+    /// A sequence table takes row `i` as a step of stream `stream + i` (default 0), ending its
+    /// episode as `ends[i]` says (0 no, 1 terminated, 2 truncated; `None`: none does).
+    #[pyo3(signature = (tree, timeout=None, priority=None, stream=None, ends=None))]
     fn submit_batch(
         &self,
         py: Python<'_>,
         tree: &Bound<'_, PyAny>,
         timeout: Option<f64>,
         priority: Option<&Bound<'_, PyAny>>,
+        stream: Option<u64>,
+        ends: Option<PyReadonlyArray1<'_, u8>>,
     ) -> PyResult<usize> {
         let deadline = deadline_from_timeout(timeout)?;
         self.check_submit(priority.is_some())?;
         let batch = self.leaves.batch(tree, priority)?;
         let n = batch.n;
+        let first = self.check_steps(stream, ends.is_some(), n)?;
+        let ends = ends
+            .map(|codes| {
+                let codes = codes
+                    .as_slice()
+                    .map_err(|e| PyValueError::new_err(format!("end_episode: {e}")))?;
+                if codes.len() != n {
+                    return Err(PyValueError::new_err(format!(
+                        "end_episode and truncated must be one bool or one per row ({n},), got \
+                         {} flags",
+                        codes.len()
+                    )));
+                }
+                codes.iter().map(|&c| episode_end(c)).collect::<PyResult<Vec<_>>>()
+            })
+            .transpose()?;
         if n == 0 {
             return Ok(0);
         }
         let slices = batch.slices(&self.leaves);
-        let rows =
-            Rows::new(self.backend.spec(), &slices, n, batch.priorities()).map_err(to_pyerr)?;
+        let rows = Rows::new(self.backend.spec(), &slices, n, batch.priorities())
+            .and_then(|rows| rows.with_steps(first, ends.as_deref()))
+            .map_err(to_pyerr)?;
         let backend = &self.backend;
         let mut done = 0;
         let outcome = wait_detached(py, deadline, |slice_end| {
@@ -297,9 +346,11 @@ impl PyServerCore {
         };
         drop(guard);
         let meta = arrays.split_off(self.leaves.len());
-        // A replay batch's (keys, probabilities, times_sampled) go into `info` as well.
-        let meta_arrays = <[Bound<'py, PyAny>; 3]>::try_from(meta.clone())
-            .ok()
+        // A replay or sequence batch's (keys, probabilities, times_sampled), its first three
+        // per-item arrays, go into `info` as well.
+        let meta_arrays = meta
+            .get(..3)
+            .and_then(|first| <[Bound<'py, PyAny>; 3]>::try_from(first.to_vec()).ok())
             .map(|arrays| arrays.map(Bound::unbind));
         let meta = if meta.is_empty() { PyTuple::empty(py) } else { PyTuple::new(py, meta)? };
         let leaves = PyList::new(py, arrays)?;
@@ -611,9 +662,10 @@ impl PyServerCore {
         arrays: &[Bound<'_, PyUntypedArray>],
         priority: Option<f64>,
         deadline: Option<Instant>,
+        tag: StepTag,
     ) -> PyResult<()> {
         let slices = byte_slices(&self.leaves, arrays);
-        let source = Leaves(&slices);
+        let source = StepLeaves(&slices, tag);
         let backend = &self.backend;
         let insert = |d: Option<Instant>| backend.insert(&source, priority, d);
         if self.backend.spec().payload_size() < DETACH_COPY_BYTES {
@@ -644,6 +696,36 @@ impl PyServerCore {
         Ok(())
     }
 
+    /// What a sequence table's steps need: `stream` (first of `n` rows' streams) within the
+    /// in-process streams `0..max_streams`; the episode arguments only for a sequence table.
+    /// Returns the first stream (0 when not given).
+    fn check_steps(&self, stream: Option<u64>, ends: bool, n: usize) -> PyResult<u64> {
+        let Some(sequence) = self.backend.sequence() else {
+            if stream.is_some() || ends {
+                let what = if stream.is_some() { "stream=" } else { "end_episode=/truncated=" };
+                return Err(PyValueError::new_err(format!(
+                    "{what} needs a sequence table: Server(..., sequence=Sequence(length=...), \
+                     sampler=..., max_size=...)"
+                )));
+            }
+            return Ok(0);
+        };
+        let first = stream.unwrap_or(0);
+        let max = sequence.max_streams as u64;
+        if first.checked_add(n.max(1) as u64).is_none_or(|end| end > max) {
+            let streams = if n > 1 {
+                format!("streams {first}..{} (one per row)", first.saturating_add(n as u64))
+            } else {
+                format!("stream {first}")
+            };
+            return Err(PyValueError::new_err(format!(
+                "{streams} out of range: in-process streams are 0..{max} \
+                 (Sequence(max_streams={max}))"
+            )));
+        }
+        Ok(first)
+    }
+
     fn is_draining(&self) -> bool {
         // ORDERING: Relaxed — see `close`.
         self.draining.load(Relaxed)
@@ -659,7 +741,8 @@ impl PyServerCore {
         let queued = self.ingress.get().map_or(0, |i| i.snapshot().samples_pending);
         let committed = match self.backend.stats() {
             BackendStats::Fifo(fifo) => fifo.store_size,
-            BackendStats::Replay(_) => 0, // the items stay in the table, nothing is lost
+            // The items stay in the table, nothing is lost.
+            BackendStats::Replay(_) | BackendStats::Sequence(_) => 0,
         };
         let dropped = queued + committed;
         if self.dropped_at_close.set(dropped).is_ok() && dropped > 0 {
@@ -757,15 +840,20 @@ impl Drop for PyServerCore {
 }
 
 /// The numpy layout of every leaf of a batch: `[batch_size, *leaf_shape]` with the leaf's
-/// dtype, then `[batch_size]` for each of the backend's per-item values.
+/// dtype (`[batch_size, length, *leaf_shape]` for a sequence table's windows), then
+/// `[batch_size]` for each of the backend's per-item values (`[batch_size, length]` for the
+/// per-step mask).
 fn batch_layouts(
     py: Python<'_>,
     leaves: &LeafSpecs,
     backend: &Backend,
 ) -> PyResult<Vec<LeafLayout>> {
     let batch_size = backend.batch_size();
-    let layout = |descr: &Bound<'_, PyArrayDescr>, shape: &[usize]| {
+    // A sequence table's windows are `length` steps: one more dimension after the batch's.
+    let steps = backend.sequence().map(|s| s.length);
+    let layout = |descr: &Bound<'_, PyArrayDescr>, per_step: bool, shape: &[usize]| {
         let dims = std::iter::once(batch_size)
+            .chain(steps.filter(|_| per_step))
             .chain(shape.iter().copied())
             .map(|d| {
                 npy_intp::try_from(d)
@@ -776,11 +864,11 @@ fn batch_layouts(
     };
     let mut layouts = Vec::with_capacity(leaves.len() + backend.batch_meta().len());
     for (shape, descr) in leaves.shapes.iter().zip(&leaves.descrs) {
-        layouts.push(layout(descr.bind(py), shape)?);
+        layouts.push(layout(descr.bind(py), true, shape)?);
     }
     for meta in backend.batch_meta() {
         let descr = PyArrayDescr::new(py, format!("{}{}", meta.kind, meta.bytes).as_str())?;
-        layouts.push(layout(&descr, &[])?);
+        layouts.push(layout(&descr, meta.per_step, &[])?);
     }
     Ok(layouts)
 }
@@ -788,4 +876,13 @@ fn batch_layouts(
 /// `(path, descr, item_shape)` triples as the core's [`LeafFile`]s.
 fn leaf_files(files: Vec<(PathBuf, String, Vec<usize>)>) -> Vec<LeafFile> {
     files.into_iter().map(|(path, descr, shape)| LeafFile { path, descr, shape }).collect()
+}
+
+/// A step's episode flag from its code (0 goes on, 1 terminated, 2 truncated).
+fn episode_end(code: u8) -> PyResult<EpisodeEnd> {
+    EpisodeEnd::from_code(code).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "an episode flag is 0 (goes on), 1 (terminated) or 2 (truncated), got {code}"
+        ))
+    })
 }

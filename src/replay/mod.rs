@@ -14,17 +14,23 @@
 //! | `select` | samplers (`Uniform`, `Prioritized`, `Lifo`) and removers (`Fifo`, `Lifo`, `MinPriority`) |
 //! | `limiter` | `MinSize`, `SampleToInsertRatio`, `Queue` (one mechanism, Reverb's meaning) |
 //! | `table` | slots, the lock, inserts, batch assembly, priorities, counters |
+//! | `sequence` | sequence tables: steps of streams, windows cut by episode, chunked storage |
 //! | `rng` | xoshiro256++, seedable |
 //! | [`sumtree`] | the priority sum tree behind `Prioritized`: O(log n) update and draw |
 
 mod limiter;
 mod rng;
 mod select;
+mod sequence;
 pub mod sumtree;
 mod table;
 
 pub use limiter::{RateLimit, SampleHoldback};
 pub use select::{RemoverKind, SamplerKind};
+pub use sequence::{
+    AtEnd, EpisodeEnd, SequenceConfig, SequenceConsumer, SequenceStats, SequenceTable, StepTag,
+    SEQUENCE_META,
+};
 pub use table::{
     Checkpoint, MetaLeaf, ReplayBatch, ReplayConfig, ReplayConsumer, ReplayStats, SnapshotItems,
     Table, TableState, BATCH_META, MAX_PRIORITY,

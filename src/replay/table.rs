@@ -74,10 +74,12 @@ pub const MAX_PRIORITY: f64 = 1e250;
 pub struct MetaLeaf {
     /// What it is called where a batch is handed out (`Sample.keys`, ...).
     pub name: &'static str,
-    /// Its element type as a numpy type character: `u` unsigned, `f` floating point.
+    /// Its element type as a numpy type character: `u` unsigned, `f` floating point, `b` bool.
     pub kind: char,
     /// Bytes per element (native byte order).
     pub bytes: usize,
+    /// One value per step of a window (a sequence table's `mask`) rather than one per item.
+    pub per_step: bool,
 }
 
 /// The per-item values of a replay batch, in the order the batch area stores them after the
@@ -86,9 +88,9 @@ pub struct MetaLeaf {
 /// is built from it, [`ReplayConsumer`] writes `Drawn::write_meta` in this order, and the
 /// bindings describe the arrays from it.
 pub const BATCH_META: [MetaLeaf; 3] = [
-    MetaLeaf { name: "keys", kind: 'u', bytes: 8 },
-    MetaLeaf { name: "probabilities", kind: 'f', bytes: 8 },
-    MetaLeaf { name: "times_sampled", kind: 'u', bytes: 4 },
+    MetaLeaf { name: "keys", kind: 'u', bytes: 8, per_step: false },
+    MetaLeaf { name: "probabilities", kind: 'f', bytes: 8, per_step: false },
+    MetaLeaf { name: "times_sampled", kind: 'u', bytes: 4, per_step: false },
 ];
 
 /// How a replay table samples, evicts and paces. Build with [`ReplayConfig::new`] and adjust

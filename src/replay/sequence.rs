@@ -1,0 +1,1552 @@
+//! Sequence tables: steps of many streams go in one at a time, each stored once; the table
+//! cuts *windows* of `length` consecutive steps of one episode and samples those, by
+//! priority, uniformly or newest first, the way R2D2, Dreamer and n-step learners read replay.
+//!
+//! ```text
+//!  writers (any thread)                           consumer (one SequenceConsumer)
+//!  ───────────────────                            ───────────────────────────────
+//!  lock; wait for the rate limiter                lock; draw windows (the limiter allows n)
+//!  full (max_size steps)? evict the oldest chunk    pin every chunk a window's steps lie in
+//!    and every window starting in it              unlock; copy each window's steps into the
+//!  append the step to its stream's open chunk       batch area (one memcpy per chunk run),
+//!    (a new chunk when it is full)                  zero its padding, write mask and metadata
+//!  a window's `length` steps are in? publish it   lock; unpin; unlock
+//!  episode end? pad / shift / drop what is left
+//! ```
+//!
+//! **Storage.** Step slots are grouped in *chunks* of `chunk_length` consecutive slots. A
+//! stream appends its steps to its own open chunk and takes a new one when it is full, so a
+//! stream's steps are contiguous inside a chunk and a chunk links to the stream's next one:
+//! a window is one to three contiguous runs of slots per leaf, and a batch is assembled with a
+//! handful of `memcpy`s per window. Chunks are also where compressed storage of large leaves
+//! would go: a chunk of one stream's consecutive steps is the unit that compresses best
+//! (consecutive frames) and the unit that is evicted whole.
+//!
+//! **Eviction.** Chunks are evicted in the order they were taken (`live_chunks` is that
+//! queue), whenever an insert would hold more than `max_size` steps or needs a chunk and none
+//! is free. A window is registered in the chunk holding its first step (`windows` is indexed by
+//! that step's slot), and a stream takes its chunks in order, so every chunk a window reaches
+//! into was taken after the one it starts in: evicting a window's first chunk comes first, and
+//! removes it. So a window never outlives any of its steps, with no per-window list of chunks.
+//!
+//! **Keys** are `(chunk generation << 32) | first slot`: a chunk's generation goes up when it
+//! is evicted, so the key of an evicted window never names a later window in the same slot.
+//!
+//! Invariants (checked by the tests in this file and `tests/sequence.rs`):
+//! 1. Every live window's steps are stored: its first chunk is live, and its steps run on
+//!    through `next` links into chunks taken later (which are live while the first one is).
+//! 2. A chunk the consumer copies from is pinned (`pins > 0`); an evicted pinned chunk is
+//!    `Retired` and freed by the last unpin, so its bytes stay put while they are read.
+//! 3. Stored steps (the `filled` of live chunks) never exceed `max_size`; at most
+//!    `batch_size * max_runs` chunks are pinned, and the table has that many chunks beyond
+//!    `ceil(max_size / chunk_length)`, so an insert always finds a free chunk after evicting.
+//! 4. A stream's `next_start` is the next window start (a multiple of `period`) not yet made,
+//!    at or after `retained_from`, the first step of its open episode that is still stored.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::Instant;
+
+use parking_lot::{Condvar, Mutex, MutexGuard};
+
+use crate::error::{EchoError, InsertError};
+use crate::replay::limiter::{RateLimiter, SampleHoldback};
+use crate::replay::rng::Rng;
+use crate::replay::select::{new_sampler, ItemSampler, RemoverKind};
+use crate::replay::table::{MetaLeaf, ReplayBatch, ReplayConfig, ReplayStats, MAX_PRIORITY};
+use crate::slots::Slots;
+use crate::source::{validate_source, SampleSource};
+pub use crate::source::{EpisodeEnd, StepTag};
+use crate::spec::{ArraySpec, DataSpec};
+use crate::sync::{Arc, AsyncBell, AtomicBool};
+
+// Every `Ordering::` use below is documented in place with an `ORDERING:` comment.
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
+
+/// Marks "no chunk" / "no slot".
+const NIL: u32 = u32::MAX;
+
+/// What happens to the windows that would run past the end of an episode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AtEnd {
+    /// Made with the steps there are; the rest of the window is zeros, `mask` false there.
+    Pad,
+    /// Moved back to end on the episode's last step (once, if no window ends there already).
+    /// An episode shorter than `length` has no such place: its window starts at step 0 and is
+    /// padded.
+    Shift,
+    /// Not made.
+    Drop,
+}
+
+impl AtEnd {
+    /// How Python spells it: `"pad"`, `"shift"`, `"drop"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Pad => "pad",
+            Self::Shift => "shift",
+            Self::Drop => "drop",
+        }
+    }
+}
+
+/// How a sequence table cuts windows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SequenceConfig {
+    /// Steps per window (`T`).
+    pub length: usize,
+    /// Steps between window starts within an episode (`P`): windows start at steps 0, P, 2P, ...
+    pub period: usize,
+    /// What happens at an episode's end.
+    pub at_end: AtEnd,
+    /// Streams that may hold an open episode at once (in-process streams are `0..max_streams`).
+    pub max_streams: usize,
+}
+
+impl SequenceConfig {
+    /// Windows of `length` steps, one every `length` steps, padded at episode ends, up to 4096
+    /// streams.
+    pub fn new(length: usize) -> Self {
+        Self { length, period: length, at_end: AtEnd::Pad, max_streams: 4096 }
+    }
+
+    /// Steps per chunk for a table of `max_size` steps: `length`, so that a window spans at
+    /// most two chunks, but at most a quarter of the table, so a small table still holds
+    /// several streams' chunks.
+    fn chunk_length(&self, max_size: usize) -> usize {
+        self.length.min(max_size.div_ceil(4)).max(1)
+    }
+}
+
+/// The per-window values a sequence batch carries after the steps' leaves, in batch-area
+/// order. `per_step` values are `length` long per window (the mask), the others one per
+/// window. Read by `SequenceConsumer::gather` (which writes them in this order) and by the
+/// bindings (which name the arrays from it).
+pub const SEQUENCE_META: [MetaLeaf; 9] = [
+    MetaLeaf { name: "keys", kind: 'u', bytes: 8, per_step: false },
+    MetaLeaf { name: "probabilities", kind: 'f', bytes: 8, per_step: false },
+    MetaLeaf { name: "times_sampled", kind: 'u', bytes: 4, per_step: false },
+    MetaLeaf { name: "mask", kind: 'b', bytes: 1, per_step: true },
+    MetaLeaf { name: "episode", kind: 'u', bytes: 8, per_step: false },
+    MetaLeaf { name: "start", kind: 'u', bytes: 4, per_step: false },
+    MetaLeaf { name: "stream", kind: 'u', bytes: 8, per_step: false },
+    MetaLeaf { name: "terminated", kind: 'b', bytes: 1, per_step: false },
+    MetaLeaf { name: "truncated", kind: 'b', bytes: 1, per_step: false },
+];
+
+/// A sequence table's counters: the replay counters in windows, plus steps, streams and
+/// episodes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SequenceStats {
+    /// Windows as a replay table counts items: `size` is the windows that can be sampled,
+    /// `inserted` the windows made, `evicted` those removed because a step of theirs was.
+    pub windows: ReplayStats,
+    /// Steps stored now.
+    pub steps: u64,
+    /// Steps ever inserted.
+    pub steps_inserted: u64,
+    /// Steps evicted to make room.
+    pub steps_evicted: u64,
+    /// Streams with an open episode.
+    pub streams_open: u64,
+    /// Episodes ended (terminated, truncated, or ended by their stream going away).
+    pub episodes_ended: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ChunkState {
+    Free,
+    Live,
+    Retired,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Chunk {
+    /// Steps written so far (from the chunk's first slot on).
+    filled: u32,
+    /// Goes up each time the chunk is evicted: part of every key of a window starting here.
+    generation: u32,
+    /// Batches being copied from this chunk right now.
+    pins: u32,
+    state: ChunkState,
+    /// The owning stream's next chunk (its steps go on there), or `NIL`.
+    next: u32,
+    /// The owning stream.
+    stream: u64,
+    /// Episode and in-episode index of the last step written here.
+    last_episode: u64,
+    last_index: u32,
+    /// Whether a step here carries its own priority (`step_priority` to clear on reuse).
+    has_priorities: bool,
+}
+
+impl Chunk {
+    const FREE: Self = Self {
+        filled: 0,
+        generation: 0,
+        pins: 0,
+        state: ChunkState::Free,
+        next: NIL,
+        stream: 0,
+        last_episode: 0,
+        last_index: 0,
+        has_priorities: false,
+    };
+}
+
+/// A window, stored at the slot of its first step.
+#[derive(Debug, Clone, Copy, Default)]
+struct Window {
+    live: bool,
+    episode: u64,
+    /// In-episode index of the first step.
+    start: u32,
+    /// Real steps (`length`, or fewer when padded).
+    len: u32,
+    times_sampled: u32,
+    priority: f64,
+}
+
+/// A stream's open episode.
+#[derive(Debug)]
+struct Stream {
+    id: u64,
+    /// The open chunk its next step goes to (`NIL`: take one).
+    chunk: u32,
+    episode: u64,
+    /// Steps of the open episode so far.
+    count: u32,
+    /// The first step of the open episode still stored (earlier ones were evicted).
+    retained_from: u32,
+    /// The next window start to make (invariant 4).
+    next_start: u32,
+    /// Slot of step `i` of the open episode at `recent[i % length]`, for the last `length`.
+    recent: Box<[u32]>,
+}
+
+/// An episode some live window or open stream refers to.
+#[derive(Debug, Clone, Copy)]
+struct Episode {
+    stream: u64,
+    end: EpisodeEnd,
+    windows: u32,
+    open: bool,
+}
+
+/// One window drawn into the batch being assembled.
+#[derive(Debug, Clone, Copy)]
+struct Drawn {
+    key: u64,
+    probability: f64,
+    times_sampled: u32,
+    episode: u64,
+    start: u32,
+    len: u32,
+    stream: u64,
+    end: EpisodeEnd,
+    /// `runs[first_run..last_run]` of the consumer's run list are this window's slot ranges.
+    first_run: usize,
+    last_run: usize,
+}
+
+impl Drawn {
+    /// Calls `write(m, bytes)` for each per-window [`SEQUENCE_META`] value `m` except the mask.
+    fn write_meta(&self, mut write: impl FnMut(usize, &[u8])) {
+        write(0, &self.key.to_ne_bytes());
+        write(1, &self.probability.to_ne_bytes());
+        write(2, &self.times_sampled.to_ne_bytes());
+        write(4, &self.episode.to_ne_bytes());
+        write(5, &self.start.to_ne_bytes());
+        write(6, &self.stream.to_ne_bytes());
+        write(7, &[u8::from(self.end == EpisodeEnd::Terminated)]);
+        write(8, &[u8::from(self.end == EpisodeEnd::Truncated)]);
+    }
+}
+
+/// Everything the lock protects.
+struct State {
+    chunks: Box<[Chunk]>,
+    free_chunks: Vec<u32>,
+    /// Live chunks, oldest first: the eviction order.
+    live_chunks: VecDeque<u32>,
+    /// Per slot: 0, or the step's own priority's bits + 1.
+    step_priority: Box<[u64]>,
+    /// Per slot: the window starting at that step.
+    windows: Box<[Window]>,
+    streams: Vec<Stream>,
+    free_streams: Vec<u32>,
+    stream_index: HashMap<u64, u32>,
+    episodes: HashMap<u64, Episode>,
+    sampler: Box<dyn ItemSampler>,
+    limiter: RateLimiter,
+    rng: Rng,
+    draw_slots: Box<[usize]>,
+    draw_probabilities: Box<[f64]>,
+    live_windows: usize,
+    steps: usize,
+    next_episode: u64,
+    max_priority: f64,
+    stats: SequenceStats,
+    waiting_inserts: u64,
+    waiting_samples: u64,
+}
+
+/// The table's fixed geometry, shared by the lock holders and the consumer's copies.
+#[derive(Debug, Clone, Copy)]
+struct Geometry {
+    length: usize,
+    period: usize,
+    at_end: AtEnd,
+    max_streams: usize,
+    max_size: usize,
+    chunk_length: usize,
+    max_times_sampled: u32,
+}
+
+impl Geometry {
+    fn chunk_of(&self, slot: usize) -> usize {
+        slot / self.chunk_length
+    }
+    fn first_slot(&self, chunk: usize) -> usize {
+        chunk * self.chunk_length
+    }
+    /// Rounds `i` up to a window start (a multiple of `period`).
+    fn start_at_or_after(&self, i: u32) -> u32 {
+        let p = self.period as u32;
+        i.div_ceil(p).saturating_mul(p)
+    }
+}
+
+fn key_of(generation: u32, slot: usize) -> u64 {
+    (u64::from(generation) << 32) | slot as u64
+}
+
+impl State {
+    fn stream_mut(&mut self, id: u64) -> Option<&mut Stream> {
+        let &at = self.stream_index.get(&id)?;
+        Some(&mut self.streams[at as usize])
+    }
+
+    /// The stream `id`'s state, opened (with a new episode) if it has none.
+    fn open_stream(&mut self, g: &Geometry, id: u64) -> Result<usize, EchoError> {
+        if let Some(&at) = self.stream_index.get(&id) {
+            return Ok(at as usize);
+        }
+        if self.stream_index.len() >= g.max_streams {
+            return Err(EchoError::Config(format!(
+                "stream {id}: {} streams already have an open episode, the table's max_streams; \
+                 end some episodes first or raise Sequence(max_streams=...)",
+                g.max_streams
+            )));
+        }
+        let episode = self.next_episode;
+        self.next_episode += 1;
+        let fresh = Stream {
+            id,
+            chunk: NIL,
+            episode,
+            count: 0,
+            retained_from: 0,
+            next_start: 0,
+            recent: Box::new([]),
+        };
+        let at = if let Some(at) = self.free_streams.pop() {
+            let recent = std::mem::take(&mut self.streams[at as usize].recent);
+            self.streams[at as usize] = Stream { recent, ..fresh };
+            at as usize
+        } else {
+            self.streams.push(Stream { recent: vec![NIL; g.length].into_boxed_slice(), ..fresh });
+            self.streams.len() - 1
+        };
+        self.stream_index.insert(id, at as u32);
+        self.episodes
+            .insert(episode, Episode { stream: id, end: EpisodeEnd::No, windows: 0, open: true });
+        self.stats.streams_open += 1;
+        Ok(at)
+    }
+
+    /// Forgets a stream whose episode has ended.
+    fn close_stream(&mut self, at: usize) {
+        let id = self.streams[at].id;
+        self.stream_index.remove(&id);
+        self.free_streams.push(at as u32);
+        self.stats.streams_open -= 1;
+    }
+
+    /// Evicts the oldest live chunk: its windows are removed, its steps no longer count, and
+    /// its stream's open episode keeps only what comes after it (invariant 4).
+    fn evict_oldest(&mut self, g: &Geometry) {
+        let c = self.live_chunks.pop_front().expect("only called with a live chunk") as usize;
+        let chunk = self.chunks[c];
+        let first = g.first_slot(c);
+        for slot in first..first + chunk.filled as usize {
+            if self.windows[slot].live {
+                self.remove_window(slot);
+                self.stats.windows.evicted += 1;
+            }
+        }
+        self.steps -= chunk.filled as usize;
+        self.stats.steps_evicted += u64::from(chunk.filled);
+        if let Some(stream) = self.stream_mut(chunk.stream) {
+            if stream.chunk == c as u32 {
+                stream.chunk = NIL;
+            }
+            if stream.episode == chunk.last_episode {
+                stream.retained_from = stream.retained_from.max(chunk.last_index + 1);
+                stream.next_start =
+                    stream.next_start.max(g.start_at_or_after(stream.retained_from));
+            }
+        }
+        let chunk = &mut self.chunks[c];
+        chunk.generation = chunk.generation.wrapping_add(1);
+        chunk.next = NIL;
+        if chunk.pins > 0 {
+            chunk.state = ChunkState::Retired;
+        } else {
+            chunk.state = ChunkState::Free;
+            self.free_chunks.push(c as u32);
+        }
+    }
+
+    /// A free chunk for `stream`, evicting old ones until one is free (invariant 3).
+    fn take_chunk(&mut self, g: &Geometry, stream: u64) -> usize {
+        let c = loop {
+            if let Some(c) = self.free_chunks.pop() {
+                break c as usize;
+            }
+            self.evict_oldest(g);
+        };
+        let chunk = &mut self.chunks[c];
+        if chunk.has_priorities {
+            let first = g.first_slot(c);
+            self.step_priority[first..first + g.chunk_length].fill(0);
+        }
+        let generation = self.chunks[c].generation;
+        self.chunks[c] = Chunk { generation, state: ChunkState::Live, stream, ..Chunk::FREE };
+        self.live_chunks.push_back(c as u32);
+        c
+    }
+
+    fn remove_window(&mut self, slot: usize) {
+        let window = &mut self.windows[slot];
+        debug_assert!(window.live);
+        window.live = false;
+        let episode = window.episode;
+        self.sampler.remove(slot);
+        self.live_windows -= 1;
+        self.release_episode(episode);
+    }
+
+    /// One window of `episode` fewer; forgets an ended episode with none left.
+    fn release_episode(&mut self, episode: u64) {
+        if let Some(e) = self.episodes.get_mut(&episode) {
+            e.windows -= 1;
+            if e.windows == 0 && !e.open {
+                self.episodes.remove(&episode);
+            }
+        }
+    }
+
+    /// Makes the window of stream `at`'s open episode starting at step `start`, `len` real
+    /// steps (all stored: `start >= retained_from`, within the last `length` steps).
+    fn make_window(&mut self, g: &Geometry, at: usize, start: u32, len: u32) {
+        let stream = &self.streams[at];
+        let slot = stream.recent[start as usize % g.length] as usize;
+        let episode = stream.episode;
+        let mut own: Option<f64> = None;
+        for i in start..start + len {
+            let s = stream.recent[i as usize % g.length] as usize;
+            if let Some(p) = decode_priority(self.step_priority[s]) {
+                own = Some(own.map_or(p, |o: f64| o.max(p)));
+            }
+        }
+        let priority = own.unwrap_or(self.max_priority);
+        self.max_priority = self.max_priority.max(priority);
+        debug_assert!(!self.windows[slot].live, "one window per first step");
+        self.windows[slot] = Window { live: true, episode, start, len, times_sampled: 0, priority };
+        self.sampler.insert(slot, priority);
+        self.live_windows += 1;
+        self.limiter.on_insert();
+        self.stats.windows.inserted += 1;
+        if let Some(e) = self.episodes.get_mut(&episode) {
+            e.windows += 1;
+        }
+    }
+
+    /// Ends stream `at`'s open episode after its `count` steps, making the windows the
+    /// `at_end` rule gives, and forgets the stream.
+    fn end_episode(&mut self, g: &Geometry, at: usize, end: EpisodeEnd) {
+        let (count, retained_from, next_start, episode) = {
+            let s = &self.streams[at];
+            (s.count, s.retained_from, s.next_start, s.episode)
+        };
+        let t = g.length as u32;
+        match g.at_end {
+            AtEnd::Drop => {}
+            AtEnd::Pad => {
+                let mut start = next_start;
+                while start < count {
+                    self.make_window(g, at, start, count - start);
+                    start += g.period as u32;
+                }
+            }
+            AtEnd::Shift => {
+                // The one shifted window ends on the last step; none is needed if every
+                // start before the end was made whole (`next_start >= count`).
+                if next_start < count {
+                    let start = count.saturating_sub(t);
+                    let exists = count >= t && start < next_start && start % g.period as u32 == 0;
+                    if start >= retained_from && !exists {
+                        self.make_window(g, at, start, count - start);
+                    }
+                }
+            }
+        }
+        if let Some(e) = self.episodes.get_mut(&episode) {
+            e.end = end;
+            e.open = false;
+            if e.windows == 0 {
+                self.episodes.remove(&episode);
+            }
+        }
+        self.stats.episodes_ended += 1;
+        self.close_stream(at);
+    }
+
+    /// Draws up to `n` windows (`live_windows > 0`) into `pending`, pinning their chunks and
+    /// appending their slot runs to `runs`; returns how many.
+    fn draw(
+        &mut self,
+        g: &Geometry,
+        n: usize,
+        pending: &mut Vec<Drawn>,
+        runs: &mut Vec<(u32, u32)>,
+    ) -> usize {
+        if g.max_times_sampled == 0 {
+            let got = {
+                let (slots, probabilities) =
+                    (&mut self.draw_slots[..n], &mut self.draw_probabilities[..n]);
+                self.sampler.draw(&mut self.rng, slots, probabilities)
+            };
+            for j in 0..got {
+                let (slot, probability) = (self.draw_slots[j], self.draw_probabilities[j]);
+                self.take(g, slot, probability, pending, runs);
+            }
+            return got;
+        }
+        // One at a time, so a window that reaches `max_times_sampled` is gone before the next
+        // draw: nothing is handed out more than k times.
+        let mut got = 0;
+        while got < n && self.live_windows > 0 {
+            let (slot, probability) =
+                (&mut self.draw_slots[..1], &mut self.draw_probabilities[..1]);
+            self.sampler.draw(&mut self.rng, slot, probability);
+            let (slot, probability) = (self.draw_slots[0], self.draw_probabilities[0]);
+            self.take(g, slot, probability, pending, runs);
+            if self.windows[slot].times_sampled >= g.max_times_sampled {
+                self.remove_window(slot);
+                self.stats.windows.removed_max_times_sampled += 1;
+            }
+            got += 1;
+        }
+        got
+    }
+
+    fn take(
+        &mut self,
+        g: &Geometry,
+        slot: usize,
+        probability: f64,
+        pending: &mut Vec<Drawn>,
+        runs: &mut Vec<(u32, u32)>,
+    ) {
+        let window = &mut self.windows[slot];
+        debug_assert!(window.live);
+        window.times_sampled = window.times_sampled.saturating_add(1);
+        let window = *window;
+        let first_chunk = g.chunk_of(slot);
+        let episode = self.episodes.get(&window.episode).copied();
+        let first_run = runs.len();
+        // Invariant 1: the steps run on from the first slot through the stream's `next`
+        // chunks, all live; pin each chunk so its bytes stay put while they are copied.
+        let (mut c, mut at, mut left) = (first_chunk, slot, window.len as usize);
+        while left > 0 {
+            let chunk = &mut self.chunks[c];
+            debug_assert_ne!(chunk.state, ChunkState::Free);
+            let end = g.first_slot(c) + chunk.filled as usize;
+            let n = left.min(end - at);
+            debug_assert!(n > 0, "a live window's steps are stored");
+            chunk.pins += 1;
+            runs.push((at as u32, n as u32));
+            left -= n;
+            if left > 0 {
+                c = chunk.next as usize;
+                at = g.first_slot(c);
+            }
+        }
+        pending.push(Drawn {
+            key: key_of(self.chunks[first_chunk].generation, slot),
+            probability,
+            times_sampled: window.times_sampled,
+            episode: window.episode,
+            start: window.start,
+            len: window.len,
+            stream: episode.map_or(0, |e| e.stream),
+            end: episode.map_or(EpisodeEnd::No, |e| e.end),
+            first_run,
+            last_run: runs.len(),
+        });
+    }
+
+    fn unpin(&mut self, g: &Geometry, slot: usize) {
+        let c = g.chunk_of(slot);
+        let chunk = &mut self.chunks[c];
+        chunk.pins -= 1;
+        if chunk.pins == 0 && chunk.state == ChunkState::Retired {
+            chunk.state = ChunkState::Free;
+            self.free_chunks.push(c as u32);
+        }
+    }
+
+    /// The live window `key` names, if any: its slot.
+    fn window_of_key(&self, g: &Geometry, key: u64) -> Option<usize> {
+        let slot = usize::try_from(key & u64::from(u32::MAX)).ok()?;
+        let generation = u32::try_from(key >> 32).ok()?;
+        let window = self.windows.get(slot)?;
+        let chunk = &self.chunks[g.chunk_of(slot)];
+        (window.live && chunk.state == ChunkState::Live && chunk.generation == generation)
+            .then_some(slot)
+    }
+}
+
+fn encode_priority(priority: f64) -> u64 {
+    priority.to_bits() + 1
+}
+
+fn decode_priority(bits: u64) -> Option<f64> {
+    (bits != 0).then(|| f64::from_bits(bits - 1))
+}
+
+/// A sequence table. Create with [`SequenceTable::new`]; many writers
+/// [`SequenceTable::insert`] steps, one [`SequenceConsumer`] samples windows.
+pub struct SequenceTable {
+    /// Page-locking of the batch area, if requested. Declared before `area` so that it is
+    /// dropped (unregistered) before the area is freed.
+    pinned: crate::pinned::Pinning,
+    spec: DataSpec,
+    config: ReplayConfig,
+    sequence: SequenceConfig,
+    geometry: Geometry,
+    /// Every chunk's step slots, back to back.
+    storage: Slots,
+    /// Two batches (halves) of windows: each leaf `length` steps long, then
+    /// [`SEQUENCE_META`]; batch `h` is area slots `h * batch_size .. (h + 1) * batch_size`.
+    area: Slots,
+    state: Mutex<State>,
+    insert_ready: Condvar,
+    insert_bell: AsyncBell,
+    sample_ready: Condvar,
+    closed: AtomicBool,
+    consumer_taken: AtomicBool,
+}
+
+impl std::fmt::Debug for SequenceTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SequenceTable")
+            .field("config", &self.config)
+            .field("sequence", &self.sequence)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SequenceTable {
+    /// A table of `config.max_size` steps of `spec`, cut into windows as `sequence` says.
+    ///
+    /// # Errors
+    /// [`EchoError::Config`] naming the bad parameter; [`EchoError::OutOfMemory`] if the
+    /// storage cannot be allocated.
+    pub fn new(
+        spec: DataSpec,
+        config: ReplayConfig,
+        sequence: SequenceConfig,
+    ) -> Result<Arc<Self>, EchoError> {
+        let bad = |msg: String| Err(EchoError::Config(msg));
+        let SequenceConfig { length, period, max_streams, .. } = sequence;
+        if length < 1 {
+            return bad(format!("Sequence(length) must be >= 1, got {length}"));
+        }
+        if period < 1 {
+            return bad(format!("Sequence(period) must be >= 1, got {period}"));
+        }
+        if max_streams < 1 {
+            return bad(format!("Sequence(max_streams) must be >= 1, got {max_streams}"));
+        }
+        if length > u32::MAX as usize / 4 || period > u32::MAX as usize / 4 {
+            return bad(format!("Sequence: length and period must be below 2^30, got {length}"));
+        }
+        let (batch_size, max_size) = (config.batch_size, config.max_size);
+        if batch_size < 1 {
+            return bad(format!("batch_size must be >= 1, got {batch_size}"));
+        }
+        if max_size < length {
+            return bad(format!(
+                "max_size counts steps and must hold one window: >= length ({length}), got \
+                 {max_size}"
+            ));
+        }
+        if config.remover != RemoverKind::Fifo {
+            return bad(
+                "a sequence table evicts its oldest steps: remover must be Fifo()".to_owned()
+            );
+        }
+        config.rate_limit.validate(max_size as u64)?;
+        config.sampler.check()?;
+        let chunk_length = sequence.chunk_length(max_size);
+        // Invariant 3: a window of `length` steps starting anywhere in a chunk spans at most
+        // this many chunks, and a batch pins at most `batch_size` windows' worth.
+        let max_runs = (length - 1).div_ceil(chunk_length) + 1;
+        let chunks = batch_size
+            .checked_mul(max_runs)
+            .and_then(|spare| spare.checked_add(max_size.div_ceil(chunk_length) + 1))
+            .filter(|&c| c.checked_mul(chunk_length).is_some_and(|s| s < u32::MAX as usize))
+            .ok_or_else(|| {
+                EchoError::Config(format!(
+                    "max_size ({max_size}) + batch_size ({batch_size}) * {max_runs} chunks of \
+                     {chunk_length} steps must stay below 2^32 - 1 slots"
+                ))
+            })?;
+        let slots = chunks * chunk_length;
+        let storage = Slots::new(&spec, slots)?;
+        let mut area_arrays = Vec::with_capacity(spec.len() + SEQUENCE_META.len());
+        for array in spec.arrays() {
+            let shape = std::iter::once(length).chain(array.shape().iter().copied()).collect();
+            area_arrays.push(ArraySpec::new(shape, array.dtype_size())?);
+        }
+        for meta in SEQUENCE_META {
+            let shape = if meta.per_step { vec![length] } else { Vec::new() };
+            area_arrays.push(ArraySpec::new(shape, meta.bytes)?);
+        }
+        let area = Slots::new(&DataSpec::new(area_arrays)?, 2 * batch_size)?;
+        let geometry = Geometry {
+            length,
+            period,
+            at_end: sequence.at_end,
+            max_streams,
+            max_size,
+            chunk_length,
+            max_times_sampled: config.max_times_sampled,
+        };
+        let state = State {
+            chunks: vec![Chunk::FREE; chunks].into_boxed_slice(),
+            free_chunks: (0..chunks as u32).rev().collect(),
+            live_chunks: VecDeque::with_capacity(chunks),
+            step_priority: vec![0; slots].into_boxed_slice(),
+            windows: vec![Window::default(); slots].into_boxed_slice(),
+            streams: Vec::new(),
+            free_streams: Vec::new(),
+            stream_index: HashMap::new(),
+            episodes: HashMap::new(),
+            sampler: new_sampler(config.sampler, slots, batch_size)?,
+            limiter: RateLimiter::new(config.rate_limit),
+            rng: config.seed.map_or_else(Rng::from_entropy, Rng::from_seed),
+            draw_slots: vec![0; batch_size].into_boxed_slice(),
+            draw_probabilities: vec![0.0; batch_size].into_boxed_slice(),
+            live_windows: 0,
+            steps: 0,
+            next_episode: 0,
+            max_priority: 1.0,
+            stats: SequenceStats::default(),
+            waiting_inserts: 0,
+            waiting_samples: 0,
+        };
+        Ok(Arc::new(Self {
+            pinned: crate::pinned::Pinning::default(),
+            spec,
+            config,
+            sequence,
+            geometry,
+            storage,
+            area,
+            state: Mutex::new(state),
+            insert_ready: Condvar::new(),
+            insert_bell: AsyncBell::default(),
+            sample_ready: Condvar::new(),
+            closed: AtomicBool::new(false),
+            consumer_taken: AtomicBool::new(false),
+        }))
+    }
+
+    /// The replay settings (`max_size` in steps, the rest in windows).
+    pub fn config(&self) -> &ReplayConfig {
+        &self.config
+    }
+
+    /// How windows are cut.
+    pub fn sequence(&self) -> &SequenceConfig {
+        &self.sequence
+    }
+
+    /// The step layout.
+    pub fn spec(&self) -> &DataSpec {
+        &self.spec
+    }
+
+    /// Steps per chunk (consecutive steps of one stream stored together).
+    pub fn chunk_length(&self) -> usize {
+        self.geometry.chunk_length
+    }
+
+    /// The single consumer handle; `None` if one was already taken.
+    pub fn consumer(self: &Arc<Self>) -> Option<SequenceConsumer> {
+        // ORDERING: Relaxed — the flag only has to be claimed once; it guards no other memory.
+        if self.consumer_taken.swap(true, Relaxed) {
+            return None;
+        }
+        Some(SequenceConsumer {
+            table: Arc::clone(self),
+            pending: Vec::with_capacity(self.config.batch_size),
+            runs: Vec::new(),
+            half: 0,
+            sequence: 0,
+            holdback: None,
+        })
+    }
+
+    /// Closes the table: waiting and future inserts fail with `Closed`, `sample` returns
+    /// [`EchoError::Closed`]. Idempotent.
+    pub fn close(&self) {
+        // Under the lock, so a waiter that checked `closed` before is already parked.
+        let _state = self.state.lock();
+        // ORDERING: Release pairs with the Acquire in `is_closed` (lock-free readers).
+        self.closed.store(true, Release);
+        self.wake_writers();
+        self.sample_ready.notify_all();
+    }
+
+    /// Whether [`SequenceTable::close`] was called.
+    pub fn is_closed(&self) -> bool {
+        // ORDERING: Acquire pairs with the Release store in `close`.
+        self.closed.load(Acquire)
+    }
+
+    fn wake_writers(&self) {
+        self.insert_ready.notify_all();
+        self.insert_bell.ring();
+    }
+
+    /// Rung whenever a waiting insert might now go further (see `Backend::insert_bell`).
+    #[cfg_attr(any(loom, not(target_os = "linux")), allow(dead_code))] // only the shared-memory path (Linux) awaits it
+    pub(crate) fn insert_bell(&self) -> &AsyncBell {
+        &self.insert_bell
+    }
+
+    fn check_priority(state: &State, priority: f64) -> Result<(), String> {
+        if !(priority.is_finite() && priority >= 0.0) {
+            return Err(format!("must be a finite number >= 0, got {priority}"));
+        }
+        if priority > MAX_PRIORITY {
+            return Err(format!("must be at most {MAX_PRIORITY:e}, got {priority:e}"));
+        }
+        state.sampler.check_priority(priority)
+    }
+
+    /// Checks one priority as an insert or an update would.
+    ///
+    /// # Errors
+    /// [`EchoError::Priority`] saying what is wrong with it.
+    pub fn check_one_priority(&self, priority: f64) -> Result<(), EchoError> {
+        let state = self.state.lock();
+        Self::check_priority(&state, priority)
+            .map_err(|msg| EchoError::Priority(format!("priority {msg}")))
+    }
+
+    /// Appends every step of `src` to its stream ([`SampleSource::step`]), in order, each
+    /// with `priority` (or its own, [`SampleSource::priority`]) for the windows it is part
+    /// of, waiting for the rate limiter until `deadline`. A step that ends its episode makes
+    /// the episode's last windows as `at_end` says.
+    ///
+    /// # Errors
+    /// An input error (nothing written) if a step does not match the spec or a priority is
+    /// invalid; [`EchoError::Config`] (with the count inserted before it) for a step that
+    /// would open more than `max_streams` streams; [`EchoError::Closed`] /
+    /// [`EchoError::TimedOut`] with the count inserted so far.
+    pub fn insert<S: SampleSource + ?Sized>(
+        &self,
+        src: &S,
+        priority: Option<f64>,
+        deadline: Option<Instant>,
+    ) -> Result<(), InsertError> {
+        validate_source(&self.spec, src)?;
+        let mut state = match deadline {
+            Some(deadline) => self
+                .state
+                .try_lock_until(deadline)
+                .ok_or(InsertError::new(0, EchoError::TimedOut))?,
+            None => self.state.lock(),
+        };
+        if let Some(priority) = priority {
+            Self::check_priority(&state, priority)
+                .map_err(|msg| EchoError::Priority(format!("priority {msg}")))?;
+        }
+        for sample in 0..src.num_samples() {
+            if let Some(own) = src.priority(sample) {
+                Self::check_priority(&state, own).map_err(|msg| {
+                    EchoError::Priority(format!("sample {sample}'s priority {msg}"))
+                })?;
+            }
+        }
+        for sample in 0..src.num_samples() {
+            self.wait_insertable(&mut state, deadline)
+                .map_err(|error| InsertError::new(sample, error))?;
+            let windows_before = state.live_windows;
+            self.put_step(&mut state, src, sample, src.priority(sample).or(priority))
+                .map_err(|error| InsertError::new(sample, error))?;
+            src.inserted(1);
+            if state.live_windows > windows_before {
+                self.sample_ready.notify_one();
+            }
+        }
+        Ok(())
+    }
+
+    /// Appends one step (the lock held): room first (evicting the oldest chunks), then the
+    /// stream's chunk, the copy, and the windows the step completes.
+    fn put_step<S: SampleSource + ?Sized>(
+        &self,
+        state: &mut State,
+        src: &S,
+        sample: usize,
+        priority: Option<f64>,
+    ) -> Result<(), EchoError> {
+        let g = &self.geometry;
+        let tag = src.step(sample);
+        let at = state.open_stream(g, tag.stream)?;
+        while state.steps >= g.max_size {
+            state.evict_oldest(g);
+        }
+        let mut c = state.streams[at].chunk;
+        if c == NIL || state.chunks[c as usize].filled as usize == g.chunk_length {
+            let new = state.take_chunk(g, tag.stream) as u32;
+            // The stream's old chunk may have been evicted just now (then it is not linked:
+            // nothing live reaches past it).
+            let old = state.streams[at].chunk;
+            if old != NIL {
+                state.chunks[old as usize].next = new;
+            }
+            state.streams[at].chunk = new;
+            c = new;
+        }
+        let c = c as usize;
+        let slot = g.first_slot(c) + state.chunks[c].filled as usize;
+        for leaf in 0..self.spec.len() {
+            // SAFETY: `slot` is past the `filled` steps of a live chunk we hold the lock over:
+            // no window covers it (windows only cover written steps), so the consumer never
+            // reads it, and writers only write under this lock (invariant 2: a chunk being
+            // read is pinned, and a pinned chunk is never handed out by `take_chunk`). Sizes
+            // were checked by `validate_source`.
+            unsafe { self.storage.fill_slot(slot, leaf, |dst| src.copy_leaf(sample, leaf, dst)) };
+        }
+        let stream = &mut state.streams[at];
+        let index = stream.count;
+        stream.count += 1;
+        stream.recent[index as usize % g.length] = slot as u32;
+        let episode = stream.episode;
+        let chunk = &mut state.chunks[c];
+        chunk.filled += 1;
+        chunk.last_episode = episode;
+        chunk.last_index = index;
+        state.step_priority[slot] = priority.map_or(0, encode_priority);
+        if priority.is_some() {
+            state.chunks[c].has_priorities = true;
+        }
+        state.steps += 1;
+        state.stats.steps_inserted += 1;
+        // The windows this step completes: the one starting `length - 1` steps back.
+        let t = g.length as u32;
+        loop {
+            let stream = &state.streams[at];
+            let start = stream.next_start;
+            if start.saturating_add(t) > stream.count {
+                break;
+            }
+            state.streams[at].next_start += g.period as u32;
+            if start >= state.streams[at].retained_from {
+                state.make_window(g, at, start, t);
+            }
+        }
+        if tag.end != EpisodeEnd::No {
+            state.end_episode(g, at, tag.end);
+        }
+        Ok(())
+    }
+
+    /// Ends `stream`'s open episode as `end` (truncated when its worker is gone for good)
+    /// after its last step, making its last windows as `at_end` says. Returns whether the
+    /// stream had an open episode.
+    pub fn end_stream(&self, stream: u64, end: EpisodeEnd) -> bool {
+        let end = if end == EpisodeEnd::No { EpisodeEnd::Truncated } else { end };
+        let mut state = self.state.lock();
+        let Some(&at) = state.stream_index.get(&stream) else {
+            return false;
+        };
+        let before = state.live_windows;
+        state.end_episode(&self.geometry, at as usize, end);
+        if state.live_windows > before {
+            self.sample_ready.notify_one();
+        }
+        true
+    }
+
+    fn wait_insertable(
+        &self,
+        state: &mut MutexGuard<'_, State>,
+        deadline: Option<Instant>,
+    ) -> Result<(), EchoError> {
+        let mut waited = None;
+        let outcome = loop {
+            if self.is_closed() {
+                break Err(EchoError::Closed);
+            }
+            if state.limiter.can_insert(state.live_windows as u64) {
+                break Ok(());
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                break Err(EchoError::TimedOut);
+            }
+            waited.get_or_insert_with(Instant::now);
+            state.waiting_inserts += 1;
+            wait(&self.insert_ready, state, deadline);
+            state.waiting_inserts -= 1;
+        };
+        if let Some(started) = waited {
+            state.stats.windows.insert_blocked_ns += elapsed_ns(started);
+        }
+        outcome
+    }
+
+    /// Sets the priority of every window in `keys` that is still in the table; keys of
+    /// evicted or removed windows are skipped and counted. Returns the number skipped.
+    ///
+    /// # Errors
+    /// [`EchoError::Priority`] (nothing changed) if the lengths differ or a priority is
+    /// invalid, naming its index.
+    pub fn update_priorities(&self, keys: &[u64], priorities: &[f64]) -> Result<u64, EchoError> {
+        if keys.len() != priorities.len() {
+            return Err(EchoError::Priority(format!(
+                "keys and priorities must have the same length, got {} keys and {} priorities",
+                keys.len(),
+                priorities.len()
+            )));
+        }
+        let mut state = self.state.lock();
+        for (i, &priority) in priorities.iter().enumerate() {
+            Self::check_priority(&state, priority)
+                .map_err(|msg| EchoError::Priority(format!("priorities[{i}] {msg}")))?;
+        }
+        let mut unknown = 0;
+        for (&key, &priority) in keys.iter().zip(priorities) {
+            let Some(slot) = state.window_of_key(&self.geometry, key) else {
+                unknown += 1;
+                continue;
+            };
+            state.windows[slot].priority = priority;
+            state.sampler.update(slot, priority);
+            state.max_priority = state.max_priority.max(priority);
+        }
+        state.stats.windows.priority_updates += keys.len() as u64 - unknown;
+        state.stats.windows.unknown_keys += unknown;
+        Ok(unknown)
+    }
+
+    /// The priority of the window `key`, `None` if it is not in the table.
+    pub fn priority(&self, key: u64) -> Option<f64> {
+        let state = self.state.lock();
+        state.window_of_key(&self.geometry, key).map(|slot| state.windows[slot].priority)
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> SequenceStats {
+        let state = self.state.lock();
+        let mut stats = state.stats;
+        stats.windows.size = state.live_windows as u64;
+        stats.steps = state.steps as u64;
+        stats
+    }
+
+    /// Writers parked on the rate limiter right now.
+    pub fn waiting_inserts(&self) -> u64 {
+        self.state.lock().waiting_inserts
+    }
+
+    /// 1 while the consumer is parked in `sample`.
+    pub fn waiting_samples(&self) -> u64 {
+        self.state.lock().waiting_samples
+    }
+
+    /// Address of the first byte of `leaf` in batch-area half `half`: `batch_size` windows
+    /// back to back. Leaves `spec.len()..` are the [`SEQUENCE_META`] values.
+    pub fn batch_ptr(&self, half: usize, leaf: usize) -> *const u8 {
+        self.area.slot_ptr(leaf, half * self.config.batch_size)
+    }
+
+    /// Page-locks the batch area with `cudaHostRegister`. Idempotent.
+    ///
+    /// # Errors
+    /// [`EchoError::Io`] saying what is missing or which CUDA call failed.
+    ///
+    /// # Safety
+    /// Every path in `cuda_runtimes` must be a CUDA runtime library (loading runs its code).
+    pub unsafe fn pin_host_memory(
+        &self,
+        cuda_runtimes: &[std::path::PathBuf],
+    ) -> Result<(), EchoError> {
+        // SAFETY: the ranges are the batch area's own allocations, which live as long as
+        // `self`; `self.pinned` is dropped before `self.area` (field order). The caller vouches
+        // for the libraries.
+        unsafe { self.pinned.pin(cuda_runtimes, || self.area.buffers()) }
+    }
+
+    /// Whether the batch area is page-locked.
+    pub fn is_pinned(&self) -> bool {
+        self.pinned.is_pinned()
+    }
+}
+
+/// Waits on `cond` until notified or `deadline`.
+fn wait(cond: &Condvar, state: &mut MutexGuard<'_, State>, deadline: Option<Instant>) {
+    match deadline {
+        None => cond.wait(state),
+        Some(deadline) => {
+            let _ = cond.wait_until(state, deadline);
+        }
+    }
+}
+
+fn elapsed_ns(since: Instant) -> u64 {
+    u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// The one consumer of a [`SequenceTable`]. `sample` takes `&mut self`: one batch at a time.
+#[derive(Debug)]
+pub struct SequenceConsumer {
+    table: Arc<SequenceTable>,
+    /// Windows drawn for the batch being assembled (kept across a timed-out `sample`).
+    pending: Vec<Drawn>,
+    /// The slot runs of `pending`'s windows: `(first slot, steps)`.
+    runs: Vec<(u32, u32)>,
+    half: usize,
+    sequence: u64,
+    holdback: Option<SampleHoldback>,
+}
+
+impl SequenceConsumer {
+    /// The table this consumer reads.
+    pub fn table(&self) -> &Arc<SequenceTable> {
+        &self.table
+    }
+
+    /// Draws the next batch of windows and copies it into the batch area (the half not
+    /// returned by the previous call), waiting for windows and the rate limiter until
+    /// `deadline`. Windows drawn before a timeout stay drawn for the next call.
+    ///
+    /// # Errors
+    /// [`EchoError::Closed`] once the table is closed, [`EchoError::TimedOut`] when the
+    /// deadline passes first.
+    pub fn sample(&mut self, deadline: Option<Instant>) -> Result<ReplayBatch, EchoError> {
+        let table = &*self.table;
+        let g = &table.geometry;
+        let batch_size = table.config.batch_size;
+        let mut state = table.state.lock();
+        let mut waited = None;
+        let drawn = loop {
+            if table.is_closed() {
+                break Err(EchoError::Closed);
+            }
+            let missing = batch_size - self.pending.len();
+            if missing == 0 {
+                break Ok(());
+            }
+            let allowed = state.limiter.allowed_samples(state.live_windows as u64);
+            if allowed > 0 {
+                let n = missing.min(usize::try_from(allowed).unwrap_or(usize::MAX));
+                let got = state.draw(g, n, &mut self.pending, &mut self.runs);
+                state.limiter.on_sample(got as u64);
+                state.stats.windows.sampled_items += got as u64;
+                table.wake_writers();
+                continue;
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                let (inserts, samples) = state.limiter.counts();
+                self.holdback = Some(SampleHoldback {
+                    limit: table.config.rate_limit,
+                    inserts,
+                    samples,
+                    live: state.live_windows as u64,
+                    drawn: self.pending.len(),
+                    batch_size,
+                });
+                break Err(EchoError::TimedOut);
+            }
+            waited.get_or_insert_with(Instant::now);
+            state.waiting_samples += 1;
+            wait(&table.sample_ready, &mut state, deadline);
+            state.waiting_samples -= 1;
+        };
+        if let Some(started) = waited {
+            state.stats.windows.sample_blocked_ns += elapsed_ns(started);
+        }
+        drawn?;
+        self.holdback = None;
+        drop(state);
+        self.gather();
+        let mut state = table.state.lock();
+        for &(slot, _) in &self.runs {
+            state.unpin(g, slot as usize);
+        }
+        state.stats.windows.batches += 1;
+        drop(state);
+        self.pending.clear();
+        self.runs.clear();
+        let batch = ReplayBatch { half: self.half, sequence: self.sequence };
+        self.half ^= 1;
+        self.sequence += 1;
+        Ok(batch)
+    }
+
+    /// What held the last `sample` back when its deadline passed.
+    pub fn holdback(&self) -> Option<SampleHoldback> {
+        self.holdback
+    }
+
+    /// Copies the pending windows into batch-area half `self.half`: each leaf's steps run by
+    /// run, zeros after the real steps, then the mask and the per-window values.
+    fn gather(&self) {
+        let table = &*self.table;
+        let base = self.half * table.config.batch_size;
+        let leaves = table.spec.len();
+        for leaf in 0..leaves {
+            for (i, drawn) in self.pending.iter().enumerate() {
+                let runs = &self.runs[drawn.first_run..drawn.last_run];
+                let fill = |dst: &mut [u8]| {
+                    let mut at = 0;
+                    for &(first, n) in runs {
+                        let (first, n) = (first as usize, n as usize);
+                        // SAFETY: every chunk of these runs is pinned by this consumer
+                        // (invariant 2), and the runs cover written steps only, so no writer
+                        // touches these slots until `unpin`.
+                        unsafe {
+                            table.storage.read_slots(leaf, first..first + n, |src| {
+                                dst[at..at + src.len()].copy_from_slice(src);
+                                at += src.len();
+                            });
+                        }
+                    }
+                    dst[at..].fill(0);
+                };
+                // SAFETY: only this consumer writes the batch area (`&mut self` in `sample`),
+                // and `base + i` is in the half being assembled.
+                unsafe { table.area.fill_slot(base + i, leaf, fill) };
+            }
+        }
+        let t = table.geometry.length;
+        for (i, drawn) in self.pending.iter().enumerate() {
+            let real = (drawn.len as usize).min(t);
+            // SAFETY: as above, the consumer's own batch area.
+            unsafe {
+                table.area.fill_slot(base + i, leaves + 3, |mask| {
+                    mask[..real].fill(1);
+                    mask[real..].fill(0);
+                });
+            }
+            drawn.write_meta(|m, bytes| {
+                // SAFETY: as above; `write_slot` checks the length against the area's leaf.
+                unsafe { table.area.write_slot(base + i, leaves + m, bytes) }
+            });
+        }
+    }
+
+    /// Calls `f` with the bytes of `leaf` (a step leaf, `length` steps per window, then the
+    /// [`SEQUENCE_META`] values) of `batch`: `batch_size` windows back to back.
+    ///
+    /// # Panics
+    /// If `leaf` is out of range.
+    pub fn read_leaf<T>(&self, batch: ReplayBatch, leaf: usize, f: impl FnOnce(&[u8]) -> T) -> T {
+        let batch_size = self.table.config.batch_size;
+        let start = batch.half * batch_size;
+        // SAFETY: only this consumer writes the batch area, in `sample` (`&mut self`), which
+        // cannot run while `&self` is borrowed here; `half` is 0 or 1.
+        unsafe { self.table.area.read_slots(leaf, start..start + batch_size, f) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::Leaves;
+
+    /// One leaf: the step's id (u64).
+    fn spec() -> DataSpec {
+        DataSpec::new(vec![ArraySpec::new(vec![], 8).unwrap()]).unwrap()
+    }
+
+    struct Step<'a> {
+        leaves: Leaves<'a>,
+        tag: StepTag,
+    }
+
+    impl SampleSource for Step<'_> {
+        fn num_samples(&self) -> usize {
+            1
+        }
+        fn num_leaves(&self, _: usize) -> usize {
+            self.leaves.0.len()
+        }
+        fn leaf(&self, _: usize, leaf: usize) -> &[u8] {
+            self.leaves.0[leaf]
+        }
+        fn step(&self, _: usize) -> StepTag {
+            self.tag
+        }
+    }
+
+    fn put(t: &SequenceTable, stream: u64, id: u64, end: EpisodeEnd) {
+        let bytes = id.to_ne_bytes();
+        let slices = [&bytes[..]];
+        let step = Step { leaves: Leaves(&slices), tag: StepTag { stream, end } };
+        t.insert(&step, None, None).unwrap();
+    }
+
+    fn table(batch: usize, max_size: usize, seq: SequenceConfig) -> Arc<SequenceTable> {
+        let config = ReplayConfig { seed: Some(7), ..ReplayConfig::new(batch, max_size) };
+        SequenceTable::new(spec(), config, seq).unwrap()
+    }
+
+    /// Every window of a batch: (ids of its real steps, mask, start, episode).
+    fn windows(c: &mut SequenceConsumer) -> Vec<(Vec<u64>, Vec<bool>, u32, u64)> {
+        let b = c.sample(Some(Instant::now() + std::time::Duration::from_secs(5))).unwrap();
+        let t = c.table.geometry.length;
+        let n = c.table.config.batch_size;
+        let ids: Vec<u64> = c.read_leaf(b, 0, |bytes| {
+            bytes.chunks_exact(8).map(|x| u64::from_ne_bytes(x.try_into().unwrap())).collect()
+        });
+        let mask: Vec<bool> =
+            c.read_leaf(b, 1 + 3, |bytes| bytes.iter().map(|&x| x == 1).collect());
+        let start: Vec<u32> = c.read_leaf(b, 1 + 5, |bytes| {
+            bytes.chunks_exact(4).map(|x| u32::from_ne_bytes(x.try_into().unwrap())).collect()
+        });
+        let episode: Vec<u64> = c.read_leaf(b, 1 + 4, |bytes| {
+            bytes.chunks_exact(8).map(|x| u64::from_ne_bytes(x.try_into().unwrap())).collect()
+        });
+        (0..n)
+            .map(|i| {
+                let m = mask[i * t..(i + 1) * t].to_vec();
+                let real = m.iter().filter(|&&x| x).count();
+                (ids[i * t..i * t + real].to_vec(), m, start[i], episode[i])
+            })
+            .collect()
+    }
+
+    #[test]
+    fn config_errors_name_the_parameter() {
+        let err = |seq: SequenceConfig, max_size: usize| {
+            SequenceTable::new(spec(), ReplayConfig::new(2, max_size), seq).unwrap_err().to_string()
+        };
+        assert!(err(SequenceConfig::new(0), 10).contains("Sequence(length) must be >= 1, got 0"));
+        let p0 = SequenceConfig { period: 0, ..SequenceConfig::new(4) };
+        assert!(err(p0, 10).contains("Sequence(period) must be >= 1, got 0"));
+        assert!(err(SequenceConfig::new(8), 5).contains(">= length (8), got 5"));
+        let mut c = ReplayConfig::new(2, 10);
+        c.remover = RemoverKind::MinPriority;
+        let e = SequenceTable::new(spec(), c, SequenceConfig::new(2)).unwrap_err().to_string();
+        assert!(e.contains("remover must be Fifo()"), "{e}");
+    }
+
+    #[test]
+    fn windows_start_every_period_and_hold_consecutive_steps() {
+        let seq = SequenceConfig { period: 2, at_end: AtEnd::Drop, ..SequenceConfig::new(4) };
+        let t = table(8, 100, seq);
+        for id in 0..9 {
+            put(&t, 0, id, EpisodeEnd::No);
+        }
+        // Starts 0, 2, 4 are complete (4 + 4 <= 9); 6 is not.
+        assert_eq!(t.stats().windows.size, 3);
+        let mut c = t.consumer().unwrap();
+        for (ids, mask, start, _) in windows(&mut c) {
+            assert_eq!(ids, (u64::from(start)..u64::from(start) + 4).collect::<Vec<_>>());
+            assert!(mask.iter().all(|&m| m));
+            assert!([0, 2, 4].contains(&start));
+        }
+    }
+
+    #[test]
+    fn at_end_pad_shift_drop() {
+        // An episode of 7 steps, windows of 4 every 2: whole windows at 0 and 2 (steps 0-3,
+        // 2-5); start 4 and 6 would run past the end.
+        let cases = [
+            (AtEnd::Pad, vec![(0, 4), (2, 4), (4, 3), (6, 1)]),
+            (AtEnd::Shift, vec![(0, 4), (2, 4), (3, 4)]),
+            (AtEnd::Drop, vec![(0, 4), (2, 4)]),
+        ];
+        for (at_end, expected) in cases {
+            let seq = SequenceConfig { period: 2, at_end, ..SequenceConfig::new(4) };
+            let t = table(64, 100, seq);
+            for id in 0..7 {
+                let end = if id == 6 { EpisodeEnd::Terminated } else { EpisodeEnd::No };
+                put(&t, 3, id, end);
+            }
+            assert_eq!(t.stats().windows.size, expected.len() as u64, "{at_end:?}");
+            let mut c = t.consumer().unwrap();
+            let mut seen: Vec<(u32, usize)> = Vec::new();
+            for (ids, mask, start, _) in windows(&mut c) {
+                let len = ids.len();
+                assert_eq!(
+                    ids,
+                    (u64::from(start)..u64::from(start) + len as u64).collect::<Vec<_>>()
+                );
+                assert_eq!(mask.iter().filter(|&&m| m).count(), len);
+                assert!(mask[..len].iter().all(|&m| m) && mask[len..].iter().all(|&m| !m));
+                seen.push((start, len));
+            }
+            seen.sort_unstable();
+            seen.dedup();
+            assert_eq!(seen, expected, "{at_end:?}: every window drawn in 64 draws of 2-4");
+        }
+    }
+
+    #[test]
+    fn short_episodes_follow_the_same_rule() {
+        for (at_end, windows_made) in [(AtEnd::Pad, 1), (AtEnd::Shift, 1), (AtEnd::Drop, 0)] {
+            let seq = SequenceConfig { at_end, ..SequenceConfig::new(5) };
+            let t = table(2, 50, seq);
+            put(&t, 0, 10, EpisodeEnd::No);
+            put(&t, 0, 11, EpisodeEnd::Truncated);
+            let stats = t.stats();
+            assert_eq!(stats.windows.size, windows_made, "{at_end:?}");
+            assert_eq!((stats.episodes_ended, stats.streams_open), (1, 0));
+        }
+    }
+
+    #[test]
+    fn interleaved_streams_never_mix() {
+        let seq = SequenceConfig { period: 3, ..SequenceConfig::new(5) };
+        let t = table(32, 1000, seq);
+        // Stream s sends ids s * 1000 + i, episodes of 11 steps.
+        for i in 0..40u64 {
+            for s in 0..4u64 {
+                let end = if i % 11 == 10 { EpisodeEnd::Terminated } else { EpisodeEnd::No };
+                put(&t, s, s * 1000 + i, end);
+            }
+        }
+        let mut c = t.consumer().unwrap();
+        for _ in 0..20 {
+            for (ids, _, start, _) in windows(&mut c) {
+                let stream = ids[0] / 1000;
+                let first = ids[0] % 1000;
+                assert_eq!(first % 11, u64::from(start), "start is the index in the episode");
+                for (j, id) in ids.iter().enumerate() {
+                    assert_eq!(*id, stream * 1000 + first + j as u64);
+                    assert_eq!((first + j as u64) / 11, first / 11, "one episode");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn eviction_removes_every_window_with_an_evicted_step() {
+        // max_size 23 (prime), chunks of min(4, 6) = 4 steps, one stream, no episode ends.
+        let seq = SequenceConfig { period: 1, ..SequenceConfig::new(4) };
+        let t = table(4, 23, seq);
+        assert_eq!(t.chunk_length(), 4);
+        let mut c = t.consumer().unwrap();
+        for id in 0..500u64 {
+            put(&t, 0, id, EpisodeEnd::No);
+            let stats = t.stats();
+            assert!(stats.steps <= 23, "stored {} > max_size", stats.steps);
+            if stats.windows.size > 0 && id % 7 == 0 {
+                for (ids, _, _, _) in windows(&mut c) {
+                    assert_eq!(ids.len(), 4);
+                    // Everything stored is at most 23 steps old, and a window's steps are.
+                    assert!(ids[0] + 23 > id, "window {ids:?} holds an evicted step at {id}");
+                    assert_eq!(ids[3], ids[0] + 3);
+                }
+            }
+        }
+        assert!(t.stats().windows.evicted > 0);
+    }
+
+    #[test]
+    fn stale_keys_are_ignored_and_counted() {
+        let seq = SequenceConfig::new(2);
+        let t = table(1, 8, seq);
+        let mut c = t.consumer().unwrap();
+        put(&t, 0, 0, EpisodeEnd::No);
+        put(&t, 0, 1, EpisodeEnd::No);
+        let b = c.sample(None).unwrap();
+        let key = c.read_leaf(b, 1, |k| u64::from_ne_bytes(k.try_into().unwrap()));
+        assert_eq!(t.priority(key), Some(1.0));
+        assert_eq!(t.update_priorities(&[key], &[3.0]).unwrap(), 0);
+        assert_eq!(t.priority(key), Some(3.0));
+        for id in 2..40 {
+            put(&t, 0, id, EpisodeEnd::No);
+        }
+        assert_eq!(t.priority(key), None, "its steps were evicted");
+        assert_eq!(t.update_priorities(&[key, key + 1], &[5.0, 5.0]).unwrap(), 2);
+        assert_eq!(t.stats().windows.unknown_keys, 2);
+        // A new window later in the same slot has another key.
+        for _ in 0..10 {
+            let b = c.sample(None).unwrap();
+            let k = c.read_leaf(b, 1, |k| u64::from_ne_bytes(k.try_into().unwrap()));
+            assert_ne!(k, key);
+        }
+    }
+
+    #[test]
+    fn a_window_priority_is_the_max_of_its_steps_priorities() {
+        let seq = SequenceConfig::new(3);
+        let t = table(1, 30, seq);
+        let mut c = t.consumer().unwrap();
+        for (id, p) in [(0u64, Some(0.5)), (1, None), (2, Some(2.5))] {
+            let bytes = id.to_ne_bytes();
+            let slices = [&bytes[..]];
+            let step = Step { leaves: Leaves(&slices), tag: StepTag::default() };
+            t.insert(&step, p, None).unwrap();
+        }
+        let b = c.sample(None).unwrap();
+        let key = c.read_leaf(b, 1, |k| u64::from_ne_bytes(k.try_into().unwrap()));
+        assert_eq!(t.priority(key), Some(2.5));
+    }
+
+    #[test]
+    fn a_gone_stream_is_truncated_and_its_windows_stay() {
+        let seq = SequenceConfig { at_end: AtEnd::Pad, ..SequenceConfig::new(4) };
+        let t = table(4, 40, seq);
+        for id in 0..6 {
+            put(&t, 9, id, EpisodeEnd::No);
+        }
+        assert_eq!(t.stats().windows.size, 1);
+        assert!(t.end_stream(9, EpisodeEnd::Truncated));
+        assert!(!t.end_stream(9, EpisodeEnd::Truncated), "no open episode any more");
+        let stats = t.stats();
+        assert_eq!((stats.windows.size, stats.streams_open, stats.episodes_ended), (2, 0, 1));
+        let mut c = t.consumer().unwrap();
+        let b = c.sample(None).unwrap();
+        let truncated = c.read_leaf(b, 1 + 8, <[u8]>::to_vec);
+        let terminated = c.read_leaf(b, 1 + 7, <[u8]>::to_vec);
+        assert!(truncated.iter().all(|&x| x == 1) && terminated.iter().all(|&x| x == 0));
+    }
+
+    #[test]
+    fn max_streams_bounds_open_episodes() {
+        let seq = SequenceConfig { max_streams: 2, ..SequenceConfig::new(2) };
+        let t = table(1, 20, seq);
+        put(&t, 0, 0, EpisodeEnd::No);
+        put(&t, 1, 0, EpisodeEnd::No);
+        let bytes = 0u64.to_ne_bytes();
+        let slices = [&bytes[..]];
+        let step =
+            Step { leaves: Leaves(&slices), tag: StepTag { stream: 2, end: EpisodeEnd::No } };
+        let err = t.insert(&step, None, None).unwrap_err();
+        assert!(err.to_string().contains("max_streams"), "{err}");
+        put(&t, 1, 1, EpisodeEnd::Terminated);
+        t.insert(&step, None, None).unwrap();
+    }
+}
