@@ -1,0 +1,339 @@
+//! Sequence tables through their public API.
+//!
+//! - Against a model (proptest): random interleavings of several streams' episodes, for every
+//!   `at_end`, length and period, in a table large enough that nothing is evicted. Draining it
+//!   (LIFO, each window once) hands out exactly the windows the model cuts from the episodes,
+//!   each with the steps, mask and start the model says.
+//! - Under contention: writer threads append steps of several streams each to a table whose
+//!   `max_size` is a prime (so nothing lines up with the chunks), while the consumer samples
+//!   batches. Every window it is handed is `length` (or, padded, fewer) consecutive steps of
+//!   one episode of one stream, never a step that was evicted and written over.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use echo::replay::{
+    AtEnd, ReplayBatch, ReplayConfig, SamplerKind, SequenceConfig, SequenceConsumer,
+    SequenceTable, SEQUENCE_META,
+};
+use echo::{ArraySpec, DataSpec, EpisodeEnd, SampleSource, StepLeaves, StepTag};
+use proptest::prelude::*;
+
+/// Leaf 0: the step's id `stream << 40 | episode << 20 | index` (u64). Leaf 1: 5 bytes derived
+/// from it (an odd size, to catch torn or misaligned copies).
+fn spec() -> DataSpec {
+    DataSpec::new(vec![ArraySpec::new(vec![], 8).unwrap(), ArraySpec::new(vec![5], 1).unwrap()])
+        .unwrap()
+}
+
+fn step_id(stream: u64, episode: u64, index: u64) -> u64 {
+    (stream << 40) | (episode << 20) | index
+}
+
+fn tail(id: u64) -> [u8; 5] {
+    std::array::from_fn(|i| (id.wrapping_mul(2_654_435_761).wrapping_add(i as u64) >> 3) as u8)
+}
+
+fn put(table: &SequenceTable, id: u64, stream: u64, end: EpisodeEnd) {
+    let (head, tail) = (id.to_ne_bytes(), tail(id));
+    let leaves = [&head[..], &tail[..]];
+    let step = StepLeaves(&leaves, StepTag { stream, end });
+    assert_eq!(step.num_samples(), 1);
+    table.insert(&step, None, Some(Instant::now() + common::PATIENCE)).unwrap();
+}
+
+/// One window as handed out: its real steps' ids, the mask, and the per-window values.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+struct Got {
+    stream: u64,
+    start: u32,
+    ids: Vec<u64>,
+    terminated: bool,
+    truncated: bool,
+}
+
+fn meta_index(name: &str) -> usize {
+    2 + SEQUENCE_META.iter().position(|m| m.name == name).unwrap()
+}
+
+fn read_u64s(c: &SequenceConsumer, b: ReplayBatch, leaf: usize) -> Vec<u64> {
+    c.read_leaf(b, leaf, |bytes| {
+        bytes.chunks_exact(8).map(|x| u64::from_ne_bytes(x.try_into().unwrap())).collect()
+    })
+}
+
+/// Every window of batch `b`, checked for what holds of any window: real steps first (mask
+/// exact), zeros after them, uncorrupted tails, consecutive steps of one episode of one
+/// stream, `start` its first step's index.
+fn windows(c: &SequenceConsumer, b: ReplayBatch, length: usize) -> Vec<Got> {
+    let ids = read_u64s(c, b, 0);
+    let tails = c.read_leaf(b, 1, <[u8]>::to_vec);
+    let mask = c.read_leaf(b, meta_index("mask"), <[u8]>::to_vec);
+    let starts: Vec<u32> = c.read_leaf(b, meta_index("start"), |bytes| {
+        bytes.chunks_exact(4).map(|x| u32::from_ne_bytes(x.try_into().unwrap())).collect()
+    });
+    let streams = read_u64s(c, b, meta_index("stream"));
+    let terminated = c.read_leaf(b, meta_index("terminated"), <[u8]>::to_vec);
+    let truncated = c.read_leaf(b, meta_index("truncated"), <[u8]>::to_vec);
+    (0..starts.len())
+        .map(|w| {
+            let m = &mask[w * length..(w + 1) * length];
+            let real = m.iter().take_while(|&&x| x == 1).count();
+            assert!(m[real..].iter().all(|&x| x == 0), "mask {m:?}: real steps, then padding");
+            assert!(real > 0, "a window has at least one real step");
+            let w_ids = ids[w * length..w * length + real].to_vec();
+            for (j, &id) in ids[w * length..(w + 1) * length].iter().enumerate() {
+                let t = &tails[(w * length + j) * 5..(w * length + j + 1) * 5];
+                if j < real {
+                    assert_eq!(t, tail(id), "step {id:#x} is corrupted");
+                } else {
+                    assert_eq!((id, t), (0, &[0u8; 5][..]), "padding is zeros");
+                }
+            }
+            let first = w_ids[0];
+            for (j, &id) in w_ids.iter().enumerate() {
+                assert_eq!(id, first + j as u64, "window {w_ids:x?}: not consecutive steps");
+            }
+            assert_eq!(first >> 40, streams[w], "the window's stream");
+            assert_eq!(u64::from(starts[w]), first & 0xF_FFFF, "start is the first step's index");
+            Got {
+                stream: streams[w],
+                start: starts[w],
+                ids: w_ids,
+                terminated: terminated[w] == 1,
+                truncated: truncated[w] == 1,
+            }
+        })
+        .collect()
+}
+
+/// The windows the rules cut from one ended episode of `len` steps: `(start, real steps)`.
+fn model_windows(len: u32, t: u32, p: u32, at_end: AtEnd) -> Vec<(u32, u32)> {
+    let mut out: Vec<(u32, u32)> =
+        (0..len).step_by(p as usize).filter(|s| s + t <= len).map(|s| (s, t)).collect();
+    let pending: Vec<u32> = (0..len).step_by(p as usize).filter(|s| s + t > len).collect();
+    match at_end {
+        AtEnd::Drop => {}
+        AtEnd::Pad => out.extend(pending.iter().map(|&s| (s, len - s))),
+        AtEnd::Shift if !pending.is_empty() => {
+            let start = len.saturating_sub(t);
+            if !out.iter().any(|&(s, _)| s == start) {
+                out.push((start, len - start));
+            }
+        }
+        AtEnd::Shift => {}
+    }
+    out
+}
+
+#[derive(Debug, Clone)]
+struct Case {
+    length: u32,
+    period: u32,
+    at_end: AtEnd,
+    /// Per stream: its episodes' lengths; the last may stay open.
+    episodes: Vec<Vec<u32>>,
+    last_open: bool,
+    /// The order streams take turns in (indices into `episodes`, cycled).
+    turns: Vec<usize>,
+}
+
+fn case() -> impl Strategy<Value = Case> {
+    (
+        1u32..7,
+        1u32..7,
+        prop_oneof![Just(AtEnd::Pad), Just(AtEnd::Shift), Just(AtEnd::Drop)],
+        prop::collection::vec(prop::collection::vec(1u32..15, 1..4), 1..4),
+        any::<bool>(),
+        prop::collection::vec(0usize..4, 1..12),
+    )
+        .prop_map(|(length, period, at_end, episodes, last_open, turns)| Case {
+            length,
+            period,
+            at_end,
+            episodes,
+            last_open,
+            turns,
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 192, ..ProptestConfig::default() })]
+
+    #[test]
+    fn every_window_matches_a_model_of_its_episodes(case in case()) {
+        let (t, p) = (case.length, case.period);
+        let config = ReplayConfig {
+            sampler: SamplerKind::Lifo,
+            max_times_sampled: 1,
+            seed: Some(1),
+            ..ReplayConfig::new(1, 4096)
+        };
+        let sequence = SequenceConfig {
+            period: p as usize,
+            at_end: case.at_end,
+            ..SequenceConfig::new(t as usize)
+        };
+        let table = SequenceTable::new(spec(), config, sequence).unwrap();
+        // Each stream's steps, in order, with the flag each carries.
+        let mut queues: Vec<Vec<(u64, EpisodeEnd)>> = Vec::new();
+        let mut expected = Vec::new();
+        for (s, lens) in case.episodes.iter().enumerate() {
+            let s = s as u64;
+            let mut steps = Vec::new();
+            for (e, &len) in lens.iter().enumerate() {
+                let open = case.last_open && e + 1 == lens.len();
+                for i in 0..len {
+                    let end = if i + 1 == len && !open { EpisodeEnd::Terminated } else { EpisodeEnd::No };
+                    steps.push((step_id(s, e as u64, u64::from(i)), end));
+                }
+                let cut = if open {
+                    // An open episode has only its whole windows so far.
+                    (0..len).step_by(p as usize).filter(|st| st + t <= len).map(|st| (st, t)).collect()
+                } else {
+                    model_windows(len, t, p, case.at_end)
+                };
+                for (start, real) in cut {
+                    let ids = (0..real).map(|j| step_id(s, e as u64, u64::from(start + j))).collect();
+                    expected.push(Got { stream: s, start, ids, terminated: !open, truncated: false });
+                }
+            }
+            queues.push(steps);
+        }
+        // Interleave the streams in the case's turn order (then whatever is left, in order).
+        let mut next = vec![0usize; queues.len()];
+        let turns = case.turns.iter().map(|&i| i % queues.len());
+        for s in turns.cycle().take(queues.iter().map(Vec::len).sum::<usize>() * 2) {
+            if let Some(&(id, end)) = queues[s].get(next[s]) {
+                put(&table, id, s as u64, end);
+                next[s] += 1;
+            }
+        }
+        for (s, q) in queues.iter().enumerate() {
+            for &(id, end) in &q[next[s]..] {
+                put(&table, id, s as u64, end);
+            }
+        }
+        let stats = table.stats();
+        prop_assert_eq!(stats.windows.size, expected.len() as u64);
+        prop_assert_eq!(stats.windows.evicted, 0);
+        let mut c = table.consumer().unwrap();
+        let mut got = Vec::new();
+        for _ in 0..expected.len() {
+            let b = c.sample(Some(Instant::now() + common::PATIENCE)).unwrap();
+            got.extend(windows(&c, b, t as usize));
+        }
+        got.sort();
+        expected.sort();
+        prop_assert_eq!(got, expected);
+        prop_assert_eq!(table.stats().windows.size, 0, "each window handed out once");
+    }
+}
+
+#[test]
+fn concurrent_inserts_and_samples_never_see_an_evicted_step() {
+    const WRITERS: u64 = 3;
+    const STREAMS_PER_WRITER: u64 = 4;
+    const STEPS_PER_WRITER: u64 = 60_000;
+    const LENGTH: usize = 8;
+    for at_end in [AtEnd::Pad, AtEnd::Shift, AtEnd::Drop] {
+        // 997 is prime: no chunk boundary lines up with the table's end.
+        let config = ReplayConfig { seed: Some(3), ..ReplayConfig::new(16, 997) };
+        let sequence = SequenceConfig { period: 3, at_end, ..SequenceConfig::new(LENGTH) };
+        let table = SequenceTable::new(spec(), config, sequence).unwrap();
+        let done = Arc::new(AtomicBool::new(false));
+        let writers: Vec<_> = (0..WRITERS)
+            .map(|w| {
+                let table = Arc::clone(&table);
+                thread::spawn(move || {
+                    // Episode lengths from a fixed sequence: 1..=37 steps.
+                    let mut state = w * 7 + 1;
+                    let mut episode = vec![0u64; STREAMS_PER_WRITER as usize];
+                    let mut index = vec![0u64; STREAMS_PER_WRITER as usize];
+                    let mut left = vec![0u64; STREAMS_PER_WRITER as usize];
+                    for n in 0..STEPS_PER_WRITER {
+                        let k = (n % STREAMS_PER_WRITER) as usize;
+                        if left[k] == 0 {
+                            state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+                            left[k] = 1 + (state >> 33) % 37;
+                        }
+                        left[k] -= 1;
+                        let stream = w * STREAMS_PER_WRITER + k as u64;
+                        let end = match (left[k], n % 2) {
+                            (0, 0) => EpisodeEnd::Terminated,
+                            (0, _) => EpisodeEnd::Truncated,
+                            _ => EpisodeEnd::No,
+                        };
+                        put(&table, step_id(stream, episode[k], index[k]), stream, end);
+                        index[k] += 1;
+                        if end != EpisodeEnd::No {
+                            episode[k] += 1;
+                            index[k] = 0;
+                        }
+                    }
+                })
+            })
+            .collect();
+        let sampler = {
+            let table = Arc::clone(&table);
+            let done = Arc::clone(&done);
+            thread::spawn(move || {
+                let mut c = table.consumer().unwrap();
+                let mut batches = 0u64;
+                while !done.load(Ordering::Relaxed) || batches < 50 {
+                    let b = c.sample(Some(Instant::now() + common::PATIENCE)).unwrap();
+                    for got in windows(&c, b, LENGTH) {
+                        if got.ids.len() < LENGTH {
+                            assert_ne!(at_end, AtEnd::Drop, "drop never pads");
+                            assert!(got.terminated || got.truncated, "padding only at an end");
+                        }
+                    }
+                    batches += 1;
+                }
+                batches
+            })
+        };
+        for w in writers {
+            w.join().unwrap();
+        }
+        done.store(true, Ordering::Relaxed);
+        let batches = sampler.join().unwrap();
+        let stats = table.stats();
+        assert!(stats.steps <= 997, "{at_end:?}: {} steps stored", stats.steps);
+        assert_eq!(stats.steps_inserted, WRITERS * STEPS_PER_WRITER);
+        assert!(stats.windows.evicted > 0 && stats.steps_evicted > 0, "{at_end:?}: {stats:?}");
+        assert!(batches >= 50, "{at_end:?}");
+        // Every stream left its last episode open or ended it; nothing else is open.
+        assert!(stats.streams_open <= WRITERS * STREAMS_PER_WRITER);
+    }
+}
+
+#[test]
+fn a_stale_key_never_reaches_a_newer_window() {
+    let config = ReplayConfig { seed: Some(5), ..ReplayConfig::new(4, 31) };
+    let table = SequenceTable::new(spec(), config, SequenceConfig::new(3)).unwrap();
+    let mut c = table.consumer().unwrap();
+    let mut seen = BTreeMap::new();
+    for i in 0..3000u64 {
+        put(&table, step_id(0, 0, i), 0, EpisodeEnd::No);
+        if i % 50 == 49 {
+            let b = c.sample(Some(Instant::now() + Duration::from_secs(5))).unwrap();
+            let keys = read_u64s(&c, b, meta_index("keys"));
+            for (key, got) in keys.iter().zip(windows(&c, b, 3)) {
+                // A key names one window for good: never another window's steps.
+                let first = *seen.entry(*key).or_insert(got.ids[0]);
+                assert_eq!(first, got.ids[0], "key {key:#x} named two windows");
+            }
+        }
+    }
+    let stale: Vec<u64> = seen.keys().copied().collect();
+    let live_before = stale.iter().filter(|&&k| table.priority(k).is_some()).count() as u64;
+    let unknown = table.update_priorities(&stale, &vec![2.0; stale.len()]).unwrap();
+    assert_eq!(unknown, stale.len() as u64 - live_before);
+    assert!(unknown > 0, "most keys sampled early were evicted");
+}
