@@ -47,10 +47,10 @@ use crate::backend::Backend;
 use crate::doorbell::Doorbell;
 use crate::error::EchoError;
 use crate::metrics::{Counter, HistSummary, Histo, Stamp};
-use crate::source::{Payloads, SampleSource};
+use crate::source::{EpisodeEnd, Payloads, SampleSource, StepTag};
 use std::sync::Weak;
 
-use crate::sync::{Arc, AtomicBool, AtomicUsize};
+use crate::sync::{Arc, AtomicBool, AtomicU32, AtomicU64, AtomicUsize};
 
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 
@@ -274,7 +274,18 @@ impl std::fmt::Debug for SegmentReservation {
 }
 
 /// A queued sample: its payload, its push time, and the priority it was sent with (wire v2).
-type Queued = (Box<[u8]>, Stamp, Option<f64>);
+type Queued = (Box<[u8]>, Stamp, Option<f64>, StepMark);
+
+/// Which of its connection's streams a sample is a step of, and whether it ends its episode
+/// (sequence tables; other backends ignore it). A connection's row `r` is the backend's stream
+/// [`Connection::stream`]`(r)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StepMark {
+    /// The connection's row: row `i` of a client's `send_batch`, 0 otherwise.
+    pub row: u32,
+    /// Whether the step ends its episode.
+    pub end: EpisodeEnd,
+}
 
 /// One client connection's queue and buffer pool, shared by its transport task and drainer.
 pub struct Connection {
@@ -305,9 +316,42 @@ pub struct Connection {
     drainer: Arc<DrainerShared>,
     waker: Box<dyn SpaceWaker>,
     stats: Arc<IngressStats>,
+    /// The backend stream of row 0 of this connection: `(connection number + 1) << 32`, so
+    /// every connection's streams are apart from each other and from in-process streams
+    /// (below 2^32).
+    stream_base: u64,
+    /// One more than the largest row a sample of this connection was a step of (0: none
+    /// yet): the streams whose open episodes end when the connection is pruned.
+    rows_used: AtomicU32,
 }
 
 impl Connection {
+    /// The backend stream that row `row` of this connection feeds.
+    pub fn stream(&self, row: u32) -> u64 {
+        self.stream_base | u64::from(row)
+    }
+
+    /// Records that a sample of `row` went (or goes) into the backend, so that the row's open
+    /// episode is ended when this connection is gone for good.
+    pub fn note_row(&self, row: u32) {
+        // ORDERING: Relaxed — read by the drainer that prunes this connection, after the
+        // `closed` Release/Acquire pair (`close`, `is_drained`) orders every earlier write.
+        self.rows_used.fetch_max(row.saturating_add(1), Relaxed);
+    }
+
+    /// Ends the open episode of every stream this connection fed (as truncated: its worker is
+    /// gone for good), once its last sample is in. A no-op for backends without episodes.
+    fn end_streams(&self) {
+        if self.backend.sequence().is_none() {
+            return;
+        }
+        // ORDERING: Relaxed — see `note_row`; the caller saw the connection drained.
+        let rows = self.rows_used.load(Relaxed);
+        for row in 0..rows {
+            self.backend.end_stream(self.stream(row), EpisodeEnd::Truncated);
+        }
+    }
+
     /// An empty buffer of `payload_size` bytes, from the pool, or newly allocated while the
     /// pool is below its cap and the ingress's byte budget allows. `None` when every buffer
     /// is in use or the budget is spent (wait for [`SpaceWaker::wake`], then retry).
@@ -376,15 +420,27 @@ impl Connection {
     /// [`Connection::try_push`] for a sample with its own priority (replay backends; check it
     /// with [`Backend::check_priority`] first: an invalid one fails the drainer's whole round).
     pub fn try_push_with(&self, buf: Box<[u8]>, priority: Option<f64>) -> Result<(), Box<[u8]>> {
+        self.try_push_step(buf, priority, StepMark::default())
+    }
+
+    /// [`Connection::try_push_with`] for a step of row `mark.row` of this connection (a
+    /// sequence table's stream [`Connection::stream`]`(mark.row)`).
+    pub fn try_push_step(
+        &self,
+        buf: Box<[u8]>,
+        priority: Option<f64>,
+        mark: StepMark,
+    ) -> Result<(), Box<[u8]>> {
         debug_assert_eq!(buf.len(), self.payload_size);
         // ORDERING: Relaxed — only this task increments, and `try_insert_in_place` (the one
         // reader that acts on it) runs on this task too, after this.
         self.unfinished.fetch_add(1, Relaxed);
-        if let Err((buf, ..)) = self.queue.push((buf, Stamp::now(), priority)) {
+        if let Err((buf, ..)) = self.queue.push((buf, Stamp::now(), priority, mark)) {
             // ORDERING: Relaxed — undoes the increment above; the drainer never saw the sample.
             self.unfinished.fetch_sub(1, Relaxed);
             return Err(buf);
         }
+        self.note_row(mark.row);
         self.stats.pending.add(1);
         self.drainer.bell.wake_if_sleeping();
         Ok(())
@@ -468,7 +524,7 @@ impl Connection {
         }
         // ORDERING: Relaxed — see `stashed`.
         self.stashed.store(stash.len(), Relaxed);
-        for (buf, _, priority) in stash.iter() {
+        for (buf, _, priority, _) in stash.iter() {
             each(buf, *priority);
         }
         drop(stash);
@@ -633,6 +689,8 @@ pub struct Ingress {
     /// Shared by all drainers (zero-sized without `detailed-metrics`).
     drain_round: Histo,
     queue_dwell: Histo,
+    /// Connections registered so far: numbers each one's streams.
+    connections: AtomicU64,
 }
 
 impl Ingress {
@@ -655,6 +713,7 @@ impl Ingress {
             budget: Arc::new(ByteBudget::new(config.max_buffered_bytes)),
             drain_round: Histo::new(),
             queue_dwell: Histo::new(),
+            connections: AtomicU64::new(0),
         });
         for (index, shared) in ingress.drainers.iter().enumerate() {
             let (ingress_ref, shared_ref) = (Arc::clone(&ingress), Arc::clone(shared));
@@ -718,7 +777,11 @@ impl Ingress {
             self.drainers.iter().min_by_key(|d| d.load.get()).expect("at least one drainer");
         drainer.load.add(1);
         let payload_size = self.backend.spec().payload_size();
+        // ORDERING: Relaxed — only numbers connections; nothing else is published with it.
+        let number = self.connections.fetch_add(1, Relaxed);
         let conn = Arc::new(Connection {
+            stream_base: (number + 1) << 32,
+            rows_used: AtomicU32::new(0),
             queue: ArrayQueue::new(self.config.queue_size),
             stash: Mutex::new(VecDeque::new()),
             stashed: AtomicUsize::new(0),
@@ -945,6 +1008,10 @@ impl QueuedSamples {
 struct Round<'a> {
     payloads: Payloads<'a, Box<[u8]>>,
     priorities: &'a [Option<f64>],
+    /// Per sample: its connection (an index into `conns`) and its row and episode flag.
+    owners: &'a [usize],
+    marks: &'a [StepMark],
+    conns: &'a [Arc<Connection>],
     drainer: &'a DrainerShared,
     stats: &'a IngressStats,
 }
@@ -961,6 +1028,10 @@ impl SampleSource for Round<'_> {
     }
     fn priority(&self, sample: usize) -> Option<f64> {
         self.priorities[sample]
+    }
+    fn step(&self, sample: usize) -> StepTag {
+        let mark = self.marks[sample];
+        StepTag { stream: self.conns[self.owners[sample]].stream(mark.row), end: mark.end }
     }
     fn inserted(&self, count: usize) {
         // ORDERING: Relaxed — a checkpoint reads it at the backend's snapshot moment, which
@@ -981,6 +1052,7 @@ struct DrainerState {
     bufs: Vec<Box<[u8]>>,
     owners: Vec<usize>,
     priorities: Vec<Option<f64>>,
+    marks: Vec<StepMark>,
     round: usize,
 }
 
@@ -1020,6 +1092,9 @@ impl Drainer {
                         let round = Round {
                             payloads,
                             priorities: &state.priorities,
+                            owners: &state.owners,
+                            marks: &state.marks,
+                            conns: &state.conns,
                             drainer: &self.shared,
                             stats: &self.ingress.stats,
                         };
@@ -1083,10 +1158,11 @@ impl DrainerState {
                 let conn = &self.conns[index];
                 if conn.stashed() > 0 {
                     let mut stash = conn.stash.lock();
-                    for (buf, pushed, priority) in stash.drain(..) {
+                    for (buf, pushed, priority, mark) in stash.drain(..) {
                         ingress.queue_dwell.record_since(pushed);
                         self.bufs.push(buf);
                         self.priorities.push(priority);
+                        self.marks.push(mark);
                         self.owners.push(index);
                     }
                     // ORDERING: Relaxed — see `Connection::stashed`.
@@ -1096,10 +1172,11 @@ impl DrainerState {
                 sum += depth as u64;
                 max = max.max(depth as u64);
                 for _ in 0..depth {
-                    let Some((buf, pushed, priority)) = conn.queue.pop() else { break };
+                    let Some((buf, pushed, priority, mark)) = conn.queue.pop() else { break };
                     ingress.queue_dwell.record_since(pushed);
                     self.bufs.push(buf);
                     self.priorities.push(priority);
+                    self.marks.push(mark);
                     self.owners.push(index);
                 }
             }
@@ -1113,6 +1190,7 @@ impl DrainerState {
     fn recycle(&mut self) {
         let mut last = usize::MAX;
         self.priorities.clear();
+        self.marks.clear();
         for (buf, owner) in self.bufs.drain(..).zip(self.owners.drain(..)) {
             let conn = &self.conns[owner];
             // ORDERING: Release pairs with the Acquire in `Connection::is_idle`: this round's
@@ -1131,10 +1209,17 @@ impl DrainerState {
         }
     }
 
-    /// Forgets connections that are closed and fully drained.
+    /// Forgets connections that are closed and fully drained, ending their streams' open
+    /// episodes (a sequence table).
     fn prune(&mut self, shared: &DrainerShared) {
         let before = self.conns.len();
-        self.conns.retain(|c| !c.is_drained());
+        self.conns.retain(|c| {
+            let drained = c.is_drained();
+            if drained {
+                c.end_streams();
+            }
+            !drained
+        });
         let pruned = before - self.conns.len();
         if pruned > 0 {
             shared.load.sub(pruned as u64);

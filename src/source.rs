@@ -110,6 +110,15 @@ impl SampleSource for StepLeaves<'_> {
 }
 
 impl EpisodeEnd {
+    /// The code the bindings and the wire use: 0 goes on, 1 terminated, 2 truncated.
+    pub fn code(self) -> u8 {
+        match self {
+            Self::No => 0,
+            Self::Terminated => 1,
+            Self::Truncated => 2,
+        }
+    }
+
     /// From the code the bindings and the wire use: 0 goes on, 1 terminated, 2 truncated.
     pub fn from_code(code: u8) -> Option<Self> {
         match code {

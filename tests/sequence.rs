@@ -18,8 +18,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use echo::replay::{
-    AtEnd, ReplayBatch, ReplayConfig, SamplerKind, SequenceConfig, SequenceConsumer,
-    SequenceTable, SEQUENCE_META,
+    AtEnd, ReplayBatch, ReplayConfig, SamplerKind, SequenceConfig, SequenceConsumer, SequenceTable,
+    SEQUENCE_META,
 };
 use echo::{ArraySpec, DataSpec, EpisodeEnd, SampleSource, StepLeaves, StepTag};
 use proptest::prelude::*;
@@ -55,6 +55,8 @@ struct Got {
     ids: Vec<u64>,
     terminated: bool,
     truncated: bool,
+    /// Where the episode's last step is in the window, if it is there (and has arrived).
+    last: Option<usize>,
 }
 
 fn meta_index(name: &str) -> usize {
@@ -80,6 +82,7 @@ fn windows(c: &SequenceConsumer, b: ReplayBatch, length: usize) -> Vec<Got> {
     let streams = read_u64s(c, b, meta_index("stream"));
     let terminated = c.read_leaf(b, meta_index("terminated"), <[u8]>::to_vec);
     let truncated = c.read_leaf(b, meta_index("truncated"), <[u8]>::to_vec);
+    let is_last = c.read_leaf(b, meta_index("is_last"), <[u8]>::to_vec);
     (0..starts.len())
         .map(|w| {
             let m = &mask[w * length..(w + 1) * length];
@@ -101,12 +104,15 @@ fn windows(c: &SequenceConsumer, b: ReplayBatch, length: usize) -> Vec<Got> {
             }
             assert_eq!(first >> 40, streams[w], "the window's stream");
             assert_eq!(u64::from(starts[w]), first & 0xF_FFFF, "start is the first step's index");
+            let lasts: Vec<usize> = (0..length).filter(|&j| is_last[w * length + j] == 1).collect();
+            assert!(lasts.len() <= 1 && lasts.iter().all(|&j| j < real), "is_last {lasts:?}");
             Got {
                 stream: streams[w],
                 start: starts[w],
                 ids: w_ids,
                 terminated: terminated[w] == 1,
                 truncated: truncated[w] == 1,
+                last: lasts.first().copied(),
             }
         })
         .collect()
@@ -200,7 +206,8 @@ proptest! {
                 };
                 for (start, real) in cut {
                     let ids = (0..real).map(|j| step_id(s, e as u64, u64::from(start + j))).collect();
-                    expected.push(Got { stream: s, start, ids, terminated: !open, truncated: false });
+                    let last = (!open && start + real == len).then(|| (real - 1) as usize);
+                    expected.push(Got { stream: s, start, ids, terminated: !open, truncated: false, last });
                 }
             }
             queues.push(steps);

@@ -21,7 +21,7 @@ use echo::ingress::IngressConfig;
 use echo::transport::client::{ClientConfig, SharedMemory, TcpSender};
 use echo::transport::shm::{self, Reader, Writer, HEADER_LEN, OFF_TAIL, SLOT_HEADER};
 use echo::transport::tcp::TcpConfig;
-use echo::transport::wire::v2::{self, Hello, Layout, Offer, Reply};
+use echo::transport::wire::v2::{self, FrameMeta, Hello, Layout, Offer, Reply};
 use echo::transport::TcpIngress;
 use echo::{Consumer, EchoError, Store};
 
@@ -98,7 +98,8 @@ fn a_two_slot_ring_moves_every_sample_once_in_order_with_both_sides_sleeping() {
         let p = payload_of(seq);
         let priority = (seq % 3 == 0).then_some(seq as f64);
         for _ in 0..1_000_000 {
-            if writer.try_send(&[&p[..8], &p[8..]], priority) {
+            if writer.try_send(&[&p[..8], &p[8..]], &FrameMeta { priority, ..FrameMeta::default() })
+            {
                 break;
             }
             assert!(
@@ -132,7 +133,7 @@ fn the_reader_never_trusts_what_a_hostile_writer_puts_in_the_segment() {
     // A committed slot whose header names another sample, or unknown flags: refused, and the
     // reader stays where it was.
     let p = payload_of(0);
-    assert!(writer.try_send(&[&p], None));
+    assert!(writer.try_send(&[&p], &FrameMeta::default()));
     reader.scribble(HEADER_LEN, &9u64.to_le_bytes());
     let err = reader.copy_next(&mut buf).unwrap_err();
     assert!(err.contains("holds sample 9"), "{err}");
@@ -244,7 +245,7 @@ fn clients_on_shared_memory_and_tcp_deliver_exactly_once_in_order() {
                     client
                         .send(
                             &[&p[..4], &p[4..12], &p[12..]],
-                            None,
+                            FrameMeta::default(),
                             Some(Instant::now() + PATIENCE),
                         )
                         .unwrap();
@@ -252,7 +253,7 @@ fn clients_on_shared_memory_and_tcp_deliver_exactly_once_in_order() {
                 assert!(client.close(Some(Instant::now() + PATIENCE)), "close did not flush");
                 let p = tagged_payload(producer, 0);
                 assert!(matches!(
-                    client.send(&[&p[..4], &p[4..12], &p[12..]], None, None),
+                    client.send(&[&p[..4], &p[4..12], &p[12..]], FrameMeta::default(), None),
                     Err(EchoError::Disconnected(_))
                 ));
                 path

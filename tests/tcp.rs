@@ -16,7 +16,7 @@ use echo::ingress::IngressConfig;
 use echo::transport::client::{ClientConfig, Protocol, TcpSender};
 use echo::transport::tcp::TcpConfig;
 use echo::transport::wire::encode_handshake;
-use echo::transport::wire::v2::{Layout, OFFER_LEN};
+use echo::transport::wire::v2::{FrameMeta, Layout, OFFER_LEN};
 use echo::transport::TcpIngress;
 use echo::{Consumer, EchoError, Store};
 
@@ -56,7 +56,11 @@ fn connect_with(addr: SocketAddr, max_inflight: u64, protocol: Protocol) -> TcpS
 
 fn send_tagged(client: &mut TcpSender, producer: u32, seq: u64) -> Result<(), EchoError> {
     let p = tagged_payload(producer, seq);
-    client.send(&[&p[..4], &p[4..12], &p[12..]], None, Some(Instant::now() + TIMEOUT))
+    client.send(
+        &[&p[..4], &p[4..12], &p[12..]],
+        FrameMeta::default(),
+        Some(Instant::now() + TIMEOUT),
+    )
 }
 
 /// Starts `producers` threads that each connect, send `per_producer` tagged samples in order
@@ -278,7 +282,7 @@ fn a_stalled_large_write_resumes_where_it_stopped() {
             loop {
                 match client.send(
                     &[&payload],
-                    None,
+                    FrameMeta::default(),
                     Some(Instant::now() + Duration::from_millis(5)),
                 ) {
                     Ok(()) => break,

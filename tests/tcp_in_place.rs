@@ -17,7 +17,7 @@ use echo::spec::{ArraySpec, DataSpec};
 use echo::transport::client::{ClientConfig, Protocol, TcpSender};
 use echo::transport::tcp::TcpConfig;
 use echo::transport::wire::encode_handshake;
-use echo::transport::wire::v2::{Layout, OFFER_LEN};
+use echo::transport::wire::v2::{FrameMeta, Layout, OFFER_LEN};
 use echo::transport::TcpIngress;
 use echo::{Consumer, Store};
 
@@ -99,7 +99,9 @@ fn send_all(addr: SocketAddr, producers: u32, per_producer: u64, gap: Duration) 
                 for seq in 0..per_producer {
                     let p = payload(producer, seq);
                     let leaves = [&p[..4], &p[4..12], &p[12..12], &p[12..12 + BIG], &p[12 + BIG..]];
-                    client.send(&leaves, None, Some(Instant::now() + PATIENCE)).unwrap();
+                    client
+                        .send(&leaves, FrameMeta::default(), Some(Instant::now() + PATIENCE))
+                        .unwrap();
                     if seq % 8 == 0 {
                         thread::sleep(gap);
                     }

@@ -16,7 +16,7 @@ use echo::backend::Backend;
 use echo::ingress::IngressConfig;
 use echo::transport::client::{ClientConfig, Protocol, TcpSender};
 use echo::transport::tcp::TcpConfig;
-use echo::transport::wire::v2::{DType, Layout};
+use echo::transport::wire::v2::{DType, FrameMeta, Layout};
 use echo::transport::TcpIngress;
 use echo::{Consumer, EchoError, Store};
 
@@ -39,7 +39,11 @@ fn client(port: u16) -> ClientConfig {
 
 fn send_tagged(client: &mut TcpSender, producer: u32, seq: u64) -> Result<(), EchoError> {
     let p = tagged_payload(producer, seq);
-    client.send(&[&p[..4], &p[4..12], &p[12..]], None, Some(Instant::now() + PATIENCE))
+    client.send(
+        &[&p[..4], &p[4..12], &p[12..]],
+        FrameMeta::default(),
+        Some(Instant::now() + PATIENCE),
+    )
 }
 
 fn collect(consumer: &mut Consumer, batches: usize) -> Vec<(u32, u64)> {

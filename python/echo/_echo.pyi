@@ -272,7 +272,8 @@ class ServerCore:
         ends: npt.NDArray[np.uint8] | None = None,
     ) -> int:
         """Checks and copies a batch of samples, one per row; returns the row count. A
-        sequence table takes row `i` as a step of stream `stream + i`, ending as `ends[i]`."""
+        sequence table takes row `i` as a step of stream `stream + i`, ending as `ends` says
+        (one code for all rows, or one per row)."""
     def sample(
         self, timeout: float | None = None, copy: bool = False, writable: bool = False
     ) -> tuple[list[npt.NDArray[Any]], SampleInfo, tuple[npt.NDArray[Any], ...]] | None:
@@ -360,13 +361,27 @@ class TcpSender:
         shared_memory: bool | None,
     ) -> TcpSender: ...
     def send(
-        self, sample: object, timeout: float | None = None, priority: float | None = None
+        self,
+        sample: object,
+        timeout: float | None = None,
+        priority: float | None = None,
+        end: int = 0,
     ) -> None:
-        """Checks and sends one sample (a pytree like the example)."""
+        """Checks and sends one sample (a pytree like the example); `end` ends its episode
+        (a sequence table: 1 terminated, 2 truncated)."""
     def send_batch(
-        self, tree: object, timeout: float | None = None, priority: object = None
+        self,
+        tree: object,
+        timeout: float | None = None,
+        priority: object = None,
+        ends: npt.NDArray[np.uint8] | None = None,
     ) -> int:
-        """Checks and sends a batch of samples, one per row; returns the row count."""
+        """Checks and sends a batch of samples, one per row; returns the row count. To a
+        sequence table row `i` is a step of this client's stream `i`, ending as `ends`
+        says (one code for all rows, or one per row)."""
+    @property
+    def takes_steps(self) -> int | None:
+        """`max_rows` when the server is a sequence table; `None` otherwise."""
     def wait(self, timeout: float | None = None) -> None: ...
     def close(self, timeout: float | None = None) -> bool: ...
     @property

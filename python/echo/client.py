@@ -6,7 +6,14 @@ from typing import Any, Literal
 
 from echo._echo import TcpSender
 from echo._pytree import TreeLayout
-from echo._validate import check_bool, check_int, check_protocol, check_seconds, check_token
+from echo._validate import (
+    check_bool,
+    check_int,
+    check_protocol,
+    check_seconds,
+    check_token,
+    episode_codes,
+)
 
 __all__ = ["TcpClient"]
 
@@ -108,20 +115,31 @@ class TcpClient:
         self._closed = False
 
     def send(
-        self, sample: Any, *, timeout: float | None = None, priority: float | None = None
+        self,
+        sample: Any,
+        *,
+        timeout: float | None = None,
+        priority: float | None = None,
+        end_episode: bool = False,
+        truncated: bool = False,
     ) -> None:
-        """Sends one sample.
+        """Sends one sample: to a sequence table, one step of this client's stream.
 
         Args:
             sample: A pytree with `data_sample`'s structure, shapes and dtypes.
             timeout: Seconds to wait for room in the in-flight window (or for a reconnect);
                 `None` waits as long as it takes.
             priority: The new item's priority on a replay server (protocol 2); `None` gives
-                it the table's default (the largest priority seen so far).
+                it the table's default (the largest priority seen so far). To a sequence
+                table, the step's priority (a window gets the largest of its steps').
+            end_episode: Sequence tables only: the step is its episode's last (terminated).
+            truncated: Sequence tables only: the step is its episode's last, cut short (a
+                time limit) rather than terminated.
 
         Raises:
             ValueError: Wrong structure or shape (nothing is sent); a priority for a FIFO
-                server, on a protocol-1 connection, or not a finite number >= 0.
+                server, on a protocol-1 connection, or not a finite number >= 0;
+                `end_episode`/`truncated` to a server that is not a sequence table.
             TypeError: A leaf is not an array (numpy, or anything with `__dlpack__`,
                 `__array_interface__` or the buffer protocol, read without a copy when
                 C-contiguous) or has another dtype (nothing is sent).
@@ -131,9 +149,23 @@ class TcpClient:
         """
         # A flat-dict sample is looked up by key natively; anything else is flattened by the
         # layout.
-        self._sender.send(sample, timeout, priority)
+        if end_episode is False and truncated is False:
+            self._sender.send(sample, timeout, priority)
+            return
+        end = 2 if check_bool("truncated", truncated) else 0
+        if check_bool("end_episode", end_episode) and not end:
+            end = 1
+        self._sender.send(sample, timeout, priority, end)
 
-    def send_batch(self, batch: Any, *, timeout: float | None = None, priority: Any = None) -> int:
+    def send_batch(
+        self,
+        batch: Any,
+        *,
+        timeout: float | None = None,
+        priority: Any = None,
+        end_episode: Any = None,
+        truncated: Any = None,
+    ) -> int:
         """Sends a batch of samples, one per row: what a vectorized environment's step gives.
 
         Every leaf has the example's dtype and shape with a leading dimension `N` in front,
@@ -146,6 +178,9 @@ class TcpClient:
             timeout: Seconds to wait for room in the in-flight window; `None` waits as long
                 as it takes.
             priority: One number for every row, or one per row (protocol 2, replay servers).
+            end_episode: Sequence tables only: a bool for every row, or one per row (a vector
+                env's `terminated`). Row `i` is a step of this client's stream `i`.
+            truncated: Sequence tables only: as `end_episode`, for episodes cut short.
 
         Returns:
             `N`, the number of samples sent.
@@ -157,7 +192,10 @@ class TcpClient:
             TimeoutError: No room within `timeout`; if some rows were sent, the message says
                 how many (the first ones, in order).
         """
-        return self._sender.send_batch(batch, timeout, priority)
+        codes = episode_codes(end_episode, truncated)
+        if codes is None:
+            return self._sender.send_batch(batch, timeout, priority)
+        return self._sender.send_batch(batch, timeout, priority, codes)
 
     def send_many(self, samples: Any, *, timeout: float | None = None) -> None:
         """Sends each sample of an iterable in order (one call per sample; a batch with one row
@@ -197,6 +235,12 @@ class TcpClient:
     def protocol(self) -> int:
         """The wire protocol this connection speaks: 1 or 2."""
         return self._sender.protocol
+
+    @property
+    def sequence_rows(self) -> int | None:
+        """How many streams this client may feed when the server is a sequence table (row
+        `i` of `send_batch` is stream `i`); `None` for FIFO and replay servers."""
+        return self._sender.takes_steps
 
     @property
     def transport_path(self) -> Literal["shm", "tcp"]:

@@ -19,7 +19,7 @@ from echo import checkpoint as _checkpoint
 from echo._echo import SampleInfo, ServerClosedError, ServerCore
 from echo._prefetch import Prefetcher, device_transfer
 from echo._pytree import NONE_IS_LEAF, TreeLayout
-from echo._validate import check_bool, check_int, check_seconds
+from echo._validate import check_bool, check_int, check_seconds, episode_codes
 from echo.checkpoint import CheckpointError, PeriodicCheckpointer
 from echo.replay import Fifo, MinSize, RateLimiter, Remover, Sampler, Sequence, Uniform
 from echo.transport import TcpTransport
@@ -112,8 +112,9 @@ class Sample(_Batch):
     three arrays above are per window, and six more come along (`None` otherwise): `mask`
     (bool, `(batch_size, length)`: which steps are real rather than padding), `episode`
     (uint64 episode id), `start` (uint32, the window's first step's index in its episode),
-    `stream` (uint64), and `terminated` / `truncated` (bool: how the window's episode ended,
-    both false while it goes on).
+    `stream` (uint64), `terminated` / `truncated` (bool: how the window's episode ended,
+    both false while it goes on when the batch is drawn), and `is_last` (bool,
+    `(batch_size, length)`: true at the episode's last step, where the window holds it).
 
     `repr(sample)` shows the batch's structure with each leaf's dtype and shape (not its
     contents), the batch's `sequence`, and for replay the range of each per-item array.
@@ -128,6 +129,7 @@ class Sample(_Batch):
     stream: npt.NDArray[np.uint64] | None
     terminated: npt.NDArray[np.bool_] | None
     truncated: npt.NDArray[np.bool_] | None
+    is_last: npt.NDArray[np.bool_] | None
 
     def __new__(
         cls,
@@ -143,6 +145,7 @@ class Sample(_Batch):
         stream: npt.NDArray[np.uint64] | None = None,
         terminated: npt.NDArray[np.bool_] | None = None,
         truncated: npt.NDArray[np.bool_] | None = None,
+        is_last: npt.NDArray[np.bool_] | None = None,
     ) -> Sample:
         self = super().__new__(cls, batch, info)
         self.keys = keys
@@ -154,6 +157,7 @@ class Sample(_Batch):
         self.stream = stream
         self.terminated = terminated
         self.truncated = truncated
+        self.is_last = is_last
         return self
 
     def _with_batch(self, batch: Any) -> Sample:
@@ -182,33 +186,8 @@ _PER_ITEM = (
     "stream",
     "terminated",
     "truncated",
+    "is_last",
 )
-
-
-def _episode_codes(end_episode: Any, truncated: Any) -> npt.NDArray[np.uint8] | None:
-    """`end_episode` and `truncated` (bools, or bool arrays of one flag per row) as the codes
-    the core reads: 0 goes on, 1 terminated, 2 truncated (`truncated` ends the episode too).
-    `None` when neither was given."""
-    if end_episode is None and truncated is None:
-        return None
-    flags: list[npt.NDArray[np.bool_]] = []
-    for name, value in (("end_episode", end_episode), ("truncated", truncated)):
-        array = np.asarray(False if value is None else value)
-        if array.dtype != np.bool_:
-            raise TypeError(
-                f"{name} must be a bool or an array of bools (one per row), got "
-                f"{type(value).__name__} of dtype {array.dtype}"
-            )
-        if array.ndim > 1:
-            raise ValueError(f"{name} must be a bool or 1-D (one per row), got shape {array.shape}")
-        flags.append(array)
-    ended, cut = flags
-    if ended.ndim == cut.ndim == 1 and ended.shape != cut.shape:
-        raise ValueError(
-            f"end_episode and truncated must have one flag per row each, got shapes "
-            f"{ended.shape} and {cut.shape}"
-        )
-    return np.where(cut, 2, np.where(ended, 1, 0)).astype(np.uint8)
 
 
 @dataclass(frozen=True)
@@ -584,7 +563,7 @@ class Server:
             TimeoutError: No room within `timeout`; if some rows went in, the message says
                 how many (the first ones, in order).
         """
-        codes = _episode_codes(end_episode, truncated)
+        codes = episode_codes(end_episode, truncated)
         if stream is None and codes is None:
             return self._core.submit_batch(batch, timeout, priority)
         first = None if stream is None else check_int("stream", stream, 0)
@@ -601,6 +580,11 @@ class Server:
         Raises:
             ValueError: The server has no `sequence=`, or `stream` is out of range.
         """
+        if self._config.sequence is None:
+            raise ValueError(
+                "end_episode() needs a sequence table: Server(..., sequence=Sequence(length=...), "
+                "sampler=..., max_size=...)"
+            )
         first = check_int("stream", stream, 0)
         return self._core.end_stream(first, not check_bool("truncated", truncated))
 

@@ -4,18 +4,19 @@
 
 use std::time::Instant;
 
-use numpy::PyUntypedArray;
+use numpy::{PyReadonlyArrayDyn, PyUntypedArray};
 use parking_lot::Mutex;
 use pyo3::exceptions::{PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 
 use super::config::{resolve_token, seconds};
 use super::errors::{error_in, to_pyerr, Call};
-use super::leaves::{byte_slices, LeafSpecs};
+use super::leaves::{byte_slices, episode_end, episode_ends, LeafSpecs};
 use super::{deadline_after, deadline_from_timeout, detach, wait_detached};
 use crate::error::EchoError;
 use crate::source::Rows;
 use crate::transport::client::{ClientConfig, Protocol, SharedMemory, TcpSender};
+use crate::transport::wire::v2::FrameMeta;
 
 /// Samples at or above this many bytes are written with the GIL released.
 const DETACH_WRITE_BYTES: usize = 64 * 1024;
@@ -87,43 +88,57 @@ impl PyTcpSender {
         Ok(Self { leaves, sender: Mutex::new(sender) })
     }
 
-    /// Sends one sample (a pytree like the example), with `priority` (v2 replay servers).
-    /// Blocks while `max_inflight` samples are unacknowledged (or while reconnecting); raises
+    /// Sends one sample (a pytree like the example), with `priority` (v2 replay servers);
+    /// `end` ends its episode (a sequence table: 0 no, 1 terminated, 2 truncated). Blocks
+    /// while `max_inflight` samples are unacknowledged (or while reconnecting); raises
     /// `TimeoutError` if `timeout` passes first (nothing sent).
-    #[pyo3(signature = (sample, timeout=None, priority=None))]
+    #[pyo3(signature = (sample, timeout=None, priority=None, end=0))]
     fn send(
         &self,
         py: Python<'_>,
         sample: &Bound<'_, PyAny>,
         timeout: Option<f64>,
         priority: Option<f64>,
+        end: u8,
     ) -> PyResult<()> {
         let deadline = deadline_from_timeout(timeout)?;
+        let end = episode_end(end)?;
         let arrays = self.leaves.arrays(sample)?;
-        self.send_arrays(py, &arrays, priority, deadline)
+        self.send_arrays(py, &arrays, FrameMeta { priority, row: 0, end }, deadline)
+    }
+
+    /// `Some(max_rows)` when the server is a sequence table (rows are streams of this client).
+    #[getter]
+    fn takes_steps(&self, py: Python<'_>) -> Option<u32> {
+        self.read(py, TcpSender::takes_steps)
     }
 
     /// Sends a batch of samples, one per row of every leaf (all with the same leading
     /// dimension `n`), in order, as if sent one by one: checked together, and written with
     /// one vectored write per window-full of frames. `priority`: one number for every row or
     /// one per row (v2 replay servers). Returns `n`.
-    #[pyo3(signature = (tree, timeout=None, priority=None))]
+    /// To a sequence table row `i` is a step of this client's stream `i`, ending its episode
+    /// as `ends[i]` says (0 no, 1 terminated, 2 truncated; `None`: none does).
+    #[pyo3(signature = (tree, timeout=None, priority=None, ends=None))]
     fn send_batch(
         &self,
         py: Python<'_>,
         tree: &Bound<'_, PyAny>,
         timeout: Option<f64>,
         priority: Option<&Bound<'_, PyAny>>,
+        ends: Option<PyReadonlyArrayDyn<'_, u8>>,
     ) -> PyResult<usize> {
         let mut deadline = deadline_from_timeout(timeout)?;
         let batch = self.leaves.batch(tree, priority)?;
         let n = batch.n;
+        let ends = ends.map(|codes| episode_ends(&codes, n)).transpose()?;
         if n == 0 {
             return Ok(0);
         }
         let slices = batch.slices(&self.leaves);
-        let rows =
-            Rows::new(&self.leaves.spec, &slices, n, batch.priorities()).map_err(to_pyerr)?;
+        let rows = Rows::new(&self.leaves.spec, &slices, n, batch.priorities())
+            .and_then(|rows| rows.with_steps(0, ends.as_deref()))
+            .map_err(to_pyerr)?;
         let sender = &self.sender;
         let mut done = 0usize;
         loop {
@@ -249,14 +264,14 @@ impl PyTcpSender {
         &self,
         py: Python<'_>,
         arrays: &[Bound<'_, PyUntypedArray>],
-        priority: Option<f64>,
+        meta: FrameMeta,
         deadline: Option<Instant>,
     ) -> PyResult<()> {
         let slices = byte_slices(&self.leaves, arrays);
         if self.leaves.spec.payload_size() < DETACH_WRITE_BYTES {
             // Fast path: room in the window, the write is one short syscall.
             if let Some(mut sender) = self.sender.try_lock() {
-                match sender.send(&slices, priority, Some(Instant::now())) {
+                match sender.send(&slices, meta, Some(Instant::now())) {
                     // No room yet, or the socket filled mid-sample: the loop below waits, and
                     // resumes a started sample where it stopped.
                     Err(EchoError::TimedOut | EchoError::Stalled) => {}
@@ -269,7 +284,7 @@ impl PyTcpSender {
         loop {
             let done = wait_detached(py, deadline, |slice_end| {
                 let mut sender = sender.try_lock_until(slice_end)?;
-                match sender.send(&slices, priority, Some(slice_end)) {
+                match sender.send(&slices, meta, Some(slice_end)) {
                     Err(EchoError::TimedOut | EchoError::Stalled) => None,
                     other => Some(other),
                 }

@@ -195,8 +195,9 @@ impl ServerConfig {
             return Ok(BackendConfig::Fifo { batch_size, num_batches: self.fifo_num_batches()? });
         };
         let Some(max_size) = self.max_size else {
+            let what = if self.sequence.is_some() { "steps" } else { "items" };
             return Err(PyValueError::new_err(format!(
-                "max_size is required with sampler={}: the table pre-allocates max_size items \
+                "max_size is required with sampler={}: the table pre-allocates max_size {what} \
                  (e.g. max_size=1_000_000)",
                 self.sampler.repr
             )));

@@ -2,7 +2,9 @@
 //! the example's leaves (dtype, shape, name) and the checks that turn a list of numpy arrays
 //! into byte slices that are safe to copy from.
 
-use numpy::{PyArrayDescr, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::{
+    PyArrayDescr, PyArrayDescrMethods, PyReadonlyArrayDyn, PyUntypedArray, PyUntypedArrayMethods,
+};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -12,6 +14,7 @@ use pyo3::intern;
 
 use super::config::LayoutArg;
 use super::errors::to_pyerr;
+use crate::source::EpisodeEnd;
 use crate::spec::{ArraySpec, DataSpec};
 use crate::transport::wire::v2::{DType, Layout, LeafType};
 
@@ -526,4 +529,36 @@ fn numpy_generic(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
     GENERIC
         .get_or_try_init(py, || Ok(numpy_module(py)?.getattr("generic")?.unbind()))
         .map(|g| g.bind(py))
+}
+
+/// A step's episode flag from its code (0 goes on, 1 terminated, 2 truncated).
+///
+/// # Errors
+/// `ValueError` for any other code.
+pub(crate) fn episode_end(code: u8) -> PyResult<EpisodeEnd> {
+    EpisodeEnd::from_code(code).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "an episode flag is 0 (goes on), 1 (terminated) or 2 (truncated), got {code}"
+        ))
+    })
+}
+
+/// A batch's episode flags (`echo._validate.episode_codes`): one code for every row (0-d) or
+/// one per row of `n`.
+///
+/// # Errors
+/// `ValueError` for another count or shape, or an unknown code.
+pub(crate) fn episode_ends(
+    codes: &PyReadonlyArrayDyn<'_, u8>,
+    n: usize,
+) -> PyResult<Vec<EpisodeEnd>> {
+    let flags = codes.as_slice().map_err(|e| PyValueError::new_err(format!("end_episode: {e}")))?;
+    match (codes.shape(), flags) {
+        ([], &[code]) => Ok(vec![episode_end(code)?; n]),
+        ([rows], _) if *rows == n => flags.iter().map(|&c| episode_end(c)).collect(),
+        (shape, _) => Err(PyValueError::new_err(format!(
+            "end_episode and truncated must be one bool or one per row ({n},), got shape {}",
+            py_shape(shape)
+        ))),
+    }
 }

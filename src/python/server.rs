@@ -10,7 +10,7 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 use numpy::npyffi::npy_intp;
-use numpy::{PyArray1, PyArrayDescr, PyReadonlyArray1, PyUntypedArray};
+use numpy::{PyArray1, PyArrayDescr, PyReadonlyArray1, PyReadonlyArrayDyn, PyUntypedArray};
 use parking_lot::{Mutex, MutexGuard};
 use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
@@ -19,7 +19,7 @@ use pyo3::types::{PyBytes, PyList, PyTuple};
 use super::config::{ServerConfig, TcpArg};
 use super::errors::{error_in, sample_timed_out, to_pyerr, Call};
 use super::info::{HistSnapshot, LastCheckpoint, SampleInfo, Snapshot};
-use super::leaves::{byte_slices, LeafSpecs};
+use super::leaves::{byte_slices, episode_end, episode_ends, LeafSpecs};
 use super::views::{batch_copies, batch_views, LeafLayout, RingLease};
 use super::{deadline_from_timeout, detach, wait_detached};
 use crate::backend::{Backend, BackendCheckpoint, BackendStats, BatchConsumer, BatchRef};
@@ -266,28 +266,14 @@ impl PyServerCore {
         timeout: Option<f64>,
         priority: Option<&Bound<'_, PyAny>>,
         stream: Option<u64>,
-        ends: Option<PyReadonlyArray1<'_, u8>>,
+        ends: Option<PyReadonlyArrayDyn<'_, u8>>,
     ) -> PyResult<usize> {
         let deadline = deadline_from_timeout(timeout)?;
         self.check_submit(priority.is_some())?;
         let batch = self.leaves.batch(tree, priority)?;
         let n = batch.n;
         let first = self.check_steps(stream, ends.is_some(), n)?;
-        let ends = ends
-            .map(|codes| {
-                let codes = codes
-                    .as_slice()
-                    .map_err(|e| PyValueError::new_err(format!("end_episode: {e}")))?;
-                if codes.len() != n {
-                    return Err(PyValueError::new_err(format!(
-                        "end_episode and truncated must be one bool or one per row ({n},), got \
-                         {} flags",
-                        codes.len()
-                    )));
-                }
-                codes.iter().map(|&c| episode_end(c)).collect::<PyResult<Vec<_>>>()
-            })
-            .transpose()?;
+        let ends = ends.map(|codes| episode_ends(&codes, n)).transpose()?;
         if n == 0 {
             return Ok(0);
         }
@@ -719,8 +705,8 @@ impl PyServerCore {
                 format!("stream {first}")
             };
             return Err(PyValueError::new_err(format!(
-                "{streams} out of range: in-process streams are 0..{max} \
-                 (Sequence(max_streams={max}))"
+                "{streams} out of range: in-process streams are 0 to {} (Sequence(max_streams={max}))",
+                max - 1
             )));
         }
         Ok(first)
@@ -876,13 +862,4 @@ fn batch_layouts(
 /// `(path, descr, item_shape)` triples as the core's [`LeafFile`]s.
 fn leaf_files(files: Vec<(PathBuf, String, Vec<usize>)>) -> Vec<LeafFile> {
     files.into_iter().map(|(path, descr, shape)| LeafFile { path, descr, shape }).collect()
-}
-
-/// A step's episode flag from its code (0 goes on, 1 terminated, 2 truncated).
-fn episode_end(code: u8) -> PyResult<EpisodeEnd> {
-    EpisodeEnd::from_code(code).ok_or_else(|| {
-        PyValueError::new_err(format!(
-            "an episode flag is 0 (goes on), 1 (terminated) or 2 (truncated), got {code}"
-        ))
-    })
 }

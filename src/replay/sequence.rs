@@ -98,7 +98,9 @@ pub struct SequenceConfig {
     pub period: usize,
     /// What happens at an episode's end.
     pub at_end: AtEnd,
-    /// Streams that may hold an open episode at once (in-process streams are `0..max_streams`).
+    /// Streams per producer: in-process streams are `0..max_streams`, and so are the rows of
+    /// one TCP client (its `send_batch` rows). Each stream the table knows costs
+    /// `4 * length + 64` bytes until it is gone (its worker's connection pruned).
     pub max_streams: usize,
 }
 
@@ -121,7 +123,7 @@ impl SequenceConfig {
 /// order. `per_step` values are `length` long per window (the mask), the others one per
 /// window. Read by `SequenceConsumer::gather` (which writes them in this order) and by the
 /// bindings (which name the arrays from it).
-pub const SEQUENCE_META: [MetaLeaf; 9] = [
+pub const SEQUENCE_META: [MetaLeaf; 10] = [
     MetaLeaf { name: "keys", kind: 'u', bytes: 8, per_step: false },
     MetaLeaf { name: "probabilities", kind: 'f', bytes: 8, per_step: false },
     MetaLeaf { name: "times_sampled", kind: 'u', bytes: 4, per_step: false },
@@ -131,6 +133,7 @@ pub const SEQUENCE_META: [MetaLeaf; 9] = [
     MetaLeaf { name: "stream", kind: 'u', bytes: 8, per_step: false },
     MetaLeaf { name: "terminated", kind: 'b', bytes: 1, per_step: false },
     MetaLeaf { name: "truncated", kind: 'b', bytes: 1, per_step: false },
+    MetaLeaf { name: "is_last", kind: 'b', bytes: 1, per_step: true },
 ];
 
 /// A sequence table's counters: the replay counters in windows, plus steps, streams and
@@ -206,12 +209,15 @@ struct Window {
     priority: f64,
 }
 
-/// A stream's open episode.
+/// A stream: its open chunk, and its open episode (if `in_episode`). Kept between episodes,
+/// so the next episode goes on in the same chunk; forgotten when the stream is gone.
 #[derive(Debug)]
 struct Stream {
     id: u64,
     /// The open chunk its next step goes to (`NIL`: take one).
     chunk: u32,
+    /// Whether an episode is open (the fields below describe it).
+    in_episode: bool,
     episode: u64,
     /// Steps of the open episode so far.
     count: u32,
@@ -230,6 +236,8 @@ struct Episode {
     end: EpisodeEnd,
     windows: u32,
     open: bool,
+    /// Steps, once it has ended.
+    len: u32,
 }
 
 /// One window drawn into the batch being assembled.
@@ -243,6 +251,8 @@ struct Drawn {
     len: u32,
     stream: u64,
     end: EpisodeEnd,
+    /// The episode's length once it has ended (for `is_last`), else 0.
+    episode_len: u32,
     /// `runs[first_run..last_run]` of the consumer's run list are this window's slot ranges.
     first_run: usize,
     last_run: usize,
@@ -296,7 +306,6 @@ struct Geometry {
     length: usize,
     period: usize,
     at_end: AtEnd,
-    max_streams: usize,
     max_size: usize,
     chunk_length: usize,
     max_times_sampled: u32,
@@ -326,50 +335,58 @@ impl State {
         Some(&mut self.streams[at as usize])
     }
 
-    /// The stream `id`'s state, opened (with a new episode) if it has none.
-    fn open_stream(&mut self, g: &Geometry, id: u64) -> Result<usize, EchoError> {
-        if let Some(&at) = self.stream_index.get(&id) {
-            return Ok(at as usize);
-        }
-        if self.stream_index.len() >= g.max_streams {
-            return Err(EchoError::Config(format!(
-                "stream {id}: {} streams already have an open episode, the table's max_streams; \
-                 end some episodes first or raise Sequence(max_streams=...)",
-                g.max_streams
-            )));
-        }
-        let episode = self.next_episode;
-        self.next_episode += 1;
-        let fresh = Stream {
-            id,
-            chunk: NIL,
-            episode,
-            count: 0,
-            retained_from: 0,
-            next_start: 0,
-            recent: Box::new([]),
+    /// The stream `id`'s state, with an open episode (a new one if it had none).
+    fn open_stream(&mut self, g: &Geometry, id: u64) -> usize {
+        let at = match self.stream_index.get(&id) {
+            Some(&at) => at as usize,
+            None => {
+                let fresh = Stream {
+                    id,
+                    chunk: NIL,
+                    in_episode: false,
+                    episode: 0,
+                    count: 0,
+                    retained_from: 0,
+                    next_start: 0,
+                    recent: Box::new([]),
+                };
+                let at = if let Some(at) = self.free_streams.pop() {
+                    let recent = std::mem::take(&mut self.streams[at as usize].recent);
+                    self.streams[at as usize] = Stream { recent, ..fresh };
+                    at as usize
+                } else {
+                    let recent = vec![NIL; g.length].into_boxed_slice();
+                    self.streams.push(Stream { recent, ..fresh });
+                    self.streams.len() - 1
+                };
+                self.stream_index.insert(id, at as u32);
+                at
+            }
         };
-        let at = if let Some(at) = self.free_streams.pop() {
-            let recent = std::mem::take(&mut self.streams[at as usize].recent);
-            self.streams[at as usize] = Stream { recent, ..fresh };
-            at as usize
-        } else {
-            self.streams.push(Stream { recent: vec![NIL; g.length].into_boxed_slice(), ..fresh });
-            self.streams.len() - 1
-        };
-        self.stream_index.insert(id, at as u32);
-        self.episodes
-            .insert(episode, Episode { stream: id, end: EpisodeEnd::No, windows: 0, open: true });
-        self.stats.streams_open += 1;
-        Ok(at)
+        if !self.streams[at].in_episode {
+            let episode = self.next_episode;
+            self.next_episode += 1;
+            let stream = &mut self.streams[at];
+            stream.in_episode = true;
+            stream.episode = episode;
+            stream.count = 0;
+            stream.retained_from = 0;
+            stream.next_start = 0;
+            self.episodes.insert(
+                episode,
+                Episode { stream: id, end: EpisodeEnd::No, windows: 0, open: true, len: 0 },
+            );
+            self.stats.streams_open += 1;
+        }
+        at
     }
 
-    /// Forgets a stream whose episode has ended.
-    fn close_stream(&mut self, at: usize) {
+    /// Forgets a stream that is gone for good (its episode ended first); its chunks stay
+    /// until they are evicted.
+    fn forget_stream(&mut self, at: usize) {
         let id = self.streams[at].id;
         self.stream_index.remove(&id);
         self.free_streams.push(at as u32);
-        self.stats.streams_open -= 1;
     }
 
     /// Evicts the oldest live chunk: its windows are removed, its steps no longer count, and
@@ -390,7 +407,7 @@ impl State {
             if stream.chunk == c as u32 {
                 stream.chunk = NIL;
             }
-            if stream.episode == chunk.last_episode {
+            if stream.in_episode && stream.episode == chunk.last_episode {
                 stream.retained_from = stream.retained_from.max(chunk.last_index + 1);
                 stream.next_start =
                     stream.next_start.max(g.start_at_or_after(stream.retained_from));
@@ -473,7 +490,7 @@ impl State {
     }
 
     /// Ends stream `at`'s open episode after its `count` steps, making the windows the
-    /// `at_end` rule gives, and forgets the stream.
+    /// `at_end` rule gives. The stream keeps its open chunk for its next episode.
     fn end_episode(&mut self, g: &Geometry, at: usize, end: EpisodeEnd) {
         let (count, retained_from, next_start, episode) = {
             let s = &self.streams[at];
@@ -504,12 +521,14 @@ impl State {
         if let Some(e) = self.episodes.get_mut(&episode) {
             e.end = end;
             e.open = false;
+            e.len = count;
             if e.windows == 0 {
                 self.episodes.remove(&episode);
             }
         }
         self.stats.episodes_ended += 1;
-        self.close_stream(at);
+        self.stats.streams_open -= 1;
+        self.streams[at].in_episode = false;
     }
 
     /// Draws up to `n` windows (`live_windows > 0`) into `pending`, pinning their chunks and
@@ -592,6 +611,7 @@ impl State {
             len: window.len,
             stream: episode.map_or(0, |e| e.stream),
             end: episode.map_or(EpisodeEnd::No, |e| e.end),
+            episode_len: episode.map_or(0, |e| e.len),
             first_run,
             last_run: runs.len(),
         });
@@ -730,7 +750,6 @@ impl SequenceTable {
             length,
             period,
             at_end: sequence.at_end,
-            max_streams,
             max_size,
             chunk_length,
             max_times_sampled: config.max_times_sampled,
@@ -919,7 +938,7 @@ impl SequenceTable {
     ) -> Result<(), EchoError> {
         let g = &self.geometry;
         let tag = src.step(sample);
-        let at = state.open_stream(g, tag.stream)?;
+        let at = state.open_stream(g, tag.stream);
         while state.steps >= g.max_size {
             state.evict_oldest(g);
         }
@@ -988,12 +1007,17 @@ impl SequenceTable {
         let Some(&at) = state.stream_index.get(&stream) else {
             return false;
         };
+        let at = at as usize;
+        let open = state.streams[at].in_episode;
         let before = state.live_windows;
-        state.end_episode(&self.geometry, at as usize, end);
+        if open {
+            state.end_episode(&self.geometry, at, end);
+        }
+        state.forget_stream(at);
         if state.live_windows > before {
             self.sample_ready.notify_one();
         }
-        true
+        open
     }
 
     fn wait_insertable(
@@ -1257,6 +1281,21 @@ impl SequenceConsumer {
                     mask[real..].fill(0);
                 });
             }
+            // The episode's last step, where it is in this window.
+            let last = (drawn.episode_len > 0)
+                .then(|| (drawn.episode_len - 1).checked_sub(drawn.start))
+                .flatten()
+                .map(|j| j as usize)
+                .filter(|&j| j < real);
+            // SAFETY: as above.
+            unsafe {
+                table.area.fill_slot(base + i, leaves + 9, |is_last| {
+                    is_last.fill(0);
+                    if let Some(j) = last {
+                        is_last[j] = 1;
+                    }
+                });
+            }
             drawn.write_meta(|m, bytes| {
                 // SAFETY: as above; `write_slot` checks the length against the area's leaf.
                 unsafe { table.area.write_slot(base + i, leaves + m, bytes) }
@@ -1474,6 +1513,22 @@ mod tests {
     }
 
     #[test]
+    fn a_stream_keeps_its_chunk_across_episodes() {
+        // 100 episodes of 3 steps on one stream: chunks fill up across episode ends, so the
+        // table holds as many steps as it may (it evicts a whole chunk, 8, at a time).
+        let t = table(2, 64, SequenceConfig::new(8));
+        for e in 0..100u64 {
+            for i in 0..3 {
+                let end = if i == 2 { EpisodeEnd::Terminated } else { EpisodeEnd::No };
+                put(&t, 0, e * 3 + i, end);
+            }
+        }
+        let stats = t.stats();
+        assert!(stats.steps >= 64 - 8, "{stats:?}");
+        assert_eq!((stats.episodes_ended, stats.streams_open), (100, 0));
+    }
+
+    #[test]
     fn stale_keys_are_ignored_and_counted() {
         let seq = SequenceConfig::new(2);
         let t = table(1, 8, seq);
@@ -1532,21 +1587,5 @@ mod tests {
         let truncated = c.read_leaf(b, 1 + 8, <[u8]>::to_vec);
         let terminated = c.read_leaf(b, 1 + 7, <[u8]>::to_vec);
         assert!(truncated.iter().all(|&x| x == 1) && terminated.iter().all(|&x| x == 0));
-    }
-
-    #[test]
-    fn max_streams_bounds_open_episodes() {
-        let seq = SequenceConfig { max_streams: 2, ..SequenceConfig::new(2) };
-        let t = table(1, 20, seq);
-        put(&t, 0, 0, EpisodeEnd::No);
-        put(&t, 1, 0, EpisodeEnd::No);
-        let bytes = 0u64.to_ne_bytes();
-        let slices = [&bytes[..]];
-        let step =
-            Step { leaves: Leaves(&slices), tag: StepTag { stream: 2, end: EpisodeEnd::No } };
-        let err = t.insert(&step, None, None).unwrap_err();
-        assert!(err.to_string().contains("max_streams"), "{err}");
-        put(&t, 1, 1, EpisodeEnd::Terminated);
-        t.insert(&step, None, None).unwrap();
     }
 }

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::wire::v2::{self, Beat, Hello, Layout, Mode, Offer, Reply};
+use super::wire::v2::{self, Beat, FrameMeta, Hello, Layout, Mode, Offer, Reply};
 use super::wire::{parse_handshake, ACK, MAGIC};
 use crate::error::EchoError;
 use crate::source::{Rows, SampleSource};
@@ -54,7 +54,7 @@ mod no_shm {
         pub(super) fn slots(&self) -> usize {
             match *self {}
         }
-        pub(super) fn try_send(&mut self, _: &[&[u8]], _: Option<f64>) -> bool {
+        pub(super) fn try_send(&mut self, _: &[&[u8]], _: &super::FrameMeta) -> bool {
             match *self {}
         }
         pub(super) fn wait_taken(&self, _: u64, _: Instant) -> bool {
@@ -759,6 +759,8 @@ pub struct TcpSender {
     link: Option<Link>,
     version: u8,
     replay: bool,
+    /// `Some(max_rows)` when the server is a sequence table (it takes step frames).
+    steps: Option<u32>,
     /// Samples accepted by `send` (the sequence number of the next one).
     sent: u64,
     /// Samples wholly written on the current connection (retention only; else `sent`).
@@ -817,12 +819,14 @@ impl TcpSender {
         let config = Arc::clone(&connecting.config);
         let reconnect = est.version == 2 && config.reconnect_timeout.is_some();
         let replay = est.accept.as_ref().is_some_and(|a| a.replay);
+        let steps = est.accept.as_ref().and_then(|a| a.steps);
         let mut sender = Self {
             spec: est.spec.clone(),
             session: connecting.session,
             link: None,
             version: est.version,
             replay,
+            steps,
             sent: 0,
             written: 0,
             in_progress: 0,
@@ -899,6 +903,12 @@ impl TcpSender {
         }
     }
 
+    /// `Some(max_rows)` when the server is a sequence table: samples are steps of rows
+    /// `0..max_rows` of this client, and may end their episode.
+    pub fn takes_steps(&self) -> Option<u32> {
+        self.steps
+    }
+
     /// Whether the server takes priorities (v2 with a replay table).
     pub fn takes_priorities(&self) -> bool {
         self.replay
@@ -955,7 +965,7 @@ impl TcpSender {
     pub fn send(
         &mut self,
         leaves: &[&[u8]],
-        priority: Option<f64>,
+        meta: FrameMeta,
         deadline: Option<Instant>,
     ) -> Result<(), EchoError> {
         self.ensure_usable()?;
@@ -966,12 +976,12 @@ impl TcpSender {
         }
         if self.shm && !self.reconnect {
             self.check_leaves(leaves)?;
-            self.check_priority(priority)?;
-            return self.send_shm(leaves, priority, deadline);
+            self.check_meta(&meta)?;
+            return self.send_shm(leaves, &meta, deadline);
         }
         if self.in_progress == 0 {
             self.check_leaves(leaves)?;
-            self.check_priority(priority)?;
+            self.check_meta(&meta)?;
             loop {
                 self.drive(deadline)?;
                 let target = (self.sent + 1).saturating_sub(self.config.max_inflight);
@@ -981,7 +991,7 @@ impl TcpSender {
                 }
             }
         }
-        let (header, header_len) = frame_header(self.version, priority);
+        let (header, header_len) = frame_header(self.version, &meta, false);
         let header = &header[..header_len];
         if self.reconnect {
             self.retain(header, leaves);
@@ -1017,7 +1027,7 @@ impl TcpSender {
         let leaf_count = self.spec.len();
         if *done == 0 && self.in_progress == 0 && !self.carry {
             for i in 0..n {
-                self.check_priority(rows.row_priority(i))?;
+                self.check_meta(&self.row_meta(rows, i))?;
             }
         }
         let mut row: Vec<&[u8]> = Vec::with_capacity(leaf_count);
@@ -1025,13 +1035,16 @@ impl TcpSender {
             while *done < n {
                 row.clear();
                 row.extend((0..leaf_count).map(|leaf| rows.row_leaf(*done, leaf)));
-                self.send(&row, rows.row_priority(*done), deadline)?;
+                self.send(&row, self.row_meta(rows, *done), deadline)?;
                 *done += 1;
             }
             return Ok(());
         }
         self.ensure_usable()?;
-        let header_len = frame_header(self.version, rows.row_priority(0)).1;
+        // Every frame of the batch has the same header length: step frames throughout for a
+        // sequence table (row 0 too), priorities for all rows or none.
+        let steps = self.steps.is_some();
+        let header_len = frame_header(self.version, &self.row_meta(rows, 0), steps).1;
         let frame_len = header_len + self.spec.payload_size();
         // At most this many frames per write (each is a header and the leaves' rows).
         let per_write = (MAX_IOVECS / (leaf_count + 1)).max(1);
@@ -1045,8 +1058,9 @@ impl TcpSender {
                 .unwrap_or(usize::MAX)
                 .max(1);
             let k = room.min(n - *done).min(per_write);
-            let headers: Vec<([u8; 9], usize)> =
-                (0..k).map(|j| frame_header(self.version, rows.row_priority(*done + j))).collect();
+            let headers: Vec<([u8; FrameMeta::MAX_HEADER], usize)> = (0..k)
+                .map(|j| frame_header(self.version, &self.row_meta(rows, *done + j), steps))
+                .collect();
             let mut parts: Vec<&[u8]> = Vec::with_capacity(k * (leaf_count + 1));
             for (j, (header, len)) in headers.iter().enumerate() {
                 parts.push(&header[..*len]);
@@ -1074,10 +1088,10 @@ impl TcpSender {
     fn send_shm(
         &mut self,
         leaves: &[&[u8]],
-        priority: Option<f64>,
+        meta: &FrameMeta,
         deadline: Option<Instant>,
     ) -> Result<(), EchoError> {
-        self.write_shm(leaves, priority, deadline)?;
+        self.write_shm(leaves, meta, deadline)?;
         self.sent += 1;
         self.written = self.sent;
         Ok(())
@@ -1087,7 +1101,7 @@ impl TcpSender {
     fn write_shm(
         &mut self,
         leaves: &[&[u8]],
-        priority: Option<f64>,
+        meta: &FrameMeta,
         deadline: Option<Instant>,
     ) -> Result<(), EchoError> {
         let max_inflight = self.config.max_inflight;
@@ -1100,7 +1114,7 @@ impl TcpSender {
             let writer = link.shm.as_mut().expect("a shared-memory link");
             let window = max_inflight.min(writer.slots() as u64);
             let in_flight = writer.committed() - writer.taken();
-            if in_flight < window && writer.try_send(leaves, priority) {
+            if in_flight < window && writer.try_send(leaves, meta) {
                 return Ok(());
             }
             let now = Instant::now();
@@ -1137,6 +1151,46 @@ impl TcpSender {
             if self.spare.len() < 2 {
                 self.spare.push(old.frame);
             }
+        }
+    }
+
+    /// Row `i` of `rows` as a frame's fields: its priority and, for a sequence table, its row
+    /// (row `i` of the batch is this client's stream `i`) and episode flag.
+    fn row_meta(&self, rows: &Rows<'_>, i: usize) -> FrameMeta {
+        let step = rows.step(i);
+        let row =
+            if self.steps.is_some() { u32::try_from(step.stream).unwrap_or(u32::MAX) } else { 0 };
+        FrameMeta { priority: rows.row_priority(i), row, end: step.end }
+    }
+
+    /// Checks what a sample frame would carry: a priority the server takes, and steps (a row
+    /// other than 0, an episode end) only for a sequence table, rows within its `max_rows`.
+    fn check_meta(&self, meta: &FrameMeta) -> Result<(), EchoError> {
+        self.check_priority(meta.priority)?;
+        if !meta.is_step() {
+            return Ok(());
+        }
+        match self.steps {
+            None => Err(EchoError::Protocol(format!(
+                "end_episode/truncated and rows of episodes need a sequence table at the server; \
+                 the server at {} {}",
+                self.config.address(),
+                if self.version == 1 {
+                    "speaks wire protocol 1, which has no episodes"
+                } else if self.replay {
+                    "is a replay table without sequence="
+                } else {
+                    "is a FIFO server"
+                }
+            ))),
+            Some(max) if meta.row >= max => Err(EchoError::Protocol(format!(
+                "row {} out of range: the sequence table at {} takes rows 0..{} per client \
+                 (its Sequence(max_streams))",
+                meta.row,
+                self.config.address(),
+                max
+            ))),
+            Some(_) => Ok(()),
         }
     }
 
@@ -1317,8 +1371,8 @@ impl TcpSender {
     fn pump_shm(&mut self, index: usize, deadline: Option<Instant>) -> Result<(), EchoError> {
         // Taken out while it is written (`write_shm` borrows the sender), then put back.
         let frame = std::mem::take(&mut self.retained[index].frame);
-        let (priority, payload) = split_frame(&frame);
-        let result = self.write_shm(&[payload], priority, deadline);
+        let (meta, payload) = FrameMeta::split(&frame).expect("a retained frame is well formed");
+        let result = self.write_shm(&[payload], &meta, deadline);
         self.retained[index].frame = frame;
         result
     }
@@ -1421,6 +1475,7 @@ impl TcpSender {
             return Err(EchoError::Disconnected(reason));
         }
         self.replay = accept.replay;
+        self.steps = accept.steps;
         while self.retained_base < resume && !self.retained.is_empty() {
             self.release_front();
             self.retained_base += 1;
@@ -1544,33 +1599,13 @@ fn loss_bell(writer: &ShmWriter) -> io::Result<LossBell> {
     match *writer {}
 }
 
-/// A retained v2 frame's priority and payload (see [`frame_header`]).
-fn split_frame(frame: &[u8]) -> (Option<f64>, &[u8]) {
-    match frame.first() {
-        Some(&v2::SAMPLE_PRIORITY) => {
-            let raw: [u8; 8] = frame[1..9].try_into().expect("a priority frame's header");
-            (Some(f64::from_le_bytes(raw)), &frame[9..])
-        }
-        _ => (None, &frame[1..]),
-    }
-}
-
 /// The bytes before a sample's payload, on the stack (`header[..len]`): none on v1; the frame
-/// type (and priority) on v2.
-fn frame_header(version: u8, priority: Option<f64>) -> ([u8; 9], usize) {
-    let mut header = [0u8; 9];
-    match (version, priority) {
-        (1, _) => (header, 0),
-        (_, None) => {
-            header[0] = v2::SAMPLE;
-            (header, 1)
-        }
-        (_, Some(p)) => {
-            header[0] = v2::SAMPLE_PRIORITY;
-            header[1..].copy_from_slice(&p.to_le_bytes());
-            (header, 9)
-        }
+/// type and fields on v2 ([`FrameMeta::encode`]; a step frame for any row with `step`).
+fn frame_header(version: u8, meta: &FrameMeta, step: bool) -> ([u8; FrameMeta::MAX_HEADER], usize) {
+    if version == 1 {
+        return ([0u8; FrameMeta::MAX_HEADER], 0);
     }
+    meta.encode_as(step)
 }
 
 /// The pause before reconnection attempt `attempt` (from 1): doubling from

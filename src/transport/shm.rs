@@ -12,8 +12,9 @@
 //!  64    tail: u64 (atomic; the worker's)          128  head: u64 (atomic; the learner's)
 //!  192   reader_sleeping: u32 (the learner's)      256  writer_sleeping: u32 (the worker's)
 //!  4096  slot 0 | slot 1 | ... (each slot_stride bytes, a multiple of 64)
-//!  slot: seq: u64 (the sample's number) | flags: u32 (bit 0: priority) | 0: u32
-//!        | priority: f64 | 40 reserved bytes | payload (payload_size bytes)
+//!  slot: seq: u64 (the sample's number) | flags: u32 (bit 0: priority; bit 1: a step of a
+//!        row) | 0: u32 | priority: f64 | row: u32 | end: u8 (0 goes on, 1 terminated,
+//!        2 truncated) | 35 reserved bytes | payload (payload_size bytes)
 //! ```
 //!
 //! All integers are little-endian (the machine's: both sides run on it). The index protocol
@@ -41,6 +42,8 @@ use std::sync::atomic::{AtomicU32, AtomicU64};
 use std::time::{Duration, Instant};
 
 use crate::shmring::{Bell, Corrupt, Indices};
+use crate::source::{EpisodeEnd, StepTag};
+use crate::transport::wire::v2::FrameMeta;
 
 /// The first bytes of a segment.
 pub const MAGIC: &[u8; 8] = b"ECHOSHM\x01";
@@ -70,6 +73,9 @@ pub const OFF_READER_SLEEPING: usize = 192;
 pub const OFF_WRITER_SLEEPING: usize = 256;
 /// Slot flag: the slot's priority field is set.
 pub const FLAG_PRIORITY: u32 = 1;
+/// Slot flag: the sample is a step of a row (its row and episode flag are set), for a
+/// sequence table.
+pub const FLAG_STEP: u32 = 2;
 /// What a segment aims to hold: as many slots as fit (between [`MIN_SLOTS`] and
 /// [`MAX_SLOTS`]).
 pub const SEGMENT_TARGET: usize = 8 << 20;
@@ -401,12 +407,8 @@ impl AsRawFd for EventFd {
     }
 }
 
-/// What a slot's header says, once copied out and checked.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct SlotMeta {
-    /// The sample's priority, if the worker gave one.
-    pub priority: Option<f64>,
-}
+/// What a slot's header says, once copied out and checked: what a sample frame says.
+pub type SlotMeta = FrameMeta;
 
 /// The learner's side of one channel: the segment, its own `head`, the data bell it waits on
 /// and the space bell it rings.
@@ -524,10 +526,20 @@ impl Reader {
         if got != seq {
             return Err(format!("slot of sample {seq} holds sample {got}"));
         }
-        if flags & !FLAG_PRIORITY != 0 {
+        if flags & !(FLAG_PRIORITY | FLAG_STEP) != 0 {
             return Err(format!("sample {seq}: unknown slot flags {flags:#x}"));
         }
-        Ok(SlotMeta { priority: (flags & FLAG_PRIORITY != 0).then_some(priority) })
+        let mut meta = SlotMeta {
+            priority: (flags & FLAG_PRIORITY != 0).then_some(priority),
+            ..SlotMeta::default()
+        };
+        if flags & FLAG_STEP != 0 {
+            meta.row = u32::from_le_bytes(header[24..28].try_into().expect("4 bytes"));
+            meta.end = EpisodeEnd::from_code(header[28]).ok_or_else(|| {
+                format!("sample {seq}: episode flag {} is not 0, 1 or 2", header[28])
+            })?;
+        }
+        Ok(meta)
     }
 
     /// The segment offset of the slot holding sample `seq`: computed from our own geometry
@@ -584,6 +596,8 @@ pub struct Samples<'a> {
     leaves: &'a [(usize, usize)],
     /// [`SampleSource::leaf`]'s private copies, made only if something asks for references.
     copies: std::cell::OnceCell<Vec<Box<[u8]>>>,
+    /// The backend stream of row 0 of the worker's connection (see [`Samples::with_streams`]).
+    stream_base: u64,
 }
 
 impl<'a> Samples<'a> {
@@ -595,7 +609,14 @@ impl<'a> Samples<'a> {
         metas: &'a [SlotMeta],
         leaves: &'a [(usize, usize)],
     ) -> Self {
-        Self { reader, first, metas, leaves, copies: std::cell::OnceCell::new() }
+        Self { reader, first, metas, leaves, copies: std::cell::OnceCell::new(), stream_base: 0 }
+    }
+
+    /// The same samples as steps of the streams `stream_base | row` (a sequence table's
+    /// streams of the worker's connection).
+    #[must_use]
+    pub fn with_streams(self, stream_base: u64) -> Self {
+        Self { stream_base, ..self }
     }
 }
 
@@ -628,6 +649,10 @@ impl crate::source::SampleSource for Samples<'_> {
     }
     fn priority(&self, sample: usize) -> Option<f64> {
         self.metas[sample].priority
+    }
+    fn step(&self, sample: usize) -> StepTag {
+        let meta = &self.metas[sample];
+        StepTag { stream: self.stream_base | u64::from(meta.row), end: meta.end }
     }
 }
 
@@ -738,7 +763,7 @@ impl Writer {
 
     /// Writes one sample (its leaves, which the caller checked add up to the payload size)
     /// and commits it, if a slot is free. `false`: the ring is full.
-    pub fn try_send(&mut self, leaves: &[&[u8]], priority: Option<f64>) -> bool {
+    pub fn try_send(&mut self, leaves: &[&[u8]], meta: &SlotMeta) -> bool {
         let indices = self.segment.indices(self.slots);
         if !indices.has_room(self.tail) {
             return false;
@@ -747,9 +772,14 @@ impl Writer {
         let offset = HEADER_LEN + index * self.stride;
         let mut header = [0u8; SLOT_HEADER];
         header[0..8].copy_from_slice(&self.tail.to_le_bytes());
-        let flags = if priority.is_some() { FLAG_PRIORITY } else { 0 };
+        let mut flags = if meta.priority.is_some() { FLAG_PRIORITY } else { 0 };
+        if meta.is_step() {
+            flags |= FLAG_STEP;
+            header[24..28].copy_from_slice(&meta.row.to_le_bytes());
+            header[28] = meta.end.code();
+        }
         header[8..12].copy_from_slice(&flags.to_le_bytes());
-        header[16..24].copy_from_slice(&priority.unwrap_or(0.0).to_le_bytes());
+        header[16..24].copy_from_slice(&meta.priority.unwrap_or(0.0).to_le_bytes());
         self.segment.put(offset, &header);
         let mut at = offset + SLOT_HEADER;
         let end = at + self.payload_size;

@@ -32,10 +32,11 @@ use tokio::runtime::Runtime;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::task::AbortHandle;
 
-use super::wire::v2::{self, Beat, Hello, Layout, Mode, Offer, Opening, Refusal, Reply};
+use super::wire::v2::{self, Beat, FrameMeta, Hello, Layout, Mode, Offer, Opening, Refusal, Reply};
 use super::wire::{encode_handshake, ACK};
+use crate::backend::Backend;
 use crate::error::EchoError;
-use crate::ingress::{Connection, Ingress, SpaceWaker, TransportEvent};
+use crate::ingress::{Connection, Ingress, SpaceWaker, StepMark, TransportEvent};
 
 /// Bytes read from a socket at a time for small samples.
 const STAGING: usize = 64 * 1024;
@@ -690,7 +691,7 @@ async fn serve_v1(link: &mut Link<'_>, conn: &Arc<Connection>, space: &Notify) -
         if !link.fill(buf.bytes(), payload_size).await? {
             return Ok(());
         }
-        link.push(conn, space, buf, None).await?;
+        link.push(conn, space, buf, None, StepMark::default()).await?;
         link.acks += 1;
         link.activity.complete();
     }
@@ -803,6 +804,7 @@ async fn serve_v2(
     let signed = shared.token.as_deref().map(|token| (token, hello, offer));
     let mut accept =
         v2::Accept::new(ingress.backend().has_priorities(), resume_seq, own_ms, signed);
+    accept.steps = max_rows(ingress.backend());
     let mut channel = None;
     if hello.shm {
         match shm_path::prepare(shared, peer, link) {
@@ -848,27 +850,27 @@ async fn serve_frames(
     let payload_size = conn.payload_size();
     loop {
         let Some(kind) = link.next_byte().await? else { return Ok(()) };
-        let priority = match kind {
+        let len = match kind {
             v2::HEARTBEAT => continue,
             v2::BYE => {
                 serving.goodbye = true;
                 return Ok(());
             }
-            v2::SAMPLE => None,
-            v2::SAMPLE_PRIORITY => {
-                let mut raw = [0u8; 8];
-                if !link.fill(&mut raw, 8).await? {
-                    return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "closed mid-frame"));
-                }
-                let priority = f64::from_le_bytes(raw);
-                if let Err(err) = ingress.backend().check_priority(priority) {
-                    return Err(link.fail(&err.to_string()).await);
-                }
-                Some(priority)
-            }
-            other => return Err(link.fail(&format!("unknown frame type {other:#04x}")).await),
+            other => match FrameMeta::rest_len(other) {
+                Some(len) => len,
+                None => return Err(link.fail(&format!("unknown frame type {other:#04x}")).await),
+            },
         };
-        if priority.is_none() && link.read_in_place(conn).await? {
+        let mut raw = [0u8; FrameMeta::MAX_HEADER];
+        if len > 0 && !link.fill(&mut raw, len).await? {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "closed mid-frame"));
+        }
+        let meta = match check_frame(ingress.backend(), kind, &raw[..len]) {
+            Ok(meta) => meta,
+            Err(why) => return Err(link.fail(&why).await),
+        };
+        let (priority, mark) = (meta.priority, StepMark { row: meta.row, end: meta.end });
+        if priority.is_none() && !meta.is_step() && link.read_in_place(conn).await? {
             // ORDERING: Relaxed — as below.
             session.next_seq.fetch_add(1, Relaxed);
             link.acks += 1;
@@ -879,12 +881,48 @@ async fn serve_frames(
         if !link.fill(buf.bytes(), payload_size).await? {
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "closed mid-frame"));
         }
-        link.push(conn, space, buf, priority).await?;
+        link.push(conn, space, buf, priority, mark).await?;
         // ORDERING: Relaxed — see above; pushed and counted with no await in between, so an
         // abort cannot separate them.
         session.next_seq.fetch_add(1, Relaxed);
         link.acks += 1;
         link.activity.complete();
+    }
+}
+
+/// The rows a client may send steps of: a sequence table's `max_streams` (capped to the
+/// wire's u32); `None` for the other backends, which take no step frames.
+fn max_rows(backend: &Backend) -> Option<u32> {
+    backend.sequence().map(|s| u32::try_from(s.max_streams).unwrap_or(u32::MAX))
+}
+
+/// A sample frame's fields (the `rest_len` bytes after its kind), checked against what the
+/// backend takes: a priority it accepts, steps only for a sequence table, rows below its
+/// `max_rows`. The error says what was wrong, for the error frame.
+fn check_frame(backend: &Backend, kind: u8, rest: &[u8]) -> Result<FrameMeta, String> {
+    let meta = FrameMeta::decode(kind, rest).map_err(|e| e.to_string())?;
+    check_meta(backend, &meta)?;
+    Ok(meta)
+}
+
+/// What [`check_frame`] checks of a sample's fields, for frames and shared-memory slots alike.
+fn check_meta(backend: &Backend, meta: &FrameMeta) -> Result<(), String> {
+    if let Some(priority) = meta.priority {
+        backend.check_priority(priority).map_err(|e| e.to_string())?;
+    }
+    if !meta.is_step() {
+        return Ok(());
+    }
+    match max_rows(backend) {
+        None => Err("steps of episodes (a row or an episode end) need a sequence table; this \
+                     server did not offer them"
+            .to_owned()),
+        Some(max) if meta.row >= max => Err(format!(
+            "row {} out of range: this sequence table takes rows 0..{max} per client \
+             (Sequence(max_streams))",
+            meta.row
+        )),
+        Some(_) => Ok(()),
     }
 }
 
@@ -995,7 +1033,7 @@ mod shm_path {
     use tokio::io::Interest;
     use tokio::net::{UnixListener, UnixStream};
 
-    use super::{Link, Session, Shared, ShmEnd as End, SHM_OFF};
+    use super::{check_meta, Link, Session, Shared, ShmEnd as End, SHM_OFF};
     use crate::error::EchoError;
     use crate::ingress::TransportEvent;
     use crate::ingress::{Connection, Ingress, SegmentReservation};
@@ -1206,11 +1244,10 @@ mod shm_path {
                     }
                 }
                 for meta in &metas {
-                    if let Some(priority) = meta.priority {
-                        if let Err(err) = backend.check_priority(priority) {
-                            return Err(link.fail(&err.to_string()).await);
-                        }
+                    if let Err(why) = check_meta(backend, meta) {
+                        return Err(link.fail(&why).await);
                     }
+                    conn.note_row(meta.row);
                 }
                 let bell = backend.insert_bell();
                 let mut done = 0;
@@ -1221,7 +1258,8 @@ mod shm_path {
                     // sample is still copied once. The bell is read before the insert, so
                     // room freed in between is not missed.
                     let rung = bell.rung();
-                    let samples = Samples::new(reader, reader.head(), &metas[done..], &leaves);
+                    let samples = Samples::new(reader, reader.head(), &metas[done..], &leaves)
+                        .with_streams(conn.stream(0));
                     let (inserted, error) =
                         match backend.insert(&samples, None, Some(Instant::now())) {
                             Ok(()) => (metas.len() - done, None),
@@ -1664,10 +1702,11 @@ impl Link<'_> {
         space: &Notify,
         mut pooled: Pooled<'_>,
         priority: Option<f64>,
+        mark: StepMark,
     ) -> io::Result<()> {
         let mut buf = pooled.buf.take().expect("present until pushed");
         loop {
-            match conn.try_push_with(buf, priority) {
+            match conn.try_push_step(buf, priority, mark) {
                 Ok(()) => return Ok(()),
                 Err(back) => {
                     // Back in the guard while we wait: an abort gives it back to the pool.

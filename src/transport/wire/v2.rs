@@ -15,20 +15,27 @@
 //!                               | ndim x dim: u32 | [mac: 32 bytes]
 //! server -> client, REPLY:      b"ECHO" | 0x02 | status: u8 | msg_len: u32 | msg (UTF-8)
 //!   status 0 (accepted), then:  flags: u8 (bit 0: replay, priorities accepted; bit 1: MAC;
-//!                               bit 2: shared memory offered) | resume_seq: u64
+//!                               bit 2: shared memory offered; bit 3: a sequence table, step
+//!                               frames accepted) | resume_seq: u64
 //!                               | heartbeat_ms: u32 | [mac: 32 bytes]
 //!                               | [name_len: u8 | socket name | shm nonce: 16 bytes]
+//!                               | [max_rows: u32, with bit 3]
 //!                               (msg, empty otherwise, says why shared memory was wanted
 //!                               and not offered)
-//! client -> server, frames:     0x10 payload | 0x11 priority: f64 | payload | 0x20 (heartbeat)
-//!                               | 0x30 (bye: the session is over) | 0x31 (no shared
-//!                               memory after all: samples come as frames)
+//! client -> server, frames:     0x10 payload | 0x11 priority: f64 | payload
+//!                               | 0x12 row: u32 | end: u8 | payload
+//!                               | 0x13 row: u32 | end: u8 | priority: f64 | payload
+//!                               | 0x20 (heartbeat) | 0x30 (bye: the session is over)
+//!                               | 0x31 (no shared memory after all: samples come as frames)
 //! server -> client, bytes:      0x01 (ack: one sample queued) | 0x02 (heartbeat)
 //!                               | 0x03 msg_len: u32 | msg (error; the server then closes)
 //! ```
 //!
 //! All integers are little-endian. The k-th sample frame of a connection has sequence number
-//! `resume_seq + k`. MACs are HMAC-SHA256 keyed by the token: the client's covers
+//! `resume_seq + k`. A step frame (0x12, 0x13; only to a server that set bit 3) is a sample of
+//! the client's stream `row` (row `i` of a `send_batch`; `row < max_rows`), and `end` says
+//! whether it ends its episode: 0 no, 1 terminated, 2 truncated. 0x10 and 0x11 are row 0,
+//! episode going on. MACs are HMAC-SHA256 keyed by the token: the client's covers
 //! `b"echo-v2-client" | server nonce | body without the MAC`, the server's
 //! `b"echo-v2-server" | client_nonce | server nonce | resume_seq`; the token never crosses the
 //! wire. Decoding is defensive: lengths are capped before anything is allocated.
@@ -39,6 +46,7 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
 use crate::error::EchoError;
+use crate::source::EpisodeEnd;
 use crate::spec::{ArraySpec, DataSpec};
 
 /// The version byte of every v2 message.
@@ -54,6 +62,10 @@ pub const MAC_LEN: usize = 32;
 pub const SAMPLE: u8 = 0x10;
 /// Client frame: a priority (f64) and a sample follow.
 pub const SAMPLE_PRIORITY: u8 = 0x11;
+/// Client frame: a row (u32), an episode flag (u8) and a sample follow.
+pub const STEP: u8 = 0x12;
+/// Client frame: a row (u32), an episode flag (u8), a priority (f64) and a sample follow.
+pub const STEP_PRIORITY: u8 = 0x13;
 /// Client frame, and server byte [`BEAT`]: nothing follows; "still here".
 pub const HEARTBEAT: u8 = 0x20;
 /// Client frame: the client is done; the server forgets the session.
@@ -65,6 +77,8 @@ pub const SHM_DECLINE: u8 = 0x31;
 pub const HELLO_SHM: u8 = 2;
 /// Reply flag: a shared-memory offer follows the MAC.
 pub const REPLY_SHM: u8 = 4;
+/// Reply flag: the server is a sequence table and takes step frames; `max_rows` follows.
+pub const REPLY_STEPS: u8 = 8;
 /// Length of the shared-memory nonce.
 pub const SHM_NONCE_LEN: usize = 16;
 /// Server byte: one sample queued (the same byte as v1's ack).
@@ -556,6 +570,118 @@ pub struct Accept {
     pub shm: Option<ShmOffer>,
     /// Why a client that wanted shared memory was not offered it (empty otherwise).
     pub note: String,
+    /// `Some(max_rows)`: the server is a sequence table and takes step frames of rows
+    /// `0..max_rows`.
+    pub steps: Option<u32>,
+}
+
+/// What a sample frame carries besides its payload: a priority, and for a sequence table the
+/// row (the client's stream) and the episode flag. The one definition of the frame headers:
+/// the client encodes them, the server and the shared-memory slots decode them.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct FrameMeta {
+    /// The sample's own priority (replay and sequence tables).
+    pub priority: Option<f64>,
+    /// The client's row (stream) the sample is a step of.
+    pub row: u32,
+    /// Whether the step ends its episode.
+    pub end: EpisodeEnd,
+}
+
+impl FrameMeta {
+    /// The longest frame header: kind, row, flag and priority.
+    pub const MAX_HEADER: usize = 1 + 4 + 1 + 8;
+
+    /// Whether the frame needs a step frame (a row other than 0 or an episode end).
+    pub fn is_step(&self) -> bool {
+        self.row != 0 || self.end != EpisodeEnd::No
+    }
+
+    /// The frame's header (`header[..len]`): its kind byte and fields.
+    pub fn encode(&self) -> ([u8; Self::MAX_HEADER], usize) {
+        self.encode_as(false)
+    }
+
+    /// [`FrameMeta::encode`], as a step frame even for row 0 going on when `step` (so that
+    /// every frame of a batch to a sequence table has the same length).
+    pub fn encode_as(&self, step: bool) -> ([u8; Self::MAX_HEADER], usize) {
+        let mut header = [0u8; Self::MAX_HEADER];
+        let mut at = 1;
+        if step || self.is_step() {
+            header[0] = if self.priority.is_some() { STEP_PRIORITY } else { STEP };
+            header[1..5].copy_from_slice(&self.row.to_le_bytes());
+            header[5] = self.end.code();
+            at = 6;
+        } else {
+            header[0] = if self.priority.is_some() { SAMPLE_PRIORITY } else { SAMPLE };
+        }
+        if let Some(p) = self.priority {
+            header[at..at + 8].copy_from_slice(&p.to_le_bytes());
+            at += 8;
+        }
+        (header, at)
+    }
+
+    /// Bytes after the kind byte of a sample frame of `kind`, before its payload; `None` if
+    /// `kind` is not a sample frame.
+    pub fn rest_len(kind: u8) -> Option<usize> {
+        match kind {
+            SAMPLE => Some(0),
+            SAMPLE_PRIORITY => Some(8),
+            STEP => Some(5),
+            STEP_PRIORITY => Some(13),
+            _ => None,
+        }
+    }
+
+    /// The fields of a sample frame of `kind` from the `rest_len(kind)` bytes after its kind.
+    ///
+    /// # Errors
+    /// [`EchoError::Protocol`] for a kind that is not a sample frame, the wrong length, or an
+    /// episode flag other than 0, 1 and 2.
+    pub fn decode(kind: u8, rest: &[u8]) -> Result<Self, EchoError> {
+        let expected = Self::rest_len(kind)
+            .ok_or_else(|| EchoError::Protocol(format!("unknown frame type {kind:#04x}")))?;
+        if rest.len() != expected {
+            return Err(EchoError::Protocol(format!(
+                "frame {kind:#04x}: expected {expected} header bytes, got {}",
+                rest.len()
+            )));
+        }
+        let mut meta = Self::default();
+        let mut reader = Cursor(rest);
+        if matches!(kind, STEP | STEP_PRIORITY) {
+            meta.row = reader.u32()?;
+            let code = reader.u8()?;
+            meta.end = EpisodeEnd::from_code(code).ok_or_else(|| {
+                EchoError::Protocol(format!(
+                    "a step's episode flag is 0, 1 or 2 (goes on, terminated, truncated), got \
+                     {code}"
+                ))
+            })?;
+        }
+        if matches!(kind, SAMPLE_PRIORITY | STEP_PRIORITY) {
+            meta.priority = Some(f64::from_le_bytes(reader.array()?));
+        }
+        Ok(meta)
+    }
+
+    /// Splits a whole frame (`kind | header | payload`, as a client keeps it to resend) into
+    /// its fields and payload.
+    ///
+    /// # Errors
+    /// As [`FrameMeta::decode`], or a frame shorter than its header.
+    pub fn split(frame: &[u8]) -> Result<(Self, &[u8]), EchoError> {
+        let (&kind, rest) =
+            frame.split_first().ok_or_else(|| EchoError::Protocol("an empty frame".into()))?;
+        let len = Self::rest_len(kind)
+            .ok_or_else(|| EchoError::Protocol(format!("unknown frame type {kind:#04x}")))?;
+        if rest.len() < len {
+            return Err(EchoError::Protocol(format!("frame {kind:#04x} shorter than its header")));
+        }
+        let (header, payload) = rest.split_at(len);
+        Ok((Self::decode(kind, header)?, payload))
+    }
 }
 
 /// Where a client attaches the shared-memory channel it was offered.
@@ -596,7 +722,7 @@ impl Accept {
         let mac = signed.map(|(token, hello, offer)| {
             server_mac(token, hello, offer, resume_seq).finalize().into_bytes().into()
         });
-        Self { replay, resume_seq, heartbeat_ms, mac, shm: None, note: String::new() }
+        Self { replay, resume_seq, heartbeat_ms, mac, shm: None, note: String::new(), steps: None }
     }
 
     /// Whether the server proved `token` (constant-time comparison).
@@ -620,7 +746,8 @@ impl Reply {
                 out.push(
                     u8::from(accept.replay)
                         | (u8::from(accept.mac.is_some()) << 1)
-                        | if shm.is_some() { REPLY_SHM } else { 0 },
+                        | if shm.is_some() { REPLY_SHM } else { 0 }
+                        | if accept.steps.is_some() { REPLY_STEPS } else { 0 },
                 );
                 out.extend_from_slice(&accept.resume_seq.to_le_bytes());
                 out.extend_from_slice(&accept.heartbeat_ms.to_le_bytes());
@@ -631,6 +758,9 @@ impl Reply {
                     out.push(offer.name.len() as u8);
                     out.extend_from_slice(&offer.name);
                     out.extend_from_slice(&offer.nonce);
+                }
+                if let Some(max_rows) = accept.steps {
+                    out.extend_from_slice(&max_rows.to_le_bytes());
                 }
             }
             Self::Refused(why, message) => {
@@ -674,6 +804,7 @@ impl Reply {
             } else {
                 None
             };
+            let steps = if flags & REPLY_STEPS != 0 { Some(reader.u32()?) } else { None };
             Ok(Self::Accepted(Accept {
                 replay: flags & 1 != 0,
                 resume_seq,
@@ -681,6 +812,7 @@ impl Reply {
                 mac,
                 shm,
                 note: message,
+                steps,
             }))
         })();
         match parsed {
@@ -761,6 +893,33 @@ impl<'a> Cursor<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn frame_headers_round_trip_and_bad_ones_are_refused() {
+        let metas = [
+            FrameMeta::default(),
+            FrameMeta { priority: Some(2.5), ..FrameMeta::default() },
+            FrameMeta { row: 7, end: EpisodeEnd::Terminated, priority: None },
+            FrameMeta { row: 0, end: EpisodeEnd::Truncated, priority: Some(0.0) },
+            FrameMeta { row: u32::MAX, end: EpisodeEnd::No, priority: Some(1e10) },
+        ];
+        let lens = [1, 9, 6, 14, 14];
+        for (meta, len) in metas.iter().zip(lens) {
+            let (header, n) = meta.encode();
+            assert_eq!(n, len, "{meta:?}");
+            assert_eq!(FrameMeta::rest_len(header[0]), Some(n - 1));
+            assert_eq!(&FrameMeta::decode(header[0], &header[1..n]).unwrap(), meta);
+            let mut frame = header[..n].to_vec();
+            frame.extend_from_slice(b"payload");
+            assert_eq!(FrameMeta::split(&frame).unwrap(), (*meta, &b"payload"[..]));
+        }
+        let bad_end = FrameMeta::decode(STEP, &[0, 0, 0, 0, 3]).unwrap_err().to_string();
+        assert!(bad_end.contains("episode flag is 0, 1 or 2"), "{bad_end}");
+        assert!(FrameMeta::decode(0x14, &[]).unwrap_err().to_string().contains("unknown frame"));
+        assert!(FrameMeta::decode(STEP, &[0; 4]).is_err(), "short header");
+        assert!(FrameMeta::split(&[STEP_PRIORITY, 0, 0]).is_err(), "truncated frame");
+        assert!(FrameMeta::split(&[]).is_err());
+    }
 
     fn layout() -> Layout {
         Layout(vec![
