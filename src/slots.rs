@@ -1,5 +1,9 @@
 //! Raw slot memory: one pre-allocated, 64-byte aligned, zero-initialised buffer per leaf,
-//! each `capacity` slots long. The FIFO store's ring, a replay table's item storage and its
+//! each `capacity` slots long. Buffers of at least [`MAP_BYTES`] are mapped straight from the
+//! kernel (anonymous `mmap`), whose pages are zero and only take memory once written: a
+//! million-step table is built at once and costs memory as it fills. (The allocator's
+//! `alloc_zeroed` would write every byte first: for alignments above 16 it cannot use
+//! `calloc`.) The FIFO store's ring, a replay table's item storage and its
 //! batch area are all [`Slots`]. This is the only module that touches slot memory; every
 //! access goes through an `unsafe fn` whose `# Safety` section states the exclusivity it
 //! needs, and the owner's protocol (the [`Store`](crate::store::Store)'s cursors, the replay
@@ -18,13 +22,95 @@ use crate::sync::SlotTracker;
 /// Alignment of every leaf buffer: a cache line, and enough for any numpy dtype.
 pub const RING_ALIGN: usize = 64;
 
+/// Buffers at least this large are mapped (`mmap`) rather than allocated, on Unix.
+pub(crate) const MAP_BYTES: usize = 1 << 20;
+
+/// Where a leaf buffer's bytes come from, and so how they are given back.
+#[derive(Debug, Clone, Copy)]
+enum Backing {
+    /// Nothing (an empty leaf).
+    None,
+    /// `alloc_zeroed` with this layout.
+    Heap(Layout),
+    /// An anonymous private mapping of this many bytes.
+    #[cfg_attr(any(loom, miri, not(unix)), allow(dead_code))]
+    Mapped(usize),
+}
+
 #[derive(Debug)]
 struct LeafBuf {
     /// Start of `capacity * slot_bytes` bytes owned by this buffer (dangling but aligned when
-    /// the leaf is empty, in which case `layout` is `None` and nothing is allocated).
+    /// the leaf is empty, in which case `backing` is `None` and nothing is allocated).
     base: NonNull<u8>,
     slot_bytes: usize,
-    layout: Option<Layout>,
+    backing: Backing,
+}
+
+impl LeafBuf {
+    /// `total` zeroed bytes, `RING_ALIGN`-aligned (mapped from `MAP_BYTES` on, where it can).
+    fn allocate(total: usize, slot_bytes: usize) -> Result<Self, EchoError> {
+        if total == 0 {
+            return Ok(Self { base: dangling_aligned(), slot_bytes, backing: Backing::None });
+        }
+        #[cfg(all(unix, not(loom), not(miri)))]
+        if total >= MAP_BYTES {
+            // SAFETY: a fresh anonymous private mapping: no address hint, no file; the kernel
+            // returns page-aligned memory (so `RING_ALIGN`-aligned) that reads as zeros, or
+            // MAP_FAILED, checked below.
+            let raw = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    total,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            if raw == libc::MAP_FAILED {
+                return Err(EchoError::OutOfMemory { bytes: total });
+            }
+            let base =
+                NonNull::new(raw.cast::<u8>()).ok_or(EchoError::OutOfMemory { bytes: total })?;
+            return Ok(Self { base, slot_bytes, backing: Backing::Mapped(total) });
+        }
+        let layout = Layout::from_size_align(total, RING_ALIGN)
+            .map_err(|_| EchoError::Config(format!("ring buffer of {total} bytes is too large")))?;
+        // SAFETY: `layout` has a non-zero size (checked above).
+        let raw = unsafe { alloc::alloc_zeroed(layout) };
+        let base = NonNull::new(raw).ok_or(EchoError::OutOfMemory { bytes: total })?;
+        Ok(Self { base, slot_bytes, backing: Backing::Heap(layout) })
+    }
+
+    /// Bytes the buffer owns.
+    fn len(&self) -> usize {
+        match self.backing {
+            Backing::None => 0,
+            Backing::Heap(layout) => layout.size(),
+            Backing::Mapped(len) => len,
+        }
+    }
+}
+
+impl Drop for LeafBuf {
+    fn drop(&mut self) {
+        match self.backing {
+            Backing::None => {}
+            // SAFETY: `base` was returned by `alloc_zeroed(layout)` in `allocate` and is freed
+            // exactly once, here; the owning `Slots` is being dropped, so no views into it
+            // are being created.
+            Backing::Heap(layout) => unsafe { alloc::dealloc(self.base.as_ptr(), layout) },
+            #[cfg(all(unix, not(loom), not(miri)))]
+            Backing::Mapped(len) => {
+                // SAFETY: `base..base + len` is the mapping `allocate` made, unmapped exactly
+                // once, here (as for `Heap`).
+                let done = unsafe { libc::munmap(self.base.as_ptr().cast(), len) };
+                debug_assert_eq!(done, 0, "munmap of a mapping we own");
+            }
+            #[cfg(not(all(unix, not(loom), not(miri))))]
+            Backing::Mapped(_) => unreachable!("only Unix maps"),
+        }
+    }
 }
 
 /// Raw storage for `capacity` samples of a [`DataSpec`], leaf by leaf.
@@ -56,19 +142,8 @@ impl Slots {
                     "ring of {capacity} slots of {slot_bytes} bytes overflows usize"
                 ))
             })?;
-            let leaf = if total == 0 {
-                LeafBuf { base: dangling_aligned(), slot_bytes, layout: None }
-            } else {
-                let layout = Layout::from_size_align(total, RING_ALIGN).map_err(|_| {
-                    EchoError::Config(format!("ring buffer of {total} bytes is too large"))
-                })?;
-                // SAFETY: `layout` has a non-zero size (checked just above).
-                let raw = unsafe { alloc::alloc_zeroed(layout) };
-                let base = NonNull::new(raw).ok_or(EchoError::OutOfMemory { bytes: total })?;
-                LeafBuf { base, slot_bytes, layout: Some(layout) }
-            };
-            // Pushed right after allocating, so an early return above frees what exists.
-            leaves.push(leaf);
+            // Pushed right after allocating, so an early return frees what exists.
+            leaves.push(LeafBuf::allocate(total, slot_bytes)?);
         }
         let trackers = (0..capacity).map(|_| SlotTracker::default()).collect();
         Ok(Self { leaves: leaves.into_boxed_slice(), capacity, trackers })
@@ -77,10 +152,7 @@ impl Slots {
     /// Every leaf buffer as `(start, length in bytes)` (for page-locking). Empty leaves have
     /// length 0.
     pub(crate) fn buffers(&self) -> Vec<(*mut u8, usize)> {
-        self.leaves
-            .iter()
-            .map(|l| (l.base.as_ptr(), l.layout.map_or(0, |layout| layout.size())))
-            .collect()
+        self.leaves.iter().map(|l| (l.base.as_ptr(), l.len())).collect()
     }
 
     /// Bytes one slot of `leaf` holds.
@@ -208,18 +280,6 @@ impl Slots {
     }
 }
 
-impl Drop for Slots {
-    fn drop(&mut self) {
-        for leaf in self.leaves.iter() {
-            if let Some(layout) = leaf.layout {
-                // SAFETY: `base` was returned by `alloc_zeroed(layout)` in `new` and is freed
-                // exactly once, here; `&mut self` proves no views into it are being created.
-                unsafe { alloc::dealloc(leaf.base.as_ptr(), layout) };
-            }
-        }
-    }
-}
-
 /// A non-null, `RING_ALIGN`-aligned pointer for zero-byte leaves (never dereferenced).
 fn dangling_aligned() -> NonNull<u8> {
     #[repr(align(64))]
@@ -296,5 +356,36 @@ mod tests {
     fn absurd_capacity_is_an_error_not_an_abort() {
         let spec = DataSpec::new(vec![ArraySpec::new(vec![1 << 20], 8).unwrap()]).unwrap();
         assert!(Slots::new(&spec, usize::MAX / 4).is_err());
+    }
+
+    /// Resident bytes of this process (Linux), from `/proc/self/statm`.
+    #[cfg(target_os = "linux")]
+    fn resident_bytes() -> usize {
+        let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
+        let pages: usize = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
+        pages * 4096
+    }
+
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn large_buffers_take_memory_only_as_they_are_written() {
+        // 512 MiB of slots: mapped, zero, aligned, usable to the last byte, and resident only
+        // where written (a generous bound: other tests of this binary allocate meanwhile).
+        const SLOTS: usize = 1 << 16;
+        let spec = DataSpec::new(vec![ArraySpec::new(vec![8192], 1).unwrap()]).unwrap();
+        let before = resident_bytes();
+        let ring = Slots::new(&spec, SLOTS).unwrap();
+        assert_eq!(ring.buffers()[0].1, SLOTS * 8192);
+        assert_eq!(ring.slot_ptr(0, 0) as usize % RING_ALIGN, 0);
+        let last = [7u8; 8192];
+        // SAFETY: single-threaded test: this thread owns every slot.
+        unsafe { ring.write_slot(SLOTS - 1, 0, &last) };
+        // SAFETY: as above.
+        unsafe {
+            ring.read_slots(0, SLOTS - 2..SLOTS, |b| assert_eq!(b, [[0u8; 8192], last].concat()))
+        };
+        let grown = resident_bytes().saturating_sub(before);
+        assert!(grown < 128 << 20, "a 512 MiB ring made {grown} bytes resident before use");
+        drop(ring);
     }
 }

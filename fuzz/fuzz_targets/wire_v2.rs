@@ -8,13 +8,16 @@
 //!   server is), it says "need more" until the first deciding byte and then the same answer;
 //! - a hello it returns re-encodes (unsigned) to a hello that parses to the same fields;
 //! - a reply or an offer that parses re-encodes to bytes that parse to the same value, and
-//!   `Reply::parse` reports the length it consumed.
+//!   `Reply::parse` reports the length it consumed;
+//! - a sample frame (`FrameMeta::split`: kind, header, payload; what a client sends after the
+//!   handshake) that parses re-encodes to the same header, and one that does not parse is
+//!   an error, not a panic (an unknown kind, a short header, an episode flag above 2).
 //!
 //! Byte 0 of the input picks the mode: odd inputs get the offer's nonce and the v2 magic put
 //! in front, so the fuzzer reaches the hello's body instead of stopping at the nonce.
 #![no_main]
 
-use echo::transport::wire::v2::{self, Hello, Mode, Offer, Opening, Reply};
+use echo::transport::wire::v2::{self, FrameMeta, Hello, Mode, Offer, Opening, Reply};
 use echo::EchoError;
 use libfuzzer_sys::fuzz_target;
 
@@ -31,7 +34,17 @@ fuzz_target!(|data: &[u8]| {
     input.extend_from_slice(rest);
     check_opening(&input, &offer);
     check_client_side(rest);
+    check_frame(rest);
 });
+
+fn check_frame(bytes: &[u8]) {
+    let Ok((meta, payload)) = FrameMeta::split(bytes) else { return };
+    let header_len = bytes.len() - payload.len();
+    let step = matches!(bytes[0], v2::STEP | v2::STEP_PRIORITY);
+    let (again, n) = meta.encode_as(step);
+    assert_eq!(&again[..n], &bytes[..header_len], "a parsed frame header re-encodes");
+    assert_eq!(FrameMeta::rest_len(bytes[0]), Some(header_len - 1));
+}
 
 fn check_opening(input: &[u8], offer: &Offer) {
     let whole = v2::parse_opening(input, offer, MAX_BODY);
