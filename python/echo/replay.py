@@ -187,8 +187,10 @@ class Sequence:
             false there; every start before the end gets its window), `"shift"`ed back to end
             on the episode's last step (no padding; not made twice), or `"drop"`ped. An
             episode shorter than `length` gets one padded window with `"pad"` and `"shift"`.
-        max_streams: Streams that may have an open episode at once (in-process streams are
-            `0 .. max_streams - 1`).
+        max_streams: Streams per producer: in-process streams are `0` to `max_streams - 1`,
+            and a TCP client may send the rows `0` to `max_streams - 1` (its `send_batch`
+            rows). Each stream the table knows costs about `4 * length + 64` bytes until it
+            is gone.
 
     Raises:
         TypeError: An argument has the wrong type.

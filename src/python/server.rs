@@ -700,7 +700,7 @@ impl PyServerCore {
         let max = sequence.max_streams as u64;
         if first.checked_add(n.max(1) as u64).is_none_or(|end| end > max) {
             let streams = if n > 1 {
-                format!("streams {first}..{} (one per row)", first.saturating_add(n as u64))
+                format!("streams {first} to {} (one per row)", first.saturating_add(n as u64 - 1))
             } else {
                 format!("stream {first}")
             };

@@ -1184,11 +1184,11 @@ impl TcpSender {
                 }
             ))),
             Some(max) if meta.row >= max => Err(EchoError::Protocol(format!(
-                "row {} out of range: the sequence table at {} takes rows 0..{} per client \
-                 (its Sequence(max_streams))",
+                "row {} out of range: the sequence table at {} takes rows 0 to {} per client \
+                 (its Sequence(max_streams={max}))",
                 meta.row,
                 self.config.address(),
-                max
+                max - 1
             ))),
             Some(_) => Ok(()),
         }

@@ -918,9 +918,10 @@ fn check_meta(backend: &Backend, meta: &FrameMeta) -> Result<(), String> {
                      server did not offer them"
             .to_owned()),
         Some(max) if meta.row >= max => Err(format!(
-            "row {} out of range: this sequence table takes rows 0..{max} per client \
-             (Sequence(max_streams))",
-            meta.row
+            "row {} out of range: this sequence table takes rows 0 to {} per client \
+             (Sequence(max_streams={max}))",
+            meta.row,
+            max - 1
         )),
         Some(_) => Ok(()),
     }
