@@ -300,3 +300,25 @@ def test_episode_flags_need_a_sequence_table_at_the_server() -> None:
         assert server.stats().steps_inserted_total == 0, "nothing of the refused batch went in"
     finally:
         server.close()
+
+
+def test_a_wire_v1_client_is_one_episode_that_ends_truncated_with_its_connection() -> None:
+    server = serve("pad")
+    try:
+        client = TcpClient("127.0.0.1", server.port or 0, EXAMPLE, protocol=1)
+        assert client.sequence_rows is None, "wire v1 carries no episode flags"
+        for i in range(7):
+            v = step_id(5, 0, i)
+            client.send({"id": np.array(v), "obs": np.full(3, v, np.float32)})
+        with pytest.raises(ValueError, match="speaks wire protocol 1, which has no episodes"):
+            client.send({"id": np.array(0), "obs": np.zeros(3, np.float32)}, end_episode=True)
+        client.wait(timeout=WAIT_S)
+        assert server.stats().streams_open == 1
+        client.close(timeout=WAIT_S)
+        info = poll(server.stats, lambda s: s.streams_open == 0, "the connection's episode ended")
+        assert info.episodes_ended_total == 1
+        got, streams = drain(server, lambda k, e: 7)
+    finally:
+        server.close()
+    assert got == [(5, 0, s, real) for s, real in model_windows(7, "pad")]
+    assert next(iter(streams[5])) >= 2**32
