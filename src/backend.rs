@@ -27,8 +27,8 @@ use crate::ingress::{Ingress, QueuedSamples};
 use crate::metrics::DetailedSnapshot;
 use crate::replay::{
     Checkpoint, EpisodeEnd, MetaLeaf, ReplayBatch, ReplayConfig, ReplayConsumer, ReplayStats,
-    SampleHoldback, SequenceConfig, SequenceConsumer, SequenceStats, SequenceTable, SnapshotItems,
-    Table, TableState, SEQUENCE_META,
+    SampleHoldback, SequenceCheckpoint, SequenceConfig, SequenceConsumer, SequenceSnapshot,
+    SequenceStats, SequenceTable, SnapshotItems, Table, TableState, SEQUENCE_META,
 };
 use crate::source::SampleSource;
 use crate::spec::DataSpec;
@@ -98,6 +98,9 @@ pub enum BackendCheckpoint {
     Fifo(FifoSnapshot),
     /// The table's snapshot, and the ingress's samples (not items yet: no keys).
     Replay(Checkpoint, QueuedSamples),
+    /// The sequence table's snapshot, with the ingress's queued steps (their priorities and
+    /// tags in the snapshot, their bytes here). Boxed: the snapshot is large.
+    Sequence(Box<SequenceCheckpoint>, QueuedSamples),
 }
 
 /// A backend's counters, each in its own terms.
@@ -324,9 +327,11 @@ impl Backend {
                 let (checkpoint, queued) = table.checkpoint_with(capture)?;
                 Ok(BackendCheckpoint::Replay(checkpoint, queued))
             }
-            Self::Sequence(_) => Err(EchoError::Config(
-                "checkpoints of sequence tables are not supported yet".into(),
-            )),
+            Self::Sequence(table) => {
+                let (mut checkpoint, queued) = table.checkpoint_with(capture)?;
+                checkpoint.snapshot_mut().set_queued(&queued);
+                Ok(BackendCheckpoint::Sequence(Box::new(checkpoint), queued))
+            }
         }
     }
 
@@ -355,6 +360,24 @@ impl Backend {
                 table.restore(items, state, leaves)?;
                 table.restore_queued(queued)
             }
+        }
+    }
+
+    /// Fills a new sequence table with a snapshot ([`SequenceTable::restore`]).
+    ///
+    /// # Errors
+    /// [`EchoError::Config`] for another backend, or as [`SequenceTable::restore`].
+    pub fn restore_sequence(
+        &self,
+        snapshot: &SequenceSnapshot,
+        leaves: &[&[u8]],
+        queued_leaves: &[&[u8]],
+    ) -> Result<(), EchoError> {
+        match self {
+            Self::Sequence(table) => table.restore(snapshot, leaves, queued_leaves),
+            Self::Fifo(_) | Self::Replay(_) => Err(EchoError::Config(
+                "restore: a sequence table checkpoint needs a server with sequence=".into(),
+            )),
         }
     }
 

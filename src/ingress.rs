@@ -517,15 +517,15 @@ impl Connection {
 
     /// For [`Ingress::capture`], under the drainer's `state` lock: moves every queued sample to
     /// the stash and calls `each` with every stashed one, oldest first.
-    fn stash_queued(&self, mut each: impl FnMut(&[u8], Option<f64>)) {
+    fn stash_queued(&self, mut each: impl FnMut(&[u8], Option<f64>, StepMark)) {
         let mut stash = self.stash.lock();
         while let Some(item) = self.queue.pop() {
             stash.push_back(item);
         }
         // ORDERING: Relaxed — see `stashed`.
         self.stashed.store(stash.len(), Relaxed);
-        for (buf, _, priority, _) in stash.iter() {
-            each(buf, *priority);
+        for (buf, _, priority, mark) in stash.iter() {
+            each(buf, *priority, *mark);
         }
         drop(stash);
         // The queue has room again: a transport task may wait for it.
@@ -946,12 +946,17 @@ impl Ingress {
                 // before us: the FIFO commit that follows it (Release) was seen with Acquire
                 // before `capture` runs, a replay table counts under the lock we hold.
                 let done = drainer.done.load(Relaxed).min(state.bufs.len());
-                for (buf, priority) in state.bufs[done..].iter().zip(&state.priorities[done..]) {
-                    out.push(buf, *priority);
+                for i in done..state.bufs.len() {
+                    let (mark, conn) = (state.marks[i], &state.conns[state.owners[i]]);
+                    let step = StepTag { stream: conn.stream(mark.row), end: mark.end };
+                    out.push_step(&state.bufs[i], state.priorities[i], step);
                 }
                 let incoming = drainer.incoming.lock().clone();
                 for conn in state.conns.iter().chain(&incoming) {
-                    conn.stash_queued(|buf, priority| out.push(buf, priority));
+                    conn.stash_queued(|buf, priority, mark| {
+                        let step = StepTag { stream: conn.stream(mark.row), end: mark.end };
+                        out.push_step(buf, priority, step);
+                    });
                 }
             }
             // It may sleep with nothing in its queues any more: the stash is work too.
@@ -969,12 +974,26 @@ pub struct QueuedSamples {
     pub payloads: Vec<u8>,
     /// The priority each sample was sent with (wire v2), `None` for the insert's default.
     pub priorities: Vec<Option<f64>>,
+    /// The stream each sample is a step of and whether it ends its episode (a sequence
+    /// table's; the default tag for samples of other backends).
+    pub steps: Vec<StepTag>,
 }
 
 impl QueuedSamples {
     /// No samples of `payload_size` bytes yet.
     pub fn new(payload_size: usize) -> Self {
-        Self { payload_size, payloads: Vec::new(), priorities: Vec::new() }
+        Self { payload_size, payloads: Vec::new(), priorities: Vec::new(), steps: Vec::new() }
+    }
+
+    /// Appends one sample that is a step of `step.stream`.
+    ///
+    /// # Panics
+    /// If `payload` is not `payload_size` bytes.
+    pub fn push_step(&mut self, payload: &[u8], priority: Option<f64>, step: StepTag) {
+        assert_eq!(payload.len(), self.payload_size, "a queued sample's payload size");
+        self.payloads.extend_from_slice(payload);
+        self.priorities.push(priority);
+        self.steps.push(step);
     }
 
     /// Appends one sample.
@@ -982,9 +1001,7 @@ impl QueuedSamples {
     /// # Panics
     /// If `payload` is not `payload_size` bytes.
     pub fn push(&mut self, payload: &[u8], priority: Option<f64>) {
-        assert_eq!(payload.len(), self.payload_size, "a queued sample's payload size");
-        self.payloads.extend_from_slice(payload);
-        self.priorities.push(priority);
+        self.push_step(payload, priority, StepTag::default());
     }
 
     /// How many samples.

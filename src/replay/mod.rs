@@ -28,8 +28,8 @@ mod table;
 pub use limiter::{RateLimit, SampleHoldback};
 pub use select::{RemoverKind, SamplerKind};
 pub use sequence::{
-    AtEnd, EpisodeEnd, SequenceConfig, SequenceConsumer, SequenceStats, SequenceTable, StepTag,
-    SEQUENCE_META,
+    AtEnd, EpisodeEnd, SequenceCheckpoint, SequenceConfig, SequenceConsumer, SequenceSnapshot,
+    SequenceStats, SequenceTable, StepTag, SEQUENCE_META,
 };
 pub use table::{
     Checkpoint, MetaLeaf, ReplayBatch, ReplayConfig, ReplayConsumer, ReplayStats, SnapshotItems,

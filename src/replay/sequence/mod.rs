@@ -42,6 +42,10 @@
 //!    `ceil(max_size / chunk_length)`, so an insert always finds a free chunk after evicting.
 //! 4. A stream's `next_start` is the next window start (a multiple of `period`) not yet made,
 //!    at or after `retained_from`, the first step of its open episode that is still stored.
+//! 5. While a [`SequenceCheckpoint`] lives, a chunk it has not copied yet keeps its snapshot
+//!    bytes: only `take_chunk` hands a chunk out to be overwritten, and the writer that takes
+//!    one the checkpoint still needs saves its bytes first, under the lock (copy-on-write).
+//!    Appends to an open chunk go past its snapshot steps, which they never touch.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
@@ -58,6 +62,10 @@ use crate::source::{validate_source, SampleSource};
 pub use crate::source::{EpisodeEnd, StepTag};
 use crate::spec::{ArraySpec, DataSpec};
 use crate::sync::{Arc, AsyncBell, AtomicBool};
+
+mod snapshot;
+
+pub use snapshot::{SequenceCheckpoint, SequenceSnapshot};
 
 // Every `Ordering::` use below is documented in place with an `ORDERING:` comment.
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
@@ -298,6 +306,8 @@ struct State {
     stats: SequenceStats,
     waiting_inserts: u64,
     waiting_samples: u64,
+    /// The checkpoint being written, if any (invariant 5).
+    cow: Option<snapshot::Cow>,
 }
 
 /// The table's fixed geometry, shared by the lock holders and the consumer's copies.
@@ -478,7 +488,11 @@ impl State {
         }
         let priority = own.unwrap_or(self.max_priority);
         self.max_priority = self.max_priority.max(priority);
-        debug_assert!(!self.windows[slot].live, "one window per first step");
+        if self.windows[slot].live {
+            // One window per first step: a start is made once (invariant 4). Only a restored
+            // snapshot that lied about a stream gets here; its window stays as it was.
+            return;
+        }
         self.windows[slot] = Window { live: true, episode, start, len, times_sampled: 0, priority };
         self.sampler.insert(slot, priority);
         self.live_windows += 1;
@@ -776,6 +790,7 @@ impl SequenceTable {
             stats: SequenceStats::default(),
             waiting_inserts: 0,
             waiting_samples: 0,
+            cow: None,
         };
         Ok(Arc::new(Self {
             pinned: crate::pinned::Pinning::default(),
@@ -945,6 +960,7 @@ impl SequenceTable {
         let mut c = state.streams[at].chunk;
         if c == NIL || state.chunks[c as usize].filled as usize == g.chunk_length {
             let new = state.take_chunk(g, tag.stream) as u32;
+            self.preserve_for_checkpoint(state, new as usize);
             // The stream's old chunk may have been evicted just now (then it is not linked:
             // nothing live reaches past it).
             let old = state.streams[at].chunk;
