@@ -2,8 +2,8 @@
 
 A checkpoint is a directory:
 
-- `manifest.json`: `format` (`echo-replay-checkpoint` or `echo-fifo-checkpoint`), the format
-  version, the echo version, the layout (each leaf's path name, dtype, shape and file), the
+- `manifest.json`: `format` (`echo-replay-checkpoint`, `echo-fifo-checkpoint` or
+  `echo-sequence-checkpoint`), the format version, the echo version, the layout (each leaf's path name, dtype, shape and file), the
   settings, the counts and the size and SHA-256 of every other file;
 - one `.npy` file per leaf (`leaf_000.npy`, ...).
 
@@ -18,6 +18,16 @@ handed to the learner (the partial batch included), then the acknowledged sample
 queued in the ingress; the manifest's settings are `batch_size` and `num_buffers`, its counts
 say how many rows came from each (`from_ring`, `from_ingress`) and how many samples the
 learner had been handed before (`handed_out_before`).
+
+A sequence table's checkpoint (format version 3) holds its stored steps in the leaf files
+(each chunk of one stream's consecutive steps in turn, in eviction order), and in
+`sequence.npy` (uint8) the rest of the table, encoded by the core: where each chunk was, the
+windows (first step, episode, start, length, times sampled, priority), the streams with their
+open episodes, the episodes, the limiter's counters, the RNG state and the counters. The
+steps TCP clients had queued are `ingress_leaf_000.npy`, ... (their streams and flags are in
+`sequence.npy`). A restore puts every chunk back where it was, so window keys stay valid;
+in-process streams go on with their open episodes, and TCP clients' streams end theirs,
+truncated, after their queued steps (their clients come back as new streams).
 
 Acknowledged samples still queued in the ingress (format version 2): a replay checkpoint
 keeps them apart, as they are not items yet (no key): `ingress_leaf_000.npy`, ... and
@@ -63,12 +73,15 @@ __all__ = ["FORMAT_VERSION", "CheckpointError", "periodic_checkpoints"]
 
 _log = logging.getLogger("echo")
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """The checkpoint format this echo writes, and the newest it reads (version 2 added FIFO
-checkpoints and the ingress's acknowledged samples; version 1 is still read)."""
+checkpoints and the ingress's acknowledged samples, version 3 sequence tables; versions 1 and
+2 are still read)."""
 
 REPLAY_FORMAT = "echo-replay-checkpoint"
 FIFO_FORMAT = "echo-fifo-checkpoint"
+SEQUENCE_FORMAT = "echo-sequence-checkpoint"
+_SEQUENCE_META = "sequence.npy"
 _INGRESS_PRIORITIES = "ingress_priorities.npy"
 
 MANIFEST = "manifest.json"
@@ -139,9 +152,10 @@ def settings_dict(
     remover: Any,
     rate_limiter: Any,
     max_times_sampled: int,
+    sequence: replay.Sequence | None = None,
 ) -> dict[str, Any]:
-    """A replay server's settings as the manifest stores them."""
-    return {
+    """A replay or sequence server's settings as the manifest stores them."""
+    settings: dict[str, Any] = {
         "batch_size": batch_size,
         "max_size": max_size,
         "sampler": _strategy(sampler),
@@ -149,6 +163,9 @@ def settings_dict(
         "rate_limiter": _strategy(rate_limiter),
         "max_times_sampled": max_times_sampled,
     }
+    if sequence is not None:
+        settings["sequence"] = _strategy(sequence)
+    return settings
 
 
 def _clean_leftovers(parent: str, name: str, keep: str | None) -> None:
@@ -291,6 +308,43 @@ def write(
         }
         if queued:
             manifest["ingress"] = {"files": ingress_files, "priorities": _INGRESS_PRIORITIES}
+        return manifest
+
+    return _write_atomically(path, fill)
+
+
+def write_sequence(
+    core: Any, layout: TreeLayout, settings: dict[str, Any], path: str | os.PathLike[str]
+) -> int:
+    """Writes a checkpoint of `core` (a sequence table's `ServerCore`) to `path` (see the
+    module doc); returns the bytes its files hold (the manifest included)."""
+
+    def fill(data_dir: str) -> dict[str, Any]:
+        leaf_files = _leaf_files(layout)
+        ingress_files = _leaf_files(layout, "ingress_")
+        counts, digests, ingress_digests = core._checkpoint_sequence(
+            _native_files(layout, data_dir, leaf_files),
+            _native_files(layout, data_dir, ingress_files),
+            os.path.join(data_dir, _SEQUENCE_META),
+        )
+        steps, windows, open_episodes, queued = counts
+        files = _digests(data_dir, [*leaf_files, _SEQUENCE_META], digests)
+        _hook("leaves-written")
+        if queued:
+            files.update(_digests(data_dir, ingress_files, ingress_digests))
+        manifest: dict[str, Any] = {
+            **_manifest_head(SEQUENCE_FORMAT, settings, layout, leaf_files),
+            "counts": {
+                "items": steps,
+                "windows": windows,
+                "open_episodes": open_episodes,
+                "from_ingress": queued,
+            },
+            "sequence": _SEQUENCE_META,
+            "files": files,
+        }
+        if queued:
+            manifest["ingress"] = {"files": ingress_files}
         return manifest
 
     return _write_atomically(path, fill)
@@ -448,6 +502,7 @@ class Loaded:
     `ServerCore._restore_fifo` (FIFO: `leaves` hold the ring's rows, then the ingress's)."""
 
     fifo: bool
+    sequence: bool
     example: Any
     settings: dict[str, Any]
     leaves: list[npt.NDArray[Any]]
@@ -458,13 +513,15 @@ class Loaded:
     state: tuple[int, int, list[int], int, float]
     ingress_leaves: list[npt.NDArray[Any]]
     ingress_priorities: npt.NDArray[np.float64]
+    # A sequence table's metadata (`sequence.npy`); empty otherwise.
+    sequence_meta: npt.NDArray[np.uint8]
 
     def server_kwargs(self) -> dict[str, Any]:
         """The `Server` keyword arguments that rebuild the checkpointed settings."""
         s = self.settings
         if self.fifo:
             return {"batch_size": s["batch_size"], "num_buffers": s["num_buffers"]}
-        return {
+        kwargs = {
             "batch_size": s["batch_size"],
             "max_size": s["max_size"],
             "sampler": _from_strategy(s["sampler"]),
@@ -472,6 +529,9 @@ class Loaded:
             "rate_limiter": _from_strategy(s["rate_limiter"]),
             "max_times_sampled": s["max_times_sampled"],
         }
+        if self.sequence:
+            kwargs["sequence"] = _from_strategy(s["sequence"])
+        return kwargs
 
     def leaf_bytes(self) -> list[npt.NDArray[np.uint8]]:
         """Each leaf's rows as one flat byte array (views of the memory-mapped files)."""
@@ -503,10 +563,10 @@ def _read_manifest(root: str) -> dict[str, Any]:
     manifest = cast("dict[str, Any]", manifest)
     version = manifest.get("format_version")
     form = manifest.get("format")
-    if form not in (REPLAY_FORMAT, FIFO_FORMAT) or not isinstance(version, int):
+    if form not in (REPLAY_FORMAT, FIFO_FORMAT, SEQUENCE_FORMAT) or not isinstance(version, int):
         raise CheckpointError(
             f"{file}: not an echo checkpoint manifest (format {form!r}, expected "
-            f"{REPLAY_FORMAT!r} or {FIFO_FORMAT!r})"
+            f"{REPLAY_FORMAT!r}, {FIFO_FORMAT!r} or {SEQUENCE_FORMAT!r})"
         )
     if form == FIFO_FORMAT and version < 2:
         raise CheckpointError(f"{file}: a FIFO checkpoint needs format version 2, got {version}")
@@ -573,6 +633,7 @@ def read(path: str | os.PathLike[str], example: Any = None) -> Loaded:
     manifest = _read_manifest(root)
     mfile = os.path.join(root, MANIFEST)
     fifo = manifest["format"] == FIFO_FORMAT
+    sequence = manifest["format"] == SEQUENCE_FORMAT
     state: tuple[int, int, list[int], int, float] = (0, 0, [], 0, 0.0)
     ingress_files: list[str] = []
     ingress_priorities = ""
@@ -591,6 +652,16 @@ def read(path: str | os.PathLike[str], example: Any = None) -> Loaded:
                     f"!= items {n}"
                 )
             _ = (int(settings["batch_size"]), int(settings["num_buffers"]))
+        elif sequence:
+            needed.append(str(manifest["sequence"]))
+            _ = settings["sequence"]["length"]
+            if from_ingress:
+                ingress_files = [str(f) for f in manifest["ingress"]["files"]]
+                if len(ingress_files) != len(leaves):
+                    raise ValueError(
+                        f"ingress: {len(ingress_files)} files for {len(leaves)} leaves"
+                    )
+                needed += ingress_files
         else:
             st = manifest["state"]
             state = (
@@ -648,7 +719,17 @@ def read(path: str | os.PathLike[str], example: Any = None) -> Loaded:
         _load(root, leaf["file"], mine.dtype, (n, *mine.shape))
         for leaf, mine in zip(leaves, layout.leaves, strict=True)
     ]
-    if fifo:
+    sequence_meta: npt.NDArray[Any] = np.zeros(0, np.uint8)
+    if sequence:
+        meta_name = str(manifest["sequence"])
+        meta_size = files[meta_name]["bytes"]
+        sequence_meta = np.load(os.path.join(root, meta_name), allow_pickle=False)
+        if sequence_meta.dtype != np.uint8 or sequence_meta.ndim != 1:
+            raise CheckpointError(
+                f"{os.path.join(root, meta_name)}: holds {sequence_meta.dtype}"
+                f"{list(sequence_meta.shape)}, expected uint8[n] ({meta_size} bytes of file)"
+            )
+    if fifo or sequence:
         keys: npt.NDArray[Any] = np.zeros(0, np.uint64)
         priorities: npt.NDArray[Any] = np.zeros(0, np.float64)
         times_sampled: npt.NDArray[Any] = np.zeros(0, np.uint32)
@@ -661,12 +742,17 @@ def read(path: str | os.PathLike[str], example: Any = None) -> Loaded:
             _load(root, file, mine.dtype, (from_ingress, *mine.shape))
             for file, mine in zip(ingress_files, layout.leaves, strict=True)
         ]
-        priorities_in = _load(root, ingress_priorities, np.dtype(np.float64), (from_ingress,))
+        priorities_in = (
+            np.zeros(0, np.float64)
+            if sequence
+            else _load(root, ingress_priorities, np.dtype(np.float64), (from_ingress,))
+        )
     else:
         ingress_arrays = [np.zeros((0, *mine.shape), mine.dtype) for mine in layout.leaves]
         priorities_in = np.zeros(0, np.float64)
     return Loaded(
         fifo=fifo,
+        sequence=sequence,
         example=example,
         settings=settings,
         leaves=arrays,
@@ -677,4 +763,5 @@ def read(path: str | os.PathLike[str], example: Any = None) -> Loaded:
         state=state,
         ingress_leaves=ingress_arrays,
         ingress_priorities=priorities_in,
+        sequence_meta=sequence_meta,
     )

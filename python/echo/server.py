@@ -372,11 +372,6 @@ class Server:
         self._layout = TreeLayout(example)
         self._sampler: Sampler = config.sampler
         self._config = config
-        if sequence is not None and periodic is not None:
-            raise ValueError(
-                "checkpoint_dir: checkpoints of sequence tables are not supported yet; leave "
-                "checkpoint_dir and checkpoint_every unset with sequence="
-            )
         self._core = ServerCore(self._layout, config)
         self._meta_names: tuple[str, ...] = tuple(self._core.meta_names)
         if pin_host_memory:
@@ -743,7 +738,12 @@ class Server:
         Replay: every item's data, key, priority and times-sampled count in insertion order,
         the rate limiter's counters, the sampler's RNG state, the next key and the settings:
         `Server.restore(path)` rebuilds a server that samples, evicts, paces and numbers new
-        items as this one would have. Inserts still being copied when the snapshot is taken
+        items as this one would have.
+
+        Sequence tables: every stored step (each step once), the windows with their keys,
+        priorities and times sampled, the streams and their open episodes, the limiter's
+        counters, the RNG state and the settings; the steps' bytes are copied a chunk at a
+        time while inserts and sampling go on (copy-on-write for chunks a writer takes). Inserts still being copied when the snapshot is taken
         are not in it (their samples are still in the ingress, see below, or were submitted
         by a `submit()` that had not returned). Inserts and `sample()` wait at most for one
         ~1 MiB chunk's copy at a time.
@@ -772,11 +772,6 @@ class Server:
             RuntimeError: Another checkpoint of this server is being written.
             OSError: Writing failed (nothing at `path` changed then).
         """
-        if self._config.sequence is not None:
-            raise NotImplementedError(
-                "checkpoints of sequence tables are not supported yet (FIFO and replay servers "
-                "checkpoint)"
-            )
         started = time.monotonic()
         if isinstance(self._sampler, Fifo):
             num_buffers = self._core.num_buffers
@@ -797,8 +792,10 @@ class Server:
             remover=Fifo() if config.remover is None else config.remover,
             rate_limiter=MinSize(1) if config.rate_limiter is None else config.rate_limiter,
             max_times_sampled=config.max_times_sampled,
+            sequence=config.sequence,
         )
-        size = _checkpoint.write(self._core, self._layout, settings, path)
+        write = _checkpoint.write if config.sequence is None else _checkpoint.write_sequence
+        size = write(self._core, self._layout, settings, path)
         self._core._record_checkpoint(  # pyright: ignore[reportPrivateUsage]
             time.time(), time.monotonic() - started, size
         )
@@ -822,7 +819,11 @@ class Server:
         limiter counters, RNG state, next key, batch size, sampler, remover, rate limiter,
         `max_size` and `max_times_sampled`. FIFO: the same `batch_size` and `num_buffers`,
         and the checkpoint's samples in the ring in the same order, so that `sample()` hands
-        them out first.
+        them out first. Sequence tables: the same steps, windows (keys included), priorities,
+        limiter counters and settings (`sequence=` too); in-process streams go on with their
+        open episodes (the next `submit(step, stream=k)` continues stream `k`'s), and the
+        streams of TCP clients end theirs, truncated, after the steps their connections had
+        queued: a client that comes back is a new stream.
 
         The samples the checkpoint took from the ingress go in (after the replay items,
         after the FIFO ring's samples) before anything new: as many as fit at once, the rest
@@ -867,6 +868,10 @@ class Server:
             if loaded.fifo:
                 server._core._restore_fifo(  # pyright: ignore[reportPrivateUsage]
                     loaded.leaf_bytes(), loaded.rows
+                )
+            elif loaded.sequence:
+                server._core._restore_sequence(  # pyright: ignore[reportPrivateUsage]
+                    loaded.leaf_bytes(), loaded.sequence_meta, loaded.ingress_bytes()
                 )
             else:
                 server._core._restore(  # pyright: ignore[reportPrivateUsage]

@@ -8,6 +8,7 @@ episode of one stream, in order, uncorrupted, and that its mask, start and flags
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -324,11 +325,6 @@ def test_bad_server_arguments_raise_precise_errors() -> None:
         echo.Server(STEP, 4, sequence=seq, max_size=100, remover=echo.MinPriority())
     with pytest.raises(TypeError, match=r"sequence must be an echo\.Sequence"):
         echo.Server(STEP, 4, sequence=4, max_size=100)  # pyright: ignore[reportArgumentType]
-    with pytest.raises(ValueError, match="checkpoints of sequence tables"):
-        echo.Server(STEP, 4, sequence=seq, max_size=100, checkpoint_dir="x", checkpoint_every=1)
-    s = echo.Server(STEP, 4, sequence=seq, max_size=100)
-    with pytest.raises(NotImplementedError, match="checkpoints of sequence tables"):
-        s.checkpoint("ckpt")
 
 
 def test_bad_steps_raise_precise_errors_and_write_nothing() -> None:
@@ -372,3 +368,85 @@ def test_episode_arguments_need_a_sequence_table() -> None:
             )
         with pytest.raises(ValueError, match="needs a sequence table"):
             s.end_episode(0)
+
+
+def _ops(s: echo.Server, first: int, last: int) -> None:
+    """Steps `first..last` of a fixed schedule: streams 0-3, episodes of 3 + (k + e) % 6 steps,
+    some truncated; whatever is open at `last` stays open."""
+    for n in range(first, last):
+        k = n % 4
+        e, i = divmod(n // 4, 9)
+        length = 3 + (k + e) % 6
+        if i >= length:
+            continue
+        s.submit(
+            step(k, e, i),
+            stream=k,
+            end_episode=i + 1 == length,
+            truncated=i + 1 == length and e % 3 == 2,
+        )
+
+
+@pytest.mark.parametrize("at_end", ["pad", "shift", "drop"])
+def test_a_checkpoint_restores_open_episodes_which_go_on(at_end: str, tmp_path: Any) -> None:
+    def new() -> echo.Server:
+        return lifo(4, period=2, at_end=at_end, max_size=97)
+
+    checkpointed, reference = new(), new()
+    _ops(checkpointed, 0, 301)
+    _ops(reference, 0, 301)
+    before = checkpointed.stats()
+    assert before.streams_open > 0, "open episodes cross the checkpoint"
+    checkpointed.checkpoint(tmp_path / "ckpt")
+    _ops(checkpointed, 301, 500)  # the checkpoint is of the table before these
+    restored = echo.Server.restore(tmp_path / "ckpt")
+    after = restored.stats()
+    assert (after.steps_stored, after.store_size, after.streams_open) == (
+        before.steps_stored,
+        before.store_size,
+        before.streams_open,
+    )
+    assert restored.sequence == checkpointed.sequence
+    assert restored.max_size == 97
+    # Both go on alike: the open episodes continue in the restored server.
+    _ops(restored, 301, 420)
+    _ops(reference, 301, 420)
+    got, expected = drain(restored), drain(reference)
+    assert got == expected
+    assert any(start > 0 for _, start, _ in got)
+
+
+def test_periodic_checkpoints_cover_sequence_tables(tmp_path: Any) -> None:
+    s = server(3, checkpoint_dir=tmp_path, checkpoint_every=0.05, max_size=200)
+    for i in range(10):
+        s.submit(step(7, 0, i), stream=7)
+    deadline = time.monotonic() + 10.0
+    while not echo.checkpoint.periodic_checkpoints(tmp_path):
+        assert time.monotonic() < deadline, "no periodic checkpoint"
+        time.sleep(0.01)
+    s.close()
+    newest = echo.checkpoint.periodic_checkpoints(tmp_path)[-1]
+    restored = echo.Server.restore(newest)
+    info = restored.stats()
+    assert (info.steps_stored, info.streams_open) == (10, 1)
+    restored.submit(step(7, 0, 10), stream=7, end_episode=True)
+    got = restored.sample(timeout=5)
+    assert got is not None
+    windows(got)
+    restored.close()
+
+
+def test_a_checkpoint_of_another_layout_or_a_damaged_one_is_refused(tmp_path: Any) -> None:
+    s = server(2)
+    for i in range(5):
+        s.submit(step(0, 0, i))
+    s.checkpoint(tmp_path / "ckpt")
+    other = {"id": np.zeros((), np.int64), "obs": np.zeros((4,), np.float32)}
+    with pytest.raises(echo.CheckpointError, match="does not match"):
+        echo.Server.restore(tmp_path / "ckpt", other)
+    data = tmp_path / "ckpt" / "sequence.npy"
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(echo.CheckpointError, match="SHA-256"):
+        echo.Server.restore(tmp_path / "ckpt")

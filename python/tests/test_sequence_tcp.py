@@ -206,8 +206,9 @@ def test_a_killed_worker_has_its_episode_truncated_and_its_windows_kept() -> Non
     fleet = Fleet(server.port or 0, 1, "hold", shm=True, episodes=9)
     try:
         fleet.read_until("ready", 1)
-        assert server.stats().store_size == 3, "windows 0, 2, 4 of 4 steps"
-        assert server.stats().streams_open == 1
+        info = poll(server.stats, lambda s: s.steps_inserted_total == 9, "the 9 steps in")
+        assert info.store_size == 3, "windows 0, 2, 4 of 4 steps"
+        assert info.streams_open == 1
         for pid in fleet.pids():
             os.kill(pid, signal.SIGKILL)
         info = poll(server.stats, lambda s: s.streams_open == 0, "the episode truncated")
@@ -312,8 +313,9 @@ def test_a_wire_v1_client_is_one_episode_that_ends_truncated_with_its_connection
             client.send({"id": np.array(v), "obs": np.full(3, v, np.float32)})
         with pytest.raises(ValueError, match="speaks wire protocol 1, which has no episodes"):
             client.send({"id": np.array(0), "obs": np.zeros(3, np.float32)}, end_episode=True)
-        client.wait(timeout=WAIT_S)
-        assert server.stats().streams_open == 1
+        client.wait(timeout=WAIT_S)  # acknowledged: queued, maybe not yet in the table
+        info = poll(server.stats, lambda s: s.steps_inserted_total == 7, "the 7 steps in")
+        assert info.streams_open == 1
         client.close(timeout=WAIT_S)
         info = poll(server.stats, lambda s: s.streams_open == 0, "the connection's episode ended")
         assert info.episodes_ended_total == 1
@@ -322,3 +324,48 @@ def test_a_wire_v1_client_is_one_episode_that_ends_truncated_with_its_connection
         server.close()
     assert got == [(5, 0, s, real) for s, real in model_windows(7, "pad")]
     assert next(iter(streams[5])) >= 2**32
+
+
+def test_a_checkpoint_keeps_queued_steps_and_ends_tcp_streams_truncated(tmp_path: Path) -> None:
+    # Queue(1) holds inserts while one window is unsampled: steps 1.. wait in the ingress,
+    # acknowledged, when the checkpoint is taken.
+    server = Server(
+        EXAMPLE,
+        1,
+        transport=TcpTransport(port=0, host="127.0.0.1"),
+        sequence=echo.Sequence(2, at_end="pad"),
+        sampler=echo.Lifo(),
+        rate_limiter=echo.Queue(1),
+        max_times_sampled=1,
+        max_size=1000,
+    )
+    server.start()
+    try:
+        client = TcpClient("127.0.0.1", server.port or 0, EXAMPLE, shared_memory=False)
+        for i in range(6):
+            v = step_id(3, 0, i)
+            client.send({"id": np.array(v), "obs": np.full(3, v, np.float32)})
+        client.wait(timeout=WAIT_S)
+        poll(server.stats, lambda s: s.samples_pending == 4, "steps 2..5 queued")
+        assert server.stats().store_size == 1
+        server.checkpoint(tmp_path / "ckpt")
+        client.close(timeout=WAIT_S)
+    finally:
+        server.close()
+    restored = Server.restore(tmp_path / "ckpt")
+    try:
+        info = restored.stats()
+        assert info.steps_stored == 6, "the queued steps went in"
+        assert info.streams_open == 0, "the TCP client's episode ended at the restore"
+        assert info.episodes_ended_total == 1
+        got = []
+        while restored.stats().store_size:
+            sample = restored.sample(timeout=WAIT_S)
+            assert sample is not None
+            assert sample.truncated is not None
+            assert sample.start is not None
+            got.append((int(sample.start[0]), bool(sample.truncated[0])))
+    finally:
+        restored.close()
+    # Windows of 2 every 2 steps of the one 6-step episode, newest first, all truncated.
+    assert sorted(got) == [(0, True), (2, True), (4, True)]

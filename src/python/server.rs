@@ -27,7 +27,7 @@ use crate::checkpoint::{as_bytes, write_leaf_files, write_npy_1d, LeafFile, Queu
 use crate::error::EchoError;
 use crate::ingress::{Ingress, IngressConfig, QueuedSamples};
 use crate::metrics;
-use crate::replay::{SnapshotItems, TableState};
+use crate::replay::{SequenceSnapshot, SnapshotItems, TableState};
 use crate::source::{EpisodeEnd, Rows, StepLeaves, StepTag};
 use crate::sync::Arc;
 use crate::transport::TcpIngress;
@@ -44,6 +44,10 @@ type CheckpointOut<'py> = (
     Vec<Bound<'py, PyBytes>>,
     (usize, Vec<Bound<'py, PyBytes>>, Bound<'py, PyArray1<f64>>),
 );
+
+/// What `_checkpoint_sequence` hands back (see there).
+type SequenceCheckpointOut<'py> =
+    ((usize, usize, usize, usize), Vec<Bound<'py, PyBytes>>, Vec<Bound<'py, PyBytes>>);
 
 /// What `_checkpoint_fifo` hands back (see there).
 type FifoCheckpointOut<'py> = (u64, usize, usize, Vec<Bound<'py, PyBytes>>);
@@ -531,6 +535,82 @@ impl PyServerCore {
         }
         let backend = &self.backend;
         detach(py, || backend.restore(&items, &saved, &leaves, queued)).map_err(to_pyerr)
+    }
+
+    /// Writes a consistent snapshot of the sequence table while inserts and sampling go on:
+    /// its steps, leaf `l` into the new `.npy` file `files[l] = (path, descr, item_shape)` (in
+    /// eviction order), the steps the ingress held at the snapshot's moment into
+    /// `ingress_files` (only when there are some), and the table's metadata (with the queued
+    /// steps' priorities and streams) into `meta_file` as a uint8 `.npy`; all fsynced, GIL
+    /// released. Returns `(steps, windows, open episodes, queued steps, sha256 digests of
+    /// the leaf files then the metadata file, the ingress files' digests)`.
+    fn _checkpoint_sequence<'py>(
+        &self,
+        py: Python<'py>,
+        files: Vec<(PathBuf, String, Vec<usize>)>,
+        ingress_files: Vec<(PathBuf, String, Vec<usize>)>,
+        meta_file: PathBuf,
+    ) -> PyResult<SequenceCheckpointOut<'py>> {
+        let files = leaf_files(files);
+        let ingress_files = leaf_files(ingress_files);
+        let backend = &self.backend;
+        let ingress = self.ingress.get().map(Arc::as_ref);
+        let (counts, digests, ingress_digests) = detach(py, || {
+            let BackendCheckpoint::Sequence(mut checkpoint, queued) = backend.checkpoint(ingress)?
+            else {
+                return Err(EchoError::Config("_checkpoint_sequence: not a sequence table".into()));
+            };
+            let mut digests = write_leaf_files(&mut *checkpoint, &files)?;
+            let snapshot = checkpoint.snapshot();
+            digests.push(write_npy_1d(&meta_file, 'u', &snapshot.encode(), 1)?);
+            let ingress_digests = if queued.is_empty() {
+                Vec::new()
+            } else {
+                write_leaf_files(&mut QueuedChunks::new(backend.spec(), &queued), &ingress_files)?
+            };
+            let counts = (
+                snapshot.steps(),
+                snapshot.windows(),
+                snapshot.open_episodes(),
+                snapshot.queued(),
+            );
+            Ok::<_, EchoError>((counts, digests, ingress_digests))
+        })
+        .map_err(to_pyerr)?;
+        let digests = digests.iter().map(|d| PyBytes::new(py, d)).collect();
+        let ingress_digests = ingress_digests.iter().map(|d| PyBytes::new(py, d)).collect();
+        Ok((counts, digests, ingress_digests))
+    }
+
+    /// Fills this new sequence table with a checkpoint: `leaves[l]` (leaf `l` of every step,
+    /// as bytes), the metadata `meta` (the uint8 array `_checkpoint_sequence` wrote) and the
+    /// queued steps' leaves `ingress_leaves`. ValueError naming what does not fit; nothing is
+    /// inserted then.
+    fn _restore_sequence(
+        &self,
+        py: Python<'_>,
+        leaves: Vec<PyReadonlyArray1<'_, u8>>,
+        meta: PyReadonlyArray1<'_, u8>,
+        ingress_leaves: Vec<PyReadonlyArray1<'_, u8>>,
+    ) -> PyResult<()> {
+        let contiguous = |what: &str, e: numpy::NotContiguousError| {
+            PyValueError::new_err(format!("restore: {what}: {e}"))
+        };
+        let leaves = leaves
+            .iter()
+            .map(|a| a.as_slice().map_err(|e| contiguous("leaf", e)))
+            .collect::<PyResult<Vec<&[u8]>>>()?;
+        let ingress_leaves = ingress_leaves
+            .iter()
+            .map(|a| a.as_slice().map_err(|e| contiguous("ingress leaf", e)))
+            .collect::<PyResult<Vec<&[u8]>>>()?;
+        let meta = meta.as_slice().map_err(|e| contiguous("metadata", e))?;
+        let backend = &self.backend;
+        detach(py, || {
+            let snapshot = SequenceSnapshot::decode(meta)?;
+            backend.restore_sequence(&snapshot, &leaves, &ingress_leaves)
+        })
+        .map_err(to_pyerr)
     }
 
     /// Puts a FIFO checkpoint's `n` samples (`leaves[l]`: leaf `l` of each, as bytes) into
