@@ -1,6 +1,7 @@
 """Smoke test of the sequence-table benchmark (`benches/py/bench_sequence.py`) at tiny sizes:
 it runs, writes its JSON record, and every result in it is `correct` (windows consecutive,
-masks right, the numpy gathers and memory children sound). Numbers are not checked."""
+masks right, the numpy gathers and memory children sound, the tcp rounds' totals add up).
+Numbers are not checked."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ def test_bench_sequence_quick(tmp_path: Path) -> None:
     argv = ["--quick", "--steps", "4000", "--small-steps", "4000", "--alt-steps", "2000"]
     argv += ["--streams", "8", "--batch-size", "16", "--batches", "4", "--seconds", "0.5"]
     argv += ["--min-episode", "50", "--max-episode", "300", "--frame-pool", "64"]
+    argv += ["--tcp-workers", "2", "--tcp-seconds", "0.3", "--tcp-warmup", "0.2"]
     argv += ["--max-seconds", "50", "--out", str(out)]
     status = bench_sequence.main(argv)
     doc = json.loads(out.read_text(encoding="utf-8"))
@@ -33,3 +35,12 @@ def test_bench_sequence_quick(tmp_path: Path) -> None:
         assert r["echo"]["p50_ms"] > 0
         assert r["memory"]["steps_stored"] > 0
         assert r["torchrl"] == {"skipped": "no --torchrl-python given"}
+    tcp = doc["tcp"]
+    assert set(tcp) == {"small", "workers_started_s", "workers_forced"}
+    assert tcp["workers_forced"] == []
+    for path in ("tcp", "shm"):
+        r = tcp["small"][path]
+        assert r["correct"] is True, (path, r)
+        assert r["steps"]["per_s"] > 0
+        assert r["samples"]["per_s"] > 0
+        assert r["ratio"] > 0
