@@ -57,9 +57,17 @@ fmt:
 lint:
     bash scripts/lint.sh
 
-# Criterion (store, ingress drain round), then python -m benches (limits, in-process, TCP sweep)
+# Criterion (store, ingress drain round), then python -m benches ARGS (default: the core suite)
 bench *ARGS:
     bash scripts/bench.sh {{ARGS}}
+
+# The benchmark suites, one line each (python -m benches --list)
+bench-list:
+    .venv/bin/python -m benches --list
+
+# Rewrite docs/benchmarks.md's tables from the committed records in benches/records/
+bench-report:
+    python3 -m benches report
 
 # Replay tables: criterion on 1e6-item tables, then the Python benchmark (vs Reverb/TorchRL)
 bench-replay *ARGS:
@@ -69,7 +77,7 @@ bench-replay *ARGS:
 bench-compare OTHER_VENV *ARGS:
     bash scripts/bench_py.sh --compare {{OTHER_VENV}}/bin/python {{ARGS}}
 
-# The benchmarks' smoke run as CI runs it (python -m benches --quick, then check the JSON)
+# The benchmarks' smoke run as CI runs it (python -m benches --quick, then check its record)
 bench-smoke:
     bash scripts/bench_smoke.sh
 

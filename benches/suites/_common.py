@@ -1,20 +1,12 @@
-"""Shared pieces of the issue #11 closing-note measurements (``issue11_*.py`` next to this
-file): the driver that runs one measurement under two interpreters, interleaved, each child
-in its own process group under a timeout; ``/proc`` readers; a raw wire-protocol-v1 peer;
-a counter of the ``echo`` logger's records. Stdlib only (numpy and echo are imported by the
-children themselves). Loopback only; the driver ends only the process groups it started.
-
-A measurement script calls :func:`main` with a ``child`` function. Run without ``--child`` it
-is the driver: for each round it runs ``INTERPRETER SCRIPT --child --side NAME [extra]`` for
-every side, alternating which side goes first, reads the JSON document the child prints as its
-last stdout line, and writes every document (plus load averages) to ``--json``. A child that
-cannot ``import echo`` (the extension being rebuilt) exits with :data:`IMPORT_FAILED`; the
-driver waits and retries it a few times.
+"""What the suites share: ``/proc`` readers (RSS), a raw wire-protocol-v1 peer, a counter of
+the ``echo`` logger's records, a watchdog, a connection flooder run in its own process, and
+small number and table helpers. Standard library only at import time (the suites import
+numpy and echo inside ``measure``). Loopback only; the flooder's process group is the only
+one it ends.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
@@ -25,15 +17,12 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+ROOT = Path(__file__).resolve().parent.parent.parent
 HOST = "127.0.0.1"
 MAGIC = b"ECHO"
-AFTER = "/work/main/.venv/bin/python"
-BEFORE = "/work/before/venv/bin/python"
-IMPORT_FAILED = 5
 MIB = 1 << 20
 
 
@@ -85,40 +74,6 @@ def settle_rss(max_s: float = 10.0, quiet_s: float = 0.6, step: float = 0.1) -> 
 
 
 # --------------------------------------------------------------------------- echo import
-
-
-def import_echo() -> Any:
-    """``import echo``, or exit with IMPORT_FAILED so the driver retries later."""
-    try:
-        import echo
-    except ImportError as e:
-        print(f"import echo failed: {e}", file=sys.stderr)
-        sys.exit(IMPORT_FAILED)
-    return echo
-
-
-def echo_facts(echo: Any) -> dict[str, Any]:
-    """Which echo this is: version, path, and its compiled module's size, mtime and sha256
-    prefix (others rebuild the extension while we measure)."""
-    import hashlib
-
-    build = []
-    for so in sorted(Path(echo.__file__).parent.glob("_echo*.so")):
-        st = so.stat()
-        build.append(
-            {
-                "file": so.name,
-                "bytes": st.st_size,
-                "mtime": time.strftime("%H:%M:%S", time.localtime(st.st_mtime)),
-                "sha256": hashlib.sha256(so.read_bytes()).hexdigest()[:12],
-            }
-        )
-    return {
-        "python": sys.executable,
-        "echo_version": getattr(echo, "__version__", None),
-        "echo_path": getattr(echo, "__file__", None),
-        "echo_build": build,
-    }
 
 
 class LogCounter(logging.Handler):
@@ -194,123 +149,6 @@ def raw_peer(port: int, timeout: float = 10.0) -> tuple[socket.socket, int]:
         raise
 
 
-# --------------------------------------------------------------------------- driver
-
-
-def _run_child(
-    python: str, script: str, side: str, extra: list[str], timeout: float
-) -> dict[str, Any]:
-    cmd = [python, script, "--child", "--side", side, *extra]
-    for attempt in range(4):
-        t0 = time.monotonic()
-        load0 = loadavg()
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,  # its own process group: we end exactly what we started
-            cwd=str(Path(script).resolve().parent),
-        )
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            return {
-                "side": side,
-                "python": python,
-                "error": f"timed out after {timeout:.0f} s",
-                "stderr_tail": err[-2000:],
-            }
-        if proc.returncode == IMPORT_FAILED and attempt < 3:
-            print(f"  [{side}] import echo failed; retrying in 20 s", file=sys.stderr)
-            time.sleep(20)
-            continue
-        doc: dict[str, Any] = {}
-        for line in reversed(out.strip().splitlines()):
-            if line.startswith("{"):
-                with contextlib.suppress(json.JSONDecodeError):
-                    doc = json.loads(line)
-                    break
-        doc.setdefault("side", side)
-        doc["python"] = python
-        doc["rc"] = proc.returncode
-        doc["wall_s"] = round(time.monotonic() - t0, 2)
-        doc["load_start"] = load0
-        doc["load_end"] = loadavg()
-        if proc.returncode != 0 or "error" in doc:
-            doc["stderr_tail"] = err[-2000:]
-        return doc
-    return {"side": side, "python": python, "error": "import echo kept failing"}
-
-
-def main(
-    name: str,
-    child: Callable[[argparse.Namespace], dict[str, Any]],
-    report: Callable[[list[dict[str, Any]]], None],
-    add_args: Callable[[argparse.ArgumentParser], None] | None = None,
-    sides: Callable[[argparse.Namespace], list[tuple[str, str, list[str]]]] | None = None,
-    default_rounds: int = 1,
-    child_timeout: float = 60.0,
-) -> int:
-    """The command line of a measurement script: driver by default, ``--child`` inside.
-
-    ``sides(args)`` returns ``(label, python, extra child args)`` per side (default: after and
-    before with no extra args)."""
-    ap = argparse.ArgumentParser(description=(sys.modules["__main__"].__doc__ or "").split("\n")[0])
-    ap.add_argument("--after", default=AFTER, help="interpreter with the current echo")
-    ap.add_argument("--before", default=BEFORE, help="interpreter with the old echo")
-    ap.add_argument("--rounds", type=int, default=default_rounds, help="runs per side")
-    ap.add_argument("--json", default=f"/tmp/issue11-{name}.json", help="all results")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--side", default="?", help=argparse.SUPPRESS)
-    if add_args:
-        add_args(ap)
-    args = ap.parse_args()
-    if args.child:
-        doc = child(args)
-        doc["side"] = args.side
-        print(json.dumps(doc), flush=True)
-        return 0
-
-    script = str(Path(sys.argv[0]).resolve())
-    side_list = sides(args) if sides else [("after", args.after, []), ("before", args.before, [])]
-    passthrough: list[str] = []
-    for action in ap._actions:  # forward the script's own options to the children
-        if action.dest in ("help", "after", "before", "rounds", "json", "child", "side"):
-            continue
-        value = getattr(args, action.dest)
-        if value is not None and action.option_strings:
-            passthrough += [action.option_strings[0], str(value)]
-    results: list[dict[str, Any]] = []
-    print(f"# {name}: load {loadavg()} (1/5/15 min) at start", file=sys.stderr)
-    for r in range(args.rounds):
-        order = side_list if r % 2 == 0 else list(reversed(side_list))
-        for label, python, extra in order:
-            print(f"  round {r + 1}: {label} ...", file=sys.stderr, flush=True)
-            doc = _run_child(python, script, label, passthrough + extra, child_timeout)
-            doc["round"] = r + 1
-            results.append(doc)
-            if "error" in doc:
-                print(f"  [{label}] error: {doc['error']}", file=sys.stderr)
-                if doc.get("stderr_tail"):
-                    print(doc["stderr_tail"], file=sys.stderr)
-    builds: dict[str, set[str]] = {}
-    for doc in results:
-        for b in doc.get("echo_build", []):
-            builds.setdefault(doc["python"], set()).add(f"{b['sha256']} ({b['mtime']})")
-    for python, shas in builds.items():
-        note = "  <-- REBUILT during this run" if len(shas) > 1 else ""
-        print(f"# {python}: _echo build {', '.join(sorted(shas))}{note}")
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(results, indent=1))
-    report(results)
-    print(f"# load {loadavg()} at end; JSON: {args.json}")
-    return 0
-
-
 def watchdog(seconds: float) -> Any:
     """Ends this (child) process with status 3 after ``seconds``: the last resort."""
     import threading
@@ -381,7 +219,8 @@ def flood(port: int, seconds: float) -> dict[str, Any]:
 def run_flooder(port: int, seconds: float) -> dict[str, Any]:
     """Runs :func:`flood` in a child process (this interpreter, this file), bounded."""
     proc = subprocess.Popen(
-        [sys.executable, str(Path(__file__).resolve()), "flood", str(port), str(seconds)],
+        [sys.executable, "-m", "benches.suites._common", "flood", str(port), str(seconds)],
+        cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -398,6 +237,37 @@ def run_flooder(port: int, seconds: float) -> dict[str, Any]:
         return json.loads(out.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):
         return {"error": f"flooder rc {proc.returncode}: {err[-500:]}"}
+
+
+# --------------------------------------------------------------------------- numbers, tables
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) of ``xs`` by nearest rank; NaN when empty."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
+
+
+def median(xs: list[float]) -> float:
+    return percentile(xs, 50)
+
+
+def num(v: Any, fmt: str = ",.0f") -> str:
+    """A table cell: ``v`` formatted, or ``-`` when it is not a number."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+        return "-"
+    return format(v, fmt)
+
+
+def failed_rows(results: dict[str, Any], width: int) -> list[list[str]]:
+    """One row per side whose run failed: its error in the second column."""
+    return [
+        [side, str(r["error"])[:120], *["-"] * (width - 2)]
+        for side, r in results.items()
+        if "error" in r
+    ]
 
 
 if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "flood":
