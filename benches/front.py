@@ -112,11 +112,20 @@ def _finish(record: dict[str, Any], out: Path, save: bool, t0: float, say: Any =
 
 
 TCP_KEYS = ("samples_per_s", "gbps", "frac_loopback", "p50_ms", "p99_ms", "correct")
+INPROCESS_KEYS = (
+    "samples_per_s",
+    "gbps",
+    "frac_of_memcpy",
+    "memcpy_gbps",
+    "correct",
+    "in_order",
+    "sample_overhead",
+)
 
 
 def _core_results(doc: dict[str, Any]) -> dict[str, Any]:
-    """The numbers of a core session worth keeping in its record (a few KB): the TCP rounds
-    without their per-worker detail, which stays in the session's results.json."""
+    """The numbers of a core session worth keeping in its record (a few KB); every detail
+    (per-worker counts, CPU use, timings of each phase) stays in the session's results.json."""
     tcp = {
         side: {
             name: {k: {key: r.get(key) for key in TCP_KEYS} for k, r in rounds.items()}
@@ -124,7 +133,31 @@ def _core_results(doc: dict[str, Any]) -> dict[str, Any]:
         }
         for side, scenarios in doc["tcp"].items()
     }
-    return {**{k: doc[k] for k in ("limits", "inprocess", "views", "ratios")}, "tcp": tcp}
+    inprocess = {
+        side: {name: {k: r.get(k) for k in INPROCESS_KEYS} for name, r in scenarios.items()}
+        for side, scenarios in doc["inprocess"].items()
+    }
+    limits = {
+        name: {k: v for k, v in r.items() if k in ("gbps", "us_per_call", "leaves", "chunk_bytes")}
+        for name, r in doc["limits"].items()
+    }
+    views = {
+        side: {
+            name: {
+                "by_leaves": {n: x.get("us_per_call") for n, x in v["by_leaves"].items()},
+                "correct": v["correct"],
+            }
+            for name, v in scenarios.items()
+        }
+        for side, scenarios in doc["views"].items()
+    }
+    return {
+        "limits": limits,
+        "inprocess": inprocess,
+        "views": views,
+        "tcp": tcp,
+        "ratios": doc["ratios"],
+    }
 
 
 def run_core(args: argparse.Namespace, rest: list[str], out: Path, argv: list[str]) -> bool:
