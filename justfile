@@ -13,6 +13,10 @@ demo *ARGS:
 ci:
     bash .ci/run
 
+# What matters for most changes in a few minutes: fmt, clippy, ruff, cargo test, pytest -x
+ci-quick *ARGS:
+    bash scripts/ci_quick.sh {{ARGS}}
+
 # Build and run every test: cargo, loom, valgrind (if installed), pytest, the telemetry build
 test:
     bash scripts/test.sh
