@@ -85,16 +85,28 @@ def list_suites() -> str:
     return "\n".join(f"{s.name:<{width}}  {s.description}" for s in SUITES)
 
 
-def _record_head(suite: Suite, quick: bool, argv: list[str]) -> dict[str, Any]:
+def _command(suite: Suite, args: argparse.Namespace, rest: list[str]) -> str:
+    """The command that reruns one suite as it ran (without where its output went)."""
+    words = ["python -m benches", suite.name, *(["--quick"] if args.quick else [])]
+    words += [f"--set {item}" for item in args.overrides if suite.name != "core"]
+    words += rest if suite.name == "core" else []
+    if args.compare:
+        words.append("--compare OTHER_PYTHON")
+    return " ".join(words)
+
+
+def _record_head(
+    suite: Suite, args: argparse.Namespace, rest: list[str], checkout: dict[str, Any]
+) -> dict[str, Any]:
     return {
         "schema": records.SCHEMA,
         "suite": suite.name,
         "description": suite.description,
-        "command": " ".join(["python -m benches", *argv]),
+        "command": _command(suite, args, rest),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "quick": quick,
+        "quick": bool(args.quick),
         "machine": records.machine(),
-        **records.checkout(),
+        **checkout,
     }
 
 
@@ -160,7 +172,9 @@ def _core_results(doc: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_core(args: argparse.Namespace, rest: list[str], out: Path, argv: list[str]) -> bool:
+def run_core(
+    args: argparse.Namespace, rest: list[str], out: Path, checkout: dict[str, Any]
+) -> bool:
     from benches import cli
 
     t0 = time.monotonic()
@@ -180,7 +194,7 @@ def run_core(args: argparse.Namespace, rest: list[str], out: Path, argv: list[st
     if not results.exists():
         return False
     doc = json.loads(results.read_text(encoding="utf-8"))
-    record = _record_head(BY_NAME["core"], args.quick, argv)
+    record = _record_head(BY_NAME["core"], args, rest, checkout)
     record.update(
         parameters=doc["parameters"],
         interpreters=doc["interpreters"],
@@ -197,7 +211,7 @@ def run_suite(
     sides: dict[str, str],
     out: Path,
     deadline: float,
-    argv: list[str],
+    checkout: dict[str, Any],
     first: int,
 ) -> bool:
     from benches import cli
@@ -210,7 +224,7 @@ def run_suite(
             params[key] = value
     logs = out / suite.name
     logs.mkdir(parents=True, exist_ok=True)
-    record = _record_head(suite, args.quick, argv)
+    record = _record_head(suite, args, [], checkout)
     record.update(parameters=params, interpreters={}, results={})
     order = list(sides) if first % 2 == 0 else list(sides)[::-1]
     for side in order:
@@ -283,13 +297,14 @@ def main(argv: list[str] | None = None) -> int:
         sides["other"] = os.path.abspath(found or args.compare)
     max_seconds = args.max_seconds or (300.0 if args.quick else 3600.0)
     deadline = time.monotonic() + max_seconds
+    checkout = records.checkout()  # before any record is saved into the checkout
     ok = True
     for i, name in enumerate(names):
         if name == "core":
-            ok = run_core(args, rest, out, argv) and ok
+            ok = run_core(args, rest, out, checkout) and ok
         elif time.monotonic() > deadline - 5.0:
             print(f"benches: {name}: skipped, over --max-seconds", file=sys.stderr)
             ok = False
         else:
-            ok = run_suite(BY_NAME[name], args, sides, out, deadline, argv, i) and ok
+            ok = run_suite(BY_NAME[name], args, sides, out, deadline, checkout, i) and ok
     return 0 if ok else 1

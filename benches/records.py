@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RECORDS = ROOT / "benches" / "records"
 PAGE = ROOT / "docs" / "benchmarks.md"
 SCHEMA = "echo-benches-record/1"
+RENDERED = (":(exclude)benches/records", ":(exclude)docs/benchmarks.md")
 BLOCK = re.compile(
     r"(<!-- benches:table (?P<suite>[\w-]+) -->\n)(?P<body>.*?)(<!-- /benches:table -->)",
     re.DOTALL,
@@ -70,10 +71,12 @@ def machine() -> dict[str, Any]:
 
 
 def checkout() -> dict[str, Any]:
-    """The commit of this checkout and whether tracked files differ from it."""
+    """The commit of this checkout and whether tracked files differ from it, records and the
+    page rendered from them aside (a run that saves records changes those, not what it
+    measures)."""
     commit = (_git("rev-parse", "HEAD") or "").strip() or None
-    dirty = bool((_git("status", "--porcelain", "--untracked-files=no") or "").strip())
-    return {"commit": commit, "commit_dirty": dirty}
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", *RENDERED) or ""
+    return {"commit": commit, "commit_dirty": bool(status.strip())}
 
 
 def write(path: Path, record: dict[str, Any]) -> Path:
