@@ -689,9 +689,23 @@ def test_send_with_a_timeout_sends_a_whole_sample_or_nothing(
     )
     received: list[int] = []
     stop = threading.Event()
+    # Set by the sender on its first TimeoutError; `sending_since` is when the send() now in
+    # progress began (None between sends). The consumer starts only once the sender has
+    # reached the state this test is about: a send that timed out (or, mid-sample with the
+    # larger window, one blocked for longer than its timeout). A condition, not a sleep, so a
+    # slow start on a busy machine cannot let the consumer drain the ring first.
+    timed_out = threading.Event()
+    sending_since: list[float | None] = [None]
+
+    def stalled() -> bool:
+        since = sending_since[0]
+        long_send = window != 2 and since is not None and time.monotonic() - since > 0.6
+        return timed_out.is_set() or long_send
 
     def consume() -> None:
-        time.sleep(1.0)  # let the sender run into the full ring first
+        reached = time.monotonic() + 3 * WAIT_S
+        while not stalled() and not stop.is_set() and time.monotonic() < reached:
+            timed_out.wait(0.01)
         deadline = time.monotonic() + 3 * WAIT_S
         while not stop.is_set() and time.monotonic() < deadline:
             try:
@@ -713,12 +727,15 @@ def test_send_with_a_timeout_sends_a_whole_sample_or_nothing(
         for i in range(16):
             sample = {"id": np.array(i, np.int64), "obs": np.full((n,), i, np.float32)}
             began = time.monotonic()
+            sending_since[0] = began
             try:
                 client.send(sample, timeout=0.2)
             except TimeoutError:
                 timeouts += 1
+                timed_out.set()
             else:
                 sent.append(i)
+            sending_since[0] = None
             longest = max(longest, time.monotonic() - began)
         assert client.close(timeout=2 * WAIT_S) is True
         assert client.sent == len(sent)
