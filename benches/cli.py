@@ -1,9 +1,10 @@
-"""``python -m benches``: the machine's raw limits, the in-process scenarios and the TCP actor
-sweep in one session, as JSON, PNG plots and a summary table.
+"""The ``core`` suite of ``python -m benches`` (the default; :mod:`benches.front` runs it): the
+machine's raw limits, the in-process scenarios and the TCP actor sweep in one session, as
+JSON, PNG plots and a summary table.
 
 Usage::
 
-    python -m benches [--quick] [--out DIR] [--label NAME] [--compare PYTHON]
+    python -m benches [core] [--quick] [--out DIR] [--label NAME] [--compare PYTHON]
                       [--workers 1,4,16,64] [--seconds S] [--launcher process|ray]
 
 Each scenario runs in a child process of the interpreter under test: ``bench_inprocess.py``,
