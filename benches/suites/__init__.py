@@ -1,16 +1,18 @@
 """The suites of ``python -m benches``: one measurement each, with a name and a one-line
 description (``python -m benches --list``).
 
-A suite is a module with four functions (see ``accept_flood.py`` for a small one):
+A suite is a module with four functions (see ``accept_flood.py`` for a small one). It may
+import numpy and echo at module level: only the driver and the child that measures import
+it, never ``python -m benches --list`` or ``report``.
 
 ``parameters(quick: bool) -> dict``
     The suite's parameters, the smaller ``--quick`` set or the full one. ``--set KEY=VALUE``
     overrides any of them (the value is read as JSON, else kept as a string).
 ``measure(params: dict) -> dict``
     The measurement. It runs in a child process of the interpreter under test (ours, and
-    with ``--compare PYTHON`` that one too), from the repository root, so it imports numpy
-    and echo inside the function, never at module level, and returns plain JSON data.
-    Every loop in it is bounded in count and time.
+    with ``--compare PYTHON`` that one too), from the repository root, and returns plain
+    JSON data, with ``"correct": False`` when what it checked was wrong. Every loop in it
+    is bounded in count and time.
 ``limit_s(params: dict) -> float``
     The child's time limit; past it the child (its process group) is ended.
 ``tables(results: dict, params: dict) -> list[dict]``
@@ -20,7 +22,10 @@ A suite is a module with four functions (see ``accept_flood.py`` for a small one
     with cells already formatted as text. ``python -m benches report`` writes them into
     ``docs/benchmarks.md``, and the docs check compares the page with them.
 
-Adding a suite: write the module, then add one ``Suite`` line to ``SUITES`` below.
+Adding a suite: write the module (anywhere under ``benches``), add one ``Suite`` line to
+``SUITES`` below, then ``python -m benches NAME --quick --save`` for its record, a section
+with an empty ``<!-- benches:table NAME -->`` / ``<!-- /benches:table -->`` block in
+``docs/benchmarks.md``, and ``python -m benches report`` to fill it.
 """
 
 from __future__ import annotations
