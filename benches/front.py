@@ -42,8 +42,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m benches",
         description="echo's benchmarks: named suites, each writing a JSON record; "
         "`python -m benches report` renders docs/benchmarks.md from the committed records.",
-        epilog="core's own options (--workers, --seconds, --launcher, --progress): "
-        "see benches/cli.py. Suites: " + ", ".join(s.name for s in SUITES),
+        epilog="Suites: " + ", ".join(s.name for s in SUITES),
     )
     p.add_argument("suites", nargs="*", metavar="SUITE", help="suites to run (default: core)")
     p.add_argument("--list", action="store_true", help="list the suites and exit")
@@ -64,7 +63,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-seconds", type=float, default=None, help="no suite starts after this long"
     )
+    core = p.add_argument_group("the core suite's options (see benches/cli.py)")
+    core.add_argument("--workers", default=None, help="TCP worker counts, e.g. 1,4,16,64")
+    core.add_argument("--seconds", default=None, help="TCP window per K")
+    core.add_argument("--launcher", default=None, help="process (default) or ray")
+    core.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bars"
+    )
     return p
+
+
+def _core_options(args: argparse.Namespace) -> list[str]:
+    """The core suite's own options as given, for benches/cli.py to parse and check."""
+    out = [
+        f"--{name}={getattr(args, name)}"
+        for name in ("workers", "seconds", "launcher")
+        if getattr(args, name) is not None
+    ]
+    if args.progress is not None:
+        out.append("--progress" if args.progress else "--no-progress")
+    return out
 
 
 def _overrides(items: list[str]) -> dict[str, Any]:
@@ -89,7 +107,7 @@ def _command(suite: Suite, args: argparse.Namespace, rest: list[str]) -> str:
     """The command that reruns one suite as it ran (without where its output went)."""
     words = ["python -m benches", suite.name, *(["--quick"] if args.quick else [])]
     words += [f"--set {item}" for item in args.overrides if suite.name != "core"]
-    words += rest if suite.name == "core" else []
+    words += [w for w in rest if "progress" not in w] if suite.name == "core" else []
     if args.compare:
         words.append("--compare OTHER_PYTHON")
     return " ".join(words)
@@ -272,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         p = argparse.ArgumentParser(prog="python -m benches report")
         p.add_argument("--check", action="store_true", help="compare only; exit 1 on a difference")
         return records.report(p.parse_args(argv[1:]).check)
-    args, rest = _parser().parse_known_args(argv)
+    args = _parser().parse_args(argv)
+    rest = _core_options(args)
     if args.list:
         print(list_suites())
         return 0
@@ -282,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     names = list(dict.fromkeys(args.suites or ["core"]))
     if rest and "core" not in names:
-        print(f"benches: unrecognized arguments: {' '.join(rest)}", file=sys.stderr)
+        print(f"benches: {' '.join(rest)}: only the core suite takes these", file=sys.stderr)
         return 2
     try:
         _overrides(args.overrides)
