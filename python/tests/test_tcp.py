@@ -949,8 +949,12 @@ def test_max_connections_refuses_extra_clients_cleanly(
     make_server: Any, example: Any, make_sample: Any, batch_ids: Any
 ) -> None:
     server = _started(make_server, batch_size=4, transport=_tcp(max_connections=2))
-    first = TcpClient(LOCALHOST, server.port, example)
-    second = TcpClient(LOCALHOST, server.port, example)
+    # Over TCP, where a connection counts as working before its first acknowledgement is
+    # written, so an acknowledged sample means "working". (On the shared-memory path the
+    # acknowledgement can come first: that is not what this test is about.)
+    tcp = {"shared_memory": False}
+    first = TcpClient(LOCALHOST, server.port, example, **tcp)
+    second = TcpClient(LOCALHOST, server.port, example, **tcp)
     clients = [first, second]
     try:
         # Working connections (each has completed a sample) are never evicted for a newcomer,
@@ -961,7 +965,7 @@ def test_max_connections_refuses_extra_clients_cleanly(
         first.wait(timeout=WAIT_S)
         second.wait(timeout=WAIT_S)
         with pytest.raises(ConnectionClosedError):
-            TcpClient(LOCALHOST, server.port, example)
+            TcpClient(LOCALHOST, server.port, example, **tcp)
         _connections(server, 2)
         assert sorted(take(server, 1, batch_ids)) == [0, 1, 100, 101]
         # A slot that frees up can be taken again (the server notices the close shortly).
@@ -969,7 +973,7 @@ def test_max_connections_refuses_extra_clients_cleanly(
         third = None
         for _ in range(200):
             try:
-                third = TcpClient(LOCALHOST, server.port, example)
+                third = TcpClient(LOCALHOST, server.port, example, **tcp)
                 break
             except ConnectionClosedError:
                 time.sleep(0.02)
