@@ -13,6 +13,10 @@ demo *ARGS:
 ci:
     bash .ci/run
 
+# What matters for most changes in a few minutes: fmt, clippy, ruff, cargo test, pytest -x
+ci-quick *ARGS:
+    bash scripts/ci_quick.sh {{ARGS}}
+
 # Build and run every test: cargo, loom, valgrind (if installed), pytest, the telemetry build
 test:
     bash scripts/test.sh
@@ -57,9 +61,17 @@ fmt:
 lint:
     bash scripts/lint.sh
 
-# Criterion (store, ingress drain round), then python -m benches (limits, in-process, TCP sweep)
+# Criterion (store, ingress drain round), then python -m benches ARGS (default: the core suite)
 bench *ARGS:
     bash scripts/bench.sh {{ARGS}}
+
+# The benchmark suites, one line each (python -m benches --list)
+bench-list:
+    .venv/bin/python -m benches --list
+
+# Rewrite docs/benchmarks.md's tables from the committed records in benches/records/
+bench-report:
+    python3 -m benches report
 
 # Replay tables: criterion on 1e6-item tables, then the Python benchmark (vs Reverb/TorchRL)
 bench-replay *ARGS:
@@ -69,7 +81,7 @@ bench-replay *ARGS:
 bench-compare OTHER_VENV *ARGS:
     bash scripts/bench_py.sh --compare {{OTHER_VENV}}/bin/python {{ARGS}}
 
-# The benchmarks' smoke run as CI runs it (python -m benches --quick, then check the JSON)
+# The benchmarks' smoke run as CI runs it (python -m benches --quick, then check its record)
 bench-smoke:
     bash scripts/bench_smoke.sh
 

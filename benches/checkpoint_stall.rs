@@ -1,12 +1,12 @@
-//! Checkpoint stall in the core, without Python's GIL in the way (issue #13): the worst and
+//! Checkpoint stall in the core, without Python's GIL in the way: the worst and
 //! p99 latency of single-item inserts and of `sample()` under a steady producer thread and
 //! consumer thread, without and with checkpoints written back to back (`.npy` files, hashed
 //! and fsynced, as `Server.checkpoint` writes them), for a replay table and for the FIFO ring.
 //!
 //! `cargo bench --bench checkpoint_stall -- [--items 1000000] [--bytes 1024] [--seconds 5]
-//! [--dir /tmp] [--chunk 1048576] [--only replay|fifo]` (the issue's target is the defaults:
-//! a 1e6-item, ~1 GiB table).
-//! `benches/tools/issue13_checkpoint_stall.py` measures the same through Python, where the GIL
+//! [--dir /tmp] [--chunk 1048576] [--only replay|fifo]` (the defaults are the target
+//! size: a 1e6-item, ~1 GiB table).
+//! `python -m benches checkpoint-stall` measures the same through Python, where the GIL
 //! adds its own stalls.
 
 use std::path::{Path, PathBuf};

@@ -1,9 +1,10 @@
-"""``python -m benches``: the machine's raw limits, the in-process scenarios and the TCP actor
-sweep in one session, as JSON, PNG plots and a summary table.
+"""The ``core`` suite of ``python -m benches`` (the default; :mod:`benches.front` runs it): the
+machine's raw limits, the in-process scenarios and the TCP actor sweep in one session, as
+JSON, PNG plots and a summary table.
 
 Usage::
 
-    python -m benches [--quick] [--out DIR] [--label NAME] [--compare PYTHON]
+    python -m benches [core] [--quick] [--out DIR] [--label NAME] [--compare PYTHON]
                       [--workers 1,4,16,64] [--seconds S] [--launcher process|ray]
 
 Each scenario runs in a child process of the interpreter under test: ``bench_inprocess.py``,
@@ -71,7 +72,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "benches" / "py"
 SIDES = ("ours", "other")
 SCENARIO_NAMES = tuple(sc.name for sc in bench_inprocess.SCENARIOS)
-# bench_tcp's rows beyond the shared scenarios: issue 14's nested sample over TCP and over
+# bench_tcp's rows beyond the shared scenarios: the ~196 KB nested sample over TCP and over
 # same-host shared memory (ours only: id-echo 0.2.1 has no shared-memory path).
 TCP_EXTRA = ("nest-tcp", "nest-shm")
 OURS_ONLY = frozenset({"nest-shm"})
@@ -672,6 +673,120 @@ def summary(doc: dict[str, Any]) -> str:
     if failed:
         add(f"steps that did not finish: {', '.join(failed)}")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- record tables
+
+
+def _f(v: Any, fmt: str) -> str:
+    return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
+
+
+def tables(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The core suite's tables for its record (and so for docs/benchmarks.md)."""
+    out: list[dict[str, Any]] = []
+    lim = doc["limits"]
+    rows = []
+    if "memcpy" in lim:
+        rows.append(["memcpy, 1 thread, 64 MiB (np.copyto)", f"{lim['memcpy']['gbps']:.2f} GB/s"])
+    for key, what in (("loopback_64k", "64 KiB"), ("loopback_1m", "1 MiB")):
+        if key in lim:
+            rows.append([f"loopback TCP, {what} sendall", f"{lim[key]['gbps']:.2f} GB/s"])
+    for key in ("flatten_small", "flatten_large"):
+        if key in lim:
+            r = lim[key]
+            rows.append(
+                [f"optree.tree_flatten, {r['leaves']} leaves", f"{r['us_per_call']:.2f} us"]
+            )
+    out.append(
+        {"title": "Raw limits of the machine", "columns": ["what", "measured"], "rows": rows}
+    )
+    sides = [s for s in SIDES if doc["inprocess"].get(s)]
+    rows = []
+    for name in SCENARIO_NAMES:
+        for s in sides:
+            r = doc["inprocess"][s].get(name)
+            if r is None:
+                continue
+            ov = r["sample_overhead"]
+            rows.append(
+                [
+                    name,
+                    doc["interpreters"][s]["label"],
+                    f"{r['samples_per_s']:,.0f}",
+                    f"{r['gbps']:.3f}",
+                    _f(ov.get("p50_us"), ".1f"),
+                    _f(ov.get("p99_us"), ".1f"),
+                    str(r["correct"]),
+                ]
+            )
+    out.append(
+        {
+            "title": "In-process: one producer thread submit(), the main thread sample()",
+            "columns": [
+                "scenario",
+                "echo",
+                "samples/s",
+                "GB/s",
+                "sample p50 us",
+                "p99 us",
+                "correct",
+            ],
+            "rows": rows,
+        }
+    )
+    rows = []
+    for s in SIDES:
+        v = doc["views"].get(s, {}).get(bench_views.SCENARIO)
+        if v is None:
+            continue
+        for n, r in sorted(v["by_leaves"].items(), key=lambda kv: int(kv[0])):
+            rows.append([doc["interpreters"][s]["label"], n, _f(r.get("us_per_call"), ".2f")])
+    out.append(
+        {
+            "title": "sample() on a complete batch: building the numpy views",
+            "columns": ["echo", "leaves", "us per call (median)"],
+            "rows": rows,
+        }
+    )
+    rows = []
+    sides = [s for s in SIDES if doc["tcp"].get(s)]
+    for name in SCENARIO_NAMES + TCP_EXTRA:
+        for s in sides:
+            for k, r in sorted(doc["tcp"][s].get(name, {}).items(), key=lambda kv: int(kv[0])):
+                rows.append(
+                    [
+                        name,
+                        k,
+                        doc["interpreters"][s]["label"],
+                        f"{r['samples_per_s']:,.0f}",
+                        f"{r['gbps']:.3f}",
+                        _f(r.get("frac_loopback"), ".3f"),
+                        _f(r.get("p50_ms"), ".2f"),
+                        _f(r.get("p99_ms"), ".2f"),
+                        str(r["correct"]),
+                    ]
+                )
+    out.append(
+        {
+            "title": f"TCP end to end: a learner and K worker processes on 127.0.0.1, "
+            f"{doc['parameters']['tcp_seconds']:g} s per K",
+            "columns": [
+                "scenario",
+                "K",
+                "echo",
+                "samples/s",
+                "GB/s",
+                "of loopback",
+                "p50 ms",
+                "p99 ms",
+                "correct",
+            ],
+            "rows": rows,
+            "notes": ["*of loopback*: GB/s as a fraction of the raw 64 KiB loopback blast above."],
+        }
+    )
+    return out
 
 
 # --------------------------------------------------------------------------- main

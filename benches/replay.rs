@@ -1,5 +1,5 @@
 //! Criterion microbenchmarks of replay tables holding 1e6 small items (obs `f32[8]`,
-//! action `i32`, reward `f32`: 40 bytes), the sizes the #6 targets are stated in:
+//! action `i32`, reward `f32`: 40 bytes), the sizes the replay targets are stated in:
 //! - `replay_1e6/sample_uniform_256`, `sample_prioritized_256`: one batch of 256 drawn and
 //!   gathered into the batch area (elements = items, so batches/s = elements/s / 256);
 //! - `replay_1e6/update_priorities_256`: `update_priorities` of 256 random live keys

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Smoke run of the benchmarks, for CI: `python -m benches --quick` with the .venv's python
-# (raw limits, both in-process scenarios, the TCP sweep at K = 1, 4 for 1.5 s each), then
-# check the JSON it wrote. About 15-20 s on a 2-core machine; needs nothing beyond .venv
-# (without matplotlib it writes no PNGs and says so). Output: target/bench-smoke/ (or $1).
+# (the core suite: raw limits, both in-process scenarios, the TCP sweep at K = 1, 4 for 1.5 s
+# each), then check the JSON it wrote: the session's results.json and the suite's record.
+# About 15-20 s on a 2-core machine; needs nothing beyond .venv (without matplotlib it
+# writes no PNGs and says so). Output: target/bench-smoke/ (or $1).
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh" >/dev/null
 OUT=${1:-target/bench-smoke}
 rm -rf "$OUT"
@@ -12,15 +13,20 @@ start=$SECONDS
 # ends the scenario it is running, with the worker processes it started).
 timeout -k 10 150 .venv/bin/python -m benches --quick --out "$OUT" --max-seconds 100
 json="$OUT/results.json"
+record="$OUT/core.json"
 if [[ ! -s "$json" ]]; then
   echo "bench smoke: $json was not written" >&2
   exit 1
 fi
-.venv/bin/python - "$json" <<'EOF'
+.venv/bin/python - "$json" "$record" <<'EOF'
 import json
 import sys
 
 doc = json.load(open(sys.argv[1], encoding="utf-8"))
+record = json.load(open(sys.argv[2], encoding="utf-8"))
+for key in ("suite", "machine", "interpreters", "commit", "parameters", "tables"):
+    if not record.get(key):
+        sys.exit(f"bench smoke: {sys.argv[2]}: the record has no {key}")
 missing = [k for k in ("memcpy", "loopback_64k", "loopback_1m", "flatten_small", "flatten_large")
            if k not in doc["limits"]]
 missing += [f"inprocess {n}" for n in ("small", "large") if n not in doc["inprocess"].get("ours", {})]

@@ -10,7 +10,9 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::{decode, tagged_payload, tagged_spec, TAGGED_PAYLOAD};
+use common::{
+    batch_leaves, decode, spawn_writers, stress_count, tagged_payload, tagged_spec, TAGGED_PAYLOAD,
+};
 use echo::{EchoError, Payloads, Store};
 
 fn put(
@@ -138,7 +140,7 @@ fn a_restore_goes_in_first_and_what_does_not_fit_follows_before_anything_new() {
     let mut got = Vec::new();
     for _ in 0..4 {
         consumer.sample(None).unwrap();
-        let leaves: [Vec<u8>; 3] = std::array::from_fn(|l| consumer.read_leaf(l, <[u8]>::to_vec));
+        let leaves = batch_leaves(&consumer);
         got.extend((0..2).map(|i| decode(&leaves, i)));
     }
     writer.join().unwrap().unwrap();
@@ -154,35 +156,26 @@ fn a_restore_goes_in_first_and_what_does_not_fit_follows_before_anything_new() {
 fn checkpoints_under_contention_are_the_samples_the_consumer_gets_next() {
     const WRITERS: u32 = 3;
     const CHECKPOINTS: usize = 200;
-    let per_writer: u64 = std::env::var("ECHO_STRESS_COUNT")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(if cfg!(debug_assertions) { 30_000 } else { 200_000 });
+    let per_writer = stress_count(30_000, 200_000);
     let (batch_size, num_batches) = (8, 3);
     let total = per_writer * u64::from(WRITERS);
     assert_eq!(total % batch_size as u64, 0);
     let store = Store::new(tagged_spec(), batch_size, num_batches).unwrap();
     let mut consumer = store.consumer().unwrap();
-    let writers: Vec<_> = (0..WRITERS)
-        .map(|producer| {
-            let store = store.clone();
-            thread::spawn(move || {
-                let mut seq = 0;
-                while seq < per_writer {
-                    let n = ((seq % 5) + 1).min(per_writer - seq);
-                    put(&store, producer, seq..seq + n, None).unwrap();
-                    seq += n;
-                }
-            })
-        })
-        .collect();
+    let writers = spawn_writers(&store, WRITERS, move |store, producer| {
+        let mut seq = 0;
+        while seq < per_writer {
+            let n = ((seq % 5) + 1).min(per_writer - seq);
+            put(&store, producer, seq..seq + n, None).unwrap();
+            seq += n;
+        }
+    });
     let (done_tx, done_rx) = mpsc::channel();
     let reader = thread::spawn(move || {
         let mut stream = Vec::with_capacity(total as usize);
         for _ in 0..total / batch_size as u64 {
             consumer.sample(None).unwrap();
-            let leaves: [Vec<u8>; 3] =
-                std::array::from_fn(|l| consumer.read_leaf(l, <[u8]>::to_vec));
+            let leaves = batch_leaves(&consumer);
             stream.extend((0..batch_size).map(|i| decode(&leaves, i)));
         }
         done_tx.send(()).unwrap();

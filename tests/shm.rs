@@ -15,10 +15,13 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::{decode, tagged_payload, tagged_spec, PATIENCE};
+use common::{
+    batch_leaves, decode, send_tagged, start_tagged_fifo, tagged_client, tagged_payload,
+    tagged_spec, PATIENCE,
+};
 use echo::backend::Backend;
 use echo::ingress::IngressConfig;
-use echo::transport::client::{ClientConfig, SharedMemory, TcpSender};
+use echo::transport::client::{SharedMemory, TcpSender};
 use echo::transport::shm::{self, Reader, Writer, HEADER_LEN, OFF_TAIL, SLOT_HEADER};
 use echo::transport::tcp::TcpConfig;
 use echo::transport::wire::v2::{self, FrameMeta, Hello, Layout, Offer, Reply};
@@ -218,13 +221,7 @@ fn attach_refuses_a_wrong_nonce_and_hands_over_with_the_right_one() {
 }
 
 fn start(batch_size: usize) -> (Consumer, TcpIngress, SocketAddr) {
-    let store = Store::new(tagged_spec(), batch_size, 4).unwrap();
-    let consumer = store.consumer().unwrap();
-    let tcp = TcpConfig::new("127.0.0.1", 0);
-    let ingress =
-        TcpIngress::start(Backend::Fifo(store.clone()), IngressConfig::new(2, 8), &tcp).unwrap();
-    let addr = ingress.local_addr();
-    (consumer, ingress, addr)
+    start_tagged_fifo(&TcpConfig::new("127.0.0.1", 0), batch_size, 4, 8)
 }
 
 #[test]
@@ -234,21 +231,13 @@ fn clients_on_shared_memory_and_tcp_deliver_exactly_once_in_order() {
     let senders: Vec<_> = (0..4u32)
         .map(|producer| {
             thread::spawn(move || {
-                let mut config =
-                    ClientConfig::new("127.0.0.1", addr.port(), Layout::untyped(&tagged_spec()));
+                let mut config = tagged_client(addr.port());
                 config.shared_memory =
                     if producer < 3 { SharedMemory::Required } else { SharedMemory::Off };
                 let mut client = TcpSender::connect(config, PATIENCE).unwrap();
                 let path = client.transport_path();
                 for seq in 0..PER_CLIENT {
-                    let p = tagged_payload(producer, seq);
-                    client
-                        .send(
-                            &[&p[..4], &p[4..12], &p[12..]],
-                            FrameMeta::default(),
-                            Some(Instant::now() + PATIENCE),
-                        )
-                        .unwrap();
+                    send_tagged(&mut client, producer, seq).unwrap();
                 }
                 assert!(client.close(Some(Instant::now() + PATIENCE)), "close did not flush");
                 let p = tagged_payload(producer, 0);
@@ -263,7 +252,7 @@ fn clients_on_shared_memory_and_tcp_deliver_exactly_once_in_order() {
     let mut next = [0u64; 4];
     for _ in 0..(4 * PER_CLIENT / 10) {
         consumer.sample(Some(Instant::now() + PATIENCE)).expect("batch did not arrive");
-        let leaves: [Vec<u8>; 3] = std::array::from_fn(|l| consumer.read_leaf(l, <[u8]>::to_vec));
+        let leaves = batch_leaves(&consumer);
         for i in 0..10 {
             let (producer, seq) = decode(&leaves, i);
             assert_eq!(seq, next[producer as usize], "producer {producer}");

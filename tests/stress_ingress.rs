@@ -27,7 +27,7 @@ use std::sync::{Arc, Barrier};
 use std::thread::{self, Thread};
 use std::time::Duration;
 
-use common::{decode, tagged_payload, tagged_spec};
+use common::{batch_leaves, decode, tagged_payload, tagged_spec};
 use echo::backend::Backend;
 use echo::ingress::{Connection, Ingress, IngressConfig, SpaceWaker};
 use echo::Store;
@@ -122,8 +122,7 @@ fn run(producers: u32, num_drainers: usize, queue_size: usize, ring_batches: usi
             for round in 0..rounds {
                 for _ in 0..(0..producers).map(|p| burst(p, round)).sum::<u64>() {
                     consumer.sample(None).expect("the store is open until the end");
-                    let leaves: [Vec<u8>; 3] =
-                        std::array::from_fn(|l| consumer.read_leaf(l, <[u8]>::to_vec));
+                    let leaves = batch_leaves(&consumer);
                     let (p, seq) = decode(&leaves, 0);
                     assert!(p < producers, "unknown producer {p}");
                     assert_eq!(

@@ -10,16 +10,15 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::Duration;
 
-use common::{decode, tagged_payload, tagged_spec, TAGGED_PAYLOAD};
+use common::{
+    batch_leaves, decode, spawn_writers, stress_count, tagged_payload, tagged_spec, TAGGED_PAYLOAD,
+};
 use echo::{Payloads, Store};
 
 const WRITERS: u32 = 4;
 
 fn per_writer() -> u64 {
-    std::env::var("ECHO_STRESS_COUNT")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(if cfg!(debug_assertions) { 250_000 } else { 1_000_000 })
+    stress_count(250_000, 1_000_000)
 }
 
 fn run(batch_size: usize, num_batches: usize) {
@@ -28,25 +27,19 @@ fn run(batch_size: usize, num_batches: usize) {
     assert_eq!(total % batch_size as u64, 0, "pick counts that fill whole batches");
     let store = Store::new(tagged_spec(), batch_size, num_batches).unwrap();
     let mut consumer = store.consumer().unwrap();
-    let writers: Vec<_> = (0..WRITERS)
-        .map(|producer| {
-            let store = store.clone();
-            thread::spawn(move || {
-                let mut seq = 0u64;
-                let mut chunk = Vec::with_capacity(64);
-                while seq < count {
-                    // Chunk sizes cycle 1, 2, ..., 37 so inserts straddle batch boundaries.
-                    let n = ((seq % 37) + 1).min(count - seq);
-                    chunk.clear();
-                    chunk.extend((seq..seq + n).map(|s| tagged_payload(producer, s)));
-                    let refs: Vec<&[u8]> =
-                        chunk.iter().map(|p: &[u8; TAGGED_PAYLOAD]| &p[..]).collect();
-                    store.insert(&Payloads::new(store.spec(), &refs).unwrap(), None).unwrap();
-                    seq += n;
-                }
-            })
-        })
-        .collect();
+    let writers = spawn_writers(&store, WRITERS, move |store, producer| {
+        let mut seq = 0u64;
+        let mut chunk = Vec::with_capacity(64);
+        while seq < count {
+            // Chunk sizes cycle 1, 2, ..., 37 so inserts straddle batch boundaries.
+            let n = ((seq % 37) + 1).min(count - seq);
+            chunk.clear();
+            chunk.extend((seq..seq + n).map(|s| tagged_payload(producer, s)));
+            let refs: Vec<&[u8]> = chunk.iter().map(|p: &[u8; TAGGED_PAYLOAD]| &p[..]).collect();
+            store.insert(&Payloads::new(store.spec(), &refs).unwrap(), None).unwrap();
+            seq += n;
+        }
+    });
 
     let (done_tx, done_rx) = mpsc::channel();
     let checker = thread::spawn(move || {
@@ -54,8 +47,7 @@ fn run(batch_size: usize, num_batches: usize) {
         let batches = total / batch_size as u64;
         for expected_batch in 0..batches {
             assert_eq!(consumer.sample(None).unwrap(), expected_batch);
-            let leaves: [Vec<u8>; 3] =
-                std::array::from_fn(|l| consumer.read_leaf(l, <[u8]>::to_vec));
+            let leaves = batch_leaves(&consumer);
             for i in 0..batch_size {
                 let (producer, seq) = decode(&leaves, i);
                 assert_eq!(

@@ -10,7 +10,10 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::{assert_exactly_once_in_order, decode, tagged_payload, tagged_spec, wait_until};
+use common::{
+    assert_exactly_once_in_order, collect_tagged, send_tagged, start_tagged_fifo, tagged_client,
+    tagged_payload, tagged_spec, wait_until, PATIENCE,
+};
 use echo::backend::Backend;
 use echo::ingress::IngressConfig;
 use echo::transport::client::{ClientConfig, Protocol, TcpSender};
@@ -20,30 +23,18 @@ use echo::transport::wire::v2::{FrameMeta, Layout, OFFER_LEN};
 use echo::transport::TcpIngress;
 use echo::{Consumer, EchoError, Store};
 
-const TIMEOUT: Duration = Duration::from_secs(20);
-
 fn start(
     batch_size: usize,
     num_batches: usize,
     queue_size: usize,
     max_connections: usize,
 ) -> (Consumer, TcpIngress, SocketAddr) {
-    let store = Store::new(tagged_spec(), batch_size, num_batches).unwrap();
-    let consumer = store.consumer().unwrap();
     let tcp = TcpConfig { num_threads: 2, max_connections, ..TcpConfig::new("127.0.0.1", 0) };
-    let ingress =
-        TcpIngress::start(Backend::Fifo(store.clone()), IngressConfig::new(2, queue_size), &tcp)
-            .unwrap();
-    let addr = ingress.local_addr();
-    (consumer, ingress, addr)
+    start_tagged_fifo(&tcp, batch_size, num_batches, queue_size)
 }
 
 fn client_config(port: u16, max_inflight: u64, protocol: Protocol) -> ClientConfig {
-    ClientConfig {
-        max_inflight,
-        protocol,
-        ..ClientConfig::new("127.0.0.1", port, Layout::untyped(&tagged_spec()))
-    }
+    ClientConfig { max_inflight, protocol, ..tagged_client(port) }
 }
 
 fn connect(addr: SocketAddr, max_inflight: u64) -> TcpSender {
@@ -51,16 +42,7 @@ fn connect(addr: SocketAddr, max_inflight: u64) -> TcpSender {
 }
 
 fn connect_with(addr: SocketAddr, max_inflight: u64, protocol: Protocol) -> TcpSender {
-    TcpSender::connect(client_config(addr.port(), max_inflight, protocol), TIMEOUT).unwrap()
-}
-
-fn send_tagged(client: &mut TcpSender, producer: u32, seq: u64) -> Result<(), EchoError> {
-    let p = tagged_payload(producer, seq);
-    client.send(
-        &[&p[..4], &p[4..12], &p[12..]],
-        FrameMeta::default(),
-        Some(Instant::now() + TIMEOUT),
-    )
+    TcpSender::connect(client_config(addr.port(), max_inflight, protocol), PATIENCE).unwrap()
 }
 
 /// Starts `producers` threads that each connect, send `per_producer` tagged samples in order
@@ -79,22 +61,9 @@ fn spawn_senders(
         for seq in 0..per_producer {
             send_tagged(&mut client, producer, seq).unwrap();
         }
-        client.close(Some(Instant::now() + TIMEOUT))
+        client.close(Some(Instant::now() + PATIENCE))
     };
     (0..producers).map(|producer| thread::spawn(move || send_all(producer))).collect()
-}
-
-/// Takes `batches` batches and returns every (producer, seq) in arrival order.
-fn collect(consumer: &mut Consumer, batches: usize) -> Vec<(u32, u64)> {
-    let mut out = Vec::new();
-    for _ in 0..batches {
-        consumer.sample(Some(Instant::now() + TIMEOUT)).expect("batch did not arrive");
-        let leaves: [Vec<u8>; 3] = std::array::from_fn(|l| consumer.read_leaf(l, <[u8]>::to_vec));
-        for i in 0..consumer.store().batch_size() {
-            out.push(decode(&leaves, i));
-        }
-    }
-    out
 }
 
 #[test]
@@ -120,7 +89,7 @@ fn thirty_two_concurrent_clients_deliver_exactly_once_in_order() {
     let (mut consumer, mut server, addr) = start(64, 4, 8, 64);
     let senders = spawn_senders(addr, CLIENTS, PER_CLIENT, 32);
     let total = CLIENTS as usize * PER_CLIENT as usize;
-    let got = collect(&mut consumer, total / 64);
+    let got = collect_tagged(&mut consumer, total / 64);
     assert_exactly_once_in_order(&got, CLIENTS, PER_CLIENT);
     for s in senders {
         assert!(s.join().unwrap(), "close() did not flush");
@@ -149,8 +118,8 @@ fn a_partial_sample_is_discarded_and_never_misaligns_the_ring() {
     drop(raw); // disconnect mid-sample
     let mut client = connect(addr, 8);
     send_tagged(&mut client, 8, 0).unwrap();
-    client.wait(Some(Instant::now() + TIMEOUT)).unwrap();
-    let mut got = collect(&mut consumer, 1);
+    client.wait(Some(Instant::now() + PATIENCE)).unwrap();
+    let mut got = collect_tagged(&mut consumer, 1);
     got.sort_unstable();
     assert_eq!(got, vec![(7, 0), (8, 0)]);
 }
@@ -162,7 +131,7 @@ fn a_slow_consumer_blocks_producers_and_nothing_is_dropped() {
     let senders = spawn_senders(addr, 4, PER_CLIENT, 4);
     // Let the ring and every queue fill up before consuming anything.
     wait_until("producers hitting backpressure", || server.snapshot().push_blocked_count > 0);
-    let got = collect(&mut consumer, 4 * PER_CLIENT as usize / 4);
+    let got = collect_tagged(&mut consumer, 4 * PER_CLIENT as usize / 4);
     assert_exactly_once_in_order(&got, 4, PER_CLIENT);
     for s in senders {
         s.join().unwrap();
@@ -177,10 +146,10 @@ fn samples_acked_before_a_client_vanishes_are_delivered() {
         for seq in 0..10 {
             send_tagged(&mut client, producer, seq).unwrap();
         }
-        client.wait(Some(Instant::now() + TIMEOUT)).unwrap();
+        client.wait(Some(Instant::now() + PATIENCE)).unwrap();
         drop(client); // gone right after the acks, before the drainer necessarily ran
     }
-    let got = collect(&mut consumer, 3);
+    let got = collect_tagged(&mut consumer, 3);
     assert_exactly_once_in_order(&got, 3, 10);
 }
 
@@ -193,16 +162,16 @@ fn connections_beyond_the_limit_are_refused_cleanly() {
     // would be, to admit it).
     send_tagged(&mut a, 0, 0).unwrap();
     send_tagged(&mut b, 1, 0).unwrap();
-    a.wait(Some(Instant::now() + TIMEOUT)).unwrap();
-    b.wait(Some(Instant::now() + TIMEOUT)).unwrap();
-    match TcpSender::connect(client_config(addr.port(), 8, Protocol::Auto), TIMEOUT) {
+    a.wait(Some(Instant::now() + PATIENCE)).unwrap();
+    b.wait(Some(Instant::now() + PATIENCE)).unwrap();
+    match TcpSender::connect(client_config(addr.port(), 8, Protocol::Auto), PATIENCE) {
         Err(EchoError::Disconnected(msg)) => assert!(msg.contains("handshake"), "{msg}"),
         Err(other) => panic!("expected a clean refusal, got {other:?}"),
         Ok(_) => panic!("a third connection was accepted with max_connections = 2"),
     }
     // The accepted ones still work.
     send_tagged(&mut a, 0, 1).unwrap();
-    let mut got = collect(&mut consumer, 3);
+    let mut got = collect_tagged(&mut consumer, 3);
     got.sort_unstable();
     assert_eq!(got, vec![(0, 0), (0, 1), (1, 0)]);
 }
@@ -231,7 +200,7 @@ fn shutdown_with_live_connections_unblocks_everyone() {
         })
         .collect();
     for _ in 0..4 {
-        rx.recv_timeout(TIMEOUT).unwrap();
+        rx.recv_timeout(PATIENCE).unwrap();
     }
     wait_until("producers blocking", || server.snapshot().push_blocked_count > 0);
     let started = Instant::now();
@@ -274,7 +243,7 @@ fn a_stalled_large_write_resumes_where_it_stopped() {
         let layout =
             Layout::untyped(&DataSpec::new(vec![ArraySpec::new(vec![BYTES], 1).unwrap()]).unwrap());
         let mut client =
-            TcpSender::connect(ClientConfig::new("127.0.0.1", port, layout), TIMEOUT).unwrap();
+            TcpSender::connect(ClientConfig::new("127.0.0.1", port, layout), PATIENCE).unwrap();
         let mut stalls = 0;
         for i in 0..12u8 {
             let payload = vec![i; BYTES];
@@ -295,14 +264,14 @@ fn a_stalled_large_write_resumes_where_it_stopped() {
                 }
             }
         }
-        assert!(client.close(Some(Instant::now() + TIMEOUT)));
+        assert!(client.close(Some(Instant::now() + PATIENCE)));
         stalls
     });
     // Consume nothing until a write has stalled mid-sample: with the ring, queue and pool full
     // the server stops reading, and 16 MiB samples do not fit in the socket buffers.
-    stalled_rx.recv_timeout(TIMEOUT).expect("no write ever stalled mid-sample");
+    stalled_rx.recv_timeout(PATIENCE).expect("no write ever stalled mid-sample");
     for i in 0..12u8 {
-        consumer.sample(Some(Instant::now() + TIMEOUT)).unwrap();
+        consumer.sample(Some(Instant::now() + PATIENCE)).unwrap();
         consumer.read_leaf(0, |b| assert!(b.iter().all(|&x| x == i), "sample {i} is torn"));
     }
     let stalls = sender.join().unwrap();

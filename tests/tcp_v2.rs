@@ -11,22 +11,18 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::{decode, tagged_payload, tagged_spec, wait_until, PATIENCE};
-use echo::backend::Backend;
-use echo::ingress::IngressConfig;
+use common::{
+    collect_tagged, send_tagged, start_tagged_fifo, tagged_client, tagged_payload, tagged_spec,
+    wait_until, PATIENCE,
+};
 use echo::transport::client::{ClientConfig, Protocol, TcpSender};
 use echo::transport::tcp::TcpConfig;
-use echo::transport::wire::v2::{DType, FrameMeta, Layout};
+use echo::transport::wire::v2::{DType, Layout};
 use echo::transport::TcpIngress;
-use echo::{Consumer, EchoError, Store};
+use echo::{Consumer, EchoError};
 
 fn start(tcp: TcpConfig, batch_size: usize) -> (Consumer, TcpIngress, SocketAddr) {
-    let store = Store::new(tagged_spec(), batch_size, 4).unwrap();
-    let consumer = store.consumer().unwrap();
-    let ingress =
-        TcpIngress::start(Backend::Fifo(store.clone()), IngressConfig::new(2, 8), &tcp).unwrap();
-    let addr = ingress.local_addr();
-    (consumer, ingress, addr)
+    start_tagged_fifo(&tcp, batch_size, 4, 8)
 }
 
 fn local() -> TcpConfig {
@@ -34,28 +30,7 @@ fn local() -> TcpConfig {
 }
 
 fn client(port: u16) -> ClientConfig {
-    ClientConfig::new("127.0.0.1", port, Layout::untyped(&tagged_spec()))
-}
-
-fn send_tagged(client: &mut TcpSender, producer: u32, seq: u64) -> Result<(), EchoError> {
-    let p = tagged_payload(producer, seq);
-    client.send(
-        &[&p[..4], &p[4..12], &p[12..]],
-        FrameMeta::default(),
-        Some(Instant::now() + PATIENCE),
-    )
-}
-
-fn collect(consumer: &mut Consumer, batches: usize) -> Vec<(u32, u64)> {
-    let mut out = Vec::new();
-    for _ in 0..batches {
-        consumer.sample(Some(Instant::now() + PATIENCE)).expect("batch did not arrive");
-        let leaves: [Vec<u8>; 3] = std::array::from_fn(|l| consumer.read_leaf(l, <[u8]>::to_vec));
-        for i in 0..consumer.store().batch_size() {
-            out.push(decode(&leaves, i));
-        }
-    }
-    out
+    tagged_client(port)
 }
 
 #[test]
@@ -83,7 +58,7 @@ fn a_token_server_admits_only_clients_that_prove_the_token() {
     assert_eq!(good.protocol(), 2);
     send_tagged(&mut good, 1, 0).unwrap();
     send_tagged(&mut good, 1, 1).unwrap();
-    assert_eq!(collect(&mut consumer, 1), vec![(1, 0), (1, 1)]);
+    assert_eq!(collect_tagged(&mut consumer, 1), vec![(1, 0), (1, 1)]);
 }
 
 #[test]
@@ -216,7 +191,7 @@ fn reconnecting_clients_deliver_exactly_once_in_order_through_dropped_connection
         })
         .collect();
     let total = PRODUCERS as usize * PER_PRODUCER as usize;
-    let got = collect(&mut consumer, total / 50);
+    let got = collect_tagged(&mut consumer, total / 50);
     let mut next = [0u64; PRODUCERS as usize];
     for (p, s) in got {
         assert_eq!(s, next[p as usize], "producer {p}: lost, duplicated or reordered");
@@ -319,5 +294,5 @@ fn a_hello_that_arrives_slowly_after_its_nonce_is_still_a_hello() {
     let mut frame = vec![SAMPLE];
     frame.extend_from_slice(&tagged_payload(9, 0));
     raw.write_all(&frame).unwrap();
-    assert_eq!(collect(&mut consumer, 1), vec![(9, 0)]);
+    assert_eq!(collect_tagged(&mut consumer, 1), vec![(9, 0)]);
 }

@@ -1,4 +1,4 @@
-"""Replay benchmark (#6): echo's replay tables at the sizes the issue states, optionally
+"""Replay benchmark: echo's replay tables at 1e6 items (the default), optionally
 compared in the same run with DeepMind Reverb and TorchRL (``bench_replay_peers.py`` run
 under a separate virtualenv that holds them).
 
@@ -13,8 +13,8 @@ peer script. Measured through the public Python API, one process, single thread:
 * ``fill``: ``submit()`` of N items into an empty table of ``max_size`` N (no eviction), for
   a prioritized (exponent 0.6) and a uniform table -> inserts/s; and the same into the full
   prioritized table (every insert evicts the oldest item), next to ``submit()`` into a FIFO
-  server whose consumer thread drains it (the issue's "prioritized insert within 2x of FIFO
-  insert").
+  server whose consumer thread drains it (a prioritized insert should cost within 2x of a FIFO
+  insert).
 * ``sample``: ``sample()`` of batches of ``--batch`` from the full tables -> batches/s and
   items/s (each batch is gathered into the batch area; the leaves are read with ``sum()`` so
   nothing is left lazy).

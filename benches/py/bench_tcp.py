@@ -29,7 +29,7 @@ holds ``seq % 2**24`` so a misaligned or torn sample is caught:
 
 * ``small``: ``{"obs": f32[4], "reward": f32[1], "meta": f64[3]}``, 44 B, batch_size 32.
 * ``large``: 40 leaves ``f32[1280]`` + ``meta`` (204,824 B per sample), batch_size 64.
-* ``nest-tcp`` / ``nest-shm``: issue 14's sample, 40 leaves ``f32[1224]`` in 4 nested dicts
+* ``nest-tcp`` / ``nest-shm``: a large nested sample, 40 leaves ``f32[1224]`` in 4 nested dicts
   of 10 + ``meta`` (195,864 B), batch_size 64; ``nest-tcp`` over TCP, ``nest-shm`` over the
   same-host shared-memory path (``shared_memory=True``; skipped for an echo without it).
 
@@ -158,7 +158,7 @@ class Scenario:
         return sum(int(np.prod(s)) * 4 for _, s in self.leaves) + 3 * 8
 
 
-# Issue 14's sample: 40 float32 leaves in 4 nested dicts of 10, 195,864 B with "meta".
+# The large nested sample: 40 float32 leaves in 4 nested dicts of 10, 195,864 B with "meta".
 _NESTED = tuple((f"g{i // 10}/x{i:02d}", (1224,)) for i in range(40))
 SCENARIOS = (
     Scenario("small", 32, (("obs", (4,)), ("reward", (1,)))),
@@ -193,7 +193,7 @@ def _watchdog(max_seconds: float, who: str) -> None:
 
 
 def has_shared_memory() -> bool:
-    """Whether the installed echo's TcpClient takes `shared_memory=` (ours since #14)."""
+    """Whether the installed echo's TcpClient takes `shared_memory=` (0.2.1's does not)."""
     return "shared_memory" in inspect.signature(TcpClient).parameters
 
 

@@ -291,6 +291,9 @@ def run_idle(port: int, target: int, deadline: float) -> None:
                 if line.strip() == "pause":
                     paused = True
                     _report("paused")
+                elif line.strip() == "resume":
+                    paused = False
+                    _report("resumed")
                 elif not line:
                     return
                 continue

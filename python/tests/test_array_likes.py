@@ -5,27 +5,18 @@ a non-contiguous one is copied; lists and Python numbers stay a `TypeError`."""
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
+from helpers.frameworks import needs_jax, needs_torch
 
 from echo import Server, TcpClient, TcpTransport
 
 EXAMPLE = {"id": np.zeros((), np.int64), "obs": np.zeros((3,), np.float32)}
 BATCH = 4
 WAIT_S = 10.0
-
-needs_torch = pytest.mark.skipif(
-    importlib.util.find_spec("torch") is None,
-    reason="PyTorch is not installed (CI leaves it out: a 539 MB wheel plus GBs of CUDA libs)",
-)
-needs_jax = pytest.mark.skipif(
-    importlib.util.find_spec("jax") is None,
-    reason="JAX is not installed (pip install -e '.[test]')",
-)
 
 
 class DLPackOnly:

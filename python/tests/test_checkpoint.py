@@ -4,15 +4,13 @@ concurrent inserts and samples, atomic replacement under SIGKILL, and damaged ch
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import textwrap
 import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from helpers.checkpoints import example, intact_ids, item, kill_mid_checkpoint
 
 import echo
 from echo import (
@@ -27,34 +25,6 @@ from echo import (
     Server,
     Uniform,
 )
-
-BLOB = 64
-
-
-def example() -> dict[str, Any]:
-    return {
-        "obs": np.zeros((3,), np.int64),
-        "extra": {"id": np.zeros((), np.uint64), "blob": np.zeros((BLOB,), np.uint8)},
-    }
-
-
-def item(i: int) -> dict[str, Any]:
-    """A sample every byte of which is derived from `i`."""
-    return {
-        "obs": np.array([i, 2 * i, 3 * i], np.int64),
-        "extra": {
-            "id": np.array(i, np.uint64),
-            "blob": ((i * 7 + np.arange(BLOB)) % 251).astype(np.uint8),
-        },
-    }
-
-
-def assert_intact(obs: Any, ids: Any, blob: Any) -> None:
-    """Every row of a checkpoint's (or a batch's) leaves is one whole `item(i)`."""
-    ids = np.asarray(ids).astype(np.int64)
-    np.testing.assert_array_equal(np.asarray(obs), np.stack([ids, 2 * ids, 3 * ids], axis=1))
-    expected = (ids[:, None] * 7 + np.arange(BLOB)[None, :]) % 251
-    np.testing.assert_array_equal(np.asarray(blob), expected.astype(np.uint8))
 
 
 def contents(path: Path) -> dict[str, Any]:
@@ -116,7 +86,7 @@ def test_restore_reproduces_items_priorities_counts_and_limiter_state(
             restored.checkpoint(tmp_path / "b")
             assert_same_contents(tmp_path / "a", tmp_path / "b")
     c = contents(tmp_path / "a")["arrays"]
-    assert_intact(c["leaf_002.npy"], c["leaf_001.npy"], c["leaf_000.npy"])
+    intact_ids(c["leaf_002.npy"], c["leaf_001.npy"], c["leaf_000.npy"])
     assert len(c["keys.npy"]) == 16
 
 
@@ -213,7 +183,7 @@ def test_a_checkpoint_under_concurrent_inserts_and_samples_is_consistent(tmp_pat
                 batch = server.sample(timeout=10)
                 assert batch is not None
                 b = batch.batch
-                assert_intact(b["obs"], b["extra"]["id"], b["extra"]["blob"])
+                intact_ids(b["obs"], b["extra"]["id"], b["extra"]["blob"])
         except BaseException as e:  # noqa: BLE001 -- reported by the test
             errors.append(e)
 
@@ -226,7 +196,7 @@ def test_a_checkpoint_under_concurrent_inserts_and_samples_is_consistent(tmp_pat
             path = tmp_path / f"live{round_ % 2}"
             server.checkpoint(path)
             c = contents(path)["arrays"]
-            assert_intact(c["leaf_002.npy"], c["leaf_001.npy"], c["leaf_000.npy"])
+            intact_ids(c["leaf_002.npy"], c["leaf_001.npy"], c["leaf_000.npy"])
             keys = c["keys.npy"]
             assert np.all(np.diff(keys.astype(np.int64)) > 0), "insertion order"
     finally:
@@ -242,43 +212,16 @@ def test_a_checkpoint_under_concurrent_inserts_and_samples_is_consistent(tmp_pat
         assert stats.store_size == len(np.load(tmp_path / "live1" / "keys.npy"))
 
 
-KILLED = textwrap.dedent(
-    """
-    import os, signal, sys
-    import numpy as np
-    import echo, echo.checkpoint
-    from echo import Server, Uniform
-    path, stage = sys.argv[1], sys.argv[2]
-    ex = {"x": np.zeros((1024,), np.uint8)}
-    server = Server(ex, 4, max_size=64, sampler=Uniform(), seed=1)
-    for i in range(10):
-        server.submit({"x": np.full(1024, i, np.uint8)})
-    server.checkpoint(path)
-    for i in range(10, 50):
-        server.submit({"x": np.full(1024, i, np.uint8)})
-    def hook(at):
-        if at == stage:
-            os.kill(os.getpid(), signal.SIGKILL)
-    echo.checkpoint._test_hook = hook
-    server.checkpoint(path)
-    print("not killed", flush=True)
-    """
-)
-
-
 @pytest.mark.parametrize("stage", ["leaves-written", "before-swap"])
 def test_a_process_killed_mid_checkpoint_leaves_the_previous_one_loadable(
     tmp_path: Path, stage: str
 ) -> None:
     path = tmp_path / "ckpt"
-    proc = subprocess.run(
-        [sys.executable, "-c", KILLED, str(path), stage],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
+    kill_mid_checkpoint(
+        path,
+        stage,
+        "max_size=64, sampler=Uniform(), seed=1",
     )
-    assert proc.returncode == -9, proc.stderr
     leftovers = [p.name for p in tmp_path.iterdir() if p.name != "ckpt"]
     assert len(leftovers) == 2, f"the previous and the partial directory: {leftovers}"
     restored = Server.restore(path)
@@ -302,41 +245,67 @@ def saved(tmp_path: Path) -> Path:
     return tmp_path / "ckpt"
 
 
-def test_a_flipped_byte_is_reported_with_the_file(saved: Path) -> None:
-    file = saved.resolve() / "leaf_002.npy"
-    data = bytearray(file.read_bytes())
+def _damaged(tmp_path: Path, kind: str) -> Path:
+    """A replay or a FIFO checkpoint of a few items, to damage."""
+    if kind == "replay":
+        server = Server(example(), 2, max_size=8, sampler=Uniform(), seed=1)
+    else:
+        server = Server(example(), 2, num_buffers=4)
+    with server:
+        for i in range(6 if kind == "replay" else 5):
+            server.submit(item(i), timeout=10, priority=1.0 if kind == "replay" else None)
+        server.checkpoint(tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+@pytest.mark.parametrize(("kind", "file"), [("replay", "leaf_002.npy"), ("fifo", "leaf_001.npy")])
+def test_a_flipped_byte_is_reported_with_the_file(tmp_path: Path, kind: str, file: str) -> None:
+    saved = _damaged(tmp_path, kind)
+    target = saved.resolve() / file
+    data = bytearray(target.read_bytes())
     data[-5] ^= 0x01
-    file.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=r"leaf_002\.npy: SHA-256 .* \(corrupted\)"):
+    target.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"{file}: SHA-256 .* \(corrupted\)"):
         Server.restore(saved)
 
 
-def test_a_truncated_file_is_reported_with_the_file(saved: Path) -> None:
-    file = saved.resolve() / "priorities.npy"
-    file.write_bytes(file.read_bytes()[:-8])
-    with pytest.raises(CheckpointError, match=r"priorities\.npy: \d+ bytes, the manifest says"):
+@pytest.mark.parametrize(("kind", "file"), [("replay", "priorities.npy"), ("fifo", "leaf_000.npy")])
+def test_a_truncated_file_is_reported_with_the_file(tmp_path: Path, kind: str, file: str) -> None:
+    saved = _damaged(tmp_path, kind)
+    target = saved.resolve() / file
+    target.write_bytes(target.read_bytes()[:-5])
+    with pytest.raises(CheckpointError, match=rf"{file}: \d+ bytes, the manifest says"):
         Server.restore(saved)
 
 
-def test_a_deleted_file_is_reported_with_the_file(saved: Path) -> None:
-    (saved.resolve() / "keys.npy").unlink()
-    with pytest.raises(CheckpointError, match=r"keys\.npy: missing"):
+@pytest.mark.parametrize(
+    ("kind", "file"), [("replay", "keys.npy"), ("fifo", "leaf_002.npy"), ("fifo", "manifest.json")]
+)
+def test_a_deleted_file_is_reported_with_the_file(tmp_path: Path, kind: str, file: str) -> None:
+    saved = _damaged(tmp_path, kind)
+    (saved.resolve() / file).unlink()
+    with pytest.raises(CheckpointError, match=rf"{file}: missing"):
         Server.restore(saved)
-    (saved.resolve() / "manifest.json").unlink()
+    (saved.resolve() / "manifest.json").unlink(missing_ok=True)
     with pytest.raises(CheckpointError, match=r"manifest\.json: missing"):
         Server.restore(saved)
 
 
-def test_a_wrong_example_is_reported(saved: Path) -> None:
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("replay", r"manifest\.json: the example's leaf \['obs'\]"),
+        ("fifo", r"\['obs'\].*does not match"),
+    ],
+)
+def test_a_wrong_example_is_reported(tmp_path: Path, kind: str, message: str) -> None:
+    saved = _damaged(tmp_path, kind)
     wrong = example()
     wrong["obs"] = np.zeros((3,), np.float64)
-    with pytest.raises(CheckpointError, match=r"manifest\.json: the example's leaf \['obs'\]"):
+    with pytest.raises(CheckpointError, match=message):
         Server.restore(saved, wrong)
     with pytest.raises(CheckpointError, match="leaves"):
         Server.restore(saved, {"obs": np.zeros((3,), np.int64)})
-    assert isinstance(CheckpointError("x"), ValueError)
-    restored = Server.restore(saved, example())
-    restored.close()
 
 
 def test_a_newer_format_version_is_refused(saved: Path) -> None:

@@ -17,9 +17,6 @@ or is in the checkpoint, exactly once; nothing else is. So, with `H` the manifes
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers.checkpoints import example, intact_ids, item, kill_mid_checkpoint
 
 from echo import (
     CheckpointError,
@@ -38,36 +36,9 @@ from echo import (
     Uniform,
 )
 
-BLOB = 32
 LOCALHOST = "127.0.0.1"
 WAIT_S = 10.0
-
-
-def example() -> dict[str, Any]:
-    return {
-        "obs": np.zeros((3,), np.int64),
-        "extra": {"id": np.zeros((), np.uint64), "blob": np.zeros((BLOB,), np.uint8)},
-    }
-
-
-def item(i: int) -> dict[str, Any]:
-    """A sample every byte of which is derived from `i` (`producer << 32 | seq`)."""
-    return {
-        "obs": np.array([i, 2 * i, 3 * i], np.int64),
-        "extra": {
-            "id": np.array(i, np.uint64),
-            "blob": ((i * 7 + np.arange(BLOB)) % 251).astype(np.uint8),
-        },
-    }
-
-
-def intact_ids(obs: Any, ids: Any, blob: Any) -> list[int]:
-    """The ids of rows that are each one whole `item(i)`; fails on any torn row."""
-    ids = np.asarray(ids).astype(np.int64)
-    np.testing.assert_array_equal(np.asarray(obs), np.stack([ids, 2 * ids, 3 * ids], axis=1))
-    expected = (ids[:, None] * 7 + np.arange(BLOB)[None, :]) % 251
-    np.testing.assert_array_equal(np.asarray(blob), expected.astype(np.uint8))
-    return [int(i) for i in ids]
+PAIRS_0_TO_9 = [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]  # samples 0..9 in batches of 2
 
 
 def checkpoint_rows(path: Path) -> tuple[list[int], dict[str, Any]]:
@@ -165,13 +136,7 @@ def test_acknowledged_samples_queued_in_the_ingress_are_in_a_fifo_checkpoint(
         assert ids == list(range(10))
         assert (counts["from_ring"], counts["from_ingress"]) == (4, 6)
         # They are still queued: the server hands them out in order.
-        assert [batch_ids(server.sample(timeout=WAIT_S)) for _ in range(5)] == [
-            [0, 1],
-            [2, 3],
-            [4, 5],
-            [6, 7],
-            [8, 9],
-        ]
+        assert [batch_ids(server.sample(timeout=WAIT_S)) for _ in range(5)] == PAIRS_0_TO_9
         client.close()
     finally:
         server.close()
@@ -214,13 +179,7 @@ def test_samples_waiting_in_a_shared_memory_segment_are_not_acknowledged(
         ids, counts = checkpoint_rows(tmp_path / "s")
         assert ids == [0, 1, 2, 3]
         assert (counts["from_ring"], counts["from_ingress"]) == (4, 0)
-        assert [batch_ids(server.sample(timeout=WAIT_S)) for _ in range(5)] == [
-            [0, 1],
-            [2, 3],
-            [4, 5],
-            [6, 7],
-            [8, 9],
-        ]
+        assert [batch_ids(server.sample(timeout=WAIT_S)) for _ in range(5)] == PAIRS_0_TO_9
         assert client.close(timeout=WAIT_S)
     finally:
         server.close()
@@ -408,42 +367,12 @@ def test_a_fifo_checkpoint_under_concurrent_producers_and_a_consumer_is_consiste
     assert last_counts["items"] == len(last_ids)
 
 
-KILLED = textwrap.dedent(
-    """
-    import os, signal, sys
-    import numpy as np
-    import echo, echo.checkpoint
-    from echo import Server
-    path, stage = sys.argv[1], sys.argv[2]
-    server = Server({"x": np.zeros((1024,), np.uint8)}, 4, num_buffers=16)
-    for i in range(10):
-        server.submit({"x": np.full(1024, i, np.uint8)})
-    server.checkpoint(path)
-    for i in range(10, 50):
-        server.submit({"x": np.full(1024, i, np.uint8)})
-    def hook(at):
-        if at == stage:
-            os.kill(os.getpid(), signal.SIGKILL)
-    echo.checkpoint._test_hook = hook
-    server.checkpoint(path)
-    print("not killed", flush=True)
-    """
-)
-
-
 @pytest.mark.parametrize("stage", ["leaves-written", "before-swap"])
 def test_a_process_killed_mid_fifo_checkpoint_leaves_the_previous_one_loadable(
     tmp_path: Path, stage: str
 ) -> None:
     path = tmp_path / "ckpt"
-    proc = subprocess.run(
-        [sys.executable, "-c", KILLED, str(path), stage],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert proc.returncode == -9, proc.stderr
+    kill_mid_checkpoint(path, stage, "num_buffers=16")
     restored = Server.restore(path)
     with restored:
         assert restored.stats().store_size == 10, "the first checkpoint, whole"
@@ -461,35 +390,6 @@ def saved(tmp_path: Path) -> Path:
             server.submit(item(i))
         server.checkpoint(tmp_path / "ckpt")
     return tmp_path / "ckpt"
-
-
-def test_a_flipped_byte_in_a_fifo_checkpoint_is_reported_with_the_file(saved: Path) -> None:
-    target = saved.resolve() / "leaf_001.npy"
-    data = bytearray(target.read_bytes())
-    data[-1] ^= 0xFF
-    target.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=r"leaf_001\.npy: SHA-256 .* \(corrupted\)"):
-        Server.restore(saved)
-
-
-def test_a_truncated_fifo_checkpoint_file_is_reported_with_the_file(saved: Path) -> None:
-    target = saved.resolve() / "leaf_000.npy"
-    target.write_bytes(target.read_bytes()[:-5])
-    with pytest.raises(CheckpointError, match=r"leaf_000\.npy: \d+ bytes, the manifest says"):
-        Server.restore(saved)
-
-
-def test_a_deleted_fifo_checkpoint_file_is_reported_with_the_file(saved: Path) -> None:
-    (saved.resolve() / "leaf_002.npy").unlink()
-    with pytest.raises(CheckpointError, match=r"leaf_002\.npy: missing"):
-        Server.restore(saved)
-
-
-def test_a_wrong_example_for_a_fifo_checkpoint_is_reported(saved: Path) -> None:
-    wrong = example()
-    wrong["obs"] = np.zeros((4,), np.int64)
-    with pytest.raises(CheckpointError, match=r"\['obs'\].*does not match"):
-        Server.restore(saved, wrong)
 
 
 def test_inconsistent_fifo_counts_are_reported(saved: Path) -> None:

@@ -8,26 +8,17 @@ installed (CI does not install it: see .ci/run)."""
 from __future__ import annotations
 
 import gc
-import importlib.util
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
+from helpers.frameworks import needs_jax, needs_torch
 
 from echo import Server
 
 EXAMPLE = {"obs": np.zeros((4,), np.float32), "id": np.zeros((), np.int64)}
 BATCH = 8
-
-needs_torch = pytest.mark.skipif(
-    importlib.util.find_spec("torch") is None,
-    reason="PyTorch is not installed (CI leaves it out: a 539 MB wheel plus GBs of CUDA libs)",
-)
-needs_jax = pytest.mark.skipif(
-    importlib.util.find_spec("jax") is None,
-    reason="JAX is not installed (pip install -e '.[test]')",
-)
 
 
 def filled(batches: int = 2) -> Server:

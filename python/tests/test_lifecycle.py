@@ -97,11 +97,9 @@ def test_sample_returns_none_after_close(make_server: Any, make_sample: Any) -> 
 
 
 def test_sample_returns_none_after_close_even_with_a_full_batch_committed(
-    make_server: Any, make_sample: Any
+    make_filled: Any,
 ) -> None:
-    server = make_server(batch_size=2)
-    server.submit(make_sample(0))
-    server.submit(make_sample(1))
+    server = make_filled(2, batch_size=2)
     server.close()
     assert server.sample(timeout=WAIT_S) is None
 

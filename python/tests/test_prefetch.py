@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers.frameworks import needs_torch
 
 from echo import Server
 from echo._prefetch import Prefetcher
@@ -21,11 +22,6 @@ from echo._prefetch import Prefetcher
 EXAMPLE = {"id": np.zeros((), np.int64), "obs": np.zeros((3,), np.float32)}
 BATCH = 4
 WAIT_S = 10.0
-
-needs_torch = pytest.mark.skipif(
-    importlib.util.find_spec("torch") is None,
-    reason="PyTorch is not installed (CI leaves it out: a 539 MB wheel plus GBs of CUDA libs)",
-)
 
 
 def sample_of(i: int) -> dict[str, np.ndarray]:

@@ -103,11 +103,9 @@ def test_a_sample_repr_never_raises_on_what_a_user_built() -> None:
 
 
 def test_a_fifo_sample_unpacks_into_batch_and_info_as_before(
-    make_server: Any, make_sample: Any
+    make_filled: Any,
 ) -> None:
-    server = make_server(batch_size=2)
-    server.submit(make_sample(0))
-    server.submit(make_sample(1))
+    server = make_filled(2, batch_size=2)
     sample = take(server)
     batch, info = sample  # filterwarnings=error: no warning either
     assert len(sample) == 2

@@ -52,6 +52,14 @@ def _server(make_server: Any, batch_size: int = 4, **transport: Any) -> Server:
     return server
 
 
+def _started(make_server: Any, **kwargs: Any) -> Server:
+    """A started server of `EXAMPLE` samples on 127.0.0.1 with the `Server` keyword arguments
+    `kwargs`."""
+    server = make_server(EXAMPLE, transport=TcpTransport(port=0, host=LOCALHOST), **kwargs)
+    server.start()
+    return server
+
+
 def _shm_fds() -> tuple[int, int]:
     """This process's memfd segments and eventfds."""
     memfds = eventfds = 0
@@ -273,14 +281,12 @@ def test_the_learner_closing_while_workers_write_raises_connection_closed(
 def test_a_learner_gone_while_a_send_waits_for_room_raises_connection_closed(
     make_server: Any,
 ) -> None:
-    server = make_server(
-        EXAMPLE,
+    server = _started(
+        make_server,
         batch_size=1,
         num_buffers=2,
         producer_queue_size=1,
-        transport=TcpTransport(port=0, host=LOCALHOST),
     )
-    server.start()
     client = TcpClient(LOCALHOST, server.port, EXAMPLE, shared_memory=True, max_inflight_msgs=4)
     try:
         # Nobody samples: the ring, the ingress and then the window fill.
@@ -418,14 +424,12 @@ def test_ctrl_c_interrupts_a_send_or_wait_blocked_on_shared_memory(blocked_in: s
 def test_priorities_over_shared_memory_land_in_a_replay_table(make_server: Any) -> None:
     import echo
 
-    server = make_server(
-        EXAMPLE,
+    server = _started(
+        make_server,
         batch_size=4,
         sampler=echo.Prioritized(1.0),
         max_size=64,
-        transport=TcpTransport(port=0, host=LOCALHOST),
     )
-    server.start()
     priorities: list[float | None] = [0.5, 3.0, 1.25, None, 0.0, 2.5, None, 7.0]
     with TcpClient(LOCALHOST, server.port, EXAMPLE, shared_memory=True) as client:
         assert client.transport_path == "shm"
@@ -456,14 +460,12 @@ def test_a_full_ring_leaves_samples_in_their_segments_and_order_holds(
     # A ring of 8 samples and 3 workers of 200: the ring is full at once. The rest wait in
     # the workers' segments, untaken, never in the ingress queues (every sample is copied
     # once, straight from its segment), and go in, in order, as the learner frees room.
-    server = make_server(
-        EXAMPLE,
+    server = _started(
+        make_server,
         batch_size=4,
         num_buffers=2,
         producer_queue_size=4,
-        transport=TcpTransport(port=0, host=LOCALHOST),
     )
-    server.start()
     fleet = Fleet(server.port, 0, 3, 200, "true")
     try:
         poll(
@@ -528,16 +530,14 @@ def test_a_rate_limited_replay_table_takes_shared_memory_samples_as_it_is_sample
 
     # Queue(4): an insert waits while 4 items are unsampled. Each connection's task waits
     # for the table (on its insert bell, not a thread), and each batch drawn lets more in.
-    server = make_server(
-        EXAMPLE,
+    server = _started(
+        make_server,
         batch_size=2,
         sampler=echo.Uniform(),
         max_size=8,
         rate_limiter=echo.Queue(4),
         max_times_sampled=1,
-        transport=TcpTransport(port=0, host=LOCALHOST),
     )
-    server.start()
     fleet = Fleet(server.port, 0, 2, 60, "true")
     try:
         got: dict[int, list[int]] = collections.defaultdict(list)
@@ -565,10 +565,7 @@ def test_a_worker_killed_while_the_ring_is_full_still_has_its_committed_samples_
     # fraction of its 0.5 s timeout) can no longer be written once it is gone: that must stop
     # the heartbeats, not the channel. The 12 it committed to the segment still go in as the
     # learner frees room, as a dead TCP worker's bytes in the kernel are still read.
-    server = make_server(
-        EXAMPLE, batch_size=4, num_buffers=2, transport=TcpTransport(port=0, host=LOCALHOST)
-    )
-    server.start()
+    server = _started(make_server, batch_size=4, num_buffers=2)
     code = textwrap.dedent(
         f"""
         import sys, time

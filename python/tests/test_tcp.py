@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 from _blocked import after
 from conftest import assert_blocked, assert_ctrl_c_interrupts_promptly, poll
+from helpers.net import recv_exact, take
 
 import echo
 from echo import ConnectionClosedError, Server, TcpClient, TcpTransport
@@ -58,8 +59,8 @@ OFFER_LEN = 38
 def _read_greeting(sock: socket.socket) -> None:
     """Reads an open echo server's greeting as a v1 client does: the handshake (checked byte
     by byte), then the v2 offer, which v1 clients skip."""
-    assert _recv_exact(sock, len(HANDSHAKE)) == HANDSHAKE
-    offer = _recv_exact(sock, OFFER_LEN)
+    assert recv_exact(sock, len(HANDSHAKE)) == HANDSHAKE
+    offer = recv_exact(sock, OFFER_LEN)
     assert offer[:6] == b"ECHO\x02o", offer
     assert b"\x01" not in offer, offer
 
@@ -101,27 +102,6 @@ def _connections(server: Server, n: int) -> Any:
     return _poll_stats(
         server, lambda info: info.active_connections == n, f"active_connections == {n}"
     )
-
-
-def _take(server: Server, num_batches: int, batch_ids: Callable[[Any], list[int]]) -> list[int]:
-    ids: list[int] = []
-    for _ in range(num_batches):
-        sample = server.sample(timeout=WAIT_S)
-        assert sample is not None
-        ids += batch_ids(sample.batch)
-    return ids
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    for _ in range(n + 1):
-        if len(data) == n:
-            break
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            break
-        data += chunk
-    return data
 
 
 def _raw_connect(port: int) -> socket.socket:
@@ -260,7 +240,7 @@ def test_handshake_bytes_are_exactly_wire_v1_and_each_sample_is_acked(
     with _raw_connect(server.port) as sock:
         _read_greeting(sock)
         sock.sendall(_raw_sample(7) + _raw_sample(8))
-        assert _recv_exact(sock, 2) == b"\x01\x01"
+        assert recv_exact(sock, 2) == b"\x01\x01"
         assert batch_ids(server.sample(timeout=WAIT_S).batch) == [7, 8]  # type: ignore[union-attr]
 
 
@@ -356,7 +336,7 @@ def test_client_resolves_host_names(
     server = _started(make_server, batch_size=2)
     with TcpClient("localhost", server.port, example) as client:
         client.send_many(make_sample(i) for i in range(2))
-    assert _take(server, 1, batch_ids) == [0, 1]
+    assert take(server, 1, batch_ids) == [0, 1]
 
 
 # --- TcpClient: send, wait, close ----------------------------------------------------------
@@ -503,7 +483,7 @@ def test_wait_times_out_while_the_ring_is_full_and_returns_once_all_are_acked(
         assert 0.15 < time.monotonic() - started < 2.0
         assert client.sent == 30
         assert client.acked < 30
-        ids = _take(server, 15, batch_ids)
+        ids = take(server, 15, batch_ids)
         assert ids == list(range(30))
         client.wait(timeout=WAIT_S)
         assert client.acked == client.sent == 30
@@ -517,7 +497,7 @@ def test_close_flushes_and_send_after_close_raises(
         client.send(make_sample(i))
     assert client.close(timeout=WAIT_S) is True
     assert client.acked == client.sent == 8
-    assert _take(server, 2, batch_ids) == list(range(8))
+    assert take(server, 2, batch_ids) == list(range(8))
     with pytest.raises(ConnectionClosedError):
         client.send(make_sample(8))
     assert client.sent == 8
@@ -535,7 +515,7 @@ def test_context_manager_closes_and_flushes(
         client.send_many(make_sample(i) for i in range(4))
     with pytest.raises(ConnectionClosedError):
         client.send(make_sample(4))
-    assert _take(server, 1, batch_ids) == [0, 1, 2, 3]
+    assert take(server, 1, batch_ids) == [0, 1, 2, 3]
 
 
 def _bad_samples(make_sample: Callable[[int], dict[str, Any]]) -> list[tuple[Any, type]]:
@@ -575,7 +555,7 @@ def test_bad_samples_raise_and_put_nothing_on_the_wire(
             client.send(make_sample(sent[-1]))
         client.wait(timeout=WAIT_S)
         assert client.sent == client.acked == len(sent)
-        assert _take(server, len(sent) // 4, batch_ids) == sent
+        assert take(server, len(sent) // 4, batch_ids) == sent
         with pytest.raises(TimeoutError):
             server.sample(timeout=0.1)
     finally:
@@ -638,7 +618,7 @@ def test_threads_sharing_one_client_never_interleave_samples(
 
     try:
         senders = [spawn(send, t) for t in range(num_threads)]
-        ids = _take(server, num_threads * per_thread // 4, batch_ids)
+        ids = take(server, num_threads * per_thread // 4, batch_ids)
         for sender in senders:
             sender.finish(WAIT_S)
         for t in range(num_threads):
@@ -709,9 +689,23 @@ def test_send_with_a_timeout_sends_a_whole_sample_or_nothing(
     )
     received: list[int] = []
     stop = threading.Event()
+    # Set by the sender on its first TimeoutError; `sending_since` is when the send() now in
+    # progress began (None between sends). The consumer starts only once the sender has
+    # reached the state this test is about: a send that timed out (or, mid-sample with the
+    # larger window, one blocked for longer than its timeout). A condition, not a sleep, so a
+    # slow start on a busy machine cannot let the consumer drain the ring first.
+    timed_out = threading.Event()
+    sending_since: list[float | None] = [None]
+
+    def stalled() -> bool:
+        since = sending_since[0]
+        long_send = window != 2 and since is not None and time.monotonic() - since > 0.6
+        return timed_out.is_set() or long_send
 
     def consume() -> None:
-        time.sleep(1.0)  # let the sender run into the full ring first
+        reached = time.monotonic() + 3 * WAIT_S
+        while not stalled() and not stop.is_set() and time.monotonic() < reached:
+            timed_out.wait(0.01)
         deadline = time.monotonic() + 3 * WAIT_S
         while not stop.is_set() and time.monotonic() < deadline:
             try:
@@ -733,12 +727,15 @@ def test_send_with_a_timeout_sends_a_whole_sample_or_nothing(
         for i in range(16):
             sample = {"id": np.array(i, np.int64), "obs": np.full((n,), i, np.float32)}
             began = time.monotonic()
+            sending_since[0] = began
             try:
                 client.send(sample, timeout=0.2)
             except TimeoutError:
                 timeouts += 1
+                timed_out.set()
             else:
                 sent.append(i)
+            sending_since[0] = None
             longest = max(longest, time.monotonic() - began)
         assert client.close(timeout=2 * WAIT_S) is True
         assert client.sent == len(sent)
@@ -839,7 +836,7 @@ def test_port_is_none_before_start_and_start_twice_is_harmless(
     assert server.port == port
     with TcpClient(LOCALHOST, port, example) as client:
         client.send_many(make_sample(i) for i in range(4))
-    assert _take(server, 1, batch_ids) == [0, 1, 2, 3]
+    assert take(server, 1, batch_ids) == [0, 1, 2, 3]
     assert _connections(server, 0).active_connections == 0
 
 
@@ -944,7 +941,7 @@ def test_push_blocked_count_grows_when_the_consumer_stalls(
     with ring as (server, client):
         info = _poll_stats(server, lambda s: s.push_blocked_count > 0, "push_blocked_count > 0")
         assert info.samples_inserted_total <= 2 * 2 + 2  # the ring (+ a drainer's round)
-        assert _take(server, 10, batch_ids) == list(range(20))
+        assert take(server, 10, batch_ids) == list(range(20))
         client.wait(timeout=WAIT_S)
 
 
@@ -952,8 +949,12 @@ def test_max_connections_refuses_extra_clients_cleanly(
     make_server: Any, example: Any, make_sample: Any, batch_ids: Any
 ) -> None:
     server = _started(make_server, batch_size=4, transport=_tcp(max_connections=2))
-    first = TcpClient(LOCALHOST, server.port, example)
-    second = TcpClient(LOCALHOST, server.port, example)
+    # Over TCP, where a connection counts as working before its first acknowledgement is
+    # written, so an acknowledged sample means "working". (On the shared-memory path the
+    # acknowledgement can come first: that is not what this test is about.)
+    tcp = {"shared_memory": False}
+    first = TcpClient(LOCALHOST, server.port, example, **tcp)
+    second = TcpClient(LOCALHOST, server.port, example, **tcp)
     clients = [first, second]
     try:
         # Working connections (each has completed a sample) are never evicted for a newcomer,
@@ -964,15 +965,15 @@ def test_max_connections_refuses_extra_clients_cleanly(
         first.wait(timeout=WAIT_S)
         second.wait(timeout=WAIT_S)
         with pytest.raises(ConnectionClosedError):
-            TcpClient(LOCALHOST, server.port, example)
+            TcpClient(LOCALHOST, server.port, example, **tcp)
         _connections(server, 2)
-        assert sorted(_take(server, 1, batch_ids)) == [0, 1, 100, 101]
+        assert sorted(take(server, 1, batch_ids)) == [0, 1, 100, 101]
         # A slot that frees up can be taken again (the server notices the close shortly).
         first.close(timeout=WAIT_S)
         third = None
         for _ in range(200):
             try:
-                third = TcpClient(LOCALHOST, server.port, example)
+                third = TcpClient(LOCALHOST, server.port, example, **tcp)
                 break
             except ConnectionClosedError:
                 time.sleep(0.02)
@@ -981,7 +982,7 @@ def test_max_connections_refuses_extra_clients_cleanly(
         for i in range(2):
             second.send(make_sample(102 + i))
             third.send(make_sample(200 + i))
-        ids = _take(server, 1, batch_ids)
+        ids = take(server, 1, batch_ids)
         assert sorted(ids) == [102, 103, 200, 201]
     finally:
         for client in clients:
@@ -1002,7 +1003,7 @@ def _garbage_after_whole_samples(port: int, ids: list[int]) -> None:
     with _raw_connect(port) as sock:
         _read_greeting(sock)
         sock.sendall(b"".join(_raw_sample(i) for i in ids))
-        assert _recv_exact(sock, len(ids)) == b"\x01" * len(ids)
+        assert recv_exact(sock, len(ids)) == b"\x01" * len(ids)
         sock.sendall(b"\xff" * (PAYLOAD // 2 + 3))  # no multiple of the payload
 
 
@@ -1013,7 +1014,7 @@ def _dribble(port: int, i: int) -> None:
         for byte in _raw_sample(i) + b"\x07" * 5:
             sock.sendall(bytes([byte]))
             time.sleep(0.04)
-        assert _recv_exact(sock, 1) == b"\x01"
+        assert recv_exact(sock, 1) == b"\x01"
 
 
 def test_garbage_stalled_and_dribbling_peers_do_not_disturb_a_good_client(
@@ -1040,7 +1041,7 @@ def test_garbage_stalled_and_dribbling_peers_do_not_disturb_a_good_client(
         good = spawn(good_client)
         expected = [*range(200), *garbage_ids, dribbled]
         assert len(expected) % batch_size == 0
-        ids = _take(server, len(expected) // batch_size, batch_ids)
+        ids = take(server, len(expected) // batch_size, batch_ids)
         counts = collections.Counter(ids)
         assert sorted(counts) == sorted(expected)
         assert set(counts.values()) == {1}, {i: c for i, c in counts.items() if c != 1}
@@ -1080,7 +1081,7 @@ def test_a_burst_of_connections_leaves_no_trace(
     assert info.samples_inserted_total == 0
     with TcpClient(LOCALHOST, server.port, example) as client:
         client.send_many(make_sample(i) for i in range(4))
-    assert _take(server, 1, batch_ids) == [0, 1, 2, 3]
+    assert take(server, 1, batch_ids) == [0, 1, 2, 3]
 
 
 # --- lifecycle ------------------------------------------------------------------------------
@@ -1302,7 +1303,7 @@ def test_peer_client_sends_to_our_server(
     )
     try:
         try:
-            ids = _take(server, 10, batch_ids)
+            ids = take(server, 10, batch_ids)
         except TimeoutError:
             proc.kill()
             out, err = proc.communicate(timeout=WAIT_S)
@@ -1467,9 +1468,18 @@ def test_large_samples_read_in_place_arrive_once_in_order_and_intact(
     """Large samples a FIFO server reads straight from the socket into the ring
     (`samples_received_in_place_total`) arrive like the rest: every one once, in each
     worker's order, every byte right, from v1 and v2 clients at once. A replay table always
-    takes the queue (its inserts take its lock)."""
+    takes the queue (its inserts take its lock); with `max_times_sampled=1` and room for
+    every sample (nothing evicted), its draws hand out each item exactly once whatever the
+    timing, so every sample must show up once, intact, though in no particular order."""
     workers, n, batch = 4, 60, 4
-    replay = {"sampler": echo.Uniform(), "max_size": workers * n} if sampler == "replay" else {}
+    replay: dict[str, Any] = {}
+    if sampler == "replay":
+        replay = {
+            "sampler": echo.Uniform(),
+            "max_size": workers * n,
+            "max_times_sampled": 1,
+            "seed": 24,
+        }
     server = _started(make_server, ex=_LARGE, batch_size=batch, num_buffers=8, **replay)
     assert server.port is not None
     threads = [
@@ -1496,7 +1506,10 @@ def test_large_samples_read_in_place_arrive_once_in_order_and_intact(
     in_place = info.samples_received_in_place_total
     if sampler == "replay":
         assert in_place == 0
-        assert sorted(seen) == list(range(workers))  # replay draws: no order to check
+        # Uniform draws come in no order; each item once, as max_times_sampled=1 promises.
+        assert {w: sorted(ids) for w, ids in seen.items()} == {
+            w: list(range(n)) for w in range(workers)
+        }
         return
     assert 0 < in_place <= workers * n, info
     assert seen == {w: list(range(n)) for w in range(workers)}

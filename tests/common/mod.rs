@@ -1,11 +1,20 @@
 //! Helpers shared by the integration tests: a sample layout that encodes who wrote a sample
-//! and in which order, so consumers can check exactly-once, in-order, uncorrupted delivery.
+//! and in which order, so consumers can check exactly-once, in-order, uncorrupted delivery,
+//! and the FIFO TCP server, the client and the reading side that the transport tests share.
 #![allow(dead_code)]
 
+use std::net::SocketAddr;
+use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use echo::{ArraySpec, DataSpec};
+use echo::backend::Backend;
+use echo::ingress::IngressConfig;
+use echo::transport::client::{ClientConfig, TcpSender};
+use echo::transport::tcp::TcpConfig;
+use echo::transport::wire::v2::{FrameMeta, Layout};
+use echo::transport::TcpIngress;
+use echo::{ArraySpec, Consumer, DataSpec, EchoError, Store};
 
 /// Long enough for any healthy wait on a loaded 2-core machine; a deadlock or a lost
 /// wake-up runs into it and fails the test instead of hanging it.
@@ -71,4 +80,80 @@ pub fn assert_exactly_once_in_order(got: &[(u32, u64)], producers: u32, per_prod
         next[p as usize] += 1;
     }
     assert!(next.iter().all(|&n| n == per_producer), "missing samples: {next:?}");
+}
+
+/// A FIFO store of [`tagged_spec`] samples (`num_batches` batches of `batch_size`) fed by a
+/// TCP ingress started with `tcp` (2 drainers, connection queues of `queue_size`): its
+/// consumer, the ingress and the address it listens on.
+pub fn start_tagged_fifo(
+    tcp: &TcpConfig,
+    batch_size: usize,
+    num_batches: usize,
+    queue_size: usize,
+) -> (Consumer, TcpIngress, SocketAddr) {
+    let store = Store::new(tagged_spec(), batch_size, num_batches).unwrap();
+    let consumer = store.consumer().unwrap();
+    let ingress =
+        TcpIngress::start(Backend::Fifo(store.clone()), IngressConfig::new(2, queue_size), tcp)
+            .unwrap();
+    let addr = ingress.local_addr();
+    (consumer, ingress, addr)
+}
+
+/// A client configuration for [`tagged_spec`] samples to 127.0.0.1:`port`.
+pub fn tagged_client(port: u16) -> ClientConfig {
+    ClientConfig::new("127.0.0.1", port, Layout::untyped(&tagged_spec()))
+}
+
+/// Sends sample `seq` of `producer` (its three leaves), waiting at most [`PATIENCE`].
+pub fn send_tagged(client: &mut TcpSender, producer: u32, seq: u64) -> Result<(), EchoError> {
+    let p = tagged_payload(producer, seq);
+    client.send(
+        &[&p[..4], &p[4..12], &p[12..]],
+        FrameMeta::default(),
+        Some(Instant::now() + PATIENCE),
+    )
+}
+
+/// Takes `batches` batches and returns every (producer, seq) in arrival order, each sample
+/// checked whole by [`decode`].
+pub fn collect_tagged(consumer: &mut Consumer, batches: usize) -> Vec<(u32, u64)> {
+    let mut out = Vec::new();
+    for _ in 0..batches {
+        consumer.sample(Some(Instant::now() + PATIENCE)).expect("batch did not arrive");
+        let leaves = batch_leaves(consumer);
+        for i in 0..consumer.store().batch_size() {
+            out.push(decode(&leaves, i));
+        }
+    }
+    out
+}
+
+/// Samples per writer of a stress test: `ECHO_STRESS_COUNT` when set (valgrind runs set a
+/// small one), else `debug` or `release` by the build.
+pub fn stress_count(debug: u64, release: u64) -> u64 {
+    std::env::var("ECHO_STRESS_COUNT")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(if cfg!(debug_assertions) { debug } else { release })
+}
+
+/// The three leaves of the consumer's current batch of [`tagged_spec`] samples, copied.
+pub fn batch_leaves(consumer: &Consumer) -> [Vec<u8>; 3] {
+    std::array::from_fn(|l| consumer.read_leaf(l, <[u8]>::to_vec))
+}
+
+/// Starts one thread per producer `0..producers`, each running `write(store, producer)` with
+/// its own handle to `store`.
+pub fn spawn_writers(
+    store: &Arc<Store>,
+    producers: u32,
+    write: impl Fn(Arc<Store>, u32) + Clone + Send + 'static,
+) -> Vec<thread::JoinHandle<()>> {
+    (0..producers)
+        .map(|producer| {
+            let (store, write) = (store.clone(), write.clone());
+            thread::spawn(move || write(store, producer))
+        })
+        .collect()
 }

@@ -1,5 +1,5 @@
-"""Which socket settings the TCP ingress should use (issue #14), measured on loopback with the
-ingress's own traffic pattern rather than guessed.
+"""Socket settings: which socket settings the TCP ingress should use, measured on loopback with
+the ingress's own traffic pattern rather than guessed.
 
 A sender process writes ~196 KB samples as one vectored write of 40 leaves each (as
 `TcpClient.send` does), keeping at most 32 unacknowledged (`max_inflight_msgs`); a receiver
@@ -10,18 +10,20 @@ setting one turns autotuning off for that socket) and `TCP_NODELAY` on both or n
 Rounds are bounded in time and repeated in a shuffled order; the table gives the median
 samples/s and GB/s of each setting and its ratio to the default (autotuning, `TCP_NODELAY`).
 
-Run: ``python benches/tools/issue14_socket_settings.py [--seconds 1.5] [--repeats 3]``
+Run: ``python -m benches socket-settings [--quick]``
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import multiprocessing as mp
 import random
 import socket
 import statistics
 import time
+from typing import Any
+
+from benches.suites import _common as c
 
 LEAVES = 40
 LEAF_BYTES = 4_900
@@ -112,36 +114,65 @@ def _round(rcvbuf: int, sndbuf: int, nodelay: bool, seconds: float) -> float:
     return acked / elapsed
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--seconds", type=float, default=1.5)
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+def _name(size: int) -> str:
+    return "auto" if size == AUTO else f"{size >> 20} MiB"
+
+
+def parameters(quick: bool) -> dict[str, Any]:
+    return {"seconds": 0.4 if quick else 1.5, "repeats": 1 if quick else 3, "seed": 14}
+
+
+def limit_s(params: dict[str, Any]) -> float:
+    rounds = len(SIZES) ** 2 * 2 * int(params["repeats"])
+    return rounds * (float(params["seconds"]) + 10.0) + 30.0
+
+
+def measure(params: dict[str, Any]) -> dict[str, Any]:
     grid = list(itertools.product(SIZES, SIZES, (True, False)))
     rates: dict[tuple[int, int, bool], list[float]] = {g: [] for g in grid}
-    rng = random.Random(14)
-    for _ in range(args.repeats):
+    rng = random.Random(int(params["seed"]))
+    for _ in range(int(params["repeats"])):
         order = grid[:]
         rng.shuffle(order)
         for setting in order:
-            rates[setting].append(_round(*setting, args.seconds))
-
-    def name(size: int) -> str:
-        return "auto" if size == AUTO else f"{size >> 20} MiB"
-
-    base = statistics.median(rates[(AUTO, AUTO, True)])
-    print(f"~{SAMPLE:,} B samples, window {WINDOW}, medians of {args.repeats} rounds")
-    print(
-        f"{'SO_RCVBUF':>10} {'SO_SNDBUF':>10} {'NODELAY':>8} {'samples/s':>11} {'GB/s':>6} "
-        f"{'vs default':>10}"
-    )
-    for (rcv, snd, nodelay), values in rates.items():
-        med = statistics.median(values)
-        print(
-            f"{name(rcv):>10} {name(snd):>10} {nodelay!s:>8} {med:>11,.0f} "
-            f"{med * SAMPLE / 1e9:>6.2f} {med / base:>10.2f}"
-        )
+            rates[setting].append(_round(*setting, float(params["seconds"])))
+    rows = [
+        {"rcvbuf": rcv, "sndbuf": snd, "nodelay": nodelay, "samples_per_s": values}
+        for (rcv, snd, nodelay), values in rates.items()
+    ]
+    return {"sample_bytes": SAMPLE, "window": WINDOW, "rows": rows}
 
 
-if __name__ == "__main__":
-    main()
+def tables(results: dict[str, Any], params: dict[str, Any]) -> list[dict[str, Any]]:
+    columns = ["echo", "SO_RCVBUF", "SO_SNDBUF", "TCP_NODELAY", "samples/s", "GB/s", "vs default"]
+    rows = c.failed_rows(results, len(columns))
+    for side, r in results.items():
+        if "error" in r:
+            continue
+        med = {
+            (x["rcvbuf"], x["sndbuf"], x["nodelay"]): statistics.median(x["samples_per_s"])
+            for x in r["rows"]
+        }
+        base = med[(AUTO, AUTO, True)]
+        for (rcv, snd, nodelay), m in med.items():
+            rows.append(
+                [
+                    side,
+                    _name(rcv),
+                    _name(snd),
+                    "on" if nodelay else "off",
+                    c.num(m),
+                    c.num(m * SAMPLE / 1e9, ".2f"),
+                    c.num(m / base if base else None, ".2f"),
+                ]
+            )
+    return [
+        {
+            "title": f"Loopback, ~{SAMPLE:,} B samples as one vectored write of {LEAVES} leaves, "
+            f"{WINDOW} in flight; medians of {params['repeats']} round(s) of "
+            f"{params['seconds']:g} s",
+            "columns": columns,
+            "rows": rows,
+            "notes": ["*vs default*: against kernel autotuning (no buffer set) with TCP_NODELAY."],
+        }
+    ]

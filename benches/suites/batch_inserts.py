@@ -1,4 +1,4 @@
-"""Vectorized inserts against one call per row (issue #15): samples/s of `submit_batch` vs a
+"""Vectorized inserts against one call per row: samples/s of `submit_batch` vs a
 loop of `submit`, and of `send_batch` vs a loop of `send` over TCP, for a vectorized
 environment's step of N rows of a small nested sample.
 
@@ -6,12 +6,11 @@ What users send: a nested dict of 8 leaves (~120 bytes per sample), a pool of di
 batches (not one hot in cache), and a learner thread that reads every batch. The per-row
 baseline gets its rows prepared in advance (a dict of row views per sample), so it measures
 the calls, not the slicing. Rounds are interleaved (per-row, batch, per-row, ...) and each is
-bounded in time. Run: ``python benches/tools/issue15_batch_inserts.py [--n 64] [--seconds 2]``.
+bounded in time. Run: ``python -m benches batch-inserts [--quick] [--set n=256]``.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import threading
 import time
@@ -20,6 +19,7 @@ from typing import Any
 import numpy as np
 
 import echo
+from benches.suites import _common as c
 
 EXAMPLE = {
     "obs": {
@@ -85,7 +85,7 @@ class Learner:
             self.seen += self.batch_size
 
 
-def measure(step: Any, seconds: float, per_call: int) -> float:
+def _rate(step: Any, seconds: float, per_call: int) -> float:
     """Samples/s of calling `step()` (which inserts `per_call` samples) for `seconds`."""
     calls, start = 0, time.perf_counter()
     deadline = start + seconds
@@ -143,38 +143,51 @@ def run(
         k[0] += 1
 
     for _ in range(repeats):
-        results["submit"].append(measure(one_by_one, seconds, n))
-        results["submit_batch"].append(measure(batched, seconds, n))
-        results["send"].append(measure(send_rows, seconds, n))
-        results["send_batch"].append(measure(send_batched, seconds, n))
+        results["submit"].append(_rate(one_by_one, seconds, n))
+        results["submit_batch"].append(_rate(batched, seconds, n))
+        results["send"].append(_rate(send_rows, seconds, n))
+        results["send_batch"].append(_rate(send_batched, seconds, n))
     client.close()
     server.close()
     tcp.close()
     return results, tcp_queue
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--n", type=int, default=64, help="rows per batch (vectorized envs)")
-    parser.add_argument("--seconds", type=float, default=2.0, help="per round")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument(
-        "--queue", type=int, default=None, help="the learner's producer_queue_size (default: auto)"
-    )
-    args = parser.parse_args()
-    res, tcp_queue = run(args.n, args.seconds, args.repeats, args.queue)
-    med = {k: statistics.median(v) for k, v in res.items()}
-    print(
-        f"N = {args.n}, small nested samples (8 leaves), "
-        f"medians of {args.repeats} interleaved rounds, producer_queue_size={tcp_queue}"
-    )
-    print(f"{'path':<14}{'per row (samples/s)':>22}{'batched (samples/s)':>22}{'ratio':>8}")
-    for name, row, batch in (
-        ("in-process", "submit", "submit_batch"),
-        ("TCP", "send", "send_batch"),
-    ):
-        print(f"{name:<14}{med[row]:>22,.0f}{med[batch]:>22,.0f}{med[batch] / med[row]:>8.1f}x")
+def parameters(quick: bool) -> dict[str, Any]:
+    return {"n": 64, "seconds": 0.5 if quick else 2.0, "repeats": 1 if quick else 3, "queue": None}
 
 
-if __name__ == "__main__":
-    main()
+def limit_s(params: dict[str, Any]) -> float:
+    return 4 * int(params["repeats"]) * (float(params["seconds"]) + 5.0) + 60.0
+
+
+def measure(params: dict[str, Any]) -> dict[str, Any]:
+    res, tcp_queue = run(
+        int(params["n"]), float(params["seconds"]), int(params["repeats"]), params["queue"]
+    )
+    return {"samples_per_s": res, "producer_queue_size": tcp_queue}
+
+
+def tables(results: dict[str, Any], params: dict[str, Any]) -> list[dict[str, Any]]:
+    columns = ["echo", "path", "one call per row, samples/s", "batched, samples/s", "ratio"]
+    rows = c.failed_rows(results, len(columns))
+    for side, r in results.items():
+        if "error" in r:
+            continue
+        med = {k: statistics.median(v) for k, v in r["samples_per_s"].items()}
+        for name, row, batch in (
+            ("in-process: submit / submit_batch", "submit", "submit_batch"),
+            ("TCP: send / send_batch", "send", "send_batch"),
+        ):
+            rows.append(
+                [side, name, c.num(med[row]), c.num(med[batch]), f"{med[batch] / med[row]:.1f}x"]
+            )
+    return [
+        {
+            "title": f"A vectorized environment's step of {params['n']} rows of a small nested "
+            f"sample (8 leaves); medians of {params['repeats']} interleaved round(s) of "
+            f"{params['seconds']:g} s",
+            "columns": columns,
+            "rows": rows,
+        }
+    ]

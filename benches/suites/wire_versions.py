@@ -1,6 +1,6 @@
-"""Issue #12: samples/s of wire v2 against wire v1, from the same echo client to the same echo
-server, so the cost of v2's per-sample framing (a frame byte, implicit sequence numbers, the
-resend buffer of a session) shows as a ratio. The issue's bar: within 5 %.
+"""Wire versions: samples/s of wire protocol v2 against v1, from the same echo client to the
+same echo server, so the cost of v2's per-sample framing (a frame byte, implicit sequence
+numbers, the resend buffer of a session) shows as a ratio.
 
 For each scenario, each K (worker processes) and each repeat, this process starts a learner,
 ``Server(example, batch_size, transport=TcpTransport(port=0, host="127.0.0.1"))``, and K
@@ -36,11 +36,7 @@ bounded in count and time: workers stop at their deadline and have a watchdog; t
 closes its server when a phase overruns; a watchdog ends the whole run after
 ``--max-seconds``; the driver kills (by PID) only the workers it started. Loopback only.
 
-Usage::
-
-    .venv/bin/python benches/tools/issue12_v2_vs_v1.py                # 3 repeats, 2 s each
-    .venv/bin/python benches/tools/issue12_v2_vs_v1.py --quick        # 1 repeat, 1 s, K=1,4
-    .venv/bin/python benches/tools/issue12_v2_vs_v1.py --only small --workers 1,16 --repeats 5
+Run: ``python -m benches wire-versions [--quick] [--set workers=[1,4,16]]``.
 """
 
 from __future__ import annotations
@@ -55,16 +51,16 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "py"))
-import helpers as h
-
-import echo
+from benches.py import helpers as h
+from benches.suites import _common as c
 from echo import Server, TcpClient, TcpTransport
 
+ROOT = Path(__file__).resolve().parent.parent.parent
 HOST = "127.0.0.1"
 ID_MOD = 2**24
 WINDOW = 32
@@ -75,7 +71,7 @@ READY_TIMEOUT_S = 60.0  # interpreter start-up of 16 workers on a busy 2-core ma
 START_AHEAD_S = 0.2
 STALL_S = 5.0
 
-log = h.logger("issue12")
+log = h.logger("wire-versions")
 
 
 def example(name: str) -> dict[str, Any]:
@@ -115,11 +111,22 @@ def count_leaves(tree: Any) -> int:
 # --------------------------------------------------------------------------- worker
 
 
+def _connect(port: int, tree: Any, protocol: int) -> TcpClient:
+    """A TCP connection with wire ``protocol``: never the shared-memory path, which v2 takes on
+    the same host by default (an echo without that path has no ``shared_memory`` argument)."""
+    try:
+        return TcpClient(
+            HOST, port, tree, max_inflight_msgs=WINDOW, protocol=protocol, shared_memory=False
+        )
+    except TypeError:
+        return TcpClient(HOST, port, tree, max_inflight_msgs=WINDOW, protocol=protocol)
+
+
 def worker_main(argv: list[str]) -> int:
     """``--worker PORT SCENARIO WID PHASES...``: one connection per phase; commands on stdin."""
     port, scenario, wid = int(argv[0]), argv[1], int(argv[2])
     phases = [int(p) for p in argv[3:]]
-    h.start_watchdog(600.0, f"issue12 worker {wid}")
+    h.start_watchdog(600.0, f"wire-versions worker {wid}")
 
     def say(line: str) -> None:
         sys.stdout.write(line + "\n")
@@ -132,7 +139,7 @@ def worker_main(argv: list[str]) -> int:
     for phase, protocol in enumerate(phases):
         report: dict[str, Any] = {"wid": wid, "phase": phase, "sent": 0, "error": None}
         try:
-            client = TcpClient(HOST, port, tree, max_inflight_msgs=WINDOW, protocol=protocol)
+            client = _connect(port, tree, protocol)
         except Exception as e:  # noqa: BLE001 - reported to the learner
             report["error"] = f"connect: {type(e).__name__}: {e}"
             say("ready")
@@ -183,10 +190,11 @@ class Workers:
         self.inbox: list[list[str]] = [[] for _ in range(k)]  # lines read, not yet expected
         env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
         for wid in range(k):
-            cmd = [sys.executable, __file__, "--worker", str(port), scenario, str(wid)]
+            cmd = [sys.executable, "-m", "benches.suites.wire_versions", "--worker"]
+            cmd += [str(port), scenario, str(wid)]
             cmd += [str(p) for p in phases]
             proc = subprocess.Popen(
-                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT
             )
             self.procs.append(proc)
             threading.Thread(target=self._pump, args=(wid, proc), daemon=True).start()
@@ -404,56 +412,46 @@ def run_round(scenario: str, k: int, order: list[int], args: Any) -> list[dict[s
     return out
 
 
-def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        return worker_main(sys.argv[2:])
-    p = h.bench_parser(__doc__, "1 repeat of 1 s, K = 1, 4", max_seconds=1800.0)
-    p.add_argument("--only", choices=sorted(SCENARIOS), default=None)
-    p.add_argument("--workers", type=h.int_list("workers", 64), default=[1, 4, 16])
-    p.add_argument("--repeats", type=h.bounded_int("repeats", 50), default=3)
-    p.add_argument("--seconds", type=float, default=2.0)
-    p.add_argument("--warmup", type=float, default=0.5)
-    args = p.parse_args()
-    if args.quick:
-        args.repeats, args.seconds, args.workers = 1, 1.0, [1, 4]
-    h.start_watchdog(args.max_seconds, "issue12_v2_vs_v1")
-    label = h.default_label(args.label, echo)
-    scenarios = [args.only] if args.only else list(SCENARIOS)
-    rounds: list[dict[str, Any]] = []
-    load = [h.loadavg()]
-    for rep in range(args.repeats):
-        order = list(PROTOCOLS) if rep % 2 == 0 else list(reversed(PROTOCOLS))
-        for scenario in scenarios:
-            for k in args.workers:
-                for res in run_round(scenario, k, order, args):
-                    res["repeat"] = rep
-                    rounds.append(res)
-        load.append(h.loadavg())
+def parameters(quick: bool) -> dict[str, Any]:
+    if quick:
+        return {
+            "scenarios": list(SCENARIOS),
+            "workers": [1, 4],
+            "repeats": 1,
+            "seconds": 1.0,
+            "warmup": 0.5,
+        }
+    return {
+        "scenarios": list(SCENARIOS),
+        "workers": [1, 4, 16],
+        "repeats": 3,
+        "seconds": 2.0,
+        "warmup": 0.5,
+    }
 
-    print(h.run_title(label, echo))
-    rows: list[list[object]] = [
-        [
-            "scenario",
-            "bytes",
-            "leaves",
-            "K",
-            "v1 samples/s",
-            "v2 samples/s",
-            "v2/v1",
-            "range",
-            "v1 worker us/sample",
-            "v2 worker us/sample",
-            "correct",
-        ]
-    ]
+
+def limit_s(params: dict[str, Any]) -> float:
+    phases = len(params["scenarios"]) * len(params["workers"]) * int(params["repeats"]) * 2
+    return phases * (float(params["seconds"]) + float(params["warmup"]) + 30.0) + 60.0
+
+
+def measure(params: dict[str, Any]) -> dict[str, Any]:
+    args = SimpleNamespace(seconds=float(params["seconds"]), warmup=float(params["warmup"]))
+    rounds: list[dict[str, Any]] = []
+    for rep in range(int(params["repeats"])):
+        order = list(PROTOCOLS) if rep % 2 == 0 else list(reversed(PROTOCOLS))
+        for scenario in params["scenarios"]:
+            for k in params["workers"]:
+                for res in run_round(scenario, int(k), order, args):
+                    rounds.append({"repeat": rep, **{key: res[key] for key in ROUND_KEYS}})
     summary = []
-    for scenario in scenarios:
+    for scenario in params["scenarios"]:
         tree = example(scenario)
-        for k in args.workers:
+        for k in params["workers"]:
             cell = [r for r in rounds if r["scenario"] == scenario and r["k"] == k]
             by = {p: [r for r in cell if r["protocol"] == p] for p in PROTOCOLS}
             ratios = []
-            for rep in range(args.repeats):
+            for rep in range(int(params["repeats"])):
                 pair = {r["protocol"]: r for r in cell if r["repeat"] == rep}
                 if set(pair) == set(PROTOCOLS) and pair[1]["samples_per_s"] > 0:
                     ratios.append(pair[2]["samples_per_s"] / pair[1]["samples_per_s"])
@@ -462,54 +460,76 @@ def main() -> int:
                 p: statistics.median(r["worker_cpu_us_per_sample"] for r in by[p])
                 for p in PROTOCOLS
             }
-            ratio = statistics.median(ratios) if ratios else float("nan")
-            correct = all(r["correct"] for r in cell)
             summary.append(
                 {
                     "scenario": scenario,
+                    "bytes": sample_bytes(tree),
+                    "leaves": count_leaves(tree),
                     "k": k,
                     "v1_samples_per_s": med[1],
                     "v2_samples_per_s": med[2],
-                    "ratio_v2_v1": ratio,
+                    "ratio_v2_v1": statistics.median(ratios) if ratios else None,
                     "ratios": ratios,
                     "v1_worker_cpu_us": cpu[1],
                     "v2_worker_cpu_us": cpu[2],
-                    "correct": correct,
+                    "correct": all(r["correct"] for r in cell),
                 }
             )
+    return {"summary": summary, "correct": all(s["correct"] for s in summary)}
+
+
+ROUND_KEYS = ("scenario", "k", "protocol", "samples_per_s", "worker_cpu_us_per_sample", "correct")
+
+
+def tables(results: dict[str, Any], params: dict[str, Any]) -> list[dict[str, Any]]:
+    columns = [
+        "echo",
+        "scenario",
+        "bytes",
+        "leaves",
+        "K",
+        "v1 samples/s",
+        "v2 samples/s",
+        "v2 / v1",
+        "range",
+        "v1 worker us/sample",
+        "v2 worker us/sample",
+        "correct",
+    ]
+    rows = c.failed_rows(results, len(columns))
+    for side, r in results.items():
+        for s in r.get("summary", []):
+            ratios = s["ratios"]
             rows.append(
                 [
-                    scenario,
-                    sample_bytes(tree),
-                    count_leaves(tree),
-                    k,
-                    h.fmt_num(med[1], ",.0f", 0).strip(),
-                    h.fmt_num(med[2], ",.0f", 0).strip(),
-                    h.fmt_num(ratio, ".3f", 0).strip(),
+                    side,
+                    s["scenario"],
+                    f"{s['bytes']:,}",
+                    str(s["leaves"]),
+                    str(s["k"]),
+                    c.num(s["v1_samples_per_s"]),
+                    c.num(s["v2_samples_per_s"]),
+                    c.num(s["ratio_v2_v1"], ".3f"),
                     f"{min(ratios):.3f}..{max(ratios):.3f}" if ratios else "-",
-                    h.fmt_num(cpu[1], ".1f", 0).strip(),
-                    h.fmt_num(cpu[2], ".1f", 0).strip(),
-                    "yes" if correct else "NO",
+                    c.num(s["v1_worker_cpu_us"], ".1f"),
+                    c.num(s["v2_worker_cpu_us"], ".1f"),
+                    "yes" if s["correct"] else "NO",
                 ]
             )
-    h.print_columns(rows)
-    print(
-        f"# {args.repeats} repeat(s) of {args.seconds:g} s (+{args.warmup:g} s warm-up);"
-        f" load averages {load}"
-    )
-    if args.json:
-        h.write_json(
-            args.json,
-            {
-                "facts": h.run_facts(label, echo),
-                "args": {k: v for k, v in vars(args).items() if k != "json"},
-                "load": load,
-                "summary": summary,
-                "rounds": rounds,
-            },
-        )
-    return 0 if all(s["correct"] for s in summary) else 1
+    return [
+        {
+            "title": f"Wire v2 against v1: K worker processes, {params['repeats']} repeat(s) of "
+            f"{params['seconds']:g} s each (medians)",
+            "columns": columns,
+            "rows": rows,
+            "notes": [
+                "*range*: the per-repeat ratios. *worker us/sample*: the workers' CPU per sample "
+                "sent, which another process's load moves much less than samples/s."
+            ],
+        }
+    ]
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        sys.exit(worker_main(sys.argv[2:]))

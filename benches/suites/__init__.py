@@ -1,0 +1,104 @@
+"""The suites of ``python -m benches``: one measurement each, with a name and a one-line
+description (``python -m benches --list``).
+
+A suite is a module with four functions (see ``accept_flood.py`` for a small one). It may
+import numpy and echo at module level: only the driver and the child that measures import
+it, never ``python -m benches --list`` or ``report``.
+
+``parameters(quick: bool) -> dict``
+    The suite's parameters, the smaller ``--quick`` set or the full one. ``--set KEY=VALUE``
+    overrides any of them (the value is read as JSON, else kept as a string).
+``measure(params: dict) -> dict``
+    The measurement. It runs in a child process of the interpreter under test (ours, and
+    with ``--compare PYTHON`` that one too), from the repository root, and returns plain
+    JSON data, with ``"correct": False`` when what it checked was wrong. Every loop in it
+    is bounded in count and time.
+``limit_s(params: dict) -> float``
+    The child's time limit; past it the child (its process group) is ended.
+``tables(results: dict, params: dict) -> list[dict]``
+    The tables of the record, from ``{"ours": result, "other": result}`` (``other`` only
+    with ``--compare``; a side whose child failed is ``{"error": ...}``): each
+    ``{"title": str, "columns": [str, ...], "rows": [[cell, ...], ...], "notes": [str]}``
+    with cells already formatted as text. ``python -m benches report`` writes them into
+    ``docs/benchmarks.md``, and the docs check compares the page with them.
+
+Adding a suite: write the module (anywhere under ``benches``), add one ``Suite`` line to
+``SUITES`` below, then ``python -m benches NAME --quick --save`` for its record, a section
+with an empty ``<!-- benches:table NAME -->`` / ``<!-- /benches:table -->`` block in
+``docs/benchmarks.md``, and ``python -m benches report`` to fill it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    module: str  # imported only when the suite runs
+    description: str
+
+    def load(self) -> ModuleType:
+        return importlib.import_module(self.module)
+
+
+# The one place a suite is registered. `core` is the session of benches/cli.py; the others
+# follow the protocol above.
+SUITES: tuple[Suite, ...] = (
+    Suite(
+        "core",
+        "benches.cli",
+        "raw machine limits, in-process submit/sample, sample() view cost, TCP worker sweep",
+    ),
+    Suite(
+        "accept-flood",
+        "benches.suites.accept_flood",
+        "accept-and-refuse rate of a full server under a connection flood, vs a plain socket",
+    ),
+    Suite(
+        "gil-gap",
+        "benches.suites.gil_gap",
+        "longest stall of a Python thread while update_priorities holds the replay lock",
+    ),
+    Suite(
+        "rss",
+        "benches.suites.rss",
+        "RSS over server lifetimes, and the ingress's byte bound with a learner that never samples",
+    ),
+    Suite(
+        "checkpoint-stall",
+        "benches.suites.checkpoint_stall",
+        "submit/sample latency with and without checkpoints running; write/restore throughput",
+    ),
+    Suite(
+        "wire-versions",
+        "benches.suites.wire_versions",
+        "samples/s of wire protocol v2 against v1, same client and server",
+    ),
+    Suite(
+        "shm-vs-tcp",
+        "benches.suites.shm_vs_tcp",
+        "samples/s of the same-host shared-memory path against TCP, K worker processes",
+    ),
+    Suite(
+        "socket-settings",
+        "benches.suites.socket_settings",
+        "loopback samples/s by SO_RCVBUF / SO_SNDBUF / TCP_NODELAY, the ingress's traffic shape",
+    ),
+    Suite(
+        "batch-inserts",
+        "benches.suites.batch_inserts",
+        "submit_batch / send_batch against one submit / send per row",
+    ),
+    Suite(
+        "replay",
+        "benches.suites.replay",
+        "replay tables: insert, sample, update_priorities; vs Reverb/TorchRL with --set peers=PY",
+    ),
+    # Suite("sequence", "benches.py.bench_sequence", "..."),  # the sequence tables' suite
+)
+
+BY_NAME = {s.name: s for s in SUITES}

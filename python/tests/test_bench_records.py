@@ -1,0 +1,37 @@
+"""docs/benchmarks.md's tables are rendered from the benchmark records in benches/records/:
+the committed page matches them, and a table edited by hand (or a record changed without
+regenerating the page) is caught."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.append(str(ROOT))  # for `benches`; after the installed packages
+from benches import records  # noqa: E402
+
+
+def test_every_table_of_the_page_matches_its_record(capsys: pytest.CaptureFixture[str]) -> None:
+    assert records.report(check=True) == 0, capsys.readouterr().err
+
+
+def test_a_table_edited_by_hand_fails_the_check_and_report_restores_it(tmp_path: Path) -> None:
+    page = tmp_path / "benchmarks.md"
+    shutil.copy(records.PAGE, page)
+    text = page.read_text(encoding="utf-8")
+    block = text.index("<!-- benches:table socket-settings -->")
+    row = text.index("| ours |", block)
+    page.write_text(text[:row] + "| theirs |" + text[row + len("| ours |") :], encoding="utf-8")
+    assert records.report(check=True, page=page) == 1
+    assert records.report(check=False, page=page) == 0
+    assert page.read_text(encoding="utf-8") == text
+
+
+def test_a_block_without_a_record_fails_the_check(tmp_path: Path) -> None:
+    page = tmp_path / "benchmarks.md"
+    page.write_text("<!-- benches:table no-such-suite -->\n<!-- /benches:table -->\n")
+    assert records.report(check=True, page=page) == 1

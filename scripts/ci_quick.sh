@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# What matters for most changes, in a few minutes on 2 cores (`just ci-quick`): the release
+# extension built (incrementally) once, the format and lint gates that need no second build
+# (rustfmt, clippy on the default features, ruff), the core's Rust tests, the Python tests
+# with -x, and the check that docs/benchmarks.md matches its records. `just ci` (.ci/run)
+# runs everything: loom, valgrind, the telemetry build, ASan, fuzzing, rustdoc, pyright,
+# stubtest, the docs site, the wheel and the benchmark smoke run. Extra arguments go to
+# pytest (-k NAME, a file, ...). Ends with a table of each step's time.
+source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
+bash scripts/venv.sh .venv test
+steps=()
+times=()
+started=$SECONDS
+step() {
+  local name=$1 t0=$SECONDS
+  shift
+  steps+=("$name")
+  times+=("failed") # until it finishes
+  "$@"
+  times[${#times[@]} - 1]=$((SECONDS - t0))
+}
+timing_table() {
+  echo ">> ci-quick step times"
+  for i in "${!steps[@]}"; do
+    printf '   %-10s %6s\n' "${steps[$i]}" "${times[$i]}"
+  done
+  printf '   %-10s %6s\n' total $((SECONDS - started))
+}
+trap timing_table EXIT
+step fmt cargo fmt --all -- --check
+step ruff ruff check "${PY_SOURCES[@]}"
+step ruff-fmt ruff format --check "${PY_SOURCES[@]}"
+step clippy cargo clippy --quiet --all-targets -- -D warnings
+step report python -m benches report --check
+step cargo env ECHO_STRESS_COUNT=20000 cargo test --quiet
+step pytest python -m pytest python/tests -q -x -p no:cacheprovider "$@"
