@@ -556,7 +556,8 @@ impl PyServerCore {
         let backend = &self.backend;
         let ingress = self.ingress.get().map(Arc::as_ref);
         let (counts, digests, ingress_digests) = detach(py, || {
-            let BackendCheckpoint::Sequence(mut checkpoint, queued) = backend.checkpoint(ingress)?
+            let BackendCheckpoint::Sequence(mut checkpoint, queued) =
+                backend.checkpoint(ingress)?
             else {
                 return Err(EchoError::Config("_checkpoint_sequence: not a sequence table".into()));
             };
@@ -568,12 +569,8 @@ impl PyServerCore {
             } else {
                 write_leaf_files(&mut QueuedChunks::new(backend.spec(), &queued), &ingress_files)?
             };
-            let counts = (
-                snapshot.steps(),
-                snapshot.windows(),
-                snapshot.open_episodes(),
-                snapshot.queued(),
-            );
+            let counts =
+                (snapshot.steps(), snapshot.windows(), snapshot.open_episodes(), snapshot.queued());
             Ok::<_, EchoError>((counts, digests, ingress_digests))
         })
         .map_err(to_pyerr)?;
