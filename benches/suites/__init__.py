@@ -98,7 +98,11 @@ SUITES: tuple[Suite, ...] = (
         "benches.suites.replay",
         "replay tables: insert, sample, update_priorities; vs Reverb/TorchRL with --set peers=PY",
     ),
-    # Suite("sequence", "benches.py.bench_sequence", "..."),  # the sequence tables' suite
+    Suite(
+        "sequence",
+        "benches.suites.sequence",
+        "sequence tables: windows vs memcpy/numpy/TorchRL, bytes per step, TCP step inserts",
+    ),
 )
 
 BY_NAME = {s.name: s for s in SUITES}
