@@ -333,6 +333,24 @@ class ServerCore:
         """Fills this new replay server with a checkpoint's items and state (ValueError if
         they do not fit; nothing is inserted then), then inserts its ingress samples from a
         background thread before anything new."""
+    def _checkpoint_sequence(
+        self,
+        files: list[tuple[str, str, tuple[int, ...]]],
+        ingress_files: list[tuple[str, str, tuple[int, ...]]],
+        meta_file: str,
+    ) -> tuple[tuple[int, int, int, int], list[bytes], list[bytes]]:
+        """Writes a snapshot of the sequence table: its steps (one `.npy` per leaf), the
+        ingress's queued steps (only when there are some) and the metadata (`meta_file`, a
+        uint8 `.npy`); returns `((steps, windows, open episodes, queued steps), digests of
+        the leaf files then the metadata file, digests of the ingress files)`."""
+    def _restore_sequence(
+        self,
+        leaves: list[npt.NDArray[np.uint8]],
+        meta: npt.NDArray[np.uint8],
+        ingress_leaves: list[npt.NDArray[np.uint8]],
+    ) -> None:
+        """Fills this new sequence table with a checkpoint (ValueError naming what does not
+        fit; nothing is inserted then)."""
     def _restore_fifo(self, leaves: list[npt.NDArray[np.uint8]], n: int) -> int:
         """Puts a FIFO checkpoint's `n` samples into this new FIFO server, in order, before
         anything new; returns how many went in at once (the rest follow from a background
