@@ -17,6 +17,7 @@ import pytest
 import echo
 
 Window = tuple[int, int, list[int]]
+WAIT_S = 10.0
 STEP = {"id": np.zeros((), np.int64), "obs": np.zeros((3,), np.float32)}
 
 
@@ -52,7 +53,8 @@ def windows(sample: echo.Sample) -> list[Window]:
         assert mask[w, :real].all(), mask[w]
         assert not mask[w, real:].any(), mask[w]
         got = [int(x) for x in ids[w, :real]]
-        np.testing.assert_array_equal(obs[w, :real], np.repeat(ids[w, :real, None], 3, 1))
+        expected_obs = np.repeat(ids[w, :real, None], 3, 1).astype(np.float32)
+        np.testing.assert_array_equal(obs[w, :real], expected_obs)
         assert not ids[w, real:].any(), "padding is zeros"
         assert not obs[w, real:].any(), "padding is zeros"
         assert got == list(range(got[0], got[0] + real)), got
@@ -450,3 +452,37 @@ def test_a_checkpoint_of_another_layout_or_a_damaged_one_is_refused(tmp_path: An
     data.write_bytes(bytes(raw))
     with pytest.raises(echo.CheckpointError, match="SHA-256"):
         echo.Server.restore(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("producers", [1, 8, 64])
+def test_in_process_producers_on_their_own_streams_never_mix(producers: int) -> None:
+    """`producers` threads, each submitting episodes of its own stream at once; every window
+    handed out is whole and one stream's, and every window the episodes give arrives."""
+    s = lifo(3, period=2, at_end="pad", max_streams=64)
+    lengths = {k: [2 + (k + e) % 5 for e in range(3)] for k in range(producers)}
+    errors: list[BaseException] = []
+
+    def produce(k: int) -> None:
+        try:
+            for e, n in enumerate(lengths[k]):
+                for i in range(n):
+                    s.submit(step(k, e, i), stream=k, end_episode=i + 1 == n, timeout=WAIT_S)
+        except BaseException as err:  # noqa: BLE001 -- reported by the main thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=produce, args=(k,)) for k in range(producers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S)
+    assert not errors, errors
+    assert s.stats().streams_open == 0
+    got = drain(s)
+    expected: list[Window] = []
+    for k, ns in lengths.items():
+        for e, n in enumerate(ns):
+            for st in range(0, n, 2):
+                real = min(3, n - st)
+                first = k * 10**6 + e * 10**3 + st
+                expected.append((k, st, list(range(first, first + real))))
+    assert got == sorted(expected)
