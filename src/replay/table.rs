@@ -566,16 +566,9 @@ impl Table {
         &self.insert_bell
     }
 
-    /// Checks one priority: finite, `>= 0`, at most [`MAX_PRIORITY`] and storable by the
-    /// sampler (`priority^exponent` must stay finite).
+    /// Checks one priority ([`check_priority`]).
     fn check_priority(&self, state: &State, priority: f64) -> Result<(), String> {
-        if !(priority.is_finite() && priority >= 0.0) {
-            return Err(format!("must be a finite number >= 0, got {priority}"));
-        }
-        if priority > MAX_PRIORITY {
-            return Err(format!("must be at most {MAX_PRIORITY:e}, got {priority:e}"));
-        }
-        state.sampler.check_priority(priority)
+        check_priority(&*state.sampler, priority)
     }
 
     /// Checks one priority as an insert or an update would (takes the lock briefly).
@@ -1163,8 +1156,20 @@ impl Drop for Checkpoint {
     }
 }
 
-/// Waits on `cond` until notified or `deadline`.
-fn wait(cond: &Condvar, state: &mut MutexGuard<'_, State>, deadline: Option<Instant>) {
+/// Checks one priority of a replay or sequence table: finite, `>= 0`, at most
+/// [`MAX_PRIORITY`] and storable by `sampler` (`priority^exponent` must stay finite).
+pub(super) fn check_priority(sampler: &dyn ItemSampler, priority: f64) -> Result<(), String> {
+    if !(priority.is_finite() && priority >= 0.0) {
+        return Err(format!("must be a finite number >= 0, got {priority}"));
+    }
+    if priority > MAX_PRIORITY {
+        return Err(format!("must be at most {MAX_PRIORITY:e}, got {priority:e}"));
+    }
+    sampler.check_priority(priority)
+}
+
+/// Waits on `cond` until notified or `deadline` (a replay or sequence table's lock held).
+pub(super) fn wait<T>(cond: &Condvar, state: &mut MutexGuard<'_, T>, deadline: Option<Instant>) {
     match deadline {
         None => cond.wait(state),
         Some(deadline) => {
@@ -1173,7 +1178,7 @@ fn wait(cond: &Condvar, state: &mut MutexGuard<'_, State>, deadline: Option<Inst
     }
 }
 
-fn elapsed_ns(since: Instant) -> u64 {
+pub(super) fn elapsed_ns(since: Instant) -> u64 {
     u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX)
 }
 

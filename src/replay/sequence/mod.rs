@@ -56,7 +56,9 @@ use crate::error::{EchoError, InsertError};
 use crate::replay::limiter::{RateLimiter, SampleHoldback};
 use crate::replay::rng::Rng;
 use crate::replay::select::{new_sampler, ItemSampler, RemoverKind};
-use crate::replay::table::{MetaLeaf, ReplayBatch, ReplayConfig, ReplayStats, MAX_PRIORITY};
+use crate::replay::table::{
+    check_priority, elapsed_ns, wait, MetaLeaf, ReplayBatch, ReplayConfig, ReplayStats,
+};
 use crate::slots::Slots;
 use crate::source::{validate_source, SampleSource};
 pub use crate::source::{EpisodeEnd, StepTag};
@@ -874,13 +876,7 @@ impl SequenceTable {
     }
 
     fn check_priority(state: &State, priority: f64) -> Result<(), String> {
-        if !(priority.is_finite() && priority >= 0.0) {
-            return Err(format!("must be a finite number >= 0, got {priority}"));
-        }
-        if priority > MAX_PRIORITY {
-            return Err(format!("must be at most {MAX_PRIORITY:e}, got {priority:e}"));
-        }
-        state.sampler.check_priority(priority)
+        check_priority(&*state.sampler, priority)
     }
 
     /// Checks one priority as an insert or an update would.
@@ -1149,20 +1145,6 @@ impl SequenceTable {
     pub fn is_pinned(&self) -> bool {
         self.pinned.is_pinned()
     }
-}
-
-/// Waits on `cond` until notified or `deadline`.
-fn wait(cond: &Condvar, state: &mut MutexGuard<'_, State>, deadline: Option<Instant>) {
-    match deadline {
-        None => cond.wait(state),
-        Some(deadline) => {
-            let _ = cond.wait_until(state, deadline);
-        }
-    }
-}
-
-fn elapsed_ns(since: Instant) -> u64 {
-    u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// The one consumer of a [`SequenceTable`]. `sample` takes `&mut self`: one batch at a time.
