@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers.checkpoints import example, intact_ids, item, kill_mid_checkpoint
+from testkit.checkpoints import example, intact_ids, item, kill_mid_checkpoint
 
 import echo
 from echo import (

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers.frameworks import needs_jax, needs_torch
+from testkit.frameworks import needs_jax, needs_torch
 
 from echo import Server
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers.frameworks import needs_torch
+from testkit.frameworks import needs_torch
 
 from echo import Server
 from echo._prefetch import Prefetcher

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from _blocked import after
 from conftest import assert_blocked, assert_ctrl_c_interrupts_promptly, poll
-from helpers.net import recv_exact, take
+from testkit.net import recv_exact, take
 
 import echo
 from echo import ConnectionClosedError, Server, TcpClient, TcpTransport

@@ -48,7 +48,7 @@ from conftest import (
     poll,
     read_line,
 )
-from helpers.net import recv_exact, take
+from testkit.net import recv_exact, take
 
 import echo
 from echo import ConnectionClosedError, Server, TcpClient, TcpTransport
