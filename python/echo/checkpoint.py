@@ -3,8 +3,9 @@
 A checkpoint is a directory:
 
 - `manifest.json`: `format` (`echo-replay-checkpoint`, `echo-fifo-checkpoint` or
-  `echo-sequence-checkpoint`), the format version, the echo version, the layout (each leaf's path name, dtype, shape and file), the
-  settings, the counts and the size and SHA-256 of every other file;
+  `echo-sequence-checkpoint`), the format version, the echo version, the layout (each leaf's
+  path name, dtype, shape and file), the settings, the counts and the size and SHA-256 of
+  every other file;
 - one `.npy` file per leaf (`leaf_000.npy`, ...).
 
 A replay checkpoint's leaf files hold `N` rows in key (insertion) order, and beside them are

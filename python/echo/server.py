@@ -738,15 +738,15 @@ class Server:
         Replay: every item's data, key, priority and times-sampled count in insertion order,
         the rate limiter's counters, the sampler's RNG state, the next key and the settings:
         `Server.restore(path)` rebuilds a server that samples, evicts, paces and numbers new
-        items as this one would have.
+        items as this one would have. Inserts still being copied when the snapshot is taken
+        are not in it (their samples are still in the ingress, see below, or were submitted
+        by a `submit()` that had not returned). Inserts and `sample()` wait at most for one
+        ~1 MiB chunk's copy at a time.
 
         Sequence tables: every stored step (each step once), the windows with their keys,
         priorities and times sampled, the streams and their open episodes, the limiter's
         counters, the RNG state and the settings; the steps' bytes are copied a chunk at a
-        time while inserts and sampling go on (copy-on-write for chunks a writer takes). Inserts still being copied when the snapshot is taken
-        are not in it (their samples are still in the ingress, see below, or were submitted
-        by a `submit()` that had not returned). Inserts and `sample()` wait at most for one
-        ~1 MiB chunk's copy at a time.
+        time while inserts and sampling go on (copy-on-write for chunks a writer takes).
 
         FIFO: every committed sample not yet handed to the learner, in order, the partial
         batch included (`batch_size` and `num_buffers` are the settings). Writers are held
