@@ -1268,6 +1268,11 @@ mod shm_path {
                         };
                     ingress.note_inserted(inserted as u64);
                     done += inserted;
+                    if inserted > 0 {
+                        // Working before the worker sees its samples taken (acknowledged):
+                        // an acknowledged connection is never evicted as idle.
+                        link.activity.complete();
+                    }
                     reader.advance_by(inserted as u64);
                     // ORDERING: Relaxed — as in `serve_frames`: written only under `owner`.
                     session.next_seq.fetch_add(inserted as u64, Relaxed);
@@ -1281,7 +1286,6 @@ mod shm_path {
                     // watch quiet.
                     keep_beating(link).await;
                 }
-                link.activity.complete();
                 continue;
             }
             if let Some(end) = ending {
