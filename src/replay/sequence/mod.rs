@@ -48,6 +48,7 @@
 //!    Appends to an open chunk go past its snapshot steps, which they never touch.
 
 use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
 use std::time::Instant;
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
@@ -206,10 +207,9 @@ impl Chunk {
     };
 }
 
-/// A window, stored at the slot of its first step.
+/// A live window, kept by the slot of its first step.
 #[derive(Debug, Clone, Copy, Default)]
 struct Window {
-    live: bool,
     episode: u64,
     /// In-episode index of the first step.
     start: u32,
@@ -291,7 +291,7 @@ struct State {
     /// Per slot: 0, or the step's own priority's bits + 1.
     step_priority: Box<[u64]>,
     /// Per slot: the window starting at that step.
-    windows: Box<[Window]>,
+    windows: HashMap<u32, Window, BuildHasherDefault<SlotHasher>>,
     streams: Vec<Stream>,
     free_streams: Vec<u32>,
     stream_index: HashMap<u64, u32>,
@@ -408,7 +408,7 @@ impl State {
         let chunk = self.chunks[c];
         let first = g.first_slot(c);
         for slot in first..first + chunk.filled as usize {
-            if self.windows[slot].live {
+            if self.windows.contains_key(&(slot as u32)) {
                 self.remove_window(slot);
                 self.stats.windows.evicted += 1;
             }
@@ -456,9 +456,7 @@ impl State {
     }
 
     fn remove_window(&mut self, slot: usize) {
-        let window = &mut self.windows[slot];
-        debug_assert!(window.live);
-        window.live = false;
+        let window = self.windows.remove(&(slot as u32)).expect("a live window");
         let episode = window.episode;
         self.sampler.remove(slot);
         self.live_windows -= 1;
@@ -490,12 +488,13 @@ impl State {
         }
         let priority = own.unwrap_or(self.max_priority);
         self.max_priority = self.max_priority.max(priority);
-        if self.windows[slot].live {
+        if self.windows.contains_key(&(slot as u32)) {
             // One window per first step: a start is made once (invariant 4). Only a restored
             // snapshot that lied about a stream gets here; its window stays as it was.
             return;
         }
-        self.windows[slot] = Window { live: true, episode, start, len, times_sampled: 0, priority };
+        self.windows
+            .insert(slot as u32, Window { episode, start, len, times_sampled: 0, priority });
         self.sampler.insert(slot, priority);
         self.live_windows += 1;
         self.limiter.on_insert();
@@ -577,7 +576,7 @@ impl State {
             self.sampler.draw(&mut self.rng, slot, probability);
             let (slot, probability) = (self.draw_slots[0], self.draw_probabilities[0]);
             self.take(g, slot, probability, pending, runs);
-            if self.windows[slot].times_sampled >= g.max_times_sampled {
+            if self.windows[&(slot as u32)].times_sampled >= g.max_times_sampled {
                 self.remove_window(slot);
                 self.stats.windows.removed_max_times_sampled += 1;
             }
@@ -594,8 +593,7 @@ impl State {
         pending: &mut Vec<Drawn>,
         runs: &mut Vec<(u32, u32)>,
     ) {
-        let window = &mut self.windows[slot];
-        debug_assert!(window.live);
+        let window = self.windows.get_mut(&(slot as u32)).expect("a drawn window is live");
         window.times_sampled = window.times_sampled.saturating_add(1);
         let window = *window;
         let first_chunk = g.chunk_of(slot);
@@ -647,10 +645,28 @@ impl State {
     fn window_of_key(&self, g: &Geometry, key: u64) -> Option<usize> {
         let slot = usize::try_from(key & u64::from(u32::MAX)).ok()?;
         let generation = u32::try_from(key >> 32).ok()?;
-        let window = self.windows.get(slot)?;
-        let chunk = &self.chunks[g.chunk_of(slot)];
-        (window.live && chunk.state == ChunkState::Live && chunk.generation == generation)
-            .then_some(slot)
+        let live = self.windows.contains_key(&u32::try_from(slot).ok()?);
+        let chunk = self.chunks.get(g.chunk_of(slot))?;
+        (live && chunk.state == ChunkState::Live && chunk.generation == generation).then_some(slot)
+    }
+}
+
+/// Hashes a window's first slot: the slot times an odd constant (Fibonacci hashing), so
+/// windows of consecutive starts spread over the map's groups.
+#[derive(Debug, Default, Clone, Copy)]
+struct SlotHasher(u64);
+
+impl Hasher for SlotHasher {
+    fn finish(&self) -> u64 {
+        self.0.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 << 8) ^ u64::from(b);
+        }
+    }
+    fn write_u32(&mut self, slot: u32) {
+        self.0 = u64::from(slot);
     }
 }
 
@@ -775,7 +791,12 @@ impl SequenceTable {
             free_chunks: (0..chunks as u32).rev().collect(),
             live_chunks: VecDeque::with_capacity(chunks),
             step_priority: vec![0; slots].into_boxed_slice(),
-            windows: vec![Window::default(); slots].into_boxed_slice(),
+            windows: {
+                // Room for a window per `period` steps: more only with many short episodes.
+                let mut map = HashMap::default();
+                map.reserve(slots / period + 1);
+                map
+            },
             streams: Vec::new(),
             free_streams: Vec::new(),
             stream_index: HashMap::new(),
@@ -985,8 +1006,10 @@ impl SequenceTable {
         chunk.filled += 1;
         chunk.last_episode = episode;
         chunk.last_index = index;
-        state.step_priority[slot] = priority.map_or(0, encode_priority);
-        if priority.is_some() {
+        // The slot reads 0 (no priority) already: a chunk is cleared when taken if it had any.
+        // Writing only real priorities leaves the array's pages untouched (not resident).
+        if let Some(p) = priority {
+            state.step_priority[slot] = encode_priority(p);
             state.chunks[c].has_priorities = true;
         }
         state.steps += 1;
@@ -1084,7 +1107,7 @@ impl SequenceTable {
                 unknown += 1;
                 continue;
             };
-            state.windows[slot].priority = priority;
+            state.windows.get_mut(&(slot as u32)).expect("a live window").priority = priority;
             state.sampler.update(slot, priority);
             state.max_priority = state.max_priority.max(priority);
         }
@@ -1096,7 +1119,7 @@ impl SequenceTable {
     /// The priority of the window `key`, `None` if it is not in the table.
     pub fn priority(&self, key: u64) -> Option<f64> {
         let state = self.state.lock();
-        state.window_of_key(&self.geometry, key).map(|slot| state.windows[slot].priority)
+        state.window_of_key(&self.geometry, key).map(|slot| state.windows[&(slot as u32)].priority)
     }
 
     /// A snapshot of the counters.

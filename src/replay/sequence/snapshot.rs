@@ -566,8 +566,7 @@ impl SequenceTable {
             let first = g.first_slot(c as usize);
             for slot in first..first + chunk.filled as usize {
                 step_priority.push(state.step_priority[slot]);
-                let w = state.windows[slot];
-                if w.live {
+                if let Some(w) = state.windows.get(&(slot as u32)) {
                     windows.push(WindowRow {
                         slot: slot as u32,
                         episode: w.episode,
@@ -874,7 +873,9 @@ impl SequenceTable {
                         )
                     };
                 }
-                st.step_priority[first + i] = snap.step_priority[at + i];
+                if snap.step_priority[at + i] != 0 {
+                    st.step_priority[first + i] = snap.step_priority[at + i];
+                }
             }
             at += row.filled as usize;
             st.chunks[c] = Chunk {
@@ -904,14 +905,14 @@ impl SequenceTable {
         st.steps = steps;
         for w in &snap.windows {
             let slot = w.slot as usize;
-            st.windows[slot] = Window {
-                live: true,
+            let window = Window {
                 episode: w.episode,
                 start: w.start,
                 len: w.len,
                 times_sampled: w.times_sampled,
                 priority: w.priority,
             };
+            st.windows.insert(w.slot, window);
             st.sampler.insert(slot, w.priority);
         }
         st.live_windows = snap.windows.len();
