@@ -5,7 +5,7 @@ Usage::
     python -m benches --list                     # the suites, one line each
     python -m benches [SUITE ...] [--quick] [--compare PYTHON] [--out DIR] [--save]
                       [--set KEY=VALUE ...] [--max-seconds S] [core's options]
-    python -m benches report [--check]           # docs/benchmarks.md from benches/records/
+    python -m benches report [--check]           # docs/benchmarks.md (tables, plots) from records
 
 Without a suite it runs ``core`` (raw limits, in-process, views, the TCP sweep: see
 ``benches/cli.py``, whose options ``--workers``, ``--seconds``, ``--launcher`` and
@@ -41,7 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m benches",
         description="echo's benchmarks: named suites, each writing a JSON record; "
-        "`python -m benches report` renders docs/benchmarks.md from the committed records.",
+        "`python -m benches report` renders docs/benchmarks.md (tables and plots) from the "
+        "committed records.",
         epilog="Suites: " + ", ".join(s.name for s in SUITES),
     )
     p.add_argument("suites", nargs="*", metavar="SUITE", help="suites to run (default: core)")
@@ -141,7 +142,15 @@ def _finish(record: dict[str, Any], out: Path, save: bool, t0: float, say: Any =
     return bool(record["ok"])
 
 
-TCP_KEYS = ("samples_per_s", "gbps", "frac_loopback", "p50_ms", "p99_ms", "correct")
+TCP_KEYS = (
+    "samples_per_s",
+    "gbps",
+    "sample_bytes",
+    "frac_loopback",
+    "p50_ms",
+    "p99_ms",
+    "correct",
+)
 INPROCESS_KEYS = (
     "samples_per_s",
     "gbps",

@@ -11,9 +11,15 @@ Every run writes its record as ``OUT/SUITE.json``; ``--save`` also writes it to
 
 ``python -m benches report`` replaces each block of ``docs/benchmarks.md`` between
 ``<!-- benches:table SUITE -->`` and ``<!-- /benches:table -->`` with the tables of
-``benches/records/SUITE.json``; ``--check`` changes nothing and fails (exit 1) when a block
-differs from what its record renders, or names a suite without a record. Standard library
-only: the docs build runs it with the docs virtualenv.
+``benches/records/SUITE.json``, and each block between ``<!-- benches:plot SUITE NAME -->``
+and ``<!-- /benches:plot -->`` with the image ``img/SUITE-NAME.png`` (alt text and caption
+naming the record, machine and commit) after drawing that PNG from the record
+(``benches/plots.py``; without matplotlib the PNGs already there are kept). ``--check``
+changes nothing and fails (exit 1) when a block differs from what its record renders, names
+a suite without a record or a plot ``benches/plots.py`` does not draw, or when an image the
+page shows is missing or is not in a plot block. It compares no PNG bytes: they differ
+across matplotlib versions. Standard library only (matplotlib is imported only to draw):
+the docs build runs it with the docs virtualenv.
 """
 
 from __future__ import annotations
@@ -36,6 +42,12 @@ BLOCK = re.compile(
     r"(<!-- benches:table (?P<suite>[\w-]+) -->\n)(?P<body>.*?)(<!-- /benches:table -->)",
     re.DOTALL,
 )
+PLOT = re.compile(
+    r"(<!-- benches:plot (?P<suite>[\w-]+) (?P<name>[\w-]+) -->\n)(?P<body>.*?)"
+    r"(<!-- /benches:plot -->)",
+    re.DOTALL,
+)
+IMAGE = re.compile(r"!\[[^\]]*\]\((?P<src>[^)\s]+)\)")
 
 
 def _git(*args: str) -> str | None:
@@ -135,11 +147,50 @@ def load(suite: str, records: Path = RECORDS) -> dict[str, Any] | None:
     return doc
 
 
+def render_plot(record: dict[str, Any], suite: str, name: str, what: str) -> str:
+    m = record["machine"]
+    commit = (record.get("commit") or "unknown")[:10]
+    alt = (
+        f"{what}, from benches/records/{suite}.json: {m['cpu']}, {m['cores']} cores, "
+        f"commit {commit}, {record['started'][:10]}"
+    )
+    caption = provenance(record, f"benches/records/{suite}.json")
+    return f"![{alt}](img/{suite}-{name}.png)\n\n{caption}\n"
+
+
+def _draw(todo: list[tuple[dict[str, Any], str, Path]]) -> tuple[int, list[str]]:
+    """Draws the PNGs of ``todo``; the count drawn, and the problems."""
+    from benches import plots
+
+    drawn = 0
+    problems: list[str] = []
+    for record, name, path in todo:
+        try:
+            out = plots.plot_record(record, name, path)
+        except ImportError:
+            kept = sum(1 for _, _, p in todo if p.exists())
+            print(
+                f"benches report: matplotlib is not installed: kept the {kept} PNGs there "
+                f"(of {len(todo)}); install the bench extra to redraw them",
+                file=sys.stderr,
+            )
+            return drawn, []
+        if out is None:
+            problems.append(f"{path.name}: {record['suite']} record has no data for {name}")
+        else:
+            drawn += 1
+    return drawn, problems
+
+
 def report(check: bool, page: Path = PAGE, records: Path = RECORDS) -> int:
-    """Renders every table block of ``page`` from its record (``check``: only compares)."""
+    """Renders every table and plot block of ``page`` from its record (``check``: only
+    compares, and checks that every image the page shows exists and is drawn from a record)."""
+    from benches.plots import PLOTS
+
     text = page.read_text(encoding="utf-8")
     problems: list[str] = []
     seen: list[str] = []
+    todo: list[tuple[dict[str, Any], str, Path]] = []
 
     def replace(m: re.Match[str]) -> str:
         suite = m.group("suite")
@@ -153,22 +204,53 @@ def report(check: bool, page: Path = PAGE, records: Path = RECORDS) -> int:
             problems.append(f"{suite}: the table differs from its record")
         return m.group(1) + body + m.group(4)
 
-    new = BLOCK.sub(replace, text)
+    def replace_plot(m: re.Match[str]) -> str:
+        suite, name = m.group("suite"), m.group("name")
+        record = load(suite, records)
+        if record is None:
+            problems.append(f"plot {suite} {name}: no record {records / (suite + '.json')}")
+            return m.group(0)
+        if (suite, name) not in PLOTS:
+            problems.append(f"plot {suite} {name}: benches/plots.py draws no such plot")
+            return m.group(0)
+        body = render_plot(record, suite, name, PLOTS[suite, name])
+        if body != m.group("body"):
+            problems.append(f"plot {suite} {name}: the block differs from its record")
+        todo.append((record, name, page.parent / "img" / f"{suite}-{name}.png"))
+        return m.group(1) + body + m.group(5)
+
+    new = PLOT.sub(replace_plot, BLOCK.sub(replace, text))
+    outside = IMAGE.findall(PLOT.sub("", new))
+    problems += [
+        f"{src}: an image not drawn from a record (no benches:plot block)" for src in outside
+    ]
     rel = os.path.relpath(page, ROOT)
     if check:
+        problems += [f"{os.path.relpath(p, ROOT)}: missing" for _, _, p in todo if not p.exists()]
         for p in problems:
             print(f"benches report --check: {rel}: {p}", file=sys.stderr)
         if problems:
             print("  run `python -m benches report` to regenerate the page", file=sys.stderr)
             return 1
-        print(f"benches report --check: {rel}: {len(seen)} tables match their records")
+        print(
+            f"benches report --check: {rel}: {len(seen)} tables match their records; "
+            f"{len(todo)} plots drawn from records, all there (PNG bytes not compared)"
+        )
         return 0
-    missing = [p for p in problems if "no record" in p]
-    for p in missing:
+    failed = [p for p in problems if "differs" not in p]
+    drawn, draw_problems = _draw(todo)
+    failed += draw_problems
+    failed += [f"{os.path.relpath(p, ROOT)}: missing" for _, _, p in todo if not p.exists()]
+    for p in failed:
         print(f"benches report: {rel}: {p}", file=sys.stderr)
     if new != text:
         page.write_text(new, encoding="utf-8")
-        print(f"benches report: {rel}: rewrote {len(seen)} tables from benches/records/")
+        print(
+            f"benches report: {rel}: rewrote {len(seen)} tables and {len(todo)} plot blocks "
+            "from benches/records/"
+        )
     else:
-        print(f"benches report: {rel}: {len(seen)} tables, already up to date")
-    return 1 if missing else 0
+        print(f"benches report: {rel}: {len(seen)} tables, {len(todo)} plots, already up to date")
+    if drawn:
+        print(f"benches report: drew {drawn} of {len(todo)} plots into docs/img/ from records")
+    return 1 if failed else 0
