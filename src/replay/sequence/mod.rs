@@ -24,7 +24,7 @@
 //!
 //! **Eviction.** Chunks are evicted in the order they were taken (`live_chunks` is that
 //! queue), whenever an insert would hold more than `max_size` steps or needs a chunk and none
-//! is free. A window is registered in the chunk holding its first step (`windows` is indexed by
+//! is free. A window is registered in the chunk holding its first step (`windows` is keyed by
 //! that step's slot), and a stream takes its chunks in order, so every chunk a window reaches
 //! into was taken after the one it starts in: evicting a window's first chunk comes first, and
 //! removes it. So a window never outlives any of its steps, with no per-window list of chunks.
