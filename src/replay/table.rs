@@ -426,13 +426,9 @@ pub struct Table {
     area: Slots,
     state: Mutex<State>,
     /// Writers wait here for the rate limiter; notified whenever a sample progresses.
-    insert_ready: Condvar,
-    /// Rung with every `insert_ready` notification, for async writers ([`Table::insert_bell`]).
-    insert_bell: AsyncBell,
-    /// The consumer waits here for items or the rate limiter; notified on every publish.
-    sample_ready: Condvar,
-    closed: AtomicBool,
-    consumer_taken: AtomicBool,
+    /// Writers wait for the rate limiter on `insert_ready` (notified whenever a sample
+    /// progresses), the consumer for items on `sample_ready` (notified on every publish).
+    signals: Signals,
 }
 
 impl std::fmt::Debug for Table {
@@ -501,11 +497,7 @@ impl Table {
             storage,
             area,
             state: Mutex::new(state),
-            insert_ready: Condvar::new(),
-            insert_bell: AsyncBell::default(),
-            sample_ready: Condvar::new(),
-            closed: AtomicBool::new(false),
-            consumer_taken: AtomicBool::new(false),
+            signals: Signals::new(),
         }))
     }
 
@@ -522,7 +514,7 @@ impl Table {
     /// The single consumer handle; `None` if one was already taken.
     pub fn consumer(self: &Arc<Self>) -> Option<ReplayConsumer> {
         // ORDERING: Relaxed — the flag only has to be claimed once; it guards no other memory.
-        if self.consumer_taken.swap(true, Relaxed) {
+        if !self.signals.claim_consumer() {
             return None;
         }
         Some(ReplayConsumer {
@@ -537,25 +529,16 @@ impl Table {
     /// Closes the table: waiting and future inserts fail with `Closed`, `sample` returns
     /// [`EchoError::Closed`]. Idempotent.
     pub fn close(&self) {
-        // Under the lock, so a waiter that checked `closed` before is already parked.
-        let _state = self.state.lock();
-        // ORDERING: Release pairs with the Acquire in `is_closed` (lock-free readers).
-        self.closed.store(true, Release);
-        self.wake_writers();
-        self.sample_ready.notify_all();
+        self.signals.close(&self.state.lock());
     }
 
     /// Whether [`Table::close`] was called.
     pub fn is_closed(&self) -> bool {
-        // ORDERING: Acquire pairs with the Release store in `close`.
-        self.closed.load(Acquire)
+        self.signals.is_closed()
     }
 
-    /// Wakes the writers waiting for the rate limiter or the table's state: threads on
-    /// `insert_ready`, tasks on the bell.
     fn wake_writers(&self) {
-        self.insert_ready.notify_all();
-        self.insert_bell.ring();
+        self.signals.wake_writers();
     }
 
     /// Rung whenever a waiting insert might now go further (see [`Backend::insert_bell`]).
@@ -563,7 +546,7 @@ impl Table {
     /// [`Backend::insert_bell`]: crate::backend::Backend::insert_bell
     #[cfg_attr(any(loom, not(target_os = "linux")), allow(dead_code))] // only the shared-memory path (Linux) awaits it
     pub(crate) fn insert_bell(&self) -> &AsyncBell {
-        &self.insert_bell
+        &self.signals.insert_bell
     }
 
     /// Checks one priority ([`check_priority`]).
@@ -648,7 +631,7 @@ impl Table {
     /// (large, still copying) items may now evict.
     fn publish(&self, state: &mut State, slot: usize, priority: Option<f64>, replaced: bool) {
         state.publish(slot, priority, replaced);
-        self.sample_ready.notify_one();
+        self.signals.sample_ready.notify_one();
         if state.live == 1 {
             self.wake_writers();
         }
@@ -703,7 +686,7 @@ impl Table {
             }
             waited.get_or_insert_with(Instant::now);
             state.waiting_inserts += 1;
-            wait(&self.insert_ready, state, deadline);
+            wait(&self.signals.insert_ready, state, deadline);
             state.waiting_inserts -= 1;
         };
         if let Some(started) = waited {
@@ -1020,7 +1003,7 @@ impl Table {
         state.next_key = saved.next_key;
         state.max_priority = saved.max_priority;
         drop(state);
-        self.sample_ready.notify_one();
+        self.signals.sample_ready.notify_one();
         Ok(())
     }
 }
@@ -1156,6 +1139,59 @@ impl Drop for Checkpoint {
     }
 }
 
+/// The wake-ups and flags a replay or sequence table shares between its writers and its one
+/// consumer: the same close protocol for both.
+pub(super) struct Signals {
+    /// Writers wait here (for the rate limiter, or room).
+    pub(super) insert_ready: Condvar,
+    /// Rung with every `insert_ready` notification, for async writers
+    /// (`Backend::insert_bell`).
+    pub(super) insert_bell: AsyncBell,
+    /// The consumer waits here for items (windows) or the rate limiter.
+    pub(super) sample_ready: Condvar,
+    closed: AtomicBool,
+    consumer_taken: AtomicBool,
+}
+
+impl Signals {
+    pub(super) fn new() -> Self {
+        Self {
+            insert_ready: Condvar::new(),
+            insert_bell: AsyncBell::default(),
+            sample_ready: Condvar::new(),
+            closed: AtomicBool::new(false),
+            consumer_taken: AtomicBool::new(false),
+        }
+    }
+
+    /// Marks the table closed and wakes every waiter. `_held` is the table's lock, held, so a
+    /// waiter that checked `closed` before is already parked and gets the notification.
+    pub(super) fn close<T>(&self, _held: &MutexGuard<'_, T>) {
+        // ORDERING: Release pairs with the Acquire in `is_closed` (lock-free readers).
+        self.closed.store(true, Release);
+        self.wake_writers();
+        self.sample_ready.notify_all();
+    }
+
+    pub(super) fn is_closed(&self) -> bool {
+        // ORDERING: Acquire pairs with the Release store in `close`.
+        self.closed.load(Acquire)
+    }
+
+    /// Wakes the writers waiting for the rate limiter or the table's state: threads on
+    /// `insert_ready`, tasks on the bell.
+    pub(super) fn wake_writers(&self) {
+        self.insert_ready.notify_all();
+        self.insert_bell.ring();
+    }
+
+    /// Claims the one consumer handle: `false` if it was claimed already.
+    pub(super) fn claim_consumer(&self) -> bool {
+        // ORDERING: Relaxed — the flag only has to be claimed once; it guards no other memory.
+        !self.consumer_taken.swap(true, Relaxed)
+    }
+}
+
 /// Checks one priority of a replay or sequence table: finite, `>= 0`, at most
 /// [`MAX_PRIORITY`] and storable by `sampler` (`priority^exponent` must stay finite).
 pub(super) fn check_priority(sampler: &dyn ItemSampler, priority: f64) -> Result<(), String> {
@@ -1247,7 +1283,7 @@ impl ReplayConsumer {
             }
             waited.get_or_insert_with(Instant::now);
             state.waiting_samples += 1;
-            wait(&table.sample_ready, &mut state, deadline);
+            wait(&table.signals.sample_ready, &mut state, deadline);
             state.waiting_samples -= 1;
         };
         if let Some(started) = waited {

@@ -51,27 +51,24 @@ use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::time::Instant;
 
-use parking_lot::{Condvar, Mutex, MutexGuard};
+use parking_lot::{Mutex, MutexGuard};
 
 use crate::error::{EchoError, InsertError};
 use crate::replay::limiter::{RateLimiter, SampleHoldback};
 use crate::replay::rng::Rng;
 use crate::replay::select::{new_sampler, ItemSampler, RemoverKind};
 use crate::replay::table::{
-    check_priority, elapsed_ns, wait, MetaLeaf, ReplayBatch, ReplayConfig, ReplayStats,
+    check_priority, elapsed_ns, wait, MetaLeaf, ReplayBatch, ReplayConfig, ReplayStats, Signals,
 };
 use crate::slots::Slots;
 use crate::source::{validate_source, SampleSource};
 pub use crate::source::{EpisodeEnd, StepTag};
 use crate::spec::{ArraySpec, DataSpec};
-use crate::sync::{Arc, AsyncBell, AtomicBool};
+use crate::sync::{Arc, AsyncBell};
 
 mod snapshot;
 
 pub use snapshot::{SequenceCheckpoint, SequenceSnapshot};
-
-// Every `Ordering::` use below is documented in place with an `ORDERING:` comment.
-use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 
 /// Marks "no chunk" / "no slot".
 const NIL: u32 = u32::MAX;
@@ -694,11 +691,9 @@ pub struct SequenceTable {
     /// [`SEQUENCE_META`]; batch `h` is area slots `h * batch_size .. (h + 1) * batch_size`.
     area: Slots,
     state: Mutex<State>,
-    insert_ready: Condvar,
-    insert_bell: AsyncBell,
-    sample_ready: Condvar,
-    closed: AtomicBool,
-    consumer_taken: AtomicBool,
+    /// Writers wait for the rate limiter on `insert_ready`, the consumer for windows on
+    /// `sample_ready` (the replay table's close protocol).
+    signals: Signals,
 }
 
 impl std::fmt::Debug for SequenceTable {
@@ -824,11 +819,7 @@ impl SequenceTable {
             storage,
             area,
             state: Mutex::new(state),
-            insert_ready: Condvar::new(),
-            insert_bell: AsyncBell::default(),
-            sample_ready: Condvar::new(),
-            closed: AtomicBool::new(false),
-            consumer_taken: AtomicBool::new(false),
+            signals: Signals::new(),
         }))
     }
 
@@ -854,8 +845,7 @@ impl SequenceTable {
 
     /// The single consumer handle; `None` if one was already taken.
     pub fn consumer(self: &Arc<Self>) -> Option<SequenceConsumer> {
-        // ORDERING: Relaxed — the flag only has to be claimed once; it guards no other memory.
-        if self.consumer_taken.swap(true, Relaxed) {
+        if !self.signals.claim_consumer() {
             return None;
         }
         Some(SequenceConsumer {
@@ -871,29 +861,22 @@ impl SequenceTable {
     /// Closes the table: waiting and future inserts fail with `Closed`, `sample` returns
     /// [`EchoError::Closed`]. Idempotent.
     pub fn close(&self) {
-        // Under the lock, so a waiter that checked `closed` before is already parked.
-        let _state = self.state.lock();
-        // ORDERING: Release pairs with the Acquire in `is_closed` (lock-free readers).
-        self.closed.store(true, Release);
-        self.wake_writers();
-        self.sample_ready.notify_all();
+        self.signals.close(&self.state.lock());
     }
 
     /// Whether [`SequenceTable::close`] was called.
     pub fn is_closed(&self) -> bool {
-        // ORDERING: Acquire pairs with the Release store in `close`.
-        self.closed.load(Acquire)
+        self.signals.is_closed()
     }
 
     fn wake_writers(&self) {
-        self.insert_ready.notify_all();
-        self.insert_bell.ring();
+        self.signals.wake_writers();
     }
 
     /// Rung whenever a waiting insert might now go further (see `Backend::insert_bell`).
     #[cfg_attr(any(loom, not(target_os = "linux")), allow(dead_code))] // only the shared-memory path (Linux) awaits it
     pub(crate) fn insert_bell(&self) -> &AsyncBell {
-        &self.insert_bell
+        &self.signals.insert_bell
     }
 
     fn check_priority(state: &State, priority: f64) -> Result<(), String> {
@@ -953,7 +936,7 @@ impl SequenceTable {
                 .map_err(|error| InsertError::new(sample, error))?;
             src.inserted(1);
             if state.live_windows > windows_before {
-                self.sample_ready.notify_one();
+                self.signals.sample_ready.notify_one();
             }
         }
         Ok(())
@@ -1050,7 +1033,7 @@ impl SequenceTable {
         }
         state.forget_stream(at);
         if state.live_windows > before {
-            self.sample_ready.notify_one();
+            self.signals.sample_ready.notify_one();
         }
         open
     }
@@ -1073,7 +1056,7 @@ impl SequenceTable {
             }
             waited.get_or_insert_with(Instant::now);
             state.waiting_inserts += 1;
-            wait(&self.insert_ready, state, deadline);
+            wait(&self.signals.insert_ready, state, deadline);
             state.waiting_inserts -= 1;
         };
         if let Some(started) = waited {
@@ -1233,7 +1216,7 @@ impl SequenceConsumer {
             }
             waited.get_or_insert_with(Instant::now);
             state.waiting_samples += 1;
-            wait(&table.sample_ready, &mut state, deadline);
+            wait(&table.signals.sample_ready, &mut state, deadline);
             state.waiting_samples -= 1;
         };
         if let Some(started) = waited {

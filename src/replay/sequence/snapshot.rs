@@ -972,7 +972,7 @@ impl SequenceTable {
             st.forget_stream(at);
         }
         drop(state);
-        self.sample_ready.notify_one();
+        self.signals.sample_ready.notify_one();
         Ok(())
     }
 
