@@ -343,6 +343,9 @@ class Server:
         checkpoint_keep: int = 3,
     ) -> None:
         self._periodic: PeriodicCheckpointer | None = None
+        # Called (once, in order) at the start of the first `close()`: `echo.ray.serve`
+        # deregisters the shard there, before the connections close.
+        self._close_hooks: list[Callable[[], object]] = []
         if sequence is not None and not isinstance(sequence, Sequence):  # pyright: ignore[reportUnnecessaryIsInstance]
             raise TypeError(
                 f"sequence must be an echo.Sequence or None, got {type(sequence).__name__}"
@@ -922,6 +925,9 @@ class Server:
         Stops the periodic checkpoints' thread and joins it (a checkpoint in progress
         completes, or fails and removes what it wrote; the wait is bounded).
         """
+        hooks, self._close_hooks = self._close_hooks, []
+        for hook in hooks:
+            hook()
         periodic = self._periodic
         if periodic is not None:
             periodic.request_stop()
