@@ -19,7 +19,8 @@ Throughput with a scraper. Small samples (``obs`` f32[4] + ``reward`` f32[1]), i
 (``submit()`` of a batch then ``sample()``, batch 32) and over TCP (``bench_tcp``'s
 ``small`` scenario, K=1 worker process, every sample checked), each round once without
 metrics and once with ``serve_metrics`` and a scraper process polling every
-``poll_s`` seconds, alternating which goes first. Reported: the medians and the median of
+``poll_s`` seconds (started, and its first scrape done, before the round's clock starts),
+alternating which goes first. Reported: the medians and the median of
 the per-repeat ratios with/without. Loopback only; every loop is bounded in count and time.
 """
 
@@ -81,7 +82,7 @@ def parameters(quick: bool) -> dict[str, Any]:
             "scrapes": 50,
             "collects": 200,
             "seconds": 2.0,
-            "repeats": 2,
+            "repeats": 3,
             "poll_s": 1.0,
         }
     return {
@@ -113,6 +114,17 @@ def _scraper(url: str, period: float, count: int) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         text=True,
     )
+
+
+def _poller(url: str, period: float) -> subprocess.Popen[str]:
+    """A scraper polling `url` every `period` seconds, returned once its first scrape is done
+    (so that the interpreter's start-up is not inside the measured window)."""
+    proc = _scraper(url, period, 100_000)
+    assert proc.stdout is not None
+    if not proc.stdout.readline().strip():
+        _end(proc)
+        raise RuntimeError("the scraper's first scrape failed")
+    return proc
 
 
 def _end(proc: subprocess.Popen[str]) -> None:
@@ -235,7 +247,7 @@ def _inprocess_round(seconds: float, with_metrics: bool, poll_s: float) -> float
     endpoint = scraper = None
     if with_metrics:
         endpoint = echo.serve_metrics(server, port=0, host=c.HOST)
-        scraper = _scraper(endpoint.url, poll_s, 100_000)
+        scraper = _poller(endpoint.url, poll_s)
     sample = {"obs": np.ones(4, np.float32), "reward": np.ones(1, np.float32)}
     try:
         n = 0
@@ -269,7 +281,7 @@ def _tcp_round(seconds: float, with_metrics: bool, poll_s: float, ctx: Any) -> d
     def make_with_metrics(sc: Any) -> Any:
         got = original(sc)
         endpoint = echo.serve_metrics(got[0], port=0, host=c.HOST)
-        made.append((endpoint, _scraper(endpoint.url, poll_s, 100_000)))
+        made.append((endpoint, _poller(endpoint.url, poll_s)))
         return got
 
     if with_metrics:
