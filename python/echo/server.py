@@ -19,6 +19,7 @@ from echo import checkpoint as _checkpoint
 from echo._echo import SampleInfo, ServerClosedError, ServerCore
 from echo._prefetch import Prefetcher, device_transfer
 from echo._pytree import NONE_IS_LEAF, TreeLayout
+from echo._tally import Tally
 from echo._validate import check_bool, check_int, check_seconds, episode_codes
 from echo.checkpoint import CheckpointError, PeriodicCheckpointer
 from echo.replay import Fifo, MinSize, RateLimiter, Remover, Sampler, Sequence, Uniform
@@ -386,6 +387,9 @@ class Server:
             never older than the extra, as the data snapshot is taken after it returns. If it
             raises, that checkpoint fails (logged) and the next period tries again. Needs
             `checkpoint_dir`.
+        name: The value of the `server` label of this server's series in `echo.metrics`
+            (Prometheus), so that several servers in one process are told apart; `"default"`
+            unless given. A non-empty str.
 
     Raises:
         TypeError: A leaf of `example` is not a numpy array, or an argument has the wrong type.
@@ -417,12 +421,20 @@ class Server:
         checkpoint_every: float | None = None,
         checkpoint_keep: int = 3,
         checkpoint_extra: Callable[[], Any] | None = None,
+        name: str = "default",
     ) -> None:
         self._periodic: PeriodicCheckpointer | None = None
         # Called (once, in order) at the start of the first `close()`: `echo.ray.serve`
         # deregisters the shard there, before the connections close.
         self._close_hooks: list[Callable[[], object]] = []
         self._restored_extra: Any = None
+        if not isinstance(name, str):  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise TypeError(f"name must be a str, got {type(name).__name__}")
+        if not name:
+            raise ValueError("name must not be empty")
+        self._name = name
+        # What echo.metrics reads besides stats(): the learner's waits, checkpoint outcomes.
+        self._tally = Tally()
         if sequence is not None and not isinstance(sequence, Sequence):  # pyright: ignore[reportUnnecessaryIsInstance]
             raise TypeError(
                 f"sequence must be an echo.Sequence or None, got {type(sequence).__name__}"
@@ -485,6 +497,16 @@ class Server:
             self._core.close()
             raise
         self._periodic = periodic
+
+    @property
+    def name(self) -> str:
+        """The server's name: the `server` label of its series in `echo.metrics`."""
+        return self._name
+
+    @property
+    def transport(self) -> TcpTransport | None:
+        """The transport the server was built with (`None`: in-process only)."""
+        return self._transport
 
     @property
     def batch_size(self) -> int:
@@ -709,12 +731,20 @@ class Server:
             KeyboardInterrupt: Ctrl-C while waiting.
         """
         transfer = None if device is None else self._transfer_to(device)
-        got = self._core.sample(
-            timeout, copy and transfer is None, writable or transfer is not None
-        )
+        tally = self._tally
+        started = tally.begin_wait()
+        try:
+            got = self._core.sample(
+                timeout, copy and transfer is None, writable or transfer is not None
+            )
+        except BaseException:
+            tally.end_wait(started, None)
+            raise
         if got is None:
+            tally.end_wait(started, None)
             return None
-        leaves, info, meta = got  # meta: the arrays `ServerCore.meta_names` names
+        leaves, info, meta = got
+        tally.end_wait(started, info.wait_ns)  # meta: the arrays `ServerCore.meta_names` names
         batch = self._layout.unflatten(leaves)
         extras = dict(zip(self._meta_names, meta, strict=True))
         return Sample(batch if transfer is None else transfer(batch), info, **extras)
@@ -878,6 +908,14 @@ class Server:
             RuntimeError: Another checkpoint of this server is being written.
             OSError: Writing failed (nothing at `path` changed then).
         """
+        try:
+            self._write_checkpoint(path, extra)
+        except BaseException:
+            self._tally.checkpoint_failures += 1
+            raise
+        self._tally.checkpoints += 1
+
+    def _write_checkpoint(self, path: str | os.PathLike[str], extra: Any) -> None:
         started = time.monotonic()
         encoded = None if extra is None else _checkpoint.encode_extra(extra)
         config = self._config
@@ -934,6 +972,7 @@ class Server:
         checkpoint_every: float | None = None,
         checkpoint_keep: int = 3,
         checkpoint_extra: Callable[[], Any] | None = None,
+        name: str = "default",
     ) -> Server:
         """A new server with the contents and settings of the checkpoint at `path` (written
         by `checkpoint()`).
@@ -1000,6 +1039,7 @@ class Server:
             checkpoint_every: As the constructor's.
             checkpoint_keep: As the constructor's.
             checkpoint_extra: As the constructor's.
+            name: As the constructor's.
 
         Raises:
             CheckpointError: (a `ValueError`) a file is missing, truncated or corrupted, the
@@ -1044,6 +1084,7 @@ class Server:
             if producer_queue_size is None
             else producer_queue_size,
             pin_host_memory=pin_host_memory,
+            name=name,
             **kwargs,
         )
         try:
