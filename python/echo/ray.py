@@ -531,8 +531,12 @@ def shard_server(
         checkpoint_every, checkpoint_keep: As `Server`'s.
         transport: Where workers connect; default `TcpTransport(port=0)` (every interface,
             a free port, registered under this node's address).
-        **server_options: Other `Server` settings (sampler, max_size, rate_limiter, ...);
-            a restored server takes the checkpoint's.
+        **server_options: Other `Server` settings (`sampler`, `max_size`, `rate_limiter`,
+            `num_drainers`, `checkpoint_extra`, `name`, ...). A restored server keeps the
+            checkpoint's data settings, and `Server.restore` raises `ValueError` if one given
+            here differs (a shard cannot come back as another kind of table); the others
+            are taken as given. The learner's own state saved with `checkpoint_extra` comes
+            back as the server's `restored_extra`.
 
     Raises:
         As `Server`, `Server.restore` and `serve()`.
@@ -545,10 +549,11 @@ def shard_server(
             newest[-1],
             example,
             transport=transport,
-            pin_host_memory=bool(server_options.get("pin_host_memory", False)),
+            batch_size=batch_size,
             checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every,
             checkpoint_keep=checkpoint_keep,
+            **server_options,
         )
     else:
         server = Server(
