@@ -55,6 +55,9 @@ pub enum EchoError {
     /// The store was closed; nothing more goes in or comes out (maps to `ServerClosedError`).
     #[error("the server is closed")]
     Closed,
+    /// A remote server said it closed for good (maps to `ServerClosedError`).
+    #[error("{0}")]
+    ServerClosed(String),
     /// A deadline passed before the call could complete; nothing is lost and the same call can
     /// be repeated (maps to `TimeoutError`).
     #[error("timed out")]

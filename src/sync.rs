@@ -19,13 +19,17 @@
 use std::time::{Duration, Instant};
 
 #[cfg(loom)]
-pub(crate) use loom::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicUsize};
+pub(crate) use loom::sync::atomic::{
+    fence, AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize,
+};
 #[cfg(loom)]
 pub(crate) use loom::thread::Thread;
 #[cfg(not(loom))]
 pub(crate) use parking_lot::Mutex;
 #[cfg(not(loom))]
-pub(crate) use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicUsize};
+pub(crate) use std::sync::atomic::{
+    fence, AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize,
+};
 #[cfg(not(loom))]
 pub(crate) use std::thread::Thread;
 // `Arc` stays `std`'s in loom builds too: its refcount is not part of any protocol we model,

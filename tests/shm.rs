@@ -186,6 +186,7 @@ fn attach_refuses_a_wrong_nonce_and_hands_over_with_the_right_one() {
         layout: Layout::untyped(&tagged_spec()),
         mac: None,
         shm: true,
+        notices: false,
     };
     raw.write_all(&hello.encode(&offer, None).unwrap()).unwrap();
     let mut received = Vec::new();

@@ -274,6 +274,7 @@ fn a_hello_that_arrives_slowly_after_its_nonce_is_still_a_hello() {
         layout: Layout::untyped(&tagged_spec()),
         mac: None,
         shm: false,
+        notices: false,
     };
     let bytes = hello.encode(&offer, None).unwrap();
     // The nonce and a little more, then a pause far longer than the 200 ms a prefix of the
@@ -295,4 +296,66 @@ fn a_hello_that_arrives_slowly_after_its_nonce_is_still_a_hello() {
     frame.extend_from_slice(&tagged_payload(9, 0));
     raw.write_all(&frame).unwrap();
     assert_eq!(collect_tagged(&mut consumer, 1), vec![(9, 0)]);
+}
+
+/// Opens a raw v2 connection with the closing-notices flag as `notices` says; returns it
+/// after the server's reply.
+fn raw_v2(addr: SocketAddr, session: u8, notices: bool) -> TcpStream {
+    use echo::transport::wire::encode_handshake;
+    use echo::transport::wire::v2::{Hello, Offer, Reply, OFFER_LEN};
+    let mut raw = TcpStream::connect(addr).unwrap();
+    raw.set_read_timeout(Some(PATIENCE)).unwrap();
+    let mut greeting = vec![0u8; encode_handshake(&tagged_spec()).unwrap().len() + OFFER_LEN];
+    raw.read_exact(&mut greeting).unwrap();
+    let offer = Offer::parse(&greeting[greeting.len() - OFFER_LEN..]).unwrap().unwrap();
+    let hello = Hello {
+        session: [session; 16],
+        first_seq: 0,
+        heartbeat_ms: 0,
+        client_nonce: [4; 16],
+        layout: Layout::untyped(&tagged_spec()),
+        mac: None,
+        shm: false,
+        notices,
+    };
+    raw.write_all(&hello.encode(&offer, None).unwrap()).unwrap();
+    let mut reply = Vec::new();
+    let mut byte = [0u8; 1];
+    loop {
+        raw.read_exact(&mut byte).unwrap();
+        reply.push(byte[0]);
+        if let Some((reply, _)) = Reply::parse(&reply).unwrap() {
+            assert!(matches!(reply, Reply::Accepted(_)), "{reply:?}");
+            return raw;
+        }
+    }
+}
+
+#[test]
+fn a_closing_server_acks_what_it_queued_then_says_why_only_to_clients_that_understand() {
+    use echo::transport::wire::v2::{Closing, ACK, CLOSING, SAMPLE};
+    for why in [Closing::Final, Closing::Restarting] {
+        let (_consumer, mut server, addr) = start(local(), 64);
+        let mut told = raw_v2(addr, 1, true);
+        let mut untold = raw_v2(addr, 2, false);
+        for raw in [&mut told, &mut untold] {
+            for seq in 0..3 {
+                let mut frame = vec![SAMPLE];
+                frame.extend_from_slice(&tagged_payload(1, seq));
+                raw.write_all(&frame).unwrap();
+            }
+        }
+        wait_until("both connections' samples queued", || {
+            server.snapshot().samples_pending + server.snapshot().samples_inserted_total >= 6
+        });
+        server.stop_accepting(why);
+        for (raw, tail) in [(&mut told, vec![CLOSING, why as u8]), (&mut untold, vec![])] {
+            let mut rest = Vec::new();
+            raw.read_to_end(&mut rest).unwrap(); // the server half-closes after the notice
+            let mut expected = vec![ACK; 3];
+            expected.extend_from_slice(&tail);
+            assert_eq!(rest, expected, "{why:?}: every ack, then the notice (if understood)");
+        }
+        assert!(TcpStream::connect(addr).is_err(), "{why:?}: a closed server accepts nobody");
+    }
 }

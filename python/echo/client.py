@@ -209,6 +209,8 @@ class TcpClient:
                 C-contiguous) or has another dtype (nothing is sent).
             ConnectionClosedError: After `close()`, or once the server is gone (and, with
                 `reconnect=True`, reconnecting failed for `reconnect_timeout` seconds).
+            ServerClosedError: With `reconnect=True`: the server closed for good
+                (`Server.close()`; see `server_closing`), so there is nothing to reconnect to.
             TimeoutError: The window stayed full for `timeout` seconds (nothing is sent).
         """
         # A flat-dict sample is looked up by key natively; anything else is flattened by the
@@ -252,7 +254,7 @@ class TcpClient:
         Raises:
             ValueError, TypeError: As `send()`, for the batch as a whole (nothing is sent),
                 or a leaf without the leading dimension, or leaves whose `N` differ.
-            ConnectionClosedError: As `send()`.
+            ConnectionClosedError, ServerClosedError: As `send()`.
             TimeoutError: No room within `timeout`; if some rows were sent, the message says
                 how many (the first ones, in order).
         """
@@ -272,6 +274,7 @@ class TcpClient:
 
         Raises:
             ConnectionClosedError: The server went away first.
+            ServerClosedError: With `reconnect=True`: the server closed for good.
             TimeoutError: Not everything was acknowledged within `timeout` seconds.
         """
         self._sender.wait(timeout)
@@ -327,6 +330,15 @@ class TcpClient:
         """Which path samples take: `"shm"` (same-host shared memory, see `shared_memory`)
         or `"tcp"`."""
         return self._sender.transport_path
+
+    @property
+    def server_closing(self) -> Literal["final", "restarting"] | None:
+        """What the server said the last time it closed this client's connection:
+        `"final"` (`Server.close()`: a reconnecting client stops, and `send()`/`wait()` raise
+        `ServerClosedError`), `"restarting"` (`close(restarting=True)`: it keeps trying), or
+        `None` when it never did (it is up, or it vanished without a word, as a crash does,
+        which a reconnecting client treats as "maybe restarting")."""
+        return self._sender.server_closing
 
     @property
     def reconnects(self) -> int:

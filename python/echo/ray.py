@@ -338,8 +338,9 @@ class Registration:
     A thread reports the server's counters to the registry every `report_every` seconds (what
     `status()` shows). `deregister()`, or the server's `close()`, takes the shard out of the
     registry for good: its workers move to other shards. A learner that dies without either
-    (killed, preempted, a crash) stays registered, so its workers wait for it to come back:
-    a restarted learner that serves the same shard again gets the next generation.
+    (killed, preempted, a crash), or closes with `close(restarting=True)`, stays registered,
+    so its workers wait for it to come back: a restarted learner that serves the same shard
+    again gets the next generation.
     """
 
     def __init__(
@@ -382,6 +383,14 @@ class Registration:
             target=report, name=f"echo-ray-report-{self.shard}", daemon=True
         )
         self._thread.start()
+
+    def _closing(self, restarting: bool) -> None:
+        """The server's close hook: for good, deregister; restarting, stay registered (the
+        learner comes back, and its workers wait for it)."""
+        if restarting:
+            self._stop.set()
+        else:
+            self.deregister()
 
     @property
     def registered(self) -> bool:
@@ -487,7 +496,7 @@ def serve(
     }
     generation = int(_call(registry.register, shard, record))
     served = Registration(server, registry, service, shard, generation)
-    server._close_hooks.append(served.deregister)  # pyright: ignore[reportPrivateUsage]
+    server._close_hooks.append(served._closing)  # pyright: ignore[reportPrivateUsage]
     _registrations[server] = served
     served._start_reports(report_every)  # pyright: ignore[reportPrivateUsage]
     _log.info(

@@ -424,9 +424,9 @@ class Server:
         name: str = "default",
     ) -> None:
         self._periodic: PeriodicCheckpointer | None = None
-        # Called (once, in order) at the start of the first `close()`: `echo.ray.serve`
-        # deregisters the shard there, before the connections close.
-        self._close_hooks: list[Callable[[], object]] = []
+        # Called (once, in order, with `restarting`) at the start of the first `close()`:
+        # `echo.ray.serve` deregisters the shard there, before the connections close.
+        self._close_hooks: list[Callable[[bool], object]] = []
         self._restored_extra: Any = None
         if not isinstance(name, str):  # pyright: ignore[reportUnnecessaryIsInstance]
             raise TypeError(f"name must be a str, got {type(name).__name__}")
@@ -1133,9 +1133,20 @@ class Server:
         """Clears the timing histograms; counters keep counting."""
         self._core.reset_histograms()
 
-    def close(self, *, drain: bool = False) -> None:
+    def close(self, *, drain: bool = False, restarting: bool = False) -> None:
         """Shuts down: a `sample()` blocked in another thread returns `None`, a blocked
         `submit()` raises `ServerClosedError`. Idempotent. Existing views stay readable.
+
+        The TCP workers are told why before their connections close (protocol-2 clients;
+        the notice follows the last acknowledgement, so every acknowledged sample was
+        acknowledged before it). A plain `close()` is for good: their `send()` and `wait()`
+        raise at once (`ServerClosedError` with `reconnect=True`, which then stops trying;
+        `ConnectionClosedError` without), and `TcpClient.server_closing` says `"final"`.
+        `restarting=True` says the learner comes back (a `Server.restore` on the same port,
+        say): reconnecting workers keep trying for their `reconnect_timeout`. A learner that
+        dies without `close()` (a crash, SIGKILL) says nothing, which workers treat as
+        "maybe restarting". Under `echo.ray`, a plain `close()` also deregisters the shard
+        (its workers move to another) and `restarting=True` keeps it registered.
 
         A plain `close()` drops what the learner has not been handed: samples acknowledged to
         workers but still queued in the ingress, and (FIFO) samples in the ring. Their number
@@ -1151,16 +1162,18 @@ class Server:
                 `dropped_at_close` says how many were left (fewer than `batch_size`). Returns
                 at once; call `close()` to stop draining early.
 
+            restarting: Tell the workers the server comes back (see above).
+
         Stops the periodic checkpoints' thread and joins it (a checkpoint in progress
         completes, or fails and removes what it wrote; the wait is bounded).
         """
         hooks, self._close_hooks = self._close_hooks, []
         for hook in hooks:
-            hook()
+            hook(restarting)
         periodic = self._periodic
         if periodic is not None:
             periodic.request_stop()
-        self._core.close(drain)
+        self._core.close(drain, restarting)
         if periodic is not None:
             periodic.join(_PERIODIC_JOIN_S)
 
@@ -1176,8 +1189,10 @@ class Server:
         self.start()
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc_info: object) -> None:
+        # Leaving on an exception (a crash, Ctrl-C) is not a decision to stop for good: the
+        # workers are told the learner may come back.
+        self.close(restarting=exc_type is not None)
 
     def __repr__(self) -> str:
         return (

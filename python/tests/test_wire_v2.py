@@ -1228,7 +1228,8 @@ def test_reconnect_gives_up_after_reconnect_timeout_with_the_gil_released(
     try:
         client.send(make_sample(0), timeout=WAIT_S)
         client.wait(timeout=WAIT_S)
-        server.close()  # for good: every reconnect attempt is refused
+        # Said to come back, so the worker keeps trying: every reconnect attempt is refused.
+        server.close(restarting=True)
         closed = time.monotonic()
 
         def send_and_wait() -> None:
@@ -1261,7 +1262,7 @@ def test_ctrl_c_interrupts_a_send_blocked_in_a_reconnect() -> None:
                                 reconnect_timeout=60.0)
         client.send(sample)
         client.wait(timeout=10)
-        server.close()
+        server.close(restarting=True)  # the client keeps trying to reconnect
         announce_when(after(0.5))
         for _ in range(1000):
             client.send(sample)
@@ -1303,7 +1304,7 @@ def test_a_new_learner_on_the_same_port_gets_every_unacknowledged_sample_once(
             lambda t: t[0] == t[2] and 3 < t[0] < 30,
             "acks settled",
         )[0]
-        first.close()
+        first.close(restarting=True)
         second = make_server(
             batch_size=1, num_buffers=64, transport=TcpTransport(port=port, host=LOCALHOST)
         )

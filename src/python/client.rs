@@ -19,7 +19,7 @@ use crate::source::Rows;
 use crate::transport::client::{
     ClientConfig, Protocol, Resolve, Resolver, SharedMemory, TcpSender,
 };
-use crate::transport::wire::v2::FrameMeta;
+use crate::transport::wire::v2::{Closing, FrameMeta};
 
 /// Samples at or above this many bytes are written with the GIL released.
 const DETACH_WRITE_BYTES: usize = 64 * 1024;
@@ -280,6 +280,16 @@ impl PyTcpSender {
     #[getter]
     fn transport_path(&self, py: Python<'_>) -> &'static str {
         self.read(py, TcpSender::transport_path)
+    }
+
+    /// What the server said the last time it closed this client's connection: "final",
+    /// "restarting", or `None` (it never did).
+    #[getter]
+    fn server_closing(&self, py: Python<'_>) -> Option<&'static str> {
+        self.read(py, TcpSender::server_closing).map(|why| match why {
+            Closing::Final => "final",
+            Closing::Restarting => "restarting",
+        })
     }
 
     /// Successful reconnections so far.

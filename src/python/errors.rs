@@ -135,6 +135,7 @@ pub(crate) fn to_pyerr(err: EchoError) -> PyErr {
         EchoError::OutOfMemory { .. } => PyMemoryError::new_err(err.to_string()),
         EchoError::Auth(msg) => PyPermissionError::new_err(msg),
         EchoError::Closed => ServerClosedError::new_err(err.to_string()),
+        EchoError::ServerClosed(msg) => ServerClosedError::new_err(msg),
         EchoError::TimedOut | EchoError::Stalled => PyTimeoutError::new_err(err.to_string()),
         EchoError::Disconnected(msg) => ConnectionClosedError::new_err(msg),
         EchoError::Busy(msg) => PyRuntimeError::new_err(msg),

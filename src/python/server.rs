@@ -30,6 +30,7 @@ use crate::metrics;
 use crate::replay::{SequenceSnapshot, SnapshotItems, TableState};
 use crate::source::{EpisodeEnd, Rows, StepLeaves, StepTag};
 use crate::sync::Arc;
+use crate::transport::wire::v2::Closing;
 use crate::transport::TcpIngress;
 
 /// Samples at or above this many bytes are copied with the GIL released.
@@ -669,20 +670,30 @@ impl PyServerCore {
     /// `sample()` keeps handing out full batches, and returns `None` (the server then closes
     /// for good) once the ingress is empty and no full batch is left (FIFO), or once the
     /// ingress is empty (replay).
-    #[pyo3(signature = (drain=false))]
-    fn close(&self, py: Python<'_>, drain: bool) {
+    ///
+    /// The TCP clients are told why, before their connections close: for good, or, with
+    /// `restarting`, that the server comes back (reconnecting clients keep trying).
+    #[pyo3(signature = (drain=false, restarting=false))]
+    fn close(&self, py: Python<'_>, drain: bool, restarting: bool) {
+        let why = if restarting { Closing::Restarting } else { Closing::Final };
         if drain && !self.backend.is_closed() {
             // ORDERING: Relaxed — read by `sample`/`submit` of this object only as a mode
             // switch; the drain's end is decided on the ingress's own counters.
             self.draining.store(true, Relaxed);
             detach(py, || {
                 if let Some(tcp) = self.tcp.lock().as_mut() {
-                    tcp.stop_accepting();
+                    tcp.stop_accepting(why);
                 }
             });
             return;
         }
-        detach(py, || self.close_now());
+        detach(py, || {
+            // The clients first, while their connections' queued samples still go in.
+            if let Some(tcp) = self.tcp.lock().as_mut() {
+                tcp.stop_accepting(why);
+            }
+            self.close_now();
+        });
     }
 
     /// Acknowledged or submitted samples that never reached the learner, counted when the

@@ -22,12 +22,12 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::wire::v2::{self, Beat, FrameMeta, Hello, Layout, Mode, Offer, Reply};
+use super::wire::v2::{self, Beat, Closing, FrameMeta, Hello, Layout, Mode, Offer, Reply};
 use super::wire::{parse_handshake, ACK, MAGIC};
 use crate::error::EchoError;
 use crate::source::{Rows, SampleSource};
 use crate::spec::DataSpec;
-use crate::sync::{Arc, AtomicBool, AtomicU64, Signal};
+use crate::sync::{Arc, AtomicBool, AtomicU64, AtomicU8, Signal};
 
 use std::sync::atomic::Ordering::{Acquire, Release};
 
@@ -246,6 +246,8 @@ struct Acks {
     lost: AtomicBool,
     /// Set with `lost` when reconnecting would not help (the server refused what we sent).
     fatal: AtomicBool,
+    /// The [`v2::Closing`] reason the server gave before it closed (0: none).
+    closing: AtomicU8,
     reason: Mutex<String>,
     changed: Signal,
 }
@@ -580,6 +582,7 @@ impl Connecting {
             layout: self.config.layout.clone(),
             mac: None,
             shm: self.config.wants_shm(),
+            notices: true,
         };
         let bytes = hello.encode(&offer, self.config.token.as_deref())?;
         let stream = self.stream.as_mut().expect("connected");
@@ -938,6 +941,10 @@ pub struct TcpSender {
     recovery: Option<Recovery>,
     /// Why the client can no longer send (reconnection gave up, or was never on).
     failed: Option<String>,
+    /// `failed` because the server closed for good (with reconnection on, which then stops).
+    final_close: bool,
+    /// What the server's last closing notice said, if one came.
+    server_closing: Option<Closing>,
     closed: bool,
     reconnects: u64,
     resent: u64,
@@ -1014,6 +1021,8 @@ impl TcpSender {
             reconnect,
             recovery: None,
             failed: None,
+            final_close: false,
+            server_closing: None,
             closed: false,
             reconnects: 0,
             resent: 0,
@@ -1102,6 +1111,17 @@ impl TcpSender {
             Some(link) => link.acked_total().max(self.acked_floor),
             None => self.acked_floor,
         }
+    }
+
+    /// What the server said the last time it closed a connection of this client: for good
+    /// ([`Closing::Final`]) or restarting; `None` if it never did (it is up, or it vanished
+    /// without a word, as a crash does).
+    pub fn server_closing(&self) -> Option<Closing> {
+        let latest = self.link.as_ref().and_then(|link| {
+            // ORDERING: Acquire pairs with the reader's Release store (see `recover`).
+            Closing::from_byte(link.acks.closing.load(Acquire))
+        });
+        latest.or(self.server_closing)
     }
 
     /// Successful reconnections so far.
@@ -1490,6 +1510,9 @@ impl TcpSender {
             return Err(EchoError::Disconnected("the client was closed".into()));
         }
         if let Some(failed) = &self.failed {
+            if self.final_close {
+                return Err(EchoError::ServerClosed(failed.clone()));
+            }
             return Err(EchoError::Disconnected(failed.clone()));
         }
         if !self.reconnect {
@@ -1567,6 +1590,16 @@ impl TcpSender {
                 let reason = link.acks.reason();
                 self.failed = Some(reason.clone());
                 return Err(EchoError::Disconnected(reason));
+            }
+            // ORDERING: Acquire pairs with the reader's Release store of `closing`, made
+            // before it set `lost` (which we saw).
+            let closing = Closing::from_byte(link.acks.closing.load(Acquire));
+            self.server_closing = closing.or(self.server_closing);
+            if closing == Some(Closing::Final) && self.config.resolver.is_none() {
+                let reason = format!("{}: {}", self.address, link.acks.reason());
+                self.failed = Some(reason.clone());
+                self.final_close = true;
+                return Err(EchoError::ServerClosed(reason));
             }
         }
         if let Some(mut link) = self.link.take() {
@@ -1914,6 +1947,25 @@ impl Reading {
                     self.skip_offer = false;
                 }
                 v2::BEAT if self.version == 2 => used += 1,
+                v2::CLOSING if self.version == 2 => {
+                    let Some(&why) = self.pending.get(used + 1) else { break Ok(()) };
+                    used += 2;
+                    let Some(closing) = Closing::from_byte(why) else {
+                        break Err(format!("protocol error: a closing notice with reason {why}"));
+                    };
+                    // ORDERING: Release, before `lose` sets `lost`: whoever sees the loss sees
+                    // why (Acquire in `TcpSender::recover`).
+                    self.acks.closing.store(why, Release);
+                    // Every ack came before the notice, and nothing more will: hang up, so
+                    // the server need not wait for us.
+                    let _ = self.stream.shutdown(Shutdown::Both);
+                    break Err(match closing {
+                        Closing::Final => "the server closed for good (Server.close())".into(),
+                        Closing::Restarting => {
+                            "the server is restarting (Server.close(restarting=True))".into()
+                        }
+                    });
+                }
                 v2::ERROR if self.version == 2 => {
                     match v2::parse_error(&self.pending[used + 1..]) {
                         Ok(Some((message, len))) => {

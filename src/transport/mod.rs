@@ -66,10 +66,11 @@ impl TcpIngress {
     }
 
     /// Stops accepting and closes every connection (nothing more is read or acknowledged),
-    /// but leaves the drainers running: what the connections queued still goes into the
-    /// backend. For a drain; [`TcpIngress::shutdown`] ends the rest. Idempotent.
-    pub fn stop_accepting(&mut self) {
-        self.server.shutdown();
+    /// telling the clients `why` ([`tcp::TcpServer::close`]), but leaves the drainers
+    /// running: what the connections queued still goes into the backend. For a drain, and
+    /// the first step of a close; [`TcpIngress::shutdown`] ends the rest. Idempotent.
+    pub fn stop_accepting(&mut self, why: wire::v2::Closing) {
+        self.server.close(why);
     }
 
     /// Stops accepting and closes every connection, closes the backend (so drainers blocked on a

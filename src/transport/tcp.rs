@@ -29,10 +29,12 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::runtime::Runtime;
-use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::task::AbortHandle;
 
-use super::wire::v2::{self, Beat, FrameMeta, Hello, Layout, Mode, Offer, Opening, Refusal, Reply};
+use super::wire::v2::{
+    self, Beat, Closing, FrameMeta, Hello, Layout, Mode, Offer, Opening, Refusal, Reply,
+};
 use super::wire::{encode_handshake, ACK};
 use crate::backend::Backend;
 use crate::error::EchoError;
@@ -44,6 +46,11 @@ const STAGING: usize = 64 * 1024;
 const MAX_THREADS: usize = 1024;
 /// How long `shutdown` waits for the runtime's tasks to stop.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+/// How long [`TcpServer::close`] waits for the connections to take their closing notice
+/// (each flushes its acks, says why, and reads until its client hangs up).
+const NOTICE_GRACE: Duration = Duration::from_secs(1);
+/// A sleep that stands for "no heartbeat timer" in a `select!` whose branch is disabled.
+const NEVER: Duration = Duration::from_secs(365 * 24 * 3600);
 
 /// TCP transport settings.
 #[derive(Debug, Clone)]
@@ -94,6 +101,7 @@ impl TcpConfig {
 pub struct TcpServer {
     runtime: Option<Runtime>,
     local_addr: SocketAddr,
+    shared: Arc<Shared>,
 }
 
 impl TcpServer {
@@ -164,10 +172,11 @@ impl TcpServer {
             epoch: admission.epoch,
             failures: Throttled::default(),
             shared_memory: config.shared_memory,
+            closing: watch::Sender::new(0),
         });
         runtime.spawn(reap_sessions(Arc::clone(&shared)));
-        runtime.spawn(accept_loop(listener, shared, admission));
-        Ok(Self { runtime: Some(runtime), local_addr })
+        runtime.spawn(accept_loop(listener, Arc::clone(&shared), admission));
+        Ok(Self { runtime: Some(runtime), local_addr, shared })
     }
 
     /// The bound address.
@@ -175,7 +184,31 @@ impl TcpServer {
         self.local_addr
     }
 
-    /// Stops accepting, closes every connection and joins the runtime's threads. Idempotent.
+    /// Closes telling the clients why: stops accepting, and each connection, at its next wait
+    /// for its client or for space, flushes its acks, sends v2 clients that understand it a
+    /// [`v2::CLOSING`] notice with `why`, and reads (discarding) until its client hangs up,
+    /// so that no ack is lost to a reset. Waits for that at most [`NOTICE_GRACE`], then
+    /// [`TcpServer::shutdown`]s. Idempotent.
+    pub fn close(&mut self, why: Closing) {
+        if self.runtime.is_none() {
+            return;
+        }
+        self.shared.closing.send_if_modified(|state| {
+            let first = *state == 0;
+            if first {
+                *state = why as u8;
+            }
+            first
+        });
+        let deadline = Instant::now() + NOTICE_GRACE;
+        while !self.shared.served.lock().is_empty() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        self.shutdown();
+    }
+
+    /// Stops accepting, closes every connection and joins the runtime's threads (no notice:
+    /// to a client this looks like a crash). Idempotent.
     pub fn shutdown(&mut self) {
         if let Some(runtime) = self.runtime.take() {
             // Cancels the accept loop and every connection task at its next await point;
@@ -337,8 +370,13 @@ impl Admission {
 }
 
 async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, mut admission: Admission) {
+    let mut closing = shared.closing.subscribe();
     loop {
-        match listener.accept().await {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = closed(&mut closing) => return, // drops the listener: newcomers are refused
+        };
+        match accepted {
             Ok((stream, peer)) => {
                 let Some(permit) = admission.admit(&shared.ingress).await else {
                     drop(stream);
@@ -419,6 +457,8 @@ struct Shared {
     failures: Throttled,
     /// Offer the shared-memory path to clients on this host.
     shared_memory: bool,
+    /// 0 while open; then the [`Closing`] reason of [`TcpServer::close`].
+    closing: watch::Sender<u8>,
 }
 
 impl Shared {
@@ -573,6 +613,7 @@ async fn serve_inner(
         last_heard: Instant::now(),
         activity,
         epoch: shared.epoch,
+        closing: shared.closing.subscribe(),
     };
     let offer = Offer::new(shared.mode()).map_err(|e| io::Error::other(e.to_string()))?;
     let mut greeting = shared.v1_handshake.clone();
@@ -591,10 +632,22 @@ async fn serve_inner(
             let space = Arc::new(Notify::new());
             let conn = ingress.register(Box::new(NotifyWaker(Arc::clone(&space))));
             let _closer = CloseOnDrop(Arc::clone(&conn));
-            serve_v1(&mut link, &conn, &space).await
+            match serve_v1(&mut link, &conn, &space).await {
+                Err(err) if is_closing(&err) => {
+                    link.closing_notice(false).await;
+                    Ok(())
+                }
+                other => other,
+            }
         }
         Ok(Some(Opening::Hello(hello, body, _))) => {
-            serve_v2(&mut link, peer, shared, id, &offer, &hello, &body).await
+            match serve_v2(&mut link, peer, shared, id, &offer, &hello, &body).await {
+                Err(err) if is_closing(&err) => {
+                    link.closing_notice(hello.notices).await;
+                    Ok(())
+                }
+                other => other,
+            }
         }
         Ok(Some(Opening::NeedMore)) => unreachable!("negotiate returns whole openings"),
         // The peer went away (or reset) before it said anything we could judge.
@@ -1439,6 +1492,38 @@ struct Link<'a> {
     last_heard: Instant,
     activity: &'a Activity,
     epoch: Instant,
+    /// The server's closing state (see [`TcpServer::close`]).
+    closing: watch::Receiver<u8>,
+}
+
+/// Resolves once the server is closing (never, if its state is dropped first).
+async fn closed(closing: &mut watch::Receiver<u8>) {
+    if closing.wait_for(|state| *state != 0).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// The error a connection ends with when the server closes (see [`is_closing`]).
+#[derive(Debug)]
+struct ServerClosing;
+
+impl std::fmt::Display for ServerClosing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the server is closing")
+    }
+}
+
+impl std::error::Error for ServerClosing {}
+
+fn is_closing(err: &io::Error) -> bool {
+    err.get_ref().is_some_and(|inner| inner.is::<ServerClosing>())
+}
+
+/// What a connection waiting for its client (or for space) woke up to.
+enum Woke<T> {
+    Done(T),
+    Closing,
+    Beat,
 }
 
 impl Link<'_> {
@@ -1528,16 +1613,21 @@ impl Link<'_> {
                     &mut self.staging
                 }
             };
-            let read = self.reader.read(into);
-            let n = match self.beat {
-                None => read.await?,
-                Some(beat) => match tokio::time::timeout(beat.every, read).await {
-                    Ok(n) => n?,
-                    Err(_) => {
-                        self.tick(true).await?;
-                        continue;
-                    }
-                },
+            let every = self.beat.map(|beat| beat.every);
+            let woke = tokio::select! {
+                n = self.reader.read(into) => Woke::Done(n),
+                () = closed(&mut self.closing) => Woke::Closing,
+                () = tokio::time::sleep(every.unwrap_or(NEVER)), if every.is_some() => {
+                    Woke::Beat
+                }
+            };
+            let n = match woke {
+                Woke::Done(n) => n?,
+                Woke::Closing => return Err(io::Error::other(ServerClosing)),
+                Woke::Beat => {
+                    self.tick(true).await?;
+                    continue;
+                }
             };
             self.activity.read(self.epoch);
             self.last_heard = Instant::now();
@@ -1675,15 +1765,39 @@ impl Link<'_> {
     async fn wait_space(&mut self, conn: &Connection, space: &Notify) -> io::Result<()> {
         self.flush().await?;
         conn.note_blocked();
-        match self.beat {
-            None => space.notified().await,
-            Some(beat) => {
-                if tokio::time::timeout(beat.every, space.notified()).await.is_err() {
-                    self.tick(false).await?;
-                }
+        let every = self.beat.map(|beat| beat.every);
+        let woke = tokio::select! {
+            () = space.notified() => Woke::Done(()),
+            () = closed(&mut self.closing) => Woke::Closing,
+            () = tokio::time::sleep(every.unwrap_or(NEVER)), if every.is_some() => {
+                Woke::Beat
             }
+        };
+        match woke {
+            Woke::Done(()) => Ok(()),
+            Woke::Closing => Err(io::Error::other(ServerClosing)),
+            Woke::Beat => self.tick(false).await,
         }
-        Ok(())
+    }
+
+    /// Ends the connection because the server closes: flushes the acks, tells a client that
+    /// understands it why ([`v2::CLOSING`]), half-closes, and reads (discarding) until the
+    /// client hangs up or [`NOTICE_GRACE`] passes, so that unread bytes do not make the
+    /// kernel reset the connection over acks still on their way.
+    async fn closing_notice(&mut self, notices: bool) {
+        let why = *self.closing.borrow();
+        if self.flush().await.is_err() {
+            return;
+        }
+        if notices && self.write(&[v2::CLOSING, why]).await.is_err() {
+            return;
+        }
+        let _ = self.writer.shutdown().await;
+        let mut sink = [0u8; 4096];
+        let _ = tokio::time::timeout(NOTICE_GRACE, async {
+            while matches!(self.reader.read(&mut sink).await, Ok(n) if n > 0) {}
+        })
+        .await;
     }
 
     /// A buffer to fill, waiting for one if the pool is empty.

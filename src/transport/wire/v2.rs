@@ -8,7 +8,7 @@
 //!                               v1 client counting 0x01 acks is not confused by it.
 //! client -> server, HELLO:      nonce (32, echoed) | b"ECHO" | 0x02 | body_len: u32 | body
 //!   body:                       flags: u8 (bit 0: MAC at the end; bit 1: shared memory
-//!                               wanted) | session: 16 bytes
+//!                               wanted; bit 2: closing notices understood) | session: 16 bytes
 //!                               | first_seq: u64 | heartbeat_ms: u32 | client_nonce: 16 bytes
 //!                               | n_leaves: u32 | per leaf: name_len: u16 | name (UTF-8)
 //!                               | byte order: u8 | kind: u8 | itemsize: u32 | ndim: u32
@@ -29,6 +29,9 @@
 //!                               | 0x31 (no shared memory after all: samples come as frames)
 //! server -> client, bytes:      0x01 (ack: one sample queued) | 0x02 (heartbeat)
 //!                               | 0x03 msg_len: u32 | msg (error; the server then closes)
+//!                               | 0x04 reason: u8 (closing: 1 for good, 2 restarting; only to
+//!                               a client that set hello bit 2, after its last ack; the
+//!                               server then reads nothing more and closes)
 //! ```
 //!
 //! All integers are little-endian. The k-th sample frame of a connection has sequence number
@@ -87,6 +90,31 @@ pub const ACK: u8 = super::ACK;
 pub const BEAT: u8 = 0x02;
 /// Server byte: an error message follows, then the server closes.
 pub const ERROR: u8 = 0x03;
+/// Server byte: the server is closing (a [`Closing`] reason byte follows): every sample it
+/// acknowledged was acknowledged before it; nothing after it is.
+pub const CLOSING: u8 = 0x04;
+/// Hello flag: the client understands [`CLOSING`].
+pub const HELLO_NOTICES: u8 = 4;
+
+/// Why a server closes, as its [`CLOSING`] notice says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Closing {
+    /// For good (`Server.close()`): reconnecting is pointless.
+    Final = 1,
+    /// It comes back (`Server.close(restarting=True)`): reconnecting clients keep trying.
+    Restarting = 2,
+}
+
+impl Closing {
+    /// The reason a notice's byte gives; `None` for a byte that is not one.
+    pub fn from_byte(byte: u8) -> Option<Self> {
+        match byte {
+            1 => Some(Self::Final),
+            2 => Some(Self::Restarting),
+            _ => None,
+        }
+    }
+}
 
 /// Reply status: accepted.
 pub const ACCEPTED: u8 = 0;
@@ -429,6 +457,8 @@ pub struct Hello {
     pub mac: Option<[u8; MAC_LEN]>,
     /// The client wants the same-host shared-memory path.
     pub shm: bool,
+    /// The client understands [`CLOSING`] notices.
+    pub notices: bool,
 }
 
 /// Fixed bytes of a hello before its body: nonce, magic, version, body length.
@@ -448,7 +478,11 @@ impl Hello {
     /// [`EchoError::Config`] if the layout does not fit the format.
     pub fn encode(&self, offer: &Offer, token: Option<&[u8]>) -> Result<Vec<u8>, EchoError> {
         let mut body = Vec::with_capacity(BODY_FIXED + self.layout.encoded_len() + MAC_LEN);
-        body.push(u8::from(token.is_some()) | if self.shm { HELLO_SHM } else { 0 });
+        body.push(
+            u8::from(token.is_some())
+                | if self.shm { HELLO_SHM } else { 0 }
+                | if self.notices { HELLO_NOTICES } else { 0 },
+        );
         body.extend_from_slice(&self.session);
         body.extend_from_slice(&self.first_seq.to_le_bytes());
         body.extend_from_slice(&self.heartbeat_ms.to_le_bytes());
@@ -546,7 +580,8 @@ fn decode_body(body: &[u8]) -> Result<Hello, EchoError> {
         )));
     }
     let shm = flags & HELLO_SHM != 0;
-    Ok(Hello { session, first_seq, heartbeat_ms, client_nonce, layout, mac, shm })
+    let notices = flags & HELLO_NOTICES != 0;
+    Ok(Hello { session, first_seq, heartbeat_ms, client_nonce, layout, mac, shm, notices })
 }
 
 /// The most bytes a hello body for `layout` may have: its exact size with a MAC, doubled
@@ -946,6 +981,7 @@ mod tests {
             layout: layout(),
             mac: None,
             shm: mac,
+            notices: !mac,
         };
         let token: &[u8] = b"secret";
         let bytes = hello.encode(&offer, mac.then_some(token)).unwrap();
@@ -983,6 +1019,7 @@ mod tests {
         assert_eq!(len, bytes.len());
         assert_eq!((parsed.first_seq, parsed.session, &parsed.layout), (42, [7; 16], &layout()));
         assert!(parsed.shm, "the shared-memory flag round-trips");
+        assert!(!parsed.notices, "so does the closing-notices flag (off)");
         assert!(parsed.verify(&offer, b"secret", &body));
         assert!(!parsed.verify(&offer, b"Secret", &body));
         let other = Offer::new(Mode::Token).unwrap();
@@ -992,6 +1029,7 @@ mod tests {
             panic!("not a hello")
         };
         assert!(parsed.mac.is_none() && !parsed.verify(&offer, b"secret", &body));
+        assert!(parsed.notices && !parsed.shm, "each flag on its own");
     }
 
     #[test]
