@@ -336,3 +336,20 @@ def test_without_ray_installed_the_error_names_the_extra(monkeypatch: pytest.Mon
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     with pytest.raises(ImportError, match=r"id-echo\[distributed\]"):
         echo.ray.connect("any", EXAMPLE)
+
+
+def test_the_two_learner_example_runs_and_loses_nothing() -> None:
+    """examples/ray_learners.py: 2 learner actors, 8 worker actors, shard 0's learner killed
+    and restarted mid-run; the script asserts what it prints (on its own local cluster)."""
+    script = TESTS.parent.parent / "examples" / "ray_learners.py"
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    done = subprocess.run(
+        [sys.executable, str(script), "--seconds", "4"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "none twice; shard 0 came back restored (generation 2)" in done.stdout
+    assert "workers per shard: {0: 4, 1: 4}" in done.stdout
