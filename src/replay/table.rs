@@ -742,6 +742,14 @@ impl Table {
         }
     }
 
+    /// Adds `ns` to `insert_blocked_ns`: an insert that does not wait was refused and its
+    /// caller waited that long outside the table before trying again (see
+    /// `Backend::note_insert_blocked`).
+    pub fn note_insert_blocked(&self, ns: u64) {
+        let mut state = self.state.lock();
+        state.stats.insert_blocked_ns = state.stats.insert_blocked_ns.saturating_add(ns);
+    }
+
     /// Writers inside `insert` parked on the rate limiter (or a table full of pending items)
     /// right now. Counted under the table lock, which the wait releases: a test that reads
     /// 1 knows the writer is parked, so it can check a call is blocked without sleeping.

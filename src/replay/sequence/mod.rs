@@ -1114,6 +1114,15 @@ impl SequenceTable {
         stats
     }
 
+    /// Adds `ns` to the windows' `insert_blocked_ns`: an insert that does not wait was
+    /// refused and its caller waited that long outside the table before trying again (see
+    /// `Backend::note_insert_blocked`).
+    pub fn note_insert_blocked(&self, ns: u64) {
+        let mut state = self.state.lock();
+        let blocked = &mut state.stats.windows.insert_blocked_ns;
+        *blocked = blocked.saturating_add(ns);
+    }
+
     /// Writers parked on the rate limiter right now.
     pub fn waiting_inserts(&self) -> u64 {
         self.state.lock().waiting_inserts
