@@ -73,10 +73,12 @@ def _run(make_server: Any, backend: str, shared_memory: bool) -> dict[str, Any]:
     # ingress (TCP) or committed to its segment (shared memory).
     held = poll(
         server.stats,
-        lambda s: s.push_blocked_count > 0
-        and s.samples_pending > 0
-        and s.queue_depth_sum > 0
-        and s.queue_depth_max > 0,
+        lambda s: (
+            s.push_blocked_count > 0
+            and s.samples_pending > 0
+            and s.queue_depth_sum > 0
+            and s.queue_depth_max > 0
+        ),
         "the worker held back with samples waiting",
     )
     assert held.samples_inserted_total < SENT
