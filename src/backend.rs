@@ -437,7 +437,7 @@ impl Backend {
     }
 
     /// An insert that does not wait (the shared-memory path's, `deadline` now) was refused
-    /// and its caller waited `waited` outside the backend (on [`Backend::insert_bell`])
+    /// and its caller waited `waited` outside the backend (on its insert bell)
     /// before trying again: counted where an insert's own wait inside the backend is, so the
     /// counter means the same whoever inserts. A replay or sequence table adds it to
     /// `insert_blocked_ns`; the FIFO ring times no insert waits, so nothing there.
