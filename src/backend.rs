@@ -26,9 +26,10 @@ use crate::error::{EchoError, InsertError};
 use crate::ingress::{Ingress, QueuedSamples};
 use crate::metrics::DetailedSnapshot;
 use crate::replay::{
-    Checkpoint, EpisodeEnd, MetaLeaf, ReplayBatch, ReplayConfig, ReplayConsumer, ReplayStats,
-    SampleHoldback, SequenceCheckpoint, SequenceConfig, SequenceConsumer, SequenceSnapshot,
-    SequenceStats, SequenceTable, SnapshotItems, Table, TableState, SEQUENCE_META,
+    Checkpoint, EpisodeEnd, InsertHoldback, MetaLeaf, ReplayBatch, ReplayConfig, ReplayConsumer,
+    ReplayStats, SampleHoldback, SequenceCheckpoint, SequenceConfig, SequenceConsumer,
+    SequenceSnapshot, SequenceStats, SequenceTable, SnapshotItems, Table, TableState,
+    SEQUENCE_META,
 };
 use crate::source::SampleSource;
 use crate::spec::DataSpec;
@@ -447,6 +448,16 @@ impl Backend {
             Self::Fifo(_) => {}
             Self::Replay(table) => table.note_insert_blocked(ns),
             Self::Sequence(table) => table.note_insert_blocked(ns),
+        }
+    }
+
+    /// What holds inserts back now (a replay or sequence table's rate limiter and its
+    /// counters), for the message of an insert that timed out; `None` for the FIFO ring.
+    pub fn insert_holdback(&self) -> Option<InsertHoldback> {
+        match self {
+            Self::Fifo(_) => None,
+            Self::Replay(table) => Some(table.insert_holdback()),
+            Self::Sequence(table) => Some(table.insert_holdback()),
         }
     }
 

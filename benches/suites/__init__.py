@@ -99,6 +99,11 @@ SUITES: tuple[Suite, ...] = (
         "replay tables: insert, sample, update_priorities; vs Reverb/TorchRL with --set peers=PY",
     ),
     Suite(
+        "metrics",
+        "benches.suites.metrics",
+        "Prometheus endpoint: scrape CPU with 1,000 TCP workers; small samples with a scraper",
+    ),
+    Suite(
         "sequence",
         "benches.suites.sequence",
         "sequence tables: windows vs memcpy/numpy/TorchRL, bytes per step, TCP step inserts",

@@ -7,6 +7,7 @@ as zero-copy, read-only numpy views while the GIL is released.
 from __future__ import annotations
 
 import atexit
+from typing import TYPE_CHECKING
 
 from echo import _echo
 from echo._echo import (
@@ -36,6 +37,9 @@ from echo.server import Sample, Server
 from echo.trajectory import TrajectoryAccumulator
 from echo.transport import TcpTransport
 
+if TYPE_CHECKING:
+    from echo.metrics import MetricsEndpoint
+
 __all__ = [
     "DETAILED_METRICS",
     "CheckpointError",
@@ -60,7 +64,22 @@ __all__ = [
     "Uniform",
     "__version__",
     "reset_log_cache",
+    "serve_metrics",
 ]
+
+
+def serve_metrics(*servers: Server, port: int = 9464, host: str = "127.0.0.1") -> MetricsEndpoint:
+    """Serves the servers' Prometheus metrics over HTTP: `echo.metrics.serve_metrics`.
+
+    Imports `echo.metrics` (and so `prometheus_client`, the `metrics` extra) only when called,
+    so `import echo` works without it. See `echo.metrics.serve_metrics` for the arguments.
+
+    Raises:
+        ImportError: prometheus_client is not installed (`pip install 'id-echo[metrics]'`).
+    """
+    from echo.metrics import serve_metrics as serve
+
+    return serve(*servers, port=port, host=host)
 
 
 # Threads still waiting inside echo when the interpreter shuts down, and transport threads that

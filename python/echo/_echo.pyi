@@ -1,5 +1,6 @@
 """Type stubs for the native module `echo._echo` (checked against it by mypy.stubtest)."""
 
+from collections.abc import Callable
 from typing import Any, Final, Literal, final
 
 import numpy as np
@@ -384,6 +385,9 @@ class TcpSender:
         reconnect_timeout: float | None,
         heartbeat_timeout: float | None,
         shared_memory: bool | None,
+        dial_timeout: float | None = None,
+        resolver: Callable[[tuple[str, int, str] | None], tuple[str, int] | None] | None = None,
+        name: str | None = None,
     ) -> TcpSender: ...
     def send(
         self,

@@ -37,6 +37,18 @@ keeps them apart, as they are not items yet (no key): `ingress_leaf_000.npy`, ..
 A restore inserts them, in order, before anything new. Version 1 (replay only, no ingress
 samples) is still read.
 
+The settings that are not part of the data (`num_drainers`, `producer_queue_size` as the
+server was given it, `null` for the automatic size) are under `tuning` in the manifest; a
+manifest without them (written before they were recorded) restores with the defaults.
+
+The learner's own state (`Server.checkpoint(path, extra=...)`: model parameters, optimizer
+state, a step counter) lives in the same directory: `extra.json` holds the tree's structure
+and its JSON values, and each array is one `extra_000.npy`, ...; both are listed under
+`files` like every other file, and the manifest's `extra` names the tree's file. The tree is
+encoded with a tag per node (`{"dict": [[key, node], ...]}`, `{"list": [...]}`,
+`{"tuple": [...]}`, `{"value": json}`, `{"array": file}`, `{"scalar": file}`), so any
+key, tuples and numpy scalars come back as they went in. `read_extra(path)` reads it alone.
+
 `np.load(file, mmap_mode="r")` opens any of them, for inspection or offline RL.
 
 Atomic replacement: `path` is a symbolic link to a sibling directory `.<name>.ckpt-<token>`.
@@ -70,7 +82,7 @@ from echo import replay
 from echo._echo import __version__
 from echo._pytree import TreeLayout
 
-__all__ = ["FORMAT_VERSION", "CheckpointError", "periodic_checkpoints"]
+__all__ = ["FORMAT_VERSION", "CheckpointError", "periodic_checkpoints", "read_extra"]
 
 _log = logging.getLogger("echo")
 
@@ -94,7 +106,8 @@ _META_FILES = (
 _HASH_CHUNK = 1 << 20
 
 # Tests set this to observe (and kill the process at) the stages of a checkpoint:
-# "leaves-written" (leaf files complete, manifest not written) and "before-swap" (the new
+# "leaves-written" (leaf files complete, manifest not written), "extra-written" (the extra's
+# files complete, manifest not written; only with `extra=`) and "before-swap" (the new
 # directory complete, `path` not yet pointing at it).
 _test_hook: Callable[[str], None] | None = None
 
@@ -129,6 +142,197 @@ def _write_small(path: str, data: bytes) -> str:
         f.flush()
         os.fsync(f.fileno())
     return hashlib.sha256(data).hexdigest()
+
+
+EXTRA = "extra.json"
+_EXTRA_KINDS = (
+    "a numpy array, a numpy scalar, None, bool, int, float, str, or a dict (str keys), list or "
+    "tuple of these"
+)
+
+
+def _tree_path(path: tuple[Any, ...]) -> str:
+    """`extra['opt'][1]`: where a node is in the extra tree, for messages."""
+    return "extra" + "".join(f"[{key!r}]" for key in path)
+
+
+@dataclasses.dataclass
+class Extra:
+    """The learner's state for a checkpoint, checked and encoded (see the module doc): the
+    tagged tree and the arrays its `array`/`scalar` nodes name, in file order."""
+
+    tree: Any
+    arrays: list[npt.NDArray[Any]]
+
+
+def encode_extra(extra: Any) -> Extra:
+    """Checks and encodes `Server.checkpoint(extra=...)` before anything is written.
+
+    Raises:
+        TypeError: A node is not one of `_EXTRA_KINDS`, a dict key is not a str, or an array
+            holds Python objects; the message names the node's path in the tree.
+        ValueError: The tree contains itself.
+    """
+    arrays: list[npt.NDArray[Any]] = []
+    active: set[int] = set()
+
+    def file_for(array: npt.NDArray[Any], path: tuple[Any, ...]) -> str:
+        if array.dtype.hasobject:
+            raise TypeError(
+                f"checkpoint(): {_tree_path(path)} is an array of dtype {array.dtype}, which "
+                "holds Python objects: only arrays of plain data are stored (no pickling)"
+            )
+        arrays.append(array)
+        return f"extra_{len(arrays) - 1:03d}.npy"
+
+    def encode(node: object, path: tuple[Any, ...]) -> Any:
+        # numpy's float64 and bool_ scalars are (or behave as) Python floats and bools: they
+        # come first so they come back as numpy scalars.
+        if isinstance(node, np.ndarray):
+            return {"array": file_for(cast("npt.NDArray[Any]", node), path)}
+        if isinstance(node, np.generic):
+            return {"scalar": file_for(np.asarray(cast("Any", node)), path)}
+        if node is None or isinstance(node, (bool, int, float, str)):
+            return {"value": node}
+        if isinstance(node, dict) or type(node) in (list, tuple):
+            ident = id(cast("object", node))
+            if ident in active:
+                raise ValueError(f"checkpoint(): {_tree_path(path)} contains itself")
+            active.add(ident)
+            try:
+                return encode_container(cast("Any", node), path)
+            finally:
+                active.discard(ident)
+        raise TypeError(
+            f"checkpoint(): {_tree_path(path)} is a {type(node).__module__}."
+            f"{type(node).__qualname__}, expected {_EXTRA_KINDS} (convert tensors with "
+            "np.asarray, a namedtuple or dataclass to a dict)"
+        )
+
+    def encode_container(node: dict[object, object] | list[object], path: tuple[Any, ...]) -> Any:
+        if isinstance(node, dict):
+            items: list[list[Any]] = []
+            for key, value in node.items():
+                if not isinstance(key, str):
+                    raise TypeError(
+                        f"checkpoint(): {_tree_path(path)} has the key {key!r} "
+                        f"({type(key).__name__}): the extra's dict keys must be str"
+                    )
+                items.append([key, encode(value, (*path, key))])
+            return {"dict": items}
+        return {type(node).__name__: [encode(v, (*path, i)) for i, v in enumerate(node)]}
+
+    return Extra(encode(extra, ()), arrays)
+
+
+class _HashingWriter:
+    """A file that hashes what is written to it, so an `.npy` file is hashed as it is
+    written instead of read back."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self.sha256 = hashlib.sha256()
+
+    def write(self, data: bytes) -> int:
+        self.sha256.update(data)
+        return self._f.write(data)
+
+
+def _write_extra(data_dir: str, extra: Extra) -> dict[str, dict[str, Any]]:
+    """Writes the extra's arrays and tree into `data_dir` (each file fsynced); returns their
+    `files` entries."""
+    files: dict[str, dict[str, Any]] = {}
+    for i, array in enumerate(extra.arrays):
+        name = f"extra_{i:03d}.npy"
+        with open(os.path.join(data_dir, name), "xb") as f:
+            writer = _HashingWriter(f)
+            np.lib.format.write_array(writer, array, allow_pickle=False)  # pyright: ignore[reportArgumentType]
+            f.flush()
+            os.fsync(f.fileno())
+            files[name] = {"sha256": writer.sha256.hexdigest(), "bytes": f.tell()}
+    tree = json.dumps(extra.tree).encode()
+    files[EXTRA] = {"sha256": _write_small(os.path.join(data_dir, EXTRA), tree), "bytes": len(tree)}
+    return files
+
+
+def _decode_extra(root: str, manifest: dict[str, Any]) -> Any:
+    """The extra tree of the checked checkpoint directory `root` (None without one)."""
+    name = manifest.get("extra")
+    if name is None:
+        return None
+    mfile = os.path.join(root, MANIFEST)
+    file = os.path.join(root, str(name))
+    if name != EXTRA:
+        raise CheckpointError(f"{mfile}: extra names {name!r}, expected {EXTRA!r}")
+    try:
+        with open(file, "rb") as f:
+            tree = json.loads(f.read())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+    files: dict[str, Any] = manifest["files"]
+
+    def load(array_file: Any) -> npt.NDArray[Any]:
+        if not isinstance(array_file, str) or array_file not in files:
+            raise CheckpointError(f"{file}: names {array_file!r}, which the manifest lacks")
+        try:
+            return np.load(os.path.join(root, array_file), allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(
+                f"{os.path.join(root, array_file)}: not a readable .npy file ({e})"
+            ) from None
+
+    def decode(node: Any) -> Any:
+        if isinstance(node, dict) and len(node) == 1:  # pyright: ignore[reportUnknownArgumentType]
+            ((tag, body),) = cast("dict[str, Any]", node).items()
+            if tag == "value":
+                return body
+            if tag == "array":
+                return load(body)
+            if tag == "scalar":
+                return load(body)[()]
+            if tag == "dict" and isinstance(body, list):
+                pairs = cast("list[tuple[Any, Any]]", body)
+                return {str(k): decode(v) for k, v in pairs}
+            if tag in ("list", "tuple") and isinstance(body, list):
+                values = [decode(v) for v in cast("list[Any]", body)]
+                return values if tag == "list" else tuple(values)
+        raise CheckpointError(f"{file}: malformed node {str(cast('object', node))[:80]!r}")
+
+    try:
+        return decode(tree)
+    except (TypeError, ValueError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{file}: malformed ({type(e).__name__}: {e})") from None
+
+
+def read_extra(path: str | os.PathLike[str]) -> Any:
+    """The learner's state stored by `Server.checkpoint(path, extra=...)`, without building a
+    server: the same tree, arrays as numpy arrays (loaded into memory), numpy scalars as numpy
+    scalars, tuples as tuples; `None` when the checkpoint has none.
+
+    Only the manifest and the extra's files are read, each checked against the manifest's size
+    and SHA-256. To restore the data and the extra of one and the same checkpoint while
+    periodic checkpoints may replace `path`, use `Server.restore(path)` and
+    `Server.restored_extra` instead: `path` is resolved once there.
+
+    Raises:
+        CheckpointError: A file is missing, truncated or corrupted, or the manifest is not an
+            echo checkpoint's; the message names the file.
+    """
+    root = os.path.realpath(_str_path(path))
+    manifest = _read_manifest(root)
+    mfile = os.path.join(root, MANIFEST)
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{mfile}: malformed (no files)")
+    files = cast("dict[str, dict[str, Any]]", files)
+    for name, expected in files.items():
+        if name == EXTRA or (name.startswith("extra_") and os.path.basename(name) == name):
+            _check_file(root, name, expected)
+    if manifest.get("extra") is not None and EXTRA not in files:
+        raise CheckpointError(f"{mfile}: lists no checksum for {EXTRA}")
+    return _decode_extra(root, manifest)
 
 
 def _strategy(value: Any) -> dict[str, Any]:
@@ -217,10 +421,13 @@ def _layout_dict(layout: TreeLayout, leaf_files: list[str]) -> dict[str, Any]:
     }
 
 
-def _write_atomically(path: str | os.PathLike[str], fill: Callable[[str], dict[str, Any]]) -> int:
+def _write_atomically(
+    path: str | os.PathLike[str], fill: Callable[[str], dict[str, Any]], extra: Extra | None
+) -> int:
     """Writes a checkpoint directory beside `path` with `fill(data_dir)` (which writes the data
-    files and returns the manifest, `files` included), then swaps `path` over to it (see the
-    module doc); returns the bytes its files hold (the manifest included)."""
+    files and returns the manifest, `files` included) and `extra`'s files, then swaps `path`
+    over to it (see the module doc); returns the bytes its files hold (the manifest
+    included)."""
     target = os.path.abspath(_str_path(path))
     parent, name = os.path.split(target)
     if os.path.lexists(target) and not os.path.islink(target):
@@ -240,6 +447,10 @@ def _write_atomically(path: str | os.PathLike[str], fill: Callable[[str], dict[s
     try:
         manifest = fill(data_dir)
         files: dict[str, dict[str, Any]] = manifest["files"]
+        if extra is not None:
+            files.update(_write_extra(data_dir, extra))
+            manifest["extra"] = EXTRA
+            _hook("extra-written")
         manifest_bytes = json.dumps(manifest, indent=1).encode()
         _write_small(os.path.join(data_dir, MANIFEST), manifest_bytes)
         total_bytes = len(manifest_bytes) + sum(int(f["bytes"]) for f in files.values())
@@ -258,27 +469,37 @@ def _write_atomically(path: str | os.PathLike[str], fill: Callable[[str], dict[s
     return total_bytes
 
 
-def _manifest_head(
-    kind: str, settings: dict[str, Any], layout: TreeLayout, leaf_files: list[str]
-) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class Written:
+    """What a checkpoint records beside the data: the server's settings that are part of the
+    data (`settings`: they must match on restore), those that are not (`tuning`: a restore
+    keeps them unless given others), and the learner's state (`extra`, encoded)."""
+
+    layout: TreeLayout
+    settings: dict[str, Any]
+    tuning: dict[str, Any]
+    extra: Extra | None
+
+
+def _manifest_head(kind: str, what: Written, leaf_files: list[str]) -> dict[str, Any]:
     """The manifest fields every checkpoint has, whatever its backend."""
     return {
         "format": kind,
         "format_version": FORMAT_VERSION,
         "echo_version": __version__,
         "created_unix_ns": time.time_ns(),
-        "settings": settings,
-        "layout": _layout_dict(layout, leaf_files),
+        "settings": what.settings,
+        "tuning": what.tuning,
+        "layout": _layout_dict(what.layout, leaf_files),
     }
 
 
-def write(
-    core: Any, layout: TreeLayout, settings: dict[str, Any], path: str | os.PathLike[str]
-) -> int:
+def write(core: Any, what: Written, path: str | os.PathLike[str]) -> int:
     """Writes a checkpoint of `core` (a replay `ServerCore`) to `path` (see the module doc);
     returns the bytes its files hold (the manifest included)."""
 
     def fill(data_dir: str) -> dict[str, Any]:
+        layout = what.layout
         leaf_files = _leaf_files(layout)
         ingress_files = _leaf_files(layout, "ingress_")
         meta_files = [file for _, file, _ in _META_FILES]
@@ -296,7 +517,7 @@ def write(
             files.update(_digests(data_dir, [*ingress_files, _INGRESS_PRIORITIES], ingress_digests))
         inserts, samples, rng, next_key, max_priority = state
         manifest: dict[str, Any] = {
-            **_manifest_head(REPLAY_FORMAT, settings, layout, leaf_files),
+            **_manifest_head(REPLAY_FORMAT, what, leaf_files),
             "counts": {"items": n, "from_ingress": queued},
             "state": {
                 "inserts": inserts,
@@ -311,16 +532,15 @@ def write(
             manifest["ingress"] = {"files": ingress_files, "priorities": _INGRESS_PRIORITIES}
         return manifest
 
-    return _write_atomically(path, fill)
+    return _write_atomically(path, fill, what.extra)
 
 
-def write_sequence(
-    core: Any, layout: TreeLayout, settings: dict[str, Any], path: str | os.PathLike[str]
-) -> int:
+def write_sequence(core: Any, what: Written, path: str | os.PathLike[str]) -> int:
     """Writes a checkpoint of `core` (a sequence table's `ServerCore`) to `path` (see the
     module doc); returns the bytes its files hold (the manifest included)."""
 
     def fill(data_dir: str) -> dict[str, Any]:
+        layout = what.layout
         leaf_files = _leaf_files(layout)
         ingress_files = _leaf_files(layout, "ingress_")
         counts, digests, ingress_digests = core._checkpoint_sequence(
@@ -334,7 +554,7 @@ def write_sequence(
         if queued:
             files.update(_digests(data_dir, ingress_files, ingress_digests))
         manifest: dict[str, Any] = {
-            **_manifest_head(SEQUENCE_FORMAT, settings, layout, leaf_files),
+            **_manifest_head(SEQUENCE_FORMAT, what, leaf_files),
             "counts": {
                 "items": steps,
                 "windows": windows,
@@ -348,16 +568,15 @@ def write_sequence(
             manifest["ingress"] = {"files": ingress_files}
         return manifest
 
-    return _write_atomically(path, fill)
+    return _write_atomically(path, fill, what.extra)
 
 
-def write_fifo(
-    core: Any, layout: TreeLayout, settings: dict[str, Any], path: str | os.PathLike[str]
-) -> int:
+def write_fifo(core: Any, what: Written, path: str | os.PathLike[str]) -> int:
     """Writes a checkpoint of `core` (a FIFO `ServerCore`) to `path` (see the module doc);
     returns the bytes its files hold (the manifest included)."""
 
     def fill(data_dir: str) -> dict[str, Any]:
+        layout = what.layout
         leaf_files = _leaf_files(layout)
         handed_out, from_ring, from_ingress, digests = core._checkpoint_fifo(
             _native_files(layout, data_dir, leaf_files)
@@ -365,7 +584,7 @@ def write_fifo(
         files = _digests(data_dir, leaf_files, digests)
         _hook("leaves-written")
         return {
-            **_manifest_head(FIFO_FORMAT, settings, layout, leaf_files),
+            **_manifest_head(FIFO_FORMAT, what, leaf_files),
             "counts": {
                 "items": from_ring + from_ingress,
                 "from_ring": from_ring,
@@ -375,7 +594,7 @@ def write_fifo(
             "files": files,
         }
 
-    return _write_atomically(path, fill)
+    return _write_atomically(path, fill, what.extra)
 
 
 _PERIODIC_PREFIX = "ckpt-"
@@ -516,9 +735,15 @@ class Loaded:
     ingress_priorities: npt.NDArray[np.float64]
     # A sequence table's metadata (`sequence.npy`); empty otherwise.
     sequence_meta: npt.NDArray[np.uint8]
+    # The settings that are not part of the data (`num_drainers`, `producer_queue_size`), as
+    # recorded; empty for checkpoints written before they were.
+    tuning: dict[str, Any]
+    # The learner's state (`checkpoint(extra=...)`), decoded; None without one.
+    extra: Any
 
     def server_kwargs(self) -> dict[str, Any]:
-        """The `Server` keyword arguments that rebuild the checkpointed settings."""
+        """The `Server` keyword arguments that rebuild the checkpointed settings that are part
+        of the data (FIFO: `num_buffers` too, which is not, but was always recorded)."""
         s = self.settings
         if self.fifo:
             return {"batch_size": s["batch_size"], "num_buffers": s["num_buffers"]}
@@ -577,6 +802,25 @@ def _read_manifest(root: str) -> dict[str, Any]:
             f"(up to {FORMAT_VERSION}); upgrade echo to restore it"
         )
     return manifest
+
+
+def _read_tuning(tuning: Any) -> dict[str, Any]:
+    """The manifest's `tuning`, checked: `num_drainers` an int >= 1, `producer_queue_size` an
+    int >= 1 or None (the automatic size); either may be absent. Settings this echo does not
+    know (a newer one's) are left out: they only tune, so the defaults are safe."""
+    if not isinstance(tuning, dict):
+        raise TypeError(f"tuning must be an object, got {type(tuning).__name__}")
+    known: dict[str, Any] = {}
+    for key in ("num_drainers", "producer_queue_size"):
+        if key not in tuning:
+            continue
+        value = cast("dict[str, Any]", tuning)[key]
+        if not (value is None and key == "producer_queue_size") and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ValueError(f"tuning: {key} must be an int >= 1, got {value!r}")
+        known[key] = value
+    return known
 
 
 def _check_file(root: str, name: str, expected: dict[str, Any]) -> None:
@@ -645,7 +889,10 @@ def read(path: str | os.PathLike[str], example: Any = None) -> Loaded:
         n = int(counts["items"])
         from_ingress = int(counts.get("from_ingress", 0))
         settings: dict[str, Any] = manifest["settings"]
+        tuning = _read_tuning(manifest.get("tuning", {}))
         needed = [leaf["file"] for leaf in leaves]
+        if manifest.get("extra") is not None:
+            needed.append(EXTRA)
         if fifo:
             if int(counts["from_ring"]) + from_ingress != n:
                 raise ValueError(
@@ -751,6 +998,7 @@ def read(path: str | os.PathLike[str], example: Any = None) -> Loaded:
     else:
         ingress_arrays = [np.zeros((0, *mine.shape), mine.dtype) for mine in layout.leaves]
         priorities_in = np.zeros(0, np.float64)
+    extra = _decode_extra(root, manifest)
     return Loaded(
         fifo=fifo,
         sequence=sequence,
@@ -765,4 +1013,6 @@ def read(path: str | os.PathLike[str], example: Any = None) -> Loaded:
         ingress_leaves=ingress_arrays,
         ingress_priorities=priorities_in,
         sequence_meta=sequence_meta,
+        tuning=tuning,
+        extra=extra,
     )

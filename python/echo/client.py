@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Any, Literal
 
 from echo._echo import TcpSender
@@ -16,6 +18,8 @@ from echo._validate import (
 )
 
 __all__ = ["TcpClient"]
+
+_log = logging.getLogger("echo")
 
 
 class TcpClient:
@@ -33,7 +37,8 @@ class TcpClient:
         port: Server port.
         data_sample: A pytree like the server's example (same structure, shapes and dtypes).
         max_inflight_msgs: Unacknowledged samples allowed before `send()` blocks.
-        connect_timeout: Seconds to wait for the connection and the handshake.
+        connect_timeout: Seconds to wait for the connection and the handshake (with
+            `reconnect=True`: for each attempt at the first connection, see `reconnect`).
         protocol: `"auto"` (protocol 2 when the server offers it, else 1), `1` (as id-echo
             0.2.1: no priorities, token, reconnection or heartbeats) or `2` (refuse servers
             that do not speak it). See the TCP guide for when "auto" can pick 1 wrongly.
@@ -45,7 +50,12 @@ class TcpClient:
             up to `reconnect_timeout` seconds and resend every sample not yet acknowledged;
             the server stores each exactly once when it is the same server process. `send()`
             and `wait()` block meanwhile. Keeps a copy of each unacknowledged sample.
-            Protocol 2 only.
+            Protocol 2 only. The first connection is retried too: a worker started before
+            its learner listens (connection refused, reset, or closed during the handshake)
+            tries again with the same backoff for up to `max(connect_timeout,
+            reconnect_timeout)` seconds, then raises `TimeoutError` naming the address and
+            the last error. Errors another attempt would only repeat (a layout, token or
+            protocol refusal) are raised at once.
         reconnect_timeout: Seconds to keep trying after a drop before `ConnectionClosedError`.
         heartbeat_timeout: Seconds the server may stay silent (protocol 2 servers send
             heartbeats) before the connection is taken for dead; `None` never.
@@ -58,6 +68,9 @@ class TcpClient:
             cannot be had. With `reconnect=True` each new connection asks again, and what
             the learner had not taken is resent over whichever path the new connection has.
             Which path is in use: `transport_path`.
+        name: How this client names itself in the log lines of the `"echo"` logger (a
+            reconnecting worker's warning reads `name (host:port): connection lost ...`);
+            `None`: the server's address alone.
 
     Raises:
         ValueError: The server is not an echo server, speaks only protocol 1 with
@@ -71,7 +84,8 @@ class TcpClient:
             (another host, protocol 1, `TcpTransport(shared_memory=False)`, not Linux, the
             learner's segments already hold half of its `max_buffered_bytes`) or it could not
             be attached; also with `protocol=1`.
-        OSError: Connecting failed (e.g. `ConnectionRefusedError`).
+        OSError: Connecting failed (e.g. `ConnectionRefusedError`; with `reconnect=True`,
+            `TimeoutError` once retrying the first connection ran out of time).
     """
 
     def __init__(
@@ -88,7 +102,44 @@ class TcpClient:
         reconnect_timeout: float = 60.0,
         heartbeat_timeout: float | None = 10.0,
         shared_memory: bool | None = None,
+        name: str | None = None,
     ) -> None:
+        self._open(
+            host,
+            port,
+            data_sample,
+            max_inflight_msgs,
+            connect_timeout=connect_timeout,
+            protocol=protocol,
+            token=token,
+            reconnect=reconnect,
+            reconnect_timeout=reconnect_timeout,
+            heartbeat_timeout=heartbeat_timeout,
+            shared_memory=shared_memory,
+            name=name,
+        )
+
+    def _open(
+        self,
+        host: str,
+        port: int,
+        data_sample: Any,
+        max_inflight_msgs: int,
+        *,
+        connect_timeout: float,
+        protocol: Literal["auto", 1, 2],
+        token: str | None,
+        reconnect: bool,
+        reconnect_timeout: float,
+        heartbeat_timeout: float | None,
+        shared_memory: bool | None,
+        name: str | None,
+        dial_timeout: float | None = None,
+        resolver: Callable[[tuple[str, int, str] | None], tuple[str, int] | None] | None = None,
+    ) -> None:
+        """Checks the settings and connects (the constructor's body). `resolver` and
+        `dial_timeout` are for clients that find their server elsewhere (`echo.ray`): asked
+        before every connection attempt, and the first connection's deadline."""
         max_inflight_msgs = check_int("max_inflight_msgs", max_inflight_msgs, 1, 2**32 - 1)
         version = check_protocol(protocol)
         reconnect = check_bool("reconnect", reconnect)
@@ -99,6 +150,11 @@ class TcpClient:
         heartbeat = check_seconds("heartbeat_timeout", heartbeat_timeout, optional=True)
         if shared_memory is not None:
             shared_memory = check_bool("shared_memory", shared_memory)
+        if name is not None and not isinstance(name, str):  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise TypeError(f"name must be a str or None, got {type(name).__name__}")
+        connect = check_seconds("connect_timeout", connect_timeout, optional=False)
+        assert connect is not None
+        assert timeout is not None
         self._layout = TreeLayout(data_sample)
         self._sender = TcpSender(
             host,
@@ -111,8 +167,16 @@ class TcpClient:
             timeout if reconnect else None,
             heartbeat,
             shared_memory,
+            dial_timeout
+            if dial_timeout is not None
+            else max(connect, timeout)
+            if reconnect
+            else None,
+            resolver,
+            name,
         )
         self._closed = False
+        self._given_up: int | None = None
 
     def send(
         self,
@@ -216,10 +280,26 @@ class TcpClient:
         """Flushes, then closes the connection. Idempotent; leaves no thread behind.
 
         Waits (at most `timeout` seconds) until everything sent is acknowledged, so samples
-        sent just before `close()` are delivered. Returns whether they all were.
+        sent just before `close()` are delivered. Returns whether they all were. A worker
+        shutting down that would rather not wait (the learner's rate limiter may hold its
+        samples back for long) passes `timeout=0`: the unacknowledged samples are given up at
+        once, and `given_up` says how many (and an INFO line on the `"echo"` logger).
         """
+        if self._closed:
+            return self._given_up == 0
         self._closed = True
-        return self._sender.close(timeout)
+        flushed = self._sender.close(timeout)
+        self._given_up = max(0, self.sent - self.acked)
+        if self._given_up:
+            _log.info("%r: closed with %d samples unacknowledged (given up)", self, self._given_up)
+        return flushed
+
+    @property
+    def given_up(self) -> int | None:
+        """Samples sent but never acknowledged when `close()` gave up waiting (0 after a
+        complete flush); `None` before `close()`. The server may still have stored some
+        of them (their acknowledgements were on the way) or none."""
+        return self._given_up
 
     @property
     def sent(self) -> int:

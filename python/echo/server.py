@@ -9,7 +9,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -19,6 +19,7 @@ from echo import checkpoint as _checkpoint
 from echo._echo import SampleInfo, ServerClosedError, ServerCore
 from echo._prefetch import Prefetcher, device_transfer
 from echo._pytree import NONE_IS_LEAF, TreeLayout
+from echo._tally import Tally
 from echo._validate import check_bool, check_int, check_seconds, episode_codes
 from echo.checkpoint import CheckpointError, PeriodicCheckpointer
 from echo.replay import Fifo, MinSize, RateLimiter, Remover, Sampler, Sequence, Uniform
@@ -236,14 +237,34 @@ def _priorities_array(priorities: Any) -> npt.NDArray[np.float64]:
 _PERIODIC_JOIN_S = 60.0
 
 
+@dataclass(frozen=True)
+class _Periodic:
+    """Checked arguments of periodic checkpoints."""
+
+    directory: str
+    every: float
+    keep: int
+    extra: Callable[[], Any] | None
+
+
 def _periodic_args(
-    sampler: Sampler, checkpoint_dir: Any, checkpoint_every: Any, checkpoint_keep: Any
-) -> tuple[str, float, int] | None:
-    """The checked `(dir, every, keep)` of periodic checkpoints, or None when off."""
+    checkpoint_dir: Any, checkpoint_every: Any, checkpoint_keep: Any, checkpoint_extra: Any
+) -> _Periodic | None:
+    """The checked periodic checkpoint settings, or None when off."""
     keep = check_int("checkpoint_keep", checkpoint_keep, 1)
+    if checkpoint_extra is not None and not callable(checkpoint_extra):
+        raise TypeError(
+            "checkpoint_extra must be a callable taking no arguments (it returns the extra "
+            f"tree of each periodic checkpoint), got {type(checkpoint_extra).__name__}"
+        )
     if checkpoint_dir is None:
         if checkpoint_every is not None:
             raise ValueError("checkpoint_every needs checkpoint_dir (where to write them)")
+        if checkpoint_extra is not None:
+            raise ValueError(
+                "checkpoint_extra needs checkpoint_dir and checkpoint_every: it is called for "
+                "periodic checkpoints (pass extra= to checkpoint() for a manual one)"
+            )
         return None
     if not isinstance(checkpoint_dir, (str, os.PathLike)):
         raise TypeError(
@@ -259,7 +280,51 @@ def _periodic_args(
     assert every is not None
     if not math.isfinite(every):
         raise ValueError(f"checkpoint_every must be finite, got {checkpoint_every!r}")
-    return directory, every, keep
+    return _Periodic(directory, every, keep, cast("Callable[[], Any] | None", checkpoint_extra))
+
+
+# The settings a checkpoint records as part of its data: `restore()` takes them only as checks.
+_DATA_SETTINGS = (
+    "batch_size",
+    "sampler",
+    "remover",
+    "max_size",
+    "rate_limiter",
+    "max_times_sampled",
+    "sequence",
+)
+
+
+def _restored_settings(loaded: Any, given: dict[str, Any], path: str) -> dict[str, Any]:
+    """The checkpoint's data settings as `Server` keyword arguments, after checking the ones
+    `restore()` was given against them (ValueError naming the setting and both values)."""
+    recorded: dict[str, Any] = loaded.server_kwargs()
+    kind = "a replay table"
+    if loaded.fifo or loaded.sequence:
+        kind = "a FIFO ring" if loaded.fifo else "a sequence table"
+    theirs_of = dict(recorded)
+    if loaded.fifo:
+        theirs_of["sampler"] = Fifo()
+    for name in _DATA_SETTINGS:
+        mine = given[name]
+        if mine is None:
+            continue
+        if name in ("batch_size", "max_size", "max_times_sampled"):
+            mine = check_int(name, mine, 0)
+        if name not in theirs_of:
+            hint = " (pass num_buffers= to size the ring)" if name == "rate_limiter" else ""
+            raise ValueError(
+                f"restore(): {name}={mine!r} does not apply: the checkpoint at {path} is {kind}, "
+                f"which has no {name}{hint}"
+            )
+        theirs = theirs_of[name]
+        if mine != theirs:
+            raise ValueError(
+                f"restore(): {name}={mine!r} conflicts with the checkpoint's {name}={theirs!r} "
+                f"({path}): {name} is part of what the checkpoint recorded (the data and how "
+                f"it is sampled), so a restore keeps it; omit {name}, or pass {theirs!r}"
+            )
+    return recorded
 
 
 class Server:
@@ -312,11 +377,25 @@ class Server:
         checkpoint_every: Seconds between periodic checkpoints (> 0); needs `checkpoint_dir`.
         checkpoint_keep: How many periodic checkpoints to keep (>= 1): after each one, all
             but the newest `checkpoint_keep` are deleted.
+        checkpoint_extra: A callable taking no arguments, called on the periodic checkpoint
+            thread at the start of each periodic checkpoint; what it returns is stored as that
+            checkpoint's `extra` (see `checkpoint()`), e.g. the learner's parameters, optimizer
+            state and step. It runs while the learner goes on, so it must return a consistent
+            snapshot the learner does not modify afterwards: copies taken under a lock the
+            training step also holds, or an immutable value the learner publishes after each
+            step (JAX arrays are immutable: `jax.device_get(state)` is a copy). Its data is
+            never older than the extra, as the data snapshot is taken after it returns. If it
+            raises, that checkpoint fails (logged) and the next period tries again. Needs
+            `checkpoint_dir`.
+        name: The value of the `server` label of this server's series in `echo.metrics`
+            (Prometheus), so that several servers in one process are told apart; `"default"`
+            unless given. A non-empty str.
 
     Raises:
         TypeError: A leaf of `example` is not a numpy array, or an argument has the wrong type.
-        ValueError: An argument is out of range, `example` holds no data, or only one of
-            `checkpoint_dir` and `checkpoint_every` is given.
+        ValueError: An argument is out of range, `example` holds no data, only one of
+            `checkpoint_dir` and `checkpoint_every` is given, or `checkpoint_extra` without
+            them.
         RuntimeError: `pin_host_memory=True` where CUDA is unavailable (no runtime library,
             no device) or registration fails.
     """
@@ -341,8 +420,21 @@ class Server:
         checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: float | None = None,
         checkpoint_keep: int = 3,
+        checkpoint_extra: Callable[[], Any] | None = None,
+        name: str = "default",
     ) -> None:
         self._periodic: PeriodicCheckpointer | None = None
+        # Called (once, in order) at the start of the first `close()`: `echo.ray.serve`
+        # deregisters the shard there, before the connections close.
+        self._close_hooks: list[Callable[[], object]] = []
+        self._restored_extra: Any = None
+        if not isinstance(name, str):  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise TypeError(f"name must be a str, got {type(name).__name__}")
+        if not name:
+            raise ValueError("name must not be empty")
+        self._name = name
+        # What echo.metrics reads besides stats(): the learner's waits, checkpoint outcomes.
+        self._tally = Tally()
         if sequence is not None and not isinstance(sequence, Sequence):  # pyright: ignore[reportUnnecessaryIsInstance]
             raise TypeError(
                 f"sequence must be an echo.Sequence or None, got {type(sequence).__name__}"
@@ -368,7 +460,9 @@ class Server:
             raise TypeError(
                 f"transport must be a TcpTransport or None, got {type(transport).__name__}"
             )
-        periodic = _periodic_args(config.sampler, checkpoint_dir, checkpoint_every, checkpoint_keep)
+        periodic = _periodic_args(
+            checkpoint_dir, checkpoint_every, checkpoint_keep, checkpoint_extra
+        )
         self._layout = TreeLayout(example)
         self._sampler: Sampler = config.sampler
         self._config = config
@@ -383,25 +477,36 @@ class Server:
         self._transport: TcpTransport | None = transport
         self._port: int | None = None
         if periodic is not None:
-            self._start_periodic(*periodic)
+            self._start_periodic(periodic)
 
-    def _start_periodic(self, directory: str, every: float, keep: int) -> None:
+    def _start_periodic(self, args: _Periodic) -> None:
         ref = weakref.ref(self)
+        extra = args.extra
 
         def checkpoint(path: str) -> bool:
             server = ref()  # not `self`: the thread must not keep the server alive
             if server is None or server.closed:
                 return False
-            server.checkpoint(path)
+            server.checkpoint(path, extra=None if extra is None else extra())
             return True
 
-        periodic = PeriodicCheckpointer(checkpoint, directory, every, keep)
+        periodic = PeriodicCheckpointer(checkpoint, args.directory, args.every, args.keep)
         try:
             periodic.start()
         except BaseException:
             self._core.close()
             raise
         self._periodic = periodic
+
+    @property
+    def name(self) -> str:
+        """The server's name: the `server` label of its series in `echo.metrics`."""
+        return self._name
+
+    @property
+    def transport(self) -> TcpTransport | None:
+        """The transport the server was built with (`None`: in-process only)."""
+        return self._transport
 
     @property
     def batch_size(self) -> int:
@@ -422,6 +527,12 @@ class Server:
     def sequence(self) -> Sequence | None:
         """How a sequence table cuts windows; `None` for FIFO and replay servers."""
         return self._config.sequence
+
+    @property
+    def num_drainers(self) -> int:
+        """The most drainer threads the server may start, as given (at most one per CPU core
+        is started)."""
+        return self._config.num_drainers
 
     @property
     def producer_queue_size(self) -> int:
@@ -620,12 +731,20 @@ class Server:
             KeyboardInterrupt: Ctrl-C while waiting.
         """
         transfer = None if device is None else self._transfer_to(device)
-        got = self._core.sample(
-            timeout, copy and transfer is None, writable or transfer is not None
-        )
+        tally = self._tally
+        started = tally.begin_wait()
+        try:
+            got = self._core.sample(
+                timeout, copy and transfer is None, writable or transfer is not None
+            )
+        except BaseException:
+            tally.end_wait(started, None)
+            raise
         if got is None:
+            tally.end_wait(started, None)
             return None
-        leaves, info, meta = got  # meta: the arrays `ServerCore.meta_names` names
+        leaves, info, meta = got
+        tally.end_wait(started, info.wait_ns)  # meta: the arrays `ServerCore.meta_names` names
         batch = self._layout.unflatten(leaves)
         extras = dict(zip(self._meta_names, meta, strict=True))
         return Sample(batch if transfer is None else transfer(batch), info, **extras)
@@ -731,9 +850,9 @@ class Server:
 
         yield from Prefetcher(fetch, depth, timeout)
 
-    def checkpoint(self, path: str | os.PathLike[str]) -> None:
+    def checkpoint(self, path: str | os.PathLike[str], *, extra: Any = None) -> None:
         """Writes a consistent snapshot of the server to the directory `path` while inserts
-        and `sample()` go on.
+        and `sample()` go on, and with `extra` the learner's own state beside it.
 
         Replay: every item's data, key, priority and times-sampled count in insertion order,
         the rate limiter's counters, the sampler's RNG state, the next key and the settings:
@@ -766,23 +885,54 @@ class Server:
         at any point leaves `path` at the previous complete checkpoint or the new one. One
         writer per `path` at a time.
 
+        The manifest also records the settings that are not part of the data
+        (`num_drainers`, `producer_queue_size`), which `restore()` keeps unless told others.
+
+        Args:
+            path: Where the checkpoint goes (a new path, or a checkpoint link to replace).
+            extra: The learner's own state, stored in the same directory and so replaced
+                atomically with the data: a tree of dicts (str keys), lists and tuples whose
+                leaves are numpy arrays, numpy scalars, or JSON values (None, bool, int,
+                float, str), e.g. `{"params": {...}, "opt_state": {...}, "step": 1200}`.
+                `Server.restore(path)` gives it back as `restored_extra`;
+                `echo.checkpoint.read_extra(path)` reads it alone. It is written after the
+                data's snapshot, from the arrays as they are while `checkpoint()` runs: do not
+                modify them in another thread meanwhile. `None`: no extra.
+
         Raises:
+            TypeError: A node of `extra` is not one of the kinds above (a torch tensor, a
+                dataclass, an object array, a dict with a non-str key); the message names its
+                path in the tree (`extra['opt'][1]`). Nothing is written then.
             FileExistsError: `path` exists and is not a checkpoint link (a non-empty
                 directory or a file).
             RuntimeError: Another checkpoint of this server is being written.
             OSError: Writing failed (nothing at `path` changed then).
         """
+        try:
+            self._write_checkpoint(path, extra)
+        except BaseException:
+            self._tally.checkpoint_failures += 1
+            raise
+        self._tally.checkpoints += 1
+
+    def _write_checkpoint(self, path: str | os.PathLike[str], extra: Any) -> None:
         started = time.monotonic()
+        encoded = None if extra is None else _checkpoint.encode_extra(extra)
+        config = self._config
+        tuning = {
+            "num_drainers": config.num_drainers,
+            "producer_queue_size": config.producer_queue_size,
+        }
         if isinstance(self._sampler, Fifo):
             num_buffers = self._core.num_buffers
             assert num_buffers is not None  # a FIFO server always has a ring
             fifo_settings = {"batch_size": self._config.batch_size, "num_buffers": num_buffers}
-            size = _checkpoint.write_fifo(self._core, self._layout, fifo_settings, path)
+            what = _checkpoint.Written(self._layout, fifo_settings, tuning, encoded)
+            size = _checkpoint.write_fifo(self._core, what, path)
             self._core._record_checkpoint(  # pyright: ignore[reportPrivateUsage]
                 time.time(), time.monotonic() - started, size
             )
             return
-        config = self._config
         max_size = self._core.max_size
         assert max_size is not None  # a replay server always has one
         settings = _checkpoint.settings_dict(
@@ -795,7 +945,7 @@ class Server:
             sequence=config.sequence,
         )
         write = _checkpoint.write if config.sequence is None else _checkpoint.write_sequence
-        size = write(self._core, self._layout, settings, path)
+        size = write(self._core, _checkpoint.Written(self._layout, settings, tuning, encoded), path)
         self._core._record_checkpoint(  # pyright: ignore[reportPrivateUsage]
             time.time(), time.monotonic() - started, size
         )
@@ -807,10 +957,22 @@ class Server:
         example: Any = None,
         *,
         transport: Any = None,
+        num_buffers: int | None = None,
+        num_drainers: int | None = None,
+        producer_queue_size: int | None = None,
         pin_host_memory: bool = False,
+        batch_size: int | None = None,
+        sampler: Sampler | None = None,
+        remover: Remover | None = None,
+        max_size: int | None = None,
+        rate_limiter: RateLimiter | None = None,
+        max_times_sampled: int | None = None,
+        sequence: Sequence | None = None,
         checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: float | None = None,
         checkpoint_keep: int = 3,
+        checkpoint_extra: Callable[[], Any] | None = None,
+        name: str = "default",
     ) -> Server:
         """A new server with the contents and settings of the checkpoint at `path` (written
         by `checkpoint()`).
@@ -830,6 +992,24 @@ class Server:
         from a background thread as `sample()` makes room; `submit()` and the transport's
         inserts wait for them.
 
+        Settings. Those that are part of the data (`batch_size`, `max_size`, `sampler`,
+        `remover`, `rate_limiter`, `max_times_sampled`, `sequence`) are the checkpoint's:
+        the restored server continues the recorded sampling (its RNG state, its limiter's
+        counters, a FIFO ring's batches), which another value would silently change, so
+        passing one is only a check, and a different value raises `ValueError`. The rest
+        tune the server and do not touch the data: `num_drainers` and
+        `producer_queue_size` are recorded in the checkpoint and kept unless given here
+        (checkpoints written before they were recorded restore with the defaults);
+        `num_buffers` (FIFO) is the checkpoint's unless given (samples that do not fit a
+        smaller ring at once go in as `sample()` makes room); `transport`, `pin_host_memory`
+        and the periodic checkpoint settings belong to the process, not to the data, and are
+        never taken from the checkpoint. The seed is not an argument: the checkpoint holds the
+        sampler's RNG state, which a restore continues.
+
+        The checkpoint's `extra` (the learner's state, see `checkpoint()`) is
+        `restored_extra` on the new server: read from the same directory as the data, so the
+        two belong together even while periodic checkpoints replace `path`.
+
         Like the constructor, it returns a server that is not started: call `start()` (or use
         `with`) to bind `transport`; `submit()` and `sample()` work at once.
 
@@ -842,26 +1022,69 @@ class Server:
                 shapes). `None` rebuilds the example from the manifest, which works for trees
                 of dicts with str keys (pass `example` for tuples, lists or namedtuples).
             transport: As the constructor's.
+            num_buffers: FIFO only: the ring's batches; `None` keeps the checkpoint's.
+            num_drainers: As the constructor's; `None` keeps the checkpoint's (default 8).
+            producer_queue_size: As the constructor's; `None` keeps the checkpoint's (the
+                automatic size if the checkpoint's server had it).
             pin_host_memory: As the constructor's.
+            batch_size: Checked against the checkpoint's (see Settings above).
+            sampler: Checked against the checkpoint's.
+            remover: Checked against the checkpoint's.
+            max_size: Checked against the checkpoint's.
+            rate_limiter: Checked against the checkpoint's.
+            max_times_sampled: Checked against the checkpoint's.
+            sequence: Checked against the checkpoint's.
             checkpoint_dir: As the constructor's; periodic checkpoints start once the
                 contents are restored.
             checkpoint_every: As the constructor's.
             checkpoint_keep: As the constructor's.
+            checkpoint_extra: As the constructor's.
+            name: As the constructor's.
 
         Raises:
             CheckpointError: (a `ValueError`) a file is missing, truncated or corrupted, the
                 format version is newer than this echo reads, or `example` does not match;
                 the message names the file.
+            ValueError: A setting that is part of the data differs from the checkpoint's, or
+                does not apply to its kind (`max_size` for a FIFO checkpoint, `num_buffers`
+                for a replay one); the message names the setting, the checkpoint's value and
+                the one given. Or a tuning setting is out of range, as in the constructor.
+            TypeError: An argument has the wrong type, as in the constructor.
         """
-        loaded = _checkpoint.read(path, example)
-        kwargs = loaded.server_kwargs()
         periodic = _periodic_args(
-            kwargs.get("sampler", Fifo()), checkpoint_dir, checkpoint_every, checkpoint_keep
+            checkpoint_dir, checkpoint_every, checkpoint_keep, checkpoint_extra
         )
+        loaded = _checkpoint.read(path, example)
+        kwargs = _restored_settings(
+            loaded,
+            {
+                "batch_size": batch_size,
+                "sampler": sampler,
+                "remover": remover,
+                "max_size": max_size,
+                "rate_limiter": rate_limiter,
+                "max_times_sampled": max_times_sampled,
+                "sequence": sequence,
+            },
+            os.fspath(path),
+        )
+        if num_buffers is not None:
+            if not loaded.fifo:
+                raise ValueError(
+                    f"restore(): num_buffers={num_buffers!r} does not apply: the checkpoint at "
+                    f"{os.fspath(path)} is a replay table (num_buffers sizes the FIFO ring)"
+                )
+            kwargs["num_buffers"] = num_buffers
+        tuning = loaded.tuning
         server = cls(
             loaded.example,
             transport=transport,
+            num_drainers=tuning.get("num_drainers", 8) if num_drainers is None else num_drainers,
+            producer_queue_size=tuning.get("producer_queue_size")
+            if producer_queue_size is None
+            else producer_queue_size,
             pin_host_memory=pin_host_memory,
+            name=name,
             **kwargs,
         )
         try:
@@ -889,9 +1112,18 @@ class Server:
         except BaseException:
             server.close()
             raise
+        server._restored_extra = loaded.extra  # pyright: ignore[reportPrivateUsage]
         if periodic is not None:
-            server._start_periodic(*periodic)  # pyright: ignore[reportPrivateUsage]
+            server._start_periodic(periodic)  # pyright: ignore[reportPrivateUsage]
         return server
+
+    @property
+    def restored_extra(self) -> Any:
+        """The `extra` of the checkpoint this server was restored from (see `checkpoint()`):
+        the learner's state, read from the same checkpoint directory as the data. `None` for
+        a server built by the constructor, or restored from a checkpoint without one. Arrays
+        are in memory (not memory-mapped), so they outlive the checkpoint's files."""
+        return self._restored_extra
 
     def stats(self) -> SampleInfo:
         """The server's counters now, without sampling (`sequence` and `wait_ns` are 0)."""
@@ -922,6 +1154,9 @@ class Server:
         Stops the periodic checkpoints' thread and joins it (a checkpoint in progress
         completes, or fails and removes what it wrote; the wait is bounded).
         """
+        hooks, self._close_hooks = self._close_hooks, []
+        for hook in hooks:
+            hook()
         periodic = self._periodic
         if periodic is not None:
             periodic.request_stop()

@@ -668,3 +668,35 @@ def test_setups_are_used() -> None:
         if b.file is not None:
             others = [o for o in BLOCKS if o.path == b.path and o is not b]
             assert any(b.file in o.code for o in others), f"{b.id}: nothing uses {b.file}"
+
+
+# Sentences the code proved wrong, as regular expressions over each page with its whitespace
+# collapsed (so a sentence broken across lines still matches), each with what is true instead.
+# A page that says one again fails here, whatever its examples do.
+STALE_SENTENCES = {
+    r"the wire format has no priority field": (
+        "TcpClient.send(priority=) and send_batch(priority=) carry a priority over wire v2"
+    ),
+    r"rule it out \([^)]*`reconnect=True`": (
+        "reconnect=True does not rule out shared memory: each new connection asks again"
+    ),
+    r"wire protocol is that of the published `id-echo` 0\.2\.1": (
+        "echo speaks wire v2 and falls back to v1 (id-echo 0.2.1) with its peers"
+    ),
+    r"`TcpClient`, wire protocol v1\)": (
+        "echo speaks wire v2 and falls back to v1 (id-echo 0.2.1) with its peers"
+    ),
+    r"carries shapes and element sizes, not dtypes": (
+        "wire v2 checks every leaf's dtype, byte order and name"
+    ),
+}
+
+
+@pytest.mark.parametrize("pattern", STALE_SENTENCES)
+def test_no_page_repeats_a_stale_sentence(pattern: str) -> None:
+    found = []
+    for path in _markdown_files():
+        text = " ".join(path.read_text(encoding="utf-8").split())
+        for match in re.finditer(pattern, text, flags=re.IGNORECASE):
+            found.append(f"{path.relative_to(ROOT).as_posix()}: ...{match.group(0)}...")
+    assert not found, f"stale: {'; '.join(found)} (true instead: {STALE_SENTENCES[pattern]})"

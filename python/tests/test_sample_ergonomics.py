@@ -221,6 +221,54 @@ def test_a_partly_drawn_batch_survives_the_timeout(make_server: Any, make_sample
     assert [int(i) for i in take(server).batch["id"]] == [0, 3, 2, 1]
 
 
+SUBMIT_TIMEOUT = "submit(): timed out waiting for space (or for the rate limiter)"
+RATIO = echo.SampleToInsertRatio(4.0, 8, 6.0)
+RATIO_REPR = "SampleToInsertRatio(samples_per_insert=4.0, min_size_to_sample=8, error_buffer=6.0)"
+
+
+def test_a_prefill_that_outruns_the_limiter_says_where_it_stops(
+    make_server: Any, make_sample: Any
+) -> None:
+    # max_diff = 8 * 4 + 6 = 38: without a sample, the 9th insert would take the diff to 40.
+    server = _replay(make_server, make_sample, 9, rate_limiter=RATIO, max_size=64)
+    with pytest.raises(TimeoutError) as caught:
+        server.submit(make_sample(9), timeout=0.01)
+    assert str(caught.value) == (
+        f"{SUBMIT_TIMEOUT}: the rate limiter {RATIO_REPR} holds inserts back (inserts=9, "
+        "samples=0, table size 9): inserts * samples_per_insert - samples = 36.0 and an insert "
+        "may not take it above max_diff = 38.0; each sampled item allows 1 / "
+        "samples_per_insert = 0.25 more inserts. Until something samples, no insert goes in: "
+        "a prefill that never calls sample() stops at 9 inserts (min_size_to_sample 8 + "
+        "error_buffer 6.0 / samples_per_insert 4.0); sample while you insert, or widen "
+        "error_buffer"
+    )
+    take(server)  # 4 samples: the diff falls to 32, and one more insert fits
+    server.submit(make_sample(9), timeout=0)
+
+
+def test_a_submit_batch_timeout_says_how_many_went_in_and_names_the_limiter(
+    make_server: Any, make_sample: Any
+) -> None:
+    server = _replay(make_server, make_sample, 0, rate_limiter=echo.Queue(3), max_size=16)
+    rows = {"id": np.arange(5, dtype=np.int64), "obs": np.zeros((5, 3), np.float32)}
+    with pytest.raises(TimeoutError) as caught:
+        server.submit_batch(rows, timeout=0.01)
+    assert str(caught.value) == (
+        "submit_batch(): timed out after inserting 3 of the 5 rows (the first 3, in order); "
+        "submit the rest again: the rate limiter Queue(size=3) holds inserts back (inserts=3, "
+        "samples=0, table size 3): 3 items are inserted and not yet sampled, the most "
+        "Queue(size) allows; each sampled item allows one more insert"
+    )
+
+
+def test_a_fifo_submit_timeout_keeps_its_message(make_server: Any, make_sample: Any) -> None:
+    server = make_server(num_buffers=2)
+    for i in range(8):
+        server.submit(make_sample(i), timeout=0)
+    with pytest.raises(TimeoutError, match=f"^{re.escape(SUBMIT_TIMEOUT)}$"):
+        server.submit(make_sample(8), timeout=0.01)
+
+
 # --- pickling -------------------------------------------------------------------------------
 
 

@@ -2,7 +2,8 @@
 //! handshake against the example, and sends each sample straight from its numpy buffers with
 //! one vectored write; every wait releases the GIL and honours Ctrl-C.
 
-use std::time::Instant;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use numpy::{PyReadonlyArrayDyn, PyUntypedArray};
 use parking_lot::Mutex;
@@ -12,10 +13,12 @@ use pyo3::prelude::*;
 use super::config::{resolve_token, seconds};
 use super::errors::{error_in, to_pyerr, Call};
 use super::leaves::{byte_slices, episode_end, episode_ends, LeafSpecs};
-use super::{deadline_after, deadline_from_timeout, detach, wait_detached};
+use super::{deadline_after, deadline_from_timeout, detach, reattach, wait_detached};
 use crate::error::EchoError;
 use crate::source::Rows;
-use crate::transport::client::{ClientConfig, Protocol, SharedMemory, TcpSender};
+use crate::transport::client::{
+    ClientConfig, Protocol, Resolve, Resolver, SharedMemory, TcpSender,
+};
 use crate::transport::wire::v2::FrameMeta;
 
 /// Samples at or above this many bytes are written with the GIL released.
@@ -26,13 +29,45 @@ const DETACH_WRITE_BYTES: usize = 64 * 1024;
 pub(crate) struct PyTcpSender {
     leaves: LeafSpecs,
     sender: Mutex<TcpSender>,
+    /// What the resolver raised, if it did: the call that was connecting raises it.
+    raised: Arc<Mutex<Option<PyErr>>>,
+}
+
+/// A Python callable as the client's [`Resolve`]: `resolver(last)` with `last` `None` or
+/// `(host, port, why the previous attempt ended)`, returning `(host, port)` or `None` (no
+/// server yet). Called with the GIL re-taken before each connection attempt.
+struct PyResolver {
+    callable: Py<PyAny>,
+    raised: Arc<Mutex<Option<PyErr>>>,
+}
+
+impl Resolve for PyResolver {
+    fn resolve(&self, last: Option<(&str, u16, &str)>) -> Result<Option<(String, u16)>, EchoError> {
+        reattach(|py| {
+            let answer = self
+                .callable
+                .call1(py, (last,))
+                .and_then(|out| out.extract::<Option<(String, u16)>>(py));
+            answer.map_err(|err| {
+                let message = format!("the address resolver raised {err}");
+                *self.raised.lock() = Some(err);
+                EchoError::Disconnected(message)
+            })
+        })
+    }
 }
 
 #[pymethods]
 impl PyTcpSender {
     /// Connects to `host:port`, negotiates the wire protocol and checks that the server stores
     /// samples shaped like ours.
+    ///
+    /// `dial_timeout` bounds the first connection when it is retried (with reconnection or a
+    /// `resolver`), each attempt taking at most `connect_timeout`; `None`: `connect_timeout`.
     #[new]
+    #[pyo3(signature = (host, port, layout, max_inflight, connect_timeout, protocol, token,
+        reconnect_timeout, heartbeat_timeout, shared_memory, dial_timeout=None, resolver=None,
+        name=None))]
     #[allow(clippy::too_many_arguments)] // One per `TcpClient` setting, checked there.
     fn new(
         py: Python<'_>,
@@ -46,6 +81,9 @@ impl PyTcpSender {
         reconnect_timeout: Option<f64>,
         heartbeat_timeout: Option<f64>,
         shared_memory: Option<bool>,
+        dial_timeout: Option<f64>,
+        resolver: Option<Py<PyAny>>,
+        name: Option<String>,
     ) -> PyResult<Self> {
         if max_inflight == 0 {
             return Err(PyValueError::new_err("max_inflight_msgs must be >= 1, got 0"));
@@ -78,14 +116,22 @@ impl PyTcpSender {
             Some(false) => SharedMemory::Off,
             Some(true) => SharedMemory::Required,
         };
-        // One deadline for the whole connect and handshake (too large for a `Duration`: none).
-        let deadline = deadline_after("connect_timeout", Some(connect_timeout))?;
-        let mut connecting = TcpSender::connecting(config, deadline).map_err(to_pyerr)?;
+        let raised = Arc::new(Mutex::new(None));
+        config.resolver = resolver.map(|callable| {
+            Resolver(Arc::new(PyResolver { callable, raised: Arc::clone(&raised) }))
+        });
+        config.name = name;
+        // One deadline for the whole connect and handshake, retries included (too large for a
+        // `Duration`: none).
+        let deadline =
+            deadline_after("connect_timeout", Some(dial_timeout.unwrap_or(connect_timeout)))?;
+        let each = Duration::try_from_secs_f64(connect_timeout).ok();
+        let mut dialing = TcpSender::connecting(config, deadline, each).map_err(to_pyerr)?;
         // Polled in slices with the GIL released, so Ctrl-C interrupts a slow connect.
-        let sender = wait_detached(py, None, |slice_end| connecting.poll(slice_end).transpose())?
+        let sender = wait_detached(py, None, |slice_end| dialing.poll(slice_end).transpose())?
             .expect("waits without a deadline until the connect succeeds or fails")
-            .map_err(to_pyerr)?;
-        Ok(Self { leaves, sender: Mutex::new(sender) })
+            .map_err(|e| raised.lock().take().unwrap_or_else(|| to_pyerr(e)))?;
+        Ok(Self { leaves, sender: Mutex::new(sender), raised })
     }
 
     /// Sends one sample (a pytree like the example), with `priority` (v2 replay servers);
@@ -150,7 +196,9 @@ impl PyTcpSender {
                 }
             });
             match outcome {
-                Ok(Some(result)) => return result.map(|()| n).map_err(|e| error_in(Call::Send, e)),
+                Ok(Some(result)) => {
+                    return result.map(|()| n).map_err(|e| self.error(Call::Send, e))
+                }
                 // The timeout only bounds waiting for window room: a row whose first bytes
                 // are on the wire is finished (or the stream would be misaligned).
                 Ok(None) if sender.lock().in_progress() > 0 => deadline = None,
@@ -185,7 +233,7 @@ impl PyTcpSender {
                 other => Some(other),
             }
         })?;
-        done.unwrap_or(Err(EchoError::TimedOut)).map_err(|e| error_in(Call::Wait, e))
+        done.unwrap_or(Err(EchoError::TimedOut)).map_err(|e| self.error(Call::Wait, e))
     }
 
     /// Flushes (waits for the acks of everything sent, at most `timeout` seconds), then closes
@@ -254,6 +302,11 @@ impl PyTcpSender {
 }
 
 impl PyTcpSender {
+    /// `err`, raised by `call`, as its exception: what the resolver raised, if that was it.
+    fn error(&self, call: Call, err: EchoError) -> PyErr {
+        self.raised.lock().take().unwrap_or_else(|| error_in(call, err))
+    }
+
     /// Reads one value off the sender, waiting (detached) while a `send` holds it.
     fn read<T: Send>(&self, py: Python<'_>, get: impl FnOnce(&TcpSender) -> T + Send) -> T {
         let sender = &self.sender;
@@ -275,7 +328,7 @@ impl PyTcpSender {
                     // No room yet, or the socket filled mid-sample: the loop below waits, and
                     // resumes a started sample where it stopped.
                     Err(EchoError::TimedOut | EchoError::Stalled) => {}
-                    other => return other.map_err(|e| error_in(Call::Send, e)),
+                    other => return other.map_err(|e| self.error(Call::Send, e)),
                 }
             }
         }
@@ -290,7 +343,7 @@ impl PyTcpSender {
                 }
             });
             match done {
-                Ok(Some(result)) => return result.map_err(|e| error_in(Call::Send, e)),
+                Ok(Some(result)) => return result.map_err(|e| self.error(Call::Send, e)),
                 // The user's timeout only bounds the wait for window room: a sample whose
                 // first bytes are on the wire is finished (or the stream would be misaligned).
                 Ok(None) if sender.lock().in_progress() > 0 => deadline = None,

@@ -12,7 +12,7 @@ use pyo3::exceptions::{
 use pyo3::prelude::*;
 
 use crate::error::EchoError;
-use crate::replay::SampleHoldback;
+use crate::replay::{InsertHoldback, SampleHoldback};
 
 pyo3::create_exception!(
     echo._echo,
@@ -97,6 +97,30 @@ pub(crate) fn sample_timed_out(holdback: Option<&SampleHoldback>, limiter: &str)
             holdback.explain(limiter)
         )),
     }
+}
+
+/// The `TimeoutError` of a `submit()` (or `submit_batch()`, `call` naming it, after
+/// `inserted` of its rows) whose deadline passed. A replay or sequence table says what held
+/// it back (`holdback`, with `limiter` the rate limiter's repr), as `sample()`'s timeout
+/// does: a prefill that outran the limiter learns so, and where it stops. The FIFO ring (no
+/// `holdback`) keeps the plain message.
+pub(crate) fn submit_timed_out(
+    call: &str,
+    inserted: Option<(usize, usize)>,
+    holdback: Option<&InsertHoldback>,
+    limiter: &str,
+) -> PyErr {
+    let mut text = match inserted {
+        None => format!("{call}: {}", Call::Submit.timed_out()),
+        Some((done, n)) => format!(
+            "{call}: timed out after inserting {done} of the {n} rows (the first {done}, in \
+             order); submit the rest again"
+        ),
+    };
+    if let Some(holdback) = holdback {
+        text += &format!(": {}", holdback.explain(limiter));
+    }
+    PyTimeoutError::new_err(text)
 }
 
 /// A core error as the exception a Python user expects (messages as the core words them).

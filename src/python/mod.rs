@@ -59,6 +59,27 @@ pub(crate) fn detach<T: Send>(py: Python<'_>, f: impl FnOnce() -> T + Send) -> T
     out
 }
 
+/// Runs `f` with the GIL re-taken from inside a [`detach`]ed section (a callback the core
+/// makes while a call waits detached), with the same exit protocol: at interpreter exit it
+/// parks instead of taking the GIL.
+pub(crate) fn reattach<T>(f: impl for<'py> FnOnce(Python<'py>) -> T) -> T {
+    // ORDERING: SeqCst — as in `detach`: the increment and our load of the flag, and the
+    // exit hook's store of the flag and load of the count, are totally ordered.
+    REATTACHING.fetch_add(1, Ordering::SeqCst);
+    // ORDERING: SeqCst — see above.
+    if INTERPRETER_EXITING.load(Ordering::SeqCst) && !is_exit_thread() {
+        // ORDERING: SeqCst — see above.
+        REATTACHING.fetch_sub(1, Ordering::SeqCst);
+        loop {
+            std::thread::park();
+        }
+    }
+    let out = Python::attach(f);
+    // ORDERING: SeqCst — see above; the GIL is released again.
+    REATTACHING.fetch_sub(1, Ordering::SeqCst);
+    out
+}
+
 /// The thread that ran the `atexit` hook: it finalises the interpreter, holds the GIL through
 /// it, and must keep working (e.g. an earlier-registered `atexit` handler calling `close()`).
 static EXIT_THREAD: std::sync::OnceLock<std::thread::ThreadId> = std::sync::OnceLock::new();

@@ -12,12 +12,12 @@ use std::time::Instant;
 use numpy::npyffi::npy_intp;
 use numpy::{PyArray1, PyArrayDescr, PyReadonlyArray1, PyReadonlyArrayDyn, PyUntypedArray};
 use parking_lot::{Mutex, MutexGuard};
-use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 
 use super::config::{ServerConfig, TcpArg};
-use super::errors::{error_in, sample_timed_out, to_pyerr, Call};
+use super::errors::{error_in, sample_timed_out, submit_timed_out, to_pyerr, Call};
 use super::info::{HistSnapshot, LastCheckpoint, SampleInfo, Snapshot};
 use super::leaves::{byte_slices, episode_end, episode_ends, LeafSpecs};
 use super::views::{batch_copies, batch_views, LeafLayout, RingLease};
@@ -302,11 +302,12 @@ impl PyServerCore {
         match outcome {
             Some(Ok(())) => Ok(n),
             Some(Err(err)) => Err(error_in(Call::Submit, err)),
-            None if done == 0 => Err(error_in(Call::Submit, EchoError::TimedOut)),
-            None => Err(PyTimeoutError::new_err(format!(
-                "submit_batch(): timed out after inserting {done} of the {n} rows (the first \
-                 {done}, in order); submit the rest again"
-            ))),
+            None => {
+                let holdback = self.backend.insert_holdback();
+                let inserted = (done > 0).then_some((done, n));
+                let call = if inserted.is_some() { "submit_batch()" } else { "submit()" };
+                Err(submit_timed_out(call, inserted, holdback.as_ref(), &self.limiter_repr))
+            }
         }
     }
 
@@ -741,7 +742,10 @@ impl PyServerCore {
             Err(err) if err.is_timeout_before_any() => None,
             done => Some(done),
         })?;
-        let result = done.unwrap_or_else(|| Err(EchoError::TimedOut.into()));
+        let Some(result) = done else {
+            let holdback = self.backend.insert_holdback();
+            return Err(submit_timed_out("submit()", None, holdback.as_ref(), &self.limiter_repr));
+        };
         result.map_err(|e| error_in(Call::Submit, e.error))
     }
 

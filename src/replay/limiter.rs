@@ -223,6 +223,77 @@ impl SampleHoldback {
     }
 }
 
+/// What held a replay insert back when its deadline passed: the limiter and its counters,
+/// read under the table's lock once the insert gave up. It tells a prefill that outran the
+/// limiter (nothing samples, so nothing more may go in) from a table whose slots are all
+/// being written.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct InsertHoldback {
+    /// The table's rate limiter.
+    pub limit: RateLimit,
+    /// Items ever inserted, as the limiter counts them (when their slot is reserved).
+    pub inserts: u64,
+    /// Items ever handed out, as the limiter counts them (a batch of `b` counts `b`).
+    pub samples: u64,
+    /// Items in the table as the limiter sees it (being written included).
+    pub size: u64,
+}
+
+impl InsertHoldback {
+    /// Whether the rate limiter holds inserts back now (rather than the table's slots).
+    pub fn is_rate_limited(&self) -> bool {
+        !RateLimiter::new(self.limit).with_counts(self.inserts, self.samples).can_insert(self.size)
+    }
+
+    /// One sentence for a timeout message, naming the limiter as `limiter` (its Python
+    /// `repr`).
+    pub fn explain(&self, limiter: &str) -> String {
+        let Self { limit, inserts, samples, size } = *self;
+        let counters = format!("inserts={inserts}, samples={samples}, table size {size}");
+        if !self.is_rate_limited() {
+            return format!(
+                "the rate limiter {limiter} allows inserts ({counters}): the insert waited for \
+                 a slot of the table (all of them being written) or for a restore's samples"
+            );
+        }
+        let mut text = format!("the rate limiter {limiter} holds inserts back ({counters}): ");
+        match limit {
+            RateLimit::Queue(size) => {
+                text += &format!(
+                    "{size} items are inserted and not yet sampled, the most Queue(size) \
+                     allows; each sampled item allows one more insert"
+                );
+            }
+            RateLimit::MinSize(_) => text += "MinSize never holds inserts back",
+            RateLimit::SampleToInsertRatio {
+                samples_per_insert: spi,
+                min_size_to_sample,
+                min_diff,
+                max_diff,
+            } => {
+                #[allow(clippy::cast_precision_loss)] // counts far below 2^52 in any real run
+                let diff = inserts as f64 * spi - samples as f64;
+                // A prefill that never samples: inserts go in while `inserts * spi + spi <=
+                // max_diff` (or below min_size_to_sample), so it stops at this many.
+                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+                let prefill = ((max_diff / spi).floor().max(0.0) as u64).max(min_size_to_sample);
+                let error_buffer = (max_diff - min_diff) / 2.0;
+                text += &format!(
+                    "inserts * samples_per_insert - samples = {diff:?} and an insert may not \
+                     take it above max_diff = {max_diff:?}; each sampled item allows \
+                     1 / samples_per_insert = {:?} more inserts. Until something samples, no \
+                     insert goes in: a prefill that never calls sample() stops at {prefill} \
+                     inserts (min_size_to_sample {min_size_to_sample} + error_buffer \
+                     {error_buffer:?} / samples_per_insert {spi:?}); sample while you insert, \
+                     or widen error_buffer",
+                    1.0 / spi
+                );
+            }
+        }
+        text
+    }
+}
+
 /// The limiter's state. Not synchronised: the table keeps it under its lock.
 #[derive(Debug, Clone)]
 pub(crate) struct RateLimiter {
@@ -248,6 +319,12 @@ impl RateLimiter {
             RateLimit::Queue(size) => (1.0, 1, 0.0, size as f64),
         };
         Self { samples_per_insert, min_size_to_sample, min_diff, max_diff, inserts: 0, samples: 0 }
+    }
+
+    /// This limiter with the counters `inserts` and `samples`.
+    fn with_counts(mut self, inserts: u64, samples: u64) -> Self {
+        self.set_counts(inserts, samples);
+        self
     }
 
     #[allow(clippy::cast_precision_loss)] // counts far below 2^52 in any real run
@@ -381,6 +458,32 @@ mod tests {
             RateLimit::sample_to_insert_ratio(8.0, 10, 20.0).to_string(),
             "SampleToInsertRatio(samples_per_insert=8.0, min_size_to_sample=10, \
              error_buffer=(60.0, 100.0))"
+        );
+    }
+
+    #[test]
+    fn an_insert_holdback_names_the_limiter_and_where_a_prefill_stops() {
+        let ratio = RateLimit::sample_to_insert_ratio(4.0, 100, 20.0);
+        let held = InsertHoldback { limit: ratio, inserts: 105, samples: 0, size: 105 };
+        assert!(held.is_rate_limited());
+        assert_eq!(
+            held.explain("R"),
+            "the rate limiter R holds inserts back (inserts=105, samples=0, table size 105): \
+             inserts * samples_per_insert - samples = 420.0 and an insert may not take it \
+             above max_diff = 420.0; each sampled item allows 1 / samples_per_insert = 0.25 \
+             more inserts. Until something samples, no insert goes in: a prefill that never \
+             calls sample() stops at 105 inserts (min_size_to_sample 100 + error_buffer 20.0 / \
+             samples_per_insert 4.0); sample while you insert, or widen error_buffer"
+        );
+        let below = InsertHoldback { limit: ratio, inserts: 104, samples: 0, size: 104 };
+        assert!(!below.is_rate_limited(), "one more insert fits");
+        assert!(below.explain("R").starts_with("the rate limiter R allows inserts"));
+        let queue = InsertHoldback { limit: RateLimit::Queue(4), inserts: 12, samples: 8, size: 4 };
+        assert_eq!(
+            queue.explain("Queue(size=4)"),
+            "the rate limiter Queue(size=4) holds inserts back (inserts=12, samples=8, table \
+             size 4): 4 items are inserted and not yet sampled, the most Queue(size) allows; \
+             each sampled item allows one more insert"
         );
     }
 

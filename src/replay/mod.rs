@@ -25,7 +25,7 @@ mod sequence;
 pub mod sumtree;
 mod table;
 
-pub use limiter::{RateLimit, SampleHoldback};
+pub use limiter::{InsertHoldback, RateLimit, SampleHoldback};
 pub use select::{RemoverKind, SamplerKind};
 pub use sequence::{
     AtEnd, EpisodeEnd, SequenceCheckpoint, SequenceConfig, SequenceConsumer, SequenceSnapshot,

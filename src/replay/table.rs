@@ -50,7 +50,7 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 use crate::error::{EchoError, InsertError};
 use crate::ingress::QueuedSamples;
 use crate::metrics::Counter;
-use crate::replay::limiter::{RateLimit, RateLimiter, SampleHoldback};
+use crate::replay::limiter::{InsertHoldback, RateLimit, RateLimiter, SampleHoldback};
 use crate::replay::rng::Rng;
 use crate::replay::select::{
     new_remover, new_sampler, ItemRemover, ItemSampler, RemoverKind, SamplerKind,
@@ -762,6 +762,14 @@ impl Table {
     /// 1 while the consumer is parked in `sample` waiting for items or the rate limiter.
     pub fn waiting_samples(&self) -> u64 {
         self.state.lock().waiting_samples
+    }
+
+    /// The limiter and its counters now, for the message of an insert that timed out.
+    pub fn insert_holdback(&self) -> InsertHoldback {
+        let state = self.state.lock();
+        let (inserts, samples) = state.limiter.counts();
+        let size = (state.live + state.writing) as u64;
+        InsertHoldback { limit: self.config.rate_limit, inserts, samples, size }
     }
 
     /// `(inserts, samples)` as the rate limiter counts them (inserts when their slot is

@@ -128,6 +128,34 @@ pub struct ClientConfig {
     pub reconnect_timeout: Option<Duration>,
     /// Whether to send through same-host shared memory.
     pub shared_memory: SharedMemory,
+    /// Where to connect, asked before every connection attempt (the first and each
+    /// reconnection) when set: `host` and `port` are then only its fallback. A client follows
+    /// a server that moves this way (a learner restarted on another node and port).
+    pub resolver: Option<Resolver>,
+    /// How the client names itself in its log lines (besides the server's address).
+    pub name: Option<String>,
+}
+
+/// Where a client connects next ([`ClientConfig::resolver`]).
+pub trait Resolve: Send + Sync {
+    /// The address to try now. `last` is the address of the previous attempt or connection
+    /// and why it ended (`None` before the first attempt). `Ok(None)`: no server to try yet;
+    /// the client backs off and asks again until its deadline.
+    ///
+    /// # Errors
+    /// Any error ends the client's attempts: it becomes the error of the call that was
+    /// connecting (the first connect, or the `send`/`wait` that was reconnecting).
+    fn resolve(&self, last: Option<(&str, u16, &str)>) -> Result<Option<(String, u16)>, EchoError>;
+}
+
+/// A shared [`Resolve`] (cloned with the settings).
+#[derive(Clone)]
+pub struct Resolver(pub std::sync::Arc<dyn Resolve>);
+
+impl std::fmt::Debug for Resolver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Resolver(..)")
+    }
 }
 
 impl ClientConfig {
@@ -145,6 +173,8 @@ impl ClientConfig {
             heartbeat_timeout: Some(Duration::from_secs(10)),
             reconnect_timeout: None,
             shared_memory: SharedMemory::Off,
+            resolver: None,
+            name: None,
         }
     }
 
@@ -157,8 +187,18 @@ impl ClientConfig {
             && cfg!(target_os = "linux")
     }
 
-    fn address(&self) -> String {
-        format!("{}:{}", self.host, self.port)
+    /// Whether a failed first connection is tried again (until the deadline): with
+    /// reconnection (the server may not be up yet) or a resolver (it may know none yet).
+    fn retries(&self) -> bool {
+        self.reconnect_timeout.is_some() || self.resolver.is_some()
+    }
+
+    /// How log lines name this client talking to `address`: `name (address)`, or the address.
+    fn who(&self, address: &str) -> String {
+        match &self.name {
+            Some(name) => format!("{name} ({address})"),
+            None => address.to_owned(),
+        }
     }
 
     fn validate(&self) -> Result<(), EchoError> {
@@ -301,6 +341,8 @@ struct Established {
 /// it abandons the connect (its thread ends on its own, at the latest at the deadline).
 pub struct Connecting {
     config: Arc<ClientConfig>,
+    /// Where this attempt connects, and the same as `host:port`.
+    target: (String, u16),
     address: String,
     started: Instant,
     deadline: Option<Instant>,
@@ -321,19 +363,22 @@ pub struct Connecting {
 impl Connecting {
     fn start(
         config: Arc<ClientConfig>,
+        target: (String, u16),
         session: [u8; 16],
         first_seq: u64,
         deadline: Option<Instant>,
     ) -> Result<Self, EchoError> {
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        let target = (config.host.clone(), config.port);
+        let address = format!("{}:{}", target.0, target.1);
         // std has no non-blocking connect: it runs on a short-lived thread of its own, bounded
         // by `deadline`, and `poll` waits for its result in slices.
+        let (host, port) = target.clone();
         thread::Builder::new().name("echo-client-connect".into()).spawn(move || {
-            let _ = tx.send(open_stream(&target.0, target.1, deadline));
+            let _ = tx.send(open_stream(&host, port, deadline));
         })?;
         Ok(Self {
-            address: config.address(),
+            address,
+            target,
             config,
             started: Instant::now(),
             deadline,
@@ -735,6 +780,117 @@ fn is_self_connected(stream: &TcpStream) -> bool {
     matches!((stream.local_addr(), stream.peer_addr()), (Ok(local), Ok(peer)) if local == peer)
 }
 
+/// A first connection being made ([`TcpSender::connecting`]).
+///
+/// Without retries it is one [`Connecting`] attempt, whose error is the connect's. A client
+/// that reconnects, or has a resolver, also retries its first connection: a worker started
+/// before its learner listens (or before any learner is registered) waits for it. Refused,
+/// reset or timed-out attempts and closed handshakes are tried again after the reconnection
+/// backoff, asking the resolver each time, until the deadline; then the error is a
+/// `TimedOut` one naming the last address and why it failed. Errors that another attempt
+/// would only repeat (a layout, token or protocol refusal, `SharedMemory::Required` not
+/// met, the resolver's own) end it at once.
+pub struct Dialing {
+    config: Arc<ClientConfig>,
+    session: [u8; 16],
+    retry: bool,
+    started: Instant,
+    deadline: Option<Instant>,
+    attempt_timeout: Option<Duration>,
+    /// Failed attempts so far.
+    attempt: u32,
+    next_try: Instant,
+    current: Option<Connecting>,
+    /// The previous attempt's address and why it failed.
+    last: Option<((String, u16), String)>,
+}
+
+impl Dialing {
+    /// Waits until `until` (or the deadline, if sooner) for a connection. `Ok(None)`: not
+    /// yet, call again.
+    ///
+    /// # Errors
+    /// As [`Connecting::poll`]; with retries, a `TimedOut` [`EchoError::Io`] once the
+    /// deadline passes, and whatever the resolver returned.
+    pub fn poll(&mut self, until: Instant) -> Result<Option<TcpSender>, EchoError> {
+        loop {
+            let now = Instant::now();
+            let until = self.deadline.map_or(until, |d| d.min(until));
+            let Some(connecting) = &mut self.current else {
+                if self.deadline.is_some_and(|d| now >= d) && self.last.is_some() {
+                    return Err(self.timed_out());
+                }
+                if now < self.next_try {
+                    if now >= until {
+                        return Ok(None);
+                    }
+                    thread::sleep(self.next_try.min(until) - now);
+                    continue;
+                }
+                let last = self.last.as_ref().map(|((h, p), why)| (h.as_str(), *p, why.as_str()));
+                let target = match &self.config.resolver {
+                    None => Some((self.config.host.clone(), self.config.port)),
+                    Some(resolver) => resolver.0.resolve(last)?,
+                };
+                let Some(target) = target else {
+                    let fallback = (self.config.host.clone(), self.config.port);
+                    let target = self.last.take().map_or(fallback, |(target, _)| target);
+                    self.failed(target, "no server to connect to yet".into());
+                    continue;
+                };
+                let mut deadline = self.deadline;
+                if self.retry {
+                    if let Some(each) = self.attempt_timeout {
+                        let end = now.checked_add(each);
+                        deadline = match (deadline, end) {
+                            (Some(d), Some(e)) => Some(d.min(e)),
+                            (d, e) => d.or(e),
+                        };
+                    }
+                }
+                let config = Arc::clone(&self.config);
+                self.current = Some(Connecting::start(config, target, self.session, 0, deadline)?);
+                continue;
+            };
+            match connecting.poll_established(until) {
+                Ok(None) if Instant::now() < until => {}
+                Ok(None) => return Ok(None),
+                Ok(Some(est)) => return Ok(Some(TcpSender::from_established(connecting, est))),
+                Err(err @ (EchoError::Io(_) | EchoError::Disconnected(_))) if self.retry => {
+                    let target = connecting.target.clone();
+                    self.current = None;
+                    self.failed(target, err.to_string());
+                }
+                Err(err) => return Err(err),
+            }
+        }
+    }
+
+    /// Records a failed attempt at `target` and when to try again.
+    fn failed(&mut self, target: (String, u16), why: String) {
+        self.attempt += 1;
+        let address = format!("{}:{}", target.0, target.1);
+        log::debug!("{}: connecting failed ({why}); trying again", self.config.who(&address));
+        self.last = Some((target, why));
+        self.next_try = Instant::now() + backoff(self.attempt);
+    }
+
+    fn timed_out(&self) -> EchoError {
+        let (address, why) = match &self.last {
+            Some(((host, port), why)) => (format!("{host}:{port}"), why.as_str()),
+            None => (format!("{}:{}", self.config.host, self.config.port), "no attempt"),
+        };
+        EchoError::Io(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!(
+                "could not connect to {address} within {:.1?} ({} attempts; the last: {why})",
+                self.started.elapsed(),
+                self.attempt
+            ),
+        ))
+    }
+}
+
 /// A sample kept until it is acknowledged, to send again after a reconnect.
 struct Retained {
     /// The frame's bytes: header, then payload.
@@ -753,6 +909,10 @@ struct Recovery {
 /// A connection to an echo server.
 pub struct TcpSender {
     config: Arc<ClientConfig>,
+    /// The server's address (the last one connected to, or being reconnected to), and the
+    /// same as `host:port` for messages.
+    target: (String, u16),
+    address: String,
     spec: DataSpec,
     session: [u8; 16],
     /// The connection; `None` while reconnecting, or after `close`.
@@ -793,26 +953,41 @@ impl TcpSender {
     /// # Errors
     /// As [`TcpSender::connecting`] and [`Connecting::poll`].
     pub fn connect(config: ClientConfig, timeout: Duration) -> Result<Self, EchoError> {
-        let mut connecting = Self::connecting(config, Instant::now().checked_add(timeout))?;
+        let mut dialing = Self::connecting(config, Instant::now().checked_add(timeout), None)?;
         loop {
-            if let Some(sender) = connecting.poll(Instant::now() + CONNECT_SLICE)? {
+            if let Some(sender) = dialing.poll(Instant::now() + CONNECT_SLICE)? {
                 return Ok(sender);
             }
         }
     }
 
-    /// Starts connecting; drive it with [`Connecting::poll`] until it returns the client.
-    /// `deadline` bounds everything (name resolution, the TCP connect, the whole handshake);
-    /// `None` waits as long as it takes.
+    /// Starts connecting; drive it with [`Dialing::poll`] until it returns the client.
+    /// `deadline` bounds everything (name resolution, the TCP connect, the whole handshake,
+    /// and with retries every attempt and pause); `None` waits as long as it takes.
+    /// `attempt_timeout` bounds each attempt when the client retries (with reconnection or a
+    /// resolver, see [`Dialing`]); `None`: each may take until the deadline.
     ///
     /// # Errors
-    /// [`EchoError::Config`] for bad settings; [`EchoError::Io`] if no thread can start.
+    /// [`EchoError::Config`] for bad settings.
     pub fn connecting(
         config: ClientConfig,
         deadline: Option<Instant>,
-    ) -> Result<Connecting, EchoError> {
+        attempt_timeout: Option<Duration>,
+    ) -> Result<Dialing, EchoError> {
         config.validate()?;
-        Connecting::start(Arc::new(config), v2::random()?, 0, deadline)
+        let now = Instant::now();
+        Ok(Dialing {
+            retry: config.retries(),
+            config: Arc::new(config),
+            session: v2::random()?,
+            started: now,
+            deadline,
+            attempt_timeout,
+            attempt: 0,
+            next_try: now,
+            current: None,
+            last: None,
+        })
     }
 
     fn from_established(connecting: &Connecting, est: Established) -> Self {
@@ -821,6 +996,8 @@ impl TcpSender {
         let replay = est.accept.as_ref().is_some_and(|a| a.replay);
         let steps = est.accept.as_ref().and_then(|a| a.steps);
         let mut sender = Self {
+            target: connecting.target.clone(),
+            address: connecting.address.clone(),
             spec: est.spec.clone(),
             session: connecting.session,
             link: None,
@@ -1174,7 +1351,7 @@ impl TcpSender {
             None => Err(EchoError::Protocol(format!(
                 "end_episode/truncated and rows of episodes need a sequence table at the server; \
                  the server at {} {}",
-                self.config.address(),
+                self.address,
                 if self.version == 1 {
                     "speaks wire protocol 1, which has no episodes"
                 } else if self.replay {
@@ -1187,7 +1364,7 @@ impl TcpSender {
                 "row {} out of range: the sequence table at {} takes rows 0 to {} per client \
                  (its Sequence(max_streams={max}))",
                 meta.row,
-                self.config.address(),
+                self.address,
                 max - 1
             ))),
             Some(_) => Ok(()),
@@ -1199,7 +1376,7 @@ impl TcpSender {
         if self.version == 1 {
             return Err(EchoError::Protocol(format!(
                 "a priority needs wire protocol 2, and the server at {} speaks 1",
-                self.config.address()
+                self.address
             )));
         }
         if !self.replay {
@@ -1397,7 +1574,10 @@ impl TcpSender {
             self.acked_floor = self.acked_floor.max(link.acked_total());
             let reason = link.acks.reason();
             link.shut();
-            log::warn!("{}: connection lost ({reason}); reconnecting", self.config.address());
+            log::warn!(
+                "{}: connection lost ({reason}); reconnecting",
+                self.config.who(&self.address)
+            );
             self.recovery = Some(Recovery {
                 since: Instant::now(),
                 attempt: 0,
@@ -1413,8 +1593,7 @@ impl TcpSender {
             if now.duration_since(recovery.since) >= timeout {
                 let reason = format!(
                     "could not reconnect to {} within {timeout:?}: {}",
-                    self.config.address(),
-                    recovery.last_error
+                    self.address, recovery.last_error
                 );
                 self.failed = Some(reason.clone());
                 return Err(EchoError::Disconnected(reason));
@@ -1429,8 +1608,39 @@ impl TcpSender {
                     continue;
                 }
                 let until = recovery.since + timeout;
+                let target = match &self.config.resolver {
+                    None => Some(self.target.clone()),
+                    Some(resolver) => {
+                        let last = Some((self.target.0.as_str(), self.target.1, ""));
+                        let last = last.map(|(h, p, _)| (h, p, recovery.last_error.as_str()));
+                        match resolver.0.resolve(last) {
+                            Ok(target) => target,
+                            Err(err) => {
+                                self.failed = Some(err.to_string());
+                                return Err(err);
+                            }
+                        }
+                    }
+                };
+                let Some(target) = target else {
+                    recovery.last_error = "no server to connect to yet".into();
+                    recovery.attempt += 1;
+                    recovery.next_try = Instant::now() + backoff(recovery.attempt);
+                    continue;
+                };
+                if target != self.target {
+                    log::info!(
+                        "{}: reconnecting to {}:{} instead",
+                        self.config.who(&self.address),
+                        target.0,
+                        target.1
+                    );
+                    self.address = format!("{}:{}", target.0, target.1);
+                    self.target = target.clone();
+                }
                 recovery.connecting = Some(Connecting::start(
                     Arc::clone(&self.config),
+                    target,
                     self.session,
                     self.acked_floor,
                     Some(until),
@@ -1459,7 +1669,7 @@ impl TcpSender {
         let Some(accept) = &est.accept else {
             let reason = format!(
                 "reconnected to {}, which now speaks only wire protocol 1: cannot resume",
-                self.config.address()
+                self.address
             );
             self.failed = Some(reason.clone());
             return Err(EchoError::Disconnected(reason));
@@ -1468,8 +1678,7 @@ impl TcpSender {
         if resume > self.sent {
             let reason = format!(
                 "the server at {} resumed at sample {resume}, past the {} sent",
-                self.config.address(),
-                self.sent
+                self.address, self.sent
             );
             self.failed = Some(reason.clone());
             return Err(EchoError::Disconnected(reason));
@@ -1488,7 +1697,7 @@ impl TcpSender {
         self.recovery = None;
         log::info!(
             "{}: reconnected; resending {} samples from sample {resume}",
-            self.config.address(),
+            self.config.who(&self.address),
             self.sent - resume
         );
         self.install(est)

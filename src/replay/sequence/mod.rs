@@ -54,7 +54,7 @@ use std::time::Instant;
 use parking_lot::{Mutex, MutexGuard};
 
 use crate::error::{EchoError, InsertError};
-use crate::replay::limiter::{RateLimiter, SampleHoldback};
+use crate::replay::limiter::{InsertHoldback, RateLimiter, SampleHoldback};
 use crate::replay::rng::Rng;
 use crate::replay::select::{new_sampler, ItemSampler, RemoverKind};
 use crate::replay::table::{
@@ -1120,6 +1120,15 @@ impl SequenceTable {
     /// `Backend::note_insert_blocked`). Never takes the lock.
     pub fn note_insert_blocked(&self, ns: u64) {
         self.signals.insert_blocked_outside_ns.add(ns);
+    }
+
+    /// The limiter and its counters now (over windows), for the message of an insert that
+    /// timed out.
+    pub fn insert_holdback(&self) -> InsertHoldback {
+        let state = self.state.lock();
+        let (inserts, samples) = state.limiter.counts();
+        let size = state.live_windows as u64;
+        InsertHoldback { limit: self.config.rate_limit, inserts, samples, size }
     }
 
     /// Writers parked on the rate limiter right now.

@@ -1,0 +1,769 @@
+"""echo on Ray: several learners' servers (shards) found by name, and workers that follow them.
+
+Ray is the control plane, echo's TCP and shared memory stay the data plane:
+
+- A **registry** per service: a detached, named Ray actor that records each shard's address,
+  port, layout and generation (and the counters its learner reports). It outlives the driver
+  that created it; `shutdown_service` removes it. It never sees a token.
+- **Learners** start a `Server` as usual and `serve(server, service, shard)` it, or let
+  `shard_server` build one that restores itself from its newest periodic checkpoint, which is
+  what a learner actor restarted by Ray (`max_restarts`) needs.
+- **Workers** `connect(service, example)`: a `ShardClient`, which is a `TcpClient` that asks
+  the registry where its shard is before every connection attempt. When the shard's learner
+  restarts (another node, another port) it finds the new address and resends what was not
+  acknowledged; when the shard is deregistered for good it moves to another shard.
+
+The shard rule: a worker that does not pin one (`shard=`) gets the registered shard with the
+fewest workers attached, ties going to the lowest shard number, so workers that attach one
+after another are spread across the shards to within one. It keeps that shard while the shard
+is registered, restarts included, and moves (by the same rule) only when it is deregistered.
+See the guide "Scaling past one learner" for what can be lost in each failure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+import uuid
+import weakref
+from typing import Any, Literal
+
+from echo._pytree import TreeLayout
+from echo._validate import check_int
+from echo.checkpoint import periodic_checkpoints
+from echo.client import TcpClient
+from echo.server import Server
+from echo.transport import TcpTransport
+
+__all__ = [
+    "DEFAULT_NAMESPACE",
+    "Registration",
+    "ShardClient",
+    "ShardStatus",
+    "UnknownServiceError",
+    "connect",
+    "create_service",
+    "registration",
+    "serve",
+    "services",
+    "shard_server",
+    "shutdown_service",
+    "status",
+]
+
+_log = logging.getLogger("echo")
+
+DEFAULT_NAMESPACE = "echo"
+"""The Ray namespace registries live in unless told otherwise."""
+
+# A registry's actor name: this prefix and the service's name.
+_PREFIX = "echo-registry:"
+# How long a call to the registry may take before it counts as unanswered.
+_REGISTRY_CALL_S = 30.0
+# Registry calls a threaded registry actor serves at once (each is a dict lookup).
+_REGISTRY_CONCURRENCY = 64
+# Interfaces that mean "every interface": never registered as an address.
+_WILDCARDS = frozenset({"", "0.0.0.0", "::", "[::]"})
+
+
+def _ray() -> Any:
+    """The `ray` module, or an `ImportError` naming the extra that installs it."""
+    try:
+        import ray
+    except ImportError as e:
+        raise ImportError(
+            "echo.ray needs Ray, which is not installed: pip install 'id-echo[distributed]' "
+            "(the `distributed` extra)"
+        ) from e
+    return ray
+
+
+class UnknownServiceError(LookupError):
+    """No registry of that name in that namespace; the message lists the services there are."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardStatus:
+    """One shard as `status()` reports it: where it is, and its server's counters as its
+    learner last reported them (`stats_age_s` ago; `None` before the first report)."""
+
+    shard: int
+    host: str
+    port: int
+    generation: int
+    node_id: str
+    pid: int
+    workers: int
+    """Workers the registry assigned to this shard (attached `ShardClient`s)."""
+    connections: int | None
+    """`stats().active_connections`: TCP connections the server has open now."""
+    size: int | None
+    """`stats().store_size`: items (FIFO: samples committed, not yet handed out) stored."""
+    capacity: int | None
+    """`Server.max_size` (replay, sequence) or `batch_size * num_buffers` (FIFO)."""
+    inserted: int | None
+    """`stats().samples_inserted_total`."""
+    sampled: int | None
+    """`stats().items_sampled_total`."""
+    stats_age_s: float | None
+    metrics_url: str | None
+    """Where the shard's Prometheus endpoint is, when its learner gave one to `serve()`."""
+
+
+class _Registry:
+    """The registry actor's state. Threaded (`max_concurrency`), so every method holds the
+    lock; every call is a dict operation and returns at once."""
+
+    def __init__(self, service: str) -> None:
+        self._service = service
+        self._lock = threading.Lock()
+        self._shards: dict[int, dict[str, Any]] = {}
+        # The last generation handed out per shard: it keeps counting across deregistrations.
+        self._generations: dict[int, int] = {}
+        # Which shard each attached client was assigned.
+        self._clients: dict[str, int] = {}
+
+    def register(self, shard: int, record: dict[str, Any]) -> int:
+        with self._lock:
+            generation = self._generations.get(shard, 0) + 1
+            self._generations[shard] = generation
+            self._shards[shard] = {
+                **record,
+                "shard": shard,
+                "generation": generation,
+                "registered_unix_s": time.time(),
+                "stats": None,
+                "stats_unix_s": None,
+            }
+            return generation
+
+    def deregister(self, shard: int, generation: int) -> bool:
+        with self._lock:
+            record = self._shards.get(shard)
+            if record is None or record["generation"] != generation:
+                return False  # a newer learner holds the shard now
+            del self._shards[shard]
+            return True
+
+    def report(self, shard: int, generation: int, stats: dict[str, Any]) -> bool:
+        with self._lock:
+            record = self._shards.get(shard)
+            if record is None or record["generation"] != generation:
+                return False
+            record["stats"] = stats
+            record["stats_unix_s"] = time.time()
+            return True
+
+    def lookup(self, shard: int) -> dict[str, Any] | None:
+        with self._lock:
+            record = self._shards.get(shard)
+            return None if record is None else dict(record)
+
+    def assign(self, client: str, shard: int | None, exclude: int | None) -> dict[str, Any] | None:
+        """The shard for `client`: `shard` when pinned (if registered), else the registered
+        shard (other than `exclude`) with the fewest clients, ties to the lowest number."""
+        with self._lock:
+            self._clients.pop(client, None)
+            if shard is not None:
+                chosen = shard if shard in self._shards else None
+            else:
+                load = {k: 0 for k in self._shards if k != exclude}
+                for assigned in self._clients.values():
+                    if assigned in load:
+                        load[assigned] += 1
+                chosen = min(load, key=lambda k: (load[k], k)) if load else None
+            if chosen is None:
+                return None
+            self._clients[client] = chosen
+            return dict(self._shards[chosen])
+
+    def release(self, client: str) -> None:
+        with self._lock:
+            self._clients.pop(client, None)
+
+    def shards(self) -> list[dict[str, Any]]:
+        with self._lock:
+            workers: dict[int, int] = {}
+            for assigned in self._clients.values():
+                workers[assigned] = workers.get(assigned, 0) + 1
+            return [
+                {**record, "workers": workers.get(shard, 0)}
+                for shard, record in sorted(self._shards.items())
+            ]
+
+
+def _registry(service: str, namespace: str, *, create: bool) -> Any:
+    """The handle of `service`'s registry, created (detached) if `create` and missing."""
+    ray = _ray()
+    if not isinstance(service, str) or not service:  # pyright: ignore[reportUnnecessaryIsInstance]
+        raise ValueError(f"service must be a non-empty str, got {service!r}")
+    if not ray.is_initialized():
+        ray.init()
+    name = _PREFIX + service
+    if create:
+        actor = ray.remote(_Registry).options(
+            name=name,
+            namespace=namespace,
+            lifetime="detached",
+            get_if_exists=True,
+            num_cpus=0,
+            max_concurrency=_REGISTRY_CONCURRENCY,
+        )
+        return actor.remote(service)
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        known = services(namespace)
+        raise UnknownServiceError(
+            f"no echo service {service!r} in Ray namespace {namespace!r}; the services there "
+            f"are: {', '.join(repr(s) for s in known) if known else 'none'} (a learner's "
+            f"serve() or create_service() makes one)"
+        ) from None
+
+
+def _call(method: Any, *args: Any) -> Any:
+    ray = _ray()
+    return ray.get(method.remote(*args), timeout=_REGISTRY_CALL_S)
+
+
+def create_service(service: str, *, namespace: str = DEFAULT_NAMESPACE) -> None:
+    """Creates `service`'s registry if it does not exist (a detached actor that outlives this
+    driver), so that workers started before any learner can `connect()` and wait for one."""
+    registry = _registry(service, namespace, create=True)
+    _call(registry.shards)  # returns once the actor is up
+
+
+def shutdown_service(service: str, *, namespace: str = DEFAULT_NAMESPACE) -> None:
+    """Removes `service`'s registry (its learners and workers keep running; workers that lose
+    their connection then cannot find it again). Raises `UnknownServiceError` if there is none."""
+    ray = _ray()
+    ray.kill(_registry(service, namespace, create=False))
+
+
+def services(namespace: str = DEFAULT_NAMESPACE) -> list[str]:
+    """The services with a registry in `namespace`, sorted."""
+    ray = _ray()
+    if not ray.is_initialized():
+        ray.init()
+    actors: list[dict[str, str]] = ray.util.list_named_actors(all_namespaces=True)
+    return sorted(
+        a["name"].removeprefix(_PREFIX)
+        for a in actors
+        if a["name"].startswith(_PREFIX) and a.get("namespace") == namespace
+    )
+
+
+def status(service: str, *, namespace: str = DEFAULT_NAMESPACE) -> list[ShardStatus]:
+    """The registered shards of `service`, by shard number, with their learners' last
+    reported counters (see `ShardStatus`)."""
+    registry = _registry(service, namespace, create=False)
+    now = time.time()
+    out: list[ShardStatus] = []
+    for record in _call(registry.shards):
+        stats: dict[str, Any] = record["stats"] or {}
+        at = record["stats_unix_s"]
+        out.append(
+            ShardStatus(
+                shard=record["shard"],
+                host=record["host"],
+                port=record["port"],
+                generation=record["generation"],
+                node_id=record["node_id"],
+                pid=record["pid"],
+                workers=record["workers"],
+                connections=stats.get("active_connections"),
+                size=stats.get("store_size"),
+                capacity=record.get("capacity"),
+                inserted=stats.get("samples_inserted_total"),
+                sampled=stats.get("items_sampled_total"),
+                stats_age_s=None if at is None else max(0.0, now - at),
+                metrics_url=record.get("metrics_url"),
+            )
+        )
+    return out
+
+
+def _layout_record(layout: TreeLayout) -> list[tuple[str, str, tuple[int, ...]]]:
+    return [(leaf.name, str(leaf.dtype), tuple(leaf.shape)) for leaf in layout.leaves]
+
+
+def _layout_mismatch(
+    theirs: list[tuple[str, str, tuple[int, ...]]],
+    ours: list[tuple[str, str, tuple[int, ...]]],
+) -> str | None:
+    """What differs between a shard's layout and an example's, or `None`."""
+    their_names = [name for name, _, _ in theirs]
+    our_names = [name for name, _, _ in ours]
+    if their_names != our_names:
+        missing = [n for n in their_names if n not in our_names]
+        extra = [n for n in our_names if n not in their_names]
+        if missing or extra:
+            return f"leaves the example lacks: {missing}; leaves the shard lacks: {extra}"
+        return f"the leaves are in another order: the shard's are {their_names}"
+    for (name, their_dtype, their_shape), (_, our_dtype, our_shape) in zip(
+        theirs, ours, strict=True
+    ):
+        if their_dtype != our_dtype or tuple(their_shape) != tuple(our_shape):
+            return (
+                f"leaf {name!r}: the shard stores {their_dtype} {tuple(their_shape)}, the "
+                f"example has {our_dtype} {tuple(our_shape)}"
+            )
+    return None
+
+
+def _stats_dict(server: Server) -> dict[str, Any]:
+    stats = server.stats()
+    return {
+        "active_connections": stats.active_connections,
+        "store_size": stats.store_size,
+        "samples_inserted_total": stats.samples_inserted_total,
+        "items_sampled_total": stats.items_sampled_total,
+        "shm_connections_total": stats.shm_connections_total,
+        "sessions_resumed_total": stats.sessions_resumed_total,
+    }
+
+
+def _capacity(server: Server) -> int:
+    if server.max_size is not None:
+        return server.max_size
+    return server.batch_size * (server.num_buffers or 0)
+
+
+class Registration:
+    """A server registered as a shard of a service (what `serve()` returns).
+
+    A thread reports the server's counters to the registry every `report_every` seconds (what
+    `status()` shows). `deregister()`, or the server's `close()`, takes the shard out of the
+    registry for good: its workers move to other shards. A learner that dies without either
+    (killed, preempted, a crash) stays registered, so its workers wait for it to come back:
+    a restarted learner that serves the same shard again gets the next generation.
+    """
+
+    def __init__(
+        self, server: Server, registry: Any, service: str, shard: int, generation: int
+    ) -> None:
+        self.service = service
+        self.shard = shard
+        self.generation = generation
+        self._registry = registry
+        self._server = weakref.ref(server)
+        self._stop = threading.Event()
+        self._done = False
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def _start_reports(self, every: float) -> None:
+        def report() -> None:
+            while not self._stop.wait(every):
+                server = self._server()
+                if server is None or server.closed:
+                    return
+                try:
+                    stats = _stats_dict(server)
+                    current = _call(self._registry.report, self.shard, self.generation, stats)
+                except Exception as e:  # noqa: BLE001 (a report is best effort; say why)
+                    _log.warning(
+                        "echo.ray: shard %d: reporting to the registry failed: %s", self.shard, e
+                    )
+                    continue
+                if not current:
+                    _log.warning(
+                        "echo.ray: shard %d generation %d is no longer registered (a newer "
+                        "learner took the shard, or it was deregistered); stopping reports",
+                        self.shard,
+                        self.generation,
+                    )
+                    return
+
+        self._thread = threading.Thread(
+            target=report, name=f"echo-ray-report-{self.shard}", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def registered(self) -> bool:
+        """Whether `deregister()` (or the server's `close()`) has not run yet."""
+        return not self._done
+
+    def deregister(self) -> bool:
+        """Takes the shard out of the registry for good (idempotent). Returns whether this
+        generation was still the registered one."""
+        with self._lock:
+            if self._done:
+                return False
+            self._done = True
+        self._stop.set()
+        try:
+            return bool(_call(self._registry.deregister, self.shard, self.generation))
+        except Exception as e:  # noqa: BLE001 (close() must go on; say why)
+            _log.warning("echo.ray: shard %d: deregistering failed: %s", self.shard, e)
+            return False
+
+    def __repr__(self) -> str:
+        return (
+            f"Registration(service={self.service!r}, shard={self.shard}, "
+            f"generation={self.generation}, registered={self.registered})"
+        )
+
+
+# The registration of each served server (for `registration()`).
+_registrations: weakref.WeakKeyDictionary[Server, Registration] = weakref.WeakKeyDictionary()
+
+
+def registration(server: Server) -> Registration | None:
+    """The `Registration` of `server` (from `serve()` or `shard_server()`), or `None`."""
+    return _registrations.get(server)
+
+
+def _reachable_host(server: Server, host: str | None) -> str:
+    if host is not None:
+        if host in _WILDCARDS:
+            raise ValueError(f"host={host!r} is not an address workers can reach")
+        return host
+    transport = server._transport  # pyright: ignore[reportPrivateUsage]
+    bound = transport.host if transport is not None else ""
+    if bound in _WILDCARDS:
+        return str(_ray().util.get_node_ip_address())
+    return bound
+
+
+def serve(
+    server: Server,
+    service: str,
+    shard: int,
+    *,
+    namespace: str = DEFAULT_NAMESPACE,
+    host: str | None = None,
+    report_every: float = 1.0,
+    metrics_url: str | None = None,
+) -> Registration:
+    """Registers a started `server` as shard `shard` of `service` (creating the registry if
+    needed) and deregisters it when the server is closed.
+
+    Args:
+        server: A `Server` with a `TcpTransport`, already started (its port is bound).
+        service: The service's name: workers `connect()` to it.
+        shard: This server's shard number (>= 0). Serving a shard that is registered already
+            replaces it (a learner coming back after a crash): the registration gets the next
+            generation, and the old one's deregistration no longer applies.
+        namespace: The Ray namespace of the registry.
+        host: The address workers connect to. `None`: the transport's host, or, when it binds
+            every interface ("0.0.0.0", the default), this node's address as Ray knows it.
+            Never a wildcard.
+        report_every: Seconds between reports of the server's counters (`status()`).
+        metrics_url: Where this shard's Prometheus endpoint is, listed by `status()`.
+
+    Raises:
+        ValueError: The server has no transport or is not started, `shard` < 0, or `host`
+            is a wildcard.
+        ImportError: Ray is not installed.
+    """
+    if server.closed:
+        raise ValueError("serve() needs an open server; this one is closed")
+    if server.port is None:
+        raise ValueError(
+            "serve() needs a started server with a TcpTransport (workers reach it over TCP): "
+            "Server(..., transport=TcpTransport(port=0)) and server.start() first"
+        )
+    shard = check_int("shard", shard, 0)
+    if not report_every > 0:
+        raise ValueError(f"report_every must be > 0 seconds, got {report_every!r}")
+    ray = _ray()
+    reachable = _reachable_host(server, host)
+    registry = _registry(service, namespace, create=True)
+    context = ray.get_runtime_context()
+    record: dict[str, Any] = {
+        "host": reachable,
+        "port": server.port,
+        "layout": _layout_record(server._layout),  # pyright: ignore[reportPrivateUsage]
+        "batch_size": server.batch_size,
+        "capacity": _capacity(server),
+        "node_id": context.get_node_id(),
+        "pid": os.getpid(),
+        "metrics_url": metrics_url,
+    }
+    generation = int(_call(registry.register, shard, record))
+    served = Registration(server, registry, service, shard, generation)
+    server._close_hooks.append(served.deregister)  # pyright: ignore[reportPrivateUsage]
+    _registrations[server] = served
+    served._start_reports(report_every)  # pyright: ignore[reportPrivateUsage]
+    _log.info(
+        "echo.ray: %s:%d serves shard %d of %r (generation %d)",
+        record["host"],
+        record["port"],
+        shard,
+        service,
+        generation,
+    )
+    return served
+
+
+def shard_server(
+    service: str,
+    shard: int,
+    example: Any,
+    batch_size: int,
+    *,
+    checkpoint_dir: str | os.PathLike[str],
+    checkpoint_every: float = 60.0,
+    checkpoint_keep: int = 3,
+    transport: TcpTransport | None = None,
+    namespace: str = DEFAULT_NAMESPACE,
+    host: str | None = None,
+    report_every: float = 1.0,
+    **server_options: Any,
+) -> Server:
+    """A started, registered server for shard `shard` of `service`, in this process (the
+    learner's: it samples in-process, zero-copy), restored from its newest periodic
+    checkpoint when there is one. Call it in a learner actor's `__init__`: when Ray restarts
+    the actor (`max_restarts`), on this node or another, the new one comes back with the
+    replay of the last checkpoint and registers again with the next generation, and the
+    shard's workers reconnect to it.
+
+    Args:
+        service, shard, namespace, host, report_every: As `serve()`.
+        example, batch_size: As `Server`'s (unused when restoring: the checkpoint has them).
+        checkpoint_dir: Where this shard's periodic checkpoints go and are restored from; on
+            storage every node that may run the learner can read (one per shard).
+        checkpoint_every, checkpoint_keep: As `Server`'s.
+        transport: Where workers connect; default `TcpTransport(port=0)` (every interface,
+            a free port, registered under this node's address).
+        **server_options: Other `Server` settings (`sampler`, `max_size`, `rate_limiter`,
+            `num_drainers`, `checkpoint_extra`, `name`, ...). A restored server keeps the
+            checkpoint's data settings, and `Server.restore` raises `ValueError` if one given
+            here differs (a shard cannot come back as another kind of table); the others
+            are taken as given. The learner's own state saved with `checkpoint_extra` comes
+            back as the server's `restored_extra`.
+
+    Raises:
+        As `Server`, `Server.restore` and `serve()`.
+    """
+    transport = TcpTransport(port=0) if transport is None else transport
+    newest = periodic_checkpoints(checkpoint_dir)
+    if newest:
+        _log.info("echo.ray: shard %d restores %s", shard, newest[-1])
+        server = Server.restore(
+            newest[-1],
+            example,
+            transport=transport,
+            batch_size=batch_size,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every,
+            checkpoint_keep=checkpoint_keep,
+            **server_options,
+        )
+    else:
+        server = Server(
+            example,
+            batch_size,
+            transport,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every,
+            checkpoint_keep=checkpoint_keep,
+            **server_options,
+        )
+    try:
+        server.start()
+        serve(server, service, shard, namespace=namespace, host=host, report_every=report_every)
+    except BaseException:
+        server.close()
+        raise
+    return server
+
+
+class _ShardResolver:
+    """A `ShardClient`'s resolver: the cached shard's address, asked of the registry again
+    after a failed attempt (the learner may have moved or gone)."""
+
+    def __init__(
+        self, service: str, registry: Any, layout: TreeLayout, shard: int | None, client: str
+    ) -> None:
+        self.service = service
+        self.registry = registry
+        self.layout = _layout_record(layout)
+        self.pinned = shard
+        self.client = client
+        self.record: dict[str, Any] | None = None
+        self.moves = 0
+
+    def __call__(self, last: tuple[str, int, str] | None) -> tuple[str, int] | None:
+        record = self.record
+        if record is not None and last is None:
+            return record["host"], record["port"]
+        try:
+            if record is None:
+                found = _call(self.registry.assign, self.client, self.pinned, None)
+            else:
+                found = _call(self.registry.lookup, record["shard"])
+                if found is None and self.pinned is None:
+                    # Deregistered for good: another shard, by the same rule.
+                    found = _call(self.registry.assign, self.client, None, record["shard"])
+        except Exception as e:
+            if record is None:
+                raise
+            _log.warning(
+                "echo.ray: the registry of %r did not answer (%s); trying shard %d at %s:%d",
+                self.service,
+                e,
+                record["shard"],
+                record["host"],
+                record["port"],
+            )
+            return record["host"], record["port"]
+        if found is None:
+            return None
+        mismatch = _layout_mismatch(found["layout"], self.layout)
+        if mismatch is not None:
+            raise ValueError(
+                f"shard {found['shard']} of service {self.service!r} stores samples of "
+                f"another layout: {mismatch}"
+            )
+        if record is not None and found["shard"] != record["shard"]:
+            self.moves += 1
+            _log.warning(
+                "echo.ray: shard %d of %r is gone; moving to shard %d",
+                record["shard"],
+                self.service,
+                found["shard"],
+            )
+        self.record = found
+        return found["host"], found["port"]
+
+
+class ShardClient(TcpClient):
+    """A `TcpClient` to a shard of an echo service on Ray (see `connect()`); it has
+    `TcpClient`'s API, `shard` and `generation` besides."""
+
+    def __init__(
+        self,
+        service: str,
+        data_sample: Any,
+        max_inflight_msgs: int = 32,
+        *,
+        namespace: str = DEFAULT_NAMESPACE,
+        shard: int | None = None,
+        connect_timeout: float = 60.0,
+        protocol: Literal["auto", 2] = 2,
+        token: str | None = None,
+        reconnect_timeout: float = 60.0,
+        heartbeat_timeout: float | None = 10.0,
+        shared_memory: bool | None = None,
+        name: str | None = None,
+    ) -> None:
+        if shard is not None:
+            shard = check_int("shard", shard, 0)
+        if not connect_timeout > 0:
+            raise ValueError(f"connect_timeout must be > 0 seconds, got {connect_timeout!r}")
+        registry = _registry(service, namespace, create=False)
+        self._service = service
+        self._client_id = uuid.uuid4().hex
+        self._resolver = _ShardResolver(
+            service, registry, TreeLayout(data_sample), shard, self._client_id
+        )
+        try:
+            self._open(
+                "",
+                0,
+                data_sample,
+                max_inflight_msgs,
+                connect_timeout=min(connect_timeout, 10.0),
+                protocol=protocol,
+                token=token,
+                reconnect=True,
+                reconnect_timeout=reconnect_timeout,
+                heartbeat_timeout=heartbeat_timeout,
+                shared_memory=shared_memory,
+                name=name,
+                dial_timeout=connect_timeout,
+                resolver=self._resolver,
+            )
+        except TimeoutError as e:
+            self._release()
+            which = "no shard" if shard is None else f"shard {shard}"
+            raise TimeoutError(
+                f"{which} of echo service {service!r} could be reached within "
+                f"{connect_timeout}s: {e}"
+            ) from None
+        except BaseException:
+            self._release()
+            raise
+
+    def _release(self) -> None:
+        try:
+            self._resolver.registry.release.remote(self._client_id)
+        except Exception as e:  # noqa: BLE001 (the registry may be gone; nothing to undo then)
+            _log.debug("echo.ray: releasing a client failed: %s", e)
+
+    @property
+    def service(self) -> str:
+        """The service this client sends to."""
+        return self._service
+
+    @property
+    def shard(self) -> int | None:
+        """The shard this client sends to (the last it connected to)."""
+        record = self._resolver.record
+        return None if record is None else int(record["shard"])
+
+    @property
+    def generation(self) -> int | None:
+        """The generation of that shard's registration when this client last asked."""
+        record = self._resolver.record
+        return None if record is None else int(record["generation"])
+
+    @property
+    def moves(self) -> int:
+        """Times this client moved to another shard (its shard was deregistered)."""
+        return self._resolver.moves
+
+    def close(self, timeout: float | None = 30.0) -> bool:
+        """As `TcpClient.close()`; also tells the registry this worker left its shard."""
+        was_closed = self._closed
+        flushed = super().close(timeout)
+        if not was_closed:
+            self._release()
+        return flushed
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardClient(service={self._service!r}, shard={self.shard}, "
+            f"generation={self.generation}, path={self.transport_path!r}, sent={self.sent}, "
+            f"acked={self.acked}, closed={self._closed})"
+        )
+
+
+def connect(
+    service: str,
+    example: Any,
+    max_inflight_msgs: int = 32,
+    **options: Any,
+) -> ShardClient:
+    """A client that sends samples shaped like `example` to a shard of `service`.
+
+    It asks the registry for a shard (the one with the fewest workers, ties to the lowest
+    number; `shard=k` pins one) and connects to it over TCP, or same-host shared memory as
+    `TcpClient` does. It reconnects by itself (`reconnect=True` is implied): when the shard's
+    learner restarts, possibly on another node and port, it finds the new address in the
+    registry and resends every sample not acknowledged; when the shard is deregistered for
+    good it moves to another shard and resends them there. A worker started before any
+    learner waits up to `connect_timeout` (default 60 s) for one.
+
+    Args:
+        service: The service's name.
+        example: A pytree like the learners' examples.
+        max_inflight_msgs: As `TcpClient`'s.
+        **options: `namespace`, `shard`, `connect_timeout`, and `TcpClient`'s `token`,
+            `reconnect_timeout`, `heartbeat_timeout`, `shared_memory`, `name`, `protocol`
+            (2 or "auto"). The token is never stored in the registry: pass it here or in
+            `ECHO_TOKEN` (e.g. in the actor's `runtime_env`).
+
+    Raises:
+        UnknownServiceError: There is no such service (the message lists those there are).
+        ValueError: The shard stores samples of another layout (the message names the leaf).
+        TimeoutError: No shard could be reached within `connect_timeout`.
+        ImportError: Ray is not installed.
+    """
+    return ShardClient(service, example, max_inflight_msgs, **options)

@@ -1,0 +1,141 @@
+"""Learner and worker actors for test_ray.py (imported by Ray's worker processes, which get
+this directory on their PYTHONPATH from the test's runtime_env)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+import echo
+import echo.ray
+
+EXAMPLE = {"id": np.zeros((), np.int64), "obs": np.zeros(16, np.float32)}
+SERVICE_NAMESPACE = "echo-tests"
+
+
+def sample_of(i: int) -> dict[str, np.ndarray]:
+    return {"id": np.array(i, np.int64), "obs": np.full(16, i % 1000, np.float32)}
+
+
+class Learner:
+    """One shard's learner. `kind="replay"`: a uniform replay table the test reads back
+    whole (`stored_ids`); `kind="fifo"`: a FIFO ring of batch 1 consumed by a thread that
+    records every id handed out (`consumed_ids`, and everything left at `retire`)."""
+
+    def __init__(
+        self,
+        service: str,
+        shard: int,
+        checkpoint_dir: str,
+        kind: str = "replay",
+        checkpoint_every: float = 3600.0,
+    ) -> None:
+        self.kind = kind
+        self.checkpoint_dir = checkpoint_dir
+        self.restored = bool(echo.checkpoint.periodic_checkpoints(checkpoint_dir))
+        options: dict[str, Any] = (
+            {"sampler": echo.Uniform(), "max_size": 200_000} if kind == "replay" else {}
+        )
+        self.server = echo.ray.shard_server(
+            service,
+            shard,
+            EXAMPLE,
+            1,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every,
+            transport=echo.TcpTransport(port=0, host="127.0.0.1"),
+            namespace=SERVICE_NAMESPACE,
+            report_every=0.2,
+            **options,
+        )
+        self.consumed: list[int] = []
+        self.consumer: threading.Thread | None = None
+        if kind == "fifo":
+            self.consumer = threading.Thread(target=self._consume, daemon=True)
+            self.consumer.start()
+
+    def _consume(self) -> None:
+        while True:
+            batch = self.server.sample(timeout=None)
+            if batch is None:
+                return
+            self.consumed.extend(int(i) for i in np.asarray(batch.batch["id"]).ravel())
+
+    def info(self) -> dict[str, Any]:
+        registration = echo.ray.registration(self.server)
+        assert registration is not None
+        return {
+            "pid": os.getpid(),
+            "port": self.server.port,
+            "generation": registration.generation,
+            "restored": self.restored,
+        }
+
+    def checkpoints(self) -> list[str]:
+        return echo.checkpoint.periodic_checkpoints(self.checkpoint_dir)
+
+    def stored_ids(self) -> list[int]:
+        """Every id in the replay table and its ingress queue, duplicates kept."""
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "now")
+            self.server.checkpoint(path)
+            ids = [np.load(os.path.join(path, "leaf_000.npy"))]
+            ingress = os.path.join(path, "ingress_leaf_000.npy")
+            if os.path.exists(ingress):
+                ids.append(np.load(ingress))
+            return [int(i) for i in np.concatenate(ids)]
+
+    def consumed_ids(self) -> list[int]:
+        return list(self.consumed)
+
+    def retire(self) -> list[int]:
+        """Deregisters and drains: every id this shard acknowledged, in the order handed out."""
+        self.server.close(drain=True)
+        assert self.consumer is not None
+        self.consumer.join(timeout=30)
+        assert not self.consumer.is_alive()
+        return list(self.consumed)
+
+
+class Worker:
+    """A rollout worker: one `echo.ray.connect` client sending ids it is given."""
+
+    def __init__(self, service: str, connect_timeout: float = 60.0, **options: Any) -> None:
+        self.client = echo.ray.connect(
+            service,
+            EXAMPLE,
+            namespace=SERVICE_NAMESPACE,
+            connect_timeout=connect_timeout,
+            reconnect_timeout=120.0,
+            **options,
+        )
+
+    def shard(self) -> int | None:
+        return self.client.shard
+
+    def send(self, ids: list[int], wait: bool = True) -> dict[str, Any]:
+        for i in ids:
+            self.client.send(sample_of(i), timeout=120.0)
+        if wait:
+            self.client.wait(timeout=120.0)
+        return self.state()
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "shard": self.client.shard,
+            "generation": self.client.generation,
+            "acked": self.client.acked,
+            "sent": self.client.sent,
+            "moves": self.client.moves,
+            "reconnects": self.client.reconnects,
+            "path": self.client.transport_path,
+            "at": time.monotonic(),
+        }
+
+    def close(self) -> bool:
+        return self.client.close(timeout=60.0)

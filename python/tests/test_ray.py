@@ -1,0 +1,338 @@
+"""echo on Ray (`echo.ray`), each test a failure case, on a local two-node Ray cluster
+(`ray.cluster_utils.Cluster`) on loopback: the registry outliving its driver, disjoint shards,
+a learner killed and restarted by Ray, a shard deregistered for good, a worker waiting for a
+learner, and the precise errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+# Ray resolves "127.0.0.1" to this machine's outside address unless told it runs one node's
+# worth of loopback (read when ray is imported): the tests keep every byte on loopback.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray", reason="echo.ray needs the `distributed` extra")
+from _ray_actors import EXAMPLE, SERVICE_NAMESPACE, Learner, Worker  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+import echo  # noqa: E402
+import echo.ray  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+
+TESTS = Path(__file__).resolve().parent
+NS = SERVICE_NAMESPACE
+WAIT_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    """Two nodes (a head and one more) with 2 CPUs each, told apart by custom resources."""
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    }
+    made = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 2,
+            "node_ip_address": "127.0.0.1",
+            "include_dashboard": False,
+            "resources": {"node0": 100},
+        },
+    )
+    try:
+        made.add_node(num_cpus=2, node_ip_address="127.0.0.1", resources={"node1": 100})
+        ray.init(address=made.address, namespace="echo-tests-driver", runtime_env={"env_vars": env})
+        yield made
+    finally:
+        ray.shutdown()
+        made.shutdown()
+
+
+def learner(node: int, *, restarts: int = 0) -> Any:
+    return ray.remote(Learner).options(
+        num_cpus=0, resources={f"node{node}": 1}, max_restarts=restarts, max_task_retries=0
+    )
+
+
+def worker(node: int) -> Any:
+    return ray.remote(Worker).options(num_cpus=0, resources={f"node{node}": 1})
+
+
+def get(refs: Any) -> Any:
+    return ray.get(refs, timeout=WAIT_S)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def no_duplicates(ids: list[int]) -> None:
+    twice = [i for i, n in Counter(ids).items() if n > 1]
+    assert not twice, f"{len(twice)} ids stored more than once, e.g. {twice[:5]}"
+
+
+def test_registry_outlives_the_driver_that_created_it(cluster: Cluster) -> None:
+    script = textwrap.dedent(
+        f"""
+        import ray, echo.ray
+        ray.init(address={cluster.address!r})
+        echo.ray.create_service("outlives", namespace={NS!r})
+        ray.shutdown()
+        """
+    )
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=WAIT_S
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    try:
+        assert "outlives" in echo.ray.services(NS)
+        assert echo.ray.status("outlives", namespace=NS) == []
+    finally:
+        echo.ray.shutdown_service("outlives", namespace=NS)
+    with pytest.raises(echo.ray.UnknownServiceError, match="no echo service 'outlives'"):
+        echo.ray.status("outlives", namespace=NS)
+
+
+def test_two_learners_get_disjoint_ids_whose_union_is_everything_acknowledged(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    learners = [
+        learner(k).remote("disjoint", k, str(tmp_path / f"shard{k}"), "fifo") for k in (0, 1)
+    ]
+    get([a.info.remote() for a in learners])
+    workers = [worker(w % 2).remote("disjoint") for w in range(8)]
+    shards = get([w.shard.remote() for w in workers])
+    assert sorted(Counter(shards).values()) == [4, 4], shards  # balanced to within one
+    per_worker = 300
+    states = get(
+        [
+            w.send.remote(list(range(i * 100_000, i * 100_000 + per_worker)))
+            for i, w in enumerate(workers)
+        ]
+    )
+    assert all(s["acked"] == per_worker for s in states)
+    status = {s.shard: s for s in echo.ray.status("disjoint", namespace=NS)}
+    assert sorted(status) == [0, 1]
+    assert all(s.host == "127.0.0.1" and s.workers == 4 for s in status.values())
+    assert get([w.close.remote() for w in workers]) == [True] * 8
+    consumed = get([a.retire.remote() for a in learners])
+    first, second = (set(c) for c in consumed)
+    for c in consumed:
+        no_duplicates(c)
+    assert not first & second
+    everything = {i * 100_000 + j for i in range(8) for j in range(per_worker)}
+    assert first | second == everything
+    # Each learner got exactly its own workers' samples.
+    for i, shard in enumerate(shards):
+        assert set(range(i * 100_000, i * 100_000 + per_worker)) <= (first, second)[shard]
+    assert echo.ray.status("disjoint", namespace=NS) == []  # retired shards deregistered
+    echo.ray.shutdown_service("disjoint", namespace=NS)
+
+
+def test_killed_learner_restarts_restores_and_its_workers_resume(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    actor = learner(1, restarts=1).remote("restart", 0, str(tmp_path / "shard0"), "replay", 0.3)
+    before = get(actor.info.remote())
+    assert before["generation"] == 1
+    assert not before["restored"]
+    workers = [worker(w % 2).remote("restart") for w in range(4)]
+
+    def ids(phase: int, w: int) -> list[int]:
+        return list(range(phase * 1_000_000 + w * 10_000, phase * 1_000_000 + w * 10_000 + 200))
+
+    # A: acknowledged, then a checkpoint taken after every ack.
+    get([w.send.remote(ids(1, i)) for i, w in enumerate(workers)])
+    seen = get(actor.checkpoints.remote())
+    deadline = time.monotonic() + WAIT_S
+    while get(actor.checkpoints.remote())[-1:] == seen[-1:] or len(seen) == 0:
+        assert time.monotonic() < deadline, "no periodic checkpoint after the acks"
+        time.sleep(0.1)
+        if not seen:
+            seen = get(actor.checkpoints.remote())
+    # C: acknowledged after that checkpoint (may be lost with the learner).
+    get([w.send.remote(ids(2, i)) for i, w in enumerate(workers)])
+    ray.kill(actor, no_restart=False)
+    deadline = time.monotonic() + WAIT_S
+    while pid_alive(before["pid"]):  # ray.kill returns before the process is gone
+        assert time.monotonic() < deadline, "the killed learner's process is still there"
+        time.sleep(0.02)
+    # B: sent while the learner is down and after it comes back.
+    states = get([w.send.remote(ids(3, i)) for i, w in enumerate(workers)])
+    after = get(actor.info.remote())
+    assert after["restored"]
+    assert after["generation"] == 2
+    assert after["pid"] != before["pid"]
+    assert all(s["generation"] == 2 and s["reconnects"] >= 1 for s in states)
+    stored = get(actor.stored_ids.remote())
+    no_duplicates(stored)
+    phase = {p: {i for w in range(4) for i in ids(p, w)} for p in (1, 2, 3)}
+    assert phase[1] <= set(stored), "a sample acknowledged before the checkpoint was lost"
+    assert phase[3] <= set(stored), "a sample sent after the restart was lost"
+    assert set(stored) <= phase[1] | phase[2] | phase[3]
+    assert get([w.close.remote() for w in workers]) == [True] * 4
+    ray.kill(actor, no_restart=True)
+    echo.ray.shutdown_service("restart", namespace=NS)
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "tcp"])
+def test_deregistered_shards_workers_move_to_another_shard_without_duplicates(
+    cluster: Cluster, tmp_path: Path, shared_memory: bool
+) -> None:
+    service = f"move-{'shm' if shared_memory else 'tcp'}"
+    learners = [learner(0).remote(service, k, str(tmp_path / f"shard{k}"), "fifo") for k in (0, 1)]
+    get([a.info.remote() for a in learners])
+    workers = [
+        ray.remote(Worker)
+        .options(num_cpus=0, resources={"node0": 1})
+        .remote(service, shared_memory=shared_memory)
+        for _ in range(4)
+    ]
+    shards = get([w.shard.remote() for w in workers])
+    assert sorted(shards) == [0, 0, 1, 1]
+    n = 1_000
+
+    def ids(phase: int, w: int) -> list[int]:
+        return list(range(phase * 1_000_000 + w * 10_000, phase * 1_000_000 + w * 10_000 + n))
+
+    get([w.send.remote(ids(1, i)) for i, w in enumerate(workers)])
+    # The shard goes away while the workers stream (or just after, on a fast machine) ...
+    streaming = [w.send.remote(ids(2, i)) for i, w in enumerate(workers)]
+    retired = get(learners[0].retire.remote())
+    get(streaming)
+    # ... and whatever they send next goes to the shard that is left.
+    states = get([w.send.remote(ids(3, i)) for i, w in enumerate(workers)])
+    assert all(s["acked"] == 3 * n and s["shard"] == 1 for s in states), states
+    assert sum(s["moves"] for s in states) == 2
+    assert get([w.close.remote() for w in workers]) == [True] * 4
+    kept = get(learners[1].retire.remote())
+    no_duplicates(retired + kept)
+    assert set(retired + kept) == {i for p in (1, 2, 3) for w in range(4) for i in ids(p, w)}
+    echo.ray.shutdown_service(service, namespace=NS)
+
+
+def test_worker_started_before_any_learner_waits_for_one(cluster: Cluster, tmp_path: Path) -> None:
+    echo.ray.create_service("early", namespace=NS)
+    early = worker(0).remote("early", connect_timeout=WAIT_S)
+    time.sleep(0.5)  # the worker is waiting in connect()
+    actor = learner(1).remote("early", 0, str(tmp_path / "shard0"), "replay")
+    assert get(early.shard.remote()) == 0
+    assert get(early.send.remote([1, 2, 3]))["acked"] == 3
+    assert sorted(get(actor.stored_ids.remote())) == [1, 2, 3]
+    get(early.close.remote())
+    ray.kill(actor)
+    echo.ray.shutdown_service("early", namespace=NS)
+
+
+def test_worker_without_a_learner_times_out_after_connect_timeout(cluster: Cluster) -> None:
+    echo.ray.create_service("nobody", namespace=NS)
+    try:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="no shard of echo service 'nobody' could be"):
+            echo.ray.connect("nobody", EXAMPLE, namespace=NS, connect_timeout=1.0)
+        assert time.monotonic() - started >= 1.0
+    finally:
+        echo.ray.shutdown_service("nobody", namespace=NS)
+
+
+def test_unknown_service_lists_the_services_that_exist(cluster: Cluster) -> None:
+    echo.ray.create_service("exists", namespace=NS)
+    try:
+        with pytest.raises(echo.ray.UnknownServiceError, match=r"'nope'.*'exists'"):
+            echo.ray.connect("nope", EXAMPLE, namespace=NS)
+        with pytest.raises(LookupError):
+            echo.ray.status("nope", namespace=NS)
+    finally:
+        echo.ray.shutdown_service("exists", namespace=NS)
+
+
+def test_a_shard_of_another_layout_is_refused_naming_the_leaf(cluster: Cluster) -> None:
+    server = echo.Server(EXAMPLE, 1, echo.TcpTransport(port=0, host="127.0.0.1"))
+    server.start()
+    echo.ray.serve(server, "layout", 0, namespace=NS)
+    try:
+        other = {"id": np.zeros((), np.int32), "obs": np.zeros(16, np.float32)}
+        with pytest.raises(ValueError, match=r"leaf \"\['id'\]\": the shard stores int64 \(\), "):
+            echo.ray.connect("layout", other, namespace=NS, connect_timeout=5.0)
+        missing = {"obs": np.zeros(16, np.float32)}
+        with pytest.raises(ValueError, match="leaves the example lacks"):
+            echo.ray.connect("layout", missing, namespace=NS, connect_timeout=5.0)
+    finally:
+        server.close()
+        echo.ray.shutdown_service("layout", namespace=NS)
+
+
+def test_serve_needs_a_started_server_with_a_transport(cluster: Cluster) -> None:
+    plain = echo.Server(EXAMPLE, 1)
+    with pytest.raises(ValueError, match="needs a started server with a TcpTransport"):
+        echo.ray.serve(plain, "unstarted", 0, namespace=NS)
+    plain.close()
+    started = echo.Server(EXAMPLE, 1, echo.TcpTransport(port=0, host="127.0.0.1"))
+    started.start()
+    try:
+        with pytest.raises(ValueError, match=r"shard must be >= 0, got -1"):
+            echo.ray.serve(started, "unstarted", -1, namespace=NS)
+        with pytest.raises(ValueError, match="not an address workers can reach"):
+            echo.ray.serve(started, "unstarted", 0, namespace=NS, host="0.0.0.0")
+    finally:
+        started.close()
+    assert "unstarted" not in echo.ray.services(NS)
+
+
+def test_status_reports_each_shards_address_workers_and_size(cluster: Cluster) -> None:
+    server = echo.Server(
+        EXAMPLE,
+        1,
+        echo.TcpTransport(port=0, host="127.0.0.1"),
+        sampler=echo.Uniform(),
+        max_size=1000,
+    )
+    server.start()
+    served = echo.ray.serve(server, "watched", 3, namespace=NS, report_every=0.1)
+    client = echo.ray.connect("watched", EXAMPLE, namespace=NS, connect_timeout=5.0)
+    try:
+        for i in range(7):
+            client.send({"id": np.array(i), "obs": np.zeros(16, np.float32)})
+        client.wait(timeout=WAIT_S)
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            (shard,) = echo.ray.status("watched", namespace=NS)
+            if shard.size == 7 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert (shard.shard, shard.host, shard.port) == (3, "127.0.0.1", server.port)
+        assert shard.generation == served.generation == 1
+        assert (shard.workers, shard.connections) == (1, 1)
+        assert (shard.size, shard.inserted, shard.capacity) == (7, 7, 1000)
+        assert shard.stats_age_s is not None
+        assert shard.stats_age_s < WAIT_S
+    finally:
+        client.close()
+        server.close()
+    assert not served.registered
+    assert echo.ray.status("watched", namespace=NS) == []
+    echo.ray.shutdown_service("watched", namespace=NS)
+
+
+def test_without_ray_installed_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    with pytest.raises(ImportError, match=r"id-echo\[distributed\]"):
+        echo.ray.connect("any", EXAMPLE)
