@@ -437,6 +437,20 @@ impl Backend {
         }
     }
 
+    /// An insert that does not wait (the shared-memory path's, `deadline` now) was refused
+    /// and its caller waited `waited` outside the backend (on its insert bell)
+    /// before trying again: counted where an insert's own wait inside the backend is, so the
+    /// counter means the same whoever inserts. A replay or sequence table adds it to
+    /// `insert_blocked_ns`; the FIFO ring times no insert waits, so nothing there.
+    pub fn note_insert_blocked(&self, waited: std::time::Duration) {
+        let ns = u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX);
+        match self {
+            Self::Fifo(_) => {}
+            Self::Replay(table) => table.note_insert_blocked(ns),
+            Self::Sequence(table) => table.note_insert_blocked(ns),
+        }
+    }
+
     /// What holds inserts back now (a replay or sequence table's rate limiter and its
     /// counters), for the message of an insert that timed out; `None` for the FIFO ring.
     pub fn insert_holdback(&self) -> Option<InsertHoldback> {

@@ -323,6 +323,12 @@ pub struct Connection {
     /// One more than the largest row a sample of this connection was a step of (0: none
     /// yet): the streams whose open episodes end when the connection is pruned.
     rows_used: AtomicU32,
+    /// Shared-memory connections only (0 on TCP): samples committed to the connection's
+    /// segment and not yet in the backend, as its task last looked
+    /// ([`Connection::note_segment_depth`]), less those inserted since. The segment is this
+    /// connection's queue, so these count in `queue_depth_*` and `samples_pending`. Written
+    /// only by the connection's task.
+    segment_depth: Counter,
 }
 
 impl Connection {
@@ -453,12 +459,40 @@ impl Connection {
     /// byte, see there). Counted like a drainer's insert. `false`, nothing called, otherwise:
     /// push a buffer as usual.
     pub fn try_insert_in_place(&self, fill: impl FnOnce(&mut [&mut [u8]])) -> bool {
-        if !self.is_idle() || !self.backend.try_insert_in_place(fill) {
+        if !self.is_idle() {
             return false;
         }
-        self.stats.in_place.add(1);
-        self.drainer.inserted.add(1);
-        true
+        // Counted inside `fill`, which the store calls only with a slot reserved and commits
+        // right after: before the commit that can wake the consumer, as a drainer counts
+        // (`Round::inserted`), so `samples_inserted_total` never lags a handed-out batch.
+        self.backend.try_insert_in_place(|leaves| {
+            fill(leaves);
+            self.stats.in_place.add(1);
+            self.drainer.inserted.add(1);
+        })
+    }
+
+    /// Shared-memory connections: the connection's task looked at its segment and found
+    /// `committed` samples committed and not yet in the backend. They count as queued
+    /// (`queue_depth_*`) and pending (`samples_pending`) until [`Connection::direct`]'s
+    /// source takes them in. Call it before inserting them (and with 0 when the channel
+    /// ends, for samples that will never go in).
+    pub fn note_segment_depth(&self, committed: u64) {
+        let before = self.segment_depth.get();
+        if committed >= before {
+            self.stats.pending.add(committed - before);
+        } else {
+            self.stats.pending.sub(before - committed);
+        }
+        self.segment_depth.set(committed);
+    }
+
+    /// `src` as a source this connection's task inserts into the backend itself (shared
+    /// memory): counted as a drainer's samples are, as the backend takes them in, right
+    /// before the commit that makes them visible to the consumer. Its samples must have been
+    /// counted by [`Connection::note_segment_depth`] first.
+    pub fn direct<S: SampleSource>(&self, src: S) -> Direct<'_, S> {
+        Direct { src, conn: self }
     }
 
     /// Records that the transport task had to wait for space (backpressure).
@@ -586,8 +620,9 @@ pub struct IngressStats {
     refused: Counter,
     /// Idle connections a transport closed to admit new ones.
     evicted: Counter,
-    /// Samples queued (acknowledged) and not yet in the backend: +1 on every push, -n as a
-    /// drainer's insert puts them in (or drops them).
+    /// Samples that reached the ingress and are not yet in the backend: +1 on every push, -n
+    /// as a drainer's insert puts them in (or drops them); for shared-memory connections the
+    /// change of each one's `segment_depth`.
     pending: CachePadded<Counter>,
     /// Samples a transport wrote straight into the backend (`Connection::try_insert_in_place`).
     in_place: Counter,
@@ -601,8 +636,8 @@ pub struct IngressStats {
     refused_layout: Counter,
     shm: Counter,
     shm_fallback: Counter,
-    /// Samples a transport inserted into the backend itself (shared memory), not through a
-    /// drainer; part of `samples_inserted_total`.
+    /// Samples a connection's task inserted into the backend itself (shared memory,
+    /// [`Connection::direct`]), not through a drainer; part of `samples_inserted_total`.
     direct_inserted: Counter,
 }
 
@@ -611,9 +646,10 @@ pub struct IngressStats {
 pub struct IngressSnapshot {
     /// Connections whose socket is open.
     pub active_connections: u64,
-    /// Samples waiting in all queues, as of each drainer's last round.
+    /// Samples waiting in all queues, as of each drainer's last round; a shared-memory
+    /// connection's segment is its queue (as of its task's last look).
     pub queue_depth_sum: u64,
-    /// Samples waiting in the fullest queue, as of each drainer's last round.
+    /// Samples waiting in the fullest queue (or shared-memory segment), as above.
     pub queue_depth_max: u64,
     /// Times a transport task waited for a free buffer or queue slot.
     pub push_blocked_count: u64,
@@ -626,7 +662,10 @@ pub struct IngressSnapshot {
     pub connections_refused_total: u64,
     /// Idle connections closed to admit new ones.
     pub connections_evicted_total: u64,
-    /// Samples acknowledged and not yet in the backend (queued, or in a drainer's round).
+    /// Samples that reached the ingress and are not yet in the backend: acknowledged TCP
+    /// samples (queued, or in a drainer's round), and samples committed to a shared-memory
+    /// segment and not yet copied in (not acknowledged yet: a shared-memory worker's
+    /// acknowledgement is the copy).
     pub samples_pending: u64,
     /// Of `samples_inserted_total`, those a transport read from its socket straight into the
     /// ring (large samples already complete in the kernel's buffer), skipping one copy.
@@ -795,6 +834,7 @@ impl Ingress {
             drainer: Arc::clone(drainer),
             waker,
             stats: Arc::clone(&self.stats),
+            segment_depth: Counter::default(),
         });
         drainer.incoming.lock().push(Arc::clone(&conn));
         drainer.bell.wake();
@@ -840,12 +880,6 @@ impl Ingress {
         }
     }
 
-    /// A transport inserted `n` samples into the backend itself (the shared-memory path
-    /// copies straight from its ring into the backend); counted in `samples_inserted_total`.
-    pub fn note_inserted(&self, n: u64) {
-        self.stats.direct_inserted.add(n);
-    }
-
     /// Number of drainer threads running.
     pub fn num_drainers(&self) -> usize {
         self.drainers.len()
@@ -882,6 +916,17 @@ impl Ingress {
             snap.queue_depth_sum += d.depth_sum.get();
             snap.queue_depth_max = snap.queue_depth_max.max(d.depth_max.get());
             snap.samples_inserted_total += d.inserted.get();
+            // Shared-memory connections: their segment is their queue, and no drainer pops
+            // it, so its depth is read here (as of each connection task's last look).
+            // `read_recursive`: never waits behind the drainer asking for the write lock
+            // (see `capture`).
+            let state = d.state.read_recursive();
+            let incoming = d.incoming.lock();
+            for conn in state.conns.iter().chain(incoming.iter()) {
+                let depth = conn.segment_depth.get();
+                snap.queue_depth_sum += depth;
+                snap.queue_depth_max = snap.queue_depth_max.max(depth);
+            }
         }
         snap
     }
@@ -1057,6 +1102,46 @@ impl SampleSource for Round<'_> {
         self.drainer.done.fetch_add(count, Relaxed);
         self.drainer.inserted.add(count as u64);
         self.stats.pending.sub(count as u64);
+    }
+}
+
+/// Samples a connection's task inserts into the backend itself ([`Connection::direct`]):
+/// the source's samples, counted as the backend takes them in.
+pub struct Direct<'a, S> {
+    src: S,
+    conn: &'a Connection,
+}
+
+impl<S: SampleSource> SampleSource for Direct<'_, S> {
+    fn num_samples(&self) -> usize {
+        self.src.num_samples()
+    }
+    fn num_leaves(&self, sample: usize) -> usize {
+        self.src.num_leaves(sample)
+    }
+    fn leaf(&self, sample: usize, leaf: usize) -> &[u8] {
+        self.src.leaf(sample, leaf)
+    }
+    fn priority(&self, sample: usize) -> Option<f64> {
+        self.src.priority(sample)
+    }
+    fn leaf_len(&self, sample: usize, leaf: usize) -> usize {
+        self.src.leaf_len(sample, leaf)
+    }
+    fn copy_leaf(&self, sample: usize, leaf: usize, dst: &mut [u8]) {
+        self.src.copy_leaf(sample, leaf, dst);
+    }
+    fn step(&self, sample: usize) -> StepTag {
+        self.src.step(sample)
+    }
+    fn inserted(&self, count: usize) {
+        // Called by the backend before the commit that can wake the consumer (FIFO), or under
+        // the lock the consumer takes (replay): a batch handed out is always counted.
+        let (conn, n) = (self.conn, count as u64);
+        conn.stats.direct_inserted.add(n);
+        conn.segment_depth.sub(n);
+        conn.stats.pending.sub(n);
+        self.src.inserted(count);
     }
 }
 

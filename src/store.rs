@@ -499,8 +499,11 @@ impl Store {
         let held_index = (held != NOT_HELD).then(|| self.batch_index(held));
         let store_size = (0..self.num_batches)
             .filter(|&i| Some(i) != held_index)
-            // ORDERING: Relaxed — a statistics snapshot, not used to access slots.
-            .map(|i| self.commits[i].load(Relaxed) as u64)
+            // ORDERING: Acquire pairs with the writers' Release `fetch_add` in `commit`: a
+            // commit seen here brings along what its writer counted before it (an ingress's
+            // `samples_inserted_total`, read after this), so that counter never lags
+            // `store_size`. Not used to access slots.
+            .map(|i| self.commits[i].load(Acquire) as u64)
             .sum();
         StoreStats {
             store_size,

@@ -147,3 +147,69 @@ fn shared_memory_segments_take_at_most_half_the_byte_budget_and_wake_waiters_whe
     store.close();
     ingress.shutdown();
 }
+
+/// Payloads that record, each time the backend reports samples in (right before its commit),
+/// what the ingress and the store said at that moment.
+struct Watched<'a> {
+    payloads: echo::Payloads<'a, [u8; TAGGED_PAYLOAD]>,
+    ingress: &'a Ingress,
+    store: &'a Store,
+    seen: &'a std::sync::Mutex<Vec<(u64, u64)>>,
+}
+
+impl echo::SampleSource for Watched<'_> {
+    fn num_samples(&self) -> usize {
+        self.payloads.num_samples()
+    }
+    fn num_leaves(&self, sample: usize) -> usize {
+        self.payloads.num_leaves(sample)
+    }
+    fn leaf(&self, sample: usize, leaf: usize) -> &[u8] {
+        self.payloads.leaf(sample, leaf)
+    }
+    fn inserted(&self, _count: usize) {
+        let inserted = self.ingress.snapshot().samples_inserted_total;
+        self.seen.lock().unwrap().push((inserted, self.store.stats().store_size));
+    }
+}
+
+#[test]
+fn a_connection_inserting_itself_counts_before_the_commit_and_its_segment_as_queued() {
+    // Batches of 2 in a ring of 4: what a shared-memory connection's task does, by hand.
+    let store = Store::new(tagged_spec(), 2, 2).unwrap();
+    let ingress =
+        Ingress::start(Backend::Fifo(Arc::clone(&store)), IngressConfig::new(1, 4)).unwrap();
+    let conn = ingress.register(Box::new(NoWake));
+    // The task looked: 3 samples committed to its segment. Queued and pending, like samples
+    // in a TCP connection's queue.
+    conn.note_segment_depth(3);
+    let snap = ingress.snapshot();
+    assert_eq!((snap.samples_pending, snap.queue_depth_sum, snap.queue_depth_max), (3, 3, 3));
+    let spec = tagged_spec();
+    let payloads = [tagged_payload(0, 0), tagged_payload(0, 1)];
+    let seen = std::sync::Mutex::new(Vec::new());
+    let watched = Watched {
+        payloads: echo::Payloads::new(&spec, &payloads).unwrap(),
+        ingress: &ingress,
+        store: &store,
+        seen: &seen,
+    };
+    ingress.backend().insert(&conn.direct(watched), None, None).unwrap();
+    // Counted before the store's commit (nothing committed yet when the count was there).
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen, vec![(2, 0)], "(inserted, store_size) as the backend reported them in");
+    assert_eq!(store.stats().store_size, 2);
+    let snap = ingress.snapshot();
+    assert_eq!(snap.samples_inserted_total, 2);
+    assert_eq!((snap.samples_pending, snap.queue_depth_sum, snap.queue_depth_max), (1, 1, 1));
+    // The channel ended with one sample left in the segment: it never goes in.
+    conn.note_segment_depth(0);
+    let snap = ingress.snapshot();
+    assert_eq!(
+        (snap.samples_pending, snap.queue_depth_sum, snap.samples_inserted_total),
+        (0, 0, 2)
+    );
+    conn.close();
+    store.close();
+    ingress.shutdown();
+}

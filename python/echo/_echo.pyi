@@ -28,7 +28,7 @@ class SharedMemoryError(ConnectionError):
 @final
 class HistSnapshot:
     """A latency histogram snapshot in nanoseconds; all zero without `detailed-metrics`.
-    Picklable."""
+    A plain value: equal when every field is, hashable, picklable (the copy is equal)."""
 
     def __new__(
         cls,
@@ -60,10 +60,15 @@ class HistSnapshot:
     def p99_ns(self) -> int: ...
     def as_dict(self) -> dict[str, int | float]:
         """The fields as a plain dict."""
+    def __eq__(self, value: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
 
 @final
 class SampleInfo:
-    """What the server looked like when a batch was handed out (frozen, picklable)."""
+    """What the server looked like when a batch was handed out, or at `stats()`: a frozen,
+    plain value. Equal when every field is (the replay arrays by dtype, shape and elements),
+    hashable (the hash leaves the arrays out, so it agrees with `==`), picklable (the copy is
+    equal); the `repr` lists the fields that are not 0."""
 
     @property
     def store_size(self) -> int:
@@ -214,6 +219,8 @@ class SampleInfo:
     def as_dict(self) -> dict[str, Any]:
         """The counters as a plain dict (histograms as nested dicts; no replay arrays)."""
     def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]: ...
+    def __eq__(self, value: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
 
 @final
 class RingLease:

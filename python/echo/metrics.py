@@ -258,19 +258,21 @@ METRICS: tuple[MetricSpec, ...] = (
     _spec(
         "echo_ingress_samples_pending",
         "gauge",
-        "Samples acknowledged to workers and not yet in the ring or table.",
+        "Samples that reached the learner and are not yet in the ring or table: "
+        "acknowledged TCP samples, and samples committed to a shared-memory segment.",
         "samples_pending",
     ),
     _spec(
         "echo_ingress_queue_depth",
         "gauge",
-        "Samples waiting in the connection queues, as the drainers last saw them.",
+        "Samples waiting in the connection queues (a shared-memory connection's queue is its "
+        "segment), as the drainers and shared-memory connections last saw them.",
         "queue_depth_sum",
     ),
     _spec(
         "echo_ingress_queue_depth_max",
         "gauge",
-        "Samples waiting in the fullest connection queue, as the drainers last saw it.",
+        "Samples waiting in the fullest connection queue or segment, as last seen.",
         "queue_depth_max",
     ),
     _spec(
@@ -297,7 +299,8 @@ METRICS: tuple[MetricSpec, ...] = (
     _spec(
         "echo_rate_limiter_insert_blocked_seconds_total",
         "counter",
-        "Replay: time inserts spent held back by the rate limiter.",
+        "Replay: time inserts spent held back by the rate limiter (submit(), drainers, and "
+        "shared-memory connections).",
         "insert_blocked_ns_total",
     ),
     _spec(

@@ -1,5 +1,12 @@
 //! `SampleInfo` and `HistSnapshot`: frozen per-batch snapshots of the server's counters.
+//!
+//! Both are plain values: `==` compares every field (a replay batch's per-item arrays by
+//! their dtype, shape and elements), `hash` agrees with `==`, `repr` shows `field=value`,
+//! and a pickle round trip gives back an equal object.
 
+use std::hash::{Hash, Hasher};
+
+use pyo3::basic::CompareOp;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyType};
 
@@ -19,6 +26,45 @@ pub(crate) struct HistSnapshot {
     p50_ns: u64,
     p90_ns: u64,
     p99_ns: u64,
+}
+
+impl HistSnapshot {
+    /// Every field, `mean_ns` as its bits (with `-0.0` as `0.0`, which `==` calls equal).
+    fn key(&self) -> [u64; 7] {
+        let mean = if self.mean_ns == 0.0 { 0.0f64 } else { self.mean_ns };
+        [
+            self.count,
+            self.min_ns,
+            self.max_ns,
+            mean.to_bits(),
+            self.p50_ns,
+            self.p90_ns,
+            self.p99_ns,
+        ]
+    }
+
+    /// Field by field, `mean_ns` as a float (a NaN mean is unequal, as in Python).
+    #[allow(clippy::float_cmp)] // value equality is what `==` means here
+    fn same(&self, other: &Self) -> bool {
+        let ints = |h: &Self| [h.count, h.min_ns, h.max_ns, h.p50_ns, h.p90_ns, h.p99_ns];
+        self.mean_ns == other.mean_ns && ints(self) == ints(other)
+    }
+}
+
+/// `NotImplemented` unless `op` is `==` or `!=` and `other` is a `T`; then `same`'s answer.
+fn compare<T: pyo3::PyClass>(
+    py: Python<'_>,
+    other: &Bound<'_, PyAny>,
+    op: CompareOp,
+    same: impl FnOnce(&Bound<'_, T>) -> PyResult<bool>,
+) -> PyResult<Py<PyAny>> {
+    let Ok(other) = other.cast::<T>() else { return Ok(py.NotImplemented()) };
+    let equal = match op {
+        CompareOp::Eq => same(other)?,
+        CompareOp::Ne => !same(other)?,
+        _ => return Ok(py.NotImplemented()),
+    };
+    Ok(equal.into_pyobject(py)?.to_owned().into_any().unbind())
 }
 
 impl From<HistSummary> for HistSnapshot {
@@ -79,6 +125,22 @@ impl HistSnapshot {
             "HistSnapshot(count={}, min_ns={}, max_ns={}, mean_ns={:.1}, p50_ns={}, p90_ns={}, p99_ns={})",
             self.count, self.min_ns, self.max_ns, self.mean_ns, self.p50_ns, self.p90_ns, self.p99_ns
         )
+    }
+
+    /// Equal when every field is (another type: `NotImplemented`).
+    fn __richcmp__(
+        &self,
+        py: Python<'_>,
+        other: &Bound<'_, PyAny>,
+        op: CompareOp,
+    ) -> PyResult<Py<PyAny>> {
+        compare::<Self>(py, other, op, |other| Ok(self.same(other.get())))
+    }
+
+    fn __hash__(&self) -> u64 {
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        self.key().hash(&mut hasher);
+        hasher.finish()
     }
 }
 
@@ -393,6 +455,111 @@ impl SampleInfo {
             _ => &mut self.times_sampled,
         }
     }
+
+    /// The replay arrays, in [`REPLAY_ARRAYS`] order.
+    fn replay_arrays(&self) -> [&Option<Py<PyAny>>; 3] {
+        [&self.keys, &self.probabilities, &self.times_sampled]
+    }
+
+    /// The float fields, in [`FLOATS`] order.
+    fn floats(&self) -> [f64; 2] {
+        [self.last_checkpoint_unix_s, self.last_checkpoint_duration_s]
+    }
+
+    /// Value equality: every counter, float and histogram, and the replay arrays by dtype,
+    /// shape and elements (`numpy.array_equal`).
+    #[allow(clippy::float_cmp)] // value equality is what `==` means here
+    fn same(&self, py: Python<'_>, other: &Self) -> PyResult<bool> {
+        if self.counters() != other.counters() || self.floats() != other.floats() {
+            return Ok(false);
+        }
+        for name in HISTOGRAMS {
+            if !self.histogram(name).get().same(other.histogram(name).get()) {
+                return Ok(false);
+            }
+        }
+        let array_equal = PyModule::import(py, "numpy")?.getattr("array_equal")?;
+        for (a, b) in self.replay_arrays().into_iter().zip(other.replay_arrays()) {
+            let equal = match (a, b) {
+                (None, None) => true,
+                (Some(a), Some(b)) => {
+                    let (a, b) = (a.bind(py), b.bind(py));
+                    a.getattr("dtype")?.eq(b.getattr("dtype")?)?
+                        && array_equal.call1((a, b))?.is_truthy()?
+                }
+                _ => false,
+            };
+            if !equal {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// A hash that agrees with [`SampleInfo::same`]: the counters, floats and histograms
+    /// (the replay arrays are left out; equal objects still hash alike).
+    fn hash_value(&self) -> u64 {
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        self.counters().hash(&mut hasher);
+        for x in self.floats() {
+            // `-0.0 == 0.0`: one hash for both.
+            let x = if x == 0.0 { 0.0f64 } else { x };
+            x.to_bits().hash(&mut hasher);
+        }
+        for name in HISTOGRAMS {
+            self.histogram(name).get().key().hash(&mut hasher);
+        }
+        hasher.finish()
+    }
+
+    /// `field=value` for every field that is not zero (empty histograms and absent arrays
+    /// are zero too), `sequence` and `wait_ns` always; a histogram in full, an array as its
+    /// dtype and shape; and how many fields were left out.
+    fn repr(&self, py: Python<'_>) -> PyResult<String> {
+        let mut parts =
+            vec![format!("sequence={}", self.sequence), format!("wait_ns={}", self.wait_ns)];
+        let mut zero = 0;
+        for (name, value) in self.counters() {
+            if name == "sequence" || name == "wait_ns" {
+                continue;
+            }
+            if value == 0 {
+                zero += 1;
+            } else {
+                parts.push(format!("{name}={value}"));
+            }
+        }
+        for (name, value) in FLOATS.into_iter().zip(self.floats()) {
+            if value == 0.0 {
+                zero += 1;
+            } else {
+                parts.push(format!("{name}={value}"));
+            }
+        }
+        for name in HISTOGRAMS {
+            let hist = self.histogram(name).get();
+            if hist.count == 0 {
+                zero += 1;
+            } else {
+                parts.push(format!("{name}={}", hist.__repr__()));
+            }
+        }
+        for (name, array) in REPLAY_ARRAYS.into_iter().zip(self.replay_arrays()) {
+            match array {
+                None => zero += 1,
+                Some(array) => {
+                    let array = array.bind(py);
+                    let dtype = array.getattr("dtype")?.str()?;
+                    let shape = array.getattr("shape")?.repr()?;
+                    parts.push(format!("{name}=<{dtype} array of shape {shape}>"));
+                }
+            }
+        }
+        if zero > 0 {
+            parts.push(format!("<{zero} more fields are 0>"));
+        }
+        Ok(format!("SampleInfo({})", parts.join(", ")))
+    }
 }
 
 /// Rebuilds a [`SampleInfo`] from the state its `__reduce__` pickles: every field by name.
@@ -463,15 +630,21 @@ impl SampleInfo {
         Ok((restore, (state,)))
     }
 
-    fn __repr__(&self) -> String {
-        format!(
-            "SampleInfo(sequence={}, store_size={}, notify_count={}, wait_ns={}, active_connections={}, samples_inserted_total={})",
-            self.sequence,
-            self.store_size,
-            self.notify_count,
-            self.wait_ns,
-            self.active_connections,
-            self.samples_inserted_total
-        )
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        self.repr(py)
+    }
+
+    /// Equal when every field is (see `same`; another type: `NotImplemented`).
+    fn __richcmp__(
+        &self,
+        py: Python<'_>,
+        other: &Bound<'_, PyAny>,
+        op: CompareOp,
+    ) -> PyResult<Py<PyAny>> {
+        compare::<Self>(py, other, op, |other| self.same(py, other.get()))
+    }
+
+    fn __hash__(&self) -> u64 {
+        self.hash_value()
     }
 }

@@ -49,6 +49,7 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::error::{EchoError, InsertError};
 use crate::ingress::QueuedSamples;
+use crate::metrics::Counter;
 use crate::replay::limiter::{InsertHoldback, RateLimit, RateLimiter, SampleHoldback};
 use crate::replay::rng::Rng;
 use crate::replay::select::{
@@ -738,8 +739,17 @@ impl Table {
         ReplayStats {
             size: state.live as u64,
             pending_inserts: state.writing as u64,
+            insert_blocked_ns: state.stats.insert_blocked_ns
+                + self.signals.insert_blocked_outside_ns.get(),
             ..state.stats
         }
+    }
+
+    /// Adds `ns` to `insert_blocked_ns`: an insert that does not wait was refused and its
+    /// caller waited that long outside the table before trying again (see
+    /// `Backend::note_insert_blocked`). Never takes the lock.
+    pub fn note_insert_blocked(&self, ns: u64) {
+        self.signals.insert_blocked_outside_ns.add(ns);
     }
 
     /// Writers inside `insert` parked on the rate limiter (or a table full of pending items)
@@ -1159,6 +1169,11 @@ pub(super) struct Signals {
     pub(super) sample_ready: Condvar,
     closed: AtomicBool,
     consumer_taken: AtomicBool,
+    /// Nanoseconds async writers waited on `insert_bell` after the table refused an insert
+    /// that does not wait (`note_insert_blocked`): part of `insert_blocked_ns`, kept outside
+    /// the lock so that such a writer never waits for it (a long `update_priorities` holds
+    /// it).
+    pub(super) insert_blocked_outside_ns: Counter,
 }
 
 impl Signals {
@@ -1169,6 +1184,7 @@ impl Signals {
             sample_ready: Condvar::new(),
             closed: AtomicBool::new(false),
             consumer_taken: AtomicBool::new(false),
+            insert_blocked_outside_ns: Counter::default(),
         }
     }
 

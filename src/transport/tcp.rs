@@ -1280,11 +1280,15 @@ mod shm_path {
         .map_err(|e| e.into_parts().1)?;
         let mut metas = Vec::with_capacity(reader.slots());
         let mut ending = None;
+        // The segment is this connection's queue: what it holds counts as queued and pending
+        // (as of each look), and nothing once the channel ends, however it ends.
+        let _look = SegmentLook(conn);
         loop {
             let available = match reader.available() {
                 Ok(n) => n,
                 Err(corrupt) => return Err(link.fail(&corrupt.to_string()).await),
             };
+            conn.note_segment_depth(available);
             if available > 0 {
                 // Every header first (copied out, then checked): a bad one ends the channel
                 // before any sample of this run goes in.
@@ -1314,12 +1318,13 @@ mod shm_path {
                     let rung = bell.rung();
                     let samples = Samples::new(reader, reader.head(), &metas[done..], &leaves)
                         .with_streams(conn.stream(0));
+                    // Counted as the backend takes them in, before the commit that can wake
+                    // the consumer (as a drainer counts), never after the insert returns.
                     let (inserted, error) =
-                        match backend.insert(&samples, None, Some(Instant::now())) {
+                        match backend.insert(&conn.direct(samples), None, Some(Instant::now())) {
                             Ok(()) => (metas.len() - done, None),
                             Err(e) => (e.inserted, Some(e.error)),
                         };
-                    ingress.note_inserted(inserted as u64);
                     done += inserted;
                     if inserted > 0 {
                         // Working before the worker sees its samples taken (acknowledged):
@@ -1331,7 +1336,20 @@ mod shm_path {
                     session.next_seq.fetch_add(inserted as u64, Relaxed);
                     match error {
                         None => {}
-                        Some(EchoError::TimedOut) => wait_for_room(link, conn, bell, rung).await,
+                        Some(EchoError::TimedOut) => {
+                            // What a drainer's insert would have spent waiting inside the
+                            // backend, this task spends here: counted the same way (a replay
+                            // table's `insert_blocked_ns`). A timeout that was only the
+                            // table's lock being busy counts too; the wait is short then.
+                            // The segment's depth as the wait starts and ends (what the
+                            // worker committed meanwhile is queued too), as a drainer's round
+                            // records its queues' depths.
+                            look(reader, conn);
+                            let waited = Instant::now();
+                            wait_for_room(link, conn, bell, rung).await;
+                            backend.note_insert_blocked(waited.elapsed());
+                            look(reader, conn);
+                        }
                         Some(EchoError::Closed) => return Ok(End::Closed),
                         Some(other) => return Err(link.fail(&other.to_string()).await),
                     }
@@ -1378,6 +1396,24 @@ mod shm_path {
                         .await)
                 }
             }
+        }
+    }
+
+    /// Records how many samples `reader`'s segment holds committed and not yet taken (a
+    /// corrupt tail is left to the next look, which ends the channel).
+    fn look(reader: &Reader, conn: &Connection) {
+        if let Ok(committed) = reader.available() {
+            conn.note_segment_depth(committed);
+        }
+    }
+
+    /// Zeroes its connection's segment depth when the channel's task ends (returns, fails or
+    /// is cancelled): samples left in the segment never go in.
+    struct SegmentLook<'a>(&'a Connection);
+
+    impl Drop for SegmentLook<'_> {
+        fn drop(&mut self) {
+            self.0.note_segment_depth(0);
         }
     }
 

@@ -1110,8 +1110,16 @@ impl SequenceTable {
         let state = self.state.lock();
         let mut stats = state.stats;
         stats.windows.size = state.live_windows as u64;
+        stats.windows.insert_blocked_ns += self.signals.insert_blocked_outside_ns.get();
         stats.steps = state.steps as u64;
         stats
+    }
+
+    /// Adds `ns` to the windows' `insert_blocked_ns`: an insert that does not wait was
+    /// refused and its caller waited that long outside the table before trying again (see
+    /// `Backend::note_insert_blocked`). Never takes the lock.
+    pub fn note_insert_blocked(&self, ns: u64) {
+        self.signals.insert_blocked_outside_ns.add(ns);
     }
 
     /// The limiter and its counters now (over windows), for the message of an insert that

@@ -626,7 +626,7 @@ impl SequenceTable {
                 w.removed_max_times_sampled,
                 w.priority_updates,
                 w.unknown_keys,
-                w.insert_blocked_ns,
+                w.insert_blocked_ns + self.signals.insert_blocked_outside_ns.get(),
                 w.sample_blocked_ns,
                 state.stats.steps_inserted,
                 state.stats.steps_evicted,
