@@ -49,6 +49,19 @@ ROWS = 32  # samples per send_batch: a vector env's step
 STEP_S = 0.005  # what one step of those environments takes
 
 
+def checkpoint_now(server: echo.Server, path: str) -> None:
+    """`server.checkpoint(path)`, after the periodic one being written, if one is."""
+    for _ in range(600):
+        try:
+            server.checkpoint(path)
+            return
+        except RuntimeError as e:  # one checkpoint at a time
+            if "already being written" not in str(e):
+                raise
+            time.sleep(0.05)
+    raise TimeoutError("a periodic checkpoint took more than 30 s")
+
+
 class Learner:
     """One shard: a replay table, periodic checkpoints, and a thread that samples it."""
 
@@ -96,7 +109,7 @@ class Learner:
     def stored_ids(self) -> list[int]:
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "now")
-            self.server.checkpoint(path)
+            checkpoint_now(self.server, path)
             parts = [np.load(os.path.join(path, "leaf_000.npy"))]
             queued = os.path.join(path, "ingress_leaf_000.npy")
             if os.path.exists(queued):
@@ -137,6 +150,14 @@ class Worker:
 
     def close(self) -> bool:
         return self.client.close()
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0 sends nothing: it asks whether the process exists
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def ids_of(runs: list[dict[str, Any]]) -> set[int]:
@@ -202,6 +223,17 @@ def run(seconds: float, checkpoints: str, *, local: bool) -> int:
         time.sleep(0.1)
     print(f"killing shard 0's learner (pid {before[0]['pid']})")
     ray.kill(learners[0], no_restart=False)
+    # ray.kill returns before the process is gone, and a sample the dying learner still
+    # acknowledges is lost with it (acknowledged after its last checkpoint): phase 2 starts
+    # once it is gone, here while Ray restarts it.
+    gone_by = time.monotonic() + 60
+    while (
+        process_alive(before[0]["pid"])
+        if local
+        else ray.get(learners[0].info.remote())["pid"] == before[0]["pid"]
+    ):
+        assert time.monotonic() < gone_by, "the killed learner is still there"
+        time.sleep(0.02)
     phase2 = ray.get([w.run.remote(seconds / 2) for w in workers])
     elapsed = time.monotonic() - started
 

@@ -523,6 +523,7 @@ def shard_server(
     namespace: str = DEFAULT_NAMESPACE,
     host: str | None = None,
     report_every: float = 1.0,
+    metrics_port: int | None = None,
     **server_options: Any,
 ) -> Server:
     """A started, registered server for shard `shard` of `service`, in this process (the
@@ -540,6 +541,9 @@ def shard_server(
         checkpoint_every, checkpoint_keep: As `Server`'s.
         transport: Where workers connect; default `TcpTransport(port=0)` (every interface,
             a free port, registered under this node's address).
+        metrics_port: Also serve this shard's Prometheus metrics (`echo.serve_metrics`, the
+            `metrics` extra) on this port (0: a free one), on the interface the transport
+            binds; `status()` lists its URL. Closed with the server. `None`: no endpoint.
         **server_options: Other `Server` settings (`sampler`, `max_size`, `rate_limiter`,
             `num_drainers`, `checkpoint_extra`, `name`, ...). A restored server keeps the
             checkpoint's data settings, and `Server.restore` raises `ValueError` if one given
@@ -576,7 +580,23 @@ def shard_server(
         )
     try:
         server.start()
-        serve(server, service, shard, namespace=namespace, host=host, report_every=report_every)
+        metrics_url = None
+        if metrics_port is not None:
+            from echo.metrics import serve_metrics  # noqa: PLC0415 (the optional extra)
+
+            endpoint = serve_metrics(server, port=metrics_port, host=transport.host)
+            server._close_hooks.append(lambda _restarting: endpoint.close())  # pyright: ignore[reportPrivateUsage]
+            reachable = _reachable_host(server, host)
+            metrics_url = f"http://{reachable}:{endpoint.port}/metrics"
+        serve(
+            server,
+            service,
+            shard,
+            namespace=namespace,
+            host=host,
+            report_every=report_every,
+            metrics_url=metrics_url,
+        )
     except BaseException:
         server.close()
         raise

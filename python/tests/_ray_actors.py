@@ -83,7 +83,14 @@ class Learner:
         """Every id in the replay table and its ingress queue, duplicates kept."""
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "now")
-            self.server.checkpoint(path)
+            for _ in range(600):  # after the periodic checkpoint being written, if one is
+                try:
+                    self.server.checkpoint(path)
+                    break
+                except RuntimeError as e:
+                    if "already being written" not in str(e):
+                        raise
+                    time.sleep(0.05)
             ids = [np.load(os.path.join(path, "leaf_000.npy"))]
             ingress = os.path.join(path, "ingress_leaf_000.npy")
             if os.path.exists(ingress):

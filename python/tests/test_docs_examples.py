@@ -25,8 +25,9 @@ comment, any number of comment lines:
         exception (for blocks that show errors, one per line).
     <!-- docs-test: requires="detailed-metrics" -->
         Runs only in the telemetry build (`echo.DETAILED_METRICS`); skipped, with that reason,
-        in the default build. `requires="jax"` / `requires="torch"`: runs only where that
-        package is installed (JAX is in the `test` extra, so CI runs those; PyTorch is not).
+        in the default build. `requires="jax"` / `requires="torch"` / `requires="ray"`: runs
+        only where that package is installed (JAX and Ray are in the `test` extra, so CI runs
+        those; PyTorch is not). A Ray block gets `RAY_TIMEOUT_S` and a loopback-only Ray.
 
 A block with neither a marker nor a clean exit fails, and so does a malformed marker, a marker
 that is not directly above a ```python fence, or a fence the parser did not collect.
@@ -54,6 +55,8 @@ import echo
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 30.0
+# A block that starts a local Ray instance (a few seconds, more on a loaded machine).
+RAY_TIMEOUT_S = 120.0
 
 
 def _markdown_files() -> list[Path]:
@@ -382,6 +385,10 @@ REQUIREMENTS = {
         lambda: importlib.util.find_spec("torch") is not None,
         "needs PyTorch, which CI does not install (see .ci/run)",
     ),
+    "ray": (
+        lambda: importlib.util.find_spec("ray") is not None,
+        "needs Ray (the `distributed` extra: pip install -e '.[distributed]')",
+    ),
     "detailed-metrics": (
         lambda: bool(echo.DETAILED_METRICS),
         "needs the telemetry build (cargo feature detailed-metrics); echo.DETAILED_METRICS is"
@@ -588,8 +595,12 @@ _dt_faulthandler.cancel_dump_traceback_later()
     return "\n".join(textwrap.dedent(p) for p in parts)
 
 
-def _environment() -> dict[str, str]:
+def _environment(block: Block) -> dict[str, str]:
     env = dict(os.environ)
+    if block.requires == "ray":
+        # A local Ray advertises this machine's outside address unless told it is one node's
+        # worth of loopback: the blocks keep every byte on loopback.
+        env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     if env.get("PYTHONPATH"):
         # The blocks run in another directory: keep relative entries pointing where they did.
         env["PYTHONPATH"] = os.pathsep.join(
@@ -627,10 +638,10 @@ def test_docs_example(block: Block, tmp_path: Path) -> None:
         result = subprocess.run(
             [sys.executable, "-c", _program(block)],
             cwd=tmp_path,
-            env=_environment(),
+            env=_environment(block),
             capture_output=True,
             text=True,
-            timeout=TIMEOUT_S,
+            timeout=RAY_TIMEOUT_S if block.requires == "ray" else TIMEOUT_S,
             check=False,
         )
     except subprocess.TimeoutExpired as exc:
