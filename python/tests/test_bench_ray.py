@@ -34,6 +34,7 @@ TINY = {
     "connect_threads": 2,
     "registry_calls": 20,
     "idle_seconds": 0.2,
+    "spread_rounds": 4,
     "restart_workers": 1,
     "checkpoint_every": 0.3,
     "shared_memory": False,
