@@ -986,6 +986,8 @@ def model(r: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
         "per_shard_nic_bound": nic_bound,
         "per_shard": per_shard,
         "aggregate": learners * per_shard,
+        "aggregate_batched": learners
+        * min((1.0 - idle_share) * 1e6 / one["learner_cpu_us"], nic_bound),
         "per_worker_needed": learners * per_shard / workers,
         "worker_max": 1e6 / c_worker,
         "rss_mib_per_learner": per_learner * r["connect"]["rss_kib_per_conn"] / 1024,
@@ -1151,6 +1153,12 @@ def tables(results: dict[str, Any], params: dict[str, Any]) -> list[dict[str, An
                 f"aggregate, {m['learners']} learners (samples/s)",
                 c.num(m["aggregate"]),
                 "learners x min(CPU bound, NIC bound)",
+            ],
+            [
+                side,
+                f"aggregate, {m['learners']} learners, workers sending batches (samples/s)",
+                c.num(m["aggregate_batched"]),
+                "the same with the 1-shard cost per sample (few busy connections)",
             ],
             [
                 side,
