@@ -23,8 +23,9 @@ on loopback) and shut down at the end; the actors are the classes below. Five pa
   ``connect_procs`` actors (``connect_threads`` threads each), timed from the moment
   ``echo.ray.status`` first lists the service's shard (the registry answering) to the last
   client connected. Also the registry's call latency (sequential) and rate (``registry_calls``
-  calls at once), and the learner's CPU and RSS per idle connection (``idle_seconds`` with and
-  without the clients).
+  calls at once), the learner's CPU and RSS per idle connection (``idle_seconds`` with and
+  without the clients), and its CPU per sample when every client sends one sample in turn
+  for ``spread_rounds`` rounds (many light connections, the regime of thousands of workers).
 * **Resume after a restart**: a learner actor (``max_restarts=1``, periodic checkpoints every
   ``checkpoint_every`` s) streaming from ``restart_workers`` worker actors is killed with
   ``ray.kill(actor, no_restart=False)``; Ray restarts it, ``shard_server`` restores the newest
