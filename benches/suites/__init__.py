@@ -108,6 +108,12 @@ SUITES: tuple[Suite, ...] = (
         "benches.suites.sequence",
         "sequence tables: windows vs memcpy/numpy/TorchRL, bytes per step, TCP step inserts",
     ),
+    Suite(
+        "ray",
+        "benches.suites.ray_service",
+        "echo.ray on a local Ray cluster: samples/s by shard count, connect vs TcpClient, "
+        "discovery of 256 workers, resume after a learner restart",
+    ),
 )
 
 BY_NAME = {s.name: s for s in SUITES}

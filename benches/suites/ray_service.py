@@ -1,0 +1,1255 @@
+"""echo on Ray (``echo.ray``): shards, discovery, restarts, on a local Ray cluster on loopback.
+
+Everything runs on a ``ray.cluster_utils.Cluster`` started here (``nodes`` nodes, all
+``node_ip_address="127.0.0.1"``, ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` so every byte stays
+on loopback) and shut down at the end; the actors are the classes below. Five parts:
+
+* **Shards**: for each count in ``shards``, that many learner actors (``shard_server``, a FIFO
+  of ``batch_size``, a consumer thread reading every batch's ids) and ``workers`` worker
+  actors (``echo.ray.connect``, balanced over the shards by the registry's rule), each
+  sending ``send_batch`` of ``batch_size`` rows of a nested sample (6 leaves, ~1.9 KB) from a
+  pool of distinct rows, ids numbered, for ``seconds`` from a common start. Reported: the
+  aggregate and per-shard samples/s (sent in the window, divided by the time until the last
+  acknowledgement), and the learners' and workers' process CPU per sample. Checked: each
+  shard's learner consumed exactly the count and id sum its workers had acknowledged. Every
+  actor shares this machine's cores, so where there are few of them aggregate scaling cannot
+  show: the cores, not the shards, bound it.
+* **connect vs TcpClient**: in this process, one FIFO server served as a shard, and rounds of
+  per-sample ``send`` for ``compare_seconds`` through a plain ``TcpClient``, a ``TcpClient``
+  with ``reconnect=True`` (what a ``ShardClient`` is underneath) and ``echo.ray.connect``,
+  the order rotating from repeat to repeat; the median of the per-repeat ratios to the plain
+  client.
+* **Discovery plus connect**: ``connect_clients`` ``ShardClient``s opened by
+  ``connect_procs`` actors (``connect_threads`` threads each), timed from the moment
+  ``echo.ray.status`` first lists the service's shard (the registry answering) to the last
+  client connected. Also the registry's call latency (sequential) and rate (``registry_calls``
+  calls at once), the learner's CPU and RSS per idle connection (``idle_seconds`` with and
+  without the clients), and its CPU per sample when every client sends one sample in turn
+  for ``spread_rounds`` rounds (many light connections, the regime of thousands of workers).
+* **Resume after a restart**: a learner actor (``max_restarts=1``, periodic checkpoints every
+  ``checkpoint_every`` s) streaming from ``restart_workers`` worker actors is killed with
+  ``ray.kill(actor, no_restart=False)``; Ray restarts it, ``shard_server`` restores the newest
+  checkpoint and registers generation 2. Reported: kill to registration, and registration
+  (the learner's clock, and when polling ``echo.ray.status`` first saw it) to each worker's
+  first sample acknowledged by generation 2 (the slowest worker).
+* **Model**: the tables' last one applies the measured per-sample and per-connection costs to
+  ``model_learners`` learners and ``model_workers`` workers (docs/design/index.md, "Scaling
+  model for echo on Ray", says how and under which assumptions).
+
+Run: ``python -m benches ray [--quick]``. Needs Ray (the ``distributed`` extra). Every loop is
+bounded in count and time, every Ray call has a timeout; the cluster is shut down (it and
+the actors are the only processes this suite starts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import statistics
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from benches.suites import _common as c
+
+NAMESPACE = "echo-bench"
+CALL_S = 120.0  # the longest any one Ray call of this suite may take
+MAX_LOOPS = 100_000_000
+
+
+def parameters(quick: bool) -> dict[str, Any]:
+    if quick:
+        return {
+            "nodes": 1,
+            "shards": [1, 2, 4],
+            "workers": 4,
+            "batch_size": 32,
+            "inflight": 128,
+            "seconds": 1.5,
+            "compare_seconds": 1.0,
+            "compare_repeats": 3,
+            "connect_clients": 256,
+            "connect_procs": 4,
+            "connect_threads": 4,
+            "registry_calls": 1000,
+            "idle_seconds": 2.0,
+            "spread_rounds": 64,
+            "restart_workers": 2,
+            "checkpoint_every": 0.5,
+            "shared_memory": False,
+            "model_learners": 8,
+            "model_workers": 4096,
+            "model_nic_gbit": 25.0,
+        }
+    return {
+        "nodes": 2,
+        "shards": [1, 2, 4],
+        "workers": 8,
+        "batch_size": 32,
+        "inflight": 128,
+        "seconds": 5.0,
+        "compare_seconds": 2.0,
+        "compare_repeats": 5,
+        "connect_clients": 256,
+        "connect_procs": 4,
+        "connect_threads": 4,
+        "registry_calls": 5000,
+        "idle_seconds": 3.0,
+        "spread_rounds": 256,
+        "restart_workers": 4,
+        "checkpoint_every": 0.5,
+        "shared_memory": False,
+        "model_learners": 8,
+        "model_workers": 4096,
+        "model_nic_gbit": 25.0,
+    }
+
+
+def limit_s(params: dict[str, Any]) -> float:
+    cluster = 90.0 + 30.0 * int(params["nodes"])
+    shards = sum(60.0 + 2.0 * float(params["seconds"]) for _ in params["shards"])
+    compare = int(params["compare_repeats"]) * 3 * (float(params["compare_seconds"]) + 15.0)
+    connect = 120.0 + 3 * float(params["idle_seconds"])
+    restart = 150.0
+    return cluster + shards + compare + connect + restart
+
+
+# --------------------------------------------------------------------------- samples
+
+
+def example() -> dict[str, Any]:
+    """The nested sample: 6 leaves, 1,880 bytes."""
+    return {
+        "obs": {"pixels": np.zeros((24, 24, 3), np.uint8), "state": np.zeros(32, np.float32)},
+        "action": np.zeros((), np.int64),
+        "reward": np.zeros((), np.float32),
+        "discount": np.zeros((), np.float32),
+        "id": np.zeros((), np.int64),
+    }
+
+
+def sample_bytes() -> int:
+    return 24 * 24 * 3 + 32 * 4 + 8 + 4 + 4 + 8
+
+
+def pool(rows: int, seed: int) -> dict[str, Any]:
+    """``rows`` distinct rows of the sample (a pytree with a leading dimension), seeded."""
+    rng = np.random.default_rng(seed)
+    return {
+        "obs": {
+            "pixels": rng.integers(0, 256, (rows, 24, 24, 3), dtype=np.uint8),
+            "state": rng.standard_normal((rows, 32), dtype=np.float32),
+        },
+        "action": rng.integers(0, 18, rows, dtype=np.int64),
+        "reward": rng.standard_normal(rows, dtype=np.float32),
+        "discount": np.full(rows, 0.99, np.float32),
+        "id": np.zeros(rows, np.int64),
+    }
+
+
+def rows_of(batch: dict[str, Any], lo: int, hi: int) -> dict[str, Any]:
+    return {
+        "obs": {"pixels": batch["obs"]["pixels"][lo:hi], "state": batch["obs"]["state"][lo:hi]},
+        "action": batch["action"][lo:hi],
+        "reward": batch["reward"][lo:hi],
+        "discount": batch["discount"][lo:hi],
+        "id": batch["id"][lo:hi],
+    }
+
+
+def row(batch: dict[str, Any], i: int) -> dict[str, Any]:
+    return {
+        "obs": {"pixels": batch["obs"]["pixels"][i], "state": batch["obs"]["state"][i]},
+        "action": batch["action"][i],
+        "reward": batch["reward"][i],
+        "discount": batch["discount"][i],
+        "id": batch["id"][i],
+    }
+
+
+def _rss_mib() -> float:
+    return c.rss_mib()
+
+
+# --------------------------------------------------------------------------- actors
+
+
+class _Consumer:
+    """A thread sampling every batch of a FIFO server, counting samples and summing ids."""
+
+    def __init__(self, server: Any) -> None:
+        self.server = server
+        self.count = 0
+        self.id_sum = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        for _ in range(MAX_LOOPS):
+            if self.stop.is_set():
+                return
+            try:
+                batch = self.server.sample(timeout=0.2)
+            except TimeoutError:
+                continue
+            if batch is None:
+                return
+            ids = np.asarray(batch.batch["id"])
+            self.id_sum += int(ids.sum())
+            self.count += int(ids.size)
+
+    def end(self) -> None:
+        self.stop.set()
+        self.thread.join(10.0)
+
+
+class ShardLearner:
+    """One shard's learner: ``shard_server`` (a FIFO, restored from its newest periodic
+    checkpoint when there is one) and a consumer thread reading every batch."""
+
+    def __init__(
+        self,
+        service: str,
+        shard: int,
+        checkpoint_dir: str,
+        batch_size: int,
+        checkpoint_every: float,
+    ) -> None:
+        import echo
+        import echo.ray
+
+        self.checkpoint_dir = checkpoint_dir
+        self.restored = bool(echo.checkpoint.periodic_checkpoints(checkpoint_dir))
+        self.server = echo.ray.shard_server(
+            service,
+            shard,
+            example(),
+            batch_size,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every,
+            transport=echo.TcpTransport(port=0, host=c.HOST),
+            namespace=NAMESPACE,
+            report_every=0.5,
+        )
+        self.registered_unix_s = time.time()
+        registration = echo.ray.registration(self.server)
+        self.generation = None if registration is None else registration.generation
+        self.consumer = _Consumer(self.server)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "pid": os.getpid(),
+            "port": self.server.port,
+            "generation": self.generation,
+            "restored": self.restored,
+            "registered_unix_s": self.registered_unix_s,
+        }
+
+    def counters(self) -> dict[str, Any]:
+        return {
+            "count": self.consumer.count,
+            "id_sum": self.consumer.id_sum,
+            "cpu_s": time.process_time(),
+            "rss_mib": _rss_mib(),
+            "connections": self.server.stats().active_connections,
+            "unix_s": time.time(),
+        }
+
+    def wait_count(self, count: int, timeout: float) -> dict[str, Any]:
+        """The counters once ``count`` samples were consumed, or after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        for _ in range(MAX_LOOPS):
+            if self.consumer.count >= count or time.monotonic() >= deadline:
+                break
+            time.sleep(0.005)
+        return self.counters()
+
+    def idle_cpu(self, seconds: float) -> dict[str, Any]:
+        """This process's CPU over ``seconds`` of doing nothing here (heartbeats, reports)."""
+        cpu0, wall0 = time.process_time(), time.monotonic()
+        time.sleep(seconds)
+        return {
+            "cpu_s": time.process_time() - cpu0,
+            "wall_s": time.monotonic() - wall0,
+            "rss_mib": _rss_mib(),
+            "connections": self.server.stats().active_connections,
+        }
+
+    def checkpoints(self) -> int:
+        import echo
+
+        return len(echo.checkpoint.periodic_checkpoints(self.checkpoint_dir))
+
+    def close(self) -> dict[str, Any]:
+        out = self.counters()
+        self.server.close()
+        self.consumer.end()
+        return out
+
+
+class Sender:
+    """A worker: one ``echo.ray.connect`` client sending batches of numbered pool rows."""
+
+    def __init__(
+        self, service: str, batch_size: int, inflight: int, seed: int, shared_memory: bool
+    ) -> None:
+        import echo.ray
+
+        self.batch_size = batch_size
+        self.pool = pool(8 * batch_size, seed)
+        self.client = echo.ray.connect(
+            service,
+            example(),
+            inflight,
+            namespace=NAMESPACE,
+            shared_memory=shared_memory,
+            connect_timeout=60.0,
+            reconnect_timeout=60.0,
+        )
+
+    def shard(self) -> int | None:
+        return self.client.shard
+
+    def run(self, start_unix: float, seconds: float, id_base: int) -> dict[str, Any]:
+        """Sends from ``start_unix`` for ``seconds`` (whole batches), then waits for every
+        acknowledgement."""
+        bs = self.batch_size
+        slices = [rows_of(self.pool, k * bs, (k + 1) * bs) for k in range(8)]
+        time.sleep(max(0.0, min(30.0, start_unix - time.time())))
+        cpu0, t0 = time.process_time(), time.time()
+        end = t0 + seconds
+        n = id_sum = 0
+        for k in range(MAX_LOOPS):
+            batch = slices[k % 8]
+            ids = np.arange(id_base + n, id_base + n + bs, dtype=np.int64)
+            batch["id"][:] = ids
+            self.client.send_batch(batch, timeout=60.0)
+            n += bs
+            id_sum += int(ids.sum())
+            if time.time() >= end:
+                break
+        self.client.wait(timeout=60.0)
+        t1 = time.time()
+        return {
+            "shard": self.client.shard,
+            "path": self.client.transport_path,
+            "sent": n,
+            "acked": self.client.acked,
+            "id_sum": id_sum,
+            "start_unix_s": t0,
+            "done_unix_s": t1,
+            "cpu_s": time.process_time() - cpu0,
+        }
+
+    def close(self) -> bool:
+        return self.client.close(timeout=30.0)
+
+
+class Connector:
+    """Opens many ``ShardClient``s at once (discovery plus connect), then holds them."""
+
+    def __init__(self) -> None:
+        self.clients: list[Any] = []
+        self.pool = pool(64, 5)
+
+    def ready(self) -> int:
+        import echo.ray  # noqa: F401 (imported before the clock starts)
+
+        return os.getpid()
+
+    def connect_many(
+        self, service: str, n: int, threads: int, shared_memory: bool
+    ) -> dict[str, Any]:
+        import echo.ray
+
+        def one(_: int) -> tuple[Any, float]:
+            t = time.perf_counter()
+            client = echo.ray.connect(
+                service,
+                example(),
+                namespace=NAMESPACE,
+                shared_memory=shared_memory,
+                connect_timeout=60.0,
+            )
+            return client, time.perf_counter() - t
+
+        started = time.time()
+        with ThreadPoolExecutor(max_workers=threads) as ex:
+            made = list(ex.map(one, range(n), timeout=CALL_S))
+        done = time.time()
+        self.clients += [client for client, _ in made]
+        return {
+            "started_unix_s": started,
+            "done_unix_s": done,
+            "connect_s": [dt for _, dt in made],
+            "shards": sorted({client.shard for client, _ in made}),
+        }
+
+    def send_one_each(self) -> int:
+        """Each client sends one sample and has it acknowledged: all of them are live."""
+        one = row(pool(1, 0), 0)
+        for client in self.clients:
+            client.send(one, timeout=30.0)
+        for client in self.clients:
+            client.wait(timeout=30.0)
+        return sum(client.acked for client in self.clients)
+
+    def send_rounds(self, rounds: int) -> dict[str, Any]:
+        """``rounds`` times one sample from each client in turn (many connections, each
+        carrying a little), then every acknowledgement."""
+        rows = [row(self.pool, i) for i in range(64)]
+        cpu0, t0 = time.process_time(), time.time()
+        for k in range(rounds):
+            for client in self.clients:
+                client.send(rows[k % 64], timeout=60.0)
+        for client in self.clients:
+            client.wait(timeout=60.0)
+        return {
+            "sent": rounds * len(self.clients),
+            "cpu_s": time.process_time() - cpu0,
+            "start_unix_s": t0,
+            "done_unix_s": time.time(),
+        }
+
+    def close_all(self) -> int:
+        closed = sum(bool(client.close(timeout=10.0)) for client in self.clients)
+        self.clients = []
+        return closed
+
+
+class Streamer:
+    """A worker streaming single samples in a thread while another thread watches its
+    client: when the shard's generation changes, and the first acknowledgement after that."""
+
+    def __init__(self, service: str, inflight: int, shared_memory: bool) -> None:
+        import echo.ray
+
+        self.pool = pool(64, 7)
+        self.client = echo.ray.connect(
+            service,
+            example(),
+            inflight,
+            namespace=NAMESPACE,
+            shared_memory=shared_memory,
+            connect_timeout=60.0,
+            reconnect_timeout=120.0,
+        )
+        self.stop = threading.Event()
+        self.error: str | None = None
+        self.first_ack: dict[int, float] = {}  # generation -> unix time of its first ack
+        self.seen_generation: dict[int, float] = {}
+        self.threads: list[threading.Thread] = []
+
+    def start(self, max_seconds: float) -> None:
+        deadline = time.monotonic() + max_seconds
+
+        def send() -> None:
+            try:
+                for k in range(MAX_LOOPS):
+                    if self.stop.is_set() or time.monotonic() >= deadline:
+                        return
+                    self.client.send(row(self.pool, k % 64), timeout=max_seconds)
+            except Exception as e:  # noqa: BLE001 (reported by state())
+                self.error = f"{type(e).__name__}: {e}"
+
+        def watch() -> None:
+            generation, acked = self.client.generation, self.client.acked
+            for _ in range(MAX_LOOPS):
+                if self.stop.is_set() or time.monotonic() >= deadline:
+                    return
+                now_gen, now_acked = self.client.generation, self.client.acked
+                if now_gen != generation:
+                    generation, acked = now_gen, now_acked
+                    if generation is not None:
+                        self.seen_generation.setdefault(generation, time.time())
+                elif now_acked > acked and generation is not None:
+                    self.first_ack.setdefault(generation, time.time())
+                    acked = now_acked
+                time.sleep(0.001)
+
+        self.threads = [
+            threading.Thread(target=send, daemon=True),
+            threading.Thread(target=watch, daemon=True),
+        ]
+        for t in self.threads:
+            t.start()
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "generation": self.client.generation,
+            "acked": self.client.acked,
+            "reconnects": self.client.reconnects,
+            "first_ack": {str(k): v for k, v in self.first_ack.items()},
+            "seen_generation": {str(k): v for k, v in self.seen_generation.items()},
+            "error": self.error,
+        }
+
+    def close(self) -> dict[str, Any]:
+        self.stop.set()
+        for t in self.threads:
+            t.join(30.0)
+        state = self.state()
+        state["flushed"] = self.client.close(timeout=30.0)
+        return state
+
+
+# --------------------------------------------------------------------------- the cluster
+
+
+class _Run:
+    """The cluster, the driver's Ray connection, and every actor and service made, so that
+    ``end()`` takes them all down."""
+
+    def __init__(self, params: dict[str, Any]) -> None:
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before `import ray`
+        import ray
+        from ray.cluster_utils import Cluster
+
+        self.ray = ray
+        self.nodes = int(params["nodes"])
+        self.actors: list[Any] = []
+        self.services: list[str] = []
+        env = {
+            "PYTHONPATH": os.pathsep.join(
+                p for p in (str(c.ROOT), os.environ.get("PYTHONPATH", "")) if p
+            ),
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        }
+        store = 96 * c.MIB
+        t0 = time.monotonic()
+        self.cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 2,
+                "node_ip_address": c.HOST,
+                "include_dashboard": False,
+                "object_store_memory": store,
+                "resources": {"node0": 10_000},
+            },
+        )
+        try:
+            for k in range(1, self.nodes):
+                self.cluster.add_node(
+                    num_cpus=2,
+                    node_ip_address=c.HOST,
+                    object_store_memory=store,
+                    resources={f"node{k}": 10_000},
+                )
+            ray.init(
+                address=self.cluster.address,
+                namespace="echo-bench-driver",
+                runtime_env={"env_vars": env},
+                log_to_driver=False,
+            )
+        except BaseException:
+            self.cluster.shutdown()
+            raise
+        self.start_s = time.monotonic() - t0
+
+    def get(self, refs: Any, timeout: float = CALL_S) -> Any:
+        return self.ray.get(refs, timeout=timeout)
+
+    def actor(self, cls: type, node: int, *args: Any, restarts: int = 0, **kw: Any) -> Any:
+        handle = (
+            self.ray.remote(cls)
+            .options(
+                num_cpus=0,
+                resources={f"node{node % self.nodes}": 1},
+                max_restarts=restarts,
+                max_task_retries=0,
+            )
+            .remote(*args, **kw)
+        )
+        self.actors.append(handle)
+        return handle
+
+    def kill(self, actors: list[Any]) -> None:
+        for a in actors:
+            with contextlib.suppress(Exception):
+                self.ray.kill(a, no_restart=True)
+            if a in self.actors:
+                self.actors.remove(a)
+
+    def end_service(self, service: str) -> None:
+        import echo.ray
+
+        with contextlib.suppress(Exception):
+            echo.ray.shutdown_service(service, namespace=NAMESPACE)
+        if service in self.services:
+            self.services.remove(service)
+
+    def end(self) -> None:
+        self.kill(list(self.actors))
+        for service in list(self.services):
+            self.end_service(service)
+        with contextlib.suppress(Exception):
+            self.ray.shutdown()
+        self.cluster.shutdown()
+
+
+# --------------------------------------------------------------------------- parts
+
+
+def _shards_round(run: _Run, n: int, params: dict[str, Any], tmp: str) -> dict[str, Any]:
+    import echo.ray
+
+    service = f"bench-shards-{n}"
+    run.services.append(service)
+    bs, w = int(params["batch_size"]), int(params["workers"])
+    learners = [
+        run.actor(ShardLearner, k, service, k, os.path.join(tmp, f"{service}-{k}"), bs, 3600.0)
+        for k in range(n)
+    ]
+    senders: list[Any] = []
+    try:
+        run.get([a.info.remote() for a in learners])
+        for i in range(w):  # one after another: the registry's rule balances them
+            senders.append(
+                run.actor(
+                    Sender, i, service, bs, int(params["inflight"]), i, params["shared_memory"]
+                )
+            )
+            run.get(senders[-1].shard.remote())
+        shards = run.get([s.shard.remote() for s in senders])
+        status = {s.shard: s.workers for s in echo.ray.status(service, namespace=NAMESPACE)}
+        before = run.get([a.counters.remote() for a in learners])
+        start = time.time() + 0.5
+        seconds = float(params["seconds"])
+        sent = run.get(
+            [s.run.remote(start, seconds, (i + 1) * 10**12) for i, s in enumerate(senders)],
+            timeout=CALL_S + seconds,
+        )
+        expect = {k: sum(r["acked"] for r in sent if r["shard"] == k) for k in range(n)}
+        after = run.get([a.wait_count.remote(expect[k], 30.0) for k, a in enumerate(learners)])
+        closed = run.get([s.close.remote() for s in senders])
+    finally:
+        run.kill(senders + learners)
+        run.end_service(service)
+    t_end = max(r["done_unix_s"] for r in sent)
+    t_start = min(r["start_unix_s"] for r in sent)
+    per_shard = []
+    correct = all(closed) and all(r["sent"] == r["acked"] for r in sent)
+    for k in range(n):
+        mine = [r for r in sent if r["shard"] == k]
+        count = after[k]["count"] - before[k]["count"]
+        id_sum = after[k]["id_sum"] - before[k]["id_sum"]
+        ok = count == expect[k] and id_sum == sum(r["id_sum"] for r in mine)
+        correct = correct and ok
+        span = max((r["done_unix_s"] for r in mine), default=t_end) - min(
+            (r["start_unix_s"] for r in mine), default=t_start
+        )
+        per_shard.append(
+            {
+                "shard": k,
+                "workers": len(mine),
+                "samples": count,
+                "per_s": count / span if span > 0 else None,
+                "learner_cpu_us": (after[k]["cpu_s"] - before[k]["cpu_s"]) / count * 1e6
+                if count
+                else None,
+                "correct": ok,
+            }
+        )
+    total = sum(r["acked"] for r in sent)
+    return {
+        "shards": n,
+        "workers": w,
+        "balance": sorted(status.get(k, 0) for k in range(n)),
+        "assigned": shards,
+        "paths": sorted({r["path"] for r in sent}),
+        "samples": total,
+        "window_s": t_end - t_start,
+        "per_s": total / (t_end - t_start),
+        "per_shard": per_shard,
+        "learner_cpu_us": sum(after[k]["cpu_s"] - before[k]["cpu_s"] for k in range(n))
+        / max(1, total)
+        * 1e6,
+        "worker_cpu_us": sum(r["cpu_s"] for r in sent) / max(1, total) * 1e6,
+        "correct": correct,
+    }
+
+
+def _compare(run: _Run, params: dict[str, Any]) -> dict[str, Any]:
+    """Per-sample send through a plain TcpClient, one with reconnect=True, and
+    echo.ray.connect, to one server in this process, rounds rotating."""
+    import echo
+    import echo.ray
+
+    service = "bench-compare"
+    run.services.append(service)
+    bs = int(params["batch_size"])
+    server = echo.Server(example(), bs, echo.TcpTransport(port=0, host=c.HOST))
+    server.start()
+    echo.ray.serve(server, service, 0, namespace=NAMESPACE)
+    consumer = _Consumer(server)
+    samples = pool(64, 3)
+    rows = [row(samples, i) for i in range(64)]
+    shm = bool(params["shared_memory"])
+    inflight = int(params["inflight"])
+
+    def make(variant: str) -> Any:
+        if variant == "ray.connect":
+            return echo.ray.connect(
+                service, example(), inflight, namespace=NAMESPACE, shared_memory=shm
+            )
+        return echo.TcpClient(
+            c.HOST,
+            server.port or 0,
+            example(),
+            inflight,
+            protocol=2,
+            reconnect=variant == "TcpClient reconnect",
+            shared_memory=shm,
+        )
+
+    variants = ["TcpClient", "TcpClient reconnect", "ray.connect"]
+    rounds: list[dict[str, Any]] = []
+    seconds = float(params["compare_seconds"])
+    total = 0
+    try:
+        for rep in range(int(params["compare_repeats"])):
+            order = variants[rep % 3 :] + variants[: rep % 3]
+            for variant in order:
+                client = make(variant)
+                try:
+                    n = 0
+                    t0 = time.perf_counter()
+                    end = t0 + seconds
+                    for _ in range(MAX_LOOPS):
+                        for r in rows[:bs]:
+                            client.send(r, timeout=60.0)
+                        n += bs
+                        if time.perf_counter() >= end:
+                            break
+                    client.wait(timeout=60.0)
+                    dt = time.perf_counter() - t0
+                    ok = client.acked == n
+                finally:
+                    client.close(timeout=30.0)
+                total += n
+                rounds.append(
+                    {"repeat": rep, "variant": variant, "samples": n, "per_s": n / dt, "ok": ok}
+                )
+        deadline = time.monotonic() + 30.0
+        for _ in range(MAX_LOOPS):
+            if consumer.count >= total or time.monotonic() >= deadline:
+                break
+            time.sleep(0.005)
+        consumed = consumer.count
+    finally:
+        server.close()
+        consumer.end()
+        run.end_service(service)
+    ratios: dict[str, list[float]] = {}
+    for rep in range(int(params["compare_repeats"])):
+        mine = {r["variant"]: r["per_s"] for r in rounds if r["repeat"] == rep}
+        for v in variants[1:]:
+            ratios.setdefault(v, []).append(mine[v] / mine["TcpClient"])
+        ratios.setdefault("ray.connect/reconnect", []).append(
+            mine["ray.connect"] / mine["TcpClient reconnect"]
+        )
+    return {
+        "rounds": rounds,
+        "ratios": ratios,
+        "consumed": consumed,
+        "sent": total,
+        "correct": consumed == total and all(r["ok"] for r in rounds),
+    }
+
+
+def _registry_calls(run: _Run, service: str, calls: int) -> dict[str, Any]:
+    """Latency of one registry lookup (sequential) and the rate of ``calls`` at once."""
+    import echo.ray
+
+    # The registry's handle as clients get it (an internal of echo.ray: one actor per service).
+    registry = echo.ray._registry(service, NAMESPACE, create=False)
+    seq = []
+    for _ in range(min(200, calls)):
+        t = time.perf_counter()
+        run.get(registry.lookup.remote(0))
+        seq.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    run.get([registry.lookup.remote(0) for _ in range(calls)])
+    dt = time.perf_counter() - t
+    return {
+        "lookup_ms_p50": c.median(seq) * 1e3,
+        "lookup_ms_p99": c.percentile(seq, 99) * 1e3,
+        "concurrent_calls": calls,
+        "calls_per_s": calls / dt,
+    }
+
+
+def _connect(run: _Run, params: dict[str, Any], tmp: str) -> dict[str, Any]:
+    import echo.ray
+
+    service = "bench-connect"
+    run.services.append(service)
+    n, procs = int(params["connect_clients"]), int(params["connect_procs"])
+    threads, idle = int(params["connect_threads"]), float(params["idle_seconds"])
+    shm = bool(params["shared_memory"])
+    connectors = [run.actor(Connector, i) for i in range(procs)]
+    learner = None
+    try:
+        run.get([x.ready.remote() for x in connectors])
+        bs = math.gcd(n, 32)  # every client sends as many: whole batches
+        learner = run.actor(ShardLearner, 0, service, 0, os.path.join(tmp, service), bs, 3600.0)
+        run.get(learner.info.remote())  # registered
+        idle0 = run.get(learner.idle_cpu.remote(idle))  # the learner without connections
+        # The clock starts when the registry answers a status() listing the shard.
+        shards = echo.ray.status(service, namespace=NAMESPACE)
+        answered = time.time()
+        if not shards:
+            raise RuntimeError(f"{service}: the registry lists no shard after registration")
+        shares = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
+        made = run.get(
+            [
+                x.connect_many.remote(service, k, threads, shm)
+                for x, k in zip(connectors, shares, strict=True)
+            ]
+        )
+        connected = max(m["done_unix_s"] for m in made) - answered
+        acked = sum(run.get([x.send_one_each.remote() for x in connectors]))
+        idle_n = run.get(learner.idle_cpu.remote(idle))
+        # Every connection carrying a little: the learner's CPU per sample with many of them.
+        rounds = int(params["spread_rounds"])
+        before = run.get(learner.counters.remote())
+        spread = run.get([x.send_rounds.remote(rounds) for x in connectors])
+        expect = before["count"] + n * rounds
+        after = run.get(learner.wait_count.remote(expect, 30.0))
+        registry = _registry_calls(run, service, int(params["registry_calls"]))
+        closed = sum(run.get([x.close_all.remote() for x in connectors]))
+    finally:
+        run.kill(connectors + ([learner] if learner is not None else []))
+        run.end_service(service)
+    each = [dt for m in made for dt in m["connect_s"]]
+    per_conn_cpu = (idle_n["cpu_s"] / idle_n["wall_s"] - idle0["cpu_s"] / idle0["wall_s"]) / max(
+        1, idle_n["connections"]
+    )
+    return {
+        "clients": n,
+        "procs": procs,
+        "threads": threads,
+        "connected_s": connected,
+        "first_start_after_answer_s": min(m["started_unix_s"] for m in made) - answered,
+        "connect_ms_p50": c.median(each) * 1e3,
+        "connect_ms_p99": c.percentile(each, 99) * 1e3,
+        "acked": acked,
+        "connections_at_learner": idle_n["connections"],
+        "idle_cpu_us_per_conn_s": per_conn_cpu * 1e6,
+        "rss_kib_per_conn": (idle_n["rss_mib"] - idle0["rss_mib"]) * 1024 / max(1, n),
+        "registry": registry,
+        "spread_samples": n * rounds,
+        "spread_per_s": n
+        * rounds
+        / (max(x["done_unix_s"] for x in spread) - min(x["start_unix_s"] for x in spread)),
+        "spread_learner_cpu_us": (after["cpu_s"] - before["cpu_s"]) / max(1, n * rounds) * 1e6,
+        "correct": acked == n
+        and closed == n
+        and idle_n["connections"] == n
+        and after["count"] == expect,
+    }
+
+
+def _restart(run: _Run, params: dict[str, Any], tmp: str) -> dict[str, Any]:
+    import echo.ray
+
+    service = "bench-restart"
+    run.services.append(service)
+    k = int(params["restart_workers"])
+    shm = bool(params["shared_memory"])
+    ckpt = os.path.join(tmp, service)
+    learner = run.actor(
+        ShardLearner, 0, service, 0, ckpt, 1, float(params["checkpoint_every"]), restarts=1
+    )
+    streamers: list[Any] = []
+    try:
+        before = run.get(learner.info.remote())
+        streamers = [
+            run.actor(Streamer, i, service, int(params["inflight"]), shm) for i in range(k)
+        ]
+        run.get([s.start.remote(CALL_S) for s in streamers])
+        deadline = time.monotonic() + 60.0
+        for _ in range(MAX_LOOPS):  # a periodic checkpoint while they stream
+            if run.get(learner.checkpoints.remote()) >= 1 or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        time.sleep(0.3)
+        run.ray.kill(learner, no_restart=False)
+        killed = time.time()
+        polled = None
+        deadline = time.monotonic() + CALL_S
+        for _ in range(MAX_LOOPS):  # the new generation's registration, as status() shows it
+            shards = echo.ray.status(service, namespace=NAMESPACE)
+            if shards and shards[0].generation >= 2:
+                polled = time.time()
+                break
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.01)
+        after = run.get(learner.info.remote())
+        states: list[dict[str, Any]] = []
+        deadline = time.monotonic() + 60.0
+        for _ in range(MAX_LOOPS):  # every worker's first ack from generation 2
+            states = run.get([s.state.remote() for s in streamers])
+            if all("2" in s["first_ack"] for s in states) or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        finals = run.get([s.close.remote() for s in streamers])
+    finally:
+        with contextlib.suppress(Exception):  # its periodic checkpoints stop
+            run.get(learner.close.remote(), timeout=30.0)
+        run.kill([*streamers, learner])
+        run.end_service(service)
+    firsts = [s["first_ack"].get("2") for s in states]
+    last = max((f for f in firsts if f is not None), default=None)
+    resumed = last is not None and all(f is not None for f in firsts)
+    registered = after["registered_unix_s"]
+    return {
+        "workers": k,
+        "checkpoint_every": float(params["checkpoint_every"]),
+        "restored": after["restored"],
+        "generation": after["generation"],
+        "pid_changed": after["pid"] != before["pid"],
+        "kill_to_registered_s": registered - killed,
+        "registered_to_polled_s": None if polled is None else polled - registered,
+        "resume_s": last - registered if resumed and last is not None else None,
+        "resume_after_poll_s": last - polled
+        if resumed and last is not None and polled is not None
+        else None,
+        "resume_each_s": [None if f is None else f - registered for f in firsts],
+        "reconnects": [s["reconnects"] for s in finals],
+        "errors": [s["error"] for s in finals if s["error"]],
+        "correct": resumed
+        and bool(after["restored"])
+        and after["generation"] == 2
+        and all(s["flushed"] and not s["error"] for s in finals),
+    }
+
+
+def measure(params: dict[str, Any]) -> dict[str, Any]:
+    timer = c.watchdog(limit_s(params))
+    try:
+        # Removed once the cluster is down: no learner writes a checkpoint into it then.
+        with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
+            run = _Run(params)
+            out: dict[str, Any] = {"cluster_start_s": run.start_s, "sample_bytes": sample_bytes()}
+            try:
+                out["shards"] = [_shards_round(run, int(n), params, tmp) for n in params["shards"]]
+                out["compare"] = _compare(run, params)
+                out["connect"] = _connect(run, params, tmp)
+                out["restart"] = _restart(run, params, tmp)
+            finally:
+                run.end()
+    finally:
+        timer.cancel()
+    out["cpus"] = os.cpu_count()
+    out["loadavg"] = c.loadavg()
+    out["correct"] = (
+        all(r["correct"] for r in out["shards"])
+        and out["compare"]["correct"]
+        and out["connect"]["correct"]
+        and out["restart"]["correct"]
+    )
+    return out
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def model(r: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """The aggregate throughput of ``model_learners`` learners and ``model_workers`` workers
+    from the measured costs (docs/design/index.md, "Scaling model for echo on Ray")."""
+    one = next(x for x in r["shards"] if x["shards"] == 1)
+    learners, workers = int(params["model_learners"]), int(params["model_workers"])
+    per_learner = -(-workers // learners)  # the rule balances to within one
+    # Learner CPU per sample, us: the larger of a few busy connections' and many light ones'.
+    c_learner = max(one["learner_cpu_us"], r["connect"]["spread_learner_cpu_us"])
+    c_worker = one["worker_cpu_us"]
+    idle = r["connect"]["idle_cpu_us_per_conn_s"]  # learner CPU per connection, us per s
+    idle_share = max(0.0, per_learner * idle / 1e6)  # of one learner core
+    cpu_bound = (1.0 - idle_share) * 1e6 / c_learner
+    nic_bound = float(params["model_nic_gbit"]) * 1e9 / 8 / r["sample_bytes"]
+    per_shard = min(cpu_bound, nic_bound)
+    return {
+        "learners": learners,
+        "workers": workers,
+        "workers_per_learner": per_learner,
+        "learner_cpu_us": c_learner,
+        "worker_cpu_us": c_worker,
+        "idle_share": idle_share,
+        "per_shard_cpu_bound": cpu_bound,
+        "per_shard_nic_bound": nic_bound,
+        "per_shard": per_shard,
+        "aggregate": learners * per_shard,
+        "aggregate_batched": learners
+        * min((1.0 - idle_share) * 1e6 / one["learner_cpu_us"], nic_bound),
+        "per_worker_needed": learners * per_shard / workers,
+        "worker_max": 1e6 / c_worker,
+        "rss_mib_per_learner": per_learner * r["connect"]["rss_kib_per_conn"] / 1024,
+        "discovery_s": workers / r["connect"]["registry"]["calls_per_s"],
+    }
+
+
+def _ratio_cells(ratios: list[float] | None) -> list[str]:
+    """The median and range of per-repeat ratios, as two cells."""
+    if not ratios:
+        return ["-", "-"]
+    return [c.num(statistics.median(ratios), ".3f"), f"{min(ratios):.3f}..{max(ratios):.3f}"]
+
+
+def tables(results: dict[str, Any], params: dict[str, Any]) -> list[dict[str, Any]]:
+    shard_cols = [
+        "echo",
+        "shards",
+        "workers",
+        "aggregate samples/s",
+        "per shard samples/s",
+        "learner CPU us/sample",
+        "worker CPU us/sample",
+        "correct",
+    ]
+    cmp_cols = [
+        "echo",
+        "client",
+        "samples/s (median)",
+        "/ plain TcpClient",
+        "range",
+        "/ TcpClient(reconnect=True)",
+        "range",
+        "repeats",
+    ]
+    conn_cols = [
+        "echo",
+        "clients",
+        "actors x threads",
+        "discovery + connect (s)",
+        "per client p50 / p99 (ms)",
+        "registry lookup p50 (ms)",
+        "registry calls/s",
+        "learner CPU per idle conn (us/s)",
+        "learner RSS per conn (KiB)",
+        "learner CPU us/sample, each conn sending",
+        "correct",
+    ]
+    rs_cols = [
+        "echo",
+        "workers",
+        "kill to registered (s)",
+        "registered to first ack (s)",
+        "status() poll to first ack (s)",
+        "restored, generation",
+        "correct",
+    ]
+    model_cols = ["echo", "quantity", "value", "from"]
+    shard_rows = c.failed_rows(results, len(shard_cols))
+    cmp_rows = c.failed_rows(results, len(cmp_cols))
+    conn_rows = c.failed_rows(results, len(conn_cols))
+    rs_rows = c.failed_rows(results, len(rs_cols))
+    model_rows = c.failed_rows(results, len(model_cols))
+    yes = {True: "yes", False: "NO"}
+    for side, r in results.items():
+        if "error" in r:
+            continue
+        for x in r["shards"]:
+            shard_rows.append(
+                [
+                    side,
+                    str(x["shards"]),
+                    str(x["workers"]),
+                    c.num(x["per_s"]),
+                    " / ".join(c.num(s["per_s"]) for s in x["per_shard"]),
+                    c.num(x["learner_cpu_us"], ".1f"),
+                    c.num(x["worker_cpu_us"], ".1f"),
+                    yes[bool(x["correct"])],
+                ]
+            )
+        cmp = r["compare"]
+        names = {
+            "TcpClient": "`TcpClient`",
+            "TcpClient reconnect": "`TcpClient(reconnect=True)`",
+            "ray.connect": "`echo.ray.connect`",
+        }
+
+        for variant, name in names.items():
+            rates = [x["per_s"] for x in cmp["rounds"] if x["variant"] == variant]
+            vs_reconnect = cmp["ratios"].get("ray.connect/reconnect")
+            cmp_rows.append(
+                [
+                    side,
+                    name,
+                    c.num(statistics.median(rates) if rates else None),
+                    *_ratio_cells(cmp["ratios"].get(variant)),
+                    *_ratio_cells(vs_reconnect if variant == "ray.connect" else None),
+                    str(len(rates)),
+                ]
+            )
+        x = r["connect"]
+        conn_rows.append(
+            [
+                side,
+                str(x["clients"]),
+                f"{x['procs']} x {x['threads']}",
+                c.num(x["connected_s"], ".2f"),
+                f"{c.num(x['connect_ms_p50'], '.1f')} / {c.num(x['connect_ms_p99'], '.1f')}",
+                c.num(x["registry"]["lookup_ms_p50"], ".2f"),
+                c.num(x["registry"]["calls_per_s"]),
+                c.num(x["idle_cpu_us_per_conn_s"], ".1f"),
+                c.num(x["rss_kib_per_conn"], ".0f"),
+                c.num(x["spread_learner_cpu_us"], ".1f"),
+                yes[bool(x["correct"])],
+            ]
+        )
+        x = r["restart"]
+        rs_rows.append(
+            [
+                side,
+                str(x["workers"]),
+                c.num(x["kill_to_registered_s"], ".2f"),
+                c.num(x["resume_s"], ".2f"),
+                c.num(x["resume_after_poll_s"], ".2f"),
+                f"{yes[bool(x['restored'])]}, {x['generation']}",
+                yes[bool(x["correct"])],
+            ]
+        )
+        m = model(r, params)
+        model_rows += [
+            [
+                side,
+                "workers per learner (balanced to within one)",
+                f"{m['workers_per_learner']:,}",
+                "the shard rule",
+            ],
+            [
+                side,
+                "learner CPU per sample (us)",
+                c.num(m["learner_cpu_us"], ".1f"),
+                "the larger of: shards table (1 shard), connect table (each conn sending)",
+            ],
+            [
+                side,
+                "learner core share spent on idle connections",
+                c.num(m["idle_share"], ".3f"),
+                "connect table x workers per learner",
+            ],
+            [
+                side,
+                "per learner, CPU bound (samples/s, one core)",
+                c.num(m["per_shard_cpu_bound"]),
+                "(1 - idle share) / learner CPU per sample",
+            ],
+            [
+                side,
+                f"per learner, {params['model_nic_gbit']:g} Gbit/s NIC bound (samples/s)",
+                c.num(m["per_shard_nic_bound"]),
+                f"{r['sample_bytes']:,} B samples",
+            ],
+            [
+                side,
+                f"aggregate, {m['learners']} learners (samples/s)",
+                c.num(m["aggregate"]),
+                "learners x min(CPU bound, NIC bound)",
+            ],
+            [
+                side,
+                f"aggregate, {m['learners']} learners, workers sending batches (samples/s)",
+                c.num(m["aggregate_batched"]),
+                "the same with the 1-shard cost per sample (few busy connections)",
+            ],
+            [
+                side,
+                "per worker to reach it (samples/s)",
+                c.num(m["per_worker_needed"]),
+                f"one worker's echo ceiling: {c.num(m['worker_max'])}",
+            ],
+            [
+                side,
+                "learner RSS for its connections (MiB)",
+                c.num(m["rss_mib_per_learner"], ".1f"),
+                "connect table",
+            ],
+            [
+                side,
+                f"registry time to assign {m['workers']:,} workers (s)",
+                c.num(m["discovery_s"], ".2f"),
+                "workers / registry calls/s",
+            ],
+        ]
+    nodes = params["nodes"]
+    where = (
+        f"a local Ray cluster ({nodes} node{'s' if nodes != 1 else ''}) on 127.0.0.1, "
+        f"{params['batch_size']}-row `send_batch`, TCP"
+        if not params["shared_memory"]
+        else f"a local Ray cluster ({nodes} nodes) on 127.0.0.1, shared memory"
+    )
+    return [
+        {
+            "title": f"Shards: learner actors and {params['workers']} worker actors on {where}, "
+            f"{params['seconds']:g} s",
+            "columns": shard_cols,
+            "rows": shard_rows,
+            "notes": [
+                "Every actor of every shard runs on the same few cores here: aggregate scaling "
+                "cannot show on such a machine (cores, not shards, bound it); the per-sample "
+                "CPU columns are the inputs of the scaling model below.",
+                "*correct*: each learner consumed exactly the count and id sum its workers "
+                "had acknowledged.",
+            ],
+        },
+        {
+            "title": "Per-sample `send` through `echo.ray.connect` against a plain `TcpClient`, "
+            f"same process and server, {params['compare_seconds']:g} s rounds rotating",
+            "columns": cmp_cols,
+            "rows": cmp_rows,
+            "notes": [
+                "A `ShardClient` is a `TcpClient` with `reconnect=True` and a resolver that "
+                "the registry answers before each connection attempt: the last ratio is the "
+                "cost of `echo.ray` alone. A client with `reconnect=True` copies each sample "
+                "into the frame it keeps for resending and writes several frames per system "
+                "call, which for small samples can beat the plain client's one vectored "
+                "write per sample. Target: within 3% of the plain client. *range*: the "
+                "per-repeat ratios.",
+            ],
+        },
+        {
+            "title": f"Discovery plus connect: {params['connect_clients']} `ShardClient`s",
+            "columns": conn_cols,
+            "rows": conn_rows,
+            "notes": [
+                "*discovery + connect*: from `echo.ray.status` first listing the shard to the "
+                "last client connected (the actors were started before). Target: under 2 s.",
+                "*learner ... per idle conn*: the learner process's CPU and RSS with the "
+                "clients connected and idle, less without them, per connection. *each conn "
+                f"sending*: every client sends one sample in turn, {params['spread_rounds']} "
+                "rounds; the learner's CPU per sample with that many light connections.",
+            ],
+        },
+        {
+            "title": "Resume after `ray.kill(learner, no_restart=False)` "
+            f"(periodic checkpoints every {params['checkpoint_every']:g} s)",
+            "columns": rs_cols,
+            "rows": rs_rows,
+            "notes": [
+                "*registered to first ack*: from the restarted learner's registration "
+                "(generation 2, its clock) to the last of the workers' first sample "
+                "acknowledged by it. Target: under 5 s.",
+            ],
+        },
+        {
+            "title": f"Scaling model: {params['model_learners']} learners, "
+            f"{params['model_workers']:,} workers, from the costs above",
+            "columns": model_cols,
+            "rows": model_rows,
+            "notes": [
+                "Assumes one learner per node with one core for echo's ingest, workers on "
+                "other nodes sending over TCP, shards independent (no shared resource but "
+                "the registry, which is called only to connect); see docs/design/index.md, "
+                "*Scaling model for echo on Ray*.",
+            ],
+        },
+    ]
