@@ -89,6 +89,9 @@ class SampleInfo:
     def samples_inserted_total(self) -> int:
         """Samples moved into the ring by drainers (`submit()` is not counted)."""
     @property
+    def samples_submitted_total(self) -> int:
+        """Samples put in by in-process `submit()`/`submit_batch()`, counted as each returns."""
+    @property
     def buffered_bytes(self) -> int:
         """Bytes of sample buffers the TCP ingress holds now (queued samples, buffer pools,
         same-host shared-memory segments), at most `TcpTransport.max_buffered_bytes`."""

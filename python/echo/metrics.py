@@ -108,9 +108,11 @@ METRICS: tuple[MetricSpec, ...] = (
     _spec(
         "echo_samples_inserted_total",
         "counter",
-        "Samples the transport (TCP and same-host shared memory) put into the ring or table. "
-        "In-process submit() is not counted.",
-        "samples_inserted_total",
+        'Samples put into the ring or table, by path: path="ingress" the transport (TCP '
+        "and same-host shared memory, counted before the commit that makes each visible), "
+        'path="submit" in-process submit()/submit_batch() (counted as each returns).',
+        "samples_inserted_total (ingress), samples_submitted_total (submit)",
+        label="path",
     ),
     _spec(
         "echo_samples_sampled_total",
@@ -431,7 +433,10 @@ def _values(server: Server, info: SampleInfo, tally: Tally, now: float) -> dict[
     ns = 1e-9
     return {
         "echo_server_info": 1.0,
-        "echo_samples_inserted_total": info.samples_inserted_total,
+        "echo_samples_inserted_total": {
+            "ingress": info.samples_inserted_total,
+            "submit": info.samples_submitted_total,
+        },
         "echo_samples_sampled_total": tally.batches * server.batch_size
         if fifo
         else info.items_sampled_total,

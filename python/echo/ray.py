@@ -582,7 +582,7 @@ def shard_server(
         server.start()
         metrics_url = None
         if metrics_port is not None:
-            from echo.metrics import serve_metrics  # noqa: PLC0415 (the optional extra)
+            from echo.metrics import serve_metrics
 
             endpoint = serve_metrics(server, port=metrics_port, host=transport.host)
             server._close_hooks.append(lambda _restarting: endpoint.close())  # pyright: ignore[reportPrivateUsage]

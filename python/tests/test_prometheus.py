@@ -93,7 +93,8 @@ def test_names_follow_prometheus_conventions(make_server: Any) -> None:
     registry = CollectorRegistry(auto_describe=True)
     registry.register(EchoCollector(make_server()))
     types, series = parse(generate_latest(registry).decode())
-    allowed_labels = {"server", "reason", "protocol", "result", "quantile"}
+    # Labels with a few fixed values only (never per connection or per key).
+    allowed_labels = {"server", "reason", "protocol", "result", "path", "quantile"}
     info_labels = {"server", "sampler", "version", "detailed_metrics"}
     for spec in METRICS:
         assert re.fullmatch(r"echo_[a-z][a-z0-9_]*[a-z0-9]", spec.name), spec.name
@@ -135,7 +136,8 @@ def test_counts_equal_what_was_sent_over_tcp(
         for _ in range(batches):
             take(server)
         series = scrape(endpoint)
-        assert value(series, "echo_samples_inserted_total") == sent
+        assert value(series, "echo_samples_inserted_total", path="ingress") == sent
+        assert value(series, "echo_samples_inserted_total", path="submit") == 0
         assert value(series, "echo_samples_sampled_total") == batches * 4
         assert value(series, "echo_batches_completed_total") == sent // 4
         assert value(series, "echo_store_size") == sent - batches * 4
@@ -319,6 +321,21 @@ def test_checkpoints_are_counted(
         stats.last_checkpoint_duration_s
     )
     assert value(series, "echo_checkpoint_age_seconds") >= 0
+
+
+def test_in_process_submits_count_as_inserted_by_the_submit_path(
+    make_server: Any, serve: Any, make_sample: Any
+) -> None:
+    server = make_server(batch_size=4, num_buffers=8)
+    for i in range(5):
+        server.submit(make_sample(i))
+    rows = {"id": np.arange(5, 12, dtype=np.int64), "obs": np.zeros((7, 3), np.float32)}
+    assert server.submit_batch(rows) == 7
+    assert server.stats().samples_submitted_total == 12
+    assert server.stats().samples_inserted_total == 0  # the transport's count
+    series = scrape(serve(server))
+    assert value(series, "echo_samples_inserted_total", path="submit") == 12
+    assert value(series, "echo_samples_inserted_total", path="ingress") == 0
 
 
 def test_two_servers_are_told_apart_by_name(make_server: Any, serve: Any, make_sample: Any) -> None:

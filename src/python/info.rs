@@ -159,6 +159,8 @@ pub(crate) struct SampleInfo {
     push_blocked_count: u64,
     /// Samples moved into the ring by drainers (`submit()` is not counted).
     samples_inserted_total: u64,
+    /// Samples put in by in-process `submit()`/`submit_batch()`, counted as each returns.
+    samples_submitted_total: u64,
     /// Bytes of sample buffers the TCP ingress holds now (queued samples and buffer pools).
     buffered_bytes: u64,
     /// Connections refused because every slot was taken by a working connection.
@@ -265,6 +267,7 @@ counters!(
     queue_depth_max,
     push_blocked_count,
     samples_inserted_total,
+    samples_submitted_total,
     buffered_bytes,
     connections_refused_total,
     connections_evicted_total,
@@ -319,6 +322,8 @@ pub(crate) struct Snapshot {
     pub(crate) detailed: Option<DetailedSnapshot>,
     /// The last completed checkpoint; all zero before one.
     pub(crate) last_checkpoint: LastCheckpoint,
+    /// Samples in-process `submit()`/`submit_batch()` calls put in.
+    pub(crate) submitted: u64,
 }
 
 /// When the last checkpoint completed (Unix seconds), how long it took (seconds) and the
@@ -373,6 +378,7 @@ impl SampleInfo {
             queue_depth_max: ingress.queue_depth_max,
             push_blocked_count: ingress.push_blocked_count,
             samples_inserted_total: ingress.samples_inserted_total,
+            samples_submitted_total: snap.submitted,
             buffered_bytes: ingress.buffered_bytes,
             connections_refused_total: ingress.connections_refused_total,
             connections_evicted_total: ingress.connections_evicted_total,
@@ -426,6 +432,7 @@ impl SampleInfo {
             ingress: IngressSnapshot::default(),
             detailed: None,
             last_checkpoint: LastCheckpoint::default(),
+            submitted: 0,
         };
         Self::new(py, &snap, 0, 0, &Py::new(py, HistSnapshot::default())?, None)
     }

@@ -5,7 +5,7 @@
 //! out as numpy views. Which backend it drives is decided once, from the settings, in Rust.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::OnceLock;
 use std::time::Instant;
 
@@ -85,6 +85,8 @@ pub(crate) struct PyServerCore {
     /// The last checkpoint that completed (manual or periodic), for `stats()`; all zero until
     /// one has. Written by `_record_checkpoint` once the checkpoint's link is in place.
     last_checkpoint: Mutex<LastCheckpoint>,
+    /// Samples (steps) `submit()` and `submit_batch()` put in, counted as each call returns.
+    submitted: AtomicU64,
 }
 
 #[pymethods]
@@ -119,6 +121,7 @@ impl PyServerCore {
             draining: AtomicBool::new(false),
             dropped_at_close: OnceLock::new(),
             last_checkpoint: Mutex::new(LastCheckpoint::default()),
+            submitted: AtomicU64::new(0),
         })
     }
 
@@ -300,6 +303,7 @@ impl PyServerCore {
                 }
             }
         })?;
+        self.count_submitted(done as u64);
         match outcome {
             Some(Ok(())) => Ok(n),
             Some(Err(err)) => Err(error_in(Call::Submit, err)),
@@ -746,7 +750,10 @@ impl PyServerCore {
         if self.backend.spec().payload_size() < DETACH_COPY_BYTES {
             match insert(Some(Instant::now())) {
                 Err(err) if err.is_timeout_before_any() => {}
-                done => return done.map_err(|e| error_in(Call::Submit, e.error)),
+                done => {
+                    self.count_submitted(u64::from(done.is_ok()));
+                    return done.map_err(|e| error_in(Call::Submit, e.error));
+                }
             }
         }
         let done = wait_detached(py, deadline, |slice_end| match insert(Some(slice_end)) {
@@ -757,7 +764,15 @@ impl PyServerCore {
             let holdback = self.backend.insert_holdback();
             return Err(submit_timed_out("submit()", None, holdback.as_ref(), &self.limiter_repr));
         };
+        self.count_submitted(u64::from(result.is_ok()));
         result.map_err(|e| error_in(Call::Submit, e.error))
+    }
+
+    fn count_submitted(&self, n: u64) {
+        if n > 0 {
+            // ORDERING: Relaxed — a statistic, read on its own by `stats()`.
+            self.submitted.fetch_add(n, Relaxed);
+        }
     }
 
     /// What every submit checks first: a priority needs a replay table, and the server
@@ -904,6 +919,8 @@ impl PyServerCore {
             ingress: ingress.map(|i| i.snapshot()).unwrap_or_default(),
             detailed,
             last_checkpoint: *self.last_checkpoint.lock(),
+            // ORDERING: Relaxed — see `count_submitted`.
+            submitted: self.submitted.load(Relaxed),
         }
     }
 }
