@@ -8,7 +8,8 @@
 //!   server is), it says "need more" until the first deciding byte and then the same answer;
 //! - a hello it returns re-encodes (unsigned) to a hello that parses to the same fields;
 //! - a reply or an offer that parses re-encodes to bytes that parse to the same value, and
-//!   `Reply::parse` reports the length it consumed;
+//!   `Reply::parse` reports the length it consumed; a closing notice's reason byte decodes to
+//!   the reason it encodes;
 //! - a sample frame (`FrameMeta::split`: kind, header, payload; what a client sends after the
 //!   handshake) that parses re-encodes to the same header, and one that does not parse is
 //!   an error, not a panic (an unknown kind, a short header, an episode flag above 2).
@@ -94,5 +95,11 @@ fn check_client_side(bytes: &[u8]) {
     }
     if let Ok(Some((message, len))) = v2::parse_error(bytes) {
         assert!(len <= bytes.len() && message.len() <= v2::MAX_MESSAGE as usize * 3);
+    }
+    // A closing notice's reason byte: a known reason is the byte it came from.
+    if let Some(&byte) = bytes.first() {
+        if let Some(why) = v2::Closing::from_byte(byte) {
+            assert_eq!(why as u8, byte);
+        }
     }
 }
