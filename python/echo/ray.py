@@ -677,11 +677,17 @@ class ShardClient(TcpClient):
         connect_timeout: float = 60.0,
         protocol: Literal["auto", 2] = 2,
         token: str | None = None,
+        reconnect: bool = True,
         reconnect_timeout: float = 60.0,
         heartbeat_timeout: float | None = 10.0,
         shared_memory: bool | None = None,
         name: str | None = None,
     ) -> None:
+        if reconnect is not True:
+            raise ValueError(
+                "echo.ray clients always reconnect (that is how they follow a restarted or "
+                f"moved shard); got reconnect={reconnect!r}"
+            )
         if shard is not None:
             shard = check_int("shard", shard, 0)
         if not connect_timeout > 0:
@@ -786,8 +792,10 @@ def connect(
         max_inflight_msgs: As `TcpClient`'s.
         **options: `namespace`, `shard`, `connect_timeout`, and `TcpClient`'s `token`,
             `reconnect_timeout`, `heartbeat_timeout`, `shared_memory`, `name`, `protocol`
-            (2 or "auto"). The token is never stored in the registry: pass it here or in
-            `ECHO_TOKEN` (e.g. in the actor's `runtime_env`).
+            (2 or "auto"), `reconnect` (only `True`). A pinned `shard` that is deregistered
+            is waited for (up to `reconnect_timeout`), not left. The token is never stored in
+            the registry: pass it here or in `ECHO_TOKEN` (e.g. in the actor's
+            `runtime_env`).
 
     Raises:
         UnknownServiceError: There is no such service (the message lists those there are).

@@ -353,3 +353,31 @@ def test_the_two_learner_example_runs_and_loses_nothing() -> None:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert "none twice; shard 0 came back restored (generation 2)" in done.stdout
     assert "workers per shard: {0: 4, 1: 4}" in done.stdout
+
+
+def test_connect_takes_tcp_client_options_and_refuses_reconnect_false(cluster: Cluster) -> None:
+    server = echo.Server(EXAMPLE, 1, echo.TcpTransport(port=0, host="127.0.0.1"))
+    server.start()
+    echo.ray.serve(server, "options", 0, namespace=NS)
+    try:
+        client = echo.ray.connect(
+            "options",
+            EXAMPLE,
+            8,
+            namespace=NS,
+            reconnect=True,
+            reconnect_timeout=5.0,
+            heartbeat_timeout=None,
+            shared_memory=False,
+            name="w",
+            connect_timeout=5.0,
+        )
+        assert (client.transport_path, client.shard, client.service) == ("tcp", 0, "options")
+        client.close()
+        with pytest.raises(ValueError, match="always reconnect"):
+            echo.ray.connect("options", EXAMPLE, namespace=NS, reconnect=False)
+        with pytest.raises(TypeError, match="shard must be an int"):
+            echo.ray.connect("options", EXAMPLE, namespace=NS, shard="0")
+    finally:
+        server.close()
+        echo.ray.shutdown_service("options", namespace=NS)
