@@ -258,57 +258,37 @@ fn the_server_drops_a_v2_client_that_goes_silent() {
 
 #[test]
 fn a_hello_that_arrives_slowly_after_its_nonce_is_still_a_hello() {
-    use echo::transport::wire::encode_handshake;
-    use echo::transport::wire::v2::{Hello, Offer, Reply, OFFER_LEN, SAMPLE};
+    use echo::transport::wire::v2::SAMPLE;
     let (mut consumer, _server, addr) = start(local(), 1);
-    let mut raw = TcpStream::connect(addr).unwrap();
-    raw.set_read_timeout(Some(PATIENCE)).unwrap();
-    let mut greeting = vec![0u8; encode_handshake(&tagged_spec()).unwrap().len() + OFFER_LEN];
-    raw.read_exact(&mut greeting).unwrap();
-    let offer = Offer::parse(&greeting[greeting.len() - OFFER_LEN..]).unwrap().unwrap();
-    let hello = Hello {
-        session: [3; 16],
-        first_seq: 0,
-        heartbeat_ms: 0,
-        client_nonce: [4; 16],
-        layout: Layout::untyped(&tagged_spec()),
-        mac: None,
-        shm: false,
-        notices: false,
-    };
-    let bytes = hello.encode(&offer, None).unwrap();
+    let (mut raw, offer) = greeted(addr);
+    let bytes = hello(3, false).encode(&offer, None).unwrap();
     // The nonce and a little more, then a pause far longer than the 200 ms a prefix of the
     // nonce gets before it is taken for v1 data: a whole nonce is a hello for sure.
     raw.write_all(&bytes[..40]).unwrap();
     thread::sleep(Duration::from_millis(600));
     raw.write_all(&bytes[40..]).unwrap();
-    let mut reply = Vec::new();
-    let mut byte = [0u8; 1];
-    let parsed = loop {
-        raw.read_exact(&mut byte).unwrap();
-        reply.push(byte[0]);
-        if let Some((reply, _)) = Reply::parse(&reply).unwrap() {
-            break reply;
-        }
-    };
-    assert!(matches!(parsed, Reply::Accepted(_)), "{parsed:?}");
+    accepted(&mut raw);
     let mut frame = vec![SAMPLE];
     frame.extend_from_slice(&tagged_payload(9, 0));
     raw.write_all(&frame).unwrap();
     assert_eq!(collect_tagged(&mut consumer, 1), vec![(9, 0)]);
 }
 
-/// Opens a raw v2 connection with the closing-notices flag as `notices` says; returns it
-/// after the server's reply.
-fn raw_v2(addr: SocketAddr, session: u8, notices: bool) -> TcpStream {
+/// A raw connection to `addr` that has read the server's greeting; and its v2 offer.
+fn greeted(addr: SocketAddr) -> (TcpStream, echo::transport::wire::v2::Offer) {
     use echo::transport::wire::encode_handshake;
-    use echo::transport::wire::v2::{Hello, Offer, Reply, OFFER_LEN};
+    use echo::transport::wire::v2::{Offer, OFFER_LEN};
     let mut raw = TcpStream::connect(addr).unwrap();
     raw.set_read_timeout(Some(PATIENCE)).unwrap();
     let mut greeting = vec![0u8; encode_handshake(&tagged_spec()).unwrap().len() + OFFER_LEN];
     raw.read_exact(&mut greeting).unwrap();
     let offer = Offer::parse(&greeting[greeting.len() - OFFER_LEN..]).unwrap().unwrap();
-    let hello = Hello {
+    (raw, offer)
+}
+
+/// An untokened hello of session `[session; 16]` for the tagged layout.
+fn hello(session: u8, notices: bool) -> echo::transport::wire::v2::Hello {
+    echo::transport::wire::v2::Hello {
         session: [session; 16],
         first_seq: 0,
         heartbeat_ms: 0,
@@ -317,8 +297,12 @@ fn raw_v2(addr: SocketAddr, session: u8, notices: bool) -> TcpStream {
         mac: None,
         shm: false,
         notices,
-    };
-    raw.write_all(&hello.encode(&offer, None).unwrap()).unwrap();
+    }
+}
+
+/// Reads the server's reply byte by byte and checks that it accepted.
+fn accepted(raw: &mut TcpStream) {
+    use echo::transport::wire::v2::Reply;
     let mut reply = Vec::new();
     let mut byte = [0u8; 1];
     loop {
@@ -326,9 +310,18 @@ fn raw_v2(addr: SocketAddr, session: u8, notices: bool) -> TcpStream {
         reply.push(byte[0]);
         if let Some((reply, _)) = Reply::parse(&reply).unwrap() {
             assert!(matches!(reply, Reply::Accepted(_)), "{reply:?}");
-            return raw;
+            return;
         }
     }
+}
+
+/// A raw v2 connection of session `[session; 16]`, accepted, with the closing-notices flag
+/// as `notices` says.
+fn raw_v2(addr: SocketAddr, session: u8, notices: bool) -> TcpStream {
+    let (mut raw, offer) = greeted(addr);
+    raw.write_all(&hello(session, notices).encode(&offer, None).unwrap()).unwrap();
+    accepted(&mut raw);
+    raw
 }
 
 #[test]
