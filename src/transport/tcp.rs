@@ -187,7 +187,7 @@ impl TcpServer {
     /// Closes telling the clients why: stops accepting, and each connection, at its next wait
     /// for its client or for space, flushes its acks, sends v2 clients that understand it a
     /// [`v2::CLOSING`] notice with `why`, and reads (discarding) until its client hangs up,
-    /// so that no ack is lost to a reset. Waits for that at most [`NOTICE_GRACE`], then
+    /// so that no ack is lost to a reset. Waits for that at most 1 s (`NOTICE_GRACE`), then
     /// [`TcpServer::shutdown`]s. Idempotent.
     pub fn close(&mut self, why: Closing) {
         if self.runtime.is_none() {
