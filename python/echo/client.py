@@ -177,6 +177,7 @@ class TcpClient:
         )
         self._closed = False
         self._given_up: int | None = None
+        self._name = name
 
     def send(
         self,
@@ -358,8 +359,9 @@ class TcpClient:
         self.close()
 
     def __repr__(self) -> str:
+        named = "" if self._name is None else f"name={self._name!r}, "
         return (
-            f"TcpClient(protocol={self.protocol}, path={self.transport_path!r}, "
+            f"TcpClient({named}protocol={self.protocol}, path={self.transport_path!r}, "
             f"sent={self.sent}, acked={self.acked}, "
             f"closed={self._closed})"
         )

@@ -320,3 +320,39 @@ def test_a_named_worker_says_its_name_when_it_reconnects(
     assert any(
         line.startswith(f"worker-7 ({LOCALHOST}:{server.port}): connection lost") for line in lines
     ), lines
+
+
+@pytest.mark.parametrize("shared_memory", PATHS)
+def test_a_final_close_reaches_a_worker_the_rate_limiter_holds_back(
+    make_server: Callable[..., echo.Server],
+    example: dict[str, np.ndarray],
+    make_sample: Callable[[int], Any],
+    shared_memory: bool,
+) -> None:
+    # Inserts stop after a few until something samples; nothing does, so the server's side of
+    # the connection waits for the limiter when close() comes.
+    limiter = echo.SampleToInsertRatio(
+        samples_per_insert=1.0, min_size_to_sample=2, error_buffer=2.0
+    )
+    server = replay_server(make_server, rate_limiter=limiter, producer_queue_size=1)
+    server.start()
+    client = TcpClient(
+        LOCALHOST,
+        server.port,
+        example,
+        max_inflight_msgs=8,
+        reconnect=True,
+        reconnect_timeout=60.0,
+        shared_memory=shared_memory,
+    )
+    for i in range(8):
+        client.send(make_sample(i), timeout=WAIT_S)
+    with pytest.raises(TimeoutError):
+        client.wait(timeout=0.3)  # held back by the limiter
+    server.close()
+    started = time.monotonic()
+    with pytest.raises(ServerClosedError, match="closed for good"):
+        client.wait(timeout=WAIT_S)
+    assert time.monotonic() - started < WAIT_S  # not the 60 s of reconnect_timeout
+    assert client.server_closing == "final"
+    client.close(timeout=0)

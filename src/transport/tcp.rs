@@ -1087,7 +1087,10 @@ mod shm_path {
     use tokio::io::Interest;
     use tokio::net::{UnixListener, UnixStream};
 
-    use super::{check_meta, Link, Session, Shared, ShmEnd as End, SHM_OFF};
+    use super::{
+        check_meta, closed, Link, ServerClosing, Session, Shared, ShmEnd as End, Woke, NEVER,
+        SHM_OFF,
+    };
     use crate::error::EchoError;
     use crate::ingress::TransportEvent;
     use crate::ingress::{Connection, Ingress, SegmentReservation};
@@ -1284,6 +1287,11 @@ mod shm_path {
         // (as of each look), and nothing once the channel ends, however it ends.
         let _look = SegmentLook(conn);
         loop {
+            // A worker that keeps the segment busy never makes this task wait for it: the
+            // server's closing is looked at here too.
+            if *link.closing.borrow() != 0 {
+                return Err(io::Error::other(ServerClosing));
+            }
             let available = match reader.available() {
                 Ok(n) => n,
                 Err(corrupt) => return Err(link.fail(&corrupt.to_string()).await),
@@ -1346,8 +1354,9 @@ mod shm_path {
                             // records its queues' depths.
                             look(reader, conn);
                             let waited = Instant::now();
-                            wait_for_room(link, conn, bell, rung).await;
+                            let woke = wait_for_room(link, conn, bell, rung).await;
                             backend.note_insert_blocked(waited.elapsed());
+                            woke?;
                             look(reader, conn);
                         }
                         Some(EchoError::Closed) => return Ok(End::Closed),
@@ -1418,18 +1427,26 @@ mod shm_path {
     }
 
     /// Waits until the backend rings after `rung` (room, a thaw, the end of a restore, or
-    /// its close), sending heartbeats meanwhile.
-    async fn wait_for_room(link: &mut Link<'_>, conn: &Connection, bell: &AsyncBell, rung: u64) {
+    /// its close), sending heartbeats meanwhile; the server's closing ends the wait (the
+    /// error [`super::is_closing`] knows).
+    async fn wait_for_room(
+        link: &mut Link<'_>,
+        conn: &Connection,
+        bell: &AsyncBell,
+        rung: u64,
+    ) -> io::Result<()> {
         conn.note_blocked();
         loop {
-            match link.beat {
-                None => return bell.rung_since(rung).await,
-                Some(beat) => {
-                    if tokio::time::timeout(beat.every, bell.rung_since(rung)).await.is_ok() {
-                        return;
-                    }
-                    keep_beating(link).await;
-                }
+            let every = link.beat.map(|beat| beat.every);
+            let woke = tokio::select! {
+                () = bell.rung_since(rung) => Woke::Done(()),
+                () = closed(&mut link.closing) => Woke::Closing,
+                () = tokio::time::sleep(every.unwrap_or(NEVER)), if every.is_some() => Woke::Beat,
+            };
+            match woke {
+                Woke::Done(()) => return Ok(()),
+                Woke::Closing => return Err(io::Error::other(ServerClosing)),
+                Woke::Beat => keep_beating(link).await,
             }
         }
     }
