@@ -14,11 +14,11 @@ atomically with `os.replace`), and the workers load the file when it changes (se
 "Sending the policy back to workers").
 
 Midway the learner writes a checkpoint with its own state in it
-(`server.checkpoint(path, extra={"params": ..., "step": ...})`), closes, and a new learner is
-started from it with `Server.restore(path, transport=TcpTransport(port=<the same port>))`,
-taking its parameters, optimizer state and step back from `restored_extra`. The workers keep
-going: they block while no learner listens, reconnect, and resend what the old learner had
-not acknowledged.
+(`server.checkpoint(path, extra={"params": ..., "step": ...})`), closes saying it comes back
+(`close(restarting=True)`), and a new learner is started from the checkpoint with
+`Server.restore(path, transport=TcpTransport(port=<the same port>))`, taking its parameters,
+optimizer state and step back from `restored_extra`. The workers keep going: they block
+while no learner listens, reconnect, and resend what the old learner had not acknowledged.
 
 Every transition carries a unique id, (worker index, counter). At the end the example reads
 the restored learner's table back (a last checkpoint, `np.load` of its id leaf and of the
@@ -566,7 +566,9 @@ def learner(args: argparse.Namespace) -> None:
         server.checkpoint(checkpoint, extra=dqn.state())
         old = server.stats()
         moments.close_started = time.monotonic()
-        server.close()  # the learner goes away; its workers' sends block
+        # The learner goes away, telling its workers it comes back: they keep trying (a plain
+        # close() is for good, and stops them), and their sends block meanwhile.
+        server.close(restarting=True)
         print(
             f"checkpoint at step {step} ({old.store_size:,} items; "
             f"{server.stats().last_checkpoint_duration_s * 1e3:.0f} ms), learner closed"
