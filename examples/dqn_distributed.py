@@ -39,10 +39,12 @@ Needs gymnasium (`pip install gymnasium`; the `test` extra has it).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -255,6 +257,7 @@ class ParamsFollower:
 def worker(args: argparse.Namespace) -> None:
     import gymnasium as gym  # only the workers and the final evaluation need it
 
+    faulthandler.register(signal.SIGUSR1)  # the learner asks for our stacks if we hang
     # The "echo" logger tree: the client's reconnect warnings name this worker.
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     index = args.worker
@@ -590,7 +593,13 @@ def learner(args: argparse.Namespace) -> None:
             pass
         grace = time.monotonic() + 60
         training.run(server, lambda: workers_done() or time.monotonic() > grace)
-        codes = [proc.wait(timeout=10) for proc in workers]
+        stuck = [w for w, proc in enumerate(workers) if proc.poll() is None]
+        if stuck:  # their stacks (faulthandler), then what the learner sees, then a failure
+            for w in stuck:
+                workers[w].send_signal(signal.SIGUSR1)
+            time.sleep(1)
+            raise AssertionError(f"workers {stuck} did not stop; the learner: {server.stats()}")
+        codes = [proc.wait() for proc in workers]
         assert codes == [0] * args.workers, f"worker exit codes: {codes}"
     finally:
         for proc in workers:  # only ours, by their Popen handles
