@@ -441,11 +441,11 @@ impl Backend {
     /// and its caller waited `waited` outside the backend (on its insert bell)
     /// before trying again: counted where an insert's own wait inside the backend is, so the
     /// counter means the same whoever inserts. A replay or sequence table adds it to
-    /// `insert_blocked_ns`; the FIFO ring times no insert waits, so nothing there.
+    /// `insert_blocked_ns`; the FIFO ring to its writers' wait for free slots.
     pub fn note_insert_blocked(&self, waited: std::time::Duration) {
         let ns = u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX);
         match self {
-            Self::Fifo(_) => {}
+            Self::Fifo(store) => store.note_insert_blocked(waited),
             Self::Replay(table) => table.note_insert_blocked(ns),
             Self::Sequence(table) => table.note_insert_blocked(ns),
         }

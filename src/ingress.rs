@@ -500,6 +500,11 @@ impl Connection {
         self.stats.push_blocked.add(1);
     }
 
+    /// Records how long such a wait took (backpressure time: the connection was not read).
+    pub fn note_blocked_for(&self, waited: std::time::Duration) {
+        self.stats.push_blocked_ns.add(u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX));
+    }
+
     /// The transport task is done with this connection. Its queued samples are still
     /// inserted; its empty buffers are freed now (and those the drainer hands back later).
     pub fn close(&self) {
@@ -616,6 +621,8 @@ impl DrainerShared {
 pub struct IngressStats {
     active_connections: CachePadded<Counter>,
     push_blocked: CachePadded<Counter>,
+    /// Nanoseconds transport tasks spent in those waits.
+    push_blocked_ns: Counter,
     /// Connections a transport refused (every slot taken by a working connection).
     refused: Counter,
     /// Idle connections a transport closed to admit new ones.
@@ -653,6 +660,8 @@ pub struct IngressSnapshot {
     pub queue_depth_max: u64,
     /// Times a transport task waited for a free buffer or queue slot.
     pub push_blocked_count: u64,
+    /// Nanoseconds transport tasks spent in those waits, summed over connections.
+    pub push_blocked_ns_total: u64,
     /// Samples the drainers moved into the backend, and those a transport inserted itself
     /// (shared-memory connections copy straight from their ring into the backend).
     pub samples_inserted_total: u64,
@@ -895,6 +904,7 @@ impl Ingress {
         let mut snap = IngressSnapshot {
             active_connections: self.stats.active_connections.get(),
             push_blocked_count: self.stats.push_blocked.get(),
+            push_blocked_ns_total: self.stats.push_blocked_ns.get(),
             buffered_bytes: self.budget.allocated() as u64,
             connections_refused_total: self.stats.refused.get(),
             connections_evicted_total: self.stats.evicted.get(),

@@ -85,6 +85,9 @@ pub struct StoreStats {
     pub write_cursor: u64,
     /// Slots ever given back by the consumer.
     pub read_cursor: u64,
+    /// Nanoseconds writers spent waiting for free slots (the ring full), summed over writers,
+    /// those waiting outside the store included ([`Store::note_insert_blocked`]).
+    pub insert_blocked_ns: u64,
 }
 
 /// The shared state between writers and the consumer. Create with [`Store::new`].
@@ -169,17 +172,28 @@ impl Limits {
 struct Waiting {
     entered: Counter,
     left: Counter,
+    /// Nanoseconds spent inside `during`, summed over threads.
+    waited_ns: Counter,
 }
 
 impl Waiting {
-    /// Runs `wait`, counted as one thread waiting.
+    /// Runs `wait`, counted as one thread waiting, and timed.
     fn during<R>(&self, wait: impl FnOnce() -> R) -> R {
         #[cfg(not(loom))]
         self.entered.add(1);
+        #[cfg(not(loom))]
+        let started = Instant::now();
         let out = wait();
         #[cfg(not(loom))]
-        self.left.add(1);
+        {
+            self.add_waited(started.elapsed());
+            self.left.add(1);
+        }
         out
+    }
+
+    fn add_waited(&self, waited: std::time::Duration) {
+        self.waited_ns.add(u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX));
     }
 
     fn now(&self) -> u64 {
@@ -512,7 +526,15 @@ impl Store {
             write_cursor: self.write_cursor.load(Relaxed) & !FROZEN,
             // ORDERING: Relaxed — as above.
             read_cursor: self.read_cursor.load(Relaxed),
+            insert_blocked_ns: self.waiting_inserts.waited_ns.get(),
         }
+    }
+
+    /// Counts `waited` as writers' time waiting for free slots: a writer that waited outside
+    /// the store (the shared-memory path's task, on the insert bell) after an insert that did
+    /// not wait was refused for want of room.
+    pub fn note_insert_blocked(&self, waited: std::time::Duration) {
+        self.waiting_inserts.add_waited(waited);
     }
 
     /// Writers inside `insert` waiting for free slots right now. With

@@ -86,6 +86,12 @@ class SampleInfo:
     def push_blocked_count(self) -> int:
         """Times a transport task found its queue full and waited."""
     @property
+    def push_blocked_ns_total(self) -> int:
+        """Nanoseconds transport tasks spent in those waits (backpressure time)."""
+    @property
+    def ring_blocked_ns_total(self) -> int:
+        """FIFO: nanoseconds writers spent waiting for free ring slots (0 for replay)."""
+    @property
     def samples_inserted_total(self) -> int:
         """Samples moved into the ring by drainers (`submit()` is not counted)."""
     @property

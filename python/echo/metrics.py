@@ -299,6 +299,20 @@ METRICS: tuple[MetricSpec, ...] = (
         "push_blocked_count",
     ),
     _spec(
+        "echo_ingress_push_blocked_seconds_total",
+        "counter",
+        "Time connections' tasks spent in those waits, summed over connections: how long the "
+        "workers were held back (backpressure).",
+        "push_blocked_ns_total",
+    ),
+    _spec(
+        "echo_ring_blocked_seconds_total",
+        "counter",
+        "FIFO: time writers (drainers, shared-memory connections, submit()) spent waiting for "
+        "free ring slots, summed over writers: the learner not keeping up.",
+        "ring_blocked_ns_total",
+    ),
+    _spec(
         "echo_rate_limiter_insert_blocked_seconds_total",
         "counter",
         "Replay: time inserts spent held back by the rate limiter (submit(), drainers, and "
@@ -480,6 +494,8 @@ def _values(server: Server, info: SampleInfo, tally: Tally, now: float) -> dict[
         "echo_ingress_queue_capacity": server.producer_queue_size,
         "echo_learner_wait_seconds_total": tally.learner_wait_ns() * ns,
         "echo_ingress_push_blocked_total": info.push_blocked_count,
+        "echo_ingress_push_blocked_seconds_total": info.push_blocked_ns_total * ns,
+        "echo_ring_blocked_seconds_total": info.ring_blocked_ns_total * ns,
         "echo_rate_limiter_insert_blocked_seconds_total": info.insert_blocked_ns_total * ns,
         "echo_rate_limiter_sample_blocked_seconds_total": info.sample_blocked_ns_total * ns,
         "echo_ring_full_waits_total": info.reservation_retries_total,

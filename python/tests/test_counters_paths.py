@@ -99,6 +99,8 @@ def _run(make_server: Any, backend: str, shared_memory: bool) -> dict[str, Any]:
         "waiting while held": held.samples_pending > 0,
         "queued while held": (held.queue_depth_sum > 0, held.queue_depth_max > 0),
         "limiter blocked time grew": done.insert_blocked_ns_total > 0,
+        "ring blocked time grew": done.ring_blocked_ns_total > 0,
+        "backpressure time grew": done.push_blocked_ns_total > 0,
         "inserted": done.samples_inserted_total,
         "pending after": done.samples_pending,
         "queued after": (done.queue_depth_sum, done.queue_depth_max),
@@ -117,8 +119,11 @@ def test_the_same_workload_moves_the_same_counters_over_tcp_and_shared_memory(
         "held back": True,
         "waiting while held": True,
         "queued while held": (True, True),
-        # The FIFO ring times no insert waits; a replay table counts its limiter's.
+        # A replay table's inserts wait on its limiter, the FIFO ring's writers on free slots;
+        # either way the worker was held back.
         "limiter blocked time grew": backend == "replay",
+        "ring blocked time grew": backend == "fifo",
+        "backpressure time grew": True,
         "inserted": SENT,
         "pending after": 0,
         "queued after": (0, 0),

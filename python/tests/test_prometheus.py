@@ -253,6 +253,35 @@ def test_limiter_blocked_time_grows_while_it_holds_producers_back(
     assert value(series, "echo_rate_limiter_sample_blocked_seconds_total") >= 0
 
 
+def test_ring_and_backpressure_blocked_times_count_the_waits_of_a_full_ring(
+    make_server: Any, serve: Any, make_sample: Any
+) -> None:
+    # A FIFO ring of 2 one-sample batches, a queue of 1: a TCP worker's samples fill the ring,
+    # the drainer waits for a free slot, the connection's queue fills, its task waits.
+    transport = echo.TcpTransport(port=0, host="127.0.0.1")
+    server = make_server(
+        batch_size=1, num_buffers=2, producer_queue_size=1, num_drainers=1, transport=transport
+    )
+    server.start()
+    endpoint = serve(server)
+    client = echo.TcpClient(
+        "127.0.0.1", server.port, make_sample(0), max_inflight_msgs=16, shared_memory=False
+    )
+    try:
+        for i in range(8):
+            client.send(make_sample(i), timeout=WAIT_S)
+        poll(server.stats, lambda s: s.push_blocked_count > 0, "the connection held back")
+        for _ in range(8):
+            take(server)
+        client.wait(timeout=WAIT_S)
+    finally:
+        client.close()
+    series = scrape(endpoint)
+    assert value(series, "echo_ring_blocked_seconds_total") > 0
+    assert value(series, "echo_ingress_push_blocked_seconds_total") > 0
+    assert value(series, "echo_rate_limiter_insert_blocked_seconds_total") == 0
+
+
 def test_replay_priorities_and_drops(make_server: Any, serve: Any, make_sample: Any) -> None:
     server = make_server(
         batch_size=2, sampler=echo.Prioritized(1.0), max_size=4, max_times_sampled=0, seed=3

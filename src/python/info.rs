@@ -157,6 +157,11 @@ pub(crate) struct SampleInfo {
     queue_depth_max: u64,
     /// Times a transport task found its queue full and had to wait.
     push_blocked_count: u64,
+    /// Nanoseconds transport tasks spent in those waits (backpressure time).
+    push_blocked_ns_total: u64,
+    /// FIFO: nanoseconds writers spent waiting for free ring slots (0 for replay tables,
+    /// whose waits are `insert_blocked_ns_total`).
+    ring_blocked_ns_total: u64,
     /// Samples moved into the ring by drainers (`submit()` is not counted).
     samples_inserted_total: u64,
     /// Samples put in by in-process `submit()`/`submit_batch()`, counted as each returns.
@@ -266,6 +271,8 @@ counters!(
     queue_depth_sum,
     queue_depth_max,
     push_blocked_count,
+    push_blocked_ns_total,
+    ring_blocked_ns_total,
     samples_inserted_total,
     samples_submitted_total,
     buffered_bytes,
@@ -357,6 +364,10 @@ impl SampleInfo {
             Some(h) => Py::new(py, HistSnapshot::from(h)),
             None => Ok(zero_hist.clone_ref(py)),
         };
+        let ring_blocked_ns = match &snap.backend {
+            BackendStats::Fifo(fifo) => fifo.insert_blocked_ns,
+            _ => 0,
+        };
         let (store_size, notify_count, replay, seq) = match snap.backend {
             BackendStats::Fifo(fifo) => {
                 (fifo.store_size, fifo.notify_count, Default::default(), None)
@@ -377,6 +388,8 @@ impl SampleInfo {
             queue_depth_sum: ingress.queue_depth_sum,
             queue_depth_max: ingress.queue_depth_max,
             push_blocked_count: ingress.push_blocked_count,
+            push_blocked_ns_total: ingress.push_blocked_ns_total,
+            ring_blocked_ns_total: ring_blocked_ns,
             samples_inserted_total: ingress.samples_inserted_total,
             samples_submitted_total: snap.submitted,
             buffered_bytes: ingress.buffered_bytes,

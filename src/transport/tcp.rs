@@ -1355,7 +1355,10 @@ mod shm_path {
                             look(reader, conn);
                             let waited = Instant::now();
                             let woke = wait_for_room(link, conn, bell, rung).await;
+                            // The backend's wait (ring or rate limiter), and backpressure on
+                            // the worker: its segment was not taken from meanwhile.
                             backend.note_insert_blocked(waited.elapsed());
+                            conn.note_blocked_for(waited.elapsed());
                             woke?;
                             look(reader, conn);
                         }
@@ -1818,6 +1821,7 @@ impl Link<'_> {
     async fn wait_space(&mut self, conn: &Connection, space: &Notify) -> io::Result<()> {
         self.flush().await?;
         conn.note_blocked();
+        let waited = Instant::now();
         let every = self.beat.map(|beat| beat.every);
         let woke = tokio::select! {
             () = space.notified() => Woke::Done(()),
@@ -1826,6 +1830,7 @@ impl Link<'_> {
                 Woke::Beat
             }
         };
+        conn.note_blocked_for(waited.elapsed());
         match woke {
             Woke::Done(()) => Ok(()),
             Woke::Closing => Err(io::Error::other(ServerClosing)),
