@@ -24,6 +24,12 @@ from hypothesis import HealthCheck, settings
 
 import echo
 
+# Ray (test_ray.py, test_bench_ray.py, the docs' Ray blocks) resolves "127.0.0.1" to this
+# machine's outside address unless told it runs one node's worth of loopback. Ray reads this
+# when it is first imported, by whichever test module that is, and the children inherit it:
+# every byte of the tests stays on loopback.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 # Bounded, deterministic-enough property tests that leave no `.hypothesis/` folder behind.
 settings.register_profile(
     "echo",

@@ -15,10 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-# Ray resolves "127.0.0.1" to this machine's outside address unless told it runs one node's
-# worth of loopback (read when ray is imported): the tests keep every byte on loopback.
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-
 import numpy as np
 import pytest
 
