@@ -5,11 +5,13 @@ preprocessed the DQN way.
 Usage::
 
     python -m benches.atari_frames --out PATH [--steps 1000] [--seed 0]
-                                   [--games pong,breakout,ms_pacman] [--compressed]
+                                   [--games pong,breakout,ms_pacman] [--resize area|nearest]
+                                   [--compressed]
 
 Per game, per agent step: the action (uniform over the game's minimal action set, drawn from
 ``numpy.random.default_rng``) is repeated for 4 emulator frames, the last two grayscale
-screens (210x160) are max-pooled and the result is area-averaged down to 84x84 ``uint8``.
+screens (210x160) are max-pooled and the result is area-averaged down to 84x84 ``uint8``
+(``--resize nearest`` keeps every 2.5th row and 1.9th column instead).
 Episodes start with 0-30 no-op steps and end at game over (or after ``MAX_EPISODE_STEPS``);
 the emulator runs with sticky actions (``repeat_action_probability=0.25``, as the
 ``ALE/...-v5`` environments), seeded through ALE's ``random_seed``. An observation is the
@@ -69,11 +71,27 @@ def resize(screens: np.ndarray) -> np.ndarray:
     return ((x + _DEN // 2) // _DEN).astype(np.uint8)
 
 
-def rollout(game: str, steps: int, seed: int) -> dict[str, np.ndarray]:
+_NEAREST_ROWS = np.arange(SIZE) * SCREEN[0] // SIZE
+_NEAREST_COLS = np.arange(SIZE) * SCREEN[1] // SIZE
+
+
+def resize_nearest(screens: np.ndarray) -> np.ndarray:
+    """``(..., 210, 160)`` to ``(..., 84, 84)`` by keeping every 2.5th row and 1.9th column
+    (nearest neighbour): no new gray levels, so it compresses better than area averaging,
+    but thin objects (Pong's ball, Breakout's bricks' edges) can vanish from a frame."""
+    return np.ascontiguousarray(screens[..., _NEAREST_ROWS, :][..., _NEAREST_COLS])
+
+
+RESIZES = {"area": resize, "nearest": resize_nearest}
+
+
+def rollout(game: str, steps: int, seed: int, resize: str = "area") -> dict[str, np.ndarray]:
     """``steps`` agent steps of seeded random play in ``game``: ``frames`` ``(steps, 84, 84)
-    uint8`` and ``episode_start`` ``(steps,) bool``."""
+    uint8`` and ``episode_start`` ``(steps,) bool``. ``resize``: ``area`` (the default, as
+    OpenCV's ``INTER_AREA`` in the usual DQN wrappers) or ``nearest``."""
     import ale_py
 
+    shrink = RESIZES[resize]
     if not 0 < steps <= MAX_STEPS:
         raise ValueError(f"steps must be in [1, {MAX_STEPS}], got {steps}")
     rom = ale_py.roms.get_rom_path(game)
@@ -108,7 +126,7 @@ def rollout(game: str, steps: int, seed: int) -> dict[str, np.ndarray]:
                 ale.getScreenGrayscale(screens[1])  # both pooled screens are the last one
                 ale.getScreenGrayscale(screens[0])
                 break
-        frames[t] = resize(screens.max(axis=0))
+        frames[t] = shrink(screens.max(axis=0))
         episode_steps += 1
     return {"frames": frames, "episode_start": starts}
 
@@ -133,12 +151,12 @@ def _ale_version() -> str | None:
 
 
 def generate(
-    steps: int, seed: int, games: Sequence[str] = GAMES
+    steps: int, seed: int, games: Sequence[str] = GAMES, resize: str = "area"
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Every game's rollout as the arrays of a file, and its ``meta``."""
     arrays: dict[str, np.ndarray] = {}
     for game in games:
-        for key, value in rollout(game, steps, seed).items():
+        for key, value in rollout(game, steps, seed, resize).items():
             arrays[f"{game}/{key}"] = value
     meta = {
         "seed": seed,
@@ -146,7 +164,7 @@ def generate(
         "games": list(games),
         "version": VERSION,
         "ale_py": _ale_version(),
-        "preprocessing": f"grayscale, max of the last 2 of {FRAME_SKIP} frames, area resize "
+        "preprocessing": f"grayscale, max of the last 2 of {FRAME_SKIP} frames, {resize} resize "
         f"to {SIZE}x{SIZE}, stack of {STACK}; sticky actions {STICKY}, 0-{MAX_NOOPS} no-ops",
     }
     return arrays, meta
@@ -177,14 +195,18 @@ def load(path: Path) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, Any]]:
 
 
 def cached(
-    steps: int, seed: int = 0, games: Sequence[str] = GAMES, cache: Path = CACHE
+    steps: int,
+    seed: int = 0,
+    games: Sequence[str] = GAMES,
+    cache: Path = CACHE,
+    resize: str = "area",
 ) -> dict[str, dict[str, np.ndarray]]:
     """The rollouts of ``games``, generated once into ``cache`` and read from there after."""
     out: dict[str, dict[str, np.ndarray]] = {}
     for game in games:
-        path = cache / f"{game}-seed{seed}-steps{steps}-v{VERSION}.npz"
+        path = cache / f"{game}-seed{seed}-steps{steps}-{resize}-v{VERSION}.npz"
         if not path.exists():
-            arrays, meta = generate(steps, seed, [game])
+            arrays, meta = generate(steps, seed, [game], resize)
             write(path, arrays, meta, compressed=False)
         out[game] = load(path)[0][game]
     return out
@@ -198,11 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=1000, help="agent steps per game")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--games", default=",".join(GAMES), help="comma-separated ALE ROM names")
+    p.add_argument("--resize", choices=sorted(RESIZES), default="area", help="default area")
     p.add_argument("--compressed", action="store_true", help="np.savez_compressed (deflate)")
     args = p.parse_args(argv)
     games = [g for g in args.games.split(",") if g]
     try:
-        arrays, meta = generate(args.steps, args.seed, games)
+        arrays, meta = generate(args.steps, args.seed, games, args.resize)
     except (ImportError, ValueError) as e:
         print(f"atari_frames: {e}", file=sys.stderr)
         return 2

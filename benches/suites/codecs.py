@@ -10,7 +10,10 @@ replay table stores per item), and chunks of 16 consecutive frames and of 16 con
 observations of one episode stream (what a sequence table would compress together). Then the
 leaves not to compress, from the same frames where they can be: the observation as float32
 (``obs / 255``), float32 noise of the same byte size (a state vector), and small leaves under
-4 KiB (a 1 KiB and a 3,360-byte crop of observations, a ``f32[17]`` state).
+4 KiB (a 1 KiB and a 3,360-byte crop of observations, a ``f32[17]`` state). And with
+``nearest`` (the default), frames and 16-frame chunks of the same rollouts resized by
+nearest neighbour instead of area averaging, zstd-1 only: the gray levels that averaging
+adds cost compression, and the figures quoted in issue 25 match these.
 
 The Python packages ``zstandard`` (libzstd) and ``lz4`` (liblz4, block format with the size
 prepended) stand in for the Rust ``zstd`` and ``lz4_flex`` crates echo would use: the same
@@ -36,6 +39,9 @@ from benches.suites import _common as c
 
 CODECS = ("zstd-1", "zstd-3", "lz4")
 ATARI_LEAVES = ("frame", "obs", "frames16", "obs16")
+# The same rollouts resized nearest-neighbour instead of by area averaging (zstd-1 only):
+# what the issue's figures were measured on, by their match.
+NEAREST_LEAVES = ("frame-nearest", "frames16-nearest")
 OTHER_LEAVES = ("obs-f32", "noise-f32", "crop-3360", "crop-1k", "state-f32x17")
 GAME_NAMES = {"pong": "Pong", "breakout": "Breakout", "ms_pacman": "MsPacman"}
 MAX_REPS = 100_000  # bound on the repetitions of the item list within one timed pass
@@ -50,6 +56,7 @@ def parameters(quick: bool) -> dict[str, Any]:
         "passes": 3 if quick else 5,
         "pass_mb": 4 if quick else 16,
         "fixture": None,
+        "nearest": True,
     }
 
 
@@ -76,13 +83,27 @@ def _codecs() -> dict[str, tuple[Callable[[bytes], bytes], Callable[[bytes], byt
     return out
 
 
-def _frames(params: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def _frames(params: dict[str, Any], resize: str = "area") -> dict[str, dict[str, Any]]:
     from benches import atari_frames as af
 
     if params.get("fixture"):
         games, _ = af.load(Path(params["fixture"]))
         return {g: games[g] for g in params["games"]}
-    return af.cached(int(params["steps"]), int(params["seed"]), params["games"])
+    steps, seed = int(params["steps"]), int(params["seed"])
+    return af.cached(steps, seed, params["games"], resize=resize)
+
+
+def _chunks(starts: Any, chunk: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of consecutive chunks of ``chunk`` steps, none across an episode
+    start (an episode's last steps that make no whole chunk are left out)."""
+    import numpy as np
+
+    bounds = [*np.flatnonzero(starts).tolist(), len(starts)]
+    return [
+        (s, s + chunk)
+        for lo, hi in itertools.pairwise(bounds)
+        for s in range(lo, hi - chunk + 1, chunk)
+    ]
 
 
 def _leaves(params: dict[str, Any]) -> dict[tuple[str, str], list[bytes]]:
@@ -98,13 +119,7 @@ def _leaves(params: dict[str, Any]) -> dict[tuple[str, str], list[bytes]]:
     for game, arrays in _frames(params).items():
         frames, starts = arrays["frames"], arrays["episode_start"]
         obs = af.observations(frames, starts)
-        # Chunks of consecutive steps of one episode: none crosses an episode start.
-        bounds = [*np.flatnonzero(starts).tolist(), len(frames)]
-        spans = [
-            (s, s + chunk)
-            for lo, hi in itertools.pairwise(bounds)
-            for s in range(lo, hi - chunk + 1, chunk)
-        ]
+        spans = _chunks(starts, chunk)
         out[("frame", game)] = [f.tobytes() for f in frames]
         out[("obs", game)] = [o.tobytes() for o in obs]
         out[("frames16", game)] = [frames[a:b].tobytes() for a, b in spans]
@@ -118,6 +133,12 @@ def _leaves(params: dict[str, Any]) -> dict[tuple[str, str], list[bytes]]:
         pooled["state-f32x17"] += [s.tobytes() for s in walk]
     for name, items in pooled.items():
         out[(name, "all")] = items
+    if params.get("nearest") and not params.get("fixture"):
+        for game, arrays in _frames(params, "nearest").items():
+            frames = arrays["frames"]
+            out[("frame-nearest", game)] = [f.tobytes() for f in frames]
+            spans = _chunks(arrays["episode_start"], chunk)
+            out[("frames16-nearest", game)] = [frames[a:b].tobytes() for a, b in spans]
     return out
 
 
@@ -184,7 +205,7 @@ def _measure(params: dict[str, Any]) -> dict[str, Any]:
     for (leaf, game), items in leaves.items():
         if not items:
             continue
-        for name in CODECS:
+        for name in CODECS if leaf not in NEAREST_LEAVES else CODECS[:1]:
             r = _one(*codecs[name], items, passes, pass_bytes)
             rows.append({"leaf": leaf, "game": game, "codec": name, **r})
     obs_items = [x for (leaf, _), items in leaves.items() if leaf == "obs" for x in items]
@@ -204,6 +225,8 @@ LEAF_LABELS = {
     "obs": "obs u8[84,84,4]",
     "frames16": "16 frames u8[16,84,84]",
     "obs16": "16 obs u8[16,84,84,4]",
+    "frame-nearest": "frame u8[84,84], nearest resize",
+    "frames16-nearest": "16 frames u8[16,84,84], nearest resize",
     "obs-f32": "obs / 255 f32[84,84,4]",
     "noise-f32": "noise f32[7056]",
     "crop-3360": "obs crop u8[10,84,4]",
@@ -241,7 +264,12 @@ def tables(results: dict[str, Any], params: dict[str, Any]) -> list[dict[str, An
     for side, res in results.items():
         if "error" in res:
             continue
-        for r in res["rows"]:
+        order = {k: i for i, k in enumerate((*ATARI_LEAVES, *NEAREST_LEAVES, *OTHER_LEAVES))}
+        games = {g: i for i, g in enumerate(params["games"])}
+        for r in sorted(
+            res["rows"],
+            key=lambda r: (games.get(r["game"], -1), order[r["leaf"]], CODECS.index(r["codec"])),
+        ):
             common = [c.num(r["item_bytes"], ",d"), r["codec"], f"{r['ratio']:.1f}x"]
             speeds = [c.num(r["compress_gb_s"], ".2f"), c.num(r["decompress_gb_s"], ".2f")]
             if r["game"] == "all":

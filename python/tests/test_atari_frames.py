@@ -42,6 +42,17 @@ def test_resize_is_area_averaging_rounded() -> None:
     assert (af.resize(flat) == 173).all()
 
 
+def test_nearest_resize_keeps_rows_and_columns_and_adds_no_gray_level() -> None:
+    screen = np.random.default_rng(8).integers(0, 256, (210, 160), dtype=np.uint8)
+    out = af.resize_nearest(screen)
+    assert out.shape == (84, 84)
+    assert out.dtype == np.uint8
+    assert out[0, 0] == screen[0, 0]
+    assert out[1, 1] == screen[2, 1]  # row 1 * 2.5, column 1 * 1.9, rounded down
+    assert out[83, 83] == screen[207, 158]
+    assert set(np.unique(out)) <= set(np.unique(screen))
+
+
 def test_committed_fixture_has_the_dqn_shapes() -> None:
     games, meta = af.load(af.FIXTURE)
     assert af.FIXTURE.stat().st_size < 8 * 1024
