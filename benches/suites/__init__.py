@@ -109,6 +109,12 @@ SUITES: tuple[Suite, ...] = (
         "sequence tables: windows vs memcpy/numpy/TorchRL, bytes per step, TCP step inserts",
     ),
     Suite(
+        "codecs",
+        "benches.suites.codecs",
+        "zstd-1/3 and LZ4 on real Atari frames: ratio and one-core GB/s per leaf, and when not "
+        "to compress",
+    ),
+    Suite(
         "ray",
         "benches.suites.ray_service",
         "echo.ray on a local Ray cluster: samples/s by shard count, connect vs TcpClient, "
