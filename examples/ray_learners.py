@@ -97,9 +97,10 @@ class Learner:
             "restored": self.restored,
         }
 
-    def newest_checkpoint(self) -> str | None:
+    def checkpoints_written(self) -> int:
+        """The number of the newest periodic checkpoint (`ckpt-<n>`), 0 before the first."""
         found = echo.checkpoint.periodic_checkpoints(self.checkpoint_dir)
-        return found[-1] if found else None
+        return int(found[-1].rsplit("-", 1)[1]) if found else 0
 
     def close(self) -> int:
         """Closes the shard for good (deregistered; the periodic checkpoints stop)."""
@@ -217,8 +218,10 @@ def run(seconds: float, checkpoints: str, *, local: bool) -> int:
     phase1 = ray.get([w.run.remote(seconds / 2) for w in workers])
     acked_at = time.monotonic()
     # A checkpoint of shard 0 written after every phase-1 sample was acknowledged.
-    seen = ray.get(learners[0].newest_checkpoint.remote())
-    while ray.get(learners[0].newest_checkpoint.remote()) == seen:
+    # A checkpoint that may have begun before the last ack could be finishing now: the one
+    # after it began after every phase-1 sample was acknowledged.
+    wanted = ray.get(learners[0].checkpoints_written.remote()) + 2
+    while ray.get(learners[0].checkpoints_written.remote()) < wanted:
         assert time.monotonic() - acked_at < 60, "shard 0 wrote no checkpoint"
         time.sleep(0.1)
     print(f"killing shard 0's learner (pid {before[0]['pid']})")

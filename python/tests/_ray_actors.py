@@ -76,8 +76,10 @@ class Learner:
             "restored": self.restored,
         }
 
-    def checkpoints(self) -> list[str]:
-        return echo.checkpoint.periodic_checkpoints(self.checkpoint_dir)
+    def checkpoints_written(self) -> int:
+        """The number of the newest periodic checkpoint (`ckpt-<n>`), 0 before the first."""
+        found = echo.checkpoint.periodic_checkpoints(self.checkpoint_dir)
+        return int(found[-1].rsplit("-", 1)[1]) if found else 0
 
     def stored_ids(self) -> list[int]:
         """Every id in the replay table and its ingress queue, duplicates kept."""
