@@ -534,11 +534,17 @@ def shard_server(
     shard's workers reconnect to it.
 
     Args:
-        service, shard, namespace, host, report_every: As `serve()`.
-        example, batch_size: As `Server`'s (unused when restoring: the checkpoint has them).
+        service: As `serve()`.
+        shard: As `serve()`.
+        example: As `Server`'s (when restoring, checked against the checkpoint's layout).
+        batch_size: As `Server`'s (when restoring, checked against the checkpoint's).
         checkpoint_dir: Where this shard's periodic checkpoints go and are restored from; on
             storage every node that may run the learner can read (one per shard).
-        checkpoint_every, checkpoint_keep: As `Server`'s.
+        checkpoint_every: As `Server`'s.
+        checkpoint_keep: As `Server`'s.
+        namespace: As `serve()`.
+        host: As `serve()`.
+        report_every: As `serve()`.
         transport: Where workers connect; default `TcpTransport(port=0)` (every interface,
             a free port, registered under this node's address).
         metrics_port: Also serve this shard's Prometheus metrics (`echo.serve_metrics`, the
@@ -552,7 +558,11 @@ def shard_server(
             back as the server's `restored_extra`.
 
     Raises:
-        As `Server`, `Server.restore` and `serve()`.
+        ValueError: A bad setting (as `Server` and `serve()` raise it), or a data setting
+            that differs from the checkpoint's (as `Server.restore` raises it).
+        CheckpointError: The newest checkpoint is damaged (as `Server.restore` raises it).
+        OSError: The transport's port cannot be bound.
+        ImportError: Ray is not installed (or, with `metrics_port`, prometheus_client).
     """
     transport = TcpTransport(port=0) if transport is None else transport
     newest = periodic_checkpoints(checkpoint_dir)
