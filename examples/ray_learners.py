@@ -153,6 +153,19 @@ class Worker:
         return self.client.close()
 
 
+def call_restarted(method: Any) -> Any:
+    """`ray.get(method.remote())` of an actor Ray restarted: its calls fail fast (the actor is
+    unavailable) until its `__init__` returns, a moment after its server registered."""
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            return ray.get(method.remote(), timeout=120)
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.02)
+
+
 def process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)  # signal 0 sends nothing: it asks whether the process exists
@@ -233,14 +246,14 @@ def run(seconds: float, checkpoints: str, *, local: bool) -> int:
     while (
         process_alive(before[0]["pid"])
         if local
-        else ray.get(learners[0].info.remote())["pid"] == before[0]["pid"]
+        else call_restarted(learners[0].info)["pid"] == before[0]["pid"]
     ):
         assert time.monotonic() < gone_by, "the killed learner is still there"
         time.sleep(0.02)
     phase2 = ray.get([w.run.remote(seconds / 2) for w in workers])
     elapsed = time.monotonic() - started
 
-    after = ray.get(learners[0].info.remote())
+    after = call_restarted(learners[0].info)
     assert after["restored"], "the restarted learner did not restore its checkpoint"
     assert after["generation"] == 2, after
     assert after["pid"] != before[0]["pid"]

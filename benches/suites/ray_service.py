@@ -555,6 +555,20 @@ class _Run:
     def get(self, refs: Any, timeout: float = CALL_S) -> Any:
         return self.ray.get(refs, timeout=timeout)
 
+    def get_restarted(self, method: Any, timeout: float = CALL_S) -> Any:
+        """`method.remote()` of an actor Ray is restarting: its calls fail fast (the actor is
+        unavailable) until its `__init__` has returned, which can be a moment after its
+        server registered."""
+        deadline = time.monotonic() + timeout
+        for _ in range(MAX_LOOPS):
+            try:
+                return self.ray.get(method.remote(), timeout=timeout)
+            except self.ray.exceptions.ActorUnavailableError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.02)
+        raise TimeoutError("the restarted actor never answered")
+
     def actor(self, cls: type, node: int, *args: Any, restarts: int = 0, **kw: Any) -> Any:
         handle = (
             self.ray.remote(cls)
@@ -892,7 +906,7 @@ def _restart(run: _Run, params: dict[str, Any], tmp: str) -> dict[str, Any]:
             if time.monotonic() >= deadline:
                 break
             time.sleep(0.01)
-        after = run.get(learner.info.remote())
+        after = run.get_restarted(learner.info)
         states: list[dict[str, Any]] = []
         deadline = time.monotonic() + 60.0
         for _ in range(MAX_LOOPS):  # every worker's first ack from generation 2

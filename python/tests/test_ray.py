@@ -86,6 +86,19 @@ def get(refs: Any) -> Any:
     return ray.get(refs, timeout=WAIT_S)
 
 
+def get_restarted(method: Any) -> Any:
+    """`method.remote()` of an actor Ray restarted: its calls fail fast (the actor is
+    unavailable) until its `__init__` returns, a moment after its server registered."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        try:
+            return get(method.remote())
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.02)
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)  # signal 0: only asks whether the process exists
@@ -188,7 +201,7 @@ def test_killed_learner_restarts_restores_and_its_workers_resume(
         time.sleep(0.02)
     # B: sent while the learner is down and after it comes back.
     states = get([w.send.remote(ids(3, i)) for i, w in enumerate(workers)])
-    after = get(actor.info.remote())
+    after = get_restarted(actor.info)
     assert after["restored"]
     assert after["generation"] == 2
     assert after["pid"] != before["pid"]
