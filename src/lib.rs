@@ -11,6 +11,7 @@
 //! | `slots`     | the raw slot memory and its only `unsafe` accessors                |
 //! | [`source`]  | how samples are handed to a backend: `SampleSource` and its kinds  |
 //! | [`store`]   | the FIFO ring: cursors, reservation, commit, wake-ups, release      |
+//! | [`codec`]   | zstd/LZ4 compression of chosen leaves, packed items                 |
 //! | [`replay`]  | replay tables: uniform/prioritized/LIFO sampling, eviction, rate limits |
 //! | [`backend`] | one face over both: build, insert, sample, batch memory, statistics |
 //! | `ingress`   | per-connection queues, buffer pools, the drainer pool               |
@@ -32,6 +33,8 @@
 pub mod backend;
 #[cfg(not(loom))]
 pub mod checkpoint;
+#[cfg(not(loom))]
+pub mod codec;
 #[doc(hidden)]
 pub mod doorbell;
 pub mod error;

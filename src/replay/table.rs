@@ -47,6 +47,7 @@ use std::time::Instant;
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
+use crate::codec::{Codec, LeafCodecs};
 use crate::error::{EchoError, InsertError};
 use crate::ingress::QueuedSamples;
 use crate::metrics::Counter;
@@ -56,7 +57,7 @@ use crate::replay::select::{
     new_remover, new_sampler, ItemRemover, ItemSampler, RemoverKind, SamplerKind,
 };
 use crate::slots::Slots;
-use crate::source::{validate_source, SampleSource};
+use crate::source::{validate_source, Leaves, SampleSource};
 use crate::spec::{ArraySpec, DataSpec};
 use crate::sync::{Arc, AsyncBell, AtomicBool};
 
@@ -66,6 +67,11 @@ use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 /// Samples up to this size are copied into their slot under the table lock (one lock round
 /// trip per insert instead of two); larger ones after releasing it.
 const COPY_UNDER_LOCK_BYTES: usize = 4096;
+
+/// A batch's compressed leaves are decompressed on one more thread per this many raw bytes
+/// (up to the table's `decompress_threads`): starting a thread costs tens of microseconds,
+/// decompressing this much a few hundred.
+const DECOMPRESS_BYTES_PER_THREAD: usize = 1 << 20;
 
 /// The largest priority a table accepts (far below what any sum tree can hold).
 pub const MAX_PRIORITY: f64 = 1e250;
@@ -112,6 +118,13 @@ pub struct ReplayConfig {
     pub max_times_sampled: u32,
     /// Fixes the sampling sequence (for reproducible runs); `None` seeds from the OS.
     pub seed: Option<u64>,
+    /// How each leaf is stored: `None` as is, `Some(codec)` compressed ([`Codec`]). Empty:
+    /// no leaf is compressed.
+    pub compress: Vec<Option<Codec>>,
+    /// Bounds the bytes the items take (their compressed leaves as stored, the others raw):
+    /// the remover evicts until a new item fits, as it does at `max_size` items. `None`: only
+    /// `max_size` bounds the table.
+    pub max_bytes: Option<u64>,
 }
 
 impl ReplayConfig {
@@ -125,6 +138,8 @@ impl ReplayConfig {
             rate_limit: RateLimit::MinSize(1),
             max_times_sampled: 0,
             seed: None,
+            compress: Vec::new(),
+            max_bytes: None,
         }
     }
 
@@ -148,6 +163,9 @@ impl ReplayConfig {
                 ))
             })?;
         self.rate_limit.validate(max_size as u64)?;
+        if self.max_bytes == Some(0) {
+            return config("max_bytes must be >= 1, got 0".to_owned());
+        }
         Ok(slots)
     }
 }
@@ -177,6 +195,11 @@ pub struct ReplayStats {
     pub insert_blocked_ns: u64,
     /// Total nanoseconds `sample` spent waiting for items or the rate limiter.
     pub sample_blocked_ns: u64,
+    /// Bytes the table's items take as stored, compressed leaves compressed (items still
+    /// being written included).
+    pub stored_bytes: u64,
+    /// Bytes the same items take raw (their number times the sample's size).
+    pub raw_bytes: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -193,13 +216,21 @@ struct Meta {
     priority: f64,
     times_sampled: u32,
     pins: u32,
+    /// Bytes the item takes as stored (set when its slot is reserved).
+    stored: u32,
     state: SlotState,
 }
 
 impl Meta {
     /// A free slot's metadata (what a checkpoint's snapshot buffer starts as).
-    const UNUSED: Self =
-        Self { key: 0, priority: 0.0, times_sampled: 0, pins: 0, state: SlotState::Free };
+    const UNUSED: Self = Self {
+        key: 0,
+        priority: 0.0,
+        times_sampled: 0,
+        pins: 0,
+        stored: 0,
+        state: SlotState::Free,
+    };
 }
 
 /// One item drawn into the batch being assembled.
@@ -251,17 +282,25 @@ struct Cow {
     /// `done[slot]`: the snapshot item in `slot` was copied or saved already.
     done: Box<[bool]>,
     /// Bytes of snapshot items whose slot a writer reserved before the checkpoint copied them
-    /// (every leaf's bytes back to back), by slot.
+    /// (every leaf's bytes back to back, raw), by slot.
     saved: HashMap<u32, Box<[u8]>>,
+    /// The packed items of pending snapshot slots freed before the checkpoint copied them
+    /// (their other leaves stay in the slot until it is reserved), by slot.
+    saved_packed: HashMap<u32, Box<[u8]>>,
 }
 
 impl Cow {
     /// Whether `slot` holds a snapshot item whose bytes are still to be copied (it was live
     /// at the snapshot and neither copied nor saved since); marks it done.
     fn take_pending(&mut self, slot: usize) -> bool {
-        let pending = self.snapshot[slot].state == SlotState::Live && !self.done[slot];
+        let pending = self.is_pending(slot);
         self.done[slot] = true;
         pending
+    }
+
+    /// [`Cow::take_pending`] without marking it done.
+    fn is_pending(&self, slot: usize) -> bool {
+        self.snapshot[slot].state == SlotState::Live && !self.done[slot]
     }
 }
 
@@ -278,9 +317,16 @@ struct State {
     draw_slots: Box<[usize]>,
     draw_probabilities: Box<[f64]>,
     max_size: usize,
+    /// `ReplayConfig::max_bytes`, `u64::MAX` when unbounded.
+    max_bytes: u64,
     max_times_sampled: u32,
     live: usize,
     writing: usize,
+    /// Bytes live and writing items take as stored (their `Meta::stored`).
+    stored_bytes: u64,
+    /// The table's `packed` cells (shared): a slot that becomes free gives its compressed
+    /// leaves' memory back at once, or to a running checkpoint that still needs them.
+    packed: Arc<[Mutex<Box<[u8]>>]>,
     next_key: u64,
     /// The priority new items get: the largest priority seen so far, initially 1.
     max_priority: f64,
@@ -307,17 +353,30 @@ impl State {
     /// lock) an unpinned victim's slot is reused at once and stays in the sampler until
     /// `publish` replaces it: nobody can sample in between, and the sampler does one update
     /// instead of a removal and an insertion. Returns the slot and whether it was reused so.
-    fn reserve(&mut self, in_place: bool) -> (usize, bool) {
-        if self.live + self.writing >= self.max_size {
+    ///
+    /// `bytes` is what the new item takes as stored: while it would take the table past
+    /// `max_bytes`, victims are evicted too (as long as there are live items; writers still
+    /// copying may take it past the bound for as long as they copy).
+    fn reserve(&mut self, in_place: bool, bytes: u32) -> (usize, bool) {
+        loop {
+            let full = self.live + self.writing >= self.max_size;
+            let over = self.stored_bytes + u64::from(bytes) > self.max_bytes;
+            if !(full || over) || self.live == 0 {
+                break;
+            }
             let victim = self.remover.victim().expect("a full table with live items has a victim");
             self.stats.evicted += 1;
-            if in_place && self.meta[victim].pins == 0 {
+            let victim_bytes = u64::from(self.meta[victim].stored);
+            let last = self.stored_bytes - victim_bytes + u64::from(bytes) <= self.max_bytes;
+            if last && in_place && self.meta[victim].pins == 0 {
                 let meta = &mut self.meta[victim];
                 self.keys.remove(&meta.key);
                 meta.state = SlotState::Writing;
+                meta.stored = bytes;
                 self.remover.remove(victim);
                 self.live -= 1;
                 self.writing += 1;
+                self.stored_bytes = self.stored_bytes - victim_bytes + u64::from(bytes);
                 self.limiter.on_insert();
                 return (victim, true);
             }
@@ -326,9 +385,24 @@ impl State {
         // Invariant 3: at most max_size - 1 live or pending items and batch_size pinned ones.
         let slot = self.free.pop().expect("max_size + batch_size slots leave one free") as usize;
         self.meta[slot].state = SlotState::Writing;
+        self.meta[slot].stored = bytes;
         self.writing += 1;
+        self.stored_bytes += u64::from(bytes);
         self.limiter.on_insert();
         (slot, false)
+    }
+
+    /// Puts `slot` back on the free list and gives its compressed leaves' memory back (or to
+    /// the running checkpoint, if it still has to copy them: invariant 4).
+    fn free_slot(&mut self, slot: usize) {
+        self.meta[slot].state = SlotState::Free;
+        self.free.push(slot as u32);
+        if let Some(cell) = self.packed.get(slot) {
+            let item = std::mem::take(&mut *cell.lock());
+            if let Some(cow) = self.cow.as_mut().filter(|cow| cow.is_pending(slot)) {
+                cow.saved_packed.insert(slot as u32, item);
+            }
+        }
     }
 
     /// Makes the item in `slot` (fully written) sampleable; `replaced` as `reserve` said.
@@ -337,7 +411,9 @@ impl State {
         self.max_priority = self.max_priority.max(priority);
         let key = self.next_key;
         self.next_key += 1;
-        self.meta[slot] = Meta { key, priority, times_sampled: 0, pins: 0, state: SlotState::Live };
+        let stored = self.meta[slot].stored;
+        self.meta[slot] =
+            Meta { key, priority, times_sampled: 0, pins: 0, stored, state: SlotState::Live };
         self.keys.insert(key, slot as u32);
         if replaced {
             self.sampler.replace(slot, priority);
@@ -354,11 +430,11 @@ impl State {
         let meta = &mut self.meta[slot];
         debug_assert_eq!(meta.state, SlotState::Live);
         self.keys.remove(&meta.key);
+        self.stored_bytes -= u64::from(meta.stored);
         if meta.pins > 0 {
             meta.state = SlotState::Retired;
         } else {
-            meta.state = SlotState::Free;
-            self.free.push(slot as u32);
+            self.free_slot(slot);
         }
         self.sampler.remove(slot);
         self.remover.remove(slot);
@@ -406,8 +482,7 @@ impl State {
         let meta = &mut self.meta[slot];
         meta.pins -= 1;
         if meta.pins == 0 && meta.state == SlotState::Retired {
-            meta.state = SlotState::Free;
-            self.free.push(slot as u32);
+            self.free_slot(slot);
         }
     }
 }
@@ -420,8 +495,21 @@ pub struct Table {
     pinned: crate::pinned::Pinning,
     spec: DataSpec,
     config: ReplayConfig,
-    /// `max_size + batch_size` item slots.
+    /// `max_size + batch_size` item slots of the leaves stored as they are (compressed leaves
+    /// take no room here).
     storage: Slots,
+    /// Which leaves are stored compressed.
+    codecs: LeafCodecs,
+    /// Each slot's compressed leaves (a packed item, [`crate::codec`]); empty when no leaf is
+    /// compressed. A slot's cell follows the slot's states (invariant 1): the writer that
+    /// reserved it sets it, the consumer reads it while pinned, a checkpoint or a release
+    /// reads or empties it under the table lock. So its lock is never contended; it is taken
+    /// under the table lock or with no other lock held (lock order: table, then slot).
+    packed: Arc<[Mutex<Box<[u8]>>]>,
+    /// Bytes an item takes in `storage` (its leaves stored as they are).
+    fixed_bytes: u32,
+    /// The most threads that decompress one batch (the consumer's own included).
+    decompress_threads: usize,
     /// Two batches (halves) of the sample's leaves plus [`BATCH_META`]; batch `h` is slots
     /// `h * batch_size .. (h + 1) * batch_size`. Only the consumer writes it.
     area: Slots,
@@ -456,14 +544,48 @@ impl Table {
     pub fn new(spec: DataSpec, config: ReplayConfig) -> Result<Arc<Self>, EchoError> {
         let slots = config.validate()?;
         let batch_size = config.batch_size;
-        let storage = Slots::new(&spec, slots)?;
+        let codecs = if config.compress.is_empty() {
+            LeafCodecs::none(&spec)
+        } else {
+            LeafCodecs::new(&spec, config.compress.clone())?
+        };
+        // Compressed leaves live in `packed`: in `storage` they take no bytes.
+        let stored_arrays = spec
+            .arrays()
+            .iter()
+            .enumerate()
+            .map(|(leaf, array)| match codecs.get(leaf) {
+                Some(_) => ArraySpec::new(vec![0], array.dtype_size()),
+                None => Ok(array.clone()),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let fixed_bytes: usize = (0..spec.len())
+            .filter(|&leaf| codecs.get(leaf).is_none())
+            .map(|leaf| spec.arrays()[leaf].num_bytes())
+            .sum();
+        let fixed_bytes = u32::try_from(fixed_bytes).map_err(|_| {
+            EchoError::Config(format!(
+                "a replay item holds at most 2^32 - 1 bytes uncompressed, got {fixed_bytes}"
+            ))
+        })?;
+        if !codecs.is_empty() && spec.payload_size() > u32::MAX as usize {
+            return Err(EchoError::Config(format!(
+                "a compressed replay item holds at most 2^32 - 1 bytes raw, got {}",
+                spec.payload_size()
+            )));
+        }
+        let storage = Slots::new(&DataSpec::new(stored_arrays)?, slots)?;
+        let packed: Arc<[Mutex<Box<[u8]>>]> = if codecs.is_empty() {
+            Arc::from(Vec::new())
+        } else {
+            (0..slots).map(|_| Mutex::new(Box::default())).collect()
+        };
         let mut area_arrays = spec.arrays().to_vec();
         for meta in BATCH_META {
             area_arrays.push(ArraySpec::new(Vec::new(), meta.bytes)?);
         }
         let area = Slots::new(&DataSpec::new(area_arrays)?, 2 * batch_size)?;
-        let empty =
-            Meta { key: 0, priority: 0.0, times_sampled: 0, pins: 0, state: SlotState::Free };
+        let empty = Meta::UNUSED;
         // Twice the most keys it ever holds: removals leave tombstones, and when they use up
         // the spare room the map rehashes in place only while it is at most half full;
         // otherwise it would allocate a bigger table in the middle of an insert.
@@ -480,9 +602,12 @@ impl Table {
             draw_slots: vec![0; batch_size].into_boxed_slice(),
             draw_probabilities: vec![0.0; batch_size].into_boxed_slice(),
             max_size: config.max_size,
+            max_bytes: config.max_bytes.unwrap_or(u64::MAX),
             max_times_sampled: config.max_times_sampled,
             live: 0,
             writing: 0,
+            stored_bytes: 0,
+            packed: Arc::clone(&packed),
             next_key: 0,
             max_priority: 1.0,
             stats: ReplayStats::default(),
@@ -496,6 +621,10 @@ impl Table {
             spec,
             config,
             storage,
+            codecs,
+            packed,
+            fixed_bytes,
+            decompress_threads: std::thread::available_parallelism().map_or(1, |n| n.get().min(8)),
             area,
             state: Mutex::new(state),
             signals: Signals::new(),
@@ -589,7 +718,13 @@ impl Table {
         restorer: bool,
     ) -> Result<(), InsertError> {
         validate_source(&self.spec, src)?;
-        let small = self.spec.payload_size() <= COPY_UNDER_LOCK_BYTES;
+        let small = self.fixed_bytes as usize <= COPY_UNDER_LOCK_BYTES;
+        // Compressed on this thread before the lock: writers compress in parallel.
+        let mut packed: Vec<Box<[u8]>> = if self.codecs.is_empty() {
+            Vec::new()
+        } else {
+            (0..src.num_samples()).map(|sample| self.codecs.pack(src, sample)).collect()
+        };
         // The deadline bounds the wait for the lock too: a caller that must not block (the
         // bindings try once with the GIL held, passing `now`) never waits behind a long
         // `update_priorities`.
@@ -614,12 +749,15 @@ impl Table {
         for sample in 0..src.num_samples() {
             self.wait_insertable(&mut state, deadline, restorer)
                 .map_err(|error| InsertError::new(sample, error))?;
-            let (slot, replaced) = state.reserve(small);
+            let item = packed.get_mut(sample).map(std::mem::take).unwrap_or_default();
+            let packed_len = u32::try_from(item.len()).unwrap_or(u32::MAX);
+            let bytes = self.fixed_bytes.saturating_add(packed_len);
+            let (slot, replaced) = state.reserve(small, bytes);
             self.preserve_for_checkpoint(&mut state, slot);
             if small {
-                self.write_item(slot, src, sample);
+                self.write_item(slot, src, sample, item);
             } else {
-                MutexGuard::unlocked(&mut state, || self.write_item(slot, src, sample));
+                MutexGuard::unlocked(&mut state, || self.write_item(slot, src, sample, item));
             }
             self.publish(&mut state, slot, src.priority(sample).or(priority), replaced);
             src.inserted(1);
@@ -648,23 +786,73 @@ impl Table {
             return;
         }
         let mut bytes = Vec::with_capacity(self.spec.payload_size());
-        for leaf in 0..self.spec.len() {
-            // SAFETY: the caller reserved `slot` under the lock it still holds and has not
-            // written it yet; the pending bit says no writer reserved it since the snapshot
-            // (invariant 4), so nobody writes it while we read (the consumer may read it too).
-            unsafe {
-                self.storage.read_slots(leaf, slot..slot + 1, |b| bytes.extend_from_slice(b));
-            }
-        }
+        let freed = cow.saved_packed.remove(&(slot as u32));
+        let item = match &freed {
+            Some(item) => item.clone(),
+            None => self.packed.get(slot).map(|cell| cell.lock().clone()).unwrap_or_default(),
+        };
+        // SAFETY: the caller reserved `slot` under the lock it still holds and has not
+        // written it yet; the pending bit says no writer reserved it since the snapshot
+        // (invariant 4), so nobody writes it while we read (the consumer may read it too).
+        unsafe { self.read_item(slot, &item, |_, b| bytes.extend_from_slice(b)) };
         cow.saved.insert(slot as u32, bytes.into_boxed_slice());
     }
 
-    fn write_item<S: SampleSource + ?Sized>(&self, slot: usize, src: &S, sample: usize) {
+    /// Writes sample `sample` of `src` into `slot`: its leaves stored as they are, and `item`,
+    /// its compressed leaves packed (empty when none is compressed).
+    fn write_item<S: SampleSource + ?Sized>(
+        &self,
+        slot: usize,
+        src: &S,
+        sample: usize,
+        item: Box<[u8]>,
+    ) {
         for leaf in 0..self.spec.len() {
+            if self.codecs.get(leaf).is_some() {
+                continue;
+            }
             // SAFETY: `reserve` popped `slot` from the free list under the lock and marked it
             // `Writing`; until `publish` nobody else reads or writes it (invariant 1). Sizes
             // were checked by `validate_source`, so `copy_leaf` gets exactly the leaf's size.
             unsafe { self.storage.fill_slot(slot, leaf, |dst| src.copy_leaf(sample, leaf, dst)) };
+        }
+        if let Some(cell) = self.packed.get(slot) {
+            // The slot's previous item (an evicted victim reused in place) is freed here.
+            let previous = std::mem::replace(&mut *cell.lock(), item);
+            drop(previous);
+        }
+    }
+
+    /// Calls `each(leaf, bytes)` with each leaf of the item in `slot`, raw, in leaf order:
+    /// stored leaves from the slot, compressed ones decompressed from `item`, its packed item.
+    ///
+    /// # Safety
+    /// Nobody writes `slot` meanwhile: the caller holds it pinned, or holds the lock and knows
+    /// no writer reserved it since the item was written.
+    unsafe fn read_item(&self, slot: usize, item: &[u8], mut each: impl FnMut(usize, &[u8])) {
+        let mut raw = Vec::new();
+        let mut k = 0;
+        for leaf in 0..self.spec.len() {
+            if self.codecs.get(leaf).is_some() {
+                raw.resize(self.spec.arrays()[leaf].num_bytes(), 0);
+                self.unpack(item, k, &mut raw);
+                k += 1;
+                each(leaf, &raw);
+            } else {
+                // SAFETY: the caller's guarantee that nobody writes `slot`.
+                unsafe { self.storage.read_slots(leaf, slot..slot + 1, |b| each(leaf, b)) };
+            }
+        }
+    }
+
+    /// Decompresses compressed leaf `k` of `item` into `dst`. The table compressed every item
+    /// itself (or checked it on arrival), so this cannot fail short of a bug; if it does, the
+    /// leaf reads as zeros and the error is logged, rather than failing a learner's batch.
+    fn unpack(&self, item: &[u8], k: usize, dst: &mut [u8]) {
+        if let Err(msg) = self.codecs.unpack_into(item, k, dst) {
+            debug_assert!(false, "a stored item does not decompress: {msg}");
+            log::error!("echo replay: a stored item does not decompress ({msg}); zeros instead");
+            dst.fill(0);
         }
     }
 
@@ -739,6 +927,8 @@ impl Table {
         ReplayStats {
             size: state.live as u64,
             pending_inserts: state.writing as u64,
+            stored_bytes: state.stored_bytes,
+            raw_bytes: (state.live + state.writing) as u64 * self.spec.payload_size() as u64,
             insert_blocked_ns: state.stats.insert_blocked_ns
                 + self.signals.insert_blocked_outside_ns.get(),
             ..state.stats
@@ -863,7 +1053,12 @@ impl Table {
             next_key: state.next_key,
             max_priority: state.max_priority,
         };
-        state.cow = Some(Cow { snapshot: Arc::clone(&snapshot), done, saved: HashMap::new() });
+        state.cow = Some(Cow {
+            snapshot: Arc::clone(&snapshot),
+            done,
+            saved: HashMap::new(),
+            saved_packed: HashMap::new(),
+        });
         let out = frozen();
         drop(state);
         let mut rows: Vec<(u64, u32, f64, u32)> = snapshot
@@ -1000,17 +1195,34 @@ impl Table {
         }
         for i in 0..n {
             let slot = state.free.pop().expect("n <= max_size slots are free") as usize;
-            for (leaf, bytes) in leaves.iter().enumerate() {
-                let len = self.spec.arrays()[leaf].num_bytes();
+            let row: Vec<&[u8]> = leaves
+                .iter()
+                .enumerate()
+                .map(|(leaf, bytes)| {
+                    let len = self.spec.arrays()[leaf].num_bytes();
+                    &bytes[i * len..(i + 1) * len]
+                })
+                .collect();
+            for (leaf, bytes) in row.iter().enumerate() {
+                if self.codecs.get(leaf).is_some() {
+                    continue;
+                }
                 // SAFETY: `slot` was just popped from the free list under the lock we hold and
                 // is not published yet: nobody else reads or writes it (invariant 1). Sizes
                 // were checked above; `bytes` is caller memory, not the table.
-                unsafe { self.storage.write_slot(slot, leaf, &bytes[i * len..(i + 1) * len]) };
+                unsafe { self.storage.write_slot(slot, leaf, bytes) };
             }
+            let mut stored = self.fixed_bytes;
+            if let Some(cell) = self.packed.get(slot) {
+                let item = self.codecs.pack(&Leaves(&row), 0);
+                stored = stored.saturating_add(u32::try_from(item.len()).unwrap_or(u32::MAX));
+                *cell.lock() = item;
+            }
+            state.stored_bytes += u64::from(stored);
             let (key, priority) = (items.keys[i], items.priorities[i]);
             let times_sampled = items.times_sampled[i];
             state.meta[slot] =
-                Meta { key, priority, times_sampled, pins: 0, state: SlotState::Live };
+                Meta { key, priority, times_sampled, pins: 0, stored, state: SlotState::Live };
             state.keys.insert(key, slot as u32);
             state.sampler.insert(slot, priority);
             state.remover.insert(slot, priority);
@@ -1122,17 +1334,18 @@ impl Checkpoint {
         let cow = state.cow.as_mut().expect("armed while the checkpoint lives");
         for &slot in &self.slots[rows] {
             if cow.take_pending(slot as usize) {
+                let freed = cow.saved_packed.remove(&slot);
                 let slot = slot as usize;
-                for (leaf, buf) in out.iter_mut().enumerate() {
-                    // SAFETY: the pending bit says no writer reserved `slot` since the
-                    // snapshot (invariant 4), and none can while we hold the lock, so its bytes
-                    // are the snapshot item's and nobody writes them during the read.
-                    unsafe {
-                        table
-                            .storage
-                            .read_slots(leaf, slot..slot + 1, |b| buf.extend_from_slice(b));
-                    }
-                }
+                let cell = table.packed.get(slot).map(|cell| cell.lock());
+                let item: &[u8] = match (&freed, &cell) {
+                    (Some(item), _) => item,
+                    (None, Some(cell)) => cell,
+                    (None, None) => &[],
+                };
+                // SAFETY: the pending bit says no writer reserved `slot` since the snapshot
+                // (invariant 4), and none can while we hold the lock, so its bytes are the
+                // snapshot item's and nobody writes them during the read.
+                unsafe { table.read_item(slot, item, |leaf, b| out[leaf].extend_from_slice(b)) };
             } else {
                 let saved = cow.saved.remove(&slot).expect("a reused snapshot slot was saved");
                 let mut at = 0;
@@ -1341,6 +1554,9 @@ impl ReplayConsumer {
         let base = self.half * table.config.batch_size;
         let leaves = table.spec.len();
         for leaf in 0..leaves {
+            if table.codecs.get(leaf).is_some() {
+                continue;
+            }
             for (i, drawn) in self.pending.iter().enumerate() {
                 let slot = drawn.slot;
                 // SAFETY: `slot` is pinned by this consumer (invariant 2): it is `Live` or
@@ -1353,9 +1569,53 @@ impl ReplayConsumer {
                 }
             }
         }
+        if !table.codecs.is_empty() {
+            self.gather_packed(base);
+        }
         for (i, drawn) in self.pending.iter().enumerate() {
             drawn.write_meta(|m, bytes| self.write_area(base + i, leaves + m, bytes));
         }
+    }
+
+    /// Decompresses the pending items' compressed leaves into the batch area from slot
+    /// `base` on: straight into the batch (one decompression, no copy after it), on several
+    /// threads when the batch is large enough to repay starting them.
+    fn gather_packed(&self, base: usize) {
+        let table = &*self.table;
+        let raw = table.codecs.raw_packed_bytes() * self.pending.len();
+        let threads = (raw / DECOMPRESS_BYTES_PER_THREAD)
+            .clamp(1, table.decompress_threads)
+            .min(self.pending.len());
+        let unpack = |drawn: &[Drawn], first: usize| {
+            for (i, d) in drawn.iter().enumerate() {
+                let item = table.packed[d.slot].lock();
+                for (k, &leaf) in table.codecs.packed_leaves().iter().enumerate() {
+                    // SAFETY: only this consumer writes the batch area (`sample` takes `&mut
+                    // self`; see `write_area` for views of older batches), and each thread
+                    // writes its own slots `base + first + i`. The item is pinned: no writer
+                    // changes its cell while we read it (the cell's lock is held anyway).
+                    unsafe {
+                        table.area.fill_slot(base + first + i, leaf, |dst| {
+                            table.unpack(&item, k, dst);
+                        });
+                    }
+                }
+            }
+        };
+        if threads <= 1 {
+            unpack(&self.pending, 0);
+            return;
+        }
+        let per = self.pending.len().div_ceil(threads);
+        std::thread::scope(|scope| {
+            let mut chunks = self.pending.chunks(per).enumerate();
+            let (_, mine) = chunks.next().expect("a batch has items");
+            for (c, chunk) in chunks {
+                let unpack = &unpack;
+                scope.spawn(move || unpack(chunk, c * per));
+            }
+            unpack(mine, 0);
+        });
     }
 
     /// Calls `f` with the bytes of `leaf` (a sample leaf, then the [`BATCH_META`] values) of
@@ -1555,7 +1815,7 @@ mod tests {
         let t = table(ReplayConfig::new(1, 2));
         let (first, second) = {
             let mut state = t.state.lock();
-            (state.reserve(false).0, state.reserve(false).0)
+            (state.reserve(false, 8).0, state.reserve(false, 8).0)
         };
         let writer = {
             let t = Arc::clone(&t);

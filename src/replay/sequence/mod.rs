@@ -745,6 +745,11 @@ impl SequenceTable {
                 "a sequence table evicts its oldest steps: remover must be Fifo()".to_owned()
             );
         }
+        if config.compress.iter().any(Option::is_some) || config.max_bytes.is_some() {
+            return bad("a sequence table stores its steps raw: compress and max_bytes apply to \
+                 replay tables without sequence"
+                .to_owned());
+        }
         config.rate_limit.validate(max_size as u64)?;
         config.sampler.check()?;
         let chunk_length = sequence.chunk_length(max_size);
