@@ -15,7 +15,8 @@ cargo clippy --quiet --all-targets --features python,detailed-metrics -- -D warn
 echo ">> cargo clippy for macOS (the non-Linux fallbacks)"
 if rustup target list --installed 2>/dev/null | grep -qx x86_64-apple-darwin \
   || rustup target add x86_64-apple-darwin >/dev/null 2>&1; then
-  cargo clippy --quiet --lib --target x86_64-apple-darwin --features python -- -D warnings
+  CC_x86_64_apple_darwin="$PWD/scripts/cc-stub.sh" \
+    cargo clippy --quiet --lib --target x86_64-apple-darwin --features python -- -D warnings
 else
   echo "   skipped: rustup could not add the x86_64-apple-darwin standard library"
 fi

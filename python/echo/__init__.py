@@ -22,6 +22,7 @@ from echo._echo import (
 )
 from echo.checkpoint import CheckpointError
 from echo.client import TcpClient
+from echo.compression import Lz4, Zstd
 from echo.replay import (
     Fifo,
     Lifo,
@@ -47,6 +48,7 @@ __all__ = [
     "Fifo",
     "HistSnapshot",
     "Lifo",
+    "Lz4",
     "MinPriority",
     "MinSize",
     "Prioritized",
@@ -62,6 +64,7 @@ __all__ = [
     "TcpTransport",
     "TrajectoryAccumulator",
     "Uniform",
+    "Zstd",
     "__version__",
     "reset_log_cache",
     "serve_metrics",

@@ -211,6 +211,16 @@ class SampleInfo:
     def last_checkpoint_bytes(self) -> int:
         """Bytes of the last completed checkpoint's files; 0 before one completes."""
     @property
+    def stored_bytes(self) -> int:
+        """Bytes the data held now takes as stored: a replay table's items with their
+        `compress=` leaves compressed; otherwise the raw bytes of what is held."""
+    @property
+    def raw_bytes(self) -> int:
+        """Bytes the same data takes raw."""
+    @property
+    def compression_ratio(self) -> float:
+        """`raw_bytes / stored_bytes` (1.0 when nothing is held)."""
+    @property
     def wait_ns(self) -> int:
         """Nanoseconds the consumer waited inside `sample()` for this batch."""
     @property

@@ -38,8 +38,11 @@ A restore inserts them, in order, before anything new. Version 1 (replay only, n
 samples) is still read.
 
 The settings that are not part of the data (`num_drainers`, `producer_queue_size` as the
-server was given it, `null` for the automatic size) are under `tuning` in the manifest; a
-manifest without them (written before they were recorded) restores with the defaults.
+server was given it, `null` for the automatic size; a replay table's `compress`, one entry
+per leaf, `null` or `[codec, level]` such as `["zstd", 1]`, and `max_bytes`) are under
+`tuning` in the manifest; a manifest without them (written before they were recorded)
+restores with the defaults. The leaves' rows are written raw whatever `compress` says, so a
+restore may choose another codec.
 
 The learner's own state (`Server.checkpoint(path, extra=...)`: model parameters, optimizer
 state, a step counter) lives in the same directory: `extra.json` holds the tree's structure
@@ -804,6 +807,13 @@ def _read_manifest(root: str) -> dict[str, Any]:
     return manifest
 
 
+def _is_codec_entry(entry: object) -> bool:
+    if not isinstance(entry, list) or len(cast("list[Any]", entry)) != 2:
+        return False
+    name, level = cast("list[Any]", entry)
+    return name in ("zstd", "lz4") and isinstance(level, int) and not isinstance(level, bool)
+
+
 def _read_tuning(tuning: Any) -> dict[str, Any]:
     """The manifest's `tuning`, checked: `num_drainers` an int >= 1, `producer_queue_size` an
     int >= 1 or None (the automatic size); either may be absent. Settings this echo does not
@@ -811,6 +821,24 @@ def _read_tuning(tuning: Any) -> dict[str, Any]:
     if not isinstance(tuning, dict):
         raise TypeError(f"tuning must be an object, got {type(tuning).__name__}")
     known: dict[str, Any] = {}
+    given = cast("dict[str, Any]", tuning)
+    compress = given.get("compress")
+    if compress is not None:
+        if not isinstance(compress, list) or not all(
+            entry is None or _is_codec_entry(entry) for entry in cast("list[Any]", compress)
+        ):
+            raise ValueError(
+                "tuning: compress must be a list of null or [codec, level] per leaf, got "
+                f"{compress!r}"
+            )
+        known["compress"] = [
+            None if e is None else (str(e[0]), int(e[1])) for e in cast("list[Any]", compress)
+        ]
+    max_bytes = given.get("max_bytes")
+    if max_bytes is not None:
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+            raise ValueError(f"tuning: max_bytes must be an int >= 1, got {max_bytes!r}")
+        known["max_bytes"] = max_bytes
     for key in ("num_drainers", "producer_queue_size"):
         if key not in tuning:
             continue

@@ -161,6 +161,13 @@ METRICS: tuple[MetricSpec, ...] = (
         "steps for a sequence table).",
         "Server.batch_size * Server.num_buffers, Server.max_size",
     ),
+    _spec(
+        "echo_stored_bytes",
+        "gauge",
+        "Bytes the data held takes as stored (a replay table's compress= leaves compressed).",
+        "stored_bytes",
+    ),
+    _spec("echo_raw_bytes", "gauge", "Bytes the same data takes raw.", "raw_bytes"),
     _spec("echo_sequence_steps_stored", "gauge", "Sequence tables: steps stored.", "steps_stored"),
     _spec(
         "echo_sequence_steps_inserted_total",
@@ -464,6 +471,8 @@ def _values(server: Server, info: SampleInfo, tally: Tally, now: float) -> dict[
         "echo_samples_received_in_place_total": info.samples_received_in_place_total,
         "echo_store_size": info.store_size,
         "echo_store_capacity": _capacity(server),
+        "echo_stored_bytes": info.stored_bytes,
+        "echo_raw_bytes": info.raw_bytes,
         "echo_sequence_steps_stored": info.steps_stored,
         "echo_sequence_steps_inserted_total": info.steps_inserted_total,
         "echo_sequence_steps_evicted_total": info.steps_evicted_total,

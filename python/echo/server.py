@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import math
 import os
@@ -22,6 +23,8 @@ from echo._pytree import NONE_IS_LEAF, TreeLayout
 from echo._tally import Tally
 from echo._validate import check_bool, check_int, check_seconds, episode_codes
 from echo.checkpoint import CheckpointError, PeriodicCheckpointer
+from echo.compression import Codec, Compress, Lz4, Zstd
+from echo.compression import resolve as resolve_compress
 from echo.replay import Fifo, MinSize, RateLimiter, Remover, Sampler, Sequence, Uniform
 from echo.transport import TcpTransport
 
@@ -207,6 +210,9 @@ class _ServerConfig:
     max_times_sampled: int
     seed: int | None
     sequence: Sequence | None
+    # Per leaf: (codec name, level) or None, resolved from `compress=` against the layout.
+    compress: tuple[tuple[str, int] | None, ...] = ()
+    max_bytes: int | None = None
 
 
 def _keys_array(keys: Any) -> npt.NDArray[np.uint64]:
@@ -327,6 +333,23 @@ def _restored_settings(loaded: Any, given: dict[str, Any], path: str) -> dict[st
     return recorded
 
 
+def _recorded_compress(loaded: Any, tuning: dict[str, Any]) -> Compress:
+    """The checkpoint's `compress` as a mapping of leaf paths to codecs (None: none)."""
+    recorded: list[tuple[str, int] | None] | None = tuning.get("compress")
+    if recorded is None:
+        return None
+    layout = TreeLayout(loaded.example)
+    if len(recorded) != len(layout.paths):
+        raise CheckpointError(
+            f"tuning: compress has {len(recorded)} entries, the layout {len(layout.paths)} leaves"
+        )
+    return {
+        path: Zstd(entry[1], force=True) if entry[0] == "zstd" else Lz4(force=True)
+        for path, entry in zip(layout.paths, recorded, strict=True)
+        if entry is not None
+    }
+
+
 class Server:
     """A replay buffer that assembles single samples into fixed-size batches.
 
@@ -362,6 +385,15 @@ class Server:
             `Queue(size)` is accepted; it sizes the ring.
         max_times_sampled: Replay only. Remove an item after this many draws (0: never).
         seed: Replay only. Fixes the sampling sequence, for reproducible runs.
+        compress: Replay only. Which leaves the table stores compressed: a mapping of leaf
+            paths (`"obs"`, `"obs/pixels"` or `("obs", "pixels")`; a subtree's path covers its
+            leaves) to `echo.Zstd(level)` or `echo.Lz4()`; `"auto"` (uint8/int8 leaves of at
+            least 4 KiB, with `Zstd(1)`); or one codec (those same leaves with it). Items are
+            compressed by the inserting thread and decompressed straight into each batch.
+            See the compression guide.
+        max_bytes: Replay only. Bounds the bytes the items take as stored (compressed leaves
+            compressed): the remover evicts until a new item fits, as it does at `max_size`
+            items, whichever bound is hit first. `None` (default): `max_size` alone.
         sequence: `Sequence(length, period, at_end)`: make this a sequence table, which takes
             steps of streams (`submit(step, stream=k, end_episode=...)`, `submit_batch` with
             one stream per row) and samples windows of `length` steps of one episode, each
@@ -395,7 +427,8 @@ class Server:
         TypeError: A leaf of `example` is not a numpy array, or an argument has the wrong type.
         ValueError: An argument is out of range, `example` holds no data, only one of
             `checkpoint_dir` and `checkpoint_every` is given, or `checkpoint_extra` without
-            them.
+            them; `compress` names no leaf, or puts a codec on a floating-point leaf without
+            `force=True`.
         RuntimeError: `pin_host_memory=True` where CUDA is unavailable (no runtime library,
             no device) or registration fails.
     """
@@ -422,6 +455,8 @@ class Server:
         checkpoint_keep: int = 3,
         checkpoint_extra: Callable[[], Any] | None = None,
         name: str = "default",
+        compress: Compress = None,
+        max_bytes: int | None = None,
     ) -> None:
         self._periodic: PeriodicCheckpointer | None = None
         # Called (once, in order, with `restarting`) at the start of the first `close()`:
@@ -464,6 +499,12 @@ class Server:
             checkpoint_dir, checkpoint_every, checkpoint_keep, checkpoint_extra
         )
         self._layout = TreeLayout(example)
+        config = dataclasses.replace(
+            config,
+            compress=resolve_compress(compress, self._layout),
+            max_bytes=None if max_bytes is None else check_int("max_bytes", max_bytes, 1),
+        )
+        self._compress: Compress = compress
         self._sampler: Sampler = config.sampler
         self._config = config
         self._core = ServerCore(self._layout, config)
@@ -522,6 +563,23 @@ class Server:
     def max_size(self) -> int | None:
         """Items a replay table holds; `None` for the FIFO ring."""
         return self._core.max_size
+
+    @property
+    def compress(self) -> dict[str, Codec]:
+        """The leaves the table stores compressed, by path (keys joined by `/`), and their
+        codec: what `compress=` chose. Empty when nothing is compressed."""
+        return {
+            "/".join(str(key) for key in path): Zstd(entry[1], force=True)
+            if entry[0] == "zstd"
+            else Lz4(force=True)
+            for path, entry in zip(self._layout.paths, self._config.compress, strict=False)
+            if entry is not None
+        }
+
+    @property
+    def max_bytes(self) -> int | None:
+        """The bound on the bytes a replay table's items take as stored; `None`: none."""
+        return self._config.max_bytes
 
     @property
     def sequence(self) -> Sequence | None:
@@ -919,10 +977,14 @@ class Server:
         started = time.monotonic()
         encoded = None if extra is None else _checkpoint.encode_extra(extra)
         config = self._config
-        tuning = {
+        tuning: dict[str, Any] = {
             "num_drainers": config.num_drainers,
             "producer_queue_size": config.producer_queue_size,
         }
+        if any(config.compress):
+            tuning["compress"] = [None if c is None else list(c) for c in config.compress]
+        if config.max_bytes is not None:
+            tuning["max_bytes"] = config.max_bytes
         if isinstance(self._sampler, Fifo):
             num_buffers = self._core.num_buffers
             assert num_buffers is not None  # a FIFO server always has a ring
@@ -973,6 +1035,8 @@ class Server:
         checkpoint_keep: int = 3,
         checkpoint_extra: Callable[[], Any] | None = None,
         name: str = "default",
+        compress: Compress = None,
+        max_bytes: int | None = None,
     ) -> Server:
         """A new server with the contents and settings of the checkpoint at `path` (written
         by `checkpoint()`).
@@ -997,8 +1061,9 @@ class Server:
         the restored server continues the recorded sampling (its RNG state, its limiter's
         counters, a FIFO ring's batches), which another value would silently change, so
         passing one is only a check, and a different value raises `ValueError`. The rest
-        tune the server and do not touch the data: `num_drainers` and
-        `producer_queue_size` are recorded in the checkpoint and kept unless given here
+        tune the server and do not touch the data: `num_drainers`,
+        `producer_queue_size`, `compress` and `max_bytes` are recorded in the checkpoint and
+        kept unless given here
         (checkpoints written before they were recorded restore with the defaults);
         `num_buffers` (FIFO) is the checkpoint's unless given (samples that do not fit a
         smaller ring at once go in as `sample()` makes room); `transport`, `pin_host_memory`
@@ -1040,6 +1105,9 @@ class Server:
             checkpoint_keep: As the constructor's.
             checkpoint_extra: As the constructor's.
             name: As the constructor's.
+            compress: As the constructor's; `None` keeps the checkpoint's (`{}` stores every
+                leaf raw). The checkpoint's rows are raw, so any codec may be chosen.
+            max_bytes: As the constructor's; `None` keeps the checkpoint's.
 
         Raises:
             CheckpointError: (a `ValueError`) a file is missing, truncated or corrupted, the
@@ -1085,6 +1153,8 @@ class Server:
             else producer_queue_size,
             pin_host_memory=pin_host_memory,
             name=name,
+            compress=_recorded_compress(loaded, tuning) if compress is None else compress,
+            max_bytes=tuning.get("max_bytes") if max_bytes is None else max_bytes,
             **kwargs,
         )
         try:

@@ -17,11 +17,14 @@ from echo import _echo
 HIST_FIELDS = ["count", "min_ns", "max_ns", "mean_ns", "p50_ns", "p90_ns", "p99_ns"]
 HISTOGRAMS = ["drain_round", "memcpy", "queue_dwell"]
 REPLAY_ARRAYS = ["keys", "probabilities", "times_sampled"]
+# Computed from the fields, not fields themselves.
+DERIVED = ("compression_ratio",)
 SCALARS = sorted(
     name
     for name in dir(echo.SampleInfo)
     if not name.startswith("_")
     and name != "as_dict"
+    and name not in DERIVED
     and name not in HISTOGRAMS
     and name not in REPLAY_ARRAYS
 )
@@ -192,3 +195,8 @@ def test_sample_info_repr_shows_fields_and_elides_long_ones() -> None:
     zero = len(SCALARS) - 5 + 2 + 2  # scalars but the five above, two histograms, two arrays
     assert text.endswith(f", <{zero} more fields are 0>)"), text
     assert len(text) < 600
+
+
+def test_compression_ratio_is_raw_over_stored_bytes_and_one_when_empty() -> None:
+    assert _info(raw_bytes=1000, stored_bytes=125).compression_ratio == 8.0
+    assert _info(raw_bytes=0, stored_bytes=0).compression_ratio == 1.0

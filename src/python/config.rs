@@ -18,6 +18,7 @@ use pyo3::types::{PyString, PyType};
 
 use super::errors::to_pyerr;
 use crate::backend::BackendConfig;
+use crate::codec::Codec;
 use crate::replay::{AtEnd, RateLimit, RemoverKind, ReplayConfig, SamplerKind, SequenceConfig};
 use crate::transport::tcp::TcpConfig;
 use crate::transport::wire::v2::Layout;
@@ -130,6 +131,9 @@ pub(crate) struct ServerConfig {
     max_times_sampled: u32,
     seed: Option<u64>,
     sequence: Option<SequenceConfig>,
+    /// Per leaf: how it is stored (`None` raw), as `echo.server` resolved `compress=`.
+    compress: Vec<Option<Codec>>,
+    max_bytes: Option<u64>,
 }
 
 /// `echo.Sequence`, whose fields the dataclass has checked (types, ranges, `at_end`'s word).
@@ -174,6 +178,13 @@ impl<'py> FromPyObject<'_, 'py> for ServerConfig {
             max_times_sampled: get("max_times_sampled")?.extract()?,
             seed: get("seed")?.extract()?,
             sequence: optional("sequence")?.map(|s| sequence_arg(&s)).transpose()?,
+            compress: get("compress")?
+                .extract::<Vec<Option<(String, i32)>>>()?
+                .into_iter()
+                .map(|codec| codec.map(|(name, level)| Codec::from_name(&name, level)).transpose())
+                .collect::<Result<_, _>>()
+                .map_err(to_pyerr)?,
+            max_bytes: get("max_bytes")?.extract()?,
         })
     }
 }
@@ -210,6 +221,12 @@ impl ServerConfig {
                     r.repr
                 )));
             }
+            if self.compresses() || self.max_bytes.is_some() {
+                return Err(PyValueError::new_err(
+                    "compress= and max_bytes= apply to replay tables; a sequence table stores \
+                     its steps raw (compressed sequence chunks are not supported yet)",
+                ));
+            }
             return Ok(BackendConfig::Sequence(self.replay_config(sampler, max_size), sequence));
         }
         if max_size < batch_size {
@@ -229,7 +246,14 @@ impl ServerConfig {
             rate_limit: self.rate_limiter.as_ref().map_or(RateLimit::MinSize(1), |r| r.kind),
             max_times_sampled: self.max_times_sampled,
             seed: self.seed,
+            compress: if self.compresses() { self.compress.clone() } else { Vec::new() },
+            max_bytes: self.max_bytes,
         }
+    }
+
+    /// Whether `compress=` chose any leaf.
+    fn compresses(&self) -> bool {
+        self.compress.iter().any(Option::is_some)
     }
 
     /// Checks the replay-only arguments against the FIFO ring; returns its batch count.
@@ -259,6 +283,19 @@ impl ServerConfig {
         }
         if self.seed.is_some() {
             return refuse("seed".into(), ": FIFO sampling is not random");
+        }
+        if self.compresses() {
+            return refuse(
+                "compress=".into(),
+                ": the FIFO ring keeps fixed slots that batches are views of, so it stores \
+                 samples raw",
+            );
+        }
+        if self.max_bytes.is_some() {
+            return refuse(
+                "max_bytes".into(),
+                "; the FIFO ring holds num_buffers * batch_size samples",
+            );
         }
         match &self.rate_limiter {
             None => Ok(self.num_buffers),

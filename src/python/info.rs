@@ -230,6 +230,11 @@ pub(crate) struct SampleInfo {
     /// evicted (also in `evicted_total`).
     windows_inserted_total: u64,
     windows_evicted_total: u64,
+    /// Bytes the data held now takes as stored, and the same data raw: they differ for a
+    /// replay table with `compress=` (its items' compressed leaves); otherwise both are the
+    /// bytes of the samples (FIFO: committed, not yet handed out), items or steps held.
+    stored_bytes: u64,
+    raw_bytes: u64,
     /// Nanoseconds the consumer waited inside `sample()` for this batch.
     wait_ns: u64,
     /// 0-based number of this batch since the server started.
@@ -308,6 +313,8 @@ counters!(
     windows_inserted_total,
     windows_evicted_total,
     last_checkpoint_bytes,
+    stored_bytes,
+    raw_bytes,
     wait_ns,
     sequence,
 );
@@ -331,6 +338,8 @@ pub(crate) struct Snapshot {
     pub(crate) last_checkpoint: LastCheckpoint,
     /// Samples in-process `submit()`/`submit_batch()` calls put in.
     pub(crate) submitted: u64,
+    /// Bytes of one sample (every leaf raw).
+    pub(crate) payload_bytes: u64,
 }
 
 /// When the last checkpoint completed (Unix seconds), how long it took (seconds) and the
@@ -375,6 +384,17 @@ impl SampleInfo {
             BackendStats::Replay(replay) => (replay.size, replay.batches, replay, None),
             BackendStats::Sequence(seq) => {
                 (seq.windows.size, seq.windows.batches, seq.windows, Some(seq))
+            }
+        };
+        let (stored_bytes, raw_bytes) = match &snap.backend {
+            BackendStats::Fifo(fifo) => {
+                let held = fifo.store_size * snap.payload_bytes;
+                (held, held)
+            }
+            BackendStats::Replay(replay) => (replay.stored_bytes, replay.raw_bytes),
+            BackendStats::Sequence(seq) => {
+                let held = seq.steps * snap.payload_bytes;
+                (held, held)
             }
         };
         let seq_windows = seq.map(|s| s.windows).unwrap_or_default();
@@ -430,6 +450,8 @@ impl SampleInfo {
             episodes_ended_total: seq.episodes_ended,
             windows_inserted_total: seq_windows.inserted,
             windows_evicted_total: seq_windows.evicted,
+            stored_bytes,
+            raw_bytes,
             wait_ns,
             sequence,
             keys,
@@ -446,6 +468,7 @@ impl SampleInfo {
             detailed: None,
             last_checkpoint: LastCheckpoint::default(),
             submitted: 0,
+            payload_bytes: 0,
         };
         Self::new(py, &snap, 0, 0, &Py::new(py, HistSnapshot::default())?, None)
     }
@@ -648,6 +671,16 @@ impl SampleInfo {
         }
         let restore = PyModule::import(py, "echo._echo")?.getattr("_sample_info")?;
         Ok((restore, (state,)))
+    }
+
+    /// `raw_bytes / stored_bytes`: how many times less memory the data held takes than it
+    /// would raw (1.0 when nothing is compressed, or nothing is held).
+    #[getter]
+    fn compression_ratio(&self) -> f64 {
+        if self.stored_bytes == 0 {
+            return 1.0;
+        }
+        self.raw_bytes as f64 / self.stored_bytes as f64
     }
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {

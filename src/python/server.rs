@@ -921,6 +921,7 @@ impl PyServerCore {
             last_checkpoint: *self.last_checkpoint.lock(),
             // ORDERING: Relaxed — see `count_submitted`.
             submitted: self.submitted.load(Relaxed),
+            payload_bytes: self.backend.spec().payload_size() as u64,
         }
     }
 }
