@@ -184,6 +184,15 @@ impl Backend {
         }
     }
 
+    /// The leaves a replay table stores compressed (what it takes from the wire as it
+    /// arrived); `None` for the other backends and uncompressed tables.
+    pub fn stored_codecs(&self) -> Option<&crate::codec::LeafCodecs> {
+        match self {
+            Self::Replay(table) => table.codecs(),
+            Self::Fifo(_) | Self::Sequence(_) => None,
+        }
+    }
+
     /// Whether items carry priorities (a replay or sequence table).
     pub fn has_priorities(&self) -> bool {
         !matches!(self, Self::Fifo(_))

@@ -171,6 +171,8 @@ pub struct LeafCodecs {
     codecs: Box<[Option<Codec>]>,
     /// The raw byte size of each leaf.
     sizes: Box<[usize]>,
+    /// Where each leaf lies in a raw payload (every leaf back to back).
+    ranges: Box<[std::ops::Range<usize>]>,
     /// The compressed leaves, in leaf order.
     packed: Box<[usize]>,
 }
@@ -207,7 +209,8 @@ impl LeafCodecs {
             }
         }
         let packed = (0..codecs.len()).filter(|&l| codecs[l].is_some()).collect();
-        Ok(Self { codecs: codecs.into_boxed_slice(), sizes, packed })
+        let ranges = (0..spec.len()).map(|leaf| spec.leaf_range(leaf)).collect();
+        Ok(Self { codecs: codecs.into_boxed_slice(), sizes, ranges, packed })
     }
 
     /// Whether no leaf is compressed.
@@ -238,9 +241,15 @@ impl LeafCodecs {
     /// Compresses the compressed leaves of sample `sample` of `src` into one packed item.
     /// The source's sizes must have been validated.
     pub fn pack<S: SampleSource + ?Sized>(&self, src: &S, sample: usize) -> Box<[u8]> {
-        let header = 4 * self.packed.len();
-        let mut out = Vec::with_capacity(header + self.raw_packed_bytes() / 8);
-        out.resize(header, 0);
+        let mut out = Vec::with_capacity(4 * self.packed.len() + self.raw_packed_bytes() / 8);
+        self.pack_into(src, sample, &mut out);
+        out.into_boxed_slice()
+    }
+
+    /// [`LeafCodecs::pack`], appending the packed item to `out`.
+    pub fn pack_into<S: SampleSource + ?Sized>(&self, src: &S, sample: usize, out: &mut Vec<u8>) {
+        let start = out.len();
+        out.resize(start + 4 * self.packed.len(), 0);
         RAW.with(|raw| {
             let mut raw = raw.borrow_mut();
             for (k, &leaf) in self.packed.iter().enumerate() {
@@ -248,12 +257,72 @@ impl LeafCodecs {
                 raw.resize(self.sizes[leaf], 0);
                 src.copy_leaf(sample, leaf, &mut raw);
                 let before = out.len();
-                codec.compress_append(&raw, &mut out);
+                codec.compress_append(&raw, out);
                 let len = u32::try_from(out.len() - before).expect("bounded by 2^32 - 1 raw bytes");
-                out[4 * k..4 * k + 4].copy_from_slice(&len.to_le_bytes());
+                out[start + 4 * k..start + 4 * k + 4].copy_from_slice(&len.to_le_bytes());
             }
         });
-        out.into_boxed_slice()
+    }
+
+    /// Appends the body of a compressed wire frame for sample `sample` of `src` to `out`:
+    /// the leaves left raw, in order, then the packed item.
+    pub fn pack_body<S: SampleSource + ?Sized>(&self, src: &S, sample: usize, out: &mut Vec<u8>) {
+        for leaf in 0..self.codecs.len() {
+            if self.codecs[leaf].is_none() {
+                let start = out.len();
+                out.resize(start + self.sizes[leaf], 0);
+                src.copy_leaf(sample, leaf, &mut out[start..]);
+            }
+        }
+        self.pack_into(src, sample, out);
+    }
+
+    /// The most bytes a compressed frame's body may have: the raw leaves, the packed item's
+    /// header and each compressed leaf's worst case.
+    pub fn max_body(&self) -> usize {
+        let raw: usize = (0..self.codecs.len())
+            .filter(|&l| self.codecs[l].is_none())
+            .map(|l| self.sizes[l])
+            .sum();
+        let packed: usize = self.packed.iter().map(|&l| self.bound(l)).sum();
+        raw + 4 * self.packed.len() + packed
+    }
+
+    fn bound(&self, leaf: usize) -> usize {
+        self.codecs[leaf].expect("a packed leaf has a codec").bound(self.sizes[leaf])
+    }
+
+    /// Decodes a compressed frame's body (untrusted bytes) into `payload` (one raw sample,
+    /// every leaf back to back): the raw leaves copied, the compressed ones decompressed into
+    /// exactly their place. Returns where the packed item starts in `body` (what a table that
+    /// stores these leaves compressed keeps as it is).
+    ///
+    /// # Errors
+    /// What is wrong with the body: too short for the raw leaves or the packed header, lengths
+    /// that do not add up, a leaf that does not decompress to exactly its size. Nothing is
+    /// allocated beyond `payload`, whatever the body claims.
+    pub fn unpack_body(&self, body: &[u8], payload: &mut [u8]) -> Result<usize, String> {
+        if payload.len() != self.ranges.last().map_or(0, |r| r.end) {
+            return Err(format!("a payload of {} bytes for this layout", payload.len()));
+        }
+        let mut at = 0;
+        for leaf in 0..self.codecs.len() {
+            if self.codecs[leaf].is_some() {
+                continue;
+            }
+            let size = self.sizes[leaf];
+            let bytes = body.get(at..at + size).ok_or_else(|| {
+                format!("the body ends inside raw leaf {leaf} ({} bytes)", body.len())
+            })?;
+            payload[self.ranges[leaf].clone()].copy_from_slice(bytes);
+            at += size;
+        }
+        let item = &body[at..];
+        for k in 0..self.packed.len() {
+            let range = self.ranges[self.packed[k]].clone();
+            self.unpack_into(item, k, &mut payload[range])?;
+        }
+        Ok(at)
     }
 
     /// Checks a packed item's header against its length.

@@ -274,7 +274,9 @@ impl std::fmt::Debug for SegmentReservation {
 }
 
 /// A queued sample: its payload, its push time, and the priority it was sent with (wire v2).
-type Queued = (Box<[u8]>, Stamp, Option<f64>, StepMark);
+/// A queued sample: its buffer, push time, priority, step mark, and its compressed leaves as
+/// they arrived when the backend keeps them so (see [`Connection::try_push_packed`]).
+type Queued = (Box<[u8]>, Stamp, Option<f64>, StepMark, Option<Box<[u8]>>);
 
 /// Which of its connection's streams a sample is a step of, and whether it ends its episode
 /// (sequence tables; other backends ignore it). A connection's row `r` is the backend's stream
@@ -437,14 +439,32 @@ impl Connection {
         priority: Option<f64>,
         mark: StepMark,
     ) -> Result<(), Box<[u8]>> {
+        self.try_push_packed(buf, None, priority, mark).map_err(|(buf, _)| buf)
+    }
+
+    /// [`Connection::try_push_step`] for a sample that arrived with compressed leaves: `buf`
+    /// holds it decompressed, `packed` those leaves as they arrived, packed as the backend
+    /// stores them ([`crate::codec::LeafCodecs`], checked to decompress to `buf`'s bytes), so
+    /// that a table that stores them compressed keeps them as they are. Gives both back if
+    /// the queue is full.
+    #[allow(clippy::type_complexity)]
+    pub fn try_push_packed(
+        &self,
+        buf: Box<[u8]>,
+        packed: Option<Box<[u8]>>,
+        priority: Option<f64>,
+        mark: StepMark,
+    ) -> Result<(), (Box<[u8]>, Option<Box<[u8]>>)> {
         debug_assert_eq!(buf.len(), self.payload_size);
         // ORDERING: Relaxed — only this task increments, and `try_insert_in_place` (the one
         // reader that acts on it) runs on this task too, after this.
         self.unfinished.fetch_add(1, Relaxed);
-        if let Err((buf, ..)) = self.queue.push((buf, Stamp::now(), priority, mark)) {
+        if let Err((buf, _, _, _, packed)) =
+            self.queue.push((buf, Stamp::now(), priority, mark, packed))
+        {
             // ORDERING: Relaxed — undoes the increment above; the drainer never saw the sample.
             self.unfinished.fetch_sub(1, Relaxed);
-            return Err(buf);
+            return Err((buf, packed));
         }
         self.note_row(mark.row);
         self.stats.pending.add(1);
@@ -563,7 +583,7 @@ impl Connection {
         }
         // ORDERING: Relaxed — see `stashed`.
         self.stashed.store(stash.len(), Relaxed);
-        for (buf, _, priority, mark) in stash.iter() {
+        for (buf, _, priority, mark, _) in stash.iter() {
             each(buf, *priority, *mark);
         }
         drop(stash);
@@ -1080,6 +1100,7 @@ impl QueuedSamples {
 struct Round<'a> {
     payloads: Payloads<'a, Box<[u8]>>,
     priorities: &'a [Option<f64>],
+    packed: &'a [Option<Box<[u8]>>],
     /// Per sample: its connection (an index into `conns`) and its row and episode flag.
     owners: &'a [usize],
     marks: &'a [StepMark],
@@ -1100,6 +1121,9 @@ impl SampleSource for Round<'_> {
     }
     fn priority(&self, sample: usize) -> Option<f64> {
         self.priorities[sample]
+    }
+    fn packed(&self, sample: usize) -> Option<&[u8]> {
+        self.packed[sample].as_deref()
     }
     fn step(&self, sample: usize) -> StepTag {
         let mark = self.marks[sample];
@@ -1141,6 +1165,9 @@ impl<S: SampleSource> SampleSource for Direct<'_, S> {
     fn copy_leaf(&self, sample: usize, leaf: usize, dst: &mut [u8]) {
         self.src.copy_leaf(sample, leaf, dst);
     }
+    fn packed(&self, sample: usize) -> Option<&[u8]> {
+        self.src.packed(sample)
+    }
     fn step(&self, sample: usize) -> StepTag {
         self.src.step(sample)
     }
@@ -1165,6 +1192,8 @@ struct DrainerState {
     owners: Vec<usize>,
     priorities: Vec<Option<f64>>,
     marks: Vec<StepMark>,
+    /// Each buffer's compressed leaves as they arrived, if the backend keeps them so.
+    packed: Vec<Option<Box<[u8]>>>,
     round: usize,
 }
 
@@ -1204,6 +1233,7 @@ impl Drainer {
                         let round = Round {
                             payloads,
                             priorities: &state.priorities,
+                            packed: &state.packed,
                             owners: &state.owners,
                             marks: &state.marks,
                             conns: &state.conns,
@@ -1270,9 +1300,10 @@ impl DrainerState {
                 let conn = &self.conns[index];
                 if conn.stashed() > 0 {
                     let mut stash = conn.stash.lock();
-                    for (buf, pushed, priority, mark) in stash.drain(..) {
+                    for (buf, pushed, priority, mark, packed) in stash.drain(..) {
                         ingress.queue_dwell.record_since(pushed);
                         self.bufs.push(buf);
+                        self.packed.push(packed);
                         self.priorities.push(priority);
                         self.marks.push(mark);
                         self.owners.push(index);
@@ -1284,9 +1315,12 @@ impl DrainerState {
                 sum += depth as u64;
                 max = max.max(depth as u64);
                 for _ in 0..depth {
-                    let Some((buf, pushed, priority, mark)) = conn.queue.pop() else { break };
+                    let Some((buf, pushed, priority, mark, packed)) = conn.queue.pop() else {
+                        break;
+                    };
                     ingress.queue_dwell.record_since(pushed);
                     self.bufs.push(buf);
+                    self.packed.push(packed);
                     self.priorities.push(priority);
                     self.marks.push(mark);
                     self.owners.push(index);
@@ -1303,6 +1337,7 @@ impl DrainerState {
         let mut last = usize::MAX;
         self.priorities.clear();
         self.marks.clear();
+        self.packed.clear();
         for (buf, owner) in self.bufs.drain(..).zip(self.owners.drain(..)) {
             let conn = &self.conns[owner];
             // ORDERING: Release pairs with the Acquire in `Connection::is_idle`: this round's

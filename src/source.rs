@@ -65,6 +65,14 @@ pub trait SampleSource {
     fn inserted(&self, count: usize) {
         let _ = count;
     }
+    /// Sample `sample`'s compressed leaves as they arrived, packed as the backend's
+    /// [`LeafCodecs`](crate::codec::LeafCodecs) packs them and checked to decompress to the
+    /// leaves [`SampleSource::leaf`] gives: a replay table that stores those leaves compressed
+    /// keeps these bytes instead of compressing again. Default: `None`.
+    fn packed(&self, sample: usize) -> Option<&[u8]> {
+        let _ = sample;
+        None
+    }
     /// The stream sample `sample` belongs to and whether it ends its episode, for a sequence
     /// table (other backends ignore it). Default: stream 0, the episode goes on.
     fn step(&self, sample: usize) -> StepTag {

@@ -285,3 +285,48 @@ fn stored_bytes_is_the_sum_of_what_items_take_and_falls_as_they_leave() {
     let stats = table.stats();
     assert_eq!((stats.size, stats.stored_bytes, stats.raw_bytes), (0, 0, 0), "{full} before");
 }
+
+/// A source whose samples arrived with their compressed leaves already packed (as the TCP
+/// ingress hands them over): the table keeps those bytes instead of compressing again.
+struct Arrived<'a> {
+    leaves: [&'a [u8]; 3],
+    packed: &'a [u8],
+}
+
+impl echo::SampleSource for Arrived<'_> {
+    fn num_samples(&self) -> usize {
+        1
+    }
+    fn num_leaves(&self, _: usize) -> usize {
+        3
+    }
+    fn leaf(&self, _: usize, leaf: usize) -> &[u8] {
+        self.leaves[leaf]
+    }
+    fn packed(&self, _: usize) -> Option<&[u8]> {
+        Some(self.packed)
+    }
+}
+
+#[test]
+fn items_that_arrive_compressed_are_stored_as_they_arrived() {
+    let zstd1 = Codec::Zstd { level: 1 };
+    let table = Table::new(spec(), config(1, 10, zstd1, None)).unwrap();
+    let (obs, next) = (frame(3, 0), frame(3, 1));
+    let id = 3u64.to_le_bytes();
+    // Packed at level 19 by the sender: smaller than the table's own level 1 would make it.
+    let slow =
+        echo::codec::LeafCodecs::new(&spec(), vec![Some(Codec::Zstd { level: 19 }), None, None])
+            .unwrap();
+    let packed = slow.pack(&Leaves(&[&obs, &id, &next]), 0);
+    let own = echo::codec::LeafCodecs::new(&spec(), vec![Some(zstd1), None, None])
+        .unwrap()
+        .pack(&Leaves(&[&obs, &id, &next]), 0);
+    assert!(packed.len() < own.len(), "level 19 packs tighter ({} vs {})", packed.len(), own.len());
+    let src = Arrived { leaves: [&obs, &id, &next], packed: &packed };
+    table.insert(&src, None, Some(Instant::now() + PATIENCE)).unwrap();
+    let fixed = (8 + FRAME) as u64;
+    assert_eq!(table.stats().stored_bytes, fixed + packed.len() as u64, "kept as it arrived");
+    let mut consumer = table.consumer().unwrap();
+    assert_eq!(check_batch(&table, sample(&mut consumer)), vec![3]);
+}

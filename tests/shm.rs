@@ -187,6 +187,7 @@ fn attach_refuses_a_wrong_nonce_and_hands_over_with_the_right_one() {
         mac: None,
         shm: true,
         notices: false,
+        codecs: false,
     };
     raw.write_all(&hello.encode(&offer, None).unwrap()).unwrap();
     let mut received = Vec::new();

@@ -297,6 +297,7 @@ fn hello(session: u8, notices: bool) -> echo::transport::wire::v2::Hello {
         mac: None,
         shm: false,
         notices,
+        codecs: false,
     }
 }
 

@@ -407,6 +407,7 @@ class TcpSender:
         dial_timeout: float | None = None,
         resolver: Callable[[tuple[str, int, str] | None], tuple[str, int] | None] | None = None,
         name: str | None = None,
+        wire_compression: bool = True,
     ) -> TcpSender: ...
     def send(
         self,
@@ -446,6 +447,10 @@ class TcpSender:
     def resent(self) -> int: ...
     @property
     def transport_path(self) -> Literal["shm", "tcp"]: ...
+    @property
+    def wire_codecs(self) -> list[tuple[str, int] | None] | None:
+        """Per leaf, the codec this connection sends it with (`None` raw); `None` when
+        every leaf goes raw."""
     @property
     def payload_size(self) -> int: ...
 

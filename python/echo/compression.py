@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from echo._pytree import TreeLayout
 
-__all__ = ["AUTO_MIN_BYTES", "Codec", "Compress", "Lz4", "Zstd"]
+__all__ = ["AUTO_MIN_BYTES", "Codec", "Compress", "Lz4", "Zstd", "codec_of"]
 
 # `compress="auto"` picks uint8/int8 leaves of at least this many bytes.
 AUTO_MIN_BYTES = 4096
@@ -89,6 +89,13 @@ Compress = Union["Mapping[Any, Codec | None]", Literal["auto"], Zstd, Lz4, None]
 
 # Per leaf as the native config reads it: (codec name, level) or None.
 Resolved = tuple[tuple[str, int] | None, ...]
+
+
+def codec_of(entry: tuple[str, int]) -> Codec:
+    """The codec `(name, level)` names, as the native side reports it (with `force=True`:
+    it was accepted already)."""
+    name, level = entry
+    return Zstd(level, force=True) if name == "zstd" else Lz4(force=True)
 
 
 def _native(codec: Codec) -> tuple[str, int]:

@@ -23,7 +23,7 @@ from echo._pytree import NONE_IS_LEAF, TreeLayout
 from echo._tally import Tally
 from echo._validate import check_bool, check_int, check_seconds, episode_codes
 from echo.checkpoint import CheckpointError, PeriodicCheckpointer
-from echo.compression import Codec, Compress, Lz4, Zstd
+from echo.compression import Codec, Compress, codec_of
 from echo.compression import resolve as resolve_compress
 from echo.replay import Fifo, MinSize, RateLimiter, Remover, Sampler, Sequence, Uniform
 from echo.transport import TcpTransport
@@ -344,7 +344,7 @@ def _recorded_compress(loaded: Any, tuning: dict[str, Any]) -> Compress:
             f"tuning: compress has {len(recorded)} entries, the layout {len(layout.paths)} leaves"
         )
     return {
-        path: Zstd(entry[1], force=True) if entry[0] == "zstd" else Lz4(force=True)
+        path: codec_of(entry)
         for path, entry in zip(layout.paths, recorded, strict=True)
         if entry is not None
     }
@@ -569,9 +569,7 @@ class Server:
         """The leaves the table stores compressed, by path (keys joined by `/`), and their
         codec: what `compress=` chose. Empty when nothing is compressed."""
         return {
-            "/".join(str(key) for key in path): Zstd(entry[1], force=True)
-            if entry[0] == "zstd"
-            else Lz4(force=True)
+            "/".join(str(key) for key in path): codec_of(entry)
             for path, entry in zip(self._layout.paths, self._config.compress, strict=False)
             if entry is not None
         }

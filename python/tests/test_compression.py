@@ -282,9 +282,7 @@ def test_bad_levels_raise(level: Any, error: type[Exception]) -> None:
         echo.Lz4(force=1)  # pyright: ignore[reportArgumentType]
 
 
-def test_fifo_and_sequence_servers_refuse_compress_and_max_bytes() -> None:
-    with pytest.raises(ValueError, match=r"compress= needs a replay sampler.*fixed slots"):
-        Server(EXAMPLE, 4, compress="auto")
+def test_fifo_and_sequence_servers_refuse_what_does_not_apply() -> None:
     with pytest.raises(ValueError, match=r"max_bytes needs a replay sampler"):
         Server(EXAMPLE, 4, max_bytes=1 << 20)
     with pytest.raises(ValueError, match=r"sequence table stores its steps raw"):
@@ -300,3 +298,67 @@ def test_stats_of_uncompressed_servers_report_raw_bytes_twice(make_server: Any) 
     stats = server.stats()
     assert stats.stored_bytes == stats.raw_bytes == 3 * (84 * 84 * 4 + 12)
     assert stats.compression_ratio == 1.0
+
+
+# --- on the wire ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sampler", [None, echo.Uniform()], ids=["fifo", "replay"])
+def test_tcp_workers_compress_what_the_server_names_unless_told_not_to(
+    make_server: Any, sampler: Any
+) -> None:
+    # Room for every sample (5 workers x 32) before the learner reads: the ring of 16 batches.
+    replay: dict[str, Any] = {"num_buffers": 16}
+    if sampler is not None:
+        replay = {"sampler": sampler, "max_size": 1000, "max_times_sampled": 1}
+    server = make_server(
+        EXAMPLE,
+        16,
+        transport=TcpTransport(port=0, host=LOCALHOST),
+        compress={"obs": echo.Lz4()},
+        **replay,
+    )
+    server.start()
+    if sampler is None:  # FIFO: compressed on the wire only, stored raw
+        assert server.compress == {"obs/pixels": echo.Lz4(True)}
+    options: list[dict[str, Any]] = [
+        {"shared_memory": False},
+        {"shared_memory": False, "reconnect": True},
+        {"shared_memory": False, "wire_compression": False},
+        {"protocol": 1},
+    ]
+    if sys.platform == "linux":
+        options.append({"shared_memory": True})
+    expected = [
+        {"obs/pixels": echo.Lz4(True)},
+        {"obs/pixels": echo.Lz4(True)},
+        {},
+        {},
+        {},
+    ]
+    per = 32
+    for w, (opts, leaves) in enumerate(zip(options, expected, strict=False)):
+        with TcpClient(LOCALHOST, server.port, EXAMPLE, **opts) as client:
+            assert client.wire_compression_leaves == leaves, opts
+            half = w * per + per // 2
+            for i in range(w * per, half):
+                client.send(_step(i))
+            client.send_batch(
+                {
+                    "obs": {"pixels": np.stack([_pixels(i) for i in range(half, (w + 1) * per)])},
+                    "id": np.arange(half, (w + 1) * per, dtype=np.uint64),
+                    "reward": np.arange(half, (w + 1) * per, dtype=np.float32) / 3,
+                }
+            )
+            client.wait(timeout=30)
+    ids: list[int] = []
+    while len(ids) < len(options) * per:
+        sample = server.sample(timeout=10)
+        assert sample is not None
+        ids += _check_batch(sample.batch)
+    assert sorted(ids) == list(range(len(options) * per)), "each sample exactly once"
+
+
+def test_wire_compression_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match="wire_compression"):
+        TcpClient(LOCALHOST, 1, EXAMPLE, wire_compression="yes")  # pyright: ignore[reportArgumentType]

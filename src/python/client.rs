@@ -67,7 +67,7 @@ impl PyTcpSender {
     #[new]
     #[pyo3(signature = (host, port, layout, max_inflight, connect_timeout, protocol, token,
         reconnect_timeout, heartbeat_timeout, shared_memory, dial_timeout=None, resolver=None,
-        name=None))]
+        name=None, wire_compression=true))]
     #[allow(clippy::too_many_arguments)] // One per `TcpClient` setting, checked there.
     fn new(
         py: Python<'_>,
@@ -84,6 +84,7 @@ impl PyTcpSender {
         dial_timeout: Option<f64>,
         resolver: Option<Py<PyAny>>,
         name: Option<String>,
+        wire_compression: bool,
     ) -> PyResult<Self> {
         if max_inflight == 0 {
             return Err(PyValueError::new_err("max_inflight_msgs must be >= 1, got 0"));
@@ -121,6 +122,7 @@ impl PyTcpSender {
             Resolver(Arc::new(PyResolver { callable, raised: Arc::clone(&raised) }))
         });
         config.name = name;
+        config.wire_compression = wire_compression;
         // One deadline for the whole connect and handshake, retries included (too large for a
         // `Duration`: none).
         let deadline =
@@ -280,6 +282,18 @@ impl PyTcpSender {
     #[getter]
     fn transport_path(&self, py: Python<'_>) -> &'static str {
         self.read(py, TcpSender::transport_path)
+    }
+
+    /// Per leaf, the codec the connection sends it with: `None` raw, else `(name, level)`;
+    /// `None` altogether when every leaf goes raw (v1, shared memory, a server that names no
+    /// codecs, or `wire_compression=False`).
+    #[getter]
+    fn wire_codecs(&self, py: Python<'_>) -> Option<Vec<Option<(&'static str, i32)>>> {
+        self.read(py, |sender| {
+            sender.wire_codecs().map(|codecs| {
+                codecs.as_slice().iter().map(|c| c.map(|c| (c.name(), c.level()))).collect()
+            })
+        })
     }
 
     /// What the server said the last time it closed this client's connection: "final",

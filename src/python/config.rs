@@ -69,6 +69,7 @@ impl TcpArg {
                 .unwrap_or(Duration::MAX),
             layout: Some(layout),
             shared_memory: self.shared_memory,
+            codecs: Vec::new(),
         })
     }
 }
@@ -251,6 +252,13 @@ impl ServerConfig {
         }
     }
 
+    /// What `compress=` chose, per leaf (empty or all `None`: nothing): the leaves a replay
+    /// table stores compressed, and those v2 clients send compressed over TCP (to any
+    /// backend but a sequence table).
+    pub(crate) fn wire_codecs(&self) -> &[Option<Codec>] {
+        &self.compress
+    }
+
     /// Whether `compress=` chose any leaf.
     fn compresses(&self) -> bool {
         self.compress.iter().any(Option::is_some)
@@ -283,13 +291,6 @@ impl ServerConfig {
         }
         if self.seed.is_some() {
             return refuse("seed".into(), ": FIFO sampling is not random");
-        }
-        if self.compresses() {
-            return refuse(
-                "compress=".into(),
-                ": the FIFO ring keeps fixed slots that batches are views of, so it stores \
-                 samples raw",
-            );
         }
         if self.max_bytes.is_some() {
             return refuse(

@@ -24,6 +24,7 @@ use super::views::{batch_copies, batch_views, LeafLayout, RingLease};
 use super::{deadline_from_timeout, detach, wait_detached};
 use crate::backend::{Backend, BackendCheckpoint, BackendStats, BatchConsumer, BatchRef};
 use crate::checkpoint::{as_bytes, write_leaf_files, write_npy_1d, LeafFile, QueuedChunks};
+use crate::codec::Codec;
 use crate::error::EchoError;
 use crate::ingress::{Ingress, IngressConfig, QueuedSamples};
 use crate::metrics;
@@ -87,6 +88,8 @@ pub(crate) struct PyServerCore {
     last_checkpoint: Mutex<LastCheckpoint>,
     /// Samples (steps) `submit()` and `submit_batch()` put in, counted as each call returns.
     submitted: AtomicU64,
+    /// The leaves v2 clients send compressed over TCP (`compress=`), per leaf.
+    wire_codecs: Vec<Option<Codec>>,
 }
 
 #[pymethods]
@@ -106,7 +109,9 @@ impl PyServerCore {
             .producer_queue_size
             .unwrap_or_else(|| IngressConfig::queue_size_for(leaves.spec.payload_size()));
         let ingress_config = IngressConfig::new(config.num_drainers, queue_size);
+        let wire_codecs = config.wire_codecs().to_vec();
         Ok(Self {
+            wire_codecs,
             lease: Py::new(py, RingLease::new(&backend))?,
             zero_hist: Py::new(py, HistSnapshot::default())?,
             backend,
@@ -205,7 +210,8 @@ impl PyServerCore {
     /// `echo.TcpTransport`); returns the bound port. Binding happens here, so a port in use
     /// raises `OSError` naming it.
     fn start(&self, py: Python<'_>, transport: TcpArg) -> PyResult<u16> {
-        let tcp = transport.tcp_config(self.leaves.typed_layout(py))?;
+        let mut tcp = transport.tcp_config(self.leaves.typed_layout(py))?;
+        tcp.codecs.clone_from(&self.wire_codecs);
         let ingress_config = IngressConfig {
             max_buffered_bytes: transport.max_buffered_bytes,
             ..self.ingress_config

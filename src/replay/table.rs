@@ -631,6 +631,11 @@ impl Table {
         }))
     }
 
+    /// The leaves the table stores compressed, `None` if none.
+    pub fn codecs(&self) -> Option<&LeafCodecs> {
+        (!self.codecs.is_empty()).then_some(&self.codecs)
+    }
+
     /// The configuration the table was built with.
     pub fn config(&self) -> &ReplayConfig {
         &self.config
@@ -723,7 +728,13 @@ impl Table {
         let mut packed: Vec<Box<[u8]>> = if self.codecs.is_empty() {
             Vec::new()
         } else {
-            (0..src.num_samples()).map(|sample| self.codecs.pack(src, sample)).collect()
+            (0..src.num_samples())
+                .map(|sample| match src.packed(sample) {
+                    // As it arrived (checked on arrival): no second compression.
+                    Some(item) if self.codecs.check_item(item).is_ok() => Box::from(item),
+                    _ => self.codecs.pack(src, sample),
+                })
+                .collect()
         };
         // The deadline bounds the wait for the lock too: a caller that must not block (the
         // bindings try once with the GIL held, passing `now`) never waits behind a long

@@ -24,8 +24,9 @@ use parking_lot::Mutex;
 
 use super::wire::v2::{self, Beat, Closing, FrameMeta, Hello, Layout, Mode, Offer, Reply};
 use super::wire::{parse_handshake, ACK, MAGIC};
+use crate::codec::LeafCodecs;
 use crate::error::EchoError;
-use crate::source::{Rows, SampleSource};
+use crate::source::{Leaves, Rows, SampleSource};
 use crate::spec::DataSpec;
 use crate::sync::{Arc, AtomicBool, AtomicU64, AtomicU8, Signal};
 
@@ -134,6 +135,9 @@ pub struct ClientConfig {
     pub resolver: Option<Resolver>,
     /// How the client names itself in its log lines (besides the server's address).
     pub name: Option<String>,
+    /// Compress the leaves the server names in its reply (v2 over TCP; never over shared
+    /// memory, which copies raw).
+    pub wire_compression: bool,
 }
 
 /// Where a client connects next ([`ClientConfig::resolver`]).
@@ -175,6 +179,7 @@ impl ClientConfig {
             shared_memory: SharedMemory::Off,
             resolver: None,
             name: None,
+            wire_compression: true,
         }
     }
 
@@ -299,6 +304,8 @@ struct Link {
     reader: Option<JoinHandle<()>>,
     /// The shared-memory channel samples go through, if one was attached.
     shm: Option<ShmWriter>,
+    /// The leaves this connection sends compressed (v2 over TCP, as the reply named them).
+    codecs: Option<Arc<LeafCodecs>>,
 }
 
 impl Link {
@@ -583,6 +590,7 @@ impl Connecting {
             mac: None,
             shm: self.config.wants_shm(),
             notices: true,
+            codecs: self.config.wire_compression,
         };
         let bytes = hello.encode(&offer, self.config.token.as_deref())?;
         let stream = self.stream.as_mut().expect("connected");
@@ -623,6 +631,14 @@ impl Connecting {
             )));
         }
         let spec = self.config.layout.spec()?;
+        if let Some(codecs) = &accept.codecs {
+            LeafCodecs::new(&spec, codecs.clone()).map_err(|e| {
+                EchoError::Protocol(format!(
+                    "the server at {} names codecs this layout cannot take: {e}",
+                    self.address
+                ))
+            })?;
+        }
         let shm = self.attach_shm(&accept, spec.payload_size())?;
         let leftover = self.received.split_off(len);
         let stream = self.stream.take().expect("connected");
@@ -952,6 +968,9 @@ pub struct TcpSender {
     carry: bool,
     /// Whether samples go through shared memory.
     shm: bool,
+    /// The compressed frame being written (from byte `in_progress` on), when the connection
+    /// sends compressed frames; kept across calls so a stalled write finishes the same bytes.
+    packing: Vec<u8>,
 }
 
 impl TcpSender {
@@ -1028,6 +1047,7 @@ impl TcpSender {
             resent: 0,
             carry: false,
             shm: est.shm.is_some(),
+            packing: Vec::new(),
             config,
         };
         match sender.install(est) {
@@ -1066,7 +1086,17 @@ impl TcpSender {
             thread::Builder::new().name("echo-client-acks".into()).spawn(move || reading.run())?
         };
         self.shm = shm.is_some();
-        self.link = Some(Link { stream, version, base, acks, writing, reader: Some(reader), shm });
+        // Compressed frames only over TCP, and only if we asked (the reply names codecs only
+        // then, but a server may be wrong).
+        let codecs = match (accept.and_then(|a| a.codecs), &shm) {
+            (Some(codecs), None) if self.config.wire_compression => {
+                Some(Arc::new(LeafCodecs::new(&self.spec, codecs)?))
+                    .filter(|codecs| codecs.max_body() <= u32::MAX as usize)
+            }
+            _ => None,
+        };
+        self.link =
+            Some(Link { stream, version, base, acks, writing, reader: Some(reader), shm, codecs });
         Ok(())
     }
 
@@ -1198,10 +1228,40 @@ impl TcpSender {
             self.carry = false;
             return Ok(());
         }
-        self.write_frame(header, leaves, deadline)?;
+        self.write_sample(&meta, header, leaves, deadline)?;
         self.sent += 1;
         self.written = self.sent;
         Ok(())
+    }
+
+    /// The leaves the current connection sends compressed, as the server's reply named them;
+    /// `None` when it sends them raw (v1, shared memory, no codecs offered or wanted).
+    pub fn wire_codecs(&self) -> Option<&LeafCodecs> {
+        self.link.as_ref().and_then(|link| link.codecs.as_deref())
+    }
+
+    /// Writes one sample (`header` + `leaves`, whose fields are `meta`) on the current
+    /// connection from byte `in_progress` on, as [`TcpSender::write_frame`]: compressed when
+    /// the connection sends compressed frames. The compressed frame is made once, when its
+    /// first byte is due, and kept until it is wholly written.
+    fn write_sample(
+        &mut self,
+        meta: &FrameMeta,
+        header: &[u8],
+        leaves: &[&[u8]],
+        deadline: Option<Instant>,
+    ) -> Result<(), EchoError> {
+        let Some(codecs) = self.link.as_ref().and_then(|link| link.codecs.clone()) else {
+            return self.write_frame(header, leaves, deadline);
+        };
+        if self.in_progress == 0 {
+            pack_frame(&codecs, meta, leaves, &mut self.packing);
+        }
+        // Taken out while it is written (`write_frame` borrows the sender), then put back.
+        let frame = std::mem::take(&mut self.packing);
+        let result = self.write_frame(&[], &[&frame], deadline);
+        self.packing = frame;
+        result
     }
 
     /// Sends the rows of `rows` from `*done` on, in order, advancing `*done` as each is wholly
@@ -1228,7 +1288,7 @@ impl TcpSender {
             }
         }
         let mut row: Vec<&[u8]> = Vec::with_capacity(leaf_count);
-        if self.reconnect || self.shm {
+        if self.reconnect || self.shm || self.wire_codecs().is_some() {
             while *done < n {
                 row.clear();
                 row.extend((0..leaf_count).map(|leaf| rows.row_leaf(*done, leaf)));
@@ -1556,9 +1616,18 @@ impl TcpSender {
                 continue;
             }
             // Taken out while it is written (`write_frame` borrows the sender), then put back:
-            // it stays retained until acknowledged.
+            // it stays retained until acknowledged. Retained raw; compressed as it is written
+            // on a connection that sends compressed frames.
             let frame = std::mem::take(&mut self.retained[index].frame);
-            let result = self.write_frame(&[], &[&frame[..]], deadline);
+            let result = if self.wire_codecs().is_some() {
+                let (meta, payload) =
+                    FrameMeta::split(&frame).expect("a retained frame is well formed");
+                let leaves: Vec<&[u8]> =
+                    (0..self.spec.len()).map(|leaf| &payload[self.spec.leaf_range(leaf)]).collect();
+                self.write_sample(&meta, &[], &leaves, deadline)
+            } else {
+                self.write_frame(&[], &[&frame[..]], deadline)
+            };
             self.retained[index].frame = frame;
             result?;
             self.written += 1;
@@ -1853,6 +1922,20 @@ fn frame_header(version: u8, meta: &FrameMeta, step: bool) -> ([u8; FrameMeta::M
 /// The pause before reconnection attempt `attempt` (from 1): doubling from
 /// [`BACKOFF_FIRST`] up to [`BACKOFF_MAX`], jittered to 50-100% so that a fleet of workers
 /// does not reconnect in lockstep.
+/// A compressed frame of the sample `leaves` with fields `meta` into `out` (cleared first):
+/// its header with [`v2::PACKED`] set, the body's length, and the body ([`LeafCodecs`]).
+fn pack_frame(codecs: &LeafCodecs, meta: &FrameMeta, leaves: &[&[u8]], out: &mut Vec<u8>) {
+    out.clear();
+    let (mut header, len) = meta.encode();
+    header[0] |= v2::PACKED;
+    out.extend_from_slice(&header[..len]);
+    out.extend_from_slice(&[0; 4]);
+    let body = out.len();
+    codecs.pack_body(&Leaves(leaves), 0, out);
+    let body_len = u32::try_from(out.len() - body).expect("a body is far below 4 GiB");
+    out[body - 4..body].copy_from_slice(&body_len.to_le_bytes());
+}
+
 fn backoff(attempt: u32) -> Duration {
     let base = BACKOFF_FIRST.saturating_mul(1 << attempt.min(16)).min(BACKOFF_MAX);
     let jitter = v2::random::<1>().map_or(255, |b| b[0]);

@@ -37,6 +37,7 @@ use super::wire::v2::{
 };
 use super::wire::{encode_handshake, ACK};
 use crate::backend::Backend;
+use crate::codec::{Codec, LeafCodecs};
 use crate::error::EchoError;
 use crate::ingress::{Connection, Ingress, SpaceWaker, StepMark, TransportEvent};
 
@@ -77,6 +78,10 @@ pub struct TcpConfig {
     pub layout: Option<Layout>,
     /// Offer v2 clients on this host the shared-memory path (Linux; see [`super::shm`]).
     pub shared_memory: bool,
+    /// The leaves v2 clients send compressed over TCP, per leaf (empty: none). A replay table
+    /// that stores leaves compressed offers its own codecs whatever this says, and keeps the
+    /// bytes as they arrive.
+    pub codecs: Vec<Option<Codec>>,
 }
 
 impl TcpConfig {
@@ -93,6 +98,7 @@ impl TcpConfig {
             session_timeout: Duration::from_secs(300),
             layout: None,
             shared_memory: true,
+            codecs: Vec::new(),
         }
     }
 }
@@ -158,6 +164,17 @@ impl TcpServer {
         };
         let local_addr = listener.local_addr()?;
         let admission = Admission::new(config.max_connections);
+        let backend = ingress.backend();
+        let keep_packed = backend.stored_codecs().is_some();
+        let codecs = match backend.stored_codecs() {
+            Some(stored) => Some(stored.clone()),
+            None if config.codecs.iter().any(Option::is_some) => {
+                Some(LeafCodecs::new(backend.spec(), config.codecs.clone())?)
+            }
+            None => None,
+        }
+        .filter(|codecs| codecs.max_body() <= u32::MAX as usize)
+        .map(Arc::new);
         let shared = Arc::new(Shared {
             max_hello: v2::max_hello_body(&layout),
             ingress,
@@ -173,6 +190,8 @@ impl TcpServer {
             failures: Throttled::default(),
             shared_memory: config.shared_memory,
             closing: watch::Sender::new(0),
+            codecs,
+            keep_packed,
         });
         runtime.spawn(reap_sessions(Arc::clone(&shared)));
         runtime.spawn(accept_loop(listener, Arc::clone(&shared), admission));
@@ -459,6 +478,11 @@ struct Shared {
     shared_memory: bool,
     /// 0 while open; then the [`Closing`] reason of [`TcpServer::close`].
     closing: watch::Sender<u8>,
+    /// The leaves v2 clients that take codecs send compressed over TCP.
+    codecs: Option<Arc<LeafCodecs>>,
+    /// The backend stores those leaves compressed so: queue the packed bytes with the
+    /// decompressed sample, and it keeps them as they arrived.
+    keep_packed: bool,
 }
 
 impl Shared {
@@ -744,7 +768,7 @@ async fn serve_v1(link: &mut Link<'_>, conn: &Arc<Connection>, space: &Notify) -
         if !link.fill(buf.bytes(), payload_size).await? {
             return Ok(());
         }
-        link.push(conn, space, buf, None, StepMark::default()).await?;
+        link.push(conn, space, buf, None, None, StepMark::default()).await?;
         link.acks += 1;
         link.activity.complete();
     }
@@ -859,6 +883,10 @@ async fn serve_v2(
         v2::Accept::new(ingress.backend().has_priorities(), resume_seq, own_ms, signed);
     accept.steps = max_rows(ingress.backend());
     let mut channel = None;
+    // Compressed frames over TCP to a client that takes them; a shared-memory client copies
+    // raw (should it decline the channel, its frames come raw too).
+    let codecs = shared.codecs.as_ref().filter(|_| hello.codecs && !hello.shm);
+    accept.codecs = codecs.map(|c| c.as_slice().to_vec());
     if hello.shm {
         match shm_path::prepare(shared, peer, link) {
             Ok(prepared) => {
@@ -888,7 +916,7 @@ async fn serve_v2(
             }
         }
     }
-    serve_frames(link, shared, &session, &mut serving).await
+    serve_frames(link, shared, &session, &mut serving, codecs.map(|c| &**c)).await
 }
 
 /// The v2 frame loop: samples (with or without a priority), heartbeats and the goodbye.
@@ -897,10 +925,13 @@ async fn serve_frames(
     shared: &Shared,
     session: &Session,
     serving: &mut Serving<'_>,
+    codecs: Option<&LeafCodecs>,
 ) -> io::Result<()> {
     let ingress = &shared.ingress;
     let (conn, space) = (&session.conn, &*session.space);
     let payload_size = conn.payload_size();
+    // A compressed frame's body, read whole before it is decompressed into a buffer.
+    let mut body = Vec::new();
     loop {
         let Some(kind) = link.next_byte().await? else { return Ok(()) };
         let len = match kind {
@@ -909,11 +940,13 @@ async fn serve_frames(
                 serving.goodbye = true;
                 return Ok(());
             }
-            other => match FrameMeta::rest_len(other) {
+            other => match FrameMeta::rest_len(other & !packed_bit(other)) {
                 Some(len) => len,
                 None => return Err(link.fail(&format!("unknown frame type {other:#04x}")).await),
             },
         };
+        let packed = packed_bit(kind) != 0;
+        let kind = kind & !packed_bit(kind);
         let mut raw = [0u8; FrameMeta::MAX_HEADER];
         if len > 0 && !link.fill(&mut raw, len).await? {
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "closed mid-frame"));
@@ -923,6 +956,23 @@ async fn serve_frames(
             Err(why) => return Err(link.fail(&why).await),
         };
         let (priority, mark) = (meta.priority, StepMark { row: meta.row, end: meta.end });
+        if packed {
+            let Some(codecs) = codecs else {
+                let why = "a compressed frame, but this connection agreed on no codecs";
+                return Err(link.fail(why).await);
+            };
+            let (buf, kept) = match read_packed(link, conn, space, codecs, &mut body).await? {
+                Ok(read) => read,
+                Err(why) => return Err(link.fail(&why).await),
+            };
+            let kept = kept.filter(|_| shared.keep_packed);
+            link.push(conn, space, buf, kept, priority, mark).await?;
+            // ORDERING: Relaxed — as below.
+            session.next_seq.fetch_add(1, Relaxed);
+            link.acks += 1;
+            link.activity.complete();
+            continue;
+        }
         if priority.is_none() && !meta.is_step() && link.read_in_place(conn).await? {
             // ORDERING: Relaxed — as below.
             session.next_seq.fetch_add(1, Relaxed);
@@ -934,12 +984,55 @@ async fn serve_frames(
         if !link.fill(buf.bytes(), payload_size).await? {
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "closed mid-frame"));
         }
-        link.push(conn, space, buf, priority, mark).await?;
+        link.push(conn, space, buf, None, priority, mark).await?;
         // ORDERING: Relaxed — see above; pushed and counted with no await in between, so an
         // abort cannot separate them.
         session.next_seq.fetch_add(1, Relaxed);
         link.acks += 1;
         link.activity.complete();
+    }
+}
+
+/// [`v2::PACKED`] if `kind` is a compressed sample frame (0x14..=0x17), else 0.
+fn packed_bit(kind: u8) -> u8 {
+    if (v2::SAMPLE | v2::PACKED..=v2::STEP_PRIORITY | v2::PACKED).contains(&kind) {
+        v2::PACKED
+    } else {
+        0
+    }
+}
+
+/// Reads a compressed frame's `body_len` and body (into `body`, reused) and decompresses it
+/// into a pooled buffer. Returns the buffer and the packed bytes (what a table that stores
+/// the leaves compressed keeps), or, as `Err` inside, why the frame is refused: a length
+/// above what these codecs can produce, or a body that does not decompress to exactly the
+/// sample. Nothing beyond the cap is ever allocated.
+async fn read_packed<'c>(
+    link: &mut Link<'_>,
+    conn: &'c Arc<Connection>,
+    space: &Notify,
+    codecs: &LeafCodecs,
+    body: &mut Vec<u8>,
+) -> io::Result<Result<(Pooled<'c>, Option<Box<[u8]>>), String>> {
+    let mut len = [0u8; 4];
+    if !link.fill(&mut len, 4).await? {
+        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "closed mid-frame"));
+    }
+    let len = u32::from_le_bytes(len) as usize;
+    let max = codecs.max_body();
+    if len > max {
+        return Ok(Err(format!(
+            "a compressed frame of {len} bytes: these leaves compress to at most {max}"
+        )));
+    }
+    body.resize(len, 0);
+    if !link.fill(body, len).await? {
+        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "closed mid-frame"));
+    }
+    let mut buf = link.buffer(conn, space).await?;
+    match codecs.unpack_body(body, buf.bytes()) {
+        Ok(at) => Ok(Ok((buf, Some(Box::from(&body[at..]))))),
+        Err(why) => Ok(Err(format!("a compressed frame that does not decode: {why}"))),
     }
 }
 
@@ -1872,20 +1965,23 @@ impl Link<'_> {
         }
     }
 
-    /// Queues a filled buffer, waiting while the queue is full.
+    /// Queues a filled buffer (with `packed`, the sample's compressed leaves as they arrived,
+    /// for a table that stores them so), waiting while the queue is full.
     async fn push(
         &mut self,
         conn: &Connection,
         space: &Notify,
         mut pooled: Pooled<'_>,
+        mut packed: Option<Box<[u8]>>,
         priority: Option<f64>,
         mark: StepMark,
     ) -> io::Result<()> {
         let mut buf = pooled.buf.take().expect("present until pushed");
         loop {
-            match conn.try_push_step(buf, priority, mark) {
+            match conn.try_push_packed(buf, packed.take(), priority, mark) {
                 Ok(()) => return Ok(()),
-                Err(back) => {
+                Err((back, kept)) => {
+                    packed = kept;
                     // Back in the guard while we wait: an abort gives it back to the pool.
                     pooled.buf = Some(back);
                     self.wait_space(conn, space).await?;

@@ -8,7 +8,8 @@
 //!                               v1 client counting 0x01 acks is not confused by it.
 //! client -> server, HELLO:      nonce (32, echoed) | b"ECHO" | 0x02 | body_len: u32 | body
 //!   body:                       flags: u8 (bit 0: MAC at the end; bit 1: shared memory
-//!                               wanted; bit 2: closing notices understood) | session: 16 bytes
+//!                               wanted; bit 2: closing notices understood; bit 3: compressed
+//!                               frames understood) | session: 16 bytes
 //!                               | first_seq: u64 | heartbeat_ms: u32 | client_nonce: 16 bytes
 //!                               | n_leaves: u32 | per leaf: name_len: u16 | name (UTF-8)
 //!                               | byte order: u8 | kind: u8 | itemsize: u32 | ndim: u32
@@ -16,15 +17,21 @@
 //! server -> client, REPLY:      b"ECHO" | 0x02 | status: u8 | msg_len: u32 | msg (UTF-8)
 //!   status 0 (accepted), then:  flags: u8 (bit 0: replay, priorities accepted; bit 1: MAC;
 //!                               bit 2: shared memory offered; bit 3: a sequence table, step
-//!                               frames accepted) | resume_seq: u64
+//!                               frames accepted; bit 4: codecs follow) | resume_seq: u64
 //!                               | heartbeat_ms: u32 | [mac: 32 bytes]
 //!                               | [name_len: u8 | socket name | shm nonce: 16 bytes]
 //!                               | [max_rows: u32, with bit 3]
+//!                               | [n_leaves: u32 | per leaf: codec: u8 (0 raw, 1 zstd,
+//!                               2 lz4) | level: i8, with bit 4; only to a client that set
+//!                               hello bit 3]
 //!                               (msg, empty otherwise, says why shared memory was wanted
 //!                               and not offered)
 //! client -> server, frames:     0x10 payload | 0x11 priority: f64 | payload
 //!                               | 0x12 row: u32 | end: u8 | payload
 //!                               | 0x13 row: u32 | end: u8 | priority: f64 | payload
+//!                               | 0x14..=0x17: 0x10..=0x13 with their leaves compressed:
+//!                               the same fields, then body_len: u32 | body (only after
+//!                               reply bit 4)
 //!                               | 0x20 (heartbeat) | 0x30 (bye: the session is over)
 //!                               | 0x31 (no shared memory after all: samples come as frames)
 //! server -> client, bytes:      0x01 (ack: one sample queued) | 0x02 (heartbeat)
@@ -42,12 +49,19 @@
 //! `b"echo-v2-client" | server nonce | body without the MAC`, the server's
 //! `b"echo-v2-server" | client_nonce | server nonce | resume_seq`; the token never crosses the
 //! wire. Decoding is defensive: lengths are capped before anything is allocated.
+//!
+//! A compressed frame's body is the leaves the server left raw, in order, then the leaves its
+//! reply named compressed, packed as [`crate::codec`] packs a stored item (one u32 length per
+//! compressed leaf, then their bytes). The server caps `body_len` at the raw leaves plus each
+//! compressed leaf's worst-case size, and decompresses each leaf into exactly its size: a
+//! truncated, oversized or corrupt body ends the connection with an error frame.
 
 use std::time::Duration;
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
+use crate::codec::Codec;
 use crate::error::EchoError;
 use crate::source::EpisodeEnd;
 use crate::spec::{ArraySpec, DataSpec};
@@ -95,6 +109,12 @@ pub const ERROR: u8 = 0x03;
 pub const CLOSING: u8 = 0x04;
 /// Hello flag: the client understands [`CLOSING`].
 pub const HELLO_NOTICES: u8 = 4;
+/// Hello flag: the client sends compressed frames when the reply names codecs.
+pub const HELLO_CODECS: u8 = 8;
+/// Reply flag: per-leaf codecs follow (compressed frames accepted).
+pub const REPLY_CODECS: u8 = 16;
+/// Frame-kind flag: a sample frame (0x10..=0x13) whose leaves come compressed.
+pub const PACKED: u8 = 0x04;
 
 /// Why a server closes, as its [`CLOSING`] notice says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -459,6 +479,8 @@ pub struct Hello {
     pub shm: bool,
     /// The client understands [`CLOSING`] notices.
     pub notices: bool,
+    /// The client sends compressed frames when the reply names codecs.
+    pub codecs: bool,
 }
 
 /// Fixed bytes of a hello before its body: nonce, magic, version, body length.
@@ -481,7 +503,8 @@ impl Hello {
         body.push(
             u8::from(token.is_some())
                 | if self.shm { HELLO_SHM } else { 0 }
-                | if self.notices { HELLO_NOTICES } else { 0 },
+                | if self.notices { HELLO_NOTICES } else { 0 }
+                | if self.codecs { HELLO_CODECS } else { 0 },
         );
         body.extend_from_slice(&self.session);
         body.extend_from_slice(&self.first_seq.to_le_bytes());
@@ -581,7 +604,8 @@ fn decode_body(body: &[u8]) -> Result<Hello, EchoError> {
     }
     let shm = flags & HELLO_SHM != 0;
     let notices = flags & HELLO_NOTICES != 0;
-    Ok(Hello { session, first_seq, heartbeat_ms, client_nonce, layout, mac, shm, notices })
+    let codecs = flags & HELLO_CODECS != 0;
+    Ok(Hello { session, first_seq, heartbeat_ms, client_nonce, layout, mac, shm, notices, codecs })
 }
 
 /// The most bytes a hello body for `layout` may have: its exact size with a MAC, doubled
@@ -608,6 +632,8 @@ pub struct Accept {
     /// `Some(max_rows)`: the server is a sequence table and takes step frames of rows
     /// `0..max_rows`.
     pub steps: Option<u32>,
+    /// `Some(per leaf)`: the server takes compressed frames with these leaves compressed so.
+    pub codecs: Option<Vec<Option<Codec>>>,
 }
 
 /// What a sample frame carries besides its payload: a priority, and for a sequence table the
@@ -757,7 +783,16 @@ impl Accept {
         let mac = signed.map(|(token, hello, offer)| {
             server_mac(token, hello, offer, resume_seq).finalize().into_bytes().into()
         });
-        Self { replay, resume_seq, heartbeat_ms, mac, shm: None, note: String::new(), steps: None }
+        Self {
+            replay,
+            resume_seq,
+            heartbeat_ms,
+            mac,
+            shm: None,
+            note: String::new(),
+            steps: None,
+            codecs: None,
+        }
     }
 
     /// Whether the server proved `token` (constant-time comparison).
@@ -782,7 +817,8 @@ impl Reply {
                     u8::from(accept.replay)
                         | (u8::from(accept.mac.is_some()) << 1)
                         | if shm.is_some() { REPLY_SHM } else { 0 }
-                        | if accept.steps.is_some() { REPLY_STEPS } else { 0 },
+                        | if accept.steps.is_some() { REPLY_STEPS } else { 0 }
+                        | if accept.codecs.is_some() { REPLY_CODECS } else { 0 },
                 );
                 out.extend_from_slice(&accept.resume_seq.to_le_bytes());
                 out.extend_from_slice(&accept.heartbeat_ms.to_le_bytes());
@@ -796,6 +832,14 @@ impl Reply {
                 }
                 if let Some(max_rows) = accept.steps {
                     out.extend_from_slice(&max_rows.to_le_bytes());
+                }
+                if let Some(codecs) = &accept.codecs {
+                    out.extend_from_slice(&(codecs.len() as u32).to_le_bytes());
+                    for codec in codecs {
+                        let (id, level) = codec_bytes(*codec);
+                        out.push(id);
+                        out.push(level);
+                    }
                 }
             }
             Self::Refused(why, message) => {
@@ -840,6 +884,21 @@ impl Reply {
                 None
             };
             let steps = if flags & REPLY_STEPS != 0 { Some(reader.u32()?) } else { None };
+            let codecs = if flags & REPLY_CODECS != 0 {
+                let n = reader.u32()?;
+                if n > super::MAX_ARRAYS {
+                    return Err(EchoError::Protocol(format!("reply names codecs of {n} leaves")));
+                }
+                let codecs = (0..n)
+                    .map(|_| {
+                        let (id, level) = (reader.u8()?, reader.u8()?);
+                        codec_from_bytes(id, level)
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                Some(codecs)
+            } else {
+                None
+            };
             Ok(Self::Accepted(Accept {
                 replay: flags & 1 != 0,
                 resume_seq,
@@ -848,6 +907,7 @@ impl Reply {
                 shm,
                 note: message,
                 steps,
+                codecs,
             }))
         })();
         match parsed {
@@ -856,6 +916,26 @@ impl Reply {
             Err(err) => Err(err),
         }
     }
+}
+
+/// A leaf's codec as the reply carries it: its id (0 raw, 1 zstd, 2 lz4) and level (i8).
+fn codec_bytes(codec: Option<Codec>) -> (u8, u8) {
+    match codec {
+        None => (0, 0),
+        Some(Codec::Zstd { level }) => (1, i8::try_from(level).unwrap_or(1) as u8),
+        Some(Codec::Lz4) => (2, 0),
+    }
+}
+
+fn codec_from_bytes(id: u8, level: u8) -> Result<Option<Codec>, EchoError> {
+    let codec = match id {
+        0 => return Ok(None),
+        1 => Codec::Zstd { level: i32::from(level as i8) },
+        2 => Codec::Lz4,
+        other => return Err(EchoError::Protocol(format!("unknown codec {other} in the reply"))),
+    };
+    codec.validate().map_err(|e| EchoError::Protocol(format!("the reply's codec: {e}")))?;
+    Ok(Some(codec))
 }
 
 /// An error frame's bytes: [`ERROR`], then the message.
@@ -982,6 +1062,7 @@ mod tests {
             mac: None,
             shm: mac,
             notices: !mac,
+            codecs: mac,
         };
         let token: &[u8] = b"secret";
         let bytes = hello.encode(&offer, mac.then_some(token)).unwrap();

@@ -1,0 +1,174 @@
+//! Compression on the wire (v2) over real loopback sockets: clients that compress the leaves
+//! the server names, with and without reconnection, samples bit-exact at the learner; and
+//! every kind of bad compressed frame a hostile peer can send (truncated, a length above
+//! what the codecs can produce, a decompression bomb, garbage, a compressed frame nobody
+//! agreed to) ends that connection with an error frame and nothing else.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::Instant;
+
+use common::{
+    collect_tagged, send_tagged, start_tagged_fifo, tagged_client, tagged_payload, tagged_spec,
+    PATIENCE,
+};
+use echo::codec::{Codec, LeafCodecs};
+use echo::transport::client::{ClientConfig, TcpSender};
+use echo::transport::tcp::TcpConfig;
+use echo::transport::wire::v2::{self, FrameMeta, Hello, Layout, Offer, Reply};
+use echo::Leaves;
+
+/// The tagged layout with its 13-byte pattern leaf (leaf 2) compressed by `codec`.
+fn compressing(codec: Codec) -> TcpConfig {
+    TcpConfig { codecs: vec![None, None, Some(codec)], ..TcpConfig::new("127.0.0.1", 0) }
+}
+
+#[test]
+fn clients_compress_the_leaves_the_server_names_and_samples_arrive_bit_exact() {
+    for codec in [Codec::Zstd { level: 1 }, Codec::Zstd { level: -2 }, Codec::Lz4] {
+        let (mut consumer, _server, addr) = start_tagged_fifo(&compressing(codec), 4, 4, 8);
+        let mut plain = TcpSender::connect(tagged_client(addr.port()), PATIENCE).unwrap();
+        let codecs = plain.wire_codecs().expect("the server named codecs");
+        assert_eq!(codecs.as_slice(), &[None, None, Some(codec)]);
+        let raw = ClientConfig { wire_compression: false, ..tagged_client(addr.port()) };
+        let mut raw = TcpSender::connect(raw, PATIENCE).unwrap();
+        assert!(raw.wire_codecs().is_none(), "wire_compression=false sends raw");
+        let resuming =
+            ClientConfig { reconnect_timeout: Some(PATIENCE), ..tagged_client(addr.port()) };
+        let mut resuming = TcpSender::connect(resuming, PATIENCE).unwrap();
+        assert!(resuming.wire_codecs().is_some());
+        for seq in 0..4 {
+            send_tagged(&mut plain, 1, seq).unwrap();
+        }
+        plain.wait(Some(Instant::now() + PATIENCE)).unwrap();
+        for seq in 0..4 {
+            send_tagged(&mut raw, 2, seq).unwrap();
+        }
+        raw.wait(Some(Instant::now() + PATIENCE)).unwrap();
+        for seq in 0..4 {
+            send_tagged(&mut resuming, 3, seq).unwrap();
+        }
+        resuming.wait(Some(Instant::now() + PATIENCE)).unwrap();
+        let mut got = collect_tagged(&mut consumer, 3);
+        got.sort_unstable();
+        let expected: Vec<(u32, u64)> = (1..=3).flat_map(|p| (0..4).map(move |s| (p, s))).collect();
+        assert_eq!(got, expected, "{codec:?}: every sample once, every byte checked");
+    }
+}
+
+/// A raw connection that said hello (asking for codecs when `codecs`) and read the reply.
+fn raw_client(addr: SocketAddr, session: u8, codecs: bool) -> (TcpStream, v2::Accept) {
+    use echo::transport::wire::encode_handshake;
+    let mut raw = TcpStream::connect(addr).unwrap();
+    raw.set_read_timeout(Some(PATIENCE)).unwrap();
+    let mut greeting = vec![0u8; encode_handshake(&tagged_spec()).unwrap().len() + v2::OFFER_LEN];
+    raw.read_exact(&mut greeting).unwrap();
+    let offer = Offer::parse(&greeting[greeting.len() - v2::OFFER_LEN..]).unwrap().unwrap();
+    let hello = Hello {
+        session: [session; 16],
+        first_seq: 0,
+        heartbeat_ms: 0,
+        client_nonce: [5; 16],
+        layout: Layout::untyped(&tagged_spec()),
+        mac: None,
+        shm: false,
+        notices: true,
+        codecs,
+    };
+    raw.write_all(&hello.encode(&offer, None).unwrap()).unwrap();
+    let mut reply = Vec::new();
+    let mut byte = [0u8; 1];
+    loop {
+        raw.read_exact(&mut byte).unwrap();
+        reply.push(byte[0]);
+        if let Some((reply, _)) = Reply::parse(&reply).unwrap() {
+            match reply {
+                Reply::Accepted(accept) => return (raw, accept),
+                other => panic!("refused: {other:?}"),
+            }
+        }
+    }
+}
+
+/// Everything the server sends until it closes: the error frame's message, if one came.
+fn error_message(raw: &mut TcpStream) -> String {
+    let mut received = Vec::new();
+    let _ = raw.read_to_end(&mut received);
+    let at = received.iter().position(|&b| b == v2::ERROR).expect("an error frame");
+    let (message, _) = v2::parse_error(&received[at + 1..]).unwrap().expect("a whole message");
+    message
+}
+
+/// A compressed sample frame: header, `body_len` (as given), body.
+fn packed_frame(body_len: u32, body: &[u8]) -> Vec<u8> {
+    let mut frame = vec![v2::SAMPLE | v2::PACKED];
+    frame.extend_from_slice(&body_len.to_le_bytes());
+    frame.extend_from_slice(body);
+    frame
+}
+
+/// The body a well-behaved client sends for sample `seq` of producer 7.
+fn good_body(codecs: &LeafCodecs, seq: u64) -> Vec<u8> {
+    let p = tagged_payload(7, seq);
+    let mut body = Vec::new();
+    codecs.pack_body(&Leaves(&[&p[..4], &p[4..12], &p[12..]]), 0, &mut body);
+    body
+}
+
+#[test]
+fn bad_compressed_frames_end_their_connection_with_an_error_and_nothing_else() {
+    let codec = Codec::Zstd { level: 1 };
+    let (mut consumer, server, addr) = start_tagged_fifo(&compressing(codec), 2, 4, 8);
+    let codecs = LeafCodecs::new(&tagged_spec(), vec![None, None, Some(codec)]).unwrap();
+    let good = good_body(&codecs, 0);
+    // The 12 raw bytes, then the packed item: u32 length, then the zstd frame.
+    let (raw_part, item) = good.split_at(12);
+    let mut bomb = raw_part.to_vec();
+    let mut big = Vec::new();
+    Codec::Zstd { level: 1 }.compress_append(&[0u8; 1 << 16], &mut big);
+    bomb.extend_from_slice(&(big.len() as u32).to_le_bytes());
+    bomb.extend_from_slice(&big);
+    let mut wrong_len = good.clone();
+    wrong_len[12] ^= 1; // the packed item's length no longer adds up
+    let mut garbage = raw_part.to_vec();
+    garbage.extend_from_slice(&8u32.to_le_bytes());
+    garbage.extend_from_slice(&[0xAB; 8]);
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        ("oversized length", packed_frame(u32::MAX, &[]), "compress to at most"),
+        ("bomb", packed_frame(bomb.len() as u32, &bomb), "declares 65536 bytes"),
+        ("lengths that do not add up", packed_frame(good.len() as u32, &wrong_len), "claims"),
+        ("garbage", packed_frame(garbage.len() as u32, &garbage), "not a zstd frame"),
+        ("short body", packed_frame(8, &good[..8]), "ends inside raw leaf"),
+        ("no item", packed_frame(12, raw_part), "no room for its header"),
+    ];
+    assert!(item.len() > 4);
+    for (i, (what, frame, expected)) in cases.into_iter().enumerate() {
+        let (mut raw, accept) = raw_client(addr, 10 + i as u8, true);
+        assert_eq!(accept.codecs.as_deref(), Some(codecs.as_slice()), "{what}");
+        raw.write_all(&frame).unwrap();
+        let message = error_message(&mut raw);
+        assert!(message.contains(expected), "{what}: {message}");
+    }
+    // A compressed frame on a connection that did not ask for codecs.
+    let (mut raw, accept) = raw_client(addr, 30, false);
+    assert!(accept.codecs.is_none());
+    raw.write_all(&packed_frame(good.len() as u32, &good)).unwrap();
+    assert!(error_message(&mut raw).contains("agreed on no codecs"));
+    // A truncated one: the peer goes away mid-body; nothing is queued.
+    let (mut raw, _) = raw_client(addr, 31, true);
+    raw.write_all(&packed_frame(good.len() as u32, &good)[..good.len() / 2]).unwrap();
+    drop(raw);
+    // Nothing of all that went in; a good raw frame and a good compressed one still do.
+    let (mut raw, _) = raw_client(addr, 32, true);
+    let mut frame = vec![v2::SAMPLE];
+    frame.extend_from_slice(&tagged_payload(7, 0));
+    raw.write_all(&frame).unwrap();
+    raw.write_all(&packed_frame(good_body(&codecs, 1).len() as u32, &good_body(&codecs, 1)))
+        .unwrap();
+    assert_eq!(collect_tagged(&mut consumer, 1), vec![(7, 0), (7, 1)]);
+    assert_eq!(server.snapshot().samples_inserted_total, 2);
+    let meta = FrameMeta::default();
+    assert_eq!(meta.encode().0[0] | v2::PACKED, 0x14);
+}
