@@ -88,7 +88,12 @@ fn soon() -> Instant {
 fn files(dir: &Path, bytes: usize) -> Vec<LeafFile> {
     let _ = std::fs::remove_dir_all(dir);
     std::fs::create_dir_all(dir).unwrap();
-    vec![LeafFile { path: dir.join("leaf_000.npy"), descr: "'|u1'".into(), shape: vec![bytes] }]
+    vec![LeafFile {
+        path: dir.join("leaf_000.npy"),
+        descr: "'|u1'".into(),
+        shape: vec![bytes],
+        raw: false,
+    }]
 }
 
 /// Runs `insert` and `sample` on two threads for `seconds`; the calling thread runs

@@ -26,10 +26,10 @@ use crate::error::{EchoError, InsertError};
 use crate::ingress::{Ingress, QueuedSamples};
 use crate::metrics::DetailedSnapshot;
 use crate::replay::{
-    Checkpoint, EpisodeEnd, InsertHoldback, MetaLeaf, ReplayBatch, ReplayConfig, ReplayConsumer,
-    ReplayStats, SampleHoldback, SequenceCheckpoint, SequenceConfig, SequenceConsumer,
-    SequenceSnapshot, SequenceStats, SequenceTable, SnapshotItems, Table, TableState,
-    SEQUENCE_META,
+    Checkpoint, EpisodeEnd, InsertHoldback, LeafRows, MetaLeaf, ReplayBatch, ReplayConfig,
+    ReplayConsumer, ReplayStats, SampleHoldback, SequenceCheckpoint, SequenceConfig,
+    SequenceConsumer, SequenceSnapshot, SequenceStats, SequenceTable, SnapshotItems, Table,
+    TableState, SEQUENCE_META,
 };
 use crate::source::SampleSource;
 use crate::spec::DataSpec;
@@ -355,7 +355,7 @@ impl Backend {
         &self,
         items: &SnapshotItems,
         state: &TableState,
-        leaves: &[&[u8]],
+        leaves: &[LeafRows<'_>],
         queued: QueuedSamples,
     ) -> Result<(), EchoError> {
         match self {
@@ -367,7 +367,7 @@ impl Backend {
                     .into(),
             )),
             Self::Replay(table) => {
-                table.restore(items, state, leaves)?;
+                table.restore_rows(items, state, leaves)?;
                 table.restore_queued(queued)
             }
         }

@@ -144,6 +144,9 @@ pub struct LeafFile {
     pub descr: String,
     /// One item's shape (the file's shape is `(items, *shape)`).
     pub shape: Vec<usize>,
+    /// The rows as they come, without a `.npy` header: a compressed leaf's rows, whose
+    /// lengths vary (a replay [`Checkpoint`] after `keep_packed`; the lengths go elsewhere).
+    pub raw: bool,
 }
 
 /// The `.npy` header (format 1.0, or 2.0 when the header does not fit 64 KiB) of a C-order
@@ -209,7 +212,7 @@ pub fn write_leaf_files_chunked(
     for file in files {
         let mut shape = vec![items];
         shape.extend_from_slice(&file.shape);
-        let header = npy_header(&file.descr, &shape);
+        let header = if file.raw { Vec::new() } else { npy_header(&file.descr, &shape) };
         let mut out = File::options().write(true).create_new(true).open(&file.path)?;
         out.write_all(&header)?;
         let mut hasher = Sha256::new();

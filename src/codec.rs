@@ -92,6 +92,17 @@ impl Codec {
         }
     }
 
+    /// A cheap check that `packed` can be this codec's data for `raw_len` bytes: a zstd frame
+    /// must declare exactly that size (LZ4 blocks declare nothing: always `true`).
+    pub fn plausible(self, packed: &[u8], raw_len: usize) -> bool {
+        match self {
+            Self::Zstd { .. } => {
+                matches!(zstd_safe::get_frame_content_size(packed), Ok(Some(n)) if n == raw_len as u64)
+            }
+            Self::Lz4 => true,
+        }
+    }
+
     /// Compresses `raw` and appends the result to `out`.
     pub fn compress_append(self, raw: &[u8], out: &mut Vec<u8>) {
         let start = out.len();

@@ -330,3 +330,72 @@ fn items_that_arrive_compressed_are_stored_as_they_arrived() {
     let mut consumer = table.consumer().unwrap();
     assert_eq!(check_batch(&table, sample(&mut consumer)), vec![3]);
 }
+
+#[test]
+fn a_checkpoint_can_keep_compressed_leaves_as_stored_and_restore_them_without_recompressing() {
+    use echo::replay::LeafRows;
+    let zstd1 = Codec::Zstd { level: 1 };
+    let table = Table::new(spec(), config(4, 200, zstd1, Some(Codec::Lz4))).unwrap();
+    for id in 0..200 {
+        put(&table, id);
+    }
+    let stored_before = table.stats().stored_bytes;
+    let mut ckpt = table.checkpoint().unwrap();
+    ckpt.keep_packed();
+    // Half the snapshot is evicted and its slots reused before it is copied.
+    for id in 200..300 {
+        put(&table, id);
+    }
+    let mut all = vec![Vec::new(); 3];
+    let mut chunk = vec![Vec::new(); 3];
+    while ckpt.next_chunk(40_000, &mut chunk) > 0 {
+        for (all, chunk) in all.iter_mut().zip(&chunk) {
+            all.extend_from_slice(chunk);
+        }
+    }
+    let lengths = ckpt.packed_lengths().to_vec();
+    assert_eq!(lengths.len(), 2, "one list per compressed leaf");
+    assert!(lengths.iter().all(|l| l.len() == 200));
+    assert_eq!(all[0].len(), lengths[0].iter().map(|&l| l as usize).sum::<usize>());
+    assert!(all[0].len() * 8 < 200 * FRAME, "the obs rows are compressed");
+    assert_eq!(all[1].len(), 200 * 8, "raw leaves stay raw");
+    let (items, state) = (ckpt.items().clone(), *ckpt.state());
+    drop(ckpt);
+    let rows = [
+        LeafRows::Packed { codec: zstd1, bytes: &all[0], lengths: &lengths[0] },
+        LeafRows::Raw(&all[1]),
+        LeafRows::Packed { codec: Codec::Lz4, bytes: &all[2], lengths: &lengths[1] },
+    ];
+    // The same codecs: stored as they come, byte for byte the table's own.
+    let same = Table::new(spec(), config(4, 200, zstd1, Some(Codec::Lz4))).unwrap();
+    same.restore_rows(&items, &state, &rows).unwrap();
+    assert_eq!(same.stats().stored_bytes, stored_before);
+    let (ids, _, _) = checkpoint_ids(&same);
+    assert_eq!(ids, (0..200).collect::<Vec<_>>());
+    // Other codecs, and none: decompressed (and compressed again) on the way in.
+    for other in [config(4, 200, Codec::Lz4, None), ReplayConfig::new(4, 200)] {
+        let restored = Table::new(spec(), other).unwrap();
+        restored.restore_rows(&items, &state, &rows).unwrap();
+        let (ids, _, _) = checkpoint_ids(&restored);
+        assert_eq!(ids, (0..200).collect::<Vec<_>>());
+    }
+    // Lengths that do not add up, and a row that is not what it claims, insert nothing.
+    let fresh = || Table::new(spec(), config(4, 200, zstd1, Some(Codec::Lz4))).unwrap();
+    let mut short = lengths[0].clone();
+    short[0] -= 1;
+    let bad =
+        [LeafRows::Packed { codec: zstd1, bytes: &all[0], lengths: &short }, rows[1], rows[2]];
+    let err = fresh().restore_rows(&items, &state, &bad).unwrap_err().to_string();
+    assert!(err.contains("add up"), "{err}");
+    let mut garbled = all[0].clone();
+    garbled[0] ^= 0xFF;
+    let bad = [
+        LeafRows::Packed { codec: zstd1, bytes: &garbled, lengths: &lengths[0] },
+        rows[1],
+        rows[2],
+    ];
+    let t = fresh();
+    let err = t.restore_rows(&items, &state, &bad).unwrap_err().to_string();
+    assert!(err.contains("item 0"), "{err}");
+    assert_eq!(t.stats().size, 0);
+}

@@ -325,6 +325,7 @@ class ServerCore:
         files: list[tuple[str, str, tuple[int, ...]]],
         ingress_files: list[tuple[str, str, tuple[int, ...]]],
         meta_files: list[str],
+        packed_lengths: list[str] | None = None,
     ) -> tuple[
         npt.NDArray[np.uint64],
         npt.NDArray[np.float64],
@@ -356,6 +357,7 @@ class ServerCore:
         state: tuple[int, int, list[int], int, float],
         ingress_leaves: list[npt.NDArray[np.uint8]],
         ingress_priorities: npt.NDArray[np.float64],
+        packed: list[tuple[int, str, int, npt.NDArray[np.uint32]]] = ...,
     ) -> None:
         """Fills this new replay server with a checkpoint's items and state (ValueError if
         they do not fit; nothing is inserted then), then inserts its ingress samples from a

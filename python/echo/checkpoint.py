@@ -41,8 +41,15 @@ The settings that are not part of the data (`num_drainers`, `producer_queue_size
 server was given it, `null` for the automatic size; a replay table's `compress`, one entry
 per leaf, `null` or `[codec, level]` such as `["zstd", 1]`, and `max_bytes`) are under
 `tuning` in the manifest; a manifest without them (written before they were recorded)
-restores with the defaults. The leaves' rows are written raw whatever `compress` says, so a
-restore may choose another codec.
+restores with the defaults.
+
+A replay table that stores leaves compressed (format version 4) writes each such leaf as it
+stores it: `leaf_000.zst` (or `.lz4`) holds every item's compressed row back to back, with
+no header (a zstd file of concatenated frames, which `zstd -d` reads), and
+`leaf_000.lengths.npy` (uint32) each row's length; the leaf's entry in the manifest's layout
+names the codec (`"codec": ["zstd", 1]`) and the lengths file. A restore into a table that
+compresses the leaf the same way keeps the rows as they are; otherwise it decompresses them
+(and compresses them again the new way).
 
 The learner's own state (`Server.checkpoint(path, extra=...)`: model parameters, optimizer
 state, a step counter) lives in the same directory: `extra.json` holds the tree's structure
@@ -89,7 +96,7 @@ __all__ = ["FORMAT_VERSION", "CheckpointError", "periodic_checkpoints", "read_ex
 
 _log = logging.getLogger("echo")
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """The checkpoint format this echo writes, and the newest it reads (version 2 added FIFO
 checkpoints and the ingress's acknowledged samples, version 3 sequence tables; versions 1 and
 2 are still read)."""
@@ -484,11 +491,15 @@ class Written:
     extra: Extra | None
 
 
-def _manifest_head(kind: str, what: Written, leaf_files: list[str]) -> dict[str, Any]:
-    """The manifest fields every checkpoint has, whatever its backend."""
+def _manifest_head(
+    kind: str, what: Written, leaf_files: list[str], version: int = 3
+) -> dict[str, Any]:
+    """The manifest fields every checkpoint has, whatever its backend. `version`: the
+    lowest format version that describes it (4 only with compressed leaf files), so that an
+    echo that reads up to 3 still reads every checkpoint it could."""
     return {
         "format": kind,
-        "format_version": FORMAT_VERSION,
+        "format_version": version,
         "echo_version": __version__,
         "created_unix_ns": time.time_ns(),
         "settings": what.settings,
@@ -506,21 +517,31 @@ def write(core: Any, what: Written, path: str | os.PathLike[str]) -> int:
         leaf_files = _leaf_files(layout)
         ingress_files = _leaf_files(layout, "ingress_")
         meta_files = [file for _, file, _ in _META_FILES]
+        # Compressed leaves are written as stored: rows of varying length, and their lengths.
+        codecs: list[list[Any] | None] = what.tuning.get("compress") or []
+        packed = [(i, c) for i, c in enumerate(codecs) if c is not None]
+        lengths_files = [f"leaf_{i:03d}.lengths.npy" for i, _ in packed]
+        for i, (name, _) in packed:
+            leaf_files[i] = f"leaf_{i:03d}.{'zst' if name == 'zstd' else 'lz4'}"
         keys, _, _, state, digests, ingress = core._checkpoint(
             _native_files(layout, data_dir, leaf_files),
             _native_files(layout, data_dir, ingress_files),
             [os.path.join(data_dir, f) for f in [*meta_files, _INGRESS_PRIORITIES]],
+            [os.path.join(data_dir, f) for f in lengths_files] if packed else None,
         )
         queued, ingress_digests, _ = ingress
         n = len(keys)
         # Every file is written (and hashed, and fsynced) natively with the GIL released.
-        files = _digests(data_dir, leaf_files + meta_files, digests)
+        files = _digests(data_dir, leaf_files + meta_files + lengths_files, digests)
         _hook("leaves-written")
         if queued:
             files.update(_digests(data_dir, [*ingress_files, _INGRESS_PRIORITIES], ingress_digests))
         inserts, samples, rng, next_key, max_priority = state
+        head = _manifest_head(REPLAY_FORMAT, what, leaf_files, 4 if packed else 3)
+        for (i, codec), lengths in zip(packed, lengths_files, strict=True):
+            head["layout"]["leaves"][i].update(codec=list(codec), lengths=lengths)
         manifest: dict[str, Any] = {
-            **_manifest_head(REPLAY_FORMAT, what, leaf_files),
+            **head,
             "counts": {"items": n, "from_ingress": queued},
             "state": {
                 "inserts": inserts,
@@ -743,6 +764,11 @@ class Loaded:
     tuning: dict[str, Any]
     # The learner's state (`checkpoint(extra=...)`), decoded; None without one.
     extra: Any
+    # Leaves whose rows in `leaves` are compressed as stored (format 4): (leaf, codec name,
+    # level, each row's length).
+    packed: list[tuple[int, str, int, npt.NDArray[np.uint32]]] = dataclasses.field(
+        default_factory=lambda: []
+    )
 
     def server_kwargs(self) -> dict[str, Any]:
         """The `Server` keyword arguments that rebuild the checkpointed settings that are part
@@ -868,6 +894,14 @@ def _check_file(root: str, name: str, expected: dict[str, Any]) -> None:
         )
 
 
+def _load_packed(root: str, name: str) -> npt.NDArray[np.uint8]:
+    """A compressed leaf's rows: the file's bytes (memory-mapped), without a header."""
+    file = os.path.join(root, name)
+    if os.path.getsize(file) == 0:  # numpy cannot map an empty file
+        return np.zeros(0, np.uint8)
+    return np.memmap(file, dtype=np.uint8, mode="r")
+
+
 def _load(root: str, name: str, dtype: np.dtype[Any], shape: tuple[int, ...]) -> npt.NDArray[Any]:
     file = os.path.join(root, name)
     try:
@@ -919,6 +953,17 @@ def read(path: str | os.PathLike[str], example: Any = None) -> Loaded:
         settings: dict[str, Any] = manifest["settings"]
         tuning = _read_tuning(manifest.get("tuning", {}))
         needed = [leaf["file"] for leaf in leaves]
+        packed_rows = [
+            (i, str(leaf["codec"][0]), int(leaf["codec"][1]), str(leaf["lengths"]))
+            for i, leaf in enumerate(leaves)
+            if leaf.get("codec") is not None
+        ]
+        if packed_rows and (fifo or sequence):
+            raise ValueError("compressed leaf files in a checkpoint that is not a replay table")
+        for _, name, _, lengths_file in packed_rows:
+            if name not in ("zstd", "lz4"):
+                raise ValueError(f"unknown codec {name!r}")
+            needed.append(lengths_file)
         if manifest.get("extra") is not None:
             needed.append(EXTRA)
         if fifo:
@@ -992,8 +1037,14 @@ def read(path: str | os.PathLike[str], example: Any = None) -> Loaded:
             f"checkpoint's {manifest['layout']['treespec']}"
         )
     arrays = [
-        _load(root, leaf["file"], mine.dtype, (n, *mine.shape))
+        _load_packed(root, leaf["file"])
+        if leaf.get("codec") is not None
+        else _load(root, leaf["file"], mine.dtype, (n, *mine.shape))
         for leaf, mine in zip(leaves, layout.leaves, strict=True)
+    ]
+    packed = [
+        (i, name, level, cast("npt.NDArray[np.uint32]", _load(root, f, np.dtype(np.uint32), (n,))))
+        for i, name, level, f in packed_rows
     ]
     sequence_meta: npt.NDArray[Any] = np.zeros(0, np.uint8)
     if sequence:
@@ -1043,4 +1094,5 @@ def read(path: str | os.PathLike[str], example: Any = None) -> Loaded:
         sequence_meta=sequence_meta,
         tuning=tuning,
         extra=extra,
+        packed=packed,
     )

@@ -1173,6 +1173,7 @@ class Server:
                     loaded.state,
                     loaded.ingress_bytes(),
                     loaded.ingress_priorities,
+                    loaded.packed,
                 )
         except ValueError as e:
             server.close()

@@ -324,7 +324,8 @@ def test_checkpoint_files_open_with_numpy_memory_maps(saved: Path) -> None:
     assert np.load(saved / "keys.npy").dtype == np.uint64
     assert np.load(saved / "times_sampled.npy").dtype == np.uint32
     manifest = json.loads((saved / "manifest.json").read_text())
-    assert manifest["format_version"] == echo.checkpoint.FORMAT_VERSION
+    # The lowest version that describes it: 4 only adds compressed leaf files.
+    assert manifest["format_version"] == 3
     assert manifest["counts"] == {"items": 6, "from_ingress": 0}
     assert [leaf["name"] for leaf in manifest["layout"]["leaves"]] == [
         "['extra']['blob']",

@@ -7,6 +7,8 @@ stored/raw byte counters; and every bad setting's precise error."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import sys
 import threading
 from pathlib import Path
@@ -112,6 +114,19 @@ def test_checkpoint_and_restore_keep_every_item_bit_exact(
     for i in range(150):
         server.submit(_step(i))
     server.checkpoint(tmp_path / "ckpt")
+    # The observations are written as stored: compressed rows and their lengths.
+    root = os.path.realpath(tmp_path / "ckpt")
+    manifest = json.loads(Path(root, "manifest.json").read_text())
+    assert manifest["format_version"] == 4
+    suffix = "zst" if isinstance(codec, echo.Zstd) else "lz4"
+    obs_leaf = manifest["layout"]["leaves"][1]
+    assert obs_leaf["name"] == "['obs']['pixels']"
+    assert obs_leaf["file"] == f"leaf_001.{suffix}"
+    assert obs_leaf["codec"] == ["zstd", codec.level] if suffix == "zst" else ["lz4", 0]
+    lengths = np.load(Path(root, obs_leaf["lengths"]))
+    assert lengths.shape == (150,)
+    assert os.path.getsize(Path(root, obs_leaf["file"])) == int(lengths.sum())
+    assert lengths.sum() * 4 < 150 * 84 * 84 * 4, "compressed on disk too"
     for again in (None, {"obs": echo.Lz4()}, {}):
         restored = Server.restore(tmp_path / "ckpt", EXAMPLE, compress=again)
         try:
@@ -362,3 +377,23 @@ def test_tcp_workers_compress_what_the_server_names_unless_told_not_to(
 def test_wire_compression_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match="wire_compression"):
         TcpClient(LOCALHOST, 1, EXAMPLE, wire_compression="yes")  # pyright: ignore[reportArgumentType]
+
+
+def test_an_uncompressed_table_still_writes_the_format_every_echo_reads(
+    make_server: Any, tmp_path: Path
+) -> None:
+    server = make_server(EXAMPLE, 4, sampler=echo.Uniform(), max_size=8)
+    for i in range(5):
+        server.submit(_step(i))
+    server.checkpoint(tmp_path / "ckpt")
+    manifest = json.loads(Path(os.path.realpath(tmp_path / "ckpt"), "manifest.json").read_text())
+    assert manifest["format_version"] == 3
+    assert all("codec" not in leaf for leaf in manifest["layout"]["leaves"])
+    restored = Server.restore(tmp_path / "ckpt", EXAMPLE, compress={"obs": echo.Zstd(1)})
+    try:
+        sample = restored.sample(timeout=5)
+        assert sample is not None
+        _check_batch(sample.batch)
+        assert restored.stats().compression_ratio > 4
+    finally:
+        restored.close()

@@ -28,7 +28,7 @@ use crate::codec::Codec;
 use crate::error::EchoError;
 use crate::ingress::{Ingress, IngressConfig, QueuedSamples};
 use crate::metrics;
-use crate::replay::{SequenceSnapshot, SnapshotItems, TableState};
+use crate::replay::{LeafRows, SequenceSnapshot, SnapshotItems, TableState};
 use crate::source::{EpisodeEnd, Rows, StepLeaves, StepTag};
 use crate::sync::Arc;
 use crate::transport::wire::v2::Closing;
@@ -393,14 +393,21 @@ impl PyServerCore {
     /// `meta_files`: where the keys (uint64), priorities (float64), times sampled (uint32)
     /// and the ingress samples' priorities (float64, only when there are some) go, as `.npy`
     /// files written here with the GIL released; their digests follow the leaves'.
+    ///
+    /// `packed_lengths` (a table that stores leaves compressed): one path per compressed leaf;
+    /// those leaves' files then get their rows as stored, compressed, with no `.npy` header,
+    /// and each row's length goes into the leaf's path here (uint32 `.npy`), their digests
+    /// after the metadata's. `None`: every leaf written raw.
+    #[pyo3(signature = (files, ingress_files, meta_files, packed_lengths=None))]
     fn _checkpoint<'py>(
         &self,
         py: Python<'py>,
         files: Vec<(PathBuf, String, Vec<usize>)>,
         ingress_files: Vec<(PathBuf, String, Vec<usize>)>,
         meta_files: [PathBuf; 4],
+        packed_lengths: Option<Vec<PathBuf>>,
     ) -> PyResult<CheckpointOut<'py>> {
-        let files = leaf_files(files);
+        let mut files = leaf_files(files);
         let ingress_files = leaf_files(ingress_files);
         let backend = &self.backend;
         let ingress = self.ingress.get().map(Arc::as_ref);
@@ -409,11 +416,32 @@ impl PyServerCore {
             else {
                 return Err(EchoError::Config("_checkpoint: this server is FIFO".into()));
             };
+            let packed = checkpoint.codecs().map(|c| c.packed_leaves().to_vec());
+            let lengths_files = match (&packed_lengths, packed) {
+                (Some(paths), Some(leaves)) if paths.len() == leaves.len() => {
+                    checkpoint.keep_packed();
+                    for &leaf in &leaves {
+                        files[leaf].raw = true;
+                    }
+                    paths.as_slice()
+                }
+                (None, _) => &[],
+                (Some(paths), leaves) => {
+                    return Err(EchoError::Config(format!(
+                        "_checkpoint: {} lengths files for {} compressed leaves",
+                        paths.len(),
+                        leaves.map_or(0, |l| l.len())
+                    )))
+                }
+            };
             let mut digests = write_leaf_files(&mut checkpoint, &files)?;
             let items = checkpoint.items();
             digests.push(write_npy_1d(&meta_files[0], 'u', as_bytes(&items.keys), 8)?);
             digests.push(write_npy_1d(&meta_files[1], 'f', as_bytes(&items.priorities), 8)?);
             digests.push(write_npy_1d(&meta_files[2], 'u', as_bytes(&items.times_sampled), 4)?);
+            for (path, lengths) in lengths_files.iter().zip(checkpoint.packed_lengths()) {
+                digests.push(write_npy_1d(path, 'u', as_bytes(lengths), 4)?);
+            }
             let ingress_digests = if queued.is_empty() {
                 Vec::new()
             } else {
@@ -493,7 +521,11 @@ impl PyServerCore {
     ///
     /// Then the checkpoint's ingress samples (`ingress_leaves`, `ingress_priorities` with NaN
     /// for none) go in from a background thread before anything new (`_is_restoring`).
+    /// `packed`: `(leaf, codec name, level, row lengths)` for each leaf whose rows in
+    /// `leaves` come compressed (stored as they are by a table that compresses them so).
     #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (leaves, keys, priorities, times_sampled, state, ingress_leaves,
+        ingress_priorities, packed=Vec::new()))]
     fn _restore(
         &self,
         py: Python<'_>,
@@ -504,6 +536,7 @@ impl PyServerCore {
         state: (u64, u64, [u64; 4], u64, f64),
         ingress_leaves: Vec<PyReadonlyArray1<'_, u8>>,
         ingress_priorities: PyReadonlyArray1<'_, f64>,
+        packed: Vec<(usize, String, i32, PyReadonlyArray1<'_, u32>)>,
     ) -> PyResult<()> {
         let contiguous = |what: &str, e: numpy::NotContiguousError| {
             PyValueError::new_err(format!("restore: {what}: {e}"))
@@ -518,10 +551,18 @@ impl PyServerCore {
         };
         let (inserts, samples, rng, next_key, max_priority) = state;
         let saved = TableState { inserts, samples, rng, next_key, max_priority };
-        let leaves = leaves
+        let mut leaves = leaves
             .iter()
-            .map(|leaf| leaf.as_slice().map_err(|e| contiguous("leaf", e)))
-            .collect::<PyResult<Vec<&[u8]>>>()?;
+            .map(|leaf| leaf.as_slice().map(LeafRows::Raw).map_err(|e| contiguous("leaf", e)))
+            .collect::<PyResult<Vec<LeafRows<'_>>>>()?;
+        for (leaf, name, level, lengths) in &packed {
+            let codec = Codec::from_name(name, *level).map_err(to_pyerr)?;
+            let Some(LeafRows::Raw(bytes)) = leaves.get(*leaf).copied() else {
+                return Err(PyValueError::new_err(format!("restore: no leaf {leaf} to unpack")));
+            };
+            let lengths = lengths.as_slice().map_err(|e| contiguous("lengths", e))?;
+            leaves[*leaf] = LeafRows::Packed { codec, bytes, lengths };
+        }
         let ingress_leaves = ingress_leaves
             .iter()
             .map(|leaf| leaf.as_slice().map_err(|e| contiguous("ingress leaf", e)))
@@ -977,5 +1018,8 @@ fn batch_layouts(
 
 /// `(path, descr, item_shape)` triples as the core's [`LeafFile`]s.
 fn leaf_files(files: Vec<(PathBuf, String, Vec<usize>)>) -> Vec<LeafFile> {
-    files.into_iter().map(|(path, descr, shape)| LeafFile { path, descr, shape }).collect()
+    files
+        .into_iter()
+        .map(|(path, descr, shape)| LeafFile { path, descr, shape, raw: false })
+        .collect()
 }

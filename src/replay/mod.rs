@@ -32,6 +32,6 @@ pub use sequence::{
     SequenceStats, SequenceTable, StepTag, SEQUENCE_META,
 };
 pub use table::{
-    Checkpoint, MetaLeaf, ReplayBatch, ReplayConfig, ReplayConsumer, ReplayStats, SnapshotItems,
-    Table, TableState, BATCH_META, MAX_PRIORITY,
+    Checkpoint, LeafRows, MetaLeaf, ReplayBatch, ReplayConfig, ReplayConsumer, ReplayStats,
+    SnapshotItems, Table, TableState, BATCH_META, MAX_PRIORITY,
 };

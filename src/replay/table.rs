@@ -57,7 +57,7 @@ use crate::replay::select::{
     new_remover, new_sampler, ItemRemover, ItemSampler, RemoverKind, SamplerKind,
 };
 use crate::slots::Slots;
-use crate::source::{validate_source, Leaves, SampleSource};
+use crate::source::{validate_source, SampleSource};
 use crate::spec::{ArraySpec, DataSpec};
 use crate::sync::{Arc, AsyncBell, AtomicBool};
 
@@ -274,6 +274,10 @@ impl Hasher for KeyHasher {
     }
 }
 
+/// A snapshot item saved from its slot before a writer reused it: the bytes of its leaves
+/// stored raw (back to back) and its packed item (empty when no leaf is compressed).
+type SavedItem = (Box<[u8]>, Box<[u8]>);
+
 /// Copy-on-write bookkeeping of the running [`Checkpoint`] (invariant 4).
 struct Cow {
     /// Every slot's metadata at the snapshot (shared with the checkpoint while it sorts out
@@ -281,9 +285,10 @@ struct Cow {
     snapshot: Arc<[Meta]>,
     /// `done[slot]`: the snapshot item in `slot` was copied or saved already.
     done: Box<[bool]>,
-    /// Bytes of snapshot items whose slot a writer reserved before the checkpoint copied them
-    /// (every leaf's bytes back to back, raw), by slot.
-    saved: HashMap<u32, Box<[u8]>>,
+    /// Snapshot items whose slot a writer reserved before the checkpoint copied them, by
+    /// slot: the bytes of the leaves stored raw (back to back) and the packed item (empty
+    /// when no leaf is compressed).
+    saved: HashMap<u32, SavedItem>,
     /// The packed items of pending snapshot slots freed before the checkpoint copied them
     /// (their other leaves stay in the slot until it is reserved), by slot.
     saved_packed: HashMap<u32, Box<[u8]>>,
@@ -796,17 +801,20 @@ impl Table {
         if !cow.take_pending(slot) {
             return;
         }
-        let mut bytes = Vec::with_capacity(self.spec.payload_size());
-        let freed = cow.saved_packed.remove(&(slot as u32));
-        let item = match &freed {
-            Some(item) => item.clone(),
+        let mut bytes = Vec::with_capacity(self.fixed_bytes as usize);
+        let item = match cow.saved_packed.remove(&(slot as u32)) {
+            Some(item) => item,
             None => self.packed.get(slot).map(|cell| cell.lock().clone()).unwrap_or_default(),
         };
-        // SAFETY: the caller reserved `slot` under the lock it still holds and has not
-        // written it yet; the pending bit says no writer reserved it since the snapshot
-        // (invariant 4), so nobody writes it while we read (the consumer may read it too).
-        unsafe { self.read_item(slot, &item, |_, b| bytes.extend_from_slice(b)) };
-        cow.saved.insert(slot as u32, bytes.into_boxed_slice());
+        for leaf in (0..self.spec.len()).filter(|&leaf| self.codecs.get(leaf).is_none()) {
+            // SAFETY: the caller reserved `slot` under the lock it still holds and has not
+            // written it yet; the pending bit says no writer reserved it since the snapshot
+            // (invariant 4), so nobody writes it while we read (the consumer may read it too).
+            unsafe {
+                self.storage.read_slots(leaf, slot..slot + 1, |b| bytes.extend_from_slice(b));
+            }
+        }
+        cow.saved.insert(slot as u32, (bytes.into_boxed_slice(), item));
     }
 
     /// Writes sample `sample` of `src` into `slot`: its leaves stored as they are, and `item`,
@@ -834,25 +842,37 @@ impl Table {
         }
     }
 
-    /// Calls `each(leaf, bytes)` with each leaf of the item in `slot`, raw, in leaf order:
-    /// stored leaves from the slot, compressed ones decompressed from `item`, its packed item.
-    ///
-    /// # Safety
-    /// Nobody writes `slot` meanwhile: the caller holds it pinned, or holds the lock and knows
-    /// no writer reserved it since the item was written.
-    unsafe fn read_item(&self, slot: usize, item: &[u8], mut each: impl FnMut(usize, &[u8])) {
-        let mut raw = Vec::new();
+    /// Appends one item to a checkpoint's chunk `out` (one buffer per leaf): the leaves
+    /// stored raw from `stored(leaf, out)` (called in leaf order), the compressed ones from
+    /// `item`, its packed item: decompressed, or with `packed_out` as they are, their lengths
+    /// pushed onto `lengths`.
+    fn emit(
+        &self,
+        mut stored: impl FnMut(usize, &mut Vec<u8>),
+        item: &[u8],
+        packed_out: bool,
+        lengths: &mut [Vec<u32>],
+        out: &mut [Vec<u8>],
+    ) {
         let mut k = 0;
-        for leaf in 0..self.spec.len() {
-            if self.codecs.get(leaf).is_some() {
-                raw.resize(self.spec.arrays()[leaf].num_bytes(), 0);
-                self.unpack(item, k, &mut raw);
-                k += 1;
-                each(leaf, &raw);
-            } else {
-                // SAFETY: the caller's guarantee that nobody writes `slot`.
-                unsafe { self.storage.read_slots(leaf, slot..slot + 1, |b| each(leaf, b)) };
+        for (leaf, buf) in out.iter_mut().enumerate() {
+            if self.codecs.get(leaf).is_none() {
+                stored(leaf, buf);
+                continue;
             }
+            if packed_out {
+                let bytes = self.codecs.packed_leaf(item, k).unwrap_or_else(|msg| {
+                    debug_assert!(false, "a stored item is malformed: {msg}");
+                    &[]
+                });
+                buf.extend_from_slice(bytes);
+                lengths[k].push(bytes.len() as u32);
+            } else {
+                let start = buf.len();
+                buf.resize(start + self.spec.arrays()[leaf].num_bytes(), 0);
+                self.unpack(item, k, &mut buf[start..]);
+            }
+            k += 1;
         }
     }
 
@@ -1091,6 +1111,8 @@ impl Table {
             items,
             state: table_state,
             next_row: 0,
+            packed_out: false,
+            lengths: Vec::new(),
         };
         Ok((checkpoint, out))
     }
@@ -1153,6 +1175,24 @@ impl Table {
         saved: &TableState,
         leaves: &[&[u8]],
     ) -> Result<(), EchoError> {
+        let rows: Vec<LeafRows<'_>> = leaves.iter().map(|&bytes| LeafRows::Raw(bytes)).collect();
+        self.restore_rows(items, saved, &rows)
+    }
+
+    /// [`Table::restore`] from rows that may come compressed ([`LeafRows::Packed`], as
+    /// [`Checkpoint::keep_packed`] hands them out): a leaf this table compresses with the same
+    /// codec is stored as it comes (no second compression); otherwise it is decompressed
+    /// (and compressed again if this table compresses it another way).
+    ///
+    /// # Errors
+    /// As [`Table::restore`]; also packed rows whose lengths do not add up, or a compressed
+    /// row that does not decompress to its leaf's size (nothing is inserted then).
+    pub fn restore_rows(
+        &self,
+        items: &SnapshotItems,
+        saved: &TableState,
+        leaves: &[LeafRows<'_>],
+    ) -> Result<(), EchoError> {
         let config = |msg: String| Err(EchoError::Config(format!("restore: {msg}")));
         let n = items.keys.len();
         if items.priorities.len() != n || items.times_sampled.len() != n {
@@ -1168,13 +1208,102 @@ impl Table {
         if leaves.len() != self.spec.len() {
             return config(format!("{} leaves, the layout has {}", leaves.len(), self.spec.len()));
         }
-        for (leaf, (bytes, array)) in leaves.iter().zip(self.spec.arrays()).enumerate() {
-            if Some(bytes.len()) != n.checked_mul(array.num_bytes()) {
-                return config(format!(
-                    "leaf {leaf}: {} bytes for {n} items of {} bytes",
-                    bytes.len(),
-                    array.num_bytes()
-                ));
+        // Where each item's row starts in each leaf's bytes.
+        let mut starts: Vec<Vec<usize>> = Vec::with_capacity(leaves.len());
+        for (leaf, (rows, array)) in leaves.iter().zip(self.spec.arrays()).enumerate() {
+            match *rows {
+                LeafRows::Raw(bytes) => {
+                    if Some(bytes.len()) != n.checked_mul(array.num_bytes()) {
+                        return config(format!(
+                            "leaf {leaf}: {} bytes for {n} items of {} bytes",
+                            bytes.len(),
+                            array.num_bytes()
+                        ));
+                    }
+                    starts.push((0..=n).map(|i| i * array.num_bytes()).collect());
+                }
+                LeafRows::Packed { bytes, lengths, .. } => {
+                    if lengths.len() != n {
+                        return config(format!(
+                            "leaf {leaf}: {} compressed lengths for {n} items",
+                            lengths.len()
+                        ));
+                    }
+                    let mut at = vec![0usize; n + 1];
+                    for i in 0..n {
+                        at[i + 1] = at[i] + lengths[i] as usize;
+                    }
+                    if at[n] != bytes.len() {
+                        return config(format!(
+                            "leaf {leaf}: compressed lengths add up to {} bytes, the rows hold {}",
+                            at[n],
+                            bytes.len()
+                        ));
+                    }
+                    starts.push(at);
+                }
+            }
+        }
+        // Every row this table stores raw or compresses another way, decoded and checked before
+        // anything is inserted (rows kept as they come were checked by their file's digest).
+        let mut items_packed: Vec<Box<[u8]>> = Vec::with_capacity(n);
+        let mut raw_rows: Vec<Vec<u8>> = vec![Vec::new(); leaves.len()];
+        for (leaf, rows) in leaves.iter().enumerate() {
+            if let LeafRows::Packed { codec, bytes, .. } = *rows {
+                if self.codecs.get(leaf) == Some(codec) {
+                    continue;
+                }
+                let size = self.spec.arrays()[leaf].num_bytes();
+                let mut raw = vec![0u8; n * size];
+                for i in 0..n {
+                    let row = &bytes[starts[leaf][i]..starts[leaf][i + 1]];
+                    if let Err(msg) = codec.decompress_into(row, &mut raw[i * size..(i + 1) * size])
+                    {
+                        return config(format!("leaf {leaf}, item {i}: {msg}"));
+                    }
+                }
+                raw_rows[leaf] = raw;
+            }
+        }
+        let row = |leaf: usize, i: usize| -> &[u8] {
+            match leaves[leaf] {
+                LeafRows::Packed { bytes, .. } if raw_rows[leaf].is_empty() => {
+                    &bytes[starts[leaf][i]..starts[leaf][i + 1]]
+                }
+                LeafRows::Packed { .. } => {
+                    let size = self.spec.arrays()[leaf].num_bytes();
+                    &raw_rows[leaf][i * size..(i + 1) * size]
+                }
+                LeafRows::Raw(bytes) => &bytes[starts[leaf][i]..starts[leaf][i + 1]],
+            }
+        };
+        if !self.codecs.is_empty() {
+            let packed = self.codecs.packed_leaves();
+            for i in 0..n {
+                let mut item = vec![0u8; 4 * packed.len()];
+                for (k, &leaf) in packed.iter().enumerate() {
+                    let codec = self.codecs.get(leaf).expect("a packed leaf has a codec");
+                    let before = item.len();
+                    match leaves[leaf] {
+                        LeafRows::Packed { codec: theirs, .. } if theirs == codec => {
+                            let bytes = row(leaf, i);
+                            let size = self.spec.arrays()[leaf].num_bytes();
+                            if !codec.plausible(bytes, size) {
+                                return config(format!(
+                                    "leaf {leaf}, item {i}: not {} data of {size} bytes",
+                                    codec.name()
+                                ));
+                            }
+                            item.extend_from_slice(bytes);
+                        }
+                        _ => codec.compress_append(row(leaf, i), &mut item),
+                    }
+                    let len = u32::try_from(item.len() - before).map_err(|_| {
+                        EchoError::Config(format!("restore: leaf {leaf}, item {i} is too large"))
+                    })?;
+                    item[4 * k..4 * k + 4].copy_from_slice(&len.to_le_bytes());
+                }
+                items_packed.push(item.into_boxed_slice());
             }
         }
         if let Some(i) = items.keys.windows(2).position(|w| w[0] >= w[1]) {
@@ -1204,28 +1333,22 @@ impl Table {
         if state.live + state.writing > 0 || state.stats.inserted > 0 || state.cow.is_some() {
             return config("the table is not new".to_owned());
         }
+        let mut items_packed = items_packed.into_iter();
         for i in 0..n {
             let slot = state.free.pop().expect("n <= max_size slots are free") as usize;
-            let row: Vec<&[u8]> = leaves
-                .iter()
-                .enumerate()
-                .map(|(leaf, bytes)| {
-                    let len = self.spec.arrays()[leaf].num_bytes();
-                    &bytes[i * len..(i + 1) * len]
-                })
-                .collect();
-            for (leaf, bytes) in row.iter().enumerate() {
+            for leaf in 0..leaves.len() {
                 if self.codecs.get(leaf).is_some() {
                     continue;
                 }
                 // SAFETY: `slot` was just popped from the free list under the lock we hold and
                 // is not published yet: nobody else reads or writes it (invariant 1). Sizes
-                // were checked above; `bytes` is caller memory, not the table.
-                unsafe { self.storage.write_slot(slot, leaf, bytes) };
+                // were checked above (raw rows, and decompressed ones by their codec); the
+                // bytes are caller memory or ours, not the table.
+                unsafe { self.storage.write_slot(slot, leaf, row(leaf, i)) };
             }
             let mut stored = self.fixed_bytes;
             if let Some(cell) = self.packed.get(slot) {
-                let item = self.codecs.pack(&Leaves(&row), 0);
+                let item = items_packed.next().expect("one packed item per row");
                 stored = stored.saturating_add(u32::try_from(item.len()).unwrap_or(u32::MAX));
                 *cell.lock() = item;
             }
@@ -1247,6 +1370,22 @@ impl Table {
         self.signals.sample_ready.notify_one();
         Ok(())
     }
+}
+
+/// One leaf's rows for [`Table::restore_rows`]: every item's bytes back to back.
+#[derive(Debug, Clone, Copy)]
+pub enum LeafRows<'a> {
+    /// Raw: each row is the leaf's size.
+    Raw(&'a [u8]),
+    /// Compressed by `codec`, row `i` being `lengths[i]` bytes.
+    Packed {
+        /// How the rows are compressed.
+        codec: Codec,
+        /// The rows, back to back.
+        bytes: &'a [u8],
+        /// Each row's length.
+        lengths: &'a [u32],
+    },
 }
 
 /// The table-wide values a checkpoint saves besides the items.
@@ -1285,6 +1424,11 @@ pub struct Checkpoint {
     slots: Vec<u32>,
     /// Items whose bytes were handed out by `next_chunk` so far.
     next_row: usize,
+    /// `next_chunk` hands out compressed leaves as they are stored ([`Checkpoint::keep_packed`]).
+    packed_out: bool,
+    /// With `packed_out`: each handed-out item's bytes of each compressed leaf, per
+    /// compressed leaf ([`LeafCodecs::packed_leaves`] order).
+    lengths: Vec<Vec<u32>>,
 }
 
 impl std::fmt::Debug for Checkpoint {
@@ -1322,9 +1466,32 @@ impl Checkpoint {
         self.slots.is_empty()
     }
 
+    /// The leaves the table stores compressed, `None` if none.
+    pub fn codecs(&self) -> Option<&LeafCodecs> {
+        self.table.codecs()
+    }
+
+    /// From now on [`Checkpoint::next_chunk`] hands out each compressed leaf as it is stored
+    /// (its compressed bytes, item after item, of varying length: see
+    /// [`Checkpoint::packed_lengths`]) instead of decompressing it. Call it before the first
+    /// chunk; a no-op when no leaf is compressed.
+    pub fn keep_packed(&mut self) {
+        if let Some(codecs) = self.table.codecs() {
+            self.packed_out = true;
+            self.lengths = vec![Vec::with_capacity(self.slots.len()); codecs.packed_leaves().len()];
+        }
+    }
+
+    /// After [`Checkpoint::keep_packed`]: per compressed leaf, the bytes each item handed out
+    /// so far takes in it, in key order.
+    pub fn packed_lengths(&self) -> &[Vec<u32>] {
+        &self.lengths
+    }
+
     /// Copies the bytes of the next items (in key order), about `max_bytes` of them but at
     /// least one item, into `out`: `out[l]` is cleared and then holds leaf `l` of each item
-    /// back to back. One lock hold per call. Returns the number of items; 0 when done.
+    /// back to back (compressed as stored, after [`Checkpoint::keep_packed`], for the
+    /// compressed leaves). One lock hold per call. Returns the number of items; 0 when done.
     ///
     /// # Panics
     /// If `out` does not have one buffer per leaf.
@@ -1341,6 +1508,7 @@ impl Checkpoint {
             return 0;
         }
         let rows = self.next_row..self.next_row + n;
+        let (packed_out, lengths) = (self.packed_out, &mut self.lengths);
         let mut state = table.state.lock();
         let cow = state.cow.as_mut().expect("armed while the checkpoint lives");
         for &slot in &self.slots[rows] {
@@ -1353,18 +1521,27 @@ impl Checkpoint {
                     (None, Some(cell)) => cell,
                     (None, None) => &[],
                 };
-                // SAFETY: the pending bit says no writer reserved `slot` since the snapshot
-                // (invariant 4), and none can while we hold the lock, so its bytes are the
-                // snapshot item's and nobody writes them during the read.
-                unsafe { table.read_item(slot, item, |leaf, b| out[leaf].extend_from_slice(b)) };
+                let stored = |leaf: usize, out: &mut Vec<u8>| {
+                    // SAFETY: the pending bit says no writer reserved `slot` since the
+                    // snapshot (invariant 4), and none can while we hold the lock, so its
+                    // bytes are the snapshot item's and nobody writes them during the read.
+                    unsafe {
+                        table
+                            .storage
+                            .read_slots(leaf, slot..slot + 1, |b| out.extend_from_slice(b));
+                    }
+                };
+                table.emit(stored, item, packed_out, lengths, out);
             } else {
-                let saved = cow.saved.remove(&slot).expect("a reused snapshot slot was saved");
+                let (fixed, item) =
+                    cow.saved.remove(&slot).expect("a reused snapshot slot was saved");
                 let mut at = 0;
-                for (array, buf) in spec.arrays().iter().zip(out.iter_mut()) {
-                    let len = array.num_bytes();
-                    buf.extend_from_slice(&saved[at..at + len]);
+                let stored = |leaf: usize, out: &mut Vec<u8>| {
+                    let len = spec.arrays()[leaf].num_bytes();
+                    out.extend_from_slice(&fixed[at..at + len]);
                     at += len;
-                }
+                };
+                table.emit(stored, &item, packed_out, lengths, out);
             }
         }
         drop(state);
