@@ -120,16 +120,22 @@ fn every_leaf_comes_back_bit_exact_for_each_codec_and_batch_size() {
     }
 }
 
-/// The ids a checkpoint of `table` holds, in key order, after checking every item's bytes.
-fn checkpoint_ids(table: &Arc<Table>) -> (Vec<u64>, echo::replay::Checkpoint, Vec<Vec<u8>>) {
-    let mut ckpt = table.checkpoint().unwrap();
+/// Every leaf's bytes of a checkpoint, copied `chunk_bytes` at a time.
+fn drain(ckpt: &mut echo::replay::Checkpoint, chunk_bytes: usize) -> Vec<Vec<u8>> {
     let mut all = vec![Vec::new(); 3];
     let mut chunk = vec![Vec::new(); 3];
-    while ckpt.next_chunk(100_000, &mut chunk) > 0 {
+    while ckpt.next_chunk(chunk_bytes, &mut chunk) > 0 {
         for (all, chunk) in all.iter_mut().zip(&chunk) {
             all.extend_from_slice(chunk);
         }
     }
+    all
+}
+
+/// The ids a checkpoint of `table` holds, in key order, after checking every item's bytes.
+fn checkpoint_ids(table: &Arc<Table>) -> (Vec<u64>, echo::replay::Checkpoint, Vec<Vec<u8>>) {
+    let mut ckpt = table.checkpoint().unwrap();
+    let all = drain(&mut ckpt, 100_000);
     let ids: Vec<u64> =
         all[1].chunks(8).map(|b| u64::from_le_bytes(b.try_into().unwrap())).collect();
     for (i, &id) in ids.iter().enumerate() {
@@ -151,13 +157,7 @@ fn a_checkpoint_taken_while_writers_evict_restores_bit_exact() {
     for id in 300..700 {
         put(&table, id);
     }
-    let mut all = vec![Vec::new(); 3];
-    let mut chunk = vec![Vec::new(); 3];
-    while ckpt.next_chunk(50_000, &mut chunk) > 0 {
-        for (all, chunk) in all.iter_mut().zip(&chunk) {
-            all.extend_from_slice(chunk);
-        }
-    }
+    let all = drain(&mut ckpt, 50_000);
     let ids: Vec<u64> =
         all[1].chunks(8).map(|b| u64::from_le_bytes(b.try_into().unwrap())).collect();
     assert_eq!(ids, (0..300).collect::<Vec<_>>(), "the snapshot, not what replaced it");
@@ -346,13 +346,7 @@ fn a_checkpoint_can_keep_compressed_leaves_as_stored_and_restore_them_without_re
     for id in 200..300 {
         put(&table, id);
     }
-    let mut all = vec![Vec::new(); 3];
-    let mut chunk = vec![Vec::new(); 3];
-    while ckpt.next_chunk(40_000, &mut chunk) > 0 {
-        for (all, chunk) in all.iter_mut().zip(&chunk) {
-            all.extend_from_slice(chunk);
-        }
-    }
+    let all = drain(&mut ckpt, 40_000);
     let lengths = ckpt.packed_lengths().to_vec();
     assert_eq!(lengths.len(), 2, "one list per compressed leaf");
     assert!(lengths.iter().all(|l| l.len() == 200));

@@ -24,7 +24,7 @@ use echo::ingress::IngressConfig;
 use echo::transport::client::{SharedMemory, TcpSender};
 use echo::transport::shm::{self, Reader, Writer, HEADER_LEN, OFF_TAIL, SLOT_HEADER};
 use echo::transport::tcp::TcpConfig;
-use echo::transport::wire::v2::{self, FrameMeta, Hello, Layout, Offer, Reply};
+use echo::transport::wire::v2::{self, FrameMeta, Offer, Reply};
 use echo::transport::TcpIngress;
 use echo::{Consumer, EchoError, Store};
 
@@ -178,17 +178,7 @@ fn attach_refuses_a_wrong_nonce_and_hands_over_with_the_right_one() {
             }
         }
     };
-    let hello = Hello {
-        session: [1; 16],
-        first_seq: 0,
-        heartbeat_ms: 0,
-        client_nonce: [2; 16],
-        layout: Layout::untyped(&tagged_spec()),
-        mac: None,
-        shm: true,
-        notices: false,
-        codecs: false,
-    };
+    let hello = common::tagged_hello(1, true, false, false);
     raw.write_all(&hello.encode(&offer, None).unwrap()).unwrap();
     let mut received = Vec::new();
     let accept = loop {

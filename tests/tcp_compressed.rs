@@ -17,7 +17,7 @@ use common::{
 use echo::codec::{Codec, LeafCodecs};
 use echo::transport::client::{ClientConfig, TcpSender};
 use echo::transport::tcp::TcpConfig;
-use echo::transport::wire::v2::{self, FrameMeta, Hello, Layout, Offer, Reply};
+use echo::transport::wire::v2::{self, FrameMeta, Offer, Reply};
 use echo::Leaves;
 
 /// The tagged layout with its 13-byte pattern leaf (leaf 2) compressed by `codec`.
@@ -66,17 +66,7 @@ fn raw_client(addr: SocketAddr, session: u8, codecs: bool) -> (TcpStream, v2::Ac
     let mut greeting = vec![0u8; encode_handshake(&tagged_spec()).unwrap().len() + v2::OFFER_LEN];
     raw.read_exact(&mut greeting).unwrap();
     let offer = Offer::parse(&greeting[greeting.len() - v2::OFFER_LEN..]).unwrap().unwrap();
-    let hello = Hello {
-        session: [session; 16],
-        first_seq: 0,
-        heartbeat_ms: 0,
-        client_nonce: [5; 16],
-        layout: Layout::untyped(&tagged_spec()),
-        mac: None,
-        shm: false,
-        notices: true,
-        codecs,
-    };
+    let hello = common::tagged_hello(session, false, true, codecs);
     raw.write_all(&hello.encode(&offer, None).unwrap()).unwrap();
     let mut reply = Vec::new();
     let mut byte = [0u8; 1];

@@ -288,17 +288,7 @@ fn greeted(addr: SocketAddr) -> (TcpStream, echo::transport::wire::v2::Offer) {
 
 /// An untokened hello of session `[session; 16]` for the tagged layout.
 fn hello(session: u8, notices: bool) -> echo::transport::wire::v2::Hello {
-    echo::transport::wire::v2::Hello {
-        session: [session; 16],
-        first_seq: 0,
-        heartbeat_ms: 0,
-        client_nonce: [4; 16],
-        layout: Layout::untyped(&tagged_spec()),
-        mac: None,
-        shm: false,
-        notices,
-        codecs: false,
-    }
+    common::tagged_hello(session, false, notices, false)
 }
 
 /// Reads the server's reply byte by byte and checks that it accepted.

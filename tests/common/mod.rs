@@ -12,7 +12,7 @@ use echo::backend::Backend;
 use echo::ingress::IngressConfig;
 use echo::transport::client::{ClientConfig, TcpSender};
 use echo::transport::tcp::TcpConfig;
-use echo::transport::wire::v2::{FrameMeta, Layout};
+use echo::transport::wire::v2::{self, FrameMeta, Layout};
 use echo::transport::TcpIngress;
 use echo::{ArraySpec, Consumer, DataSpec, EchoError, Store};
 
@@ -156,4 +156,20 @@ pub fn spawn_writers(
             thread::spawn(move || write(store, producer))
         })
         .collect()
+}
+
+/// An untokened hello for the tagged layout, of session `[session; 16]`, with the flags
+/// given: shared memory wanted, closing notices and codecs understood.
+pub fn tagged_hello(session: u8, shm: bool, notices: bool, codecs: bool) -> v2::Hello {
+    v2::Hello {
+        session: [session; 16],
+        first_seq: 0,
+        heartbeat_ms: 0,
+        client_nonce: [4; 16],
+        layout: Layout::untyped(&tagged_spec()),
+        mac: None,
+        shm,
+        notices,
+        codecs,
+    }
 }
