@@ -730,17 +730,18 @@ impl Table {
         validate_source(&self.spec, src)?;
         let small = self.fixed_bytes as usize <= COPY_UNDER_LOCK_BYTES;
         // Compressed on this thread before the lock: writers compress in parallel.
-        let mut packed: Vec<Box<[u8]>> = if self.codecs.is_empty() {
-            Vec::new()
-        } else {
-            (0..src.num_samples())
-                .map(|sample| match src.packed(sample) {
-                    // As it arrived (checked on arrival): no second compression.
-                    Some(item) if self.codecs.check_item(item).is_ok() => Box::from(item),
-                    _ => self.codecs.pack(src, sample),
-                })
-                .collect()
+        // Each sample's compressed leaves are packed without the lock (writers compress in
+        // parallel), right before the sample goes in: the first before the lock is taken, the
+        // others with it released, so a sample the limiter holds back is not compressed again
+        // and again, nor one that never goes in (a timeout).
+        let pack = |sample: usize| -> Box<[u8]> {
+            match src.packed(sample) {
+                // As it arrived (checked on arrival): no second compression.
+                Some(item) if self.codecs.check_item(item).is_ok() => Box::from(item),
+                _ => self.codecs.pack(src, sample),
+            }
         };
+        let mut first = (!self.codecs.is_empty() && src.num_samples() > 0).then(|| pack(0));
         // The deadline bounds the wait for the lock too: a caller that must not block (the
         // bindings try once with the GIL held, passing `now`) never waits behind a long
         // `update_priorities`.
@@ -763,9 +764,13 @@ impl Table {
             }
         }
         for sample in 0..src.num_samples() {
+            let item = match first.take() {
+                Some(item) => item,
+                None if self.codecs.is_empty() => Box::default(),
+                None => MutexGuard::unlocked(&mut state, || pack(sample)),
+            };
             self.wait_insertable(&mut state, deadline, restorer)
                 .map_err(|error| InsertError::new(sample, error))?;
-            let item = packed.get_mut(sample).map(std::mem::take).unwrap_or_default();
             let packed_len = u32::try_from(item.len()).unwrap_or(u32::MAX);
             let bytes = self.fixed_bytes.saturating_add(packed_len);
             let (slot, replaced) = state.reserve(small, bytes);
