@@ -53,6 +53,26 @@ def _step(i: int) -> dict[str, Any]:
     return {"obs": {"pixels": _pixels(i)}, "id": np.uint64(i), "reward": np.float32(i) / 3}
 
 
+def _rows(lo: int, hi: int) -> dict[str, Any]:
+    """Steps `lo` to `hi - 1` as one batch of rows."""
+    return {
+        "obs": {"pixels": np.stack([_pixels(i) for i in range(lo, hi)])},
+        "id": np.arange(lo, hi, dtype=np.uint64),
+        "reward": np.arange(lo, hi, dtype=np.float32) / 3,
+    }
+
+
+def _assert_each_once(server: Server, n: int) -> None:
+    """Samples until `n` items came out (a table with `max_times_sampled=1`, or a FIFO
+    ring): every id below `n` exactly once, every leaf checked."""
+    ids: list[int] = []
+    while len(ids) < n:
+        sample = server.sample(timeout=10)
+        assert sample is not None
+        ids += _check_batch(sample.batch)
+    assert sorted(ids) == list(range(n)), "each sample exactly once"
+
+
 def _check_batch(batch: dict[str, Any]) -> list[int]:
     ids = [int(i) for i in batch["id"]]
     for row, i in enumerate(ids):
@@ -93,13 +113,7 @@ def test_a_large_batch_decompresses_on_several_threads_and_matches(make_server: 
     server = make_server(
         EXAMPLE, 256, sampler=echo.Uniform(), max_size=600, compress={"obs": echo.Zstd(1)}
     )
-    server.submit_batch(
-        {
-            "obs": {"pixels": np.stack([_pixels(i) for i in range(600)])},
-            "id": np.arange(600, dtype=np.uint64),
-            "reward": np.arange(600, dtype=np.float32) / 3,
-        }
-    )
+    server.submit_batch(_rows(0, 600))
     for _ in range(3):
         sample = server.sample(timeout=5)
         assert sample is not None
@@ -165,12 +179,7 @@ def test_tcp_v1_v2_and_shared_memory_workers_feed_a_compressing_table(make_serve
             for i in range(w * per_worker, (w + 1) * per_worker):
                 client.send(_step(i))
             client.wait(timeout=30)
-    ids: list[int] = []
-    while len(ids) < len(workers) * per_worker:
-        sample = server.sample(timeout=10)
-        assert sample is not None
-        ids += _check_batch(sample.batch)
-    assert sorted(ids) == list(range(len(workers) * per_worker)), "each sample exactly once"
+    _assert_each_once(server, len(workers) * per_worker)
     assert server.stats().shm_connections_total == 1
 
 
@@ -358,20 +367,9 @@ def test_tcp_workers_compress_what_the_server_names_unless_told_not_to(
             half = w * per + per // 2
             for i in range(w * per, half):
                 client.send(_step(i))
-            client.send_batch(
-                {
-                    "obs": {"pixels": np.stack([_pixels(i) for i in range(half, (w + 1) * per)])},
-                    "id": np.arange(half, (w + 1) * per, dtype=np.uint64),
-                    "reward": np.arange(half, (w + 1) * per, dtype=np.float32) / 3,
-                }
-            )
+            client.send_batch(_rows(half, (w + 1) * per))
             client.wait(timeout=30)
-    ids: list[int] = []
-    while len(ids) < len(options) * per:
-        sample = server.sample(timeout=10)
-        assert sample is not None
-        ids += _check_batch(sample.batch)
-    assert sorted(ids) == list(range(len(options) * per)), "each sample exactly once"
+    _assert_each_once(server, len(options) * per)
 
 
 def test_wire_compression_must_be_a_bool() -> None:

@@ -24,7 +24,11 @@ REPLAY_ARRAYS = ["keys", "probabilities", "times_sampled"]
 INFO_FIELDS = sorted(
     name for name in dir(echo.SampleInfo) if not name.startswith("_") and name != "as_dict"
 )
-COUNTERS = [n for n in INFO_FIELDS if n not in HISTOGRAMS and n not in REPLAY_ARRAYS]
+# Computed from the counters (raw_bytes / stored_bytes), not stored: compared, never set.
+DERIVED = ["compression_ratio"]
+COUNTERS = [
+    n for n in INFO_FIELDS if n not in HISTOGRAMS and n not in REPLAY_ARRAYS and n not in DERIVED
+]
 FIFO_TIMEOUT = "sample(): no full batch arrived before the timeout"
 
 
