@@ -16,7 +16,7 @@ nearest neighbour instead of area averaging, zstd-1 only: the gray levels that a
 adds cost compression, and the figures quoted in issue 25 match these.
 
 The Python packages ``zstandard`` (libzstd) and ``lz4`` (liblz4, block format with the size
-prepended) stand in for the Rust ``zstd`` and ``lz4_flex`` crates echo would use: the same
+prepended) wrap the C libraries echo links (``zstd-safe`` and ``lz4-sys``): the same
 formats and levels, but each call pays Python's overhead (about a microsecond) and allocates
 its output, so small leaves look slower here than they would in Rust, and large ones about
 the same. Throughput is raw (uncompressed) bytes per second, one thread, the median of
