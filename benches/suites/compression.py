@@ -156,7 +156,7 @@ def _case_limit(case: dict[str, Any], params: dict[str, Any]) -> float:
     """A child's time limit: start-up plus a generous floor on each phase's rate."""
     kind = case["kind"]
     if kind == "memory":
-        return 90.0 + case["items"] / 5_000
+        return 60.0 + case["items"] / 10_000
     if kind == "throughput":
         windows = len(CODECS) * (len(CONSUMERS) + len(INSERTS)) * int(params["repeats"])
         return (
