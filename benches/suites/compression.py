@@ -13,8 +13,9 @@ holds the item's index in the pool, so every batch that is checked is compared, 
 with the pool: bit-exact or ``correct`` is False. ``mixed``: the three games' pools one after
 the other.
 
-Each part runs in its own child process (this interpreter running this file), bounded by a
-time limit, and ended (its process group) past it:
+Each of the first three parts runs in child processes (this file, run by this interpreter or
+TorchRL's), each bounded by a time limit and ended (its process group) past it; the wire
+part's server runs in the suite's own process, its relay and workers in child processes:
 
 1. **memory**: per game and mixed, ``VmRSS`` after filling a table with ``submit_batch`` of
    ``chunk`` rows, minus ``VmRSS`` just before the server was built (the pool already loaded;
@@ -25,18 +26,23 @@ time limit, and ended (its process group) past it:
    size (half as many, mixed) checks. Also ``stats()``: stored and raw bytes and
    ``compression_ratio``, and the fill rate of the empty table.
 2. **throughput**: one process holds the same ``items`` mixed items in three tables
-   (uncompressed, zstd-1, LZ4), batch 256, and measures, alternating the tables window by
-   window over ``repeats`` rounds (the median counts): ``sample()`` batches/s with a consumer
-   that reads every byte of each batch's ``obs``, ``np.copyto`` into a preallocated array
-   (*copy*) or ``obs.sum()`` (*sum*), the same for every table; and inserts/s into the full
-   table (each insert evicts the oldest, a long run's steady state) with ``submit`` one
-   sample at a time and ``submit_batch`` of ``rows`` rows, from the pool's distinct items.
+   (uncompressed, zstd-1, LZ4, batch 256) and in the Python ``zstandard`` baseline below,
+   and times windows of ``seconds``: ``sample()`` batches/s with a consumer that reads every
+   byte of each batch's ``obs``, ``np.copyto`` into a preallocated array (*copy*) or
+   ``obs.sum()`` (*sum*), the same for every table; and inserts/s into the full table (each
+   insert evicts the oldest, a long run's steady state) with ``submit`` one sample at a time
+   and ``submit_batch`` of ``rows`` rows, from the pool's distinct items. Per repeat and
+   operation the tables run back to back, in an order that rotates, and a ratio is the
+   median over the repeats of the two adjacent windows' ratio: on a shared machine a busy
+   moment then hits both sides of a ratio. The CPU time of this process and of every other
+   process on the machine (``/proc/stat``) is recorded per window.
 3. **baselines**: a Python ``zstandard`` loop (level 1; a list of one compressed ``bytes``
    per item; sampling draws 256 indices and decompresses each into a preallocated batch
-   array) at ``memory_items`` items, same consumer, same measurements; and, with ``--set
-   torchrl=PYTHON`` (an interpreter with torchrl, never installed with echo), TorchRL's
-   ``ReplayBuffer(storage=CompressedListStorage(compression_level=1))`` at ``torchrl_items``
-   items, in its own process, through its public API only.
+   array): its RSS at ``baseline_items`` items in its own child, its rates in the
+   throughput process; and, with ``--set torchrl=PYTHON`` (an interpreter with torchrl,
+   never installed with echo), TorchRL's ``ReplayBuffer(storage=CompressedListStorage(
+   compression_level=1))`` at ``torchrl_items`` items, in its own process, through its
+   public API only, one window per measurement.
 4. **wire**: a ``Server(..., compress={"obs": Zstd(1)}, transport=TcpTransport(port=0,
    host="127.0.0.1", shared_memory=False))`` and ``workers`` worker processes, each a
    ``TcpClient(shared_memory=False)`` calling ``send()`` per step from the pool, directly
@@ -79,6 +85,7 @@ ROOT = c.ROOT
 GAMES = ("pong", "breakout", "ms_pacman")
 GAME_NAMES = {"pong": "Pong", "breakout": "Breakout", "ms_pacman": "MsPacman", "mixed": "mixed"}
 CODECS = ("none", "zstd-1", "lz4")
+PY_ZSTD = "py-zstd"  # the Python zstandard loop, in the throughput process beside echo's tables
 CODEC_LABELS = {"none": "uncompressed", "zstd-1": "zstd-1", "lz4": "LZ4"}
 BATCH = 256
 CONSUMERS = ("copy", "sum")
@@ -127,8 +134,8 @@ def parameters(quick: bool) -> dict[str, Any]:
         "chunk": 1024,
         "items": 100_000,
         "rows": 64,
-        "seconds": 2.0,
-        "repeats": 3,
+        "seconds": 1.5,
+        "repeats": 5,
         "baseline_items": 1_000_000,
         "torchrl": None,
         "torchrl_items": 100_000,
@@ -158,14 +165,12 @@ def _case_limit(case: dict[str, Any], params: dict[str, Any]) -> float:
     if kind == "memory":
         return 60.0 + case["items"] / 10_000
     if kind == "throughput":
-        windows = len(CODECS) * (len(CONSUMERS) + len(INSERTS)) * int(params["repeats"])
-        return (
-            120.0
-            + len(CODECS) * int(params["items"]) / 5_000
-            + 3 * windows * float(params["seconds"])
-        )
+        tables = len(CODECS) + 1  # and the Python zstandard loop's
+        windows = tables * (len(CONSUMERS) + len(INSERTS)) * int(params["repeats"])
+        fill = tables * int(params["items"]) / 5_000
+        return 120.0 + fill + 2 * windows * (float(params["seconds"]) + 1.0)
     if kind == "zstandard":
-        return 120.0 + int(params["baseline_items"]) / 5_000 + 20 * float(params["seconds"])
+        return 60.0 + int(params["baseline_items"]) / 5_000
     if kind == "torchrl":
         return 180.0 + int(params["torchrl_items"]) / 500 + 20 * float(params["seconds"])
     raise ValueError(kind)
@@ -349,78 +354,174 @@ def _memory_case(params: dict[str, Any], case: dict[str, Any]) -> dict[str, Any]
     }
 
 
+class _EchoTable:
+    """A Server replay table behind the four operations the throughput windows time."""
+
+    def __init__(self, server: Any) -> None:
+        self.server = server
+
+    def fill(self, obs: Any, items: int, chunk: int) -> float:
+        return _fill(self.server, obs, items, chunk)
+
+    def sample(self) -> dict[str, Any]:
+        return self.server.sample(timeout=30).batch
+
+    def submit(self, item: dict[str, Any]) -> None:
+        self.server.submit(item)
+
+    def submit_batch(self, rows: dict[str, Any]) -> None:
+        self.server.submit_batch(rows)
+
+    def close(self) -> None:
+        self.server.close()
+
+
+class _PyZstdTable:
+    """The baseline: a Python list of one ``zstandard`` level-1 frame per item (the other
+    leaves in numpy arrays), a ring of ``n`` items; a sample draws 256 indices and
+    decompresses each into a preallocated batch."""
+
+    def __init__(self, n: int, item_shape: tuple[int, ...], seed: int) -> None:
+        import numpy as np
+        import zstandard
+
+        self.n, self.pos, self.size = n, 0, 0
+        self.compress = zstandard.ZstdCompressor(level=1).compress
+        self.decompress = zstandard.ZstdDecompressor().decompress
+        self.frames: list[bytes] = [b""] * n
+        self.action = np.zeros(n, np.int64)
+        self.reward = np.zeros(n, np.float32)
+        self.done = np.zeros(n, np.bool_)
+        self.rng = np.random.default_rng(seed)
+        self.batch = {
+            "obs": np.empty((BATCH, *item_shape), np.uint8),
+            "action": np.empty(BATCH, np.int64),
+            "reward": np.empty(BATCH, np.float32),
+            "done": np.empty(BATCH, np.bool_),
+        }
+        self.flat = self.batch["obs"].reshape(BATCH, -1)
+
+    def submit(self, item: dict[str, Any]) -> None:
+        p = self.pos
+        self.frames[p] = self.compress(item["obs"])
+        self.action[p], self.reward[p], self.done[p] = item["action"], item["reward"], item["done"]
+        self.pos = (p + 1) % self.n
+        self.size = min(self.n, self.size + 1)
+
+    def submit_batch(self, rows: dict[str, Any]) -> None:
+        for i in range(len(rows["action"])):
+            self.submit({k: v[i] for k, v in rows.items()})
+
+    def fill(self, obs: Any, items: int, chunk: int) -> float:
+        t0 = time.perf_counter()
+        for i in range(items):
+            self.submit(_one(obs, i % len(obs)))
+        return time.perf_counter() - t0
+
+    def sample(self) -> dict[str, Any]:
+        import numpy as np
+
+        idx = self.rng.integers(0, self.size, BATCH)
+        for row, k in enumerate(idx.tolist()):
+            self.flat[row] = np.frombuffer(self.decompress(self.frames[k]), np.uint8)
+        np.take(self.action, idx, out=self.batch["action"])
+        np.take(self.reward, idx, out=self.batch["reward"])
+        np.take(self.done, idx, out=self.batch["done"])
+        return self.batch
+
+    def close(self) -> None:
+        self.frames = []
+
+
+def _machine_busy() -> tuple[int, int] | None:
+    """``/proc/stat``'s total and idle (with iowait) jiffies of all CPUs, or None."""
+    try:
+        with open("/proc/stat", encoding="utf-8") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return sum(v), v[3] + v[4]
+
+
 def _throughput_case(params: dict[str, Any]) -> dict[str, Any]:
+    """The same items in three echo tables (and the Python zstandard baseline's), the
+    operations timed in windows: per repeat and operation, every table back to back (the
+    order rotating), so a busy moment on a shared machine hits the tables it compares."""
     import numpy as np
 
     import echo
 
     obs = pool(params, "mixed")
     items, rows, seconds = int(params["items"]), int(params["rows"]), float(params["seconds"])
-    servers = {
-        name: echo.Server(
-            example(),
-            BATCH,
-            sampler=echo.Uniform(),
-            max_size=items,
-            seed=2,
-            compress=_codec(name),
+    tables: dict[str, Any] = {
+        name: _EchoTable(
+            echo.Server(
+                example(),
+                BATCH,
+                sampler=echo.Uniform(),
+                max_size=items,
+                seed=2,
+                compress=_codec(name),
+            )
         )
         for name in CODECS
     }
+    if importlib.util.find_spec("zstandard") is not None:
+        tables[PY_ZSTD] = _PyZstdTable(items, obs.shape[1:], seed=2)
     out: dict[str, Any] = {"items": items, "pool": len(obs), "correct": True, "fill_per_s": {}}
-    for name, server in servers.items():
-        out["fill_per_s"][name] = items / _fill(server, obs, items, int(params["chunk"]))
-        st = server.stats()
-        out.setdefault("compression_ratio", {})[name] = st.compression_ratio
+    for name, table in tables.items():
+        out["fill_per_s"][name] = items / table.fill(obs, items, int(params["chunk"]))
+        if name in CODECS:
+            out.setdefault("compression_ratio", {})[name] = table.server.stats().compression_ratio
     dst = np.empty((BATCH, *obs.shape[1:]), np.uint8)
     singles = [_one(obs, i) for i in range(len(obs))]
     starts = list(range(0, len(obs) - rows + 1, rows))
-    runs: dict[str, list[float]] = {}
-    cpu: dict[str, list[float]] = {}
-
-    def window(key: str, fn: Any, per_call: int = 1) -> None:
-        t0 = time.process_time()
-        w0 = time.perf_counter()
-        runs.setdefault(key, []).append(_timed(fn, seconds, per_call))
-        cpu.setdefault(key, []).append((time.process_time() - t0) / (time.perf_counter() - w0))
-
     nxt = [0]  # the next pool item (submit) or chunk (submit_batch) to insert
+
+    def copy(t: Any) -> None:
+        np.copyto(dst, t.sample()["obs"])
+
+    def total(t: Any) -> None:
+        t.sample()["obs"].sum()
+
+    def one(t: Any) -> None:
+        t.submit(singles[nxt[0] % len(singles)])
+        nxt[0] += 1
+
+    def many(t: Any) -> None:
+        t.submit_batch(_rows(obs, starts[nxt[0] % len(starts)], rows))
+        nxt[0] += 1
+
+    ops = {"sample/copy": (copy, 1), "sample/sum": (total, 1)}
+    ops |= {"insert/submit": (one, 1), "insert/submit_batch": (many, rows)}
+    runs: dict[str, list[float]] = {}
+    own: dict[str, list[float]] = {}
+    others: dict[str, list[float]] = {}
+    names = list(tables)
     for rep in range(int(params["repeats"])):
-        order = CODECS[rep % len(CODECS) :] + CODECS[: rep % len(CODECS)]
-        for name in order:
-            server = servers[name]
-            got = server.sample(timeout=30)
-            ok = got is not None and _check(got.batch["obs"], got.batch["action"], obs)
-            out["correct"] = out["correct"] and ok
-
-            def copy(server: Any = server) -> None:
-                np.copyto(dst, server.sample(timeout=30).batch["obs"])
-
-            def total(server: Any = server) -> None:
-                server.sample(timeout=30).batch["obs"].sum()
-
-            window(f"sample/copy/{name}", copy)
-            window(f"sample/sum/{name}", total)
-
-            def one(server: Any = server) -> None:
-                server.submit(singles[nxt[0] % len(singles)])
-                nxt[0] += 1
-
-            def many(server: Any = server) -> None:
-                server.submit_batch(_rows(obs, starts[nxt[0] % len(starts)], rows))
-                nxt[0] += 1
-
-            window(f"insert/submit/{name}", one)
-            window(f"insert/submit_batch/{name}", many, rows)
-    for server in servers.values():
-        got = server.sample(timeout=30)
-        ok = got is not None and _check(got.batch["obs"], got.batch["action"], obs)
-        out["correct"] = out["correct"] and ok
-        server.close()
+        for op, (fn, per_call) in ops.items():
+            for name in names[rep % len(names) :] + names[: rep % len(names)]:
+                table, key = tables[name], f"{op}/{name}"
+                batch = table.sample()
+                out["correct"] = out["correct"] and _check(batch["obs"], batch["action"], obs)
+                m0, c0, w0 = _machine_busy(), time.process_time(), time.perf_counter()
+                runs.setdefault(key, []).append(
+                    _timed(lambda t=table, f=fn: f(t), seconds, per_call)
+                )
+                m1, c1, w1 = _machine_busy(), time.process_time(), time.perf_counter()
+                own.setdefault(key, []).append((c1 - c0) / (w1 - w0))
+                if m0 is not None and m1 is not None and m1[0] > m0[0]:
+                    busy = (os.cpu_count() or 1) * (1 - (m1[1] - m0[1]) / (m1[0] - m0[0]))
+                    others.setdefault(key, []).append(max(0.0, busy - own[key][-1]))
+    for table in tables.values():
+        batch = table.sample()
+        out["correct"] = out["correct"] and _check(batch["obs"], batch["action"], obs)
+        table.close()
     out["rates"] = {k: statistics.median(v) for k, v in runs.items()}
     out["runs"] = runs
+    out["cpu_cores"] = {k: statistics.median(v) for k, v in own.items()}
+    out["others_cpu_cores"] = {k: statistics.median(v) for k, v in others.items()}
     out["codec_gb_s"] = _codec_reference(obs, seconds)
-    out["cpu_cores"] = {k: statistics.median(v) for k, v in cpu.items()}
     return out
 
 
@@ -450,76 +551,28 @@ def _codec_reference(obs: Any, seconds: float) -> dict[str, float]:
 
 
 def _zstandard_case(params: dict[str, Any]) -> dict[str, Any]:
-    """The baseline: a Python list of ``zstandard`` level-1 frames, one per item."""
-    import numpy as np
+    """The baseline's memory: ``baseline_items`` items in a :class:`_PyZstdTable` (its rates
+    are measured in the throughput process, beside echo's tables)."""
     import zstandard
 
     obs = pool(params, "mixed")
-    n, rows, seconds = int(params["baseline_items"]), int(params["rows"]), float(params["seconds"])
-    cctx = zstandard.ZstdCompressor(level=1)
-    dctx = zstandard.ZstdDecompressor()
-    dctx.decompress(cctx.compress(obs[0]))  # the contexts' buffers: not per item
+    n = int(params["baseline_items"])
+    table = _PyZstdTable(n, obs.shape[1:], seed=3)
+    table.submit(_one(obs, 0))  # the codec contexts' buffers, before the baseline: not per item
+    table.pos, table.size = 0, 0
     c.malloc_trim()
     before = c.settle_rss(max_s=5.0)
-    store: list[bytes] = [b""] * n
-    actions = np.zeros(n, np.int64)
-    rewards = np.zeros(n, np.float32)
-    dones = np.zeros(n, np.bool_)
-    t0 = time.perf_counter()
-    for i in range(n):
-        j = i % len(obs)
-        store[i] = cctx.compress(obs[j])
-        actions[i], rewards[i], dones[i] = j, j % 7, j % 500 == 499
-    fill_s = time.perf_counter() - t0
+    fill_s = table.fill(obs, n, int(params["chunk"]))
     c.malloc_trim()
     after = c.settle_rss(max_s=10.0)
-    rng = np.random.default_rng(3)
-    batch = {
-        "obs": np.empty((BATCH, *obs.shape[1:]), np.uint8),
-        "action": np.empty(BATCH, np.int64),
-        "reward": np.empty(BATCH, np.float32),
-        "done": np.empty(BATCH, np.bool_),
-    }
-    flat = batch["obs"].reshape(BATCH, -1)
-
-    def sample() -> dict[str, Any]:
-        idx = rng.integers(0, n, BATCH)
-        for row, k in enumerate(idx.tolist()):
-            flat[row] = np.frombuffer(dctx.decompress(store[k]), np.uint8)
-        np.take(actions, idx, out=batch["action"])
-        np.take(rewards, idx, out=batch["reward"])
-        np.take(dones, idx, out=batch["done"])
-        return batch
-
-    correct = all(_check(b["obs"], b["action"], obs) for b in (sample(), sample()))
-    dst = np.empty_like(batch["obs"])
-    pos = [0]
-
-    def one() -> None:
-        p, j = pos[0] % n, pos[0] % len(obs)
-        store[p] = cctx.compress(obs[j])
-        actions[p], rewards[p], dones[p] = j, j % 7, j % 500 == 499
-        pos[0] += 1
-
-    def many() -> None:
-        for _ in range(rows):
-            one()
-
-    rates = {
-        "sample/copy": _timed(lambda: np.copyto(dst, sample()["obs"]), seconds),
-        "sample/sum": _timed(lambda: sample()["obs"].sum(), seconds),
-        "insert/submit": _timed(one, seconds),
-        "insert/submit_batch": _timed(many, seconds, rows),
-    }
-    correct = correct and _check(sample()["obs"], batch["action"], obs)
+    correct = all(_check(b["obs"], b["action"], obs) for b in (table.sample(), table.sample()))
     return {
         "zstandard": zstandard.__version__,
         "items": n,
         "rss_mib": after - before,
         "rss_bytes_per_item": (after - before) * c.MIB / n,
-        "stored_bytes": sum(len(b) for b in store),
+        "stored_bytes": sum(len(b) for b in table.frames),
         "fill_per_s": n / fill_s,
-        "rates": rates,
         "correct": bool(correct),
     }
 
@@ -1121,9 +1174,26 @@ def _memory_summary(res: dict[str, Any], params: dict[str, Any]) -> list[dict[st
     return rows
 
 
-def _ratio(rates: dict[str, float], key: str, codec: str) -> float | None:
-    a, b = rates.get(f"{key}/{codec}"), rates.get(f"{key}/none")
-    return a / b if a and b else None
+def _ratios(th: dict[str, Any], key: str, codec: str) -> list[float]:
+    """Per repeat, ``codec``'s rate over the uncompressed table's, from windows run back to
+    back (paired, so a busy moment of a shared machine mostly cancels)."""
+    runs = th.get("runs", {})
+    pairs = zip(runs.get(f"{key}/{codec}", []), runs.get(f"{key}/none", []), strict=False)
+    return [a / b for a, b in pairs if b > 0]
+
+
+def _ratio(th: dict[str, Any], key: str, codec: str) -> float | None:
+    """The median of :func:`_ratios`; None when there are none."""
+    rs = _ratios(th, key, codec)
+    return statistics.median(rs) if rs else None
+
+
+def _ratio_cell(th: dict[str, Any], key: str, codec: str) -> str:
+    rs = _ratios(th, key, codec)
+    if not rs:
+        return "-"
+    spread = f" ({min(rs):.2f}-{max(rs):.2f})" if len(rs) > 1 else ""
+    return f"{statistics.median(rs):.2f}x{spread}"
 
 
 def _wire_ratio(wire: dict[str, Any], path: str) -> float | None:
@@ -1148,7 +1218,7 @@ def targets(res: dict[str, Any], params: dict[str, Any]) -> list[dict[str, Any]]
                 "shown": f"1/{1 / row['fraction']:.1f}",
             }
         )
-    rates = res.get("throughput", {}).get("rates", {})
+    th = res.get("throughput", {})
     for key, codec, label in (
         ("sample/copy", "zstd-1", "sampling, copy consumer, zstd-1"),
         ("sample/copy", "lz4", "sampling, copy consumer, LZ4"),
@@ -1159,7 +1229,7 @@ def targets(res: dict[str, Any], params: dict[str, Any]) -> list[dict[str, Any]]
         ("insert/submit", "lz4", "inserts, submit, LZ4"),
         ("insert/submit_batch", "lz4", f"inserts, submit_batch of {params['rows']}, LZ4"),
     ):
-        r = _ratio(rates, key, codec)
+        r = _ratio(th, key, codec)
         target = SAMPLE_TARGET if key.startswith("sample") else INSERT_TARGET
         out.append(
             {
@@ -1333,36 +1403,43 @@ def _rates_table(results: dict[str, Any], params: dict[str, Any]) -> dict[str, A
             rows.append([side, str(th["error"])[:120], *["-"] * (len(cols) - 2)])
             continue
         rates, cores = th["rates"], th.get("cpu_cores", {})
+        others = th.get("others_cpu_cores", {})
         for key, what, unit in RATE_ROWS:
             cells = [side, what.format(rows=params["rows"]), unit]
             cells.append(c.num(rates.get(f"{key}/none")))
             for codec in ("zstd-1", "lz4"):
-                r = _ratio(rates, key, codec)
-                cells += [c.num(rates.get(f"{key}/{codec}")), "-" if r is None else f"{r:.2f}x"]
+                cells += [c.num(rates.get(f"{key}/{codec}")), _ratio_cell(th, key, codec)]
             rows.append(cells)
-        busy = ", ".join(
-            f"{CODEC_LABELS[k]} {cores[f'sample/copy/{k}']:.2f}"
-            for k in CODECS
-            if f"sample/copy/{k}" in cores
-        )
+
+        def cpu(d: dict[str, float], op: str) -> str:
+            return ", ".join(
+                f"{CODEC_LABELS[k]} {d[f'{op}/{k}']:.2f}" for k in CODECS if f"{op}/{k}" in d
+            )
+
         ratio = th["compression_ratio"]
         notes.append(
-            f"{side}: CPU cores busy while sampling (copy consumer): {busy}; the tables' stats "
-            f"ratio: zstd-1 {ratio['zstd-1']:.1f}x, LZ4 {ratio['lz4']:.1f}x"
+            f"{side}: CPU cores (median over the windows) of this process while sampling with "
+            f"the copy consumer: {cpu(cores, 'sample/copy')}; of every other process on the "
+            f"machine meanwhile: {cpu(others, 'sample/copy') or '-'}; the tables' stats ratio: "
+            f"zstd-1 {ratio['zstd-1']:.1f}x, LZ4 {ratio['lz4']:.1f}x"
         )
         notes.append(_per_core_note(side, th))
     return {
         "title": f"Sampling and inserts: {params['items']:,} mixed items per table, batches of "
-        f"{BATCH}, median of {params['repeats']} windows of {params['seconds']:g} s",
+        f"{BATCH}, median of {params['repeats']} windows of {params['seconds']:g} s each",
         "columns": cols,
         "rows": rows,
         "notes": [
-            "ratio: over the uncompressed table's rate; inserts go into the full table, each "
-            "evicting the oldest (the steady state); the same consumer reads every batch of "
-            "every table",
+            "ratio: the median over the repeats of the rate over the uncompressed table's in "
+            "the window run just before or after it (the range in brackets); inserts go into "
+            "the full table, each evicting the oldest (the steady state); the same consumer "
+            "reads every batch of every table",
             *notes,
         ],
     }
+
+
+BASE_KEYS = ("insert/submit", "insert/submit_batch", "sample/copy", "sample/sum")
 
 
 def _baselines_table(results: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
@@ -1372,78 +1449,70 @@ def _baselines_table(results: dict[str, Any], params: dict[str, Any]) -> dict[st
     cols += ["batches/s, copy", "batches/s, sum"]
     rows = c.failed_rows(results, len(cols))
     notes: list[str] = []
+
+    def mem_cells(items: int, per_item: float) -> list[str]:
+        return [f"{items:,}", c.num(per_item), f"{per_item * full / 2**30:.2f} GiB"]
+
     for side, res in _sides(results):
-        mixed = [
-            m
-            for m in _memory_summary(res, params)
-            if (m["game"], m["codec"]) == ("mixed", "zstd-1")
-        ]
+        mixed = {(m["game"], m["codec"]): m for m in _memory_summary(res, params)}
+        echo_mem = mixed.get(("mixed", "zstd-1"))
         rates = res["throughput"].get("rates", {})
-        if mixed:
+        if echo_mem is not None:
             rows.append(
                 [
                     side,
                     "echo, compress={'obs': Zstd(1)}",
-                    f"{full:,}",
-                    c.num(mixed[0]["rss_bytes_per_item"]),
-                    f"{mixed[0]['rss_gib']:.2f} GiB",
-                    *(
-                        c.num(rates.get(f"{k}/zstd-1"))
-                        for k in (
-                            "insert/submit",
-                            "insert/submit_batch",
-                            "sample/copy",
-                            "sample/sum",
-                        )
-                    ),
+                    *mem_cells(full, echo_mem["rss_bytes_per_item"]),
+                    *(c.num(rates.get(f"{k}/zstd-1")) for k in BASE_KEYS),
                 ]
             )
-        for key, label in (
-            ("zstandard", "Python loop: zstandard level 1, a list of bytes"),
-            ("torchrl", "TorchRL CompressedListStorage, level 1"),
-        ):
-            b = res.get(key, {})
-            if "skipped" in b or "error" in b:
-                why = b.get("skipped") or b.get("error")
-                rows.append([side, label, f"not measured: {why}"[:160], *["-"] * 6])
-                continue
-            r = b["rates"]
+        label = "Python loop: zstandard level 1, a list of bytes"
+        b = res.get("zstandard", {})
+        if "skipped" in b or "error" in b:
+            why = b.get("skipped") or b.get("error")
+            rows.append([side, label, f"not measured: {why}"[:160], *["-"] * 6])
+        else:
             rows.append(
                 [
                     side,
                     label,
-                    f"{b['items']:,}",
-                    c.num(b["rss_bytes_per_item"]),
-                    f"{b['rss_bytes_per_item'] * full / 2**30:.2f} GiB",
-                    *(
-                        c.num(r.get(k))
-                        for k in (
-                            "insert/submit",
-                            "insert/submit_batch",
-                            "sample/copy",
-                            "sample/sum",
-                        )
-                    ),
+                    *mem_cells(b["items"], b["rss_bytes_per_item"]),
+                    *(c.num(rates.get(f"{k}/{PY_ZSTD}")) for k in BASE_KEYS),
                 ]
             )
-            if key == "torchrl":
-                notes.append(
-                    f"{side}: TorchRL {b['torchrl']} (tensordict {b['tensordict']}, torch "
-                    f"{b['torch']}, {b['torch_threads']} threads): ReplayBuffer with a "
-                    f"RandomSampler; inserts are add() and extend() of {params['rows']} rows"
-                )
-            else:
-                notes.append(
-                    f"{side}: zstandard {b['zstandard']}; inserts: compress() per item in a "
-                    "Python loop either way"
-                )
+            notes.append(
+                f"{side}: zstandard {b['zstandard']}, one compress() per item in a Python loop "
+                "(so one item or a batch per call is the same); its rates come from the "
+                "throughput process, windows alternating with echo's tables on the same items"
+            )
+        label = "TorchRL CompressedListStorage, level 1"
+        t = res.get("torchrl", {})
+        if "skipped" in t or "error" in t:
+            why = t.get("skipped") or t.get("error")
+            rows.append([side, label, f"not measured: {why}"[:160], *["-"] * 6])
+        else:
+            rows.append(
+                [
+                    side,
+                    label,
+                    *mem_cells(t["items"], t["rss_bytes_per_item"]),
+                    *(c.num(t["rates"].get(k)) for k in BASE_KEYS),
+                ]
+            )
+            notes.append(
+                f"{side}: TorchRL {t['torchrl']} (tensordict {t['tensordict']}, torch "
+                f"{t['torch']}, {t['torch_threads']} threads), its own process with "
+                f"{t['items']:,} items: ReplayBuffer with a RandomSampler; inserts are add() "
+                f"and extend() of {params['rows']} rows, one window of each"
+            )
     return {
         "title": "Baselines: echo's zstd-1 table, a Python zstandard loop and TorchRL's "
         "CompressedListStorage (mixed items, batches of 256, the same consumers)",
         "columns": cols,
         "rows": rows,
         "notes": [
-            "RSS bytes/item measured at the items held, scaled linearly where fewer were held",
+            f"RSS bytes/item measured at the items held, scaled linearly to {full:,}; rates: "
+            f"echo and the zstandard loop with {params['items']:,} items each",
             *notes,
         ],
     }
