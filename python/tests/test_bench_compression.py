@@ -38,6 +38,7 @@ def _tiny() -> dict[str, Any]:
     return params
 
 
+@pytest.mark.timeout(180)  # eleven memory children, the relay, workers: ~25 s on 2 busy cores
 def test_compression_suite_on_the_committed_fixture() -> None:
     params = _tiny()
     result = compression.measure(params)
@@ -94,3 +95,26 @@ def test_the_committed_record_renders_its_own_tables() -> None:
     assert record["tables"] == compression.tables(record["results"], record["parameters"])
     if not record["quick"]:
         assert record["parameters"]["memory_items"] == 1_000_000
+
+
+def test_with_wire_compression_the_ratios_and_targets_come_out() -> None:
+    """Once `TcpClient` has `wire_compression`, rounds with it sit beside those without: the
+    committed record's results with such rounds added give ratios and verdicts."""
+    record = records.load("compression")
+    assert record is not None
+    params, res = record["parameters"], json.loads(json.dumps(record["results"]["ours"]))
+    wire = res["wire"]
+    wire["with_available"] = True
+    for r in list(wire["rounds"]):
+        factor = 5.0 if r["path"] == "relay-limited" else 0.5
+        wire["rounds"].append(
+            {**r, "wire_compression": True, "samples_per_s": factor * r["samples_per_s"]}
+        )
+    got = {t["what"]: t for t in compression.targets(res, params)}
+    relay = got[f"wire, {params['rate_mbit']:g} Mb/s relay: with / without wire compression"]
+    direct = got["wire, direct loopback: with / without wire compression"]
+    assert (relay["shown"], relay["met"]) == ("5.00x", True)
+    assert (direct["shown"], direct["met"]) == ("0.50x", False)
+    table = compression.tables({"ours": res}, params)[-1]
+    assert compression.NOT_AVAILABLE not in records.render_table(table)
+    assert [row[6] for row in table["rows"]] == ["0.50x", "5.00x", "0.50x"]
