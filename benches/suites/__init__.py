@@ -115,6 +115,12 @@ SUITES: tuple[Suite, ...] = (
         "to compress",
     ),
     Suite(
+        "compression",
+        "benches.suites.compression",
+        "compressed replay on real Atari steps: RSS, sample and insert rates vs uncompressed, "
+        "a zstandard loop and TorchRL, wire compression through a 1 Gb/s relay",
+    ),
+    Suite(
         "ray",
         "benches.suites.ray_service",
         "echo.ray on a local Ray cluster: samples/s by shard count, connect vs TcpClient, "
