@@ -663,6 +663,9 @@ pub struct IngressStats {
     refused_layout: Counter,
     shm: Counter,
     shm_fallback: Counter,
+    /// Samples that arrived in compressed frames, and the bytes of those frames' bodies.
+    compressed: Counter,
+    compressed_bytes: Counter,
     /// Samples a connection's task inserted into the backend itself (shared memory,
     /// [`Connection::direct`]), not through a drainer; part of `samples_inserted_total`.
     direct_inserted: Counter,
@@ -718,6 +721,11 @@ pub struct IngressSnapshot {
     /// v2 connections that wanted shared memory and sent over TCP instead (another host,
     /// turned off on the server, or the attach failed).
     pub shm_fallbacks_total: u64,
+    /// Samples that arrived compressed (wire v2 compressed frames).
+    pub samples_received_compressed_total: u64,
+    /// Bytes those samples took on the wire (their frames' bodies): against their raw size,
+    /// the wire's compression ratio.
+    pub compressed_bytes_received_total: u64,
 }
 
 /// What a transport reports about its connections, for the counters.
@@ -909,6 +917,12 @@ impl Ingress {
         }
     }
 
+    /// Counts a sample that arrived compressed, in a frame body of `bytes`.
+    pub fn note_compressed(&self, bytes: usize) {
+        self.stats.compressed.add(1);
+        self.stats.compressed_bytes.add(bytes as u64);
+    }
+
     /// Number of drainer threads running.
     pub fn num_drainers(&self) -> usize {
         self.drainers.len()
@@ -939,6 +953,8 @@ impl Ingress {
             handshakes_refused_layout_total: self.stats.refused_layout.get(),
             shm_connections_total: self.stats.shm.get(),
             shm_fallbacks_total: self.stats.shm_fallback.get(),
+            samples_received_compressed_total: self.stats.compressed.get(),
+            compressed_bytes_received_total: self.stats.compressed_bytes.get(),
             ..IngressSnapshot::default()
         };
         snap.samples_inserted_total = self.stats.direct_inserted.get();

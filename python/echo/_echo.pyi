@@ -145,6 +145,13 @@ class SampleInfo:
         """v2 connections that wanted shared memory and sent over TCP instead (another host,
         `TcpTransport(shared_memory=False)`, or the attach failed)."""
     @property
+    def samples_received_compressed_total(self) -> int:
+        """Samples that arrived over TCP in compressed frames (the worker compressed the
+        leaves the learner's `compress=` names)."""
+    @property
+    def compressed_bytes_received_total(self) -> int:
+        """Bytes those samples took on the wire (the frames' bodies)."""
+    @property
     def notify_count(self) -> int:
         """Consumer wake-ups: one per completed batch."""
     @property

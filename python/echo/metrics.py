@@ -251,6 +251,19 @@ METRICS: tuple[MetricSpec, ...] = (
         "Connections that asked for shared memory and send over TCP instead.",
         "shm_fallbacks_total",
     ),
+    _spec(
+        "echo_samples_received_compressed_total",
+        "counter",
+        "Samples that arrived compressed over TCP (the workers compressed the compress= "
+        "leaves).",
+        "samples_received_compressed_total",
+    ),
+    _spec(
+        "echo_received_compressed_bytes_total",
+        "counter",
+        "Bytes those compressed samples took on the wire.",
+        "compressed_bytes_received_total",
+    ),
     # Ingress.
     _spec(
         "echo_ingress_buffered_bytes",
@@ -495,6 +508,8 @@ def _values(server: Server, info: SampleInfo, tally: Tally, now: float) -> dict[
         "echo_sessions_resumed_total": info.sessions_resumed_total,
         "echo_shm_connections_total": info.shm_connections_total,
         "echo_shm_fallbacks_total": info.shm_fallbacks_total,
+        "echo_samples_received_compressed_total": info.samples_received_compressed_total,
+        "echo_received_compressed_bytes_total": info.compressed_bytes_received_total,
         "echo_ingress_buffered_bytes": info.buffered_bytes,
         "echo_ingress_buffered_max_bytes": 0 if transport is None else transport.max_buffered_bytes,
         "echo_ingress_samples_pending": info.samples_pending,

@@ -370,6 +370,11 @@ def test_tcp_workers_compress_what_the_server_names_unless_told_not_to(
             client.send_batch(_rows(half, (w + 1) * per))
             client.wait(timeout=30)
     _assert_each_once(server, len(options) * per)
+    # The two workers that compressed sent every sample compressed, in far fewer bytes.
+    stats = server.stats()
+    assert stats.samples_received_compressed_total == 2 * per
+    raw = 2 * per * 84 * 84 * 4
+    assert 0 < stats.compressed_bytes_received_total < raw / 4
 
 
 def test_wire_compression_must_be_a_bool() -> None:

@@ -192,6 +192,10 @@ pub(crate) struct SampleInfo {
     /// wanted it and sent over TCP instead.
     shm_connections_total: u64,
     shm_fallbacks_total: u64,
+    /// Samples that arrived in compressed frames (wire v2, a learner with `compress=`), and
+    /// the bytes those frames' bodies took on the wire.
+    samples_received_compressed_total: u64,
+    compressed_bytes_received_total: u64,
     /// Consumer wake-ups: one per completed batch.
     notify_count: u64,
     cas_success_total: u64,
@@ -294,6 +298,8 @@ counters!(
     handshakes_refused_layout_total,
     shm_connections_total,
     shm_fallbacks_total,
+    samples_received_compressed_total,
+    compressed_bytes_received_total,
     notify_count,
     cas_success_total,
     cas_failure_total,
@@ -426,6 +432,8 @@ impl SampleInfo {
             handshakes_refused_layout_total: ingress.handshakes_refused_layout_total,
             shm_connections_total: ingress.shm_connections_total,
             shm_fallbacks_total: ingress.shm_fallbacks_total,
+            samples_received_compressed_total: ingress.samples_received_compressed_total,
+            compressed_bytes_received_total: ingress.compressed_bytes_received_total,
             notify_count,
             cas_success_total: d.cas_success_total,
             cas_failure_total: d.cas_failure_total,

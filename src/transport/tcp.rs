@@ -966,6 +966,7 @@ async fn serve_frames(
                 Err(why) => return Err(link.fail(&why).await),
             };
             let kept = kept.filter(|_| shared.keep_packed);
+            ingress.note_compressed(body.len());
             link.push(conn, space, buf, kept, priority, mark).await?;
             // ORDERING: Relaxed — as below.
             session.next_seq.fetch_add(1, Relaxed);
