@@ -254,8 +254,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _spec(
         "echo_samples_received_compressed_total",
         "counter",
-        "Samples that arrived compressed over TCP (the workers compressed the compress= "
-        "leaves).",
+        "Samples that arrived compressed over TCP (the workers compressed the compress= leaves).",
         "samples_received_compressed_total",
     ),
     _spec(
