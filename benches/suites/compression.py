@@ -1453,6 +1453,25 @@ def _baselines_table(results: dict[str, Any], params: dict[str, Any]) -> dict[st
     def mem_cells(items: int, per_item: float) -> list[str]:
         return [f"{items:,}", c.num(per_item), f"{per_item * full / 2**30:.2f} GiB"]
 
+    def baseline_row(
+        side: str, label: str, result: dict[str, Any], rates: dict[str, Any], key: str
+    ) -> bool:
+        """Appends a baseline's row (or why it was not measured), its rates `rates[key %
+        k]` for each of `BASE_KEYS`; whether it was measured."""
+        if "skipped" in result or "error" in result:
+            why = result.get("skipped") or result.get("error")
+            rows.append([side, label, f"not measured: {why}"[:160], *["-"] * 6])
+            return False
+        rows.append(
+            [
+                side,
+                label,
+                *mem_cells(result["items"], result["rss_bytes_per_item"]),
+                *(c.num(rates.get(key % k)) for k in BASE_KEYS),
+            ]
+        )
+        return True
+
     for side, res in _sides(results):
         mixed = {(m["game"], m["codec"]): m for m in _memory_summary(res, params)}
         echo_mem = mixed.get(("mixed", "zstd-1"))
@@ -1466,39 +1485,17 @@ def _baselines_table(results: dict[str, Any], params: dict[str, Any]) -> dict[st
                     *(c.num(rates.get(f"{k}/zstd-1")) for k in BASE_KEYS),
                 ]
             )
-        label = "Python loop: zstandard level 1, a list of bytes"
         b = res.get("zstandard", {})
-        if "skipped" in b or "error" in b:
-            why = b.get("skipped") or b.get("error")
-            rows.append([side, label, f"not measured: {why}"[:160], *["-"] * 6])
-        else:
-            rows.append(
-                [
-                    side,
-                    label,
-                    *mem_cells(b["items"], b["rss_bytes_per_item"]),
-                    *(c.num(rates.get(f"{k}/{PY_ZSTD}")) for k in BASE_KEYS),
-                ]
-            )
+        label = "Python loop: zstandard level 1, a list of bytes"
+        if baseline_row(side, label, b, rates, f"%s/{PY_ZSTD}"):
             notes.append(
                 f"{side}: zstandard {b['zstandard']}, one compress() per item in a Python loop "
                 "(so one item or a batch per call is the same); its rates come from the "
                 "throughput process, windows alternating with echo's tables on the same items"
             )
-        label = "TorchRL CompressedListStorage, level 1"
         t = res.get("torchrl", {})
-        if "skipped" in t or "error" in t:
-            why = t.get("skipped") or t.get("error")
-            rows.append([side, label, f"not measured: {why}"[:160], *["-"] * 6])
-        else:
-            rows.append(
-                [
-                    side,
-                    label,
-                    *mem_cells(t["items"], t["rss_bytes_per_item"]),
-                    *(c.num(t["rates"].get(k)) for k in BASE_KEYS),
-                ]
-            )
+        label = "TorchRL CompressedListStorage, level 1"
+        if baseline_row(side, label, t, t.get("rates", {}), "%s"):
             notes.append(
                 f"{side}: TorchRL {t['torchrl']} (tensordict {t['tensordict']}, torch "
                 f"{t['torch']}, {t['torch_threads']} threads), its own process with "
