@@ -961,11 +961,11 @@ async fn serve_frames(
                 let why = "a compressed frame, but this connection agreed on no codecs";
                 return Err(link.fail(why).await);
             };
-            let (buf, kept) = match read_packed(link, conn, space, codecs, &mut body).await? {
+            let keep = shared.keep_packed;
+            let (buf, kept) = match read_packed(link, conn, space, codecs, keep, &mut body).await? {
                 Ok(read) => read,
                 Err(why) => return Err(link.fail(&why).await),
             };
-            let kept = kept.filter(|_| shared.keep_packed);
             ingress.note_compressed(body.len());
             link.push(conn, space, buf, kept, priority, mark).await?;
             // ORDERING: Relaxed — as below.
@@ -1004,15 +1004,16 @@ fn packed_bit(kind: u8) -> u8 {
 }
 
 /// Reads a compressed frame's `body_len` and body (into `body`, reused) and decompresses it
-/// into a pooled buffer. Returns the buffer and the packed bytes (what a table that stores
-/// the leaves compressed keeps), or, as `Err` inside, why the frame is refused: a length
-/// above what these codecs can produce, or a body that does not decompress to exactly the
-/// sample. Nothing beyond the cap is ever allocated.
+/// into a pooled buffer. Returns the buffer and, with `keep`, the packed bytes (what a table
+/// that stores the leaves compressed keeps; copied out only then), or, as `Err` inside, why
+/// the frame is refused: a length above what these codecs can produce, or a body that does
+/// not decompress to exactly the sample. Nothing beyond the cap is ever allocated.
 async fn read_packed<'c>(
     link: &mut Link<'_>,
     conn: &'c Arc<Connection>,
     space: &Notify,
     codecs: &LeafCodecs,
+    keep: bool,
     body: &mut Vec<u8>,
 ) -> io::Result<Result<(Pooled<'c>, Option<Box<[u8]>>), String>> {
     let mut len = [0u8; 4];
@@ -1032,7 +1033,7 @@ async fn read_packed<'c>(
     }
     let mut buf = link.buffer(conn, space).await?;
     match codecs.unpack_body(body, buf.bytes()) {
-        Ok(at) => Ok(Ok((buf, Some(Box::from(&body[at..]))))),
+        Ok(at) => Ok(Ok((buf, keep.then(|| Box::from(&body[at..]))))),
         Err(why) => Ok(Err(format!("a compressed frame that does not decode: {why}"))),
     }
 }
