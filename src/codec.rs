@@ -119,20 +119,29 @@ impl Codec {
     }
 
     /// Compresses `raw` and appends the result to `out`.
+    ///
+    /// The codec writes into this thread's scratch buffer (sized once for the worst case), and
+    /// only the compressed bytes are copied to `out`: `out` grows by what it keeps, with no
+    /// worst-case allocation or zeroing per call.
     pub fn compress_append(self, raw: &[u8], out: &mut Vec<u8>) {
-        let start = out.len();
-        out.resize(start + self.bound(raw.len()), 0);
-        let dst = &mut out[start..];
-        let written = match self {
-            Self::Zstd { level } => ZSTD.with(|cell| {
-                let mut contexts = cell.borrow_mut();
-                let cctx = contexts.0.get_or_insert_with(zstd_safe::CCtx::create);
-                cctx.compress(dst, raw, level)
-                    .expect("a destination of compress_bound bytes is always large enough")
-            }),
-            Self::Lz4 => lz4_compress(raw, dst),
-        };
-        out.truncate(start + written);
+        SCRATCH.with(|scratch| {
+            let mut scratch = scratch.borrow_mut();
+            let bound = self.bound(raw.len());
+            if scratch.len() < bound {
+                scratch.resize(bound, 0);
+            }
+            let dst = &mut scratch[..bound];
+            let written = match self {
+                Self::Zstd { level } => ZSTD.with(|cell| {
+                    let mut contexts = cell.borrow_mut();
+                    let cctx = contexts.0.get_or_insert_with(zstd_safe::CCtx::create);
+                    cctx.compress(dst, raw, level)
+                        .expect("a destination of compress_bound bytes is always large enough")
+                }),
+                Self::Lz4 => lz4_compress(raw, dst),
+            };
+            out.extend_from_slice(&scratch[..written]);
+        });
     }
 
     /// Decompresses `packed` into `dst`, which it must fill exactly.
@@ -230,6 +239,10 @@ thread_local! {
         const { RefCell::new((None, None)) };
     /// Where a leaf is copied before compression (a source may not lend its bytes).
     static RAW: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+    /// Where a codec compresses to: the worst case for the largest leaf this thread compressed.
+    static SCRATCH: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+    /// Where an item is packed before it gets its own allocation of exactly its size.
+    static ITEM: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Which leaves of a layout are stored compressed, and how.
@@ -314,9 +327,12 @@ impl LeafCodecs {
     /// Compresses the compressed leaves of sample `sample` of `src` into one packed item.
     /// The source's sizes must have been validated.
     pub fn pack<S: SampleSource + ?Sized>(&self, src: &S, sample: usize) -> Box<[u8]> {
-        let mut out = Vec::with_capacity(4 * self.packed.len() + self.raw_packed_bytes() / 8);
-        self.pack_into(src, sample, &mut out);
-        out.into_boxed_slice()
+        ITEM.with(|item| {
+            let mut item = item.borrow_mut();
+            item.clear();
+            self.pack_into(src, sample, &mut item);
+            Box::from(&item[..])
+        })
     }
 
     /// [`LeafCodecs::pack`], appending the packed item to `out`.
