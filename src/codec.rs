@@ -353,6 +353,30 @@ impl LeafCodecs {
         });
     }
 
+    /// Packs an item from raw bytes of any length per compressed leaf (a sequence table's
+    /// chunk of steps): `with_raw(k, compress)` calls `compress` once with the raw bytes of
+    /// compressed leaf number `k`. Returns `finish` of the packed item (the layout of
+    /// [`LeafCodecs::pack`]), built in a per-thread buffer.
+    pub fn pack_with<R>(
+        &self,
+        mut with_raw: impl FnMut(usize, &mut dyn FnMut(&[u8])),
+        finish: impl FnOnce(&[u8]) -> R,
+    ) -> R {
+        ITEM.with(|item| {
+            let mut out = item.borrow_mut();
+            out.clear();
+            out.resize(4 * self.packed.len(), 0);
+            for (k, &leaf) in self.packed.iter().enumerate() {
+                let codec = self.codecs[leaf].expect("a packed leaf has a codec");
+                let before = out.len();
+                with_raw(k, &mut |raw| codec.compress_append(raw, &mut out));
+                let len = u32::try_from(out.len() - before).expect("bounded by 2^32 - 1 raw bytes");
+                out[4 * k..4 * k + 4].copy_from_slice(&len.to_le_bytes());
+            }
+            finish(&out)
+        })
+    }
+
     /// Appends the body of a compressed wire frame for sample `sample` of `src` to `out`:
     /// the leaves left raw, in order, then the packed item.
     pub fn pack_body<S: SampleSource + ?Sized>(&self, src: &S, sample: usize, out: &mut Vec<u8>) {

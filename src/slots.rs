@@ -16,7 +16,7 @@ use std::alloc::{self, Layout};
 use std::ptr::NonNull;
 
 use crate::error::EchoError;
-use crate::spec::DataSpec;
+use crate::spec::{ArraySpec, DataSpec};
 use crate::sync::SlotTracker;
 
 /// Alignment of every leaf buffer: a cache line, and enough for any numpy dtype.
@@ -134,8 +134,14 @@ unsafe impl Sync for Slots {}
 impl Slots {
     /// Allocates zeroed storage for `capacity` samples of `spec`.
     pub(crate) fn new(spec: &DataSpec, capacity: usize) -> Result<Self, EchoError> {
-        let mut leaves = Vec::with_capacity(spec.len());
-        for array in spec.arrays() {
+        Self::of_arrays(spec.arrays(), capacity)
+    }
+
+    /// Allocates zeroed storage for `capacity` samples of these leaves (which, unlike a
+    /// [`DataSpec`]'s, may all be empty: a table whose every leaf is stored elsewhere).
+    pub(crate) fn of_arrays(arrays: &[ArraySpec], capacity: usize) -> Result<Self, EchoError> {
+        let mut leaves = Vec::with_capacity(arrays.len());
+        for array in arrays {
             let slot_bytes = array.num_bytes();
             let total = slot_bytes.checked_mul(capacity).ok_or_else(|| {
                 EchoError::Config(format!(
@@ -244,6 +250,36 @@ impl Slots {
             let bytes = unsafe { std::slice::from_raw_parts_mut(dst, len) };
             fill(bytes);
         });
+    }
+
+    /// Lets `fill` write bytes `range` of slot `slot` of `leaf` in place. Unlike
+    /// [`Slots::fill_slot`], several threads may each fill their own part of one slot at once.
+    ///
+    /// # Safety
+    /// No other thread reads or writes these bytes while `fill` runs (other bytes of the
+    /// slot may be written by other threads meanwhile).
+    ///
+    /// # Panics
+    /// If `slot` is out of range or `range` is not inside the slot.
+    pub(crate) unsafe fn fill_part(
+        &self,
+        slot: usize,
+        leaf: usize,
+        range: std::ops::Range<usize>,
+        fill: impl FnOnce(&mut [u8]),
+    ) {
+        let len = self.leaves[leaf].slot_bytes;
+        assert!(
+            range.start <= range.end && range.end <= len,
+            "bytes {range:?} of a {len}-byte slot"
+        );
+        let dst = self.slot_ptr(leaf, slot).cast_mut().wrapping_add(range.start);
+        // SAFETY: `dst..dst + range.len()` is inside this slot of this leaf (bounds checked by
+        // `slot_ptr` and the assert; an empty range is a valid empty slice at an in-bounds or
+        // one-past address) and initialised (allocated zeroed); the caller guarantees no other
+        // thread touches these bytes while the slice lives, and it does not escape `fill`.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(dst, range.end - range.start) };
+        fill(bytes);
     }
 
     /// Calls `f` with the bytes of slots `slots` of `leaf`, one contiguous run.

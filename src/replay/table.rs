@@ -579,7 +579,7 @@ impl Table {
                 spec.payload_size()
             )));
         }
-        let storage = Slots::new(&DataSpec::new(stored_arrays)?, slots)?;
+        let storage = Slots::of_arrays(&stored_arrays, slots)?;
         let packed: Arc<[Mutex<Box<[u8]>>]> = if codecs.is_empty() {
             Arc::from(Vec::new())
         } else {

@@ -53,6 +53,7 @@ use std::time::Instant;
 
 use parking_lot::{Mutex, MutexGuard};
 
+use crate::codec::LeafCodecs;
 use crate::error::{EchoError, InsertError};
 use crate::replay::limiter::{InsertHoldback, RateLimiter, SampleHoldback};
 use crate::replay::rng::Rng;
@@ -72,6 +73,13 @@ pub use snapshot::{SequenceCheckpoint, SequenceSnapshot};
 
 /// Marks "no chunk" / "no slot".
 const NIL: u32 = u32::MAX;
+
+/// Staging buffers kept for reuse (see [`State::release_staged`]).
+const SPARE_STAGED: usize = 16;
+
+/// Raw bytes of packed chunks per decompressing thread in a batch (up to the table's
+/// `decompress_threads`): as in a replay table, a thread pays off from about a MiB.
+const DECOMPRESS_BYTES_PER_THREAD: usize = 1 << 20;
 
 /// What happens to the windows that would run past the end of an episode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -188,6 +196,10 @@ struct Chunk {
     last_index: u32,
     /// Whether a step here carries its own priority (`step_priority` to clear on reuse).
     has_priorities: bool,
+    /// Bytes its steps take: raw, or with the compressed leaves packed once it is.
+    bytes: u64,
+    /// Whether it was handed to a writer to pack (see [`PackJob`]).
+    queued: bool,
 }
 
 impl Chunk {
@@ -201,7 +213,43 @@ impl Chunk {
         last_episode: 0,
         last_index: 0,
         has_priorities: false,
+        bytes: 0,
+        queued: false,
     };
+}
+
+/// A chunk's steps of the compressed leaves, raw, while it fills: slot `i` of leaf `k` is
+/// the chunk's step `i` of compressed leaf `k`. Written under the lock past `filled` only;
+/// a buffer is reused for another chunk only when nothing else holds it (`Arc::get_mut`).
+type Staged = Arc<Slots>;
+
+/// A chunk's compressed leaves once it is full (or its stream is gone): the packed item of
+/// [`LeafCodecs`] over its `filled` steps. Never changed; readers keep their own reference.
+type Packed = Arc<[u8]>;
+
+/// Where a drawn run's compressed leaves are read from.
+#[derive(Debug, Clone)]
+enum Compressed {
+    Staged(Staged),
+    /// The packed chunk and the steps it holds.
+    Packed(Packed, u32),
+}
+
+/// A contiguous run of one window's steps, inside one chunk.
+#[derive(Debug, Clone)]
+struct Run {
+    first: u32,
+    steps: u32,
+    /// With compressed leaves: where they are.
+    compressed: Option<Compressed>,
+}
+
+/// A full chunk (or one whose stream is gone) for a writer to pack outside the lock.
+struct PackJob {
+    chunk: u32,
+    generation: u32,
+    filled: u32,
+    staged: Staged,
 }
 
 /// A live window, kept by the slot of its first step.
@@ -307,6 +355,16 @@ struct State {
     waiting_samples: u64,
     /// The checkpoint being written, if any (invariant 5).
     cow: Option<snapshot::Cow>,
+    /// Bytes the live chunks' steps take (`Chunk::bytes` summed).
+    stored_bytes: u64,
+    /// With compressed leaves, per chunk: its raw steps of them while it fills (or is
+    /// packed), then its packed steps. Both are dropped when it is evicted.
+    staged: Box<[Option<Staged>]>,
+    packed: Box<[Option<Packed>]>,
+    /// Staging buffers of packed or evicted chunks, to reuse.
+    spare_staged: Vec<Staged>,
+    /// Chunks for the writer holding the lock to pack once it lets go of it.
+    to_pack: Vec<PackJob>,
 }
 
 /// The table's fixed geometry, shared by the lock holders and the consumer's copies.
@@ -394,8 +452,68 @@ impl State {
     /// until they are evicted.
     fn forget_stream(&mut self, at: usize) {
         let id = self.streams[at].id;
+        // Nothing goes into its open chunk any more: packed as it is.
+        let chunk = self.streams[at].chunk;
+        if chunk != NIL {
+            self.queue_pack(chunk as usize);
+        }
         self.stream_index.remove(&id);
         self.free_streams.push(at as u32);
+    }
+
+    /// Hands live chunk `c` to the writer holding the lock to pack, if its leaves are
+    /// compressed, it holds steps and it is not packed or handed out already.
+    fn queue_pack(&mut self, c: usize) {
+        let chunk = &mut self.chunks[c];
+        let Some(staged) = &self.staged[c] else { return };
+        if chunk.queued || chunk.filled == 0 || chunk.state != ChunkState::Live {
+            return;
+        }
+        chunk.queued = true;
+        let job = PackJob {
+            chunk: c as u32,
+            generation: chunk.generation,
+            filled: chunk.filled,
+            staged: Arc::clone(staged),
+        };
+        self.to_pack.push(job);
+    }
+
+    /// Puts chunk `job.chunk`'s packed steps in place of its staged ones, if it is still the
+    /// chunk that was packed (not evicted meanwhile). `fixed` is the bytes of a step's leaves
+    /// stored raw.
+    fn install_packed(&mut self, job: &PackJob, packed: Packed, fixed: u64) {
+        let c = job.chunk as usize;
+        let chunk = &mut self.chunks[c];
+        if chunk.state != ChunkState::Live
+            || chunk.generation != job.generation
+            || chunk.filled != job.filled
+            || self.packed[c].is_some()
+        {
+            return;
+        }
+        let bytes = u64::from(chunk.filled) * fixed + packed.len() as u64;
+        self.stored_bytes = self.stored_bytes - chunk.bytes + bytes;
+        chunk.bytes = bytes;
+        self.packed[c] = Some(packed);
+        self.release_staged(c);
+    }
+
+    /// Gives chunk `c`'s staging buffer back for reuse (readers may still hold it: reuse waits
+    /// for them, see [`Staged`]).
+    fn release_staged(&mut self, c: usize) {
+        if let Some(staged) = self.staged[c].take() {
+            // A few spares cover the chunks that fill at once; the rest are freed.
+            if self.spare_staged.len() < SPARE_STAGED {
+                self.spare_staged.push(staged);
+            }
+        }
+    }
+
+    /// A staging buffer nobody else holds, if a spare is one.
+    fn reuse_staged(&mut self) -> Option<Staged> {
+        let at = self.spare_staged.iter_mut().position(|s| Arc::get_mut(s).is_some())?;
+        Some(self.spare_staged.swap_remove(at))
     }
 
     /// Evicts the oldest live chunk: its windows are removed, its steps no longer count, and
@@ -411,7 +529,10 @@ impl State {
             }
         }
         self.steps -= chunk.filled as usize;
+        self.stored_bytes -= chunk.bytes;
         self.stats.steps_evicted += u64::from(chunk.filled);
+        self.packed[c] = None;
+        self.release_staged(c);
         if let Some(stream) = self.stream_mut(chunk.stream) {
             if stream.chunk == c as u32 {
                 stream.chunk = NIL;
@@ -550,7 +671,7 @@ impl State {
         g: &Geometry,
         n: usize,
         pending: &mut Vec<Drawn>,
-        runs: &mut Vec<(u32, u32)>,
+        runs: &mut Vec<Run>,
     ) -> usize {
         if g.max_times_sampled == 0 {
             let got = {
@@ -588,7 +709,7 @@ impl State {
         slot: usize,
         probability: f64,
         pending: &mut Vec<Drawn>,
-        runs: &mut Vec<(u32, u32)>,
+        runs: &mut Vec<Run>,
     ) {
         let window = self.windows.get_mut(&(slot as u32)).expect("a drawn window is live");
         window.times_sampled = window.times_sampled.saturating_add(1);
@@ -606,7 +727,12 @@ impl State {
             let n = left.min(end - at);
             debug_assert!(n > 0, "a live window's steps are stored");
             chunk.pins += 1;
-            runs.push((at as u32, n as u32));
+            let compressed = match (&self.packed[c], &self.staged[c]) {
+                (Some(packed), _) => Some(Compressed::Packed(Arc::clone(packed), chunk.filled)),
+                (None, Some(staged)) => Some(Compressed::Staged(Arc::clone(staged))),
+                (None, None) => None,
+            };
+            runs.push(Run { first: at as u32, steps: n as u32, compressed });
             left -= n;
             if left > 0 {
                 c = chunk.next as usize;
@@ -685,8 +811,23 @@ pub struct SequenceTable {
     config: ReplayConfig,
     sequence: SequenceConfig,
     geometry: Geometry,
-    /// Every chunk's step slots, back to back.
+    /// Every chunk's step slots, back to back (compressed leaves take no bytes here: they are
+    /// staged per chunk, then packed).
     storage: Slots,
+    /// Which leaves are compressed, per chunk of steps (the layout's shapes with the chunk's
+    /// steps in front: it bounds what one packed leaf may hold).
+    codecs: LeafCodecs,
+    /// The compressed leaves, in order: a staging buffer's layout.
+    staged_arrays: Box<[ArraySpec]>,
+    /// Per leaf: its number among the compressed leaves, if it is one.
+    packed_index: Box<[Option<usize>]>,
+    /// Bytes of one step's leaves stored raw, and of all its leaves.
+    fixed_bytes: u64,
+    step_bytes: u64,
+    /// `max_bytes`, `u64::MAX` when unbounded.
+    max_bytes: u64,
+    /// The most threads one batch decompresses on.
+    decompress_threads: usize,
     /// Two batches (halves) of windows: each leaf `length` steps long, then
     /// [`SEQUENCE_META`]; batch `h` is area slots `h * batch_size .. (h + 1) * batch_size`.
     area: Slots,
@@ -745,14 +886,50 @@ impl SequenceTable {
                 "a sequence table evicts its oldest steps: remover must be Fifo()".to_owned()
             );
         }
-        if config.compress.iter().any(Option::is_some) || config.max_bytes.is_some() {
-            return bad("a sequence table stores its steps raw: compress and max_bytes apply to \
-                 replay tables without sequence"
-                .to_owned());
-        }
         config.rate_limit.validate(max_size as u64)?;
         config.sampler.check()?;
         let chunk_length = sequence.chunk_length(max_size);
+        let step_bytes = spec.payload_size() as u64;
+        if let Some(most) = config.max_bytes {
+            let window = step_bytes.saturating_mul(length as u64);
+            if most < window {
+                return bad(format!(
+                    "max_bytes must hold one window of raw steps, length ({length}) * \
+                     {step_bytes} bytes = {window}, got {most}"
+                ));
+            }
+        }
+        let chunk_arrays = spec
+            .arrays()
+            .iter()
+            .map(|a| {
+                let shape = std::iter::once(chunk_length).chain(a.shape().iter().copied());
+                ArraySpec::new(shape.collect(), a.dtype_size())
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let codecs = if config.compress.is_empty() {
+            LeafCodecs::none(&spec)
+        } else {
+            LeafCodecs::new(&DataSpec::new(chunk_arrays)?, config.compress.clone())
+                .map_err(|e| EchoError::Config(format!("a chunk of {chunk_length} steps: {e}")))?
+        };
+        let mut packed_index = vec![None; spec.len()].into_boxed_slice();
+        for (k, &leaf) in codecs.packed_leaves().iter().enumerate() {
+            packed_index[leaf] = Some(k);
+        }
+        let staged_arrays: Box<[ArraySpec]> =
+            codecs.packed_leaves().iter().map(|&leaf| spec.arrays()[leaf].clone()).collect();
+        let stored_arrays = spec
+            .arrays()
+            .iter()
+            .enumerate()
+            .map(|(leaf, array)| match packed_index[leaf] {
+                Some(_) => ArraySpec::new(vec![0], array.dtype_size()),
+                None => Ok(array.clone()),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let fixed_bytes =
+            step_bytes - staged_arrays.iter().map(|a| a.num_bytes() as u64).sum::<u64>();
         // Invariant 3: a window of `length` steps starting anywhere in a chunk spans at most
         // this many chunks, and a batch pins at most `batch_size` windows' worth.
         let max_runs = (length - 1).div_ceil(chunk_length) + 1;
@@ -767,7 +944,7 @@ impl SequenceTable {
                 ))
             })?;
         let slots = chunks * chunk_length;
-        let storage = Slots::new(&spec, slots)?;
+        let storage = Slots::of_arrays(&stored_arrays, slots)?;
         let mut area_arrays = Vec::with_capacity(spec.len() + SEQUENCE_META.len());
         for array in spec.arrays() {
             let shape = std::iter::once(length).chain(array.shape().iter().copied()).collect();
@@ -778,6 +955,7 @@ impl SequenceTable {
             area_arrays.push(ArraySpec::new(shape, meta.bytes)?);
         }
         let area = Slots::new(&DataSpec::new(area_arrays)?, 2 * batch_size)?;
+        let max_bytes = config.max_bytes.unwrap_or(u64::MAX);
         let geometry = Geometry {
             length,
             period,
@@ -814,6 +992,11 @@ impl SequenceTable {
             waiting_inserts: 0,
             waiting_samples: 0,
             cow: None,
+            stored_bytes: 0,
+            staged: vec![None; chunks].into_boxed_slice(),
+            packed: vec![None; chunks].into_boxed_slice(),
+            spare_staged: Vec::new(),
+            to_pack: Vec::new(),
         };
         Ok(Arc::new(Self {
             pinned: crate::pinned::Pinning::default(),
@@ -822,6 +1005,13 @@ impl SequenceTable {
             sequence,
             geometry,
             storage,
+            codecs,
+            staged_arrays,
+            packed_index,
+            fixed_bytes,
+            step_bytes,
+            max_bytes,
+            decompress_threads: std::thread::available_parallelism().map_or(1, |n| n.get().min(8)),
             area,
             state: Mutex::new(state),
             signals: Signals::new(),
@@ -943,8 +1133,39 @@ impl SequenceTable {
             if state.live_windows > windows_before {
                 self.signals.sample_ready.notify_one();
             }
+            self.pack_queued(&mut state);
         }
         Ok(())
+    }
+
+    /// Packs the chunks queued for packing (full, or their stream gone) with the lock let go,
+    /// then puts each in place of its staged steps. The chunks stay readable meanwhile:
+    /// nothing writes a full chunk, and the staging buffer being read is not reused while
+    /// this writer holds it.
+    fn pack_queued(&self, state: &mut MutexGuard<'_, State>) {
+        if state.to_pack.is_empty() {
+            return;
+        }
+        let jobs = std::mem::take(&mut state.to_pack);
+        let packed: Vec<Packed> =
+            MutexGuard::unlocked(state, || jobs.iter().map(|job| self.pack(job)).collect());
+        for (job, packed) in jobs.iter().zip(packed) {
+            state.install_packed(job, packed, self.fixed_bytes);
+        }
+    }
+
+    /// The packed item of a chunk's first `job.filled` staged steps.
+    fn pack(&self, job: &PackJob) -> Packed {
+        let steps = 0..job.filled as usize;
+        self.codecs.pack_with(
+            |k, compress| {
+                // SAFETY: the chunk's first `filled` steps are written (under the lock, which
+                // this writer took since) and nothing writes them again: appends go past
+                // them, and the buffer is reused only once nobody else holds it.
+                unsafe { job.staged.read_slots(k, steps.clone(), |raw| compress(raw)) };
+            },
+            |packed: &[u8]| Arc::from(packed),
+        )
     }
 
     /// Appends one step (the lock held): room first (evicting the oldest chunks), then the
@@ -959,12 +1180,26 @@ impl SequenceTable {
         let g = &self.geometry;
         let tag = src.step(sample);
         let at = state.open_stream(g, tag.stream);
-        while state.steps >= g.max_size {
+        // Room by count, then by bytes (as long as something is stored: the window-sized
+        // minimum of `max_bytes` is the caller's floor).
+        while state.steps >= g.max_size
+            || (state.stored_bytes + self.step_bytes > self.max_bytes
+                && !state.live_chunks.is_empty())
+        {
             state.evict_oldest(g);
         }
         let mut c = state.streams[at].chunk;
         if c == NIL || state.chunks[c as usize].filled as usize == g.chunk_length {
+            // Its staging buffer first: a failed allocation leaves the table as it was.
+            let staged = match self.codecs.is_empty() {
+                true => None,
+                false => Some(match state.reuse_staged() {
+                    Some(staged) => staged,
+                    None => Arc::new(Slots::of_arrays(&self.staged_arrays, g.chunk_length)?),
+                }),
+            };
             let new = state.take_chunk(g, tag.stream) as u32;
+            state.staged[new as usize] = staged;
             self.preserve_for_checkpoint(state, new as usize);
             // The stream's old chunk may have been evicted just now (then it is not linked:
             // nothing live reaches past it).
@@ -976,14 +1211,25 @@ impl SequenceTable {
             c = new;
         }
         let c = c as usize;
-        let slot = g.first_slot(c) + state.chunks[c].filled as usize;
+        let offset = state.chunks[c].filled as usize;
+        let slot = g.first_slot(c) + offset;
         for leaf in 0..self.spec.len() {
-            // SAFETY: `slot` is past the `filled` steps of a live chunk we hold the lock over:
-            // no window covers it (windows only cover written steps), so the consumer never
-            // reads it, and writers only write under this lock (invariant 2: a chunk being
-            // read is pinned, and a pinned chunk is never handed out by `take_chunk`). Sizes
-            // were checked by `validate_source`.
-            unsafe { self.storage.fill_slot(slot, leaf, |dst| src.copy_leaf(sample, leaf, dst)) };
+            let copy = |dst: &mut [u8]| src.copy_leaf(sample, leaf, dst);
+            match (self.packed_index[leaf], &state.staged[c]) {
+                // SAFETY: `offset` is past the `filled` steps of the chunk's staging buffer:
+                // readers (the consumer, a packing writer, a checkpoint) only read the
+                // steps a chunk held when they took the buffer, and it is only ever written
+                // here, under the lock, for the chunk that owns it (a reused buffer is one
+                // nobody else holds). Sizes were checked by `validate_source`.
+                (Some(k), Some(staged)) => unsafe { staged.fill_slot(offset, k, copy) },
+                (Some(_), None) => unreachable!("a chunk with compressed leaves is staged"),
+                // SAFETY: `slot` is past the `filled` steps of a live chunk we hold the lock
+                // over: no window covers it (windows only cover written steps), so the
+                // consumer never reads it, and writers only write under this lock (invariant
+                // 2: a chunk being read is pinned, and a pinned chunk is never handed out by
+                // `take_chunk`). Sizes were checked by `validate_source`.
+                (None, _) => unsafe { self.storage.fill_slot(slot, leaf, copy) },
+            }
         }
         let stream = &mut state.streams[at];
         let index = stream.count;
@@ -992,8 +1238,14 @@ impl SequenceTable {
         let episode = stream.episode;
         let chunk = &mut state.chunks[c];
         chunk.filled += 1;
+        chunk.bytes += self.step_bytes;
         chunk.last_episode = episode;
         chunk.last_index = index;
+        let full = chunk.filled as usize == g.chunk_length;
+        state.stored_bytes += self.step_bytes;
+        if full {
+            state.queue_pack(c);
+        }
         // The slot reads 0 (no priority) already: a chunk is cleared when taken if it had any.
         // Writing only real priorities leaves the array's pages untouched (not resident).
         if let Some(p) = priority {
@@ -1040,6 +1292,7 @@ impl SequenceTable {
         if state.live_windows > before {
             self.signals.sample_ready.notify_one();
         }
+        self.pack_queued(&mut state);
         open
     }
 
@@ -1117,6 +1370,8 @@ impl SequenceTable {
         stats.windows.size = state.live_windows as u64;
         stats.windows.insert_blocked_ns += self.signals.insert_blocked_outside_ns.get();
         stats.steps = state.steps as u64;
+        stats.windows.stored_bytes = state.stored_bytes;
+        stats.windows.raw_bytes = stats.steps * self.step_bytes;
         stats
     }
 
@@ -1173,6 +1428,27 @@ impl SequenceTable {
     pub fn is_pinned(&self) -> bool {
         self.pinned.is_pinned()
     }
+
+    /// Decompresses compressed leaf `k` of a packed chunk into `dst` (its steps' raw bytes).
+    /// The table packed every chunk itself, so this cannot fail short of a bug; if it does,
+    /// the steps read as zeros and the error is logged, rather than failing a learner's batch.
+    fn unpack(&self, packed: &[u8], k: usize, dst: &mut [u8]) {
+        if let Err(msg) = self.codecs.unpack_into(packed, k, dst) {
+            debug_assert!(false, "a packed chunk does not decompress: {msg}");
+            log::error!("echo sequence: a packed chunk does not decompress ({msg}); zeros instead");
+            dst.fill(0);
+        }
+    }
+
+    /// Which leaves are stored compressed (`None`: no codec per leaf).
+    pub fn codecs(&self) -> &LeafCodecs {
+        &self.codecs
+    }
+}
+
+thread_local! {
+    /// Where a packed chunk's leaf is decompressed when a batch reads only part of it.
+    static UNPACKED: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// The one consumer of a [`SequenceTable`]. `sample` takes `&mut self`: one batch at a time.
@@ -1181,8 +1457,8 @@ pub struct SequenceConsumer {
     table: Arc<SequenceTable>,
     /// Windows drawn for the batch being assembled (kept across a timed-out `sample`).
     pending: Vec<Drawn>,
-    /// The slot runs of `pending`'s windows: `(first slot, steps)`.
-    runs: Vec<(u32, u32)>,
+    /// The slot runs of `pending`'s windows.
+    runs: Vec<Run>,
     half: usize,
     sequence: u64,
     holdback: Option<SampleHoldback>,
@@ -1249,8 +1525,8 @@ impl SequenceConsumer {
         drop(state);
         self.gather();
         let mut state = table.state.lock();
-        for &(slot, _) in &self.runs {
-            state.unpin(g, slot as usize);
+        for run in &self.runs {
+            state.unpin(g, run.first as usize);
         }
         state.stats.windows.batches += 1;
         drop(state);
@@ -1273,13 +1549,16 @@ impl SequenceConsumer {
         let table = &*self.table;
         let base = self.half * table.config.batch_size;
         let leaves = table.spec.len();
-        for leaf in 0..leaves {
+        if !table.codecs.is_empty() {
+            self.gather_compressed(base);
+        }
+        for leaf in (0..leaves).filter(|&leaf| table.packed_index[leaf].is_none()) {
             for (i, drawn) in self.pending.iter().enumerate() {
                 let runs = &self.runs[drawn.first_run..drawn.last_run];
                 let fill = |dst: &mut [u8]| {
                     let mut at = 0;
-                    for &(first, n) in runs {
-                        let (first, n) = (first as usize, n as usize);
+                    for run in runs {
+                        let (first, n) = (run.first as usize, run.steps as usize);
                         // SAFETY: every chunk of these runs is pinned by this consumer
                         // (invariant 2), and the runs cover written steps only, so no writer
                         // touches these slots until `unpin`.
@@ -1327,6 +1606,134 @@ impl SequenceConsumer {
                 unsafe { table.area.write_slot(base + i, leaves + m, bytes) }
             });
         }
+    }
+
+    /// Copies the compressed leaves of the pending windows into batch-area half `self.half`
+    /// (starting at area slot `base`): steps of staged chunks straight from their staging
+    /// buffers; each packed chunk the batch reads decompressed once per leaf, straight into
+    /// the window when the window reads all of it, else into a scratch buffer its runs are
+    /// copied from. Packed chunks are spread over threads for large batches.
+    fn gather_compressed(&self, base: usize) {
+        let table = &*self.table;
+        let g = &table.geometry;
+        // Per packed chunk the batch reads: the chunk, and its runs as (window, step in
+        // the window, step in the chunk, steps).
+        let mut chunks: Vec<(&Packed, u32, Vec<(usize, usize, usize, usize)>)> = Vec::new();
+        let mut index: HashMap<*const u8, usize> = HashMap::new();
+        for (i, drawn) in self.pending.iter().enumerate() {
+            let mut at = 0;
+            for run in &self.runs[drawn.first_run..drawn.last_run] {
+                let (first, n) = (run.first as usize, run.steps as usize);
+                let offset = first - g.first_slot(g.chunk_of(first));
+                match &run.compressed {
+                    Some(Compressed::Packed(packed, filled)) => {
+                        let j = *index.entry(packed.as_ptr()).or_insert_with(|| {
+                            chunks.push((packed, *filled, Vec::new()));
+                            chunks.len() - 1
+                        });
+                        chunks[j].2.push((i, at, offset, n));
+                    }
+                    Some(Compressed::Staged(staged)) => {
+                        for (k, &leaf) in table.codecs.packed_leaves().iter().enumerate() {
+                            let size = table.spec.arrays()[leaf].num_bytes();
+                            // SAFETY: the run's steps are written and stay as they are while
+                            // this consumer holds the buffer (see `Staged`); the area's bytes
+                            // are this consumer's (`sample` takes `&mut self`) and no thread
+                            // runs yet.
+                            unsafe {
+                                staged.read_slots(k, offset..offset + n, |src| {
+                                    table.area.fill_part(
+                                        base + i,
+                                        leaf,
+                                        at * size..(at + n) * size,
+                                        |dst| dst.copy_from_slice(src),
+                                    );
+                                });
+                            }
+                        }
+                    }
+                    None => unreachable!("every chunk of a table with compressed leaves is"),
+                }
+                at += n;
+            }
+            for &leaf in table.codecs.packed_leaves() {
+                let size = table.spec.arrays()[leaf].num_bytes();
+                // SAFETY: as above: the padding after the window's steps, before any thread.
+                unsafe {
+                    table.area.fill_part(base + i, leaf, at * size..g.length * size, |dst| {
+                        dst.fill(0);
+                    });
+                }
+            }
+        }
+        if chunks.is_empty() {
+            return;
+        }
+        let unpack = |chunks: &[(&Packed, u32, Vec<(usize, usize, usize, usize)>)]| {
+            for (packed, filled, runs) in chunks {
+                for (k, &leaf) in table.codecs.packed_leaves().iter().enumerate() {
+                    let size = table.spec.arrays()[leaf].num_bytes();
+                    let raw = *filled as usize * size;
+                    if let [(i, at, 0, n)] = runs[..] {
+                        if n * size == raw {
+                            // SAFETY: each window's steps are its own bytes, and each run is
+                            // read from one chunk, handled by one thread: no other thread
+                            // touches this range.
+                            unsafe {
+                                table.area.fill_part(
+                                    base + i,
+                                    leaf,
+                                    at * size..(at + n) * size,
+                                    |dst| {
+                                        table.unpack(packed, k, dst);
+                                    },
+                                );
+                            }
+                            continue;
+                        }
+                    }
+                    UNPACKED.with(|scratch| {
+                        let mut scratch = scratch.borrow_mut();
+                        scratch.resize(raw, 0);
+                        table.unpack(packed, k, &mut scratch);
+                        for &(i, at, offset, n) in runs {
+                            // SAFETY: as above.
+                            unsafe {
+                                table.area.fill_part(
+                                    base + i,
+                                    leaf,
+                                    at * size..(at + n) * size,
+                                    |dst| {
+                                        dst.copy_from_slice(
+                                            &scratch[offset * size..(offset + n) * size],
+                                        );
+                                    },
+                                );
+                            }
+                        }
+                    });
+                }
+            }
+        };
+        let raw: usize = chunks.iter().map(|c| c.1 as usize).sum::<usize>()
+            * table.staged_arrays.iter().map(ArraySpec::num_bytes).sum::<usize>();
+        let threads = (raw / DECOMPRESS_BYTES_PER_THREAD)
+            .clamp(1, table.decompress_threads)
+            .min(chunks.len());
+        if threads <= 1 {
+            unpack(&chunks);
+            return;
+        }
+        let per = chunks.len().div_ceil(threads);
+        std::thread::scope(|scope| {
+            let mut parts = chunks.chunks(per);
+            let mine = parts.next().expect("a batch reads a packed chunk");
+            for part in parts {
+                let unpack = &unpack;
+                scope.spawn(move || unpack(part));
+            }
+            unpack(mine);
+        });
     }
 
     /// Calls `f` with the bytes of `leaf` (a step leaf, `length` steps per window, then the

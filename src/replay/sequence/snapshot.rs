@@ -20,13 +20,14 @@
 use std::collections::{HashMap, HashSet};
 
 use super::{
-    AtEnd, Chunk, ChunkState, Episode, EpisodeEnd, Geometry, SequenceTable, State, StepTag, Stream,
-    Window, NIL,
+    AtEnd, Chunk, ChunkState, Compressed, Episode, EpisodeEnd, Geometry, Packed, SequenceTable,
+    State, StepTag, Stream, Window, NIL,
 };
 use crate::checkpoint::Chunks;
 use crate::error::EchoError;
 use crate::ingress::QueuedSamples;
 use crate::replay::rng::Rng;
+use crate::slots::Slots;
 use crate::source::SampleSource;
 use crate::spec::DataSpec;
 use crate::sync::Arc;
@@ -415,6 +416,9 @@ impl<'a> Reader<'a> {
 pub struct SequenceCheckpoint {
     table: Arc<SequenceTable>,
     snapshot: SequenceSnapshot,
+    /// With compressed leaves, per chunk row: where its steps of them are (staged or packed
+    /// buffers are never written where a snapshot reads them, so no copy-on-write is needed).
+    compressed: Vec<Option<Compressed>>,
     /// The next chunk row (of `snapshot.chunks`) to copy.
     next_row: usize,
 }
@@ -461,6 +465,7 @@ impl Chunks for SequenceCheckpoint {
         }
         let budget = (max_bytes / table.spec.payload_size().max(1)).max(1);
         let mut copied = 0;
+        let first_row = self.next_row;
         let mut state = table.state.lock();
         let cow = state.cow.as_mut().expect("armed while the checkpoint lives");
         while copied < budget {
@@ -483,14 +488,35 @@ impl Chunks for SequenceCheckpoint {
             } else {
                 let saved = cow.saved.remove(&row.index).expect("a taken snapshot chunk was saved");
                 let mut at = 0;
-                for (array, buf) in table.spec.arrays().iter().zip(out.iter_mut()) {
-                    let len = array.num_bytes() * filled;
+                for (leaf, buf) in out.iter_mut().enumerate() {
+                    let len = table.storage.slot_bytes(leaf) * filled;
                     buf.extend_from_slice(&saved[at..at + len]);
                     at += len;
                 }
             }
             copied += filled;
             self.next_row += 1;
+        }
+        drop(state);
+        // The compressed leaves, without the lock.
+        for row in first_row..self.next_row {
+            let filled = self.snapshot.chunks[row].filled as usize;
+            for (k, &leaf) in table.codecs.packed_leaves().iter().enumerate() {
+                let buf = &mut out[leaf];
+                match &self.compressed[row] {
+                    Some(Compressed::Packed(packed, _)) => {
+                        let start = buf.len();
+                        buf.resize(start + table.spec.arrays()[leaf].num_bytes() * filled, 0);
+                        table.unpack(packed, k, &mut buf[start..]);
+                    }
+                    // SAFETY: the chunk's first `filled` steps (the snapshot's) are written
+                    // and never written again while this checkpoint holds the buffer.
+                    Some(Compressed::Staged(staged)) => unsafe {
+                        staged.read_slots(k, 0..filled, |b| buf.extend_from_slice(b));
+                    },
+                    None => unreachable!("every chunk of a table with compressed leaves is"),
+                }
+            }
         }
         copied
     }
@@ -549,6 +575,7 @@ impl SequenceTable {
             ));
         }
         let mut chunks = Vec::with_capacity(state.live_chunks.len());
+        let mut compressed = Vec::with_capacity(state.live_chunks.len());
         let mut step_priority = Vec::with_capacity(state.steps);
         let mut windows = Vec::new();
         for &c in &state.live_chunks {
@@ -563,6 +590,11 @@ impl SequenceTable {
                 has_priorities: chunk.has_priorities,
             });
             pending[c as usize] = chunk.filled;
+            compressed.push(match (&state.packed[c as usize], &state.staged[c as usize]) {
+                (Some(packed), _) => Some(Compressed::Packed(Arc::clone(packed), chunk.filled)),
+                (None, Some(staged)) => Some(Compressed::Staged(Arc::clone(staged))),
+                (None, None) => None,
+            });
             let first = g.first_slot(c as usize);
             for slot in first..first + chunk.filled as usize {
                 step_priority.push(state.step_priority[slot]);
@@ -644,7 +676,9 @@ impl SequenceTable {
         state.cow = Some(Cow { pending, saved: HashMap::new() });
         let out = frozen();
         drop(state);
-        Ok((SequenceCheckpoint { table: Arc::clone(self), snapshot, next_row: 0 }, out))
+        let checkpoint =
+            SequenceCheckpoint { table: Arc::clone(self), snapshot, compressed, next_row: 0 };
+        Ok((checkpoint, out))
     }
 
     /// Chunks of step storage (the main ones and the spares).
@@ -853,14 +887,39 @@ impl SequenceTable {
         {
             return config(format!("a queued step's priority {} is invalid", q.0));
         }
-        // Everything checked: fill the table.
+        // Everything checked: fill the table. With compressed leaves, the chunks that take
+        // no more steps are packed first (on several threads: a large table is gigabytes),
+        // the streams' open chunks staged.
+        let open: HashSet<u32> = snap.streams.iter().map(|s| s.chunk).collect();
+        let mut packed = self.pack_rows(snap, leaves, &open);
         let st = &mut *state;
         let mut at = 0usize;
-        for row in &snap.chunks {
+        for (r, row) in snap.chunks.iter().enumerate() {
             let c = row.index as usize;
             let first = g.first_slot(c);
-            for i in 0..row.filled as usize {
+            let filled = row.filled as usize;
+            let mut bytes = filled as u64 * self.step_bytes;
+            if let Some(p) = packed.get_mut(r).and_then(Option::take) {
+                bytes = filled as u64 * self.fixed_bytes + p.len() as u64;
+                st.packed[c] = Some(p);
+            } else if !self.codecs.is_empty() {
+                let staged = Arc::new(Slots::of_arrays(&self.staged_arrays, g.chunk_length)?);
+                for (k, &leaf) in self.codecs.packed_leaves().iter().enumerate() {
+                    let len = self.spec.arrays()[leaf].num_bytes();
+                    for i in 0..filled {
+                        let step = &leaves[leaf][(at + i) * len..(at + i + 1) * len];
+                        // SAFETY: a new buffer nobody else holds yet.
+                        unsafe { staged.write_slot(i, k, step) };
+                    }
+                }
+                st.staged[c] = Some(staged);
+            }
+            st.stored_bytes += bytes;
+            for i in 0..filled {
                 for (leaf, (bytes, array)) in leaves.iter().zip(self.spec.arrays()).enumerate() {
+                    if self.packed_index[leaf].is_some() {
+                        continue;
+                    }
                     let len = array.num_bytes();
                     // SAFETY: the table is new and we hold its lock: nobody else reads or
                     // writes any slot (no window exists yet). Sizes were checked above;
@@ -888,6 +947,8 @@ impl SequenceTable {
                 last_episode: row.last_episode,
                 last_index: row.last_index,
                 has_priorities: row.has_priorities,
+                bytes,
+                queued: st.packed[c].is_some(),
             };
             st.live_chunks.push_back(row.index);
         }
@@ -971,9 +1032,58 @@ impl SequenceTable {
             }
             st.forget_stream(at);
         }
+        self.pack_queued(&mut state);
         drop(state);
         self.signals.sample_ready.notify_one();
         Ok(())
+    }
+
+    /// With compressed leaves, per chunk row of `snap`: its steps of them packed (from
+    /// `leaves`, the restore's rows), unless it is a stream's open chunk (in `open`).
+    fn pack_rows(
+        &self,
+        snap: &SequenceSnapshot,
+        leaves: &[&[u8]],
+        open: &HashSet<u32>,
+    ) -> Vec<Option<Packed>> {
+        if self.codecs.is_empty() {
+            return Vec::new();
+        }
+        let mut jobs = Vec::with_capacity(snap.chunks.len());
+        let mut at = 0usize;
+        for row in &snap.chunks {
+            let filled = row.filled as usize;
+            // A full chunk takes no more steps either: the stream's next one goes to a new one.
+            let stays_open = open.contains(&row.index) && filled < self.geometry.chunk_length;
+            jobs.push((!stays_open).then_some(at..at + filled));
+            at += filled;
+        }
+        let pack = |rows: &std::ops::Range<usize>| -> Packed {
+            self.codecs.pack_with(
+                |k, compress| {
+                    let len = self.staged_arrays[k].num_bytes();
+                    let leaf = self.codecs.packed_leaves()[k];
+                    compress(&leaves[leaf][rows.start * len..rows.end * len]);
+                },
+                |packed: &[u8]| Arc::from(packed),
+            )
+        };
+        let per = jobs.len().div_ceil(self.decompress_threads).max(1);
+        std::thread::scope(|scope| {
+            let parts: Vec<_> = jobs
+                .chunks(per)
+                .map(|part| {
+                    let pack = &pack;
+                    scope.spawn(move || {
+                        part.iter().map(|rows| rows.as_ref().map(pack)).collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            parts
+                .into_iter()
+                .flat_map(|part| part.join().expect("packing does not panic"))
+                .collect()
+        })
     }
 
     fn check_priority_value(

@@ -1,0 +1,262 @@
+//! Sequence tables that store leaves compressed per chunk: what the table holds in memory
+//! (`stored_bytes` against `raw_bytes`), `max_bytes` eviction (oldest chunks first, also
+//! under contention), and every step coming back bit-exact. The window rules themselves are
+//! checked, with and without codecs, in `tests/sequence.rs`.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::Instant;
+
+use echo::codec::Codec;
+use echo::replay::{
+    ReplayBatch, ReplayConfig, SamplerKind, SequenceConfig, SequenceConsumer, SequenceTable,
+    SEQUENCE_META,
+};
+use echo::{ArraySpec, DataSpec, EpisodeEnd, StepLeaves, StepTag};
+
+const FRAME: usize = 4096;
+
+/// Leaf 0: the step's id `stream << 32 | index` (u64). Leaf 1: a 4 KiB "frame" that changes
+/// a little from step to step, as consecutive observations do.
+fn spec() -> DataSpec {
+    DataSpec::new(vec![ArraySpec::new(vec![], 8).unwrap(), ArraySpec::new(vec![FRAME], 1).unwrap()])
+        .unwrap()
+}
+
+fn frame(id: u64) -> Vec<u8> {
+    let (stream, index) = (id >> 32, id & 0xFFFF_FFFF);
+    (0..FRAME).map(|j| ((index / 3 + j as u64 / 97) ^ (stream * 31)) as u8).collect()
+}
+
+fn config(batch: usize, max_size: usize, codec: Codec) -> ReplayConfig {
+    ReplayConfig {
+        seed: Some(11),
+        compress: vec![None, Some(codec)],
+        ..ReplayConfig::new(batch, max_size)
+    }
+}
+
+fn put(table: &SequenceTable, id: u64, end: EpisodeEnd) {
+    let (head, frame) = (id.to_ne_bytes(), frame(id));
+    let leaves = [&head[..], &frame[..]];
+    let step = StepLeaves(&leaves, StepTag { stream: id >> 32, end });
+    table.insert(&step, None, Some(Instant::now() + common::PATIENCE)).unwrap();
+}
+
+/// The real steps' ids of every window of `b`, each step's frame checked bit for bit and the
+/// padding checked to be zeros.
+fn windows(c: &SequenceConsumer, b: ReplayBatch, length: usize) -> Vec<Vec<u64>> {
+    let ids: Vec<u64> = c.read_leaf(b, 0, |bytes| {
+        bytes.chunks_exact(8).map(|x| u64::from_ne_bytes(x.try_into().unwrap())).collect()
+    });
+    let frames = c.read_leaf(b, 1, <[u8]>::to_vec);
+    let mask_leaf = 2 + SEQUENCE_META.iter().position(|m| m.name == "mask").unwrap();
+    let mask = c.read_leaf(b, mask_leaf, <[u8]>::to_vec);
+    (0..mask.len() / length)
+        .map(|w| {
+            let real = mask[w * length..(w + 1) * length].iter().filter(|&&m| m == 1).count();
+            for j in 0..length {
+                let step = w * length + j;
+                let got = &frames[step * FRAME..(step + 1) * FRAME];
+                if j < real {
+                    assert!(
+                        got == frame(ids[step]),
+                        "step {:#x}: its frame is corrupted",
+                        ids[step]
+                    );
+                } else {
+                    assert!(got.iter().all(|&x| x == 0) && ids[step] == 0, "padding is zeros");
+                }
+            }
+            let w_ids = ids[w * length..w * length + real].to_vec();
+            for (j, &id) in w_ids.iter().enumerate() {
+                assert_eq!(id, w_ids[0] + j as u64, "window {w_ids:x?}: not consecutive steps");
+            }
+            w_ids
+        })
+        .collect()
+}
+
+#[test]
+fn full_chunks_are_packed_and_every_step_comes_back_bit_exact() {
+    for codec in [Codec::Zstd { level: 1 }, Codec::Lz4] {
+        // Windows of 16 every 4 steps, in chunks of 16: each window spans one or two chunks,
+        // read whole (straight into the batch) or in part (through the scratch buffer).
+        let sequence = SequenceConfig { period: 4, ..SequenceConfig::new(16) };
+        let table = SequenceTable::new(spec(), config(64, 10_000, codec), sequence).unwrap();
+        assert_eq!(table.chunk_length(), 16);
+        for index in 0..300u64 {
+            for stream in 0..3u64 {
+                let end = if index == 299 && stream == 2 {
+                    EpisodeEnd::Terminated
+                } else {
+                    EpisodeEnd::No
+                };
+                put(&table, (stream << 32) | index, end);
+            }
+        }
+        let stats = table.stats();
+        assert_eq!(stats.windows.raw_bytes, 900 * (FRAME as u64 + 8));
+        // 18 of every stream's 19 chunks are full and packed; the frames compress many times.
+        assert!(
+            stats.windows.stored_bytes * 5 < stats.windows.raw_bytes,
+            "{codec:?}: {} bytes stored for {} raw",
+            stats.windows.stored_bytes,
+            stats.windows.raw_bytes
+        );
+        let mut c = table.consumer().unwrap();
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..40 {
+            let b = c.sample(Some(Instant::now() + common::PATIENCE)).unwrap();
+            for ids in windows(&c, b, 16) {
+                seen.insert(ids[0]);
+            }
+        }
+        // Windows from packed chunks and from each stream's open (staged) one.
+        assert!(seen.iter().any(|&id| id & 0xFFFF_FFFF < 200), "{seen:?}");
+        assert!(seen.iter().any(|&id| id & 0xFFFF_FFFF >= 284), "{seen:?}");
+    }
+}
+
+#[test]
+fn a_gone_stream_has_its_open_chunk_packed() {
+    let table = SequenceTable::new(
+        spec(),
+        config(4, 1000, Codec::Zstd { level: 1 }),
+        SequenceConfig::new(8),
+    )
+    .unwrap();
+    for index in 0..5u64 {
+        put(&table, (7 << 32) | index, EpisodeEnd::No);
+    }
+    let before = table.stats().windows;
+    assert_eq!(before.stored_bytes, before.raw_bytes, "an open chunk is staged raw");
+    assert!(table.end_stream(7, EpisodeEnd::Truncated));
+    let after = table.stats().windows;
+    assert!(after.stored_bytes * 4 < after.raw_bytes, "{after:?}");
+    let mut c = table.consumer().unwrap();
+    let b = c.sample(Some(Instant::now() + common::PATIENCE)).unwrap();
+    for ids in windows(&c, b, 8) {
+        assert_eq!(ids, (0..5).map(|i| (7 << 32) | i).collect::<Vec<_>>());
+    }
+}
+
+#[test]
+fn max_bytes_evicts_the_oldest_chunks_first() {
+    const LENGTH: usize = 8;
+    let step = (FRAME + 8) as u64;
+    // Room for 64 raw steps; max_size (100 000) is never the bound.
+    let max_bytes = 64 * step;
+    for codec in [None, Some(Codec::Zstd { level: 1 }), Some(Codec::Lz4)] {
+        let config = ReplayConfig {
+            seed: Some(2),
+            sampler: SamplerKind::Uniform,
+            compress: vec![None, codec],
+            max_bytes: Some(max_bytes),
+            ..ReplayConfig::new(32, 100_000)
+        };
+        let sequence = SequenceConfig { period: 1, ..SequenceConfig::new(LENGTH) };
+        let table = SequenceTable::new(spec(), config, sequence).unwrap();
+        let total = 5000u64;
+        for id in 0..total {
+            put(&table, id, EpisodeEnd::No);
+            let stats = table.stats();
+            assert!(stats.windows.stored_bytes <= max_bytes, "{codec:?}: {stats:?}");
+        }
+        let stats = table.stats();
+        assert_eq!(stats.steps + stats.steps_evicted, total);
+        if codec.is_some() {
+            assert!(stats.steps > 5 * 64, "{codec:?}: only {} steps fit", stats.steps);
+        } else {
+            assert!(stats.steps <= 64);
+        }
+        // What is stored is the newest steps: every window starts at or after the oldest.
+        let oldest = total - stats.steps;
+        let mut c = table.consumer().unwrap();
+        let mut lowest = u64::MAX;
+        for _ in 0..50 {
+            let b = c.sample(Some(Instant::now() + common::PATIENCE)).unwrap();
+            for ids in windows(&c, b, LENGTH) {
+                assert!(ids[0] >= oldest, "{codec:?}: step {} was evicted", ids[0]);
+                lowest = lowest.min(ids[0]);
+            }
+        }
+        assert!(lowest < oldest + 3 * LENGTH as u64, "{codec:?}: oldest window {lowest}, {oldest}");
+    }
+}
+
+#[test]
+fn max_bytes_holds_under_concurrent_inserts_and_samples() {
+    const WRITERS: u64 = 3;
+    const STEPS: u64 = 4000;
+    const LENGTH: usize = 6;
+    let step = (FRAME + 8) as u64;
+    let max_bytes = 200 * step;
+    let config = ReplayConfig {
+        seed: Some(4),
+        compress: vec![Some(Codec::Lz4), Some(Codec::Zstd { level: 1 })],
+        max_bytes: Some(max_bytes),
+        ..ReplayConfig::new(16, 50_000)
+    };
+    let sequence = SequenceConfig { period: 2, ..SequenceConfig::new(LENGTH) };
+    let table = SequenceTable::new(spec(), config, sequence).unwrap();
+    let done = Arc::new(AtomicBool::new(false));
+    let writers: Vec<_> = (0..WRITERS)
+        .map(|w| {
+            let table = Arc::clone(&table);
+            thread::spawn(move || {
+                // Two streams per writer, episodes of 50 steps.
+                for n in 0..STEPS {
+                    let stream = w * 2 + n % 2;
+                    let index = n / 2;
+                    let end =
+                        if index % 50 == 49 { EpisodeEnd::Terminated } else { EpisodeEnd::No };
+                    put(&table, (stream << 32) | index, end);
+                }
+            })
+        })
+        .collect();
+    let sampler = {
+        let (table, done) = (Arc::clone(&table), Arc::clone(&done));
+        thread::spawn(move || {
+            let mut c = table.consumer().unwrap();
+            let mut batches = 0u64;
+            while !done.load(Ordering::Relaxed) || batches < 30 {
+                let b = c.sample(Some(Instant::now() + common::PATIENCE)).unwrap();
+                for ids in windows(&c, b, LENGTH) {
+                    // One episode of one stream.
+                    let first = ids[0] & 0xFFFF_FFFF;
+                    assert_eq!(first / 50, (first + ids.len() as u64 - 1) / 50, "{ids:x?}");
+                }
+                assert!(table.stats().windows.stored_bytes <= max_bytes);
+                batches += 1;
+            }
+            batches
+        })
+    };
+    for w in writers {
+        w.join().unwrap();
+    }
+    done.store(true, Ordering::Relaxed);
+    assert!(sampler.join().unwrap() >= 30);
+    let stats = table.stats();
+    assert_eq!(stats.steps_inserted, WRITERS * STEPS);
+    assert!(stats.windows.stored_bytes <= max_bytes && stats.steps_evicted > 0, "{stats:?}");
+    assert!(stats.steps > 2 * 200, "compressed chunks hold more than raw: {stats:?}");
+}
+
+#[test]
+fn settings_that_cannot_work_are_refused() {
+    let sequence = SequenceConfig::new(8);
+    let mut c = config(4, 100, Codec::Zstd { level: 1 });
+    c.max_bytes = Some(7 * (FRAME as u64 + 8));
+    let err = SequenceTable::new(spec(), c, sequence).unwrap_err().to_string();
+    assert!(err.contains("max_bytes must hold one window of raw steps"), "{err}");
+    let err = SequenceTable::new(spec(), config(4, 100, Codec::Zstd { level: 99 }), sequence)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("level"), "{err}");
+}
