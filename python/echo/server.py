@@ -385,15 +385,20 @@ class Server:
             `Queue(size)` is accepted; it sizes the ring.
         max_times_sampled: Replay only. Remove an item after this many draws (0: never).
         seed: Replay only. Fixes the sampling sequence, for reproducible runs.
-        compress: Replay only. Which leaves the table stores compressed: a mapping of leaf
-            paths (`"obs"`, `"obs/pixels"` or `("obs", "pixels")`; a subtree's path covers its
-            leaves) to `echo.Zstd(level)` or `echo.Lz4()`; `"auto"` (uint8/int8 leaves of at
-            least 4 KiB, with `Zstd(1)`); or one codec (those same leaves with it). Items are
-            compressed by the inserting thread and decompressed straight into each batch.
-            See the compression guide.
-        max_bytes: Replay only. Bounds the bytes the items take as stored (compressed leaves
-            compressed): the remover evicts until a new item fits, as it does at `max_size`
-            items, whichever bound is hit first. `None` (default): `max_size` alone.
+        compress: Which leaves a replay or sequence table stores compressed (with `Fifo()`:
+            which leaves TCP workers send compressed): a mapping of leaf paths (`"obs"`,
+            `"obs/pixels"` or `("obs", "pixels")`; a subtree's path covers its leaves) to
+            `echo.Zstd(level)` or `echo.Lz4()`; `"auto"` (uint8/int8 leaves of at least 4 KiB,
+            with `Zstd(1)`); or one codec (those same leaves with it). A replay table
+            compresses each item on the inserting thread; a sequence table compresses each
+            chunk of one stream's consecutive steps once it is full (or its stream is gone),
+            which gains the most on consecutive frames. Either decompresses straight into
+            each batch. See the compression guide.
+        max_bytes: Replay and sequence tables. Bounds the bytes the data takes as stored
+            (compressed leaves compressed; a sequence table's filling chunks raw): the table
+            evicts (the remover's victims, or a sequence table's oldest chunks) until a new
+            item or step fits, as it does at `max_size`, whichever bound is hit first. `None`
+            (default): `max_size` alone.
         sequence: `Sequence(length, period, at_end)`: make this a sequence table, which takes
             steps of streams (`submit(step, stream=k, end_episode=...)`, `submit_batch` with
             one stream per row) and samples windows of `length` steps of one episode, each

@@ -309,8 +309,6 @@ def test_bad_levels_raise(level: Any, error: type[Exception]) -> None:
 def test_fifo_and_sequence_servers_refuse_what_does_not_apply() -> None:
     with pytest.raises(ValueError, match=r"max_bytes needs a replay sampler"):
         Server(EXAMPLE, 4, max_bytes=1 << 20)
-    with pytest.raises(ValueError, match=r"sequence table stores its steps raw"):
-        Server(EXAMPLE, 4, max_size=64, sequence=echo.Sequence(4), compress="auto")
     with pytest.raises(ValueError, match=r"max_bytes must be >= 1"):
         Server(EXAMPLE, 4, sampler=echo.Uniform(), max_size=8, max_bytes=0)
 

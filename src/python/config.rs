@@ -222,12 +222,6 @@ impl ServerConfig {
                     r.repr
                 )));
             }
-            if self.compresses() || self.max_bytes.is_some() {
-                return Err(PyValueError::new_err(
-                    "compress= and max_bytes= apply to replay tables; a sequence table stores \
-                     its steps raw (compressed sequence chunks are not supported yet)",
-                ));
-            }
             return Ok(BackendConfig::Sequence(self.replay_config(sampler, max_size), sequence));
         }
         if max_size < batch_size {
@@ -252,9 +246,8 @@ impl ServerConfig {
         }
     }
 
-    /// What `compress=` chose, per leaf (empty or all `None`: nothing): the leaves a replay
-    /// table stores compressed, and those v2 clients send compressed over TCP (to any
-    /// backend but a sequence table).
+    /// What `compress=` chose, per leaf (empty or all `None`: nothing): the leaves a replay or
+    /// sequence table stores compressed, and those v2 clients send compressed over TCP.
     pub(crate) fn wire_codecs(&self) -> &[Option<Codec>] {
         &self.compress
     }

@@ -398,10 +398,7 @@ impl SampleInfo {
                 (held, held)
             }
             BackendStats::Replay(replay) => (replay.stored_bytes, replay.raw_bytes),
-            BackendStats::Sequence(seq) => {
-                let held = seq.steps * snap.payload_bytes;
-                (held, held)
-            }
+            BackendStats::Sequence(seq) => (seq.windows.stored_bytes, seq.windows.raw_bytes),
         };
         let seq_windows = seq.map(|s| s.windows).unwrap_or_default();
         let seq = seq.unwrap_or_default();

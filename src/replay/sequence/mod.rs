@@ -1446,6 +1446,14 @@ impl SequenceTable {
     }
 }
 
+/// A packed chunk a batch reads: its steps, and its runs as (window, step in the window,
+/// step in the chunk, steps).
+struct ChunkReads<'a> {
+    packed: &'a Packed,
+    filled: u32,
+    runs: Vec<(usize, usize, usize, usize)>,
+}
+
 thread_local! {
     /// Where a packed chunk's leaf is decompressed when a batch reads only part of it.
     static UNPACKED: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -1618,7 +1626,7 @@ impl SequenceConsumer {
         let g = &table.geometry;
         // Per packed chunk the batch reads: the chunk, and its runs as (window, step in
         // the window, step in the chunk, steps).
-        let mut chunks: Vec<(&Packed, u32, Vec<(usize, usize, usize, usize)>)> = Vec::new();
+        let mut chunks: Vec<ChunkReads<'_>> = Vec::new();
         let mut index: HashMap<*const u8, usize> = HashMap::new();
         for (i, drawn) in self.pending.iter().enumerate() {
             let mut at = 0;
@@ -1628,28 +1636,29 @@ impl SequenceConsumer {
                 match &run.compressed {
                     Some(Compressed::Packed(packed, filled)) => {
                         let j = *index.entry(packed.as_ptr()).or_insert_with(|| {
-                            chunks.push((packed, *filled, Vec::new()));
+                            chunks.push(ChunkReads { packed, filled: *filled, runs: Vec::new() });
                             chunks.len() - 1
                         });
-                        chunks[j].2.push((i, at, offset, n));
+                        chunks[j].runs.push((i, at, offset, n));
                     }
                     Some(Compressed::Staged(staged)) => {
                         for (k, &leaf) in table.codecs.packed_leaves().iter().enumerate() {
                             let size = table.spec.arrays()[leaf].num_bytes();
-                            // SAFETY: the run's steps are written and stay as they are while
-                            // this consumer holds the buffer (see `Staged`); the area's bytes
-                            // are this consumer's (`sample` takes `&mut self`) and no thread
-                            // runs yet.
-                            unsafe {
-                                staged.read_slots(k, offset..offset + n, |src| {
+                            let copy = |src: &[u8]| {
+                                // SAFETY: the area's bytes are this consumer's (`sample`
+                                // takes `&mut self`) and no other thread runs yet.
+                                unsafe {
                                     table.area.fill_part(
                                         base + i,
                                         leaf,
                                         at * size..(at + n) * size,
                                         |dst| dst.copy_from_slice(src),
                                     );
-                                });
-                            }
+                                }
+                            };
+                            // SAFETY: the run's steps are written and stay as they are while
+                            // this consumer holds the buffer (see `Staged`).
+                            unsafe { staged.read_slots(k, offset..offset + n, copy) };
                         }
                     }
                     None => unreachable!("every chunk of a table with compressed leaves is"),
@@ -1669,8 +1678,8 @@ impl SequenceConsumer {
         if chunks.is_empty() {
             return;
         }
-        let unpack = |chunks: &[(&Packed, u32, Vec<(usize, usize, usize, usize)>)]| {
-            for (packed, filled, runs) in chunks {
+        let unpack = |chunks: &[ChunkReads<'_>]| {
+            for ChunkReads { packed, filled, runs } in chunks {
                 for (k, &leaf) in table.codecs.packed_leaves().iter().enumerate() {
                     let size = table.spec.arrays()[leaf].num_bytes();
                     let raw = *filled as usize * size;
@@ -1715,7 +1724,7 @@ impl SequenceConsumer {
                 }
             }
         };
-        let raw: usize = chunks.iter().map(|c| c.1 as usize).sum::<usize>()
+        let raw: usize = chunks.iter().map(|c| c.filled as usize).sum::<usize>()
             * table.staged_arrays.iter().map(ArraySpec::num_bytes).sum::<usize>();
         let threads = (raw / DECOMPRESS_BYTES_PER_THREAD)
             .clamp(1, table.decompress_threads)
