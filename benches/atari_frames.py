@@ -90,6 +90,7 @@ def rollout(game: str, steps: int, seed: int, resize: str = "area") -> dict[str,
     uint8`` and ``episode_start`` ``(steps,) bool``. ``resize``: ``area`` (the default, as
     OpenCV's ``INTER_AREA`` in the usual DQN wrappers) or ``nearest``."""
     import ale_py
+    import ale_py.roms  # not imported by `import ale_py` since ale-py 0.12
 
     shrink = RESIZES[resize]
     if not 0 < steps <= MAX_STEPS:
