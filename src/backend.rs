@@ -380,7 +380,7 @@ impl Backend {
     pub fn restore_sequence(
         &self,
         snapshot: &SequenceSnapshot,
-        leaves: &[&[u8]],
+        leaves: &[LeafRows<'_>],
         queued_leaves: &[&[u8]],
     ) -> Result<(), EchoError> {
         match self {

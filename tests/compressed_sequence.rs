@@ -12,8 +12,8 @@ use std::time::Instant;
 
 use echo::codec::Codec;
 use echo::replay::{
-    ReplayBatch, ReplayConfig, SamplerKind, SequenceConfig, SequenceConsumer, SequenceTable,
-    SEQUENCE_META,
+    LeafRows, ReplayBatch, ReplayConfig, SamplerKind, SequenceConfig, SequenceConsumer,
+    SequenceSnapshot, SequenceTable, SEQUENCE_META,
 };
 use echo::{ArraySpec, DataSpec, EpisodeEnd, StepLeaves, StepTag};
 
@@ -259,4 +259,79 @@ fn settings_that_cannot_work_are_refused() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("level"), "{err}");
+}
+
+/// A compressed table's checkpoint with its frames kept packed (one compressed row per
+/// chunk), as `(steps' ids raw, frames packed, their lengths, snapshot)`.
+fn packed_checkpoint(codec: Codec) -> (Vec<u8>, Vec<u8>, Vec<u32>, SequenceSnapshot) {
+    let table = SequenceTable::new(spec(), config(4, 1000, codec), SequenceConfig::new(8)).unwrap();
+    for index in 0..60u64 {
+        for stream in 0..2u64 {
+            put(&table, (stream << 32) | index, EpisodeEnd::No);
+        }
+    }
+    let (mut checkpoint, ()) = table.checkpoint_with(|| ()).unwrap();
+    checkpoint.keep_packed();
+    let (mut ids, mut frames) = (Vec::new(), Vec::new());
+    let mut out = vec![Vec::new(), Vec::new()];
+    while echo::checkpoint::Chunks::next_chunk(&mut checkpoint, 1 << 16, &mut out) > 0 {
+        ids.extend_from_slice(&out[0]);
+        frames.extend_from_slice(&out[1]);
+    }
+    let lengths = checkpoint.packed_lengths()[0].clone();
+    assert_eq!(lengths.len(), checkpoint.chunks());
+    assert_eq!(lengths.iter().map(|&l| l as usize).sum::<usize>(), frames.len());
+    assert!(frames.len() * 5 < 120 * FRAME, "the frames are written compressed");
+    (ids, frames, lengths, checkpoint.snapshot().clone())
+}
+
+#[test]
+fn a_packed_checkpoint_restores_bit_exact_and_corrupt_rows_are_errors() {
+    let zstd = Codec::Zstd { level: 1 };
+    let (ids, frames, lengths, snap) = packed_checkpoint(zstd);
+    let new = |codec: Codec| {
+        SequenceTable::new(spec(), config(4, 1000, codec), SequenceConfig::new(8)).unwrap()
+    };
+    let restore = |table: &SequenceTable, codec: Codec, frames: &[u8], lengths: &[u32]| {
+        let leaves = [LeafRows::Raw(&ids), LeafRows::Packed { codec, bytes: frames, lengths }];
+        table.restore(&snap, &leaves, &[&[], &[]])
+    };
+    // Into a table with the same codec (stored as they come) or another (compressed again).
+    for codec in [zstd, Codec::Lz4] {
+        let table = new(codec);
+        restore(&table, zstd, &frames, &lengths).unwrap();
+        assert_eq!(table.stats().steps, 120);
+        let mut c = table.consumer().unwrap();
+        for _ in 0..10 {
+            let b = c.sample(Some(Instant::now() + common::PATIENCE)).unwrap();
+            windows(&c, b, 8);
+        }
+    }
+    let refused = |frames: &[u8], lengths: &[u32], claimed: Codec| {
+        let table = new(zstd);
+        let err = restore(&table, claimed, frames, lengths).unwrap_err().to_string();
+        assert_eq!(table.stats().steps, 0, "nothing restored: {err}");
+        err
+    };
+    // Lengths that do not add up, or one row too few.
+    let mut long = lengths.clone();
+    long[0] += 1;
+    assert!(refused(&frames, &long, zstd).contains("compressed rows of"));
+    assert!(refused(&frames, &lengths[1..], zstd).contains("compressed rows for"));
+    // A row cut short (the next one starts a byte early).
+    let mut cut = frames.clone();
+    cut.remove(lengths[0] as usize - 1);
+    let mut cut_lengths = lengths.clone();
+    cut_lengths[0] -= 1;
+    assert!(refused(&cut, &cut_lengths, zstd).contains("compressed row 0"));
+    // A decompression bomb: a row whose frame claims far more than the chunk's steps.
+    let mut bomb = Vec::new();
+    zstd.compress_append(&vec![0u8; 64 * 8 * FRAME], &mut bomb);
+    let mut bombed = bomb.clone();
+    bombed.extend_from_slice(&frames[lengths[0] as usize..]);
+    let mut bomb_lengths = lengths.clone();
+    bomb_lengths[0] = bomb.len() as u32;
+    assert!(refused(&bombed, &bomb_lengths, zstd).contains("compressed row 0"));
+    // Zstd rows said to be LZ4.
+    assert!(refused(&frames, &lengths, Codec::Lz4).contains("compressed row"));
 }

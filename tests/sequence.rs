@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use echo::codec::Codec;
 use echo::replay::{
-    AtEnd, ReplayBatch, ReplayConfig, SamplerKind, SequenceConfig, SequenceConsumer,
+    AtEnd, LeafRows, ReplayBatch, ReplayConfig, SamplerKind, SequenceConfig, SequenceConsumer,
     SequenceSnapshot, SequenceTable, SEQUENCE_META,
 };
 use echo::{ArraySpec, DataSpec, EpisodeEnd, SampleSource, StepLeaves, StepTag};
@@ -422,11 +422,16 @@ fn drain_all(table: &Arc<SequenceTable>, length: usize) -> Vec<(u64, Got)> {
 #[test]
 fn a_checkpoint_restores_the_table_as_it_was_while_writers_go_on() {
     for codecs in CODECS {
-        a_checkpoint_restores_the_table_with(codecs);
+        a_checkpoint_restores_the_table_with(codecs, false);
+        if codecs.iter().any(Option::is_some) {
+            a_checkpoint_restores_the_table_with(codecs, true);
+        }
     }
 }
 
-fn a_checkpoint_restores_the_table_with(codecs: [Option<Codec>; 2]) {
+/// With `packed`, the checkpoint hands out the compressed leaves as stored (one compressed
+/// row per chunk) and the restore takes them so.
+fn a_checkpoint_restores_the_table_with(codecs: [Option<Codec>; 2], packed: bool) {
     const LENGTH: usize = 4;
     let config = with_codecs(
         ReplayConfig {
@@ -450,6 +455,9 @@ fn a_checkpoint_restores_the_table_with(codecs: [Option<Codec>; 2]) {
         put(&live, step_id(9, 0, i), 9, EpisodeEnd::No);
     }
     let steps = checkpoint.snapshot().steps();
+    if packed {
+        checkpoint.keep_packed();
+    }
     let mut leaves = [Vec::new(), Vec::new()];
     let mut out = vec![Vec::new(), Vec::new()];
     loop {
@@ -461,14 +469,27 @@ fn a_checkpoint_restores_the_table_with(codecs: [Option<Codec>; 2]) {
             all.extend_from_slice(part);
         }
     }
-    assert_eq!(leaves[0].len(), steps * 8);
+    if !packed || codecs[0].is_none() {
+        assert_eq!(leaves[0].len(), steps * 8);
+    }
+    let lengths = checkpoint.packed_lengths().to_vec();
+    assert_eq!(lengths.len(), if packed { codecs.iter().flatten().count() } else { 0 });
+    assert!(lengths.iter().all(|l| l.len() == checkpoint.chunks()));
     let bytes = checkpoint.snapshot().encode();
     drop(checkpoint);
     let snapshot = SequenceSnapshot::decode(&bytes).unwrap();
     assert_eq!(&snapshot, &SequenceSnapshot::decode(&snapshot.encode()).unwrap());
     let restored = new();
-    let leaf_refs: Vec<&[u8]> = leaves.iter().map(Vec::as_slice).collect();
-    restored.restore(&snapshot, &leaf_refs, &[&[], &[]]).unwrap();
+    let mut lengths = lengths.iter();
+    let leaf_rows: Vec<LeafRows<'_>> = leaves
+        .iter()
+        .zip(codecs)
+        .map(|(bytes, codec)| match codec.filter(|_| packed) {
+            Some(codec) => LeafRows::Packed { codec, bytes, lengths: lengths.next().unwrap() },
+            None => LeafRows::Raw(bytes),
+        })
+        .collect();
+    restored.restore(&snapshot, &leaf_rows, &[&[], &[]]).unwrap();
     // The TCP client's stream ends (truncated) at the restore; in-process ones stay open.
     assert!(reference.end_stream((1 << 32) | 4, EpisodeEnd::Truncated));
     let (a, b) = (restored.stats(), reference.stats());
@@ -514,7 +535,7 @@ fn a_corrupt_snapshot_is_an_error_never_a_panic() {
         }
     }
     let bytes = checkpoint.snapshot().encode();
-    let leaf_refs: Vec<&[u8]> = leaves.iter().map(Vec::as_slice).collect();
+    let leaf_refs: Vec<LeafRows<'_>> = leaves.iter().map(|l| LeafRows::Raw(l)).collect();
     // Every truncation, and every byte flipped in turn (a few values each), fails cleanly or
     // restores a consistent table; none panics.
     for cut in 0..bytes.len() {

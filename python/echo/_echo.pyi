@@ -374,19 +374,25 @@ class ServerCore:
         files: list[tuple[str, str, tuple[int, ...]]],
         ingress_files: list[tuple[str, str, tuple[int, ...]]],
         meta_file: str,
-    ) -> tuple[tuple[int, int, int, int], list[bytes], list[bytes]]:
+        packed_lengths: list[str] | None = None,
+    ) -> tuple[tuple[int, int, int, int, int], list[bytes], list[bytes]]:
         """Writes a snapshot of the sequence table: its steps (one `.npy` per leaf), the
         ingress's queued steps (only when there are some) and the metadata (`meta_file`, a
-        uint8 `.npy`); returns `((steps, windows, open episodes, queued steps), digests of
-        the leaf files then the metadata file, digests of the ingress files)`."""
+        uint8 `.npy`); returns `((steps, windows, open episodes, queued steps, chunks),
+        digests of the leaf files, the metadata file then the lengths files, digests of the
+        ingress files)`. `packed_lengths`: one path per compressed leaf, whose file then
+        gets one compressed row per chunk as stored (no header), the rows' lengths going
+        into the path here."""
     def _restore_sequence(
         self,
         leaves: list[npt.NDArray[np.uint8]],
         meta: npt.NDArray[np.uint8],
         ingress_leaves: list[npt.NDArray[np.uint8]],
+        packed: list[tuple[int, str, int, npt.NDArray[np.uint32]]] = ...,
     ) -> None:
         """Fills this new sequence table with a checkpoint (ValueError naming what does not
-        fit; nothing is inserted then)."""
+        fit; nothing is inserted then). `packed`: `(leaf, codec name, level, row lengths)`
+        for each leaf whose rows come compressed, one per chunk."""
     def _restore_fifo(self, leaves: list[npt.NDArray[np.uint8]], n: int) -> int:
         """Puts a FIFO checkpoint's `n` samples into this new FIFO server, in order, before
         anything new; returns how many went in at once (the rest follow from a background

@@ -491,20 +491,41 @@ class Written:
     extra: Extra | None
 
 
+def _packed_files(
+    what: Written, leaf_files: list[str]
+) -> tuple[list[tuple[int, list[Any]]], list[str]]:
+    """The leaves the table stores compressed, `(leaf, [codec name, level])`, and their
+    lengths files; their data files are renamed in `leaf_files` (`leaf_NNN.zst` or `.lz4`):
+    they are written as stored, rows of varying length, with no `.npy` header."""
+    codecs: list[list[Any] | None] = what.tuning.get("compress") or []
+    packed = [(i, c) for i, c in enumerate(codecs) if c is not None]
+    for i, (name, _) in packed:
+        leaf_files[i] = f"leaf_{i:03d}.{'zst' if name == 'zstd' else 'lz4'}"
+    return packed, [f"leaf_{i:03d}.lengths.npy" for i, _ in packed]
+
+
 def _manifest_head(
-    kind: str, what: Written, leaf_files: list[str], version: int = 3
+    kind: str,
+    what: Written,
+    leaf_files: list[str],
+    packed: list[tuple[int, list[Any]]] | None = None,
+    lengths_files: list[str] | None = None,
 ) -> dict[str, Any]:
-    """The manifest fields every checkpoint has, whatever its backend. `version`: the
-    lowest format version that describes it (4 only with compressed leaf files), so that an
-    echo that reads up to 3 still reads every checkpoint it could."""
+    """The manifest fields every checkpoint has, whatever its backend, with the codec and
+    lengths file of each compressed leaf file. Its format version is the lowest that
+    describes it (4 only with compressed leaf files), so that an echo that reads up to 3
+    still reads every checkpoint it could."""
+    layout = _layout_dict(what.layout, leaf_files)
+    for (i, codec), lengths in zip(packed or [], lengths_files or [], strict=True):
+        layout["leaves"][i].update(codec=list(codec), lengths=lengths)
     return {
         "format": kind,
-        "format_version": version,
+        "format_version": 4 if packed else 3,
         "echo_version": __version__,
         "created_unix_ns": time.time_ns(),
         "settings": what.settings,
         "tuning": what.tuning,
-        "layout": _layout_dict(what.layout, leaf_files),
+        "layout": layout,
     }
 
 
@@ -517,12 +538,7 @@ def write(core: Any, what: Written, path: str | os.PathLike[str]) -> int:
         leaf_files = _leaf_files(layout)
         ingress_files = _leaf_files(layout, "ingress_")
         meta_files = [file for _, file, _ in _META_FILES]
-        # Compressed leaves are written as stored: rows of varying length, and their lengths.
-        codecs: list[list[Any] | None] = what.tuning.get("compress") or []
-        packed = [(i, c) for i, c in enumerate(codecs) if c is not None]
-        lengths_files = [f"leaf_{i:03d}.lengths.npy" for i, _ in packed]
-        for i, (name, _) in packed:
-            leaf_files[i] = f"leaf_{i:03d}.{'zst' if name == 'zstd' else 'lz4'}"
+        packed, lengths_files = _packed_files(what, leaf_files)
         keys, _, _, state, digests, ingress = core._checkpoint(
             _native_files(layout, data_dir, leaf_files),
             _native_files(layout, data_dir, ingress_files),
@@ -537,9 +553,7 @@ def write(core: Any, what: Written, path: str | os.PathLike[str]) -> int:
         if queued:
             files.update(_digests(data_dir, [*ingress_files, _INGRESS_PRIORITIES], ingress_digests))
         inserts, samples, rng, next_key, max_priority = state
-        head = _manifest_head(REPLAY_FORMAT, what, leaf_files, 4 if packed else 3)
-        for (i, codec), lengths in zip(packed, lengths_files, strict=True):
-            head["layout"]["leaves"][i].update(codec=list(codec), lengths=lengths)
+        head = _manifest_head(REPLAY_FORMAT, what, leaf_files, packed, lengths_files)
         manifest: dict[str, Any] = {
             **head,
             "counts": {"items": n, "from_ingress": queued},
@@ -567,23 +581,26 @@ def write_sequence(core: Any, what: Written, path: str | os.PathLike[str]) -> in
         layout = what.layout
         leaf_files = _leaf_files(layout)
         ingress_files = _leaf_files(layout, "ingress_")
+        packed, lengths_files = _packed_files(what, leaf_files)
         counts, digests, ingress_digests = core._checkpoint_sequence(
             _native_files(layout, data_dir, leaf_files),
             _native_files(layout, data_dir, ingress_files),
             os.path.join(data_dir, _SEQUENCE_META),
+            [os.path.join(data_dir, f) for f in lengths_files] if packed else None,
         )
-        steps, windows, open_episodes, queued = counts
-        files = _digests(data_dir, [*leaf_files, _SEQUENCE_META], digests)
+        steps, windows, open_episodes, queued, chunks = counts
+        files = _digests(data_dir, [*leaf_files, _SEQUENCE_META, *lengths_files], digests)
         _hook("leaves-written")
         if queued:
             files.update(_digests(data_dir, ingress_files, ingress_digests))
         manifest: dict[str, Any] = {
-            **_manifest_head(SEQUENCE_FORMAT, what, leaf_files),
+            **_manifest_head(SEQUENCE_FORMAT, what, leaf_files, packed, lengths_files),
             "counts": {
                 "items": steps,
                 "windows": windows,
                 "open_episodes": open_episodes,
                 "from_ingress": queued,
+                "chunks": chunks,
             },
             "sequence": _SEQUENCE_META,
             "files": files,
@@ -958,8 +975,10 @@ def read(path: str | os.PathLike[str], example: Any = None) -> Loaded:
             for i, leaf in enumerate(leaves)
             if leaf.get("codec") is not None
         ]
-        if packed_rows and (fifo or sequence):
-            raise ValueError("compressed leaf files in a checkpoint that is not a replay table")
+        if packed_rows and fifo:
+            raise ValueError("compressed leaf files in a FIFO checkpoint")
+        # A compressed leaf file has a row per item, or per chunk of a sequence table.
+        packed_count = int(counts["chunks"]) if packed_rows and sequence else n
         for _, name, _, lengths_file in packed_rows:
             if name not in ("zstd", "lz4"):
                 raise ValueError(f"unknown codec {name!r}")
@@ -1043,7 +1062,12 @@ def read(path: str | os.PathLike[str], example: Any = None) -> Loaded:
         for leaf, mine in zip(leaves, layout.leaves, strict=True)
     ]
     packed = [
-        (i, name, level, cast("npt.NDArray[np.uint32]", _load(root, f, np.dtype(np.uint32), (n,))))
+        (
+            i,
+            name,
+            level,
+            cast("npt.NDArray[np.uint32]", _load(root, f, np.dtype(np.uint32), (packed_count,))),
+        )
         for i, name, level, f in packed_rows
     ]
     sequence_meta: npt.NDArray[Any] = np.zeros(0, np.uint8)

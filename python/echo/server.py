@@ -1167,7 +1167,7 @@ class Server:
                 )
             elif loaded.sequence:
                 server._core._restore_sequence(  # pyright: ignore[reportPrivateUsage]
-                    loaded.leaf_bytes(), loaded.sequence_meta, loaded.ingress_bytes()
+                    loaded.leaf_bytes(), loaded.sequence_meta, loaded.ingress_bytes(), loaded.packed
                 )
             else:
                 server._core._restore(  # pyright: ignore[reportPrivateUsage]

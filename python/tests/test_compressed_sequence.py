@@ -140,10 +140,21 @@ def test_checkpoint_and_restore_keep_every_window_bit_exact(
     server = _sequence(make_server, codec, batch_size=1, max_bytes=20_000_000, **kwargs)
     _submit_episodes(server, streams=2, episodes=3, length=21)
     server.checkpoint(tmp_path / "ckpt")
-    manifest = json.loads(Path(os.path.realpath(tmp_path / "ckpt"), "manifest.json").read_text())
-    assert manifest["tuning"]["compress"][1] == (
-        ["zstd", codec.level] if isinstance(codec, echo.Zstd) else ["lz4", 0]
-    )
+    # The observations are written as stored: a compressed row per chunk, and their lengths.
+    root = os.path.realpath(tmp_path / "ckpt")
+    manifest = json.loads(Path(root, "manifest.json").read_text())
+    named = ["zstd", codec.level] if isinstance(codec, echo.Zstd) else ["lz4", 0]
+    assert manifest["tuning"]["compress"][1] == named
+    assert manifest["format_version"] == 4
+    obs_leaf = manifest["layout"]["leaves"][1]
+    assert obs_leaf["name"] == "['obs']"
+    assert obs_leaf["file"] == f"leaf_001.{'zst' if named[0] == 'zstd' else 'lz4'}"
+    assert obs_leaf["codec"] == named
+    lengths = np.load(Path(root, obs_leaf["lengths"]))
+    assert lengths.shape == (manifest["counts"]["chunks"],)
+    assert os.path.getsize(Path(root, obs_leaf["file"])) == int(lengths.sum())
+    steps = manifest["counts"]["items"]
+    assert lengths.sum() * 4 < steps * 84 * 84 * 4, "compressed on disk too"
     expected = drain(server)
     assert len(expected) > 20
     for again in (None, {"obs": echo.Zstd(3)}, {}):

@@ -24,7 +24,7 @@ use super::views::{batch_copies, batch_views, LeafLayout, RingLease};
 use super::{deadline_from_timeout, detach, wait_detached};
 use crate::backend::{Backend, BackendCheckpoint, BackendStats, BatchConsumer, BatchRef};
 use crate::checkpoint::{as_bytes, write_leaf_files, write_npy_1d, LeafFile, QueuedChunks};
-use crate::codec::Codec;
+use crate::codec::{Codec, LeafCodecs};
 use crate::error::EchoError;
 use crate::ingress::{Ingress, IngressConfig, QueuedSamples};
 use crate::metrics;
@@ -49,7 +49,59 @@ type CheckpointOut<'py> = (
 
 /// What `_checkpoint_sequence` hands back (see there).
 type SequenceCheckpointOut<'py> =
-    ((usize, usize, usize, usize), Vec<Bound<'py, PyBytes>>, Vec<Bound<'py, PyBytes>>);
+    ((usize, usize, usize, usize, usize), Vec<Bound<'py, PyBytes>>, Vec<Bound<'py, PyBytes>>);
+
+/// A leaf whose checkpoint rows come compressed: `(leaf, codec name, level, row lengths)`.
+type PackedLeaf<'py> = (usize, String, i32, PyReadonlyArray1<'py, u32>);
+
+/// A checkpoint's leaves as the core restores them: `leaves[l]` raw, except those `packed`
+/// names, whose rows come compressed.
+fn leaf_rows<'a>(
+    leaves: &'a [PyReadonlyArray1<'_, u8>],
+    packed: &'a [PackedLeaf<'_>],
+) -> PyResult<Vec<LeafRows<'a>>> {
+    let contiguous = |what: &str, e: numpy::NotContiguousError| {
+        PyValueError::new_err(format!("restore: {what}: {e}"))
+    };
+    let mut rows = leaves
+        .iter()
+        .map(|leaf| leaf.as_slice().map(LeafRows::Raw).map_err(|e| contiguous("leaf", e)))
+        .collect::<PyResult<Vec<LeafRows<'_>>>>()?;
+    for (leaf, name, level, lengths) in packed {
+        let codec = Codec::from_name(name, *level).map_err(to_pyerr)?;
+        let Some(LeafRows::Raw(bytes)) = rows.get(*leaf).copied() else {
+            return Err(PyValueError::new_err(format!("restore: no leaf {leaf} to unpack")));
+        };
+        let lengths = lengths.as_slice().map_err(|e| contiguous("lengths", e))?;
+        rows[*leaf] = LeafRows::Packed { codec, bytes, lengths };
+    }
+    Ok(rows)
+}
+
+/// Where a checkpoint writes each compressed leaf's row lengths: `packed_lengths` (one path
+/// per leaf the table compresses, or `None`: every leaf raw), checked against the table, and
+/// those leaves' `files` marked to get their rows as stored. Empty: nothing is kept packed.
+fn packed_files<'a>(
+    codecs: Option<&LeafCodecs>,
+    packed_lengths: &'a Option<Vec<PathBuf>>,
+    files: &mut [LeafFile],
+) -> Result<&'a [PathBuf], EchoError> {
+    let leaves = codecs.map(LeafCodecs::packed_leaves).unwrap_or_default();
+    match packed_lengths {
+        None => Ok(&[]),
+        Some(paths) if paths.len() == leaves.len() => {
+            for &leaf in leaves {
+                files[leaf].raw = true;
+            }
+            Ok(paths)
+        }
+        Some(paths) => Err(EchoError::Config(format!(
+            "checkpoint: {} lengths files for {} compressed leaves",
+            paths.len(),
+            leaves.len()
+        ))),
+    }
+}
 
 /// What `_checkpoint_fifo` hands back (see there).
 type FifoCheckpointOut<'py> = (u64, usize, usize, Vec<Bound<'py, PyBytes>>);
@@ -416,24 +468,10 @@ impl PyServerCore {
             else {
                 return Err(EchoError::Config("_checkpoint: this server is FIFO".into()));
             };
-            let packed = checkpoint.codecs().map(|c| c.packed_leaves().to_vec());
-            let lengths_files = match (&packed_lengths, packed) {
-                (Some(paths), Some(leaves)) if paths.len() == leaves.len() => {
-                    checkpoint.keep_packed();
-                    for &leaf in &leaves {
-                        files[leaf].raw = true;
-                    }
-                    paths.as_slice()
-                }
-                (None, _) => &[],
-                (Some(paths), leaves) => {
-                    return Err(EchoError::Config(format!(
-                        "_checkpoint: {} lengths files for {} compressed leaves",
-                        paths.len(),
-                        leaves.map_or(0, |l| l.len())
-                    )))
-                }
-            };
+            let lengths_files = packed_files(checkpoint.codecs(), &packed_lengths, &mut files)?;
+            if !lengths_files.is_empty() {
+                checkpoint.keep_packed();
+            }
             let mut digests = write_leaf_files(&mut checkpoint, &files)?;
             let items = checkpoint.items();
             digests.push(write_npy_1d(&meta_files[0], 'u', as_bytes(&items.keys), 8)?);
@@ -536,7 +574,7 @@ impl PyServerCore {
         state: (u64, u64, [u64; 4], u64, f64),
         ingress_leaves: Vec<PyReadonlyArray1<'_, u8>>,
         ingress_priorities: PyReadonlyArray1<'_, f64>,
-        packed: Vec<(usize, String, i32, PyReadonlyArray1<'_, u32>)>,
+        packed: Vec<PackedLeaf<'_>>,
     ) -> PyResult<()> {
         let contiguous = |what: &str, e: numpy::NotContiguousError| {
             PyValueError::new_err(format!("restore: {what}: {e}"))
@@ -551,18 +589,7 @@ impl PyServerCore {
         };
         let (inserts, samples, rng, next_key, max_priority) = state;
         let saved = TableState { inserts, samples, rng, next_key, max_priority };
-        let mut leaves = leaves
-            .iter()
-            .map(|leaf| leaf.as_slice().map(LeafRows::Raw).map_err(|e| contiguous("leaf", e)))
-            .collect::<PyResult<Vec<LeafRows<'_>>>>()?;
-        for (leaf, name, level, lengths) in &packed {
-            let codec = Codec::from_name(name, *level).map_err(to_pyerr)?;
-            let Some(LeafRows::Raw(bytes)) = leaves.get(*leaf).copied() else {
-                return Err(PyValueError::new_err(format!("restore: no leaf {leaf} to unpack")));
-            };
-            let lengths = lengths.as_slice().map_err(|e| contiguous("lengths", e))?;
-            leaves[*leaf] = LeafRows::Packed { codec, bytes, lengths };
-        }
+        let leaves = leaf_rows(&leaves, &packed)?;
         let ingress_leaves = ingress_leaves
             .iter()
             .map(|leaf| leaf.as_slice().map_err(|e| contiguous("ingress leaf", e)))
@@ -597,14 +624,16 @@ impl PyServerCore {
     /// steps' priorities and streams) into `meta_file` as a uint8 `.npy`; all fsynced, GIL
     /// released. Returns `(steps, windows, open episodes, queued steps, sha256 digests of
     /// the leaf files then the metadata file, the ingress files' digests)`.
+    #[pyo3(signature = (files, ingress_files, meta_file, packed_lengths=None))]
     fn _checkpoint_sequence<'py>(
         &self,
         py: Python<'py>,
         files: Vec<(PathBuf, String, Vec<usize>)>,
         ingress_files: Vec<(PathBuf, String, Vec<usize>)>,
         meta_file: PathBuf,
+        packed_lengths: Option<Vec<PathBuf>>,
     ) -> PyResult<SequenceCheckpointOut<'py>> {
-        let files = leaf_files(files);
+        let mut files = leaf_files(files);
         let ingress_files = leaf_files(ingress_files);
         let backend = &self.backend;
         let ingress = self.ingress.get().map(Arc::as_ref);
@@ -614,16 +643,28 @@ impl PyServerCore {
             else {
                 return Err(EchoError::Config("_checkpoint_sequence: not a sequence table".into()));
             };
+            let lengths_files = packed_files(checkpoint.codecs(), &packed_lengths, &mut files)?;
+            if !lengths_files.is_empty() {
+                checkpoint.keep_packed();
+            }
             let mut digests = write_leaf_files(&mut *checkpoint, &files)?;
             let snapshot = checkpoint.snapshot();
             digests.push(write_npy_1d(&meta_file, 'u', &snapshot.encode(), 1)?);
+            for (path, lengths) in lengths_files.iter().zip(checkpoint.packed_lengths()) {
+                digests.push(write_npy_1d(path, 'u', as_bytes(lengths), 4)?);
+            }
             let ingress_digests = if queued.is_empty() {
                 Vec::new()
             } else {
                 write_leaf_files(&mut QueuedChunks::new(backend.spec(), &queued), &ingress_files)?
             };
-            let counts =
-                (snapshot.steps(), snapshot.windows(), snapshot.open_episodes(), snapshot.queued());
+            let counts = (
+                snapshot.steps(),
+                snapshot.windows(),
+                snapshot.open_episodes(),
+                snapshot.queued(),
+                checkpoint.chunks(),
+            );
             Ok::<_, EchoError>((counts, digests, ingress_digests))
         })
         .map_err(to_pyerr)?;
@@ -635,21 +676,22 @@ impl PyServerCore {
     /// Fills this new sequence table with a checkpoint: `leaves[l]` (leaf `l` of every step,
     /// as bytes), the metadata `meta` (the uint8 array `_checkpoint_sequence` wrote) and the
     /// queued steps' leaves `ingress_leaves`. ValueError naming what does not fit; nothing is
-    /// inserted then.
+    /// inserted then. `packed`: `(leaf, codec name, level, row lengths)` for each leaf whose
+    /// rows come compressed, one row per chunk (`_checkpoint_sequence` with
+    /// `packed_lengths`).
+    #[pyo3(signature = (leaves, meta, ingress_leaves, packed=Vec::new()))]
     fn _restore_sequence(
         &self,
         py: Python<'_>,
         leaves: Vec<PyReadonlyArray1<'_, u8>>,
         meta: PyReadonlyArray1<'_, u8>,
         ingress_leaves: Vec<PyReadonlyArray1<'_, u8>>,
+        packed: Vec<PackedLeaf<'_>>,
     ) -> PyResult<()> {
         let contiguous = |what: &str, e: numpy::NotContiguousError| {
             PyValueError::new_err(format!("restore: {what}: {e}"))
         };
-        let leaves = leaves
-            .iter()
-            .map(|a| a.as_slice().map_err(|e| contiguous("leaf", e)))
-            .collect::<PyResult<Vec<&[u8]>>>()?;
+        let leaves = leaf_rows(&leaves, &packed)?;
         let ingress_leaves = ingress_leaves
             .iter()
             .map(|a| a.as_slice().map_err(|e| contiguous("ingress leaf", e)))

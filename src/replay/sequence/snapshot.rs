@@ -24,9 +24,11 @@ use super::{
     State, StepTag, Stream, Window, NIL,
 };
 use crate::checkpoint::Chunks;
+use crate::codec::{Codec, LeafCodecs};
 use crate::error::EchoError;
 use crate::ingress::QueuedSamples;
 use crate::replay::rng::Rng;
+use crate::replay::LeafRows;
 use crate::slots::Slots;
 use crate::source::SampleSource;
 use crate::spec::DataSpec;
@@ -419,6 +421,10 @@ pub struct SequenceCheckpoint {
     /// With compressed leaves, per chunk row: where its steps of them are (staged or packed
     /// buffers are never written where a snapshot reads them, so no copy-on-write is needed).
     compressed: Vec<Option<Compressed>>,
+    /// `next_chunk` hands out the compressed leaves packed ([`SequenceCheckpoint::keep_packed`]).
+    packed_out: bool,
+    /// With `packed_out`: per compressed leaf, the bytes of each chunk row handed out.
+    lengths: Vec<Vec<u32>>,
     /// The next chunk row (of `snapshot.chunks`) to copy.
     next_row: usize,
 }
@@ -441,6 +447,33 @@ impl SequenceCheckpoint {
     /// The same, to add the ingress's queued steps to.
     pub fn snapshot_mut(&mut self) -> &mut SequenceSnapshot {
         &mut self.snapshot
+    }
+
+    /// The leaves the table stores compressed, if any.
+    pub fn codecs(&self) -> Option<&LeafCodecs> {
+        let codecs = &self.table.codecs;
+        (!codecs.is_empty()).then_some(codecs)
+    }
+
+    /// From now on [`Chunks::next_chunk`] hands out each compressed leaf as the table stores
+    /// it: one compressed row per chunk row of the snapshot, of varying length (see
+    /// [`SequenceCheckpoint::packed_lengths`]; a chunk still filling is compressed for it).
+    /// Call it before the first chunk; a no-op when no leaf is compressed.
+    pub fn keep_packed(&mut self) {
+        let leaves = self.table.codecs.packed_leaves().len();
+        self.packed_out = leaves > 0;
+        self.lengths = vec![Vec::with_capacity(self.snapshot.chunks.len()); leaves];
+    }
+
+    /// After [`SequenceCheckpoint::keep_packed`]: per compressed leaf, the bytes of each
+    /// chunk row handed out so far, in the snapshot's order.
+    pub fn packed_lengths(&self) -> &[Vec<u32>] {
+        &self.lengths
+    }
+
+    /// Chunks (rows of a packed leaf) the snapshot holds.
+    pub fn chunks(&self) -> usize {
+        self.snapshot.chunks.len()
     }
 }
 
@@ -503,6 +536,28 @@ impl Chunks for SequenceCheckpoint {
             let filled = self.snapshot.chunks[row].filled as usize;
             for (k, &leaf) in table.codecs.packed_leaves().iter().enumerate() {
                 let buf = &mut out[leaf];
+                if self.packed_out {
+                    let before = buf.len();
+                    match &self.compressed[row] {
+                        Some(Compressed::Packed(packed, _)) => {
+                            let bytes = table.codecs.packed_leaf(packed, k).unwrap_or_else(|e| {
+                                debug_assert!(false, "a packed chunk is malformed: {e}");
+                                &[]
+                            });
+                            buf.extend_from_slice(bytes);
+                        }
+                        // SAFETY: the chunk's first `filled` steps (the snapshot's) are
+                        // written and never written again while this checkpoint holds the
+                        // buffer.
+                        Some(Compressed::Staged(staged)) => unsafe {
+                            let codec = table.codecs.get(leaf).expect("a packed leaf has a codec");
+                            staged.read_slots(k, 0..filled, |b| codec.compress_append(b, buf));
+                        },
+                        None => unreachable!("every chunk of a table with compressed leaves is"),
+                    }
+                    self.lengths[k].push((buf.len() - before) as u32);
+                    continue;
+                }
                 match &self.compressed[row] {
                     Some(Compressed::Packed(packed, _)) => {
                         let start = buf.len();
@@ -676,8 +731,14 @@ impl SequenceTable {
         state.cow = Some(Cow { pending, saved: HashMap::new() });
         let out = frozen();
         drop(state);
-        let checkpoint =
-            SequenceCheckpoint { table: Arc::clone(self), snapshot, compressed, next_row: 0 };
+        let checkpoint = SequenceCheckpoint {
+            table: Arc::clone(self),
+            snapshot,
+            compressed,
+            packed_out: false,
+            lengths: Vec::new(),
+            next_row: 0,
+        };
         Ok((checkpoint, out))
     }
 
@@ -687,7 +748,10 @@ impl SequenceTable {
     }
 
     /// Fills a new, empty table with a snapshot's state and steps (`leaves[l]`: leaf `l` of
-    /// every step, in the snapshot's order), then inserts the snapshot's queued steps
+    /// every step, in the snapshot's order, raw; or compressed per chunk row as a checkpoint
+    /// that kept them packed wrote them, see [`SequenceCheckpoint::keep_packed`]: stored as
+    /// they are where this table compresses the leaf with the same codec, after checking that
+    /// each decompresses to its steps), then inserts the snapshot's queued steps
     /// (`queued_leaves`, same layout) and ends the open episodes of TCP clients' streams
     /// (truncated). The table samples, evicts, paces and numbers as the checkpointed one
     /// would have; window keys stay valid.
@@ -700,7 +764,7 @@ impl SequenceTable {
     pub fn restore(
         &self,
         snap: &SequenceSnapshot,
-        leaves: &[&[u8]],
+        leaves: &[LeafRows<'_>],
         queued_leaves: &[&[u8]],
     ) -> Result<(), EchoError> {
         let g = self.geometry;
@@ -739,7 +803,7 @@ impl SequenceTable {
                 g.max_size
             ));
         }
-        check_leaves(&self.spec, leaves, steps, "leaf")?;
+        let rows = RestoreRows::new(&self.spec, leaves, snap)?;
         check_leaves(&self.spec, queued_leaves, snap.queued.len(), "queued leaf")?;
         let rng = Rng::from_state(snap.rng)
             .ok_or_else(|| EchoError::Config("restore: the RNG state is all zeros".into()))?;
@@ -891,7 +955,9 @@ impl SequenceTable {
         // no more steps are packed first (on several threads: a large table is gigabytes),
         // the streams' open chunks staged.
         let open: HashSet<u32> = snap.streams.iter().map(|s| s.chunk).collect();
-        let mut packed = self.pack_rows(snap, leaves, &open);
+        let mut packed = self.pack_rows(snap, &rows, &open)?;
+        let unpack = |e: String| EchoError::Config(format!("restore: {e}"));
+        let mut scratch = Vec::new();
         let st = &mut *state;
         let mut at = 0usize;
         for (r, row) in snap.chunks.iter().enumerate() {
@@ -906,8 +972,8 @@ impl SequenceTable {
                 let staged = Arc::new(Slots::of_arrays(&self.staged_arrays, g.chunk_length)?);
                 for (k, &leaf) in self.codecs.packed_leaves().iter().enumerate() {
                     let len = self.spec.arrays()[leaf].num_bytes();
-                    for i in 0..filled {
-                        let step = &leaves[leaf][(at + i) * len..(at + i + 1) * len];
+                    let raw = rows.raw(leaf, r, &mut scratch).map_err(unpack)?;
+                    for (i, step) in raw.chunks_exact(len).enumerate() {
                         // SAFETY: a new buffer nobody else holds yet.
                         unsafe { staged.write_slot(i, k, step) };
                     }
@@ -915,23 +981,17 @@ impl SequenceTable {
                 st.staged[c] = Some(staged);
             }
             st.stored_bytes += bytes;
-            for i in 0..filled {
-                for (leaf, (bytes, array)) in leaves.iter().zip(self.spec.arrays()).enumerate() {
-                    if self.packed_index[leaf].is_some() {
-                        continue;
-                    }
-                    let len = array.num_bytes();
+            for leaf in (0..self.spec.len()).filter(|&leaf| self.packed_index[leaf].is_none()) {
+                let len = self.spec.arrays()[leaf].num_bytes();
+                let raw = rows.raw(leaf, r, &mut scratch).map_err(unpack)?;
+                for (i, step) in raw.chunks_exact(len).enumerate() {
                     // SAFETY: the table is new and we hold its lock: nobody else reads or
                     // writes any slot (no window exists yet). Sizes were checked above;
-                    // `bytes` is caller memory, not the table.
-                    unsafe {
-                        self.storage.write_slot(
-                            first + i,
-                            leaf,
-                            &bytes[(at + i) * len..(at + i + 1) * len],
-                        )
-                    };
+                    // `step` is caller memory (or ours), not the table.
+                    unsafe { self.storage.write_slot(first + i, leaf, step) };
                 }
+            }
+            for i in 0..filled {
                 if snap.step_priority[at + i] != 0 {
                     st.step_priority[first + i] = snap.step_priority[at + i];
                 }
@@ -1038,52 +1098,66 @@ impl SequenceTable {
         Ok(())
     }
 
-    /// With compressed leaves, per chunk row of `snap`: its steps of them packed (from
-    /// `leaves`, the restore's rows), unless it is a stream's open chunk (in `open`).
+    /// Per chunk row of `snap`: its steps of the compressed leaves packed (as they come
+    /// when the checkpoint compressed a leaf with the same codec, else compressed here),
+    /// unless the table compresses nothing or the row is a stream's open chunk (in `open`)
+    /// with room left. Every compressed row of `rows` is checked to decompress to exactly
+    /// its steps first, whatever is done with it. On several threads.
+    ///
+    /// # Errors
+    /// [`EchoError::Config`] naming the first row that does not decompress.
     fn pack_rows(
         &self,
         snap: &SequenceSnapshot,
-        leaves: &[&[u8]],
+        rows: &RestoreRows<'_>,
         open: &HashSet<u32>,
-    ) -> Vec<Option<Packed>> {
-        if self.codecs.is_empty() {
-            return Vec::new();
-        }
-        let mut jobs = Vec::with_capacity(snap.chunks.len());
-        let mut at = 0usize;
-        for row in &snap.chunks {
-            let filled = row.filled as usize;
-            // A full chunk takes no more steps either: the stream's next one goes to a new one.
-            let stays_open = open.contains(&row.index) && filled < self.geometry.chunk_length;
-            jobs.push((!stays_open).then_some(at..at + filled));
-            at += filled;
-        }
-        let pack = |rows: &std::ops::Range<usize>| -> Packed {
-            self.codecs.pack_with(
-                |k, compress| {
-                    let len = self.staged_arrays[k].num_bytes();
-                    let leaf = self.codecs.packed_leaves()[k];
-                    compress(&leaves[leaf][rows.start * len..rows.end * len]);
-                },
-                |packed: &[u8]| Arc::from(packed),
-            )
+    ) -> Result<Vec<Option<Packed>>, EchoError> {
+        let pack = |r: usize, scratch: &mut Vec<u8>| -> Result<Option<Packed>, String> {
+            for leaf in 0..self.spec.len() {
+                if rows.segment(leaf, r).is_some() {
+                    rows.raw(leaf, r, scratch)?;
+                }
+            }
+            let row = &snap.chunks[r];
+            let stays_open =
+                open.contains(&row.index) && (row.filled as usize) < self.geometry.chunk_length;
+            if self.codecs.is_empty() || stays_open {
+                return Ok(None);
+            }
+            let mut item = vec![0u8; 4 * self.codecs.packed_leaves().len()];
+            for (k, &leaf) in self.codecs.packed_leaves().iter().enumerate() {
+                let codec = self.codecs.get(leaf).expect("a packed leaf has a codec");
+                let before = item.len();
+                match rows.segment(leaf, r) {
+                    Some((theirs, bytes)) if theirs == codec => item.extend_from_slice(bytes),
+                    _ => codec.compress_append(rows.raw(leaf, r, scratch)?, &mut item),
+                }
+                let len =
+                    u32::try_from(item.len() - before).map_err(|_| "a packed row over 4 GiB")?;
+                item[4 * k..4 * k + 4].copy_from_slice(&len.to_le_bytes());
+            }
+            Ok(Some(Arc::from(item)))
         };
-        let per = jobs.len().div_ceil(self.decompress_threads).max(1);
-        std::thread::scope(|scope| {
-            let parts: Vec<_> = jobs
-                .chunks(per)
-                .map(|part| {
+        let n = snap.chunks.len();
+        let per = n.div_ceil(self.decompress_threads).max(1);
+        let parts: Vec<Result<Vec<Option<Packed>>, String>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..n)
+                .step_by(per)
+                .map(|from| {
                     let pack = &pack;
                     scope.spawn(move || {
-                        part.iter().map(|rows| rows.as_ref().map(pack)).collect::<Vec<_>>()
+                        let mut scratch = Vec::new();
+                        (from..(from + per).min(n)).map(|r| pack(r, &mut scratch)).collect()
                     })
                 })
                 .collect();
-            parts
-                .into_iter()
-                .flat_map(|part| part.join().expect("packing does not panic"))
-                .collect()
-        })
+            handles.into_iter().map(|h| h.join().expect("packing does not panic")).collect()
+        });
+        let mut out = Vec::with_capacity(n);
+        for part in parts {
+            out.extend(part.map_err(|e| EchoError::Config(format!("restore: {e}")))?);
+        }
+        Ok(out)
     }
 
     fn check_priority_value(
@@ -1172,6 +1246,112 @@ fn recent_slots(
             }
         }
         index -= 1;
+    }
+}
+
+/// A restore's steps, leaf by leaf, per chunk row of the snapshot: raw rows (each step the
+/// leaf's size), or one compressed row per chunk row (a checkpoint of a table that stored
+/// the leaf compressed).
+struct RestoreRows<'a> {
+    spec: &'a DataSpec,
+    leaves: &'a [LeafRows<'a>],
+    /// Per chunk row: its first step and its steps.
+    rows: Vec<(usize, usize)>,
+    /// Per leaf (empty for raw ones): each chunk row's first byte.
+    starts: Vec<Vec<usize>>,
+}
+
+impl<'a> RestoreRows<'a> {
+    /// Checks that `leaves` holds `snap`'s steps: raw rows of the right size, or one
+    /// compressed row per chunk whose lengths add up to the bytes.
+    fn new(
+        spec: &'a DataSpec,
+        leaves: &'a [LeafRows<'a>],
+        snap: &SequenceSnapshot,
+    ) -> Result<Self, EchoError> {
+        let config = |msg: String| Err(EchoError::Config(format!("restore: {msg}")));
+        if leaves.len() != spec.len() {
+            return config(format!("{} leaves, the layout has {}", leaves.len(), spec.len()));
+        }
+        let mut rows = Vec::with_capacity(snap.chunks.len());
+        let mut steps = 0usize;
+        for row in &snap.chunks {
+            rows.push((steps, row.filled as usize));
+            steps += row.filled as usize;
+        }
+        let mut starts = Vec::with_capacity(leaves.len());
+        for (leaf, (rows_of, array)) in leaves.iter().zip(spec.arrays()).enumerate() {
+            match *rows_of {
+                LeafRows::Raw(bytes) => {
+                    if Some(bytes.len()) != steps.checked_mul(array.num_bytes()) {
+                        return config(format!(
+                            "leaf {leaf}: {} bytes for {steps} steps of {} bytes",
+                            bytes.len(),
+                            array.num_bytes()
+                        ));
+                    }
+                    starts.push(Vec::new());
+                }
+                LeafRows::Packed { bytes, lengths, .. } => {
+                    if lengths.len() != rows.len() {
+                        return config(format!(
+                            "leaf {leaf}: {} compressed rows for {} chunks",
+                            lengths.len(),
+                            rows.len()
+                        ));
+                    }
+                    let mut at = 0usize;
+                    let mut first = Vec::with_capacity(lengths.len());
+                    for &len in lengths {
+                        first.push(at);
+                        at = at.saturating_add(len as usize);
+                    }
+                    if at != bytes.len() {
+                        return config(format!(
+                            "leaf {leaf}: compressed rows of {at} bytes in all, {} given",
+                            bytes.len()
+                        ));
+                    }
+                    starts.push(first);
+                }
+            }
+        }
+        Ok(Self { spec, leaves, rows, starts })
+    }
+
+    /// Chunk row `r` of `leaf` as compressed in the checkpoint, if it is.
+    fn segment(&self, leaf: usize, r: usize) -> Option<(Codec, &'a [u8])> {
+        match self.leaves[leaf] {
+            LeafRows::Raw(_) => None,
+            LeafRows::Packed { codec, bytes, lengths } => {
+                let at = self.starts[leaf][r];
+                Some((codec, &bytes[at..at + lengths[r] as usize]))
+            }
+        }
+    }
+
+    /// The raw steps of chunk row `r` of `leaf`: a slice of the rows, or decompressed into
+    /// `scratch` (exactly the row's steps: never more, whatever the row claims).
+    fn raw<'s>(
+        &'s self,
+        leaf: usize,
+        r: usize,
+        scratch: &'s mut Vec<u8>,
+    ) -> Result<&'s [u8], String> {
+        let (first, n) = self.rows[r];
+        let size = self.spec.arrays()[leaf].num_bytes();
+        match (self.leaves[leaf], self.segment(leaf, r)) {
+            (LeafRows::Raw(bytes), _) => Ok(&bytes[first * size..(first + n) * size]),
+            (LeafRows::Packed { .. }, Some((codec, packed))) => {
+                scratch.clear();
+                scratch.resize(n * size, 0);
+                codec
+                    .decompress_into(packed, scratch)
+                    .map_err(|e| format!("leaf {leaf}, compressed row {r}: {e}"))?;
+                Ok(scratch)
+            }
+            (LeafRows::Packed { .. }, None) => unreachable!("a packed leaf has segments"),
+        }
     }
 }
 
