@@ -18,9 +18,15 @@
 //! stream appends its steps to its own open chunk and takes a new one when it is full, so a
 //! stream's steps are contiguous inside a chunk and a chunk links to the stream's next one:
 //! a window is one to three contiguous runs of slots per leaf, and a batch is assembled with a
-//! handful of `memcpy`s per window. Chunks are also where compressed storage of large leaves
-//! would go: a chunk of one stream's consecutive steps is the unit that compresses best
-//! (consecutive frames) and the unit that is evicted whole.
+//! handful of `memcpy`s per window.
+//!
+//! **Compressed leaves** (`ReplayConfig::compress`) are stored per chunk, the unit that
+//! compresses best (one stream's consecutive frames) and that is evicted whole: staged raw
+//! in a per-chunk buffer while the chunk fills, packed (one compressed frame per leaf) by the
+//! writer that filled it, outside the lock, once it is full or its stream is gone. Readers
+//! (a batch, a checkpoint, a packing writer) hold a reference to the buffer they read, so a
+//! staging buffer is reused only when nobody holds it; a batch decompresses each packed
+//! chunk it reads once, on several threads when large. `max_bytes` evicts by stored bytes.
 //!
 //! **Eviction.** Chunks are evicted in the order they were taken (`live_chunks` is that
 //! queue), whenever an insert would hold more than `max_size` steps or needs a chunk and none
