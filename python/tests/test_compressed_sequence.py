@@ -68,7 +68,8 @@ def _windows(sample: echo.Sample) -> list[list[int]]:
             np.testing.assert_array_equal(batch["obs"][w, j], _obs(uid), err_msg=f"step {uid}")
             assert batch["reward"][w, j] == np.float32(uid) / 7
         assert ids == list(range(ids[0], ids[0] + real)), f"consecutive steps: {ids}"
-        assert not batch["obs"][w, real:].any() and not batch["id"][w, real:].any()
+        assert not batch["obs"][w, real:].any(), "padding is zeros"
+        assert not batch["id"][w, real:].any(), "padding is zeros"
         out.append(ids)
     return out
 
