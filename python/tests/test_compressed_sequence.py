@@ -15,12 +15,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from testkit import atari
 
 import echo
 from echo import Server, TcpClient, TcpTransport
 
 LOCALHOST = "127.0.0.1"
-DATA = Path(__file__).resolve().parent / "data" / "atari_frames.npz"
 LENGTH, PERIOD = 8, 4
 
 EXAMPLE = {
@@ -30,12 +30,7 @@ EXAMPLE = {
 }
 
 
-def _frames() -> np.ndarray:
-    with np.load(DATA) as data:
-        return np.concatenate([data[f"{g}/frames"] for g in ("pong", "breakout", "ms_pacman")])
-
-
-FRAMES = _frames()  # 24 real frames, 84x84 uint8
+FRAMES = atari.frames()  # 24 real frames, 84x84 uint8
 
 
 def step_id(stream: int, episode: int, index: int) -> int:
@@ -45,10 +40,7 @@ def step_id(stream: int, episode: int, index: int) -> int:
 def _obs(uid: int) -> np.ndarray:
     """The observation of step `uid`: four consecutive real frames (as a frame stack moves on
     by one each step), `uid` in its first 8 bytes so that every step differs."""
-    i, n = uid % 997 + uid // 10**6 * 5, len(FRAMES)
-    obs = np.stack([FRAMES[(i + k) % n] for k in range(4)], axis=-1)
-    obs.reshape(-1)[:8] = np.frombuffer(np.int64(uid).tobytes(), np.uint8)
-    return obs
+    return atari.stacked(FRAMES, uid % 997 + uid // 10**6 * 5, uid)
 
 
 def _step(uid: int) -> dict[str, Any]:

@@ -16,12 +16,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from testkit import atari
 
 import echo
 from echo import Server, TcpClient, TcpTransport
 
 LOCALHOST = "127.0.0.1"
-DATA = Path(__file__).resolve().parent / "data" / "atari_frames.npz"
 CODECS = [echo.Zstd(1), echo.Zstd(-3), echo.Zstd(9), echo.Lz4()]
 CODEC_IDS = ["zstd1", "zstd-3", "zstd9", "lz4"]
 
@@ -32,21 +32,13 @@ EXAMPLE = {
 }
 
 
-def _frames() -> np.ndarray:
-    with np.load(DATA) as data:
-        return np.concatenate([data[f"{g}/frames"] for g in ("pong", "breakout", "ms_pacman")])
-
-
-FRAMES = _frames()  # 24 real frames, 84x84 uint8
+FRAMES = atari.frames()  # 24 real frames, 84x84 uint8
 
 
 def _pixels(i: int) -> np.ndarray:
     """Observation `i`: four stacked real frames, with `i` written into its first 8 bytes so
     that every observation differs."""
-    n = len(FRAMES)
-    obs = np.stack([FRAMES[(i + k) % n] for k in range(4)], axis=-1)
-    obs.reshape(-1)[:8] = np.frombuffer(np.uint64(i).tobytes(), np.uint8)
-    return obs
+    return atari.stacked(FRAMES, i, i)
 
 
 def _step(i: int) -> dict[str, Any]:

@@ -1649,17 +1649,13 @@ impl SequenceConsumer {
                     }
                     Some(Compressed::Staged(staged)) => {
                         for (k, &leaf) in table.codecs.packed_leaves().iter().enumerate() {
-                            let size = table.spec.arrays()[leaf].num_bytes();
                             let copy = |src: &[u8]| {
                                 // SAFETY: the area's bytes are this consumer's (`sample`
                                 // takes `&mut self`) and no other thread runs yet.
                                 unsafe {
-                                    table.area.fill_part(
-                                        base + i,
-                                        leaf,
-                                        at * size..(at + n) * size,
-                                        |dst| dst.copy_from_slice(src),
-                                    );
+                                    self.fill_steps(base + i, leaf, at..at + n, |dst| {
+                                        dst.copy_from_slice(src);
+                                    });
                                 }
                             };
                             // SAFETY: the run's steps are written and stay as they are while
@@ -1672,13 +1668,8 @@ impl SequenceConsumer {
                 at += n;
             }
             for &leaf in table.codecs.packed_leaves() {
-                let size = table.spec.arrays()[leaf].num_bytes();
                 // SAFETY: as above: the padding after the window's steps, before any thread.
-                unsafe {
-                    table.area.fill_part(base + i, leaf, at * size..g.length * size, |dst| {
-                        dst.fill(0);
-                    });
-                }
+                unsafe { self.fill_steps(base + i, leaf, at..g.length, |dst| dst.fill(0)) };
             }
         }
         if chunks.is_empty() {
@@ -1695,14 +1686,9 @@ impl SequenceConsumer {
                             // read from one chunk, handled by one thread: no other thread
                             // touches this range.
                             unsafe {
-                                table.area.fill_part(
-                                    base + i,
-                                    leaf,
-                                    at * size..(at + n) * size,
-                                    |dst| {
-                                        table.unpack(packed, k, dst);
-                                    },
-                                );
+                                self.fill_steps(base + i, leaf, at..at + n, |dst| {
+                                    table.unpack(packed, k, dst);
+                                });
                             }
                             continue;
                         }
@@ -1712,18 +1698,12 @@ impl SequenceConsumer {
                         scratch.resize(raw, 0);
                         table.unpack(packed, k, &mut scratch);
                         for &(i, at, offset, n) in runs {
+                            let src = &scratch[offset * size..(offset + n) * size];
                             // SAFETY: as above.
                             unsafe {
-                                table.area.fill_part(
-                                    base + i,
-                                    leaf,
-                                    at * size..(at + n) * size,
-                                    |dst| {
-                                        dst.copy_from_slice(
-                                            &scratch[offset * size..(offset + n) * size],
-                                        );
-                                    },
-                                );
+                                self.fill_steps(base + i, leaf, at..at + n, |dst| {
+                                    dst.copy_from_slice(src);
+                                });
                             }
                         }
                     });
@@ -1749,6 +1729,25 @@ impl SequenceConsumer {
             }
             unpack(mine);
         });
+    }
+
+    /// Lets `fill` write steps `steps` of the window in batch-area slot `slot`, leaf `leaf`.
+    ///
+    /// # Safety
+    /// Only this consumer writes the batch area, and no other thread touches these bytes
+    /// while `fill` runs.
+    unsafe fn fill_steps(
+        &self,
+        slot: usize,
+        leaf: usize,
+        steps: std::ops::Range<usize>,
+        fill: impl FnOnce(&mut [u8]),
+    ) {
+        let size = self.table.spec.arrays()[leaf].num_bytes();
+        // SAFETY: the caller's guarantee.
+        unsafe {
+            self.table.area.fill_part(slot, leaf, steps.start * size..steps.end * size, fill)
+        };
     }
 
     /// Calls `f` with the bytes of `leaf` (a step leaf, `length` steps per window, then the
