@@ -164,7 +164,8 @@ METRICS: tuple[MetricSpec, ...] = (
     _spec(
         "echo_stored_bytes",
         "gauge",
-        "Bytes the data held takes as stored (a replay table's compress= leaves compressed).",
+        "Bytes the data held takes as stored (a replay or sequence table's compress= leaves "
+        "compressed).",
         "stored_bytes",
     ),
     _spec("echo_raw_bytes", "gauge", "Bytes the same data takes raw.", "raw_bytes"),
