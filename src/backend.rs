@@ -193,6 +193,15 @@ impl Backend {
         }
     }
 
+    /// Whether the table stores some leaves compressed (an insert may compress them).
+    pub fn compresses(&self) -> bool {
+        match self {
+            Self::Replay(table) => table.codecs().is_some(),
+            Self::Sequence(table) => !table.codecs().is_empty(),
+            Self::Fifo(_) => false,
+        }
+    }
+
     /// Whether items carry priorities (a replay or sequence table).
     pub fn has_priorities(&self) -> bool {
         !matches!(self, Self::Fifo(_))

@@ -121,6 +121,12 @@ SUITES: tuple[Suite, ...] = (
         "a zstandard loop and TorchRL, wire compression through a 1 Gb/s relay",
     ),
     Suite(
+        "sequence-compression",
+        "benches.suites.sequence_compression",
+        "compressed sequence tables on real Atari steps: RSS, window sampling and step inserts "
+        "vs uncompressed",
+    ),
+    Suite(
         "ray",
         "benches.suites.ray_service",
         "echo.ray on a local Ray cluster: samples/s by shard count, connect vs TcpClient, "

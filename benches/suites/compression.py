@@ -196,7 +196,8 @@ def limit_s(params: dict[str, Any]) -> float:
 # --------------------------------------------------------------------------- the pool
 
 
-def _frames(params: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def load_frames(params: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every game's frames and episode starts: the fixture's, or the cached rollouts."""
     from benches import atari_frames as af
 
     if params.get("fixture"):
@@ -205,7 +206,7 @@ def _frames(params: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return af.cached(int(params["pool_steps"]), int(params["seed"]), params["games"])
 
 
-def _why_no_frames(params: dict[str, Any]) -> str | None:
+def why_no_frames(params: dict[str, Any]) -> str | None:
     """Why there are no Atari frames to measure on, or None when there are."""
     from benches import atari_frames as af
 
@@ -228,7 +229,7 @@ def pool(params: dict[str, Any], game: str, limit: int | None = None) -> Any:
 
     from benches import atari_frames as af
 
-    frames = _frames(params)
+    frames = load_frames(params)
     games = list(params["games"]) if game == "mixed" else [game]
     parts = [af.observations(frames[g]["frames"], frames[g]["episode_start"]) for g in games]
     return np.ascontiguousarray(np.concatenate([p[:limit] for p in parts]))
@@ -279,7 +280,7 @@ def _check(batch_obs: Any, actions: Any, obs: Any) -> bool:
     return bool(np.array_equal(np.asarray(batch_obs), obs[idx]))
 
 
-def _codec(name: str) -> Any:
+def codec(name: str) -> Any:
     import echo
 
     return {"none": None, "zstd-1": {"obs": echo.Zstd(1)}, "lz4": {"obs": echo.Lz4()}}[name]
@@ -299,7 +300,7 @@ def _fill(server: Any, obs: Any, items: int, chunk: int) -> float:
     return time.perf_counter() - t0
 
 
-def _timed(fn: Any, seconds: float, per_call: int = 1) -> float:
+def timed(fn: Any, seconds: float, per_call: int = 1) -> float:
     """Calls ``fn`` (two untimed first) for ``seconds`` (at most ``MAX_CALLS``); per second."""
     for _ in range(2):
         fn()
@@ -329,7 +330,7 @@ def _memory_case(params: dict[str, Any], case: dict[str, Any]) -> dict[str, Any]
         sampler=echo.Uniform(),
         max_size=items,
         seed=1,
-        compress=_codec(case["codec"]),
+        compress=codec(case["codec"]),
     )
     fill_s = _fill(server, obs, items, int(params["chunk"]))
     c.malloc_trim()
@@ -433,7 +434,7 @@ class _PyZstdTable:
         self.frames = []
 
 
-def _machine_busy() -> tuple[int, int] | None:
+def machine_busy() -> tuple[int, int] | None:
     """``/proc/stat``'s total and idle (with iowait) jiffies of all CPUs, or None."""
     try:
         with open("/proc/stat", encoding="utf-8") as f:
@@ -461,7 +462,7 @@ def _throughput_case(params: dict[str, Any]) -> dict[str, Any]:
                 sampler=echo.Uniform(),
                 max_size=items,
                 seed=2,
-                compress=_codec(name),
+                compress=codec(name),
             )
         )
         for name in CODECS
@@ -504,11 +505,11 @@ def _throughput_case(params: dict[str, Any]) -> dict[str, Any]:
                 table, key = tables[name], f"{op}/{name}"
                 batch = table.sample()
                 out["correct"] = out["correct"] and _check(batch["obs"], batch["action"], obs)
-                m0, c0, w0 = _machine_busy(), time.process_time(), time.perf_counter()
+                m0, c0, w0 = machine_busy(), time.process_time(), time.perf_counter()
                 runs.setdefault(key, []).append(
-                    _timed(lambda t=table, f=fn: f(t), seconds, per_call)
+                    timed(lambda t=table, f=fn: f(t), seconds, per_call)
                 )
-                m1, c1, w1 = _machine_busy(), time.process_time(), time.perf_counter()
+                m1, c1, w1 = machine_busy(), time.process_time(), time.perf_counter()
                 own.setdefault(key, []).append((c1 - c0) / (w1 - w0))
                 if m0 is not None and m1 is not None and m1[0] > m0[0]:
                     busy = (os.cpu_count() or 1) * (1 - (m1[1] - m0[1]) / (m1[0] - m0[0]))
@@ -545,7 +546,7 @@ def _codec_reference(obs: Any, seconds: float) -> dict[str, float]:
     for name, (comp, decomp) in codecs.items():
         packed = [comp(x) for x in items]
         for what, fn, xs in (("compress", comp, items), ("decompress", decomp, packed)):
-            passes = _timed(lambda fn=fn, xs=xs: [fn(x) for x in xs], seconds / 4)
+            passes = timed(lambda fn=fn, xs=xs: [fn(x) for x in xs], seconds / 4)
             out[f"{name}/{what}"] = passes * raw / 1e9
     return out
 
@@ -639,12 +640,12 @@ def _torchrl_case(params: dict[str, Any]) -> dict[str, Any]:
         pos[0] += 1
 
     rates = {
-        "sample/copy": _timed(lambda: dst.copy_(rb.sample()["obs"]), seconds),
-        "sample/sum": _timed(lambda: rb.sample()["obs"].sum(), seconds),
-        "insert/submit": _timed(one, seconds),
+        "sample/copy": timed(lambda: dst.copy_(rb.sample()["obs"]), seconds),
+        "sample/sum": timed(lambda: rb.sample()["obs"].sum(), seconds),
+        "insert/submit": timed(one, seconds),
     }
     pos[0] = 0
-    rates["insert/submit_batch"] = _timed(many, seconds, rows)
+    rates["insert/submit_batch"] = timed(many, seconds, rows)
     correct = correct and checked()
     return {
         "torch": torch.__version__,
@@ -661,11 +662,18 @@ def _torchrl_case(params: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _run_case(python: str, case: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-    """Runs one case in a child process of ``python`` (this file, from the repository root),
-    bounded by its time limit; its result, or ``{"error": ...}``."""
-    limit = _case_limit(case, params)
-    cmd = [python, "-m", "benches.suites.compression", "case", json.dumps(params)]
+def run_case(
+    python: str,
+    case: dict[str, Any],
+    params: dict[str, Any],
+    limit: float | None = None,
+    module: str = "benches.suites.compression",
+) -> dict[str, Any]:
+    """Runs one case in a child process of ``python`` (``module``'s ``case`` command, from
+    the repository root), bounded by ``limit`` seconds (this suite's limit for the case by
+    default); its result, or ``{"error": ...}``."""
+    limit = _case_limit(case, params) if limit is None else limit
+    cmd = [python, "-m", module, "case", json.dumps(params)]
     cmd.append(json.dumps(case))
     t0 = time.monotonic()
     proc = subprocess.Popen(
@@ -684,7 +692,7 @@ def _run_case(python: str, case: dict[str, Any], params: dict[str, Any]) -> dict
         proc.communicate()
         return {"error": f"{case['kind']}: over its {limit:.0f} s limit"}
     print(
-        f"compression: {case['kind']} {case.get('game', '')} {case.get('codec', '')} "
+        f"{module.rsplit('.', 1)[-1]}: {case['kind']} {case.get('game', '')} {case.get('codec', '')} "
         f"{case.get('items', '')}: {time.monotonic() - t0:.1f} s",
         file=sys.stderr,
         flush=True,
@@ -1110,7 +1118,7 @@ def measure(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def _measure(params: dict[str, Any]) -> dict[str, Any]:
-    why = _why_no_frames(params)
+    why = why_no_frames(params)
     if why is not None:
         return {"skipped": why, "correct": True}
     obs = pool(params, "mixed")  # generates the frames into the cache once, here
@@ -1123,14 +1131,14 @@ def _measure(params: dict[str, Any]) -> dict[str, Any]:
     del obs
     py = sys.executable
     for case in _memory_cases(params):
-        out["memory"].append({**case, **_run_case(py, {"kind": "memory", **case}, params)})
-    out["throughput"] = _run_case(py, {"kind": "throughput"}, params)
+        out["memory"].append({**case, **run_case(py, {"kind": "memory", **case}, params)})
+    out["throughput"] = run_case(py, {"kind": "throughput"}, params)
     if importlib.util.find_spec("zstandard") is None:
         out["zstandard"] = {"skipped": "the zstandard package is not installed"}
     else:
-        out["zstandard"] = _run_case(py, {"kind": "zstandard"}, params)
+        out["zstandard"] = run_case(py, {"kind": "zstandard"}, params)
     if params.get("torchrl"):
-        out["torchrl"] = _run_case(str(params["torchrl"]), {"kind": "torchrl"}, params)
+        out["torchrl"] = run_case(str(params["torchrl"]), {"kind": "torchrl"}, params)
     else:
         out["torchrl"] = {"skipped": "no --set torchrl=PYTHON (an interpreter with torchrl)"}
     out["wire"] = _wire(params)

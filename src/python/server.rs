@@ -838,9 +838,7 @@ impl PyServerCore {
         let insert = |d: Option<Instant>| backend.insert(&source, priority, d);
         // Small samples are tried once with the GIL held (detaching costs more than the copy);
         // not when they are compressed first, which takes longer than the GIL should be held.
-        if self.backend.spec().payload_size() < DETACH_COPY_BYTES
-            && self.backend.stored_codecs().is_none()
-        {
+        if self.backend.spec().payload_size() < DETACH_COPY_BYTES && !self.backend.compresses() {
             match insert(Some(Instant::now())) {
                 Err(err) if err.is_timeout_before_any() => {}
                 done => {

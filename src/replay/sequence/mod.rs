@@ -83,8 +83,9 @@ const NIL: u32 = u32::MAX;
 /// Staging buffers kept for reuse (see [`State::release_staged`]).
 const SPARE_STAGED: usize = 16;
 
-/// Raw bytes of packed chunks per decompressing thread in a batch (up to the table's
-/// `decompress_threads`): as in a replay table, a thread pays off from about a MiB.
+/// Raw bytes of chunks per thread that decompresses a batch, or packs the chunks one insert
+/// filled (up to the table's `decompress_threads`): as in a replay table, a thread pays off
+/// from about a MiB.
 const DECOMPRESS_BYTES_PER_THREAD: usize = 1 << 20;
 
 /// What happens to the windows that would run past the end of an episode.
@@ -1129,19 +1130,24 @@ impl SequenceTable {
                 })?;
             }
         }
-        for sample in 0..src.num_samples() {
-            self.wait_insertable(&mut state, deadline)
-                .map_err(|error| InsertError::new(sample, error))?;
-            let windows_before = state.live_windows;
-            self.put_step(&mut state, src, sample, src.priority(sample).or(priority))
-                .map_err(|error| InsertError::new(sample, error))?;
-            src.inserted(1);
-            if state.live_windows > windows_before {
-                self.signals.sample_ready.notify_one();
+        let mut put = || {
+            for sample in 0..src.num_samples() {
+                self.wait_insertable(&mut state, deadline)
+                    .map_err(|error| InsertError::new(sample, error))?;
+                let windows_before = state.live_windows;
+                self.put_step(&mut state, src, sample, src.priority(sample).or(priority))
+                    .map_err(|error| InsertError::new(sample, error))?;
+                src.inserted(1);
+                if state.live_windows > windows_before {
+                    self.signals.sample_ready.notify_one();
+                }
             }
-            self.pack_queued(&mut state);
-        }
-        Ok(())
+            Ok(())
+        };
+        let put = put();
+        // The chunks these steps filled, at once: a vector env's streams fill theirs together.
+        self.pack_queued(&mut state);
+        put
     }
 
     /// Packs the chunks queued for packing (full, or their stream gone) with the lock let go,
@@ -1153,8 +1159,30 @@ impl SequenceTable {
             return;
         }
         let jobs = std::mem::take(&mut state.to_pack);
-        let packed: Vec<Packed> =
-            MutexGuard::unlocked(state, || jobs.iter().map(|job| self.pack(job)).collect());
+        let raw = jobs.iter().map(|job| job.filled as usize).sum::<usize>()
+            * self.staged_arrays.iter().map(ArraySpec::num_bytes).sum::<usize>();
+        let threads =
+            (raw / DECOMPRESS_BYTES_PER_THREAD).clamp(1, self.decompress_threads).min(jobs.len());
+        let packed: Vec<Packed> = MutexGuard::unlocked(state, || {
+            if threads <= 1 {
+                return jobs.iter().map(|job| self.pack(job)).collect();
+            }
+            // Several full chunks (many streams stepping together): one per thread at a time.
+            let per = jobs.len().div_ceil(threads);
+            std::thread::scope(|scope| {
+                let mut parts = jobs.chunks(per);
+                let mine = parts.next().expect("jobs to pack");
+                let handles: Vec<_> = parts
+                    .map(|part| scope.spawn(move || part.iter().map(|j| self.pack(j)).collect()))
+                    .collect();
+                let mut packed: Vec<Packed> = mine.iter().map(|job| self.pack(job)).collect();
+                for handle in handles {
+                    let part: Vec<Packed> = handle.join().expect("packing does not panic");
+                    packed.extend(part);
+                }
+                packed
+            })
+        });
         for (job, packed) in jobs.iter().zip(packed) {
             state.install_packed(job, packed, self.fixed_bytes);
         }
