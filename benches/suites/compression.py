@@ -691,9 +691,9 @@ def run_case(
             os.killpg(proc.pid, signal.SIGKILL)  # the group of the child started here
         proc.communicate()
         return {"error": f"{case['kind']}: over its {limit:.0f} s limit"}
+    what = " ".join(str(case.get(k, "")) for k in ("kind", "game", "codec", "items"))
     print(
-        f"{module.rsplit('.', 1)[-1]}: {case['kind']} {case.get('game', '')} {case.get('codec', '')} "
-        f"{case.get('items', '')}: {time.monotonic() - t0:.1f} s",
+        f"{module.rsplit('.', 1)[-1]}: {what}: {time.monotonic() - t0:.1f} s",
         file=sys.stderr,
         flush=True,
     )

@@ -414,34 +414,43 @@ def targets(res: dict[str, Any], params: dict[str, Any]) -> list[dict[str, Any]]
 
 
 def _fmt(v: Any, fmt: str) -> str:
-    return "–" if v is None else format(v, fmt)
+    return "-" if v is None else format(v, fmt)
+
+
+def _sides(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The sides that measured something (failed and skipped ones are rows of their own)."""
+    return [(s, r) for s, r in results.items() if "error" not in r and "skipped" not in r]
 
 
 def _targets_table(results: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-    ours = results.get("ours", {})
-    if "skipped" in ours or "error" in ours:
-        why = ours.get("skipped") or ours.get("error")
-        return {"title": "Targets", "columns": ["target"], "rows": [[str(why)]], "notes": []}
-    rows = [
-        [t["target"], t["bound"], _fmt(t["value"], ".3f"), "yes" if t["met"] else "no"]
-        for t in ours.get("targets", [])
-    ]
+    cols = ["echo", "target", "measured", "required", "met"]
+    rows = c.failed_rows(results, len(cols))
+    for side, res in results.items():
+        if "skipped" in res:
+            rows.append([side, f"skipped: {res['skipped']}", "-", "-", "-"])
+    for side, res in _sides(results):
+        rows += [
+            [side, t["target"], _fmt(t["value"], ".3f"), t["bound"], "yes" if t["met"] else "NO"]
+            for t in res.get("targets", [])
+        ]
     return {
-        "title": "Targets (zstd-1)",
-        "columns": ["target", "bound", "measured", "met"],
+        "title": "Compressed sequence tables: the issue's targets",
+        "columns": cols,
         "rows": rows,
         "notes": [
             f"Sequence({params['length']}, period={params['period']}), {params['streams']} "
-            f"streams, batches of {params['batch_size']} windows; correct: "
-            f"{ours.get('correct')}."
+            f"streams, batches of {params['batch_size']} windows. Memory: RSS of the zstd-1 "
+            f"table at {int(params['memory_steps']):,} steps over the uncompressed one's at "
+            f"{int(params['memory_raw_steps']):,} (scaled linearly); sampling and inserts: "
+            f"tables of {int(params['steps']):,} mixed steps."
         ],
     }
 
 
 def _memory_table(results: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-    ours = results.get("ours", {})
     rows = [
         [
+            side,
             comp.GAME_NAMES[r["game"]],
             CODEC_LABELS[r["codec"]],
             _fmt(r["raw_rss_mib"] / 1024, ",.2f"),
@@ -449,50 +458,54 @@ def _memory_table(results: dict[str, Any], params: dict[str, Any]) -> dict[str, 
             _fmt(r["fraction"], ".4f"),
             _fmt(r["compression_ratio"], ",.1f"),
         ]
-        for r in _memory_summary(ours, params)
+        for side, res in _sides(results)
+        for r in _memory_summary(res, params)
     ]
     return {
         "title": f"Resident memory at {int(params['memory_steps']):,} steps",
-        "columns": ["game", "codec", "uncompressed GiB", "compressed GiB", "fraction", "ratio"],
+        "columns": ["echo", "game", "codec", "uncompressed GiB", "GiB", "fraction", "ratio"],
         "rows": rows,
         "notes": [
             f"Uncompressed: measured at {int(params['memory_raw_steps']):,} steps, scaled "
-            "linearly. Ratio: stats().compression_ratio (raw bytes over stored bytes, the "
-            "chunks still filling raw)."
+            "linearly. Ratio: stats().compression_ratio (raw bytes over stored bytes; the "
+            "chunks still filling, one per stream, are raw)."
         ],
     }
 
 
 def _rates_table(results: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-    th = results.get("ours", {}).get("throughput", {})
-    rates = th.get("rates", {})
     units = {"sample/copy": "batches/s", "insert/submit": "steps/s"}
     units["insert/submit_batch"] = "steps/s"
-    rows = []
-    for op in OPS:
-        row = [op, units[op]]
-        for codec in CODECS:
-            rate = rates.get(f"{op}/{codec}")
-            cell = _fmt(rate, ",.1f" if op.startswith("sample") else ",.0f")
-            if codec != "none" and rate is not None:
-                cell += f" ({_fmt(_adjacent_ratio(th, op, codec), '.2f')}x)"
-            row.append(cell)
-        rows.append(row)
+    rows = c.failed_rows(results, 3 + len(CODECS))
+    for side, res in _sides(results):
+        th = res.get("throughput", {})
+        if "error" in th:
+            rows.append([side, str(th["error"])[:120], *["-"] * (1 + len(CODECS))])
+            continue
+        rates = th.get("rates", {})
+        for op in OPS:
+            row = [side, op, units[op]]
+            for codec in CODECS:
+                rate = rates.get(f"{op}/{codec}")
+                cell = _fmt(rate, ",.1f" if op.startswith("sample") else ",.0f")
+                if codec != "none" and rate is not None:
+                    cell += f" ({_fmt(_adjacent_ratio(th, op, codec), '.2f')}x)"
+                row.append(cell)
+            rows.append(row)
     return {
         "title": f"Sampling and inserts, mixed, {int(params['steps']):,} steps",
-        "columns": ["operation", "unit", *(CODEC_LABELS[k] for k in CODECS)],
+        "columns": ["echo", "operation", "unit", *(CODEC_LABELS[k] for k in CODECS)],
         "rows": rows,
         "notes": [
-            "sample/copy: sample() and np.copyto of obs into a preallocated array. Inserts "
-            "into the full table (each step evicts). Ratios: median over "
-            f"{params['repeats']} repeats of adjacent windows."
+            "sample/copy: sample() and np.copyto of every batch's obs into a preallocated "
+            "array. Inserts go into the full table (each step evicts). Ratios: the median over "
+            f"{params['repeats']} repeats of adjacent windows' ratios."
         ],
     }
 
 
 def tables(results: dict[str, Any], params: dict[str, Any]) -> list[dict[str, Any]]:
-    ours = results.get("ours", {})
-    if "skipped" in ours or "error" in ours:
+    if not _sides(results):  # nothing measured: the reason (or the error) once
         return [_targets_table(results, params)]
     return [
         _targets_table(results, params),
