@@ -98,6 +98,7 @@ fn full_chunks_are_packed_and_every_step_comes_back_bit_exact() {
                 put(&table, (stream << 32) | index, end);
             }
         }
+        table.wait_packed();
         let stats = table.stats();
         assert_eq!(stats.windows.raw_bytes, 900 * (FRAME as u64 + 8));
         // 18 of every stream's 19 chunks are full and packed; the frames compress many times.
@@ -135,6 +136,7 @@ fn a_gone_stream_has_its_open_chunk_packed() {
     let before = table.stats().windows;
     assert_eq!(before.stored_bytes, before.raw_bytes, "an open chunk is staged raw");
     assert!(table.end_stream(7, EpisodeEnd::Truncated));
+    table.wait_packed();
     let after = table.stats().windows;
     assert!(after.stored_bytes * 4 < after.raw_bytes, "{after:?}");
     let mut c = table.consumer().unwrap();
@@ -334,4 +336,63 @@ fn a_packed_checkpoint_restores_bit_exact_and_corrupt_rows_are_errors() {
     assert!(refused(&bombed, &bomb_lengths, zstd).contains("compressed row 0"));
     // Zstd rows said to be LZ4.
     assert!(refused(&frames, &lengths, Codec::Lz4).contains("compressed row"));
+}
+
+/// Threads of this process named like the background packers.
+fn packer_threads() -> usize {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return 0 };
+    tasks
+        .filter_map(Result::ok)
+        .filter(|t| {
+            std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.starts_with("echo-pack"))
+        })
+        .count()
+}
+
+#[test]
+fn a_dropped_table_stops_its_packers_even_with_chunks_waiting() {
+    // Many writers filling chunks at once: the packers fall behind and writers pack some
+    // chunks themselves; `wait_packed` returns once every handed-out chunk is in place.
+    let table = SequenceTable::new(
+        spec(),
+        config(4, 20_000, Codec::Zstd { level: 1 }),
+        SequenceConfig::new(4),
+    )
+    .unwrap();
+    let writers: Vec<_> = (0..4u64)
+        .map(|w| {
+            let table = Arc::clone(&table);
+            thread::spawn(move || {
+                for index in 0..400u64 {
+                    for stream in 0..4u64 {
+                        put(&table, ((w * 4 + stream) << 32) | index, EpisodeEnd::No);
+                    }
+                }
+            })
+        })
+        .collect();
+    for w in writers {
+        w.join().unwrap();
+    }
+    table.wait_packed();
+    let stats = table.stats().windows;
+    // Every full chunk is packed: only the 16 streams' open chunks (none: 400 steps fill
+    // 100 chunks of 4 each) could be raw.
+    assert!(stats.stored_bytes * 20 < stats.raw_bytes, "{stats:?}");
+    drop(table);
+    // Tables dropped right after filling, with chunks still queued: their packers stop.
+    for round in 0..100u64 {
+        let table = SequenceTable::new(spec(), config(4, 2000, Codec::Lz4), SequenceConfig::new(4))
+            .unwrap();
+        for index in 0..16u64 {
+            for stream in 0..8u64 {
+                put(&table, (((round << 8) | stream) << 32) | index, EpisodeEnd::No);
+            }
+        }
+    }
+    let deadline = Instant::now() + common::PATIENCE;
+    while packer_threads() >= 40 && Instant::now() < deadline {
+        thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(packer_threads() < 40, "{} packer threads left", packer_threads());
 }

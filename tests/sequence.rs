@@ -505,6 +505,8 @@ fn a_checkpoint_restores_the_table_with(codecs: [Option<Codec>; 2], packed: bool
             put(table, step_id(2, episode[2], index[2] + i), 2, end);
         }
     }
+    restored.wait_packed();
+    reference.wait_packed();
     let (mut a, mut b) = (restored.stats(), reference.stats());
     // Chunks packed at other moments compress alike but may differ by a few bytes (a chunk
     // the reference packed when its stream went away, the restore packs whole).

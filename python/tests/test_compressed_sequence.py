@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import poll
 from testkit import atari
 
 import echo
@@ -101,9 +102,11 @@ def test_each_codec_gives_every_step_back_bit_exact(make_server: Any, codec: Any
         assert sample is not None
         starts.update(ids[0] for ids in _windows(sample))
     assert len(starts) > 40, "windows from packed and from filling chunks"
-    stats = server.stats()
+    # Full chunks are packed by background threads: the ratio reaches its level once they
+    # have caught up.
+    least = 4 if isinstance(codec, echo.Lz4) else 8
+    stats = poll(server.stats, lambda s: s.compression_ratio > least, "packed chunks")
     assert stats.raw_bytes == n * (84 * 84 * 4 + 8 + 4)
-    assert stats.compression_ratio > (4 if isinstance(codec, echo.Lz4) else 8), stats
     assert server.compress == {"obs": dataclasses.replace(codec, force=True)}
 
 

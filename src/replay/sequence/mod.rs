@@ -22,10 +22,11 @@
 //!
 //! **Compressed leaves** (`ReplayConfig::compress`) are stored per chunk, the unit that
 //! compresses best (one stream's consecutive frames) and that is evicted whole: staged raw
-//! in a per-chunk buffer while the chunk fills, packed (one compressed frame per leaf) by the
-//! writer that filled it, outside the lock, once it is full or its stream is gone. Readers
-//! (a batch, a checkpoint, a packing writer) hold a reference to the buffer they read, so a
-//! staging buffer is reused only when nobody holds it; a batch decompresses each packed
+//! in a per-chunk buffer while the chunk fills, packed (one compressed frame per leaf) once
+//! it is full or its stream is gone, outside the lock, by background packer threads (or the
+//! writer that filled it, when they are behind). Readers (a batch, a checkpoint, a packer)
+//! hold a reference to the buffer they read, so a staging buffer is reused only when nobody
+//! holds it; a batch decompresses each packed
 //! chunk it reads once, on several threads when large. `max_bytes` evicts by stored bytes.
 //!
 //! **Eviction.** Chunks are evicted in the order they were taken (`live_chunks` is that
@@ -57,7 +58,7 @@ use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::time::Instant;
 
-use parking_lot::{Mutex, MutexGuard};
+use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::codec::LeafCodecs;
 use crate::error::{EchoError, InsertError};
@@ -82,6 +83,16 @@ const NIL: u32 = u32::MAX;
 
 /// Staging buffers kept for reuse (see [`State::release_staged`]).
 const SPARE_STAGED: usize = 16;
+
+/// Threads that pack full chunks in the background: one fewer than the cores (the inserting
+/// thread has one), at most this many.
+const MAX_PACKERS: usize = 4;
+
+/// Chunks queued for the background packers per packer; past that, writers pack the chunks
+/// they fill themselves (the packers are behind: inserts slow down to what they can pack).
+/// A 16-stream vector env fills 16 chunks at once. Queued chunks are raw, and count so in
+/// `stored_bytes`: with `max_bytes`, they may take at most an eighth of it.
+const QUEUED_PER_PACKER: usize = 16;
 
 /// Raw bytes of chunks per thread that decompresses a batch, or packs the chunks one insert
 /// filled (up to the table's `decompress_threads`): as in a replay table, a thread pays off
@@ -249,6 +260,29 @@ struct Run {
     steps: u32,
     /// With compressed leaves: where they are.
     compressed: Option<Compressed>,
+}
+
+/// Full chunks waiting for a background packer, and the packers' state.
+#[derive(Default)]
+struct PackQueue {
+    jobs: VecDeque<PackJob>,
+    /// Jobs a packer has taken and not yet put in place.
+    busy: usize,
+    /// The table is gone: the packers stop.
+    closed: bool,
+}
+
+/// The background packers of a table with compressed leaves (see
+/// [`SequenceTable::pack_queued`]). The packer threads hold this and a weak reference to the
+/// table; the table's drop closes it.
+#[derive(Default)]
+struct Packers {
+    queue: Mutex<PackQueue>,
+    /// Rung when a job is queued or the queue closes.
+    ready: Condvar,
+    /// Rung when the queue is empty and no job is being packed.
+    idle: Condvar,
+    threads: usize,
 }
 
 /// A full chunk (or one whose stream is gone) for a writer to pack outside the lock.
@@ -835,6 +869,8 @@ pub struct SequenceTable {
     max_bytes: u64,
     /// The most threads one batch decompresses on.
     decompress_threads: usize,
+    /// With compressed leaves and more than one core: the background packers.
+    packers: Option<Arc<Packers>>,
     /// Two batches (halves) of windows: each leaf `length` steps long, then
     /// [`SEQUENCE_META`]; batch `h` is area slots `h * batch_size .. (h + 1) * batch_size`.
     area: Slots,
@@ -1005,7 +1041,11 @@ impl SequenceTable {
             spare_staged: Vec::new(),
             to_pack: Vec::new(),
         };
-        Ok(Arc::new(Self {
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+        let packer_threads = if codecs.is_empty() { 0 } else { (cores - 1).min(MAX_PACKERS) };
+        let packers = (packer_threads > 0)
+            .then(|| Arc::new(Packers { threads: packer_threads, ..Packers::default() }));
+        let table = Arc::new(Self {
             pinned: crate::pinned::Pinning::default(),
             spec,
             config,
@@ -1018,11 +1058,22 @@ impl SequenceTable {
             fixed_bytes,
             step_bytes,
             max_bytes,
-            decompress_threads: std::thread::available_parallelism().map_or(1, |n| n.get().min(8)),
+            decompress_threads: cores.min(8),
+            packers,
             area,
             state: Mutex::new(state),
             signals: Signals::new(),
-        }))
+        });
+        if let Some(packers) = &table.packers {
+            for i in 0..packers.threads {
+                let (packers, weak) = (Arc::clone(packers), Arc::downgrade(&table));
+                std::thread::Builder::new()
+                    .name(format!("echo-pack-{i}"))
+                    .spawn(move || pack_in_background(&packers, &weak))
+                    .map_err(|e| EchoError::Config(format!("cannot start a packer thread: {e}")))?;
+            }
+        }
+        Ok(table)
     }
 
     /// The replay settings (`max_size` in steps, the rest in windows).
@@ -1154,11 +1205,33 @@ impl SequenceTable {
     /// then puts each in place of its staged steps. The chunks stay readable meanwhile:
     /// nothing writes a full chunk, and the staging buffer being read is not reused while
     /// this writer holds it.
+    ///
+    /// With background packers, the chunks go to them instead (the writer returns at once),
+    /// as long as they are not behind by more than [`QUEUED_PER_PACKER`] chunks each; the
+    /// rest this writer packs itself.
     fn pack_queued(&self, state: &mut MutexGuard<'_, State>) {
         if state.to_pack.is_empty() {
             return;
         }
-        let jobs = std::mem::take(&mut state.to_pack);
+        let mut jobs = std::mem::take(&mut state.to_pack);
+        if let Some(packers) = &self.packers {
+            let mut queue = packers.queue.lock();
+            let chunk = (self.geometry.chunk_length as u64
+                * self.staged_arrays.iter().map(|a| a.num_bytes() as u64).sum::<u64>())
+            .max(1);
+            let most = (packers.threads * QUEUED_PER_PACKER)
+                .min(usize::try_from(self.max_bytes / 8 / chunk).unwrap_or(usize::MAX));
+            let room = most.saturating_sub(queue.jobs.len());
+            let handed = jobs.len().min(room);
+            queue.jobs.extend(jobs.drain(..handed));
+            drop(queue);
+            for _ in 0..handed {
+                packers.ready.notify_one();
+            }
+            if jobs.is_empty() {
+                return;
+            }
+        }
         let raw = jobs.iter().map(|job| job.filled as usize).sum::<usize>()
             * self.staged_arrays.iter().map(ArraySpec::num_bytes).sum::<usize>();
         let threads =
@@ -1185,6 +1258,17 @@ impl SequenceTable {
         });
         for (job, packed) in jobs.iter().zip(packed) {
             state.install_packed(job, packed, self.fixed_bytes);
+        }
+    }
+
+    /// Waits until the background packers have packed and put in place every chunk handed
+    /// to them so far (at once without packers). For tests and benchmarks that read
+    /// `stored_bytes` right after inserting: chunks waiting to be packed count raw.
+    pub fn wait_packed(&self) {
+        let Some(packers) = &self.packers else { return };
+        let mut queue = packers.queue.lock();
+        while !queue.jobs.is_empty() || queue.busy > 0 {
+            packers.idle.wait(&mut queue);
         }
     }
 
@@ -1486,6 +1570,49 @@ struct ChunkReads<'a> {
     packed: &'a Packed,
     filled: u32,
     runs: Vec<(usize, usize, usize, usize)>,
+}
+
+impl Drop for SequenceTable {
+    fn drop(&mut self) {
+        if let Some(packers) = &self.packers {
+            packers.queue.lock().closed = true;
+            packers.ready.notify_all();
+        }
+    }
+}
+
+/// A background packer: takes the queued chunks one at a time, packs each with the table's
+/// lock let go, and puts it in place under the lock (as a writer would), until the table is
+/// gone.
+fn pack_in_background(packers: &Packers, table: &std::sync::Weak<SequenceTable>) {
+    loop {
+        let job = {
+            let mut queue = packers.queue.lock();
+            loop {
+                if queue.closed {
+                    return;
+                }
+                if let Some(job) = queue.jobs.pop_front() {
+                    queue.busy += 1;
+                    break job;
+                }
+                packers.ready.wait(&mut queue);
+            }
+        };
+        // The table may be dropped meanwhile (then the job is too). Its last reference may
+        // be this one: it is dropped before the queue is locked again, as the table's drop
+        // locks it.
+        if let Some(table) = table.upgrade() {
+            let packed = table.pack(&job);
+            table.state.lock().install_packed(&job, packed, table.fixed_bytes);
+        }
+        drop(job);
+        let mut queue = packers.queue.lock();
+        queue.busy -= 1;
+        if queue.jobs.is_empty() && queue.busy == 0 {
+            packers.idle.notify_all();
+        }
+    }
 }
 
 thread_local! {
