@@ -392,8 +392,8 @@ class Server:
             with `Zstd(1)`); or one codec (those same leaves with it). A replay table
             compresses each item on the inserting thread; a sequence table compresses each
             chunk of one stream's consecutive steps once it is full (or its stream is gone),
-            on background threads, which gains the most on consecutive frames. Either decompresses straight into
-            each batch. See the compression guide.
+            on background threads, which gains the most on consecutive frames. Either
+            decompresses straight into each batch. See the compression guide.
         max_bytes: Replay and sequence tables. Bounds the bytes the data takes as stored
             (compressed leaves compressed; a sequence table's filling chunks raw): the table
             evicts (the remover's victims, or a sequence table's oldest chunks) until a new
