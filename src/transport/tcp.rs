@@ -1172,6 +1172,10 @@ enum ShmEnd {
 
 #[cfg(target_os = "linux")]
 mod shm_path {
+    /// How long a channel refused by the backend waits for its bell before it tries again
+    /// anyway (see `wait_for_room`).
+    const ROOM_RETRY: std::time::Duration = std::time::Duration::from_millis(20);
+
     use std::io;
     use std::net::SocketAddr;
     use std::os::fd::{AsFd, AsRawFd};
@@ -1525,8 +1529,13 @@ mod shm_path {
     }
 
     /// Waits until the backend rings after `rung` (room, a thaw, the end of a restore, or
-    /// its close), sending heartbeats meanwhile; the server's closing ends the wait (the
-    /// error [`super::is_closing`] knows).
+    /// its close), or [`ROOM_RETRY`] has passed, sending heartbeats meanwhile; the server's
+    /// closing ends the wait (the error [`super::is_closing`] knows).
+    ///
+    /// The retry: an insert that does not wait also times out when the table's lock is
+    /// merely busy, and then nothing may ring (the consumer that held it may be waiting for
+    /// inserts itself). Trying again after a short while turns that into a delay, never a
+    /// stall; a real refusal is seen under the lock and rung for as before.
     async fn wait_for_room(
         link: &mut Link<'_>,
         conn: &Connection,
@@ -1534,10 +1543,13 @@ mod shm_path {
         rung: u64,
     ) -> io::Result<()> {
         conn.note_blocked();
+        let retry = tokio::time::sleep(ROOM_RETRY);
+        tokio::pin!(retry);
         loop {
             let every = link.beat.map(|beat| beat.every);
             let woke = tokio::select! {
                 () = bell.rung_since(rung) => Woke::Done(()),
+                () = &mut retry => Woke::Done(()),
                 () = closed(&mut link.closing) => Woke::Closing,
                 () = tokio::time::sleep(every.unwrap_or(NEVER)), if every.is_some() => Woke::Beat,
             };
