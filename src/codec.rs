@@ -16,7 +16,9 @@
 //! bomb) or yields less (truncated).
 //!
 //! Compression runs on the inserting thread before the table lock is taken, so writers
-//! compress in parallel; each thread keeps one zstd context and one scratch buffer.
+//! compress in parallel, and an insert of MiBs of samples (a `submit_batch` of image
+//! observations) splits them over several threads ([`in_parts`]); each thread keeps one zstd
+//! context and one scratch buffer.
 
 use std::cell::RefCell;
 
@@ -30,6 +32,49 @@ pub const ZSTD_LEVELS: (i32, i32) = (-7, 22);
 
 /// The largest leaf LZ4 compresses (liblz4's `LZ4_MAX_INPUT_SIZE`).
 pub const LZ4_MAX_INPUT: usize = 0x7E00_0000;
+
+/// Raw bytes per thread when decompression is split over threads: starting a thread costs
+/// tens of microseconds, decompressing a MiB a few hundred, so a thread pays off from about
+/// a MiB.
+pub(crate) const DECOMPRESS_BYTES_PER_THREAD: usize = 1 << 20;
+
+/// Raw bytes per thread when compression is split over threads: compression runs at a third
+/// to a half of decompression's speed, so a thread pays off from a quarter of the bytes.
+pub(crate) const COMPRESS_BYTES_PER_THREAD: usize = 1 << 18;
+
+/// How many threads (de)compress `raw` bytes made of `items` units of work: one per `per`
+/// bytes ([`DECOMPRESS_BYTES_PER_THREAD`], [`COMPRESS_BYTES_PER_THREAD`]), at most `most`
+/// and `items`, at least one.
+pub(crate) fn threads_for(raw: usize, per: usize, items: usize, most: usize) -> usize {
+    (raw / per.max(1)).clamp(1, most.max(1)).min(items.max(1))
+}
+
+/// `f(first, part)` for each of `threads` consecutive parts of `items` (`first`: the index
+/// of the part's first item), in order: the calling thread takes the first part and a scoped
+/// thread each other one. With one thread (or item), one plain call.
+pub(crate) fn in_parts<T: Sync, R: Send>(
+    items: &[T],
+    threads: usize,
+    f: impl Fn(usize, &[T]) -> R + Sync,
+) -> Vec<R> {
+    if threads <= 1 || items.len() <= 1 {
+        return vec![f(0, items)];
+    }
+    let per = items.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        let f = &f;
+        let mut parts = items.chunks(per).enumerate();
+        let (_, mine) = parts.next().expect("two items or more");
+        let others: Vec<_> = parts.map(|(p, part)| scope.spawn(move || f(p * per, part))).collect();
+        let mut out = Vec::with_capacity(others.len() + 1);
+        out.push(f(0, mine));
+        // A panic in a part (a broken invariant) goes on up this thread.
+        out.extend(
+            others.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))),
+        );
+        out
+    })
+}
 
 /// How one leaf is compressed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -1141,6 +1141,9 @@ impl SampleSource for Round<'_> {
     fn packed(&self, sample: usize) -> Option<&[u8]> {
         self.packed[sample].as_deref()
     }
+    fn shared(&self) -> Option<&(dyn SampleSource + Sync)> {
+        self.payloads.shared()
+    }
     fn step(&self, sample: usize) -> StepTag {
         let mark = self.marks[sample];
         StepTag { stream: self.conns[self.owners[sample]].stream(mark.row), end: mark.end }
@@ -1183,6 +1186,9 @@ impl<S: SampleSource> SampleSource for Direct<'_, S> {
     }
     fn packed(&self, sample: usize) -> Option<&[u8]> {
         self.src.packed(sample)
+    }
+    fn shared(&self) -> Option<&(dyn SampleSource + Sync)> {
+        self.src.shared()
     }
     fn step(&self, sample: usize) -> StepTag {
         self.src.step(sample)

@@ -79,6 +79,14 @@ pub trait SampleSource {
         let _ = sample;
         StepTag::default()
     }
+
+    /// This source as one that several threads may read at once: a replay table that
+    /// compresses then packs a large insert's samples on several threads. Only its leaves
+    /// are read through it ([`SampleSource::leaf`], [`SampleSource::copy_leaf`]). Default:
+    /// `None`, the source is read from the calling thread only.
+    fn shared(&self) -> Option<&(dyn SampleSource + Sync)> {
+        None
+    }
 }
 
 /// One sample given leaf by leaf (the in-process `submit` path).
@@ -161,7 +169,7 @@ impl<'a, P: AsRef<[u8]>> Payloads<'a, P> {
     }
 }
 
-impl<P: AsRef<[u8]>> SampleSource for Payloads<'_, P> {
+impl<P: AsRef<[u8]> + Sync> SampleSource for Payloads<'_, P> {
     fn num_samples(&self) -> usize {
         self.payloads.len()
     }
@@ -170,6 +178,9 @@ impl<P: AsRef<[u8]>> SampleSource for Payloads<'_, P> {
     }
     fn leaf(&self, sample: usize, leaf: usize) -> &[u8] {
         &self.payloads[sample].as_ref()[self.spec.leaf_range(leaf)]
+    }
+    fn shared(&self) -> Option<&(dyn SampleSource + Sync)> {
+        Some(self)
     }
 }
 
@@ -288,6 +299,9 @@ impl SampleSource for Rows<'_> {
     }
     fn priority(&self, sample: usize) -> Option<f64> {
         self.row_priority(sample)
+    }
+    fn shared(&self) -> Option<&(dyn SampleSource + Sync)> {
+        Some(self)
     }
     fn step(&self, sample: usize) -> StepTag {
         let row = self.first + sample;

@@ -12,9 +12,9 @@ use std::thread;
 use std::time::Instant;
 
 use common::PATIENCE;
-use echo::codec::Codec;
+use echo::codec::{Codec, LeafCodecs};
 use echo::replay::{RemoverKind, ReplayBatch, ReplayConfig, ReplayConsumer, Table};
-use echo::{ArraySpec, DataSpec, Leaves};
+use echo::{ArraySpec, DataSpec, Leaves, Rows};
 
 const SIDE: usize = 84;
 const FRAME: usize = SIDE * SIDE;
@@ -306,6 +306,82 @@ impl echo::SampleSource for Arrived<'_> {
     fn packed(&self, _: usize) -> Option<&[u8]> {
         Some(self.packed)
     }
+}
+
+/// Rows of samples, some of which arrived packed (as the TCP ingress hands a round over),
+/// that any thread may read.
+struct Round<'a> {
+    rows: Vec<[&'a [u8]; 3]>,
+    packed: &'a [Option<Box<[u8]>>],
+}
+
+impl echo::SampleSource for Round<'_> {
+    fn num_samples(&self) -> usize {
+        self.rows.len()
+    }
+    fn num_leaves(&self, _: usize) -> usize {
+        3
+    }
+    fn leaf(&self, sample: usize, leaf: usize) -> &[u8] {
+        self.rows[sample][leaf]
+    }
+    fn packed(&self, sample: usize) -> Option<&[u8]> {
+        self.packed[sample].as_deref()
+    }
+    fn shared(&self) -> Option<&(dyn echo::SampleSource + Sync)> {
+        Some(self)
+    }
+}
+
+#[test]
+fn an_insert_of_mibs_compresses_its_samples_on_several_threads_each_into_its_own_item() {
+    let (zstd1, n) = (Codec::Zstd { level: 1 }, 320u64); // 4.3 MiB raw: several threads' worth
+    let own = LeafCodecs::new(&spec(), vec![Some(zstd1), None, Some(Codec::Lz4)]).unwrap();
+    let frames: Vec<(Vec<u8>, [u8; 8], Vec<u8>)> =
+        (0..n).map(|id| (frame(id, 0), id.to_le_bytes(), frame(id, 1))).collect();
+    let leaves = |i: usize| -> [&[u8]; 3] { [&frames[i].0, &frames[i].1, &frames[i].2] };
+    let packed_len = |codecs: &LeafCodecs, i: usize| codecs.pack(&Leaves(&leaves(i)), 0).len();
+    let check = |table: &Arc<Table>, expected_packed: usize| {
+        let stored = table.stats().stored_bytes;
+        assert_eq!(stored, 8 * n + expected_packed as u64, "each row packed once, as itself");
+        let mut consumer = table.consumer().unwrap();
+        let mut seen = HashSet::new();
+        for _ in 0..20 {
+            seen.extend(check_batch(table, sample(&mut consumer)));
+        }
+        assert!(seen.len() > 250, "{} distinct of {n} in 1280 draws", seen.len());
+    };
+    let deadline = Some(Instant::now() + PATIENCE);
+
+    // `submit_batch`: rows of batched leaves.
+    let batched: [Vec<u8>; 3] = [
+        frames.iter().flat_map(|f| f.0.clone()).collect(),
+        frames.iter().flat_map(|f| f.1).collect(),
+        frames.iter().flat_map(|f| f.2.clone()).collect(),
+    ];
+    let batched: [&[u8]; 3] = [&batched[0], &batched[1], &batched[2]];
+    let table = Table::new(spec(), config(64, n as usize, zstd1, Some(Codec::Lz4))).unwrap();
+    table.insert(&Rows::new(&spec(), &batched, n as usize, None).unwrap(), None, deadline).unwrap();
+    check(&table, (0..n as usize).map(|i| packed_len(&own, i)).sum());
+
+    // A round from the wire: every third row arrived packed tighter (kept as it is), one
+    // with a header that does not add up (compressed again), the rest raw.
+    let slow =
+        LeafCodecs::new(&spec(), vec![Some(Codec::Zstd { level: 19 }), None, Some(Codec::Lz4)])
+            .unwrap();
+    let mut arrived: Vec<Option<Box<[u8]>>> =
+        (0..n as usize).map(|i| (i % 3 == 0).then(|| slow.pack(&Leaves(&leaves(i)), 0))).collect();
+    arrived[7] = Some(Box::from(&[9u8, 0, 0, 0, 1, 2][..]));
+    let expected: usize = (0..n as usize)
+        .map(|i| match &arrived[i] {
+            Some(item) if i != 7 => item.len(),
+            _ => packed_len(&own, i),
+        })
+        .sum();
+    let round = Round { rows: (0..n as usize).map(leaves).collect(), packed: &arrived };
+    let table = Table::new(spec(), config(64, n as usize, zstd1, Some(Codec::Lz4))).unwrap();
+    table.insert(&round, None, deadline).unwrap();
+    check(&table, expected);
 }
 
 #[test]

@@ -47,7 +47,7 @@ use std::time::Instant;
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
-use crate::codec::{Codec, LeafCodecs};
+use crate::codec::{self, Codec, LeafCodecs};
 use crate::error::{EchoError, InsertError};
 use crate::ingress::QueuedSamples;
 use crate::metrics::Counter;
@@ -67,11 +67,6 @@ use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 /// Samples up to this size are copied into their slot under the table lock (one lock round
 /// trip per insert instead of two); larger ones after releasing it.
 const COPY_UNDER_LOCK_BYTES: usize = 4096;
-
-/// A batch's compressed leaves are decompressed on one more thread per this many raw bytes
-/// (up to the table's `decompress_threads`): starting a thread costs tens of microseconds,
-/// decompressing this much a few hundred.
-const DECOMPRESS_BYTES_PER_THREAD: usize = 1 << 20;
 
 /// The largest priority a table accepts (far below what any sum tree can hold).
 pub const MAX_PRIORITY: f64 = 1e250;
@@ -513,8 +508,9 @@ pub struct Table {
     packed: Arc<[Mutex<Box<[u8]>>]>,
     /// Bytes an item takes in `storage` (its leaves stored as they are).
     fixed_bytes: u32,
-    /// The most threads that decompress one batch (the consumer's own included).
-    decompress_threads: usize,
+    /// The most threads that decompress one batch or compress one insert (the calling
+    /// thread included).
+    codec_threads: usize,
     /// Two batches (halves) of the sample's leaves plus [`BATCH_META`]; batch `h` is slots
     /// `h * batch_size .. (h + 1) * batch_size`. Only the consumer writes it.
     area: Slots,
@@ -629,7 +625,7 @@ impl Table {
             codecs,
             packed,
             fixed_bytes,
-            decompress_threads: std::thread::available_parallelism().map_or(1, |n| n.get().min(8)),
+            codec_threads: std::thread::available_parallelism().map_or(1, |n| n.get().min(8)),
             area,
             state: Mutex::new(state),
             signals: Signals::new(),
@@ -729,11 +725,11 @@ impl Table {
     ) -> Result<(), InsertError> {
         validate_source(&self.spec, src)?;
         let small = self.fixed_bytes as usize <= COPY_UNDER_LOCK_BYTES;
-        // Compressed on this thread before the lock: writers compress in parallel.
         // Each sample's compressed leaves are packed without the lock (writers compress in
         // parallel), right before the sample goes in: the first before the lock is taken, the
         // others with it released, so a sample the limiter holds back is not compressed again
-        // and again, nor one that never goes in (a timeout).
+        // and again, nor one that never goes in (a timeout). An insert of MiBs is packed up
+        // front instead, on several threads.
         let pack = |sample: usize| -> Box<[u8]> {
             match src.packed(sample) {
                 // As it arrived (checked on arrival): no second compression.
@@ -741,7 +737,9 @@ impl Table {
                 _ => self.codecs.pack(src, sample),
             }
         };
-        let mut first = (!self.codecs.is_empty() && src.num_samples() > 0).then(|| pack(0));
+        let mut ahead = self.pack_ahead(src).into_iter();
+        let mut first =
+            (!self.codecs.is_empty() && src.num_samples() > 0 && ahead.len() == 0).then(|| pack(0));
         // The deadline bounds the wait for the lock too: a caller that must not block (the
         // bindings try once with the GIL held, passing `now`) never waits behind a long
         // `update_priorities`.
@@ -764,7 +762,7 @@ impl Table {
             }
         }
         for sample in 0..src.num_samples() {
-            let item = match first.take() {
+            let item = match first.take().or_else(|| ahead.next()) {
                 Some(item) => item,
                 None if self.codecs.is_empty() => Box::default(),
                 None => MutexGuard::unlocked(&mut state, || pack(sample)),
@@ -784,6 +782,35 @@ impl Table {
             src.inserted(1);
         }
         Ok(())
+    }
+
+    /// Every sample's packed item, compressed up front on several threads, when `src` may be
+    /// read from several threads ([`SampleSource::shared`]) and the samples to compress add
+    /// up to MiBs (a `submit_batch` of image observations); otherwise none, and each sample
+    /// is packed right before it goes in. A sample that arrived compressed is kept as it is.
+    fn pack_ahead<S: SampleSource + ?Sized>(&self, src: &S) -> Vec<Box<[u8]>> {
+        let n = src.num_samples();
+        let Some(shared) = src.shared().filter(|_| !self.codecs.is_empty() && n > 1) else {
+            return Vec::new();
+        };
+        let arrived: Vec<Option<&[u8]>> = (0..n)
+            .map(|i| src.packed(i).filter(|item| self.codecs.check_item(item).is_ok()))
+            .collect();
+        let fresh = arrived.iter().filter(|item| item.is_none()).count();
+        let raw = fresh * self.codecs.raw_packed_bytes();
+        let threads =
+            codec::threads_for(raw, codec::COMPRESS_BYTES_PER_THREAD, n, self.codec_threads);
+        if threads <= 1 {
+            return Vec::new();
+        }
+        let parts = codec::in_parts(&arrived, threads, |first, part| {
+            let pack = |(i, item): (usize, &Option<&[u8]>)| match item {
+                Some(item) => Box::from(*item),
+                None => self.codecs.pack(shared, first + i),
+            };
+            part.iter().enumerate().map(pack).collect::<Vec<_>>()
+        });
+        parts.into_iter().flatten().collect()
     }
 
     /// `State::publish` plus the wake-ups it owes: the consumer may wait for an item, and
@@ -1776,10 +1803,13 @@ impl ReplayConsumer {
     fn gather_packed(&self, base: usize) {
         let table = &*self.table;
         let raw = table.codecs.raw_packed_bytes() * self.pending.len();
-        let threads = (raw / DECOMPRESS_BYTES_PER_THREAD)
-            .clamp(1, table.decompress_threads)
-            .min(self.pending.len());
-        let unpack = |drawn: &[Drawn], first: usize| {
+        let threads = codec::threads_for(
+            raw,
+            codec::DECOMPRESS_BYTES_PER_THREAD,
+            self.pending.len(),
+            table.codec_threads,
+        );
+        codec::in_parts(&self.pending, threads, |first, drawn| {
             for (i, d) in drawn.iter().enumerate() {
                 let item = table.packed[d.slot].lock();
                 for (k, &leaf) in table.codecs.packed_leaves().iter().enumerate() {
@@ -1794,20 +1824,6 @@ impl ReplayConsumer {
                     }
                 }
             }
-        };
-        if threads <= 1 {
-            unpack(&self.pending, 0);
-            return;
-        }
-        let per = self.pending.len().div_ceil(threads);
-        std::thread::scope(|scope| {
-            let mut chunks = self.pending.chunks(per).enumerate();
-            let (_, mine) = chunks.next().expect("a batch has items");
-            for (c, chunk) in chunks {
-                let unpack = &unpack;
-                scope.spawn(move || unpack(chunk, c * per));
-            }
-            unpack(mine, 0);
         });
     }
 

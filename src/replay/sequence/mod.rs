@@ -60,7 +60,7 @@ use std::time::Instant;
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
-use crate::codec::LeafCodecs;
+use crate::codec::{self, LeafCodecs};
 use crate::error::{EchoError, InsertError};
 use crate::replay::limiter::{InsertHoldback, RateLimiter, SampleHoldback};
 use crate::replay::rng::Rng;
@@ -93,11 +93,6 @@ const MAX_PACKERS: usize = 4;
 /// A 16-stream vector env fills 16 chunks at once. Queued chunks are raw, and count so in
 /// `stored_bytes`: with `max_bytes`, they may take at most an eighth of it.
 const QUEUED_PER_PACKER: usize = 16;
-
-/// Raw bytes of chunks per thread that decompresses a batch, or packs the chunks one insert
-/// filled (up to the table's `decompress_threads`): as in a replay table, a thread pays off
-/// from about a MiB.
-const DECOMPRESS_BYTES_PER_THREAD: usize = 1 << 20;
 
 /// What happens to the windows that would run past the end of an episode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -868,7 +863,7 @@ pub struct SequenceTable {
     /// `max_bytes`, `u64::MAX` when unbounded.
     max_bytes: u64,
     /// The most threads one batch decompresses on.
-    decompress_threads: usize,
+    codec_threads: usize,
     /// With compressed leaves and more than one core: the background packers.
     packers: Option<Arc<Packers>>,
     /// Two batches (halves) of windows: each leaf `length` steps long, then
@@ -1058,7 +1053,7 @@ impl SequenceTable {
             fixed_bytes,
             step_bytes,
             max_bytes,
-            decompress_threads: cores.min(8),
+            codec_threads: cores.min(8),
             packers,
             area,
             state: Mutex::new(state),
@@ -1234,27 +1229,18 @@ impl SequenceTable {
         }
         let raw = jobs.iter().map(|job| job.filled as usize).sum::<usize>()
             * self.staged_arrays.iter().map(ArraySpec::num_bytes).sum::<usize>();
-        let threads =
-            (raw / DECOMPRESS_BYTES_PER_THREAD).clamp(1, self.decompress_threads).min(jobs.len());
+        let threads = codec::threads_for(
+            raw,
+            codec::COMPRESS_BYTES_PER_THREAD,
+            jobs.len(),
+            self.codec_threads,
+        );
         let packed: Vec<Packed> = MutexGuard::unlocked(state, || {
-            if threads <= 1 {
-                return jobs.iter().map(|job| self.pack(job)).collect();
-            }
             // Several full chunks (many streams stepping together): one per thread at a time.
-            let per = jobs.len().div_ceil(threads);
-            std::thread::scope(|scope| {
-                let mut parts = jobs.chunks(per);
-                let mine = parts.next().expect("jobs to pack");
-                let handles: Vec<_> = parts
-                    .map(|part| scope.spawn(move || part.iter().map(|j| self.pack(j)).collect()))
-                    .collect();
-                let mut packed: Vec<Packed> = mine.iter().map(|job| self.pack(job)).collect();
-                for handle in handles {
-                    let part: Vec<Packed> = handle.join().expect("packing does not panic");
-                    packed.extend(part);
-                }
-                packed
-            })
+            let parts = codec::in_parts(&jobs, threads, |_, part| {
+                part.iter().map(|job| self.pack(job)).collect::<Vec<_>>()
+            });
+            parts.into_iter().flatten().collect()
         });
         for (job, packed) in jobs.iter().zip(packed) {
             state.install_packed(job, packed, self.fixed_bytes);
@@ -1867,23 +1853,13 @@ impl SequenceConsumer {
         };
         let raw: usize = chunks.iter().map(|c| c.filled as usize).sum::<usize>()
             * table.staged_arrays.iter().map(ArraySpec::num_bytes).sum::<usize>();
-        let threads = (raw / DECOMPRESS_BYTES_PER_THREAD)
-            .clamp(1, table.decompress_threads)
-            .min(chunks.len());
-        if threads <= 1 {
-            unpack(&chunks);
-            return;
-        }
-        let per = chunks.len().div_ceil(threads);
-        std::thread::scope(|scope| {
-            let mut parts = chunks.chunks(per);
-            let mine = parts.next().expect("a batch reads a packed chunk");
-            for part in parts {
-                let unpack = &unpack;
-                scope.spawn(move || unpack(part));
-            }
-            unpack(mine);
-        });
+        let threads = codec::threads_for(
+            raw,
+            codec::DECOMPRESS_BYTES_PER_THREAD,
+            chunks.len(),
+            table.codec_threads,
+        );
+        codec::in_parts(&chunks, threads, |_, part| unpack(part));
     }
 
     /// Lets `fill` write steps `steps` of the window in batch-area slot `slot`, leaf `leaf`.

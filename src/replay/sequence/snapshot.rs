@@ -24,7 +24,7 @@ use super::{
     State, StepTag, Stream, Window, NIL,
 };
 use crate::checkpoint::Chunks;
-use crate::codec::{Codec, LeafCodecs};
+use crate::codec::{self, Codec, LeafCodecs};
 use crate::error::EchoError;
 use crate::ingress::QueuedSamples;
 use crate::replay::rng::Rng;
@@ -1139,19 +1139,10 @@ impl SequenceTable {
             Ok(Some(Arc::from(item)))
         };
         let n = snap.chunks.len();
-        let per = n.div_ceil(self.decompress_threads).max(1);
-        let parts: Vec<Result<Vec<Option<Packed>>, String>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = (0..n)
-                .step_by(per)
-                .map(|from| {
-                    let pack = &pack;
-                    scope.spawn(move || {
-                        let mut scratch = Vec::new();
-                        (from..(from + per).min(n)).map(|r| pack(r, &mut scratch)).collect()
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().expect("packing does not panic")).collect()
+        let rows: Vec<usize> = (0..n).collect();
+        let parts = codec::in_parts(&rows, self.codec_threads, |_, part| {
+            let mut scratch = Vec::new();
+            part.iter().map(|&r| pack(r, &mut scratch)).collect::<Result<Vec<_>, String>>()
         });
         let mut out = Vec::with_capacity(n);
         for part in parts {
