@@ -384,14 +384,23 @@ impl LeafCodecs {
     pub fn pack_into<S: SampleSource + ?Sized>(&self, src: &S, sample: usize, out: &mut Vec<u8>) {
         let start = out.len();
         out.resize(start + 4 * self.packed.len(), 0);
+        // A source of plain memory is compressed where it lies; any other (a shared-memory
+        // ring another process may write) is copied out first.
+        let plain = src.shared();
         RAW.with(|raw| {
             let mut raw = raw.borrow_mut();
             for (k, &leaf) in self.packed.iter().enumerate() {
                 let codec = self.codecs[leaf].expect("a packed leaf has a codec");
-                raw.resize(self.sizes[leaf], 0);
-                src.copy_leaf(sample, leaf, &mut raw);
+                let bytes = match plain {
+                    Some(plain) => plain.leaf(sample, leaf),
+                    None => {
+                        raw.resize(self.sizes[leaf], 0);
+                        src.copy_leaf(sample, leaf, &mut raw);
+                        &raw[..]
+                    }
+                };
                 let before = out.len();
-                codec.compress_append(&raw, out);
+                codec.compress_append(bytes, out);
                 let len = u32::try_from(out.len() - before).expect("bounded by 2^32 - 1 raw bytes");
                 out[start + 4 * k..start + 4 * k + 4].copy_from_slice(&len.to_le_bytes());
             }

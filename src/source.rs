@@ -80,10 +80,12 @@ pub trait SampleSource {
         StepTag::default()
     }
 
-    /// This source as one that several threads may read at once: a replay table that
-    /// compresses then packs a large insert's samples on several threads. Only its leaves
-    /// are read through it ([`SampleSource::leaf`], [`SampleSource::copy_leaf`]). Default:
-    /// `None`, the source is read from the calling thread only.
+    /// This source as one whose leaves are plain memory that nothing else writes while the
+    /// call that was given it runs, so any thread may read them, and read them in place
+    /// through [`SampleSource::leaf`]: a replay table compresses a large insert's samples on
+    /// several threads, and compression reads each leaf where it lies instead of copying it
+    /// out first. Only its leaves are read through it. Default: `None`, the source is read
+    /// from the calling thread only, through [`SampleSource::copy_leaf`].
     fn shared(&self) -> Option<&(dyn SampleSource + Sync)> {
         None
     }
@@ -96,6 +98,9 @@ pub struct Leaves<'a>(pub &'a [&'a [u8]]);
 impl SampleSource for Leaves<'_> {
     fn num_samples(&self) -> usize {
         1
+    }
+    fn shared(&self) -> Option<&(dyn SampleSource + Sync)> {
+        Some(self)
     }
     fn num_leaves(&self, _sample: usize) -> usize {
         self.0.len()
@@ -113,6 +118,9 @@ pub struct StepLeaves<'a>(pub &'a [&'a [u8]], pub StepTag);
 impl SampleSource for StepLeaves<'_> {
     fn num_samples(&self) -> usize {
         1
+    }
+    fn shared(&self) -> Option<&(dyn SampleSource + Sync)> {
+        Some(self)
     }
     fn num_leaves(&self, _sample: usize) -> usize {
         self.0.len()
