@@ -16,9 +16,9 @@
 //! bomb) or yields less (truncated).
 //!
 //! Compression runs on the inserting thread before the table lock is taken, so writers
-//! compress in parallel, and an insert of MiBs of samples (a `submit_batch` of image
-//! observations) splits them over several threads ([`in_parts`]); each thread keeps one zstd
-//! context and one scratch buffer.
+//! compress in parallel, and an insert of more than 256 KiB (a `submit_batch` of image
+//! observations) is split over several threads; each thread keeps one zstd context and one
+//! scratch buffer.
 
 use std::cell::RefCell;
 
