@@ -725,21 +725,12 @@ impl Table {
     ) -> Result<(), InsertError> {
         validate_source(&self.spec, src)?;
         let small = self.fixed_bytes as usize <= COPY_UNDER_LOCK_BYTES;
-        // Each sample's compressed leaves are packed without the lock (writers compress in
-        // parallel), right before the sample goes in: the first before the lock is taken, the
-        // others with it released, so a sample the limiter holds back is not compressed again
-        // and again, nor one that never goes in (a timeout). An insert of MiBs is packed up
-        // front instead, on several threads.
-        let pack = |sample: usize| -> Box<[u8]> {
-            match src.packed(sample) {
-                // As it arrived (checked on arrival): no second compression.
-                Some(item) if self.codecs.check_item(item).is_ok() => Box::from(item),
-                _ => self.codecs.pack(src, sample),
-            }
-        };
-        let mut ahead = self.pack_ahead(src).into_iter();
-        let mut first =
-            (!self.codecs.is_empty() && src.num_samples() > 0 && ahead.len() == 0).then(|| pack(0));
+        // Compressed leaves are packed without the lock (writers compress in parallel), a
+        // group of samples at a time right before they go in: the first group before the lock
+        // is taken, the others with it released, so a sample the limiter holds back is not
+        // compressed again and again, nor many that never go in (a timeout).
+        let (n, group) = (src.num_samples(), self.pack_group(src));
+        let mut ahead = self.pack_ahead(src, 0..group.min(n)).into_iter();
         // The deadline bounds the wait for the lock too: a caller that must not block (the
         // bindings try once with the GIL held, passing `now`) never waits behind a long
         // `update_priorities`.
@@ -754,18 +745,23 @@ impl Table {
             self.check_priority(&state, priority)
                 .map_err(|msg| EchoError::Priority(format!("priority {msg}")))?;
         }
-        for sample in 0..src.num_samples() {
+        for sample in 0..n {
             if let Some(own) = src.priority(sample) {
                 self.check_priority(&state, own).map_err(|msg| {
                     EchoError::Priority(format!("sample {sample}'s priority {msg}"))
                 })?;
             }
         }
-        for sample in 0..src.num_samples() {
-            let item = match first.take().or_else(|| ahead.next()) {
+        for sample in 0..n {
+            let item = match ahead.next() {
                 Some(item) => item,
                 None if self.codecs.is_empty() => Box::default(),
-                None => MutexGuard::unlocked(&mut state, || pack(sample)),
+                None => {
+                    let next = sample..(sample + group).min(n);
+                    ahead =
+                        MutexGuard::unlocked(&mut state, || self.pack_ahead(src, next)).into_iter();
+                    ahead.next().expect("one packed item per sample of the group")
+                }
             };
             self.wait_insertable(&mut state, deadline, restorer)
                 .map_err(|error| InsertError::new(sample, error))?;
@@ -784,33 +780,67 @@ impl Table {
         Ok(())
     }
 
-    /// Every sample's packed item, compressed up front on several threads, when `src` may be
-    /// read from several threads ([`SampleSource::shared`]) and the samples to compress add
-    /// up to MiBs (a `submit_batch` of image observations); otherwise none, and each sample
-    /// is packed right before it goes in. A sample that arrived compressed is kept as it is.
-    fn pack_ahead<S: SampleSource + ?Sized>(&self, src: &S) -> Vec<Box<[u8]>> {
-        let n = src.num_samples();
-        let Some(shared) = src.shared().filter(|_| !self.codecs.is_empty() && n > 1) else {
+    /// How many samples of `src` an insert packs at a time: one from a source only the
+    /// calling thread may read; from one any thread may read ([`SampleSource::shared`]: a
+    /// `submit_batch`, a round of wire samples), enough for four parts per codec thread, so a
+    /// large insert compresses on every thread while holding only a few MiBs packed ahead.
+    fn pack_group<S: SampleSource + ?Sized>(&self, src: &S) -> usize {
+        match src.shared() {
+            Some(_) if self.codec_threads > 1 => {
+                let raw = self.codecs.raw_packed_bytes().max(1);
+                (4 * self.codec_threads * codec::COMPRESS_BYTES_PER_THREAD / raw).max(1)
+            }
+            _ => 1,
+        }
+    }
+
+    /// The packed items of `samples` of `src` (none without compressed leaves): a sample
+    /// that arrived compressed as it is, the others compressed, split over threads when the
+    /// source allows it and they add up to enough raw bytes.
+    fn pack_ahead<S: SampleSource + ?Sized>(
+        &self,
+        src: &S,
+        samples: std::ops::Range<usize>,
+    ) -> Vec<Box<[u8]>> {
+        if self.codecs.is_empty() {
             return Vec::new();
-        };
-        let arrived: Vec<Option<&[u8]>> = (0..n)
+        }
+        // As it arrived (checked on arrival): no second compression.
+        let arrived: Vec<Option<&[u8]>> = samples
+            .clone()
             .map(|i| src.packed(i).filter(|item| self.codecs.check_item(item).is_ok()))
             .collect();
         let fresh = arrived.iter().filter(|item| item.is_none()).count();
         let raw = fresh * self.codecs.raw_packed_bytes();
-        let threads =
-            codec::threads_for(raw, codec::COMPRESS_BYTES_PER_THREAD, n, self.codec_threads);
-        if threads <= 1 {
-            return Vec::new();
+        let threads = codec::threads_for(
+            raw,
+            codec::COMPRESS_BYTES_PER_THREAD,
+            arrived.len(),
+            self.codec_threads,
+        );
+        match src.shared() {
+            Some(shared) if threads > 1 => {
+                let parts = codec::in_parts(&arrived, threads, |first, part| {
+                    let at = samples.start + first;
+                    let packed = part.iter().enumerate();
+                    packed.map(|(i, item)| self.pack_one(shared, at + i, *item)).collect::<Vec<_>>()
+                });
+                parts.into_iter().flatten().collect()
+            }
+            _ => {
+                arrived.iter().zip(samples).map(|(item, i)| self.pack_one(src, i, *item)).collect()
+            }
         }
-        let parts = codec::in_parts(&arrived, threads, |first, part| {
-            let pack = |(i, item): (usize, &Option<&[u8]>)| match item {
-                Some(item) => Box::from(*item),
-                None => self.codecs.pack(shared, first + i),
-            };
-            part.iter().enumerate().map(pack).collect::<Vec<_>>()
-        });
-        parts.into_iter().flatten().collect()
+    }
+
+    /// Sample `sample`'s packed item: `arrived` as it is, or compressed from `src`.
+    fn pack_one<S: SampleSource + ?Sized>(
+        &self,
+        src: &S,
+        sample: usize,
+        arrived: Option<&[u8]>,
+    ) -> Box<[u8]> {
+        arrived.map_or_else(|| self.codecs.pack(src, sample), Box::from)
     }
 
     /// `State::publish` plus the wake-ups it owes: the consumer may wait for an item, and

@@ -862,7 +862,7 @@ pub struct SequenceTable {
     step_bytes: u64,
     /// `max_bytes`, `u64::MAX` when unbounded.
     max_bytes: u64,
-    /// The most threads one batch decompresses on.
+    /// The most threads one batch decompresses on, or one insert's full chunks pack on.
     codec_threads: usize,
     /// With compressed leaves and more than one core: the background packers.
     packers: Option<Arc<Packers>>,

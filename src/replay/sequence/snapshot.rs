@@ -1139,10 +1139,10 @@ impl SequenceTable {
             Ok(Some(Arc::from(item)))
         };
         let n = snap.chunks.len();
-        let rows: Vec<usize> = (0..n).collect();
-        let parts = codec::in_parts(&rows, self.codec_threads, |_, part| {
+        let parts = codec::in_parts(&snap.chunks, self.codec_threads, |first, part| {
             let mut scratch = Vec::new();
-            part.iter().map(|&r| pack(r, &mut scratch)).collect::<Result<Vec<_>, String>>()
+            let rows = first..first + part.len();
+            rows.map(|r| pack(r, &mut scratch)).collect::<Result<Vec<_>, String>>()
         });
         let mut out = Vec::with_capacity(n);
         for part in parts {
