@@ -132,7 +132,7 @@ impl Codec {
         match self {
             Self::Zstd { level } if level == 0 || level < low || level > high => {
                 Err(EchoError::Config(format!(
-                    "zstd level must be in {low}..=-1 or 1..={high}, got {level}"
+                    "Zstd(level) must be in {low}..-1 or 1..{high}, got {level}"
                 )))
             }
             _ => Ok(()),

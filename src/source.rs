@@ -143,7 +143,8 @@ impl EpisodeEnd {
         }
     }
 
-    /// From the code the bindings and the wire use: 0 goes on, 1 terminated, 2 truncated.
+    /// From the code wire frames and sequence snapshots carry: 0 goes on, 1 terminated, 2
+    /// truncated.
     pub fn from_code(code: u8) -> Option<Self> {
         match code {
             0 => Some(Self::No),

@@ -7,6 +7,8 @@ import numpy as np
 import numpy.typing as npt
 
 from echo._pytree import TreeLayout
+from echo.client import _ClientSettings  # pyright: ignore[reportPrivateUsage]
+from echo.compression import Codec
 from echo.server import _ServerConfig  # pyright: ignore[reportPrivateUsage]
 from echo.transport import TcpTransport
 
@@ -267,6 +269,9 @@ class ServerCore:
     def max_size(self) -> int | None:
         """Items a replay table holds (steps, for a sequence table); `None` for FIFO."""
     @property
+    def capacity(self) -> int:
+        """The most samples the server holds at once."""
+    @property
     def meta_names(self) -> list[str]:
         """Names of the per-item arrays `sample` returns after the leaves."""
     @property
@@ -293,21 +298,23 @@ class ServerCore:
         timeout: float | None = None,
         priority: float | None = None,
         stream: int | None = None,
-        end: int = 0,
+        end_episode: bool = False,
+        truncated: bool = False,
     ) -> None:
         """Checks and copies one sample (a pytree like the example); a sequence table's step
-        of `stream`, `end` 0 (goes on), 1 (terminated) or 2 (truncated)."""
+        of `stream`, ending its episode with `end_episode` (terminated) or `truncated`."""
     def submit_batch(
         self,
         tree: object,
         timeout: float | None = None,
         priority: object = None,
         stream: int | None = None,
-        ends: npt.NDArray[np.uint8] | None = None,
+        end_episode: object = None,
+        truncated: object = None,
     ) -> int:
         """Checks and copies a batch of samples, one per row; returns the row count. A
-        sequence table takes row `i` as a step of stream `stream + i`, ending as `ends` says
-        (one code for all rows, or one per row)."""
+        sequence table takes row `i` as a step of stream `stream + i`, ending as
+        `end_episode` and `truncated` say (each a bool for all rows, or one per row)."""
     def sample(
         self, timeout: float | None = None, copy: bool = False, writable: bool = False
     ) -> tuple[list[npt.NDArray[Any]], SampleInfo, tuple[npt.NDArray[Any], ...]] | None:
@@ -412,37 +419,30 @@ class TcpSender:
         host: str,
         port: int,
         layout: TreeLayout,
-        max_inflight: int,
-        connect_timeout: float,
-        protocol: int,
-        token: str | None,
-        reconnect_timeout: float | None,
-        heartbeat_timeout: float | None,
-        shared_memory: bool | None,
-        dial_timeout: float | None = None,
+        settings: _ClientSettings,
         resolver: Callable[[tuple[str, int, str] | None], tuple[str, int] | None] | None = None,
-        name: str | None = None,
-        wire_compression: bool = True,
     ) -> TcpSender: ...
     def send(
         self,
         sample: object,
         timeout: float | None = None,
         priority: float | None = None,
-        end: int = 0,
+        end_episode: bool = False,
+        truncated: bool = False,
     ) -> None:
-        """Checks and sends one sample (a pytree like the example); `end` ends its episode
-        (a sequence table: 1 terminated, 2 truncated)."""
+        """Checks and sends one sample (a pytree like the example); `end_episode` or
+        `truncated` ends its episode (a sequence table)."""
     def send_batch(
         self,
         tree: object,
         timeout: float | None = None,
         priority: object = None,
-        ends: npt.NDArray[np.uint8] | None = None,
+        end_episode: object = None,
+        truncated: object = None,
     ) -> int:
         """Checks and sends a batch of samples, one per row; returns the row count. To a
-        sequence table row `i` is a step of this client's stream `i`, ending as `ends`
-        says (one code for all rows, or one per row)."""
+        sequence table row `i` is a step of this client's stream `i`, ending as
+        `end_episode` and `truncated` say (each a bool for all rows, or one per row)."""
     @property
     def takes_steps(self) -> int | None:
         """`max_rows` when the server is a sequence table; `None` otherwise."""
@@ -463,7 +463,7 @@ class TcpSender:
     @property
     def transport_path(self) -> Literal["shm", "tcp"]: ...
     @property
-    def wire_codecs(self) -> list[tuple[str, int] | None] | None:
+    def wire_codecs(self) -> list[Codec | None] | None:
         """Per leaf, the codec this connection sends it with (`None` raw); `None` when
         every leaf goes raw."""
     @property
@@ -475,6 +475,14 @@ def reset_log_cache() -> None:
 
 def _sample_info(state: dict[str, Any]) -> SampleInfo:
     """Rebuilds a `SampleInfo` from its pickled state (fields by name; unknown ones skipped)."""
+
+def check_codec(codec: object) -> None:
+    """Checks a codec's values (the zstd level's range) where the core defines them.
+
+    Raises:
+        TypeError: `codec` is not `echo.Zstd(...)` or `echo.Lz4()`.
+        ValueError: The level is out of range.
+    """
 
 def check_strategy(strategy: object) -> None:
     """Checks a replay strategy's values (ValueError saying what is wrong)."""

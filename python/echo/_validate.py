@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import operator
-from typing import Any
 
-import numpy as np
-import numpy.typing as npt
 
 __all__ = [
     "check_bool",
@@ -15,7 +12,6 @@ __all__ = [
     "check_seconds",
     "check_str",
     "check_token",
-    "episode_codes",
 ]
 
 
@@ -78,29 +74,3 @@ def check_protocol(value: object) -> int:
     if isinstance(value, int) and not isinstance(value, bool) and value in (1, 2):
         return value
     raise ValueError(f'protocol must be "auto", 1 or 2, got {value!r}')
-
-
-def episode_codes(end_episode: Any, truncated: Any) -> npt.NDArray[np.uint8] | None:
-    """`end_episode` and `truncated` (bools, or bool arrays of one flag per row) as the codes
-    the core reads: 0 goes on, 1 terminated, 2 truncated (`truncated` ends the episode too).
-    `None` when neither was given."""
-    if end_episode is None and truncated is None:
-        return None
-    flags: list[npt.NDArray[np.bool_]] = []
-    for name, value in (("end_episode", end_episode), ("truncated", truncated)):
-        array = np.asarray(False if value is None else value)
-        if array.dtype != np.bool_:
-            raise TypeError(
-                f"{name} must be a bool or an array of bools (one per row), got "
-                f"{type(value).__name__} of dtype {array.dtype}"
-            )
-        if array.ndim > 1:
-            raise ValueError(f"{name} must be a bool or 1-D (one per row), got shape {array.shape}")
-        flags.append(array)
-    ended, cut = flags
-    if ended.ndim == cut.ndim == 1 and ended.shape != cut.shape:
-        raise ValueError(
-            f"end_episode and truncated must have one flag per row each, got shapes "
-            f"{ended.shape} and {cut.shape}"
-        )
-    return np.where(cut, 2, np.where(ended, 1, 0)).astype(np.uint8)

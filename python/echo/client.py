@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -11,16 +12,31 @@ from echo._pytree import TreeLayout
 from echo._validate import (
     check_bool,
     check_int,
-    check_protocol,
     check_seconds,
     check_token,
-    episode_codes,
 )
-from echo.compression import Codec, codec_of
+from echo.compression import Codec
 
 __all__ = ["TcpClient"]
 
 _log = logging.getLogger("echo")
+
+
+@dataclass(frozen=True)
+class _ClientSettings:
+    """A `TcpClient`'s settings, their types checked, as the native `TcpSender` reads them
+    (which checks their values: `protocol` is the user's `"auto"`, 1 or 2)."""
+
+    max_inflight: int
+    connect_timeout: float
+    protocol: object
+    token: str | None
+    reconnect_timeout: float | None  # None: no reconnection
+    heartbeat_timeout: float | None
+    shared_memory: bool | None
+    dial_timeout: float | None
+    name: str | None
+    wire_compression: bool
 
 
 class TcpClient:
@@ -149,10 +165,7 @@ class TcpClient:
         `dial_timeout` are for clients that find their server elsewhere (`echo.ray`): asked
         before every connection attempt, and the first connection's deadline."""
         max_inflight_msgs = check_int("max_inflight_msgs", max_inflight_msgs, 1, 2**32 - 1)
-        version = check_protocol(protocol)
         reconnect = check_bool("reconnect", reconnect)
-        if reconnect and version == 1:
-            raise ValueError("reconnect=True needs protocol 2 (v1 has no sequence numbers)")
         token = check_token("token", token)
         timeout = check_seconds("reconnect_timeout", reconnect_timeout, optional=False)
         heartbeat = check_seconds("heartbeat_timeout", heartbeat_timeout, optional=True)
@@ -164,27 +177,22 @@ class TcpClient:
         connect = check_seconds("connect_timeout", connect_timeout, optional=False)
         assert connect is not None
         assert timeout is not None
-        self._layout = TreeLayout(data_sample)
-        self._sender = TcpSender(
-            host,
-            port,
-            self._layout,
-            max_inflight_msgs,
-            connect_timeout,
-            version,
-            token,
-            timeout if reconnect else None,
-            heartbeat,
-            shared_memory,
-            dial_timeout
-            if dial_timeout is not None
-            else max(connect, timeout)
-            if reconnect
-            else None,
-            resolver,
-            name,
-            wire_compression,
+        if dial_timeout is None and reconnect:
+            dial_timeout = max(connect, timeout)
+        settings = _ClientSettings(
+            max_inflight=max_inflight_msgs,
+            connect_timeout=connect,
+            protocol=protocol,
+            token=token,
+            reconnect_timeout=timeout if reconnect else None,
+            heartbeat_timeout=heartbeat,
+            shared_memory=shared_memory,
+            dial_timeout=dial_timeout,
+            name=name,
+            wire_compression=wire_compression,
         )
+        self._layout = TreeLayout(data_sample)
+        self._sender = TcpSender(host, port, self._layout, settings, resolver)
         self._closed = False
         self._given_up: int | None = None
         self._name = name
@@ -229,10 +237,9 @@ class TcpClient:
         if end_episode is False and truncated is False:
             self._sender.send(sample, timeout, priority)
             return
-        end = 2 if check_bool("truncated", truncated) else 0
-        if check_bool("end_episode", end_episode) and not end:
-            end = 1
-        self._sender.send(sample, timeout, priority, end)
+        truncated = check_bool("truncated", truncated)
+        end_episode = check_bool("end_episode", end_episode)
+        self._sender.send(sample, timeout, priority, end_episode, truncated)
 
     def send_batch(
         self,
@@ -269,10 +276,9 @@ class TcpClient:
             TimeoutError: No room within `timeout`; if some rows were sent, the message says
                 how many (the first ones, in order).
         """
-        codes = episode_codes(end_episode, truncated)
-        if codes is None:
+        if end_episode is None and truncated is None:
             return self._sender.send_batch(batch, timeout, priority)
-        return self._sender.send_batch(batch, timeout, priority, codes)
+        return self._sender.send_batch(batch, timeout, priority, end_episode, truncated)
 
     def send_many(self, samples: Any, *, timeout: float | None = None) -> None:
         """Sends each sample of an iterable in order (one call per sample; a batch with one row
@@ -352,9 +358,9 @@ class TcpClient:
         if codecs is None:
             return {}
         return {
-            "/".join(str(key) for key in path): codec_of(entry)
-            for path, entry in zip(self._layout.paths, codecs, strict=True)
-            if entry is not None
+            "/".join(str(key) for key in path): codec
+            for path, codec in zip(self._layout.paths, codecs, strict=True)
+            if codec is not None
         }
 
     @property

@@ -20,12 +20,14 @@ from typing import TYPE_CHECKING, Any, Literal, Union, cast
 
 import numpy as np
 
+from echo._echo import check_codec
+
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from echo._pytree import TreeLayout
 
-__all__ = ["AUTO_MIN_BYTES", "Codec", "Compress", "Lz4", "Zstd", "codec_of"]
+__all__ = ["AUTO_MIN_BYTES", "Codec", "Compress", "Lz4", "Zstd", "from_manifest", "to_manifest"]
 
 # `compress="auto"` picks uint8/int8 leaves of at least this many bytes.
 AUTO_MIN_BYTES = 4096
@@ -58,9 +60,8 @@ class Zstd:
         level = self.level
         if isinstance(level, bool) or not isinstance(level, int):  # pyright: ignore[reportUnnecessaryIsInstance]
             raise TypeError(f"Zstd(level) must be an int, got {type(level).__name__}")
-        if level == 0 or not -7 <= level <= 22:
-            raise ValueError(f"Zstd(level) must be in -7..-1 or 1..22, got {level}")
         _check_force("Zstd", self.force)
+        check_codec(self)  # the level's range, as the core defines it
 
 
 @dataclass(frozen=True)
@@ -87,21 +88,14 @@ Codec = Zstd | Lz4
 Compress = Union["Mapping[Any, Codec | None]", Literal["auto"], Zstd, Lz4, None]
 """What `Server(compress=)` takes."""
 
-# Per leaf as the native config reads it: (codec name, level) or None.
-Resolved = tuple[tuple[str, int] | None, ...]
+# Per leaf, the codec it is stored with (None: raw), as the native config reads it.
+Resolved = tuple[Codec | None, ...]
 
 
-def codec_of(entry: tuple[str, int]) -> Codec:
-    """The codec `(name, level)` names, as the native side reports it (with `force=True`:
-    it was accepted already)."""
-    name, level = entry
-    return Zstd(level, force=True) if name == "zstd" else Lz4(force=True)
-
-
-def _native(codec: Codec) -> tuple[str, int]:
-    if isinstance(codec, Zstd):
-        return ("zstd", codec.level)
-    return ("lz4", 0)
+def _accepted(codec: Codec) -> Codec:
+    """`codec` with `force=True`: it has been accepted for its leaf (as the core reports
+    codecs back, so that a resolved codec compares equal to a reported one)."""
+    return Zstd(codec.level, force=True) if isinstance(codec, Zstd) else Lz4(force=True)
 
 
 def _is_codec(value: object) -> bool:
@@ -118,7 +112,7 @@ def _path_of(key: object) -> tuple[Any, ...]:
 
 def _auto(layout: TreeLayout, codec: Codec) -> Resolved:
     return tuple(
-        _native(codec)
+        _accepted(codec)
         if leaf.dtype.kind in "ui"
         and leaf.dtype.itemsize == 1
         and int(np.prod(leaf.shape)) >= AUTO_MIN_BYTES
@@ -128,7 +122,7 @@ def _auto(layout: TreeLayout, codec: Codec) -> Resolved:
 
 
 def resolve(compress: object, layout: TreeLayout) -> Resolved:
-    """Each leaf's codec, `(name, level)` or None, from what `Server(compress=)` was given.
+    """Each leaf's codec (None: raw) from what `Server(compress=)` was given.
 
     Raises:
         TypeError: `compress` or a codec is of the wrong type.
@@ -149,7 +143,7 @@ def resolve(compress: object, layout: TreeLayout) -> Resolved:
             f'"auto" or a codec, got {type(compress).__name__}'
         )
     mapping = cast("Mapping[Any, object]", compress)
-    chosen: list[tuple[str, int] | None] = [None] * len(layout.leaves)
+    chosen: list[Codec | None] = [None] * len(layout.leaves)
     for key, codec in mapping.items():
         path = _path_of(key)
         hits = [i for i, p in enumerate(layout.paths) if p[: len(path)] == path]
@@ -177,5 +171,17 @@ def resolve(compress: object, layout: TreeLayout) -> Resolved:
                 )
             if int(np.prod(leaf.shape)) * leaf.dtype.itemsize == 0:
                 raise ValueError(f"compress: leaf {leaf.name} is empty (0 bytes)")
-            chosen[i] = _native(typed)
+            chosen[i] = _accepted(typed)
     return tuple(chosen)
+
+
+def to_manifest(codec: Codec) -> list[str | int]:
+    """How a checkpoint's manifest records `codec`: `["zstd", level]` or `["lz4", 0]`."""
+    return ["zstd", codec.level] if isinstance(codec, Zstd) else ["lz4", 0]
+
+
+def from_manifest(entry: tuple[str, int] | list[str | int]) -> Codec:
+    """The codec a checkpoint's manifest records as `[name, level]` (see `to_manifest`),
+    with `force=True`: it was accepted for its leaf when the checkpoint was written."""
+    name, level = entry
+    return Zstd(int(level), force=True) if name == "zstd" else Lz4(force=True)

@@ -207,9 +207,8 @@ class Sequence:
         object.__setattr__(self, "length", length)
         period = length if self.period is None else self.period
         object.__setattr__(self, "period", check_int("Sequence(period)", period, 1, 2**30 - 1))
-        if self.at_end not in ("pad", "shift", "drop"):
-            raise ValueError(
-                f"Sequence(at_end) must be 'pad', 'shift' or 'drop', got {self.at_end!r}"
-            )
+        if not isinstance(self.at_end, str):  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise TypeError(f"Sequence(at_end) must be a str, got {type(self.at_end).__name__}")
         streams = check_int("Sequence(max_streams)", self.max_streams, 1, 2**32)
         object.__setattr__(self, "max_streams", streams)
+        check_strategy(self)  # at_end's word, as the core knows it

@@ -21,9 +21,9 @@ from echo._echo import SampleInfo, ServerClosedError, ServerCore
 from echo._prefetch import Prefetcher, device_transfer
 from echo._pytree import NONE_IS_LEAF, TreeLayout
 from echo._tally import Tally
-from echo._validate import check_bool, check_int, check_seconds, episode_codes
+from echo._validate import check_bool, check_int, check_seconds
 from echo.checkpoint import CheckpointError, PeriodicCheckpointer
-from echo.compression import Codec, Compress, codec_of
+from echo.compression import Codec, Compress, from_manifest, to_manifest
 from echo.compression import resolve as resolve_compress
 from echo.replay import Fifo, MinSize, RateLimiter, Remover, Sampler, Sequence, Uniform
 from echo.transport import TcpTransport
@@ -210,8 +210,8 @@ class _ServerConfig:
     max_times_sampled: int
     seed: int | None
     sequence: Sequence | None
-    # Per leaf: (codec name, level) or None, resolved from `compress=` against the layout.
-    compress: tuple[tuple[str, int] | None, ...] = ()
+    # Per leaf: its codec or None, resolved from `compress=` against the layout.
+    compress: tuple[Codec | None, ...] = ()
     max_bytes: int | None = None
 
 
@@ -344,7 +344,7 @@ def _recorded_compress(loaded: Any, tuning: dict[str, Any]) -> Compress:
             f"tuning: compress has {len(recorded)} entries, the layout {len(layout.paths)} leaves"
         )
     return {
-        path: codec_of(entry)
+        path: from_manifest(entry)
         for path, entry in zip(layout.paths, recorded, strict=True)
         if entry is not None
     }
@@ -570,13 +570,19 @@ class Server:
         return self._core.max_size
 
     @property
+    def capacity(self) -> int:
+        """The most samples the server holds at once: `num_buffers * batch_size` for the FIFO
+        ring, `max_size` items for a replay table, `max_size` steps for a sequence table."""
+        return self._core.capacity
+
+    @property
     def compress(self) -> dict[str, Codec]:
         """The leaves the table stores compressed, by path (keys joined by `/`), and their
         codec: what `compress=` chose. Empty when nothing is compressed."""
         return {
-            "/".join(str(key) for key in path): codec_of(entry)
-            for path, entry in zip(self._layout.paths, self._config.compress, strict=False)
-            if entry is not None
+            "/".join(str(key) for key in path): codec
+            for path, codec in zip(self._layout.paths, self._config.compress, strict=False)
+            if codec is not None
         }
 
     @property
@@ -681,11 +687,10 @@ class Server:
         if stream is None and end_episode is False and truncated is False:
             self._core.submit(sample, timeout, priority)
             return
-        end = 2 if check_bool("truncated", truncated) else 0
-        if check_bool("end_episode", end_episode) and not end:
-            end = 1
+        truncated = check_bool("truncated", truncated)
+        end_episode = check_bool("end_episode", end_episode)
         first = None if stream is None else check_int("stream", stream, 0)
-        self._core.submit(sample, timeout, priority, first, end)
+        self._core.submit(sample, timeout, priority, first, end_episode, truncated)
 
     def submit_batch(
         self,
@@ -730,11 +735,10 @@ class Server:
             TimeoutError: No room within `timeout`; if some rows went in, the message says
                 how many (the first ones, in order).
         """
-        codes = episode_codes(end_episode, truncated)
-        if stream is None and codes is None:
+        if stream is None and end_episode is None and truncated is None:
             return self._core.submit_batch(batch, timeout, priority)
         first = None if stream is None else check_int("stream", stream, 0)
-        return self._core.submit_batch(batch, timeout, priority, first, codes)
+        return self._core.submit_batch(batch, timeout, priority, first, end_episode, truncated)
 
     def end_episode(self, stream: int = 0, *, truncated: bool = True) -> bool:
         """Sequence tables only: ends in-process stream `stream`'s open episode after its last
@@ -985,7 +989,7 @@ class Server:
             "producer_queue_size": config.producer_queue_size,
         }
         if any(config.compress):
-            tuning["compress"] = [None if c is None else list(c) for c in config.compress]
+            tuning["compress"] = [None if c is None else to_manifest(c) for c in config.compress]
         if config.max_bytes is not None:
             tuning["max_bytes"] = config.max_bytes
         if isinstance(self._sampler, Fifo):

@@ -5,14 +5,15 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use numpy::{PyReadonlyArrayDyn, PyUntypedArray};
+use numpy::PyUntypedArray;
 use parking_lot::Mutex;
 use pyo3::exceptions::{PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyString};
 
-use super::config::{resolve_token, seconds};
+use super::config::{codec_object, resolve_token, seconds};
 use super::errors::{error_in, to_pyerr, Call};
-use super::leaves::{byte_slices, episode_end, episode_ends, LeafSpecs};
+use super::leaves::{byte_slices, episode_end, EpisodeFlags, LeafSpecs};
 use super::{deadline_after, deadline_from_timeout, detach, reattach, wait_detached};
 use crate::error::EchoError;
 use crate::source::Rows;
@@ -57,76 +58,113 @@ impl Resolve for PyResolver {
     }
 }
 
-#[pymethods]
-impl PyTcpSender {
-    /// Connects to `host:port`, negotiates the wire protocol and checks that the server stores
-    /// samples shaped like ours.
+/// `echo.client._ClientSettings`: a `TcpClient`'s settings, whose types Python has checked.
+#[derive(FromPyObject)]
+struct ClientSettings {
+    max_inflight: u64,
+    connect_timeout: f64,
+    protocol: ProtocolArg,
+    token: Option<String>,
+    /// `None` without reconnection.
+    reconnect_timeout: Option<f64>,
+    heartbeat_timeout: Option<f64>,
+    /// `None`: shared memory where it can be used (`SharedMemory::Auto`).
+    shared_memory: Option<bool>,
+    /// What bounds the first connection when it is retried; `None`: `connect_timeout`.
+    dial_timeout: Option<f64>,
+    name: Option<String>,
+    wire_compression: bool,
+}
+
+impl ClientSettings {
+    /// Checks the settings and writes them into `config`; returns `connect_timeout`.
     ///
-    /// `dial_timeout` bounds the first connection when it is retried (with reconnection or a
-    /// `resolver`), each attempt taking at most `connect_timeout`; `None`: `connect_timeout`.
-    #[new]
-    #[pyo3(signature = (host, port, layout, max_inflight, connect_timeout, protocol, token,
-        reconnect_timeout, heartbeat_timeout, shared_memory, dial_timeout=None, resolver=None,
-        name=None, wire_compression=true))]
-    #[allow(clippy::too_many_arguments)] // One per `TcpClient` setting, checked there.
-    fn new(
-        py: Python<'_>,
-        host: String,
-        port: u16,
-        layout: &Bound<'_, PyAny>,
-        max_inflight: u64,
-        connect_timeout: f64,
-        protocol: u8,
-        token: Option<String>,
-        reconnect_timeout: Option<f64>,
-        heartbeat_timeout: Option<f64>,
-        shared_memory: Option<bool>,
-        dial_timeout: Option<f64>,
-        resolver: Option<Py<PyAny>>,
-        name: Option<String>,
-        wire_compression: bool,
-    ) -> PyResult<Self> {
-        if max_inflight == 0 {
+    /// # Errors
+    /// `ValueError` for a value out of range, or reconnection over protocol 1.
+    fn apply(&self, config: &mut ClientConfig) -> PyResult<f64> {
+        if self.max_inflight == 0 {
             return Err(PyValueError::new_err("max_inflight_msgs must be >= 1, got 0"));
         }
+        let connect_timeout = self.connect_timeout;
         if connect_timeout.is_nan() || connect_timeout <= 0.0 {
             return Err(PyValueError::new_err(format!(
                 "connect_timeout must be a positive number of seconds, got {connect_timeout}"
             )));
         }
-        let leaves = LeafSpecs::new(layout)?;
-        let mut config = ClientConfig::new(host, port, leaves.typed_layout(py));
-        config.max_inflight = max_inflight;
-        config.protocol = match protocol {
-            0 => Protocol::Auto,
-            1 => Protocol::V1,
-            2 => Protocol::V2,
-            other => {
-                return Err(PyValueError::new_err(format!(
-                    "protocol must be \"auto\", 1 or 2, got {other}"
-                )))
-            }
-        };
+        if self.reconnect_timeout.is_some() && self.protocol.0 == Protocol::V1 {
+            return Err(PyValueError::new_err(
+                "reconnect=True needs protocol 2 (v1 has no sequence numbers)",
+            ));
+        }
+        config.max_inflight = self.max_inflight;
+        config.protocol = self.protocol.0;
         // With a token "auto" still settles for v1 at a v1-only server, which then fails
         // with the token problem it is (PermissionError), not a protocol one.
-        config.token = resolve_token(token.as_deref())?;
-        config.heartbeat_timeout = seconds("heartbeat_timeout", heartbeat_timeout)?;
-        config.reconnect_timeout = seconds("reconnect_timeout", reconnect_timeout)?;
-        config.shared_memory = match shared_memory {
+        config.token = resolve_token(self.token.as_deref())?;
+        config.heartbeat_timeout = seconds("heartbeat_timeout", self.heartbeat_timeout)?;
+        config.reconnect_timeout = seconds("reconnect_timeout", self.reconnect_timeout)?;
+        config.shared_memory = match self.shared_memory {
             None => SharedMemory::Auto,
             Some(false) => SharedMemory::Off,
             Some(true) => SharedMemory::Required,
         };
+        config.name.clone_from(&self.name);
+        config.wire_compression = self.wire_compression;
+        Ok(connect_timeout)
+    }
+}
+
+/// `TcpClient(protocol=)`: `"auto"`, `1` or `2`, read as the user gave it.
+struct ProtocolArg(Protocol);
+
+impl FromPyObject<'_, '_> for ProtocolArg {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'_, '_, PyAny>) -> PyResult<Self> {
+        let protocol = if obj.is_instance_of::<PyString>() {
+            (obj.extract::<&str>()? == "auto").then_some(Protocol::Auto)
+        } else if obj.is_instance_of::<PyBool>() {
+            None
+        } else {
+            match obj.extract::<i64>() {
+                Ok(1) => Some(Protocol::V1),
+                Ok(2) => Some(Protocol::V2),
+                _ => None,
+            }
+        };
+        protocol.map(Self).ok_or_else(|| {
+            let given = obj.repr().map_or_else(|_| "?".to_owned(), |r| r.to_string());
+            PyValueError::new_err(format!("protocol must be \"auto\", 1 or 2, got {given}"))
+        })
+    }
+}
+
+#[pymethods]
+impl PyTcpSender {
+    /// Connects to `host:port`, negotiates the wire protocol and checks that the server stores
+    /// samples shaped like ours (`layout`, the example's `TreeLayout`), as `settings` say.
+    /// `resolver(last)` names the address before each connection attempt (`echo.ray`).
+    #[new]
+    #[pyo3(signature = (host, port, layout, settings, resolver=None))]
+    fn new(
+        py: Python<'_>,
+        host: String,
+        port: u16,
+        layout: &Bound<'_, PyAny>,
+        settings: ClientSettings,
+        resolver: Option<Py<PyAny>>,
+    ) -> PyResult<Self> {
+        let leaves = LeafSpecs::new(layout)?;
+        let mut config = ClientConfig::new(host, port, leaves.typed_layout(py));
+        let connect_timeout = settings.apply(&mut config)?;
+        let dial_timeout = settings.dial_timeout.unwrap_or(connect_timeout);
         let raised = Arc::new(Mutex::new(None));
         config.resolver = resolver.map(|callable| {
             Resolver(Arc::new(PyResolver { callable, raised: Arc::clone(&raised) }))
         });
-        config.name = name;
-        config.wire_compression = wire_compression;
         // One deadline for the whole connect and handshake, retries included (too large for a
         // `Duration`: none).
-        let deadline =
-            deadline_after("connect_timeout", Some(dial_timeout.unwrap_or(connect_timeout)))?;
+        let deadline = deadline_after("connect_timeout", Some(dial_timeout))?;
         let each = Duration::try_from_secs_f64(connect_timeout).ok();
         let mut dialing = TcpSender::connecting(config, deadline, each).map_err(to_pyerr)?;
         // Polled in slices with the GIL released, so Ctrl-C interrupts a slow connect.
@@ -137,20 +175,21 @@ impl PyTcpSender {
     }
 
     /// Sends one sample (a pytree like the example), with `priority` (v2 replay servers);
-    /// `end` ends its episode (a sequence table: 0 no, 1 terminated, 2 truncated). Blocks
+    /// `end_episode` or `truncated` ends its episode (a sequence table). Blocks
     /// while `max_inflight` samples are unacknowledged (or while reconnecting); raises
     /// `TimeoutError` if `timeout` passes first (nothing sent).
-    #[pyo3(signature = (sample, timeout=None, priority=None, end=0))]
+    #[pyo3(signature = (sample, timeout=None, priority=None, end_episode=false, truncated=false))]
     fn send(
         &self,
         py: Python<'_>,
         sample: &Bound<'_, PyAny>,
         timeout: Option<f64>,
         priority: Option<f64>,
-        end: u8,
+        end_episode: bool,
+        truncated: bool,
     ) -> PyResult<()> {
         let deadline = deadline_from_timeout(timeout)?;
-        let end = episode_end(end)?;
+        let end = episode_end(end_episode, truncated);
         let arrays = self.leaves.arrays(sample)?;
         self.send_arrays(py, &arrays, FrameMeta { priority, row: 0, end }, deadline)
     }
@@ -166,20 +205,23 @@ impl PyTcpSender {
     /// one vectored write per window-full of frames. `priority`: one number for every row or
     /// one per row (v2 replay servers). Returns `n`.
     /// To a sequence table row `i` is a step of this client's stream `i`, ending its episode
-    /// as `ends[i]` says (0 no, 1 terminated, 2 truncated; `None`: none does).
-    #[pyo3(signature = (tree, timeout=None, priority=None, ends=None))]
+    /// as `end_episode` and `truncated` say (each a bool for every row or one per row;
+    /// `None`: false).
+    #[pyo3(signature = (tree, timeout=None, priority=None, end_episode=None, truncated=None))]
     fn send_batch(
         &self,
         py: Python<'_>,
         tree: &Bound<'_, PyAny>,
         timeout: Option<f64>,
         priority: Option<&Bound<'_, PyAny>>,
-        ends: Option<PyReadonlyArrayDyn<'_, u8>>,
+        end_episode: Option<&Bound<'_, PyAny>>,
+        truncated: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
         let mut deadline = deadline_from_timeout(timeout)?;
+        let flags = EpisodeFlags::new(py, end_episode, truncated)?;
         let batch = self.leaves.batch(tree, priority)?;
         let n = batch.n;
-        let ends = ends.map(|codes| episode_ends(&codes, n)).transpose()?;
+        let ends = flags.map(|flags| flags.ends(n)).transpose()?;
         if n == 0 {
             return Ok(0);
         }
@@ -284,16 +326,18 @@ impl PyTcpSender {
         self.read(py, TcpSender::transport_path)
     }
 
-    /// Per leaf, the codec the connection sends it with: `None` raw, else `(name, level)`;
+    /// Per leaf, the codec the connection sends it with: `None` raw, else `echo.Zstd(...)` or
+    /// `echo.Lz4()`;
     /// `None` altogether when every leaf goes raw (v1, shared memory, a server that names no
     /// codecs, or `wire_compression=False`).
     #[getter]
-    fn wire_codecs(&self, py: Python<'_>) -> Option<Vec<Option<(&'static str, i32)>>> {
-        self.read(py, |sender| {
-            sender.wire_codecs().map(|codecs| {
-                codecs.as_slice().iter().map(|c| c.map(|c| (c.name(), c.level()))).collect()
+    fn wire_codecs(&self, py: Python<'_>) -> PyResult<Option<Vec<Option<Py<PyAny>>>>> {
+        let codecs = self.read(py, |sender| sender.wire_codecs().map(|c| c.as_slice().to_vec()));
+        codecs
+            .map(|codecs| {
+                codecs.into_iter().map(|c| c.map(|c| codec_object(py, c)).transpose()).collect()
             })
-        })
+            .transpose()
     }
 
     /// What the server said the last time it closed this client's connection: "final",

@@ -8,6 +8,9 @@
 //! - The replay strategies (`echo.replay.Uniform()`, ... frozen dataclasses) become
 //!   [`SamplerKind`], [`RemoverKind`] and [`RateLimit`]; their values are checked by the
 //!   core (`check_strategy` runs that check when a strategy is built).
+//! - The codecs (`echo.Zstd(level)`, `echo.Lz4()`, frozen dataclasses) become [`Codec`] in
+//!   [`codec`], and go back to Python as those objects in [`codec_object`]; the core checks
+//!   the level ([`Codec::validate`], run by [`check_codec`] when a codec is built).
 //! - [`TcpArg`] is `echo.TcpTransport`.
 
 use numpy::PyArrayDescr;
@@ -137,7 +140,8 @@ pub(crate) struct ServerConfig {
     max_bytes: Option<u64>,
 }
 
-/// `echo.Sequence`, whose fields the dataclass has checked (types, ranges, `at_end`'s word).
+/// `echo.Sequence`, whose fields the dataclass has checked (types and ranges); `at_end`'s word
+/// is checked here.
 fn sequence_arg(obj: &Bound<'_, PyAny>) -> PyResult<SequenceConfig> {
     let at_end: String = obj.getattr("at_end")?.extract()?;
     let at_end = match at_end.as_str() {
@@ -146,7 +150,7 @@ fn sequence_arg(obj: &Bound<'_, PyAny>) -> PyResult<SequenceConfig> {
         "drop" => AtEnd::Drop,
         other => {
             return Err(PyValueError::new_err(format!(
-                "Sequence(at_end) must be 'pad', 'shift' or 'drop', got {other:?}"
+                "Sequence(at_end) must be 'pad', 'shift' or 'drop', got '{other}'"
             )))
         }
     };
@@ -180,11 +184,16 @@ impl<'py> FromPyObject<'_, 'py> for ServerConfig {
             seed: get("seed")?.extract()?,
             sequence: optional("sequence")?.map(|s| sequence_arg(&s)).transpose()?,
             compress: get("compress")?
-                .extract::<Vec<Option<(String, i32)>>>()?
-                .into_iter()
-                .map(|codec| codec.map(|(name, level)| Codec::from_name(&name, level)).transpose())
-                .collect::<Result<_, _>>()
-                .map_err(to_pyerr)?,
+                .try_iter()?
+                .map(|leaf| {
+                    let leaf = leaf?;
+                    if leaf.is_none() {
+                        Ok(None)
+                    } else {
+                        codec(&leaf).map(Some)
+                    }
+                })
+                .collect::<PyResult<_>>()?,
             max_bytes: get("max_bytes")?.extract()?,
         })
     }
@@ -340,14 +349,62 @@ fn strategy_class<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyTyp
     Ok(module.bind(py).getattr(name)?.cast_into::<PyType>()?)
 }
 
-/// The name of the first of `names` that `obj` is an instance of.
-fn which<'a>(obj: &Bound<'_, PyAny>, names: &[&'a str]) -> PyResult<Option<&'a str>> {
+/// The class `echo.compression.<name>`.
+fn codec_class<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyType>> {
+    static COMPRESSION: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
+    let module = COMPRESSION
+        .get_or_try_init(py, || Ok::<_, PyErr>(py.import("echo.compression")?.unbind()))?;
+    Ok(module.bind(py).getattr(name)?.cast_into::<PyType>()?)
+}
+
+/// The name of the first of `names` that `obj` is an instance of (`class` looks them up).
+fn instance_of<'a, 'py>(
+    obj: &Bound<'py, PyAny>,
+    names: &[&'a str],
+    class: fn(Python<'py>, &str) -> PyResult<Bound<'py, PyType>>,
+) -> PyResult<Option<&'a str>> {
     for &name in names {
-        if obj.is_instance(strategy_class(obj.py(), name)?.as_any())? {
+        if obj.is_instance(class(obj.py(), name)?.as_any())? {
             return Ok(Some(name));
         }
     }
     Ok(None)
+}
+
+/// The name of the first of the strategies `names` that `obj` is an instance of.
+fn which<'a>(obj: &Bound<'_, PyAny>, names: &[&'a str]) -> PyResult<Option<&'a str>> {
+    instance_of(obj, names, strategy_class)
+}
+
+/// A codec, `echo.Zstd(level)` or `echo.Lz4()`, as the core's [`Codec`], its level checked.
+///
+/// # Errors
+/// `TypeError` for another object, `ValueError` for a level out of range.
+pub(crate) fn codec(obj: &Bound<'_, PyAny>) -> PyResult<Codec> {
+    let codec = match instance_of(obj, &["Zstd", "Lz4"], codec_class)? {
+        Some("Zstd") => Codec::Zstd { level: obj.getattr("level")?.extract()? },
+        Some(_) => Codec::Lz4,
+        None => return Err(wrong_type("a codec", "echo.Zstd(...) or echo.Lz4()", obj)),
+    };
+    codec.validate().map_err(to_pyerr)?;
+    Ok(codec)
+}
+
+/// `codec` as the Python object `echo.Zstd(level, force=True)` or `echo.Lz4(force=True)`:
+/// `force`, since a codec the core holds was accepted for its leaf already.
+pub(crate) fn codec_object(py: Python<'_>, codec: Codec) -> PyResult<Py<PyAny>> {
+    let made = match codec {
+        Codec::Zstd { level } => codec_class(py, "Zstd")?.call1((level, true))?,
+        Codec::Lz4 => codec_class(py, "Lz4")?.call1((true,))?,
+    };
+    Ok(made.unbind())
+}
+
+/// Checks a codec's values where the core defines them (called by `echo.Zstd` once its
+/// fields have the right types): `ValueError` saying what is wrong.
+#[pyfunction]
+pub(crate) fn check_codec(codec: &Bound<'_, PyAny>) -> PyResult<()> {
+    self::codec(codec).map(drop)
 }
 
 fn wrong_type(what: &str, expected: &str, obj: &Bound<'_, PyAny>) -> PyErr {
@@ -419,6 +476,9 @@ pub(crate) fn rate_limiter(obj: &Bound<'_, PyAny>) -> PyResult<Strategy<RateLimi
 /// dataclasses once their fields have the right types): `ValueError` saying what is wrong.
 #[pyfunction]
 pub(crate) fn check_strategy(strategy: &Bound<'_, PyAny>) -> PyResult<()> {
+    if which(strategy, &["Sequence"])?.is_some() {
+        return sequence_arg(strategy).map(drop);
+    }
     if which(strategy, &["MinSize", "SampleToInsertRatio", "Queue"])?.is_some() {
         return rate_limiter(strategy)?.kind.check().map_err(to_pyerr);
     }

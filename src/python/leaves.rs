@@ -3,7 +3,8 @@
 //! into byte slices that are safe to copy from.
 
 use numpy::{
-    PyArrayDescr, PyArrayDescrMethods, PyReadonlyArrayDyn, PyUntypedArray, PyUntypedArrayMethods,
+    PyArrayDescr, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn,
+    PyUntypedArray, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -531,34 +532,101 @@ fn numpy_generic(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
         .map(|g| g.bind(py))
 }
 
-/// A step's episode flag from its code (0 goes on, 1 terminated, 2 truncated).
-///
-/// # Errors
-/// `ValueError` for any other code.
-pub(crate) fn episode_end(code: u8) -> PyResult<EpisodeEnd> {
-    EpisodeEnd::from_code(code).ok_or_else(|| {
-        PyValueError::new_err(format!(
-            "an episode flag is 0 (goes on), 1 (terminated) or 2 (truncated), got {code}"
-        ))
-    })
+/// A step's episode flags as `send()` and `submit()` take them: `truncated` ends the
+/// episode too, cut short.
+pub(crate) fn episode_end(end_episode: bool, truncated: bool) -> EpisodeEnd {
+    match (end_episode, truncated) {
+        (_, true) => EpisodeEnd::Truncated,
+        (true, false) => EpisodeEnd::Terminated,
+        (false, false) => EpisodeEnd::No,
+    }
 }
 
-/// A batch's episode flags (`echo._validate.episode_codes`): one code for every row (0-d) or
-/// one per row of `n`.
-///
-/// # Errors
-/// `ValueError` for another count or shape, or an unknown code.
-pub(crate) fn episode_ends(
-    codes: &PyReadonlyArrayDyn<'_, u8>,
-    n: usize,
-) -> PyResult<Vec<EpisodeEnd>> {
-    let flags = codes.as_slice().map_err(|e| PyValueError::new_err(format!("end_episode: {e}")))?;
-    match (codes.shape(), flags) {
-        ([], &[code]) => Ok(vec![episode_end(code)?; n]),
-        ([rows], _) if *rows == n => flags.iter().map(|&c| episode_end(c)).collect(),
-        (shape, _) => Err(PyValueError::new_err(format!(
-            "end_episode and truncated must be one bool or one per row ({n},), got shape {}",
-            py_shape(shape)
-        ))),
+/// A batch's episode flags as `send_batch()` and `submit_batch()` take them: `end_episode`
+/// and `truncated`, each a bool for every row or a 1-D bool array with one per row
+/// (`None`: false), read when the call starts and matched to its rows by [`Self::ends`].
+pub(crate) struct EpisodeFlags<'py> {
+    end_episode: PyReadonlyArrayDyn<'py, bool>,
+    truncated: PyReadonlyArrayDyn<'py, bool>,
+}
+
+impl<'py> EpisodeFlags<'py> {
+    /// The flags given, or `None` when neither was.
+    ///
+    /// # Errors
+    /// `TypeError` for a flag that is not a bool or bools, `ValueError` for one of more than
+    /// one dimension, or two arrays of different lengths.
+    pub(crate) fn new(
+        py: Python<'py>,
+        end_episode: Option<&Bound<'py, PyAny>>,
+        truncated: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Option<Self>> {
+        if end_episode.is_none() && truncated.is_none() {
+            return Ok(None);
+        }
+        let flags = Self {
+            end_episode: Self::flag(py, "end_episode", end_episode)?,
+            truncated: Self::flag(py, "truncated", truncated)?,
+        };
+        if let ([a], [b]) = (flags.end_episode.shape(), flags.truncated.shape()) {
+            if a != b {
+                return Err(PyValueError::new_err(format!(
+                    "end_episode and truncated must have one flag per row each, got shapes \
+                     ({a},) and ({b},)"
+                )));
+            }
+        }
+        Ok(Some(flags))
+    }
+
+    /// One flag: `value` as a bool array of at most one dimension (`None`: false).
+    fn flag(
+        py: Python<'py>,
+        name: &str,
+        value: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<PyReadonlyArrayDyn<'py, bool>> {
+        let asarray = numpy_module(py)?.getattr("asarray")?;
+        let array = match value {
+            Some(value) => asarray.call1((value,))?,
+            None => asarray.call1((false,))?,
+        };
+        let Ok(flags) = array.cast::<PyArrayDyn<bool>>() else {
+            let kind = value
+                .and_then(|v| v.get_type().name().ok())
+                .map_or_else(|| "?".to_owned(), |n| n.to_string());
+            return Err(PyTypeError::new_err(format!(
+                "{name} must be a bool or an array of bools (one per row), got {kind} of dtype \
+                 {}",
+                array.getattr("dtype")?.str()?
+            )));
+        };
+        if flags.ndim() > 1 {
+            return Err(PyValueError::new_err(format!(
+                "{name} must be a bool or 1-D (one per row), got shape {}",
+                py_shape(flags.shape())
+            )));
+        }
+        Ok(flags.readonly())
+    }
+
+    /// Each of `n` rows' episode end.
+    ///
+    /// # Errors
+    /// `ValueError` for flags that are neither one bool nor one per row.
+    pub(crate) fn ends(&self, n: usize) -> PyResult<Vec<EpisodeEnd>> {
+        let rows = |flags: &PyReadonlyArrayDyn<'py, bool>| -> PyResult<Vec<bool>> {
+            let values = flags.as_array();
+            match flags.shape() {
+                [] => Ok(vec![values.iter().copied().next().unwrap_or(false); n]),
+                [rows] if *rows == n => Ok(values.iter().copied().collect()),
+                shape => Err(PyValueError::new_err(format!(
+                    "end_episode and truncated must be one bool or one per row ({n},), got \
+                     shape {}",
+                    py_shape(shape)
+                ))),
+            }
+        };
+        let (ended, cut) = (rows(&self.end_episode)?, rows(&self.truncated)?);
+        Ok(ended.into_iter().zip(cut).map(|(e, t)| episode_end(e, t)).collect())
     }
 }

@@ -225,6 +225,7 @@ fn _echo(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_interpreter_exiting, m)?)?;
     m.add_function(wrap_pyfunction!(reset_log_cache, m)?)?;
     m.add_function(wrap_pyfunction!(config::check_strategy, m)?)?;
+    m.add_function(wrap_pyfunction!(config::check_codec, m)?)?;
     m.add_function(wrap_pyfunction!(info::_sample_info, m)?)?;
     Ok(())
 }
