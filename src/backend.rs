@@ -167,6 +167,16 @@ impl Backend {
         }
     }
 
+    /// The most samples the backend holds at once: the FIFO ring's batches times their size,
+    /// a replay table's items, a sequence table's steps.
+    pub fn capacity(&self) -> usize {
+        match self {
+            Self::Fifo(store) => store.num_batches() * store.batch_size(),
+            Self::Replay(table) => table.config().max_size,
+            Self::Sequence(table) => table.config().max_size,
+        }
+    }
+
     /// Items a replay table holds (steps, for a sequence table); `None` for the FIFO ring.
     pub fn max_size(&self) -> Option<usize> {
         match self {

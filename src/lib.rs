@@ -45,6 +45,8 @@ pub mod metrics;
 pub mod pinned;
 #[cfg(not(loom))]
 pub mod replay;
+#[cfg(not(loom))]
+pub mod server;
 #[doc(hidden)]
 pub mod shmring;
 mod slots;

@@ -12,7 +12,8 @@ use pyo3::types::{PyDict, PyType};
 
 use crate::backend::BackendStats;
 use crate::ingress::IngressSnapshot;
-use crate::metrics::{DetailedSnapshot, HistSummary};
+use crate::metrics::HistSummary;
+use crate::server::{LastCheckpoint, Snapshot};
 
 /// A latency histogram snapshot, in nanoseconds. All zero without `detailed-metrics`, so
 /// `if info.memcpy.count > 0:` works in every build.
@@ -332,30 +333,6 @@ const FLOATS: [&str; 2] = ["last_checkpoint_unix_s", "last_checkpoint_duration_s
 const HISTOGRAMS: [&str; 3] = ["drain_round", "memcpy", "queue_dwell"];
 /// The replay-only per-item arrays of [`SampleInfo`], by name.
 const REPLAY_ARRAYS: [&str; 3] = ["keys", "probabilities", "times_sampled"];
-
-/// Every counter of a server at one moment, before it becomes a [`SampleInfo`].
-pub(crate) struct Snapshot {
-    pub(crate) backend: BackendStats,
-    /// Zero before a transport started.
-    pub(crate) ingress: IngressSnapshot,
-    /// `None` in the default build (no `detailed-metrics`).
-    pub(crate) detailed: Option<DetailedSnapshot>,
-    /// The last completed checkpoint; all zero before one.
-    pub(crate) last_checkpoint: LastCheckpoint,
-    /// Samples in-process `submit()`/`submit_batch()` calls put in.
-    pub(crate) submitted: u64,
-    /// Bytes of one sample (every leaf raw).
-    pub(crate) payload_bytes: u64,
-}
-
-/// When the last checkpoint completed (Unix seconds), how long it took (seconds) and the
-/// bytes its files hold; all zero before the first.
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct LastCheckpoint {
-    pub(crate) unix_s: f64,
-    pub(crate) duration_s: f64,
-    pub(crate) bytes: u64,
-}
 
 impl SampleInfo {
     /// `SampleInfo` of batch `sequence`, which the consumer waited `wait_ns` for. Without

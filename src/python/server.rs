@@ -5,34 +5,30 @@
 //! out as numpy views. Which backend it drives is decided once, from the settings, in Rust.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-use std::sync::OnceLock;
 use std::time::Instant;
 
 use numpy::npyffi::npy_intp;
-use numpy::{PyArray1, PyArrayDescr, PyReadonlyArray1, PyReadonlyArrayDyn, PyUntypedArray};
-use parking_lot::{Mutex, MutexGuard};
+use numpy::{PyArray1, PyArrayDescr, PyReadonlyArray1, PyUntypedArray};
+use parking_lot::MutexGuard;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 
 use super::config::{ServerConfig, TcpArg};
 use super::errors::{error_in, sample_timed_out, submit_timed_out, to_pyerr, Call};
-use super::info::{HistSnapshot, LastCheckpoint, SampleInfo, Snapshot};
-use super::leaves::{byte_slices, episode_end, episode_ends, LeafSpecs};
+use super::info::{HistSnapshot, SampleInfo};
+use super::leaves::{byte_slices, episode_end, EpisodeFlags, LeafSpecs};
 use super::views::{batch_copies, batch_views, LeafLayout, RingLease};
 use super::{deadline_from_timeout, detach, wait_detached};
-use crate::backend::{Backend, BackendCheckpoint, BackendStats, BatchConsumer, BatchRef};
+use crate::backend::{Backend, BackendCheckpoint, BatchConsumer, BatchRef};
 use crate::checkpoint::{as_bytes, write_leaf_files, write_npy_1d, LeafFile, QueuedChunks};
 use crate::codec::{Codec, LeafCodecs};
 use crate::error::EchoError;
-use crate::ingress::{Ingress, IngressConfig, QueuedSamples};
-use crate::metrics;
+use crate::ingress::QueuedSamples;
 use crate::replay::{LeafRows, SequenceSnapshot, SnapshotItems, TableState};
+use crate::server::{LastCheckpoint, Server, ServerConfig as CoreServerConfig, Snapshot};
 use crate::source::{EpisodeEnd, Rows, StepLeaves, StepTag};
-use crate::sync::Arc;
 use crate::transport::wire::v2::Closing;
-use crate::transport::TcpIngress;
 
 /// Samples at or above this many bytes are copied with the GIL released.
 const DETACH_COPY_BYTES: usize = 64 * 1024;
@@ -112,36 +108,20 @@ type SampleOut<'py> = (Bound<'py, PyList>, SampleInfo, Bound<'py, PyTuple>);
 /// A server: `submit` flattened leaves, `sample` batches of views.
 #[pyclass(frozen, module = "echo._echo", name = "ServerCore")]
 pub(crate) struct PyServerCore {
+    /// The server itself: backend, consumer, ingress and transport, and their lifecycle.
+    server: Server,
+    /// The server's backend (`server.backend()`), cloned for the hot paths' brevity.
     backend: Backend,
-    /// The single consumer. The mutex serialises `sample()` calls from several Python threads
-    /// (it is always taken with the GIL released, so it cannot deadlock against the GIL).
-    consumer: Mutex<BatchConsumer>,
     leaves: LeafSpecs,
     /// Every leaf of a handed-out batch: the sample's, then the backend's per-item values.
     layouts: Vec<LeafLayout>,
     lease: Py<RingLease>,
     /// Shared all-zero histogram for builds without `detailed-metrics`.
     zero_hist: Py<HistSnapshot>,
-    ingress_config: IngressConfig,
-    tcp: Mutex<Option<TcpIngress>>,
-    /// The drainer pool behind `tcp`, for counters (kept after `close`).
-    ingress: OnceLock<Arc<Ingress>>,
     /// `num_buffers=3` or `max_size=..., sampler=...`, for `repr`.
     description: String,
     /// The rate limiter's repr, for timeout messages (replay tables only use it).
     limiter_repr: String,
-    /// Set by `close(drain=True)`: nothing more comes in; `sample` hands out what is left.
-    draining: AtomicBool,
-    /// Acknowledged or submitted samples that never reached the learner, set when the server
-    /// closes for good (see `close`).
-    dropped_at_close: OnceLock<u64>,
-    /// The last checkpoint that completed (manual or periodic), for `stats()`; all zero until
-    /// one has. Written by `_record_checkpoint` once the checkpoint's link is in place.
-    last_checkpoint: Mutex<LastCheckpoint>,
-    /// Samples (steps) `submit()` and `submit_batch()` put in, counted as each call returns.
-    submitted: AtomicU64,
-    /// The leaves v2 clients send compressed over TCP (`compress=`), per leaf.
-    wire_codecs: Vec<Option<Codec>>,
 }
 
 #[pymethods]
@@ -154,31 +134,24 @@ impl PyServerCore {
         let description = config.describe(&backend_config);
         let limiter_repr = config.limiter_repr();
         let spec = leaves.spec.clone();
-        let (backend, consumer) =
-            detach(py, || Backend::new(spec, backend_config)).map_err(to_pyerr)?;
+        let core_config = CoreServerConfig {
+            backend: backend_config,
+            num_drainers: config.num_drainers,
+            producer_queue_size: config.producer_queue_size,
+            wire_codecs: config.wire_codecs().to_vec(),
+        };
+        let server = detach(py, || Server::new(spec, core_config)).map_err(to_pyerr)?;
+        let backend = server.backend().clone();
         let layouts = batch_layouts(py, &leaves, &backend)?;
-        let queue_size = config
-            .producer_queue_size
-            .unwrap_or_else(|| IngressConfig::queue_size_for(leaves.spec.payload_size()));
-        let ingress_config = IngressConfig::new(config.num_drainers, queue_size);
-        let wire_codecs = config.wire_codecs().to_vec();
         Ok(Self {
-            wire_codecs,
             lease: Py::new(py, RingLease::new(&backend))?,
             zero_hist: Py::new(py, HistSnapshot::default())?,
+            server,
             backend,
-            consumer: Mutex::new(consumer),
             leaves,
             layouts,
-            ingress_config,
-            tcp: Mutex::new(None),
-            ingress: OnceLock::new(),
             description,
             limiter_repr,
-            draining: AtomicBool::new(false),
-            dropped_at_close: OnceLock::new(),
-            last_checkpoint: Mutex::new(LastCheckpoint::default()),
-            submitted: AtomicU64::new(0),
         })
     }
 
@@ -192,6 +165,13 @@ impl PyServerCore {
     #[getter]
     fn num_buffers(&self) -> Option<usize> {
         self.backend.num_batches()
+    }
+
+    /// The most samples the server holds at once (FIFO: `num_buffers * batch_size`; a
+    /// replay table's items; a sequence table's steps).
+    #[getter]
+    fn capacity(&self) -> usize {
+        self.server.capacity()
     }
 
     /// Items a replay table holds (steps, for a sequence table); `None` for the FIFO ring.
@@ -226,7 +206,7 @@ impl PyServerCore {
     /// Capacity of each connection's ingress queue, in samples (the one given, or chosen).
     #[getter]
     fn producer_queue_size(&self) -> usize {
-        self.ingress_config.queue_size
+        self.server.ingress_config().queue_size
     }
 
     /// Bytes of one sample.
@@ -262,35 +242,13 @@ impl PyServerCore {
     /// `echo.TcpTransport`); returns the bound port. Binding happens here, so a port in use
     /// raises `OSError` naming it.
     fn start(&self, py: Python<'_>, transport: TcpArg) -> PyResult<u16> {
-        let mut tcp = transport.tcp_config(self.leaves.typed_layout(py))?;
-        tcp.codecs.clone_from(&self.wire_codecs);
-        let ingress_config = IngressConfig {
-            max_buffered_bytes: transport.max_buffered_bytes,
-            ..self.ingress_config
-        };
-        // All under the transport lock, taken with the GIL released (so a `close` waiting for
-        // it cannot hold the GIL this needs). `close` marks the backend closed before it takes
-        // the lock: a start that gets the lock first is shut down by that close, one that gets
-        // it after sees the mark and starts nothing.
-        let started = detach(py, || {
-            let mut slot = self.tcp.lock();
-            if self.backend.is_closed() {
-                return Err(None);
-            }
-            if slot.is_some() || self.ingress.get().is_some() {
-                return Err(Some(EchoError::Config("the TCP transport is already running".into())));
-            }
-            let started =
-                TcpIngress::start(self.backend.clone(), ingress_config, &tcp).map_err(Some)?;
-            let port = started.local_addr().port();
-            let _ = self.ingress.set(started.ingress());
-            *slot = Some(started);
-            Ok(port)
-        });
+        let tcp = transport.tcp_config(self.leaves.typed_layout(py))?;
+        // With the GIL released: a `close` holding the transport lock needs it.
+        let started = detach(py, || self.server.start(tcp, transport.max_buffered_bytes));
         started.map_err(|err| match err {
-            None => error_in(Call::Start, EchoError::Closed),
-            Some(EchoError::Config(msg)) => PyValueError::new_err(format!("start(): {msg}")),
-            Some(other) => to_pyerr(other),
+            EchoError::Closed => error_in(Call::Start, EchoError::Closed),
+            EchoError::Config(msg) => PyValueError::new_err(format!("start(): {msg}")),
+            other => to_pyerr(other),
         })
     }
 
@@ -298,23 +256,24 @@ impl PyServerCore {
     /// `priority` (replay; default: the largest priority seen so far). Blocks (GIL released,
     /// Ctrl-C honoured) while the ring is full or the rate limiter holds inserts back. A
     /// sequence table takes it as a step of `stream` (default 0); `end` says whether it ends
-    /// its episode (0 no, 1 terminated, 2 truncated).
-    #[pyo3(signature = (sample, timeout=None, priority=None, stream=None, end=0))]
+    /// its episode (`truncated`: cut short).
+    #[pyo3(signature = (sample, timeout=None, priority=None, stream=None, end_episode=false,
+        truncated=false))]
     fn submit(
         &self,
-        py: Python<'_>,
         sample: &Bound<'_, PyAny>,
         timeout: Option<f64>,
         priority: Option<f64>,
         stream: Option<u64>,
-        end: u8,
+        end_episode: bool,
+        truncated: bool,
     ) -> PyResult<()> {
         let deadline = deadline_from_timeout(timeout)?;
         self.check_submit(priority.is_some())?;
-        let first = self.check_steps(stream, end != 0, 1)?;
-        let end = episode_end(end)?;
+        let end = episode_end(end_episode, truncated);
+        let first = self.check_steps(stream, end != EpisodeEnd::No, 1)?;
         let arrays = self.leaves.arrays(sample)?;
-        self.insert(py, &arrays, priority, deadline, StepTag { stream: first, end })
+        self.insert(sample.py(), &arrays, priority, deadline, StepTag { stream: first, end })
     }
 
     /// Copies a batch of samples, one per row of every leaf (all with the same leading
@@ -323,23 +282,27 @@ impl PyServerCore {
     /// every row, or one per row (replay). Returns `n`. A timeout after some rows went in
     /// says how many.
     /// A sequence table takes row `i` as a step of stream `stream + i` (default 0), ending its
-    /// episode as `ends[i]` says (0 no, 1 terminated, 2 truncated; `None`: none does).
-    #[pyo3(signature = (tree, timeout=None, priority=None, stream=None, ends=None))]
+    /// episode as `end_episode` and `truncated` say (each a bool for every row or one per
+    /// row; `None`: false).
+    #[pyo3(signature = (tree, timeout=None, priority=None, stream=None, end_episode=None,
+        truncated=None))]
     fn submit_batch(
         &self,
-        py: Python<'_>,
         tree: &Bound<'_, PyAny>,
         timeout: Option<f64>,
         priority: Option<&Bound<'_, PyAny>>,
         stream: Option<u64>,
-        ends: Option<PyReadonlyArrayDyn<'_, u8>>,
+        end_episode: Option<&Bound<'_, PyAny>>,
+        truncated: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
+        let py = tree.py();
+        let flags = EpisodeFlags::new(py, end_episode, truncated)?;
         let deadline = deadline_from_timeout(timeout)?;
         self.check_submit(priority.is_some())?;
         let batch = self.leaves.batch(tree, priority)?;
         let n = batch.n;
-        let first = self.check_steps(stream, ends.is_some(), n)?;
-        let ends = ends.map(|codes| episode_ends(&codes, n)).transpose()?;
+        let first = self.check_steps(stream, flags.is_some(), n)?;
+        let ends = flags.map(|flags| flags.ends(n)).transpose()?;
         if n == 0 {
             return Ok(0);
         }
@@ -347,10 +310,10 @@ impl PyServerCore {
         let rows = Rows::new(self.backend.spec(), &slices, n, batch.priorities())
             .and_then(|rows| rows.with_steps(first, ends.as_deref()))
             .map_err(to_pyerr)?;
-        let backend = &self.backend;
+        let server = &self.server;
         let mut done = 0;
         let outcome = wait_detached(py, deadline, |slice_end| {
-            match backend.insert(&rows.skip(done), None, Some(slice_end)) {
+            match server.insert(&rows.skip(done), None, Some(slice_end)) {
                 Ok(()) => {
                     done = n;
                     Some(Ok(()))
@@ -361,7 +324,6 @@ impl PyServerCore {
                 }
             }
         })?;
-        self.count_submitted(done as u64);
         match outcome {
             Some(Ok(())) => Ok(n),
             Some(Err(err)) => Err(error_in(Call::Submit, err)),
@@ -462,7 +424,7 @@ impl PyServerCore {
         let mut files = leaf_files(files);
         let ingress_files = leaf_files(ingress_files);
         let backend = &self.backend;
-        let ingress = self.ingress.get().map(Arc::as_ref);
+        let ingress = self.server.ingress();
         let (items, state, digests, queued, ingress_digests) = detach(py, || {
             let BackendCheckpoint::Replay(mut checkpoint, queued) = backend.checkpoint(ingress)?
             else {
@@ -527,7 +489,7 @@ impl PyServerCore {
     ) -> PyResult<FifoCheckpointOut<'py>> {
         let files = leaf_files(files);
         let backend = &self.backend;
-        let ingress = self.ingress.get().map(Arc::as_ref);
+        let ingress = self.server.ingress();
         let (handed_out, ring_rows, ingress_rows, digests) = detach(py, || {
             let BackendCheckpoint::Fifo(mut snapshot) = backend.checkpoint(ingress)? else {
                 return Err(EchoError::Config(
@@ -550,7 +512,7 @@ impl PyServerCore {
     /// Records a completed checkpoint for `stats()`: when it completed (Unix seconds), how
     /// long it took (seconds) and how many bytes its files hold.
     fn _record_checkpoint(&self, unix_s: f64, duration_s: f64, bytes: u64) {
-        *self.last_checkpoint.lock() = LastCheckpoint { unix_s, duration_s, bytes };
+        self.server.record_checkpoint(LastCheckpoint { unix_s, duration_s, bytes });
     }
 
     /// Fills this new replay server with a checkpoint's items (`leaves[l]`: leaf `l` of every
@@ -636,7 +598,7 @@ impl PyServerCore {
         let mut files = leaf_files(files);
         let ingress_files = leaf_files(ingress_files);
         let backend = &self.backend;
-        let ingress = self.ingress.get().map(Arc::as_ref);
+        let ingress = self.server.ingress();
         let (counts, digests, ingress_digests) = detach(py, || {
             let BackendCheckpoint::Sequence(mut checkpoint, queued) =
                 backend.checkpoint(ingress)?
@@ -746,12 +708,7 @@ impl PyServerCore {
     /// Clears the timing histograms (counters stay). Nothing to clear without
     /// `detailed-metrics`.
     fn reset_histograms(&self, py: Python<'_>) {
-        detach(py, || {
-            self.backend.reset_histograms();
-            if let Some(ingress) = self.ingress.get() {
-                ingress.reset_histograms();
-            }
-        });
+        detach(py, || self.server.reset_histograms());
     }
 
     /// Closes the server: stops the transport (closing every connection), wakes a blocked
@@ -769,24 +726,7 @@ impl PyServerCore {
     #[pyo3(signature = (drain=false, restarting=false))]
     fn close(&self, py: Python<'_>, drain: bool, restarting: bool) {
         let why = if restarting { Closing::Restarting } else { Closing::Final };
-        if drain && !self.backend.is_closed() {
-            // ORDERING: Relaxed — read by `sample`/`submit` of this object only as a mode
-            // switch; the drain's end is decided on the ingress's own counters.
-            self.draining.store(true, Relaxed);
-            detach(py, || {
-                if let Some(tcp) = self.tcp.lock().as_mut() {
-                    tcp.stop_accepting(why);
-                }
-            });
-            return;
-        }
-        detach(py, || {
-            // The clients first, while their connections' queued samples still go in.
-            if let Some(tcp) = self.tcp.lock().as_mut() {
-                tcp.stop_accepting(why);
-            }
-            self.close_now();
-        });
+        detach(py, || self.server.close(drain, why));
     }
 
     /// Acknowledged or submitted samples that never reached the learner, counted when the
@@ -794,7 +734,7 @@ impl PyServerCore {
     /// FIFO, what was committed to the ring but never handed out.
     #[getter]
     fn dropped_at_close(&self) -> Option<u64> {
-        self.dropped_at_close.get().copied()
+        self.server.dropped_at_close()
     }
 
     /// `(inserts, samples)` parked in the backend right now (for tests that must know a call
@@ -834,17 +774,14 @@ impl PyServerCore {
     ) -> PyResult<()> {
         let slices = byte_slices(&self.leaves, arrays);
         let source = StepLeaves(&slices, tag);
-        let backend = &self.backend;
-        let insert = |d: Option<Instant>| backend.insert(&source, priority, d);
+        let server = &self.server;
+        let insert = |d: Option<Instant>| server.insert(&source, priority, d);
         // Small samples are tried once with the GIL held (detaching costs more than the copy);
         // not when they are compressed first, which takes longer than the GIL should be held.
         if self.backend.spec().payload_size() < DETACH_COPY_BYTES && !self.backend.compresses() {
             match insert(Some(Instant::now())) {
                 Err(err) if err.is_timeout_before_any() => {}
-                done => {
-                    self.count_submitted(u64::from(done.is_ok()));
-                    return done.map_err(|e| error_in(Call::Submit, e.error));
-                }
+                done => return done.map_err(|e| error_in(Call::Submit, e.error)),
             }
         }
         let done = wait_detached(py, deadline, |slice_end| match insert(Some(slice_end)) {
@@ -855,15 +792,7 @@ impl PyServerCore {
             let holdback = self.backend.insert_holdback();
             return Err(submit_timed_out("submit()", None, holdback.as_ref(), &self.limiter_repr));
         };
-        self.count_submitted(u64::from(result.is_ok()));
         result.map_err(|e| error_in(Call::Submit, e.error))
-    }
-
-    fn count_submitted(&self, n: u64) {
-        if n > 0 {
-            // ORDERING: Relaxed — a statistic, read on its own by `stats()`.
-            self.submitted.fetch_add(n, Relaxed);
-        }
     }
 
     /// What every submit checks first: a priority needs a replay table, and the server
@@ -874,7 +803,7 @@ impl PyServerCore {
                 "priority= needs a replay sampler; this server is FIFO",
             ));
         }
-        if self.backend.is_closed() || self.is_draining() {
+        if self.server.is_closed_to_inserts() {
             return Err(error_in(Call::Submit, EchoError::Closed));
         }
         Ok(())
@@ -910,40 +839,6 @@ impl PyServerCore {
         Ok(first)
     }
 
-    fn is_draining(&self) -> bool {
-        // ORDERING: Relaxed — see `close`.
-        self.draining.load(Relaxed)
-    }
-
-    /// Closes for good (never attached: it joins threads): the backend first, so drainers
-    /// blocked on a full backend return and a `start` racing this sees it (see `start`), then
-    /// the transport and the drainers; then counts what was dropped.
-    fn close_now(&self) {
-        self.backend.close();
-        let tcp = self.tcp.lock().take();
-        drop(tcp); // shuts the transport down and joins its threads
-        let queued = self.ingress.get().map_or(0, |i| i.snapshot().samples_pending);
-        let committed = match self.backend.stats() {
-            BackendStats::Fifo(fifo) => fifo.store_size,
-            // The items stay in the table, nothing is lost.
-            BackendStats::Replay(_) | BackendStats::Sequence(_) => 0,
-        };
-        let dropped = queued + committed;
-        if self.dropped_at_close.set(dropped).is_ok() && dropped > 0 {
-            log::warn!(
-                "closed with {dropped} samples that never reached the learner ({queued} still \
-                 queued in the ingress, {committed} committed but fewer than a batch or not \
-                 sampled); close(drain=True) hands out every full batch first"
-            );
-        }
-    }
-
-    /// During a drain: whether nothing more can reach the consumer (the ingress is empty). The
-    /// caller then takes what is left and closes.
-    fn drained(&self) -> bool {
-        self.is_draining() && self.ingress.get().is_none_or(|i| i.snapshot().samples_pending == 0)
-    }
-
     /// Waits for the consumer's next batch in GIL-free slices that honour Ctrl-C. Returns the
     /// consumer, still locked (so nobody samples over the batch while it is turned into
     /// arrays), the batch, and the counters right after it was handed out (taken while
@@ -953,33 +848,12 @@ impl PyServerCore {
         py: Python<'_>,
         deadline: Option<Instant>,
     ) -> PyResult<Option<(MutexGuard<'_, BatchConsumer>, BatchRef, Snapshot)>> {
-        let consumer = &self.consumer;
         // What held the last timed-out slice back, for the message if the deadline passes.
         let mut holdback = None;
-        // The mutex is only ever taken with the GIL released, so it cannot deadlock against
-        // the GIL.
+        // The consumer's mutex is only ever taken with the GIL released, so it cannot
+        // deadlock against the GIL.
         let got = wait_detached(py, deadline, |slice_end| {
-            let mut guard = consumer.try_lock_until(slice_end)?;
-            // Checked before the wait: once drained, only what is committed now is left.
-            let drained = self.drained();
-            if drained && self.backend.has_priorities() {
-                // Replay tables sample forever: a drain ends when the ingress is empty.
-                self.close_now();
-                return Some(Err(EchoError::Closed));
-            }
-            let wait_until = if drained { Instant::now() } else { slice_end };
-            match guard.sample(Some(wait_until)) {
-                Ok(batch) => Some(Ok((guard, batch, self.snapshot()))),
-                Err(EchoError::TimedOut) if drained => {
-                    self.close_now(); // fewer than a batch left, and nothing more coming
-                    Some(Err(EchoError::Closed))
-                }
-                Err(EchoError::TimedOut) => {
-                    holdback = guard.holdback();
-                    None
-                }
-                Err(other) => Some(Err(other)),
-            }
+            self.server.sample_slice(slice_end, &mut holdback)
         })?;
         match got {
             Some(Ok(held)) => Ok(Some(held)),
@@ -997,32 +871,7 @@ impl PyServerCore {
 
     /// Every counter now. May wait for the replay table's lock: never call it attached.
     fn snapshot(&self) -> Snapshot {
-        let ingress = self.ingress.get();
-        let detailed = metrics::ENABLED.then(|| {
-            let mut d = self.backend.detailed();
-            if let Some(ingress) = ingress {
-                (d.drain_round, d.queue_dwell) = ingress.detailed();
-            }
-            d
-        });
-        Snapshot {
-            backend: self.backend.stats(),
-            ingress: ingress.map(|i| i.snapshot()).unwrap_or_default(),
-            detailed,
-            last_checkpoint: *self.last_checkpoint.lock(),
-            // ORDERING: Relaxed — see `count_submitted`.
-            submitted: self.submitted.load(Relaxed),
-            payload_bytes: self.backend.spec().payload_size() as u64,
-        }
-    }
-}
-
-impl Drop for PyServerCore {
-    fn drop(&mut self) {
-        // Wakes any thread still blocked in this backend and stops the transport; views keep
-        // the batch memory alive.
-        self.backend.close();
-        drop(self.tcp.lock().take());
+        self.server.snapshot()
     }
 }
 
