@@ -450,14 +450,6 @@ def _exported() -> tuple[MetricSpec, ...]:
     return tuple(m for m in METRICS if DETAILED_METRICS or not m.detailed)
 
 
-def _capacity(server: Server) -> int:
-    num_buffers = server.num_buffers
-    if num_buffers is not None:
-        return server.batch_size * num_buffers
-    max_size = server.max_size
-    return 0 if max_size is None else max_size
-
-
 def _values(server: Server, info: SampleInfo, tally: Tally, now: float) -> dict[str, _Value]:
     """The value of every metric for one server, from one `stats()` snapshot."""
     fifo = isinstance(server.sampler, Fifo) and server.sequence is None
@@ -483,7 +475,7 @@ def _values(server: Server, info: SampleInfo, tally: Tally, now: float) -> dict[
         "echo_samples_deduplicated_total": info.samples_deduplicated_total,
         "echo_samples_received_in_place_total": info.samples_received_in_place_total,
         "echo_store_size": info.store_size,
-        "echo_store_capacity": _capacity(server),
+        "echo_store_capacity": server.capacity,
         "echo_stored_bytes": info.stored_bytes,
         "echo_raw_bytes": info.raw_bytes,
         "echo_sequence_steps_stored": info.steps_stored,

@@ -326,12 +326,6 @@ def _stats_dict(server: Server) -> dict[str, Any]:
     }
 
 
-def _capacity(server: Server) -> int:
-    if server.max_size is not None:
-        return server.max_size
-    return server.batch_size * (server.num_buffers or 0)
-
-
 class Registration:
     """A server registered as a shard of a service (what `serve()` returns).
 
@@ -489,7 +483,7 @@ def serve(
         "port": server.port,
         "layout": _layout_record(server._layout),  # pyright: ignore[reportPrivateUsage]
         "batch_size": server.batch_size,
-        "capacity": _capacity(server),
+        "capacity": server.capacity,
         "node_id": context.get_node_id(),
         "pid": os.getpid(),
         "metrics_url": metrics_url,
