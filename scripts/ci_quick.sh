@@ -8,25 +8,8 @@
 # pytest (-k NAME, a file, ...). Ends with a table of each step's time.
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 bash scripts/venv.sh .venv test
-steps=()
-times=()
-started=$SECONDS
-step() {
-  local name=$1 t0=$SECONDS
-  shift
-  steps+=("$name")
-  times+=("failed") # until it finishes
-  "$@"
-  times[${#times[@]} - 1]=$((SECONDS - t0))
-}
-timing_table() {
-  echo ">> ci-quick step times"
-  for i in "${!steps[@]}"; do
-    printf '   %-10s %6s\n' "${steps[$i]}" "${times[$i]}"
-  done
-  printf '   %-10s %6s\n' total $((SECONDS - started))
-}
-trap timing_table EXIT
+STEPS_TITLE="ci-quick step times"
+source scripts/_steps.sh
 step fmt cargo fmt --all -- --check
 step ruff ruff check "${PY_SOURCES[@]}"
 step ruff-fmt ruff format --check "${PY_SOURCES[@]}"
