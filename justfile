@@ -17,7 +17,7 @@ ci:
 ci-quick *ARGS:
     bash scripts/ci_quick.sh {{ARGS}}
 
-# Build and run every test: cargo, loom, valgrind (if installed), pytest, the telemetry build
+# Build and run every test: cargo, loom, pytest, the telemetry build (the README test command)
 test:
     bash scripts/test.sh
 
@@ -45,9 +45,9 @@ asan *ARGS:
 fuzz *TARGETS:
     bash scripts/fuzz.sh {{TARGETS}}
 
-# The detailed-metrics build: its core tests, then the whole pytest suite against it
-test-telemetry:
-    bash scripts/test_telemetry.sh
+# The detailed-metrics build: its core tests, then its Python tests (ARGS: other pytest files)
+test-telemetry *ARGS:
+    bash scripts/test_telemetry.sh {{ARGS}}
 
 # Build with the detailed metrics into target/detailed-site (use with PYTHONPATH=that)
 install-telemetry:
