@@ -16,7 +16,7 @@
 //! | [`backend`] | one face over both: build, insert, sample, batch memory, statistics |
 //! | `ingress`   | per-connection queues, buffer pools, the drainer pool               |
 //! | `doorbell`  | the drainers' sleep/wake protocol, loom-checked                     |
-//! | `transport` | the wire format, the tokio TCP server, the blocking TCP client      |
+//! | `transport` | the wire format, the TCP server, the TCP client, shared memory      |
 //! | [`metrics`] | statistics counters; detailed histograms behind `detailed-metrics` |
 //! | `pinned`    | page-locking memory with a run-time loaded CUDA runtime            |
 //! | [`error`]   | the error enum, and the partial-insert error layered on it         |
@@ -45,14 +45,11 @@ pub mod metrics;
 pub mod pinned;
 #[cfg(not(loom))]
 pub mod replay;
-#[doc(hidden)]
-pub mod shmring;
 mod slots;
 pub mod source;
 pub mod spec;
 pub mod store;
 mod sync;
-#[cfg(not(loom))]
 pub mod transport;
 
 #[cfg(feature = "python")]

@@ -63,7 +63,7 @@ mod no_shm {
         }
     }
 
-    impl super::super::super::shmring::Bell for LossBell {
+    impl crate::transport::shm::ring::Bell for LossBell {
         fn ring(&self) {
             match *self {}
         }
@@ -1964,7 +1964,7 @@ impl Reading {
         if let Err(reason) = self.read_loop() {
             self.acks.lose(reason);
             if let Some(bell) = &self.wake_on_loss {
-                crate::shmring::Bell::ring(bell);
+                crate::transport::shm::ring::Bell::ring(bell);
             }
         }
     }

@@ -7,28 +7,42 @@
 //! - [`wire`]: the v1 wire format, defined once.
 //! - [`tcp`]: the tokio TCP server ([`tcp::TcpServer`]).
 //! - [`client`]: a blocking TCP client ([`client::TcpSender`]) for rollout workers.
-//! - `shm` (Linux): the same-host shared-memory channel a v2 connection may negotiate.
+//! - [`shm`]: the same-host shared-memory channel a v2 connection may negotiate (Linux), both
+//!   sides of it, and its ring's index protocol.
+//! - `direct`: the two paths on which a transport writes into the backend itself.
+//!
+//! Under loom only [`shm::ring`] is compiled (its loom models check it).
 
+#[cfg(not(loom))]
 pub mod client;
-#[cfg(target_os = "linux")]
+#[cfg(not(loom))]
+mod direct;
 pub mod shm;
+#[cfg(not(loom))]
 pub mod tcp;
+#[cfg(not(loom))]
 pub mod wire;
 
+#[cfg(not(loom))]
 use std::net::SocketAddr;
+#[cfg(not(loom))]
 use std::sync::Arc;
 
-use crate::error::EchoError;
-
+#[cfg(not(loom))]
 use crate::backend::Backend;
+#[cfg(not(loom))]
+use crate::error::EchoError;
+#[cfg(not(loom))]
 use crate::ingress::{Ingress, IngressConfig, IngressSnapshot};
 
 /// A TCP server and the drainer pool behind it, started and stopped together.
+#[cfg(not(loom))]
 pub struct TcpIngress {
     ingress: Arc<Ingress>,
     server: tcp::TcpServer,
 }
 
+#[cfg(not(loom))]
 impl TcpIngress {
     /// Starts the drainers, then binds and starts accepting.
     ///
@@ -82,6 +96,7 @@ impl TcpIngress {
     }
 }
 
+#[cfg(not(loom))]
 impl Drop for TcpIngress {
     fn drop(&mut self) {
         self.shutdown();
