@@ -108,9 +108,10 @@ fn fill_in_place(
         let (first, later) = leaves[leaf..].split_at_mut(1);
         slices.push(IoSliceMut::new(&mut first[0][at..]));
         slices.extend(later.iter_mut().map(|l| IoSliceMut::new(l)));
-        let count = slices.len().min(1024) as libc::c_int; // IOV_MAX on Linux and macOS
-                                                           // SAFETY: `IoSliceMut` is ABI-compatible with `iovec` on unix; the slices are
-                                                           // `count` valid, writable, non-overlapping buffers borrowed for this call.
+        // At most IOV_MAX (1024 on Linux and macOS) slices per call.
+        let count = slices.len().min(1024) as libc::c_int;
+        // SAFETY: `IoSliceMut` is ABI-compatible with `iovec` on unix; the slices are
+        // `count` valid, writable, non-overlapping buffers borrowed for this call.
         let got = unsafe { libc::readv(fd, slices.as_ptr().cast::<libc::iovec>(), count) };
         drop(slices);
         let err = match got {

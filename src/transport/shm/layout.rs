@@ -63,7 +63,8 @@ pub fn slots_for(payload_size: usize) -> Option<usize> {
     Some((SEGMENT_TARGET / stride).clamp(MIN_SLOTS, MAX_SLOTS))
 }
 
-/// Bytes of a [`Reader::new`](super::Reader::new) segment for samples of `payload_size` bytes; `None` on overflow.
+/// Bytes of a [`Reader::new`](super::Reader::new) segment for samples of `payload_size`
+/// bytes; `None` on overflow.
 pub fn segment_len(payload_size: usize) -> Option<usize> {
     slot_stride(payload_size)?.checked_mul(slots_for(payload_size)?)?.checked_add(HEADER_LEN)
 }

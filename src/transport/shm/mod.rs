@@ -42,11 +42,12 @@
 //! | `writer`      | the worker's side of the ring ([`Writer`])                              |
 //! | `attach`      | same-host check, abstract Unix socket, peer uid, `SCM_RIGHTS` handover  |
 //! | `server`      | the learner's connection task on the shared-memory path                 |
+//! | `worker`      | what the TCP client uses: attaching an offer, the writer, the loss bell |
 //!
-//! Off Linux only [`ring`] exists here, and `server` is a stand-in that declines every
-//! request (the client then sends over TCP). The worker's use of a [`Writer`] (attaching
-//! what the server offered, waiting for a free slot, the reader thread's wake-up) is part of
-//! [`crate::transport::client`].
+//! Off Linux only [`ring`] exists here, and `server` and `worker` are stand-ins
+//! (`unsupported`): the server declines every request and the client never attaches, so
+//! samples go over TCP. How the client drives a [`Writer`] (the window of samples in flight,
+//! resending after a reconnect) is the client's, in [`crate::transport::client`].
 //!
 //! One word for a wake-up primitive here: a **bell** (the data bell, worker to learner; the
 //! space bell, learner to worker; [`ring::Bell`]; the backend's insert bell it waits on).
@@ -69,7 +70,9 @@ pub(crate) mod server;
 #[cfg(all(not(target_os = "linux"), not(loom)))]
 mod unsupported;
 #[cfg(all(not(target_os = "linux"), not(loom)))]
-pub(crate) use unsupported::server;
+pub(crate) use unsupported::{server, worker};
+#[cfg(all(target_os = "linux", not(loom)))]
+pub(crate) mod worker;
 #[cfg(all(target_os = "linux", not(loom)))]
 mod writer;
 

@@ -36,3 +36,46 @@ pub(crate) mod server {
         Ok(End::Declined)
     }
 }
+
+/// Stand-ins where there is no shared-memory path: never constructed.
+pub(crate) mod worker {
+    use std::io;
+    use std::time::{Duration, Instant};
+
+    use crate::transport::wire::v2::{self, FrameMeta};
+
+    pub(crate) enum ShmWriter {}
+    pub(crate) enum LossBell {}
+
+    impl ShmWriter {
+        pub(crate) fn taken(&self) -> u64 {
+            match *self {}
+        }
+        pub(crate) fn committed(&self) -> u64 {
+            match *self {}
+        }
+        pub(crate) fn slots(&self) -> usize {
+            match *self {}
+        }
+        pub(crate) fn try_send(&mut self, _: &[&[u8]], _: &FrameMeta) -> bool {
+            match *self {}
+        }
+        pub(crate) fn wait_taken(&self, _: u64, _: Instant) -> bool {
+            match *self {}
+        }
+    }
+
+    impl crate::transport::shm::ring::Bell for LossBell {
+        fn ring(&self) {
+            match *self {}
+        }
+    }
+
+    pub(crate) fn attach(_: &v2::ShmOffer, _: usize, _: Duration) -> Result<ShmWriter, String> {
+        Err("the shared-memory path is Linux-only".into())
+    }
+
+    pub(crate) fn loss_bell(writer: &ShmWriter) -> io::Result<LossBell> {
+        match *writer {}
+    }
+}

@@ -21,7 +21,7 @@ use crate::ingress::Ingress;
 /// How often refusals and evictions are logged: one record per interval, with a count.
 pub(super) const LOG_EVERY: Duration = Duration::from_secs(10);
 /// How long an accepted connection waits for the slot of the connection evicted for it.
-pub(super) const EVICTION_GRACE: Duration = Duration::from_secs(1);
+const EVICTION_GRACE: Duration = Duration::from_secs(1);
 
 /// What a connection's task tells the accept loop about it.
 #[derive(Debug, Default)]
@@ -46,7 +46,7 @@ impl Activity {
 
     /// `Some(last read)` if this connection may be evicted: it has not completed a sample.
     /// (Silence is no reason once it has: a worker held back by backpressure is silent too.)
-    pub(super) fn evictable(&self) -> Option<u64> {
+    fn evictable(&self) -> Option<u64> {
         // ORDERING: Relaxed — as above.
         let (last, completed) = (self.last_read_ms.load(Relaxed), self.completed.load(Relaxed));
         (!completed).then_some(last)
@@ -87,7 +87,7 @@ impl Admission {
     }
 
     /// A slot for a new connection: a free one, or the slot of a connection evicted for it.
-    pub(super) async fn admit(&mut self, ingress: &Ingress) -> Option<OwnedSemaphorePermit> {
+    async fn admit(&mut self, ingress: &Ingress) -> Option<OwnedSemaphorePermit> {
         if let Ok(permit) = Arc::clone(&self.limit).try_acquire_owned() {
             return Some(permit);
         }
@@ -108,7 +108,7 @@ impl Admission {
     }
 
     /// Ends the task of the longest-silent evictable connection; whether there was one.
-    pub(super) fn evict_one(&self) -> bool {
+    fn evict_one(&self) -> bool {
         let mut served = self.served.lock();
         let victim = served
             .iter()
@@ -125,7 +125,7 @@ impl Admission {
     /// The first refusal or eviction is logged at once, later ones once per [`LOG_EVERY`] with
     /// a count: a flood of connections must not slow accepting (or the learner, whose GIL
     /// every Python log record takes).
-    pub(super) fn log_now_and_then(&mut self) {
+    fn log_now_and_then(&mut self) {
         if self.logged_at.is_some_and(|at| at.elapsed() < LOG_EVERY) {
             return;
         }
@@ -188,7 +188,7 @@ pub(super) async fn accept_loop(
 }
 
 /// Takes a finished (or aborted) connection task out of the admission registry.
-pub(super) struct Leave {
+struct Leave {
     pub(super) served: Registry,
     pub(super) id: u64,
 }

@@ -73,7 +73,7 @@ impl Throttled {
     }
 }
 
-pub(super) fn is_disconnect(err: &io::Error) -> bool {
+fn is_disconnect(err: &io::Error) -> bool {
     matches!(
         err.kind(),
         io::ErrorKind::ConnectionReset
@@ -87,7 +87,7 @@ pub(super) fn invalid(message: String) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, message)
 }
 
-pub(super) async fn serve_inner(
+async fn serve_inner(
     stream: TcpStream,
     peer: SocketAddr,
     shared: &Shared,

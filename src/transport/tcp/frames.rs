@@ -46,7 +46,7 @@ pub(super) async fn serve_v1(
 
 /// Ends a session's service when its task ends however it ends: the session waits for its
 /// client to come back (or is forgotten after a goodbye).
-pub(super) struct Serving<'a> {
+struct Serving<'a> {
     pub(super) shared: &'a Shared,
     pub(super) key: [u8; 16],
     pub(super) session: Arc<Session>,
@@ -190,7 +190,7 @@ pub(super) async fn serve_v2(
 }
 
 /// The v2 frame loop: samples (with or without a priority), heartbeats and the goodbye.
-pub(super) async fn serve_frames(
+async fn serve_frames(
     link: &mut Link<'_>,
     shared: &Shared,
     session: &Session,
@@ -265,7 +265,7 @@ pub(super) async fn serve_frames(
 }
 
 /// [`v2::PACKED`] if `kind` is a compressed sample frame (0x14..=0x17), else 0.
-pub(super) fn packed_bit(kind: u8) -> u8 {
+fn packed_bit(kind: u8) -> u8 {
     if (v2::SAMPLE | v2::PACKED..=v2::STEP_PRIORITY | v2::PACKED).contains(&kind) {
         v2::PACKED
     } else {
@@ -278,7 +278,7 @@ pub(super) fn packed_bit(kind: u8) -> u8 {
 /// that stores the leaves compressed keeps; copied out only then), or, as `Err` inside, why
 /// the frame is refused: a length above what these codecs can produce, or a body that does
 /// not decompress to exactly the sample. Nothing beyond the cap is ever allocated.
-pub(super) async fn read_packed<'c>(
+async fn read_packed<'c>(
     link: &mut Link<'_>,
     conn: &'c Arc<Connection>,
     space: &Notify,
@@ -317,7 +317,7 @@ pub(super) fn max_rows(backend: &Backend) -> Option<u32> {
 /// A sample frame's fields (the `rest_len` bytes after its kind), checked against what the
 /// backend takes: a priority it accepts, steps only for a sequence table, rows below its
 /// `max_rows`. The error says what was wrong, for the error frame.
-pub(super) fn check_frame(backend: &Backend, kind: u8, rest: &[u8]) -> Result<FrameMeta, String> {
+fn check_frame(backend: &Backend, kind: u8, rest: &[u8]) -> Result<FrameMeta, String> {
     let meta = FrameMeta::decode(kind, rest).map_err(|e| e.to_string())?;
     check_meta(backend, &meta)?;
     Ok(meta)

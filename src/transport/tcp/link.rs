@@ -3,6 +3,7 @@
 //! pushes into the ingress, and the closing notice. Also the small types its waits return.
 
 use std::io;
+#[cfg(target_os = "linux")]
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
@@ -118,7 +119,7 @@ impl Link<'_> {
     }
 
     /// Writes the pending acks, as runs of ack bytes.
-    pub(super) async fn flush(&mut self) -> io::Result<()> {
+    async fn flush(&mut self) -> io::Result<()> {
         const ACKS: [u8; 4096] = [ACK; 4096];
         while self.acks > 0 {
             let n = self.acks.min(ACKS.len());
@@ -294,7 +295,7 @@ impl Link<'_> {
 
     /// Waits until the socket has something to read (or its end), flushing acks first and
     /// sending heartbeats meanwhile, like [`Link::read`].
-    pub(super) async fn wait_readable(&mut self) -> io::Result<()> {
+    async fn wait_readable(&mut self) -> io::Result<()> {
         self.flush().await?;
         loop {
             let readable = self.reader.as_ref().readable();
@@ -325,7 +326,7 @@ impl Link<'_> {
     }
 
     /// Waits for space (a buffer or a queue slot), sending heartbeats meanwhile.
-    pub(super) async fn wait_space(&mut self, conn: &Connection, space: &Notify) -> io::Result<()> {
+    async fn wait_space(&mut self, conn: &Connection, space: &Notify) -> io::Result<()> {
         self.flush().await?;
         conn.note_blocked();
         let waited = Instant::now();

@@ -53,10 +53,15 @@ mod frames;
 mod link;
 mod session;
 
-// What the shared-memory side of a connection (`crate::transport::shm::server`) uses.
-pub(crate) use frames::check_meta;
-pub(crate) use link::{closed, Link, ServerClosing, Woke};
+// What the shared-memory side of a connection (`crate::transport::shm::server`) uses; off
+// Linux its stand-in only names the first three.
+pub(crate) use link::Link;
 pub(crate) use session::{Session, Shared};
+#[cfg(target_os = "linux")]
+pub(crate) use {
+    frames::check_meta,
+    link::{closed, ServerClosing, Woke},
+};
 
 /// Bytes read from a socket at a time for small samples.
 const STAGING: usize = 64 * 1024;
