@@ -20,7 +20,6 @@
 //! | [`metrics`] | statistics counters; detailed histograms behind `detailed-metrics` |
 //! | `pinned`    | page-locking memory with a run-time loaded CUDA runtime            |
 //! | [`error`]   | the error enum, and the partial-insert error layered on it         |
-//! | `doorbell`  | the drainers' sleep/wake protocol (a loom model checks it)         |
 //! | `sync`      | std/loom facade, so loom models run the real code                  |
 //!
 //! The pyo3 bindings live in `python` behind the `python` cargo feature (on for maturin

@@ -344,6 +344,9 @@ impl TcpSender {
     }
 }
 
+/// The pause before reconnection attempt `attempt` (from 1): doubling from
+/// [`BACKOFF_FIRST`] up to [`BACKOFF_MAX`], jittered to 50-100% so that a fleet of workers
+/// does not reconnect in lockstep.
 pub(super) fn backoff(attempt: u32) -> Duration {
     let base = BACKOFF_FIRST.saturating_mul(1 << attempt.min(16)).min(BACKOFF_MAX);
     let jitter = v2::random::<1>().map_or(255, |b| b[0]);

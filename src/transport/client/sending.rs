@@ -401,9 +401,6 @@ fn frame_header(version: u8, meta: &FrameMeta, step: bool) -> ([u8; FrameMeta::M
     meta.encode_as(step)
 }
 
-/// The pause before reconnection attempt `attempt` (from 1): doubling from
-/// [`BACKOFF_FIRST`] up to [`BACKOFF_MAX`], jittered to 50-100% so that a fleet of workers
-/// does not reconnect in lockstep.
 /// A compressed frame of the sample `leaves` with fields `meta` into `out` (cleared first):
 /// its header with [`v2::PACKED`] set, the body's length, and the body ([`LeafCodecs`]).
 fn pack_frame(codecs: &LeafCodecs, meta: &FrameMeta, leaves: &[&[u8]], out: &mut Vec<u8>) {

@@ -9,7 +9,7 @@ use std::time::Duration;
 use super::ring::Bell;
 use super::segment::cvt;
 
-/// An eventfd used as a doorbell (non-blocking; the flag is shared with the peer's copy).
+/// An eventfd used as a bell (non-blocking; the flag is shared with the peer's copy).
 #[derive(Debug)]
 pub struct EventFd(pub(super) OwnedFd);
 

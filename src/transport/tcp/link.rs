@@ -57,7 +57,7 @@ pub(crate) struct Link<'a> {
     pub(super) last_heard: Instant,
     pub(crate) activity: &'a Activity,
     pub(super) epoch: Instant,
-    /// The server's closing state (see [`TcpServer::close`]).
+    /// The server's closing state (see [`TcpServer::close`](super::TcpServer::close)).
     pub(crate) closing: watch::Receiver<u8>,
 }
 
