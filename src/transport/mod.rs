@@ -1,10 +1,12 @@
-//! Transports: where samples come from besides in-process inserts. A transport only accepts
+//! Transports: where samples come from besides in-process inserts. A transport accepts
 //! connections, reads raw payloads and pushes them into [`Ingress`] connections; ordering,
-//! batching and backpressure are the ingress's and the backend's business. A second transport
-//! (shared memory, say) is a second type next to [`tcp::TcpServer`] feeding the same
-//! [`Ingress`]; a common trait waits until there is something to abstract over.
+//! batching and backpressure are the ingress's and the backend's business, with two
+//! exceptions that save a copy (`direct`). Shared memory is not a second transport but a path
+//! a v2 TCP connection negotiates; a second transport would be a second type next to
+//! [`tcp::TcpServer`] feeding the same [`Ingress`], and a common trait waits until there is
+//! something to abstract over.
 //!
-//! - [`wire`]: the v1 wire format, defined once.
+//! - [`wire`]: the wire format (v1 and v2), defined once.
 //! - [`tcp`]: the tokio TCP server ([`tcp::TcpServer`]).
 //! - [`client`]: a blocking TCP client ([`client::TcpSender`]) for rollout workers.
 //! - [`shm`]: the same-host shared-memory channel a v2 connection may negotiate (Linux), both

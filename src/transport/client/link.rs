@@ -114,7 +114,8 @@ pub(super) struct Established {
     pub(super) accept: Option<v2::Accept>,
     /// Bytes received after the handshake (acks or heartbeats), for the reader.
     pub(super) leftover: Vec<u8>,
-    /// v1 by [`Protocol::Auto`](super::Protocol::Auto)'s choice: a late offer is possible and skipped.
+    /// v1 by [`Protocol::Auto`](super::Protocol::Auto)'s choice: a late offer is possible and
+    /// skipped.
     pub(super) skip_offer: bool,
     /// The shared-memory channel attached during the handshake.
     pub(super) shm: Option<ShmWriter>,

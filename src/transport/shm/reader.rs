@@ -200,7 +200,8 @@ pub struct Samples<'a> {
     metas: &'a [SlotMeta],
     /// Each leaf's byte offset and length in the payload.
     leaves: &'a [(usize, usize)],
-    /// [`SampleSource::leaf`](crate::source::SampleSource::leaf)'s private copies, made only if something asks for references.
+    /// [`SampleSource::leaf`](crate::source::SampleSource::leaf)'s private copies, made only if
+    /// something asks for references.
     copies: std::cell::OnceCell<Vec<Box<[u8]>>>,
     /// The backend stream of row 0 of the worker's connection (see [`Samples::with_streams`]).
     stream_base: u64,

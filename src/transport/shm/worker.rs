@@ -1,7 +1,7 @@
-//! The worker's side of a channel as the TCP client uses it: the [`Writer`](super::Writer) it writes samples
-//! into (`ShmWriter`), attaching what the server offered, and the bell its reader thread
-//! rings when the connection is lost (`LossBell`: a second descriptor of the space bell, so a
-//! sender waiting for a free slot wakes up and sees the loss).
+//! The worker's side of a channel as the TCP client uses it: the [`Writer`](super::Writer) it
+//! writes samples into (`ShmWriter`), attaching what the server offered, and the bell its
+//! reader thread rings when the connection is lost (`LossBell`: a second descriptor of the
+//! space bell, so a sender waiting for a free slot wakes up and sees the loss).
 
 use std::io;
 use std::time::Duration;
@@ -9,7 +9,8 @@ use std::time::Duration;
 pub(crate) use super::{EventFd as LossBell, Writer as ShmWriter};
 use crate::transport::wire::v2;
 
-/// Attaches the channel `offer` names (see [`Writer::attach`](super::Writer::attach)), within `timeout`.
+/// Attaches the channel `offer` names (see [`Writer::attach`](super::Writer::attach)), within
+/// `timeout`.
 pub(crate) fn attach(
     offer: &v2::ShmOffer,
     payload_size: usize,

@@ -56,7 +56,8 @@ pub(crate) struct Shared {
     pub(super) failures: Throttled,
     /// Offer the shared-memory path to clients on this host.
     pub(crate) shared_memory: bool,
-    /// 0 while open; then the [`Closing`](crate::transport::wire::v2::Closing) reason of [`TcpServer::close`](super::TcpServer::close).
+    /// 0 while open; then the [`Closing`](crate::transport::wire::v2::Closing) reason of
+    /// [`TcpServer::close`](super::TcpServer::close).
     pub(super) closing: watch::Sender<u8>,
     /// The leaves v2 clients that take codecs send compressed over TCP.
     pub(super) codecs: Option<Arc<LeafCodecs>>,
