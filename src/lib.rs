@@ -14,13 +14,13 @@
 //! | [`codec`]   | zstd/LZ4 compression of chosen leaves, packed items                 |
 //! | [`replay`]  | replay tables: uniform/prioritized/LIFO sampling, eviction, rate limits |
 //! | [`backend`] | one face over both: build, insert, sample, batch memory, statistics |
+//! | [`server`]  | the server: a backend, its consumer, the ingress and transport, their lifecycle |
 //! | `ingress`   | per-connection queues, buffer pools, the drainer pool               |
 //! | `doorbell`  | the drainers' sleep/wake protocol, loom-checked                     |
-//! | `transport` | the wire format, the tokio TCP server, the blocking TCP client      |
+//! | `transport` | the wire format, the TCP server, the TCP client, shared memory      |
 //! | [`metrics`] | statistics counters; detailed histograms behind `detailed-metrics` |
 //! | `pinned`    | page-locking memory with a run-time loaded CUDA runtime            |
 //! | [`error`]   | the error enum, and the partial-insert error layered on it         |
-//! | `doorbell`  | the drainers' sleep/wake protocol (a loom model checks it)         |
 //! | `sync`      | std/loom facade, so loom models run the real code                  |
 //!
 //! The pyo3 bindings live in `python` behind the `python` cargo feature (on for maturin
@@ -47,14 +47,11 @@ pub mod pinned;
 pub mod replay;
 #[cfg(not(loom))]
 pub mod server;
-#[doc(hidden)]
-pub mod shmring;
 mod slots;
 pub mod source;
 pub mod spec;
 pub mod store;
 mod sync;
-#[cfg(not(loom))]
 pub mod transport;
 
 #[cfg(feature = "python")]

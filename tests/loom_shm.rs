@@ -1,4 +1,4 @@
-//! loom models of the shared-memory ring's index protocol (`src/shmring.rs`): a producer that
+//! loom models of the shared-memory ring's index protocol (`src/transport/shm/ring.rs`): a producer that
 //! commits samples into a ring of one or two slots and sleeps on the space bell when it is
 //! full, then waits until every sample is taken (what `close()` does), and a consumer that
 //! takes them in order and sleeps on the data bell when there are none.
@@ -16,7 +16,7 @@ use loom::sync::atomic::{AtomicU32, AtomicU64};
 use loom::sync::{Arc, Condvar, Mutex};
 use loom::thread;
 
-use echo::shmring::{Bell, Indices};
+use echo::transport::shm::ring::{Bell, Indices};
 
 /// An eventfd's semantics: a ring sets the count; a wait returns once it is set and resets it.
 #[derive(Default)]

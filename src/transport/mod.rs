@@ -1,34 +1,50 @@
-//! Transports: where samples come from besides in-process inserts. A transport only accepts
+//! Transports: where samples come from besides in-process inserts. A transport accepts
 //! connections, reads raw payloads and pushes them into [`Ingress`] connections; ordering,
-//! batching and backpressure are the ingress's and the backend's business. A second transport
-//! (shared memory, say) is a second type next to [`tcp::TcpServer`] feeding the same
-//! [`Ingress`]; a common trait waits until there is something to abstract over.
+//! batching and backpressure are the ingress's and the backend's business, with two
+//! exceptions that save a copy (`direct`). Shared memory is not a second transport but a path
+//! a v2 TCP connection negotiates; a second transport would be a second type next to
+//! [`tcp::TcpServer`] feeding the same [`Ingress`], and a common trait waits until there is
+//! something to abstract over.
 //!
-//! - [`wire`]: the v1 wire format, defined once.
+//! - [`wire`]: the wire format (v1 and v2), defined once.
 //! - [`tcp`]: the tokio TCP server ([`tcp::TcpServer`]).
 //! - [`client`]: a blocking TCP client ([`client::TcpSender`]) for rollout workers.
-//! - `shm` (Linux): the same-host shared-memory channel a v2 connection may negotiate.
+//! - [`shm`]: the same-host shared-memory channel a v2 connection may negotiate (Linux), both
+//!   sides of it, and its ring's index protocol.
+//! - `direct`: the two paths on which a transport writes into the backend itself.
+//!
+//! Under loom only [`shm::ring`] is compiled (its loom models check it).
 
+#[cfg(not(loom))]
 pub mod client;
-#[cfg(target_os = "linux")]
+#[cfg(not(loom))]
+mod direct;
 pub mod shm;
+#[cfg(not(loom))]
 pub mod tcp;
+#[cfg(not(loom))]
 pub mod wire;
 
+#[cfg(not(loom))]
 use std::net::SocketAddr;
+#[cfg(not(loom))]
 use std::sync::Arc;
 
-use crate::error::EchoError;
-
+#[cfg(not(loom))]
 use crate::backend::Backend;
+#[cfg(not(loom))]
+use crate::error::EchoError;
+#[cfg(not(loom))]
 use crate::ingress::{Ingress, IngressConfig, IngressSnapshot};
 
 /// A TCP server and the drainer pool behind it, started and stopped together.
+#[cfg(not(loom))]
 pub struct TcpIngress {
     ingress: Arc<Ingress>,
     server: tcp::TcpServer,
 }
 
+#[cfg(not(loom))]
 impl TcpIngress {
     /// Starts the drainers, then binds and starts accepting.
     ///
@@ -82,6 +98,7 @@ impl TcpIngress {
     }
 }
 
+#[cfg(not(loom))]
 impl Drop for TcpIngress {
     fn drop(&mut self) {
         self.shutdown();

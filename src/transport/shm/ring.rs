@@ -1,6 +1,6 @@
 //! The index protocol of a same-host shared-memory channel: one producer (a worker's
 //! `TcpSender`), one consumer (the learner's connection task), a ring of `slots` fixed-size
-//! slots, and two doorbells, one per direction.
+//! slots, and two bells, one per direction.
 //!
 //! ```text
 //!  producer (worker)                              consumer (learner)
@@ -35,7 +35,7 @@ use crate::sync::{fence, AtomicU32, AtomicU64};
 
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release, SeqCst};
 
-/// A doorbell: one side rings, the other waits (elsewhere) until it was rung at least once
+/// A bell: one side rings, the other waits (elsewhere) until it was rung at least once
 /// since its last wait. A ring before the wait must not be lost.
 pub trait Bell {
     /// Wakes the waiter (now, or at its next wait).

@@ -1,0 +1,269 @@
+//! One live connection of a client: its socket and shared-memory writer, the ack counts it
+//! shares with its reader thread ([`Reading`]), which reads the acks, heartbeats and the
+//! server's closing notice, and wakes a sender waiting on shared memory when the link is lost.
+
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::sync::atomic::Ordering::{Acquire, Release};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use parking_lot::Mutex;
+
+use super::OFFER_GRACE;
+use crate::codec::LeafCodecs;
+use crate::spec::DataSpec;
+use crate::sync::{Arc, AtomicBool, AtomicU64, AtomicU8, Signal};
+use crate::transport::shm::worker::{LossBell, ShmWriter};
+use crate::transport::wire::v2::{self, Beat, Closing, Offer};
+use crate::transport::wire::ACK;
+
+/// Ack bookkeeping of one connection, shared with its reader thread.
+#[derive(Default)]
+pub(super) struct Acks {
+    /// Acknowledgements received on this connection.
+    pub(super) acked: AtomicU64,
+    /// Set (with `reason`) when the connection is gone.
+    pub(super) lost: AtomicBool,
+    /// Set with `lost` when reconnecting would not help (the server refused what we sent).
+    pub(super) fatal: AtomicBool,
+    /// The [`v2::Closing`] reason the server gave before it closed (0: none).
+    pub(super) closing: AtomicU8,
+    pub(super) reason: Mutex<String>,
+    pub(super) changed: Signal,
+}
+
+impl Acks {
+    pub(super) fn lose(&self, reason: String) {
+        let mut slot = self.reason.lock();
+        if slot.is_empty() {
+            *slot = reason;
+        }
+        drop(slot);
+        // ORDERING: Release pairs with `is_lost`'s Acquire: the reason is written first.
+        self.lost.store(true, Release);
+        self.changed.notify_all();
+    }
+
+    pub(super) fn is_lost(&self) -> bool {
+        // ORDERING: Acquire pairs with the Release in `lose`.
+        self.lost.load(Acquire)
+    }
+
+    pub(super) fn acked(&self) -> u64 {
+        // ORDERING: Acquire pairs with the reader's Release `fetch_add` (only counts matter,
+        // but Acquire keeps "acked" meaningful to callers reading other state after it).
+        self.acked.load(Acquire)
+    }
+
+    pub(super) fn reason(&self) -> String {
+        self.reason.lock().clone()
+    }
+}
+
+/// What the writer and the heartbeat (on the reader thread) share.
+pub(super) struct Writing {
+    /// A frame is partly written: no heartbeat may go in between.
+    pub(super) mid_frame: bool,
+    pub(super) last_write: Instant,
+}
+
+/// One established connection.
+pub(super) struct Link {
+    pub(super) stream: TcpStream,
+    /// 1 or 2.
+    pub(super) version: u8,
+    /// Sequence number of the first sample sent on this connection.
+    pub(super) base: u64,
+    pub(super) acks: Arc<Acks>,
+    pub(super) writing: Arc<Mutex<Writing>>,
+    pub(super) reader: Option<JoinHandle<()>>,
+    /// The shared-memory channel samples go through, if one was attached.
+    pub(super) shm: Option<ShmWriter>,
+    /// The leaves this connection sends compressed (v2 over TCP, as the reply named them).
+    pub(super) codecs: Option<Arc<LeafCodecs>>,
+}
+
+impl Link {
+    pub(super) fn acked_total(&self) -> u64 {
+        // On shared memory "acknowledged" is "taken by the server": it copied the sample
+        // into its queue, as a TCP ack says.
+        self.base + self.shm.as_ref().map_or_else(|| self.acks.acked(), ShmWriter::taken)
+    }
+
+    /// Closes the socket and joins the reader.
+    pub(super) fn shut(&mut self) {
+        let _ = self.stream.shutdown(Shutdown::Both);
+        if let Some(reader) = self.reader.take() {
+            let _ = reader.join();
+        }
+    }
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        self.shut();
+    }
+}
+
+/// What a finished handshake gives.
+pub(super) struct Established {
+    pub(super) stream: TcpStream,
+    pub(super) version: u8,
+    pub(super) spec: DataSpec,
+    pub(super) accept: Option<v2::Accept>,
+    /// Bytes received after the handshake (acks or heartbeats), for the reader.
+    pub(super) leftover: Vec<u8>,
+    /// v1 by [`Protocol::Auto`](super::Protocol::Auto)'s choice: a late offer is possible and
+    /// skipped.
+    pub(super) skip_offer: bool,
+    /// The shared-memory channel attached during the handshake.
+    pub(super) shm: Option<ShmWriter>,
+}
+
+/// The reader thread's state: counts acks, answers and watches heartbeats (v2).
+pub(super) struct Reading {
+    pub(super) stream: TcpStream,
+    pub(super) acks: Arc<Acks>,
+    pub(super) writing: Arc<Mutex<Writing>>,
+    pub(super) beat: Option<Beat>,
+    pub(super) version: u8,
+    /// v1 chosen by `Auto`: an offer may still arrive before the first ack; skip it.
+    pub(super) skip_offer: bool,
+    /// Bytes received and not yet processed.
+    pub(super) pending: Vec<u8>,
+    pub(super) last_heard: Instant,
+    /// On shared memory: the space bell, rung when the connection is lost so that a `send`
+    /// or `wait` sleeping on it notices at once.
+    pub(super) wake_on_loss: Option<LossBell>,
+}
+
+impl Reading {
+    pub(super) fn run(&mut self) {
+        if let Err(reason) = self.read_loop() {
+            self.acks.lose(reason);
+            if let Some(bell) = &self.wake_on_loss {
+                crate::transport::shm::ring::Bell::ring(bell);
+            }
+        }
+    }
+
+    fn read_loop(&mut self) -> Result<(), String> {
+        let every = self.beat.map(|b| b.every);
+        self.stream.set_read_timeout(every).map_err(|e| e.to_string())?;
+        let mut buf = [0u8; 4096];
+        loop {
+            self.process()?;
+            match self.stream.read(&mut buf) {
+                Ok(0) => return Err("the server closed the connection".into()),
+                Ok(n) => {
+                    self.last_heard = Instant::now();
+                    self.pending.extend_from_slice(&buf[..n]);
+                    // The server's own heartbeats (or acks) may arrive more often than our
+                    // read timeout: ours are due by our last write, not by a quiet socket.
+                    self.heartbeat()?;
+                }
+                Err(e)
+                    if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) =>
+                {
+                    self.heartbeat()?;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(format!("the connection failed: {e}")),
+            }
+        }
+    }
+
+    /// Sends a heartbeat if nothing was written for a while; fails if the server has been
+    /// silent too long.
+    pub(super) fn heartbeat(&mut self) -> Result<(), String> {
+        let Some(beat) = self.beat else { return Ok(()) };
+        if let Some(dead_after) = beat.dead_after {
+            if self.last_heard.elapsed() >= dead_after {
+                let _ = self.stream.shutdown(Shutdown::Both);
+                return Err(format!("no heartbeat from the server for {dead_after:?}"));
+            }
+        }
+        if let Some(mut writing) = self.writing.try_lock() {
+            if !writing.mid_frame && writing.last_write.elapsed() >= beat.every {
+                // A short write with the writer's lock held; a full socket buffer means data
+                // is flowing anyway.
+                if self.stream.write(&[v2::HEARTBEAT]).is_ok() {
+                    writing.last_write = Instant::now();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Consumes the complete messages in `pending`.
+    pub(super) fn process(&mut self) -> Result<(), String> {
+        let mut used = 0;
+        let mut acked = 0u64;
+        let result = loop {
+            let Some(&byte) = self.pending.get(used) else { break Ok(()) };
+            match byte {
+                ACK => {
+                    acked += 1;
+                    used += 1;
+                    self.skip_offer = false;
+                }
+                v2::BEAT if self.version == 2 => used += 1,
+                v2::CLOSING if self.version == 2 => {
+                    let Some(&why) = self.pending.get(used + 1) else { break Ok(()) };
+                    used += 2;
+                    let Some(closing) = Closing::from_byte(why) else {
+                        break Err(format!("protocol error: a closing notice with reason {why}"));
+                    };
+                    // ORDERING: Release, before `lose` sets `lost`: whoever sees the loss sees
+                    // why (Acquire in `TcpSender::recover`).
+                    self.acks.closing.store(why, Release);
+                    // Every ack came before the notice, and nothing more will: hang up, so
+                    // the server need not wait for us.
+                    let _ = self.stream.shutdown(Shutdown::Both);
+                    break Err(match closing {
+                        Closing::Final => "the server closed for good (Server.close())".into(),
+                        Closing::Restarting => {
+                            "the server is restarting (Server.close(restarting=True))".into()
+                        }
+                    });
+                }
+                v2::ERROR if self.version == 2 => {
+                    match v2::parse_error(&self.pending[used + 1..]) {
+                        Ok(Some((message, len))) => {
+                            // ORDERING: Release, before `lose` sets `lost`: whoever sees
+                            // the loss sees that it is fatal (Acquire in `recover`).
+                            self.acks.fatal.store(true, Release);
+                            used += 1 + len;
+                            break Err(format!("the server closed the connection: {message}"));
+                        }
+                        Ok(None) => break Ok(()),
+                        Err(e) => break Err(format!("protocol error: {e}")),
+                    }
+                }
+                b'E' if self.skip_offer => match Offer::parse(&self.pending[used..]) {
+                    Ok(Some(_)) => {
+                        log::warn!(
+                            "the server's offer of wire protocol 2 arrived after {OFFER_GRACE:?}; \
+                             this connection speaks protocol 1"
+                        );
+                        used += v2::OFFER_LEN;
+                        self.skip_offer = false;
+                    }
+                    Ok(None) => break Ok(()),
+                    Err(e) => break Err(format!("protocol error: {e}")),
+                },
+                bad => {
+                    break Err(format!("protocol error: expected ack byte 0x01, got {bad:#04x}"));
+                }
+            }
+        };
+        self.pending.drain(..used);
+        if acked > 0 {
+            // ORDERING: Release pairs with the Acquire in `Acks::acked`.
+            self.acks.acked.fetch_add(acked, Release);
+            self.acks.changed.notify_all();
+        }
+        result
+    }
+}

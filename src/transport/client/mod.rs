@@ -1,0 +1,355 @@
+//! A blocking TCP client for rollout workers: connect, negotiate wire v1 or v2, stream samples.
+//!
+//! Each sample goes out with one vectored write straight from the caller's leaf buffers (no
+//! joined copy), unless the client reconnects: then it keeps a copy of every unacknowledged
+//! sample to send again. A background thread reads the acks and counts them (and, on v2,
+//! sends heartbeats and watches the server's); `send` blocks while `max_inflight` samples are
+//! unacknowledged, and `wait` until every sample is. When the server goes away, every blocked
+//! call returns [`EchoError::Disconnected`] promptly, or, with reconnection on, blocks while
+//! the client reconnects and resends.
+//!
+//! Negotiation ([`super::wire::v2`]): an echo server greets with the v1 handshake and then a
+//! v2 offer (or the offer alone when it has a token); id-echo 0.2.1 sends the handshake
+//! alone. With [`Protocol::Auto`] the client waits [`OFFER_GRACE`] after a v1 handshake for
+//! an offer; without one it speaks v1, so it never writes a v2 byte to a v1 server.
+//!
+//! | module        | holds                                                                  |
+//! |---------------|------------------------------------------------------------------------|
+//! | this one      | [`TcpSender`]: its state, connecting, what it reports                  |
+//! | `options`     | [`ClientConfig`], [`Protocol`], [`SharedMemory`], [`Resolver`]         |
+//! | `connecting`  | one connection's connect and handshake ([`Connecting`])                |
+//! | `dialing`     | a first connection with retries ([`Dialing`])                          |
+//! | `link`        | a live connection and its ack reader thread                            |
+//! | `sending`     | `send`, `send_rows`, checks, retention, frame bytes                    |
+//! | `recovery`    | waiting for acks, reconnecting, resuming, resending, `close`           |
+//!
+//! The shared-memory mechanisms a client uses (attaching, the ring's writer side, the bells)
+//! live in [`super::shm`].
+
+use std::collections::VecDeque;
+use std::io::Write;
+use std::sync::atomic::Ordering::Acquire;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use crate::codec::LeafCodecs;
+use crate::error::EchoError;
+use crate::spec::DataSpec;
+use crate::sync::Arc;
+use crate::transport::shm::worker::loss_bell;
+use crate::transport::wire::v2::{self, Beat, Closing};
+use link::{Acks, Established, Link, Reading, Writing};
+
+mod connecting;
+mod dialing;
+mod link;
+mod options;
+mod recovery;
+mod sending;
+
+pub use connecting::Connecting;
+pub use dialing::Dialing;
+pub use options::{ClientConfig, Protocol, Resolve, Resolver, SharedMemory};
+
+/// How long a client in [`Protocol::Auto`] waits after a v1 handshake for a v2 offer. An echo
+/// server writes both at once, so only a lost segment delays the offer this long.
+pub const OFFER_GRACE: Duration = Duration::from_millis(100);
+/// How long a client waits on the shared-memory space bell before it checks its deadline and
+/// the connection again.
+const SHM_SLICE: Duration = Duration::from_millis(50);
+/// The most iovecs one vectored write takes (Linux's `IOV_MAX`).
+const MAX_IOVECS: usize = 1024;
+/// How long one blocking write may take before `send` checks its deadline again.
+const WRITE_SLICE: Duration = Duration::from_millis(50);
+/// How long [`TcpSender::connect`] waits in one [`Connecting::poll`].
+const CONNECT_SLICE: Duration = Duration::from_millis(50);
+/// First and largest pause between reconnection attempts (each is jittered to 50-100%).
+const BACKOFF_FIRST: Duration = Duration::from_millis(50);
+const BACKOFF_MAX: Duration = Duration::from_secs(2);
+
+/// A sample kept until it is acknowledged, to send again after a reconnect.
+struct Retained {
+    /// The frame's bytes: header, then payload.
+    frame: Box<[u8]>,
+}
+
+/// A reconnection in progress.
+struct Recovery {
+    since: Instant,
+    attempt: u32,
+    next_try: Instant,
+    connecting: Option<Connecting>,
+    last_error: String,
+}
+
+/// A connection to an echo server.
+pub struct TcpSender {
+    config: Arc<ClientConfig>,
+    /// The server's address (the last one connected to, or being reconnected to), and the
+    /// same as `host:port` for messages.
+    target: (String, u16),
+    address: String,
+    spec: DataSpec,
+    session: [u8; 16],
+    /// The connection; `None` while reconnecting, or after `close`.
+    link: Option<Link>,
+    version: u8,
+    replay: bool,
+    /// `Some(max_rows)` when the server is a sequence table (it takes step frames).
+    steps: Option<u32>,
+    /// Samples accepted by `send` (the sequence number of the next one).
+    sent: u64,
+    /// Samples wholly written on the current connection (retention only; else `sent`).
+    written: u64,
+    /// Bytes of the frame at `written` (or of the sample being sent) already written.
+    in_progress: usize,
+    /// Acknowledged samples of past connections (their total when the last one dropped).
+    acked_floor: u64,
+    /// With reconnection: every sample from `retained_base` to `sent`, as frames.
+    retained: VecDeque<Retained>,
+    retained_base: u64,
+    /// Buffers of acknowledged frames, reused by the next retained ones.
+    spare: Vec<Box<[u8]>>,
+    reconnect: bool,
+    recovery: Option<Recovery>,
+    /// Why the client can no longer send (reconnection gave up, or was never on).
+    failed: Option<String>,
+    /// `failed` because the server closed for good (with reconnection on, which then stops).
+    final_close: bool,
+    /// What the server's last closing notice said, if one came.
+    server_closing: Option<Closing>,
+    closed: bool,
+    reconnects: u64,
+    resent: u64,
+    /// A sample accepted into `retained` by a `send` that returned before it was written.
+    carry: bool,
+    /// Whether samples go through shared memory.
+    shm: bool,
+    /// The compressed frame being written (from byte `in_progress` on), when the connection
+    /// sends compressed frames; kept across calls so a stalled write finishes the same bytes.
+    packing: Vec<u8>,
+}
+
+impl TcpSender {
+    /// Connects, negotiates and starts the ack reader, all within `timeout`.
+    ///
+    /// # Errors
+    /// As [`TcpSender::connecting`] and [`Connecting::poll`].
+    pub fn connect(config: ClientConfig, timeout: Duration) -> Result<Self, EchoError> {
+        let mut dialing = Self::connecting(config, Instant::now().checked_add(timeout), None)?;
+        loop {
+            if let Some(sender) = dialing.poll(Instant::now() + CONNECT_SLICE)? {
+                return Ok(sender);
+            }
+        }
+    }
+
+    /// Starts connecting; drive it with [`Dialing::poll`] until it returns the client.
+    /// `deadline` bounds everything (name resolution, the TCP connect, the whole handshake,
+    /// and with retries every attempt and pause); `None` waits as long as it takes.
+    /// `attempt_timeout` bounds each attempt when the client retries (with reconnection or a
+    /// resolver, see [`Dialing`]); `None`: each may take until the deadline.
+    ///
+    /// # Errors
+    /// [`EchoError::Config`] for bad settings.
+    pub fn connecting(
+        config: ClientConfig,
+        deadline: Option<Instant>,
+        attempt_timeout: Option<Duration>,
+    ) -> Result<Dialing, EchoError> {
+        config.validate()?;
+        let now = Instant::now();
+        Ok(Dialing {
+            retry: config.retries(),
+            config: Arc::new(config),
+            session: v2::random()?,
+            started: now,
+            deadline,
+            attempt_timeout,
+            attempt: 0,
+            next_try: now,
+            current: None,
+            last: None,
+        })
+    }
+
+    fn from_established(connecting: &Connecting, est: Established) -> Self {
+        let config = Arc::clone(&connecting.config);
+        let reconnect = est.version == 2 && config.reconnect_timeout.is_some();
+        let replay = est.accept.as_ref().is_some_and(|a| a.replay);
+        let steps = est.accept.as_ref().and_then(|a| a.steps);
+        let mut sender = Self {
+            target: connecting.target.clone(),
+            address: connecting.address.clone(),
+            spec: est.spec.clone(),
+            session: connecting.session,
+            link: None,
+            version: est.version,
+            replay,
+            steps,
+            sent: 0,
+            written: 0,
+            in_progress: 0,
+            acked_floor: 0,
+            retained: VecDeque::new(),
+            retained_base: 0,
+            spare: Vec::new(),
+            reconnect,
+            recovery: None,
+            failed: None,
+            final_close: false,
+            server_closing: None,
+            closed: false,
+            reconnects: 0,
+            resent: 0,
+            carry: false,
+            shm: est.shm.is_some(),
+            packing: Vec::new(),
+            config,
+        };
+        match sender.install(est) {
+            Ok(()) => {}
+            Err(err) => sender.failed = Some(err.to_string()),
+        }
+        sender
+    }
+
+    /// Starts the reader on an established connection and makes it the current one.
+    fn install(&mut self, est: Established) -> Result<(), EchoError> {
+        let Established { stream, version, accept, leftover, skip_offer, shm, .. } = est;
+        stream.set_read_timeout(None)?;
+        stream.set_write_timeout(Some(WRITE_SLICE))?;
+        let base = accept.as_ref().map_or(0, |a| a.resume_seq);
+        let beat =
+            accept.as_ref().and_then(|a| Beat::new(self.config.heartbeat_timeout, a.heartbeat_ms));
+        let acks = Arc::new(Acks::default());
+        let writing =
+            Arc::new(Mutex::new(Writing { mid_frame: false, last_write: Instant::now() }));
+        let reader = {
+            let mut reading = Reading {
+                stream: stream.try_clone()?,
+                acks: Arc::clone(&acks),
+                writing: Arc::clone(&writing),
+                beat,
+                version,
+                skip_offer,
+                pending: leftover,
+                last_heard: Instant::now(),
+                wake_on_loss: match &shm {
+                    Some(writer) => Some(loss_bell(writer)?),
+                    None => None,
+                },
+            };
+            thread::Builder::new().name("echo-client-acks".into()).spawn(move || reading.run())?
+        };
+        self.shm = shm.is_some();
+        // Compressed frames only over TCP, and only if we asked (the reply names codecs only
+        // then, but a server may be wrong).
+        let codecs = match (accept.and_then(|a| a.codecs), &shm) {
+            (Some(codecs), None) if self.config.wire_compression => {
+                Some(Arc::new(LeafCodecs::new(&self.spec, codecs)?))
+                    .filter(|codecs| codecs.max_body() <= u32::MAX as usize)
+            }
+            _ => None,
+        };
+        self.link =
+            Some(Link { stream, version, base, acks, writing, reader: Some(reader), shm, codecs });
+        Ok(())
+    }
+
+    /// The server's sample layout.
+    pub fn spec(&self) -> &DataSpec {
+        &self.spec
+    }
+
+    /// The wire protocol spoken: 1 or 2.
+    pub fn protocol(&self) -> u8 {
+        self.version
+    }
+
+    /// Which path samples take: `"shm"` (same-host shared memory) or `"tcp"`.
+    pub fn transport_path(&self) -> &'static str {
+        if self.shm {
+            "shm"
+        } else {
+            "tcp"
+        }
+    }
+
+    /// `Some(max_rows)` when the server is a sequence table: samples are steps of rows
+    /// `0..max_rows` of this client, and may end their episode.
+    pub fn takes_steps(&self) -> Option<u32> {
+        self.steps
+    }
+
+    /// Whether the server takes priorities (v2 with a replay table).
+    pub fn takes_priorities(&self) -> bool {
+        self.replay
+    }
+
+    /// Samples sent so far.
+    pub fn sent(&self) -> u64 {
+        self.sent
+    }
+
+    /// Samples acknowledged so far.
+    pub fn acked(&self) -> u64 {
+        match &self.link {
+            Some(link) => link.acked_total().max(self.acked_floor),
+            None => self.acked_floor,
+        }
+    }
+
+    /// What the server said the last time it closed a connection of this client: for good
+    /// ([`Closing::Final`]) or restarting; `None` if it never did (it is up, or it vanished
+    /// without a word, as a crash does).
+    pub fn server_closing(&self) -> Option<Closing> {
+        let latest = self.link.as_ref().and_then(|link| {
+            // ORDERING: Acquire pairs with the reader's Release store (see `recover`).
+            Closing::from_byte(link.acks.closing.load(Acquire))
+        });
+        latest.or(self.server_closing)
+    }
+
+    /// Successful reconnections so far.
+    pub fn reconnects(&self) -> u64 {
+        self.reconnects
+    }
+
+    /// Samples sent again after reconnections.
+    pub fn resent(&self) -> u64 {
+        self.resent
+    }
+
+    /// Bytes of a sample written so far by a `send` that returned [`EchoError::Stalled`]
+    /// (with reconnection: non-zero while an accepted sample is not yet written).
+    pub fn in_progress(&self) -> usize {
+        if self.carry {
+            self.in_progress.max(1)
+        } else {
+            self.in_progress
+        }
+    }
+
+    /// The leaves the current connection sends compressed, as the server's reply named them;
+    /// `None` when it sends them raw (v1, shared memory, no codecs offered or wanted).
+    pub fn wire_codecs(&self) -> Option<&LeafCodecs> {
+        self.link.as_ref().and_then(|link| link.codecs.as_deref())
+    }
+}
+
+impl Drop for TcpSender {
+    fn drop(&mut self) {
+        // Do not wait for acks on drop; say goodbye (v2, between frames: the server forgets the
+        // session, which no reconnect will resume), release the socket and the thread.
+        self.closed = true;
+        if let Some(link) = self.link.take() {
+            if link.version == 2 && self.in_progress == 0 && !link.acks.is_lost() {
+                let _guard = link.writing.lock();
+                let _ = (&link.stream).write_all(&[v2::BYE]);
+            }
+        }
+    }
+}

@@ -1,0 +1,346 @@
+//! A connection's samples: v1's bare payloads, a v2 session's attach or resume (and its
+//! shared-memory offer, served by [`crate::transport::shm`]), v2 sample frames (plain,
+//! prioritised, steps, compressed), and the checks a frame's fields pass against the backend.
+
+use std::io;
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Instant;
+
+use parking_lot::Mutex;
+use tokio::sync::Notify;
+
+use super::connection::invalid;
+use super::link::{Link, Pooled};
+use super::session::{NotifyWaker, Session, Shared, TAKEOVER_GRACE};
+use crate::backend::Backend;
+use crate::codec::LeafCodecs;
+use crate::ingress::{Connection, StepMark, TransportEvent};
+use crate::transport::shm;
+use crate::transport::shm::ShmEnd;
+use crate::transport::wire::v2::{self, Beat, FrameMeta, Hello, Offer, Refusal, Reply};
+
+pub(super) async fn serve_v1(
+    link: &mut Link<'_>,
+    conn: &Arc<Connection>,
+    space: &Notify,
+) -> io::Result<()> {
+    let payload_size = conn.payload_size();
+    loop {
+        if link.read_in_place(conn).await? {
+            link.acks += 1;
+            link.activity.complete();
+            continue;
+        }
+        let mut buf = link.buffer(conn, space).await?;
+        if !link.fill(buf.bytes(), payload_size).await? {
+            return Ok(());
+        }
+        link.push(conn, space, buf, None, None, StepMark::default()).await?;
+        link.acks += 1;
+        link.activity.complete();
+    }
+}
+
+/// Ends a session's service when its task ends however it ends: the session waits for its
+/// client to come back (or is forgotten after a goodbye).
+struct Serving<'a> {
+    pub(super) shared: &'a Shared,
+    pub(super) key: [u8; 16],
+    pub(super) session: Arc<Session>,
+    pub(super) id: u64,
+    pub(super) goodbye: bool,
+}
+
+impl Drop for Serving<'_> {
+    fn drop(&mut self) {
+        let mut serving = self.session.serving.lock();
+        if *serving == Some(self.id) {
+            *serving = None;
+            if self.goodbye {
+                self.shared.sessions.0.lock().remove(&self.key);
+            } else {
+                *self.session.detached_at.lock() = Some(Instant::now());
+                self.session.conn.detach();
+            }
+        }
+    }
+}
+
+pub(super) async fn serve_v2(
+    link: &mut Link<'_>,
+    peer: SocketAddr,
+    shared: &Shared,
+    id: u64,
+    offer: &Offer,
+    hello: &Hello,
+    body: &[u8],
+) -> io::Result<()> {
+    let ingress = &shared.ingress;
+    if let Some(token) = &shared.token {
+        let why = if hello.mac.is_none() {
+            Some("this echo server requires a token: pass token= or set ECHO_TOKEN")
+        } else if !hello.verify(offer, token, body) {
+            Some("wrong token: the client's proof does not match this server's token")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            ingress.note(TransportEvent::RefusedAuth);
+            link.refuse(Refusal::Auth, why).await;
+            return Err(invalid(format!("refused: {why}")));
+        }
+    }
+    if let Some(why) = shared.layout.mismatch(&hello.layout) {
+        ingress.note(TransportEvent::RefusedLayout);
+        let message =
+            format!("the server at {} stores samples of another layout: {why}", link.local());
+        link.refuse(Refusal::Layout, &message).await;
+        return Err(invalid(format!("refused: {why}")));
+    }
+    // The session: created, or taken over from the connection that served it before.
+    let (session, existed) = {
+        let mut sessions = shared.sessions.0.lock();
+        match sessions.get(&hello.session) {
+            Some(session) => (Arc::clone(session), true),
+            None => {
+                let space = Arc::new(Notify::new());
+                let conn = ingress.register(Box::new(NotifyWaker(Arc::clone(&space))));
+                let session = Arc::new(Session {
+                    conn,
+                    space,
+                    next_seq: AtomicU64::new(hello.first_seq),
+                    owner: Arc::new(tokio::sync::Mutex::new(())),
+                    serving: Mutex::new(None),
+                    detached_at: Mutex::new(None),
+                });
+                sessions.insert(hello.session, Arc::clone(&session));
+                (session, false)
+            }
+        }
+    };
+    let previous = session.serving.lock().take();
+    if let Some(previous) = previous {
+        if let Some((_, task)) = shared.served.lock().get(&previous) {
+            // Its socket is half dead (the client already reconnected): end it. Its guard
+            // releases `owner` once it stops at an await point.
+            task.abort();
+        }
+    }
+    let Ok(_owner) =
+        tokio::time::timeout(TAKEOVER_GRACE, Arc::clone(&session.owner).lock_owned()).await
+    else {
+        return Err(invalid("the session's previous connection did not end in time".into()));
+    };
+    *session.serving.lock() = Some(id);
+    *session.detached_at.lock() = None;
+    let mut serving =
+        Serving { shared, key: hello.session, session: Arc::clone(&session), id, goodbye: false };
+    // ORDERING: Relaxed — `next_seq` is written only under `owner`, which we hold; the mutex
+    // orders it after the previous holder's writes.
+    let queued = session.next_seq.load(Relaxed);
+    let resume_seq = queued.max(hello.first_seq);
+    session.next_seq.store(resume_seq, Relaxed);
+    ingress.note(TransportEvent::V2);
+    if existed {
+        ingress.note(TransportEvent::Resumed { deduplicated: resume_seq - hello.first_seq });
+    }
+    let own_ms = shared.heartbeat.map_or(0, |d| u32::try_from(d.as_millis()).unwrap_or(u32::MAX));
+    let signed = shared.token.as_deref().map(|token| (token, hello, offer));
+    let mut accept =
+        v2::Accept::new(ingress.backend().has_priorities(), resume_seq, own_ms, signed);
+    accept.steps = max_rows(ingress.backend());
+    let mut channel = None;
+    // Compressed frames over TCP to a client that takes them; a shared-memory client copies
+    // raw (should it decline the channel, its frames come raw too).
+    let codecs = shared.codecs.as_ref().filter(|_| hello.codecs && !hello.shm);
+    accept.codecs = codecs.map(|c| c.as_slice().to_vec());
+    if hello.shm {
+        match shm::server::prepare(shared, peer, link) {
+            Ok(prepared) => {
+                accept.shm = Some(prepared.offer.clone());
+                channel = Some(prepared);
+            }
+            Err(why) => {
+                log::debug!("{peer}: no shared memory: {why}");
+                ingress.note(TransportEvent::ShmFallback);
+                accept.note = why;
+            }
+        }
+    }
+    link.write(&Reply::Accepted(accept).encode()).await?;
+    link.beat = Beat::new(shared.heartbeat, hello.heartbeat_ms);
+    log::debug!("{peer}: v2 session resumed at sample {resume_seq} (resumed: {existed})");
+    if let Some(prepared) = channel {
+        match shm::server::serve(link, shared, &session, prepared).await? {
+            ShmEnd::Closed => return Ok(()),
+            ShmEnd::Goodbye => {
+                serving.goodbye = true;
+                return Ok(());
+            }
+            ShmEnd::Declined => {
+                log::debug!("{peer}: the client declined shared memory; frames over TCP");
+                ingress.note(TransportEvent::ShmFallback);
+            }
+        }
+    }
+    serve_frames(link, shared, &session, &mut serving, codecs.map(|c| &**c)).await
+}
+
+/// The v2 frame loop: samples (with or without a priority), heartbeats and the goodbye.
+async fn serve_frames(
+    link: &mut Link<'_>,
+    shared: &Shared,
+    session: &Session,
+    serving: &mut Serving<'_>,
+    codecs: Option<&LeafCodecs>,
+) -> io::Result<()> {
+    let ingress = &shared.ingress;
+    let (conn, space) = (&session.conn, &*session.space);
+    let payload_size = conn.payload_size();
+    // A compressed frame's body, read whole before it is decompressed into a buffer.
+    let mut body = Vec::new();
+    loop {
+        let Some(kind) = link.next_byte().await? else { return Ok(()) };
+        let len = match kind {
+            v2::HEARTBEAT => continue,
+            v2::BYE => {
+                serving.goodbye = true;
+                return Ok(());
+            }
+            other => match FrameMeta::rest_len(other & !packed_bit(other)) {
+                Some(len) => len,
+                None => return Err(link.fail(&format!("unknown frame type {other:#04x}")).await),
+            },
+        };
+        let packed = packed_bit(kind) != 0;
+        let kind = kind & !packed_bit(kind);
+        let mut raw = [0u8; FrameMeta::MAX_HEADER];
+        if len > 0 && !link.fill(&mut raw, len).await? {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "closed mid-frame"));
+        }
+        let meta = match check_frame(ingress.backend(), kind, &raw[..len]) {
+            Ok(meta) => meta,
+            Err(why) => return Err(link.fail(&why).await),
+        };
+        let (priority, mark) = (meta.priority, StepMark { row: meta.row, end: meta.end });
+        if packed {
+            let Some(codecs) = codecs else {
+                let why = "a compressed frame, but this connection agreed on no codecs";
+                return Err(link.fail(why).await);
+            };
+            let keep = shared.keep_packed;
+            let (buf, kept) = match read_packed(link, conn, space, codecs, keep, &mut body).await? {
+                Ok(read) => read,
+                Err(why) => return Err(link.fail(&why).await),
+            };
+            ingress.note_compressed(body.len());
+            link.push(conn, space, buf, kept, priority, mark).await?;
+            // ORDERING: Relaxed — as below.
+            session.next_seq.fetch_add(1, Relaxed);
+            link.acks += 1;
+            link.activity.complete();
+            continue;
+        }
+        if priority.is_none() && !meta.is_step() && link.read_in_place(conn).await? {
+            // ORDERING: Relaxed — as below.
+            session.next_seq.fetch_add(1, Relaxed);
+            link.acks += 1;
+            link.activity.complete();
+            continue;
+        }
+        let mut buf = link.buffer(conn, space).await?;
+        if !link.fill(buf.bytes(), payload_size).await? {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "closed mid-frame"));
+        }
+        link.push(conn, space, buf, None, priority, mark).await?;
+        // ORDERING: Relaxed — see above; pushed and counted with no await in between, so an
+        // abort cannot separate them.
+        session.next_seq.fetch_add(1, Relaxed);
+        link.acks += 1;
+        link.activity.complete();
+    }
+}
+
+/// [`v2::PACKED`] if `kind` is a compressed sample frame (0x14..=0x17), else 0.
+fn packed_bit(kind: u8) -> u8 {
+    if (v2::SAMPLE | v2::PACKED..=v2::STEP_PRIORITY | v2::PACKED).contains(&kind) {
+        v2::PACKED
+    } else {
+        0
+    }
+}
+
+/// Reads a compressed frame's `body_len` and body (into `body`, reused) and decompresses it
+/// into a pooled buffer. Returns the buffer and, with `keep`, the packed bytes (what a table
+/// that stores the leaves compressed keeps; copied out only then), or, as `Err` inside, why
+/// the frame is refused: a length above what these codecs can produce, or a body that does
+/// not decompress to exactly the sample. Nothing beyond the cap is ever allocated.
+async fn read_packed<'c>(
+    link: &mut Link<'_>,
+    conn: &'c Arc<Connection>,
+    space: &Notify,
+    codecs: &LeafCodecs,
+    keep: bool,
+    body: &mut Vec<u8>,
+) -> io::Result<Result<(Pooled<'c>, Option<Box<[u8]>>), String>> {
+    let mut len = [0u8; 4];
+    if !link.fill(&mut len, 4).await? {
+        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "closed mid-frame"));
+    }
+    let len = u32::from_le_bytes(len) as usize;
+    let max = codecs.max_body();
+    if len > max {
+        return Ok(Err(format!(
+            "a compressed frame of {len} bytes: these leaves compress to at most {max}"
+        )));
+    }
+    body.resize(len, 0);
+    if !link.fill(body, len).await? {
+        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "closed mid-frame"));
+    }
+    let mut buf = link.buffer(conn, space).await?;
+    match codecs.unpack_body(body, buf.bytes()) {
+        Ok(at) => Ok(Ok((buf, keep.then(|| Box::from(&body[at..]))))),
+        Err(why) => Ok(Err(format!("a compressed frame that does not decode: {why}"))),
+    }
+}
+
+/// The rows a client may send steps of: a sequence table's `max_streams` (capped to the
+/// wire's u32); `None` for the other backends, which take no step frames.
+pub(super) fn max_rows(backend: &Backend) -> Option<u32> {
+    backend.sequence().map(|s| u32::try_from(s.max_streams).unwrap_or(u32::MAX))
+}
+
+/// A sample frame's fields (the `rest_len` bytes after its kind), checked against what the
+/// backend takes: a priority it accepts, steps only for a sequence table, rows below its
+/// `max_rows`. The error says what was wrong, for the error frame.
+fn check_frame(backend: &Backend, kind: u8, rest: &[u8]) -> Result<FrameMeta, String> {
+    let meta = FrameMeta::decode(kind, rest).map_err(|e| e.to_string())?;
+    check_meta(backend, &meta)?;
+    Ok(meta)
+}
+
+/// What [`check_frame`] checks of a sample's fields, for frames and shared-memory slots alike.
+pub(crate) fn check_meta(backend: &Backend, meta: &FrameMeta) -> Result<(), String> {
+    if let Some(priority) = meta.priority {
+        backend.check_priority(priority).map_err(|e| e.to_string())?;
+    }
+    if !meta.is_step() {
+        return Ok(());
+    }
+    match max_rows(backend) {
+        None => Err("steps of episodes (a row or an episode end) need a sequence table; this \
+                     server did not offer them"
+            .to_owned()),
+        Some(max) if meta.row >= max => Err(format!(
+            "row {} out of range: this sequence table takes rows 0 to {} per client \
+             (Sequence(max_streams={max}))",
+            meta.row,
+            max - 1
+        )),
+        Some(_) => Ok(()),
+    }
+}
