@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use sha2::{Digest, Sha256};
 
 use crate::error::EchoError;
-use crate::ingress::QueuedSamples;
+use crate::queued::QueuedSamples;
 use crate::replay::Checkpoint;
 use crate::spec::DataSpec;
 use crate::store::RingCheckpoint;

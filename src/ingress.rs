@@ -47,6 +47,7 @@ use crate::backend::Backend;
 use crate::doorbell::Doorbell;
 use crate::error::EchoError;
 use crate::metrics::{Counter, HistSummary, Histo, Stamp};
+use crate::queued::QueuedSamples;
 use crate::source::{EpisodeEnd, Payloads, SampleSource, StepTag};
 use std::sync::Weak;
 
@@ -1054,60 +1055,6 @@ impl Ingress {
             drainer.bell.wake();
         }
         out
-    }
-}
-
-/// Acknowledged samples an [`Ingress::capture`] copied: payloads back to back.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct QueuedSamples {
-    payload_size: usize,
-    /// Every payload, back to back.
-    pub payloads: Vec<u8>,
-    /// The priority each sample was sent with (wire v2), `None` for the insert's default.
-    pub priorities: Vec<Option<f64>>,
-    /// The stream each sample is a step of and whether it ends its episode (a sequence
-    /// table's; the default tag for samples of other backends).
-    pub steps: Vec<StepTag>,
-}
-
-impl QueuedSamples {
-    /// No samples of `payload_size` bytes yet.
-    pub fn new(payload_size: usize) -> Self {
-        Self { payload_size, payloads: Vec::new(), priorities: Vec::new(), steps: Vec::new() }
-    }
-
-    /// Appends one sample that is a step of `step.stream`.
-    ///
-    /// # Panics
-    /// If `payload` is not `payload_size` bytes.
-    pub fn push_step(&mut self, payload: &[u8], priority: Option<f64>, step: StepTag) {
-        assert_eq!(payload.len(), self.payload_size, "a queued sample's payload size");
-        self.payloads.extend_from_slice(payload);
-        self.priorities.push(priority);
-        self.steps.push(step);
-    }
-
-    /// Appends one sample.
-    ///
-    /// # Panics
-    /// If `payload` is not `payload_size` bytes.
-    pub fn push(&mut self, payload: &[u8], priority: Option<f64>) {
-        self.push_step(payload, priority, StepTag::default());
-    }
-
-    /// How many samples.
-    pub fn len(&self) -> usize {
-        self.priorities.len()
-    }
-
-    /// Whether there are none.
-    pub fn is_empty(&self) -> bool {
-        self.priorities.is_empty()
-    }
-
-    /// Payload `i`.
-    pub fn payload(&self, i: usize) -> &[u8] {
-        &self.payloads[i * self.payload_size..(i + 1) * self.payload_size]
     }
 }
 

@@ -15,6 +15,7 @@
 //! | [`replay`]  | replay tables: uniform/prioritized/LIFO sampling, eviction, rate limits |
 //! | [`backend`] | one face over both: build, insert, sample, batch memory, statistics |
 //! | `ingress`   | per-connection queues, buffer pools, the drainer pool               |
+//! | [`queued`]  | acknowledged samples a checkpoint finds outside the backend          |
 //! | `doorbell`  | the drainers' sleep/wake protocol, loom-checked                     |
 //! | `transport` | the wire format, the tokio TCP server, the blocking TCP client      |
 //! | [`metrics`] | statistics counters; detailed histograms behind `detailed-metrics` |
@@ -43,6 +44,8 @@ pub mod ingress;
 pub mod metrics;
 #[cfg(not(loom))]
 pub mod pinned;
+#[cfg(not(loom))]
+pub mod queued;
 #[cfg(not(loom))]
 pub mod replay;
 #[doc(hidden)]

@@ -26,8 +26,9 @@ use crate::backend::{Backend, BackendCheckpoint, BackendStats, BatchConsumer, Ba
 use crate::checkpoint::{as_bytes, write_leaf_files, write_npy_1d, LeafFile, QueuedChunks};
 use crate::codec::{Codec, LeafCodecs};
 use crate::error::EchoError;
-use crate::ingress::{Ingress, IngressConfig, QueuedSamples};
+use crate::ingress::{Ingress, IngressConfig};
 use crate::metrics;
+use crate::queued::QueuedSamples;
 use crate::replay::{LeafRows, SequenceSnapshot, SnapshotItems, TableState};
 use crate::source::{EpisodeEnd, Rows, StepLeaves, StepTag};
 use crate::sync::Arc;
@@ -76,6 +77,12 @@ fn leaf_rows<'a>(
         rows[*leaf] = LeafRows::Packed { codec, bytes, lengths };
     }
     Ok(rows)
+}
+
+/// What a checkpoint of `backend` finds outside it at the snapshot moment: the acknowledged
+/// samples `ingress` holds ([`Ingress::capture`]), none without an ingress.
+fn queued_now(ingress: Option<&Ingress>, backend: &Backend) -> QueuedSamples {
+    ingress.map_or_else(|| QueuedSamples::new(backend.spec().payload_size()), Ingress::capture)
 }
 
 /// Where a checkpoint writes each compressed leaf's row lengths: `packed_lengths` (one path
@@ -464,7 +471,8 @@ impl PyServerCore {
         let backend = &self.backend;
         let ingress = self.ingress.get().map(Arc::as_ref);
         let (items, state, digests, queued, ingress_digests) = detach(py, || {
-            let BackendCheckpoint::Replay(mut checkpoint, queued) = backend.checkpoint(ingress)?
+            let BackendCheckpoint::Replay(mut checkpoint, queued) =
+                backend.checkpoint(|| queued_now(ingress, backend))?
             else {
                 return Err(EchoError::Config("_checkpoint: this server is FIFO".into()));
             };
@@ -529,7 +537,9 @@ impl PyServerCore {
         let backend = &self.backend;
         let ingress = self.ingress.get().map(Arc::as_ref);
         let (handed_out, ring_rows, ingress_rows, digests) = detach(py, || {
-            let BackendCheckpoint::Fifo(mut snapshot) = backend.checkpoint(ingress)? else {
+            let BackendCheckpoint::Fifo(mut snapshot) =
+                backend.checkpoint(|| queued_now(ingress, backend))?
+            else {
                 return Err(EchoError::Config(
                     "_checkpoint_fifo: this server is a replay table".into(),
                 ));
@@ -639,7 +649,7 @@ impl PyServerCore {
         let ingress = self.ingress.get().map(Arc::as_ref);
         let (counts, digests, ingress_digests) = detach(py, || {
             let BackendCheckpoint::Sequence(mut checkpoint, queued) =
-                backend.checkpoint(ingress)?
+                backend.checkpoint(|| queued_now(ingress, backend))?
             else {
                 return Err(EchoError::Config("_checkpoint_sequence: not a sequence table".into()));
             };

@@ -26,7 +26,7 @@ use super::{
 use crate::checkpoint::Chunks;
 use crate::codec::{self, Codec, LeafCodecs};
 use crate::error::EchoError;
-use crate::ingress::QueuedSamples;
+use crate::queued::QueuedSamples;
 use crate::replay::rng::Rng;
 use crate::replay::LeafRows;
 use crate::slots::Slots;
