@@ -1,16 +1,22 @@
 //! One client connection as the ingress sees it: its queue of filled buffers, its pool of
 //! empty ones, the streams its rows feed, and the ways its transport task hands samples over
 //! (pushed for a drainer, written in place, or inserted directly from shared memory).
+//!
+//! A connection and the drainer that owns it point at each other (it rings its drainer's
+//! bell; the drainer holds its connections), so the drainer's shared record
+//! ([`DrainerShared`], [`DrainerState`]) is defined here too; what the drainer thread does
+//! with them is in `drainer.rs`.
 
 use std::collections::VecDeque;
 
 use crossbeam_queue::ArrayQueue;
-use parking_lot::Mutex;
+use crossbeam_utils::CachePadded;
+use parking_lot::{Mutex, RwLock};
 
 use super::budget::ByteBudget;
-use super::drainer::DrainerShared;
 use super::stats::IngressStats;
 use crate::backend::Backend;
+use crate::doorbell::Doorbell;
 use crate::metrics::{Counter, Stamp};
 use crate::source::{EpisodeEnd, SampleSource, StepTag};
 use crate::sync::{Arc, AtomicBool, AtomicU32, AtomicUsize};
@@ -375,4 +381,56 @@ impl<S: SampleSource> SampleSource for Direct<'_, S> {
         conn.stats.pending.sub(n);
         self.src.inserted(count);
     }
+}
+
+/// What a drainer shares with the connections it owns and with the ingress.
+pub(super) struct DrainerShared {
+    /// The drainer's connections and current round. Written by the drainer between inserts;
+    /// read by it while it inserts and by [`Ingress::capture`](super::Ingress::capture) (see
+    /// `capture.rs`).
+    pub(super) state: RwLock<DrainerState>,
+    /// Samples of the current round the backend has taken in: `state.bufs[..done]`. Reset by
+    /// the drainer under the `state` write lock when a round starts.
+    pub(super) done: AtomicUsize,
+    /// Connections handed to this drainer and not yet adopted by it.
+    pub(super) incoming: Mutex<Vec<Arc<Connection>>>,
+    /// Connections assigned (adopted or incoming) and not pruned: for load balancing.
+    pub(super) load: Counter,
+    /// Where the drainer sleeps when it has nothing to do. Rung after every push
+    /// (`wake_if_sleeping`) and by `register`, `close` and `shutdown` (`wake`).
+    pub(super) bell: Doorbell,
+    /// Samples in this drainer's queues at its last round (sum, largest).
+    pub(super) depth_sum: CachePadded<Counter>,
+    pub(super) depth_max: Counter,
+    pub(super) inserted: CachePadded<Counter>,
+}
+
+impl DrainerShared {
+    pub(super) fn new() -> Self {
+        Self {
+            state: RwLock::new(DrainerState::default()),
+            done: AtomicUsize::new(0),
+            incoming: Mutex::new(Vec::new()),
+            load: Counter::default(),
+            bell: Doorbell::new(),
+            depth_sum: CachePadded::default(),
+            depth_max: Counter::default(),
+            inserted: CachePadded::default(),
+        }
+    }
+}
+
+/// One drainer's connections and round, behind [`DrainerShared::state`].
+#[derive(Default)]
+pub(super) struct DrainerState {
+    pub(super) conns: Vec<Arc<Connection>>,
+    /// Buffers popped this round and, in parallel, the index of the connection each came from
+    /// and its priority. All keep their capacity across rounds.
+    pub(super) bufs: Vec<Box<[u8]>>,
+    pub(super) owners: Vec<usize>,
+    pub(super) priorities: Vec<Option<f64>>,
+    pub(super) marks: Vec<StepMark>,
+    /// Each buffer's compressed leaves as they arrived, if the backend keeps them so.
+    pub(super) packed: Vec<Option<Box<[u8]>>>,
+    pub(super) round: usize,
 }

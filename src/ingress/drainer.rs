@@ -2,55 +2,15 @@
 //! rounds and inserts every round into the backend with one call, then hands the buffers
 //! back and prunes connections that are closed and drained.
 
-use crossbeam_utils::CachePadded;
-use parking_lot::{Mutex, RwLock};
-
-use super::connection::{Connection, StepMark};
+use super::connection::{Connection, DrainerShared, DrainerState, StepMark};
 use super::stats::IngressStats;
 use super::Ingress;
-use crate::doorbell::Doorbell;
 use crate::error::EchoError;
-use crate::metrics::{Counter, Stamp};
+use crate::metrics::Stamp;
 use crate::source::{Payloads, SampleSource, StepTag};
-use crate::sync::{Arc, AtomicUsize};
+use crate::sync::Arc;
 
 use std::sync::atomic::Ordering::{Relaxed, Release};
-
-/// What a drainer shares with the connections it owns and with the ingress.
-pub(super) struct DrainerShared {
-    /// The drainer's connections and current round. Written by the drainer between inserts;
-    /// read by it while it inserts and by [`Ingress::capture`] (see the module docs).
-    pub(super) state: RwLock<DrainerState>,
-    /// Samples of the current round the backend has taken in: `state.bufs[..done]`. Reset by
-    /// the drainer under the `state` write lock when a round starts.
-    pub(super) done: AtomicUsize,
-    /// Connections handed to this drainer and not yet adopted by it.
-    pub(super) incoming: Mutex<Vec<Arc<Connection>>>,
-    /// Connections assigned (adopted or incoming) and not pruned: for load balancing.
-    pub(super) load: Counter,
-    /// Where the drainer sleeps when it has nothing to do. Rung after every push
-    /// (`wake_if_sleeping`) and by `register`, `close` and `shutdown` (`wake`).
-    pub(super) bell: Doorbell,
-    /// Samples in this drainer's queues at its last round (sum, largest).
-    pub(super) depth_sum: CachePadded<Counter>,
-    pub(super) depth_max: Counter,
-    pub(super) inserted: CachePadded<Counter>,
-}
-
-impl DrainerShared {
-    pub(super) fn new() -> Self {
-        Self {
-            state: RwLock::new(DrainerState::default()),
-            done: AtomicUsize::new(0),
-            incoming: Mutex::new(Vec::new()),
-            load: Counter::default(),
-            bell: Doorbell::new(),
-            depth_sum: CachePadded::default(),
-            depth_max: Counter::default(),
-            inserted: CachePadded::default(),
-        }
-    }
-}
 
 /// One drainer round's samples, counted as the backend takes them in (so the counters are
 /// right also while the rest of the round waits for room).
@@ -97,21 +57,6 @@ impl SampleSource for Round<'_> {
         self.drainer.inserted.add(count as u64);
         self.stats.pending.sub(count as u64);
     }
-}
-
-/// One drainer's connections and round, behind [`DrainerShared::state`].
-#[derive(Default)]
-pub(super) struct DrainerState {
-    pub(super) conns: Vec<Arc<Connection>>,
-    /// Buffers popped this round and, in parallel, the index of the connection each came from
-    /// and its priority. All keep their capacity across rounds.
-    pub(super) bufs: Vec<Box<[u8]>>,
-    pub(super) owners: Vec<usize>,
-    pub(super) priorities: Vec<Option<f64>>,
-    pub(super) marks: Vec<StepMark>,
-    /// Each buffer's compressed leaves as they arrived, if the backend keeps them so.
-    pub(super) packed: Vec<Option<Box<[u8]>>>,
-    pub(super) round: usize,
 }
 
 /// One drainer thread.

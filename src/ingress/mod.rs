@@ -57,7 +57,8 @@ use crate::sync::{Arc, AtomicBool, AtomicU32, AtomicU64, AtomicUsize};
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 
 use budget::ByteBudget;
-use drainer::{Drainer, DrainerShared, DrainerState};
+use connection::{DrainerShared, DrainerState};
+use drainer::Drainer;
 
 pub use budget::SegmentReservation;
 pub use config::IngressConfig;
