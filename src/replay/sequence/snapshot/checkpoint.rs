@@ -1,12 +1,11 @@
 //! Taking a checkpoint of a sequence table: the metadata in one lock hold
 //! ([`SequenceTable::checkpoint_with`]), then the steps' bytes chunk by chunk
-//! ([`SequenceCheckpoint`] as [`Chunks`]), with the copy-on-write marker saving what a writer
+//! ([`SequenceCheckpoint::next_chunk`]), with the copy-on-write marker saving what a writer
 //! would overwrite before it is copied.
 
 use std::collections::HashMap;
 
 use super::{at_end_code, ChunkRow, Cow, EpisodeRow, SequenceSnapshot, StreamRow, WindowRow};
-use crate::checkpoint::Chunks;
 use crate::codec::LeafCodecs;
 use crate::error::EchoError;
 use crate::replay::sequence::{Compressed, SequenceTable, State};
@@ -56,7 +55,7 @@ impl SequenceCheckpoint {
         (!codecs.is_empty()).then_some(codecs)
     }
 
-    /// From now on [`Chunks::next_chunk`] hands out each compressed leaf as the table stores
+    /// From now on [`SequenceCheckpoint::next_chunk`] hands out each compressed leaf as the table stores
     /// it: one compressed row per chunk row of the snapshot, of varying length (see
     /// [`SequenceCheckpoint::packed_lengths`]; a chunk still filling is compressed for it).
     /// Call it before the first chunk; a no-op when no leaf is compressed.
@@ -78,19 +77,26 @@ impl SequenceCheckpoint {
     }
 }
 
-impl Chunks for SequenceCheckpoint {
-    fn spec(&self) -> &DataSpec {
+impl SequenceCheckpoint {
+    /// The table's step layout (what each leaf's rows hold).
+    pub fn spec(&self) -> &DataSpec {
         &self.table.spec
     }
 
-    fn len(&self) -> usize {
+    /// Steps in the snapshot (rows of every leaf).
+    pub fn len(&self) -> usize {
         self.snapshot.steps()
+    }
+
+    /// Whether the snapshot holds no step.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 
     /// Copies the steps of the next chunks (in eviction order), about `max_bytes` but at
     /// least one chunk, into `out` (leaf `l`'s steps back to back in `out[l]`). One lock hold
     /// per call. Returns the steps copied; 0 when done.
-    fn next_chunk(&mut self, max_bytes: usize, out: &mut [Vec<u8>]) -> usize {
+    pub fn next_chunk(&mut self, max_bytes: usize, out: &mut [Vec<u8>]) -> usize {
         let table = &*self.table;
         let g = &table.geometry;
         assert_eq!(out.len(), table.spec.len(), "one buffer per leaf");

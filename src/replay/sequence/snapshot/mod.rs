@@ -23,8 +23,6 @@
 //! | `format.rs`     | the blob: [`SequenceSnapshot::encode`] and its defensive decode |
 //! | `checkpoint.rs` | taking one: [`SequenceCheckpoint`], the lock hold, the copy-out |
 //! | `restore.rs`    | rebuilding a new table from one, checked before it is touched  |
-//!
-//! [`SequenceCheckpoint::next_chunk`]: crate::checkpoint::Chunks::next_chunk
 
 mod checkpoint;
 mod format;
