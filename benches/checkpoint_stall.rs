@@ -16,7 +16,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use echo::checkpoint::{write_leaf_files_chunked, Chunks, FifoSnapshot, LeafFile};
-use echo::ingress::QueuedSamples;
+use echo::queued::QueuedSamples;
 use echo::replay::{ReplayConfig, SamplerKind, Table};
 use echo::{ArraySpec, DataSpec, Leaves, Rows, Store};
 

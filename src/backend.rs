@@ -23,8 +23,8 @@ use std::time::Instant;
 
 use crate::checkpoint::FifoSnapshot;
 use crate::error::{EchoError, InsertError};
-use crate::ingress::{Ingress, QueuedSamples};
 use crate::metrics::DetailedSnapshot;
+use crate::queued::QueuedSamples;
 use crate::replay::{
     Checkpoint, EpisodeEnd, InsertHoldback, LeafRows, MetaLeaf, ReplayBatch, ReplayConfig,
     ReplayConsumer, ReplayStats, SampleHoldback, SequenceCheckpoint, SequenceConfig,
@@ -336,17 +336,18 @@ impl Backend {
     }
 
     /// Starts a checkpoint ([`Store::checkpoint_with`], [`Table::checkpoint_with`]): a
-    /// snapshot of the backend and, taken at the same moment, the acknowledged samples
-    /// `ingress` still holds ([`Ingress::capture`]), so that the two together hold every
-    /// acknowledged sample the learner was not handed, each once.
+    /// snapshot of the backend and, taken at the same moment by `capture`, the acknowledged
+    /// samples still held outside it (the ingress's, or none), so that the two together hold
+    /// every acknowledged sample the learner was not handed, each once. `capture` runs at the
+    /// snapshot moment, when nothing can move a sample into the backend (the ring frozen, a
+    /// table under its lock): it must not insert, and should only copy.
     ///
     /// # Errors
     /// [`EchoError::Busy`] while another checkpoint of the backend runs.
-    pub fn checkpoint(&self, ingress: Option<&Ingress>) -> Result<BackendCheckpoint, EchoError> {
-        let capture = || match ingress {
-            Some(ingress) => ingress.capture(),
-            None => QueuedSamples::new(self.spec().payload_size()),
-        };
+    pub fn checkpoint(
+        &self,
+        capture: impl FnOnce() -> QueuedSamples,
+    ) -> Result<BackendCheckpoint, EchoError> {
         match self {
             Self::Fifo(store) => {
                 let (ring, queued) = store.checkpoint_with(capture)?;

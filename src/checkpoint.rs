@@ -1,11 +1,13 @@
 //! Writing checkpoint data to files: one `.npy` file per leaf (the numpy format: a header
 //! with the dtype and shape, then the rows in order, C order), streamed from a [`Chunks`]
-//! source a chunk at a time (a replay table's [`Checkpoint`], the FIFO ring's
-//! [`FifoSnapshot`], an ingress capture's [`QueuedChunks`]), hashed (SHA-256) while written
-//! and fsynced before returning. The header is built here because the row count is only known once the snapshot
-//! is taken; the dtype's descriptor comes from the caller (the core knows only sizes). The manifest, the metadata arrays and
+//! source a chunk at a time (a replay table's [`Checkpoint`], a sequence table's
+//! [`SequenceCheckpoint`], the FIFO ring's [`FifoSnapshot`], an ingress capture's
+//! [`QueuedChunks`]), hashed (SHA-256) while written and fsynced before returning. The
+//! snapshots are the backends' own types; the [`Chunks`] face they are written through is
+//! given to them here, so the backends never import the writer. The header is built here
+//! because the row count is only known once the snapshot is taken; the dtype's descriptor
+//! comes from the caller (the core knows only sizes). The manifest, the metadata arrays and
 //! the atomic replacement of the checkpoint directory live in `python/echo/checkpoint.py`.
-
 use std::fs::File;
 use std::io::Write;
 use std::path::PathBuf;
@@ -13,8 +15,8 @@ use std::path::PathBuf;
 use sha2::{Digest, Sha256};
 
 use crate::error::EchoError;
-use crate::ingress::QueuedSamples;
-use crate::replay::Checkpoint;
+use crate::queued::QueuedSamples;
+use crate::replay::{Checkpoint, SequenceCheckpoint};
 use crate::spec::DataSpec;
 use crate::store::RingCheckpoint;
 
@@ -42,6 +44,18 @@ impl Chunks for Checkpoint {
     }
     fn next_chunk(&mut self, max_bytes: usize, out: &mut [Vec<u8>]) -> usize {
         Checkpoint::next_chunk(self, max_bytes, out)
+    }
+}
+
+impl Chunks for SequenceCheckpoint {
+    fn spec(&self) -> &DataSpec {
+        SequenceCheckpoint::spec(self)
+    }
+    fn len(&self) -> usize {
+        SequenceCheckpoint::len(self)
+    }
+    fn next_chunk(&mut self, max_bytes: usize, out: &mut [Vec<u8>]) -> usize {
+        SequenceCheckpoint::next_chunk(self, max_bytes, out)
     }
 }
 

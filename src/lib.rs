@@ -16,6 +16,7 @@
 //! | [`backend`] | one face over both: build, insert, sample, batch memory, statistics |
 //! | [`server`]  | the server: a backend, its consumer, the ingress and transport, their lifecycle |
 //! | `ingress`   | per-connection queues, buffer pools, the drainer pool               |
+//! | [`queued`]  | acknowledged samples a checkpoint finds outside the backend          |
 //! | `doorbell`  | the drainers' sleep/wake protocol, loom-checked                     |
 //! | `transport` | the wire format, the TCP server, the TCP client, shared memory      |
 //! | [`metrics`] | statistics counters; detailed histograms behind `detailed-metrics` |
@@ -43,6 +44,8 @@ pub mod ingress;
 pub mod metrics;
 #[cfg(not(loom))]
 pub mod pinned;
+#[cfg(not(loom))]
+pub mod queued;
 #[cfg(not(loom))]
 pub mod replay;
 #[cfg(not(loom))]

@@ -4,13 +4,13 @@
 //!
 //! Run with `RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 cargo test --release --test
 //! loom_ingress --target-dir target/loom`. The `Doorbell` is the real code from
-//! `src/doorbell.rs` (the one `src/ingress.rs` uses), on loom's atomics, mutex and park. Under
+//! `src/doorbell.rs` (the one `src/ingress/` uses), on loom's atomics, mutex and park. Under
 //! loom it parks with no timeout, so a lost wake-up leaves every thread blocked and loom
 //! reports a deadlock.
 //!
 //! The ingress itself does not build under loom (crossbeam queues, parking_lot, tokio), so the
 //! drainer loop below is a copy of `Drainer::run`'s control flow over stand-ins with the same
-//! orderings as `src/ingress.rs`: `incoming` behind a mutex, `closed` set by a Release swap
+//! orderings as `src/ingress/`: `incoming` behind a mutex, `closed` set by a Release swap
 //! and read with Acquire, the shutdown flag Release/Acquire. A connection queue is a count of
 //! pushed items, written with Release and read with Acquire: weaker than crossbeam's
 //! `ArrayQueue` (whose `push`/`is_empty` use SeqCst on the indices), so the doorbell's fences

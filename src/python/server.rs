@@ -24,7 +24,7 @@ use crate::backend::{Backend, BackendCheckpoint, BatchConsumer, BatchRef};
 use crate::checkpoint::{as_bytes, write_leaf_files, write_npy_1d, LeafFile, QueuedChunks};
 use crate::codec::{Codec, LeafCodecs};
 use crate::error::EchoError;
-use crate::ingress::QueuedSamples;
+use crate::queued::QueuedSamples;
 use crate::replay::{LeafRows, SequenceSnapshot, SnapshotItems, TableState};
 use crate::server::{LastCheckpoint, Server, ServerConfig as CoreServerConfig, Snapshot};
 use crate::source::{EpisodeEnd, Rows, StepLeaves, StepTag};
@@ -424,9 +424,10 @@ impl PyServerCore {
         let mut files = leaf_files(files);
         let ingress_files = leaf_files(ingress_files);
         let backend = &self.backend;
-        let ingress = self.server.ingress();
+        let server = &self.server;
         let (items, state, digests, queued, ingress_digests) = detach(py, || {
-            let BackendCheckpoint::Replay(mut checkpoint, queued) = backend.checkpoint(ingress)?
+            let BackendCheckpoint::Replay(mut checkpoint, queued) =
+                backend.checkpoint(|| server.queued_now())?
             else {
                 return Err(EchoError::Config("_checkpoint: this server is FIFO".into()));
             };
@@ -489,9 +490,11 @@ impl PyServerCore {
     ) -> PyResult<FifoCheckpointOut<'py>> {
         let files = leaf_files(files);
         let backend = &self.backend;
-        let ingress = self.server.ingress();
+        let server = &self.server;
         let (handed_out, ring_rows, ingress_rows, digests) = detach(py, || {
-            let BackendCheckpoint::Fifo(mut snapshot) = backend.checkpoint(ingress)? else {
+            let BackendCheckpoint::Fifo(mut snapshot) =
+                backend.checkpoint(|| server.queued_now())?
+            else {
                 return Err(EchoError::Config(
                     "_checkpoint_fifo: this server is a replay table".into(),
                 ));
@@ -598,10 +601,10 @@ impl PyServerCore {
         let mut files = leaf_files(files);
         let ingress_files = leaf_files(ingress_files);
         let backend = &self.backend;
-        let ingress = self.server.ingress();
+        let server = &self.server;
         let (counts, digests, ingress_digests) = detach(py, || {
             let BackendCheckpoint::Sequence(mut checkpoint, queued) =
-                backend.checkpoint(ingress)?
+                backend.checkpoint(|| server.queued_now())?
             else {
                 return Err(EchoError::Config("_checkpoint_sequence: not a sequence table".into()));
             };

@@ -49,8 +49,8 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::codec::{self, Codec, LeafCodecs};
 use crate::error::{EchoError, InsertError};
-use crate::ingress::QueuedSamples;
 use crate::metrics::Counter;
+use crate::queued::QueuedSamples;
 use crate::replay::limiter::{InsertHoldback, RateLimit, RateLimiter, SampleHoldback};
 use crate::replay::rng::Rng;
 use crate::replay::select::{

@@ -26,6 +26,7 @@ use crate::error::EchoError;
 use crate::error::InsertError;
 use crate::ingress::{Ingress, IngressConfig, IngressSnapshot};
 use crate::metrics::{self, DetailedSnapshot};
+use crate::queued::QueuedSamples;
 use crate::replay::{InsertHoldback, SampleHoldback};
 use crate::source::SampleSource;
 use crate::spec::DataSpec;
@@ -324,6 +325,16 @@ impl Server {
             }
             Err(other) => Some(Err(other)),
         }
+    }
+
+    /// What a checkpoint of the backend finds outside it at its snapshot moment: the
+    /// acknowledged samples the ingress holds ([`Ingress::capture`]); none before a transport
+    /// started. Pass it to [`Backend::checkpoint`] as its capture.
+    pub fn queued_now(&self) -> QueuedSamples {
+        self.ingress.get().map_or_else(
+            || QueuedSamples::new(self.backend.spec().payload_size()),
+            |ingress| ingress.capture(),
+        )
     }
 
     /// Records a completed checkpoint, for [`Server::snapshot`].
