@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import operator
 
-
 __all__ = [
     "check_bool",
     "check_int",
-    "check_protocol",
     "check_seconds",
     "check_str",
     "check_token",
@@ -65,12 +63,3 @@ def check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     return value
-
-
-def check_protocol(value: object) -> int:
-    """A `TcpClient` protocol: 0 for "auto", else 1 or 2."""
-    if value == "auto":
-        return 0
-    if isinstance(value, int) and not isinstance(value, bool) and value in (1, 2):
-        return value
-    raise ValueError(f'protocol must be "auto", 1 or 2, got {value!r}')
