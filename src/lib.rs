@@ -43,7 +43,6 @@ pub mod ingress;
 pub mod metrics;
 #[cfg(not(loom))]
 pub mod pinned;
-#[cfg(not(loom))]
 pub mod replay;
 #[doc(hidden)]
 pub mod shmring;
@@ -51,7 +50,8 @@ mod slots;
 pub mod source;
 pub mod spec;
 pub mod store;
-mod sync;
+#[doc(hidden)]
+pub mod sync;
 #[cfg(not(loom))]
 pub mod transport;
 

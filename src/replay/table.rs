@@ -28,11 +28,12 @@
 //!    `Retired`, never `Free`: its bytes stay put until it is unpinned.
 //! 3. `live + writing <= max_size`; at most `batch_size` slots are pinned (one consumer, one
 //!    batch), so `max_size + batch_size` slots always leave a free one for the next insert.
-//! 4. While a [`Checkpoint`] lives, a slot is *pending* (`Cow::take_pending`: live in
-//!    `cow.snapshot`, not marked in `cow.done`) exactly when it holds a snapshot item whose
-//!    bytes the checkpoint has not copied yet and that no writer has reserved since the
-//!    snapshot, so its bytes are still the snapshot's; a writer that reserves such a slot
-//!    first saves its bytes into `cow.saved` and marks it done, under the lock (copy-on-write).
+//! 4. While a [`Checkpoint`] lives, a slot is *pending* (`CheckpointCopies::take_pending`:
+//!    live in `copies.snapshot`, not marked in `copies.done`) exactly when it holds a
+//!    snapshot item whose bytes the checkpoint has not copied yet and that no writer has
+//!    reserved since the snapshot, so its bytes are still the snapshot's; a writer that
+//!    reserves such a slot first saves its bytes into `copies.saved` and marks it done, under
+//!    the lock (copy-on-write).
 //!
 //! Checkpoints ([`Table::checkpoint`]): a point-in-time snapshot while inserts and sampling go
 //! on. One lock hold copies every slot's metadata (one memcpy into a buffer allocated before)
@@ -45,31 +46,26 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::time::Instant;
 
-use parking_lot::{Condvar, Mutex, MutexGuard};
-
 use crate::codec::{self, Codec, LeafCodecs};
 use crate::error::{EchoError, InsertError};
 use crate::ingress::QueuedSamples;
-use crate::metrics::Counter;
 use crate::replay::limiter::{InsertHoldback, RateLimit, RateLimiter, SampleHoldback};
 use crate::replay::rng::Rng;
 use crate::replay::select::{
     new_remover, new_sampler, ItemRemover, ItemSampler, RemoverKind, SamplerKind,
 };
+use crate::replay::shell::{
+    check_insert_priorities, check_priority, check_update, lock_until, BatchCursor, Draws, Parked,
+    ReplayBatch, Shell, Side, WaitState,
+};
 use crate::slots::Slots;
 use crate::source::{validate_source, SampleSource};
 use crate::spec::{ArraySpec, DataSpec};
-use crate::sync::{Arc, AsyncBell, AtomicBool};
-
-// Every `Ordering::` use below is documented in place with an `ORDERING:` comment.
-use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
+use crate::sync::{Arc, AsyncBell, Mutex, MutexGuard};
 
 /// Samples up to this size are copied into their slot under the table lock (one lock round
 /// trip per insert instead of two); larger ones after releasing it.
 const COPY_UNDER_LOCK_BYTES: usize = 4096;
-
-/// The largest priority a table accepts (far below what any sum tree can hold).
-pub const MAX_PRIORITY: f64 = 1e250;
 
 /// One per-item value a replay batch carries after the sample's own leaves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -273,8 +269,9 @@ impl Hasher for KeyHasher {
 /// stored raw (back to back) and its packed item (empty when no leaf is compressed).
 type SavedItem = (Box<[u8]>, Box<[u8]>);
 
-/// Copy-on-write bookkeeping of the running [`Checkpoint`] (invariant 4).
-struct Cow {
+/// What the running [`Checkpoint`] still has to copy, and the copies writers saved for it
+/// before reusing a slot (copy-on-write, invariant 4).
+struct CheckpointCopies {
     /// Every slot's metadata at the snapshot (shared with the checkpoint while it sorts out
     /// the live items after the lock).
     snapshot: Arc<[Meta]>,
@@ -289,7 +286,7 @@ struct Cow {
     saved_packed: HashMap<u32, Box<[u8]>>,
 }
 
-impl Cow {
+impl CheckpointCopies {
     /// Whether `slot` holds a snapshot item whose bytes are still to be copied (it was live
     /// at the snapshot and neither copied nor saved since); marks it done.
     fn take_pending(&mut self, slot: usize) -> bool {
@@ -298,7 +295,7 @@ impl Cow {
         pending
     }
 
-    /// [`Cow::take_pending`] without marking it done.
+    /// [`CheckpointCopies::take_pending`] without marking it done.
     fn is_pending(&self, slot: usize) -> bool {
         self.snapshot[slot].state == SlotState::Live && !self.done[slot]
     }
@@ -331,11 +328,10 @@ struct State {
     /// The priority new items get: the largest priority seen so far, initially 1.
     max_priority: f64,
     stats: ReplayStats,
-    /// Writers parked on `insert_ready`, and the consumer parked on `sample_ready`.
-    waiting_inserts: u64,
-    waiting_samples: u64,
+    /// Writers parked on the shell's `insert_ready`, and the consumer on its `sample_ready`.
+    parked: Parked,
     /// The checkpoint being written, if any.
-    cow: Option<Cow>,
+    copies: Option<CheckpointCopies>,
     /// Set while a restore's ingress samples are still going in ([`Table::restore_queued`]):
     /// every other insert waits, so that nothing new goes in before them.
     restoring: bool,
@@ -399,8 +395,8 @@ impl State {
         self.free.push(slot as u32);
         if let Some(cell) = self.packed.get(slot) {
             let item = std::mem::take(&mut *cell.lock());
-            if let Some(cow) = self.cow.as_mut().filter(|cow| cow.is_pending(slot)) {
-                cow.saved_packed.insert(slot as u32, item);
+            if let Some(copies) = self.copies.as_mut().filter(|copies| copies.is_pending(slot)) {
+                copies.saved_packed.insert(slot as u32, item);
             }
         }
     }
@@ -487,12 +483,36 @@ impl State {
     }
 }
 
+impl WaitState for State {
+    fn parked(&mut self) -> &mut Parked {
+        &mut self.parked
+    }
+
+    fn add_blocked_ns(&mut self, side: Side, ns: u64) {
+        match side {
+            Side::Insert => self.stats.insert_blocked_ns += ns,
+            Side::Sample => self.stats.sample_blocked_ns += ns,
+        }
+    }
+}
+
+impl Draws for State {
+    fn limiter(&mut self) -> &mut RateLimiter {
+        &mut self.limiter
+    }
+
+    fn live(&self) -> u64 {
+        self.live as u64
+    }
+
+    fn add_sampled(&mut self, n: u64) {
+        self.stats.sampled_items += n;
+    }
+}
+
 /// A replay table. Create with [`Table::new`]; many writers [`Table::insert`], one
 /// [`ReplayConsumer`] samples.
 pub struct Table {
-    /// Page-locking of the batch area, if requested. Declared before `area` so that it is
-    /// dropped (unregistered) before the area is freed.
-    pinned: crate::pinned::Pinning,
     spec: DataSpec,
     config: ReplayConfig,
     /// `max_size + batch_size` item slots of the leaves stored as they are (compressed leaves
@@ -511,29 +531,17 @@ pub struct Table {
     /// The most threads that decompress one batch or compress one insert (the calling
     /// thread included).
     codec_threads: usize,
-    /// Two batches (halves) of the sample's leaves plus [`BATCH_META`]; batch `h` is slots
-    /// `h * batch_size .. (h + 1) * batch_size`. Only the consumer writes it.
-    area: Slots,
     state: Mutex<State>,
-    /// Writers wait here for the rate limiter; notified whenever a sample progresses.
-    /// Writers wait for the rate limiter on `insert_ready` (notified whenever a sample
-    /// progresses), the consumer for items on `sample_ready` (notified on every publish).
-    signals: Signals,
+    /// The waits (writers for the rate limiter, woken whenever a sample progresses; the
+    /// consumer for items, woken on every publish), the close protocol, the consumer claim,
+    /// and the batch area: two batches (halves) of the sample's leaves plus [`BATCH_META`].
+    shell: Shell,
 }
 
 impl std::fmt::Debug for Table {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Table").field("config", &self.config).finish_non_exhaustive()
     }
-}
-
-/// The batch a [`ReplayConsumer::sample`] call assembled.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ReplayBatch {
-    /// Which half of the batch area holds it (see [`Table::batch_ptr`]).
-    pub half: usize,
-    /// 0 for the first batch, then 1, 2, ...
-    pub sequence: u64,
 }
 
 impl Table {
@@ -612,13 +620,12 @@ impl Table {
             next_key: 0,
             max_priority: 1.0,
             stats: ReplayStats::default(),
-            waiting_inserts: 0,
-            waiting_samples: 0,
-            cow: None,
+            parked: Parked::default(),
+            copies: None,
             restoring: false,
         };
+        let shell = Shell::new(config.rate_limit, batch_size, area);
         Ok(Arc::new(Self {
-            pinned: crate::pinned::Pinning::default(),
             spec,
             config,
             storage,
@@ -626,9 +633,8 @@ impl Table {
             packed,
             fixed_bytes,
             codec_threads: std::thread::available_parallelism().map_or(1, |n| n.get().min(8)),
-            area,
             state: Mutex::new(state),
-            signals: Signals::new(),
+            shell,
         }))
     }
 
@@ -649,15 +655,13 @@ impl Table {
 
     /// The single consumer handle; `None` if one was already taken.
     pub fn consumer(self: &Arc<Self>) -> Option<ReplayConsumer> {
-        // ORDERING: Relaxed — the flag only has to be claimed once; it guards no other memory.
-        if !self.signals.claim_consumer() {
+        if !self.shell.claim_consumer() {
             return None;
         }
         Some(ReplayConsumer {
             table: Arc::clone(self),
             pending: Vec::with_capacity(self.config.batch_size),
-            half: 0,
-            sequence: 0,
+            cursor: BatchCursor::default(),
             holdback: None,
         })
     }
@@ -665,16 +669,12 @@ impl Table {
     /// Closes the table: waiting and future inserts fail with `Closed`, `sample` returns
     /// [`EchoError::Closed`]. Idempotent.
     pub fn close(&self) {
-        self.signals.close(&self.state.lock());
+        self.shell.close(&self.state.lock());
     }
 
     /// Whether [`Table::close`] was called.
     pub fn is_closed(&self) -> bool {
-        self.signals.is_closed()
-    }
-
-    fn wake_writers(&self) {
-        self.signals.wake_writers();
+        self.shell.is_closed()
     }
 
     /// Rung whenever a waiting insert might now go further (see [`Backend::insert_bell`]).
@@ -682,12 +682,7 @@ impl Table {
     /// [`Backend::insert_bell`]: crate::backend::Backend::insert_bell
     #[cfg_attr(any(loom, not(target_os = "linux")), allow(dead_code))] // only the shared-memory path (Linux) awaits it
     pub(crate) fn insert_bell(&self) -> &AsyncBell {
-        &self.signals.insert_bell
-    }
-
-    /// Checks one priority ([`check_priority`]).
-    fn check_priority(&self, state: &State, priority: f64) -> Result<(), String> {
-        check_priority(&*state.sampler, priority)
+        self.shell.insert_bell()
     }
 
     /// Checks one priority as an insert or an update would (takes the lock briefly).
@@ -696,7 +691,7 @@ impl Table {
     /// [`EchoError::Priority`] saying what is wrong with it.
     pub fn check_one_priority(&self, priority: f64) -> Result<(), EchoError> {
         let state = self.state.lock();
-        self.check_priority(&state, priority)
+        check_priority(&*state.sampler, priority)
             .map_err(|msg| EchoError::Priority(format!("priority {msg}")))
     }
 
@@ -731,27 +726,10 @@ impl Table {
         // compressed again and again, nor many that never go in (a timeout).
         let (n, group) = (src.num_samples(), self.pack_group(src));
         let mut ahead = self.pack_ahead(src, 0..group.min(n)).into_iter();
-        // The deadline bounds the wait for the lock too: a caller that must not block (the
-        // bindings try once with the GIL held, passing `now`) never waits behind a long
-        // `update_priorities`.
-        let mut state = match deadline {
-            Some(deadline) => self
-                .state
-                .try_lock_until(deadline)
-                .ok_or(InsertError::new(0, EchoError::TimedOut))?,
-            None => self.state.lock(),
-        };
-        if let Some(priority) = priority {
-            self.check_priority(&state, priority)
-                .map_err(|msg| EchoError::Priority(format!("priority {msg}")))?;
-        }
-        for sample in 0..n {
-            if let Some(own) = src.priority(sample) {
-                self.check_priority(&state, own).map_err(|msg| {
-                    EchoError::Priority(format!("sample {sample}'s priority {msg}"))
-                })?;
-            }
-        }
+        // The deadline bounds the wait for the lock too.
+        let mut state =
+            lock_until(&self.state, deadline).map_err(|error| InsertError::new(0, error))?;
+        check_insert_priorities(&*state.sampler, src, priority)?;
         for sample in 0..n {
             let item = match ahead.next() {
                 Some(item) => item,
@@ -763,7 +741,10 @@ impl Table {
                     ahead.next().expect("one packed item per sample of the group")
                 }
             };
-            self.wait_insertable(&mut state, deadline, restorer)
+            self.shell
+                .wait_writable(&mut state, deadline, |s| {
+                    s.insertable() && (restorer || !s.restoring)
+                })
                 .map_err(|error| InsertError::new(sample, error))?;
             let packed_len = u32::try_from(item.len()).unwrap_or(u32::MAX);
             let bytes = self.fixed_bytes.saturating_add(packed_len);
@@ -848,23 +829,23 @@ impl Table {
     /// (large, still copying) items may now evict.
     fn publish(&self, state: &mut State, slot: usize, priority: Option<f64>, replaced: bool) {
         state.publish(slot, priority, replaced);
-        self.signals.sample_ready.notify_one();
+        self.shell.notify_sample();
         if state.live == 1 {
-            self.wake_writers();
+            self.shell.wake_writers();
         }
     }
 
     /// Invariant 4: saves the snapshot bytes of `slot`, just reserved by this writer (under the
     /// lock, before anything is written to it), if a running checkpoint still needs them.
     fn preserve_for_checkpoint(&self, state: &mut State, slot: usize) {
-        let Some(cow) = state.cow.as_mut() else {
+        let Some(copies) = state.copies.as_mut() else {
             return;
         };
-        if !cow.take_pending(slot) {
+        if !copies.take_pending(slot) {
             return;
         }
         let mut bytes = Vec::with_capacity(self.fixed_bytes as usize);
-        let item = match cow.saved_packed.remove(&(slot as u32)) {
+        let item = match copies.saved_packed.remove(&(slot as u32)) {
             Some(item) => item,
             None => self.packed.get(slot).map(|cell| cell.lock().clone()).unwrap_or_default(),
         };
@@ -876,7 +857,7 @@ impl Table {
                 self.storage.read_slots(leaf, slot..slot + 1, |b| bytes.extend_from_slice(b));
             }
         }
-        cow.saved.insert(slot as u32, (bytes.into_boxed_slice(), item));
+        copies.saved.insert(slot as u32, (bytes.into_boxed_slice(), item));
     }
 
     /// Writes sample `sample` of `src` into `slot`: its leaves stored as they are, and `item`,
@@ -949,34 +930,6 @@ impl Table {
         }
     }
 
-    fn wait_insertable(
-        &self,
-        state: &mut MutexGuard<'_, State>,
-        deadline: Option<Instant>,
-        restorer: bool,
-    ) -> Result<(), EchoError> {
-        let mut waited = None;
-        let outcome = loop {
-            if self.is_closed() {
-                break Err(EchoError::Closed);
-            }
-            if state.insertable() && (restorer || !state.restoring) {
-                break Ok(());
-            }
-            if deadline.is_some_and(|d| Instant::now() >= d) {
-                break Err(EchoError::TimedOut);
-            }
-            waited.get_or_insert_with(Instant::now);
-            state.waiting_inserts += 1;
-            wait(&self.signals.insert_ready, state, deadline);
-            state.waiting_inserts -= 1;
-        };
-        if let Some(started) = waited {
-            state.stats.insert_blocked_ns += elapsed_ns(started);
-        }
-        outcome
-    }
-
     /// Sets the priority of every item in `keys` that is still in the table; unknown or
     /// removed keys are skipped and counted. The next batch is drawn with the new priorities.
     /// Returns the number of keys skipped.
@@ -985,18 +938,8 @@ impl Table {
     /// [`EchoError::Priority`] (nothing changed) if the lengths differ or a priority is
     /// invalid, naming its index.
     pub fn update_priorities(&self, keys: &[u64], priorities: &[f64]) -> Result<u64, EchoError> {
-        if keys.len() != priorities.len() {
-            return Err(EchoError::Priority(format!(
-                "keys and priorities must have the same length, got {} keys and {} priorities",
-                keys.len(),
-                priorities.len()
-            )));
-        }
         let mut state = self.state.lock();
-        for (i, &priority) in priorities.iter().enumerate() {
-            self.check_priority(&state, priority)
-                .map_err(|msg| EchoError::Priority(format!("priorities[{i}] {msg}")))?;
-        }
+        check_update(&*state.sampler, keys, priorities)?;
         let mut unknown = 0;
         for (&key, &priority) in keys.iter().zip(priorities) {
             let Some(&slot) = state.keys.get(&key) else {
@@ -1023,7 +966,7 @@ impl Table {
             stored_bytes: state.stored_bytes,
             raw_bytes: (state.live + state.writing) as u64 * self.spec.payload_size() as u64,
             insert_blocked_ns: state.stats.insert_blocked_ns
-                + self.signals.insert_blocked_outside_ns.get(),
+                + self.shell.insert_blocked_outside_ns.get(),
             ..state.stats
         }
     }
@@ -1032,27 +975,25 @@ impl Table {
     /// caller waited that long outside the table before trying again (see
     /// `Backend::note_insert_blocked`). Never takes the lock.
     pub fn note_insert_blocked(&self, ns: u64) {
-        self.signals.insert_blocked_outside_ns.add(ns);
+        self.shell.note_insert_blocked(ns);
     }
 
     /// Writers inside `insert` parked on the rate limiter (or a table full of pending items)
     /// right now. Counted under the table lock, which the wait releases: a test that reads
     /// 1 knows the writer is parked, so it can check a call is blocked without sleeping.
     pub fn waiting_inserts(&self) -> u64 {
-        self.state.lock().waiting_inserts
+        self.state.lock().parked.inserts
     }
 
     /// 1 while the consumer is parked in `sample` waiting for items or the rate limiter.
     pub fn waiting_samples(&self) -> u64 {
-        self.state.lock().waiting_samples
+        self.state.lock().parked.samples
     }
 
     /// The limiter and its counters now, for the message of an insert that timed out.
     pub fn insert_holdback(&self) -> InsertHoldback {
         let state = self.state.lock();
-        let (inserts, samples) = state.limiter.counts();
-        let size = (state.live + state.writing) as u64;
-        InsertHoldback { limit: self.config.rate_limit, inserts, samples, size }
+        self.shell.insert_holdback(&state.limiter, (state.live + state.writing) as u64)
     }
 
     /// `(inserts, samples)` as the rate limiter counts them (inserts when their slot is
@@ -1072,7 +1013,7 @@ impl Table {
     /// values. The bytes are stable until the consumer's second `sample` after the one that
     /// returned `half`.
     pub fn batch_ptr(&self, half: usize, leaf: usize) -> *const u8 {
-        self.area.slot_ptr(leaf, half * self.config.batch_size)
+        self.shell.batch_ptr(half, leaf)
     }
 
     /// Page-locks the batch area (what a learner copies to the GPU) with `cudaHostRegister`.
@@ -1087,15 +1028,13 @@ impl Table {
         &self,
         cuda_runtimes: &[std::path::PathBuf],
     ) -> Result<(), EchoError> {
-        // SAFETY: the ranges are the batch area's own allocations, which live as long as
-        // `self`; `self.pinned` is dropped before `self.area` (field order). The caller vouches
-        // for the libraries.
-        unsafe { self.pinned.pin(cuda_runtimes, || self.area.buffers()) }
+        // SAFETY: the caller vouches for the libraries, as this function's contract asks.
+        unsafe { self.shell.pin_host_memory(cuda_runtimes) }
     }
 
     /// Whether the batch area is page-locked.
     pub fn is_pinned(&self) -> bool {
-        self.pinned.is_pinned()
+        self.shell.is_pinned()
     }
 
     /// Starts a checkpoint: a consistent snapshot of the live items (in key order) and the
@@ -1132,7 +1071,7 @@ impl Table {
         let mut snapshot: Arc<[Meta]> = vec![Meta::UNUSED; slots].into();
         let done = vec![false; slots].into_boxed_slice();
         let mut state = self.state.lock();
-        if state.cow.is_some() {
+        if state.copies.is_some() {
             return Err(EchoError::Busy(
                 "a checkpoint of this table is already being written".to_owned(),
             ));
@@ -1146,7 +1085,7 @@ impl Table {
             next_key: state.next_key,
             max_priority: state.max_priority,
         };
-        state.cow = Some(Cow {
+        state.copies = Some(CheckpointCopies {
             snapshot: Arc::clone(&snapshot),
             done,
             saved: HashMap::new(),
@@ -1220,7 +1159,7 @@ impl Table {
 
     fn end_restore(&self) {
         self.state.lock().restoring = false;
-        self.wake_writers();
+        self.shell.wake_writers();
     }
 
     /// Fills a new, empty table with a checkpoint's items (in key order, `leaves[l]` holding
@@ -1387,12 +1326,12 @@ impl Table {
         )?;
         let mut state = self.state.lock();
         for (i, &priority) in items.priorities.iter().enumerate() {
-            self.check_priority(&state, priority)
+            check_priority(&*state.sampler, priority)
                 .map_err(|msg| EchoError::Config(format!("restore: priorities[{i}] {msg}")))?;
         }
-        self.check_priority(&state, saved.max_priority)
+        check_priority(&*state.sampler, saved.max_priority)
             .map_err(|msg| EchoError::Config(format!("restore: max_priority {msg}")))?;
-        if state.live + state.writing > 0 || state.stats.inserted > 0 || state.cow.is_some() {
+        if state.live + state.writing > 0 || state.stats.inserted > 0 || state.copies.is_some() {
             return config("the table is not new".to_owned());
         }
         let mut items_packed = items_packed.into_iter();
@@ -1429,7 +1368,7 @@ impl Table {
         state.next_key = saved.next_key;
         state.max_priority = saved.max_priority;
         drop(state);
-        self.signals.sample_ready.notify_one();
+        self.shell.notify_sample();
         Ok(())
     }
 }
@@ -1572,10 +1511,10 @@ impl Checkpoint {
         let rows = self.next_row..self.next_row + n;
         let (packed_out, lengths) = (self.packed_out, &mut self.lengths);
         let mut state = table.state.lock();
-        let cow = state.cow.as_mut().expect("armed while the checkpoint lives");
+        let copies = state.copies.as_mut().expect("armed while the checkpoint lives");
         for &slot in &self.slots[rows] {
-            if cow.take_pending(slot as usize) {
-                let freed = cow.saved_packed.remove(&slot);
+            if copies.take_pending(slot as usize) {
+                let freed = copies.saved_packed.remove(&slot);
                 let slot = slot as usize;
                 let cell = table.packed.get(slot).map(|cell| cell.lock());
                 let item: &[u8] = match (&freed, &cell) {
@@ -1596,7 +1535,7 @@ impl Checkpoint {
                 table.emit(stored, item, packed_out, lengths, out);
             } else {
                 let (fixed, item) =
-                    cow.saved.remove(&slot).expect("a reused snapshot slot was saved");
+                    copies.saved.remove(&slot).expect("a reused snapshot slot was saved");
                 let mut at = 0;
                 let stored = |leaf: usize, out: &mut Vec<u8>| {
                     let len = spec.arrays()[leaf].num_bytes();
@@ -1615,94 +1554,9 @@ impl Checkpoint {
 impl Drop for Checkpoint {
     fn drop(&mut self) {
         // Taken out under the lock, freed after it.
-        let cow = self.table.state.lock().cow.take();
-        drop(cow);
+        let copies = self.table.state.lock().copies.take();
+        drop(copies);
     }
-}
-
-/// The wake-ups and flags a replay or sequence table shares between its writers and its one
-/// consumer: the same close protocol for both.
-pub(super) struct Signals {
-    /// Writers wait here (for the rate limiter, or room).
-    pub(super) insert_ready: Condvar,
-    /// Rung with every `insert_ready` notification, for async writers
-    /// (`Backend::insert_bell`).
-    pub(super) insert_bell: AsyncBell,
-    /// The consumer waits here for items (windows) or the rate limiter.
-    pub(super) sample_ready: Condvar,
-    closed: AtomicBool,
-    consumer_taken: AtomicBool,
-    /// Nanoseconds async writers waited on `insert_bell` after the table refused an insert
-    /// that does not wait (`note_insert_blocked`): part of `insert_blocked_ns`, kept outside
-    /// the lock so that such a writer never waits for it (a long `update_priorities` holds
-    /// it).
-    pub(super) insert_blocked_outside_ns: Counter,
-}
-
-impl Signals {
-    pub(super) fn new() -> Self {
-        Self {
-            insert_ready: Condvar::new(),
-            insert_bell: AsyncBell::default(),
-            sample_ready: Condvar::new(),
-            closed: AtomicBool::new(false),
-            consumer_taken: AtomicBool::new(false),
-            insert_blocked_outside_ns: Counter::default(),
-        }
-    }
-
-    /// Marks the table closed and wakes every waiter. `_held` is the table's lock, held, so a
-    /// waiter that checked `closed` before is already parked and gets the notification.
-    pub(super) fn close<T>(&self, _held: &MutexGuard<'_, T>) {
-        // ORDERING: Release pairs with the Acquire in `is_closed` (lock-free readers).
-        self.closed.store(true, Release);
-        self.wake_writers();
-        self.sample_ready.notify_all();
-    }
-
-    pub(super) fn is_closed(&self) -> bool {
-        // ORDERING: Acquire pairs with the Release store in `close`.
-        self.closed.load(Acquire)
-    }
-
-    /// Wakes the writers waiting for the rate limiter or the table's state: threads on
-    /// `insert_ready`, tasks on the bell.
-    pub(super) fn wake_writers(&self) {
-        self.insert_ready.notify_all();
-        self.insert_bell.ring();
-    }
-
-    /// Claims the one consumer handle: `false` if it was claimed already.
-    pub(super) fn claim_consumer(&self) -> bool {
-        // ORDERING: Relaxed — the flag only has to be claimed once; it guards no other memory.
-        !self.consumer_taken.swap(true, Relaxed)
-    }
-}
-
-/// Checks one priority of a replay or sequence table: finite, `>= 0`, at most
-/// [`MAX_PRIORITY`] and storable by `sampler` (`priority^exponent` must stay finite).
-pub(super) fn check_priority(sampler: &dyn ItemSampler, priority: f64) -> Result<(), String> {
-    if !(priority.is_finite() && priority >= 0.0) {
-        return Err(format!("must be a finite number >= 0, got {priority}"));
-    }
-    if priority > MAX_PRIORITY {
-        return Err(format!("must be at most {MAX_PRIORITY:e}, got {priority:e}"));
-    }
-    sampler.check_priority(priority)
-}
-
-/// Waits on `cond` until notified or `deadline` (a replay or sequence table's lock held).
-pub(super) fn wait<T>(cond: &Condvar, state: &mut MutexGuard<'_, T>, deadline: Option<Instant>) {
-    match deadline {
-        None => cond.wait(state),
-        Some(deadline) => {
-            let _ = cond.wait_until(state, deadline);
-        }
-    }
-}
-
-pub(super) fn elapsed_ns(since: Instant) -> u64 {
-    u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// The one consumer of a [`Table`]. `sample` takes `&mut self`: one batch at a time.
@@ -1711,9 +1565,8 @@ pub struct ReplayConsumer {
     table: Arc<Table>,
     /// Items drawn for the batch being assembled (kept across a timed-out `sample`).
     pending: Vec<Drawn>,
-    /// The batch-area half the next batch goes into.
-    half: usize,
-    sequence: u64,
+    /// The batch-area half the next batch goes into, and its number.
+    cursor: BatchCursor,
     /// What held the last `sample` back when it timed out (`None` after a batch).
     holdback: Option<SampleHoldback>,
 }
@@ -1736,47 +1589,15 @@ impl ReplayConsumer {
     /// deadline passes first.
     pub fn sample(&mut self, deadline: Option<Instant>) -> Result<ReplayBatch, EchoError> {
         let table = &*self.table;
-        let batch_size = table.config.batch_size;
         let mut state = table.state.lock();
-        let mut waited = None;
-        let drawn = loop {
-            if table.is_closed() {
-                break Err(EchoError::Closed);
-            }
-            let missing = batch_size - self.pending.len();
-            if missing == 0 {
-                break Ok(());
-            }
-            let allowed = state.limiter.allowed_samples(state.live as u64);
-            if allowed > 0 {
-                let n = missing.min(usize::try_from(allowed).unwrap_or(usize::MAX));
-                let got = state.draw(n, &mut self.pending);
-                state.limiter.on_sample(got as u64);
-                state.stats.sampled_items += got as u64;
-                table.wake_writers();
-                continue;
-            }
-            if deadline.is_some_and(|d| Instant::now() >= d) {
-                let (inserts, samples) = state.limiter.counts();
-                self.holdback = Some(SampleHoldback {
-                    limit: table.config.rate_limit,
-                    inserts,
-                    samples,
-                    live: state.live as u64,
-                    drawn: self.pending.len(),
-                    batch_size,
-                });
-                break Err(EchoError::TimedOut);
-            }
-            waited.get_or_insert_with(Instant::now);
-            state.waiting_samples += 1;
-            wait(&table.signals.sample_ready, &mut state, deadline);
-            state.waiting_samples -= 1;
-        };
-        if let Some(started) = waited {
-            state.stats.sample_blocked_ns += elapsed_ns(started);
-        }
-        drawn?;
+        let pending = &mut self.pending;
+        table.shell.draw_rounds(
+            &mut state,
+            deadline,
+            pending.len(),
+            &mut self.holdback,
+            |state, n| state.draw(n, pending),
+        )?;
         self.holdback = None;
         drop(state);
         self.gather();
@@ -1786,10 +1607,7 @@ impl ReplayConsumer {
         }
         state.stats.batches += 1;
         drop(state);
-        let batch = ReplayBatch { half: self.half, sequence: self.sequence };
-        self.half ^= 1;
-        self.sequence += 1;
-        Ok(batch)
+        Ok(self.cursor.advance())
     }
 
     /// What held the last `sample` back when its deadline passed: the rate limiter's counters
@@ -1798,10 +1616,10 @@ impl ReplayConsumer {
         self.holdback
     }
 
-    /// Copies the pending items into batch-area half `self.half`.
+    /// Copies the pending items into the batch-area half the cursor points at.
     fn gather(&self) {
         let table = &*self.table;
-        let base = self.half * table.config.batch_size;
+        let base = self.cursor.half() * table.config.batch_size;
         let leaves = table.spec.len();
         for leaf in 0..leaves {
             if table.codecs.get(leaf).is_some() {
@@ -1848,7 +1666,7 @@ impl ReplayConsumer {
                     // writes its own slots `base + first + i`. The item is pinned: no writer
                     // changes its cell while we read it (the cell's lock is held anyway).
                     unsafe {
-                        table.area.fill_slot(base + first + i, leaf, |dst| {
+                        table.shell.area().fill_slot(base + first + i, leaf, |dst| {
                             table.unpack(&item, k, dst);
                         });
                     }
@@ -1863,12 +1681,9 @@ impl ReplayConsumer {
     /// # Panics
     /// If `leaf` is out of range.
     pub fn read_leaf<T>(&self, batch: ReplayBatch, leaf: usize, f: impl FnOnce(&[u8]) -> T) -> T {
-        let batch_size = self.table.config.batch_size;
-        let start = batch.half * batch_size;
         // SAFETY: only this consumer writes the batch area, in `sample` (`&mut self`), which
-        // cannot run while `&self` is borrowed here; `half` is 0 or 1, so the range is inside
-        // the area's `2 * batch_size` slots.
-        unsafe { self.table.area.read_slots(leaf, start..start + batch_size, f) }
+        // cannot run while `&self` is borrowed here.
+        unsafe { self.table.shell.read_batch(batch, leaf, f) }
     }
 
     fn write_area(&self, slot: usize, leaf: usize, src: &[u8]) {
@@ -1877,7 +1692,7 @@ impl ReplayConsumer {
         // makes that the user's stale read of memory that stays allocated, as with FIFO.
         // SAFETY: only this consumer (one per table, `&mut self` in `sample`) writes the
         // batch area, and `src` is table storage or a local, never the area.
-        unsafe { self.table.area.write_slot(slot, leaf, src) };
+        unsafe { self.table.shell.area().write_slot(slot, leaf, src) };
     }
 }
 
@@ -2126,9 +1941,12 @@ mod tests {
         }
         assert_eq!(ckpt.items().keys, [0, 1, 2, 3]);
         assert_eq!(u64s(&drain(&mut ckpt, 8)[0]), [0, 1, 2, 3]);
-        assert!(t.state.lock().cow.as_ref().unwrap().saved.is_empty(), "saved bytes are consumed");
+        assert!(
+            t.state.lock().copies.as_ref().unwrap().saved.is_empty(),
+            "saved bytes are consumed"
+        );
         drop(ckpt);
-        assert!(t.state.lock().cow.is_none(), "dropping the checkpoint disarms the marker");
+        assert!(t.state.lock().copies.is_none(), "dropping the checkpoint disarms the marker");
     }
 
     #[test]

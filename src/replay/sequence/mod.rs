@@ -58,21 +58,21 @@ use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::time::Instant;
 
-use parking_lot::{Condvar, Mutex, MutexGuard};
-
 use crate::codec::{self, LeafCodecs};
 use crate::error::{EchoError, InsertError};
 use crate::replay::limiter::{InsertHoldback, RateLimiter, SampleHoldback};
 use crate::replay::rng::Rng;
 use crate::replay::select::{new_sampler, ItemSampler, RemoverKind};
-use crate::replay::table::{
-    check_priority, elapsed_ns, wait, MetaLeaf, ReplayBatch, ReplayConfig, ReplayStats, Signals,
+use crate::replay::shell::{
+    check_insert_priorities, check_priority, check_update, lock_until, BatchCursor, Draws, Parked,
+    ReplayBatch, Shell, Side, WaitState,
 };
+use crate::replay::table::{MetaLeaf, ReplayConfig, ReplayStats};
 use crate::slots::Slots;
 use crate::source::{validate_source, SampleSource};
 pub use crate::source::{EpisodeEnd, StepTag};
 use crate::spec::{ArraySpec, DataSpec};
-use crate::sync::{Arc, AsyncBell};
+use crate::sync::{Arc, AsyncBell, Condvar, Mutex, MutexGuard};
 
 mod snapshot;
 
@@ -387,8 +387,8 @@ struct State {
     next_episode: u64,
     max_priority: f64,
     stats: SequenceStats,
-    waiting_inserts: u64,
-    waiting_samples: u64,
+    /// Writers parked on the shell's `insert_ready`, and the consumer on its `sample_ready`.
+    parked: Parked,
     /// The checkpoint being written, if any (invariant 5).
     cow: Option<snapshot::Cow>,
     /// Bytes the live chunks' steps take (`Chunk::bytes` summed).
@@ -401,6 +401,33 @@ struct State {
     spare_staged: Vec<Staged>,
     /// Chunks for the writer holding the lock to pack once it lets go of it.
     to_pack: Vec<PackJob>,
+}
+
+impl WaitState for State {
+    fn parked(&mut self) -> &mut Parked {
+        &mut self.parked
+    }
+
+    fn add_blocked_ns(&mut self, side: Side, ns: u64) {
+        match side {
+            Side::Insert => self.stats.windows.insert_blocked_ns += ns,
+            Side::Sample => self.stats.windows.sample_blocked_ns += ns,
+        }
+    }
+}
+
+impl Draws for State {
+    fn limiter(&mut self) -> &mut RateLimiter {
+        &mut self.limiter
+    }
+
+    fn live(&self) -> u64 {
+        self.live_windows as u64
+    }
+
+    fn add_sampled(&mut self, n: u64) {
+        self.stats.windows.sampled_items += n;
+    }
 }
 
 /// The table's fixed geometry, shared by the lock holders and the consumer's copies.
@@ -840,9 +867,6 @@ fn decode_priority(bits: u64) -> Option<f64> {
 /// A sequence table. Create with [`SequenceTable::new`]; many writers
 /// [`SequenceTable::insert`] steps, one [`SequenceConsumer`] samples windows.
 pub struct SequenceTable {
-    /// Page-locking of the batch area, if requested. Declared before `area` so that it is
-    /// dropped (unregistered) before the area is freed.
-    pinned: crate::pinned::Pinning,
     spec: DataSpec,
     config: ReplayConfig,
     sequence: SequenceConfig,
@@ -866,13 +890,12 @@ pub struct SequenceTable {
     codec_threads: usize,
     /// With compressed leaves and more than one core: the background packers.
     packers: Option<Arc<Packers>>,
-    /// Two batches (halves) of windows: each leaf `length` steps long, then
-    /// [`SEQUENCE_META`]; batch `h` is area slots `h * batch_size .. (h + 1) * batch_size`.
-    area: Slots,
     state: Mutex<State>,
-    /// Writers wait for the rate limiter on `insert_ready`, the consumer for windows on
-    /// `sample_ready` (the replay table's close protocol).
-    signals: Signals,
+    /// The table's shell (the replay table's `shell`; `snapshot` reads it by this name): the
+    /// waits (writers for the rate limiter, the consumer for windows), the close protocol,
+    /// the consumer claim, and the batch area, two batches (halves) of windows: each leaf
+    /// `length` steps long, then [`SEQUENCE_META`].
+    signals: Shell,
 }
 
 impl std::fmt::Debug for SequenceTable {
@@ -1027,8 +1050,7 @@ impl SequenceTable {
             next_episode: 0,
             max_priority: 1.0,
             stats: SequenceStats::default(),
-            waiting_inserts: 0,
-            waiting_samples: 0,
+            parked: Parked::default(),
             cow: None,
             stored_bytes: 0,
             staged: vec![None; chunks].into_boxed_slice(),
@@ -1040,8 +1062,8 @@ impl SequenceTable {
         let packer_threads = if codecs.is_empty() { 0 } else { (cores - 1).min(MAX_PACKERS) };
         let packers = (packer_threads > 0)
             .then(|| Arc::new(Packers { threads: packer_threads, ..Packers::default() }));
+        let signals = Shell::new(config.rate_limit, batch_size, area);
         let table = Arc::new(Self {
-            pinned: crate::pinned::Pinning::default(),
             spec,
             config,
             sequence,
@@ -1055,9 +1077,8 @@ impl SequenceTable {
             max_bytes,
             codec_threads: cores.min(8),
             packers,
-            area,
             state: Mutex::new(state),
-            signals: Signals::new(),
+            signals,
         });
         if let Some(packers) = &table.packers {
             for i in 0..packers.threads {
@@ -1100,8 +1121,7 @@ impl SequenceTable {
             table: Arc::clone(self),
             pending: Vec::with_capacity(self.config.batch_size),
             runs: Vec::new(),
-            half: 0,
-            sequence: 0,
+            cursor: BatchCursor::default(),
             holdback: None,
         })
     }
@@ -1117,14 +1137,10 @@ impl SequenceTable {
         self.signals.is_closed()
     }
 
-    fn wake_writers(&self) {
-        self.signals.wake_writers();
-    }
-
     /// Rung whenever a waiting insert might now go further (see `Backend::insert_bell`).
     #[cfg_attr(any(loom, not(target_os = "linux")), allow(dead_code))] // only the shared-memory path (Linux) awaits it
     pub(crate) fn insert_bell(&self) -> &AsyncBell {
-        &self.signals.insert_bell
+        self.signals.insert_bell()
     }
 
     fn check_priority(state: &State, priority: f64) -> Result<(), String> {
@@ -1158,34 +1174,22 @@ impl SequenceTable {
         deadline: Option<Instant>,
     ) -> Result<(), InsertError> {
         validate_source(&self.spec, src)?;
-        let mut state = match deadline {
-            Some(deadline) => self
-                .state
-                .try_lock_until(deadline)
-                .ok_or(InsertError::new(0, EchoError::TimedOut))?,
-            None => self.state.lock(),
-        };
-        if let Some(priority) = priority {
-            Self::check_priority(&state, priority)
-                .map_err(|msg| EchoError::Priority(format!("priority {msg}")))?;
-        }
-        for sample in 0..src.num_samples() {
-            if let Some(own) = src.priority(sample) {
-                Self::check_priority(&state, own).map_err(|msg| {
-                    EchoError::Priority(format!("sample {sample}'s priority {msg}"))
-                })?;
-            }
-        }
+        let mut state =
+            lock_until(&self.state, deadline).map_err(|error| InsertError::new(0, error))?;
+        check_insert_priorities(&*state.sampler, src, priority)?;
         let mut put = || {
             for sample in 0..src.num_samples() {
-                self.wait_insertable(&mut state, deadline)
+                self.signals
+                    .wait_writable(&mut state, deadline, |s| {
+                        s.limiter.can_insert(s.live_windows as u64)
+                    })
                     .map_err(|error| InsertError::new(sample, error))?;
                 let windows_before = state.live_windows;
                 self.put_step(&mut state, src, sample, src.priority(sample).or(priority))
                     .map_err(|error| InsertError::new(sample, error))?;
                 src.inserted(1);
                 if state.live_windows > windows_before {
-                    self.signals.sample_ready.notify_one();
+                    self.signals.notify_sample();
                 }
             }
             Ok(())
@@ -1394,37 +1398,10 @@ impl SequenceTable {
         }
         state.forget_stream(at);
         if state.live_windows > before {
-            self.signals.sample_ready.notify_one();
+            self.signals.notify_sample();
         }
         self.pack_queued(&mut state);
         open
-    }
-
-    fn wait_insertable(
-        &self,
-        state: &mut MutexGuard<'_, State>,
-        deadline: Option<Instant>,
-    ) -> Result<(), EchoError> {
-        let mut waited = None;
-        let outcome = loop {
-            if self.is_closed() {
-                break Err(EchoError::Closed);
-            }
-            if state.limiter.can_insert(state.live_windows as u64) {
-                break Ok(());
-            }
-            if deadline.is_some_and(|d| Instant::now() >= d) {
-                break Err(EchoError::TimedOut);
-            }
-            waited.get_or_insert_with(Instant::now);
-            state.waiting_inserts += 1;
-            wait(&self.signals.insert_ready, state, deadline);
-            state.waiting_inserts -= 1;
-        };
-        if let Some(started) = waited {
-            state.stats.windows.insert_blocked_ns += elapsed_ns(started);
-        }
-        outcome
     }
 
     /// Sets the priority of every window in `keys` that is still in the table; keys of
@@ -1434,18 +1411,8 @@ impl SequenceTable {
     /// [`EchoError::Priority`] (nothing changed) if the lengths differ or a priority is
     /// invalid, naming its index.
     pub fn update_priorities(&self, keys: &[u64], priorities: &[f64]) -> Result<u64, EchoError> {
-        if keys.len() != priorities.len() {
-            return Err(EchoError::Priority(format!(
-                "keys and priorities must have the same length, got {} keys and {} priorities",
-                keys.len(),
-                priorities.len()
-            )));
-        }
         let mut state = self.state.lock();
-        for (i, &priority) in priorities.iter().enumerate() {
-            Self::check_priority(&state, priority)
-                .map_err(|msg| EchoError::Priority(format!("priorities[{i}] {msg}")))?;
-        }
+        check_update(&*state.sampler, keys, priorities)?;
         let mut unknown = 0;
         for (&key, &priority) in keys.iter().zip(priorities) {
             let Some(slot) = state.window_of_key(&self.geometry, key) else {
@@ -1483,32 +1450,30 @@ impl SequenceTable {
     /// refused and its caller waited that long outside the table before trying again (see
     /// `Backend::note_insert_blocked`). Never takes the lock.
     pub fn note_insert_blocked(&self, ns: u64) {
-        self.signals.insert_blocked_outside_ns.add(ns);
+        self.signals.note_insert_blocked(ns);
     }
 
     /// The limiter and its counters now (over windows), for the message of an insert that
     /// timed out.
     pub fn insert_holdback(&self) -> InsertHoldback {
         let state = self.state.lock();
-        let (inserts, samples) = state.limiter.counts();
-        let size = state.live_windows as u64;
-        InsertHoldback { limit: self.config.rate_limit, inserts, samples, size }
+        self.signals.insert_holdback(&state.limiter, state.live_windows as u64)
     }
 
     /// Writers parked on the rate limiter right now.
     pub fn waiting_inserts(&self) -> u64 {
-        self.state.lock().waiting_inserts
+        self.state.lock().parked.inserts
     }
 
     /// 1 while the consumer is parked in `sample`.
     pub fn waiting_samples(&self) -> u64 {
-        self.state.lock().waiting_samples
+        self.state.lock().parked.samples
     }
 
     /// Address of the first byte of `leaf` in batch-area half `half`: `batch_size` windows
     /// back to back. Leaves `spec.len()..` are the [`SEQUENCE_META`] values.
     pub fn batch_ptr(&self, half: usize, leaf: usize) -> *const u8 {
-        self.area.slot_ptr(leaf, half * self.config.batch_size)
+        self.signals.batch_ptr(half, leaf)
     }
 
     /// Page-locks the batch area with `cudaHostRegister`. Idempotent.
@@ -1522,15 +1487,13 @@ impl SequenceTable {
         &self,
         cuda_runtimes: &[std::path::PathBuf],
     ) -> Result<(), EchoError> {
-        // SAFETY: the ranges are the batch area's own allocations, which live as long as
-        // `self`; `self.pinned` is dropped before `self.area` (field order). The caller vouches
-        // for the libraries.
-        unsafe { self.pinned.pin(cuda_runtimes, || self.area.buffers()) }
+        // SAFETY: the caller vouches for the libraries, as this function's contract asks.
+        unsafe { self.signals.pin_host_memory(cuda_runtimes) }
     }
 
     /// Whether the batch area is page-locked.
     pub fn is_pinned(&self) -> bool {
-        self.pinned.is_pinned()
+        self.signals.is_pinned()
     }
 
     /// Decompresses compressed leaf `k` of a packed chunk into `dst` (its steps' raw bytes).
@@ -1614,8 +1577,9 @@ pub struct SequenceConsumer {
     pending: Vec<Drawn>,
     /// The slot runs of `pending`'s windows.
     runs: Vec<Run>,
-    half: usize,
-    sequence: u64,
+    /// The batch-area half the next batch goes into, and its number.
+    cursor: BatchCursor,
+    /// What held the last `sample` back when it timed out (`None` after a batch).
     holdback: Option<SampleHoldback>,
 }
 
@@ -1635,47 +1599,15 @@ impl SequenceConsumer {
     pub fn sample(&mut self, deadline: Option<Instant>) -> Result<ReplayBatch, EchoError> {
         let table = &*self.table;
         let g = &table.geometry;
-        let batch_size = table.config.batch_size;
         let mut state = table.state.lock();
-        let mut waited = None;
-        let drawn = loop {
-            if table.is_closed() {
-                break Err(EchoError::Closed);
-            }
-            let missing = batch_size - self.pending.len();
-            if missing == 0 {
-                break Ok(());
-            }
-            let allowed = state.limiter.allowed_samples(state.live_windows as u64);
-            if allowed > 0 {
-                let n = missing.min(usize::try_from(allowed).unwrap_or(usize::MAX));
-                let got = state.draw(g, n, &mut self.pending, &mut self.runs);
-                state.limiter.on_sample(got as u64);
-                state.stats.windows.sampled_items += got as u64;
-                table.wake_writers();
-                continue;
-            }
-            if deadline.is_some_and(|d| Instant::now() >= d) {
-                let (inserts, samples) = state.limiter.counts();
-                self.holdback = Some(SampleHoldback {
-                    limit: table.config.rate_limit,
-                    inserts,
-                    samples,
-                    live: state.live_windows as u64,
-                    drawn: self.pending.len(),
-                    batch_size,
-                });
-                break Err(EchoError::TimedOut);
-            }
-            waited.get_or_insert_with(Instant::now);
-            state.waiting_samples += 1;
-            wait(&table.signals.sample_ready, &mut state, deadline);
-            state.waiting_samples -= 1;
-        };
-        if let Some(started) = waited {
-            state.stats.windows.sample_blocked_ns += elapsed_ns(started);
-        }
-        drawn?;
+        let (pending, runs) = (&mut self.pending, &mut self.runs);
+        table.signals.draw_rounds(
+            &mut state,
+            deadline,
+            pending.len(),
+            &mut self.holdback,
+            |state, n| state.draw(g, n, pending, runs),
+        )?;
         self.holdback = None;
         drop(state);
         self.gather();
@@ -1687,10 +1619,7 @@ impl SequenceConsumer {
         drop(state);
         self.pending.clear();
         self.runs.clear();
-        let batch = ReplayBatch { half: self.half, sequence: self.sequence };
-        self.half ^= 1;
-        self.sequence += 1;
-        Ok(batch)
+        Ok(self.cursor.advance())
     }
 
     /// What held the last `sample` back when its deadline passed.
@@ -1698,11 +1627,11 @@ impl SequenceConsumer {
         self.holdback
     }
 
-    /// Copies the pending windows into batch-area half `self.half`: each leaf's steps run by
+    /// Copies the pending windows into the batch-area half the cursor points at: each leaf's steps run by
     /// run, zeros after the real steps, then the mask and the per-window values.
     fn gather(&self) {
         let table = &*self.table;
-        let base = self.half * table.config.batch_size;
+        let base = self.cursor.half() * table.config.batch_size;
         let leaves = table.spec.len();
         if !table.codecs.is_empty() {
             self.gather_compressed(base);
@@ -1728,7 +1657,7 @@ impl SequenceConsumer {
                 };
                 // SAFETY: only this consumer writes the batch area (`&mut self` in `sample`),
                 // and `base + i` is in the half being assembled.
-                unsafe { table.area.fill_slot(base + i, leaf, fill) };
+                unsafe { table.signals.area().fill_slot(base + i, leaf, fill) };
             }
         }
         let t = table.geometry.length;
@@ -1736,7 +1665,7 @@ impl SequenceConsumer {
             let real = (drawn.len as usize).min(t);
             // SAFETY: as above, the consumer's own batch area.
             unsafe {
-                table.area.fill_slot(base + i, leaves + 3, |mask| {
+                table.signals.area().fill_slot(base + i, leaves + 3, |mask| {
                     mask[..real].fill(1);
                     mask[real..].fill(0);
                 });
@@ -1749,7 +1678,7 @@ impl SequenceConsumer {
                 .filter(|&j| j < real);
             // SAFETY: as above.
             unsafe {
-                table.area.fill_slot(base + i, leaves + 9, |is_last| {
+                table.signals.area().fill_slot(base + i, leaves + 9, |is_last| {
                     is_last.fill(0);
                     if let Some(j) = last {
                         is_last[j] = 1;
@@ -1758,12 +1687,12 @@ impl SequenceConsumer {
             }
             drawn.write_meta(|m, bytes| {
                 // SAFETY: as above; `write_slot` checks the length against the area's leaf.
-                unsafe { table.area.write_slot(base + i, leaves + m, bytes) }
+                unsafe { table.signals.area().write_slot(base + i, leaves + m, bytes) }
             });
         }
     }
 
-    /// Copies the compressed leaves of the pending windows into batch-area half `self.half`
+    /// Copies the compressed leaves of the pending windows into the batch-area half being assembled
     /// (starting at area slot `base`): steps of staged chunks straight from their staging
     /// buffers; each packed chunk the batch reads decompressed once per leaf, straight into
     /// the window when the window reads all of it, else into a scratch buffer its runs are
@@ -1877,7 +1806,12 @@ impl SequenceConsumer {
         let size = self.table.spec.arrays()[leaf].num_bytes();
         // SAFETY: the caller's guarantee.
         unsafe {
-            self.table.area.fill_part(slot, leaf, steps.start * size..steps.end * size, fill)
+            self.table.signals.area().fill_part(
+                slot,
+                leaf,
+                steps.start * size..steps.end * size,
+                fill,
+            )
         };
     }
 
@@ -1887,11 +1821,9 @@ impl SequenceConsumer {
     /// # Panics
     /// If `leaf` is out of range.
     pub fn read_leaf<T>(&self, batch: ReplayBatch, leaf: usize, f: impl FnOnce(&[u8]) -> T) -> T {
-        let batch_size = self.table.config.batch_size;
-        let start = batch.half * batch_size;
         // SAFETY: only this consumer writes the batch area, in `sample` (`&mut self`), which
-        // cannot run while `&self` is borrowed here; `half` is 0 or 1.
-        unsafe { self.table.area.read_slots(leaf, start..start + batch_size, f) }
+        // cannot run while `&self` is borrowed here.
+        unsafe { self.table.signals.read_batch(batch, leaf, f) }
     }
 }
 
