@@ -4,7 +4,7 @@
 //! the [`Mutex`] a table shell waits under; everything else here is crate-private.
 //!
 //! Normal builds use `std` atomics and `parking_lot`'s mutex/condvar. Builds with
-//! `RUSTFLAGS="--cfg loom"` swap every primitive for its [`loom`] twin, so the loom models
+//! `RUSTFLAGS="--cfg loom"` swap every primitive for its `loom` twin, so the loom models
 //! in `tests/loom_store.rs` explore every interleaving of the real store code, not a copy.
 //!
 //! Wrappers hide the differences between the two worlds:
@@ -22,6 +22,9 @@
 //! - [`SlotTracker`]: a zero-sized marker in normal builds, a `loom::cell::UnsafeCell<()>` under
 //!   loom, touched around every slot read and write so loom detects two threads accessing the
 //!   same ring slot without a happens-before edge between them.
+
+// The module is public only for the loom models; its docs speak of crate-private items.
+#![allow(rustdoc::private_intra_doc_links)]
 
 use std::time::{Duration, Instant};
 

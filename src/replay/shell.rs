@@ -10,11 +10,11 @@
 //!   held up to the condvar's release of it, and every notifier changes the state under that
 //!   lock first, so no wake-up falls between a waiter's check and its park;
 //! - the **consumer claim** (one [`Shell::claim_consumer`] succeeds per table);
-//! - the **sample rounds** ([`Shell::draw_rounds`]): draw what the limiter allows, wait for
+//! - the **sample rounds** (`Shell::draw_rounds`): draw what the limiter allows, wait for
 //!   more, and say what held a timed-out call back;
-//! - the **priority checks** every insert, update and restore makes ([`check_priority`]);
+//! - the **priority checks** every insert, update and restore makes (`check_priority`);
 //! - the **batch area**, two halves of `batch_size` items the consumer gathers into, and its
-//!   page-locking for the GPU ([`Shell::pin_host_memory`]).
+//!   page-locking for the GPU (`Shell::pin_host_memory`).
 //!
 //! Its locks, condvars and atomics come from [`crate::sync`], and the wait/close half builds
 //! under `--cfg loom` on its own (the batch area and the limiter do not): `tests/loom_shell.rs`
