@@ -265,7 +265,7 @@ impl Table {
     /// Decompresses compressed leaf `k` of `item` into `dst`. The table compressed every item
     /// itself (or checked it on arrival), so this cannot fail short of a bug; if it does, the
     /// leaf reads as zeros and the error is logged, rather than failing a learner's batch.
-    pub(super) fn unpack(&self, item: &[u8], k: usize, dst: &mut [u8]) {
+    fn unpack(&self, item: &[u8], k: usize, dst: &mut [u8]) {
         if let Err(msg) = self.codecs.unpack_into(item, k, dst) {
             debug_assert!(false, "a stored item does not decompress: {msg}");
             log::error!("echo replay: a stored item does not decompress ({msg}); zeros instead");
