@@ -46,7 +46,6 @@ pub mod metrics;
 pub mod pinned;
 #[cfg(not(loom))]
 pub mod queued;
-#[cfg(not(loom))]
 pub mod replay;
 #[cfg(not(loom))]
 pub mod server;
@@ -54,7 +53,8 @@ mod slots;
 pub mod source;
 pub mod spec;
 pub mod store;
-mod sync;
+#[doc(hidden)]
+pub mod sync;
 pub mod transport;
 
 #[cfg(feature = "python")]

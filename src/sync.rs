@@ -1,7 +1,10 @@
 //! The one place the crate takes its synchronisation primitives from.
 //!
+//! Public but hidden from the docs only so that the loom models (integration tests) can lock
+//! the [`Mutex`] a table shell waits under; everything else here is crate-private.
+//!
 //! Normal builds use `std` atomics and `parking_lot`'s mutex/condvar. Builds with
-//! `RUSTFLAGS="--cfg loom"` swap every primitive for its [`loom`] twin, so the loom models
+//! `RUSTFLAGS="--cfg loom"` swap every primitive for its `loom` twin, so the loom models
 //! in `tests/loom_store.rs` explore every interleaving of the real store code, not a copy.
 //!
 //! Wrappers hide the differences between the two worlds:
@@ -9,12 +12,19 @@
 //!   has no timeout, so a lost wake-up shows up as a deadlock that loom reports.
 //! - [`park`]: `std::thread::park`/`park_timeout`, or loom's `park` with no timeout, for the
 //!   same reason; [`Thread`] is the matching handle whose `unpark` ends it.
-//! - [`Mutex`]: `parking_lot`'s mutex, or a loom mutex with the same infallible `lock`.
+//! - [`Mutex`]: `parking_lot`'s mutex, or a loom mutex with the same infallible `lock`,
+//!   `try_lock_until` and [`MutexGuard::unlocked`].
+//! - [`Condvar`]: `parking_lot`'s condvar, waiting on a [`MutexGuard`] of a data lock (a
+//!   table's state), or loom's behind the same `wait(&mut guard)` face. Under loom a wait has
+//!   no timeout, so a lost wake-up is a deadlock that loom reports.
 //! - [`AsyncBell`]: the async side of a condition: tasks await "rung since I last looked"
 //!   instead of blocking a thread. Normal types in both worlds: no loom model waits on it.
 //! - [`SlotTracker`]: a zero-sized marker in normal builds, a `loom::cell::UnsafeCell<()>` under
 //!   loom, touched around every slot read and write so loom detects two threads accessing the
 //!   same ring slot without a happens-before edge between them.
+
+// The module is public only for the loom models; its docs speak of crate-private items.
+#![allow(rustdoc::private_intra_doc_links)]
 
 use std::time::{Duration, Instant};
 
@@ -25,7 +35,7 @@ pub(crate) use loom::sync::atomic::{
 #[cfg(loom)]
 pub(crate) use loom::thread::Thread;
 #[cfg(not(loom))]
-pub(crate) use parking_lot::Mutex;
+pub use parking_lot::{Condvar, Mutex, MutexGuard};
 #[cfg(not(loom))]
 pub(crate) use std::sync::atomic::{
     fence, AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize,
@@ -284,16 +294,97 @@ pub(crate) fn yield_now() {
 /// model anyway, so poisoning carries no information).
 #[cfg(loom)]
 #[derive(Debug, Default)]
-pub(crate) struct Mutex<T>(loom::sync::Mutex<T>);
+pub struct Mutex<T>(loom::sync::Mutex<T>);
 
 #[cfg(loom)]
 impl<T> Mutex<T> {
-    pub(crate) fn new(value: T) -> Self {
+    /// A mutex holding `value`.
+    pub fn new(value: T) -> Self {
         Self(loom::sync::Mutex::new(value))
     }
 
-    pub(crate) fn lock(&self) -> loom::sync::MutexGuard<'_, T> {
-        self.0.lock().unwrap()
+    /// Waits for the lock and takes it.
+    pub fn lock(&self) -> MutexGuard<'_, T> {
+        MutexGuard { mutex: &self.0, guard: Some(self.0.lock().unwrap()) }
+    }
+
+    /// `parking_lot`'s `try_lock_until`; under loom the deadline is ignored (the lock is
+    /// waited for), as every loom wait ignores its deadline.
+    #[allow(dead_code)] // the replay tables' deadline-bounded insert; not in every loom model
+    pub fn try_lock_until(&self, _deadline: Instant) -> Option<MutexGuard<'_, T>> {
+        Some(self.lock())
+    }
+}
+
+/// The guard of a loom [`Mutex`], with `parking_lot`'s face: a [`Condvar`] waits on it by
+/// `&mut`, and [`MutexGuard::unlocked`] lets the lock go for a while.
+#[cfg(loom)]
+#[derive(Debug)]
+pub struct MutexGuard<'a, T> {
+    mutex: &'a loom::sync::Mutex<T>,
+    /// `Some` except inside a condvar wait or `unlocked`, which put it back before returning.
+    guard: Option<loom::sync::MutexGuard<'a, T>>,
+}
+
+#[cfg(loom)]
+impl<T> MutexGuard<'_, T> {
+    /// Runs `f` with the lock let go, and takes it again (`parking_lot`'s `unlocked`).
+    #[allow(dead_code)] // the replay tables' copies outside the lock; not in every loom model
+    pub fn unlocked<R>(this: &mut Self, f: impl FnOnce() -> R) -> R {
+        drop(this.guard.take());
+        let out = f();
+        this.guard = Some(this.mutex.lock().unwrap());
+        out
+    }
+}
+
+#[cfg(loom)]
+impl<T> std::ops::Deref for MutexGuard<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        self.guard.as_ref().expect("held outside a wait")
+    }
+}
+
+#[cfg(loom)]
+impl<T> std::ops::DerefMut for MutexGuard<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        self.guard.as_mut().expect("held outside a wait")
+    }
+}
+
+/// A loom condvar with `parking_lot`'s face: it waits on a guard by `&mut`. `wait_until`
+/// ignores its deadline (a wake-up that never comes is a deadlock loom reports).
+#[cfg(loom)]
+#[derive(Debug, Default)]
+pub struct Condvar(loom::sync::Condvar);
+
+#[cfg(loom)]
+impl Condvar {
+    /// A condvar nobody waits on.
+    pub fn new() -> Self {
+        Self(loom::sync::Condvar::new())
+    }
+
+    /// Releases the guard's lock, parks until notified, and takes the lock again.
+    pub fn wait<T>(&self, guard: &mut MutexGuard<'_, T>) {
+        let held = guard.guard.take().expect("held outside a wait");
+        guard.guard = Some(self.0.wait(held).unwrap());
+    }
+
+    /// [`Condvar::wait`]: under loom the deadline is ignored.
+    pub fn wait_until<T>(&self, guard: &mut MutexGuard<'_, T>, _deadline: Instant) {
+        self.wait(guard);
+    }
+
+    /// Wakes one waiter.
+    pub fn notify_one(&self) {
+        self.0.notify_one();
+    }
+
+    /// Wakes every waiter.
+    pub fn notify_all(&self) {
+        self.0.notify_all();
     }
 }
 

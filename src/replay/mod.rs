@@ -13,25 +13,41 @@
 //! |---|---|
 //! | `select` | samplers (`Uniform`, `Prioritized`, `Lifo`) and removers (`Fifo`, `Lifo`, `MinPriority`) |
 //! | `limiter` | `MinSize`, `SampleToInsertRatio`, `Queue` (one mechanism, Reverb's meaning) |
+//! | `shell` | what both tables wrap around their state: waits and close, the consumer claim, sample rounds, priority checks, the batch area and its pinning |
 //! | `table` | slots, the lock, inserts, batch assembly, priorities, counters |
 //! | `sequence` | sequence tables: steps of streams, windows cut by episode, chunked storage |
 //! | `rng` | xoshiro256++, seedable |
 //! | [`sumtree`] | the priority sum tree behind `Prioritized`: O(log n) update and draw |
+//!
+//! Under `--cfg loom` only `shell`'s wait/close protocol builds (for `tests/loom_shell.rs`).
 
+#[cfg(not(loom))]
 mod limiter;
+#[cfg(not(loom))]
 mod rng;
+#[cfg(not(loom))]
 mod select;
+#[cfg(not(loom))]
 mod sequence;
+#[doc(hidden)]
+pub mod shell;
+#[cfg(not(loom))]
 pub mod sumtree;
+#[cfg(not(loom))]
 mod table;
 
+#[cfg(not(loom))]
 pub use limiter::{InsertHoldback, RateLimit, SampleHoldback};
+#[cfg(not(loom))]
 pub use select::{RemoverKind, SamplerKind};
+#[cfg(not(loom))]
 pub use sequence::{
     AtEnd, EpisodeEnd, SequenceCheckpoint, SequenceConfig, SequenceConsumer, SequenceSnapshot,
     SequenceStats, SequenceTable, StepTag, SEQUENCE_META,
 };
+pub use shell::{ReplayBatch, MAX_PRIORITY};
+#[cfg(not(loom))]
 pub use table::{
-    Checkpoint, LeafRows, MetaLeaf, ReplayBatch, ReplayConfig, ReplayConsumer, ReplayStats,
-    SnapshotItems, Table, TableState, BATCH_META, MAX_PRIORITY,
+    Checkpoint, LeafRows, MetaLeaf, ReplayConfig, ReplayConsumer, ReplayStats, SnapshotItems,
+    Table, TableState, BATCH_META,
 };
