@@ -22,8 +22,8 @@ use crate::transport::wire::ACK;
 
 /// Bytes read from a socket at a time for small samples.
 pub(super) const STAGING: usize = 64 * 1024;
-/// How long [`TcpServer::close`](super::TcpServer::close) waits for the connections to take their closing notice
-/// (each flushes its acks, says why, and reads until its client hangs up).
+/// How long [`TcpServer::close`](super::TcpServer::close) waits for the connections to take
+/// their closing notice (each flushes its acks, says why, and reads until its client hangs up).
 pub(super) const NOTICE_GRACE: Duration = Duration::from_secs(1);
 /// A sleep that stands for "no heartbeat timer" in a `select!` whose branch is disabled.
 pub(crate) const NEVER: Duration = Duration::from_secs(365 * 24 * 3600);
