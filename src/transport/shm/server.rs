@@ -20,9 +20,9 @@ use crate::ingress::{Connection, Ingress, SegmentReservation, TransportEvent};
 use crate::sync::AsyncBell;
 use crate::transport::direct;
 use crate::transport::shm;
-use crate::transport::tcp::{
-    check_meta, closed, Link, ServerClosing, Session, Shared, Woke, NEVER,
-};
+use crate::transport::tcp::checks::check_meta;
+use crate::transport::tcp::link::{closed, Link, ServerClosing, Woke, NEVER};
+use crate::transport::tcp::session::{Session, Shared};
 use crate::transport::wire::v2::{self, ShmOffer};
 
 /// How long a channel refused by the backend waits for its bell before it tries again

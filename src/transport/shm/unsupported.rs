@@ -7,7 +7,8 @@ pub(crate) mod server {
     use std::net::SocketAddr;
 
     use crate::transport::shm::{ShmEnd as End, SHM_OFF};
-    use crate::transport::tcp::{Link, Session, Shared};
+    use crate::transport::tcp::link::Link;
+    use crate::transport::tcp::session::{Session, Shared};
     use crate::transport::wire::v2::ShmOffer;
 
     pub(crate) struct Prepared {

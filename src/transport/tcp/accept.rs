@@ -2,59 +2,21 @@
 //! newcomer at that limit, and the registry of running connection tasks (what
 //! [`super::TcpServer::close`] waits on).
 
-use std::collections::HashMap;
+use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
 use tokio::net::TcpListener;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-use tokio::task::AbortHandle;
 
 use super::connection::serve;
 use super::link::closed;
-use super::session::Shared;
+use super::session::{Activity, Registry, Shared, LOG_EVERY};
 use crate::ingress::Ingress;
 
-/// How often refusals and evictions are logged: one record per interval, with a count.
-pub(super) const LOG_EVERY: Duration = Duration::from_secs(10);
 /// How long an accepted connection waits for the slot of the connection evicted for it.
 const EVICTION_GRACE: Duration = Duration::from_secs(1);
-
-/// What a connection's task tells the accept loop about it.
-#[derive(Debug, Default)]
-pub(crate) struct Activity {
-    /// Milliseconds since the server started at its last read of a byte.
-    pub(super) last_read_ms: AtomicU64,
-    /// Whether it has queued (and acknowledged) a whole sample.
-    pub(super) completed: AtomicBool,
-}
-
-impl Activity {
-    pub(super) fn read(&self, epoch: Instant) {
-        let ms = u64::try_from(epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
-        // ORDERING: Relaxed — a heuristic for choosing whom to evict; it guards no memory.
-        self.last_read_ms.store(ms, Relaxed);
-    }
-
-    pub(crate) fn complete(&self) {
-        // ORDERING: Relaxed — as above.
-        self.completed.store(true, Relaxed);
-    }
-
-    /// `Some(last read)` if this connection may be evicted: it has not completed a sample.
-    /// (Silence is no reason once it has: a worker held back by backpressure is silent too.)
-    fn evictable(&self) -> Option<u64> {
-        // ORDERING: Relaxed — as above.
-        let (last, completed) = (self.last_read_ms.load(Relaxed), self.completed.load(Relaxed));
-        (!completed).then_some(last)
-    }
-}
-
-/// Every served connection's activity and the handle that ends its task, by id.
-pub(super) type Registry = Arc<Mutex<HashMap<u64, (Arc<Activity>, AbortHandle)>>>;
 
 /// Who gets one of the `max_connections` slots. The policy, when every slot is taken: evict
 /// the connection that has been silent longest among those that have not completed a sample

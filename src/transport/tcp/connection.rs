@@ -7,16 +7,13 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
-use parking_lot::Mutex;
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
 
-use super::accept::{Activity, LOG_EVERY};
 use super::frames::{serve_v1, serve_v2};
-use super::link::{is_closing, Link};
-use super::session::{CloseOnDrop, NotifyWaker, Shared, HELLO_TIMEOUT, PREFIX_GRACE};
-use super::STAGING;
+use super::link::{invalid, is_closing, Link, STAGING};
+use super::session::{Activity, CloseOnDrop, NotifyWaker, Shared, HELLO_TIMEOUT, PREFIX_GRACE};
 use crate::error::EchoError;
 use crate::ingress::{Ingress, TransportEvent};
 use crate::transport::wire::v2::{self, Offer, Opening, Refusal};
@@ -46,33 +43,6 @@ pub(super) async fn serve(
     }
 }
 
-/// Connection failures (refused handshakes, dead peers, protocol errors) logged at most once
-/// per [`LOG_EVERY`] at WARNING, with how many were not: a peer retrying a wrong token must
-/// not make the learner log (and take the GIL) once per attempt. The rest go to DEBUG; every
-/// one is counted in the statistics.
-#[derive(Default)]
-pub(super) struct Throttled(pub(super) Mutex<(Option<Instant>, u64)>);
-
-impl Throttled {
-    pub(super) fn log(&self, message: &str) {
-        let mut state = self.0.lock();
-        let (last, unlogged) = &mut *state;
-        if last.is_some_and(|at| at.elapsed() < LOG_EVERY) {
-            *unlogged += 1;
-            log::debug!("{message}");
-            return;
-        }
-        let more = std::mem::take(unlogged);
-        *last = Some(Instant::now());
-        drop(state);
-        if more > 0 {
-            log::warn!("{message} (and {more} more failed connections in the last {LOG_EVERY:?})");
-        } else {
-            log::warn!("{message}");
-        }
-    }
-}
-
 fn is_disconnect(err: &io::Error) -> bool {
     matches!(
         err.kind(),
@@ -81,10 +51,6 @@ fn is_disconnect(err: &io::Error) -> bool {
             | io::ErrorKind::BrokenPipe
             | io::ErrorKind::UnexpectedEof
     )
-}
-
-pub(super) fn invalid(message: String) -> io::Error {
-    io::Error::new(io::ErrorKind::InvalidData, message)
 }
 
 async fn serve_inner(

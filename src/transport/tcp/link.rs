@@ -1,24 +1,32 @@
 //! One connection's socket ([`Link`]): buffered reads into the staging buffer or straight
 //! into a payload buffer, acks written in runs, heartbeats, waits for buffer or queue space,
-//! pushes into the ingress, and the closing notice. Also the small types its waits return.
+//! pushes into the ingress, and the closing notice. Also the small types its waits return,
+//! the error ([`invalid`]) it ends a connection with, and its timings ([`STAGING`],
+//! [`NOTICE_GRACE`], [`NEVER`]).
 
 use std::io;
 #[cfg(target_os = "linux")]
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{watch, Notify};
 
-use super::accept::Activity;
-use super::connection::invalid;
-use super::{NEVER, NOTICE_GRACE};
+use super::session::Activity;
 use crate::ingress::{Connection, StepMark};
 use crate::transport::direct;
 use crate::transport::wire::v2::{self, Beat, Refusal, Reply};
 use crate::transport::wire::ACK;
+
+/// Bytes read from a socket at a time for small samples.
+pub(super) const STAGING: usize = 64 * 1024;
+/// How long [`TcpServer::close`](super::TcpServer::close) waits for the connections to take
+/// their closing notice (each flushes its acks, says why, and reads until its client hangs up).
+pub(super) const NOTICE_GRACE: Duration = Duration::from_secs(1);
+/// A sleep that stands for "no heartbeat timer" in a `select!` whose branch is disabled.
+pub(crate) const NEVER: Duration = Duration::from_secs(365 * 24 * 3600);
 
 /// A pooled buffer being filled; given back to its connection if the task stops first (an
 /// aborted task must not keep its share of the byte budget).
@@ -82,6 +90,10 @@ impl std::error::Error for ServerClosing {}
 
 pub(super) fn is_closing(err: &io::Error) -> bool {
     err.get_ref().is_some_and(|inner| inner.is::<ServerClosing>())
+}
+
+pub(super) fn invalid(message: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, message)
 }
 
 /// What a connection waiting for its client (or for space) woke up to.

@@ -16,14 +16,17 @@
 //! queue), so a client streaming many small samples gets one ack write per read, not one per
 //! sample, and never waits for an ack that is sitting in our buffer.
 //!
-//! | module         | holds                                                                  |
-//! |----------------|------------------------------------------------------------------------|
-//! | this one       | [`TcpConfig`], [`TcpServer`]: settings, start, close, shutdown          |
-//! | `accept`       | the accept loop, the connection limit, evicting an idle connection      |
-//! | `session`      | what connection tasks share; v2 sessions that outlive a connection     |
-//! | `connection`   | one connection's task: greeting, negotiation, how it ended             |
-//! | `frames`       | v1 payloads, a v2 session's attach and resume, v2 sample frames         |
-//! | `link`         | a connection's socket: buffered reads, batched acks, heartbeats, pushes |
+//! The modules form layers: each takes only from those below it in this table.
+//!
+//! | module       | holds                                                                    |
+//! |--------------|--------------------------------------------------------------------------|
+//! | this one     | [`TcpConfig`], [`TcpServer`]: settings, start, close, shutdown            |
+//! | `accept`     | the accept loop, the connection limit, evicting an idle connection        |
+//! | `connection` | one connection's task: greeting, negotiation, how it ended                |
+//! | `frames`     | v1 payloads, a v2 session's attach and resume, v2 sample frames           |
+//! | `link`       | a connection's socket: buffered reads, batched acks, heartbeats, pushes   |
+//! | `checks`     | what a sample's fields must satisfy for the backend (frames and slots)    |
+//! | `session`    | what connection tasks share (activity, failure log); v2 sessions          |
 //!
 //! The shared-memory side of a v2 connection lives with the rest of shared memory, in
 //! [`super::shm`]; the two places where a connection writes into the backend itself
@@ -44,36 +47,22 @@ use crate::codec::{Codec, LeafCodecs};
 use crate::error::EchoError;
 use crate::ingress::Ingress;
 use accept::{accept_loop, Admission};
-use connection::Throttled;
-use session::{reap_sessions, Sessions};
+use link::NOTICE_GRACE;
+use session::{reap_sessions, Sessions, Shared, Throttled};
 
 mod accept;
+// `checks`, `link` and `session` are also what the shared-memory side of a connection
+// (`crate::transport::shm::server`) builds on.
+pub(crate) mod checks;
 mod connection;
 mod frames;
-mod link;
-mod session;
+pub(crate) mod link;
+pub(crate) mod session;
 
-// What the shared-memory side of a connection (`crate::transport::shm::server`) uses; off
-// Linux its stand-in only names the first three.
-pub(crate) use link::Link;
-pub(crate) use session::{Session, Shared};
-#[cfg(target_os = "linux")]
-pub(crate) use {
-    frames::check_meta,
-    link::{closed, ServerClosing, Woke},
-};
-
-/// Bytes read from a socket at a time for small samples.
-const STAGING: usize = 64 * 1024;
 /// The most tokio worker threads a server starts (they are started at once).
 const MAX_THREADS: usize = 1024;
 /// How long `shutdown` waits for the runtime's tasks to stop.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
-/// How long [`TcpServer::close`] waits for the connections to take their closing notice
-/// (each flushes its acks, says why, and reads until its client hangs up).
-const NOTICE_GRACE: Duration = Duration::from_secs(1);
-/// A sleep that stands for "no heartbeat timer" in a `select!` whose branch is disabled.
-pub(crate) const NEVER: Duration = Duration::from_secs(365 * 24 * 3600);
 
 /// TCP transport settings.
 #[derive(Debug, Clone)]

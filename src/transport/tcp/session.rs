@@ -1,18 +1,20 @@
-//! What a server's connection tasks share ([`Shared`]), and the v2 sessions that outlive
-//! their connections ([`Session`]): a session owns its ingress queue and counts the samples
-//! queued, so a reconnecting client keeps its order and a resent sample is never queued twice.
-//! Detached sessions are forgotten after `session_timeout` ([`reap_sessions`]).
+//! What a server's connection tasks share ([`Shared`]), with the pieces it is made of: each
+//! task's [`Activity`] as the accept loop sees it, the [`Registry`] of running tasks, and the
+//! [`Throttled`] failure log; and the v2 sessions that outlive their connections
+//! ([`Session`]): a session owns its ingress queue and counts the samples queued, so a
+//! reconnecting client keeps its order and a resent sample is never queued twice. Detached
+//! sessions are forgotten after `session_timeout` ([`reap_sessions`]).
 
 use std::collections::HashMap;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use tokio::sync::{watch, Notify};
+use tokio::task::AbortHandle;
 
-use super::accept::Registry;
-use super::connection::Throttled;
 use crate::codec::LeafCodecs;
 use crate::ingress::{Connection, Ingress, SpaceWaker};
 use crate::transport::wire::v2::{Layout, Mode};
@@ -34,6 +36,66 @@ pub(super) struct CloseOnDrop(pub(super) Arc<Connection>);
 impl Drop for CloseOnDrop {
     fn drop(&mut self) {
         self.0.close();
+    }
+}
+
+/// What a connection's task tells the accept loop about it.
+#[derive(Debug, Default)]
+pub(crate) struct Activity {
+    /// Milliseconds since the server started at its last read of a byte.
+    pub(super) last_read_ms: AtomicU64,
+    /// Whether it has queued (and acknowledged) a whole sample.
+    pub(super) completed: AtomicBool,
+}
+
+impl Activity {
+    pub(super) fn read(&self, epoch: Instant) {
+        let ms = u64::try_from(epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
+        // ORDERING: Relaxed — a heuristic for choosing whom to evict; it guards no memory.
+        self.last_read_ms.store(ms, Relaxed);
+    }
+
+    pub(crate) fn complete(&self) {
+        // ORDERING: Relaxed — as above.
+        self.completed.store(true, Relaxed);
+    }
+
+    /// `Some(last read)` if this connection may be evicted: it has not completed a sample.
+    /// (Silence is no reason once it has: a worker held back by backpressure is silent too.)
+    pub(super) fn evictable(&self) -> Option<u64> {
+        // ORDERING: Relaxed — as above.
+        let (last, completed) = (self.last_read_ms.load(Relaxed), self.completed.load(Relaxed));
+        (!completed).then_some(last)
+    }
+}
+
+/// Every served connection's activity and the handle that ends its task, by id.
+pub(super) type Registry = Arc<Mutex<HashMap<u64, (Arc<Activity>, AbortHandle)>>>;
+
+/// Connection failures (refused handshakes, dead peers, protocol errors) logged at most once
+/// per [`LOG_EVERY`] at WARNING, with how many were not: a peer retrying a wrong token must
+/// not make the learner log (and take the GIL) once per attempt. The rest go to DEBUG; every
+/// one is counted in the statistics.
+#[derive(Default)]
+pub(super) struct Throttled(pub(super) Mutex<(Option<Instant>, u64)>);
+
+impl Throttled {
+    pub(super) fn log(&self, message: &str) {
+        let mut state = self.0.lock();
+        let (last, unlogged) = &mut *state;
+        if last.is_some_and(|at| at.elapsed() < LOG_EVERY) {
+            *unlogged += 1;
+            log::debug!("{message}");
+            return;
+        }
+        let more = std::mem::take(unlogged);
+        *last = Some(Instant::now());
+        drop(state);
+        if more > 0 {
+            log::warn!("{message} (and {more} more failed connections in the last {LOG_EVERY:?})");
+        } else {
+            log::warn!("{message}");
+        }
     }
 }
 
@@ -104,6 +166,8 @@ impl Drop for Session {
 #[derive(Default)]
 pub(super) struct Sessions(pub(super) Mutex<HashMap<[u8; 16], Arc<Session>>>);
 
+/// How often refusals and evictions are logged: one record per interval, with a count.
+pub(super) const LOG_EVERY: Duration = Duration::from_secs(10);
 /// How long a reconnecting client waits for its session's previous connection to end.
 pub(super) const TAKEOVER_GRACE: Duration = Duration::from_secs(5);
 /// A strict prefix of a hello that stalls this long is taken as v1 sample data.
