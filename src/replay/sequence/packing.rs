@@ -9,7 +9,7 @@ use crate::codec;
 use crate::spec::ArraySpec;
 use crate::sync::{Arc, Condvar, Mutex, MutexGuard};
 
-use super::state::{Packed, Staged, State};
+use super::state::{PackJob, Packed, State};
 use super::SequenceTable;
 
 /// Threads that pack full chunks in the background: one fewer than the cores (the inserting
@@ -43,14 +43,6 @@ pub(super) struct Packers {
     /// Rung when the queue is empty and no job is being packed.
     pub(super) idle: Condvar,
     pub(super) threads: usize,
-}
-
-/// A full chunk (or one whose stream is gone) for a writer to pack outside the lock.
-pub(super) struct PackJob {
-    pub(super) chunk: u32,
-    pub(super) generation: u32,
-    pub(super) filled: u32,
-    pub(super) staged: Staged,
 }
 
 impl SequenceTable {

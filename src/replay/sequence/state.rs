@@ -16,7 +16,6 @@ use crate::source::EpisodeEnd;
 use crate::sync::Arc;
 
 use super::config::{AtEnd, SequenceStats};
-use super::packing::PackJob;
 
 /// Marks "no chunk" / "no slot".
 pub(super) const NIL: u32 = u32::MAX;
@@ -266,6 +265,14 @@ impl Geometry {
 
 pub(super) fn key_of(generation: u32, slot: usize) -> u64 {
     (u64::from(generation) << 32) | slot as u64
+}
+
+/// A full chunk (or one whose stream is gone) for a writer to pack outside the lock.
+pub(super) struct PackJob {
+    pub(super) chunk: u32,
+    pub(super) generation: u32,
+    pub(super) filled: u32,
+    pub(super) staged: Staged,
 }
 
 impl State {
