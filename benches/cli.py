@@ -7,21 +7,21 @@ Usage::
     python -m benches [core] [--quick] [--out DIR] [--label NAME] [--compare PYTHON]
                       [--workers 1,4,16,64] [--seconds S] [--launcher process|ray]
 
-Each scenario runs in a child process of the interpreter under test: ``bench_inprocess.py``,
-``bench_views.py`` (``sample()`` on a complete batch of 1, 10 and 40 leaves: the cost of
-building the numpy views) or ``bench_tcp.py`` from ``benches/py``, as their own command lines
+Each scenario runs in a child process of the interpreter under test: ``python -m
+benches.suites.core_inprocess``, ``core_views`` (``sample()`` on a complete batch of 1, 10 and
+40 leaves: the cost of building the numpy views) or ``core_tcp``, as their own command lines
 run them. That keeps their watchdogs (which end their process) away from this one, keeps the
 progress bars out of the measured process, and treats the two sides of a comparison alike: with
 ``--compare PYTHON`` each scenario runs with our interpreter and with ``PYTHON``, one right
 after the other, the first of the pair alternating from scenario to scenario (ours first,
 then the other first, ...), so that a drift in the machine's speed does not favour one side.
-Ratios are ours / other, computed with ``compare.py``.
+Ratios are ours / other, computed with :mod:`benches.compare`.
 
 The TCP sweep's workers are local processes (``--launcher process``, the default, nothing
 to install) or Ray actors in a local Ray instance (``--launcher ray``, with the
 ``distributed`` extra: ``pip install 'id-echo[distributed]'``; every interpreter under test
 needs it, which is checked before anything runs); either way the learner's server is in
-``bench_tcp.py``'s own process and the workers connect to it over 127.0.0.1. Worker counts
+``core_tcp``'s own process and the workers connect to it over 127.0.0.1. Worker counts
 default to 1, 4, 16, 64 and go up to 1,000 (``--workers``).
 
 The raw limits are measured once, in this process, before the scenarios; the loopback
@@ -59,9 +59,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from benches import limits, plots
-from benches.py import bench_inprocess, bench_tcp, bench_views, compare
-from benches.py import helpers as h
+from benches import common as h
+from benches import compare, limits, plots
+from benches.suites import core_inprocess, core_tcp, core_views
 
 try:
     import tqdm as _tqdm
@@ -69,9 +69,8 @@ except ImportError:  # progress bars are optional
     _tqdm = None
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ROOT / "benches" / "py"
 SIDES = ("ours", "other")
-SCENARIO_NAMES = tuple(sc.name for sc in bench_inprocess.SCENARIOS)
+SCENARIO_NAMES = tuple(sc.name for sc in core_inprocess.SCENARIOS)
 # bench_tcp's rows beyond the shared scenarios: the ~196 KB nested sample over TCP and over
 # same-host shared memory (ours only: id-echo 0.2.1 has no shared-memory path).
 TCP_EXTRA = ("nest-tcp", "nest-shm")
@@ -163,7 +162,7 @@ def probe(python: str) -> dict[str, Any]:
     try:
         out = subprocess.run(
             [python, "-c", PROBE],
-            cwd=SCRIPTS,  # as the scripts run: the repository root is not on sys.path
+            cwd=ROOT,  # as the scripts run: python -m benches.suites.NAME from the root
             capture_output=True,
             text=True,
             timeout=120,
@@ -295,7 +294,7 @@ def _tcp_limit_s(ks: list[int], seconds: float, launcher: str) -> float:
     """bench_tcp's worst case: per round the setup timeout, window, grace and joins; with
     Ray, starting the local instance."""
     per_round = sum(
-        bench_tcp.setup_timeout_s(launcher, k) + TCP_WARMUP_S + seconds + TCP_GRACE_S + 20.0
+        core_tcp.setup_timeout_s(launcher, k) + TCP_WARMUP_S + seconds + TCP_GRACE_S + 20.0
         for k in ks
     )
     return per_round + (RAY_INIT_S if launcher == "ray" else 0.0)
@@ -310,7 +309,8 @@ def step_command(
         limit = 60.0 if quick else 300.0
         cmd = [
             step.python,
-            str(SCRIPTS / "bench_inprocess.py"),
+            "-m",
+            "benches.suites.core_inprocess",
             *(["--quick"] if quick else []),
             f"--only={step.scenario}",
             f"--label={step.label}",
@@ -321,7 +321,8 @@ def step_command(
         limit = 60.0
         cmd = [
             step.python,
-            str(SCRIPTS / "bench_views.py"),
+            "-m",
+            "benches.suites.core_views",
             *(["--quick"] if quick else []),
             f"--label={step.label}",
             f"--json={json_path}",
@@ -331,7 +332,8 @@ def step_command(
         limit = _tcp_limit_s(ks, seconds, launcher)
         cmd = [
             step.python,
-            str(SCRIPTS / "bench_tcp.py"),
+            "-m",
+            "benches.suites.core_tcp",
             *(["--quick"] if quick else []),
             f"--only={step.scenario}",
             f"--workers={','.join(str(k) for k in ks)}",
@@ -451,7 +453,7 @@ def _plan(args: argparse.Namespace, labels: dict[str, str]) -> list[Step]:
     i = 0
     for kind, names in (
         ("inprocess", SCENARIO_NAMES),
-        ("views", (bench_views.SCENARIO,)),
+        ("views", (core_views.SCENARIO,)),
         ("tcp", SCENARIO_NAMES + TCP_EXTRA),
     ):
         for name in names:
@@ -515,13 +517,13 @@ def _ratios(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def _summary_views(doc: dict[str, Any], add: Callable[[str], None]) -> None:
-    """The ``sample()`` cost by leaf count (bench_views.py), with ratios when comparing."""
-    views = {s: doc["views"][s][bench_views.SCENARIO] for s in SIDES if doc["views"].get(s)}
+    """The ``sample()`` cost by leaf count (core_views.py), with ratios when comparing."""
+    views = {s: doc["views"][s][core_views.SCENARIO] for s in SIDES if doc["views"].get(s)}
     if not views:
         return
     counts = sorted({int(n) for v in views.values() for n in v["by_leaves"]})
     add("")
-    add("sample() on a complete batch, us per call, median (bench_views.py: the numpy views)")
+    add("sample() on a complete batch, us per call, median (core_views.py: the numpy views)")
     add(
         f"{'side':<6} "
         + " ".join(f"{f'{n} leaves':>10}" for n in counts)
@@ -599,7 +601,7 @@ def summary(doc: dict[str, Any]) -> str:
     both = len(sides) == 2
     if sides:
         add("")
-        add("in-process: 1 producer thread submit(), main thread sample() (bench_inprocess.py)")
+        add("in-process: 1 producer thread submit(), main thread sample() (core_inprocess.py)")
         add(
             f"{'scenario':<8} {'side':<6} {'samples/s':>12} {'GB/s':>8} {'frac memcpy':>11} "
             f"{'sample p50 us':>13} {'p99 us':>8} {'correct':>7}"
@@ -638,7 +640,7 @@ def summary(doc: dict[str, Any]) -> str:
         who = "Ray actors" if launcher == "ray" else "processes"
         add(
             f"TCP end to end: learner + K worker {who} on 127.0.0.1, "
-            f"{doc['parameters']['tcp_seconds']:g} s window per K (bench_tcp.py)"
+            f"{doc['parameters']['tcp_seconds']:g} s window per K (core_tcp.py)"
         )
         add(
             f"{'scenario':<8} {'K':>4} {'side':<6} {'samples/s':>11} {'GB/s':>7} "
@@ -737,7 +739,7 @@ def tables(doc: dict[str, Any]) -> list[dict[str, Any]]:
     )
     rows = []
     for s in SIDES:
-        v = doc["views"].get(s, {}).get(bench_views.SCENARIO)
+        v = doc["views"].get(s, {}).get(core_views.SCENARIO)
         if v is None:
             continue
         for n, r in sorted(v["by_leaves"].items(), key=lambda kv: int(kv[0])):
@@ -815,9 +817,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-label", default=None, help="name of the other side")
     p.add_argument(
         "--workers",
-        type=bench_tcp.parse_workers,
+        type=core_tcp.parse_workers,
         default=None,
-        help=f"TCP worker counts, comma-separated, each up to {bench_tcp.MAX_WORKERS} "
+        help=f"TCP worker counts, comma-separated, each up to {core_tcp.MAX_WORKERS} "
         "(default 1,4,16,64; --quick 1,4)",
     )
     p.add_argument(
@@ -825,7 +827,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--launcher",
-        choices=bench_tcp.LAUNCHERS,
+        choices=core_tcp.LAUNCHERS,
         default="process",
         help="TCP workers as local processes (default) or as Ray actors in a local Ray "
         "instance, the learner's server in the driver (needs the distributed extra: "
@@ -883,7 +885,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.launcher == "ray":
         for info in interpreters.values():
             if not info.get("ray"):
-                msg = bench_tcp.RAY_MISSING.format(python=info["executable"])
+                msg = core_tcp.RAY_MISSING.format(python=info["executable"])
                 print(f"benches: {msg}", file=sys.stderr)
                 return 2
     labels = {"ours": args.label or f"echo-{ours['echo_version']}"}
@@ -922,8 +924,8 @@ def main(argv: list[str] | None = None) -> int:
             "tcp_seconds": seconds,
             "tcp_warmup_s": TCP_WARMUP_S,
             "tcp_launcher": args.launcher,
-            "inprocess": "bench_inprocess.py defaults" + (" with --quick" if quick else ""),
-            "views": "bench_views.py defaults" + (" with --quick" if quick else ""),
+            "inprocess": "core_inprocess.py defaults" + (" with --quick" if quick else ""),
+            "views": "core_views.py defaults" + (" with --quick" if quick else ""),
             "order": [s.name for s in steps],
             "max_seconds": max_seconds,
         },
@@ -964,7 +966,7 @@ def main(argv: list[str] | None = None) -> int:
         again = _run_limits(progress, quick, after=True)
         overall.update(1)
     for key in ("loopback_64k", "loopback_1m"):
-        lim[key] = bench_tcp.best_loopback(lim[key], again.get(key))
+        lim[key] = core_tcp.best_loopback(lim[key], again.get(key))
     overall.close()
 
     _fill_fractions(doc)

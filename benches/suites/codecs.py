@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benches.suites import _common as c
+from benches import common as c
 
 CODECS = ("zstd-1", "zstd-3", "lz4")
 ATARI_LEAVES = ("frame", "obs", "frames16", "obs16")

@@ -79,7 +79,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benches.suites import _common as c
+from benches import common as c
 
 ROOT = c.ROOT
 GAMES = ("pong", "breakout", "ms_pacman")

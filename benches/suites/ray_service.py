@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from benches.suites import _common as c
+from benches import common as c
 
 NAMESPACE = "echo-bench"
 CALL_S = 120.0  # the longest any one Ray call of this suite may take

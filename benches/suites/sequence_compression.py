@@ -40,7 +40,7 @@ import sys
 import time
 from typing import Any
 
-from benches.suites import _common as c
+from benches import common as c
 from benches.suites import compression as comp
 
 CODECS = comp.CODECS

@@ -1,22 +1,32 @@
-"""What every benchmark script shares: watchdogs and timers, logging, the facts a result
-records about the machine and the checkout, argument parsing, JSON output, table cells and
-child scripts that answer in JSON.
+"""What every benchmark shares, in one place: watchdogs and timers, logging, the facts a result
+records about the machine and the checkout, ``/proc`` readers (RSS, load), argument parsing,
+JSON output, child scripts that answer in JSON, a counter of the ``echo`` logger's records, a
+raw wire-protocol-v1 peer, a connection flooder run in its own process, and number and table
+helpers.
 
 Standard library only, so that any interpreter runs it: ours, the other echo's virtualenv of
-``python -m benches --compare``, the Reverb/TorchRL virtualenv of ``bench_replay_peers.py``.
-The scripts in ``benches/py`` import it as ``helpers`` when run on their own (their folder is
-then on ``sys.path``) and as ``benches.py.helpers`` when ``python -m benches`` imports them;
-the tools in ``benches/tools`` put ``benches/py`` on ``sys.path`` first.
+``python -m benches --compare``, the Reverb/TorchRL virtualenv of
+``benches/suites/replay_peers.py``, the docs virtualenv that renders the records (the suites
+import numpy and echo inside ``measure``). The suites and scripts import it as
+``benches.common``; a script that also runs on its own is started as ``python -m
+benches.suites.NAME`` from the repository root, and the tools in ``benches/tools`` put the
+repository root on ``sys.path`` first. Loopback only; the flooder's process group is the only
+one it ends.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
+import logging
 import math
 import os
 import platform
+import signal
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -27,32 +37,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-__all__ = [
-    "bench_parser",
-    "bounded_int",
-    "call_later",
-    "cpu_model",
-    "default_label",
-    "echo_build",
-    "fmt_num",
-    "fmt_ratio",
-    "git",
-    "git_commit",
-    "int_list",
-    "loadavg",
-    "logger",
-    "print_columns",
-    "proc_kib",
-    "rate",
-    "run_facts",
-    "run_json_child",
-    "run_title",
-    "start_watchdog",
-    "timed_loop",
-    "write_json",
-]
-
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent  # the repository root
+HOST = "127.0.0.1"
+MAGIC = b"ECHO"
+MIB = 1 << 20
 
 # --------------------------------------------------------------------------- timers, logging
 
@@ -78,6 +66,11 @@ def start_watchdog(max_seconds: float, who: str, status: int = 2) -> threading.T
     return call_later(max_seconds, fire)
 
 
+def watchdog(seconds: float) -> threading.Timer:
+    """A suite child's watchdog: ends this process with status 3 after ``seconds``."""
+    return start_watchdog(seconds, "watchdog", status=3)
+
+
 def logger(prefix: str) -> Callable[[str], None]:
     """A function that prints ``prefix: msg`` on stderr at once (progress, not results)."""
 
@@ -94,7 +87,7 @@ def git(*args: str) -> str | None:
     """``git ARGS`` in this checkout: its output, or None outside a checkout or on failure."""
     try:
         out = subprocess.run(
-            ["git", *args], cwd=HERE, capture_output=True, text=True, timeout=10, check=False
+            ["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10, check=False
         )
     except (OSError, subprocess.SubprocessError):
         return None
@@ -134,11 +127,48 @@ def cpu_model() -> str | None:
 
 
 def loadavg() -> list[float] | None:
-    """The 1/5/15-minute load average (another busy process skews every number)."""
+    """The 1/5/15-minute load average, to 0.01 (another busy process skews every number);
+    None where the platform has none."""
     try:
-        return list(os.getloadavg())
+        return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return None
+
+
+def status_kib(*keys: str) -> dict[str, int]:
+    """:func:`proc_kib` of this process's ``/proc/self/status``."""
+    return proc_kib("/proc/self/status", *keys)
+
+
+def rss_mib() -> float:
+    """This process's resident set size in MiB."""
+    return status_kib("VmRSS")["VmRSS"] / 1024.0
+
+
+def malloc_trim() -> bool:
+    """glibc ``malloc_trim(0)``: gives freed heap memory back to the OS, so RSS that stays
+    after it is held, not merely cached by the allocator. False where unavailable."""
+    try:
+        import ctypes
+
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
+def settle_rss(max_s: float = 10.0, quiet_s: float = 0.6, step: float = 0.1) -> float:
+    """Polls RSS until it has not changed by more than 1 MiB for ``quiet_s`` (or ``max_s``)."""
+    t_end = time.monotonic() + max_s
+    last = rss_mib()
+    stable_since = time.monotonic()
+    while time.monotonic() < t_end:
+        time.sleep(step)
+        now = rss_mib()
+        if abs(now - last) > 1.0:
+            last, stable_since = now, time.monotonic()
+        elif time.monotonic() - stable_since >= quiet_s:
+            break
+    return rss_mib()
 
 
 def echo_build(echo: ModuleType) -> list[dict[str, Any]]:
@@ -250,12 +280,15 @@ def write_json(path: Path | str, doc: Any, say: bool = True) -> Path:
 
 
 def run_json_child(cmd: Sequence[str], timeout_s: float) -> dict[str, Any]:
-    """Runs the script command line ``cmd`` with ``--json TMP`` added (its output goes to
-    ours) and returns what it wrote there; ``{"error": ...}`` where it wrote nothing."""
+    """Runs the script command line ``cmd`` from the repository root (so ``python -m
+    benches.suites.NAME`` finds it) with ``--json TMP`` added (its output goes to ours) and
+    returns what it wrote there; ``{"error": ...}`` where it wrote nothing."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "child.json"
         try:
-            proc = subprocess.run([*cmd, "--json", str(path)], timeout=timeout_s, check=False)
+            proc = subprocess.run(
+                [*cmd, "--json", str(path)], cwd=ROOT, timeout=timeout_s, check=False
+            )
             doc: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
         except (subprocess.SubprocessError, OSError, ValueError) as e:
             return {"error": f"{type(e).__name__}: {e}"}
@@ -311,3 +344,187 @@ def print_columns(rows: Sequence[Sequence[object]]) -> None:
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) of ``xs`` by nearest rank; NaN when empty."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
+
+
+def median(xs: list[float]) -> float:
+    return percentile(xs, 50)
+
+
+def num(v: Any, fmt: str = ",.0f") -> str:
+    """A table cell: ``v`` formatted, or ``-`` when it is not a number."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+        return "-"
+    return format(v, fmt)
+
+
+def failed_rows(results: dict[str, Any], width: int) -> list[list[str]]:
+    """One row per side whose run failed: its error in the second column."""
+    return [
+        [side, str(r["error"])[:120], *["-"] * (width - 2)]
+        for side, r in results.items()
+        if "error" in r
+    ]
+
+
+# --------------------------------------------------------------------------- echo logger
+
+
+class LogCounter(logging.Handler):
+    """Counts log records by logger name and level (installed on the root logger, so nothing
+    is printed: the default last-resort handler is not used while a handler exists)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.counts: dict[str, int] = {}
+        self.first: dict[str, str] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        key = f"{record.name}:{record.levelname}"
+        self.counts[key] = self.counts.get(key, 0) + 1
+        if key not in self.first:
+            with contextlib.suppress(Exception):
+                self.first[key] = record.getMessage()[:200]
+
+    def warnings(self, prefix: str = "echo") -> int:
+        return sum(
+            n
+            for key, n in self.counts.items()
+            if key.split(":")[0].split(".")[0] in (prefix, "_" + prefix)
+            and key.split(":")[1] in ("WARNING", "ERROR", "CRITICAL")
+        )
+
+
+def install_log_counter() -> LogCounter:
+    counter = LogCounter()
+    root = logging.getLogger()
+    root.addHandler(counter)
+    root.setLevel(logging.WARNING)
+    return counter
+
+
+# --------------------------------------------------------------------------- raw wire peer
+
+
+def read_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError(f"EOF after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
+
+
+def read_handshake(sock: socket.socket) -> int:
+    """Reads a wire v1 handshake; returns the payload size of one sample in bytes."""
+    head = read_exact(sock, 9)
+    if head[:4] != MAGIC or head[4] != 1:
+        raise ValueError(f"not an echo v1 handshake: {head!r}")
+    (n_arrays,) = struct.unpack("<I", head[5:9])
+    size = 0
+    for _ in range(n_arrays):
+        dtype_size, ndim = struct.unpack("<II", read_exact(sock, 8))
+        dims = struct.unpack(f"<{ndim}I", read_exact(sock, 4 * ndim)) if ndim else ()
+        n = 1
+        for d in dims:
+            n *= d
+        size += dtype_size * n
+    return size
+
+
+def raw_peer(port: int, timeout: float = 10.0) -> tuple[socket.socket, int]:
+    """A connected socket that has read the handshake, and the payload size."""
+    sock = socket.create_connection((HOST, port), timeout=timeout)
+    try:
+        return sock, read_handshake(sock)
+    except BaseException:
+        sock.close()
+        raise
+
+
+# --------------------------------------------------------------------------- connection flooder
+
+
+def flood(port: int, seconds: float) -> dict[str, Any]:
+    """Opens and closes connections to ``port`` as fast as one thread can for ``seconds``:
+    each connect, then one read (EOF, a reset, or data when the server admitted it), then
+    close. Counts the outcomes."""
+    counts = {
+        "eof": 0,
+        "reset": 0,
+        "data": 0,
+        "read_timeout": 0,
+        "connect_refused": 0,
+        "connect_error": 0,
+    }
+    first_error = ""
+    t0 = time.monotonic()
+    t_end = t0 + seconds
+    while time.monotonic() < t_end:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.settimeout(2.0)
+        try:
+            s.connect((HOST, port))
+        except ConnectionRefusedError:
+            counts["connect_refused"] += 1
+            s.close()
+            continue
+        except OSError as e:
+            counts["connect_error"] += 1
+            first_error = first_error or f"{type(e).__name__}: {e}"
+            s.close()
+            continue
+        try:
+            data = s.recv(64)
+            counts["eof" if data == b"" else "data"] += 1
+        except (ConnectionResetError, ConnectionAbortedError):
+            counts["reset"] += 1
+        except TimeoutError:
+            counts["read_timeout"] += 1
+        except OSError as e:
+            counts["connect_error"] += 1
+            first_error = first_error or f"{type(e).__name__}: {e}"
+        s.close()
+    elapsed = time.monotonic() - t0
+    done = counts["eof"] + counts["reset"] + counts["data"]
+    return {
+        "seconds": round(elapsed, 3),
+        "per_s": round(done / elapsed, 1),
+        **counts,
+        "first_error": first_error,
+    }
+
+
+def run_flooder(port: int, seconds: float) -> dict[str, Any]:
+    """Runs :func:`flood` in a child process (this interpreter, this file), bounded."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "benches.common", "flood", str(port), str(seconds)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=seconds + 15.0)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return {"error": "flooder timed out"}
+    try:
+        return json.loads(out.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {"error": f"flooder rc {proc.returncode}: {err[-500:]}"}
+
+
+if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "flood":
+    print(json.dumps(flood(int(sys.argv[2]), float(sys.argv[3]))), flush=True)

@@ -75,7 +75,7 @@ Every loop is bounded in count and time, a watchdog ends the process after
 ``--max-seconds``, every ``sample()`` has a timeout; no network but 127.0.0.1, no threads but
 the guards and the tcp part's consumer; the tcp workers are ended (by PID) in a ``finally``.
 
-    python -m benches.py.bench_sequence [--quick] [--out FILE.json] [--steps N] ...
+    python -m benches.suites.sequence_tables [--quick] [--out FILE.json] [--steps N] ...
 
 Prints a table and writes one JSON record (``--out``/``--json``): the parameters, the
 machine, each result with its ``correct`` flag, the ratios and whether the issue's targets
@@ -102,10 +102,7 @@ from typing import Any
 
 import numpy as np
 
-try:  # run as a script: benches/py is on sys.path
-    import helpers as h
-except ImportError:  # imported as benches.py.<module> (python -m benches.py.bench_sequence)
-    from benches.py import helpers as h
+from benches import common as h
 
 ID_STRIDE = 10**7  # step id = stream * ID_STRIDE + t
 HASH = np.uint64(2654435761)  # Knuth's multiplicative hash: id -> frame of the pool
@@ -725,12 +722,12 @@ def run_child(
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "child.json"
         cmd = [
-            python, str(Path(__file__).resolve()), "--child", f"{role}:{kind}",
+            python, "-m", "benches.suites.sequence_tables", "--child", f"{role}:{kind}",
             "--json", str(path), "--max-seconds", str(int(left)),
             *(f"--{k.replace('_', '-')}={v}" for k, v in child_params(args, kind, steps).items()),
         ]  # fmt: skip
         try:
-            proc = subprocess.run(cmd, timeout=left, check=False)
+            proc = subprocess.run(cmd, cwd=h.ROOT, timeout=left, check=False)
             doc: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
         except (subprocess.SubprocessError, OSError, ValueError) as e:
             return {"error": f"{role}: {type(e).__name__}: {e}", "correct": False}

@@ -74,10 +74,10 @@ watchdog ends the whole run after ``--max-seconds``. Only loopback traffic.
 
 Compare two implementations (one run each, same machine)::
 
-    .venv/bin/python benches/py/bench_tcp.py --label ours --json benches/results/tcp-ours.json
-    /work/venvs/peer/bin/python benches/py/bench_tcp.py --label id-echo-0.2.1 \\
+    .venv/bin/python -m benches.suites.core_tcp --label ours --json benches/results/tcp-ours.json
+    /work/venvs/peer/bin/python -m benches.suites.core_tcp --label id-echo-0.2.1 \\
         --json benches/results/tcp-peer.json
-    python benches/py/compare.py benches/results/tcp-ours.json benches/results/tcp-peer.json
+    python -m benches.compare benches/results/tcp-ours.json benches/results/tcp-peer.json
 
 ``--quick`` runs K = 1, 4 with 1.5 s each; ``--only small|large``; ``--workers 1,8,100``
 (up to 1000); ``--launcher process|ray``. On a small machine the workers share the cores with
@@ -103,12 +103,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-try:  # run as a script: benches/py is on sys.path
-    import helpers as h
-except ImportError:  # imported as benches.py.<module> (python -m benches)
-    from benches.py import helpers as h
-
 import echo
+from benches import common as h
 from echo import Server, TcpClient, TcpTransport
 
 ID_MOD = 2**24  # element 0 of each f32 leaf holds seq % ID_MOD (exact in float32)
@@ -439,9 +435,10 @@ def import_ray() -> Any:
 def ray_start(ray: Any) -> None:
     """A local Ray instance for the actors: no dashboard, a bounded CPU count and object
     store. The actors are ordinary Ray workers, so they get this process's environment:
-    ``PYTHONPATH`` gains the directories that this process imports echo and this script from,
-    so the actors import the same echo (each checks ``echo.__file__`` against ours anyway)."""
-    paths = [str(Path(_echo_file()).parent.parent), str(Path(__file__).resolve().parent)]
+    ``PYTHONPATH`` gains the directory that this process imports echo from and the repository
+    root (for ``benches``), so the actors import the same echo and this module (each checks
+    ``echo.__file__`` against ours anyway)."""
+    paths = [str(Path(_echo_file()).parent.parent), str(h.ROOT)]
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join([*paths, *([old] if old else [])])
     ray.init(
@@ -685,8 +682,8 @@ def _collect(
 
     def submit_marker() -> None:
         i = out.markers
-        for h in heads:
-            h[0] = float(i)
+        for head in heads:
+            head[0] = float(i)
         tree["meta"][:] = (MARKER_WID, i, time.monotonic())
         server.submit(tree)
         out.markers += 1
