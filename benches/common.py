@@ -35,7 +35,9 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository root
 HOST = "127.0.0.1"
@@ -69,6 +71,16 @@ def start_watchdog(max_seconds: float, who: str, status: int = 2) -> threading.T
 def watchdog(seconds: float) -> threading.Timer:
     """A suite child's watchdog: ends this process with status 3 after ``seconds``."""
     return start_watchdog(seconds, "watchdog", status=3)
+
+
+def under_watchdog(seconds: float, fn: Callable[[], T]) -> T:
+    """``fn()`` under :func:`watchdog` ``(seconds)``, cancelled once it returns: a suite's
+    ``measure``, which the tests also call in-process and then go on."""
+    timer = watchdog(seconds)
+    try:
+        return fn()
+    finally:
+        timer.cancel()
 
 
 def logger(prefix: str) -> Callable[[str], None]:
