@@ -61,7 +61,13 @@ from typing import IO, Any
 
 from benches import common as h
 from benches import compare, limits, plots
-from benches.suites import core_inprocess, core_tcp, core_views
+from benches.suites import (
+    core_inprocess,
+    core_tcp,
+    core_tcp_scenarios,
+    core_tcp_workers,
+    core_views,
+)
 
 try:
     import tqdm as _tqdm
@@ -819,7 +825,7 @@ def _parser() -> argparse.ArgumentParser:
         "--workers",
         type=core_tcp.parse_workers,
         default=None,
-        help=f"TCP worker counts, comma-separated, each up to {core_tcp.MAX_WORKERS} "
+        help=f"TCP worker counts, comma-separated, each up to {core_tcp_scenarios.MAX_WORKERS} "
         "(default 1,4,16,64; --quick 1,4)",
     )
     p.add_argument(
@@ -827,7 +833,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--launcher",
-        choices=core_tcp.LAUNCHERS,
+        choices=core_tcp_scenarios.LAUNCHERS,
         default="process",
         help="TCP workers as local processes (default) or as Ray actors in a local Ray "
         "instance, the learner's server in the driver (needs the distributed extra: "
@@ -885,7 +891,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.launcher == "ray":
         for info in interpreters.values():
             if not info.get("ray"):
-                msg = core_tcp.RAY_MISSING.format(python=info["executable"])
+                msg = core_tcp_workers.RAY_MISSING.format(python=info["executable"])
                 print(f"benches: {msg}", file=sys.stderr)
                 return 2
     labels = {"ours": args.label or f"echo-{ours['echo_version']}"}
@@ -966,7 +972,7 @@ def main(argv: list[str] | None = None) -> int:
         again = _run_limits(progress, quick, after=True)
         overall.update(1)
     for key in ("loopback_64k", "loopback_1m"):
-        lim[key] = core_tcp.best_loopback(lim[key], again.get(key))
+        lim[key] = core_tcp_workers.best_loopback(lim[key], again.get(key))
     overall.close()
 
     _fill_fractions(doc)

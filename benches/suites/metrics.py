@@ -272,7 +272,7 @@ def _inprocess_round(seconds: float, with_metrics: bool, poll_s: float) -> float
 
 def _tcp_round(seconds: float, with_metrics: bool, poll_s: float, ctx: Any) -> dict[str, Any]:
     import echo
-    from benches.suites import core_tcp
+    from benches.suites import core_tcp, core_tcp_scenarios
 
     opts = argparse.Namespace(count=10_000_000, warmup=0.5, seconds=seconds, grace=30.0)
     made: list[Any] = []
@@ -287,7 +287,7 @@ def _tcp_round(seconds: float, with_metrics: bool, poll_s: float, ctx: Any) -> d
     if with_metrics:
         core_tcp._make_server = make_with_metrics  # pyright: ignore[reportPrivateUsage]
     try:
-        return core_tcp.run_round(core_tcp.SCENARIO_BY_NAME["small"], 1, opts, ctx)
+        return core_tcp.run_round(core_tcp_scenarios.SCENARIO_BY_NAME["small"], 1, opts, ctx)
     finally:
         core_tcp._make_server = original  # pyright: ignore[reportPrivateUsage]
         for endpoint, scraper in made:

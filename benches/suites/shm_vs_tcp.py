@@ -24,7 +24,7 @@ import sys
 from typing import Any
 
 from benches import common as c
-from benches.suites import core_tcp
+from benches.suites import core_tcp, core_tcp_scenarios
 
 PATHS = ("nest-tcp", "nest-shm")
 
@@ -41,7 +41,7 @@ def limit_s(params: dict[str, Any]) -> float:
 
 
 def measure(params: dict[str, Any]) -> dict[str, Any]:
-    if not core_tcp.has_shared_memory():
+    if not core_tcp_scenarios.has_shared_memory():
         raise RuntimeError("this echo has no shared-memory path")
     seconds, repeats = float(params["seconds"]), int(params["repeats"])
     opts = argparse.Namespace(count=10_000_000, warmup=0.5, seconds=seconds, grace=30.0)
@@ -52,7 +52,7 @@ def measure(params: dict[str, Any]) -> dict[str, Any]:
         for k in params["workers"]:
             order = PATHS if (rep + k) % 2 == 0 else PATHS[::-1]
             for name in order:
-                r = core_tcp.run_round(core_tcp.SCENARIO_BY_NAME[name], k, opts, ctx)
+                r = core_tcp.run_round(core_tcp_scenarios.SCENARIO_BY_NAME[name], k, opts, ctx)
                 rounds.append(
                     {
                         "path": name,
