@@ -377,6 +377,11 @@ def num(v: Any, fmt: str = ",.0f") -> str:
     return format(v, fmt)
 
 
+def span(xs: Sequence[float], fmt: str = ".2f") -> str:
+    """A table cell: ``min..max`` of ``xs`` (the per-repeat ratios), ``-`` when empty."""
+    return f"{min(xs):{fmt}}..{max(xs):{fmt}}" if xs else "-"
+
+
 def failed_rows(results: dict[str, Any], width: int) -> list[list[str]]:
     """One row per side whose run failed: its error in the second column."""
     return [

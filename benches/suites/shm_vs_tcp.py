@@ -136,7 +136,7 @@ def tables(results: dict[str, Any], params: dict[str, Any]) -> list[dict[str, An
                     c.num(s["shm_samples_per_s"]),
                     c.num(s["shm_gbps"], ".3f"),
                     c.num(statistics.median(ratios) if ratios else None, ".2f"),
-                    f"{min(ratios):.2f}..{max(ratios):.2f}" if ratios else "-",
+                    c.span(ratios),
                     f"{c.num(s['worker_us_tcp'], '.1f')} / {c.num(s['worker_us_shm'], '.1f')}",
                     f"{c.num(s['learner_us_tcp'], '.1f')} / {c.num(s['learner_us_shm'], '.1f')}",
                     "yes" if s["correct"] else "NO",

@@ -509,7 +509,7 @@ def tables(results: dict[str, Any], params: dict[str, Any]) -> list[dict[str, An
                     c.num(s["v1_samples_per_s"]),
                     c.num(s["v2_samples_per_s"]),
                     c.num(s["ratio_v2_v1"], ".3f"),
-                    f"{min(ratios):.3f}..{max(ratios):.3f}" if ratios else "-",
+                    c.span(ratios, ".3f"),
                     c.num(s["v1_worker_cpu_us"], ".1f"),
                     c.num(s["v2_worker_cpu_us"], ".1f"),
                     "yes" if s["correct"] else "NO",
