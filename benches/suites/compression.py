@@ -582,13 +582,10 @@ def case_main(params: dict[str, Any], case: dict[str, Any]) -> dict[str, Any]:
 
 
 def measure(params: dict[str, Any]) -> dict[str, Any]:
-    return c.under_watchdog(limit_s(params), lambda: _measure(params))
+    return cc.measure_frames(params, limit_s(params), _measure)
 
 
 def _measure(params: dict[str, Any]) -> dict[str, Any]:
-    why = cc.why_no_frames(params)
-    if why is not None:
-        return {"skipped": why, "correct": True}
     obs = pool(params, "mixed")  # generates the frames into the cache once, here
     out: dict[str, Any] = {
         "loadavg_start": c.loadavg(),

@@ -235,6 +235,21 @@ def memory_pairs(
 # --------------------------------------------------------------------------- child cases
 
 
+def measure_frames(
+    params: dict[str, Any], limit: float, run: Callable[[dict[str, Any]], dict[str, Any]]
+) -> dict[str, Any]:
+    """A suite's ``measure``: ``run(params)`` under a watchdog of ``limit`` seconds, or,
+    without Atari frames to measure on, why not (``{"skipped": ..., "correct": True}``)."""
+
+    def go() -> dict[str, Any]:
+        why = why_no_frames(params)
+        if why is not None:
+            return {"skipped": why, "correct": True}
+        return run(params)
+
+    return c.under_watchdog(limit, go)
+
+
 def run_case(
     python: str, case: dict[str, Any], params: dict[str, Any], limit: float, module: str
 ) -> dict[str, Any]:
@@ -288,6 +303,19 @@ def answer_case(
 def sides(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """The sides that measured something (failed and skipped ones are rows of their own)."""
     return [(s, r) for s, r in results.items() if "error" not in r and "skipped" not in r]
+
+
+def suite_tables(
+    results: dict[str, Any],
+    params: dict[str, Any],
+    targets_table: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]],
+    *others: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """A suite's ``tables``: the targets table, then ``others``; only the targets table
+    (which names the reason or the error once) when no side measured anything."""
+    if not sides(results):
+        return [targets_table(results, params)]
+    return [table(results, params) for table in (targets_table, *others)]
 
 
 def unmeasured_rows(results: dict[str, Any], width: int) -> list[list[str]]:

@@ -427,12 +427,12 @@ def _wire_table(results: dict[str, Any], params: dict[str, Any]) -> dict[str, An
 
 
 def tables(results: dict[str, Any], params: dict[str, Any]) -> list[dict[str, Any]]:
-    if not cc.sides(results):  # nothing measured: the reason (or the error) once
-        return [_targets_table(results, params)]
-    return [
-        _targets_table(results, params),
-        _memory_table(results, params),
-        _rates_table(results, params),
-        _baselines_table(results, params),
-        _wire_table(results, params),
-    ]
+    return cc.suite_tables(
+        results,
+        params,
+        _targets_table,
+        _memory_table,
+        _rates_table,
+        _baselines_table,
+        _wire_table,
+    )

@@ -292,13 +292,10 @@ def _run(case: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
 
 
 def measure(params: dict[str, Any]) -> dict[str, Any]:
-    return c.under_watchdog(limit_s(params), lambda: _measure(params))
+    return cc.measure_frames(params, limit_s(params), _measure)
 
 
 def _measure(params: dict[str, Any]) -> dict[str, Any]:
-    why = cc.why_no_frames(params)
-    if why is not None:
-        return {"skipped": why, "correct": True}
     pool = Pool(params, "mixed")  # generates the frames into the cache once, here
     out: dict[str, Any] = {
         "loadavg_start": c.loadavg(),
@@ -469,13 +466,7 @@ def _rates_table(results: dict[str, Any], params: dict[str, Any]) -> dict[str, A
 
 
 def tables(results: dict[str, Any], params: dict[str, Any]) -> list[dict[str, Any]]:
-    if not cc.sides(results):  # nothing measured: the reason (or the error) once
-        return [_targets_table(results, params)]
-    return [
-        _targets_table(results, params),
-        _memory_table(results, params),
-        _rates_table(results, params),
-    ]
+    return cc.suite_tables(results, params, _targets_table, _memory_table, _rates_table)
 
 
 def main(argv: list[str]) -> int:
