@@ -520,10 +520,12 @@ def flood(port: int, seconds: float) -> dict[str, Any]:
     }
 
 
-def run_flooder(port: int, seconds: float) -> dict[str, Any]:
-    """Runs :func:`flood` in a child process (this interpreter, this file), bounded."""
+def run_group(cmd: Sequence[str], timeout_s: float) -> tuple[int, str, str] | None:
+    """Runs ``cmd`` from the repository root in a session (process group) of its own and
+    waits for it: (exit status, stdout, stderr), or None when it ran past ``timeout_s`` and
+    its process group, the only one this ends, was killed."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "benches.common", "flood", str(port), str(seconds)],
+        list(cmd),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -531,16 +533,34 @@ def run_flooder(port: int, seconds: float) -> dict[str, Any]:
         start_new_session=True,
     )
     try:
-        out, err = proc.communicate(timeout=seconds + 15.0)
+        out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)  # the group of the child started here
         proc.communicate()
+        return None
+    return proc.returncode, out, err
+
+
+def last_json_line(out: str) -> Any:
+    """The JSON document on the last line of ``out`` (a child's answer); ValueError if none."""
+    lines = out.strip().splitlines()
+    if not lines:
+        raise ValueError("no output")
+    return json.loads(lines[-1])
+
+
+def run_flooder(port: int, seconds: float) -> dict[str, Any]:
+    """Runs :func:`flood` in a child process (this interpreter, this file), bounded."""
+    cmd = [sys.executable, "-m", "benches.common", "flood", str(port), str(seconds)]
+    done = run_group(cmd, seconds + 15.0)
+    if done is None:
         return {"error": "flooder timed out"}
+    rc, out, err = done
     try:
-        return json.loads(out.strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError):
-        return {"error": f"flooder rc {proc.returncode}: {err[-500:]}"}
+        return last_json_line(out)
+    except ValueError:
+        return {"error": f"flooder rc {rc}: {err[-500:]}"}
 
 
 if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "flood":

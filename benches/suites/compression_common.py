@@ -12,13 +12,9 @@ suites' tables share. Standard library only at import time (numpy and echo insid
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -258,21 +254,10 @@ def run_case(
     cmd = [python, "-m", module, "case", json.dumps(params)]
     cmd.append(json.dumps(case))
     t0 = time.monotonic()
-    proc = subprocess.Popen(
-        cmd,
-        cwd=c.ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # the group of the child started here
-        proc.communicate()
+    done = c.run_group(cmd, limit)
+    if done is None:
         return {"error": f"{case['kind']}: over its {limit:.0f} s limit"}
+    rc, out, err = done
     what = " ".join(str(case.get(k, "")) for k in ("kind", "game", "codec", "items"))
     print(
         f"{module.rsplit('.', 1)[-1]}: {what}: {time.monotonic() - t0:.1f} s",
@@ -280,9 +265,9 @@ def run_case(
         flush=True,
     )
     try:
-        doc: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError):
-        return {"error": f"{case['kind']}: exit status {proc.returncode}: {err.strip()[-400:]}"}
+        doc: dict[str, Any] = c.last_json_line(out)
+    except ValueError:
+        return {"error": f"{case['kind']}: exit status {rc}: {err.strip()[-400:]}"}
     return doc
 
 
