@@ -70,7 +70,7 @@ def start_watchdog(max_seconds: float, who: str, status: int = 2) -> threading.T
 
 def watchdog(seconds: float) -> threading.Timer:
     """A suite child's watchdog: ends this process with status 3 after ``seconds``."""
-    return start_watchdog(seconds, "watchdog", status=3)
+    return start_watchdog(seconds, "benches child", status=3)
 
 
 def under_watchdog(seconds: float, fn: Callable[[], T]) -> T:
