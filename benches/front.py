@@ -8,7 +8,7 @@ Usage::
     python -m benches report [--check]           # docs/benchmarks.md (tables, plots) from records
 
 Without a suite it runs ``core`` (raw limits, in-process, views, the TCP sweep: see
-``benches/cli.py``, whose options ``--workers``, ``--seconds``, ``--launcher`` and
+``benches/suites/core.py``, whose options ``--workers``, ``--seconds``, ``--launcher`` and
 ``--progress`` it also takes). Every suite writes its record, ``OUT/SUITE.json`` (see
 ``benches/records.py``), into ``OUT`` (default ``benches/results/<timestamp>``, not
 committed); ``--save`` also writes it to ``benches/records/SUITE.json``, the committed
@@ -64,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-seconds", type=float, default=None, help="no suite starts after this long"
     )
-    core = p.add_argument_group("the core suite's options (see benches/cli.py)")
+    core = p.add_argument_group("the core suite's options (see benches/suites/core.py)")
     core.add_argument("--workers", default=None, help="TCP worker counts, e.g. 1,4,16,64")
     core.add_argument("--seconds", default=None, help="TCP window per K")
     core.add_argument("--launcher", default=None, help="process (default) or ray")
@@ -75,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _core_options(args: argparse.Namespace) -> list[str]:
-    """The core suite's own options as given, for benches/cli.py to parse and check."""
+    """The core suite's own options as given, for benches/suites/core.py to parse and check."""
     out = [
         f"--{name}={getattr(args, name)}"
         for name in ("workers", "seconds", "launcher")
@@ -202,7 +202,7 @@ def _core_results(doc: dict[str, Any]) -> dict[str, Any]:
 def run_core(
     args: argparse.Namespace, rest: list[str], out: Path, checkout: dict[str, Any]
 ) -> bool:
-    from benches import cli
+    from benches.suites import core
 
     t0 = time.monotonic()
     core_argv = [*rest, "--out", str(out)]
@@ -216,7 +216,7 @@ def run_core(
     ):
         if value is not None:
             core_argv += [flag, str(value)]
-    status = cli.main(core_argv)
+    status = core.main(core_argv)
     results = out / "results.json"
     if not results.exists():
         return False
@@ -226,7 +226,7 @@ def run_core(
         parameters=doc["parameters"],
         interpreters=doc["interpreters"],
         results=_core_results(doc),
-        tables=cli.tables(doc),
+        tables=core.tables(doc),
         ok=status == 0,
     )
     return _finish(record, out, args.save, t0)
@@ -241,7 +241,7 @@ def run_suite(
     checkout: dict[str, Any],
     first: int,
 ) -> bool:
-    from benches import cli
+    from benches import runner
 
     module = suite.load()
     t0 = time.monotonic()
@@ -270,10 +270,10 @@ def run_suite(
             str(json_path),
         ]
         print(f"benches: {suite.name} [{side}]: {sides[side]}", file=sys.stderr, flush=True)
-        rc, timed_out = cli.run_child(
+        rc, timed_out = runner.run_child(
             cmd,
             logs / f"{side}.log",
-            min(module.limit_s(params) + cli.KILL_GRACE_S, left),
+            min(module.limit_s(params) + runner.KILL_GRACE_S, left),
             lambda stream, line: print(f"  {line}", file=sys.stderr, flush=True),
             lambda: None,
         )

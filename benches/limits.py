@@ -7,7 +7,7 @@ Every echo number can then be read as a fraction of what the machine does withou
   copied (1e9 B/s), best of three windows.
 * ``loopback``: one process ``sendall``-ing 64 KiB (the reference) or 1 MiB chunks over
   ``127.0.0.1`` to another that ``recv_into``-s them, best of three transfers; this is
-  ``bench_tcp.bench_loopback``, the same blast ``bench_tcp.py`` uses on its own.
+  ``core_tcp_workers.bench_loopback``, the same blast ``core_tcp.py`` uses on its own.
 * ``flatten``: ``optree.tree_flatten`` of the in-process ``small`` pytree (2 leaves) and of
   the ``large`` one (40 leaves), microseconds per call: median and 10th percentile of
   batches of calls. That is the floor of the Python work of one ``submit()`` or ``send()``.
@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import optree
 
-from benches.py import bench_inprocess, bench_tcp
-from benches.py import helpers as h
+from benches import common as h
+from benches.suites import core_inprocess, core_tcp_scenarios, core_tcp_workers
 
 MEMCPY_BYTES = 64 * 1024 * 1024
 MEMCPY_CACHE_BYTES = 256 * 1024
@@ -47,9 +47,9 @@ def memcpy(nbytes: int, seconds: float) -> dict[str, Any]:
 
 
 def loopback(seconds: float, chunk_bytes: int) -> dict[str, Any]:
-    """Raw loopback TCP between two processes (``bench_tcp.bench_loopback``), best of 3."""
+    """Raw loopback TCP between two processes (``core_tcp_workers.bench_loopback``), best of 3."""
     ctx = mp.get_context("forkserver")
-    return bench_tcp.bench_loopback(ctx, seconds, chunk_bytes)
+    return core_tcp_workers.bench_loopback(ctx, seconds, chunk_bytes)
 
 
 def flatten(tree: Any, seconds: float) -> dict[str, Any]:
@@ -78,7 +78,7 @@ def flatten(tree: Any, seconds: float) -> dict[str, Any]:
 
 
 def _trees() -> dict[str, Any]:
-    return {sc.name: sc.example() for sc in bench_inprocess.SCENARIOS}
+    return {sc.name: sc.example() for sc in core_inprocess.SCENARIOS}
 
 
 def steps(quick: bool) -> list[tuple[str, Callable[[], dict[str, Any]]]]:
@@ -88,8 +88,8 @@ def steps(quick: bool) -> list[tuple[str, Callable[[], dict[str, Any]]]]:
     return [
         ("memcpy", lambda: memcpy(MEMCPY_BYTES, s)),
         ("memcpy_cache", lambda: memcpy(MEMCPY_CACHE_BYTES, s)),
-        ("loopback_64k", lambda: loopback(s * 1.5, bench_tcp.LOOPBACK_CHUNK)),
-        ("loopback_1m", lambda: loopback(s, bench_tcp.LOOPBACK_BULK_CHUNK)),
+        ("loopback_64k", lambda: loopback(s * 1.5, core_tcp_scenarios.LOOPBACK_CHUNK)),
+        ("loopback_1m", lambda: loopback(s, core_tcp_scenarios.LOOPBACK_BULK_CHUNK)),
         ("flatten_small", lambda: flatten(trees["small"], s / 2)),
         ("flatten_large", lambda: flatten(trees["large"], s / 2)),
     ]

@@ -28,10 +28,11 @@ import json
 import os
 import platform
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from benches import common
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORDS = ROOT / "benches" / "records"
@@ -50,31 +51,10 @@ PLOT = re.compile(
 IMAGE = re.compile(r"!\[[^\]]*\]\((?P<src>[^)\s]+)\)")
 
 
-def _git(*args: str) -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10, check=False
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout if out.returncode == 0 else None
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine() -> dict[str, Any]:
     """The machine a record was measured on."""
     return {
-        "cpu": _cpu_model(),
+        "cpu": common.cpu_model() or platform.machine(),
         "cores": os.cpu_count(),
         "kernel": f"{platform.system()} {platform.release()}",
         "platform": platform.platform(),
@@ -86,8 +66,8 @@ def checkout() -> dict[str, Any]:
     """The commit of this checkout and whether tracked files differ from it, records and the
     page rendered from them aside (a run that saves records changes those, not what it
     measures)."""
-    commit = (_git("rev-parse", "HEAD") or "").strip() or None
-    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", *RENDERED) or ""
+    commit = (common.git("rev-parse", "HEAD") or "").strip() or None
+    status = common.git("status", "--porcelain", "--untracked-files=no", "--", ".", *RENDERED) or ""
     return {"commit": commit, "commit_dirty": bool(status.strip())}
 
 

@@ -9,7 +9,7 @@
 //!   tables that evict on every insert (elements = items).
 //!
 //! Run with `cargo bench --bench replay`. The Python-level comparison with Reverb and TorchRL
-//! is `benches/py/bench_replay.py`.
+//! is `benches/suites/replay_tables.py`.
 
 use std::hint::black_box;
 use std::sync::Arc;

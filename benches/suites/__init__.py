@@ -22,7 +22,17 @@ it, never ``python -m benches --list`` or ``report``.
     with cells already formatted as text. ``python -m benches report`` writes them into
     ``docs/benchmarks.md``, and the docs check compares the page with them.
 
-Adding a suite: write the module (anywhere under ``benches``), add one ``Suite`` line to
+The modules here are the suites and their parts, a part named after its suite: ``core``
+(the default session) runs ``core_inprocess``, ``core_views`` and ``core_tcp`` (with
+``core_tcp_scenarios`` and ``core_tcp_workers``) as scripts and renders ``core_tables``;
+``replay`` runs ``replay_tables`` (and ``replay_peers``), ``sequence`` runs
+``sequence_tables`` (with ``sequence_data`` and ``sequence_tcp``); ``compression`` has
+``compression_wire`` and ``compression_tables``, and shares ``compression_common`` with
+``sequence-compression``; ``ray`` has ``ray_actors`` and ``ray_tables``. A script runs on its
+own as ``python -m benches.suites.NAME`` from the repository root. What every suite shares is
+in :mod:`benches.common`.
+
+Adding a suite: write the module (in ``benches/suites``), add one ``Suite`` line to
 ``SUITES`` below, then ``python -m benches NAME --quick --save`` for its record, a section
 with an empty ``<!-- benches:table NAME -->`` / ``<!-- /benches:table -->`` block in
 ``docs/benchmarks.md``, and ``python -m benches report`` to fill it.
@@ -45,12 +55,12 @@ class Suite:
         return importlib.import_module(self.module)
 
 
-# The one place a suite is registered. `core` is the session of benches/cli.py; the others
+# The one place a suite is registered. `core` is the session of benches/suites/core.py; the others
 # follow the protocol above.
 SUITES: tuple[Suite, ...] = (
     Suite(
         "core",
-        "benches.cli",
+        "benches.suites.core",
         "raw machine limits, in-process submit/sample, sample() view cost, TCP worker sweep",
     ),
     Suite(

@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any
 
-from benches.suites import _common as c
+from benches import common as c
 
 MAX = 16
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 import echo
-from benches.suites import _common as c
+from benches import common as c
 
 EXAMPLE = {
     "obs": {

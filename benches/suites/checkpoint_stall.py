@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 import echo
-from benches.suites import _common as c
+from benches import common as c
 
 
 def percentile(xs: list[float], q: float) -> float:

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benches.suites import _common as c
+from benches import common as c
 
 CODECS = ("zstd-1", "zstd-3", "lz4")
 ATARI_LEAVES = ("frame", "obs", "frames16", "obs16")
@@ -187,11 +187,7 @@ def _copy_gb_s(items: list[bytes], passes: int, pass_bytes: int) -> float:
 
 
 def measure(params: dict[str, Any]) -> dict[str, Any]:
-    watchdog = c.watchdog(limit_s(params))
-    try:
-        return _measure(params)
-    finally:
-        watchdog.cancel()  # measured in-process (the tests): the caller goes on
+    return c.under_watchdog(limit_s(params), lambda: _measure(params))
 
 
 def _measure(params: dict[str, Any]) -> dict[str, Any]:

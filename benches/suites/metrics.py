@@ -36,7 +36,7 @@ import threading
 import time
 from typing import Any
 
-from benches.suites import _common as c
+from benches import common as c
 
 # A scraper process: fetches URL COUNT times, PERIOD seconds apart (0: back to back), and
 # prints each fetch's wall time; exits after COUNT fetches or when its parent ends it.
@@ -272,11 +272,11 @@ def _inprocess_round(seconds: float, with_metrics: bool, poll_s: float) -> float
 
 def _tcp_round(seconds: float, with_metrics: bool, poll_s: float, ctx: Any) -> dict[str, Any]:
     import echo
-    from benches.py import bench_tcp
+    from benches.suites import core_tcp, core_tcp_scenarios
 
     opts = argparse.Namespace(count=10_000_000, warmup=0.5, seconds=seconds, grace=30.0)
     made: list[Any] = []
-    original = bench_tcp._make_server  # pyright: ignore[reportPrivateUsage]
+    original = core_tcp._make_server  # pyright: ignore[reportPrivateUsage]
 
     def make_with_metrics(sc: Any) -> Any:
         got = original(sc)
@@ -285,11 +285,11 @@ def _tcp_round(seconds: float, with_metrics: bool, poll_s: float, ctx: Any) -> d
         return got
 
     if with_metrics:
-        bench_tcp._make_server = make_with_metrics  # pyright: ignore[reportPrivateUsage]
+        core_tcp._make_server = make_with_metrics  # pyright: ignore[reportPrivateUsage]
     try:
-        return bench_tcp.run_round(bench_tcp.SCENARIO_BY_NAME["small"], 1, opts, ctx)
+        return core_tcp.run_round(core_tcp_scenarios.SCENARIO_BY_NAME["small"], 1, opts, ctx)
     finally:
-        bench_tcp._make_server = original  # pyright: ignore[reportPrivateUsage]
+        core_tcp._make_server = original  # pyright: ignore[reportPrivateUsage]
         for endpoint, scraper in made:
             _end(scraper)
             endpoint.close()

@@ -1,11 +1,11 @@
 """Replay: echo's replay tables through the public Python API, one process, one thread
-(``benches/py/bench_replay.py``): ``submit()`` into an empty prioritized and uniform table
+(``benches/suites/replay_tables.py``): ``submit()`` into an empty prioritized and uniform table
 (inserts/s), ``sample()`` of batches from the full tables (batches/s, items/s),
 ``update_priorities`` (calls/s, keys/s), inserts into a full prioritized table (each evicts)
 next to inserts into a FIFO server whose consumer drains it.
 
 With ``--set peers=PYTHON`` (an interpreter with dm-reverb and torchrl installed) the same
-sizes run against DeepMind Reverb and TorchRL too (``benches/py/bench_replay_peers.py``, each
+sizes run against DeepMind Reverb and TorchRL too (``benches/suites/replay_peers.py``, each
 library in its own subprocess), and the record holds their numbers beside ours.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from benches.suites import _common as c
+from benches import common as c
 
 LABELS = {
     "fill_prioritized_inserts_per_s": ("fill an empty prioritized table", "inserts/s"),
@@ -41,14 +41,14 @@ def limit_s(params: dict[str, Any]) -> float:
 
 
 def measure(params: dict[str, Any]) -> dict[str, Any]:
-    from benches.py import bench_replay
+    from benches.suites import replay_tables
 
     args = SimpleNamespace(
         items=int(params["items"]), batch=int(params["batch"]), seconds=float(params["seconds"])
     )
-    out: dict[str, Any] = {"echo": bench_replay.bench(args)}
+    out: dict[str, Any] = {"echo": replay_tables.bench(args)}
     if params["peers"]:
-        out["peers"] = bench_replay.run_peers(str(params["peers"]), args)
+        out["peers"] = replay_tables.run_peers(str(params["peers"]), args)
     return out
 
 

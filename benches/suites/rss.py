@@ -22,7 +22,7 @@ import socket
 import threading
 from typing import Any
 
-from benches.suites import _common as c
+from benches import common as c
 
 SAMPLES = 8
 ELEMS = 1 << 18  # float32: 1 MiB per sample

@@ -1,7 +1,7 @@
 """Sequence tables: batches of windows against memcpy, numpy gathers (and TorchRL's
 SliceSampler where an interpreter with it is given), resident bytes per stored step, and step
 inserts over TCP and shared memory against plain samples. The measurement is
-``benches/py/bench_sequence.py`` (its docstring says what each part does); this suite runs
+``benches/suites/sequence_tables.py`` (its docstring says what each part does); this suite runs
 it and keeps the numbers its tables show. Run: ``python -m benches sequence [--quick]``.
 """
 
@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benches.suites import _common as c
+from benches import common as c
 
 # The full run: 1e6 Atari-like steps (7 GB) and 1e6 small ones, 16 TCP workers.
 FULL: dict[str, Any] = {"quick": False, "extra": []}
@@ -32,13 +32,13 @@ def limit_s(params: dict[str, Any]) -> float:
 
 
 def measure(params: dict[str, Any]) -> dict[str, Any]:
-    from benches.py import bench_sequence
+    from benches.suites import sequence_tables
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "sequence.json"
         argv = (["--quick"] if params["quick"] else []) + [str(a) for a in params["extra"]]
         argv += ["--max-seconds", str(int(limit_s(params)) - 30), "--out", str(out)]
-        status = bench_sequence.main(argv)
+        status = sequence_tables.main(argv)
         doc = json.loads(out.read_text(encoding="utf-8"))
     results: dict[str, Any] = {"status": status, "correct": bool(doc["correct"]), "kinds": {}}
     for kind, r in doc["results"].items():

@@ -5,7 +5,8 @@ uncompressed, with the compressed-observations issue's targets.
 A step is one DQN Atari step, ``{"obs": u8[84,84,4], "action": i64[], "reward": f32[],
 "done": bool[]}`` (28,237 bytes raw), the observations stacks of 4 consecutive frames from
 seeded random play of Pong, Breakout and MsPacman (``benches/atari_frames.py``, the pool of
-``benches/suites/compression.py``). The steps come from a vector environment of ``streams``
+the compression suite, :mod:`benches.suites.compression_common`, which holds what the two
+compression suites share). The steps come from a vector environment of ``streams``
 streams (``submit_batch``, one row per stream): stream ``k`` walks through the pool in order
 from its own offset and ends its episode where the pool's episode ends, so every chunk the
 table compresses holds consecutive steps of one episode, as in a real run. ``action`` holds
@@ -34,23 +35,22 @@ Loopback only (none is used); every loop is bounded in count and time. Without a
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
 from typing import Any
 
-from benches.suites import _common as c
-from benches.suites import compression as comp
+from benches import common as c
+from benches.suites import compression_common as cc
 
-CODECS = comp.CODECS
-CODEC_LABELS = comp.CODEC_LABELS
+CODECS = cc.CODECS
+CODEC_LABELS = cc.CODEC_LABELS
 OPS = ("sample/copy", "insert/submit", "insert/submit_batch")
 
 
 def parameters(quick: bool) -> dict[str, Any]:
     common = {
-        "games": list(comp.GAMES),
+        "games": list(cc.GAMES),
         "seed": 0,
         "fixture": None,
         "length": 80,
@@ -80,12 +80,8 @@ def parameters(quick: bool) -> dict[str, Any]:
 
 
 def _memory_cases(params: dict[str, Any]) -> list[dict[str, Any]]:
-    full, raw = int(params["memory_steps"]), int(params["memory_raw_steps"])
-    cases = []
-    for game in [*params["games"], "mixed"]:
-        cases.append({"game": game, "codec": "none", "steps": raw})
-        cases.append({"game": game, "codec": "zstd-1", "steps": full})
-    cases.append({"game": "mixed", "codec": "lz4", "steps": full})
+    cases = cc.memory_cases(params, "steps")
+    cases.append({"game": "mixed", "codec": "lz4", "steps": cc.memory_sizes(params, "steps")[0]})
     return cases
 
 
@@ -115,16 +111,12 @@ class Pool:
     def __init__(self, params: dict[str, Any], game: str) -> None:
         import numpy as np
 
-        from benches import atari_frames as af
-
-        frames = comp.load_frames(params)
-        games = list(params["games"]) if game == "mixed" else [game]
-        self.obs = np.ascontiguousarray(
-            np.concatenate(
-                [af.observations(frames[g]["frames"], frames[g]["episode_start"]) for g in games]
-            )
-        )
-        starts = [np.asarray(frames[g]["episode_start"], np.bool_).copy() for g in games]
+        frames = cc.load_frames(params)
+        self.obs = cc.pool(params, game, frames=frames)
+        starts = [
+            np.asarray(frames[g]["episode_start"], np.bool_).copy()
+            for g in cc.games_of(params, game)
+        ]
         for s in starts:
             s[0] = True  # a game's first step starts an episode
         self.episode_start = np.concatenate(starts)
@@ -181,13 +173,13 @@ def _server(params: dict[str, Any], steps: int, codec: str) -> Any:
     import echo
 
     return echo.Server(
-        comp.example(),
+        cc.example(),
         int(params["batch_size"]),
         sampler=echo.Uniform(),
         max_size=steps,
         seed=3,
         sequence=echo.Sequence(int(params["length"]), period=int(params["period"])),
-        compress=comp.codec(codec),
+        compress=cc.codec(codec),
     )
 
 
@@ -218,12 +210,9 @@ def _memory_case(params: dict[str, Any], case: dict[str, Any]) -> dict[str, Any]
     pool = Pool(params, case["game"])
     env = VectorEnv(pool, int(params["streams"]))
     steps = int(case["steps"])
-    c.malloc_trim()
-    before = c.settle_rss(max_s=5.0)
-    server = _server(params, steps, case["codec"])
-    fill_s = _fill(server, env, steps)
-    c.malloc_trim()
-    after = c.settle_rss(max_s=10.0)
+    server, before, after, fill_s = cc.rss_around(
+        lambda: _server(params, steps, case["codec"]), lambda server: _fill(server, env, steps)
+    )
     st = server.stats()
     correct = st.steps_stored > 0
     for _ in range(2):
@@ -274,14 +263,11 @@ def _throughput_case(params: dict[str, Any]) -> dict[str, Any]:
     ops = {"sample/copy": (copy, 1), "insert/submit": (one, 1)}
     ops["insert/submit_batch"] = (many, streams)
     runs: dict[str, list[float]] = {}
-    names = list(CODECS)
-    for rep in range(int(params["repeats"])):
-        for op, (fn, per_call) in ops.items():
-            for name in names[rep % len(names) :] + names[: rep % len(names)]:
-                got = tables[name].sample(timeout=30)
-                out["correct"] = out["correct"] and got is not None and _check(got, pool)
-                rate = comp.timed(lambda f=fn, n=name: f(n), seconds, per_call)
-                runs.setdefault(f"{op}/{name}", []).append(rate)
+    for op, fn, per_call, name in cc.rotation(ops, list(CODECS), int(params["repeats"])):
+        got = tables[name].sample(timeout=30)
+        out["correct"] = out["correct"] and got is not None and _check(got, pool)
+        rate = cc.timed(lambda f=fn, n=name: f(n), seconds, per_call)
+        runs.setdefault(f"{op}/{name}", []).append(rate)
     for table in tables.values():
         got = table.sample(timeout=30)
         out["correct"] = out["correct"] and got is not None and _check(got, pool)
@@ -302,21 +288,14 @@ def case_main(params: dict[str, Any], case: dict[str, Any]) -> dict[str, Any]:
 
 def _run(case: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     limit = _case_limit(case, params)
-    return comp.run_case(sys.executable, case, params, limit, module=__name__)
+    return cc.run_case(sys.executable, case, params, limit, "benches.suites.sequence_compression")
 
 
 def measure(params: dict[str, Any]) -> dict[str, Any]:
-    watchdog = c.watchdog(limit_s(params))
-    try:
-        return _measure(params)
-    finally:
-        watchdog.cancel()  # measured in-process (the tests): the caller goes on
+    return cc.measure_frames(params, limit_s(params), _measure)
 
 
 def _measure(params: dict[str, Any]) -> dict[str, Any]:
-    why = comp.why_no_frames(params)
-    if why is not None:
-        return {"skipped": why, "correct": True}
     pool = Pool(params, "mixed")  # generates the frames into the cache once, here
     out: dict[str, Any] = {
         "loadavg_start": c.loadavg(),
@@ -341,30 +320,22 @@ def _measure(params: dict[str, Any]) -> dict[str, Any]:
 def _memory_summary(res: dict[str, Any], params: dict[str, Any]) -> list[dict[str, Any]]:
     """Per game (and mixed): the compressed table's RSS at ``memory_steps`` against the
     uncompressed one's, scaled from ``memory_raw_steps``."""
-    full, raw = int(params["memory_steps"]), int(params["memory_raw_steps"])
+    full, raw = cc.memory_sizes(params, "steps")
     rows = []
-    for game in [*params["games"], "mixed"]:
-        by = {
-            (m["codec"], m["steps"]): m
-            for m in res["memory"]
-            if m["game"] == game and "error" not in m
-        }
-        plain = by.get(("none", raw))
-        for codec in ("zstd-1", "lz4"):
-            got = by.get((codec, full))
-            if got is None or plain is None:
-                continue
-            scaled = plain["rss_mib"] * full / raw
-            rows.append(
-                {
-                    "game": game,
-                    "codec": codec,
-                    "rss_mib": got["rss_mib"],
-                    "raw_rss_mib": scaled,
-                    "fraction": got["rss_mib"] / scaled if scaled > 0 else None,
-                    "compression_ratio": got["compression_ratio"],
-                }
-            )
+    for game, codec, got, plain in cc.memory_pairs(res, params, "steps"):
+        if plain is None:
+            continue
+        scaled = plain["rss_mib"] * full / raw
+        rows.append(
+            {
+                "game": game,
+                "codec": codec,
+                "rss_mib": got["rss_mib"],
+                "raw_rss_mib": scaled,
+                "fraction": got["rss_mib"] / scaled if scaled > 0 else None,
+                "compression_ratio": got["compression_ratio"],
+            }
+        )
     return rows
 
 
@@ -376,9 +347,7 @@ def _ratio(rates: dict[str, float], op: str, codec: str) -> float | None:
 
 def _adjacent_ratio(th: dict[str, Any], op: str, codec: str) -> float | None:
     """The median over repeats of the codec's window against the uncompressed one's."""
-    runs = th.get("runs", {})
-    ours, base = runs.get(f"{op}/{codec}", []), runs.get(f"{op}/none", [])
-    ratios = [a / b for a, b in zip(ours, base, strict=False) if b > 0]
+    ratios = cc.paired_ratios(th, op, codec)
     return statistics.median(ratios) if ratios else _ratio(th.get("rates", {}), op, codec)
 
 
@@ -390,16 +359,16 @@ def targets(res: dict[str, Any], params: dict[str, Any]) -> list[dict[str, Any]]
         out.append(
             {
                 "target": f"RSS at {int(params['memory_steps']):,} steps, {row['game']}",
-                "bound": f"<= {comp.MEMORY_TARGET:.3f} of uncompressed",
+                "bound": f"<= {cc.MEMORY_TARGET:.3f} of uncompressed",
                 "value": row["fraction"],
-                "met": row["fraction"] is not None and row["fraction"] <= comp.MEMORY_TARGET,
+                "met": row["fraction"] is not None and row["fraction"] <= cc.MEMORY_TARGET,
             }
         )
     th = res.get("throughput", {})
     for op, bound in (
-        ("sample/copy", comp.SAMPLE_TARGET),
-        ("insert/submit", comp.INSERT_TARGET),
-        ("insert/submit_batch", comp.INSERT_TARGET),
+        ("sample/copy", cc.SAMPLE_TARGET),
+        ("insert/submit", cc.INSERT_TARGET),
+        ("insert/submit_batch", cc.INSERT_TARGET),
     ):
         value = _adjacent_ratio(th, op, "zstd-1") if "error" not in th else None
         out.append(
@@ -417,18 +386,10 @@ def _fmt(v: Any, fmt: str) -> str:
     return "-" if v is None else format(v, fmt)
 
 
-def _sides(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """The sides that measured something (failed and skipped ones are rows of their own)."""
-    return [(s, r) for s, r in results.items() if "error" not in r and "skipped" not in r]
-
-
 def _targets_table(results: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     cols = ["echo", "target", "measured", "required", "met"]
-    rows = c.failed_rows(results, len(cols))
-    for side, res in results.items():
-        if "skipped" in res:
-            rows.append([side, f"skipped: {res['skipped']}", "-", "-", "-"])
-    for side, res in _sides(results):
+    rows = cc.unmeasured_rows(results, len(cols))
+    for side, res in cc.sides(results):
         rows += [
             [side, t["target"], _fmt(t["value"], ".3f"), t["bound"], "yes" if t["met"] else "NO"]
             for t in res.get("targets", [])
@@ -451,14 +412,14 @@ def _memory_table(results: dict[str, Any], params: dict[str, Any]) -> dict[str, 
     rows = [
         [
             side,
-            comp.GAME_NAMES[r["game"]],
+            cc.GAME_NAMES[r["game"]],
             CODEC_LABELS[r["codec"]],
             _fmt(r["raw_rss_mib"] / 1024, ",.2f"),
             _fmt(r["rss_mib"] / 1024, ",.3f"),
             _fmt(r["fraction"], ".4f"),
             _fmt(r["compression_ratio"], ",.1f"),
         ]
-        for side, res in _sides(results)
+        for side, res in cc.sides(results)
         for r in _memory_summary(res, params)
     ]
     return {
@@ -477,7 +438,7 @@ def _rates_table(results: dict[str, Any], params: dict[str, Any]) -> dict[str, A
     units = {"sample/copy": "batches/s", "insert/submit": "steps/s"}
     units["insert/submit_batch"] = "steps/s"
     rows = c.failed_rows(results, 3 + len(CODECS))
-    for side, res in _sides(results):
+    for side, res in cc.sides(results):
         th = res.get("throughput", {})
         if "error" in th:
             rows.append([side, str(th["error"])[:120], *["-"] * (1 + len(CODECS))])
@@ -505,18 +466,11 @@ def _rates_table(results: dict[str, Any], params: dict[str, Any]) -> dict[str, A
 
 
 def tables(results: dict[str, Any], params: dict[str, Any]) -> list[dict[str, Any]]:
-    if not _sides(results):  # nothing measured: the reason (or the error) once
-        return [_targets_table(results, params)]
-    return [
-        _targets_table(results, params),
-        _memory_table(results, params),
-        _rates_table(results, params),
-    ]
+    return cc.suite_tables(results, params, _targets_table, _memory_table, _rates_table)
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["case"] and len(argv) == 3:
-        print(json.dumps(case_main(json.loads(argv[1]), json.loads(argv[2]))), flush=True)
+    if cc.answer_case(argv, case_main):
         return 0
     print("usage: python -m benches.suites.sequence_compression case PARAMS CASE", file=sys.stderr)
     return 2

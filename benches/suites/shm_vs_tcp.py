@@ -1,7 +1,7 @@
 """Shared memory against TCP: samples/s of the same-host shared-memory path and of TCP, same
 client code, same server, interleaved.
 
-Each round is one ``bench_tcp.run_round`` (a learner reading every batch, K worker
+Each round is one ``core_tcp.run_round`` (a learner reading every batch, K worker
 processes sending from a common start until a common deadline, every sample checked: exactly
 once, intact, in per-worker order) of the ``nest-tcp`` scenario (``shared_memory=False``) or
 the ``nest-shm`` scenario (``shared_memory=True``): 40 ``float32[1224]`` leaves in 4 nested
@@ -23,8 +23,8 @@ import statistics
 import sys
 from typing import Any
 
-from benches.py import bench_tcp
-from benches.suites import _common as c
+from benches import common as c
+from benches.suites import core_tcp, core_tcp_scenarios
 
 PATHS = ("nest-tcp", "nest-shm")
 
@@ -41,7 +41,7 @@ def limit_s(params: dict[str, Any]) -> float:
 
 
 def measure(params: dict[str, Any]) -> dict[str, Any]:
-    if not bench_tcp.has_shared_memory():
+    if not core_tcp_scenarios.has_shared_memory():
         raise RuntimeError("this echo has no shared-memory path")
     seconds, repeats = float(params["seconds"]), int(params["repeats"])
     opts = argparse.Namespace(count=10_000_000, warmup=0.5, seconds=seconds, grace=30.0)
@@ -52,7 +52,7 @@ def measure(params: dict[str, Any]) -> dict[str, Any]:
         for k in params["workers"]:
             order = PATHS if (rep + k) % 2 == 0 else PATHS[::-1]
             for name in order:
-                r = bench_tcp.run_round(bench_tcp.SCENARIO_BY_NAME[name], k, opts, ctx)
+                r = core_tcp.run_round(core_tcp_scenarios.SCENARIO_BY_NAME[name], k, opts, ctx)
                 rounds.append(
                     {
                         "path": name,
@@ -136,7 +136,7 @@ def tables(results: dict[str, Any], params: dict[str, Any]) -> list[dict[str, An
                     c.num(s["shm_samples_per_s"]),
                     c.num(s["shm_gbps"], ".3f"),
                     c.num(statistics.median(ratios) if ratios else None, ".2f"),
-                    f"{min(ratios):.2f}..{max(ratios):.2f}" if ratios else "-",
+                    c.span(ratios),
                     f"{c.num(s['worker_us_tcp'], '.1f')} / {c.num(s['worker_us_shm'], '.1f')}",
                     f"{c.num(s['learner_us_tcp'], '.1f')} / {c.num(s['learner_us_shm'], '.1f')}",
                     "yes" if s["correct"] else "NO",

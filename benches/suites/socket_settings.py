@@ -23,7 +23,7 @@ import statistics
 import time
 from typing import Any
 
-from benches.suites import _common as c
+from benches import common as c
 
 LEAVES = 40
 LEAF_BYTES = 4_900

@@ -56,8 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from benches.py import helpers as h
-from benches.suites import _common as c
+from benches import common as c
 from echo import Server, TcpClient, TcpTransport
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -71,7 +70,7 @@ READY_TIMEOUT_S = 60.0  # interpreter start-up of 16 workers on a busy 2-core ma
 START_AHEAD_S = 0.2
 STALL_S = 5.0
 
-log = h.logger("wire-versions")
+log = c.logger("wire-versions")
 
 
 def example(name: str) -> dict[str, Any]:
@@ -126,7 +125,7 @@ def worker_main(argv: list[str]) -> int:
     """``--worker PORT SCENARIO WID PHASES...``: one connection per phase; commands on stdin."""
     port, scenario, wid = int(argv[0]), argv[1], int(argv[2])
     phases = [int(p) for p in argv[3:]]
-    h.start_watchdog(600.0, f"wire-versions worker {wid}")
+    c.start_watchdog(600.0, f"wire-versions worker {wid}")
 
     def say(line: str) -> None:
         sys.stdout.write(line + "\n")
@@ -365,7 +364,7 @@ def run_phase(
     return {
         "protocol": protocol,
         "negotiated": protocols,
-        "samples_per_s": h.rate(reader.in_window, args.seconds),
+        "samples_per_s": c.rate(reader.in_window, args.seconds),
         "in_window": reader.in_window,
         "sent": sent,
         "learner_cpu_us_per_sample": 1e6 * (cpu1 - cpu0) / max(reader.in_window, 1),
@@ -391,7 +390,7 @@ def run_round(scenario: str, k: int, order: list[int], args: Any) -> list[dict[s
     batch_size = SCENARIOS[scenario]
     server = Server(tree, batch_size, transport=TcpTransport(port=0, host=HOST))
     server.start()
-    guard = h.call_later(args.seconds * 2 * len(order) + 300.0, server.close)
+    guard = c.call_later(args.seconds * 2 * len(order) + 300.0, server.close)
     assert server.port is not None
     workers = Workers(server.port, scenario, k, order)
     out = []
@@ -510,7 +509,7 @@ def tables(results: dict[str, Any], params: dict[str, Any]) -> list[dict[str, An
                     c.num(s["v1_samples_per_s"]),
                     c.num(s["v2_samples_per_s"]),
                     c.num(s["ratio_v2_v1"], ".3f"),
-                    f"{min(ratios):.3f}..{max(ratios):.3f}" if ratios else "-",
+                    c.span(ratios, ".3f"),
                     c.num(s["v1_worker_cpu_us"], ".1f"),
                     c.num(s["v2_worker_cpu_us"], ".1f"),
                     "yes" if s["correct"] else "NO",

@@ -6,7 +6,7 @@ Run it on a machine with a GPU, from the repository root, with echo built or ins
     python benches/tools/gpu_check.py --json out.json
 
 It needs numpy, echo and the CUDA runtime library (``libcudart``), and nothing else (no
-PyTorch; from this checkout, ``benches/py/helpers.py``): CUDA is called through ``ctypes``.
+PyTorch; from this checkout, ``benches/common.py``): CUDA is called through ``ctypes``.
 The runtime is looked up like echo looks it up (``$ECHO_CUDART``, the
 ``nvidia-cuda-runtime-cu12`` wheel's ``nvidia/cuda_runtime/lib``, then the loader's
 ``libcudart.so*``), plus the CUDA 13 wheel's ``nvidia/cu13/lib``.
@@ -51,10 +51,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "py"))
-import helpers as h
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 import echo
+from benches import common as h
 
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 1

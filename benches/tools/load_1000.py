@@ -51,8 +51,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "py"))
-import helpers as h
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+from benches import common as h
 
 HOST = "127.0.0.1"
 MAGIC = b"ECHO"

@@ -1,4 +1,4 @@
-"""Smoke test of the sequence-table benchmark (`benches/py/bench_sequence.py`) at tiny sizes:
+"""Smoke test of the sequence-table benchmark (`benches/suites/sequence_tables.py`) at tiny sizes:
 it runs, writes its JSON record, and every result in it is `correct` (windows consecutive,
 masks right, the numpy gathers and memory children sound, the tcp rounds' totals add up).
 Numbers are not checked."""
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_sequence_quick(tmp_path: Path) -> None:
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from benches.py import bench_sequence
+    from benches.suites import sequence_tables
 
     out = tmp_path / "sequence.json"
     argv = ["--quick", "--steps", "4000", "--small-steps", "4000", "--alt-steps", "2000"]
@@ -23,7 +23,7 @@ def test_bench_sequence_quick(tmp_path: Path) -> None:
     argv += ["--min-episode", "50", "--max-episode", "300", "--frame-pool", "64"]
     argv += ["--tcp-workers", "2", "--tcp-seconds", "0.3", "--tcp-warmup", "0.2"]
     argv += ["--max-seconds", "50", "--out", str(out)]
-    status = bench_sequence.main(argv)
+    status = sequence_tables.main(argv)
     doc = json.loads(out.read_text(encoding="utf-8"))
     assert status == 0
     assert doc["correct"] is True

@@ -75,237 +75,57 @@ Every loop is bounded in count and time, a watchdog ends the process after
 ``--max-seconds``, every ``sample()`` has a timeout; no network but 127.0.0.1, no threads but
 the guards and the tcp part's consumer; the tcp workers are ended (by PID) in a ``finally``.
 
-    python -m benches.py.bench_sequence [--quick] [--out FILE.json] [--steps N] ...
+    python -m benches.suites.sequence_tables [--quick] [--out FILE.json] [--steps N] ...
 
 Prints a table and writes one JSON record (``--out``/``--json``): the parameters, the
 machine, each result with its ``correct`` flag, the ratios and whether the issue's targets
 (assembly >= 50% of memcpy bandwidth; ahead of numpy on both steps, >= 5x on the small one;
 <= 1.1x the step's bytes per stored step) were met. Depends on numpy and the standard
 library (and echo, torchrl where they are measured).
+
+This module holds the echo, numpy and TorchRL parts, the child processes and the run; the
+step kinds, frames, episodes and flat arrays are in :mod:`benches.suites.sequence_data`, the
+TCP part in :mod:`benches.suites.sequence_tcp`.
 """
 
 from __future__ import annotations
 
 import argparse
-import bisect
-import contextlib
 import gc
-import itertools
 import json
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-try:  # run as a script: benches/py is on sys.path
-    import helpers as h
-except ImportError:  # imported as benches.py.<module> (python -m benches.py.bench_sequence)
-    from benches.py import helpers as h
-
-ID_STRIDE = 10**7  # step id = stream * ID_STRIDE + t
-HASH = np.uint64(2654435761)  # Knuth's multiplicative hash: id -> frame of the pool
-# Each step kind: (leaf name, shape, dtype), in the order echo flattens a dict (sorted keys).
-KINDS: dict[str, list[tuple[str, tuple[int, ...], str]]] = {
-    "atari": [("action", (), "int64"), ("discount", (), "float32"), ("obs", (84, 84), "uint8"),
-              ("reward", (), "float32")],
-    "small": [("action", (), "int64"), ("discount", (), "float32"), ("obs", (60,), "float32"),
-              ("reward", (), "float32")],
-}  # fmt: skip
-SAMPLE_TIMEOUT_S = 10.0
-FILL_ROWS = 8192  # rows per chunk when filling flat arrays
-MAX_BATCHES = 100_000
-MAX_STEPS = 50_000_000
-_log = h.logger("bench_sequence")
-
-
-def step_bytes(kind: str) -> int:
-    return sum(int(np.prod(shape)) * np.dtype(dt).itemsize for _, shape, dt in KINDS[kind])
-
-
-def example(kind: str) -> dict[str, np.ndarray]:
-    return {name: np.zeros(shape, dt) for name, shape, dt in KINDS[kind]}
-
-
-def rss_bytes() -> int:
-    return h.proc_kib("/proc/self/status", "VmRSS").get("VmRSS", 0) * 1024
-
-
-def percentiles_ms(ns: np.ndarray) -> dict[str, float]:
-    ms = ns / 1e6
-    return {
-        "p50_ms": float(np.percentile(ms, 50)),
-        "p99_ms": float(np.percentile(ms, 99)),
-        "mean_ms": float(ms.mean()),
-        "min_ms": float(ms.min()),
-    }
-
-
-def timing(ns: list[int], nbytes: int) -> dict[str, Any]:
-    """p50/p99 of per-batch times and the bandwidth: ``nbytes`` per batch at the median."""
-    arr = np.asarray(ns, np.float64)
-    out: dict[str, Any] = {"batches": len(ns), "bytes_per_batch": nbytes}
-    if len(ns) == 0:
-        return out
-    out.update(percentiles_ms(arr))
-    out["gb_per_s"] = nbytes / (out["p50_ms"] * 1e-3) / 1e9
-    out["gb_per_s_mean"] = nbytes / (out["mean_ms"] * 1e-3) / 1e9
-    return out
-
-
-# --------------------------------------------------------------------------- the data
-
-
-class Frames:
-    """Step contents: row ``i`` of a leaf for step id ``ids[i]``; ``obs`` is a pool frame
-    picked by hashing the id, its first 8 bytes overwritten with the id."""
-
-    def __init__(self, kind: str, pool: int, seed: int) -> None:
-        self.kind = kind
-        rng = np.random.default_rng([seed, 1])
-        obs = next(x for x in KINDS[kind] if x[0] == "obs")
-        self.obs_shape, self.obs_dtype = obs[1], np.dtype(obs[2])
-        nbytes = int(np.prod(self.obs_shape)) * self.obs_dtype.itemsize
-        raw = rng.integers(0, 256, (pool, nbytes), dtype=np.uint8)
-        if self.obs_dtype.kind == "f":  # no NaN payloads: finite floats in [0, 1)
-            raw = rng.random((pool, *self.obs_shape), dtype=np.float32).view(np.uint8)
-            raw = raw.reshape(pool, nbytes)
-        self.pool = raw
-        self.obs_bytes = nbytes
-
-    def frame_index(self, ids: np.ndarray) -> np.ndarray:
-        return ((ids.astype(np.uint64) * HASH) % np.uint64(len(self.pool))).astype(np.intp)
-
-    def rows(self, ids: np.ndarray, ends: np.ndarray | None = None) -> dict[str, np.ndarray]:
-        n = len(ids)
-        obs = self.pool[self.frame_index(ids)]  # (n, obs_bytes) copy
-        obs[:, :8] = ids.astype("<i8").view(np.uint8).reshape(n, 8)
-        discount = np.ones(n, np.float32) if ends is None else (~ends).astype(np.float32)
-        return {
-            "action": ids.astype(np.int64),
-            "discount": discount,
-            "obs": obs.view(self.obs_dtype).reshape(n, *self.obs_shape),
-            "reward": (ids % 1000).astype(np.float32),
-        }
-
-    def expected_obs(self, step_id: int) -> np.ndarray:
-        """The bytes ``obs`` of step ``step_id`` holds."""
-        row = self.pool[self.frame_index(np.array([step_id]))[0]].copy()
-        row[:8] = np.array([step_id], "<i8").view(np.uint8)
-        return row
-
-
-class Episodes:
-    """Each stream's episodes: lengths drawn from the stream's own seeded RNG, so every
-    layout (interleaved for echo, contiguous for numpy) holds the same episodes."""
-
-    def __init__(self, streams: int, min_len: int, max_len: int, seed: int) -> None:
-        self.rngs = [np.random.default_rng([seed, 2, k]) for k in range(streams)]
-        self.min_len, self.max_len = min_len, max_len
-        self.starts: list[list[int]] = [[0] for _ in range(streams)]  # episode start t's
-        self.ends: list[list[int]] = [[] for _ in range(streams)]  # ended episodes' end t's
-        self.next_end = [self._draw(k) for k in range(streams)]
-
-    def _draw(self, k: int) -> int:
-        return self.starts[k][-1] + int(self.rngs[k].integers(self.min_len, self.max_len + 1))
-
-    def ends_at(self, k: int, t: int) -> bool:
-        """Whether step ``t`` of stream ``k`` (steps asked for in order) ends its episode."""
-        if t + 1 < self.next_end[k]:
-            return False
-        self.ends[k].append(t + 1)
-        self.starts[k].append(t + 1)
-        self.next_end[k] = self._draw(k)
-        return True
-
-    def episode_of(self, k: int, t: int) -> tuple[int, int | None]:
-        """(start, end or None while open) of the episode holding step ``t`` of stream ``k``."""
-        e = bisect.bisect_right(self.starts[k], t) - 1
-        return self.starts[k][e], (self.ends[k][e] if e < len(self.ends[k]) else None)
-
-    def full_window_starts(self, k: int, steps: int, length: int, period: int) -> np.ndarray:
-        """The in-stream step of every full window of stream ``k``'s first ``steps`` steps."""
-        out: list[np.ndarray] = []
-        for s, e in zip(self.starts[k], [*self.ends[k], steps], strict=False):
-            e = min(e, steps)
-            if e - s >= length:
-                out.append(np.arange(s, e - length + 1, period))
-        return np.concatenate(out) if out else np.zeros(0, np.int64)
-
-
-def touch(arr: Any) -> int:
-    """The consumer: reads one byte of every 64 of ``arr`` (every cache line of it)."""
-    flat = np.asarray(arr).reshape(-1).view(np.uint8)
-    return int(flat[::64].sum(dtype=np.uint64))
-
-
-def flat_chunks(
-    kind: str, steps: int, streams: int, frames: Frames
-) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
-    """Every stream's first ``steps // streams`` steps, stream after stream (the layout of
-    numpy and TorchRL storage), as ``(first flat row, rows)`` chunks of ``FILL_ROWS``."""
-    per = steps // streams
-    for k in range(streams):
-        for lo in range(0, per, FILL_ROWS):
-            hi = min(per, lo + FILL_ROWS)
-            yield k * per + lo, frames.rows(k * ID_STRIDE + np.arange(lo, hi, dtype=np.int64))
-
-
-def flat_tables(kind: str, steps: int, streams: int, frames: Frames) -> dict[str, np.ndarray]:
-    """``flat_chunks`` in one array per leaf."""
-    n = (steps // streams) * streams
-    out = {name: np.empty((n, *shape), dt) for name, shape, dt in KINDS[kind]}
-    for lo, rows in flat_chunks(kind, steps, streams, frames):
-        for name, arr in out.items():
-            arr[lo : lo + len(rows[name])] = rows[name]
-    return out
-
-
-def flat_window_starts(
-    steps: int, streams: int, episodes: Episodes, length: int, period: int
-) -> np.ndarray:
-    per = steps // streams
-    parts = [k * per + episodes.full_window_starts(k, per, length, period) for k in range(streams)]
-    return np.concatenate(parts).astype(np.intp)
-
-
-def flat_episode_ids(steps: int, streams: int, episodes: Episodes) -> np.ndarray:
-    """An episode id per flat step (TorchRL's ``traj_key``)."""
-    per = steps // streams
-    out = np.empty(per * streams, np.int64)
-    next_id = 0
-    for k in range(streams):
-        bounds = [s for s in episodes.starts[k] if s < per] + [per]
-        for s, e in itertools.pairwise(bounds):
-            out[k * per + s : k * per + e] = next_id
-            next_id += 1
-    return out
-
-
-def check_flat_windows(action: np.ndarray, episodes: Episodes, length: int) -> bool:
-    """Rows of ``action`` (batch, length) are consecutive step ids of one episode."""
-    a = np.asarray(action).reshape(-1, length)
-    if not bool(np.all(np.diff(a, axis=1) == 1)):
-        return False
-    for first in a[:, 0].tolist():
-        k, t = divmod(int(first), ID_STRIDE)
-        _, end = episodes.episode_of(k, t)
-        if end is not None and t + length > end:
-            return False
-    return True
-
-
-def obs_stamps(obs: np.ndarray) -> np.ndarray:
-    """The step id stamped over the first 8 bytes of each step's ``obs``: ``obs`` is
-    ``(batch, length, ...)``, the result ``(batch, length)`` int64."""
-    o = np.ascontiguousarray(obs)
-    b = o.reshape(o.shape[0], o.shape[1], -1).view(np.uint8)
-    return np.ascontiguousarray(b[..., :8]).view("<i8")[..., 0]
-
+from benches import common as h
+from benches.suites.sequence_data import (
+    ID_STRIDE,
+    KINDS,
+    MAX_BATCHES,
+    MAX_STEPS,
+    SAMPLE_TIMEOUT_S,
+    Episodes,
+    Frames,
+    check_flat_windows,
+    example,
+    flat_chunks,
+    flat_episode_ids,
+    flat_tables,
+    flat_window_starts,
+    log,
+    obs_stamps,
+    rss_bytes,
+    step_bytes,
+    timing,
+    touch,
+)
+from benches.suites.sequence_tcp import TCP_EPISODE, TCP_PATHS, TCP_TAIL_S, print_tcp, run_tcp
 
 # --------------------------------------------------------------------------- echo
 
@@ -376,7 +196,7 @@ def fill_echo(
         submit_ns += time.perf_counter_ns() - t0
         done += streams
         if time.perf_counter() > deadline:
-            _log(f"{kind}: fill stopped by the time limit after {done} steps")
+            log(f"{kind}: fill stopped by the time limit after {done} steps")
             break
     wall = time.perf_counter() - t_start
     nbytes = done * step_bytes(kind)
@@ -725,12 +545,12 @@ def run_child(
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "child.json"
         cmd = [
-            python, str(Path(__file__).resolve()), "--child", f"{role}:{kind}",
+            python, "-m", "benches.suites.sequence_tables", "--child", f"{role}:{kind}",
             "--json", str(path), "--max-seconds", str(int(left)),
             *(f"--{k.replace('_', '-')}={v}" for k, v in child_params(args, kind, steps).items()),
         ]  # fmt: skip
         try:
-            proc = subprocess.run(cmd, timeout=left, check=False)
+            proc = subprocess.run(cmd, cwd=h.ROOT, timeout=left, check=False)
             doc: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
         except (subprocess.SubprocessError, OSError, ValueError) as e:
             return {"error": f"{role}: {type(e).__name__}: {e}", "correct": False}
@@ -753,433 +573,6 @@ def child_params(args: Any, kind: str, steps: int) -> dict[str, Any]:
         "frame_pool": args.frame_pool,
         "seed": args.seed,
     }
-
-
-# --------------------------------------------------------------------------- tcp
-
-TCP_HOST = "127.0.0.1"
-TCP_MODES = ("steps", "samples")
-TCP_PATHS = ("tcp", "shm")  # TcpClient(shared_memory=False / True)
-TCP_EPISODE = (200, 400)  # a worker's episode lengths: uniform in [min, max]
-TCP_TAIL_S = 0.3  # workers send this long past the window's end
-TCP_TIMEOUT_S = 30.0  # connect, send (window full), close, reports
-TCP_MAX_CONSUMER_BATCHES = 10_000_000
-TCP_CHECK_EVERY = 256  # the consumer checks batches 0, 1 and every 256th
-
-
-def _tcp_worker(wid: int, conn: Any, echo_file: str, seed: int, limit_s: float) -> None:
-    """A worker process, kept for every round: ``("round", cmd)`` connects a client and
-    answers ``("ready", ok, error)``; ``("go", t_end)`` sends one step per ``send()`` until
-    ``t_end`` (``time.monotonic()``), closes (flushing) and answers the report;
-    ``("quit",)`` ends it. A watchdog ends it after ``limit_s``."""
-    import os
-
-    import echo
-
-    h.start_watchdog(limit_s, f"bench_sequence: tcp worker {wid}")
-    for _ in range(100_000):  # commands
-        if not conn.poll(limit_s):
-            return
-        msg = conn.recv()
-        if msg[0] != "round":
-            return
-        cmd = msg[1]
-        client, error = None, None
-        if os.path.realpath(echo.__file__ or "") != echo_file:
-            error = f"worker imported echo from {echo.__file__}, the learner from {echo_file}"
-        else:
-            try:
-                client = echo.TcpClient(
-                    TCP_HOST, cmd["port"], example(cmd["kind"]),
-                    connect_timeout=TCP_TIMEOUT_S, shared_memory=cmd["path"] == "shm",
-                )  # fmt: skip
-            except (OSError, ValueError, TypeError, RuntimeError) as e:
-                error = f"connect: {type(e).__name__}: {e}"
-        if client is not None and client.transport_path != cmd["path"]:
-            error = f"connected over {client.transport_path}, asked for {cmd['path']}"
-        conn.send(("ready", error is None, error))
-        if not conn.poll(TCP_TIMEOUT_S + limit_s / 10):
-            return
-        go = conn.recv()
-        t_end = go[1] if go[0] == "go" and error is None else 0.0
-        report = _tcp_send(wid, client, cmd, t_end, seed)
-        report["error"] = report["error"] or error
-        conn.send(("done", report))
-
-
-def _tcp_send(
-    wid: int, client: Any, cmd: dict[str, Any], t_end: float, seed: int
-) -> dict[str, Any]:
-    """The send loop of one round (``client`` None: nothing to send), then ``close()``."""
-    kind, mode, period = cmd["kind"], cmd["mode"], cmd["period"]
-    tree = example(kind)
-    frames = Frames(kind, 1, seed)
-    obs_bytes = tree["obs"].reshape(-1).view(np.uint8)
-    obs_bytes[:] = frames.pool[0]
-    stamp = obs_bytes[:8].view("<i8")
-    action, discount = tree["action"], tree["discount"]
-    rng = np.random.default_rng([seed, 5, wid, cmd["round"]])
-    lo, hi = TCP_EPISODE
-    r: dict[str, Any] = {"wid": wid, "sent": 0, "ends": 0, "windows": 0, "episodes": 0}
-    r.update(error=None, send_s=0.0, cpu_s=0.0, close_ok=None)
-    if client is None:
-        return r
-    sent = ends = windows = 0
-    ep_start = 0
-    ep_end = int(rng.integers(lo, hi + 1))
-    base = wid * ID_STRIDE
-    clock = time.monotonic
-    send = client.send
-    cpu0, w0 = time.process_time(), clock()
-    try:
-        while sent < ID_STRIDE - 1 and clock() < t_end:
-            step_id = base + sent
-            action[()] = step_id
-            stamp[0] = step_id
-            last = sent + 1 == ep_end
-            discount[()] = 0.0 if last else 1.0
-            if mode == "steps":
-                send(tree, timeout=TCP_TIMEOUT_S, end_episode=last)
-            else:
-                send(tree, timeout=TCP_TIMEOUT_S)
-            sent += 1
-            if last:
-                ends += 1
-                windows += -(-(ep_end - ep_start) // period)
-                ep_start, ep_end = ep_end, ep_end + int(rng.integers(lo, hi + 1))
-        r["send_s"] = clock() - w0
-    except (OSError, ValueError, TypeError, RuntimeError) as e:
-        r["error"] = f"send: {type(e).__name__}: {e}"
-    finally:
-        try:
-            r["close_ok"] = bool(client.close(timeout=TCP_TIMEOUT_S))
-        except (OSError, ValueError, TypeError, RuntimeError) as e:
-            r["error"] = r["error"] or f"close: {type(e).__name__}: {e}"
-    r["cpu_s"] = time.process_time() - cpu0
-    partial = sent - ep_start  # the open episode, ended (truncated) by close()
-    r.update(sent=sent, ends=ends, episodes=ends + (partial > 0))
-    r["windows"] = windows + -(-partial // period)
-    return r
-
-
-class _TcpWorkers:
-    """``k`` worker processes (``spawn``: this interpreter and ``sys.path``), each with a
-    pipe; ``stop()`` ends them (by their ``Process``, so by PID), forcing those that hang."""
-
-    def __init__(self, k: int, seed: int, limit_s: float) -> None:
-        import multiprocessing as mp
-        import os
-
-        import echo
-
-        ctx = mp.get_context("spawn")
-        echo_file = os.path.realpath(echo.__file__ or "")
-        self.conns: list[Any] = []
-        self.procs: list[Any] = []
-        for wid in range(k):
-            mine, theirs = ctx.Pipe()
-            p = ctx.Process(
-                target=_tcp_worker, args=(wid, theirs, echo_file, seed, limit_s),
-                name=f"bench-sequence-tcp-{wid}", daemon=True,
-            )  # fmt: skip
-            self.conns.append(mine)
-            self.procs.append(p)
-
-    def start(self) -> None:
-        for p in self.procs:
-            p.start()
-
-    def ask(self, msgs: list[Any], timeout: float) -> list[Any]:
-        """Sends ``msgs[i]`` to worker ``i``, returns their answers (RuntimeError if one
-        does not answer within ``timeout`` in all)."""
-        for c, m in zip(self.conns, msgs, strict=True):
-            c.send(m)
-        end = time.monotonic() + timeout
-        out = []
-        for wid, c in enumerate(self.conns):
-            if not c.poll(max(0.0, end - time.monotonic())):
-                raise RuntimeError(f"tcp worker {wid} did not answer within {timeout:.0f} s")
-            out.append(c.recv())
-        return out
-
-    def stop(self) -> list[int]:
-        """Ends every worker: ``quit``, 10 s to exit, then terminate/kill by PID; returns
-        the PIDs that had to be forced."""
-        for c in self.conns:
-            with contextlib.suppress(OSError, ValueError):
-                c.send(("quit",))
-        end = time.monotonic() + 10.0
-        for p in self.procs:
-            if p.pid is not None:
-                p.join(timeout=max(0.1, end - time.monotonic()))
-        forced = [p.pid for p in self.procs if p.pid is not None and p.is_alive()]
-        for p in self.procs:
-            if p.pid is not None and p.is_alive():
-                p.terminate()
-                p.join(timeout=5.0)
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=5.0)
-        for c in self.conns:
-            c.close()
-        return forced
-
-
-def _tcp_check(s: Any, mode: str, length: int) -> str | None:
-    """What is wrong with a batch of a tcp round (None: nothing): every step's obs stamp is
-    its action id; in a window, real steps are consecutive ids of one worker's stream."""
-    action = np.asarray(s.batch["action"])
-    if mode == "samples":
-        ok = np.array_equal(obs_stamps(np.asarray(s.batch["obs"])[:, None]), action[:, None])
-        return None if ok else "obs stamps differ from action"
-    mask = np.asarray(s.mask)
-    got = obs_stamps(np.asarray(s.batch["obs"]))
-    for i in range(action.shape[0]):
-        real = int(mask[i].sum())
-        first = int(action[i, 0])
-        if real < 1 or not mask[i, :real].all():
-            return f"window {i}: mask is not a prefix"
-        if not np.array_equal(action[i, :real], first + np.arange(real)):
-            return f"window {i}: action ids not consecutive: {action[i, :real].tolist()}"
-        if not np.array_equal(got[i, :real], action[i, :real]):
-            return f"window {i}: obs stamps differ from action"
-        if int(s.stream[i]) >> 32 < 1 or int(s.stream[i]) & 0xFFFF_FFFF != 0:
-            return f"window {i}: stream {int(s.stream[i]):#x} is not a client's row 0"
-    return None
-
-
-def _tcp_consume(server: Any, mode: str, length: int, stop: Any, out: dict[str, Any]) -> None:
-    """The learner's consumer thread: ``sample()`` batch after batch until ``stop`` (or the
-    server closes), reading every cache line of ``obs``; checks some batches."""
-    batches = sink = 0
-    errors: list[str] = out.setdefault("errors", [])
-    for _ in range(TCP_MAX_CONSUMER_BATCHES):
-        if stop.is_set():
-            break
-        try:
-            s = server.sample(timeout=1.0)
-        except TimeoutError:
-            continue
-        except (RuntimeError, ValueError) as e:
-            errors.append(f"sample: {type(e).__name__}: {e}")
-            break
-        if s is None:
-            break
-        sink += touch(s.batch["obs"])
-        if batches < 2 or batches % TCP_CHECK_EVERY == 0:
-            problem = _tcp_check(s, mode, length)
-            out["checked"] = out.get("checked", 0) + 1
-            if problem and len(errors) < 5:
-                errors.append(f"batch {batches}: {problem}")
-        batches += 1
-        out["batches"] = batches
-        out["obs_bytes"] = out.get("obs_bytes", 0) + s.batch["obs"].nbytes
-        s = None
-    out["sink"] = sink % 7
-
-
-def tcp_round(
-    workers: _TcpWorkers, kind: str, mode: str, path: str, rnd: int, args: Any
-) -> dict[str, Any]:
-    """One round: a server of ``mode`` (a sequence table, or a replay table of the same
-    step), the workers connected over ``path``, the inserts counted over the window."""
-    import threading
-
-    import echo
-
-    k = len(workers.procs)
-    n = args.tcp_max_size
-    transport = echo.TcpTransport(port=0, host=TCP_HOST)
-    if mode == "steps":
-        server = echo.Server(
-            example(kind), batch_size=args.batch_size, transport=transport,
-            sequence=echo.Sequence(args.length, period=args.period), sampler=echo.Uniform(),
-            max_size=n, seed=args.seed,
-        )  # fmt: skip
-    else:
-        server = echo.Server(
-            example(kind), args.batch_size, transport=transport, sampler=echo.Uniform(),
-            max_size=n, seed=args.seed,
-        )  # fmt: skip
-    limit = args.tcp_warmup + args.tcp_seconds + 4 * TCP_TIMEOUT_S
-    guard = h.call_later(limit, server.close)
-    out: dict[str, Any] = {"kind": kind, "mode": mode, "path": path, "round": rnd, "workers": k}
-    consumed: dict[str, Any] = {}
-    stop = threading.Event()
-    consumer = None
-    counter = "steps_inserted_total" if mode == "steps" else "samples_inserted_total"
-    try:
-        server.start()
-        port = server.port
-        if port is None:
-            raise RuntimeError("the server has no port after start()")
-        cmd = {"port": int(port), "kind": kind, "mode": mode, "path": path,
-               "period": args.period, "round": rnd}  # fmt: skip
-        ready = workers.ask([("round", cmd)] * k, TCP_TIMEOUT_S + 10)
-        failed = [r[2] for r in ready if not r[1]]
-        if args.tcp_consumer:
-            consumer = threading.Thread(
-                target=_tcp_consume, args=(server, mode, args.length, stop, consumed),
-                name="bench-sequence-consumer", daemon=True,
-            )  # fmt: skip
-            consumer.start()
-        t0 = time.monotonic() + 0.05
-        w0, w1 = t0 + args.tcp_warmup, t0 + args.tcp_warmup + args.tcp_seconds
-        t_end = w1 + TCP_TAIL_S if not failed else 0.0
-        for c in workers.conns:
-            c.send(("go", t_end))
-        time.sleep(max(0.0, w0 - time.monotonic()))
-        st0, c0, cpu0 = server.stats(), time.monotonic(), time.process_time()
-        time.sleep(max(0.0, w1 - time.monotonic()))
-        st1, c1, cpu1 = server.stats(), time.monotonic(), time.process_time()
-        b0 = consumed.get("batches", 0)
-        reports: list[dict[str, Any]] = []
-        end = time.monotonic() + args.tcp_seconds + 3 * TCP_TIMEOUT_S
-        for wid, c in enumerate(workers.conns):
-            if not c.poll(max(0.0, end - time.monotonic())):
-                raise RuntimeError(f"tcp worker {wid} sent no report")
-            reports.append(c.recv()[1])
-        sent = sum(r["sent"] for r in reports)
-        episodes = sum(r["episodes"] for r in reports)
-        windows = sum(r["windows"] for r in reports)
-        # every step acked and closed: wait (bounded) until the table has them all
-        wait_end = time.monotonic() + 10.0
-        st = server.stats()
-        while time.monotonic() < wait_end:
-            st = server.stats()
-            if getattr(st, counter) >= sent and (
-                mode == "samples" or st.episodes_ended_total >= episodes
-            ):
-                break
-            time.sleep(0.01)
-        time.sleep(0.05)
-        st = server.stats()
-        stop.set()
-        b1 = consumed.get("batches", 0)
-    finally:
-        stop.set()
-        guard.cancel()
-        server.close()
-        if consumer is not None:
-            consumer.join(timeout=10.0)
-    dt = c1 - c0
-    inserted = getattr(st1, counter) - getattr(st0, counter)
-    errors = [r["error"] for r in reports if r["error"]] + failed + consumed.get("errors", [])
-    got = {
-        "inserted": int(getattr(st, counter)),
-        "samples_inserted_total": int(st.samples_inserted_total),
-        "steps_inserted_total": int(st.steps_inserted_total),
-        "episodes_ended_total": int(st.episodes_ended_total),
-        "windows_inserted_total": int(st.windows_inserted_total),
-        "shm_connections_total": int(st.shm_connections_total),
-    }
-    ok = not errors and sent > 0 and got["inserted"] == sent
-    ok = ok and all(r["close_ok"] for r in reports) and all(r["sent"] > 0 for r in reports)
-    ok = ok and got["shm_connections_total"] == (k if path == "shm" else 0)
-    if mode == "steps":
-        ok = ok and got["episodes_ended_total"] == episodes
-        ok = ok and got["windows_inserted_total"] == windows
-    out.update(
-        window_s=dt,
-        inserted_in_window=int(inserted),
-        per_s=h.rate(inserted, dt),
-        mb_per_s=h.rate(inserted * step_bytes(kind), dt) / 1e6,
-        table_at_window_start=int(st0.steps_stored if mode == "steps" else st0.store_size),
-        learner_cpu_cores=h.rate(cpu1 - cpu0, dt),
-        consumer_batches_per_s=h.rate(b1 - b0, dt) if consumer else None,
-        consumer_checked=consumed.get("checked", 0),
-        sent=sent,
-        ends_sent=sum(r["ends"] for r in reports),
-        episodes_expected=episodes,
-        windows_expected=windows,
-        worker_cpu_us_per_step=h.rate(sum(r["cpu_s"] for r in reports) * 1e6, sent),
-        totals=got,
-        errors=errors[:5],
-        correct=bool(ok),
-    )
-    return out
-
-
-def run_tcp(args: Any, deadline: float) -> dict[str, Any]:
-    """Every kind and path: ``--tcp-pairs`` pairs of rounds, steps and samples alternating
-    (steps first in even pairs, samples first in odd ones), one pool of workers for all."""
-    per_round = args.tcp_warmup + args.tcp_seconds + TCP_TAIL_S + 4.0
-    limit = 4 * TCP_TIMEOUT_S + per_round * 2 * args.tcp_pairs * len(TCP_PATHS) * len(
-        args.tcp_kinds
-    )
-    workers = _TcpWorkers(args.tcp_workers, args.seed, min(limit, args.max_seconds))
-    out: dict[str, Any] = {}
-    try:
-        t0 = time.perf_counter()
-        workers.start()
-        started_s = time.perf_counter() - t0
-        for kind in args.tcp_kinds:
-            rk: dict[str, Any] = {"step_bytes": step_bytes(kind)}
-            for path in TCP_PATHS:
-                rounds: list[dict[str, Any]] = []
-                for i in range(args.tcp_pairs):
-                    for mode in TCP_MODES if i % 2 == 0 else TCP_MODES[::-1]:
-                        if time.perf_counter() + per_round + 10 > deadline:
-                            rounds.append({"mode": mode, "skipped": "no time left",
-                                           "correct": False})  # fmt: skip
-                            continue
-                        _log(f"tcp: {kind} {path} {mode} round {i}, {args.tcp_workers} workers")
-                        rounds.append(tcp_round(workers, kind, mode, path, i, args))
-                rk[path] = tcp_summary(rounds)
-            out[kind] = rk
-        out["workers_started_s"] = started_s
-    finally:
-        out["workers_forced"] = workers.stop()
-    return out
-
-
-def tcp_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per mode: inserts over the summed windows of its rounds; the ratio steps/samples."""
-    out: dict[str, Any] = {"rounds": rounds}
-    for mode in TCP_MODES:
-        mine = [r for r in rounds if r.get("mode") == mode and "per_s" in r]
-        n = sum(r["inserted_in_window"] for r in mine)
-        secs = sum(r["window_s"] for r in mine)
-        out[mode] = {
-            "per_s": h.rate(n, secs) if mine else None,
-            "per_round": [r["per_s"] for r in mine],
-            "window_s": secs,
-            "correct": bool(mine) and all(r.get("correct") for r in rounds if r["mode"] == mode),
-        }
-    a, b = out["steps"]["per_s"], out["samples"]["per_s"]
-    out["ratio"] = a / b if a and b else None
-    out["target_within_10pct"] = None if out["ratio"] is None else out["ratio"] >= 0.9
-    out["correct"] = out["steps"]["correct"] and out["samples"]["correct"]
-    return out
-
-
-def print_tcp(tcp: dict[str, Any], params: dict[str, Any]) -> None:
-    print(
-        f"# over TCP: {params['tcp_workers']} workers, one send() per step (episodes "
-        f"{TCP_EPISODE[0]}-{TCP_EPISODE[1]} steps), max_size {params['tcp_max_size']:,}, "
-        f"{params['tcp_pairs']} pair(s) of {params['tcp_seconds']:g} s windows after "
-        f"{params['tcp_warmup']:g} s, consumer {'on' if params['tcp_consumer'] else 'off'}"
-    )
-    rows: list[list[object]] = [
-        ["step", "path", "steps/s", "samples/s", "steps/samples", "per round (steps | samples)",
-         "correct"],
-    ]  # fmt: skip
-    for kind, rk in tcp.items():
-        if not isinstance(rk, dict):
-            continue
-        for path in TCP_PATHS:
-            r = rk.get(path)
-            if not isinstance(r, dict):
-                continue
-            st, sa = r["steps"], r["samples"]
-            per = " ".join(f"{x:,.0f}" for x in st["per_round"]) + " | "
-            per += " ".join(f"{x:,.0f}" for x in sa["per_round"])
-            rows.append([
-                kind, path, h.fmt_num(st["per_s"], ",.0f", 0).strip(),
-                h.fmt_num(sa["per_s"], ",.0f", 0).strip(),
-                h.fmt_num(r["ratio"], ".3f", 0).strip(), per, r["correct"],
-            ])  # fmt: skip
-    h.print_columns(rows)
 
 
 # --------------------------------------------------------------------------- the run
@@ -1421,20 +814,20 @@ def run_all(args: Any, deadline: float) -> int:
     results: dict[str, dict[str, Any]] = {}
     for kind in args.kinds if "sample" in args.parts else []:
         steps = args.steps if kind == "atari" else args.small_steps
-        _log(f"{kind}: echo, {steps:,} steps of {step_bytes(kind)} B")
+        log(f"{kind}: echo, {steps:,} steps of {step_bytes(kind)} B")
         r = run_echo(kind, args, steps, deadline)
         r.pop("_sink", None)
         gc.collect()
-        _log(f"{kind}: numpy")
+        log(f"{kind}: numpy")
         r.update(run_numpy(kind, args, steps, deadline))
         gc.collect()
-        _log(f"{kind}: sequence table memory (child process)")
+        log(f"{kind}: sequence table memory (child process)")
         r["memory"] = run_child(sys.executable, "seq-memory", kind, args, steps, deadline)
         alt = min(args.alt_steps, steps)
-        _log(f"{kind}: window replay memory, {alt:,} steps (child process)")
+        log(f"{kind}: window replay memory, {alt:,} steps (child process)")
         r["alt_window_replay"] = run_child(sys.executable, "alt-memory", kind, args, alt, deadline)
         if args.torchrl_python:
-            _log(f"{kind}: torchrl (child process)")
+            log(f"{kind}: torchrl (child process)")
             r["torchrl"] = run_child(args.torchrl_python, "torchrl", kind, args, steps, deadline)
         else:
             r["torchrl"] = {"skipped": "no --torchrl-python given"}
@@ -1496,7 +889,7 @@ def run_all(args: Any, deadline: float) -> int:
     if tcp is not None:
         print()
         print_tcp(tcp, params)
-    _log(f"correct {correct}")
+    log(f"correct {correct}")
     if args.json is not None:
         doc = {
             **h.run_facts(label, echo),

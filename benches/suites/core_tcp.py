@@ -74,535 +74,68 @@ watchdog ends the whole run after ``--max-seconds``. Only loopback traffic.
 
 Compare two implementations (one run each, same machine)::
 
-    .venv/bin/python benches/py/bench_tcp.py --label ours --json benches/results/tcp-ours.json
-    /work/venvs/peer/bin/python benches/py/bench_tcp.py --label id-echo-0.2.1 \\
+    .venv/bin/python -m benches.suites.core_tcp --label ours --json benches/results/tcp-ours.json
+    /work/venvs/peer/bin/python -m benches.suites.core_tcp --label id-echo-0.2.1 \\
         --json benches/results/tcp-peer.json
-    python benches/py/compare.py benches/results/tcp-ours.json benches/results/tcp-peer.json
+    python -m benches.compare benches/results/tcp-ours.json benches/results/tcp-peer.json
 
 ``--quick`` runs K = 1, 4 with 1.5 s each; ``--only small|large``; ``--workers 1,8,100``
 (up to 1000); ``--launcher process|ray``. On a small machine the workers share the cores with
 the learner: the numbers are end-to-end for this box, not the learner's limit. Depends on
 numpy, echo and the standard library only (Ray for ``--launcher ray``).
+
+This module holds the learner, the round and the command line; the scenarios and what the
+learner and workers share are in :mod:`benches.suites.core_tcp_scenarios`, the workers, their
+launchers and the loopback reference in :mod:`benches.suites.core_tcp_workers`.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
 import multiprocessing as mp
 import os
-import queue
 import socket
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-try:  # run as a script: benches/py is on sys.path
-    import helpers as h
-except ImportError:  # imported as benches.py.<module> (python -m benches)
-    from benches.py import helpers as h
-
 import echo
-from echo import Server, TcpClient, TcpTransport
-
-ID_MOD = 2**24  # element 0 of each f32 leaf holds seq % ID_MOD (exact in float32)
-MARKER_WID = -1.0  # worker id of the padding samples the learner submits itself
-MAX_WORKERS = 1000
-LAUNCHERS = ("process", "ray")
-MAX_INFLIGHT = 32  # TcpClient's default window, set explicitly
-BLOCK_BATCHES = 4096  # received rows are recorded in blocks of this many batches
-MAX_ROWS = 64_000_000  # recording stops beyond this (never reached at loopback speeds)
-LOOPBACK_CHUNK = 64 * 1024  # the reference
-LOOPBACK_BULK_CHUNK = 1024 * 1024  # a second reference with fewer, larger syscalls
-STALL_S = 3.0  # once every worker reported: this long without a batch is a stall
-HOST = "127.0.0.1"
-
-
-@dataclass(frozen=True)
-class Scenario:
-    name: str
-    batch_size: int
-    leaves: tuple[tuple[str, tuple[int, ...]], ...]  # float32 leaves besides "meta"
-    # "tcp": our clients pass shared_memory=False (where the installed echo has it);
-    # "shm": shared_memory=True (the row is skipped for an echo without it).
-    path: str = "tcp"
-    # Leaves keyed "group/name" go into nested dicts {"group": {"name": ...}}.
-    nested: bool = False
-
-    def example(self) -> dict[str, Any]:
-        tree: dict[str, Any] = {}
-        for k, s in self.leaves:
-            if self.nested:
-                group, name = k.split("/")
-                tree.setdefault(group, {})[name] = np.zeros(s, np.float32)
-            else:
-                tree[k] = np.zeros(s, np.float32)
-        tree["meta"] = np.zeros(3, np.float64)
-        return tree
-
-    def leaf(self, tree: Any, key: str) -> np.ndarray:
-        """The leaf `key` of a sample or a batch of this scenario."""
-        if self.nested:
-            group, name = key.split("/")
-            return tree[group][name]
-        return tree[key]
-
-    @property
-    def sample_bytes(self) -> int:
-        return sum(int(np.prod(s)) * 4 for _, s in self.leaves) + 3 * 8
-
-
-# The large nested sample: 40 float32 leaves in 4 nested dicts of 10, 195,864 B with "meta".
-_NESTED = tuple((f"g{i // 10}/x{i:02d}", (1224,)) for i in range(40))
-SCENARIOS = (
-    Scenario("small", 32, (("obs", (4,)), ("reward", (1,)))),
-    Scenario("large", 64, tuple((f"x{i:02d}", (1280,)) for i in range(40))),
-    Scenario("nest-tcp", 64, _NESTED, path="tcp", nested=True),
-    Scenario("nest-shm", 64, _NESTED, path="shm", nested=True),
+from benches import common as h
+from benches.suites.core_tcp_scenarios import (
+    BLOCK_BATCHES,
+    HOST,
+    ID_MOD,
+    LAUNCHERS,
+    LOOPBACK_BULK_CHUNK,
+    LOOPBACK_CHUNK,
+    MARKER_WID,
+    MAX_INFLIGHT,
+    MAX_ROWS,
+    MAX_WORKERS,
+    SCENARIOS,
+    STALL_S,
+    Scenario,
+    WorkerArgs,
+    err_text,
+    has_shared_memory,
+    learner_echo_file,
+    log,
+    worker_watchdog,
 )
-SCENARIO_BY_NAME = {sc.name: sc for sc in SCENARIOS}
-
-
-@dataclass(frozen=True)
-class WorkerArgs:
-    wid: int
-    port: int
-    scenario: str
-    max_count: int
-    warmup_s: float
-    seconds: float
-    go_timeout_s: float
-    flush_timeout_s: float
-    echo_file: str
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-_log = h.logger("bench_tcp")
-
-
-def _watchdog(max_seconds: float, who: str) -> None:
-    h.start_watchdog(max_seconds, f"bench_tcp: {who}")
-
-
-def has_shared_memory() -> bool:
-    """Whether the installed echo's TcpClient takes `shared_memory=` (0.2.1's does not)."""
-    return "shared_memory" in inspect.signature(TcpClient).parameters
-
-
-def _echo_file() -> str:
-    return os.path.realpath(echo.__file__ or "")
-
-
-def _err(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
-
-
-# --------------------------------------------------------------------------- worker
-
-
-@dataclass
-class _Sender:
-    """A worker's connected client and its sample, whose leaves it rewrites before each send."""
-
-    a: WorkerArgs
-    client: TcpClient
-    tree: dict[str, np.ndarray]
-    heads: list[np.ndarray]  # views; [0] carries seq % ID_MOD
-
-
-def _worker_limit_s(a: WorkerArgs) -> float:
-    """A worker's whole life at most: waiting for the start, sending, flushing."""
-    return a.go_timeout_s + a.warmup_s + a.seconds + a.flush_timeout_s + 10.0
-
-
-def _worker_connect(a: WorkerArgs) -> tuple[_Sender | None, dict[str, Any]]:
-    """Checks the echo build and connects: (the sender, or None with the error in the report;
-    the worker's report)."""
-    res: dict[str, Any] = {"wid": a.wid, "sent": 0, "error": None, "cpu_s": 0.0, "send_s": 0.0}
-    if _echo_file() != a.echo_file:
-        res["error"] = f"worker imported echo from {_echo_file()}, learner from {a.echo_file}"
-        return None, res
-    sc = SCENARIO_BY_NAME[a.scenario]
-    tree = sc.example()
-    rng = np.random.default_rng(a.wid)
-    for k, _ in sc.leaves:
-        leaf = sc.leaf(tree, k)
-        leaf[...] = rng.random(leaf.shape, dtype=np.float32)
-    heads = [sc.leaf(tree, k).reshape(-1) for k, _ in sc.leaves]
-    kwargs: dict[str, Any] = {"max_inflight_msgs": MAX_INFLIGHT}
-    if has_shared_memory():
-        kwargs["shared_memory"] = sc.path == "shm"
-    try:
-        client = TcpClient(HOST, a.port, tree, **kwargs)
-    except (OSError, ValueError, TypeError, RuntimeError) as e:
-        res["error"] = f"connect: {_err(e)}"
-        return None, res
-    path = getattr(client, "transport_path", "tcp")
-    if path != sc.path:
-        res["error"] = f"connected over {path}, the scenario is {sc.path}"
-        client.close()
-        return None, res
-    return _Sender(a, client, tree, heads), res
-
-
-def _worker_send(s: _Sender, t0: float | None, res: dict[str, Any]) -> dict[str, Any]:
-    """The send loop: from ``t0`` (None: the start signal never came) until the common
-    deadline or ``max_count`` samples, then wait for every ack and close. Fills ``res``."""
-    a, client, meta, heads = s.a, s.client, s.tree["meta"], s.heads
-    sent = 0
-    try:
-        if t0 is None:
-            raise TimeoutError("no start signal from the learner")
-        t_end = t0 + a.warmup_s + a.seconds
-        clock = time.monotonic
-        send = client.send
-        tree = s.tree
-        wid = float(a.wid)
-        cpu0 = time.process_time()
-        w0 = clock()
-        while sent < a.max_count:
-            v = float(sent % ID_MOD)
-            for h in heads:
-                h[0] = v
-            meta[0] = wid
-            meta[1] = sent
-            now = clock()
-            if now >= t_end:
-                break
-            meta[2] = now
-            send(tree)
-            sent += 1
-        res["send_s"] = clock() - w0
-        client.wait()  # 0.2.1's close() does not wait for acks
-        res["cpu_s"] = time.process_time() - cpu0
-    except (OSError, ValueError, TypeError, RuntimeError) as e:
-        res["error"] = _err(e)
-    finally:
-        res["sent"] = sent
-        try:
-            client.close()
-        except (OSError, ValueError, TypeError, RuntimeError) as e:
-            res["error"] = res["error"] or f"close: {_err(e)}"
-    return res
-
-
-def _worker(
-    a: WorkerArgs,
-    go: Any,  # multiprocessing Event
-    t0: Any,  # multiprocessing Value("d"): the common start time (time.monotonic())
-    ready_q: Any,
-    result_q: Any,
-) -> None:
-    """A worker process (``--launcher process``): connect, report ready, wait for the start
-    signal, send, report."""
-    _watchdog(_worker_limit_s(a), f"worker {a.wid}")
-    sender, res = _worker_connect(a)
-    ready_q.put((a.wid, sender is not None))
-    if sender is not None:
-        _worker_send(sender, t0.value if go.wait(a.go_timeout_s) else None, res)
-    result_q.put(res)
-
-
-class _RayWorker:
-    """A worker as a Ray actor (``--launcher ray``), running the worker process's code: it
-    connects when created, ``ready()`` reports that, ``run(t0)`` sends and returns the report.
-    Decorated with ``ray.remote`` only once Ray is imported (it is optional)."""
-
-    def __init__(self, a: WorkerArgs) -> None:
-        _watchdog(_worker_limit_s(a), f"worker {a.wid}")
-        self._sender, self._res = _worker_connect(a)
-
-    def ready(self) -> bool:
-        return self._sender is not None
-
-    def run(self, t0: float) -> dict[str, Any]:
-        if self._sender is not None:
-            _worker_send(self._sender, t0, self._res)
-            self._sender = None
-        return self._res
-
-
-# --------------------------------------------------------------------------- launchers
-
-
-class _ProcessWorkers:
-    """K worker processes (``multiprocessing`` forkserver: the learner's interpreter and
-    ``sys.path``); the start signal is a shared Event and start time."""
-
-    def __init__(self, ctx: Any, args: list[WorkerArgs]) -> None:
-        self._go = ctx.Event()
-        self._t0 = ctx.Value("d", 0.0)
-        self._ready_q, self._result_q = ctx.Queue(), ctx.Queue()
-        self._procs = [
-            ctx.Process(
-                target=_worker,
-                args=(a, self._go, self._t0, self._ready_q, self._result_q),
-                name=f"bench-tcp-worker-{a.wid}",
-                daemon=True,
-            )
-            for a in args
-        ]
-
-    def start(self) -> None:
-        for p in self._procs:
-            p.start()
-
-    def poll_ready(self, timeout: float) -> list[bool]:
-        """Readiness reports that arrived within ``timeout`` (True: connected)."""
-        try:
-            return [bool(self._ready_q.get(timeout=timeout)[1])]
-        except queue.Empty:
-            return []
-
-    def go(self, t0: float) -> None:
-        self._t0.value = t0
-        self._go.set()
-
-    def poll_result(self, timeout: float) -> dict[str, Any] | None:
-        """One worker's report, or None if none arrived within ``timeout``."""
-        try:
-            r: dict[str, Any] = self._result_q.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        return r
-
-    def release(self) -> None:
-        """The round is over: a worker still waiting for the start must not wait for its
-        timeout (it starts with a deadline in the past and reports 0 sent)."""
-        self._go.set()
-
-    def stop(self) -> list[str]:
-        """Joins the workers (10 s in all), terminates the rest; returns those that were stuck."""
-        join_deadline = time.monotonic() + 10.0
-        for p in self._procs:
-            p.join(timeout=max(0.1, join_deadline - time.monotonic()))
-        stuck = [f"pid {p.pid}" for p in self._procs if p.is_alive()]
-        for p in self._procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5.0)
-        for q in (self._ready_q, self._result_q):
-            q.close()
-            q.join_thread()
-        return stuck
-
-
-class _Workers(Protocol):
-    """What a round needs from its K workers, however they were launched."""
-
-    def start(self) -> None:
-        """Launches them; each connects to the learner and reports whether it could."""
-
-    def poll_ready(self, timeout: float) -> list[bool]:
-        """Connection reports that arrived within ``timeout`` (True: connected)."""
-        ...
-
-    def go(self, t0: float) -> None:
-        """The common start: send from ``t0`` (``time.monotonic()``) for warm-up + window."""
-
-    def poll_result(self, timeout: float) -> dict[str, Any] | None:
-        """One worker's final report, or None if none arrived within ``timeout``."""
-        ...
-
-    def release(self) -> None:
-        """The round is over (or failed): nothing may wait for a start any more."""
-
-    def stop(self) -> list[str]:
-        """Ends every worker (bounded); returns the ones that had to be forced."""
-        ...
-
-
-RAY_MISSING = (
-    "--launcher ray needs Ray, which is not installed for {python}: "
-    "pip install 'id-echo[distributed]' (or pip install ray)"
+from benches.suites.core_tcp_workers import (
+    ProcessWorkers,
+    RayWorkers,
+    Workers,
+    bench_loopback,
+    best_loopback,
+    import_ray,
+    ray_start,
 )
-RAY_NUM_CPUS = 4  # the most CPUs the local Ray instance schedules with
-RAY_OBJECT_STORE_BYTES = 128 * 1024 * 1024  # Ray's default takes 30% of the memory
-
-
-def import_ray() -> Any:
-    """The ``ray`` module; RuntimeError with the install hint where it is not installed."""
-    try:
-        return importlib.import_module("ray")
-    except ImportError as e:
-        raise RuntimeError(RAY_MISSING.format(python=sys.executable)) from e
-
-
-def ray_start(ray: Any) -> None:
-    """A local Ray instance for the actors: no dashboard, a bounded CPU count and object
-    store. The actors are ordinary Ray workers, so they get this process's environment:
-    ``PYTHONPATH`` gains the directories that this process imports echo and this script from,
-    so the actors import the same echo (each checks ``echo.__file__`` against ours anyway)."""
-    paths = [str(Path(_echo_file()).parent.parent), str(Path(__file__).resolve().parent)]
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([*paths, *([old] if old else [])])
-    ray.init(
-        num_cpus=max(1, min(RAY_NUM_CPUS, os.cpu_count() or 1)),
-        include_dashboard=False,
-        object_store_memory=RAY_OBJECT_STORE_BYTES,
-        configure_logging=False,
-    )
-
-
-class _RayWorkers:
-    """K Ray actors in the running Ray instance; the start signal is the ``run(t0)`` call."""
-
-    def __init__(self, ray: Any, args: list[WorkerArgs]) -> None:
-        self._ray = ray
-        self._args = args
-        # num_cpus=0: an actor holds no CPU slot, so K is not capped by the CPU count.
-        self._cls = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)(_RayWorker)
-        self._actors: list[Any] = []
-        self._ready: dict[Any, int] = {}  # pending ready() refs -> worker id
-        self._running: dict[Any, int] = {}  # pending run() refs -> worker id
-        self._lock = threading.Lock()  # the collector thread polls while the learner stops
-
-    def start(self) -> None:
-        self._actors = [self._cls.remote(a) for a in self._args]
-        pairs = zip(self._actors, self._args, strict=True)
-        self._ready = {actor.ready.remote(): a.wid for actor, a in pairs}
-
-    def poll_ready(self, timeout: float) -> list[bool]:
-        pending = list(self._ready)
-        if not pending:
-            return []
-        done, _ = self._ray.wait(pending, num_returns=len(pending), timeout=timeout)
-        out: list[bool] = []
-        for ref in done:
-            del self._ready[ref]
-            try:
-                out.append(bool(self._ray.get(ref, timeout=10.0)))
-            except self._ray.exceptions.RayError:  # the actor died while connecting
-                out.append(False)
-        return out
-
-    def go(self, t0: float) -> None:
-        pairs = zip(self._actors, self._args, strict=True)
-        with self._lock:
-            self._running = {actor.run.remote(t0): a.wid for actor, a in pairs}
-
-    def release(self) -> None:
-        """Nothing to do: an actor that was never told to run is killed in ``stop()``."""
-
-    def poll_result(self, timeout: float) -> dict[str, Any] | None:
-        with self._lock:
-            pending = list(self._running)
-        if not pending:  # not started yet, or every report is in
-            time.sleep(timeout)
-            return None
-        done, _ = self._ray.wait(pending, num_returns=1, timeout=timeout)
-        if not done:
-            return None
-        with self._lock:
-            wid = self._running.pop(done[0])
-        try:
-            r: dict[str, Any] = self._ray.get(done[0], timeout=10.0)
-        except self._ray.exceptions.RayError as e:  # the actor died
-            r = {"wid": wid, "sent": 0, "error": f"actor: {_err(e)}"}
-        return r
-
-    def stop(self) -> list[str]:
-        """Waits 10 s for the actors still running, then kills every actor of the round;
-        returns those that were stuck."""
-        with self._lock:
-            running = dict(self._running)
-        stuck: list[str] = []
-        if running:
-            _, left = self._ray.wait(list(running), num_returns=len(running), timeout=10.0)
-            stuck = [f"actor {running[ref]}" for ref in left]
-        for actor in self._actors:
-            self._ray.kill(actor, no_restart=True)
-        self._actors = []
-        return stuck
-
-
-# --------------------------------------------------------------------------- loopback reference
-
-
-def _loopback_receiver(port_q: Any, result_q: Any) -> None:
-    _watchdog(60.0, "loopback receiver")
-    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    srv.bind((HOST, 0))
-    srv.listen(1)
-    srv.settimeout(30.0)
-    port_q.put(srv.getsockname()[1])
-    conn, _ = srv.accept()
-    conn.settimeout(30.0)
-    buf = bytearray(1 << 20)
-    total = 0
-    t_first = t_last = time.monotonic()
-    n = conn.recv_into(buf)
-    t_first = time.monotonic()
-    while n:
-        total += n
-        n = conn.recv_into(buf)
-    t_last = time.monotonic()
-    conn.close()
-    srv.close()
-    result_q.put({"bytes": total, "seconds": t_last - t_first})
-
-
-def _loopback_once(ctx: Any, seconds: float, chunk_bytes: int) -> dict[str, Any]:
-    port_q, result_q = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_loopback_receiver, args=(port_q, result_q), daemon=True)
-    proc.start()
-    try:
-        port = port_q.get(timeout=30.0)
-        chunk = memoryview(bytes(chunk_bytes))
-        sent = 0
-        with socket.create_connection((HOST, port), timeout=30.0) as sock:
-            t0 = time.monotonic()
-            deadline = t0 + seconds
-            for _ in range(100_000_000):
-                sock.sendall(chunk)
-                sent += chunk_bytes
-                if time.monotonic() >= deadline:
-                    break
-            send_s = time.monotonic() - t0
-        got = result_q.get(timeout=30.0)
-    finally:
-        proc.join(timeout=10.0)
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(timeout=5.0)
-    return {
-        "bytes": got["bytes"],
-        "complete": got["bytes"] == sent,
-        "seconds": got["seconds"],
-        "gbps": got["bytes"] / got["seconds"] / 1e9,
-        "sender_gbps": sent / send_s / 1e9,
-    }
-
-
-def bench_loopback(ctx: Any, seconds: float, chunk_bytes: int, reps: int = 3) -> dict[str, Any]:
-    """Plain-socket bandwidth between two processes over 127.0.0.1 (``sendall`` of chunks).
-
-    ``reps`` transfers of ``seconds / reps`` each; the best one is the reference (a shared
-    machine's transient load only ever lowers it).
-    """
-    runs = [_loopback_once(ctx, seconds / reps, chunk_bytes) for _ in range(reps)]
-    best = max(runs, key=lambda r: float(r["gbps"]))
-    return {"chunk_bytes": chunk_bytes, **best, "runs_gbps": [r["gbps"] for r in runs]}
-
-
-def best_loopback(before: dict[str, Any], after: dict[str, Any] | None) -> dict[str, Any]:
-    """The faster of two loopback measurements, before and after the rounds (a busy moment
-    only ever lowers it), with both numbers; ``after`` None: ``before`` alone."""
-    if after is None:
-        return dict(before, before_gbps=before["gbps"], after_gbps=None)
-    loop = dict(max(before, after, key=lambda d: float(d["gbps"])))
-    loop["before_gbps"], loop["after_gbps"] = before["gbps"], after["gbps"]
-    loop["runs_gbps"] = list(before["runs_gbps"]) + list(after["runs_gbps"])
-    return loop
-
+from echo import Server, TcpTransport
 
 # --------------------------------------------------------------------------- learner
 
@@ -661,7 +194,7 @@ def _collect(
     server: Server,
     sc: Scenario,
     k: int,
-    workers: _Workers,
+    workers: Workers,
     deadline: float,
     out: _Collected,
 ) -> None:
@@ -685,8 +218,8 @@ def _collect(
 
     def submit_marker() -> None:
         i = out.markers
-        for h in heads:
-            h[0] = float(i)
+        for head in heads:
+            head[0] = float(i)
         tree["meta"][:] = (MARKER_WID, i, time.monotonic())
         server.submit(tree)
         out.markers += 1
@@ -695,7 +228,7 @@ def _collect(
         for _ in range(pad):
             submit_marker()
     except (OSError, RuntimeError, ValueError, TypeError) as e:  # e.g. closed by the guard
-        out.submit_error = _err(e)
+        out.submit_error = err_text(e)
     # A sample that never arrives leaves the last batch incomplete and the consumer blocked.
     # After STALL_S without a batch: add markers one at a time until that batch completes (so
     # everything that did arrive is delivered and `missing` counts only real losses), then
@@ -719,7 +252,7 @@ def _collect(
                 while out.rows_seen == last and time.monotonic() - t < 1.0:
                     time.sleep(0.01)
             except (OSError, RuntimeError, ValueError, TypeError) as e:
-                out.submit_error = _err(e)
+                out.submit_error = err_text(e)
             server.close()
             break
 
@@ -785,13 +318,11 @@ def run_round(
             seconds=opts.seconds,
             go_timeout_s=setup_timeout + 10.0,
             flush_timeout_s=opts.grace,
-            echo_file=_echo_file(),
+            echo_file=learner_echo_file(),
         )
 
     all_args = [worker_args(i) for i in range(k)]
-    workers: _Workers = (
-        _ProcessWorkers(ctx, all_args) if ray is None else _RayWorkers(ray, all_args)
-    )
+    workers: Workers = ProcessWorkers(ctx, all_args) if ray is None else RayWorkers(ray, all_args)
     keys = [key for key, _ in sc.leaves]
     blocks: list[np.ndarray] = []
     block_rows = BLOCK_BATCHES * bs
@@ -816,7 +347,7 @@ def run_round(
                 ready += ok
                 failed += not ok
         setup_s = time.monotonic() - t_setup
-        _log(f"{sc.name} K={k}: {ready} workers ready ({failed} failed) in {setup_s:.1f} s")
+        log(f"{sc.name} K={k}: {ready} workers ready ({failed} failed) in {setup_s:.1f} s")
 
         t0 = time.monotonic() + 0.02
         win0, win1 = t0 + opts.warmup, t0 + opts.warmup + opts.seconds
@@ -1064,22 +595,22 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench_tcp: {e}", file=sys.stderr)
             return 2
 
-    _watchdog(args.max_seconds, "learner")
+    worker_watchdog(args.max_seconds, "learner")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["numpy", "echo"])
     load_before = h.loadavg()
     label = h.default_label(args.label, echo)
-    _log(
-        f"{label}: echo {getattr(echo, '__version__', None)} from {_echo_file()}, "
+    log(
+        f"{label}: echo {getattr(echo, '__version__', None)} from {learner_echo_file()}, "
         f"python {sys.executable}"
     )
     build = h.echo_build(echo)
-    _log(f"build: {build}")
+    log(f"build: {build}")
 
     def loopback(when: str) -> tuple[dict[str, Any], dict[str, Any]]:
         std = bench_loopback(ctx, args.loopback_seconds, LOOPBACK_CHUNK)
         bulk = bench_loopback(ctx, args.loopback_seconds / 2, LOOPBACK_BULK_CHUNK)
-        _log(
+        log(
             f"raw loopback ({when}): {std['gbps']:.2f} GB/s with 64 KiB sendall, "
             f"{bulk['gbps']:.2f} GB/s with 1 MiB"
         )
@@ -1091,19 +622,19 @@ def main(argv: list[str] | None = None) -> int:
     if ray is not None:  # after the loopback reference: Ray's own processes take CPU
         t_ray = time.monotonic()
         ray_start(ray)
-        _log(f"ray {ray.__version__}: local instance up in {time.monotonic() - t_ray:.1f} s")
+        log(f"ray {ray.__version__}: local instance up in {time.monotonic() - t_ray:.1f} s")
     try:
         for sc in SCENARIOS:
             if args.only and sc.name not in args.only:
                 continue
             if sc.path == "shm" and not has_shared_memory():
-                _log(f"{sc.name}: skipped (this echo has no shared-memory path)")
+                log(f"{sc.name}: skipped (this echo has no shared-memory path)")
                 continue
             results[sc.name] = {}
             for k in ks:
                 r = run_round(sc, k, args, ctx, ray)
                 results[sc.name][str(k)] = r
-                _log(
+                log(
                     f"{sc.name} K={k}: {r['samples_per_s']:,.0f} samples/s, "
                     f"{r['gbps']:.3f} GB/s, p50 {r['p50_ms']:.2f} ms, "
                     f"p99 {r['p99_ms']:.2f} ms, correct {r['correct']}"

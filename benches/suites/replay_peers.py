@@ -5,7 +5,7 @@ peers (they pin TensorFlow / torch versions echo must not depend on), e.g.::
 
     python3.11 -m venv /work/venvs/replay-peers
     /work/venvs/replay-peers/bin/pip install 'dm-reverb[tensorflow]==0.14.0' torchrl
-    /work/venvs/replay-peers/bin/python benches/py/bench_replay_peers.py \
+    /work/venvs/replay-peers/bin/python -m benches.suites.replay_peers \
         --items 1000000 --batch 256 --seconds 3 --only all --json /tmp/peers.json
 
 Item = three leaves: ``obs`` float32[8], ``action`` int32 scalar, ``reward`` float32
@@ -64,10 +64,7 @@ import platform
 import sys
 import time
 
-try:  # run as a script: benches/py is on sys.path
-    import helpers as h
-except ImportError:  # imported as benches.py.<module>
-    from benches.py import helpers as h
+from benches import common as h
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -641,7 +638,7 @@ def main(argv=None):
     libs = ["reverb", "torchrl"] if args.only == "all" else [args.only]
     if args.only == "all":
         for lib in libs:
-            cmd = [sys.executable, os.path.abspath(__file__), "--only", lib]
+            cmd = [sys.executable, "-m", "benches.suites.replay_peers", "--only", lib]
             for name in CHILD_OPTIONS:
                 cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
             doc = h.run_json_child(cmd, args.child_timeout)

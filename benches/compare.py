@@ -1,8 +1,8 @@
-"""Ratios between two result files of the same benchmark script: ``bench_inprocess.py --json``
-(per scenario) or ``bench_tcp.py --json`` (per scenario and worker count K). Which of the two
+"""Ratios between two result files of the same benchmark script: ``core_inprocess.py --json``
+(per scenario) or ``core_tcp.py --json`` (per scenario and worker count K). Which of the two
 a file is, is read from the file (a TCP result records its ``workers``).
 
-Usage: ``python benches/py/compare.py a.json b.json`` (A is usually ours, B the peer).
+Usage: ``python -m benches.compare a.json b.json`` (A is usually ours, B the peer).
 Every ratio is A / B: above 1 is better for throughput metrics (samples/s, GB/s: higher is
 better), below 1 is better for the latencies (``sample()`` in-process, send to ``sample()``
 over TCP: lower is better). Runs that were not ``correct`` are flagged. ``python -m benches``
@@ -146,7 +146,7 @@ def main(argv: list[str]) -> int:
     a, b = (json.loads(Path(p).read_text(encoding="utf-8")) for p in argv)
     tcp = "workers" in a
     if tcp != ("workers" in b):
-        print("compare: one file is a bench_tcp.py result, the other is not", file=sys.stderr)
+        print("compare: one file is a core_tcp.py result, the other is not", file=sys.stderr)
         return 2
     for side, doc in (("A", a), ("B", b)):
         print(

@@ -1,10 +1,10 @@
 """Replay benchmark: echo's replay tables at 1e6 items (the default), optionally
-compared in the same run with DeepMind Reverb and TorchRL (``bench_replay_peers.py`` run
+compared in the same run with DeepMind Reverb and TorchRL (``replay_peers.py`` run
 under a separate virtualenv that holds them).
 
 Usage::
 
-    python benches/py/bench_replay.py [--items 1000000] [--batch 256] [--seconds 3]
+    python -m benches.suites.replay_tables [--items 1000000] [--batch 256] [--seconds 3]
         [--peers PEER_PYTHON] [--json PATH]
 
 Item: ``obs`` float32[8], ``action`` int32, ``reward`` float32 (40 bytes), the same as the
@@ -36,19 +36,12 @@ import platform
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-try:  # run as a script: benches/py is on sys.path
-    import helpers as h
-except ImportError:  # imported as benches.py.<module>
-    from benches.py import helpers as h
-
 import echo
-
-HERE = Path(__file__).resolve().parent
+from benches import common as h
 
 
 def example() -> dict[str, np.ndarray]:
@@ -141,8 +134,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_peers(python: str, args: argparse.Namespace) -> dict[str, Any]:
-    """``bench_replay_peers.py --only all`` with the same sizes under ``python``."""
-    cmd = [python, str(HERE / "bench_replay_peers.py"), "--only", "all"]
+    """``python -m benches.suites.replay_peers --only all`` with the same sizes under
+    ``python``."""
+    cmd = [python, "-m", "benches.suites.replay_peers", "--only", "all"]
     for name in ("items", "batch", "seconds"):
         cmd += [f"--{name}", str(getattr(args, name))]
     return h.run_json_child(cmd, timeout_s=3600)

@@ -9,7 +9,7 @@ the criterion benches cannot measure it, because it lives in the pyo3 layer.
 
 For each leaf count n the pytree is a dict of n ``f32[4]`` leaves (the leaves' size does not
 matter: nothing is copied), batch size 32, the ``Server``'s other settings at their defaults
-(in-process, no transport, never ``start()``-ed, as ``bench_inprocess.py`` does, so that
+(in-process, no transport, never ``start()``-ed, as ``core_inprocess.py`` does, so that
 id-echo 0.2.1 runs it too). Each repetition drops the previous ``Sample`` and submits one
 batch (untimed), then times ``server.sample()`` alone with ``time.perf_counter_ns()``. After
 20 untimed repetitions it repeats for ``--seconds`` (1 s; ``--quick`` 0.15 s) or 200,000
@@ -21,7 +21,7 @@ Every loop is bounded in count and in time; the server is closed 10 s after a le
 window should have ended (a ``sample()`` that never returns then wakes with ``None``), and a
 watchdog ends the process after ``--max-seconds``. No network, no threads besides the guards.
 
-    python benches/py/bench_views.py [--quick] [--leaves 1,10,40] [--json PATH]
+    python -m benches.suites.core_views [--quick] [--leaves 1,10,40] [--json PATH]
 
 ``python -m benches`` runs it for each interpreter it compares. Depends on numpy, echo and the
 standard library only.
@@ -35,12 +35,8 @@ from typing import Any
 
 import numpy as np
 
-try:  # run as a script: benches/py is on sys.path
-    import helpers as h
-except ImportError:  # imported as benches.py.<module> (python -m benches)
-    from benches.py import helpers as h
-
 import echo
+from benches import common as h
 from echo import Server
 
 LEAF_COUNTS = (1, 10, 40)

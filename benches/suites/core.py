@@ -7,21 +7,21 @@ Usage::
     python -m benches [core] [--quick] [--out DIR] [--label NAME] [--compare PYTHON]
                       [--workers 1,4,16,64] [--seconds S] [--launcher process|ray]
 
-Each scenario runs in a child process of the interpreter under test: ``bench_inprocess.py``,
-``bench_views.py`` (``sample()`` on a complete batch of 1, 10 and 40 leaves: the cost of
-building the numpy views) or ``bench_tcp.py`` from ``benches/py``, as their own command lines
+Each scenario runs in a child process of the interpreter under test: ``python -m
+benches.suites.core_inprocess``, ``core_views`` (``sample()`` on a complete batch of 1, 10 and
+40 leaves: the cost of building the numpy views) or ``core_tcp``, as their own command lines
 run them. That keeps their watchdogs (which end their process) away from this one, keeps the
 progress bars out of the measured process, and treats the two sides of a comparison alike: with
 ``--compare PYTHON`` each scenario runs with our interpreter and with ``PYTHON``, one right
 after the other, the first of the pair alternating from scenario to scenario (ours first,
 then the other first, ...), so that a drift in the machine's speed does not favour one side.
-Ratios are ours / other, computed with ``compare.py``.
+Ratios are ours / other, computed with :mod:`benches.compare`.
 
 The TCP sweep's workers are local processes (``--launcher process``, the default, nothing
 to install) or Ray actors in a local Ray instance (``--launcher ray``, with the
 ``distributed`` extra: ``pip install 'id-echo[distributed]'``; every interpreter under test
 needs it, which is checked before anything runs); either way the learner's server is in
-``bench_tcp.py``'s own process and the workers connect to it over 127.0.0.1. Worker counts
+``core_tcp``'s own process and the workers connect to it over 127.0.0.1. Worker counts
 default to 1, 4, 16, 64 and go up to 1,000 (``--workers``).
 
 The raw limits are measured once, in this process, before the scenarios; the loopback
@@ -35,53 +35,55 @@ every number), ``DIR/summary.txt``, the children's JSON in ``DIR/raw/`` and thei
 ``DIR/logs/``, and ``DIR/tcp-throughput.png`` and ``DIR/tcp-latency.png`` where matplotlib is
 importable. Exit status 0 when every scenario of ours ran and was ``correct``, 1 otherwise
 (the other side's failures are reported, not fatal), 2 for a bad invocation.
+
+This module holds the session (planning the steps, running each in a child, collecting the
+results); the summary and record tables are in :mod:`benches.suites.core_tables`, the
+child-process runner in :mod:`benches.runner`.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
 import platform
-import queue
 import re
-import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from benches import limits, plots
-from benches.py import bench_inprocess, bench_tcp, bench_views, compare
-from benches.py import helpers as h
+from benches import common as h
+from benches import compare, limits, plots
+from benches.runner import KILL_GRACE_S, Progress, run_child, tqdm_missing
+from benches.suites import (
+    core_tcp,
+    core_tcp_scenarios,
+    core_tcp_workers,
+    core_views,
+)
+from benches.suites.core_tables import (
+    OURS_ONLY,
+    SCENARIO_NAMES,
+    SIDES,
+    TCP_EXTRA,
+    summary,
+    tables,
+)
 
-try:
-    import tqdm as _tqdm
-except ImportError:  # progress bars are optional
-    _tqdm = None
+__all__ = ["main", "tables"]  # what benches.front calls
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ROOT / "benches" / "py"
-SIDES = ("ours", "other")
-SCENARIO_NAMES = tuple(sc.name for sc in bench_inprocess.SCENARIOS)
-# bench_tcp's rows beyond the shared scenarios: the ~196 KB nested sample over TCP and over
-# same-host shared memory (ours only: id-echo 0.2.1 has no shared-memory path).
-TCP_EXTRA = ("nest-tcp", "nest-shm")
-OURS_ONLY = frozenset({"nest-shm"})
+ROOT = h.ROOT
 DEFAULT_WORKERS = (1, 4, 16, 64)
 QUICK_WORKERS = (1, 4)
 TCP_WARMUP_S = 0.5  # bench_tcp's default
 TCP_GRACE_S = 30.0  # bench_tcp's default
-MAX_EVENTS = 50_000_000  # output lines and 0.25 s ticks per child (its deadline comes first)
-KILL_GRACE_S = 15.0  # a child still running this long past its own watchdog is ended
 TCP_LINE = re.compile(r"^bench_tcp: ([\w-]+) K=(\d+): (.*)$")
 PROBE = (
     "import importlib.util, json, platform, sys, numpy, echo; print(json.dumps({'executable':"
@@ -90,55 +92,6 @@ PROBE = (
     " 'ray': importlib.util.find_spec('ray') is not None}))"
 )
 RAY_INIT_S = 60.0  # allowance for starting (and stopping) the local Ray instance
-
-
-# --------------------------------------------------------------------------- progress
-
-
-class _NoBar:
-    """Stands in for a tqdm bar when progress is off."""
-
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
-        pass
-
-    def set_description_str(self, desc: str = "", refresh: bool = True) -> None:
-        pass
-
-    def refresh(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class Progress:
-    """Progress bars (tqdm) on stderr, or none; messages go above the bars either way."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled and _tqdm is not None
-
-    def bar(self, total: int, desc: str, unit: str, position: int, leave: bool) -> Any:
-        if not self.enabled or _tqdm is None:
-            return _NoBar()
-        return _tqdm.tqdm(
-            total=total,
-            desc=desc,
-            unit=unit,
-            position=position,
-            leave=leave,
-            file=sys.stderr,
-            dynamic_ncols=True,
-            mininterval=0.2,
-        )
-
-    def say(self, msg: str) -> None:
-        if self.enabled and _tqdm is not None:
-            _tqdm.tqdm.write(msg, file=sys.stderr)
-        else:
-            print(msg, file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------- machine, interpreters
@@ -163,7 +116,7 @@ def probe(python: str) -> dict[str, Any]:
     try:
         out = subprocess.run(
             [python, "-c", PROBE],
-            cwd=SCRIPTS,  # as the scripts run: the repository root is not on sys.path
+            cwd=ROOT,  # as the scripts run: python -m benches.suites.NAME from the root
             capture_output=True,
             text=True,
             timeout=120,
@@ -193,109 +146,11 @@ class Step:
         return f"{self.kind}-{self.scenario}-{self.side}"
 
 
-def _end_group(proc: subprocess.Popen[str]) -> None:
-    """Ends the child's process group: the child, which runs in a session of its own, and
-    whatever it started that is still there. SIGTERM, then SIGKILL after 5 s."""
-    for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            return  # nothing of that group is left
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=wait_s)
-
-
-def run_child(
-    cmd: list[str],
-    log_path: Path,
-    timeout_s: float,
-    on_line: Callable[[str, str], None],
-    tick: Callable[[], None],
-) -> tuple[int | None, bool]:
-    """Runs ``cmd`` in ``ROOT``, streaming its output lines to ``on_line(stream, line)`` and
-    to ``log_path``; returns (exit status or None, timed out)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    lines: queue.Queue[tuple[str, str | None]] = queue.Queue()
-    timed_out = False
-    with open(log_path, "w", encoding="utf-8") as log:
-        log.write(f"$ {shlex.join(cmd)}\n")
-        proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            bufsize=1,
-            start_new_session=True,
-        )
-
-        def pump(stream: IO[str] | None, name: str) -> None:
-            if stream is not None:
-                for line in stream:
-                    lines.put((name, line))
-            lines.put((name, None))
-
-        pumps = [
-            threading.Thread(target=pump, args=(proc.stdout, "out"), daemon=True),
-            threading.Thread(target=pump, args=(proc.stderr, "err"), daemon=True),
-        ]
-        for t in pumps:
-            t.start()
-        open_streams = len(pumps)
-        deadline = time.monotonic() + timeout_s
-        exited_at: float | None = None
-        try:
-            for _ in range(MAX_EVENTS):
-                if not open_streams or time.monotonic() >= deadline:
-                    break
-                if exited_at is None and proc.poll() is not None:
-                    exited_at = time.monotonic()
-                if exited_at is not None and time.monotonic() - exited_at > 5.0:
-                    break  # something the child started still holds its pipes
-                try:
-                    name, line = lines.get(timeout=0.25)
-                except queue.Empty:
-                    tick()
-                    continue
-                if line is None:
-                    open_streams -= 1
-                    continue
-                log.write(line if name == "out" else f"[stderr] {line}")
-                on_line(name, line.rstrip("\n"))
-                tick()
-        except BaseException:  # Ctrl-C, SIGTERM (see main): take the child down with us
-            _end_group(proc)
-            raise
-        if not open_streams:  # its output is closed: it is exiting, give it the time to
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
-        if proc.poll() is None:
-            timed_out = True
-            log.write(f"[benches] over {timeout_s:.0f} s: ending the process group\n")
-        if proc.poll() is None or open_streams:
-            _end_group(proc)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10.0)
-        for t in pumps:
-            t.join(timeout=2.0)
-        for _ in range(1_000_000):  # whatever is left in the queue
-            try:
-                name, line = lines.get_nowait()
-            except queue.Empty:
-                break
-            if line is not None:
-                log.write(line if name == "out" else f"[stderr] {line}")
-        log.write(f"[benches] exit status {proc.returncode}\n")
-    return proc.returncode, timed_out
-
-
 def _tcp_limit_s(ks: list[int], seconds: float, launcher: str) -> float:
     """bench_tcp's worst case: per round the setup timeout, window, grace and joins; with
     Ray, starting the local instance."""
     per_round = sum(
-        bench_tcp.setup_timeout_s(launcher, k) + TCP_WARMUP_S + seconds + TCP_GRACE_S + 20.0
+        core_tcp.setup_timeout_s(launcher, k) + TCP_WARMUP_S + seconds + TCP_GRACE_S + 20.0
         for k in ks
     )
     return per_round + (RAY_INIT_S if launcher == "ray" else 0.0)
@@ -310,7 +165,8 @@ def step_command(
         limit = 60.0 if quick else 300.0
         cmd = [
             step.python,
-            str(SCRIPTS / "bench_inprocess.py"),
+            "-m",
+            "benches.suites.core_inprocess",
             *(["--quick"] if quick else []),
             f"--only={step.scenario}",
             f"--label={step.label}",
@@ -321,7 +177,8 @@ def step_command(
         limit = 60.0
         cmd = [
             step.python,
-            str(SCRIPTS / "bench_views.py"),
+            "-m",
+            "benches.suites.core_views",
             *(["--quick"] if quick else []),
             f"--label={step.label}",
             f"--json={json_path}",
@@ -331,7 +188,8 @@ def step_command(
         limit = _tcp_limit_s(ks, seconds, launcher)
         cmd = [
             step.python,
-            str(SCRIPTS / "bench_tcp.py"),
+            "-m",
+            "benches.suites.core_tcp",
             *(["--quick"] if quick else []),
             f"--only={step.scenario}",
             f"--workers={','.join(str(k) for k in ks)}",
@@ -451,7 +309,7 @@ def _plan(args: argparse.Namespace, labels: dict[str, str]) -> list[Step]:
     i = 0
     for kind, names in (
         ("inprocess", SCENARIO_NAMES),
-        ("views", (bench_views.SCENARIO,)),
+        ("views", (core_views.SCENARIO,)),
         ("tcp", SCENARIO_NAMES + TCP_EXTRA),
     ):
         for name in names:
@@ -511,284 +369,6 @@ def _ratios(doc: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-# --------------------------------------------------------------------------- summary table
-
-
-def _summary_views(doc: dict[str, Any], add: Callable[[str], None]) -> None:
-    """The ``sample()`` cost by leaf count (bench_views.py), with ratios when comparing."""
-    views = {s: doc["views"][s][bench_views.SCENARIO] for s in SIDES if doc["views"].get(s)}
-    if not views:
-        return
-    counts = sorted({int(n) for v in views.values() for n in v["by_leaves"]})
-    add("")
-    add("sample() on a complete batch, us per call, median (bench_views.py: the numpy views)")
-    add(
-        f"{'side':<6} "
-        + " ".join(f"{f'{n} leaves':>10}" for n in counts)
-        + f" {'per leaf':>9} {'correct':>7}"
-    )
-    for s, v in views.items():
-        cells = " ".join(
-            h.fmt_num(v["by_leaves"].get(str(n), {}).get("us_per_call"), ".2f", 10) for n in counts
-        )
-        add(f"{s:<6} {cells} {h.fmt_num(v.get('us_per_extra_leaf'), '.3f', 9)} {v['correct']!s:>7}")
-    if len(views) == 2:
-        a, b = views["ours"]["by_leaves"], views["other"]["by_leaves"]
-        cells = " ".join(
-            h.fmt_ratio(
-                a.get(str(n), {}).get("us_per_call"), b.get(str(n), {}).get("us_per_call"), 10
-            )
-            for n in counts
-        )
-        add(f"{'ratio':<6} {cells}")
-    add("  per leaf: (most leaves - fewest) / extra leaves; view construction's share per leaf")
-
-
-def summary(doc: dict[str, Any]) -> str:
-    lines: list[str] = []
-    add = lines.append
-    m = doc["machine"]
-    interp = doc["interpreters"]
-    commit = (doc.get("commit") or "unknown")[:12] + (" (+dirty)" if doc["commit_dirty"] else "")
-    add(f"== echo benchmarks, {doc['started']}{' (--quick)' if doc['parameters']['quick'] else ''}")
-    add(
-        f"machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib'] or 0:.1f} GiB, "
-        f"{m['platform']}; commit {commit}"
-    )
-    add(f"load average before {m['loadavg_before']}, after {m.get('loadavg_after')}")
-    for side in SIDES:
-        if side in interp:
-            i = interp[side]
-            add(
-                f"{side:>5}: {i['label']}: echo {i['echo_version']} from {i['echo_path']} "
-                f"(Python {i['python_version']}, numpy {i['numpy']}, {i['executable']})"
-            )
-    lim = doc["limits"]
-    add("")
-    add("raw limits of this machine")
-    rows: list[tuple[str, str, str]] = []
-    if "memcpy" in lim:
-        cache = lim.get("memcpy_cache", {}).get("gbps")
-        rows.append(
-            (
-                "memcpy, 1 thread, 64 MiB (np.copyto)",
-                f"{lim['memcpy']['gbps']:8.2f} GB/s",
-                f"256 KiB, in cache: {h.fmt_num(cache, '.1f', 0).strip()} GB/s",
-            )
-        )
-    for key, what in (("loopback_64k", "64 KiB"), ("loopback_1m", "1 MiB")):
-        if key in lim:
-            r = lim[key]
-            after = r.get("after_gbps")
-            note = "" if after is None else f"before {r['before_gbps']:.2f}, after {after:.2f}"
-            rows.append((f"loopback TCP, {what} sendall", f"{r['gbps']:8.2f} GB/s", note))
-    for key in ("flatten_small", "flatten_large"):
-        if key in lim:
-            r = lim[key]
-            rows.append(
-                (
-                    f"optree.tree_flatten, {r['leaves']} leaves",
-                    f"{r['us_per_call']:8.2f} us/call",
-                    "",
-                )
-            )
-    for what, value, note in rows:
-        add(f"  {what:<38} {value:<16}{f'  ({note})' if note else ''}".rstrip())
-
-    sides = [s for s in SIDES if doc["inprocess"].get(s)]
-    both = len(sides) == 2
-    if sides:
-        add("")
-        add("in-process: 1 producer thread submit(), main thread sample() (bench_inprocess.py)")
-        add(
-            f"{'scenario':<8} {'side':<6} {'samples/s':>12} {'GB/s':>8} {'frac memcpy':>11} "
-            f"{'sample p50 us':>13} {'p99 us':>8} {'correct':>7}"
-        )
-        for name in SCENARIO_NAMES:
-            rs = {s: doc["inprocess"][s].get(name) for s in sides}
-            for s, r in rs.items():
-                if r is None:
-                    continue
-                ov = r["sample_overhead"]
-                add(
-                    f"{name:<8} {s:<6} {r['samples_per_s']:>12,.0f} {r['gbps']:>8.3f} "
-                    f"{r['frac_of_memcpy']:>11.4f} {h.fmt_num(ov.get('p50_us'), '.1f', 13)} "
-                    f"{h.fmt_num(ov.get('p99_us'), '.1f', 8)} {r['correct']!s:>7}"
-                )
-            a, b = rs.get("ours"), rs.get("other")
-            if both and a and b:
-                oa, ob = a["sample_overhead"], b["sample_overhead"]
-                add(
-                    f"{name:<8} {'ratio':<6} "
-                    f"{h.fmt_ratio(a['samples_per_s'], b['samples_per_s'], 12)} "
-                    f"{h.fmt_ratio(a['gbps'], b['gbps'], 8)} "
-                    f"{h.fmt_ratio(a['frac_of_memcpy'], b['frac_of_memcpy'], 11)} "
-                    f"{h.fmt_ratio(oa.get('p50_us'), ob.get('p50_us'), 13)} "
-                    f"{h.fmt_ratio(oa.get('p99_us'), ob.get('p99_us'), 8)}"
-                )
-        add("  frac memcpy: of a per-leaf np.copyto of one batch (the scenario's own reference)")
-
-    _summary_views(doc, add)
-
-    sides = [s for s in SIDES if doc["tcp"].get(s)]
-    both = len(sides) == 2
-    if sides:
-        add("")
-        launcher = doc["parameters"].get("tcp_launcher", "process")
-        who = "Ray actors" if launcher == "ray" else "processes"
-        add(
-            f"TCP end to end: learner + K worker {who} on 127.0.0.1, "
-            f"{doc['parameters']['tcp_seconds']:g} s window per K (bench_tcp.py)"
-        )
-        add(
-            f"{'scenario':<8} {'K':>4} {'side':<6} {'samples/s':>11} {'GB/s':>7} "
-            f"{'frac loop':>9} {'p50 ms':>8} {'p99 ms':>8} {'correct':>7}"
-        )
-        for name in SCENARIO_NAMES:
-            ks = sorted({int(k) for s in sides for k in doc["tcp"][s].get(name, {})})
-            for k in ks:
-                rs = {s: doc["tcp"][s].get(name, {}).get(str(k)) for s in sides}
-                for s, r in rs.items():
-                    if r is None:
-                        continue
-                    add(
-                        f"{name:<8} {k:>4} {s:<6} {r['samples_per_s']:>11,.0f} "
-                        f"{r['gbps']:>7.3f} {h.fmt_num(r.get('frac_loopback'), '.3f', 9)} "
-                        f"{h.fmt_num(r['p50_ms'], '.2f', 8)} {h.fmt_num(r['p99_ms'], '.2f', 8)} "
-                        f"{r['correct']!s:>7}"
-                    )
-                a, b = rs.get("ours"), rs.get("other")
-                if both and a and b:
-                    add(
-                        f"{name:<8} {k:>4} {'ratio':<6} "
-                        f"{h.fmt_ratio(a['samples_per_s'], b['samples_per_s'], 11)} "
-                        f"{h.fmt_ratio(a['gbps'], b['gbps'], 7)} {'':>9} "
-                        f"{h.fmt_ratio(a['p50_ms'], b['p50_ms'], 8)} "
-                        f"{h.fmt_ratio(a['p99_ms'], b['p99_ms'], 8)}"
-                    )
-        add("  frac loop: GB/s as a fraction of the raw loopback blast (64 KiB sendall) above")
-    if both:
-        add("  ratio: ours / other; above 1 is better for samples/s and GB/s, below 1 for times")
-    failed = [s["step"] for s in doc["steps"] if s.get("rc") not in (0, 1) or s.get("skipped")]
-    if failed:
-        add(f"steps that did not finish: {', '.join(failed)}")
-    return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- record tables
-
-
-def _f(v: Any, fmt: str) -> str:
-    return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
-
-
-def tables(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """The core suite's tables for its record (and so for docs/benchmarks.md)."""
-    out: list[dict[str, Any]] = []
-    lim = doc["limits"]
-    rows = []
-    if "memcpy" in lim:
-        rows.append(["memcpy, 1 thread, 64 MiB (np.copyto)", f"{lim['memcpy']['gbps']:.2f} GB/s"])
-    for key, what in (("loopback_64k", "64 KiB"), ("loopback_1m", "1 MiB")):
-        if key in lim:
-            rows.append([f"loopback TCP, {what} sendall", f"{lim[key]['gbps']:.2f} GB/s"])
-    for key in ("flatten_small", "flatten_large"):
-        if key in lim:
-            r = lim[key]
-            rows.append(
-                [f"optree.tree_flatten, {r['leaves']} leaves", f"{r['us_per_call']:.2f} us"]
-            )
-    out.append(
-        {"title": "Raw limits of the machine", "columns": ["what", "measured"], "rows": rows}
-    )
-    sides = [s for s in SIDES if doc["inprocess"].get(s)]
-    rows = []
-    for name in SCENARIO_NAMES:
-        for s in sides:
-            r = doc["inprocess"][s].get(name)
-            if r is None:
-                continue
-            ov = r["sample_overhead"]
-            rows.append(
-                [
-                    name,
-                    doc["interpreters"][s]["label"],
-                    f"{r['samples_per_s']:,.0f}",
-                    f"{r['gbps']:.3f}",
-                    _f(ov.get("p50_us"), ".1f"),
-                    _f(ov.get("p99_us"), ".1f"),
-                    str(r["correct"]),
-                ]
-            )
-    out.append(
-        {
-            "title": "In-process: one producer thread submit(), the main thread sample()",
-            "columns": [
-                "scenario",
-                "echo",
-                "samples/s",
-                "GB/s",
-                "sample p50 us",
-                "p99 us",
-                "correct",
-            ],
-            "rows": rows,
-        }
-    )
-    rows = []
-    for s in SIDES:
-        v = doc["views"].get(s, {}).get(bench_views.SCENARIO)
-        if v is None:
-            continue
-        for n, r in sorted(v["by_leaves"].items(), key=lambda kv: int(kv[0])):
-            rows.append([doc["interpreters"][s]["label"], n, _f(r.get("us_per_call"), ".2f")])
-    out.append(
-        {
-            "title": "sample() on a complete batch: building the numpy views",
-            "columns": ["echo", "leaves", "us per call (median)"],
-            "rows": rows,
-        }
-    )
-    rows = []
-    sides = [s for s in SIDES if doc["tcp"].get(s)]
-    for name in SCENARIO_NAMES + TCP_EXTRA:
-        for s in sides:
-            for k, r in sorted(doc["tcp"][s].get(name, {}).items(), key=lambda kv: int(kv[0])):
-                rows.append(
-                    [
-                        name,
-                        k,
-                        doc["interpreters"][s]["label"],
-                        f"{r['samples_per_s']:,.0f}",
-                        f"{r['gbps']:.3f}",
-                        _f(r.get("frac_loopback"), ".3f"),
-                        _f(r.get("p50_ms"), ".2f"),
-                        _f(r.get("p99_ms"), ".2f"),
-                        str(r["correct"]),
-                    ]
-                )
-    out.append(
-        {
-            "title": f"TCP end to end: a learner and K worker processes on 127.0.0.1, "
-            f"{doc['parameters']['tcp_seconds']:g} s per K",
-            "columns": [
-                "scenario",
-                "K",
-                "echo",
-                "samples/s",
-                "GB/s",
-                "of loopback",
-                "p50 ms",
-                "p99 ms",
-                "correct",
-            ],
-            "rows": rows,
-            "notes": ["*of loopback*: GB/s as a fraction of the raw 64 KiB loopback blast above."],
-        }
-    )
-    return out
-
-
 # --------------------------------------------------------------------------- main
 
 
@@ -815,9 +395,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-label", default=None, help="name of the other side")
     p.add_argument(
         "--workers",
-        type=bench_tcp.parse_workers,
+        type=core_tcp.parse_workers,
         default=None,
-        help=f"TCP worker counts, comma-separated, each up to {bench_tcp.MAX_WORKERS} "
+        help=f"TCP worker counts, comma-separated, each up to {core_tcp_scenarios.MAX_WORKERS} "
         "(default 1,4,16,64; --quick 1,4)",
     )
     p.add_argument(
@@ -825,7 +405,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--launcher",
-        choices=bench_tcp.LAUNCHERS,
+        choices=core_tcp_scenarios.LAUNCHERS,
         default="process",
         help="TCP workers as local processes (default) or as Ray actors in a local Ray "
         "instance, the learner's server in the driver (needs the distributed extra: "
@@ -865,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     out: Path = args.out or ROOT / "benches" / "results" / time.strftime("%Y%m%d-%H%M%S")
     progress = Progress(sys.stderr.isatty() if args.progress is None else args.progress)
-    if args.progress and _tqdm is None:
+    if args.progress and tqdm_missing():
         print("benches: tqdm is not installed: no progress bars", file=sys.stderr)
 
     compare_py: str | None = args.compare
@@ -883,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.launcher == "ray":
         for info in interpreters.values():
             if not info.get("ray"):
-                msg = bench_tcp.RAY_MISSING.format(python=info["executable"])
+                msg = core_tcp_workers.RAY_MISSING.format(python=info["executable"])
                 print(f"benches: {msg}", file=sys.stderr)
                 return 2
     labels = {"ours": args.label or f"echo-{ours['echo_version']}"}
@@ -922,8 +502,8 @@ def main(argv: list[str] | None = None) -> int:
             "tcp_seconds": seconds,
             "tcp_warmup_s": TCP_WARMUP_S,
             "tcp_launcher": args.launcher,
-            "inprocess": "bench_inprocess.py defaults" + (" with --quick" if quick else ""),
-            "views": "bench_views.py defaults" + (" with --quick" if quick else ""),
+            "inprocess": "core_inprocess.py defaults" + (" with --quick" if quick else ""),
+            "views": "core_views.py defaults" + (" with --quick" if quick else ""),
             "order": [s.name for s in steps],
             "max_seconds": max_seconds,
         },
@@ -964,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
         again = _run_limits(progress, quick, after=True)
         overall.update(1)
     for key in ("loopback_64k", "loopback_1m"):
-        lim[key] = bench_tcp.best_loopback(lim[key], again.get(key))
+        lim[key] = core_tcp_workers.best_loopback(lim[key], again.get(key))
     overall.close()
 
     _fill_fractions(doc)

@@ -44,9 +44,9 @@ after ``--max-seconds`` (default 300 s). The server is always closed.
 
 Compare two implementations (one run each, same machine, ratios from one run)::
 
-    python benches/py/bench_inprocess.py --json a.json --label ours
-    /work/venvs/peer/bin/python benches/py/bench_inprocess.py --json b.json --label id-echo-0.2.1
-    python benches/py/compare.py a.json b.json
+    python -m benches.suites.core_inprocess --json a.json --label ours
+    /work/venvs/peer/bin/python -m benches.suites.core_inprocess --json b.json --label id-echo-0.2.1
+    python -m benches.compare a.json b.json
 
 ``--quick`` runs a couple of seconds in total (smoke test); ``--only small`` or
 ``--only large`` selects one scenario. Run on an otherwise idle machine (the JSON records
@@ -65,12 +65,8 @@ from typing import Any
 
 import numpy as np
 
-try:  # run as a script: benches/py is on sys.path
-    import helpers as h
-except ImportError:  # imported as benches.py.<module> (python -m benches)
-    from benches.py import helpers as h
-
 import echo
+from benches import common as h
 from echo import Server
 
 ID_LIMIT = 2**24  # float32 represents every integer below this exactly
