@@ -6,6 +6,10 @@ use std::time::Duration;
 
 use crate::error::EchoError;
 
+/// The `log` target of everything the ingress logs: the logger `echo.ingress` in Python,
+/// whichever file of the module the record comes from (the user guides name it).
+pub(crate) const LOG_TARGET: &str = "echo::ingress";
+
 /// Ingress settings. Build them with [`IngressConfig::new`], then change fields as needed.
 #[derive(Debug, Clone, Copy)]
 pub struct IngressConfig {

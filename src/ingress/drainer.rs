@@ -10,6 +10,7 @@ use crate::metrics::Stamp;
 use crate::source::{Payloads, SampleSource, StepTag};
 use crate::sync::Arc;
 
+use super::config::LOG_TARGET;
 use std::sync::atomic::Ordering::{Relaxed, Release};
 
 /// One drainer round's samples, counted as the backend takes them in (so the counters are
@@ -112,7 +113,7 @@ impl Drainer {
                 Err(err) => {
                     let dropped = popped - err.inserted;
                     self.ingress.stats.pending.sub(dropped as u64);
-                    log::error!("echo drainer: dropping {dropped} samples: {err}");
+                    log::error!(target: LOG_TARGET, "echo drainer: dropping {dropped} samples: {err}");
                 }
             }
             {

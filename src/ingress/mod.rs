@@ -57,6 +57,7 @@ use crate::sync::{Arc, AtomicBool, AtomicU32, AtomicU64, AtomicUsize};
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 
 use budget::ByteBudget;
+use config::LOG_TARGET;
 use connection::{DrainerShared, DrainerState};
 use drainer::Drainer;
 
@@ -199,7 +200,7 @@ impl Ingress {
         let handles = std::mem::take(&mut *self.handles.lock());
         for handle in handles {
             if handle.join().is_err() {
-                log::error!("an echo drainer thread panicked");
+                log::error!(target: LOG_TARGET, "an echo drainer thread panicked");
             }
         }
         // A connection registered while its drainer was blocked (on a full backend) was never

@@ -4,6 +4,10 @@
 
 use crate::replay::table::{MetaLeaf, ReplayStats};
 
+/// The `log` target of everything the sequence table logs: the logger `echo.replay.sequence` in Python,
+/// whichever file of the module the record comes from (the user guides name it).
+pub(crate) const LOG_TARGET: &str = "echo::replay::sequence";
+
 /// What happens to the windows that would run past the end of an episode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AtEnd {

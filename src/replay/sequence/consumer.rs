@@ -14,6 +14,7 @@ use crate::replay::shell::{BatchCursor, ReplayBatch};
 use crate::spec::ArraySpec;
 use crate::sync::Arc;
 
+use super::config::LOG_TARGET;
 use super::state::{Compressed, Drawn, Packed, Run};
 use super::SequenceTable;
 
@@ -24,7 +25,7 @@ impl SequenceTable {
     pub(super) fn unpack(&self, packed: &[u8], k: usize, dst: &mut [u8]) {
         if let Err(msg) = self.codecs.unpack_into(packed, k, dst) {
             debug_assert!(false, "a packed chunk does not decompress: {msg}");
-            log::error!("echo sequence: a packed chunk does not decompress ({msg}); zeros instead");
+            log::error!(target: LOG_TARGET, "echo sequence: a packed chunk does not decompress ({msg}); zeros instead");
             dst.fill(0);
         }
     }

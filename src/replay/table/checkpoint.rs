@@ -14,6 +14,7 @@ use crate::replay::shell::check_priority;
 use crate::spec::DataSpec;
 use crate::sync::Arc;
 
+use super::config::LOG_TARGET;
 use super::state::{CheckpointCopies, Meta, SlotState};
 use super::Table;
 
@@ -155,7 +156,7 @@ impl Table {
                 match result {
                     Ok(()) => {}
                     Err(InsertError { error: EchoError::Closed, .. }) => break,
-                    Err(err) => log::error!("echo restore: dropping a queued sample: {err}"),
+                    Err(err) => log::error!(target: LOG_TARGET, "echo restore: dropping a queued sample: {err}"),
                 }
             }
             table.end_restore();

@@ -7,6 +7,10 @@ use crate::error::EchoError;
 use crate::replay::limiter::RateLimit;
 use crate::replay::select::{RemoverKind, SamplerKind};
 
+/// The `log` target of everything the replay table logs: the logger `echo.replay.table` in Python,
+/// whichever file of the module the record comes from (the user guides name it).
+pub(crate) const LOG_TARGET: &str = "echo::replay::table";
+
 /// One per-item value a replay batch carries after the sample's own leaves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MetaLeaf {

@@ -73,6 +73,7 @@ mod insert;
 mod state;
 
 pub use checkpoint::{Checkpoint, LeafRows, SnapshotItems, TableState};
+use config::LOG_TARGET;
 pub use config::{MetaLeaf, ReplayConfig, ReplayStats, BATCH_META};
 pub use consumer::ReplayConsumer;
 use state::{Meta, State};
@@ -268,7 +269,7 @@ impl Table {
     fn unpack(&self, item: &[u8], k: usize, dst: &mut [u8]) {
         if let Err(msg) = self.codecs.unpack_into(item, k, dst) {
             debug_assert!(false, "a stored item does not decompress: {msg}");
-            log::error!("echo replay: a stored item does not decompress ({msg}); zeros instead");
+            log::error!(target: LOG_TARGET, "echo replay: a stored item does not decompress ({msg}); zeros instead");
             dst.fill(0);
         }
     }

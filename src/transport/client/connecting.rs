@@ -9,6 +9,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use super::link::Established;
+use super::options::LOG_TARGET;
 use super::options::{ClientConfig, Protocol, SharedMemory};
 use super::{TcpSender, OFFER_GRACE};
 use crate::codec::LeafCodecs;
@@ -224,7 +225,7 @@ impl Connecting {
         check_v1_layout(&self.config.layout, &spec, &self.address)?;
         if self.config.reconnect_timeout.is_some() {
             log::warn!(
-                "{}: the server speaks only wire protocol 1; this client will not reconnect",
+                target: LOG_TARGET, "{}: the server speaks only wire protocol 1; this client will not reconnect",
                 self.address
             );
         }
@@ -367,7 +368,7 @@ impl Connecting {
             let _ = stream.write_all(&[v2::BYE]);
             return Err(EchoError::SharedMemory(format!("shared_memory=True: {why}")));
         }
-        log::debug!("{why}; sending over TCP");
+        log::debug!(target: LOG_TARGET, "{why}; sending over TCP");
         if accept.shm.is_some() {
             stream.write_all(&[v2::SHM_DECLINE])?;
         }

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use super::connecting::Connecting;
 use super::options::ClientConfig;
+use super::options::LOG_TARGET;
 use super::recovery::backoff;
 use super::TcpSender;
 use crate::error::EchoError;
@@ -103,7 +104,7 @@ impl Dialing {
     pub(super) fn failed(&mut self, target: (String, u16), why: String) {
         self.attempt += 1;
         let address = format!("{}:{}", target.0, target.1);
-        log::debug!("{}: connecting failed ({why}); trying again", self.config.who(&address));
+        log::debug!(target: LOG_TARGET, "{}: connecting failed ({why}); trying again", self.config.who(&address));
         self.last = Some((target, why));
         self.next_try = Instant::now() + backoff(self.attempt);
     }

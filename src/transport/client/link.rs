@@ -10,6 +10,7 @@ use std::time::Instant;
 
 use parking_lot::Mutex;
 
+use super::options::LOG_TARGET;
 use super::OFFER_GRACE;
 use crate::codec::LeafCodecs;
 use crate::spec::DataSpec;
@@ -244,7 +245,7 @@ impl Reading {
                 b'E' if self.skip_offer => match Offer::parse(&self.pending[used..]) {
                     Ok(Some(_)) => {
                         log::warn!(
-                            "the server's offer of wire protocol 2 arrived after {OFFER_GRACE:?}; \
+                            target: LOG_TARGET, "the server's offer of wire protocol 2 arrived after {OFFER_GRACE:?}; \
                              this connection speaks protocol 1"
                         );
                         used += v2::OFFER_LEN;

@@ -7,6 +7,10 @@ use std::time::Duration;
 use crate::error::EchoError;
 use crate::transport::wire::v2::Layout;
 
+/// The `log` target of everything the TCP client logs: the logger `echo.transport.client` in Python,
+/// whichever file of the module the record comes from (the user guides name it).
+pub(crate) const LOG_TARGET: &str = "echo::transport::client";
+
 /// Which wire protocol to speak.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Protocol {

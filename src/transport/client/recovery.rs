@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use super::connecting::Connecting;
 use super::link::Established;
+use super::options::LOG_TARGET;
 use super::{Recovery, TcpSender, BACKOFF_FIRST, BACKOFF_MAX, CONNECT_SLICE, SHM_SLICE};
 use crate::error::EchoError;
 use crate::sync::Arc;
@@ -194,7 +195,7 @@ impl TcpSender {
             let reason = link.acks.reason();
             link.shut();
             log::warn!(
-                "{}: connection lost ({reason}); reconnecting",
+                target: LOG_TARGET, "{}: connection lost ({reason}); reconnecting",
                 self.config.who(&self.address)
             );
             self.recovery = Some(Recovery {
@@ -249,7 +250,7 @@ impl TcpSender {
                 };
                 if target != self.target {
                     log::info!(
-                        "{}: reconnecting to {}:{} instead",
+                        target: LOG_TARGET, "{}: reconnecting to {}:{} instead",
                         self.config.who(&self.address),
                         target.0,
                         target.1
@@ -315,7 +316,7 @@ impl TcpSender {
         self.reconnects += 1;
         self.recovery = None;
         log::info!(
-            "{}: reconnected; resending {} samples from sample {resume}",
+            target: LOG_TARGET, "{}: reconnected; resending {} samples from sample {resume}",
             self.config.who(&self.address),
             self.sent - resume
         );

@@ -22,6 +22,7 @@ use crate::transport::direct;
 use crate::transport::shm;
 use crate::transport::tcp::checks::check_meta;
 use crate::transport::tcp::link::{closed, Link, ServerClosing, Woke, NEVER};
+use crate::transport::tcp::session::LOG_TARGET;
 use crate::transport::tcp::session::{Session, Shared};
 use crate::transport::wire::v2::{self, ShmOffer};
 
@@ -95,7 +96,7 @@ pub(crate) async fn serve(
                 match hand_over(&stream, &offer, payload_size, segment).await {
                     Ok(attached) => break attached,
                     Err(why) => {
-                        log::warn!("refused a shared-memory attach: {why}");
+                        log::warn!(target: LOG_TARGET, "refused a shared-memory attach: {why}");
                         attempts += 1;
                         if attempts >= MAX_ATTEMPTS {
                             return Err(link.fail("too many refused shared-memory attaches").await);
@@ -391,7 +392,7 @@ async fn wait_for_room(
 /// committed sample is in.
 async fn keep_beating(link: &mut Link<'_>) {
     if let Err(err) = link.tick(false).await {
-        log::debug!("the shared-memory worker's connection is gone ({err}); taking the rest");
+        log::debug!(target: LOG_TARGET, "the shared-memory worker's connection is gone ({err}); taking the rest");
         link.beat = None;
     }
 }

@@ -12,6 +12,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::connection::serve;
 use super::link::closed;
+use super::session::LOG_TARGET;
 use super::session::{Activity, Registry, Shared, LOG_EVERY};
 use crate::ingress::Ingress;
 
@@ -94,13 +95,13 @@ impl Admission {
         let (refused, evicted) = std::mem::take(&mut self.unlogged);
         if refused > 0 {
             log::warn!(
-                "refused {refused} connection(s): all {} connections are working ones",
+                target: LOG_TARGET, "refused {refused} connection(s): all {} connections are working ones",
                 self.max
             );
         }
         if evicted > 0 {
             log::info!(
-                "evicted {evicted} idle connection(s) to admit new ones ({} connections open)",
+                target: LOG_TARGET, "evicted {evicted} idle connection(s) to admit new ones ({} connections open)",
                 self.max
             );
         }
@@ -142,7 +143,7 @@ pub(super) async fn accept_loop(
             }
             Err(err) => {
                 // Out of file descriptors and the like: back off instead of spinning.
-                log::warn!("accept failed: {err}");
+                log::warn!(target: LOG_TARGET, "accept failed: {err}");
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
         }

@@ -13,6 +13,7 @@ use tokio::sync::Notify;
 
 use super::frames::{serve_v1, serve_v2};
 use super::link::{invalid, is_closing, Link, STAGING};
+use super::session::LOG_TARGET;
 use super::session::{Activity, CloseOnDrop, NotifyWaker, Shared, HELLO_TIMEOUT, PREFIX_GRACE};
 use crate::error::EchoError;
 use crate::ingress::{Ingress, TransportEvent};
@@ -37,8 +38,10 @@ pub(super) async fn serve(
     shared.ingress.connection_opened();
     let _open = Open(&shared.ingress);
     match serve_inner(stream, peer, shared, id, activity).await {
-        Ok(()) => log::debug!("{peer}: connection closed"),
-        Err(err) if is_disconnect(&err) => log::debug!("{peer}: connection lost: {err}"),
+        Ok(()) => log::debug!(target: LOG_TARGET, "{peer}: connection closed"),
+        Err(err) if is_disconnect(&err) => {
+            log::debug!(target: LOG_TARGET, "{peer}: connection lost: {err}")
+        }
         Err(err) => shared.failures.log(&format!("{peer}: connection failed: {err}")),
     }
 }

@@ -14,6 +14,7 @@ use tokio::sync::Notify;
 
 use super::checks::{check_frame, max_rows};
 use super::link::{invalid, Link, Pooled};
+use super::session::LOG_TARGET;
 use super::session::{NotifyWaker, Session, Shared, TAKEOVER_GRACE};
 use crate::codec::LeafCodecs;
 use crate::ingress::{Connection, StepMark, TransportEvent};
@@ -163,7 +164,7 @@ pub(super) async fn serve_v2(
                 channel = Some(prepared);
             }
             Err(why) => {
-                log::debug!("{peer}: no shared memory: {why}");
+                log::debug!(target: LOG_TARGET, "{peer}: no shared memory: {why}");
                 ingress.note(TransportEvent::ShmFallback);
                 accept.note = why;
             }
@@ -171,7 +172,7 @@ pub(super) async fn serve_v2(
     }
     link.write(&Reply::Accepted(accept).encode()).await?;
     link.beat = Beat::new(shared.heartbeat, hello.heartbeat_ms);
-    log::debug!("{peer}: v2 session resumed at sample {resume_seq} (resumed: {existed})");
+    log::debug!(target: LOG_TARGET, "{peer}: v2 session resumed at sample {resume_seq} (resumed: {existed})");
     if let Some(prepared) = channel {
         match shm::server::serve(link, shared, &session, prepared).await? {
             ShmEnd::Closed => return Ok(()),
@@ -180,7 +181,7 @@ pub(super) async fn serve_v2(
                 return Ok(());
             }
             ShmEnd::Declined => {
-                log::debug!("{peer}: the client declined shared memory; frames over TCP");
+                log::debug!(target: LOG_TARGET, "{peer}: the client declined shared memory; frames over TCP");
                 ingress.note(TransportEvent::ShmFallback);
             }
         }

@@ -15,6 +15,7 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{watch, Notify};
 
 use super::session::Activity;
+use super::session::LOG_TARGET;
 use crate::ingress::{Connection, StepMark};
 use crate::transport::direct;
 use crate::transport::wire::v2::{self, Beat, Refusal, Reply};
@@ -300,7 +301,7 @@ impl Link<'_> {
             self.last_heard = Instant::now();
         }
         if let Err(err) = &read {
-            log::error!("echo: a sample read in place came up short and was zeroed: {err}");
+            log::error!(target: LOG_TARGET, "echo: a sample read in place came up short and was zeroed: {err}");
         }
         read.map(|()| true)
     }

@@ -19,6 +19,10 @@ use crate::codec::LeafCodecs;
 use crate::ingress::{Connection, Ingress, SpaceWaker};
 use crate::transport::wire::v2::{Layout, Mode};
 
+/// The `log` target of everything the TCP server logs: the logger `echo.transport.tcp` in Python,
+/// whichever file of the module the record comes from (the user guides name it).
+pub(crate) const LOG_TARGET: &str = "echo::transport::tcp";
+
 /// Wakes a connection task waiting for a free buffer or queue slot.
 pub(super) struct NotifyWaker(pub(super) Arc<Notify>);
 
@@ -85,16 +89,16 @@ impl Throttled {
         let (last, unlogged) = &mut *state;
         if last.is_some_and(|at| at.elapsed() < LOG_EVERY) {
             *unlogged += 1;
-            log::debug!("{message}");
+            log::debug!(target: LOG_TARGET, "{message}");
             return;
         }
         let more = std::mem::take(unlogged);
         *last = Some(Instant::now());
         drop(state);
         if more > 0 {
-            log::warn!("{message} (and {more} more failed connections in the last {LOG_EVERY:?})");
+            log::warn!(target: LOG_TARGET, "{message} (and {more} more failed connections in the last {LOG_EVERY:?})");
         } else {
-            log::warn!("{message}");
+            log::warn!(target: LOG_TARGET, "{message}");
         }
     }
 }
