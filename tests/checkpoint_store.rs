@@ -184,14 +184,18 @@ fn checkpoints_under_contention_are_the_samples_the_consumer_gets_next() {
     let checkpointer = {
         let store = store.clone();
         thread::spawn(move || {
+            // Until CHECKPOINTS of them caught samples (checkpoints of an empty ring, before
+            // the writers get going, do not count), or the consumer has had everything.
             let mut taken = Vec::new();
-            while taken.len() < CHECKPOINTS && !store.is_closed() {
+            let mut caught = 0;
+            while caught < CHECKPOINTS && !store.is_closed() {
                 let mut checkpoint = store.checkpoint().unwrap();
                 let at = checkpoint.handed_out();
                 let got = rows(&mut checkpoint, 1);
                 if at >= total {
                     break;
                 }
+                caught += usize::from(!got.is_empty());
                 taken.push((at, got));
             }
             taken
