@@ -17,7 +17,7 @@ ci:
 ci-quick *ARGS:
     bash scripts/ci_quick.sh {{ARGS}}
 
-# Build and run every test: cargo, loom, pytest, the telemetry build (the README test command)
+# The README test command: cargo test, pytest (but the benchmarks' tests), the telemetry build
 test:
     bash scripts/test.sh
 

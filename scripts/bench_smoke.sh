@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Smoke run of the benchmarks, for CI: `python -m benches --quick` with the .venv's python
-# (the core suite: raw limits, both in-process scenarios, the TCP sweep at K = 1, 4 for 1.5 s
-# each), then check the JSON it wrote: the session's results.json and the suite's record.
-# About 15-20 s on a 2-core machine; needs nothing beyond .venv (without matplotlib it
-# writes no PNGs and says so). Output: target/bench-smoke/ (or $1).
+# Smoke run of the benchmarks, for CI: the benchmark suites' own tests
+# (python/tests/test_bench_*.py: each suite run on tiny sizes and its record checked; about
+# 2 minutes, the Ray suite's local cluster the longest), then `python -m benches --quick`
+# with the .venv's python (the core suite: raw limits, both in-process scenarios, the TCP
+# sweep at K = 1, 4 for 1.5 s each) and a check of the JSON it wrote: the session's
+# results.json and the suite's record. Needs the `test` extra (scripts/test_py.sh installs
+# it); without matplotlib it writes no PNGs and says so. Output: target/bench-smoke/ (or $1).
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh" >/dev/null
 OUT=${1:-target/bench-smoke}
+bash scripts/test_py.sh python/tests/test_bench_*.py
 rm -rf "$OUT"
 echo ">> python -m benches --quick --out $OUT"
 start=$SECONDS
