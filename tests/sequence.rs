@@ -563,3 +563,27 @@ fn a_corrupt_snapshot_is_an_error_never_a_panic() {
         .restore(&SequenceSnapshot::decode(&bytes).unwrap(), &leaf_refs[..1], &[&[], &[]])
         .is_err());
 }
+
+/// A snapshot whose open stream claims steps its chunks do not hold (found by the
+/// `sequence_snapshot` fuzz target: the TCP client's stream, ended at restore, made windows of
+/// steps that were never stored): the restore keeps only the steps it finds, and the table
+/// samples and takes steps afterwards, without a panic.
+#[test]
+fn a_stream_that_claims_steps_it_does_not_hold_restores_without_them() {
+    let bytes = include_bytes!("../fuzz/corpus/sequence_snapshot/stream-without-its-steps");
+    let snapshot = SequenceSnapshot::decode(bytes).unwrap();
+    let spec = DataSpec::new(vec![ArraySpec::new(vec![], 8).unwrap()]).unwrap();
+    let config = ReplayConfig { seed: Some(1), ..ReplayConfig::new(2, 64) };
+    let table = SequenceTable::new(spec, config, SequenceConfig::new(4)).unwrap();
+    let steps = vec![0u8; snapshot.steps() * 8];
+    if table.restore(&snapshot, &[LeafRows::Raw(&steps)], &[&[]]).is_ok() {
+        let mut consumer = table.consumer().unwrap();
+        if table.stats().windows.size > 0 {
+            consumer.sample(Some(Instant::now() + Duration::from_secs(1))).unwrap();
+        }
+        let step = 7u64.to_ne_bytes();
+        let leaves = [&step[..]];
+        let source = StepLeaves(&leaves, StepTag { stream: 0, end: EpisodeEnd::Terminated });
+        table.insert(&source, None, Some(Instant::now() + common::PATIENCE)).unwrap();
+    }
+}

@@ -322,6 +322,14 @@ impl SequenceTable {
             if s.in_episode && s.count > 0 && s.chunk != NIL {
                 retained_from = recent_slots(&g, &filled, &next, s, &mut recent);
             }
+            // A window still to make reads only steps found stored (`recent`): a stream whose
+            // snapshot claims more of its last `length` steps than its chunks hold (a tampered
+            // or corrupt one: no chunk, a broken chain) keeps only those after the last gap.
+            let last = retained_from.max(s.count.saturating_sub(g.length as u32));
+            if let Some(gap) = (last..s.count).rev().find(|&i| recent[i as usize % g.length] == NIL)
+            {
+                retained_from = gap + 1;
+            }
             let stream = Stream {
                 id: s.id,
                 chunk: s.chunk,
