@@ -564,19 +564,25 @@ fn a_corrupt_snapshot_is_an_error_never_a_panic() {
         .is_err());
 }
 
-/// A snapshot whose open stream claims steps its chunks do not hold (found by the
-/// `sequence_snapshot` fuzz target: the TCP client's stream, ended at restore, made windows of
-/// steps that were never stored): the restore keeps only the steps it finds, and the table
-/// samples and takes steps afterwards, without a panic.
+/// Every seed of the `sequence_snapshot` fuzz target (real snapshots, and the inputs it found
+/// that once made a restore panic: an open stream claiming steps its chunks do not hold,
+/// counters at the edge of overflowing) decodes and restores into a new table of its geometry,
+/// or is refused; a restored table samples and takes steps; nothing panics.
 #[test]
-fn a_stream_that_claims_steps_it_does_not_hold_restores_without_them() {
-    let bytes = include_bytes!("../fuzz/corpus/sequence_snapshot/stream-without-its-steps");
-    let snapshot = SequenceSnapshot::decode(bytes).unwrap();
-    let spec = DataSpec::new(vec![ArraySpec::new(vec![], 8).unwrap()]).unwrap();
-    let config = ReplayConfig { seed: Some(1), ..ReplayConfig::new(2, 64) };
-    let table = SequenceTable::new(spec, config, SequenceConfig::new(4)).unwrap();
-    let steps = vec![0u8; snapshot.steps() * 8];
-    if table.restore(&snapshot, &[LeafRows::Raw(&steps)], &[&[]]).is_ok() {
+fn the_snapshot_fuzz_seeds_restore_or_are_refused_without_a_panic() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/fuzz/corpus/sequence_snapshot");
+    let mut seen = 0;
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let bytes = std::fs::read(entry.unwrap().path()).unwrap();
+        seen += 1;
+        let Ok(snapshot) = SequenceSnapshot::decode(&bytes) else { continue };
+        let spec = DataSpec::new(vec![ArraySpec::new(vec![], 8).unwrap()]).unwrap();
+        let config = ReplayConfig { seed: Some(1), ..ReplayConfig::new(2, 64) };
+        let table = SequenceTable::new(spec, config, SequenceConfig::new(4)).unwrap();
+        let steps = vec![0u8; snapshot.steps().min(1 << 16) * 8];
+        if table.restore(&snapshot, &[LeafRows::Raw(&steps)], &[&[]]).is_err() {
+            continue;
+        }
         let mut consumer = table.consumer().unwrap();
         if table.stats().windows.size > 0 {
             consumer.sample(Some(Instant::now() + Duration::from_secs(1))).unwrap();
@@ -586,4 +592,5 @@ fn a_stream_that_claims_steps_it_does_not_hold_restores_without_them() {
         let source = StepLeaves(&leaves, StepTag { stream: 0, end: EpisodeEnd::Terminated });
         table.insert(&source, None, Some(Instant::now() + common::PATIENCE)).unwrap();
     }
+    assert!(seen >= 4, "the seeds are in {dir}");
 }

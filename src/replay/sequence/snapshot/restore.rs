@@ -217,6 +217,21 @@ impl SequenceTable {
                 ));
             }
         }
+        // Counts no table reaches (2^62: over a century at a billion a second; an episode of
+        // 2^32 steps) would overflow as the table counts on.
+        let counts = [("inserts", snap.inserts), ("samples", snap.samples)]
+            .into_iter()
+            .chain([("the next episode", snap.next_episode)])
+            .chain(snap.counters.iter().map(|&c| ("a counter", c)));
+        if let Some((what, value)) = counts.into_iter().find(|&(_, v)| v > 1 << 62) {
+            return config(format!("{what} is {value}, more than a table counts (2^62)"));
+        }
+        if let Some(s) = snap.streams.iter().find(|s| s.count == u32::MAX) {
+            return config(format!(
+                "stream {} has {} steps, more than an episode holds",
+                s.id, s.count
+            ));
+        }
         if let Some(e) = episodes.iter().find(|(id, e)| {
             e.open && !snap.streams.iter().any(|s| s.in_episode && s.episode == **id)
         }) {
