@@ -7,12 +7,21 @@ echo ">> valgrind memcheck: unit tests, store, stress (small count), replay and 
 cargo test --quiet --no-run --lib --test store --test stress_store --test prop_sumtree --test replay \
   --test prop_replay \
   2>/dev/null
+log=target/valgrind.log
 run() {
-  local bin=$1
+  local bin=$1 rc=0
   shift
   echo "   valgrind $bin"
+  # The test binary's output goes to target/valgrind.log; on a failure its end is printed
+  # (exit 99: a memory error or a definite leak; another: a failing test, named there).
   ECHO_STRESS_COUNT=2000 valgrind --quiet --error-exitcode=99 --leak-check=full \
-    --errors-for-leak-kinds=definite --show-possibly-lost=no "$bin" --test-threads=2 -q "$@" >/dev/null
+    --errors-for-leak-kinds=definite --show-possibly-lost=no "$bin" --test-threads=2 -q "$@" \
+    >"$log" 2>&1 || rc=$?
+  if ((rc != 0)); then
+    echo "   valgrind $bin FAILED (exit $rc); the end of $log:" >&2
+    tail -n 60 "$log" >&2
+    exit "$rc"
+  fi
 }
 latest() { # the newest test binary cargo built for $1 (not its .d file)
   local file newest=""
