@@ -12,6 +12,8 @@
 //! Decoding is defensive: array and dimension counts are capped before anything is allocated,
 //! and sizes are recomputed with overflow checks, so a hostile peer gets an error, not an OOM.
 
+mod layout;
+mod reader;
 pub mod v2;
 
 use std::io::{self, Read};

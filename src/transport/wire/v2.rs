@@ -61,10 +61,11 @@ use std::time::Duration;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
+pub use super::layout::{DType, Layout, LeafType};
+use super::reader::{count, Cursor};
 use crate::codec::Codec;
 use crate::error::EchoError;
 use crate::source::EpisodeEnd;
-use crate::spec::{ArraySpec, DataSpec};
 
 /// The version byte of every v2 message.
 pub const VERSION: u8 = 2;
@@ -280,184 +281,6 @@ impl Offer {
         }
         Ok(Some(Self { mode, nonce: nonce.try_into().expect("32 bytes") }))
     }
-}
-
-/// A numpy dtype as the wire describes it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DType {
-    /// `b'<'`, `b'>'` or `b'|'` (not applicable).
-    pub order: u8,
-    /// numpy's kind character (`b'f'`, `b'i'`, `b'u'`, `b'b'`, `b'c'`, `b'V'`, ...).
-    pub kind: u8,
-    /// Bytes per element.
-    pub size: u32,
-}
-
-impl std::fmt::Display for DType {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let name = match (self.kind, self.size) {
-            (b'b', 1) => return write!(f, "bool"),
-            (b'f', n) => format!("float{}", n * 8),
-            (b'i', n) => format!("int{}", n * 8),
-            (b'u', n) => format!("uint{}", n * 8),
-            (b'c', n) => format!("complex{}", n * 8),
-            (kind, n) => format!("{}{n}", char::from(kind)),
-        };
-        match self.order {
-            b'>' => write!(f, "{name} (big-endian)"),
-            _ => write!(f, "{name}"),
-        }
-    }
-}
-
-/// One leaf: its path name, dtype and shape.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LeafType {
-    /// The leaf's path in the pytree, e.g. `['obs']['pixels']`.
-    pub name: String,
-    /// Element type.
-    pub dtype: DType,
-    /// Shape.
-    pub shape: Vec<usize>,
-}
-
-/// A sample layout with dtypes and names, as v2 checks it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Layout(pub Vec<LeafType>);
-
-impl Layout {
-    /// The layout of `spec` when nothing more is known (Rust callers): leaves named by index,
-    /// of raw-byte kind `b'V'`.
-    pub fn untyped(spec: &DataSpec) -> Self {
-        Self(
-            spec.arrays()
-                .iter()
-                .enumerate()
-                .map(|(i, a)| LeafType {
-                    name: i.to_string(),
-                    dtype: DType {
-                        order: b'|',
-                        kind: b'V',
-                        size: u32::try_from(a.dtype_size()).unwrap_or(u32::MAX),
-                    },
-                    shape: a.shape().to_vec(),
-                })
-                .collect(),
-        )
-    }
-
-    /// The byte layout this describes.
-    ///
-    /// # Errors
-    /// [`EchoError::Config`] if a size overflows or there is no data.
-    pub fn spec(&self) -> Result<DataSpec, EchoError> {
-        let arrays = self
-            .0
-            .iter()
-            .map(|l| ArraySpec::new(l.shape.clone(), l.dtype.size as usize))
-            .collect::<Result<Vec<_>, _>>()?;
-        DataSpec::new(arrays)
-    }
-
-    /// Why `client` (a client's layout) is not this (the server's) one; `None` if it is.
-    pub fn mismatch(&self, client: &Layout) -> Option<String> {
-        if self.0.len() != client.0.len() {
-            return Some(format!(
-                "the server stores samples of {} leaves, the client sends {}",
-                self.0.len(),
-                client.0.len()
-            ));
-        }
-        for (i, (ours, theirs)) in self.0.iter().zip(&client.0).enumerate() {
-            if ours.name != theirs.name {
-                return Some(format!(
-                    "leaf {i}: the server expects leaf {}, the client sends leaf {}",
-                    ours.name, theirs.name
-                ));
-            }
-            if ours.dtype != theirs.dtype || ours.shape != theirs.shape {
-                return Some(format!(
-                    "leaf {}: the server expects {} of shape {}, the client has {} of shape {}",
-                    ours.name,
-                    ours.dtype,
-                    shape_text(&ours.shape),
-                    theirs.dtype,
-                    shape_text(&theirs.shape)
-                ));
-            }
-        }
-        None
-    }
-
-    fn encode_into(&self, out: &mut Vec<u8>) -> Result<(), EchoError> {
-        out.extend_from_slice(&count(self.0.len(), "leaf count")?.to_le_bytes());
-        for leaf in &self.0 {
-            let name = u16::try_from(leaf.name.len()).map_err(|_| {
-                EchoError::Config(format!("leaf name {:?} is over 65535 bytes", leaf.name))
-            })?;
-            out.extend_from_slice(&name.to_le_bytes());
-            out.extend_from_slice(leaf.name.as_bytes());
-            out.push(leaf.dtype.order);
-            out.push(leaf.dtype.kind);
-            out.extend_from_slice(&leaf.dtype.size.to_le_bytes());
-            out.extend_from_slice(&count(leaf.shape.len(), "dimension count")?.to_le_bytes());
-            for &dim in &leaf.shape {
-                out.extend_from_slice(&count(dim, "dimension")?.to_le_bytes());
-            }
-        }
-        Ok(())
-    }
-
-    fn decode(reader: &mut Cursor<'_>) -> Result<Self, EchoError> {
-        let n = reader.u32()?;
-        if n > super::MAX_ARRAYS {
-            return Err(EchoError::Protocol(format!(
-                "hello announces {n} leaves, more than the {} allowed",
-                super::MAX_ARRAYS
-            )));
-        }
-        let mut leaves = Vec::with_capacity((n as usize).min(64));
-        for index in 0..n {
-            let name_len = usize::from(reader.u16()?);
-            let name = String::from_utf8(reader.take(name_len)?.to_vec())
-                .map_err(|_| EchoError::Protocol(format!("leaf {index}: the name is not UTF-8")))?;
-            let order = reader.u8()?;
-            let kind = reader.u8()?;
-            let size = reader.u32()?;
-            let ndim = reader.u32()?;
-            if ndim > super::MAX_DIMS {
-                return Err(EchoError::Protocol(format!(
-                    "leaf {name}: {ndim} dimensions, more than the {} allowed",
-                    super::MAX_DIMS
-                )));
-            }
-            let shape =
-                (0..ndim).map(|_| reader.u32().map(|d| d as usize)).collect::<Result<_, _>>()?;
-            leaves.push(LeafType { name, dtype: DType { order, kind, size }, shape });
-        }
-        Ok(Self(leaves))
-    }
-
-    /// Bytes of this layout in a hello.
-    fn encoded_len(&self) -> usize {
-        4 + self
-            .0
-            .iter()
-            .map(|l| 2 + l.name.len() + 1 + 1 + 4 + 4 + 4 * l.shape.len())
-            .sum::<usize>()
-    }
-}
-
-fn shape_text(shape: &[usize]) -> String {
-    match shape {
-        [one] => format!("({one},)"),
-        dims => format!("({})", dims.iter().map(usize::to_string).collect::<Vec<_>>().join(", ")),
-    }
-}
-
-fn count(v: usize, what: &str) -> Result<u32, EchoError> {
-    u32::try_from(v)
-        .map_err(|_| EchoError::Config(format!("{what} {v} does not fit the wire format's u32")))
 }
 
 /// A client's hello.
@@ -973,36 +796,6 @@ fn read_message(reader: &mut Cursor<'_>) -> Result<String, EchoError> {
         return Err(EchoError::Protocol(format!("message of {len} bytes")));
     }
     Ok(String::from_utf8_lossy(reader.take(len as usize)?).into_owned())
-}
-
-/// Reads little-endian values off a byte slice; running out is an `Io(UnexpectedEof)` error
-/// (callers turn it into "need more bytes").
-struct Cursor<'a>(&'a [u8]);
-
-impl<'a> Cursor<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], EchoError> {
-        if self.0.len() < n {
-            return Err(EchoError::Io(std::io::ErrorKind::UnexpectedEof.into()));
-        }
-        let (head, rest) = self.0.split_at(n);
-        self.0 = rest;
-        Ok(head)
-    }
-    fn array<const N: usize>(&mut self) -> Result<[u8; N], EchoError> {
-        Ok(self.take(N)?.try_into().expect("N bytes"))
-    }
-    fn u8(&mut self) -> Result<u8, EchoError> {
-        Ok(self.take(1)?[0])
-    }
-    fn u16(&mut self) -> Result<u16, EchoError> {
-        Ok(u16::from_le_bytes(self.array()?))
-    }
-    fn u32(&mut self) -> Result<u32, EchoError> {
-        Ok(u32::from_le_bytes(self.array()?))
-    }
-    fn u64(&mut self) -> Result<u64, EchoError> {
-        Ok(u64::from_le_bytes(self.array()?))
-    }
 }
 
 #[cfg(test)]
