@@ -90,7 +90,7 @@ class CudaPointerAttributes(ctypes.Structure):
 
 
 def cudart_candidates() -> list[str]:
-    """Where to look for libcudart: echo's order (``echo.server._cuda_runtime_candidates``),
+    """Where to look for libcudart: echo's order (``echo._server_args.cuda_runtime_candidates``),
     plus the CUDA 13 wheel's folder, which echo does not search."""
     candidates: list[str] = []
     explicit = os.environ.get("ECHO_CUDART")

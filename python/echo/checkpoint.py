@@ -58,17 +58,8 @@ and its JSON values, and each array is one `extra_000.npy`, ...; both are listed
 encoded with a tag per node (`{"dict": [[key, node], ...]}`, `{"list": [...]}`,
 `{"tuple": [...]}`, `{"value": json}`, `{"array": file}`, `{"scalar": file}`), so any
 key, tuples and numpy scalars come back as they went in. `read_extra(path)` reads it alone.
-
-`np.load(file, mmap_mode="r")` opens any of them, for inspection or offline RL.
-
-Atomic replacement: `path` is a symbolic link to a sibling directory `.<name>.ckpt-<token>`.
-A checkpoint writes a new sibling directory (every file fsynced, then the directory), points
-a new link at it and renames that link over `path` (rename(2) replaces a link atomically,
-where it cannot replace a non-empty directory), fsyncs the parent, and only then deletes the
-previous directory. A process killed at any point leaves `path` naming either the previous
-complete checkpoint or the new complete one; the next checkpoint removes the leftovers. This
-works on Linux and macOS alike, unlike `renameat2(RENAME_EXCHANGE)`, which is Linux only. One
-writer per `path` at a time.
+`np.load(file, mmap_mode="r")` opens any file, for inspection or offline RL. How `path` is
+replaced atomically, and the leftovers a killed checkpoint leaves: `echo._periodic`.
 """
 
 from __future__ import annotations
@@ -79,7 +70,6 @@ import json
 import logging
 import os
 import shutil
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -90,9 +80,16 @@ import numpy.typing as npt
 
 from echo import replay
 from echo._echo import __version__
+from echo._periodic import PeriodicCheckpointer, clean_leftovers, periodic_checkpoints
 from echo._pytree import TreeLayout
 
-__all__ = ["FORMAT_VERSION", "CheckpointError", "periodic_checkpoints", "read_extra"]
+__all__ = [
+    "FORMAT_VERSION",
+    "CheckpointError",
+    "PeriodicCheckpointer",
+    "periodic_checkpoints",
+    "read_extra",
+]
 
 _log = logging.getLogger("echo")
 
@@ -383,17 +380,6 @@ def settings_dict(
     return settings
 
 
-def _clean_leftovers(parent: str, name: str, keep: str | None) -> None:
-    """Removes the data directories of `name` that `path` does not point at (the previous
-    checkpoint, and leftovers of checkpoints killed part-way)."""
-    prefix = f".{name}.ckpt-"
-    for entry in os.listdir(parent):
-        if entry.startswith(prefix) and entry != keep:
-            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
-        elif entry.startswith(f".{name}.link-"):
-            os.unlink(os.path.join(parent, entry))
-
-
 def _leaf_files(layout: TreeLayout, prefix: str = "") -> list[str]:
     return [f"{prefix}leaf_{i:03d}.npy" for i in range(len(layout.leaves))]
 
@@ -475,7 +461,7 @@ def _write_atomically(
             shutil.rmtree(data_dir, ignore_errors=True)
             if os.path.lexists(link_tmp):
                 os.unlink(link_tmp)
-    _clean_leftovers(parent, name, keep=data_name)
+    clean_leftovers(parent, name, keep=data_name)
     return total_bytes
 
 
@@ -636,115 +622,6 @@ def write_fifo(core: Any, what: Written, path: str | os.PathLike[str]) -> int:
         }
 
     return _write_atomically(path, fill, what.extra)
-
-
-_PERIODIC_PREFIX = "ckpt-"
-
-
-def periodic_checkpoints(checkpoint_dir: str | os.PathLike[str]) -> list[str]:
-    """The periodic checkpoints in `checkpoint_dir` (`ckpt-<n>` links), oldest first: pass
-    the last one to `Server.restore`. Empty if there are none (or no such directory)."""
-    root = _str_path(checkpoint_dir)
-    try:
-        entries = os.listdir(root)
-    except FileNotFoundError:
-        return []
-    numbered: list[tuple[int, str]] = []
-    for entry in entries:
-        suffix = entry.removeprefix(_PERIODIC_PREFIX)
-        if entry.startswith(_PERIODIC_PREFIX) and suffix.isdigit():
-            numbered.append((int(suffix), os.path.join(root, entry)))
-    return [path for _, path in sorted(numbered)]
-
-
-def _remove_checkpoint(path: str) -> None:
-    """Removes the checkpoint link `path`, its data directory and any leftovers of it."""
-    parent, name = os.path.split(path)
-    if os.path.islink(path):
-        os.unlink(path)
-    _clean_leftovers(parent, name, keep=None)
-
-
-class PeriodicCheckpointer:
-    """The background thread of `Server(checkpoint_dir=..., checkpoint_every=...)`: every
-    `every` seconds it calls `checkpoint(path)` with the next `checkpoint_dir/ckpt-<n>` (`n`
-    one above the largest already there, so a restarted server never overwrites one), then
-    deletes all but the newest `keep`. A failure is logged (logger "echo") and the next
-    period tries again; the server keeps serving. `checkpoint` returns False once its server
-    is gone (collected without `close()`), which ends the thread. `request_stop()` then
-    `join()` end it."""
-
-    THREAD_NAME = "echo-periodic-checkpoint"
-
-    def __init__(
-        self,
-        checkpoint: Callable[[str], bool],
-        checkpoint_dir: str,
-        every: float,
-        keep: int,
-    ) -> None:
-        self._checkpoint = checkpoint
-        self._dir = checkpoint_dir
-        self._every = every
-        self._keep = keep
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=self.THREAD_NAME, daemon=True)
-
-    def start(self) -> None:
-        os.makedirs(self._dir, exist_ok=True)
-        self._thread.start()
-
-    def _next_path(self) -> str:
-        existing = periodic_checkpoints(self._dir)
-        n = (
-            int(os.path.basename(existing[-1]).removeprefix(_PERIODIC_PREFIX)) + 1
-            if existing
-            else 0
-        )
-        return os.path.join(self._dir, f"{_PERIODIC_PREFIX}{n}")
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._every):
-            if not self.run_once():
-                return
-
-    def run_once(self) -> bool:
-        """One period's work: a checkpoint, then the rotation; every error logged. False
-        once the server is gone."""
-        path = self._dir
-        try:
-            path = self._next_path()
-            if not self._checkpoint(path):
-                return False
-        except Exception:  # noqa: BLE001 -- logged; the server keeps serving
-            if self._stop.is_set():
-                _log.info("periodic checkpoint to %s abandoned: the server is closing", path)
-            else:
-                _log.exception("periodic checkpoint to %s failed; retrying next period", path)
-            return True
-        try:
-            for old in periodic_checkpoints(self._dir)[: -self._keep]:
-                _remove_checkpoint(old)
-        except Exception:  # noqa: BLE001 -- logged; the server keeps serving
-            _log.exception("removing old periodic checkpoints in %s failed", self._dir)
-        return True
-
-    def request_stop(self) -> None:
-        """No checkpoint starts after this; one in progress goes on."""
-        self._stop.set()
-
-    def join(self, timeout: float) -> None:
-        """Stops the thread and waits up to `timeout` seconds for a checkpoint in progress
-        (which completes, or fails and removes what it wrote, once the server is closed)."""
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                _log.warning(
-                    "the periodic checkpoint thread did not stop within %.0f s; left running "
-                    "as a daemon thread",
-                    timeout,
-                )
 
 
 def _file_digest(path: str) -> dict[str, Any]:

@@ -1,197 +1,40 @@
-"""The learner side: `Server`, and the `Sample` it hands out."""
+"""The learner side: `Server` (the `Sample` it hands out is in `echo.sample`)."""
 
 from __future__ import annotations
 
 import dataclasses
-import glob
-import math
 import os
 import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, NamedTuple, cast
-
-import numpy as np
-import numpy.typing as npt
-import optree
+from typing import Any
 
 from echo import checkpoint as _checkpoint
 from echo._echo import SampleInfo, ServerClosedError, ServerCore
+from echo._periodic import PeriodicCheckpointer
 from echo._prefetch import Prefetcher, device_transfer
-from echo._pytree import NONE_IS_LEAF, TreeLayout
+from echo._pytree import TreeLayout
+from echo._server_args import (
+    PERIODIC_JOIN_S,
+    Periodic,
+    cuda_runtime_candidates,
+    keys_array,
+    periodic_args,
+    priorities_array,
+    recorded_compress,
+    restored_settings,
+)
 from echo._tally import Tally
-from echo._validate import check_bool, check_int, check_seconds
-from echo.checkpoint import CheckpointError, PeriodicCheckpointer
-from echo.compression import Codec, Compress, from_manifest, to_manifest
+from echo._validate import check_bool, check_int
+from echo.checkpoint import CheckpointError
+from echo.compression import Codec, Compress, to_manifest
 from echo.compression import resolve as resolve_compress
 from echo.replay import Fifo, MinSize, RateLimiter, Remover, Sampler, Sequence, Uniform
+from echo.sample import Sample
 from echo.transport import TcpTransport
 
 __all__ = ["Sample", "Server"]
-
-
-def _cuda_runtime_candidates() -> list[str]:
-    """Where to look for the CUDA runtime, most specific first: $ECHO_CUDART, the runtimes of
-    the NVIDIA wheels (`nvidia-cuda-runtime-cu12` installs `nvidia/cuda_runtime/lib`, the CUDA
-    13 wheel `nvidia/cu13/lib`; PyTorch and JAX pull them in), then the loader's search path."""
-    candidates: list[str] = []
-    explicit = os.environ.get("ECHO_CUDART")
-    if explicit:
-        candidates.append(explicit)
-    try:
-        import nvidia  # pyright: ignore
-
-        for root in nvidia.__path__:  # pyright: ignore
-            pattern = os.path.join(str(root), "*", "lib", "libcudart.so*")  # pyright: ignore
-            candidates += sorted(glob.glob(pattern), reverse=True)
-    except ImportError:
-        pass
-    candidates += ["libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0"]
-    return candidates
-
-
-class _Batch(NamedTuple):
-    batch: Any
-    info: SampleInfo
-
-
-class _LeafSummary:
-    """Stands in for an array in `repr(sample)`: its dtype and shape, not its contents."""
-
-    __slots__ = ("text",)
-
-    def __init__(self, leaf: object) -> None:
-        shape = getattr(leaf, "shape", None)
-        dtype = getattr(leaf, "dtype", None)
-        if shape is None or dtype is None:
-            self.text = type(leaf).__name__
-        else:
-            self.text = f"{dtype}[{', '.join(str(d) for d in shape)}]"
-
-    def __repr__(self) -> str:
-        return self.text
-
-
-def _tree_summary(batch: object) -> str:
-    """`batch` with every leaf replaced by its dtype and shape: `{'obs': float32[32, 4]}`."""
-    try:
-        summary = optree.tree_map(
-            _LeafSummary,
-            batch,  # pyright: ignore[reportArgumentType]
-            none_is_leaf=NONE_IS_LEAF,
-        )
-    except Exception:  # noqa: BLE001 -- a repr never raises; say what it is instead
-        return type(batch).__name__
-    return repr(summary)
-
-
-def _array_summary(array: npt.NDArray[Any]) -> str:
-    """`uint64[32] 0..97`: dtype, length and range of a replay per-item array."""
-    head = f"{array.dtype}[{', '.join(str(d) for d in array.shape)}]"
-    if array.size == 0:
-        return head
-    low, high = array.min(), array.max()
-    if array.dtype.kind == "f":
-        return f"{head} {float(low):.4g}..{float(high):.4g}"
-    return f"{head} {int(low)}..{int(high)}"
-
-
-class Sample(_Batch):
-    """One batch and the server's counters when it was handed out: a named tuple
-    `(batch, info)`.
-
-    `batch` has the example's structure; each leaf has shape `(batch_size, *leaf.shape)` and
-    the leaf's dtype. Unless it came from `copy=True`, every leaf is a read-only view that is
-    only meaningful until the next `sample()` call (see the zero-copy guide).
-
-    With a replay sampler (anything but `Fifo()`) three per-item arrays come along as
-    attributes (`None` for FIFO): `keys` (uint64, stable per item: pass them to
-    `update_priorities`), `probabilities` (float64, the probability each item was drawn with,
-    for importance weights) and `times_sampled` (uint32, including this draw). `info` carries
-    the same three arrays (`info.keys`, ...), so `batch, info = sample` unpacks every sample,
-    FIFO or replay, into two values and loses nothing.
-
-    A sequence table's batch is windows: each leaf is `(batch_size, length, *shape)`, the
-    three arrays above are per window, and six more come along (`None` otherwise): `mask`
-    (bool, `(batch_size, length)`: which steps are real rather than padding), `episode`
-    (uint64 episode id), `start` (uint32, the window's first step's index in its episode),
-    `stream` (uint64), `terminated` / `truncated` (bool: how the window's episode ended,
-    both false while it goes on when the batch is drawn), and `is_last` (bool,
-    `(batch_size, length)`: true at the episode's last step, where the window holds it).
-
-    `repr(sample)` shows the batch's structure with each leaf's dtype and shape (not its
-    contents), the batch's `sequence`, and for replay the range of each per-item array.
-    """
-
-    keys: npt.NDArray[np.uint64] | None
-    probabilities: npt.NDArray[np.float64] | None
-    times_sampled: npt.NDArray[np.uint32] | None
-    mask: npt.NDArray[np.bool_] | None
-    episode: npt.NDArray[np.uint64] | None
-    start: npt.NDArray[np.uint32] | None
-    stream: npt.NDArray[np.uint64] | None
-    terminated: npt.NDArray[np.bool_] | None
-    truncated: npt.NDArray[np.bool_] | None
-    is_last: npt.NDArray[np.bool_] | None
-
-    def __new__(
-        cls,
-        batch: Any,
-        info: SampleInfo,
-        keys: npt.NDArray[np.uint64] | None = None,
-        probabilities: npt.NDArray[np.float64] | None = None,
-        times_sampled: npt.NDArray[np.uint32] | None = None,
-        *,
-        mask: npt.NDArray[np.bool_] | None = None,
-        episode: npt.NDArray[np.uint64] | None = None,
-        start: npt.NDArray[np.uint32] | None = None,
-        stream: npt.NDArray[np.uint64] | None = None,
-        terminated: npt.NDArray[np.bool_] | None = None,
-        truncated: npt.NDArray[np.bool_] | None = None,
-        is_last: npt.NDArray[np.bool_] | None = None,
-    ) -> Sample:
-        self = super().__new__(cls, batch, info)
-        self.keys = keys
-        self.probabilities = probabilities
-        self.times_sampled = times_sampled
-        self.mask = mask
-        self.episode = episode
-        self.start = start
-        self.stream = stream
-        self.terminated = terminated
-        self.truncated = truncated
-        self.is_last = is_last
-        return self
-
-    def _with_batch(self, batch: Any) -> Sample:
-        """The same sample with another batch (a device copy), every per-item array kept."""
-        extras = {name: getattr(self, name) for name in _PER_ITEM}
-        return Sample(batch, self.info, **extras)
-
-    def __repr__(self) -> str:
-        parts = [f"sequence={getattr(self.info, 'sequence', '?')}"]
-        parts.append(f"batch={_tree_summary(self.batch)}")
-        for name in ("keys", "probabilities", "times_sampled", "episode", "start", "stream"):
-            array = getattr(self, name, None)
-            if array is not None:
-                parts.append(f"{name}={_array_summary(np.asarray(array))}")
-        return f"Sample({', '.join(parts)})"
-
-
-# Every per-item array a `Sample` may carry, by name (`ServerCore.meta_names` hands out some).
-_PER_ITEM = (
-    "keys",
-    "probabilities",
-    "times_sampled",
-    "mask",
-    "episode",
-    "start",
-    "stream",
-    "terminated",
-    "truncated",
-    "is_last",
-)
 
 
 @dataclass(frozen=True)
@@ -213,141 +56,6 @@ class _ServerConfig:
     # Per leaf: its codec or None, resolved from `compress=` against the layout.
     compress: tuple[Codec | None, ...] = ()
     max_bytes: int | None = None
-
-
-def _keys_array(keys: Any) -> npt.NDArray[np.uint64]:
-    array = np.asarray(keys)
-    if array.size == 0 and array.ndim == 1:  # `[]` is float64 to numpy; nothing to update
-        return np.zeros(0, np.uint64)
-    if array.dtype.kind not in "ui":
-        raise TypeError(
-            f"keys must be integers (the uint64 Sample.keys of a batch), got dtype {array.dtype}"
-        )
-    if array.ndim != 1:
-        raise ValueError(f"keys must be 1-D, got shape {array.shape}")
-    if array.dtype.kind == "i" and array.size and int(array.min()) < 0:
-        raise ValueError(f"keys must be >= 0, got {int(array.min())}")
-    return np.ascontiguousarray(array, dtype=np.uint64)
-
-
-def _priorities_array(priorities: Any) -> npt.NDArray[np.float64]:
-    array = np.asarray(priorities)
-    if array.dtype.kind not in "uif":
-        raise TypeError(f"priorities must be real numbers, got dtype {array.dtype}")
-    if array.ndim != 1:
-        raise ValueError(f"priorities must be 1-D, got shape {array.shape}")
-    return np.ascontiguousarray(array, dtype=np.float64)
-
-
-# How long `close()` waits for a periodic checkpoint in progress before leaving its thread.
-_PERIODIC_JOIN_S = 60.0
-
-
-@dataclass(frozen=True)
-class _Periodic:
-    """Checked arguments of periodic checkpoints."""
-
-    directory: str
-    every: float
-    keep: int
-    extra: Callable[[], Any] | None
-
-
-def _periodic_args(
-    checkpoint_dir: Any, checkpoint_every: Any, checkpoint_keep: Any, checkpoint_extra: Any
-) -> _Periodic | None:
-    """The checked periodic checkpoint settings, or None when off."""
-    keep = check_int("checkpoint_keep", checkpoint_keep, 1)
-    if checkpoint_extra is not None and not callable(checkpoint_extra):
-        raise TypeError(
-            "checkpoint_extra must be a callable taking no arguments (it returns the extra "
-            f"tree of each periodic checkpoint), got {type(checkpoint_extra).__name__}"
-        )
-    if checkpoint_dir is None:
-        if checkpoint_every is not None:
-            raise ValueError("checkpoint_every needs checkpoint_dir (where to write them)")
-        if checkpoint_extra is not None:
-            raise ValueError(
-                "checkpoint_extra needs checkpoint_dir and checkpoint_every: it is called for "
-                "periodic checkpoints (pass extra= to checkpoint() for a manual one)"
-            )
-        return None
-    if not isinstance(checkpoint_dir, (str, os.PathLike)):
-        raise TypeError(
-            f"checkpoint_dir must be a str or os.PathLike, got {type(checkpoint_dir).__name__}"
-        )
-    path_like: str | os.PathLike[Any] = checkpoint_dir  # pyright: ignore[reportUnknownVariableType]
-    directory: object = os.fspath(path_like)  # pyright: ignore[reportUnknownArgumentType]
-    if not isinstance(directory, str):
-        raise TypeError("checkpoint_dir must be a str path, got bytes")
-    if checkpoint_every is None:
-        raise ValueError("checkpoint_dir needs checkpoint_every (seconds between checkpoints)")
-    every = check_seconds("checkpoint_every", checkpoint_every, optional=False)
-    assert every is not None
-    if not math.isfinite(every):
-        raise ValueError(f"checkpoint_every must be finite, got {checkpoint_every!r}")
-    return _Periodic(directory, every, keep, cast("Callable[[], Any] | None", checkpoint_extra))
-
-
-# The settings a checkpoint records as part of its data: `restore()` takes them only as checks.
-_DATA_SETTINGS = (
-    "batch_size",
-    "sampler",
-    "remover",
-    "max_size",
-    "rate_limiter",
-    "max_times_sampled",
-    "sequence",
-)
-
-
-def _restored_settings(loaded: Any, given: dict[str, Any], path: str) -> dict[str, Any]:
-    """The checkpoint's data settings as `Server` keyword arguments, after checking the ones
-    `restore()` was given against them (ValueError naming the setting and both values)."""
-    recorded: dict[str, Any] = loaded.server_kwargs()
-    kind = "a replay table"
-    if loaded.fifo or loaded.sequence:
-        kind = "a FIFO ring" if loaded.fifo else "a sequence table"
-    theirs_of = dict(recorded)
-    if loaded.fifo:
-        theirs_of["sampler"] = Fifo()
-    for name in _DATA_SETTINGS:
-        mine = given[name]
-        if mine is None:
-            continue
-        if name in ("batch_size", "max_size", "max_times_sampled"):
-            mine = check_int(name, mine, 0)
-        if name not in theirs_of:
-            hint = " (pass num_buffers= to size the ring)" if name == "rate_limiter" else ""
-            raise ValueError(
-                f"restore(): {name}={mine!r} does not apply: the checkpoint at {path} is {kind}, "
-                f"which has no {name}{hint}"
-            )
-        theirs = theirs_of[name]
-        if mine != theirs:
-            raise ValueError(
-                f"restore(): {name}={mine!r} conflicts with the checkpoint's {name}={theirs!r} "
-                f"({path}): {name} is part of what the checkpoint recorded (the data and how "
-                f"it is sampled), so a restore keeps it; omit {name}, or pass {theirs!r}"
-            )
-    return recorded
-
-
-def _recorded_compress(loaded: Any, tuning: dict[str, Any]) -> Compress:
-    """The checkpoint's `compress` as a mapping of leaf paths to codecs (None: none)."""
-    recorded: list[tuple[str, int] | None] | None = tuning.get("compress")
-    if recorded is None:
-        return None
-    layout = TreeLayout(loaded.example)
-    if len(recorded) != len(layout.paths):
-        raise CheckpointError(
-            f"tuning: compress has {len(recorded)} entries, the layout {len(layout.paths)} leaves"
-        )
-    return {
-        path: from_manifest(entry)
-        for path, entry in zip(layout.paths, recorded, strict=True)
-        if entry is not None
-    }
 
 
 class Server:
@@ -500,7 +208,7 @@ class Server:
             raise TypeError(
                 f"transport must be a TcpTransport or None, got {type(transport).__name__}"
             )
-        periodic = _periodic_args(
+        periodic = periodic_args(
             checkpoint_dir, checkpoint_every, checkpoint_keep, checkpoint_extra
         )
         self._layout = TreeLayout(example)
@@ -516,7 +224,7 @@ class Server:
         self._meta_names: tuple[str, ...] = tuple(self._core.meta_names)
         if pin_host_memory:
             try:
-                self._core.pin_host_memory(_cuda_runtime_candidates())
+                self._core.pin_host_memory(cuda_runtime_candidates())
             except BaseException:
                 self._core.close()
                 raise
@@ -525,7 +233,7 @@ class Server:
         if periodic is not None:
             self._start_periodic(periodic)
 
-    def _start_periodic(self, args: _Periodic) -> None:
+    def _start_periodic(self, args: Periodic) -> None:
         ref = weakref.ref(self)
         extra = args.extra
 
@@ -838,7 +546,7 @@ class Server:
             ValueError: Shapes differ, a priority is negative, NaN or too large (naming its
                 index; nothing is updated then), or the server is FIFO.
         """
-        return self._core.update_priorities(_keys_array(keys), _priorities_array(priorities))
+        return self._core.update_priorities(keys_array(keys), priorities_array(priorities))
 
     def dataset_iter(
         self,
@@ -1126,11 +834,11 @@ class Server:
                 the one given. Or a tuning setting is out of range, as in the constructor.
             TypeError: An argument has the wrong type, as in the constructor.
         """
-        periodic = _periodic_args(
+        periodic = periodic_args(
             checkpoint_dir, checkpoint_every, checkpoint_keep, checkpoint_extra
         )
         loaded = _checkpoint.read(path, example)
-        kwargs = _restored_settings(
+        kwargs = restored_settings(
             loaded,
             {
                 "batch_size": batch_size,
@@ -1160,7 +868,7 @@ class Server:
             else producer_queue_size,
             pin_host_memory=pin_host_memory,
             name=name,
-            compress=_recorded_compress(loaded, tuning) if compress is None else compress,
+            compress=recorded_compress(loaded, tuning) if compress is None else compress,
             max_bytes=tuning.get("max_bytes") if max_bytes is None else max_bytes,
             **kwargs,
         )
@@ -1253,7 +961,7 @@ class Server:
             periodic.request_stop()
         self._core.close(drain, restarting)
         if periodic is not None:
-            periodic.join(_PERIODIC_JOIN_S)
+            periodic.join(PERIODIC_JOIN_S)
 
     @property
     def dropped_at_close(self) -> int | None:
