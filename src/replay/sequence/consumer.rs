@@ -76,7 +76,7 @@ impl SequenceConsumer {
         let g = &table.geometry;
         let mut state = table.state.lock();
         let (pending, runs) = (&mut self.pending, &mut self.runs);
-        table.signals.draw_rounds(
+        table.shell.draw_rounds(
             &mut state,
             deadline,
             pending.len(),
@@ -132,7 +132,7 @@ impl SequenceConsumer {
                 };
                 // SAFETY: only this consumer writes the batch area (`&mut self` in `sample`),
                 // and `base + i` is in the half being assembled.
-                unsafe { table.signals.area().fill_slot(base + i, leaf, fill) };
+                unsafe { table.shell.area().fill_slot(base + i, leaf, fill) };
             }
         }
         let t = table.geometry.length;
@@ -140,7 +140,7 @@ impl SequenceConsumer {
             let real = (drawn.len as usize).min(t);
             // SAFETY: as above, the consumer's own batch area.
             unsafe {
-                table.signals.area().fill_slot(base + i, leaves + 3, |mask| {
+                table.shell.area().fill_slot(base + i, leaves + 3, |mask| {
                     mask[..real].fill(1);
                     mask[real..].fill(0);
                 });
@@ -153,7 +153,7 @@ impl SequenceConsumer {
                 .filter(|&j| j < real);
             // SAFETY: as above.
             unsafe {
-                table.signals.area().fill_slot(base + i, leaves + 9, |is_last| {
+                table.shell.area().fill_slot(base + i, leaves + 9, |is_last| {
                     is_last.fill(0);
                     if let Some(j) = last {
                         is_last[j] = 1;
@@ -162,7 +162,7 @@ impl SequenceConsumer {
             }
             drawn.write_meta(|m, bytes| {
                 // SAFETY: as above; `write_slot` checks the length against the area's leaf.
-                unsafe { table.signals.area().write_slot(base + i, leaves + m, bytes) }
+                unsafe { table.shell.area().write_slot(base + i, leaves + m, bytes) }
             });
         }
     }
@@ -281,7 +281,7 @@ impl SequenceConsumer {
         let size = self.table.spec.arrays()[leaf].num_bytes();
         // SAFETY: the caller's guarantee.
         unsafe {
-            self.table.signals.area().fill_part(
+            self.table.shell.area().fill_part(
                 slot,
                 leaf,
                 steps.start * size..steps.end * size,
@@ -298,6 +298,6 @@ impl SequenceConsumer {
     pub fn read_leaf<T>(&self, batch: ReplayBatch, leaf: usize, f: impl FnOnce(&[u8]) -> T) -> T {
         // SAFETY: only this consumer writes the batch area, in `sample` (`&mut self`), which
         // cannot run while `&self` is borrowed here.
-        unsafe { self.table.signals.read_batch(batch, leaf, f) }
+        unsafe { self.table.shell.read_batch(batch, leaf, f) }
     }
 }

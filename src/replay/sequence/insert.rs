@@ -38,7 +38,7 @@ impl SequenceTable {
         check_insert_priorities(&*state.sampler, src, priority)?;
         let mut put = || {
             for sample in 0..src.num_samples() {
-                self.signals
+                self.shell
                     .wait_writable(&mut state, deadline, |s| {
                         s.limiter.can_insert(s.live_windows as u64)
                     })
@@ -48,7 +48,7 @@ impl SequenceTable {
                     .map_err(|error| InsertError::new(sample, error))?;
                 src.inserted(1);
                 if state.live_windows > windows_before {
-                    self.signals.notify_sample();
+                    self.shell.notify_sample();
                 }
             }
             Ok(())
@@ -181,7 +181,7 @@ impl SequenceTable {
         }
         state.forget_stream(at);
         if state.live_windows > before {
-            self.signals.notify_sample();
+            self.shell.notify_sample();
         }
         self.pack_queued(&mut state);
         open

@@ -126,7 +126,7 @@ pub struct SequenceTable {
     /// waits (writers for the rate limiter, the consumer for windows), the close protocol,
     /// the consumer claim, and the batch area, two batches (halves) of windows: each leaf
     /// `length` steps long, then [`SEQUENCE_META`].
-    signals: Shell,
+    shell: Shell,
 }
 
 impl std::fmt::Debug for SequenceTable {
@@ -293,7 +293,7 @@ impl SequenceTable {
         let packer_threads = if codecs.is_empty() { 0 } else { (cores - 1).min(MAX_PACKERS) };
         let packers = (packer_threads > 0)
             .then(|| Arc::new(Packers { threads: packer_threads, ..Packers::default() }));
-        let signals = Shell::new(config.rate_limit, batch_size, area);
+        let shell = Shell::new(config.rate_limit, batch_size, area);
         let table = Arc::new(Self {
             spec,
             config,
@@ -309,7 +309,7 @@ impl SequenceTable {
             codec_threads: cores.min(8),
             packers,
             state: Mutex::new(state),
-            signals,
+            shell,
         });
         if let Some(packers) = &table.packers {
             for i in 0..packers.threads {
@@ -345,7 +345,7 @@ impl SequenceTable {
 
     /// The single consumer handle; `None` if one was already taken.
     pub fn consumer(self: &Arc<Self>) -> Option<SequenceConsumer> {
-        if !self.signals.claim_consumer() {
+        if !self.shell.claim_consumer() {
             return None;
         }
         Some(SequenceConsumer {
@@ -360,18 +360,18 @@ impl SequenceTable {
     /// Closes the table: waiting and future inserts fail with `Closed`, `sample` returns
     /// [`EchoError::Closed`]. Idempotent.
     pub fn close(&self) {
-        self.signals.close(&self.state.lock());
+        self.shell.close(&self.state.lock());
     }
 
     /// Whether [`SequenceTable::close`] was called.
     pub fn is_closed(&self) -> bool {
-        self.signals.is_closed()
+        self.shell.is_closed()
     }
 
     /// Rung whenever a waiting insert might now go further (see `Backend::insert_bell`).
     #[cfg_attr(any(loom, not(target_os = "linux")), allow(dead_code))] // only the shared-memory path (Linux) awaits it
     pub(crate) fn insert_bell(&self) -> &AsyncBell {
-        self.signals.insert_bell()
+        self.shell.insert_bell()
     }
 
     fn check_priority(state: &State, priority: f64) -> Result<(), String> {
@@ -423,7 +423,7 @@ impl SequenceTable {
         let state = self.state.lock();
         let mut stats = state.stats;
         stats.windows.size = state.live_windows as u64;
-        stats.windows.insert_blocked_ns += self.signals.insert_blocked_outside_ns.get();
+        stats.windows.insert_blocked_ns += self.shell.insert_blocked_outside_ns.get();
         stats.steps = state.steps as u64;
         stats.windows.stored_bytes = state.stored_bytes;
         stats.windows.raw_bytes = stats.steps * self.step_bytes;
@@ -434,14 +434,14 @@ impl SequenceTable {
     /// refused and its caller waited that long outside the table before trying again (see
     /// `Backend::note_insert_blocked`). Never takes the lock.
     pub fn note_insert_blocked(&self, ns: u64) {
-        self.signals.note_insert_blocked(ns);
+        self.shell.note_insert_blocked(ns);
     }
 
     /// The limiter and its counters now (over windows), for the message of an insert that
     /// timed out.
     pub fn insert_holdback(&self) -> InsertHoldback {
         let state = self.state.lock();
-        self.signals.insert_holdback(&state.limiter, state.live_windows as u64)
+        self.shell.insert_holdback(&state.limiter, state.live_windows as u64)
     }
 
     /// Writers parked on the rate limiter right now.
@@ -457,7 +457,7 @@ impl SequenceTable {
     /// Address of the first byte of `leaf` in batch-area half `half`: `batch_size` windows
     /// back to back. Leaves `spec.len()..` are the [`SEQUENCE_META`] values.
     pub fn batch_ptr(&self, half: usize, leaf: usize) -> *const u8 {
-        self.signals.batch_ptr(half, leaf)
+        self.shell.batch_ptr(half, leaf)
     }
 
     /// Page-locks the batch area with `cudaHostRegister`. Idempotent.
@@ -472,12 +472,12 @@ impl SequenceTable {
         cuda_runtimes: &[std::path::PathBuf],
     ) -> Result<(), EchoError> {
         // SAFETY: the caller vouches for the libraries, as this function's contract asks.
-        unsafe { self.signals.pin_host_memory(cuda_runtimes) }
+        unsafe { self.shell.pin_host_memory(cuda_runtimes) }
     }
 
     /// Whether the batch area is page-locked.
     pub fn is_pinned(&self) -> bool {
-        self.signals.is_pinned()
+        self.shell.is_pinned()
     }
 
     /// Which leaves are stored compressed (`None`: no codec per leaf).

@@ -198,7 +198,7 @@ pub(super) struct State {
     /// Writers parked on the shell's `insert_ready`, and the consumer on its `sample_ready`.
     pub(super) parked: Parked,
     /// The checkpoint being written, if any (invariant 5).
-    pub(super) cow: Option<super::snapshot::Cow>,
+    pub(super) cow: Option<super::snapshot::CopyOnWrite>,
     /// Bytes the live chunks' steps take (`Chunk::bytes` summed).
     pub(super) stored_bytes: u64,
     /// With compressed leaves, per chunk: its raw steps of them while it fills (or is

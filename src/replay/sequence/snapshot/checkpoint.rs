@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 
-use super::{at_end_code, ChunkRow, Cow, EpisodeRow, SequenceSnapshot, StreamRow, WindowRow};
+use super::{at_end_code, ChunkRow, CopyOnWrite, EpisodeRow, SequenceSnapshot, StreamRow, WindowRow};
 use crate::codec::LeafCodecs;
 use crate::error::EchoError;
 use crate::replay::sequence::{Compressed, SequenceTable, State};
@@ -320,7 +320,7 @@ impl SequenceTable {
                 w.removed_max_times_sampled,
                 w.priority_updates,
                 w.unknown_keys,
-                w.insert_blocked_ns + self.signals.insert_blocked_outside_ns.get(),
+                w.insert_blocked_ns + self.shell.insert_blocked_outside_ns.get(),
                 w.sample_blocked_ns,
                 state.stats.steps_inserted,
                 state.stats.steps_evicted,
@@ -335,7 +335,7 @@ impl SequenceTable {
             episodes,
             queued: Vec::new(),
         };
-        state.cow = Some(Cow { pending, saved: HashMap::new() });
+        state.cow = Some(CopyOnWrite { pending, saved: HashMap::new() });
         let out = frozen();
         drop(state);
         let checkpoint = SequenceCheckpoint {

@@ -36,7 +36,7 @@ use crate::queued::QueuedSamples;
 pub use checkpoint::SequenceCheckpoint;
 
 /// Copy-on-write bookkeeping of the running checkpoint (invariant 5).
-pub(super) struct Cow {
+pub(super) struct CopyOnWrite {
     /// Per chunk: steps of the snapshot still to copy from it (0: none, or copied or saved).
     pending: Box<[u32]>,
     /// Bytes of snapshot chunks a writer took before they were copied (every leaf's steps,

@@ -395,7 +395,7 @@ impl SequenceTable {
         }
         self.pack_queued(&mut state);
         drop(state);
-        self.signals.sample_ready.notify_one();
+        self.shell.sample_ready.notify_one();
         Ok(())
     }
 
