@@ -15,7 +15,8 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use echo::checkpoint::{write_leaf_files_chunked, Chunks, FifoSnapshot, LeafFile};
+use echo::backend::FifoSnapshot;
+use echo::checkpoint::{write_leaf_files_chunked, Chunks, LeafFile};
 use echo::queued::QueuedSamples;
 use echo::replay::{ReplayConfig, SamplerKind, Table};
 use echo::{ArraySpec, DataSpec, Leaves, Rows, Store};

@@ -21,7 +21,6 @@
 use std::any::Any;
 use std::time::Instant;
 
-use crate::checkpoint::FifoSnapshot;
 use crate::error::{EchoError, InsertError};
 use crate::metrics::DetailedSnapshot;
 use crate::queued::QueuedSamples;
@@ -33,7 +32,7 @@ use crate::replay::{
 };
 use crate::source::SampleSource;
 use crate::spec::DataSpec;
-use crate::store::{Consumer, Store, StoreStats};
+use crate::store::{Consumer, RingCheckpoint, Store, StoreStats};
 use crate::sync::{Arc, AsyncBell};
 
 pub use crate::replay::BATCH_META;
@@ -102,6 +101,76 @@ pub enum BackendCheckpoint {
     /// The sequence table's snapshot, with the ingress's queued steps (their priorities and
     /// tags in the snapshot, their bytes here). Boxed: the snapshot is large.
     Sequence(Box<SequenceCheckpoint>, QueuedSamples),
+}
+
+/// A FIFO checkpoint: the ring's snapshot, then the acknowledged samples the ingress held at
+/// the snapshot's moment, as one sequence of rows.
+#[derive(Debug)]
+pub struct FifoSnapshot {
+    /// The ring's part (its slots stay pinned until copied).
+    pub ring: RingCheckpoint,
+    /// The ingress's part.
+    pub queued: QueuedSamples,
+    ring_rows: usize,
+    /// The next ingress sample to write (the writer's cursor).
+    pub(crate) next_queued: usize,
+}
+
+impl FifoSnapshot {
+    /// The ring's snapshot followed by `queued`.
+    pub fn new(ring: RingCheckpoint, queued: QueuedSamples) -> Self {
+        let ring_rows = ring.len();
+        Self { ring, queued, ring_rows, next_queued: 0 }
+    }
+
+    /// Rows from the ring (the first ones).
+    pub fn ring_rows(&self) -> usize {
+        self.ring_rows
+    }
+}
+
+/// A checkpoint's contents, as [`Backend::restore`] takes them.
+#[derive(Debug)]
+pub enum Restore<'a> {
+    /// The FIFO ring's `n` samples (`leaves[l]`: leaf `l` of each, back to back), the ingress's
+    /// after the ring's.
+    Fifo {
+        /// Each leaf's rows.
+        leaves: &'a [&'a [u8]],
+        /// Samples.
+        n: usize,
+    },
+    /// A replay table's items, in key order, and state; then the ingress's samples.
+    Replay {
+        /// Keys, priorities, times sampled.
+        items: &'a SnapshotItems,
+        /// The table-wide state.
+        state: &'a TableState,
+        /// Each leaf's rows.
+        leaves: &'a [LeafRows<'a>],
+        /// The ingress's acknowledged samples.
+        queued: QueuedSamples,
+    },
+    /// A sequence table's snapshot, its steps and the steps the ingress had queued.
+    Sequence {
+        /// Everything but the steps.
+        snapshot: &'a SequenceSnapshot,
+        /// Each leaf's rows.
+        leaves: &'a [LeafRows<'a>],
+        /// Each leaf's queued steps.
+        queued_leaves: &'a [&'a [u8]],
+    },
+}
+
+impl Restore<'_> {
+    /// `a replay table's`, for messages.
+    fn kind(&self) -> &'static str {
+        match self {
+            Self::Fifo { .. } => "a FIFO ring's",
+            Self::Replay { .. } => "a replay table's",
+            Self::Sequence { .. } => "a sequence table's",
+        }
+    }
 }
 
 /// A backend's counters, each in its own terms.
@@ -365,65 +434,39 @@ impl Backend {
         }
     }
 
-    /// Fills a new replay table with a checkpoint's contents ([`Table::restore`]), then
-    /// inserts its ingress samples before anything new ([`Table::restore_queued`]).
+    /// Fills this new backend with a checkpoint's contents, which must be of its kind: a
+    /// replay table's items and state, then its ingress samples before anything new
+    /// ([`Table::restore_rows`], [`Table::restore_queued`]); a sequence table's snapshot
+    /// ([`SequenceTable::restore`]); the FIFO ring's samples, in order, before anything new
+    /// ([`Store::restore`]). Returns how many samples went in at once (the rest of a FIFO
+    /// ring's follow as the consumer frees room; the others go in whole: 0).
     ///
     /// # Errors
-    /// [`EchoError::Config`] for the FIFO ring (see [`Backend::restore_fifo`]), or as
-    /// [`Table::restore`].
-    pub fn restore(
-        &self,
-        items: &SnapshotItems,
-        state: &TableState,
-        leaves: &[LeafRows<'_>],
-        queued: QueuedSamples,
-    ) -> Result<(), EchoError> {
-        match self {
-            Self::Fifo(_) => Err(EchoError::Config(
-                "restore: a replay checkpoint needs a replay server, this one is FIFO".into(),
-            )),
-            Self::Sequence(_) => Err(EchoError::Config(
-                "restore: a replay checkpoint needs a replay server, this one is a sequence table"
-                    .into(),
-            )),
-            Self::Replay(table) => {
+    /// [`EchoError::Config`] for a checkpoint of another kind, or as the backend's restore.
+    pub fn restore(&self, data: Restore<'_>) -> Result<usize, EchoError> {
+        match (self, data) {
+            (Self::Fifo(store), Restore::Fifo { leaves, n }) => store.restore(leaves, n),
+            (Self::Replay(table), Restore::Replay { items, state, leaves, queued }) => {
                 table.restore_rows(items, state, leaves)?;
-                table.restore_queued(queued)
+                table.restore_queued(queued).map(|()| 0)
             }
+            (Self::Sequence(table), Restore::Sequence { snapshot, leaves, queued_leaves }) => {
+                table.restore(snapshot, leaves, queued_leaves).map(|()| 0)
+            }
+            (_, data) => Err(EchoError::Config(format!(
+                "restore: {} checkpoint needs a server of its kind, this one is {}",
+                data.kind(),
+                self.kind()
+            ))),
         }
     }
 
-    /// Fills a new sequence table with a snapshot ([`SequenceTable::restore`]).
-    ///
-    /// # Errors
-    /// [`EchoError::Config`] for another backend, or as [`SequenceTable::restore`].
-    pub fn restore_sequence(
-        &self,
-        snapshot: &SequenceSnapshot,
-        leaves: &[LeafRows<'_>],
-        queued_leaves: &[&[u8]],
-    ) -> Result<(), EchoError> {
+    /// `a FIFO ring`, `a replay table` or `a sequence table`, for messages.
+    pub fn kind(&self) -> &'static str {
         match self {
-            Self::Sequence(table) => table.restore(snapshot, leaves, queued_leaves),
-            Self::Fifo(_) | Self::Replay(_) => Err(EchoError::Config(
-                "restore: a sequence table checkpoint needs a server with sequence=".into(),
-            )),
-        }
-    }
-
-    /// Puts a FIFO checkpoint's `n` samples (`leaves[l]`: leaf `l` of each, back to back)
-    /// into a new FIFO ring, in order, before anything new ([`Store::restore`]). Returns how
-    /// many went in at once (the rest follow as the consumer frees room).
-    ///
-    /// # Errors
-    /// [`EchoError::Config`] for a replay table or a ring that is not new; a size error if the
-    /// leaves do not hold `n` samples.
-    pub fn restore_fifo(&self, leaves: &[&[u8]], n: usize) -> Result<usize, EchoError> {
-        match self {
-            Self::Fifo(store) => store.restore(leaves, n),
-            Self::Replay(_) | Self::Sequence(_) => Err(EchoError::Config(
-                "restore: a FIFO checkpoint needs a FIFO server, this one is a replay table".into(),
-            )),
+            Self::Fifo(_) => "a FIFO ring",
+            Self::Replay(_) => "a replay table",
+            Self::Sequence(_) => "a sequence table",
         }
     }
 

@@ -87,6 +87,12 @@ pub enum EchoError {
     /// why (maps to `SharedMemoryError`, a `ConnectionError`).
     #[error("{0}")]
     SharedMemory(String),
+    /// A checkpoint cannot be restored: a file is missing, truncated, corrupted or not what
+    /// the manifest says, the manifest is malformed or newer than this echo reads, or the
+    /// example does not match; the message names the file (maps to
+    /// `echo.CheckpointError`, a `ValueError`).
+    #[error("{0}")]
+    Checkpoint(String),
     /// An operating-system error (maps to the matching `OSError`).
     #[error(transparent)]
     Io(#[from] std::io::Error),

@@ -17,6 +17,7 @@
 //! | [`server`]  | the server: a backend, its consumer, the ingress and transport, their lifecycle |
 //! | `ingress`   | per-connection queues, buffer pools, the drainer pool               |
 //! | [`queued`]  | acknowledged samples a checkpoint finds outside the backend          |
+//! | [`checkpoint`] | the checkpoint format: manifest, files, atomic directory, restore |
 //! | `doorbell`  | the drainers' sleep/wake protocol, loom-checked                     |
 //! | `transport` | the wire format, the TCP server, the TCP client, shared memory      |
 //! | [`metrics`] | statistics counters; detailed histograms behind `detailed-metrics` |

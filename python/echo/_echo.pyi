@@ -14,6 +14,8 @@ from echo.transport import TcpTransport
 
 __version__: Final[str]
 RING_ALIGN: Final[int]
+CHECKPOINT_FORMAT_VERSION: Final[int]
+"""The newest checkpoint format version this echo reads."""
 DETAILED_METRICS: Final[bool]
 """Whether this build records the detailed metrics (cargo feature `detailed-metrics`)."""
 
@@ -22,6 +24,11 @@ class ServerClosedError(RuntimeError):
 
 class ConnectionClosedError(ConnectionError):
     """The connection to the peer is closed (by `close()` or because the peer went away)."""
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be restored: a file is missing, truncated or corrupted (its SHA-256
+    differs from the manifest's), its format version is newer than this echo reads, or the
+    example does not match its layout. The message names the file and what is wrong."""
 
 class SharedMemoryError(ConnectionError):
     """`shared_memory=True` and the same-host shared-memory path cannot be had (the message
@@ -336,79 +343,54 @@ class ServerCore:
         """`(inserts, samples)` parked in the backend right now (for tests)."""
     def _checkpoint(
         self,
-        files: list[tuple[str, str, tuple[int, ...]]],
-        ingress_files: list[tuple[str, str, tuple[int, ...]]],
-        meta_files: list[str],
-        packed_lengths: list[str] | None = None,
-    ) -> tuple[
-        npt.NDArray[np.uint64],
-        npt.NDArray[np.float64],
-        npt.NDArray[np.uint32],
-        tuple[int, int, list[int], int, float],
-        list[bytes],
-        tuple[int, list[bytes], npt.NDArray[np.float64]],
-    ]:
-        """Writes a snapshot of the replay table's items, one `.npy` file per leaf
-        `(path, descr, item_shape)`, the keys, priorities and times sampled into
-        `meta_files[:3]`, and the ingress's acknowledged samples into `ingress_files` and
-        their priorities into `meta_files[3]` (only when there are some); returns `(keys,
-        priorities, times_sampled, (inserts, samples, rng_state, next_key, max_priority),
-        sha256 digests, (ingress samples, their digests, their priorities, NaN for none))`."""
-    def _checkpoint_fifo(
-        self, files: list[tuple[str, str, tuple[int, ...]]]
-    ) -> tuple[int, int, int, list[bytes]]:
-        """Writes the FIFO ring's samples not yet handed out, then the ingress's acknowledged
-        samples, one `.npy` file per leaf; returns `(samples handed out before, rows from the
-        ring, rows from the ingress, sha256 digests)`."""
-    def _record_checkpoint(self, unix_s: float, duration_s: float, bytes: int) -> None:
-        """Records a completed checkpoint for `stats()`."""
-    def _restore(
-        self,
-        leaves: list[npt.NDArray[np.uint8]],
-        keys: npt.NDArray[np.uint64],
-        priorities: npt.NDArray[np.float64],
-        times_sampled: npt.NDArray[np.uint32],
-        state: tuple[int, int, list[int], int, float],
-        ingress_leaves: list[npt.NDArray[np.uint8]],
-        ingress_priorities: npt.NDArray[np.float64],
-        packed: list[tuple[int, str, int, npt.NDArray[np.uint32]]] = ...,
-    ) -> None:
-        """Fills this new replay server with a checkpoint's items and state (ValueError if
-        they do not fit; nothing is inserted then), then inserts its ingress samples from a
-        background thread before anything new."""
-    def _checkpoint_sequence(
-        self,
-        files: list[tuple[str, str, tuple[int, ...]]],
-        ingress_files: list[tuple[str, str, tuple[int, ...]]],
-        meta_file: str,
-        packed_lengths: list[str] | None = None,
-    ) -> tuple[tuple[int, int, int, int, int], list[bytes], list[bytes]]:
-        """Writes a snapshot of the sequence table: its steps (one `.npy` per leaf), the
-        ingress's queued steps (only when there are some) and the metadata (`meta_file`, a
-        uint8 `.npy`); returns `((steps, windows, open episodes, queued steps, chunks),
-        digests of the leaf files, the metadata file then the lengths files, digests of the
-        ingress files)`. `packed_lengths`: one path per compressed leaf, whose file then
-        gets one compressed row per chunk as stored (no header), the rows' lengths going
-        into the path here."""
-    def _restore_sequence(
-        self,
-        leaves: list[npt.NDArray[np.uint8]],
-        meta: npt.NDArray[np.uint8],
-        ingress_leaves: list[npt.NDArray[np.uint8]],
-        packed: list[tuple[int, str, int, npt.NDArray[np.uint32]]] = ...,
-    ) -> None:
-        """Fills this new sequence table with a checkpoint (ValueError naming what does not
-        fit; nothing is inserted then). `packed`: `(leaf, codec name, level, row lengths)`
-        for each leaf whose rows come compressed, one per chunk."""
-    def _restore_fifo(self, leaves: list[npt.NDArray[np.uint8]], n: int) -> int:
-        """Puts a FIFO checkpoint's `n` samples into this new FIFO server, in order, before
-        anything new; returns how many went in at once (the rest follow from a background
-        thread as `sample()` frees room)."""
+        path: str,
+        extra: tuple[bytes, list[tuple[str, tuple[int, ...], npt.NDArray[np.uint8]]]] | None = None,
+        hook: Callable[[str], object] | None = None,
+    ) -> int:
+        """Writes a checkpoint of this server to `path` (every file, the manifest included,
+        written by the core with the GIL released, then swapped in atomically), with the
+        encoded `extra` (`extra.json`'s bytes and each array as `(descr literal, shape,
+        bytes)`); `hook(stage)` runs at each stage. Returns the bytes its files hold."""
+    def _restore(self, opened: OpenedCheckpoint) -> None:
+        """Fills this new server with the opened checkpoint's data (CheckpointError naming
+        what does not fit; nothing is inserted then)."""
     @property
     def _is_restoring(self) -> bool:
         """Whether a restore's samples are still going in (other inserts wait for them)."""
     def describe(self) -> str:
         """`num_buffers=3` or `max_size=100, sampler=Uniform()`."""
+
+@final
+class OpenedCheckpoint:
+    """A checkpoint whose manifest and files are checked (`open_checkpoint`)."""
+
+    @property
+    def kind(self) -> Literal["replay", "fifo", "sequence"]: ...
+    @property
+    def kind_description(self) -> str:
+        """`a replay table`, `a FIFO ring` or `a sequence table`."""
+    @property
+    def root(self) -> str:
+        """The checkpoint's directory, its link resolved."""
+    @property
+    def extra(self) -> str | None:
+        """The extra's tree file, None without one."""
+    def lists(self, name: str) -> bool:
+        """Whether the manifest lists `name`."""
+    def dict_leaves(self) -> list[tuple[list[str], tuple[int, ...], Any]]:
+        """Each leaf's `(keys, shape, dtype descr)` for an example of nested dicts."""
+    def check_example(self, layout: TreeLayout) -> None:
+        """CheckpointError if `layout` differs from the checkpoint's."""
+    def server_kwargs(self) -> dict[str, Any]:
+        """The settings that are part of the data, as `Server` keyword arguments."""
+    def tuning(self) -> dict[str, Any]:
+        """The settings that only tune, as recorded."""
+
+def open_checkpoint(path: str, extra_only: bool = False) -> OpenedCheckpoint:
+    """Opens and checks the checkpoint at `path` (every file, or only the extra's)."""
+
+def clean_checkpoint_leftovers(parent: str, name: str, keep: str | None = None) -> None:
+    """Removes what replaced or killed checkpoints of `name` left in `parent`."""
 
 @final
 class TcpSender:

@@ -1,24 +1,20 @@
-"""Checkpoint directories over time: the leftovers a checkpoint's link-and-rename replacement
-can leave, and periodic checkpoints (`ckpt-<n>` links in one directory, the newest kept), taken
-by a background thread on a schedule.
+"""Checkpoint directories over time: periodic checkpoints (`ckpt-<n>` links in one
+directory, the newest kept), taken by a background thread on a schedule, and the removal of a
+checkpoint with its leftovers.
 
-Atomic replacement: `path` is a symbolic link to a sibling directory `.<name>.ckpt-<token>`.
-A checkpoint writes a new sibling directory (every file fsynced, then the directory), points
-a new link at it and renames that link over `path` (rename(2) replaces a link atomically,
-where it cannot replace a non-empty directory), fsyncs the parent, and only then deletes the
-previous directory. A process killed at any point leaves `path` naming either the previous
-complete checkpoint or the new complete one; the next checkpoint removes the leftovers. This
-works on Linux and macOS alike, unlike `renameat2(RENAME_EXCHANGE)`, which is Linux only. One
-writer per `path` at a time.
+How `path` is replaced atomically (a link to a sibling data directory, swapped by rename) is
+the core's (`src/checkpoint/directory.rs`), as is the removal of what a replaced or killed
+checkpoint leaves (`clean_leftovers`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
 import threading
 from collections.abc import Callable
+
+from echo import _echo
 
 __all__ = ["PeriodicCheckpointer", "clean_leftovers", "periodic_checkpoints"]
 
@@ -28,12 +24,7 @@ _log = logging.getLogger("echo")
 def clean_leftovers(parent: str, name: str, keep: str | None) -> None:
     """Removes the data directories of `name` that `path` does not point at (the previous
     checkpoint, and leftovers of checkpoints killed part-way)."""
-    prefix = f".{name}.ckpt-"
-    for entry in os.listdir(parent):
-        if entry.startswith(prefix) and entry != keep:
-            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
-        elif entry.startswith(f".{name}.link-"):
-            os.unlink(os.path.join(parent, entry))
+    _echo.clean_checkpoint_leftovers(parent, name, keep)
 
 
 _PERIODIC_PREFIX = "ckpt-"

@@ -16,8 +16,7 @@ import numpy.typing as npt
 
 from echo._pytree import TreeLayout
 from echo._validate import check_int, check_seconds
-from echo.checkpoint import CheckpointError
-from echo.compression import Compress, from_manifest
+from echo.compression import Codec, Compress
 from echo.replay import Fifo
 
 
@@ -127,15 +126,14 @@ _DATA_SETTINGS = (
 )
 
 
-def restored_settings(loaded: Any, given: dict[str, Any], path: str) -> dict[str, Any]:
+def restored_settings(opened: Any, given: dict[str, Any], path: str) -> dict[str, Any]:
     """The checkpoint's data settings as `Server` keyword arguments, after checking the ones
-    `restore()` was given against them (ValueError naming the setting and both values)."""
-    recorded: dict[str, Any] = loaded.server_kwargs()
-    kind = "a replay table"
-    if loaded.fifo or loaded.sequence:
-        kind = "a FIFO ring" if loaded.fifo else "a sequence table"
+    `restore()` was given against them (ValueError naming the setting and both values).
+    `opened`: the checkpoint (`echo._echo.OpenedCheckpoint`)."""
+    recorded: dict[str, Any] = opened.server_kwargs()
+    kind: str = opened.kind_description
     theirs_of = dict(recorded)
-    if loaded.fifo:
+    if opened.kind == "fifo":
         theirs_of["sampler"] = Fifo()
     for name in _DATA_SETTINGS:
         mine = given[name]
@@ -159,18 +157,13 @@ def restored_settings(loaded: Any, given: dict[str, Any], path: str) -> dict[str
     return recorded
 
 
-def recorded_compress(loaded: Any, tuning: dict[str, Any]) -> Compress:
-    """The checkpoint's `compress` as a mapping of leaf paths to codecs (None: none)."""
-    recorded: list[tuple[str, int] | None] | None = tuning.get("compress")
+def recorded_compress(example: Any, tuning: dict[str, Any]) -> Compress:
+    """The checkpoint's `compress` (a codec or None per leaf, as recorded in its `tuning`) as a
+    mapping of the example's leaf paths to codecs (None: none)."""
+    recorded: list[Codec | None] | None = tuning.get("compress")
     if recorded is None:
         return None
-    layout = TreeLayout(loaded.example)
-    if len(recorded) != len(layout.paths):
-        raise CheckpointError(
-            f"tuning: compress has {len(recorded)} entries, the layout {len(layout.paths)} leaves"
-        )
+    layout = TreeLayout(example)
     return {
-        path: from_manifest(entry)
-        for path, entry in zip(layout.paths, recorded, strict=True)
-        if entry is not None
+        path: codec for path, codec in zip(layout.paths, recorded, strict=True) if codec is not None
     }

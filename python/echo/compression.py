@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from echo._pytree import TreeLayout
 
-__all__ = ["AUTO_MIN_BYTES", "Codec", "Compress", "Lz4", "Zstd", "from_manifest", "to_manifest"]
+__all__ = ["AUTO_MIN_BYTES", "Codec", "Compress", "Lz4", "Zstd"]
 
 # `compress="auto"` picks uint8/int8 leaves of at least this many bytes.
 AUTO_MIN_BYTES = 4096
@@ -173,15 +173,3 @@ def resolve(compress: object, layout: TreeLayout) -> Resolved:
                 raise ValueError(f"compress: leaf {leaf.name} is empty (0 bytes)")
             chosen[i] = _accepted(typed)
     return tuple(chosen)
-
-
-def to_manifest(codec: Codec) -> list[str | int]:
-    """How a checkpoint's manifest records `codec`: `["zstd", level]` or `["lz4", 0]`."""
-    return ["zstd", codec.level] if isinstance(codec, Zstd) else ["lz4", 0]
-
-
-def from_manifest(entry: tuple[str, int] | list[str | int]) -> Codec:
-    """The codec a checkpoint's manifest records as `[name, level]` (see `to_manifest`),
-    with `force=True`: it was accepted for its leaf when the checkpoint was written."""
-    name, level = entry
-    return Zstd(int(level), force=True) if name == "zstd" else Lz4(force=True)

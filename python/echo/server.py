@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -27,10 +26,9 @@ from echo._server_args import (
 )
 from echo._tally import Tally
 from echo._validate import check_bool, check_int
-from echo.checkpoint import CheckpointError
-from echo.compression import Codec, Compress, to_manifest
+from echo.compression import Codec, Compress
 from echo.compression import resolve as resolve_compress
-from echo.replay import Fifo, MinSize, RateLimiter, Remover, Sampler, Sequence, Uniform
+from echo.replay import Fifo, RateLimiter, Remover, Sampler, Sequence, Uniform
 from echo.sample import Sample
 from echo.transport import TcpTransport
 
@@ -689,43 +687,8 @@ class Server:
         self._tally.checkpoints += 1
 
     def _write_checkpoint(self, path: str | os.PathLike[str], extra: Any) -> None:
-        started = time.monotonic()
         encoded = None if extra is None else _checkpoint.encode_extra(extra)
-        config = self._config
-        tuning: dict[str, Any] = {
-            "num_drainers": config.num_drainers,
-            "producer_queue_size": config.producer_queue_size,
-        }
-        if any(config.compress):
-            tuning["compress"] = [None if c is None else to_manifest(c) for c in config.compress]
-        if config.max_bytes is not None:
-            tuning["max_bytes"] = config.max_bytes
-        if isinstance(self._sampler, Fifo):
-            num_buffers = self._core.num_buffers
-            assert num_buffers is not None  # a FIFO server always has a ring
-            fifo_settings = {"batch_size": self._config.batch_size, "num_buffers": num_buffers}
-            what = _checkpoint.Written(self._layout, fifo_settings, tuning, encoded)
-            size = _checkpoint.write_fifo(self._core, what, path)
-            self._core._record_checkpoint(  # pyright: ignore[reportPrivateUsage]
-                time.time(), time.monotonic() - started, size
-            )
-            return
-        max_size = self._core.max_size
-        assert max_size is not None  # a replay server always has one
-        settings = _checkpoint.settings_dict(
-            batch_size=config.batch_size,
-            max_size=max_size,
-            sampler=config.sampler,
-            remover=Fifo() if config.remover is None else config.remover,
-            rate_limiter=MinSize(1) if config.rate_limiter is None else config.rate_limiter,
-            max_times_sampled=config.max_times_sampled,
-            sequence=config.sequence,
-        )
-        write = _checkpoint.write if config.sequence is None else _checkpoint.write_sequence
-        size = write(self._core, _checkpoint.Written(self._layout, settings, tuning, encoded), path)
-        self._core._record_checkpoint(  # pyright: ignore[reportPrivateUsage]
-            time.time(), time.monotonic() - started, size
-        )
+        _checkpoint.write(self._core, path, encoded)
 
     @classmethod
     def restore(
@@ -837,9 +800,9 @@ class Server:
         periodic = periodic_args(
             checkpoint_dir, checkpoint_every, checkpoint_keep, checkpoint_extra
         )
-        loaded = _checkpoint.read(path, example)
+        opened, example = _checkpoint.open_for_restore(path, example)
         kwargs = restored_settings(
-            loaded,
+            opened,
             {
                 "batch_size": batch_size,
                 "sampler": sampler,
@@ -852,15 +815,16 @@ class Server:
             os.fspath(path),
         )
         if num_buffers is not None:
-            if not loaded.fifo:
+            if opened.kind != "fifo":
                 raise ValueError(
                     f"restore(): num_buffers={num_buffers!r} does not apply: the checkpoint at "
-                    f"{os.fspath(path)} is a replay table (num_buffers sizes the FIFO ring)"
+                    f"{os.fspath(path)} is {opened.kind_description} (num_buffers sizes the "
+                    "FIFO ring)"
                 )
             kwargs["num_buffers"] = num_buffers
-        tuning = loaded.tuning
+        tuning = opened.tuning()
         server = cls(
-            loaded.example,
+            example,
             transport=transport,
             num_drainers=tuning.get("num_drainers", 8) if num_drainers is None else num_drainers,
             producer_queue_size=tuning.get("producer_queue_size")
@@ -868,37 +832,16 @@ class Server:
             else producer_queue_size,
             pin_host_memory=pin_host_memory,
             name=name,
-            compress=recorded_compress(loaded, tuning) if compress is None else compress,
+            compress=recorded_compress(example, tuning) if compress is None else compress,
             max_bytes=tuning.get("max_bytes") if max_bytes is None else max_bytes,
             **kwargs,
         )
         try:
-            if loaded.fifo:
-                server._core._restore_fifo(  # pyright: ignore[reportPrivateUsage]
-                    loaded.leaf_bytes(), loaded.rows
-                )
-            elif loaded.sequence:
-                server._core._restore_sequence(  # pyright: ignore[reportPrivateUsage]
-                    loaded.leaf_bytes(), loaded.sequence_meta, loaded.ingress_bytes(), loaded.packed
-                )
-            else:
-                server._core._restore(  # pyright: ignore[reportPrivateUsage]
-                    loaded.leaf_bytes(),
-                    loaded.keys,
-                    loaded.priorities,
-                    loaded.times_sampled,
-                    loaded.state,
-                    loaded.ingress_bytes(),
-                    loaded.ingress_priorities,
-                    loaded.packed,
-                )
-        except ValueError as e:
-            server.close()
-            raise CheckpointError(f"{os.fspath(path)}: {e}") from e
+            server._core._restore(opened)  # pyright: ignore[reportPrivateUsage]
+            server._restored_extra = _checkpoint.restored_extra(opened)  # pyright: ignore[reportPrivateUsage]
         except BaseException:
             server.close()
             raise
-        server._restored_extra = loaded.extra  # pyright: ignore[reportPrivateUsage]
         if periodic is not None:
             server._start_periodic(periodic)  # pyright: ignore[reportPrivateUsage]
         return server

@@ -1,4 +1,4 @@
-//! Writing checkpoint data to files: one `.npy` file per leaf (the numpy format: a header
+//! The `.npy` files of a checkpoint: written one per leaf (the numpy format: a header
 //! with the dtype and shape, then the rows in order, C order), streamed from a [`Chunks`]
 //! source a chunk at a time (a replay table's [`Checkpoint`], a sequence table's
 //! [`SequenceCheckpoint`], the FIFO ring's [`FifoSnapshot`], an ingress capture's
@@ -6,19 +6,19 @@
 //! snapshots are the backends' own types; the [`Chunks`] face they are written through is
 //! given to them here, so the backends never import the writer. The header is built here
 //! because the row count is only known once the snapshot is taken; the dtype's descriptor
-//! comes from the caller (the core knows only sizes). The manifest, the metadata arrays and
-//! the atomic replacement of the checkpoint directory live in `python/echo/checkpoint.py`.
+//! comes from the caller (the core knows only sizes). Headers are read back by
+//! [`NpyHeader`], which checks a file against the dtype and shape a restore expects.
 use std::fs::File;
 use std::io::Write;
 use std::path::PathBuf;
 
 use sha2::{Digest, Sha256};
 
+use crate::backend::FifoSnapshot;
 use crate::error::EchoError;
 use crate::queued::QueuedSamples;
 use crate::replay::{Checkpoint, SequenceCheckpoint};
 use crate::spec::DataSpec;
-use crate::store::RingCheckpoint;
 
 /// Rows to write, leaf by leaf, a chunk at a time.
 pub trait Chunks {
@@ -98,37 +98,12 @@ impl Chunks for QueuedChunks<'_> {
     }
 }
 
-/// A FIFO checkpoint: the ring's snapshot, then the acknowledged samples the ingress held at
-/// the snapshot's moment, as one sequence of rows.
-#[derive(Debug)]
-pub struct FifoSnapshot {
-    /// The ring's part (its slots stay pinned until copied).
-    pub ring: RingCheckpoint,
-    /// The ingress's part.
-    pub queued: QueuedSamples,
-    ring_rows: usize,
-    next_queued: usize,
-}
-
-impl FifoSnapshot {
-    /// The ring's snapshot followed by `queued`.
-    pub fn new(ring: RingCheckpoint, queued: QueuedSamples) -> Self {
-        let ring_rows = ring.len();
-        Self { ring, queued, ring_rows, next_queued: 0 }
-    }
-
-    /// Rows from the ring (the first ones).
-    pub fn ring_rows(&self) -> usize {
-        self.ring_rows
-    }
-}
-
 impl Chunks for FifoSnapshot {
     fn spec(&self) -> &DataSpec {
         self.ring.spec()
     }
     fn len(&self) -> usize {
-        self.ring_rows + self.queued.len()
+        self.ring_rows() + self.queued.len()
     }
     fn next_chunk(&mut self, max_bytes: usize, out: &mut [Vec<u8>]) -> usize {
         let n = self.ring.next_chunk(max_bytes, out);
@@ -260,8 +235,7 @@ pub fn write_npy_1d(
     values: &[u8],
     size: usize,
 ) -> Result<[u8; 32], EchoError> {
-    let order = if cfg!(target_endian = "little") { '<' } else { '>' };
-    let header = npy_header(&format!("'{order}{kind}{size}'"), &[values.len() / size.max(1)]);
+    let header = npy_header(&native_descr(kind, size), &[values.len() / size.max(1)]);
     let mut out = File::options().write(true).create_new(true).open(path)?;
     out.write_all(&header)?;
     out.write_all(values)?;
@@ -293,6 +267,139 @@ unsafe impl Plain for u64 {}
 // SAFETY: a primitive float has no padding.
 unsafe impl Plain for f64 {}
 
+/// A `.npy` file's header, as numpy writes it: `{'descr': <literal>, 'fortran_order': <bool>,
+/// 'shape': (<ints>), }`, keys in that (sorted) order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NpyHeader {
+    /// The dtype's Python literal, as written (`'<f4'`, or a list for a structured dtype).
+    pub descr: String,
+    /// Whether the data is in Fortran order (echo never writes it so).
+    pub fortran_order: bool,
+    /// The array's shape.
+    pub shape: Vec<usize>,
+    /// Where the data starts.
+    pub data_offset: usize,
+}
+
+impl NpyHeader {
+    /// Reads the header at the start of `file` (format versions 1 to 3).
+    ///
+    /// # Errors
+    /// What is wrong, for a message that names the file.
+    pub fn parse(file: &[u8]) -> Result<Self, String> {
+        let bad = |what: &str| Err(format!("not a readable .npy file ({what})"));
+        if file.len() < 10 || &file[..6] != b"\x93NUMPY" {
+            return bad("no .npy magic");
+        }
+        let (text_at, len) = match file[6] {
+            1 => (10usize, usize::from(u16::from_le_bytes([file[8], file[9]]))),
+            2 | 3 if file.len() >= 12 => {
+                let len = u32::from_le_bytes([file[8], file[9], file[10], file[11]]);
+                (12, usize::try_from(len).unwrap_or(usize::MAX))
+            }
+            _ => return bad("unknown .npy version"),
+        };
+        let Some(text) = text_at.checked_add(len).and_then(|end| file.get(text_at..end)) else {
+            return bad("the header runs past the end of the file");
+        };
+        let Ok(text) = std::str::from_utf8(text) else { return bad("the header is not text") };
+        let text = text.trim_end_matches([' ', '\n', '\0']);
+        let Some(body) = text.strip_prefix("{'descr': ").and_then(|t| t.strip_suffix('}')) else {
+            return bad("the header is not a dict of descr, fortran_order and shape");
+        };
+        // The descr may hold any text (field names); the rest cannot hold this key.
+        let Some(at) = body.rfind(", 'fortran_order': ") else {
+            return bad("the header has no fortran_order");
+        };
+        let descr = body[..at].to_owned();
+        let rest = &body[at + ", 'fortran_order': ".len()..];
+        let (fortran_order, rest) = if let Some(r) = rest.strip_prefix("False") {
+            (false, r)
+        } else if let Some(r) = rest.strip_prefix("True") {
+            (true, r)
+        } else {
+            return bad("fortran_order is not a bool");
+        };
+        let Some(dims) = rest.strip_prefix(", 'shape': (").and_then(|r| {
+            let r = r.trim_end();
+            r.strip_suffix(',').unwrap_or(r).trim_end().strip_suffix(')')
+        }) else {
+            return bad("the header has no shape");
+        };
+        let shape = dims
+            .split(',')
+            .map(str::trim)
+            .filter(|d| !d.is_empty())
+            .map(str::parse::<usize>)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|_| {
+                "not a readable .npy file (the shape is not a tuple of ints)".to_owned()
+            })?;
+        Ok(Self { descr, fortran_order, shape, data_offset: text_at + len })
+    }
+
+    /// The file's data, checked: dtype `descr` (a Python literal, as written), C order,
+    /// shape `shape`, and exactly the bytes that shape holds at `item_bytes` per element.
+    ///
+    /// # Errors
+    /// What differs, for a message that names the file.
+    pub fn data<'a>(
+        file: &'a [u8],
+        descr: &str,
+        shape: &[usize],
+        item_bytes: usize,
+    ) -> Result<&'a [u8], String> {
+        let header = Self::parse(file)?;
+        if header.descr != descr || header.shape != shape || header.fortran_order {
+            return Err(format!(
+                "holds {}{:?}{}, expected {descr}{shape:?}",
+                header.descr,
+                header.shape,
+                if header.fortran_order { " in Fortran order" } else { "" }
+            ));
+        }
+        let want = shape.iter().try_fold(item_bytes, |n, &d| n.checked_mul(d));
+        let data = &file[header.data_offset..];
+        if want != Some(data.len()) {
+            return Err(format!(
+                "{} bytes of data, its shape {shape:?} needs {}",
+                data.len(),
+                want.map_or_else(|| "more than fit in memory".to_owned(), |w| w.to_string())
+            ));
+        }
+        Ok(data)
+    }
+}
+
+/// The `.npy` descr of native-order numbers: `'<u8'` on little-endian machines.
+pub fn native_descr(kind: char, size: usize) -> String {
+    let order = if cfg!(target_endian = "little") { '<' } else { '>' };
+    format!("'{order}{kind}{size}'")
+}
+
+/// Writes `data` as the new `.npy` file `path` of dtype `descr` (a Python literal) and shape
+/// `shape`, fsynced; returns its SHA-256 and size.
+///
+/// # Errors
+/// [`EchoError::Config`] if `data` does not fill `shape` at `item_bytes` per element;
+/// [`EchoError::Io`] from creating, writing or syncing the file.
+pub fn write_npy(
+    path: &std::path::Path,
+    descr: &str,
+    shape: &[usize],
+    data: &[u8],
+) -> Result<([u8; 32], u64), EchoError> {
+    let header = npy_header(descr, shape);
+    let mut out = File::options().write(true).create_new(true).open(path)?;
+    out.write_all(&header)?;
+    out.write_all(data)?;
+    out.sync_all()?;
+    let mut hasher = Sha256::new();
+    hasher.update(&header);
+    hasher.update(data);
+    Ok((hasher.finalize().into(), (header.len() + data.len()) as u64))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -306,5 +413,30 @@ mod tests {
         assert!(text.starts_with("{'descr': '<f4', 'fortran_order': False, 'shape': (3, 4), }"));
         assert!(text.ends_with(" \n"));
         assert!(std::str::from_utf8(&npy_header("'<u8'", &[5])[10..]).unwrap().contains("(5,)"));
+    }
+
+    #[test]
+    fn headers_read_back_as_written_whatever_the_shape() {
+        for shape in [vec![], vec![0], vec![7], vec![3, 4, 5]] {
+            let h = npy_header("[('a', '<f4'), ('b', '|u1', (2,))]", &shape);
+            let parsed = NpyHeader::parse(&h).unwrap();
+            assert_eq!(parsed.descr, "[('a', '<f4'), ('b', '|u1', (2,))]");
+            assert_eq!(parsed.shape, shape);
+            assert_eq!(parsed.data_offset, h.len());
+            assert!(!parsed.fortran_order);
+        }
+    }
+
+    #[test]
+    fn a_header_is_checked_against_what_the_caller_expects() {
+        let mut file = npy_header("'<f4'", &[2, 3]);
+        file.extend_from_slice(&[0; 24]);
+        assert_eq!(NpyHeader::data(&file, "'<f4'", &[2, 3], 4).unwrap().len(), 24);
+        let e = NpyHeader::data(&file, "'<f8'", &[2, 3], 8).unwrap_err();
+        assert!(e.contains("holds '<f4'[2, 3], expected '<f8'[2, 3]"), "{e}");
+        let e = NpyHeader::data(&file[..file.len() - 1], "'<f4'", &[2, 3], 4).unwrap_err();
+        assert!(e.contains("23 bytes of data"), "{e}");
+        assert!(NpyHeader::parse(b"\x93NUMPY\x01\x00\xff\xff{").is_err());
+        assert!(NpyHeader::parse(b"PK\x03\x04").is_err());
     }
 }

@@ -342,7 +342,7 @@ impl ServerConfig {
 }
 
 /// The class `echo.replay.<name>`.
-fn strategy_class<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyType>> {
+pub(crate) fn strategy_class<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyType>> {
     static REPLAY: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
     let module =
         REPLAY.get_or_try_init(py, || Ok::<_, PyErr>(py.import("echo.replay")?.unbind()))?;

@@ -29,6 +29,15 @@ pyo3::create_exception!(
 
 pyo3::create_exception!(
     echo._echo,
+    CheckpointError,
+    PyValueError,
+    "A checkpoint cannot be restored: a file is missing, truncated or corrupted (its SHA-256 \
+     differs from the manifest's), its format version is newer than this echo reads, or the \
+     example does not match its layout. The message names the file and what is wrong."
+);
+
+pyo3::create_exception!(
+    echo._echo,
     SharedMemoryError,
     PyConnectionError,
     "`shared_memory=True` and the same-host shared-memory path cannot be had (the message says why)."
@@ -140,6 +149,7 @@ pub(crate) fn to_pyerr(err: EchoError) -> PyErr {
         EchoError::Disconnected(msg) => ConnectionClosedError::new_err(msg),
         EchoError::Busy(msg) => PyRuntimeError::new_err(msg),
         EchoError::SharedMemory(msg) => SharedMemoryError::new_err(msg),
+        EchoError::Checkpoint(msg) => CheckpointError::new_err(msg),
         EchoError::Io(io) => io.into(),
     }
 }

@@ -37,6 +37,11 @@ pub(crate) struct LeafSpecs {
 }
 
 impl LeafSpecs {
+    /// The example's `echo._pytree.TreeLayout`.
+    pub(crate) fn tree_layout(&self) -> &Py<PyAny> {
+        &self.layout
+    }
+
     /// Validates the leaves of `tree_layout` (an `echo._pytree.TreeLayout`: no object dtypes,
     /// sizes that fit) into a [`DataSpec`].
     pub(crate) fn new(tree_layout: &Bound<'_, PyAny>) -> PyResult<Self> {

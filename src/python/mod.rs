@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+mod checkpoint;
 mod client;
 mod config;
 mod errors;
@@ -219,6 +220,11 @@ fn _echo(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<views::RingLease>()?;
     m.add_class::<info::SampleInfo>()?;
     m.add_class::<info::HistSnapshot>()?;
+    m.add_class::<checkpoint::PyOpenedCheckpoint>()?;
+    m.add("CheckpointError", py.get_type::<errors::CheckpointError>())?;
+    m.add("CHECKPOINT_FORMAT_VERSION", crate::checkpoint::FORMAT_VERSION)?;
+    m.add_function(wrap_pyfunction!(checkpoint::open_checkpoint, m)?)?;
+    m.add_function(wrap_pyfunction!(checkpoint::clean_checkpoint_leftovers, m)?)?;
     m.add("ServerClosedError", py.get_type::<errors::ServerClosedError>())?;
     m.add("ConnectionClosedError", py.get_type::<errors::ConnectionClosedError>())?;
     m.add("SharedMemoryError", py.get_type::<errors::SharedMemoryError>())?;

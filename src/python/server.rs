@@ -8,99 +8,28 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use numpy::npyffi::npy_intp;
-use numpy::{PyArray1, PyArrayDescr, PyReadonlyArray1, PyUntypedArray};
+use numpy::{PyArrayDescr, PyReadonlyArray1, PyUntypedArray};
 use parking_lot::MutexGuard;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyTuple};
+use pyo3::types::{PyList, PyTuple};
 
+use super::checkpoint::{example_of, npy_descrs, ExtraArrays, PyOpenedCheckpoint};
 use super::config::{ServerConfig, TcpArg};
 use super::errors::{error_in, sample_timed_out, submit_timed_out, to_pyerr, Call};
 use super::info::{HistSnapshot, SampleInfo};
 use super::leaves::{byte_slices, episode_end, EpisodeFlags, LeafSpecs};
 use super::views::{batch_copies, batch_views, LeafLayout, RingLease};
 use super::{deadline_from_timeout, detach, wait_detached};
-use crate::backend::{Backend, BackendCheckpoint, BatchConsumer, BatchRef};
-use crate::checkpoint::{as_bytes, write_leaf_files, write_npy_1d, LeafFile, QueuedChunks};
-use crate::codec::{Codec, LeafCodecs};
+use crate::backend::{Backend, BatchConsumer, BatchRef};
+use crate::checkpoint::{Extra, ExtraArray, Stage};
 use crate::error::EchoError;
-use crate::queued::QueuedSamples;
-use crate::replay::{LeafRows, SequenceSnapshot, SnapshotItems, TableState};
-use crate::server::{LastCheckpoint, Server, ServerConfig as CoreServerConfig, Snapshot};
+use crate::server::{Server, ServerConfig as CoreServerConfig, Snapshot};
 use crate::source::{EpisodeEnd, Rows, StepLeaves, StepTag};
 use crate::transport::wire::v2::Closing;
 
 /// Samples at or above this many bytes are copied with the GIL released.
 const DETACH_COPY_BYTES: usize = 64 * 1024;
-
-/// What `_checkpoint` hands back (see there).
-type CheckpointOut<'py> = (
-    Bound<'py, PyArray1<u64>>,
-    Bound<'py, PyArray1<f64>>,
-    Bound<'py, PyArray1<u32>>,
-    (u64, u64, [u64; 4], u64, f64),
-    Vec<Bound<'py, PyBytes>>,
-    (usize, Vec<Bound<'py, PyBytes>>, Bound<'py, PyArray1<f64>>),
-);
-
-/// What `_checkpoint_sequence` hands back (see there).
-type SequenceCheckpointOut<'py> =
-    ((usize, usize, usize, usize, usize), Vec<Bound<'py, PyBytes>>, Vec<Bound<'py, PyBytes>>);
-
-/// A leaf whose checkpoint rows come compressed: `(leaf, codec name, level, row lengths)`.
-type PackedLeaf<'py> = (usize, String, i32, PyReadonlyArray1<'py, u32>);
-
-/// A checkpoint's leaves as the core restores them: `leaves[l]` raw, except those `packed`
-/// names, whose rows come compressed.
-fn leaf_rows<'a>(
-    leaves: &'a [PyReadonlyArray1<'_, u8>],
-    packed: &'a [PackedLeaf<'_>],
-) -> PyResult<Vec<LeafRows<'a>>> {
-    let contiguous = |what: &str, e: numpy::NotContiguousError| {
-        PyValueError::new_err(format!("restore: {what}: {e}"))
-    };
-    let mut rows = leaves
-        .iter()
-        .map(|leaf| leaf.as_slice().map(LeafRows::Raw).map_err(|e| contiguous("leaf", e)))
-        .collect::<PyResult<Vec<LeafRows<'_>>>>()?;
-    for (leaf, name, level, lengths) in packed {
-        let codec = Codec::from_name(name, *level).map_err(to_pyerr)?;
-        let Some(LeafRows::Raw(bytes)) = rows.get(*leaf).copied() else {
-            return Err(PyValueError::new_err(format!("restore: no leaf {leaf} to unpack")));
-        };
-        let lengths = lengths.as_slice().map_err(|e| contiguous("lengths", e))?;
-        rows[*leaf] = LeafRows::Packed { codec, bytes, lengths };
-    }
-    Ok(rows)
-}
-
-/// Where a checkpoint writes each compressed leaf's row lengths: `packed_lengths` (one path
-/// per leaf the table compresses, or `None`: every leaf raw), checked against the table, and
-/// those leaves' `files` marked to get their rows as stored. Empty: nothing is kept packed.
-fn packed_files<'a>(
-    codecs: Option<&LeafCodecs>,
-    packed_lengths: &'a Option<Vec<PathBuf>>,
-    files: &mut [LeafFile],
-) -> Result<&'a [PathBuf], EchoError> {
-    let leaves = codecs.map(LeafCodecs::packed_leaves).unwrap_or_default();
-    match packed_lengths {
-        None => Ok(&[]),
-        Some(paths) if paths.len() == leaves.len() => {
-            for &leaf in leaves {
-                files[leaf].raw = true;
-            }
-            Ok(paths)
-        }
-        Some(paths) => Err(EchoError::Config(format!(
-            "checkpoint: {} lengths files for {} compressed leaves",
-            paths.len(),
-            leaves.len()
-        ))),
-    }
-}
-
-/// What `_checkpoint_fifo` hands back (see there).
-type FifoCheckpointOut<'py> = (u64, usize, usize, Vec<Bound<'py, PyBytes>>);
 
 /// What `sample` hands back: the sample's leaves, the counters, the per-item arrays.
 type SampleOut<'py> = (Bound<'py, PyList>, SampleInfo, Bound<'py, PyTuple>);
@@ -395,299 +324,67 @@ impl PyServerCore {
         detach(py, || backend.update_priorities(keys, priorities)).map_err(to_pyerr)
     }
 
-    /// Writes a consistent snapshot of the replay table's items, leaf `l` into the new
-    /// `.npy` file `files[l] = (path, descr, item_shape)` (`descr`: the dtype as the header
-    /// spells it), rows in key order, fsynced, with the GIL released while inserts and
-    /// sampling go on; and the acknowledged samples the ingress held at the snapshot's moment
-    /// into `ingress_files` the same way (only when there are some). Returns the snapshot's
-    /// metadata: `(keys, priorities, times_sampled, (inserts, samples, rng_state, next_key,
-    /// max_priority), sha256 digests of the files, (ingress samples, their files' digests,
-    /// their priorities with NaN for none))`.
-    ///
-    /// `meta_files`: where the keys (uint64), priorities (float64), times sampled (uint32)
-    /// and the ingress samples' priorities (float64, only when there are some) go, as `.npy`
-    /// files written here with the GIL released; their digests follow the leaves'.
-    ///
-    /// `packed_lengths` (a table that stores leaves compressed): one path per compressed leaf;
-    /// those leaves' files then get their rows as stored, compressed, with no `.npy` header,
-    /// and each row's length goes into the leaf's path here (uint32 `.npy`), their digests
-    /// after the metadata's. `None`: every leaf written raw.
-    #[pyo3(signature = (files, ingress_files, meta_files, packed_lengths=None))]
-    fn _checkpoint<'py>(
-        &self,
-        py: Python<'py>,
-        files: Vec<(PathBuf, String, Vec<usize>)>,
-        ingress_files: Vec<(PathBuf, String, Vec<usize>)>,
-        meta_files: [PathBuf; 4],
-        packed_lengths: Option<Vec<PathBuf>>,
-    ) -> PyResult<CheckpointOut<'py>> {
-        let mut files = leaf_files(files);
-        let ingress_files = leaf_files(ingress_files);
-        let backend = &self.backend;
-        let server = &self.server;
-        let (items, state, digests, queued, ingress_digests) = detach(py, || {
-            let BackendCheckpoint::Replay(mut checkpoint, queued) =
-                backend.checkpoint(|| server.queued_now())?
-            else {
-                return Err(EchoError::Config("_checkpoint: this server is FIFO".into()));
-            };
-            let lengths_files = packed_files(checkpoint.codecs(), &packed_lengths, &mut files)?;
-            if !lengths_files.is_empty() {
-                checkpoint.keep_packed();
-            }
-            let mut digests = write_leaf_files(&mut checkpoint, &files)?;
-            let items = checkpoint.items();
-            digests.push(write_npy_1d(&meta_files[0], 'u', as_bytes(&items.keys), 8)?);
-            digests.push(write_npy_1d(&meta_files[1], 'f', as_bytes(&items.priorities), 8)?);
-            digests.push(write_npy_1d(&meta_files[2], 'u', as_bytes(&items.times_sampled), 4)?);
-            for (path, lengths) in lengths_files.iter().zip(checkpoint.packed_lengths()) {
-                digests.push(write_npy_1d(path, 'u', as_bytes(lengths), 4)?);
-            }
-            let ingress_digests = if queued.is_empty() {
-                Vec::new()
-            } else {
-                let mut ingress_digests = write_leaf_files(
-                    &mut QueuedChunks::new(checkpoint.spec(), &queued),
-                    &ingress_files,
-                )?;
-                let priorities: Vec<f64> =
-                    queued.priorities.iter().map(|p| p.unwrap_or(f64::NAN)).collect();
-                ingress_digests.push(write_npy_1d(&meta_files[3], 'f', as_bytes(&priorities), 8)?);
-                ingress_digests
-            };
-            Ok::<_, EchoError>((
-                checkpoint.items().clone(),
-                *checkpoint.state(),
-                digests,
-                queued,
-                ingress_digests,
-            ))
-        })
-        .map_err(to_pyerr)?;
-        let digests = digests.iter().map(|d| PyBytes::new(py, d)).collect();
-        let ingress_digests = ingress_digests.iter().map(|d| PyBytes::new(py, d)).collect();
-        let ingress_priorities: Vec<f64> =
-            queued.priorities.iter().map(|p| p.unwrap_or(f64::NAN)).collect();
-        Ok((
-            PyArray1::from_vec(py, items.keys),
-            PyArray1::from_vec(py, items.priorities),
-            PyArray1::from_vec(py, items.times_sampled),
-            (state.inserts, state.samples, state.rng, state.next_key, state.max_priority),
-            digests,
-            (queued.len(), ingress_digests, PyArray1::from_vec(py, ingress_priorities)),
-        ))
-    }
-
-    /// Writes a consistent snapshot of the FIFO ring's samples not yet handed out (partial
-    /// batch included), then the acknowledged samples the ingress held at that moment, leaf
-    /// `l` into the new `.npy` file `files[l] = (path, descr, item_shape)`, in order, fsynced,
-    /// with the GIL released while inserts and sampling go on. Returns `(samples handed out
-    /// before the snapshot, rows from the ring, rows from the ingress, sha256 digests)`.
-    fn _checkpoint_fifo<'py>(
-        &self,
-        py: Python<'py>,
-        files: Vec<(PathBuf, String, Vec<usize>)>,
-    ) -> PyResult<FifoCheckpointOut<'py>> {
-        let files = leaf_files(files);
-        let backend = &self.backend;
-        let server = &self.server;
-        let (handed_out, ring_rows, ingress_rows, digests) = detach(py, || {
-            let BackendCheckpoint::Fifo(mut snapshot) =
-                backend.checkpoint(|| server.queued_now())?
-            else {
-                return Err(EchoError::Config(
-                    "_checkpoint_fifo: this server is a replay table".into(),
-                ));
-            };
-            let digests = write_leaf_files(&mut snapshot, &files)?;
-            Ok::<_, EchoError>((
-                snapshot.ring.handed_out(),
-                snapshot.ring_rows(),
-                snapshot.queued.len(),
-                digests,
-            ))
-        })
-        .map_err(to_pyerr)?;
-        let digests = digests.iter().map(|d| PyBytes::new(py, d)).collect();
-        Ok((handed_out, ring_rows, ingress_rows, digests))
-    }
-
-    /// Records a completed checkpoint for `stats()`: when it completed (Unix seconds), how
-    /// long it took (seconds) and how many bytes its files hold.
-    fn _record_checkpoint(&self, unix_s: f64, duration_s: f64, bytes: u64) {
-        self.server.record_checkpoint(LastCheckpoint { unix_s, duration_s, bytes });
-    }
-
-    /// Fills this new replay server with a checkpoint's items (`leaves[l]`: leaf `l` of every
-    /// item as bytes, in key order) and state `(inserts, samples, rng_state, next_key,
-    /// max_priority)`. ValueError naming what does not fit; nothing is inserted then.
-    ///
-    /// Then the checkpoint's ingress samples (`ingress_leaves`, `ingress_priorities` with NaN
-    /// for none) go in from a background thread before anything new (`_is_restoring`).
-    /// `packed`: `(leaf, codec name, level, row lengths)` for each leaf whose rows in
-    /// `leaves` come compressed (stored as they are by a table that compresses them so).
-    #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (leaves, keys, priorities, times_sampled, state, ingress_leaves,
-        ingress_priorities, packed=Vec::new()))]
-    fn _restore(
+    /// Writes a checkpoint of this server to `path` (`crate::checkpoint`): every file,
+    /// the manifest included, written and fsynced with the GIL released while inserts and
+    /// sampling go on, then swapped in atomically. `extra`: the learner's encoded tree
+    /// (`extra.json`'s bytes) and its arrays `(descr literal, shape, C-order bytes)`.
+    /// `hook(stage)` runs at each stage (tests observe and kill the process there); what it
+    /// raises abandons the checkpoint. Returns the bytes its files hold.
+    #[pyo3(signature = (path, extra=None, hook=None))]
+    fn _checkpoint(
         &self,
         py: Python<'_>,
-        leaves: Vec<PyReadonlyArray1<'_, u8>>,
-        keys: PyReadonlyArray1<'_, u64>,
-        priorities: PyReadonlyArray1<'_, f64>,
-        times_sampled: PyReadonlyArray1<'_, u32>,
-        state: (u64, u64, [u64; 4], u64, f64),
-        ingress_leaves: Vec<PyReadonlyArray1<'_, u8>>,
-        ingress_priorities: PyReadonlyArray1<'_, f64>,
-        packed: Vec<PackedLeaf<'_>>,
-    ) -> PyResult<()> {
-        let contiguous = |what: &str, e: numpy::NotContiguousError| {
-            PyValueError::new_err(format!("restore: {what}: {e}"))
+        path: PathBuf,
+        extra: Option<(Vec<u8>, ExtraArrays<'_>)>,
+        hook: Option<Py<PyAny>>,
+    ) -> PyResult<u64> {
+        let example = example_of(self.leaves.tree_layout().bind(py))?;
+        let extra = match &extra {
+            None => None,
+            Some((tree, arrays)) => Some(Extra {
+                tree,
+                arrays: arrays
+                    .iter()
+                    .map(|(descr, shape, data)| {
+                        Ok(ExtraArray {
+                            descr: descr.clone(),
+                            shape: shape.clone(),
+                            data: data.as_slice().map_err(|e| {
+                                PyValueError::new_err(format!("checkpoint(): extra: {e}"))
+                            })?,
+                        })
+                    })
+                    .collect::<PyResult<Vec<_>>>()?,
+            }),
         };
-        let items = SnapshotItems {
-            keys: keys.as_slice().map_err(|e| contiguous("keys", e))?.to_vec(),
-            priorities: priorities.as_slice().map_err(|e| contiguous("priorities", e))?.to_vec(),
-            times_sampled: times_sampled
-                .as_slice()
-                .map_err(|e| contiguous("times_sampled", e))?
-                .to_vec(),
-        };
-        let (inserts, samples, rng, next_key, max_priority) = state;
-        let saved = TableState { inserts, samples, rng, next_key, max_priority };
-        let leaves = leaf_rows(&leaves, &packed)?;
-        let ingress_leaves = ingress_leaves
-            .iter()
-            .map(|leaf| leaf.as_slice().map_err(|e| contiguous("ingress leaf", e)))
-            .collect::<PyResult<Vec<&[u8]>>>()?;
-        let ingress_priorities =
-            ingress_priorities.as_slice().map_err(|e| contiguous("ingress priorities", e))?;
-        let spec = self.backend.spec();
-        let rows = Rows::new(spec, &ingress_leaves, ingress_priorities.len(), None)
-            .map_err(|e| PyValueError::new_err(format!("restore: ingress samples: {e}")))?;
-        let mut queued = QueuedSamples::new(spec.payload_size());
-        let mut payload = Vec::with_capacity(spec.payload_size());
-        for (i, &priority) in ingress_priorities.iter().enumerate() {
-            payload.clear();
-            for leaf in 0..spec.len() {
-                payload.extend_from_slice(rows.row_leaf(i, leaf));
-            }
-            if !priority.is_nan() {
-                self.backend.check_priority(priority).map_err(|e| {
-                    PyValueError::new_err(format!("restore: ingress sample {i}: {e}"))
-                })?;
-            }
-            queued.push(&payload, (!priority.is_nan()).then_some(priority));
+        let server = &self.server;
+        let mut raised: Option<PyErr> = None;
+        let written = detach(py, || {
+            let mut run_hook = |stage: Stage| {
+                let Some(hook) = &hook else { return Ok(()) };
+                Python::attach(|py| hook.call1(py, (stage.name(),)).map(drop)).map_err(|e| {
+                    raised = Some(e);
+                    EchoError::Busy(format!("checkpoint: abandoned at {}", stage.name()))
+                })
+            };
+            server.checkpoint(&path, &example, extra, &mut run_hook)
+        });
+        match (written, raised) {
+            (_, Some(e)) => Err(e),
+            (written, None) => written.map_err(to_pyerr),
         }
-        let backend = &self.backend;
-        detach(py, || backend.restore(&items, &saved, &leaves, queued)).map_err(to_pyerr)
     }
 
-    /// Writes a consistent snapshot of the sequence table while inserts and sampling go on:
-    /// its steps, leaf `l` into the new `.npy` file `files[l] = (path, descr, item_shape)` (in
-    /// eviction order), the steps the ingress held at the snapshot's moment into
-    /// `ingress_files` (only when there are some), and the table's metadata (with the queued
-    /// steps' priorities and streams) into `meta_file` as a uint8 `.npy`; all fsynced, GIL
-    /// released. Returns `(steps, windows, open episodes, queued steps, sha256 digests of
-    /// the leaf files then the metadata file, the ingress files' digests)`.
-    #[pyo3(signature = (files, ingress_files, meta_file, packed_lengths=None))]
-    fn _checkpoint_sequence<'py>(
-        &self,
-        py: Python<'py>,
-        files: Vec<(PathBuf, String, Vec<usize>)>,
-        ingress_files: Vec<(PathBuf, String, Vec<usize>)>,
-        meta_file: PathBuf,
-        packed_lengths: Option<Vec<PathBuf>>,
-    ) -> PyResult<SequenceCheckpointOut<'py>> {
-        let mut files = leaf_files(files);
-        let ingress_files = leaf_files(ingress_files);
-        let backend = &self.backend;
+    /// Fills this new server (built from `opened`'s settings and an example that matches
+    /// it) with the checkpoint's data: a replay table's items and state, a sequence table's
+    /// steps and windows, a FIFO ring's samples, then the ingress's samples before anything
+    /// new (from a background thread as `sample()` makes room: `_is_restoring`).
+    /// `CheckpointError` naming what does not fit; nothing is inserted then.
+    fn _restore(&self, py: Python<'_>, opened: PyRef<'_, PyOpenedCheckpoint>) -> PyResult<()> {
+        let descrs = npy_descrs(py, &self.leaves.descrs)?;
         let server = &self.server;
-        let (counts, digests, ingress_digests) = detach(py, || {
-            let BackendCheckpoint::Sequence(mut checkpoint, queued) =
-                backend.checkpoint(|| server.queued_now())?
-            else {
-                return Err(EchoError::Config("_checkpoint_sequence: not a sequence table".into()));
-            };
-            let lengths_files = packed_files(checkpoint.codecs(), &packed_lengths, &mut files)?;
-            if !lengths_files.is_empty() {
-                checkpoint.keep_packed();
-            }
-            let mut digests = write_leaf_files(&mut *checkpoint, &files)?;
-            let snapshot = checkpoint.snapshot();
-            digests.push(write_npy_1d(&meta_file, 'u', &snapshot.encode(), 1)?);
-            for (path, lengths) in lengths_files.iter().zip(checkpoint.packed_lengths()) {
-                digests.push(write_npy_1d(path, 'u', as_bytes(lengths), 4)?);
-            }
-            let ingress_digests = if queued.is_empty() {
-                Vec::new()
-            } else {
-                write_leaf_files(&mut QueuedChunks::new(backend.spec(), &queued), &ingress_files)?
-            };
-            let counts = (
-                snapshot.steps(),
-                snapshot.windows(),
-                snapshot.open_episodes(),
-                snapshot.queued(),
-                checkpoint.chunks(),
-            );
-            Ok::<_, EchoError>((counts, digests, ingress_digests))
-        })
-        .map_err(to_pyerr)?;
-        let digests = digests.iter().map(|d| PyBytes::new(py, d)).collect();
-        let ingress_digests = ingress_digests.iter().map(|d| PyBytes::new(py, d)).collect();
-        Ok((counts, digests, ingress_digests))
-    }
-
-    /// Fills this new sequence table with a checkpoint: `leaves[l]` (leaf `l` of every step,
-    /// as bytes), the metadata `meta` (the uint8 array `_checkpoint_sequence` wrote) and the
-    /// queued steps' leaves `ingress_leaves`. ValueError naming what does not fit; nothing is
-    /// inserted then. `packed`: `(leaf, codec name, level, row lengths)` for each leaf whose
-    /// rows come compressed, one row per chunk (`_checkpoint_sequence` with
-    /// `packed_lengths`).
-    #[pyo3(signature = (leaves, meta, ingress_leaves, packed=Vec::new()))]
-    fn _restore_sequence(
-        &self,
-        py: Python<'_>,
-        leaves: Vec<PyReadonlyArray1<'_, u8>>,
-        meta: PyReadonlyArray1<'_, u8>,
-        ingress_leaves: Vec<PyReadonlyArray1<'_, u8>>,
-        packed: Vec<PackedLeaf<'_>>,
-    ) -> PyResult<()> {
-        let contiguous = |what: &str, e: numpy::NotContiguousError| {
-            PyValueError::new_err(format!("restore: {what}: {e}"))
-        };
-        let leaves = leaf_rows(&leaves, &packed)?;
-        let ingress_leaves = ingress_leaves
-            .iter()
-            .map(|a| a.as_slice().map_err(|e| contiguous("ingress leaf", e)))
-            .collect::<PyResult<Vec<&[u8]>>>()?;
-        let meta = meta.as_slice().map_err(|e| contiguous("metadata", e))?;
-        let backend = &self.backend;
-        detach(py, || {
-            let snapshot = SequenceSnapshot::decode(meta)?;
-            backend.restore_sequence(&snapshot, &leaves, &ingress_leaves)
-        })
-        .map_err(to_pyerr)
-    }
-
-    /// Puts a FIFO checkpoint's `n` samples (`leaves[l]`: leaf `l` of each, as bytes) into
-    /// this new FIFO server, in order, before anything new: as many as fit at once, the rest
-    /// from a background thread as `sample()` frees room (`_is_restoring` until then).
-    /// ValueError if they do not fit the layout; nothing is inserted then.
-    fn _restore_fifo(
-        &self,
-        py: Python<'_>,
-        leaves: Vec<PyReadonlyArray1<'_, u8>>,
-        n: usize,
-    ) -> PyResult<usize> {
-        let leaves = leaves
-            .iter()
-            .map(|leaf| {
-                leaf.as_slice().map_err(|e| PyValueError::new_err(format!("restore: leaf: {e}")))
-            })
-            .collect::<PyResult<Vec<&[u8]>>>()?;
-        let backend = &self.backend;
-        detach(py, || backend.restore_fifo(&leaves, n)).map_err(to_pyerr)
+        let opened = &opened.inner;
+        detach(py, || server.restore(opened, &descrs)).map_err(to_pyerr)
     }
 
     /// Whether a restore's samples are still going in (other inserts wait for them).
@@ -910,12 +607,4 @@ fn batch_layouts(
         layouts.push(layout(&descr, meta.per_step, &[])?);
     }
     Ok(layouts)
-}
-
-/// `(path, descr, item_shape)` triples as the core's [`LeafFile`]s.
-fn leaf_files(files: Vec<(PathBuf, String, Vec<usize>)>) -> Vec<LeafFile> {
-    files
-        .into_iter()
-        .map(|(path, descr, shape)| LeafFile { path, descr, shape, raw: false })
-        .collect()
 }

@@ -20,6 +20,8 @@ use std::time::Instant;
 
 use parking_lot::{Mutex, MutexGuard};
 
+mod checkpoint;
+
 use crate::backend::{Backend, BackendConfig, BackendStats, BatchConsumer, BatchRef};
 use crate::codec::Codec;
 use crate::error::EchoError;
@@ -81,6 +83,8 @@ pub struct Snapshot {
 /// The server: a backend, its single consumer, and the transport and ingress in front of it.
 pub struct Server {
     backend: Backend,
+    /// The settings it was built with, as a checkpoint records them.
+    config: ServerConfig,
     /// The single consumer. The mutex serialises sampling callers; a batch stays valid while
     /// its guard is held (see [`Server::sample_slice`]).
     consumer: Mutex<BatchConsumer>,
@@ -124,12 +128,13 @@ impl Server {
             .producer_queue_size
             .unwrap_or_else(|| IngressConfig::queue_size_for(spec.payload_size()));
         let ingress_config = IngressConfig::new(config.num_drainers, queue_size);
-        let (backend, consumer) = Backend::new(spec, config.backend)?;
+        let (backend, consumer) = Backend::new(spec, config.backend.clone())?;
         Ok(Self {
             backend,
+            wire_codecs: config.wire_codecs.clone(),
+            config,
             consumer: Mutex::new(consumer),
             ingress_config,
-            wire_codecs: config.wire_codecs,
             tcp: Mutex::new(None),
             ingress: OnceLock::new(),
             draining: AtomicBool::new(false),

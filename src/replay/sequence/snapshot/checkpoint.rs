@@ -5,7 +5,9 @@
 
 use std::collections::HashMap;
 
-use super::{at_end_code, ChunkRow, CopyOnWrite, EpisodeRow, SequenceSnapshot, StreamRow, WindowRow};
+use super::{
+    at_end_code, ChunkRow, CopyOnWrite, EpisodeRow, SequenceSnapshot, StreamRow, WindowRow,
+};
 use crate::codec::LeafCodecs;
 use crate::error::EchoError;
 use crate::replay::sequence::{Compressed, SequenceTable, State};

@@ -1,0 +1,105 @@
+//! A server's checkpoints: what it records of its own settings, the write with the ingress's
+//! acknowledged samples captured at the snapshot's moment, and a restore into a new server.
+
+use std::path::Path;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use super::{LastCheckpoint, Server};
+use crate::backend::BackendConfig;
+use crate::checkpoint::manifest::{CodecEntry, Strategy};
+use crate::checkpoint::{self, Example, Extra, OpenedCheckpoint, Settings, Stage, Tuning};
+use crate::error::EchoError;
+
+impl Server {
+    /// The settings that are part of the data, as a checkpoint records them.
+    pub fn checkpoint_settings(&self) -> Settings {
+        let mut settings = Settings {
+            batch_size: self.backend.batch_size(),
+            num_buffers: None,
+            max_size: None,
+            sampler: None,
+            remover: None,
+            rate_limiter: None,
+            max_times_sampled: None,
+            sequence: None,
+        };
+        let (replay, sequence) = match &self.config.backend {
+            BackendConfig::Fifo { num_batches, .. } => {
+                settings.num_buffers = Some(*num_batches);
+                return settings;
+            }
+            BackendConfig::Replay(replay) => (replay, None),
+            BackendConfig::Sequence(replay, sequence) => (replay, Some(sequence)),
+        };
+        settings.max_size = Some(replay.max_size);
+        settings.sampler = Some(Strategy::sampler(replay.sampler));
+        settings.remover = Some(Strategy::remover(replay.remover));
+        settings.rate_limiter = Some(Strategy::rate_limiter(replay.rate_limit));
+        settings.max_times_sampled = Some(replay.max_times_sampled);
+        settings.sequence = sequence.map(Strategy::sequence);
+        settings
+    }
+
+    /// The settings that only tune the server, as a checkpoint records them.
+    pub fn checkpoint_tuning(&self) -> Tuning {
+        let codecs = &self.config.wire_codecs;
+        let max_bytes = match &self.config.backend {
+            BackendConfig::Fifo { .. } => None,
+            BackendConfig::Replay(replay) | BackendConfig::Sequence(replay, _) => replay.max_bytes,
+        };
+        Tuning {
+            num_drainers: Some(self.config.num_drainers),
+            producer_queue_size: Some(self.config.producer_queue_size),
+            compress: codecs
+                .iter()
+                .any(Option::is_some)
+                .then(|| codecs.iter().map(|c| c.map(CodecEntry)).collect()),
+            max_bytes,
+        }
+    }
+
+    /// Writes a checkpoint of this server to `path` (see [`checkpoint::write()`]): its data,
+    /// the acknowledged samples its ingress holds, `example`'s layout and the learner's
+    /// `extra`; records it for [`Server::snapshot`] once complete. Inserts and sampling go on
+    /// meanwhile. Returns the bytes its files hold.
+    ///
+    /// # Errors
+    /// As [`checkpoint::write()`].
+    pub fn checkpoint(
+        &self,
+        path: &Path,
+        example: &Example,
+        extra: Option<Extra<'_>>,
+        hook: &mut dyn FnMut(Stage) -> Result<(), EchoError>,
+    ) -> Result<u64, EchoError> {
+        let started = Instant::now();
+        let request = checkpoint::CheckpointRequest {
+            path,
+            settings: self.checkpoint_settings(),
+            tuning: self.checkpoint_tuning(),
+            example,
+            extra,
+        };
+        let bytes = checkpoint::write(&self.backend, || self.queued_now(), request, hook)?;
+        let unix_s = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+        self.record_checkpoint(LastCheckpoint {
+            unix_s,
+            duration_s: started.elapsed().as_secs_f64(),
+            bytes,
+        });
+        Ok(bytes)
+    }
+
+    /// Fills this new server (built from `opened`'s settings and example) with the
+    /// checkpoint's data; `npy_descrs[l]` is leaf `l`'s dtype as a `.npy` header spells it.
+    ///
+    /// # Errors
+    /// [`EchoError::Checkpoint`] naming what does not fit; nothing is inserted then.
+    pub fn restore(
+        &self,
+        opened: &OpenedCheckpoint,
+        npy_descrs: &[String],
+    ) -> Result<(), EchoError> {
+        opened.restore_into(&self.backend, npy_descrs)
+    }
+}
