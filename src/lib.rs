@@ -45,6 +45,8 @@ pub mod ingress;
 pub mod metrics;
 #[cfg(not(loom))]
 pub mod pinned;
+#[cfg(all(target_os = "linux", not(loom), not(miri)))]
+mod prefault;
 #[cfg(not(loom))]
 pub mod queued;
 pub mod replay;

@@ -1,7 +1,8 @@
 //! Raw slot memory: one pre-allocated, 64-byte aligned, zero-initialised buffer per leaf,
 //! each `capacity` slots long. Buffers of at least [`MAP_BYTES`] are mapped straight from the
 //! kernel (anonymous `mmap`), whose pages are zero and only take memory once written: a
-//! million-step table is built at once and costs memory as it fills. (The allocator's
+//! million-step table is built at once and costs memory as it fills; on Linux, a thread keeps
+//! the pages ahead of the writers faulted in, off their thread (`crate::prefault`). (The allocator's
 //! `alloc_zeroed` would write every byte first: for alignments above 16 it cannot use
 //! `calloc`.) The FIFO store's ring, a replay table's item storage and its
 //! batch area are all [`Slots`]. This is the only module that touches slot memory; every
@@ -54,24 +55,7 @@ impl LeafBuf {
         }
         #[cfg(all(unix, not(loom), not(miri)))]
         if total >= MAP_BYTES {
-            // SAFETY: a fresh anonymous private mapping: no address hint, no file; the kernel
-            // returns page-aligned memory (so `RING_ALIGN`-aligned) that reads as zeros, or
-            // MAP_FAILED, checked below.
-            let raw = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    total,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                    -1,
-                    0,
-                )
-            };
-            if raw == libc::MAP_FAILED {
-                return Err(EchoError::OutOfMemory { bytes: total });
-            }
-            let base =
-                NonNull::new(raw.cast::<u8>()).ok_or(EchoError::OutOfMemory { bytes: total })?;
+            let base = map_anonymous(total)?;
             return Ok(Self { base, slot_bytes, backing: Backing::Mapped(total) });
         }
         let layout = Layout::from_size_align(total, RING_ALIGN)
@@ -90,6 +74,58 @@ impl LeafBuf {
             Backing::Mapped(len) => len,
         }
     }
+}
+
+/// `total` bytes of a fresh anonymous private mapping, reading as zeros and taking memory only
+/// once written (on Linux, a prefault thread then keeps the pages ahead of the writers
+/// populated: `crate::prefault`).
+///
+/// Transparent huge pages (`MADV_HUGEPAGE`) were tried for the first fill's page faults: one
+/// fault per 2 MiB made a second table in a process fill near the steady rate, but the first
+/// one's faults waited for the kernel to compact memory into huge pages (the system's `defrag`
+/// setting compacts synchronously for advised ranges): 10x slower than small pages on a host
+/// with a busy page cache. So the mapping keeps the system's default.
+#[cfg(all(unix, not(loom), not(miri)))]
+fn map_anonymous(total: usize) -> Result<NonNull<u8>, EchoError> {
+    // SAFETY: a fresh anonymous private mapping: no address hint, no file; the kernel returns
+    // page-aligned memory (so `RING_ALIGN`-aligned) that reads as zeros, or MAP_FAILED,
+    // checked below.
+    let raw = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            total,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if raw == libc::MAP_FAILED {
+        return Err(EchoError::OutOfMemory { bytes: total });
+    }
+    NonNull::new(raw.cast::<u8>()).ok_or(EchoError::OutOfMemory { bytes: total })
+}
+
+/// A prefault thread for the mapped buffers among `leaves`, when they map enough to be worth
+/// one ([`crate::prefault::PREFAULT_MIN_BYTES`]).
+#[cfg(all(target_os = "linux", not(loom), not(miri)))]
+fn prefault_for(leaves: &[LeafBuf], capacity: usize) -> Option<crate::prefault::Prefault> {
+    let regions: Vec<crate::prefault::Region> = leaves
+        .iter()
+        .filter(|leaf| matches!(leaf.backing, Backing::Mapped(_)))
+        .map(|leaf| crate::prefault::Region {
+            base: leaf.base.as_ptr() as usize,
+            slot_bytes: leaf.slot_bytes,
+        })
+        .collect();
+    let mapped: usize = regions.iter().map(|r| r.slot_bytes * capacity).sum();
+    if mapped < crate::prefault::PREFAULT_MIN_BYTES {
+        return None;
+    }
+    // SAFETY: each region is a mapping of `capacity * slot_bytes` bytes owned by a `LeafBuf`
+    // of the `Slots` this prefault is stored in, declared after it, so the prefault (and its
+    // thread) is dropped before any buffer is unmapped.
+    unsafe { crate::prefault::Prefault::start(regions, capacity) }
 }
 
 impl Drop for LeafBuf {
@@ -116,6 +152,10 @@ impl Drop for LeafBuf {
 /// Raw storage for `capacity` samples of a [`DataSpec`], leaf by leaf.
 #[derive(Debug)]
 pub(crate) struct Slots {
+    /// Populates large mapped buffers ahead of the writers (`crate::prefault`). First, so that
+    /// it is dropped (its thread joined) before the buffers are unmapped.
+    #[cfg(all(target_os = "linux", not(loom), not(miri)))]
+    prefault: Option<crate::prefault::Prefault>,
     leaves: Box<[LeafBuf]>,
     capacity: usize,
     /// One tracker per slot; zero-sized (so this box allocates nothing) outside loom builds.
@@ -152,7 +192,24 @@ impl Slots {
             leaves.push(LeafBuf::allocate(total, slot_bytes)?);
         }
         let trackers = (0..capacity).map(|_| SlotTracker::default()).collect();
-        Ok(Self { leaves: leaves.into_boxed_slice(), capacity, trackers })
+        Ok(Self {
+            #[cfg(all(target_os = "linux", not(loom), not(miri)))]
+            prefault: prefault_for(&leaves, capacity),
+            leaves: leaves.into_boxed_slice(),
+            capacity,
+            trackers,
+        })
+    }
+
+    /// Tells the prefault thread (if any) that `slot` is about to be written.
+    #[inline]
+    fn note_write(&self, slot: usize) {
+        #[cfg(all(target_os = "linux", not(loom), not(miri)))]
+        if let Some(prefault) = &self.prefault {
+            prefault.note(slot);
+        }
+        #[cfg(not(all(target_os = "linux", not(loom), not(miri))))]
+        let _ = slot;
     }
 
     /// Every leaf buffer as `(start, length in bytes)` (for page-locking). Empty leaves have
@@ -189,6 +246,7 @@ impl Slots {
     /// If `src.len()` is not the leaf's slot size or `slot` is out of range. Callers validate
     /// sizes before reserving, so this is a last line of defence against heap overflow.
     pub(crate) unsafe fn write_slot(&self, slot: usize, leaf: usize, src: &[u8]) {
+        self.note_write(slot);
         let dst = self.slot_ptr(leaf, slot).cast_mut();
         let len = self.leaves[leaf].slot_bytes;
         assert_eq!(src.len(), len, "leaf {leaf}: slot holds {len} bytes, got {}", src.len());
@@ -212,6 +270,7 @@ impl Slots {
         slot: usize,
         f: impl FnOnce(&mut [&mut [u8]]) -> R,
     ) -> R {
+        self.note_write(slot);
         self.trackers[slot].writing(|| {
             let mut leaves: Vec<&mut [u8]> = (0..self.leaves.len())
                 .map(|leaf| {
@@ -239,6 +298,7 @@ impl Slots {
     /// # Panics
     /// If `slot` is out of range.
     pub(crate) unsafe fn fill_slot(&self, slot: usize, leaf: usize, fill: impl FnOnce(&mut [u8])) {
+        self.note_write(slot);
         let dst = self.slot_ptr(leaf, slot).cast_mut();
         let len = self.leaves[leaf].slot_bytes;
         self.trackers[slot].writing(|| {
@@ -273,6 +333,7 @@ impl Slots {
             range.start <= range.end && range.end <= len,
             "bytes {range:?} of a {len}-byte slot"
         );
+        self.note_write(slot);
         let dst = self.slot_ptr(leaf, slot).cast_mut().wrapping_add(range.start);
         // SAFETY: `dst..dst + range.len()` is inside this slot of this leaf (bounds checked by
         // `slot_ptr` and the assert; an empty range is a valid empty slice at an in-bounds or
@@ -423,5 +484,38 @@ mod tests {
         let grown = resident_bytes().saturating_sub(before);
         assert!(grown < 128 << 20, "a 512 MiB ring made {grown} bytes resident before use");
         drop(ring);
+    }
+
+    /// A buffer large enough for a prefault thread, filled slot by slot while the thread runs
+    /// ahead: every byte reads back as written (populating never touches a byte), and the
+    /// thread ends, joined, when the slots are dropped part-way.
+    #[cfg(all(target_os = "linux", not(loom), not(miri)))]
+    #[test]
+    fn slots_written_while_the_prefault_thread_runs_ahead_keep_their_bytes() {
+        let capacity = 1 << 18;
+        let spec = DataSpec::new(vec![
+            ArraySpec::new(vec![256], 1).unwrap(),
+            ArraySpec::new(vec![], 8).unwrap(),
+        ])
+        .unwrap();
+        let slots = Slots::new(&spec, capacity).unwrap();
+        assert!(slots.prefault.is_some(), "{} MiB mapped", (capacity * 264) >> 20);
+        let row = |s: usize| -> [u8; 256] { std::array::from_fn(|i| (s * 7 + i) as u8) };
+        for s in 0..capacity {
+            // SAFETY: one thread writes and then reads; nothing else touches the slots.
+            unsafe { slots.write_slot(s, 0, &row(s)) };
+            // SAFETY: as above.
+            unsafe { slots.write_slot(s, 1, &(s as u64).to_le_bytes()) };
+        }
+        for s in (0..capacity).step_by(997) {
+            // SAFETY: as above.
+            unsafe { slots.read_slots(0, s..s + 1, |b| assert_eq!(b, row(s), "slot {s}")) };
+            // SAFETY: as above.
+            unsafe { slots.read_slots(1, s..s + 1, |b| assert_eq!(b, (s as u64).to_le_bytes())) };
+        }
+        let fresh = Slots::new(&spec, capacity).unwrap();
+        // SAFETY: as above.
+        unsafe { fresh.write_slot(capacity / 2, 1, &7u64.to_le_bytes()) };
+        drop(fresh); // joins its thread wherever it is
     }
 }

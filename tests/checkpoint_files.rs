@@ -257,7 +257,7 @@ proptest! {
             panic!("replay tables both")
         };
         prop_assert_eq!(before.size, after.size);
-        prop_assert_eq!(after.size as u64, live);
+        prop_assert_eq!(after.size, live);
         prop_assert_eq!(before.stored_bytes, after.stored_bytes);
         for seq in &kept {
             let key = *seq;
