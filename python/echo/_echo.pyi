@@ -351,6 +351,13 @@ class ServerCore:
         written by the core with the GIL released, then swapped in atomically), with the
         encoded `extra` (`extra.json`'s bytes and each array as `(descr literal, shape,
         bytes)`); `hook(stage)` runs at each stage. Returns the bytes its files hold."""
+    def writer(self, timeout: float | None = None) -> SampleWriter:
+        """A `SampleWriter` into this server (FIFO or replay)."""
+    @property
+    def leaf_names(self) -> list[str]:
+        """The example's leaves' names in flattened order."""
+    def push_leaves(self, leaves: tuple[Any, ...], timeout: float | None) -> None:
+        """Copies one sample given as its leaves, positionally."""
     def _restore(self, opened: OpenedCheckpoint) -> None:
         """Fills this new server with the opened checkpoint's data (CheckpointError naming
         what does not fit; nothing is inserted then)."""
@@ -359,6 +366,19 @@ class ServerCore:
         """Whether a restore's samples are still going in (other inserts wait for them)."""
     def describe(self) -> str:
         """`num_buffers=3` or `max_size=100, sampler=Uniform()`."""
+
+@final
+class SampleWriter:
+    """`Server.writer()`: inserts single samples given as their leaves, positionally."""
+
+    def __call__(self, *leaves: Any) -> None:
+        """Copies one sample whose leaves are `leaves`, in the example's flattened order."""
+    @property
+    def leaves(self) -> list[str]:
+        """The leaves' names, in the order a call takes them."""
+    @property
+    def timeout(self) -> float | None:
+        """Seconds each call waits for room (None: as long as it takes)."""
 
 @final
 class OpenedCheckpoint:

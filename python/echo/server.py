@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from echo import checkpoint as _checkpoint
-from echo._echo import SampleInfo, ServerClosedError, ServerCore
+from echo._echo import SampleInfo, SampleWriter, ServerClosedError, ServerCore
 from echo._periodic import PeriodicCheckpointer
 from echo._prefetch import Prefetcher, device_transfer
 from echo._pytree import TreeLayout
@@ -397,6 +397,37 @@ class Server:
         end_episode = check_bool("end_episode", end_episode)
         first = None if stream is None else check_int("stream", stream, 0)
         self._core.submit(sample, timeout, priority, first, end_episode, truncated)
+
+    def writer(self, *, timeout: float | None = None) -> SampleWriter:
+        """A writer cached for this server's fixed layout: the fastest way to insert single
+        samples from Python, for loops that produce them one at a time.
+
+        `w = server.writer()`, then `w(*leaves)` copies one sample whose leaves are given
+        positionally, in the example's flattened order (`w.leaves` names them; for a dict,
+        optree sorts the keys: `{"obs": ..., "action": ...}` is `w(action, obs)`). It skips
+        what `submit()` pays for a pytree (the call's keywords, the walk of the tree) and
+        checks what it checks: each leaf's type, dtype and shape. Each call blocks like
+        `submit()`, with the GIL released, up to `timeout`, and inserts with the default
+        priority.
+
+        Args:
+            timeout: Seconds each call waits for room; `None` waits as long as it takes.
+
+        Returns:
+            The writer: call it with the leaves; `leaves` and `timeout` say what it takes.
+
+        Raises:
+            ValueError: The server is a sequence table (its steps need a stream and episode
+                ends: use `submit()`), or `timeout` is negative. A call raises as
+                `submit()` does, and ValueError for the wrong number of leaves.
+        """
+        return self._core.writer(timeout)
+
+    @property
+    def leaf_names(self) -> list[str]:
+        """The example's leaves' names (`['obs']`) in flattened order: the order
+        `writer()` takes them in."""
+        return self._core.leaf_names
 
     def submit_batch(
         self,

@@ -14,7 +14,9 @@ use pyo3::types::{PyBool, PyString};
 use super::config::{codec_object, resolve_token, seconds};
 use super::errors::{error_in, to_pyerr, Call};
 use super::leaves::{byte_slices, episode_end, EpisodeFlags, LeafSpecs};
-use super::{deadline_after, deadline_from_timeout, detach, reattach, wait_detached};
+use super::{
+    already_passed, deadline_after, deadline_from_timeout, detach, reattach, wait_detached,
+};
 use crate::error::EchoError;
 use crate::source::Rows;
 use crate::transport::client::{
@@ -392,7 +394,7 @@ impl PyTcpSender {
         if self.leaves.spec.payload_size() < DETACH_WRITE_BYTES {
             // Fast path: room in the window, the write is one short syscall.
             if let Some(mut sender) = self.sender.try_lock() {
-                match sender.send(&slices, meta, Some(Instant::now())) {
+                match sender.send(&slices, meta, Some(already_passed())) {
                     // No room yet, or the socket filled mid-sample: the loop below waits, and
                     // resumes a started sample where it stopped.
                     Err(EchoError::TimedOut | EchoError::Stalled) => {}

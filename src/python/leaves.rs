@@ -197,6 +197,16 @@ impl LeafSpecs {
         Ok(Some(arrays))
     }
 
+    /// Leaf `i` given on its own (a `SampleWriter`'s positional leaves), checked as a
+    /// sample's leaf is.
+    pub(crate) fn checked_leaf<'py>(
+        &self,
+        i: usize,
+        item: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyUntypedArray>> {
+        self.check_leaf(i, item)
+    }
+
     /// Checks leaf `i`: an ndarray (or numpy scalar) of the example's dtype and shape.
     fn check_leaf<'py>(
         &self,

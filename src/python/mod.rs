@@ -28,6 +28,7 @@ mod info;
 mod leaves;
 mod server;
 mod views;
+mod writer;
 
 /// Longest stretch spent with the GIL released before checking for signals.
 const SLICE: Duration = Duration::from_millis(50);
@@ -108,6 +109,13 @@ pub(crate) fn wait_detached<T: Send>(
             return Ok(None);
         }
     }
+}
+
+/// A deadline that has passed: "try once, do not wait", without reading the clock on every
+/// insert (the clock is only read when the insert would have to wait).
+pub(crate) fn already_passed() -> Instant {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    *START.get_or_init(Instant::now)
 }
 
 /// `timeout` in seconds (`None`: wait forever) as a deadline. A timeout too large for a
@@ -221,6 +229,7 @@ fn _echo(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<info::SampleInfo>()?;
     m.add_class::<info::HistSnapshot>()?;
     m.add_class::<checkpoint::PyOpenedCheckpoint>()?;
+    m.add_class::<writer::PySampleWriter>()?;
     m.add("CheckpointError", py.get_type::<errors::CheckpointError>())?;
     m.add("CHECKPOINT_FORMAT_VERSION", crate::checkpoint::FORMAT_VERSION)?;
     m.add_function(wrap_pyfunction!(checkpoint::open_checkpoint, m)?)?;

@@ -20,7 +20,8 @@ use super::errors::{error_in, sample_timed_out, submit_timed_out, to_pyerr, Call
 use super::info::{HistSnapshot, SampleInfo};
 use super::leaves::{byte_slices, episode_end, EpisodeFlags, LeafSpecs};
 use super::views::{batch_copies, batch_views, LeafLayout, RingLease};
-use super::{deadline_from_timeout, detach, wait_detached};
+use super::writer::PySampleWriter;
+use super::{already_passed, deadline_from_timeout, detach, wait_detached};
 use crate::backend::{Backend, BatchConsumer, BatchRef};
 use crate::checkpoint::{Extra, ExtraArray, Stage};
 use crate::error::EchoError;
@@ -203,6 +204,57 @@ impl PyServerCore {
         let first = self.check_steps(stream, end != EpisodeEnd::No, 1)?;
         let arrays = self.leaves.arrays(sample)?;
         self.insert(sample.py(), &arrays, priority, deadline, StepTag { stream: first, end })
+    }
+
+    /// A `SampleWriter` into this server (FIFO or replay: a sequence table's steps need a
+    /// stream and episode ends, which `submit` takes). Each call waits up to `timeout`.
+    #[pyo3(signature = (timeout=None))]
+    fn writer(slf: Bound<'_, Self>, timeout: Option<f64>) -> PyResult<PySampleWriter> {
+        deadline_from_timeout(timeout)?;
+        if slf.get().backend.sequence().is_some() {
+            return Err(PyValueError::new_err(
+                "writer() takes samples of a FIFO or replay server; a sequence table's steps \
+                 go in with submit(step, stream=..., end_episode=...)",
+            ));
+        }
+        Ok(PySampleWriter::new(slf.unbind(), timeout))
+    }
+
+    /// The example's leaves' names (`['obs']`) in flattened order: the order a
+    /// `SampleWriter` takes them in.
+    #[getter]
+    pub(crate) fn leaf_names(&self) -> Vec<String> {
+        self.leaves.names.clone()
+    }
+
+    /// Copies one sample given as its leaves, positionally in the example's flattened order
+    /// (`SampleWriter`): no pytree to walk, no keyword to parse. Blocks like `submit` (until
+    /// `timeout` seconds; `None`: as long as it takes).
+    pub(crate) fn push_leaves(
+        &self,
+        leaves: &Bound<'_, PyTuple>,
+        timeout: Option<f64>,
+    ) -> PyResult<()> {
+        let py = leaves.py();
+        if leaves.len() != self.leaves.len() {
+            return Err(PyValueError::new_err(format!(
+                "SampleWriter: expected {} leaves ({}), got {}",
+                self.leaves.len(),
+                self.leaves.names.join(", "),
+                leaves.len()
+            )));
+        }
+        if self.server.is_closed_to_inserts() {
+            return Err(error_in(Call::Submit, EchoError::Closed));
+        }
+        let arrays = leaves
+            .iter()
+            .enumerate()
+            .map(|(i, leaf)| self.leaves.checked_leaf(i, &leaf))
+            .collect::<PyResult<Vec<_>>>()?;
+        let deadline = deadline_from_timeout(timeout)?;
+        let tag = StepTag { stream: 0, end: EpisodeEnd::No };
+        self.insert(py, &arrays, None, deadline, tag)
     }
 
     /// Copies a batch of samples, one per row of every leaf (all with the same leading
@@ -479,7 +531,7 @@ impl PyServerCore {
         // Small samples are tried once with the GIL held (detaching costs more than the copy);
         // not when they are compressed first, which takes longer than the GIL should be held.
         if self.backend.spec().payload_size() < DETACH_COPY_BYTES && !self.backend.compresses() {
-            match insert(Some(Instant::now())) {
+            match insert(Some(already_passed())) {
                 Err(err) if err.is_timeout_before_any() => {}
                 done => return done.map_err(|e| error_in(Call::Submit, e.error)),
             }
