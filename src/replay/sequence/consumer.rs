@@ -18,6 +18,9 @@ use super::config::LOG_TARGET;
 use super::state::{Compressed, Drawn, Packed, Run};
 use super::SequenceTable;
 
+/// Windows a gather prefetches ahead of the one it copies.
+const WINDOWS_AHEAD: usize = 2;
+
 impl SequenceTable {
     /// Decompresses compressed leaf `k` of a packed chunk into `dst` (its steps' raw bytes).
     /// The table packed every chunk itself, so this cannot fail short of a bug; if it does,
@@ -113,6 +116,12 @@ impl SequenceConsumer {
         }
         for leaf in (0..leaves).filter(|&leaf| table.packed_index[leaf].is_none()) {
             for (i, drawn) in self.pending.iter().enumerate() {
+                // Windows are drawn at random: start the next ones' cache misses now.
+                if let Some(ahead) = self.pending.get(i + WINDOWS_AHEAD) {
+                    for run in &self.runs[ahead.first_run..ahead.last_run] {
+                        table.storage.prefetch(leaf, run.first as usize, run.steps as usize);
+                    }
+                }
                 let runs = &self.runs[drawn.first_run..drawn.last_run];
                 let fill = |dst: &mut [u8]| {
                     let mut at = 0;

@@ -24,6 +24,8 @@ pub struct ReplayConsumer {
     pub(super) cursor: BatchCursor,
     /// What held the last `sample` back when it timed out (`None` after a batch).
     pub(super) holdback: Option<SampleHoldback>,
+    /// The pending items' slots, for the gather (kept to reuse its allocation).
+    pub(super) drawn_slots: Vec<usize>,
 }
 
 impl ReplayConsumer {
@@ -56,6 +58,7 @@ impl ReplayConsumer {
         self.holdback = None;
         drop(state);
         self.gather();
+        let table = &*self.table;
         let mut state = table.state.lock();
         for drawn in self.pending.drain(..) {
             state.unpin(drawn.slot);
@@ -72,7 +75,10 @@ impl ReplayConsumer {
     }
 
     /// Copies the pending items into the batch-area half the cursor points at.
-    fn gather(&self) {
+    fn gather(&mut self) {
+        let mut slots = std::mem::take(&mut self.drawn_slots);
+        slots.clear();
+        slots.extend(self.pending.iter().map(|drawn| drawn.slot));
         let table = &*self.table;
         let base = self.cursor.half() * table.config.batch_size;
         let leaves = table.spec.len();
@@ -80,17 +86,13 @@ impl ReplayConsumer {
             if table.codecs.get(leaf).is_some() {
                 continue;
             }
-            for (i, drawn) in self.pending.iter().enumerate() {
-                let slot = drawn.slot;
-                // SAFETY: `slot` is pinned by this consumer (invariant 2): it is `Live` or
-                // `Retired`, and writers only write `Free` slots, so its bytes are stable
-                // until `unpin` below.
-                unsafe {
-                    table.storage.read_slots(leaf, slot..slot + 1, |src| {
-                        self.write_area(base + i, leaf, src)
-                    })
-                }
-            }
+            // SAFETY: every drawn slot is pinned by this consumer (invariant 2): it is `Live`
+            // or `Retired`, and writers only write `Free` slots, so its bytes are stable until
+            // `unpin`. Only this consumer (one per table, `&mut self` in `sample`) writes the
+            // batch area; numpy views of this half from two calls ago may still be read by
+            // Python, which the documented lifetime rule (a batch is stable until the second
+            // `sample` after it) makes the user's stale read of memory that stays allocated.
+            unsafe { table.storage.gather_into(leaf, &slots, table.shell.area(), base) };
         }
         if !table.codecs.is_empty() {
             self.gather_packed(base);
@@ -98,6 +100,7 @@ impl ReplayConsumer {
         for (i, drawn) in self.pending.iter().enumerate() {
             drawn.write_meta(|m, bytes| self.write_area(base + i, leaves + m, bytes));
         }
+        self.drawn_slots = slots;
     }
 
     /// Decompresses the pending items' compressed leaves into the batch area from slot

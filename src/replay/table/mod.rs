@@ -229,6 +229,7 @@ impl Table {
         Some(ReplayConsumer {
             table: Arc::clone(self),
             pending: Vec::with_capacity(self.config.batch_size),
+            drawn_slots: Vec::with_capacity(self.config.batch_size),
             cursor: BatchCursor::default(),
             holdback: None,
         })
