@@ -12,7 +12,22 @@ bash scripts/venv.sh .venv test
 # waits on sockets, child processes and timeouts, so 2 workers keep 2 cores busy. The tests
 # bind ephemeral ports and write only to their own tmp_path, so they may run side by side.
 # Each worker takes the next test when it is done (worksteal): the slow ones do not pile up
-# on one of them.
+# on one of them. The tests marked `serial` assert a wall-clock bound: they run afterwards,
+# in one process, with nothing beside them (a pass with none of them selected is fine). An
+# `-m` among the arguments replaces these selections (then one pass, in workers).
 workers=${ECHO_PYTEST_WORKERS:-2}
 echo ">> pytest${PYTHONPATH:+ with PYTHONPATH=$PYTHONPATH} in $workers processes"
-python -m pytest -q --durations=15 -n "$workers" --dist worksteal "$@"
+if ((workers == 0)); then
+  exec python -m pytest -q --durations=15 "$@"
+fi
+pytest_pass() { # pytest "$@"; exit 5 (no test selected) counts as passing
+  local rc=0
+  python -m pytest "$@" || rc=$?
+  ((rc == 0 || rc == 5)) || exit "$rc"
+}
+pytest_pass -q --durations=15 -n "$workers" --dist worksteal -m "not serial" "$@"
+for arg in "$@"; do
+  [[ $arg == -m || $arg == -m* ]] && exit 0
+done
+echo ">> pytest: the tests marked serial, in one process"
+pytest_pass -q -m serial "$@"

@@ -772,6 +772,7 @@ CLIENT_PRELUDE = textwrap.dedent(
 )
 
 
+@pytest.mark.serial
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 @pytest.mark.parametrize("blocked_in", ["send", "wait"])
 def test_ctrl_c_interrupts_a_blocked_send_or_wait_promptly(blocked_in: str) -> None:
