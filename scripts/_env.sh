@@ -12,11 +12,11 @@ export PATH="$VIRTUAL_ENV/bin:$PATH"
 # What ruff formats and lints (scripts/fmt.sh, scripts/lint.sh).
 # shellcheck disable=SC2034
 PY_SOURCES=(python benches examples scripts)
-# ECHO_BUILD_WHEEL=1 (CI: .ci/run) builds the release wheel that scripts/wheel.sh checks
-# instead (manylinux2014, linked by zig: the same cargo invocation, so that script's build
-# finds everything fresh) and installs it into .venv: the tests then run against the
-# wheel users get, and CI builds the release extension once, not twice. Without it, an
-# editable install (`maturin develop`), which sees edits to python/echo at once.
+# ECHO_BUILD_WHEEL=1 (CI: .ci/run) builds the release wheel instead (manylinux2014, linked by
+# zig, as scripts/wheel.sh builds it) and installs it into .venv: the tests then run against
+# the wheel users get, scripts/wheel.sh checks that same file, and CI builds the release
+# extension once, not twice. Without it, an editable install (`maturin develop`), which sees
+# edits to python/echo at once.
 if [[ ${ECHO_NO_BUILD:-} != 1 && ${ECHO_BUILT:-} != "$PWD" ]]; then
   if [[ ${ECHO_BUILD_WHEEL:-} == 1 ]]; then
     echo ">> building the release wheel (manylinux2014, zig) into target/wheels-venv"
