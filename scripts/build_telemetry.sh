@@ -5,6 +5,10 @@
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh" >/dev/null
 dest=${1:-target/detailed-site}
 rm -rf target/wheels-detailed "$dest"
-maturin build --release -q --features python,detailed-metrics -o target/wheels-detailed
+# Under ECHO_BUILD_WHEEL=1 (CI), linked as the .venv wheel is (scripts/_env.sh): a different
+# linker would make cargo build every dependency again.
+zig=()
+[[ ${ECHO_BUILD_WHEEL:-} == 1 ]] && zig=(--zig --compatibility manylinux2014)
+maturin build --release -q "${zig[@]}" --features python,detailed-metrics -o target/wheels-detailed
 python -m pip install -q --no-deps --target "$dest" target/wheels-detailed/id_echo-*.whl
 echo ">> telemetry build installed in $dest"

@@ -13,5 +13,6 @@ if ((${#models[@]} == 0)); then
   exit 1
 fi
 echo ">> loom models: ${models[*]}"
+# --profile loom: release's optimisation without its LTO and debug info (Cargo.toml).
 RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 \
-  cargo test --quiet --release "${models[@]}" --target-dir target/loom "$@"
+  cargo test --quiet --profile loom "${models[@]}" --target-dir target/loom "$@"

@@ -47,6 +47,12 @@ def pytest_configure(config: pytest.Config) -> None:
         "peer: wire compatibility with the published id-echo 0.2.1 (needs $ECHO_PEER_PYTHON "
         "or network access to build a virtualenv with it)",
     )
+    config.addinivalue_line(
+        "markers",
+        "serial: asserts a wall-clock bound (Ctrl-C honoured within 2 s, a timeout noticed in "
+        "time); scripts/test_py.sh runs these after the others, in one process, with no other "
+        "test beside them",
+    )
 
 
 HERE = Path(__file__).resolve().parent

@@ -218,6 +218,7 @@ def test_interpreter_exit_while_threads_poll_with_timeouts_is_clean() -> None:
     assert not failures, f"{len(failures)} of 12 runs exited badly: {failures}"
 
 
+@pytest.mark.serial
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 @pytest.mark.parametrize(
     "blocked_in", ["sample", "submit", "replay_sample", "replay_submit_rate_limited"]

@@ -420,6 +420,7 @@ def test_send_batch_over_shared_memory_keeps_order(make_server: Any) -> None:
     assert _receive(server, 30) == {0: list(range(30))}
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("blocked_in", ["send", "wait"])
 def test_ctrl_c_interrupts_a_send_or_wait_blocked_on_shared_memory(blocked_in: str) -> None:
     code = textwrap.dedent(

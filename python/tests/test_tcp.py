@@ -772,6 +772,7 @@ CLIENT_PRELUDE = textwrap.dedent(
 )
 
 
+@pytest.mark.serial
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 @pytest.mark.parametrize("blocked_in", ["send", "wait"])
 def test_ctrl_c_interrupts_a_blocked_send_or_wait_promptly(blocked_in: str) -> None:
@@ -860,7 +861,13 @@ def test_port_in_use_is_an_os_error_naming_the_port(make_server: Any) -> None:
         second.start()
 
 
-@pytest.mark.parametrize("transport", ["tcp", 50051, object(), {"port": 0}], ids=repr)
+# Ids without an address in them (`object()`'s repr has one): pytest-xdist's workers must
+# collect the same test ids.
+@pytest.mark.parametrize(
+    "transport",
+    ["tcp", 50051, object(), {"port": 0}],
+    ids=lambda v: "object()" if type(v) is object else repr(v),
+)
 def test_transport_of_a_wrong_type_is_a_type_error(
     make_server: Any, example: Any, transport: Any
 ) -> None:

@@ -866,6 +866,7 @@ def test_a_raw_priority_frame_the_server_cannot_take_gets_an_error_frame(
     assert server.stats().samples_inserted_total == 0
 
 
+@pytest.mark.serial
 def test_the_server_sends_heartbeats_at_a_quarter_of_the_shorter_timeout(
     make_server: Any,
 ) -> None:
@@ -1220,6 +1221,7 @@ def test_without_reconnect_a_drop_is_a_connection_closed_error(
         client.close(timeout=1.0)
 
 
+@pytest.mark.serial
 def test_reconnect_gives_up_after_reconnect_timeout_with_the_gil_released(
     make_server: Any, spawn: Any
 ) -> None:
@@ -1247,6 +1249,7 @@ def test_reconnect_gives_up_after_reconnect_timeout_with_the_gil_released(
         client.close(timeout=1.0)
 
 
+@pytest.mark.serial
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_ctrl_c_interrupts_a_send_blocked_in_a_reconnect() -> None:
     code = "from _blocked import after, announce_when\n" + textwrap.dedent(
@@ -1670,6 +1673,7 @@ def test_a_shared_memory_client_resumes_through_a_dropped_connection_exactly_onc
 # --- heartbeats --------------------------------------------------------------------------------
 
 
+@pytest.mark.serial
 def test_a_client_detects_a_silent_server_within_its_heartbeat_timeout(
     make_server: Any, proxy: Callable[..., Proxy]
 ) -> None:
