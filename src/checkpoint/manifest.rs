@@ -308,6 +308,22 @@ pub struct Settings {
     pub sequence: Option<Strategy>,
 }
 
+impl Settings {
+    /// Batches of `batch_size`, every other setting absent (the caller fills its kind's).
+    pub fn new(batch_size: usize) -> Self {
+        Self {
+            batch_size,
+            num_buffers: None,
+            max_size: None,
+            sampler: None,
+            remover: None,
+            rate_limiter: None,
+            max_times_sampled: None,
+            sequence: None,
+        }
+    }
+}
+
 /// The settings that only tune the server; a restore keeps them unless given others.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Tuning {
@@ -627,16 +643,7 @@ mod tests {
             format_version: 3,
             echo_version: "0".into(),
             created_unix_ns: 1,
-            settings: Settings {
-                batch_size: 2,
-                num_buffers: Some(4),
-                max_size: None,
-                sampler: None,
-                remover: None,
-                rate_limiter: None,
-                max_times_sampled: None,
-                sequence: None,
-            },
+            settings: Settings { num_buffers: Some(4), ..Settings::new(2) },
             tuning: Tuning::default(),
             layout: Layout {
                 treespec: "PyTreeSpec(*)".into(),

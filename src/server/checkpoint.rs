@@ -13,16 +13,7 @@ use crate::error::EchoError;
 impl Server {
     /// The settings that are part of the data, as a checkpoint records them.
     pub fn checkpoint_settings(&self) -> Settings {
-        let mut settings = Settings {
-            batch_size: self.backend.batch_size(),
-            num_buffers: None,
-            max_size: None,
-            sampler: None,
-            remover: None,
-            rate_limiter: None,
-            max_times_sampled: None,
-            sequence: None,
-        };
+        let mut settings = Settings::new(self.backend.batch_size());
         let (replay, sequence) = match &self.config.backend {
             BackendConfig::Fifo { num_batches, .. } => {
                 settings.num_buffers = Some(*num_batches);
