@@ -28,7 +28,6 @@ mod info;
 mod leaves;
 mod server;
 mod views;
-mod writer;
 
 /// Longest stretch spent with the GIL released before checking for signals.
 const SLICE: Duration = Duration::from_millis(50);
@@ -229,7 +228,7 @@ fn _echo(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<info::SampleInfo>()?;
     m.add_class::<info::HistSnapshot>()?;
     m.add_class::<checkpoint::PyOpenedCheckpoint>()?;
-    m.add_class::<writer::PySampleWriter>()?;
+    m.add_class::<server::PySampleWriter>()?;
     m.add("CheckpointError", py.get_type::<errors::CheckpointError>())?;
     m.add("CHECKPOINT_FORMAT_VERSION", crate::checkpoint::FORMAT_VERSION)?;
     m.add_function(wrap_pyfunction!(checkpoint::open_checkpoint, m)?)?;

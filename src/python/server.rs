@@ -3,6 +3,10 @@
 //! layer owns the pytree structure), checks everything memory safety depends on (leaf count,
 //! dtype, shape, contiguity, byte sizes), runs the TCP ingress when asked, and hands batches
 //! out as numpy views. Which backend it drives is decided once, from the settings, in Rust.
+//!
+//! `SampleWriter` (`Server.writer()`) is its companion for single samples given as their
+//! leaves, positionally: it skips what `submit` pays for a pytree (the Python method's frame,
+//! keyword parsing, the walk of the tree) and keeps every check memory safety depends on.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -20,7 +24,6 @@ use super::errors::{error_in, sample_timed_out, submit_timed_out, to_pyerr, Call
 use super::info::{HistSnapshot, SampleInfo};
 use super::leaves::{byte_slices, episode_end, EpisodeFlags, LeafSpecs};
 use super::views::{batch_copies, batch_views, LeafLayout, RingLease};
-use super::writer::PySampleWriter;
 use super::{already_passed, deadline_from_timeout, detach, wait_detached};
 use crate::backend::{Backend, BatchConsumer, BatchRef};
 use crate::checkpoint::{Extra, ExtraArray, Stage};
@@ -659,4 +662,44 @@ fn batch_layouts(
         layouts.push(layout(&descr, meta.per_step, &[])?);
     }
     Ok(layouts)
+}
+
+/// Inserts single samples given as their leaves (`writer(obs, action, reward, done)`).
+#[pyclass(frozen, module = "echo._echo", name = "SampleWriter")]
+pub(crate) struct PySampleWriter {
+    core: Py<PyServerCore>,
+    timeout: Option<f64>,
+}
+
+impl PySampleWriter {
+    /// A writer into `core`; each call waits up to `timeout` seconds for room.
+    pub(crate) fn new(core: Py<PyServerCore>, timeout: Option<f64>) -> Self {
+        Self { core, timeout }
+    }
+}
+
+#[pymethods]
+impl PySampleWriter {
+    /// Copies one sample whose leaves are `leaves`, in the example's flattened order.
+    #[pyo3(signature = (*leaves))]
+    fn __call__(&self, leaves: &Bound<'_, PyTuple>) -> PyResult<()> {
+        self.core.get().push_leaves(leaves, self.timeout)
+    }
+
+    /// The leaves' names (`['obs']`), in the order a call takes them.
+    #[getter]
+    fn leaves(&self) -> Vec<String> {
+        self.core.get().leaf_names()
+    }
+
+    fn __repr__(&self) -> String {
+        let timeout = self.timeout.map_or_else(|| "None".to_owned(), |t| t.to_string());
+        format!("SampleWriter(leaves=[{}], timeout={timeout})", self.leaves().join(", "))
+    }
+
+    /// Seconds each call waits for room (`None`: as long as it takes).
+    #[getter]
+    fn timeout(&self) -> Option<f64> {
+        self.timeout
+    }
 }
