@@ -157,6 +157,14 @@ def child_env() -> dict[str, str]:
     return {**os.environ, "PYTHONFAULTHANDLER": "1", "PYTHONPATH": path}
 
 
+def default_sigint() -> None:
+    """`preexec_fn` of a child that must answer Ctrl-C: SIGINT back to its default action, which
+    the child's interpreter then turns into KeyboardInterrupt. A test run started in the
+    background (`cmd &` without job control, as some CI runners start their steps) inherits
+    SIGINT ignored, and an interpreter that starts with it ignored keeps ignoring it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def read_line(proc: subprocess.Popen[str], timeout: float) -> str:
     """One line of `proc`'s stdout, waiting at most `timeout` seconds in all ("" if none came,
     what there was at the end of the stream).
@@ -192,6 +200,7 @@ def assert_ctrl_c_interrupts_promptly(code: str) -> None:
         stderr=subprocess.PIPE,
         text=True,
         env=child_env(),
+        preexec_fn=default_sigint,
     )
     try:
         line = read_line(proc, timeout=30)
@@ -297,6 +306,7 @@ def run_python() -> Callable[..., subprocess.CompletedProcess[str]]:
             timeout=timeout,
             env=child_env(),
             check=False,
+            preexec_fn=default_sigint,
         )
 
     return run

@@ -300,7 +300,6 @@ def test_connect_timeout_bounds_a_trickled_handshake(one_shot_server: Callable[.
         TcpClient(LOCALHOST, port, example, connect_timeout=1.0)
 
 
-@pytest.mark.serial
 def test_ctrl_c_interrupts_a_connect_waiting_for_the_handshake(
     run_python: Callable[..., Any],
 ) -> None:
