@@ -153,6 +153,15 @@ def ensure_venv(
     return str(python), "installed"
 
 
+def _thp() -> str | None:
+    """The kernel's transparent huge page mode (``always``, ``madvise``, ``never``)."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text(encoding="utf-8")
+    except OSError:
+        return None
+    return next((w[1:-1] for w in text.split() if w.startswith("[")), None)
+
+
 def _child_params(params: dict[str, Any]) -> dict[str, Any]:
     drop = ("libs", "venv_root", "rounds", "install")
     return {k: v for k, v in params.items() if k not in drop}
@@ -195,6 +204,7 @@ def measure(params: dict[str, Any]) -> dict[str, Any]:
                 doc = c.run_json_child(cmd, timeout)
                 runs[lib].setdefault(row, []).append(doc)
     out: dict[str, Any] = {"setup": setup, "rows": {}, "versions": {}, "skipped": skipped}
+    out["transparent_hugepage"] = _thp()
     correct = True
     for lib in libs:
         rows: dict[str, Any] = {}
@@ -272,6 +282,18 @@ def _venv_word(status: str) -> str:
     return "yes" if status in ("reused", "installed") else status.split(" (")[0]
 
 
+def _huge_pages(rows_by_lib: dict[str, Any], libs: list[str]) -> str:
+    """Per library: resident MiB on huge pages / all resident MiB once its Atari table was
+    full (the Atari sample's child, after its fill)."""
+    parts = []
+    for lib in libs:
+        runs = rows_by_lib[lib].get("atari_sample", {}).get("runs", [])
+        mem = next((d["memory_kib"] for d in runs if d.get("memory_kib")), None)
+        if mem and "AnonHugePages" in mem and "Rss" in mem:
+            parts.append(f"{lib} {mem['AnonHugePages'] // 1024:,} of {mem['Rss'] // 1024:,} MiB")
+    return ", ".join(parts) or "-"
+
+
 def _median(xs: list[float]) -> float | None:
     return c.median(xs) if xs else None
 
@@ -333,7 +355,13 @@ def tables(results: dict[str, Any], params: dict[str, Any]) -> list[dict[str, An
         "column (its single-row push writes zeros there, push_batch a copy of obs), holds "
         "actions as f32 and done as u8 terminated/truncated, and takes a seed per sample.",
         "*memcpy ceiling*: np.copyto of one batch's bytes (256 frames gathered beforehand, 16 "
-        "such sources in turn) per batch: an upper bound for the Atari gather.",
+        "such sources in turn) per batch: an upper bound for the Atari gather. Transparent "
+        f"huge pages: {r.get('transparent_hugepage') or 'unknown'}; resident on huge pages "
+        f"once the Atari table was full: {_huge_pages(rows_by_lib, libs)}.",
+        "Scalar leaves are 0-d arrays (views of the pool, the form of echo's example) for "
+        "echo, cpprb and id-echo, and Python floats and bools for rlox, which takes no 0-d "
+        "array; its actions are f32[1] arrays. The last row passes numpy scalars (np.int64, "
+        "np.float32, np.bool_ as indexing a column gives them) instead, to all four.",
         "id-echo 0.2.1 is a FIFO ring: its insert rows fill a ring of the table's size, and "
         "steady inserts keep it full with one sample() (a view, timed) per ring batch of "
         f"{pc.IdEcho.ring_batch(int(size)):,} rows; it has no replay sampling, batch insert or "

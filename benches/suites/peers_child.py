@@ -62,6 +62,12 @@ ROWS: dict[str, tuple[str, str, str, str]] = {
     "atari_sample": ("Atari uniform sample of 256", "batches/s", "atari", "sample"),
     "seq_insert": ("sequence step insert (T=16, period 1)", "steps/s", "small", "seq_fill"),
     "seq_sample": ("sequence sample of 32 windows x 16", "batches/s", "small", "seq_sample"),
+    "insert1_steady_scalars": (
+        "single-row insert, steady, scalars as numpy scalars (not 0-d arrays)",
+        "rows/s",
+        "small",
+        "steady",
+    ),
 }
 
 
@@ -104,6 +110,11 @@ def touch(arrays: Any) -> float:
         a = np.asarray(v)
         acc += float(a.flat[-1])
     return acc
+
+
+def memory_kib() -> dict[str, int]:
+    """This process's resident memory and the part of it on transparent huge pages (KiB)."""
+    return c.proc_kib("/proc/self/smaps_rollup", "Rss", "AnonHugePages")
 
 
 def shapes(arrays: Any) -> list[list[int]]:
@@ -180,9 +191,13 @@ class Echo(Library):
         )
 
     @staticmethod
-    def rows(cols: dict[str, np.ndarray]) -> list[Any]:
+    def rows(cols: dict[str, np.ndarray], scalars: bool = False) -> list[Any]:
+        """One dict per pool row: the obs a view of its row; the scalar leaves 0-d arrays
+        (views, the example's form), or numpy scalars (``np.int64``...) with ``scalars``."""
         keys = list(cols)
-        return [{k: cols[k][i] for k in keys} for i in range(len(cols["obs"]))]
+        if scalars:
+            return [{k: cols[k][i] for k in keys} for i in range(len(cols["obs"]))]
+        return [{k: cols[k][i, ...] for k in keys} for i in range(len(cols["obs"]))]
 
     @staticmethod
     def batches(cols: dict[str, np.ndarray]) -> list[Any]:
@@ -323,13 +338,16 @@ class Cpprb(Library):
         return self.cpprb.ReplayBuffer(size, self.env_dict(data))
 
     @staticmethod
-    def _kw(cols: dict[str, np.ndarray], a: int, b: int | None = None) -> dict[str, Any]:
-        if b is None:
+    def _kw(
+        cols: dict[str, np.ndarray], a: int, b: int | None = None, scalars: bool = False
+    ) -> dict[str, Any]:
+        if b is None:  # one row, as Echo.rows gives it
+            i: Any = a if scalars else (a, ...)
             return {
                 "obs": cols["obs"][a],
-                "act": cols["action"][a],
-                "rew": cols["reward"][a],
-                "done": cols["done"][a],
+                "act": cols["action"][i],
+                "rew": cols["reward"][i],
+                "done": cols["done"][i],
             }
         return {
             "obs": cols["obs"][a:b],
@@ -338,8 +356,8 @@ class Cpprb(Library):
             "done": cols["done"][a:b],
         }
 
-    def rows(self, cols: dict[str, np.ndarray]) -> list[Any]:
-        return [self._kw(cols, i) for i in range(len(cols["obs"]))]
+    def rows(self, cols: dict[str, np.ndarray], scalars: bool = False) -> list[Any]:
+        return [self._kw(cols, i, scalars=scalars) for i in range(len(cols["obs"]))]
 
     def batches(self, cols: dict[str, np.ndarray]) -> list[Any]:
         n = len(cols["obs"]) // BATCH_ROWS * BATCH_ROWS
@@ -422,11 +440,15 @@ class Rlox(Library):
     def _actions(cols: dict[str, np.ndarray]) -> np.ndarray:
         return cols["action"].astype(np.float32).reshape(-1, 1)
 
-    def rows(self, cols: dict[str, np.ndarray]) -> list[Any]:
+    def rows(self, cols: dict[str, np.ndarray], scalars: bool = False) -> list[Any]:
+        """Python float and bool (it takes no 0-d array), or numpy scalars with ``scalars``;
+        the action an ``f32[1]`` array either way (it takes nothing else)."""
         act = self._actions(cols)
+        rew, done = cols["reward"], cols["done"]
+        if scalars:
+            return [(cols["obs"][i], act[i], rew[i], done[i], False) for i in range(len(rew))]
         return [
-            (cols["obs"][i], act[i], float(cols["reward"][i]), bool(cols["done"][i]), False)
-            for i in range(len(cols["obs"]))
+            (cols["obs"][i], act[i], float(rew[i]), bool(done[i]), False) for i in range(len(rew))
         ]
 
     def batches(self, cols: dict[str, np.ndarray]) -> list[Any]:
@@ -706,7 +728,7 @@ def measure_inserts(impl: Any, row: str, p: dict[str, Any], log: Callable[[str],
     size = int(p["atari_size"] if data == "atari" else p["size"])
     cols = atari_pool(int(p["atari_pool"])) if data == "atari" else small_pool(int(p["pool"]))
     batch64 = row.startswith("insert64")
-    items = impl.batches(cols) if batch64 else impl.rows(cols)
+    items = impl.batches(cols) if batch64 else impl.rows(cols, row.endswith("_scalars"))
     per_call = BATCH_ROWS if batch64 else 1
     style = impl.style
     ring = impl.name == "id-echo"
@@ -727,6 +749,7 @@ def measure_inserts(impl: Any, row: str, p: dict[str, Any], log: Callable[[str],
             calls = insert_loop(put, style, chunks, size // per_call, t0 + p["fill_seconds"])
             dt = time.perf_counter() - t0
             rows = calls * per_call
+            memory = memory_kib()
             stored = impl.stored(t)
             if stored is not None and stored != rows:
                 correct = False
@@ -741,12 +764,14 @@ def measure_inserts(impl: Any, row: str, p: dict[str, Any], log: Callable[[str],
             "rows": counts,
             "seconds": seconds,
             "construct_s": construct,
+            "memory_kib": memory,
             "correct": correct,
         }
     t0 = time.perf_counter()
     t = impl.new(data, size, False)
     impl.prefill(t, cols, size, False, None)
     setup = time.perf_counter() - t0
+    memory = memory_kib()
     stored = impl.stored(t)
     if stored is not None and stored != size:
         correct = False
@@ -774,6 +799,7 @@ def measure_inserts(impl: Any, row: str, p: dict[str, Any], log: Callable[[str],
         "rows": counts,
         "seconds": seconds,
         "setup_s": setup,
+        "memory_kib": memory,
         "correct": correct,
     }
 
@@ -841,9 +867,16 @@ def measure_samples(impl: Any, row: str, p: dict[str, Any], log: Callable[[str],
             return acc
 
     setup = time.perf_counter() - t0
+    memory = memory_kib()
     correct = correct and _check_shapes(first, [batch])
     out = sample_windows(fn, p, f"{impl.name} {row}", log)
-    return {**out, "first_shapes": first, "setup_s": setup, "correct": correct}
+    return {
+        **out,
+        "first_shapes": first,
+        "setup_s": setup,
+        "memory_kib": memory,
+        "correct": correct,
+    }
 
 
 def measure_sequences(impl: Any, row: str, p: dict[str, Any], log: Callable[[str], None]) -> dict:
