@@ -282,12 +282,12 @@ def _venv_word(status: str) -> str:
     return "yes" if status in ("reused", "installed") else status.split(" (")[0]
 
 
-def _huge_pages(rows_by_lib: dict[str, Any], libs: list[str]) -> str:
-    """Per library: resident MiB on huge pages / all resident MiB once its Atari table was
-    full (the Atari sample's child, after its fill)."""
+def _huge_pages(rows_by_lib: dict[str, Any], libs: list[str], row: str) -> str:
+    """Per library: resident MiB on huge pages / all resident MiB once the table of ``row``'s
+    child was full (after its fill, before the clock)."""
     parts = []
     for lib in libs:
-        runs = rows_by_lib[lib].get("atari_sample", {}).get("runs", [])
+        runs = rows_by_lib[lib].get(row, {}).get("runs", [])
         mem = next((d["memory_kib"] for d in runs if d.get("memory_kib")), None)
         if mem and "AnonHugePages" in mem and "Rss" in mem:
             parts.append(f"{lib} {mem['AnonHugePages'] // 1024:,} of {mem['Rss'] // 1024:,} MiB")
@@ -355,9 +355,11 @@ def tables(results: dict[str, Any], params: dict[str, Any]) -> list[dict[str, An
         "column (its single-row push writes zeros there, push_batch a copy of obs), holds "
         "actions as f32 and done as u8 terminated/truncated, and takes a seed per sample.",
         "*memcpy ceiling*: np.copyto of one batch's bytes (256 frames gathered beforehand, 16 "
-        "such sources in turn) per batch: an upper bound for the Atari gather. Transparent "
-        f"huge pages: {r.get('transparent_hugepage') or 'unknown'}; resident on huge pages "
-        f"once the Atari table was full: {_huge_pages(rows_by_lib, libs)}.",
+        "such sources in turn) per batch: an upper bound for the Atari gather.",
+        f"Transparent huge pages: {r.get('transparent_hugepage') or 'unknown'}. Resident on "
+        "huge pages once the table was full, of the process's resident memory: "
+        f"{_huge_pages(rows_by_lib, libs, 'sample_uniform')} (row 5); "
+        f"{_huge_pages(rows_by_lib, libs, 'atari_sample')} (row 9).",
         "Scalar leaves are 0-d arrays (views of the pool, the form of echo's example) for "
         "echo, cpprb and id-echo, and Python floats and bools for rlox, which takes no 0-d "
         "array; its actions are f32[1] arrays. The last row passes numpy scalars (np.int64, "
