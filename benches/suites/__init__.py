@@ -26,7 +26,8 @@ The modules here are the suites and their parts, a part named after its suite: `
 (the default session) runs ``core_inprocess``, ``core_views`` and ``core_tcp`` (with
 ``core_tcp_scenarios`` and ``core_tcp_workers``) as scripts and renders ``core_tables``;
 ``replay`` runs ``replay_tables`` (and ``replay_peers``), ``sequence`` runs
-``sequence_tables`` (with ``sequence_data`` and ``sequence_tcp``); ``compression`` has
+``sequence_tables`` (with ``sequence_data`` and ``sequence_tcp``); ``peers`` runs
+``peers_child`` in each library's interpreter; ``compression`` has
 ``compression_wire`` and ``compression_tables``, and shares ``compression_common`` with
 ``sequence-compression``; ``ray`` has ``ray_actors`` and ``ray_tables``. A script runs on its
 own as ``python -m benches.suites.NAME`` from the repository root. What every suite shares is
@@ -135,6 +136,12 @@ SUITES: tuple[Suite, ...] = (
         "benches.suites.sequence_compression",
         "compressed sequence tables on real Atari steps: RSS, window sampling and step inserts "
         "vs uncompressed",
+    ),
+    Suite(
+        "peers",
+        "benches.suites.peers",
+        "echo against cpprb, rlox and id-echo 0.2.1 (each in its own virtualenv): inserts, "
+        "uniform/prioritized/Atari/sequence samples",
     ),
     Suite(
         "ray",
