@@ -157,12 +157,12 @@ def child_env() -> dict[str, str]:
     return {**os.environ, "PYTHONFAULTHANDLER": "1", "PYTHONPATH": path}
 
 
-def default_sigint() -> None:
-    """`preexec_fn` of a child that must answer Ctrl-C: SIGINT back to its default action, which
-    the child's interpreter then turns into KeyboardInterrupt. A test run started in the
-    background (`cmd &` without job control, as some CI runners start their steps) inherits
-    SIGINT ignored, and an interpreter that starts with it ignored keeps ignoring it."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+# The first line of a child that must answer Ctrl-C: Python's SIGINT handler, which raises
+# KeyboardInterrupt. A test run started in the background (`cmd &` without job control, as some
+# CI runners start their steps) inherits SIGINT ignored, and an interpreter that starts with it
+# ignored installs no handler. (Not a `preexec_fn`: that makes subprocess fork the pytest
+# process, which JAX, imported by some tests, warns against.)
+ANSWER_CTRL_C = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
 
 
 def read_line(proc: subprocess.Popen[str], timeout: float) -> str:
@@ -195,12 +195,11 @@ def assert_ctrl_c_interrupts_promptly(code: str) -> None:
     (`_blocked.announce_when`), sends it SIGINT, and checks that it ends within 2 s with a
     KeyboardInterrupt and nothing worse."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", code],
+        [sys.executable, "-c", ANSWER_CTRL_C + code],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=child_env(),
-        preexec_fn=default_sigint,
     )
     try:
         line = read_line(proc, timeout=30)
@@ -306,7 +305,6 @@ def run_python() -> Callable[..., subprocess.CompletedProcess[str]]:
             timeout=timeout,
             env=child_env(),
             check=False,
-            preexec_fn=default_sigint,
         )
 
     return run

@@ -309,6 +309,7 @@ def test_ctrl_c_interrupts_a_connect_waiting_for_the_handshake(
         import numpy as np
         from echo import TcpClient
 
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # if started with it ignored
         listener = socket.create_server(("127.0.0.1", 0))  # accepts (backlog), never answers
         port = listener.getsockname()[1]
         threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
