@@ -174,6 +174,11 @@ fn a_data_file_replaced_by_a_link_or_a_pipe_is_refused_without_reading_it() {
         assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o600) }, 0);
     });
     assert!(pipe.contains("priorities.npy: is not a regular file"), "{pipe}");
+    let manifest = tampered(|dir| {
+        std::fs::remove_file(dir.join("manifest.json")).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", dir.join("manifest.json")).unwrap();
+    });
+    assert!(manifest.contains("manifest.json: is a symbolic link"), "{manifest}");
 }
 
 #[test]

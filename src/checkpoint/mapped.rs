@@ -34,24 +34,7 @@ impl MappedFile {
     /// # Errors
     /// The message, for the caller to prefix with the file's path.
     pub fn open_checked(dir: &Path, name: &str, expected: &FileEntry) -> Result<Self, String> {
-        let path = dir.join(name);
-        let file = File::options()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
-            .open(&path)
-            .map_err(|e| match e.kind() {
-                io::ErrorKind::NotFound => "missing".to_owned(),
-                _ if e.raw_os_error() == Some(libc::ELOOP) => {
-                    "is a symbolic link; a checkpoint's files are regular files in its \
-                     directory"
-                        .to_owned()
-                }
-                _ => format!("cannot be opened ({e})"),
-            })?;
-        let meta = file.metadata().map_err(|e| format!("cannot be read ({e})"))?;
-        if !meta.file_type().is_file() {
-            return Err("is not a regular file".to_owned());
-        }
+        let (file, meta) = open_regular(dir, name)?;
         if meta.len() != expected.bytes {
             return Err(format!(
                 "{} bytes, the manifest says {} (truncated?)",
@@ -106,6 +89,47 @@ impl MappedFile {
         // in `drop`), and nothing writes them through this mapping.
         unsafe { std::slice::from_raw_parts(self.ptr.cast::<u8>(), self.len) }
     }
+}
+
+/// Opens `dir/name` as a restore must (see the module doc): by name, no link followed, a
+/// regular file; the message says what is wrong.
+fn open_regular(dir: &Path, name: &str) -> Result<(File, std::fs::Metadata), String> {
+    let file = File::options()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(dir.join(name))
+        .map_err(|e| match e.kind() {
+            io::ErrorKind::NotFound => "missing".to_owned(),
+            _ if e.raw_os_error() == Some(libc::ELOOP) => {
+                "is a symbolic link; a checkpoint's files are regular files in its directory"
+                    .to_owned()
+            }
+            _ => format!("cannot be opened ({e})"),
+        })?;
+    let meta = file.metadata().map_err(|e| format!("cannot be read ({e})"))?;
+    if !meta.file_type().is_file() {
+        return Err("is not a regular file".to_owned());
+    }
+    Ok((file, meta))
+}
+
+/// Reads the small file `dir/name` (the manifest), opened as [`MappedFile::open_checked`]
+/// opens data files, refusing one above `max_bytes` before reading it.
+pub(super) fn read_small(dir: &Path, name: &str, max_bytes: u64) -> Result<Vec<u8>, String> {
+    use std::io::Read;
+    let (file, meta) = open_regular(dir, name)?;
+    if meta.len() > max_bytes {
+        return Err(format!("{} bytes, more than a manifest holds ({max_bytes})", meta.len()));
+    }
+    let mut bytes = Vec::with_capacity(usize::try_from(meta.len()).unwrap_or(0));
+    // `take`: a file that grows after the check is still read only up to the bound.
+    file.take(max_bytes + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("cannot be read ({e})"))?;
+    if bytes.len() as u64 > max_bytes {
+        return Err(format!("more than a manifest holds ({max_bytes} bytes)"));
+    }
+    Ok(bytes)
 }
 
 impl Drop for MappedFile {

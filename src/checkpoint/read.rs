@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use super::manifest::{Kind, Manifest, EXTRA, MANIFEST, META_FILES};
-use super::mapped::MappedFile;
+use super::mapped::{read_small, MappedFile};
 use super::npy::{native_descr, NpyHeader};
 use super::Example;
 use crate::backend::{Backend, Restore};
@@ -16,6 +16,10 @@ use crate::error::EchoError;
 use crate::queued::QueuedSamples;
 use crate::replay::{LeafRows, SequenceSnapshot, SnapshotItems, TableState};
 use crate::source::Rows;
+
+/// The largest manifest a restore reads: far above a real one (a few hundred bytes per leaf
+/// and per file), so a tampered one cannot make it read or allocate without bound.
+const MANIFEST_MAX_BYTES: u64 = 64 << 20;
 
 /// Which of a checkpoint's files [`OpenedCheckpoint::open`] checks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,17 +52,14 @@ impl OpenedCheckpoint {
     /// [`EchoError::Checkpoint`] naming the file and what is wrong with it.
     pub fn open(path: &Path, verify: Verify) -> Result<Self, EchoError> {
         let root = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
-        let bytes = match std::fs::read(root.join(MANIFEST)) {
-            Ok(bytes) => bytes,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(refused(
-                    &root,
-                    MANIFEST,
-                    "missing (not a checkpoint, or an incomplete one)",
-                ))
-            }
-            Err(e) => return Err(refused(&root, MANIFEST, format!("cannot be read ({e})"))),
-        };
+        let bytes = read_small(&root, MANIFEST, MANIFEST_MAX_BYTES).map_err(|e| {
+            let e = if e == "missing" {
+                "missing (not a checkpoint, or an incomplete one)"
+            } else {
+                &e
+            };
+            refused(&root, MANIFEST, e)
+        })?;
         let manifest = Manifest::parse(&bytes).map_err(|e| refused(&root, MANIFEST, e))?;
         let mut files = BTreeMap::new();
         for (name, entry) in &manifest.files {
