@@ -270,7 +270,14 @@ def test_ring_and_backpressure_blocked_times_count_the_waits_of_a_full_ring(
     try:
         for i in range(8):
             client.send(make_sample(i), timeout=WAIT_S)
-        poll(server.stats, lambda s: s.push_blocked_count > 0, "the connection held back")
+        # The ring holds 2, the queue 1: with both full and the connection held back, the
+        # drainer holds the third sample and waits for a free slot (a held-back push alone
+        # can happen before the drainer first wakes, with the ring still empty).
+        poll(
+            server.stats,
+            lambda s: s.push_blocked_count > 0 and s.store_size == 2 and s.queue_depth_sum == 1,
+            "the ring and the connection's queue full, the connection held back",
+        )
         for _ in range(8):
             take(server)
         client.wait(timeout=WAIT_S)
