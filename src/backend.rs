@@ -389,6 +389,15 @@ impl Backend {
         }
     }
 
+    /// [`Backend::end_stream`] for every stream whose id lies in `ids` (a connection's rows),
+    /// walking only the streams that exist. Returns how many had an open episode.
+    pub fn end_streams_in(&self, ids: std::ops::RangeInclusive<u64>, end: EpisodeEnd) -> usize {
+        match self {
+            Self::Sequence(table) => table.end_streams_in(ids, end),
+            Self::Fifo(_) | Self::Replay(_) => 0,
+        }
+    }
+
     /// Sets the priorities of the items with these keys; returns how many keys were unknown.
     ///
     /// # Errors

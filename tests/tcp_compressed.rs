@@ -14,11 +14,15 @@ use common::{
     collect_tagged, send_tagged, start_tagged_fifo, tagged_client, tagged_payload, tagged_spec,
     PATIENCE,
 };
+use echo::backend::Backend;
 use echo::codec::{Codec, LeafCodecs};
+use echo::ingress::IngressConfig;
 use echo::transport::client::{ClientConfig, TcpSender};
 use echo::transport::tcp::TcpConfig;
+use echo::transport::wire::v2::Layout;
 use echo::transport::wire::v2::{self, FrameMeta, Offer, Reply};
-use echo::Leaves;
+use echo::transport::TcpIngress;
+use echo::{ArraySpec, DataSpec, Leaves, Store};
 
 /// The tagged layout with its 13-byte pattern leaf (leaf 2) compressed by `codec`.
 fn compressing(codec: Codec) -> TcpConfig {
@@ -60,13 +64,17 @@ fn clients_compress_the_leaves_the_server_names_and_samples_arrive_bit_exact() {
 
 /// A raw connection that said hello (asking for codecs when `codecs`) and read the reply.
 fn raw_client(addr: SocketAddr, session: u8, codecs: bool) -> (TcpStream, v2::Accept) {
+    raw_client_of(addr, &tagged_spec(), common::tagged_hello(session, false, true, codecs))
+}
+
+/// A raw connection to a server of `spec` that said `hello` and read the reply.
+fn raw_client_of(addr: SocketAddr, spec: &DataSpec, hello: v2::Hello) -> (TcpStream, v2::Accept) {
     use echo::transport::wire::encode_handshake;
     let mut raw = TcpStream::connect(addr).unwrap();
     raw.set_read_timeout(Some(PATIENCE)).unwrap();
-    let mut greeting = vec![0u8; encode_handshake(&tagged_spec()).unwrap().len() + v2::OFFER_LEN];
+    let mut greeting = vec![0u8; encode_handshake(spec).unwrap().len() + v2::OFFER_LEN];
     raw.read_exact(&mut greeting).unwrap();
     let offer = Offer::parse(&greeting[greeting.len() - v2::OFFER_LEN..]).unwrap().unwrap();
-    let hello = common::tagged_hello(session, false, true, codecs);
     raw.write_all(&hello.encode(&offer, None).unwrap()).unwrap();
     let mut reply = Vec::new();
     let mut byte = [0u8; 1];
@@ -161,4 +169,80 @@ fn bad_compressed_frames_end_their_connection_with_an_error_and_nothing_else() {
     assert_eq!(server.snapshot().samples_inserted_total, 2);
     let meta = FrameMeta::default();
     assert_eq!(meta.encode().0[0] | v2::PACKED, 0x14);
+}
+
+/// The learner's resident memory, from /proc/self/statm.
+fn resident_bytes() -> usize {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
+    let pages: usize = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
+    pages * 4096
+}
+
+#[test]
+fn compressed_bodies_a_peer_never_finishes_count_in_max_buffered_bytes() {
+    // One compressed leaf of 1 MiB; peers that each declare a body of the most those leaves
+    // can compress to and send 5 bytes of it. The learner holds for each only what the body
+    // grew to (one step), inside the byte budget, and gives it all back when they go.
+    const LEAF: usize = 1 << 20;
+    const PEERS: usize = 48;
+    let spec = DataSpec::new(vec![ArraySpec::new(vec![LEAF], 1).unwrap()]).unwrap();
+    let store = Store::new(spec.clone(), 1, 2).unwrap();
+    let limit = 8 << 20;
+    let ingress_config = IngressConfig { max_buffered_bytes: limit, ..IngressConfig::new(1, 2) };
+    let tcp = TcpConfig {
+        codecs: vec![Some(Codec::Zstd { level: 1 })],
+        ..TcpConfig::new("127.0.0.1", 0)
+    };
+    let server = TcpIngress::start(Backend::Fifo(store), ingress_config, &tcp).unwrap();
+    let addr = server.local_addr();
+    let codecs = LeafCodecs::new(&spec, vec![Some(Codec::Zstd { level: 1 })]).unwrap();
+    let declared = codecs.max_body() as u32;
+    assert!(declared as usize > LEAF, "zstd's bound exceeds the raw leaf");
+    let before = resident_bytes();
+    let peers: Vec<TcpStream> = (0..PEERS)
+        .map(|i| {
+            let hello = v2::Hello {
+                layout: Layout::untyped(&spec),
+                ..common::tagged_hello(i as u8, false, true, true)
+            };
+            let (mut raw, accept) = raw_client_of(addr, &spec, hello);
+            assert!(accept.codecs.is_some());
+            raw.write_all(&packed_frame(declared, &[0x28, 0xB5, 0x2F, 0xFD, 0])).unwrap();
+            raw
+        })
+        .collect();
+    // Each holds exactly one step of its body; before the body counted, it held none of the
+    // budget and all of `declared` bytes of memory.
+    let step = 64 << 10;
+    common::wait_until("every peer's partial body counted", || {
+        server.snapshot().buffered_bytes == (PEERS * step) as u64
+    });
+    let grown = resident_bytes().saturating_sub(before);
+    assert!(
+        grown < PEERS * LEAF / 4,
+        "{PEERS} peers that sent 5 bytes each grew the learner by {grown} bytes"
+    );
+    assert!(server.snapshot().buffered_bytes <= limit as u64);
+    drop(peers);
+    common::wait_until("the bodies of the peers that left given back", || {
+        server.snapshot().buffered_bytes == 0
+    });
+}
+
+#[test]
+fn a_compressed_frame_larger_than_the_byte_budget_is_refused_not_waited_for() {
+    const LEAF: usize = 1 << 20;
+    let spec = DataSpec::new(vec![ArraySpec::new(vec![LEAF], 1).unwrap()]).unwrap();
+    let store = Store::new(spec.clone(), 1, 2).unwrap();
+    // One sample fits; a sample and a body of its worst case do not.
+    let ingress_config =
+        IngressConfig { max_buffered_bytes: LEAF + LEAF / 2, ..IngressConfig::new(1, 2) };
+    let tcp = TcpConfig { codecs: vec![Some(Codec::Lz4)], ..TcpConfig::new("127.0.0.1", 0) };
+    let server = TcpIngress::start(Backend::Fifo(store), ingress_config, &tcp).unwrap();
+    let hello =
+        v2::Hello { layout: Layout::untyped(&spec), ..common::tagged_hello(1, false, true, true) };
+    let (mut raw, _) = raw_client_of(server.local_addr(), &spec, hello);
+    raw.write_all(&packed_frame((LEAF / 2 + 1) as u32, &[])).unwrap();
+    let message = error_message(&mut raw);
+    assert!(message.contains("max_buffered_bytes"), "{message}");
 }

@@ -343,3 +343,41 @@ fn a_closing_server_acks_what_it_queued_then_says_why_only_to_clients_that_under
         assert!(TcpStream::connect(addr).is_err(), "{why:?}: a closed server accepts nobody");
     }
 }
+
+#[test]
+fn a_gone_connection_ends_only_the_streams_it_used_however_high_their_rows() {
+    use echo::backend::Backend;
+    use echo::ingress::IngressConfig;
+    use echo::replay::{ReplayConfig, SequenceConfig, SequenceTable};
+    use echo::transport::wire::v2::FrameMeta;
+    // Rows up to 2^30 allowed; a client steps on row 0 and on row 2^30 - 1, then goes. Its
+    // streams end by walking the two the table holds, not the 2^30 rows up to the highest
+    // (one lock and lookup each: seconds of a drainer's time, with every other connection's
+    // steps waiting behind it).
+    let high = (1u32 << 30) - 1;
+    let sequence = SequenceConfig { max_streams: high as usize + 1, ..SequenceConfig::new(2) };
+    let table =
+        SequenceTable::new(common::tagged_spec(), ReplayConfig::new(2, 64), sequence).unwrap();
+    let ingress = TcpIngress::start(
+        Backend::Sequence(table.clone()),
+        IngressConfig::new(1, 8),
+        &TcpConfig::new("127.0.0.1", 0),
+    )
+    .unwrap();
+    let mut client =
+        TcpSender::connect(tagged_client(ingress.local_addr().port()), PATIENCE).unwrap();
+    for (seq, row) in [(0, 0), (1, high), (2, high)] {
+        let p = common::tagged_payload(1, seq);
+        let meta = FrameMeta { row, ..FrameMeta::default() };
+        client
+            .send(&[&p[..4], &p[4..12], &p[12..]], meta, Some(Instant::now() + PATIENCE))
+            .unwrap();
+    }
+    client.wait(Some(Instant::now() + PATIENCE)).unwrap();
+    common::wait_until("both rows' streams open", || table.stats().streams_open == 2);
+    assert!(client.close(Some(Instant::now() + PATIENCE)));
+    common::wait_until("the gone connection's streams ended", || {
+        let stats = table.stats();
+        stats.streams_open == 0 && stats.episodes_ended == 2
+    });
+}

@@ -118,6 +118,78 @@ impl ByteBudget {
     }
 }
 
+/// Bytes of the ingress's byte budget held for a buffer outside the connections' pools: a
+/// compressed frame's body as it is read ([`Connection::grow_hold`](super::Connection::grow_hold)),
+/// or the compressed leaves a sample carries to a table that keeps them ([`Packed`]). Given
+/// back, waking connections that wait for bytes, when dropped.
+pub struct BudgetHold {
+    budget: Arc<ByteBudget>,
+    bytes: usize,
+}
+
+impl BudgetHold {
+    pub(super) fn new(budget: &Arc<ByteBudget>) -> Self {
+        Self { budget: Arc::clone(budget), bytes: 0 }
+    }
+
+    /// The bytes held.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Adds `more` bytes, or `false` after registering `conn` to be woken by the next release.
+    pub(super) fn grow_or_wait(&mut self, more: usize, conn: &Arc<Connection>) -> bool {
+        let grown = self.budget.take_or_wait(more, conn);
+        if grown {
+            self.bytes += more;
+        }
+        grown
+    }
+
+    /// The byte budget's limit (`max_buffered_bytes`).
+    pub fn limit(&self) -> usize {
+        self.budget.limit
+    }
+}
+
+impl Drop for BudgetHold {
+    fn drop(&mut self) {
+        if self.bytes > 0 {
+            self.budget.release(self.bytes);
+        }
+    }
+}
+
+impl std::fmt::Debug for BudgetHold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BudgetHold").field("bytes", &self.bytes).finish()
+    }
+}
+
+/// A sample's compressed leaves as they arrived, kept for a table that stores them so,
+/// counted in the byte budget until the drainer has inserted them (and dropped this).
+#[derive(Debug)]
+pub struct Packed {
+    bytes: Box<[u8]>,
+    _hold: BudgetHold,
+}
+
+impl Packed {
+    /// `bytes`, whose length `hold` holds.
+    pub fn new(bytes: Box<[u8]>, hold: BudgetHold) -> Self {
+        debug_assert_eq!(bytes.len(), hold.bytes());
+        Self { bytes, _hold: hold }
+    }
+}
+
+impl std::ops::Deref for Packed {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
 /// Bytes of the ingress's byte budget held by one shared-memory segment, from
 /// [`Ingress::reserve_segment`]; given back (waking connections that wait for bytes) when
 /// dropped, with the segment.

@@ -13,7 +13,7 @@ use crossbeam_queue::ArrayQueue;
 use crossbeam_utils::CachePadded;
 use parking_lot::{Mutex, RwLock};
 
-use super::budget::ByteBudget;
+use super::budget::{BudgetHold, ByteBudget, Packed};
 use super::stats::IngressStats;
 use crate::backend::Backend;
 use crate::doorbell::Doorbell;
@@ -31,7 +31,7 @@ pub trait SpaceWaker: Send + Sync {
 
 /// A queued sample: its buffer, push time, priority, step mark, and its compressed leaves as
 /// they arrived when the backend keeps them so (see [`Connection::try_push_packed`]).
-pub(super) type Queued = (Box<[u8]>, Stamp, Option<f64>, StepMark, Option<Box<[u8]>>);
+pub(super) type Queued = (Box<[u8]>, Stamp, Option<f64>, StepMark, Option<Packed>);
 
 /// Which of its connection's streams a sample is a step of, and whether it ends its episode
 /// (sequence tables; other backends ignore it). A connection's row `r` is the backend's stream
@@ -109,8 +109,11 @@ impl Connection {
         }
         // ORDERING: Relaxed — see `note_row`; the caller saw the connection drained.
         let rows = self.rows_used.load(Relaxed);
-        for row in 0..rows {
-            self.backend.end_stream(self.stream(row), EpisodeEnd::Truncated);
+        if rows > 0 {
+            // The streams of rows below `rows` that the table holds, found in the table: the
+            // rows in between that were never used cost nothing.
+            let ids = self.stream(0)..=self.stream(rows - 1);
+            self.backend.end_streams_in(ids, EpisodeEnd::Truncated);
         }
     }
 
@@ -132,6 +135,21 @@ impl Connection {
         // ORDERING: Relaxed — see above.
         self.allocated.fetch_add(1, Relaxed);
         Some(vec![0u8; self.payload_size].into_boxed_slice())
+    }
+
+    /// An empty hold on the ingress's byte budget, for a buffer this connection's transport
+    /// keeps besides its pooled ones (a compressed frame's body, the compressed leaves a
+    /// sample carries): every byte a peer makes the learner hold counts in
+    /// `max_buffered_bytes`. Grow it with [`Connection::grow_hold`].
+    pub fn hold(&self) -> BudgetHold {
+        BudgetHold::new(&self.budget)
+    }
+
+    /// Adds `more` bytes of the byte budget to `hold` (from [`Connection::hold`]), or
+    /// `false` when the budget is spent, after registering this connection to be woken when
+    /// bytes are freed (wait for [`SpaceWaker::wake`], then retry).
+    pub fn grow_hold(self: &Arc<Self>, hold: &mut BudgetHold, more: usize) -> bool {
+        hold.grow_or_wait(more, self)
     }
 
     /// Gives back a buffer the transport task did not fill (e.g. a partial sample).
@@ -205,10 +223,10 @@ impl Connection {
     pub fn try_push_packed(
         &self,
         buf: Box<[u8]>,
-        packed: Option<Box<[u8]>>,
+        packed: Option<Packed>,
         priority: Option<f64>,
         mark: StepMark,
-    ) -> Result<(), (Box<[u8]>, Option<Box<[u8]>>)> {
+    ) -> Result<(), (Box<[u8]>, Option<Packed>)> {
         debug_assert_eq!(buf.len(), self.payload_size);
         // ORDERING: Relaxed — only this task increments, and `try_insert_in_place` (the one
         // reader that acts on it) runs on this task too, after this.
@@ -431,6 +449,6 @@ pub(super) struct DrainerState {
     pub(super) priorities: Vec<Option<f64>>,
     pub(super) marks: Vec<StepMark>,
     /// Each buffer's compressed leaves as they arrived, if the backend keeps them so.
-    pub(super) packed: Vec<Option<Box<[u8]>>>,
+    pub(super) packed: Vec<Option<Packed>>,
     pub(super) round: usize,
 }

@@ -2,6 +2,7 @@
 //! rounds and inserts every round into the backend with one call, then hands the buffers
 //! back and prunes connections that are closed and drained.
 
+use super::budget::Packed;
 use super::connection::{Connection, DrainerShared, DrainerState, StepMark};
 use super::stats::IngressStats;
 use super::Ingress;
@@ -18,7 +19,7 @@ use std::sync::atomic::Ordering::{Relaxed, Release};
 struct Round<'a> {
     payloads: Payloads<'a, Box<[u8]>>,
     priorities: &'a [Option<f64>],
-    packed: &'a [Option<Box<[u8]>>],
+    packed: &'a [Option<Packed>],
     /// Per sample: its connection (an index into `conns`) and its row and episode flag.
     owners: &'a [usize],
     marks: &'a [StepMark],

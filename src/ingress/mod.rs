@@ -61,7 +61,7 @@ use config::LOG_TARGET;
 use connection::{DrainerShared, DrainerState};
 use drainer::Drainer;
 
-pub use budget::SegmentReservation;
+pub use budget::{BudgetHold, Packed, SegmentReservation};
 pub use config::IngressConfig;
 pub use connection::{Connection, Direct, SpaceWaker, StepMark};
 pub use stats::{IngressSnapshot, IngressStats, TransportEvent};

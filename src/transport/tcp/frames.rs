@@ -17,7 +17,7 @@ use super::link::{invalid, Link, Pooled};
 use super::session::LOG_TARGET;
 use super::session::{NotifyWaker, Session, Shared, TAKEOVER_GRACE};
 use crate::codec::LeafCodecs;
-use crate::ingress::{Connection, StepMark, TransportEvent};
+use crate::ingress::{BudgetHold, Connection, Packed, StepMark, TransportEvent};
 use crate::transport::shm;
 use crate::transport::shm::ShmEnd;
 use crate::transport::wire::v2::{self, Beat, FrameMeta, Hello, Offer, Refusal, Reply};
@@ -201,7 +201,7 @@ async fn serve_frames(
     let (conn, space) = (&session.conn, &*session.space);
     let payload_size = conn.payload_size();
     // A compressed frame's body, read whole before it is decompressed into a buffer.
-    let mut body = Vec::new();
+    let mut body = Body::new(conn);
     loop {
         let Some(kind) = link.next_byte().await? else { return Ok(()) };
         let len = match kind {
@@ -236,7 +236,7 @@ async fn serve_frames(
                 Ok(read) => read,
                 Err(why) => return Err(link.fail(&why).await),
             };
-            ingress.note_compressed(body.len());
+            ingress.note_compressed(body.bytes.len());
             link.push(conn, space, buf, kept, priority, mark).await?;
             // ORDERING: Relaxed — as below.
             session.next_seq.fetch_add(1, Relaxed);
@@ -273,19 +273,40 @@ fn packed_bit(kind: u8) -> u8 {
     }
 }
 
+/// How much a compressed frame's body buffer grows at a time as its bytes arrive: a peer
+/// that declares a large body and sends a few bytes makes the learner hold at most this
+/// much for it (counted in the byte budget like everything else it holds).
+const BODY_STEP: usize = 64 * 1024;
+
+/// A connection's buffer for compressed frame bodies, reused frame to frame, whose capacity
+/// is held in the ingress's byte budget (`max_buffered_bytes`) for as long as it exists.
+struct Body {
+    bytes: Vec<u8>,
+    hold: BudgetHold,
+}
+
+impl Body {
+    fn new(conn: &Connection) -> Self {
+        Self { bytes: Vec::new(), hold: conn.hold() }
+    }
+}
+
 /// Reads a compressed frame's `body_len` and body (into `body`, reused) and decompresses it
 /// into a pooled buffer. Returns the buffer and, with `keep`, the packed bytes (what a table
-/// that stores the leaves compressed keeps; copied out only then), or, as `Err` inside, why
-/// the frame is refused: a length above what these codecs can produce, or a body that does
-/// not decompress to exactly the sample. Nothing beyond the cap is ever allocated.
+/// that stores the leaves compressed keeps; copied out only then, and held in the byte
+/// budget until inserted), or, as `Err` inside, why the frame is refused: a length above what
+/// these codecs can produce or the byte budget can hold, or a body that does not decompress
+/// to exactly the sample. The body grows [`BODY_STEP`] at a time as its bytes arrive, each
+/// step taken from the byte budget first (waiting while it is spent), so a peer makes the
+/// learner hold only what it sent, and all of it within `max_buffered_bytes`.
 async fn read_packed<'c>(
     link: &mut Link<'_>,
     conn: &'c Arc<Connection>,
     space: &Notify,
     codecs: &LeafCodecs,
     keep: bool,
-    body: &mut Vec<u8>,
-) -> io::Result<Result<(Pooled<'c>, Option<Box<[u8]>>), String>> {
+    body: &mut Body,
+) -> io::Result<Result<(Pooled<'c>, Option<Packed>), String>> {
     let mut len = [0u8; 4];
     if !link.fill(&mut len, 4).await? {
         return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "closed mid-frame"));
@@ -297,13 +318,39 @@ async fn read_packed<'c>(
             "a compressed frame of {len} bytes: these leaves compress to at most {max}"
         )));
     }
-    body.resize(len, 0);
-    if !link.fill(body, len).await? {
-        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "closed mid-frame"));
+    // The body, the decompressed sample and (kept) the packed leaves, held at once.
+    let (limit, copies) = (body.hold.limit(), if keep { 2 } else { 1 });
+    if len.saturating_mul(copies).saturating_add(conn.payload_size()) > limit {
+        return Ok(Err(format!(
+            "a compressed frame of {len} bytes: with its sample ({} bytes) more than the \
+             server's max_buffered_bytes ({limit}) can hold",
+            conn.payload_size()
+        )));
+    }
+    body.bytes.clear();
+    while body.bytes.len() < len {
+        let filled = body.bytes.len();
+        let upto = len.min(filled + BODY_STEP);
+        if upto > body.hold.bytes() {
+            let more = upto - body.hold.bytes();
+            link.grow_hold(conn, space, &mut body.hold, more).await?;
+            body.bytes.reserve_exact(upto - filled);
+        }
+        body.bytes.resize(upto, 0);
+        if !link.fill(&mut body.bytes[filled..], upto - filled).await? {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "closed mid-frame"));
+        }
     }
     let mut buf = link.buffer(conn, space).await?;
-    match codecs.unpack_body(body, buf.bytes()) {
-        Ok(at) => Ok(Ok((buf, keep.then(|| Box::from(&body[at..]))))),
-        Err(why) => Ok(Err(format!("a compressed frame that does not decode: {why}"))),
+    let at = match codecs.unpack_body(&body.bytes, buf.bytes()) {
+        Ok(at) => at,
+        Err(why) => return Ok(Err(format!("a compressed frame that does not decode: {why}"))),
+    };
+    if !keep {
+        return Ok(Ok((buf, None)));
     }
+    let kept = &body.bytes[at..];
+    let mut hold = conn.hold();
+    link.grow_hold(conn, space, &mut hold, kept.len()).await?;
+    Ok(Ok((buf, Some(Packed::new(Box::from(kept), hold)))))
 }

@@ -16,7 +16,7 @@ use tokio::sync::{watch, Notify};
 
 use super::session::Activity;
 use super::session::LOG_TARGET;
-use crate::ingress::{Connection, StepMark};
+use crate::ingress::{BudgetHold, Connection, Packed, StepMark};
 use crate::transport::direct;
 use crate::transport::wire::v2::{self, Beat, Refusal, Reply};
 use crate::transport::wire::ACK;
@@ -393,6 +393,21 @@ impl Link<'_> {
         }
     }
 
+    /// Adds `more` bytes of the byte budget to `hold`, waiting (as for a buffer) while the
+    /// budget is spent.
+    pub(super) async fn grow_hold(
+        &mut self,
+        conn: &Arc<Connection>,
+        space: &Notify,
+        hold: &mut BudgetHold,
+        more: usize,
+    ) -> io::Result<()> {
+        while !conn.grow_hold(hold, more) {
+            self.wait_space(conn, space).await?;
+        }
+        Ok(())
+    }
+
     /// Queues a filled buffer (with `packed`, the sample's compressed leaves as they arrived,
     /// for a table that stores them so), waiting while the queue is full.
     pub(super) async fn push(
@@ -400,7 +415,7 @@ impl Link<'_> {
         conn: &Connection,
         space: &Notify,
         mut pooled: Pooled<'_>,
-        mut packed: Option<Box<[u8]>>,
+        mut packed: Option<Packed>,
         priority: Option<f64>,
         mark: StepMark,
     ) -> io::Result<()> {
