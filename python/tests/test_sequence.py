@@ -335,6 +335,18 @@ def test_bad_steps_raise_precise_errors_and_write_nothing() -> None:
         s.submit(step(0, 0, 0), stream=8)
     with pytest.raises(ValueError, match=r"stream must be >= 0, got -1"):
         s.submit(step(0, 0, 0), stream=-1)
+    # Beyond 64 bits: the same message, naming the argument and its range (not OverflowError).
+    beyond = r"stream 1180591620717411303424 out of range: in-process streams are 0 to 7"
+    with pytest.raises(ValueError, match=beyond):
+        s.submit(step(0, 0, 0), stream=2**70)
+    with pytest.raises(ValueError, match=beyond):
+        s.submit_batch(
+            {"id": np.zeros(1, np.int64), "obs": np.zeros((1, 3), np.float32)}, stream=2**70
+        )
+    with pytest.raises(ValueError, match=beyond):
+        s.end_episode(2**70)
+    with pytest.raises(ValueError, match=r"stream 18446744073709551615 out of range"):
+        s.submit(step(0, 0, 0), stream=2**64 - 1)
     with pytest.raises(ValueError, match=r"streams 6 to 8 \(one per row\) out of range"):
         s.submit_batch({"id": np.zeros(3, np.int64), "obs": np.zeros((3, 3), np.float32)}, stream=6)
     with pytest.raises(TypeError, match="end_episode must be a bool"):

@@ -303,9 +303,15 @@ def test_episode_flags_need_a_sequence_table_at_the_server() -> None:
         server.close()
 
 
-def test_a_wire_v1_client_is_one_episode_that_ends_truncated_with_its_connection() -> None:
+def test_a_wire_v1_client_is_one_episode_that_ends_truncated_with_its_connection(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     server = serve("pad")
+    caplog.set_level("WARNING", logger="echo")
+    echo.reset_log_cache()
     try:
+        # Two v1 clients: the server says once that v1 has no episode flags.
+        TcpClient("127.0.0.1", server.port or 0, EXAMPLE, protocol=1).close(timeout=WAIT_S)
         client = TcpClient("127.0.0.1", server.port or 0, EXAMPLE, protocol=1)
         assert client.sequence_rows is None, "wire v1 carries no episode flags"
         for i in range(7):
@@ -316,6 +322,9 @@ def test_a_wire_v1_client_is_one_episode_that_ends_truncated_with_its_connection
         client.wait(timeout=WAIT_S)  # acknowledged: queued, maybe not yet in the table
         info = poll(server.stats, lambda s: s.steps_inserted_total == 7, "the 7 steps in")
         assert info.streams_open == 1
+        warned = [r.getMessage() for r in caplog.records if "wire v1 client" in r.getMessage()]
+        assert len(warned) == 1, warned
+        assert "no episode flags" in warned[0] and "protocol 2" in warned[0], warned[0]
         client.close(timeout=WAIT_S)
         info = poll(server.stats, lambda s: s.streams_open == 0, "the connection's episode ended")
         assert info.episodes_ended_total == 1

@@ -14,9 +14,9 @@ use std::time::Instant;
 use numpy::npyffi::npy_intp;
 use numpy::{PyArrayDescr, PyReadonlyArray1, PyUntypedArray};
 use parking_lot::MutexGuard;
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyTuple};
+use pyo3::types::{PyBool, PyInt, PyList, PyTuple};
 
 use super::checkpoint::{example_of, npy_descrs, ExtraArrays, PyOpenedCheckpoint};
 use super::config::{ServerConfig, TcpArg};
@@ -55,6 +55,30 @@ pub(crate) struct PyServerCore {
     description: String,
     /// The rate limiter's repr, for timeout messages (replay tables only use it).
     limiter_repr: String,
+}
+
+/// A `stream=` argument as the caller gave it: any int, so that one beyond `u64` (negative, or
+/// 2**70) gets the same out-of-range message as one beyond `Sequence(max_streams)`, not a
+/// bare `OverflowError` that names neither the argument nor its range.
+pub(crate) enum StreamArg {
+    Id(u64),
+    /// An int outside `u64`, as Python writes it.
+    Beyond(String),
+}
+
+impl FromPyObject<'_, '_> for StreamArg {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'_, '_, PyAny>) -> PyResult<Self> {
+        if obj.is_instance_of::<PyBool>() || !obj.is_instance_of::<PyInt>() {
+            let kind = obj.get_type().name().map_or_else(|_| "?".to_owned(), |n| n.to_string());
+            return Err(PyTypeError::new_err(format!("stream must be an int, got {kind}")));
+        }
+        Ok(match obj.extract::<u64>() {
+            Ok(id) => Self::Id(id),
+            Err(_) => Self::Beyond(obj.str().map_or_else(|_| "?".to_owned(), |s| s.to_string())),
+        })
+    }
 }
 
 #[pymethods]
@@ -129,8 +153,8 @@ impl PyServerCore {
 
     /// Ends the open episode of in-process stream `stream` of a sequence table as truncated
     /// (`terminated=False`) or terminated, after its last step; returns whether it had one.
-    fn end_stream(&self, py: Python<'_>, stream: u64, terminated: bool) -> PyResult<bool> {
-        self.check_steps(Some(stream), true, 1)?;
+    fn end_stream(&self, py: Python<'_>, stream: StreamArg, terminated: bool) -> PyResult<bool> {
+        let stream = self.check_steps(Some(stream), true, 1)?;
         let end = if terminated { EpisodeEnd::Terminated } else { EpisodeEnd::Truncated };
         let backend = &self.backend;
         Ok(detach(py, || backend.end_stream(stream, end)))
@@ -197,7 +221,7 @@ impl PyServerCore {
         sample: &Bound<'_, PyAny>,
         timeout: Option<f64>,
         priority: Option<f64>,
-        stream: Option<u64>,
+        stream: Option<StreamArg>,
         end_episode: bool,
         truncated: bool,
     ) -> PyResult<()> {
@@ -275,7 +299,7 @@ impl PyServerCore {
         tree: &Bound<'_, PyAny>,
         timeout: Option<f64>,
         priority: Option<&Bound<'_, PyAny>>,
-        stream: Option<u64>,
+        stream: Option<StreamArg>,
         end_episode: Option<&Bound<'_, PyAny>>,
         truncated: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
@@ -567,7 +591,7 @@ impl PyServerCore {
     /// What a sequence table's steps need: `stream` (first of `n` rows' streams) within the
     /// in-process streams `0..max_streams`; the episode arguments only for a sequence table.
     /// Returns the first stream (0 when not given).
-    fn check_steps(&self, stream: Option<u64>, ends: bool, n: usize) -> PyResult<u64> {
+    fn check_steps(&self, stream: Option<StreamArg>, ends: bool, n: usize) -> PyResult<u64> {
         let Some(sequence) = self.backend.sequence() else {
             if stream.is_some() || ends {
                 let what = if stream.is_some() { "stream=" } else { "end_episode=/truncated=" };
@@ -578,8 +602,18 @@ impl PyServerCore {
             }
             return Ok(0);
         };
-        let first = stream.unwrap_or(0);
         let max = sequence.max_streams as u64;
+        let first = match stream {
+            None => 0,
+            Some(StreamArg::Id(id)) => id,
+            Some(StreamArg::Beyond(given)) => {
+                return Err(PyValueError::new_err(format!(
+                    "stream {given} out of range: in-process streams are 0 to {} \
+                     (Sequence(max_streams={max}))",
+                    max - 1
+                )));
+            }
+        };
         if first.checked_add(n.max(1) as u64).is_none_or(|end| end > max) {
             let streams = if n > 1 {
                 format!("streams {first} to {} (one per row)", first.saturating_add(n as u64 - 1))

@@ -97,6 +97,18 @@ async fn serve_inner(
         }
         Ok(Some(Opening::V1)) => {
             ingress.note(TransportEvent::V1);
+            // ORDERING: Relaxed — a once-only flag for a log line; it orders nothing.
+            if ingress.backend().sequence().is_some()
+                && !shared.warned_v1_sequence.swap(true, std::sync::atomic::Ordering::Relaxed)
+            {
+                log::warn!(
+                    target: LOG_TARGET,
+                    "{peer}: a wire v1 client (id-echo 0.2.1, or TcpClient(protocol=1)) sends to \
+                     this sequence table: v1 has no episode flags, so its samples are steps of one \
+                     stream and its connection one episode, ended as truncated only when the \
+                     connection ends; connect with protocol 2 to end episodes (said once per server)"
+                );
+            }
             let space = Arc::new(Notify::new());
             let conn = ingress.register(Box::new(NotifyWaker(Arc::clone(&space))));
             let _closer = CloseOnDrop(Arc::clone(&conn));

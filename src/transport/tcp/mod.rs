@@ -203,6 +203,7 @@ impl TcpServer {
             closing: watch::Sender::new(0),
             codecs,
             keep_packed,
+            warned_v1_sequence: std::sync::atomic::AtomicBool::new(false),
         });
         runtime.spawn(reap_sessions(Arc::clone(&shared)));
         runtime.spawn(accept_loop(listener, Arc::clone(&shared), admission));

@@ -130,6 +130,8 @@ pub(crate) struct Shared {
     /// The backend stores those leaves compressed so: queue the packed bytes with the
     /// decompressed sample, and it keeps them as they arrived.
     pub(super) keep_packed: bool,
+    /// Whether a wire v1 client of a sequence table was warned about (once per server).
+    pub(super) warned_v1_sequence: std::sync::atomic::AtomicBool,
 }
 
 impl Shared {
