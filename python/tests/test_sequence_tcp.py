@@ -324,7 +324,8 @@ def test_a_wire_v1_client_is_one_episode_that_ends_truncated_with_its_connection
         assert info.streams_open == 1
         warned = [r.getMessage() for r in caplog.records if "wire v1 client" in r.getMessage()]
         assert len(warned) == 1, warned
-        assert "no episode flags" in warned[0] and "protocol 2" in warned[0], warned[0]
+        assert "no episode flags" in warned[0], warned[0]
+        assert "protocol 2" in warned[0], warned[0]
         client.close(timeout=WAIT_S)
         info = poll(server.stats, lambda s: s.streams_open == 0, "the connection's episode ended")
         assert info.episodes_ended_total == 1
