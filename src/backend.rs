@@ -263,6 +263,15 @@ impl Backend {
         }
     }
 
+    /// What one stream of a sequence table costs its memory ([`SequenceTable::stream_cost`]);
+    /// 0 for the other backends, which have no streams.
+    pub fn stream_cost(&self) -> usize {
+        match self {
+            Self::Sequence(table) => table.stream_cost(),
+            Self::Fifo(_) | Self::Replay(_) => 0,
+        }
+    }
+
     /// The leaves a replay table stores compressed (what it takes from the wire as it
     /// arrived); `None` for the other backends and uncompressed tables.
     pub fn stored_codecs(&self) -> Option<&crate::codec::LeafCodecs> {

@@ -381,3 +381,54 @@ fn a_gone_connection_ends_only_the_streams_it_used_however_high_their_rows() {
         stats.streams_open == 0 && stats.episodes_ended == 2
     });
 }
+
+#[test]
+fn the_streams_a_connection_opens_count_in_max_buffered_bytes_until_they_end() {
+    use echo::backend::Backend;
+    use echo::ingress::IngressConfig;
+    use echo::replay::{ReplayConfig, SequenceConfig, SequenceTable};
+    use echo::transport::wire::v2::FrameMeta;
+    // A byte budget that holds this connection's buffers and 64 streams: a client that steps
+    // on 200 rows gets 64 streams into the table, then waits for budget (its own streams
+    // hold it); when its session is gone the table forgets them and the budget is whole.
+    const QUEUE: usize = 8;
+    let sequence = SequenceConfig { max_streams: 1024, ..SequenceConfig::new(2) };
+    let table =
+        SequenceTable::new(common::tagged_spec(), ReplayConfig::new(2, 4096), sequence).unwrap();
+    let cost = table.stream_cost();
+    let buffers = (2 * QUEUE + 1) * common::TAGGED_PAYLOAD;
+    let ingress_config =
+        IngressConfig { max_buffered_bytes: buffers + 64 * cost, ..IngressConfig::new(1, QUEUE) };
+    let tcp = TcpConfig {
+        session_timeout: Duration::from_millis(50),
+        shared_memory: false,
+        ..TcpConfig::new("127.0.0.1", 0)
+    };
+    let ingress =
+        TcpIngress::start(Backend::Sequence(table.clone()), ingress_config, &tcp).unwrap();
+    let mut client =
+        TcpSender::connect(tagged_client(ingress.local_addr().port()), PATIENCE).unwrap();
+    for row in 0..200u32 {
+        let p = common::tagged_payload(1, u64::from(row));
+        let meta = FrameMeta { row, ..FrameMeta::default() };
+        // Past 64 rows the server stops reading: the client's window fills and a send
+        // times out (the steps sent so far are enough).
+        let sent = client.send(
+            &[&p[..4], &p[4..12], &p[12..]],
+            meta,
+            Some(Instant::now() + Duration::from_millis(200)),
+        );
+        if sent.is_err() {
+            break;
+        }
+    }
+    common::wait_until("64 streams in, the connection waiting for budget", || {
+        table.stats().streams_open == 64 && ingress.snapshot().push_blocked_count > 0
+    });
+    assert_eq!(table.stats().streams_open, 64, "no stream past what the budget holds");
+    assert!(ingress.snapshot().buffered_bytes >= (64 * cost) as u64);
+    drop(client);
+    common::wait_until("the gone session's streams ended and their bytes given back", || {
+        table.stats().streams_open == 0 && ingress.snapshot().buffered_bytes == 0
+    });
+}

@@ -7,7 +7,7 @@
 //! ([`DrainerShared`], [`DrainerState`]) is defined here too; what the drainer thread does
 //! with them is in `drainer.rs`.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 
 use crossbeam_queue::ArrayQueue;
 use crossbeam_utils::CachePadded;
@@ -80,6 +80,12 @@ pub struct Connection {
     /// One more than the largest row a sample of this connection was a step of (0: none
     /// yet): the streams whose open episodes end when the connection is pruned.
     pub(super) rows_used: AtomicU32,
+    /// The rows whose streams this connection holds in the byte budget (a sequence table's),
+    /// taken by its transport task before a step of a new row is queued
+    /// ([`Connection::hold_stream`]), given back when its streams end.
+    pub(super) streams: Mutex<RowStreams>,
+    /// What one of its streams costs the table ([`Backend::stream_cost`]): 0 without streams.
+    pub(super) stream_cost: usize,
     /// Shared-memory connections only (0 on TCP): samples committed to the connection's
     /// segment and not yet in the backend, as its task last looked
     /// ([`Connection::note_segment_depth`]), less those inserted since. The segment is this
@@ -87,7 +93,33 @@ pub struct Connection {
     /// only by the connection's task.
     pub(super) segment_depth: Counter,
 }
+/// A connection's rows with a stream in the table, and the byte-budget hold that pays for them.
+pub(super) struct RowStreams {
+    pub(super) rows: HashSet<u32>,
+    pub(super) hold: BudgetHold,
+}
+
 impl Connection {
+    /// Makes sure the byte budget holds what row `row`'s stream costs the table (once per row
+    /// of this connection) before a step of it is queued, so that the streams every peer
+    /// opens count in `max_buffered_bytes`. `false` when the budget is spent, after
+    /// registering to be woken when bytes are freed (wait for [`SpaceWaker::wake`], then
+    /// retry). Always `true` for backends without streams.
+    pub fn hold_stream(self: &Arc<Self>, row: u32) -> bool {
+        if self.stream_cost == 0 {
+            return true;
+        }
+        let mut streams = self.streams.lock();
+        if streams.rows.contains(&row) {
+            return true;
+        }
+        if !streams.hold.grow_or_wait(self.stream_cost, self) {
+            return false;
+        }
+        streams.rows.insert(row);
+        true
+    }
+
     /// The backend stream that row `row` of this connection feeds.
     pub fn stream(&self, row: u32) -> u64 {
         self.stream_base | u64::from(row)
@@ -115,6 +147,10 @@ impl Connection {
             let ids = self.stream(0)..=self.stream(rows - 1);
             self.backend.end_streams_in(ids, EpisodeEnd::Truncated);
         }
+        // The table forgot them: what they held of the byte budget goes back.
+        let mut streams = self.streams.lock();
+        streams.rows = HashSet::new();
+        streams.hold = BudgetHold::new(&self.budget);
     }
 
     /// An empty buffer of `payload_size` bytes, from the pool, or newly allocated while the

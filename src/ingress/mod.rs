@@ -43,7 +43,7 @@ mod connection;
 mod drainer;
 mod stats;
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::thread::{self, JoinHandle};
 
 use crossbeam_queue::ArrayQueue;
@@ -58,6 +58,7 @@ use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 
 use budget::ByteBudget;
 use config::LOG_TARGET;
+use connection::RowStreams;
 use connection::{DrainerShared, DrainerState};
 use drainer::Drainer;
 
@@ -135,6 +136,11 @@ impl Ingress {
         let conn = Arc::new(Connection {
             stream_base: (number + 1) << 32,
             rows_used: AtomicU32::new(0),
+            streams: Mutex::new(RowStreams {
+                rows: HashSet::new(),
+                hold: BudgetHold::new(&self.budget),
+            }),
+            stream_cost: self.backend.stream_cost(),
             queue: ArrayQueue::new(self.config.queue_size),
             stash: Mutex::new(VecDeque::new()),
             stashed: AtomicUsize::new(0),

@@ -200,6 +200,7 @@ impl SequenceTable {
             }
             state.forget_stream(at);
         }
+        state.shrink_streams();
         if state.live_windows > before {
             self.shell.notify_sample();
         }

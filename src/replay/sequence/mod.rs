@@ -418,6 +418,14 @@ impl SequenceTable {
         state.window_of_key(&self.geometry, key).map(|slot| state.windows[&(slot as u32)].priority)
     }
 
+    /// About what one stream costs this table's memory while it exists: its state, its last
+    /// `length` steps' slots, and its share of the maps and vectors that find it (with their
+    /// growth slack). A TCP or shared-memory connection holds this much of the ingress's byte
+    /// budget for every row it has used, until its streams end.
+    pub fn stream_cost(&self) -> usize {
+        2 * (std::mem::size_of::<state::Stream>() + 4 * self.geometry.length) + 128
+    }
+
     /// A snapshot of the counters.
     pub fn stats(&self) -> SequenceStats {
         let state = self.state.lock();
@@ -758,5 +766,27 @@ mod tests {
         let truncated = c.read_leaf(b, 1 + 8, <[u8]>::to_vec);
         let terminated = c.read_leaf(b, 1 + 7, <[u8]>::to_vec);
         assert!(truncated.iter().all(|&x| x == 1) && terminated.iter().all(|&x| x == 0));
+    }
+
+    #[test]
+    fn the_memory_of_ended_streams_is_given_back() {
+        // 1,000 streams of a connection's range, then ended together: their slots, last
+        // steps and index entries are freed, not kept for streams that may never come.
+        let t = table(4, 4096, SequenceConfig { max_streams: 1 << 20, ..SequenceConfig::new(4) });
+        let base = 7u64 << 32;
+        for row in 0..1000 {
+            put(&t, base | row, row, EpisodeEnd::No);
+        }
+        put(&t, 3, 5000, EpisodeEnd::No); // another producer's stream, which stays
+        assert_eq!(t.stats().streams_open, 1001);
+        assert_eq!(t.end_streams_in(base..=base | 999, EpisodeEnd::Truncated), 1000);
+        let state = t.state.lock();
+        assert_eq!(state.streams.len(), 1, "only the stream still open keeps a slot");
+        assert!(state.free_streams.is_empty());
+        assert_eq!(state.stream_index.get(&3), Some(&0));
+        drop(state);
+        put(&t, 3, 5001, EpisodeEnd::No);
+        put(&t, base, 6000, EpisodeEnd::No); // a new stream after the shrink
+        assert_eq!(t.stats().streams_open, 2);
     }
 }

@@ -171,6 +171,9 @@ impl Drawn {
     }
 }
 
+/// The fewest forgotten stream slots [`State::shrink_streams`] gives back at once.
+pub(super) const SHRINK_STREAMS_AT: usize = 256;
+
 /// Everything the lock protects.
 pub(super) struct State {
     pub(super) chunks: Box<[Chunk]>,
@@ -296,12 +299,11 @@ impl State {
                     next_start: 0,
                     recent: Box::new([]),
                 };
+                let recent = vec![NIL; g.length].into_boxed_slice();
                 let at = if let Some(at) = self.free_streams.pop() {
-                    let recent = std::mem::take(&mut self.streams[at as usize].recent);
                     self.streams[at as usize] = Stream { recent, ..fresh };
                     at as usize
                 } else {
-                    let recent = vec![NIL; g.length].into_boxed_slice();
                     self.streams.push(Stream { recent, ..fresh });
                     self.streams.len() - 1
                 };
@@ -337,7 +339,36 @@ impl State {
             self.queue_pack(chunk as usize);
         }
         self.stream_index.remove(&id);
+        // Its memory goes back now, not when the slot is reused (a peer's streams may never
+        // be followed by others).
+        self.streams[at].recent = Box::new([]);
         self.free_streams.push(at as u32);
+    }
+
+    /// Gives back the memory of forgotten streams' slots once they are most of the slots
+    /// (at least [`SHRINK_STREAMS_AT`]): the streams that remain move to the front. Stream
+    /// indices change, so no caller may hold one across this (call it after a loop of
+    /// [`State::forget_stream`]). O(streams), at most once per as many forgets: amortised O(1).
+    pub(super) fn shrink_streams(&mut self) {
+        let free = self.free_streams.len();
+        if free < SHRINK_STREAMS_AT || free * 2 < self.streams.len() {
+            return;
+        }
+        let mut is_free = vec![false; self.streams.len()];
+        for &at in &self.free_streams {
+            is_free[at as usize] = true;
+        }
+        let kept: Vec<Stream> = std::mem::take(&mut self.streams)
+            .into_iter()
+            .zip(is_free)
+            .filter_map(|(stream, free)| (!free).then_some(stream))
+            .collect();
+        self.streams = kept;
+        self.free_streams = Vec::new();
+        self.stream_index = HashMap::with_capacity(self.streams.len());
+        for (at, stream) in self.streams.iter().enumerate() {
+            self.stream_index.insert(stream.id, at as u32);
+        }
     }
 
     /// Hands live chunk `c` to the writer holding the lock to pack, if its leaves are

@@ -241,6 +241,7 @@ async fn drain(
                     return Err(link.fail(&why).await);
                 }
                 conn.note_row(meta.row);
+                link.hold_stream(conn, &session.space, meta.row).await?;
             }
             let bell = backend.insert_bell();
             let mut done = 0;

@@ -200,6 +200,7 @@ async fn serve_frames(
     let ingress = &shared.ingress;
     let (conn, space) = (&session.conn, &*session.space);
     let payload_size = conn.payload_size();
+    let stream_cost = ingress.backend().stream_cost();
     // A compressed frame's body, read whole before it is decompressed into a buffer.
     let mut body = Body::new(conn);
     loop {
@@ -226,6 +227,9 @@ async fn serve_frames(
             Err(why) => return Err(link.fail(&why).await),
         };
         let (priority, mark) = (meta.priority, StepMark { row: meta.row, end: meta.end });
+        if stream_cost > 0 {
+            link.hold_stream(conn, space, meta.row).await?;
+        }
         if packed {
             let Some(codecs) = codecs else {
                 let why = "a compressed frame, but this connection agreed on no codecs";

@@ -408,6 +408,21 @@ impl Link<'_> {
         Ok(())
     }
 
+    /// Holds what row `row`'s stream costs a sequence table in the byte budget before a step
+    /// of it goes in ([`Connection::hold_stream`]), waiting (as for a buffer) while the budget
+    /// is spent. A no-op for rows already held and for backends without streams.
+    pub(crate) async fn hold_stream(
+        &mut self,
+        conn: &Arc<Connection>,
+        space: &Notify,
+        row: u32,
+    ) -> io::Result<()> {
+        while !conn.hold_stream(row) {
+            self.wait_space(conn, space).await?;
+        }
+        Ok(())
+    }
+
     /// Queues a filled buffer (with `packed`, the sample's compressed leaves as they arrived,
     /// for a table that stores them so), waiting while the queue is full.
     pub(super) async fn push(

@@ -148,7 +148,7 @@ impl Shared {
 /// outlives its connections, so a reconnecting client keeps its order and is deduplicated.
 pub(crate) struct Session {
     pub(crate) conn: Arc<Connection>,
-    pub(super) space: Arc<Notify>,
+    pub(crate) space: Arc<Notify>,
     /// Sequence number of the next sample: samples of this session queued so far. Written
     /// only by the task that holds `owner`.
     pub(crate) next_seq: AtomicU64,

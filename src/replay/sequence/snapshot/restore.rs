@@ -393,6 +393,7 @@ impl SequenceTable {
             }
             st.forget_stream(at);
         }
+        st.shrink_streams();
         self.pack_queued(&mut state);
         drop(state);
         self.shell.sample_ready.notify_one();
