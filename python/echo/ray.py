@@ -3,8 +3,9 @@
 Ray is the control plane, echo's TCP and shared memory stay the data plane:
 
 - A **registry** per service: a detached, named Ray actor that records each shard's address,
-  port, layout and generation (and the counters its learner reports). It outlives the driver
-  that created it; `shutdown_service` removes it. It never sees a token.
+  port, layout and generation (and the counters its learner reports), and which shard each
+  worker holds a lease on. It outlives the driver that created it; `shutdown_service`
+  removes it. It never sees a token.
 - **Learners** start a `Server` as usual and `serve(server, service, shard)` it, or let
   `shard_server` build one that restores itself from its newest periodic checkpoint, which is
   what a learner actor restarted by Ray (`max_restarts`) needs.
@@ -17,28 +18,34 @@ The shard rule: a worker that does not pin one (`shard=`) gets the registered sh
 fewest workers attached, ties going to the lowest shard number, so workers that attach one
 after another are spread across the shards to within one. It keeps that shard while the shard
 is registered, restarts included, and moves (by the same rule) only when it is deregistered.
-See the guide "Scaling past one learner" for what can be lost in each failure.
+A worker's place is a lease that its client renews; a worker that dies without closing
+(killed, its node lost) stops renewing, and its place is freed once the lease runs out
+(`DEFAULT_LEASE_S`). See the guide "Scaling past one learner" for what can be lost in each
+failure.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import logging
 import os
 import threading
 import time
 import uuid
 import weakref
+from collections.abc import Callable
 from typing import Any, Literal
 
 from echo._pytree import TreeLayout
-from echo._validate import check_int
+from echo._validate import check_int, check_seconds
 from echo.checkpoint import periodic_checkpoints
 from echo.client import TcpClient
 from echo.server import Server
 from echo.transport import TcpTransport
 
 __all__ = [
+    "DEFAULT_LEASE_S",
     "DEFAULT_NAMESPACE",
     "Registration",
     "ShardClient",
@@ -67,6 +74,11 @@ _REGISTRY_CALL_S = 30.0
 _REGISTRY_CONCURRENCY = 64
 # Interfaces that mean "every interface": never registered as an address.
 _WILDCARDS = frozenset({"", "0.0.0.0", "::", "[::]"})
+
+DEFAULT_LEASE_S = 30.0
+"""How long a worker's place on a shard lasts without a renewal, in seconds, unless the
+service was created with another `lease_s`. Clients renew every third of it; a worker that
+dies without closing frees its place within this time."""
 
 
 def _ray() -> Any:
@@ -115,16 +127,41 @@ class ShardStatus:
 
 class _Registry:
     """The registry actor's state. Threaded (`max_concurrency`), so every method holds the
-    lock; every call is a dict operation and returns at once."""
+    lock and returns at once: registering is a dict update, assigning a worker O(log shards)
+    amortised, and each lease expires once."""
 
-    def __init__(self, service: str) -> None:
+    def __init__(
+        self,
+        service: str,
+        lease_s: float = DEFAULT_LEASE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._service = service
+        self._lease_s = float(lease_s)
+        self._clock = clock
         self._lock = threading.Lock()
         self._shards: dict[int, dict[str, Any]] = {}
         # The last generation handed out per shard: it keeps counting across deregistrations.
         self._generations: dict[int, int] = {}
-        # Which shard each attached client was assigned.
-        self._clients: dict[str, int] = {}
+        # Each worker's lease: its shard and when the lease runs out (`clock` seconds).
+        self._leases: dict[str, tuple[int, float]] = {}
+        # Leases held on each shard, registered or not (a deregistered shard that comes back
+        # keeps the workers that still hold it). Always equals the count over `_leases`.
+        self._loads: dict[int, int] = {}
+        # Min-heap of (load, shard). An entry is current while its shard is registered and
+        # `_loads[shard] == load`; every change of a load pushes a new entry, and the stale
+        # ones are dropped when they reach the top (or by `_compact`). Every registered shard
+        # has a current entry.
+        self._by_load: list[tuple[int, int]] = []
+        # Min-heap of (expiry, client). An entry is current while `_leases[client]` runs out
+        # at that expiry; a renewal pushes a new one, and the old one is dropped when popped.
+        self._expiries: list[tuple[float, str]] = []
+
+    def info(self) -> dict[str, Any]:
+        """What clients read before they attach: the lease time."""
+        return {"service": self._service, "lease_s": self._lease_s}
+
+    # -- shards ------------------------------------------------------------------------------
 
     def register(self, shard: int, record: dict[str, Any]) -> int:
         with self._lock:
@@ -138,6 +175,7 @@ class _Registry:
                 "stats": None,
                 "stats_unix_s": None,
             }
+            heapq.heappush(self._by_load, (self._loads.get(shard, 0), shard))
             return generation
 
     def deregister(self, shard: int, generation: int) -> bool:
@@ -145,7 +183,7 @@ class _Registry:
             record = self._shards.get(shard)
             if record is None or record["generation"] != generation:
                 return False  # a newer learner holds the shard now
-            del self._shards[shard]
+            del self._shards[shard]  # its heap entries are stale from now on
             return True
 
     def report(self, shard: int, generation: int, stats: dict[str, Any]) -> bool:
@@ -162,40 +200,122 @@ class _Registry:
             record = self._shards.get(shard)
             return None if record is None else dict(record)
 
-    def assign(self, client: str, shard: int | None, exclude: int | None) -> dict[str, Any] | None:
-        """The shard for `client`: `shard` when pinned (if registered), else the registered
-        shard (other than `exclude`) with the fewest clients, ties to the lowest number."""
-        with self._lock:
-            self._clients.pop(client, None)
-            if shard is not None:
-                chosen = shard if shard in self._shards else None
-            else:
-                load = {k: 0 for k in self._shards if k != exclude}
-                for assigned in self._clients.values():
-                    if assigned in load:
-                        load[assigned] += 1
-                chosen = min(load, key=lambda k: (load[k], k)) if load else None
-            if chosen is None:
-                return None
-            self._clients[client] = chosen
-            return dict(self._shards[chosen])
-
-    def release(self, client: str) -> None:
-        with self._lock:
-            self._clients.pop(client, None)
-
     def shards(self) -> list[dict[str, Any]]:
         with self._lock:
-            workers: dict[int, int] = {}
-            for assigned in self._clients.values():
-                workers[assigned] = workers.get(assigned, 0) + 1
+            self._expire(self._clock())
             return [
-                {**record, "workers": workers.get(shard, 0)}
+                {**record, "workers": self._loads.get(shard, 0)}
                 for shard, record in sorted(self._shards.items())
             ]
 
+    # -- workers' leases -----------------------------------------------------------------------
 
-def _registry(service: str, namespace: str, *, create: bool) -> Any:
+    def assign(self, client: str, shard: int | None, exclude: int | None) -> dict[str, Any] | None:
+        """The shard for `client`, on a fresh lease: `shard` when pinned (if registered),
+        else the registered shard (other than `exclude`) with the fewest leases, ties to the
+        lowest number. `None` (and no lease) when there is none."""
+        with self._lock:
+            now = self._clock()
+            self._expire(now)
+            self._drop(client)
+            if shard is not None:
+                chosen = shard if shard in self._shards else None
+            else:
+                chosen = self._least_loaded(exclude)
+            if chosen is None:
+                return None
+            self._grant(client, chosen, now)
+            return dict(self._shards[chosen])
+
+    def renew(self, client: str, shard: int) -> bool:
+        """Extends `client`'s lease on `shard` by the lease time; a lease that ran out (or
+        that this registry never gave: it was created anew) is granted again while `shard`
+        is registered. Whether `client` holds a lease on `shard` now."""
+        with self._lock:
+            now = self._clock()
+            self._expire(now)
+            lease = self._leases.get(client)
+            if lease is not None and lease[0] == shard:
+                expiry = now + self._lease_s
+                self._leases[client] = (shard, expiry)
+                heapq.heappush(self._expiries, (expiry, client))
+                return True
+            if shard not in self._shards:
+                return False
+            self._drop(client)
+            self._grant(client, shard, now)
+            return True
+
+    def release(self, client: str) -> None:
+        with self._lock:
+            self._drop(client)
+
+    def _grant(self, client: str, shard: int, now: float) -> None:
+        """Gives `client` (holding no lease) a lease on `shard`."""
+        expiry = now + self._lease_s
+        self._leases[client] = (shard, expiry)
+        heapq.heappush(self._expiries, (expiry, client))
+        self._set_load(shard, self._loads.get(shard, 0) + 1)
+
+    def _drop(self, client: str) -> None:
+        """Ends `client`'s lease, if it holds one (its expiry entry goes stale)."""
+        lease = self._leases.pop(client, None)
+        if lease is not None:
+            self._set_load(lease[0], self._loads[lease[0]] - 1)
+
+    def _expire(self, now: float) -> None:
+        """Ends every lease that ran out by `now`: each expiry entry is popped once, so
+        O(log leases) amortised per renewal."""
+        expiries = self._expiries
+        while expiries and expiries[0][0] <= now:
+            expiry, client = heapq.heappop(expiries)
+            lease = self._leases.get(client)
+            if lease is not None and lease[1] == expiry:
+                self._drop(client)
+
+    def _set_load(self, shard: int, load: int) -> None:
+        if load:
+            self._loads[shard] = load
+        else:
+            self._loads.pop(shard, None)
+        if shard in self._shards:
+            heapq.heappush(self._by_load, (load, shard))
+            self._compact()
+
+    def _compact(self) -> None:
+        """Rebuilds the load heap from the current loads once stale entries outnumber the
+        shards: O(shards) once every O(shards) pushes, so O(1) amortised."""
+        if len(self._by_load) > 2 * len(self._shards) + 64:
+            self._by_load = [(self._loads.get(s, 0), s) for s in self._shards]
+            heapq.heapify(self._by_load)
+
+    def _least_loaded(self, exclude: int | None) -> int | None:
+        """The registered shard other than `exclude` with the fewest leases, ties to the
+        lowest number (the heap's order), dropping the stale entries on top."""
+        heap = self._by_load
+        set_aside: list[tuple[int, int]] = []
+        chosen: int | None = None
+        while heap:
+            load, shard = heap[0]
+            if shard not in self._shards or self._loads.get(shard, 0) != load:
+                heapq.heappop(heap)  # stale
+            elif shard == exclude:
+                set_aside.append(heapq.heappop(heap))
+            else:
+                chosen = shard
+                break
+        for entry in set_aside:
+            heapq.heappush(heap, entry)
+        return chosen
+
+
+def _registry(
+    service: str,
+    namespace: str,
+    *,
+    create: bool,
+    lease_s: float = DEFAULT_LEASE_S,
+) -> Any:
     """The handle of `service`'s registry, created (detached) if `create` and missing."""
     ray = _ray()
     if not isinstance(service, str) or not service:  # pyright: ignore[reportUnnecessaryIsInstance]
@@ -212,7 +332,7 @@ def _registry(service: str, namespace: str, *, create: bool) -> Any:
             num_cpus=0,
             max_concurrency=_REGISTRY_CONCURRENCY,
         )
-        return actor.remote(service)
+        return actor.remote(service, lease_s)
     try:
         return ray.get_actor(name, namespace=namespace)
     except ValueError:
@@ -224,16 +344,40 @@ def _registry(service: str, namespace: str, *, create: bool) -> Any:
         ) from None
 
 
-def _call(method: Any, *args: Any) -> Any:
+def _call(method: Any, *args: Any, timeout: float = _REGISTRY_CALL_S) -> Any:
     ray = _ray()
-    return ray.get(method.remote(*args), timeout=_REGISTRY_CALL_S)
+    return ray.get(method.remote(*args), timeout=timeout)
 
 
-def create_service(service: str, *, namespace: str = DEFAULT_NAMESPACE) -> None:
+def create_service(
+    service: str,
+    *,
+    namespace: str = DEFAULT_NAMESPACE,
+    lease_s: float = DEFAULT_LEASE_S,
+) -> None:
     """Creates `service`'s registry if it does not exist (a detached actor that outlives this
-    driver), so that workers started before any learner can `connect()` and wait for one."""
-    registry = _registry(service, namespace, create=True)
-    _call(registry.shards)  # returns once the actor is up
+    driver), so that workers started before any learner can `connect()` and wait for one.
+
+    Args:
+        service: The service's name.
+        namespace: The Ray namespace of the registry.
+        lease_s: How long a worker's place on a shard lasts without a renewal (clients
+            renew every third of it): a worker that dies without closing frees its place
+            within this time.
+
+    Raises:
+        ValueError: The service exists already with another `lease_s`; `lease_s` is not a
+            positive number of seconds.
+    """
+    seconds = check_seconds("lease_s", lease_s, optional=False)
+    assert seconds is not None
+    registry = _registry(service, namespace, create=True, lease_s=seconds)
+    info = _call(registry.info)  # returns once the actor is up
+    if info["lease_s"] != seconds:
+        raise ValueError(
+            f"echo service {service!r} exists already with lease_s={info['lease_s']:g}, "
+            f"not {seconds:g} (shut it down first to change it)"
+        )
 
 
 def shutdown_service(service: str, *, namespace: str = DEFAULT_NAMESPACE) -> None:
@@ -666,9 +810,31 @@ class _ShardResolver:
         return found["host"], found["port"]
 
 
+def _renew_leases(resolver: _ShardResolver, every: float, stop: threading.Event) -> None:
+    """A `ShardClient`'s renewals (its own thread, holding no reference to the client):
+    every `every` seconds, the lease on the shard it uses now, until `stop`. The lease lasts
+    three intervals, so one failed renewal costs nothing; failures are logged."""
+    failing = False
+    while not stop.wait(every):
+        record = resolver.record
+        if record is None:
+            continue
+        try:
+            _call(resolver.registry.renew, resolver.client, record["shard"], timeout=3 * every)
+        except Exception as e:  # noqa: BLE001 (the next renewal tries again; say why)
+            level = logging.DEBUG if failing else logging.WARNING
+            _log.log(
+                level, "echo.ray: renewing the lease on shard %d failed: %s", record["shard"], e
+            )
+            failing = True
+        else:
+            failing = False
+
+
 class ShardClient(TcpClient):
     """A `TcpClient` to a shard of an echo service on Ray (see `connect()`); it has
-    `TcpClient`'s API, `shard` and `generation` besides."""
+    `TcpClient`'s API, `shard` and `generation` besides. A thread renews its lease on the
+    shard every third of the service's lease time until `close()`."""
 
     def __init__(
         self,
@@ -697,11 +863,21 @@ class ShardClient(TcpClient):
         if not connect_timeout > 0:
             raise ValueError(f"connect_timeout must be > 0 seconds, got {connect_timeout!r}")
         registry = _registry(service, namespace, create=False)
+        info = _call(registry.info)
         self._service = service
         self._client_id = uuid.uuid4().hex
         self._resolver = _ShardResolver(
             service, registry, TreeLayout(data_sample), shard, self._client_id
         )
+        self._renewing = threading.Event()
+        weakref.finalize(self, self._renewing.set)  # no renewals for a client collected unclosed
+        self._renewals = threading.Thread(
+            target=_renew_leases,
+            args=(self._resolver, float(info["lease_s"]) / 3, self._renewing),
+            name=f"echo-ray-lease-{service}",
+            daemon=True,
+        )
+        self._renewals.start()
         try:
             self._open(
                 "",
@@ -731,6 +907,11 @@ class ShardClient(TcpClient):
             raise
 
     def _release(self) -> None:
+        """Stops the renewals and gives the lease back (after the last renewal, so that it
+        cannot take the lease again)."""
+        self._renewing.set()
+        if self._renewals.is_alive() and self._renewals is not threading.current_thread():
+            self._renewals.join(timeout=5.0)
         try:
             self._resolver.registry.release.remote(self._client_id)
         except Exception as e:  # noqa: BLE001 (the registry may be gone; nothing to undo then)
@@ -788,7 +969,9 @@ def connect(
     learner restarts, possibly on another node and port, it finds the new address in the
     registry and resends every sample not acknowledged; when the shard is deregistered for
     good it moves to another shard and resends them there. A worker started before any
-    learner waits up to `connect_timeout` (default 60 s) for one.
+    learner waits up to `connect_timeout` (default 60 s) for one. Its place on the shard is
+    a lease that a thread of the client renews (every third of the service's `lease_s`)
+    until `close()`.
 
     Args:
         service: The service's name.

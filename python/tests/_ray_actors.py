@@ -127,6 +127,9 @@ class Worker:
     def shard(self) -> int | None:
         return self.client.shard
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def send(self, ids: list[int], wait: bool = True) -> dict[str, Any]:
         for i in ids:
             self.client.send(sample_of(i), timeout=120.0)

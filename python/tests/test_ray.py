@@ -6,6 +6,7 @@ learner, and the precise errors."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -286,6 +287,37 @@ def test_unknown_service_lists_the_services_that_exist(cluster: Cluster) -> None
             echo.ray.status("nope", namespace=NS)
     finally:
         echo.ray.shutdown_service("exists", namespace=NS)
+
+
+def test_a_killed_workers_lease_runs_out_and_frees_its_place(cluster: Cluster) -> None:
+    """A worker SIGKILLed never releases its place; its lease, no longer renewed, runs out
+    after `lease_s`, while a live client's lease is renewed for as long as it runs."""
+    echo.ray.create_service("leases", namespace=NS, lease_s=1.0)
+    server = echo.Server(EXAMPLE, 1, echo.TcpTransport(port=0, host="127.0.0.1"))
+    server.start()
+    echo.ray.serve(server, "leases", 0, namespace=NS)
+    doomed = worker(0).remote("leases")
+    alive = echo.ray.connect("leases", EXAMPLE, namespace=NS, connect_timeout=WAIT_S)
+
+    def workers() -> int:
+        (shard,) = echo.ray.status("leases", namespace=NS)
+        return shard.workers
+
+    try:
+        assert get(doomed.shard.remote()) == 0
+        assert workers() == 2
+        os.kill(get(doomed.pid.remote()), signal.SIGKILL)
+        deadline = time.monotonic() + WAIT_S
+        while workers() != 1:
+            assert time.monotonic() < deadline, "the killed worker's place was never freed"
+            time.sleep(0.05)
+        time.sleep(2.5)  # two and a half lease times: the live client renewed meanwhile
+        assert workers() == 1
+    finally:
+        alive.close()
+        server.close()
+        echo.ray.shutdown_service("leases", namespace=NS)
+    assert not alive._renewals.is_alive()  # pyright: ignore[reportPrivateUsage]
 
 
 def test_a_shard_of_another_layout_is_refused_naming_the_leaf(cluster: Cluster) -> None:
