@@ -1,6 +1,6 @@
 """The `echo.ray` registry's bookkeeping, in this process (no Ray needed: the registry actor
 is a plain class that Ray runs): the shard rule against a full scan, the cost of an
-assignment with many workers, and leases on a clock the test moves."""
+assignment with many workers, leases on a clock the test moves, and the token's proof."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import random
 import time
 from typing import Any
 
-from echo.ray import DEFAULT_LEASE_S, _Registry  # pyright: ignore[reportPrivateUsage]
+import pytest
+
+from echo.ray import DEFAULT_LEASE_S, _Registry, _ServiceKey, _sign  # pyright: ignore[reportPrivateUsage]
 
 SERVICE = "svc"
 
@@ -28,9 +30,9 @@ def record(shard: int, port: int = 1, service: str = SERVICE) -> dict[str, Any]:
 
 
 def registry(shards: int, *, lease_s: float = DEFAULT_LEASE_S, clock: Clock | None = None) -> Any:
-    made = _Registry(SERVICE, lease_s, clock or Clock())
+    made = _Registry(SERVICE, None, lease_s, clock or Clock())
     for k in range(shards):
-        assert made.register(k, record(k)) == 1
+        assert made.register(record(k), None, None) == 1
     return made
 
 
@@ -44,7 +46,7 @@ def test_assign_picks_what_a_full_scan_of_the_workers_would() -> None:
     equal those of a model that counts every worker's lease from scratch."""
     rng = random.Random(20240611)
     clock = Clock()
-    made = _Registry(SERVICE, 10.0, clock)
+    made = _Registry(SERVICE, None, 10.0, clock)
     registered: set[int] = set()
     leases: dict[str, tuple[int, float]] = {}  # the model: client -> (shard, expiry)
 
@@ -61,12 +63,12 @@ def test_assign_picks_what_a_full_scan_of_the_workers_would() -> None:
         client = f"c{rng.randrange(60)}"
         if op < 0.08:
             shard = rng.randrange(12)
-            made.register(shard, record(shard))
+            made.register(record(shard), None, None)
             registered.add(shard)
         elif op < 0.12 and registered:
             shard = rng.choice(sorted(registered))
             generation = made.lookup(shard)["generation"]
-            assert made.deregister(shard, generation) is True
+            assert made.deregister(shard, generation, None) is True
             registered.discard(shard)
         elif op < 0.6:
             loads = model_loads()
@@ -138,6 +140,68 @@ def test_a_lease_not_renewed_frees_its_place_and_a_renewed_one_stays() -> None:
     assert made.renew("alive", 1)
     assert workers_per_shard(made) == {0: 0, 1: 1}
     # Not on a shard that is gone.
-    assert made.deregister(1, 1) is True
+    assert made.deregister(1, 1, None) is True
     clock.now += 10.0
     assert made.renew("alive", 1) is False
+
+
+def test_a_registry_bound_to_a_token_refuses_what_does_not_prove_it() -> None:
+    key = _ServiceKey.of("the token", SERVICE)
+    other = _ServiceKey.of("another token", SERVICE)
+    made = _Registry(SERVICE, key.verifier, DEFAULT_LEASE_S, Clock())
+    legit = {**record(0, port=5000), "nonce": "n", "issued_unix_ns": 1}
+    assert made.register(legit, _sign(key, legit), key.proof) == 1
+    rogue = record(0, port=6666)
+    refusals = [
+        made.register(rogue, None, None),
+        made.register(rogue, _sign(other, rogue), other.proof),
+        made.register(rogue, "00" * 32, key.verifier.encode()),  # the verifier is no proof
+        made.register(rogue, None, "not bytes"),
+        made.deregister(0, 1, None),
+        made.deregister(0, 1, other.proof),
+        made.report(0, 1, {"store_size": 10**9}, None),
+    ]
+    assert all(isinstance(r, str) for r in refusals), refusals
+    assert "requires a proof of its token (its verifier begins " + key.verifier[:12] in refusals[0]
+    assert f"the registry's verifier begins {key.verifier[:12]}" in refusals[1]
+    assert f"the proof's {other.verifier[:12]}" in refusals[1]
+    assert "a proof is bytes, got str" in refusals[3]
+    # The learner's registration is still the one handed out, unchanged.
+    (only,) = made.shards()
+    assert (only["port"], only["generation"], only["stats"]) == (5000, 1, None)
+    assert made.assign("w", None, None)["port"] == 5000
+    # With the proof, the learner deregisters; a registration without a signature is refused.
+    assert made.register(rogue, None, key.proof) == (
+        "the registration carries no signature, and this service requires one"
+    )
+    assert made.deregister(0, 1, key.proof) is True
+
+
+def test_an_open_registry_refuses_a_learner_with_a_token() -> None:
+    key = _ServiceKey.of("the token", SERVICE)
+    made = _Registry(SERVICE, None, DEFAULT_LEASE_S, Clock())
+    refused = made.register(record(0), "tag", key.proof)
+    assert isinstance(refused, str)
+    assert "created without a token" in refused
+
+
+@pytest.mark.parametrize(
+    ("bad", "why"),
+    [
+        ({**record(0), "shard": -1}, "an int >= 0, got -1"),
+        ({**record(0), "shard": True}, "an int >= 0, got True"),
+        (record(0, service="other"), "for service 'other', this registry's is 'svc'"),
+    ],
+)
+def test_a_malformed_registration_is_refused_saying_why(bad: dict[str, Any], why: str) -> None:
+    refused = _Registry(SERVICE).register(bad, None, None)
+    assert isinstance(refused, str)
+    assert why in refused
+
+
+def test_the_key_never_shows_its_secrets() -> None:
+    key = _ServiceKey.of("the token", SERVICE)
+    assert "the token" not in repr(key)
+    assert key.proof.hex() not in repr(key)
+    assert key.signing.hex() not in repr(key)
+    assert key.verifier in repr(key)
