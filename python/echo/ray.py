@@ -95,6 +95,9 @@ dies without closing frees its place within this time."""
 # Where learners and workers read the token from when none is given (as `TcpTransport` and
 # `TcpClient` do).
 _TOKEN_VAR = "ECHO_TOKEN"
+# Pauses between looks for a registry that does not exist yet: doubling up to the longest.
+_FIRST_LOOK_S = 0.05
+_LONGEST_LOOK_S = 1.0
 
 
 def _ray() -> Any:
@@ -110,7 +113,8 @@ def _ray() -> Any:
 
 
 class UnknownServiceError(LookupError):
-    """No registry of that name in that namespace; the message lists the services there are."""
+    """No registry of that name in that namespace (for `connect()`: none appeared within its
+    `connect_timeout`); the message lists the services there are."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -477,9 +481,11 @@ def _registry(
     create: bool,
     token: str | None = None,
     lease_s: float = DEFAULT_LEASE_S,
+    wait_s: float = 0.0,
 ) -> Any:
-    """The handle of `service`'s registry, created (detached, bound to `token`'s verifier
-    when there is one) if `create` and missing."""
+    """The handle of `service`'s registry. `create`: created (detached, bound to `token`'s
+    verifier when there is one) if missing. Otherwise looked up, for `wait_s` seconds if it
+    does not exist yet, and then `UnknownServiceError`."""
     ray = _ray()
     if not isinstance(service, str) or not service:  # pyright: ignore[reportUnnecessaryIsInstance]
         raise ValueError(f"service must be a non-empty str, got {service!r}")
@@ -498,15 +504,31 @@ def _registry(
             runtime_env=_registry_runtime_env(ray, token),
         )
         return actor.remote(service, verifier, lease_s)
-    try:
-        return ray.get_actor(name, namespace=namespace)
-    except ValueError:
-        known = services(namespace)
+    started = time.monotonic()
+    pause = _FIRST_LOOK_S
+    while True:
+        try:
+            return ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            pass
+        left = started + wait_s - time.monotonic()
+        if left <= 0:
+            break
+        time.sleep(min(pause, left))
+        pause = min(2 * pause, _LONGEST_LOOK_S)
+    known = services(namespace)
+    there = ", ".join(repr(s) for s in known) if known else "none"
+    if wait_s > 0:
         raise UnknownServiceError(
-            f"no echo service {service!r} in Ray namespace {namespace!r}; the services there "
-            f"are: {', '.join(repr(s) for s in known) if known else 'none'} (a learner's "
-            f"serve() or create_service() makes one)"
-        ) from None
+            f"no echo service {service!r} appeared in Ray namespace {namespace!r} within "
+            f"connect_timeout={wait_s:g}s: waited {time.monotonic() - started:.1f}s for its "
+            f"registry (the named actor {name!r}, which a learner's serve() or "
+            f"create_service() creates); the services there are: {there}"
+        )
+    raise UnknownServiceError(
+        f"no echo service {service!r} in Ray namespace {namespace!r}; the services there "
+        f"are: {there} (a learner's serve() or create_service() makes one)"
+    )
 
 
 def _call(method: Any, *args: Any, timeout: float = _REGISTRY_CALL_S) -> Any:
@@ -1179,7 +1201,8 @@ class ShardClient(TcpClient):
         if not connect_timeout > 0:
             raise ValueError(f"connect_timeout must be > 0 seconds, got {connect_timeout!r}")
         token = check_token("token", token)
-        registry = _registry(service, namespace, create=False)
+        started = time.monotonic()
+        registry = _registry(service, namespace, create=False, wait_s=connect_timeout)
         info = _call(registry.info)
         key = _service_key(service, info, token if token is not None else _token_from_env())
         self._service = service
@@ -1196,13 +1219,14 @@ class ShardClient(TcpClient):
             daemon=True,
         )
         self._renewals.start()
+        left = max(connect_timeout - (time.monotonic() - started), 0.001)
         try:
             self._open(
                 "",
                 0,
                 data_sample,
                 max_inflight_msgs,
-                connect_timeout=min(connect_timeout, 10.0),
+                connect_timeout=min(left, 10.0),
                 protocol=protocol,
                 token=token,
                 reconnect=True,
@@ -1210,7 +1234,7 @@ class ShardClient(TcpClient):
                 heartbeat_timeout=heartbeat_timeout,
                 shared_memory=shared_memory,
                 name=name,
-                dial_timeout=connect_timeout,
+                dial_timeout=left,
                 resolver=self._resolver,
             )
         except TimeoutError as e:
@@ -1287,9 +1311,10 @@ def connect(
     learner restarts, possibly on another node and port, it finds the new address in the
     registry and resends every sample not acknowledged; when the shard is deregistered for
     good it moves to another shard and resends them there. A worker started before any
-    learner waits up to `connect_timeout` (default 60 s) for one. Its place on the shard is a lease
-    that a thread of the client renews (every third of the service's `lease_s`) until
-    `close()`.
+    learner, or before the service's registry exists at all (actors start in any order),
+    waits up to `connect_timeout` (default 60 s) for one. Its place on the shard is a
+    lease that a thread of the client renews (every third of the service's `lease_s`)
+    until `close()`.
 
     With a token (`token=` or `ECHO_TOKEN`), the client sends only to shards whose learner
     signed its registration with the same token, and it is the TCP token too.
@@ -1306,7 +1331,8 @@ def connect(
             `runtime_env`).
 
     Raises:
-        UnknownServiceError: There is no such service (the message lists those there are).
+        UnknownServiceError: No registry of that name appeared within `connect_timeout` (the
+            message says how long it waited and lists the services there are).
         PermissionError: The service is bound to another token than this worker's, or to
             one while this worker has none, or is open while this worker has one; or a
             registration it was handed is not signed with the token (then nothing is sent).

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 from collections import Counter
@@ -291,12 +292,55 @@ def test_worker_without_a_learner_times_out_after_connect_timeout(cluster: Clust
 def test_unknown_service_lists_the_services_that_exist(cluster: Cluster) -> None:
     echo.ray.create_service("exists", namespace=NS)
     try:
-        with pytest.raises(echo.ray.UnknownServiceError, match=r"'nope'.*'exists'"):
-            echo.ray.connect("nope", EXAMPLE, namespace=NS)
+        started = time.monotonic()
+        with pytest.raises(
+            echo.ray.UnknownServiceError,
+            match=r"no echo service 'nope' appeared in Ray namespace 'echo-tests' within "
+            r"connect_timeout=0.5s: waited 0\.\ds for its registry \(the named actor "
+            r"'echo-registry:nope'.*the services there are: .*'exists'",
+        ):
+            echo.ray.connect("nope", EXAMPLE, namespace=NS, connect_timeout=0.5)
+        assert time.monotonic() - started >= 0.5
         with pytest.raises(LookupError):
             echo.ray.status("nope", namespace=NS)
     finally:
         echo.ray.shutdown_service("exists", namespace=NS)
+
+
+def test_worker_started_before_the_service_exists_waits_for_its_registry(
+    cluster: Cluster,
+) -> None:
+    """Actors start in any order: a worker whose service has no registry yet waits for one
+    (up to `connect_timeout`) instead of raising `UnknownServiceError` at once."""
+    outcome: dict[str, Any] = {}
+
+    def worker_side() -> None:
+        try:
+            outcome["client"] = echo.ray.connect(
+                "late", EXAMPLE, namespace=NS, connect_timeout=WAIT_S
+            )
+        except BaseException as e:  # noqa: BLE001 (the test reports it)
+            outcome["error"] = e
+
+    waiting = threading.Thread(target=worker_side)
+    waiting.start()
+    time.sleep(0.5)  # the worker looks for the registry meanwhile
+    assert waiting.is_alive(), f"connect() returned before the service existed: {outcome}"
+    server = echo.Server(EXAMPLE, 1, echo.TcpTransport(port=0, host="127.0.0.1"))
+    server.start()
+    echo.ray.serve(server, "late", 0, namespace=NS)
+    try:
+        waiting.join(WAIT_S)
+        assert "error" not in outcome, outcome
+        client = outcome["client"]
+        client.send(sample_of(7))
+        sample = server.sample(timeout=WAIT_S)
+        assert sample is not None
+        assert int(sample.batch["id"][0]) == 7
+        client.close()
+    finally:
+        server.close()
+        echo.ray.shutdown_service("late", namespace=NS)
 
 
 def test_a_killed_workers_lease_runs_out_and_frees_its_place(cluster: Cluster) -> None:
