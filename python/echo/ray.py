@@ -516,12 +516,13 @@ def _registry(
             break
         time.sleep(min(pause, left))
         pause = min(2 * pause, _LONGEST_LOOK_S)
+    waited = time.monotonic() - started
     known = services(namespace)
     there = ", ".join(repr(s) for s in known) if known else "none"
     if wait_s > 0:
         raise UnknownServiceError(
             f"no echo service {service!r} appeared in Ray namespace {namespace!r} within "
-            f"connect_timeout={wait_s:g}s: waited {time.monotonic() - started:.1f}s for its "
+            f"connect_timeout={wait_s:g}s: waited {waited:.1f}s for its "
             f"registry (the named actor {name!r}, which a learner's serve() or "
             f"create_service() creates); the services there are: {there}"
         )

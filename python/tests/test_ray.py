@@ -296,7 +296,7 @@ def test_unknown_service_lists_the_services_that_exist(cluster: Cluster) -> None
         with pytest.raises(
             echo.ray.UnknownServiceError,
             match=r"no echo service 'nope' appeared in Ray namespace 'echo-tests' within "
-            r"connect_timeout=0.5s: waited 0\.\ds for its registry \(the named actor "
+            r"connect_timeout=0.5s: waited \d+\.\ds for its registry \(the named actor "
             r"'echo-registry:nope'.*the services there are: .*'exists'",
         ):
             echo.ray.connect("nope", EXAMPLE, namespace=NS, connect_timeout=0.5)
@@ -346,7 +346,7 @@ def test_worker_started_before_the_service_exists_waits_for_its_registry(
 def test_a_killed_workers_lease_runs_out_and_frees_its_place(cluster: Cluster) -> None:
     """A worker SIGKILLed never releases its place; its lease, no longer renewed, runs out
     after `lease_s`, while a live client's lease is renewed for as long as it runs."""
-    echo.ray.create_service("leases", namespace=NS, lease_s=1.0)
+    echo.ray.create_service("leases", namespace=NS, lease_s=1.5)
     server = echo.Server(EXAMPLE, 1, echo.TcpTransport(port=0, host="127.0.0.1"))
     server.start()
     echo.ray.serve(server, "leases", 0, namespace=NS)
@@ -365,7 +365,7 @@ def test_a_killed_workers_lease_runs_out_and_frees_its_place(cluster: Cluster) -
         while workers() != 1:
             assert time.monotonic() < deadline, "the killed worker's place was never freed"
             time.sleep(0.05)
-        time.sleep(2.5)  # two and a half lease times: the live client renewed meanwhile
+        time.sleep(3.0)  # two lease times: the live client renewed meanwhile
         assert workers() == 1
     finally:
         alive.close()
