@@ -3,8 +3,10 @@
 Ray is the control plane, echo's TCP and shared memory stay the data plane:
 
 - A **registry** per service: a detached, named Ray actor that records each shard's address,
-  port, layout and generation (and the counters its learner reports). It outlives the driver
-  that created it; `shutdown_service` removes it. It never sees a token.
+  port, layout and generation (and the counters its learner reports), and which shard each
+  worker holds a lease on. It outlives the driver that created it; `shutdown_service`
+  removes it. It never holds a token, and is started without the environment variables
+  that carry it.
 - **Learners** start a `Server` as usual and `serve(server, service, shard)` it, or let
   `shard_server` build one that restores itself from its newest periodic checkpoint, which is
   what a learner actor restarted by Ray (`max_restarts`) needs.
@@ -13,32 +15,49 @@ Ray is the control plane, echo's TCP and shared memory stay the data plane:
   restarts (another node, another port) it finds the new address and resends what was not
   acknowledged; when the shard is deregistered for good it moves to another shard.
 
+With a token (the learners' `TcpTransport(token=)` or `ECHO_TOKEN`), a service is bound to
+it: the registry is created holding only a verifier derived from the token, refuses any
+registration, report or deregistration that does not prove the token, and every registration
+is signed with a key derived from it, which workers check with their own token before they
+send anything. Without a token, Ray's own trust model applies: any task that can run in the
+cluster can register a shard and receive the workers' samples. See the threat model guide.
+
 The shard rule: a worker that does not pin one (`shard=`) gets the registered shard with the
 fewest workers attached, ties going to the lowest shard number, so workers that attach one
 after another are spread across the shards to within one. It keeps that shard while the shard
 is registered, restarts included, and moves (by the same rule) only when it is deregistered.
-See the guide "Scaling past one learner" for what can be lost in each failure.
+A worker's place is a lease that its client renews; a worker that dies without closing
+(killed, its node lost) stops renewing, and its place is freed once the lease runs out
+(`DEFAULT_LEASE_S`). See the guide "Scaling past one learner" for what can be lost in each
+failure.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import heapq
+import hmac
+import json
 import logging
 import os
+import secrets
 import threading
 import time
 import uuid
 import weakref
+from collections.abc import Callable
 from typing import Any, Literal
 
 from echo._pytree import TreeLayout
-from echo._validate import check_int
+from echo._validate import check_int, check_seconds, check_token
 from echo.checkpoint import periodic_checkpoints
 from echo.client import TcpClient
 from echo.server import Server
 from echo.transport import TcpTransport
 
 __all__ = [
+    "DEFAULT_LEASE_S",
     "DEFAULT_NAMESPACE",
     "Registration",
     "ShardClient",
@@ -68,6 +87,18 @@ _REGISTRY_CONCURRENCY = 64
 # Interfaces that mean "every interface": never registered as an address.
 _WILDCARDS = frozenset({"", "0.0.0.0", "::", "[::]"})
 
+DEFAULT_LEASE_S = 30.0
+"""How long a worker's place on a shard lasts without a renewal, in seconds, unless the
+service was created with another `lease_s`. Clients renew every third of it; a worker that
+dies without closing frees its place within this time."""
+
+# Where learners and workers read the token from when none is given (as `TcpTransport` and
+# `TcpClient` do).
+_TOKEN_VAR = "ECHO_TOKEN"
+# Pauses between looks for a registry that does not exist yet: doubling up to the longest.
+_FIRST_LOOK_S = 0.05
+_LONGEST_LOOK_S = 1.0
+
 
 def _ray() -> Any:
     """The `ray` module, or an `ImportError` naming the extra that installs it."""
@@ -82,7 +113,8 @@ def _ray() -> Any:
 
 
 class UnknownServiceError(LookupError):
-    """No registry of that name in that namespace; the message lists the services there are."""
+    """No registry of that name in that namespace (for `connect()`: none appeared within its
+    `connect_timeout`); the message lists the services there are."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,43 +145,193 @@ class ShardStatus:
     """Where the shard's Prometheus endpoint is, when its learner gave one to `serve()`."""
 
 
+def _derive(token: str, purpose: bytes, service: str) -> bytes:
+    """A key for one `purpose` within one service, derived from the token (HMAC-SHA256)."""
+    message = b"echo-ray-" + purpose + b"\0" + service.encode()
+    return hmac.new(token.encode(), message, hashlib.sha256).digest()
+
+
+def _verifier_of(proof: bytes) -> str:
+    """What a registry holds to check a proof: its SHA-256, in hex (one-way, so a verifier
+    gives neither the proof nor the token)."""
+    return hashlib.sha256(b"echo-ray-verifier\0" + proof).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class _ServiceKey:
+    """What a token gives for one service. Learners and workers derive it; the registry gets
+    only `verifier`, and `proof` when a learner registers, reports or deregisters."""
+
+    proof: bytes = dataclasses.field(repr=False)
+    """Shown to the registry: it checks `_verifier_of(proof) == verifier`."""
+    verifier: str
+    signing: bytes = dataclasses.field(repr=False)
+    """Signs each registration (`_sign`); workers check the signature with their own."""
+
+    @classmethod
+    def of(cls, token: str, service: str) -> _ServiceKey:
+        proof = _derive(token, b"registrar", service)
+        return cls(proof, _verifier_of(proof), _derive(token, b"record", service))
+
+
+# The fields of a registration its learner signs: where the shard is and what it stores,
+# with a fresh nonce and the time it was made. The registry's own fields (generation,
+# counters, workers) are not signed.
+_SIGNED_FIELDS = (
+    "service",
+    "shard",
+    "host",
+    "port",
+    "layout",
+    "batch_size",
+    "capacity",
+    "node_id",
+    "pid",
+    "metrics_url",
+    "nonce",
+    "issued_unix_ns",
+)
+
+
+def _sign(key: _ServiceKey, record: dict[str, Any]) -> str:
+    """HMAC-SHA256 of a registration's signed fields (canonical JSON), in hex."""
+    fields = {name: record.get(name) for name in _SIGNED_FIELDS}
+    message = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=repr)
+    return hmac.new(key.signing, message.encode(), hashlib.sha256).hexdigest()
+
+
+def _token_from_env() -> str | None:
+    """`$ECHO_TOKEN`, or `None` when it is unset or empty (no token)."""
+    return os.environ.get(_TOKEN_VAR) or None
+
+
 class _Registry:
     """The registry actor's state. Threaded (`max_concurrency`), so every method holds the
-    lock; every call is a dict operation and returns at once."""
+    lock and returns at once: registering is a dict update, assigning a worker O(log shards)
+    amortised, and each lease expires once.
 
-    def __init__(self, service: str) -> None:
+    With a `verifier` (a service bound to a token), `register`, `report` and `deregister`
+    need a `proof` whose `_verifier_of` is the verifier; the registry never sees the token.
+    Refusals are returned as a `str` saying why, for the caller to raise.
+    """
+
+    def __init__(
+        self,
+        service: str,
+        verifier: str | None = None,
+        lease_s: float = DEFAULT_LEASE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._service = service
+        self._verifier = verifier
+        self._lease_s = float(lease_s)
+        self._clock = clock
         self._lock = threading.Lock()
         self._shards: dict[int, dict[str, Any]] = {}
         # The last generation handed out per shard: it keeps counting across deregistrations.
         self._generations: dict[int, int] = {}
-        # Which shard each attached client was assigned.
-        self._clients: dict[str, int] = {}
+        # Each worker's lease: its shard and when the lease runs out (`clock` seconds).
+        self._leases: dict[str, tuple[int, float]] = {}
+        # Leases held on each shard, registered or not (a deregistered shard that comes back
+        # keeps the workers that still hold it). Always equals the count over `_leases`.
+        self._loads: dict[int, int] = {}
+        # Min-heap of (load, shard). An entry is current while its shard is registered and
+        # `_loads[shard] == load`; every change of a load pushes a new entry, and the stale
+        # ones are dropped when they reach the top (or by `_compact`). Every registered shard
+        # has a current entry.
+        self._by_load: list[tuple[int, int]] = []
+        # Min-heap of (expiry, client). An entry is current while `_leases[client]` runs out
+        # at that expiry; a renewal pushes a new one, and the old one is dropped when popped.
+        self._expiries: list[tuple[float, str]] = []
 
-    def register(self, shard: int, record: dict[str, Any]) -> int:
+    # -- proofs ------------------------------------------------------------------------------
+
+    def _refusal(self, proof: object) -> str | None:
+        """Why `proof` does not let its caller change this registry, or `None` if it does."""
+        if self._verifier is None:
+            if proof is None:
+                return None
+            return (
+                "the service's registry was created without a token, so it cannot tell a "
+                "learner's registration from any other task's, and this learner has one; "
+                "create the service with the same token (create_service(token=...), or "
+                f"{_TOKEN_VAR} where it is created) or shut the open one down first"
+            )
+        if proof is None:
+            return (
+                f"the service's registry requires a proof of its token (its verifier begins "
+                f"{self._verifier[:12]}), and none came: pass the token (TcpTransport(token=...) "
+                f"or {_TOKEN_VAR})"
+            )
+        if not isinstance(proof, bytes):
+            return f"a proof is bytes, got {type(proof).__name__}"
+        got = _verifier_of(proof)
+        if not hmac.compare_digest(got, self._verifier):
+            return (
+                f"the proof is of another token: the registry's verifier begins "
+                f"{self._verifier[:12]}, the proof's {got[:12]}"
+            )
+        return None
+
+    def info(self) -> dict[str, Any]:
+        """What clients check before they trust this registry: whose token it is bound to
+        (`verifier`, or `None`: open), and the lease time."""
+        return {"service": self._service, "verifier": self._verifier, "lease_s": self._lease_s}
+
+    # -- shards ------------------------------------------------------------------------------
+
+    def register(self, record: dict[str, Any], tag: str | None, proof: bytes | None) -> int | str:
+        """Records `record` as its shard's registration: the next generation, or why not."""
         with self._lock:
+            refused = self._refusal(proof)
+            if refused is not None:
+                return refused
+            if not isinstance(record, dict):  # pyright: ignore[reportUnnecessaryIsInstance]
+                return f"a registration is a dict, got {type(record).__name__}"
+            shard = record.get("shard")
+            if not isinstance(shard, int) or isinstance(shard, bool) or shard < 0:
+                return f"a registration names its shard as an int >= 0, got {shard!r}"
+            if record.get("service") != self._service:
+                return (
+                    f"the registration is for service {record.get('service')!r}, this "
+                    f"registry's is {self._service!r}"
+                )
+            if self._verifier is not None and not isinstance(tag, str):
+                return "the registration carries no signature, and this service requires one"
             generation = self._generations.get(shard, 0) + 1
             self._generations[shard] = generation
             self._shards[shard] = {
                 **record,
-                "shard": shard,
+                "tag": tag,
                 "generation": generation,
                 "registered_unix_s": time.time(),
                 "stats": None,
                 "stats_unix_s": None,
             }
+            heapq.heappush(self._by_load, (self._loads.get(shard, 0), shard))
             return generation
 
-    def deregister(self, shard: int, generation: int) -> bool:
+    def deregister(self, shard: int, generation: int, proof: bytes | None = None) -> bool | str:
+        """Takes `shard` out if `generation` still holds it: whether it did, or why not."""
         with self._lock:
+            refused = self._refusal(proof)
+            if refused is not None:
+                return refused
             record = self._shards.get(shard)
             if record is None or record["generation"] != generation:
                 return False  # a newer learner holds the shard now
-            del self._shards[shard]
+            del self._shards[shard]  # its heap entries are stale from now on
             return True
 
-    def report(self, shard: int, generation: int, stats: dict[str, Any]) -> bool:
+    def report(
+        self, shard: int, generation: int, stats: dict[str, Any], proof: bytes | None = None
+    ) -> bool | str:
+        """Records a learner's counters: whether `generation` still holds `shard`, or why
+        the report is refused."""
         with self._lock:
+            refused = self._refusal(proof)
+            if refused is not None:
+                return refused
             record = self._shards.get(shard)
             if record is None or record["generation"] != generation:
                 return False
@@ -162,41 +344,148 @@ class _Registry:
             record = self._shards.get(shard)
             return None if record is None else dict(record)
 
-    def assign(self, client: str, shard: int | None, exclude: int | None) -> dict[str, Any] | None:
-        """The shard for `client`: `shard` when pinned (if registered), else the registered
-        shard (other than `exclude`) with the fewest clients, ties to the lowest number."""
-        with self._lock:
-            self._clients.pop(client, None)
-            if shard is not None:
-                chosen = shard if shard in self._shards else None
-            else:
-                load = {k: 0 for k in self._shards if k != exclude}
-                for assigned in self._clients.values():
-                    if assigned in load:
-                        load[assigned] += 1
-                chosen = min(load, key=lambda k: (load[k], k)) if load else None
-            if chosen is None:
-                return None
-            self._clients[client] = chosen
-            return dict(self._shards[chosen])
-
-    def release(self, client: str) -> None:
-        with self._lock:
-            self._clients.pop(client, None)
-
     def shards(self) -> list[dict[str, Any]]:
         with self._lock:
-            workers: dict[int, int] = {}
-            for assigned in self._clients.values():
-                workers[assigned] = workers.get(assigned, 0) + 1
+            self._expire(self._clock())
             return [
-                {**record, "workers": workers.get(shard, 0)}
+                {**record, "workers": self._loads.get(shard, 0)}
                 for shard, record in sorted(self._shards.items())
             ]
 
+    # -- workers' leases -----------------------------------------------------------------------
 
-def _registry(service: str, namespace: str, *, create: bool) -> Any:
-    """The handle of `service`'s registry, created (detached) if `create` and missing."""
+    def assign(self, client: str, shard: int | None, exclude: int | None) -> dict[str, Any] | None:
+        """The shard for `client`, on a fresh lease: `shard` when pinned (if registered),
+        else the registered shard (other than `exclude`) with the fewest leases, ties to the
+        lowest number. `None` (and no lease) when there is none."""
+        with self._lock:
+            now = self._clock()
+            self._expire(now)
+            self._drop(client)
+            if shard is not None:
+                chosen = shard if shard in self._shards else None
+            else:
+                chosen = self._least_loaded(exclude)
+            if chosen is None:
+                return None
+            self._grant(client, chosen, now)
+            return dict(self._shards[chosen])
+
+    def renew(self, client: str, shard: int) -> bool:
+        """Extends `client`'s lease on `shard` by the lease time; a lease that ran out (or
+        that this registry never gave: it was created anew) is granted again while `shard`
+        is registered. Whether `client` holds a lease on `shard` now."""
+        with self._lock:
+            now = self._clock()
+            self._expire(now)
+            lease = self._leases.get(client)
+            if lease is not None and lease[0] == shard:
+                expiry = now + self._lease_s
+                self._leases[client] = (shard, expiry)
+                heapq.heappush(self._expiries, (expiry, client))
+                return True
+            if shard not in self._shards:
+                return False
+            self._drop(client)
+            self._grant(client, shard, now)
+            return True
+
+    def release(self, client: str) -> None:
+        with self._lock:
+            self._drop(client)
+
+    def _grant(self, client: str, shard: int, now: float) -> None:
+        """Gives `client` (holding no lease) a lease on `shard`."""
+        expiry = now + self._lease_s
+        self._leases[client] = (shard, expiry)
+        heapq.heappush(self._expiries, (expiry, client))
+        self._set_load(shard, self._loads.get(shard, 0) + 1)
+
+    def _drop(self, client: str) -> None:
+        """Ends `client`'s lease, if it holds one (its expiry entry goes stale)."""
+        lease = self._leases.pop(client, None)
+        if lease is not None:
+            self._set_load(lease[0], self._loads[lease[0]] - 1)
+
+    def _expire(self, now: float) -> None:
+        """Ends every lease that ran out by `now`: each expiry entry is popped once, so
+        O(log leases) amortised per renewal."""
+        expiries = self._expiries
+        while expiries and expiries[0][0] <= now:
+            expiry, client = heapq.heappop(expiries)
+            lease = self._leases.get(client)
+            if lease is not None and lease[1] == expiry:
+                self._drop(client)
+
+    def _set_load(self, shard: int, load: int) -> None:
+        if load:
+            self._loads[shard] = load
+        else:
+            self._loads.pop(shard, None)
+        if shard in self._shards:
+            heapq.heappush(self._by_load, (load, shard))
+            self._compact()
+
+    def _compact(self) -> None:
+        """Rebuilds the load heap from the current loads once stale entries outnumber the
+        shards: O(shards) once every O(shards) pushes, so O(1) amortised."""
+        if len(self._by_load) > 2 * len(self._shards) + 64:
+            self._by_load = [(self._loads.get(s, 0), s) for s in self._shards]
+            heapq.heapify(self._by_load)
+
+    def _least_loaded(self, exclude: int | None) -> int | None:
+        """The registered shard other than `exclude` with the fewest leases, ties to the
+        lowest number (the heap's order), dropping the stale entries on top."""
+        heap = self._by_load
+        set_aside: list[tuple[int, int]] = []
+        chosen: int | None = None
+        while heap:
+            load, shard = heap[0]
+            if shard not in self._shards or self._loads.get(shard, 0) != load:
+                heapq.heappop(heap)  # stale
+            elif shard == exclude:
+                set_aside.append(heapq.heappop(heap))
+            else:
+                chosen = shard
+                break
+        for entry in set_aside:
+            heapq.heappush(heap, entry)
+        return chosen
+
+
+def _registry_runtime_env(ray: Any, token: str | None) -> dict[str, Any]:
+    """The runtime_env a registry is created with: its creator's, except that every
+    environment variable that holds the token, and `ECHO_TOKEN` always, is set empty. An
+    actor inherits its creator's runtime_env (a learner actor's `env_vars` included), and
+    the registry must never hold the token."""
+    inherited: dict[str, Any] = {}
+    try:
+        inherited = dict(ray.get_runtime_context().runtime_env.get("env_vars") or {})
+    except Exception as e:  # noqa: BLE001 (only what to blank out depends on it; say why)
+        _log.debug("echo.ray: reading this process's runtime_env failed: %s", e)
+    names = {_TOKEN_VAR}
+    if token is not None:
+        for name, value in {**os.environ, **inherited}.items():
+            text = str(value)
+            # A long token is found inside a value too ("Bearer <token>"); a short one only
+            # as the whole value, lest it blank out unrelated variables (PATH, PYTHONPATH).
+            if text == token or (len(token) >= 16 and token in text):
+                names.add(name)
+    return {"env_vars": dict.fromkeys(sorted(names), "")}
+
+
+def _registry(
+    service: str,
+    namespace: str,
+    *,
+    create: bool,
+    token: str | None = None,
+    lease_s: float = DEFAULT_LEASE_S,
+    wait_s: float = 0.0,
+) -> Any:
+    """The handle of `service`'s registry. `create`: created (detached, bound to `token`'s
+    verifier when there is one) if missing. Otherwise looked up, for `wait_s` seconds if it
+    does not exist yet, and then `UnknownServiceError`."""
     ray = _ray()
     if not isinstance(service, str) or not service:  # pyright: ignore[reportUnnecessaryIsInstance]
         raise ValueError(f"service must be a non-empty str, got {service!r}")
@@ -204,6 +493,7 @@ def _registry(service: str, namespace: str, *, create: bool) -> Any:
         ray.init()
     name = _PREFIX + service
     if create:
+        verifier = None if token is None else _ServiceKey.of(token, service).verifier
         actor = ray.remote(_Registry).options(
             name=name,
             namespace=namespace,
@@ -211,29 +501,107 @@ def _registry(service: str, namespace: str, *, create: bool) -> Any:
             get_if_exists=True,
             num_cpus=0,
             max_concurrency=_REGISTRY_CONCURRENCY,
+            runtime_env=_registry_runtime_env(ray, token),
         )
-        return actor.remote(service)
-    try:
-        return ray.get_actor(name, namespace=namespace)
-    except ValueError:
-        known = services(namespace)
+        return actor.remote(service, verifier, lease_s)
+    started = time.monotonic()
+    pause = _FIRST_LOOK_S
+    while True:
+        try:
+            return ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            pass
+        left = started + wait_s - time.monotonic()
+        if left <= 0:
+            break
+        time.sleep(min(pause, left))
+        pause = min(2 * pause, _LONGEST_LOOK_S)
+    waited = time.monotonic() - started
+    known = services(namespace)
+    there = ", ".join(repr(s) for s in known) if known else "none"
+    if wait_s > 0:
         raise UnknownServiceError(
-            f"no echo service {service!r} in Ray namespace {namespace!r}; the services there "
-            f"are: {', '.join(repr(s) for s in known) if known else 'none'} (a learner's "
-            f"serve() or create_service() makes one)"
-        ) from None
+            f"no echo service {service!r} appeared in Ray namespace {namespace!r} within "
+            f"connect_timeout={wait_s:g}s: waited {waited:.1f}s for its "
+            f"registry (the named actor {name!r}, which a learner's serve() or "
+            f"create_service() creates); the services there are: {there}"
+        )
+    raise UnknownServiceError(
+        f"no echo service {service!r} in Ray namespace {namespace!r}; the services there "
+        f"are: {there} (a learner's serve() or create_service() makes one)"
+    )
 
 
-def _call(method: Any, *args: Any) -> Any:
+def _call(method: Any, *args: Any, timeout: float = _REGISTRY_CALL_S) -> Any:
     ray = _ray()
-    return ray.get(method.remote(*args), timeout=_REGISTRY_CALL_S)
+    return ray.get(method.remote(*args), timeout=timeout)
 
 
-def create_service(service: str, *, namespace: str = DEFAULT_NAMESPACE) -> None:
+def create_service(
+    service: str,
+    *,
+    namespace: str = DEFAULT_NAMESPACE,
+    token: str | None = None,
+    lease_s: float = DEFAULT_LEASE_S,
+) -> None:
     """Creates `service`'s registry if it does not exist (a detached actor that outlives this
-    driver), so that workers started before any learner can `connect()` and wait for one."""
-    registry = _registry(service, namespace, create=True)
-    _call(registry.shards)  # returns once the actor is up
+    driver), so that workers started before any learner can `connect()` and wait for one.
+
+    Args:
+        service: The service's name.
+        namespace: The Ray namespace of the registry.
+        token: The token the service is bound to: the registry then accepts registrations
+            only from learners that prove it, and workers check every registration with
+            it. The registry gets a verifier derived from it, never the token. `None`:
+            `ECHO_TOKEN` of this process or, where that is unset (a driver), the
+            `ECHO_TOKEN` its job's `runtime_env` gives every worker; unset or empty
+            everywhere: an open service (Ray's trust model: any task may register a shard).
+        lease_s: How long a worker's place on a shard lasts without a renewal (clients
+            renew every third of it): a worker that dies without closing frees its place
+            within this time.
+
+    Raises:
+        PermissionError: The service exists already and is bound to another token (or to
+            none while this call has one, or the reverse).
+        ValueError: The service exists already with another `lease_s`; `lease_s` is not a
+            positive number of seconds.
+    """
+    seconds = check_seconds("lease_s", lease_s, optional=False)
+    assert seconds is not None
+    ray = _ray()
+    if not ray.is_initialized():
+        ray.init()
+    token = check_token("token", token)
+    if token is None:
+        token = _token_from_env() or _job_token(ray)
+    registry = _registry(service, namespace, create=True, token=token, lease_s=seconds)
+    info = _call(registry.info)  # returns once the actor is up
+    ours = None if token is None else _ServiceKey.of(token, service).verifier
+    if info["verifier"] != ours:
+        raise PermissionError(
+            f"echo service {service!r} exists already with {_which_token(info['verifier'])}; "
+            f"this call has {_which_token(ours)}"
+        )
+    if info["lease_s"] != seconds:
+        raise ValueError(
+            f"echo service {service!r} exists already with lease_s={info['lease_s']:g}, "
+            f"not {seconds:g} (shut it down first to change it)"
+        )
+
+
+def _which_token(verifier: str | None) -> str:
+    """How a message names a token: by its verifier's first hex digits (never the token)."""
+    return "no token" if verifier is None else f"the token whose verifier begins {verifier[:12]}"
+
+
+def _job_token(ray: Any) -> str | None:
+    """The `ECHO_TOKEN` this process's runtime_env sets (a driver's: its job's), if any."""
+    try:
+        env_vars: dict[str, Any] = ray.get_runtime_context().runtime_env.get("env_vars") or {}
+    except Exception as e:  # noqa: BLE001 (then there is none to read; say why)
+        _log.debug("echo.ray: reading this process's runtime_env failed: %s", e)
+        return None
+    return str(env_vars.get(_TOKEN_VAR) or "") or None
 
 
 def shutdown_service(service: str, *, namespace: str = DEFAULT_NAMESPACE) -> None:
@@ -338,12 +706,20 @@ class Registration:
     """
 
     def __init__(
-        self, server: Server, registry: Any, service: str, shard: int, generation: int
+        self,
+        server: Server,
+        registry: Any,
+        service: str,
+        shard: int,
+        generation: int,
+        proof: bytes | None = None,
     ) -> None:
         self.service = service
         self.shard = shard
         self.generation = generation
         self._registry = registry
+        # What proves the service's token to the registry (`None`: an open service).
+        self._proof = proof
         self._server = weakref.ref(server)
         self._stop = threading.Event()
         self._done = False
@@ -358,12 +734,21 @@ class Registration:
                     return
                 try:
                     stats = _stats_dict(server)
-                    current = _call(self._registry.report, self.shard, self.generation, stats)
+                    current = _call(
+                        self._registry.report, self.shard, self.generation, stats, self._proof
+                    )
                 except Exception as e:  # noqa: BLE001 (a report is best effort; say why)
                     _log.warning(
                         "echo.ray: shard %d: reporting to the registry failed: %s", self.shard, e
                     )
                     continue
+                if isinstance(current, str):
+                    _log.warning(
+                        "echo.ray: shard %d: the registry refused a report (%s); stopping reports",
+                        self.shard,
+                        current,
+                    )
+                    return
                 if not current:
                     _log.warning(
                         "echo.ray: shard %d generation %d is no longer registered (a newer "
@@ -400,10 +785,16 @@ class Registration:
             self._done = True
         self._stop.set()
         try:
-            return bool(_call(self._registry.deregister, self.shard, self.generation))
+            done = _call(self._registry.deregister, self.shard, self.generation, self._proof)
         except Exception as e:  # noqa: BLE001 (close() must go on; say why)
             _log.warning("echo.ray: shard %d: deregistering failed: %s", self.shard, e)
             return False
+        if isinstance(done, str):
+            _log.warning(
+                "echo.ray: shard %d: the registry refused to deregister: %s", self.shard, done
+            )
+            return False
+        return bool(done)
 
     def __repr__(self) -> str:
         return (
@@ -446,6 +837,12 @@ def serve(
     """Registers a started `server` as shard `shard` of `service` (creating the registry if
     needed) and deregisters it when the server is closed.
 
+    The server's token (its `TcpTransport(token=)`, or `ECHO_TOKEN`, as the server reads it)
+    binds the registration: a registry this call creates holds only a verifier derived from
+    it; the registration proves the token to the registry and is signed with a key derived
+    from it, which workers check with their own token before they send. Without a token the
+    service is open: any Ray task may register a shard (see the threat model guide).
+
     Args:
         server: A `Server` with a `TcpTransport`, already started (its port is bound).
         service: The service's name: workers `connect()` to it.
@@ -462,6 +859,9 @@ def serve(
     Raises:
         ValueError: The server has no transport or is not started, `shard` < 0, or `host`
             is a wildcard.
+        PermissionError: The registry refused the registration: the service is bound to
+            another token, or to one while this server has none, or it is open while this
+            server has a token (the message says which, by the tokens' verifiers).
         ImportError: Ray is not installed.
     """
     if server.closed:
@@ -476,9 +876,14 @@ def serve(
         raise ValueError(f"report_every must be > 0 seconds, got {report_every!r}")
     ray = _ray()
     reachable = _reachable_host(server, host)
-    registry = _registry(service, namespace, create=True)
+    transport = server._transport  # pyright: ignore[reportPrivateUsage]
+    token = (transport.token if transport is not None else None) or _token_from_env()
+    key = None if token is None else _ServiceKey.of(token, service)
+    registry = _registry(service, namespace, create=True, token=token)
     context = ray.get_runtime_context()
     record: dict[str, Any] = {
+        "service": service,
+        "shard": shard,
         "host": reachable,
         "port": server.port,
         "layout": _layout_record(server._layout),  # pyright: ignore[reportPrivateUsage]
@@ -487,9 +892,20 @@ def serve(
         "node_id": context.get_node_id(),
         "pid": os.getpid(),
         "metrics_url": metrics_url,
+        "nonce": secrets.token_hex(16),
+        "issued_unix_ns": time.time_ns(),
     }
-    generation = int(_call(registry.register, shard, record))
-    served = Registration(server, registry, service, shard, generation)
+    tag = None if key is None else _sign(key, record)
+    answer = _call(registry.register, record, tag, None if key is None else key.proof)
+    if isinstance(answer, str):
+        raise PermissionError(
+            f"the registry of echo service {service!r} refused shard {shard} at "
+            f"{reachable}:{server.port}: {answer}"
+        )
+    generation = int(answer)
+    served = Registration(
+        server, registry, service, shard, generation, None if key is None else key.proof
+    )
     server._close_hooks.append(served._closing)  # pyright: ignore[reportPrivateUsage]
     _registrations[server] = served
     served._start_reports(report_every)  # pyright: ignore[reportPrivateUsage]
@@ -609,16 +1025,25 @@ def shard_server(
 
 class _ShardResolver:
     """A `ShardClient`'s resolver: the cached shard's address, asked of the registry again
-    after a failed attempt (the learner may have moved or gone)."""
+    after a failed attempt (the learner may have moved or gone). With a token (`key`), every
+    registration the registry hands out must carry the learner's signature, or it is refused
+    before anything is sent to its address."""
 
     def __init__(
-        self, service: str, registry: Any, layout: TreeLayout, shard: int | None, client: str
+        self,
+        service: str,
+        registry: Any,
+        layout: TreeLayout,
+        shard: int | None,
+        client: str,
+        key: _ServiceKey | None,
     ) -> None:
         self.service = service
         self.registry = registry
         self.layout = _layout_record(layout)
         self.pinned = shard
         self.client = client
+        self.key = key
         self.record: dict[str, Any] | None = None
         self.moves = 0
 
@@ -648,6 +1073,7 @@ class _ShardResolver:
             return record["host"], record["port"]
         if found is None:
             return None
+        self._check_signature(found)
         mismatch = _layout_mismatch(found["layout"], self.layout)
         if mismatch is not None:
             raise ValueError(
@@ -665,10 +1091,89 @@ class _ShardResolver:
         self.record = found
         return found["host"], found["port"]
 
+    def _check_signature(self, found: dict[str, Any]) -> None:
+        """Refuses a registration its learner did not sign with this service's token. The
+        registry refuses such registrations itself; this check is what holds when the
+        registry was replaced or tampered with (any Ray task can run code in an actor)."""
+        if self.key is None:
+            return
+        where = f"shard {found.get('shard')!r} at {found.get('host')}:{found.get('port')}"
+        if found.get("service") != self.service:
+            raise PermissionError(
+                f"the registry of echo service {self.service!r} handed out a registration of "
+                f"service {found.get('service')!r} ({where}); refusing to send to it"
+            )
+        if self.pinned is not None and found.get("shard") != self.pinned:
+            raise PermissionError(
+                f"the registry of echo service {self.service!r} handed out {where} for "
+                f"pinned shard {self.pinned}; refusing to send to it"
+            )
+        tag = found.get("tag")
+        if not isinstance(tag, str) or not hmac.compare_digest(tag, _sign(self.key, found)):
+            # Never show the tag that would have been right: it would sign this record.
+            got = "none" if not isinstance(tag, str) else f"a tag beginning {tag[:12]!r}"
+            raise PermissionError(
+                f"the registry of echo service {self.service!r} handed out {where}, whose "
+                f"registration is not signed with this service's token (expected an "
+                f"HMAC-SHA256 tag made with a key derived from the token, got {got}): "
+                f"refusing to send to it. A task without the token registered it, or the "
+                f"registry was tampered with"
+            )
+
+
+def _service_key(service: str, info: dict[str, Any], token: str | None) -> _ServiceKey | None:
+    """The key a worker checks registrations with, once its token and the registry agree:
+    both without a token (an open service), or the registry's verifier is the token's."""
+    theirs = info.get("verifier")
+    if token is None:
+        if theirs is None:
+            return None
+        raise PermissionError(
+            f"echo service {service!r} is bound to {_which_token(theirs)}, and this worker "
+            f"has no token: pass token= or set {_TOKEN_VAR}"
+        )
+    key = _ServiceKey.of(token, service)
+    if theirs is None:
+        raise PermissionError(
+            f"echo service {service!r} was created without a token, so its registry accepts a "
+            f"shard registered by any Ray task, and this worker has a token "
+            f"({_which_token(key.verifier)}) and sends only to shards registered with it: "
+            f"create the service with the token (create_service(token=...), or "
+            f"{_TOKEN_VAR} where it is created), or connect without one"
+        )
+    if not hmac.compare_digest(str(theirs), key.verifier):
+        raise PermissionError(
+            f"echo service {service!r} is bound to {_which_token(str(theirs))}; this worker "
+            f"has {_which_token(key.verifier)}"
+        )
+    return key
+
+
+def _renew_leases(resolver: _ShardResolver, every: float, stop: threading.Event) -> None:
+    """A `ShardClient`'s renewals (its own thread, holding no reference to the client):
+    every `every` seconds, the lease on the shard it uses now, until `stop`. The lease lasts
+    three intervals, so one failed renewal costs nothing; failures are logged."""
+    failing = False
+    while not stop.wait(every):
+        record = resolver.record
+        if record is None:
+            continue
+        try:
+            _call(resolver.registry.renew, resolver.client, record["shard"], timeout=3 * every)
+        except Exception as e:  # noqa: BLE001 (the next renewal tries again; say why)
+            level = logging.DEBUG if failing else logging.WARNING
+            _log.log(
+                level, "echo.ray: renewing the lease on shard %d failed: %s", record["shard"], e
+            )
+            failing = True
+        else:
+            failing = False
+
 
 class ShardClient(TcpClient):
     """A `TcpClient` to a shard of an echo service on Ray (see `connect()`); it has
-    `TcpClient`'s API, `shard` and `generation` besides."""
+    `TcpClient`'s API, `shard` and `generation` besides. A thread renews its lease on the
+    shard every third of the service's lease time until `close()`."""
 
     def __init__(
         self,
@@ -696,19 +1201,33 @@ class ShardClient(TcpClient):
             shard = check_int("shard", shard, 0)
         if not connect_timeout > 0:
             raise ValueError(f"connect_timeout must be > 0 seconds, got {connect_timeout!r}")
-        registry = _registry(service, namespace, create=False)
+        token = check_token("token", token)
+        started = time.monotonic()
+        registry = _registry(service, namespace, create=False, wait_s=connect_timeout)
+        info = _call(registry.info)
+        key = _service_key(service, info, token if token is not None else _token_from_env())
         self._service = service
         self._client_id = uuid.uuid4().hex
         self._resolver = _ShardResolver(
-            service, registry, TreeLayout(data_sample), shard, self._client_id
+            service, registry, TreeLayout(data_sample), shard, self._client_id, key
         )
+        self._renewing = threading.Event()
+        weakref.finalize(self, self._renewing.set)  # no renewals for a client collected unclosed
+        self._renewals = threading.Thread(
+            target=_renew_leases,
+            args=(self._resolver, float(info["lease_s"]) / 3, self._renewing),
+            name=f"echo-ray-lease-{service}",
+            daemon=True,
+        )
+        self._renewals.start()
+        left = max(connect_timeout - (time.monotonic() - started), 0.001)
         try:
             self._open(
                 "",
                 0,
                 data_sample,
                 max_inflight_msgs,
-                connect_timeout=min(connect_timeout, 10.0),
+                connect_timeout=min(left, 10.0),
                 protocol=protocol,
                 token=token,
                 reconnect=True,
@@ -716,7 +1235,7 @@ class ShardClient(TcpClient):
                 heartbeat_timeout=heartbeat_timeout,
                 shared_memory=shared_memory,
                 name=name,
-                dial_timeout=connect_timeout,
+                dial_timeout=left,
                 resolver=self._resolver,
             )
         except TimeoutError as e:
@@ -731,6 +1250,11 @@ class ShardClient(TcpClient):
             raise
 
     def _release(self) -> None:
+        """Stops the renewals and gives the lease back (after the last renewal, so that it
+        cannot take the lease again)."""
+        self._renewing.set()
+        if self._renewals.is_alive() and self._renewals is not threading.current_thread():
+            self._renewals.join(timeout=5.0)
         try:
             self._resolver.registry.release.remote(self._client_id)
         except Exception as e:  # noqa: BLE001 (the registry may be gone; nothing to undo then)
@@ -788,7 +1312,13 @@ def connect(
     learner restarts, possibly on another node and port, it finds the new address in the
     registry and resends every sample not acknowledged; when the shard is deregistered for
     good it moves to another shard and resends them there. A worker started before any
-    learner waits up to `connect_timeout` (default 60 s) for one.
+    learner, or before the service's registry exists at all (actors start in any order),
+    waits up to `connect_timeout` (default 60 s) for one. Its place on the shard is a
+    lease that a thread of the client renews (every third of the service's `lease_s`)
+    until `close()`.
+
+    With a token (`token=` or `ECHO_TOKEN`), the client sends only to shards whose learner
+    signed its registration with the same token, and it is the TCP token too.
 
     Args:
         service: The service's name.
@@ -802,7 +1332,11 @@ def connect(
             `runtime_env`).
 
     Raises:
-        UnknownServiceError: There is no such service (the message lists those there are).
+        UnknownServiceError: No registry of that name appeared within `connect_timeout` (the
+            message says how long it waited and lists the services there are).
+        PermissionError: The service is bound to another token than this worker's, or to
+            one while this worker has none, or is open while this worker has one; or a
+            registration it was handed is not signed with the token (then nothing is sent).
         ValueError: The shard stores samples of another layout (the message names the leaf).
         TimeoutError: No shard could be reached within `connect_timeout`.
         ImportError: Ray is not installed.

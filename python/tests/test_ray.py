@@ -6,9 +6,11 @@ learner, and the precise errors."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 from collections import Counter
@@ -20,7 +22,15 @@ import numpy as np
 import pytest
 
 ray = pytest.importorskip("ray", reason="echo.ray needs the `distributed` extra")
-from _ray_actors import EXAMPLE, SERVICE_NAMESPACE, Learner, Worker  # noqa: E402
+from _ray_actors import (  # noqa: E402
+    EXAMPLE,
+    SERVICE_NAMESPACE,
+    Learner,
+    Worker,
+    plant_registration,
+    registry_insides,
+    sample_of,
+)
 from ray.cluster_utils import Cluster  # noqa: E402
 
 import echo  # noqa: E402
@@ -37,6 +47,8 @@ pytestmark = [
 TESTS = Path(__file__).resolve().parent
 NS = SERVICE_NAMESPACE
 WAIT_S = 120.0
+# The token of the services bound to one (never one a test process has in its environment).
+TOKEN = "the token of this test's learners and workers"
 
 
 @pytest.fixture(scope="module")
@@ -280,12 +292,242 @@ def test_worker_without_a_learner_times_out_after_connect_timeout(cluster: Clust
 def test_unknown_service_lists_the_services_that_exist(cluster: Cluster) -> None:
     echo.ray.create_service("exists", namespace=NS)
     try:
-        with pytest.raises(echo.ray.UnknownServiceError, match=r"'nope'.*'exists'"):
-            echo.ray.connect("nope", EXAMPLE, namespace=NS)
+        started = time.monotonic()
+        with pytest.raises(
+            echo.ray.UnknownServiceError,
+            match=r"no echo service 'nope' appeared in Ray namespace 'echo-tests' within "
+            r"connect_timeout=0.5s: waited \d+\.\ds for its registry \(the named actor "
+            r"'echo-registry:nope'.*the services there are: .*'exists'",
+        ):
+            echo.ray.connect("nope", EXAMPLE, namespace=NS, connect_timeout=0.5)
+        assert time.monotonic() - started >= 0.5
         with pytest.raises(LookupError):
             echo.ray.status("nope", namespace=NS)
     finally:
         echo.ray.shutdown_service("exists", namespace=NS)
+
+
+def test_worker_started_before_the_service_exists_waits_for_its_registry(
+    cluster: Cluster,
+) -> None:
+    """Actors start in any order: a worker whose service has no registry yet waits for one
+    (up to `connect_timeout`) instead of raising `UnknownServiceError` at once."""
+    outcome: dict[str, Any] = {}
+
+    def worker_side() -> None:
+        try:
+            outcome["client"] = echo.ray.connect(
+                "late", EXAMPLE, namespace=NS, connect_timeout=WAIT_S
+            )
+        except BaseException as e:  # noqa: BLE001 (the test reports it)
+            outcome["error"] = e
+
+    waiting = threading.Thread(target=worker_side)
+    waiting.start()
+    time.sleep(0.5)  # the worker looks for the registry meanwhile
+    assert waiting.is_alive(), f"connect() returned before the service existed: {outcome}"
+    server = echo.Server(EXAMPLE, 1, echo.TcpTransport(port=0, host="127.0.0.1"))
+    server.start()
+    echo.ray.serve(server, "late", 0, namespace=NS)
+    try:
+        waiting.join(WAIT_S)
+        assert "error" not in outcome, outcome
+        client = outcome["client"]
+        client.send(sample_of(7))
+        sample = server.sample(timeout=WAIT_S)
+        assert sample is not None
+        assert int(sample.batch["id"][0]) == 7
+        client.close()
+    finally:
+        server.close()
+        echo.ray.shutdown_service("late", namespace=NS)
+
+
+def test_a_killed_workers_lease_runs_out_and_frees_its_place(cluster: Cluster) -> None:
+    """A worker SIGKILLed never releases its place; its lease, no longer renewed, runs out
+    after `lease_s`, while a live client's lease is renewed for as long as it runs."""
+    echo.ray.create_service("leases", namespace=NS, lease_s=1.5)
+    server = echo.Server(EXAMPLE, 1, echo.TcpTransport(port=0, host="127.0.0.1"))
+    server.start()
+    echo.ray.serve(server, "leases", 0, namespace=NS)
+    doomed = worker(0).remote("leases")
+    alive = echo.ray.connect("leases", EXAMPLE, namespace=NS, connect_timeout=WAIT_S)
+
+    def workers() -> int:
+        (shard,) = echo.ray.status("leases", namespace=NS)
+        return shard.workers
+
+    try:
+        assert get(doomed.shard.remote()) == 0
+        assert workers() == 2
+        os.kill(get(doomed.pid.remote()), signal.SIGKILL)
+        deadline = time.monotonic() + WAIT_S
+        while workers() != 1:
+            assert time.monotonic() < deadline, "the killed worker's place was never freed"
+            time.sleep(0.05)
+        time.sleep(3.0)  # two lease times: the live client renewed meanwhile
+        assert workers() == 1
+    finally:
+        alive.close()
+        server.close()
+        echo.ray.shutdown_service("leases", namespace=NS)
+    assert not alive._renewals.is_alive()  # pyright: ignore[reportPrivateUsage]
+
+
+def test_a_registration_that_does_not_prove_the_token_is_refused(cluster: Cluster) -> None:
+    """A service bound to a token: a learner without it, one with another token, and a task
+    calling the registry itself cannot register (or deregister) a shard, so workers keep
+    sending to the learner's."""
+    service = "guarded"
+    tcp = echo.TcpTransport
+    learner = echo.Server(EXAMPLE, 1, tcp(port=0, host="127.0.0.1", token=TOKEN), num_buffers=8)
+    rogue = echo.Server(EXAMPLE, 1, tcp(port=0, host="127.0.0.1"), num_buffers=8)
+    impostor = echo.Server(EXAMPLE, 1, tcp(port=0, host="127.0.0.1", token="another"))
+    for server in (learner, rogue, impostor):
+        server.start()
+    try:
+        echo.ray.serve(learner, service, 0, namespace=NS)
+        with pytest.raises(
+            PermissionError,
+            match=rf"the registry of echo service 'guarded' refused shard 0 at "
+            rf"127\.0\.0\.1:{rogue.port}: the service's registry requires a proof of its "
+            rf"token \(its verifier begins [0-9a-f]{{12}}\), and none came",
+        ):
+            echo.ray.serve(rogue, service, 0, namespace=NS)
+        with pytest.raises(
+            PermissionError,
+            match=r"the proof is of another token: the registry's verifier begins "
+            r"[0-9a-f]{12}, the proof's [0-9a-f]{12}",
+        ):
+            echo.ray.serve(impostor, service, 0, namespace=NS)
+        # A task that calls the registry's methods itself fares no better.
+        registry = ray.get_actor("echo-registry:" + service, namespace=NS)
+        forged = {"service": service, "shard": 0, "host": "127.0.0.1", "port": rogue.port}
+        assert "requires a proof" in get(registry.register.remote(forged, None, None))
+        assert "requires a proof" in get(registry.deregister.remote(0, 1, None))
+        (shard,) = echo.ray.status(service, namespace=NS)
+        assert (shard.port, shard.generation) == (learner.port, 1)
+        client = echo.ray.connect(service, EXAMPLE, namespace=NS, token=TOKEN, connect_timeout=10)
+        for i in range(5):
+            client.send(sample_of(i))
+        client.wait(timeout=WAIT_S)
+        got = [learner.sample(timeout=WAIT_S) for _ in range(5)]
+        assert [int(s.batch["id"][0]) for s in got if s is not None] == [0, 1, 2, 3, 4]
+        assert rogue.stats().samples_inserted_total == 0
+        client.close()
+    finally:
+        for server in (learner, rogue, impostor):
+            server.close()
+        echo.ray.shutdown_service(service, namespace=NS)
+
+
+@pytest.mark.parametrize("tag", [None, "ab" * 32], ids=["unsigned", "forged"])
+def test_workers_refuse_a_registration_not_signed_with_the_token(
+    cluster: Cluster, tag: str | None
+) -> None:
+    """Any Ray task can run code inside an actor (`__ray_call__`) and so put a registration
+    into a registry past its checks: workers check each registration's signature with their
+    own token and send nothing to one their service's learners did not sign."""
+    service = f"tampered-{'forged' if tag else 'unsigned'}"
+    rogue = echo.Server(EXAMPLE, 1, echo.TcpTransport(port=0, host="127.0.0.1"), num_buffers=8)
+    rogue.start()
+    echo.ray.create_service(service, namespace=NS, token=TOKEN)
+    try:
+        registry = ray.get_actor("echo-registry:" + service, namespace=NS)
+        forged = {
+            "service": service,
+            "shard": 0,
+            "host": "127.0.0.1",
+            "port": rogue.port,
+            "layout": [("['id']", "int64", ()), ("['obs']", "float32", (16,))],
+            "tag": tag,
+            "generation": 1,
+        }
+        get(registry.__ray_call__.remote(plant_registration, forged))
+        got = "none" if tag is None else "a tag beginning 'abababababab'"
+        with pytest.raises(
+            PermissionError,
+            match=rf"handed out shard 0 at 127\.0\.0\.1:{rogue.port}, whose registration is "
+            rf"not signed with this service's token \(expected an HMAC-SHA256 tag made with a "
+            rf"key derived from the token, got {got}\): refusing to send to it",
+        ):
+            echo.ray.connect(service, EXAMPLE, namespace=NS, token=TOKEN, connect_timeout=10)
+        stats = rogue.stats()
+        assert (stats.active_connections, stats.samples_inserted_total) == (0, 0)
+    finally:
+        rogue.close()
+        echo.ray.shutdown_service(service, namespace=NS)
+
+
+def test_a_worker_whose_token_differs_from_the_services_is_refused_at_once(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("ECHO_TOKEN", raising=False)
+    echo.ray.create_service("bound", namespace=NS, token=TOKEN)
+    echo.ray.create_service("open", namespace=NS)
+    try:
+        started = time.monotonic()
+        with pytest.raises(
+            PermissionError,
+            match=r"echo service 'bound' is bound to the token whose verifier begins "
+            r"[0-9a-f]{12}, and this worker has no token: pass token= or set ECHO_TOKEN",
+        ):
+            echo.ray.connect("bound", EXAMPLE, namespace=NS, connect_timeout=WAIT_S)
+        assert time.monotonic() - started < WAIT_S / 2  # refused, not waited out
+        with pytest.raises(
+            PermissionError,
+            match=r"'bound' is bound to the token whose verifier begins [0-9a-f]{12}; this "
+            r"worker has the token whose verifier begins [0-9a-f]{12}",
+        ):
+            echo.ray.connect("bound", EXAMPLE, namespace=NS, token="another")
+        with pytest.raises(PermissionError, match="'open' was created without a token"):
+            echo.ray.connect("open", EXAMPLE, namespace=NS, token=TOKEN)
+        with pytest.raises(
+            PermissionError,
+            match=r"'open' exists already with no token; this call has the token whose "
+            r"verifier begins [0-9a-f]{12}",
+        ):
+            echo.ray.create_service("open", namespace=NS, token=TOKEN)
+    finally:
+        echo.ray.shutdown_service("bound", namespace=NS)
+        echo.ray.shutdown_service("open", namespace=NS)
+
+
+def test_a_registry_created_by_a_learner_actor_never_holds_the_token(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The learner actor has the token in its runtime_env (as `ECHO_TOKEN` and under another
+    name); the registry it creates has neither the token in its environment nor anything in
+    its state that proves or signs with it, and the service works."""
+    service = "clean"
+    actor = (
+        ray.remote(Learner)
+        .options(
+            num_cpus=0,
+            resources={"node1": 1},
+            runtime_env={"env_vars": {"ECHO_TOKEN": TOKEN, "RUN_SECRET": TOKEN}},
+        )
+        .remote(service, 0, str(tmp_path / "shard0"), "replay")
+    )
+    try:
+        get(actor.info.remote())
+        registry = ray.get_actor("echo-registry:" + service, namespace=NS)
+        env, state = get(registry.__ray_call__.remote(registry_insides))
+        assert (env["ECHO_TOKEN"], env["RUN_SECRET"]) == ("", "")
+        assert not [name for name, value in env.items() if TOKEN in value]
+        key = echo.ray._ServiceKey.of(TOKEN, service)  # pyright: ignore[reportPrivateUsage]
+        for secret in (TOKEN.encode(), key.proof, key.signing):
+            assert secret not in state
+        assert get(registry.info.remote())["verifier"] == key.verifier
+        client = echo.ray.connect(service, EXAMPLE, namespace=NS, token=TOKEN, connect_timeout=10)
+        for i in (11, 12, 13):
+            client.send(sample_of(i))
+        client.wait(timeout=WAIT_S)
+        client.close()
+        assert sorted(get(actor.stored_ids.remote())) == [11, 12, 13]
+    finally:
+        ray.kill(actor)
+        echo.ray.shutdown_service(service, namespace=NS)
 
 
 def test_a_shard_of_another_layout_is_refused_naming_the_leaf(cluster: Cluster) -> None:
