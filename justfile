@@ -29,6 +29,10 @@ test-rust *ARGS:
 test-py *ARGS:
     bash scripts/test_py.sh {{ARGS}}
 
+# The tests and benchmark that need PyTorch (installed once into target/torch-site, ~5 GB)
+test-torch *ARGS:
+    bash scripts/test_torch.sh {{ARGS}}
+
 # The loom models: every tests/loom_*.rs; ARGS go to cargo test
 test-loom *ARGS:
     bash scripts/loom.sh {{ARGS}}

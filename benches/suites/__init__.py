@@ -70,6 +70,11 @@ SUITES: tuple[Suite, ...] = (
         "accept-and-refuse rate of a full server under a connection flood, vs a plain socket",
     ),
     Suite(
+        "torch-handoff",
+        "benches.suites.torch_handoff",
+        "replay batches into PyTorch CPU tensors (from_numpy, DLPack, device=, copy) vs numpy views",
+    ),
+    Suite(
         "gil-gap",
         "benches.suites.gil_gap",
         "longest stall of a Python thread while update_priorities holds the replay lock",
