@@ -13,6 +13,7 @@ the `stats()` field it mirrors; the metrics guide (docs/guides/prometheus.md) ha
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 try:
-    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client import CollectorRegistry, make_wsgi_app  # pyright: ignore[reportUnknownVariableType]
     from prometheus_client.metrics_core import (
         CounterMetricFamily,
         GaugeMetricFamily,
@@ -34,11 +35,11 @@ except ImportError as e:  # pragma: no cover - exercised by test_prometheus with
     ) from e
 
 from echo._echo import DETAILED_METRICS, HistSnapshot, SampleInfo, __version__
+from echo._metrics_http import MetricsHTTPServer
+from echo._validate import check_int, check_seconds
 from echo.replay import Fifo
 
 if TYPE_CHECKING:
-    from wsgiref.simple_server import WSGIServer
-
     from echo._tally import Tally
     from echo.server import Server
 
@@ -630,19 +631,38 @@ class EchoCollector:
 class MetricsEndpoint:
     """A running HTTP endpoint serving `EchoCollector(*servers)` (see `serve_metrics`).
 
-    Closing it stops the HTTP thread and frees the port; the servers are not touched. Also a
-    context manager (closes on exit).
+    Closing it stops the HTTP thread, closes the connections being served and frees the
+    port; the servers are not touched. Also a context manager (closes on exit).
     """
 
-    def __init__(self, collector: EchoCollector, host: str, port: int) -> None:
+    def __init__(
+        self,
+        collector: EchoCollector,
+        host: str,
+        port: int,
+        *,
+        max_connections: int = 8,
+        timeout: float = 5.0,
+    ) -> None:
         self._collector = collector
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(collector)
-        httpd, thread = start_http_server(port, addr=host, registry=self._registry)
-        self._httpd: WSGIServer = httpd
-        self._thread: threading.Thread = thread
+        httpd = MetricsHTTPServer(
+            host,
+            port,
+            make_wsgi_app(self._registry),  # pyright: ignore[reportUnknownArgumentType]
+            max_connections=max_connections,
+            timeout_s=timeout,
+        )
+        self._httpd = httpd
+        self._thread = threading.Thread(
+            target=httpd.serve_forever, name="echo-metrics-http", daemon=True
+        )
+        self._thread.start()
         self._host = host
         self._port = int(httpd.server_address[1])
+        self._max_connections = max_connections
+        self._timeout = timeout
         self._closed = False
 
     @property
@@ -672,19 +692,31 @@ class MetricsEndpoint:
         return f"http://{host}:{self._port}/metrics"
 
     @property
+    def max_connections(self) -> int:
+        """The most connections served at once (each by one thread)."""
+        return self._max_connections
+
+    @property
+    def timeout(self) -> float:
+        """Seconds each read or write of a connection may wait."""
+        return self._timeout
+
+    @property
     def closed(self) -> bool:
         """Whether `close()` was called."""
         return self._closed
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stops serving and frees the port; waits up to `timeout` seconds for the HTTP
-        thread. Idempotent."""
+        """Stops serving, closes the connections being served and frees the port; waits up
+        to `timeout` seconds for the HTTP threads. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        deadline = time.monotonic() + timeout
         self._httpd.shutdown()
         self._httpd.server_close()
-        self._thread.join(timeout)
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        self._httpd.close_connections(max(0.0, deadline - time.monotonic()))
 
     def __enter__(self) -> MetricsEndpoint:
         return self
@@ -697,7 +729,13 @@ class MetricsEndpoint:
         return f"MetricsEndpoint({self.url}, servers=[{names}], closed={self._closed})"
 
 
-def serve_metrics(*servers: Server, port: int = 9464, host: str = "127.0.0.1") -> MetricsEndpoint:
+def serve_metrics(
+    *servers: Server,
+    port: int = 9464,
+    host: str = "127.0.0.1",
+    max_connections: int = 8,
+    timeout: float = 5.0,
+) -> MetricsEndpoint:
     """Serves the servers' metrics over HTTP in the Prometheus text format, from a daemon
     thread, at `http://host:port/metrics` (any path answers).
 
@@ -705,23 +743,41 @@ def serve_metrics(*servers: Server, port: int = 9464, host: str = "127.0.0.1") -
     endpoint has its own registry holding only echo's metrics; to add echo's metrics to an
     existing endpoint instead, register `EchoCollector(*servers)` in its registry.
 
+    What a peer can hold is bounded: at most `max_connections` connections are served at
+    once, each by one thread; each read or write of a connection waits at most `timeout`
+    seconds; when every slot is taken, the oldest connection still sending its request is
+    closed for the newcomer (which is closed at once if no such connection frees a slot
+    within a second); the listen backlog is 128. See the threat model page.
+
     Args:
         *servers: The servers to export, told apart by `Server(..., name=...)`.
         port: The TCP port; 9464 by default, 0 for one the OS picks (see `.port`).
         host: The bind address: loopback by default, `"0.0.0.0"` for a Prometheus on
             another machine (the endpoint has no authentication).
+        max_connections: The most connections served at once (>= 1), and so the most
+            threads serving them.
+        timeout: Seconds (> 0) each read of a request and each write of a response may
+            wait before the connection is closed.
 
     Returns:
         The running endpoint: `.port`, `.url`, `.close()`; a context manager.
 
     Raises:
-        ValueError: Two servers have the same name.
+        ValueError: Two servers have the same name, or `port`, `max_connections` or
+            `timeout` is out of range.
+        TypeError: `max_connections` is not an int or `timeout` not a number.
         OSError: The port is taken or cannot be bound.
         ImportError: prometheus_client is not installed (the `metrics` extra).
     """
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:  # pyright: ignore[reportUnnecessaryIsInstance]
         raise ValueError(f"port must be an int in 0..65535, got {port!r}")
-    return MetricsEndpoint(EchoCollector(*servers), host, port)
+    max_connections = check_int("max_connections", max_connections, 1, 1 << 16)
+    seconds = check_seconds("timeout", timeout, optional=False)
+    if seconds is None or math.isinf(seconds):
+        raise ValueError(f"timeout must be a finite number of seconds, got {timeout!r}")
+    return MetricsEndpoint(
+        EchoCollector(*servers), host, port, max_connections=max_connections, timeout=seconds
+    )
 
 
 def exposed_names(specs: Iterable[MetricSpec] = METRICS) -> set[str]:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import sys
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -24,6 +26,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import echo
+from echo._metrics_http import HANDLER_THREAD_NAME
 from echo.metrics import METRICS, EchoCollector, MetricsEndpoint, exposed_names
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -431,6 +434,76 @@ def test_endpoint_handle(make_server: Any) -> None:
         urllib.request.urlopen(endpoint.url, timeout=WAIT_S)
     with pytest.raises(ValueError, match="port"):
         echo.serve_metrics(server, port=70_000)
+
+
+HALF_A_REQUEST = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n"  # no blank line: not done
+
+
+def handler_threads() -> int:
+    return sum(t.name == HANDLER_THREAD_NAME for t in threading.enumerate())
+
+
+def closed_by_the_endpoint(peer: socket.socket) -> bool:
+    """Whether the endpoint closed `peer` (it reads end of file, or a reset, at once)."""
+    peer.setblocking(False)
+    try:
+        return peer.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_half_sent_requests_hold_at_most_max_connections_threads(make_server: Any) -> None:
+    # A long timeout: what lets the scrape in below is the bound, not connections timing out.
+    with echo.serve_metrics(make_server(), port=0, max_connections=4, timeout=60.0) as endpoint:
+        peers: list[socket.socket] = []
+        try:
+            for _ in range(64):
+                peer = socket.create_connection(("127.0.0.1", endpoint.port), timeout=WAIT_S)
+                peer.sendall(HALF_A_REQUEST)
+                peers.append(peer)
+                assert handler_threads() <= 4
+            # Each newcomer beyond the 4th had the oldest half-sent request closed for it.
+            poll(
+                lambda: sum(closed_by_the_endpoint(p) for p in peers),
+                lambda closed: closed >= 60,
+                "the endpoint closing the oldest half-sent requests",
+            )
+            assert handler_threads() <= 4
+            # A scrape meanwhile (the peers still hold their sockets) is answered.
+            assert value(scrape(endpoint), "echo_store_size") == 0
+            assert handler_threads() <= 4
+        finally:
+            for peer in peers:
+                peer.close()
+    assert handler_threads() == 0  # close() joined them
+
+
+def test_a_stalled_request_is_closed_after_the_timeout(make_server: Any) -> None:
+    with echo.serve_metrics(make_server(), port=0, timeout=0.2) as endpoint:
+        assert endpoint.timeout == 0.2
+        assert endpoint.max_connections == 8
+        with socket.create_connection(("127.0.0.1", endpoint.port), timeout=WAIT_S) as peer:
+            peer.sendall(HALF_A_REQUEST)
+            # The endpoint gives up on the rest of the request and closes the connection.
+            assert peer.recv(1) == b""
+        poll(handler_threads, lambda n: n == 0, "the handler thread ending")
+        assert value(scrape(endpoint), "echo_store_size") == 0
+
+
+def test_endpoint_limits_are_checked(make_server: Any) -> None:
+    server = make_server()
+    with pytest.raises(ValueError, match=r"max_connections must be in \[1, 65536\], got 0"):
+        echo.serve_metrics(server, port=0, max_connections=0)
+    with pytest.raises(TypeError, match="max_connections must be an int, got float"):
+        echo.serve_metrics(server, port=0, max_connections=2.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds, got 0"):
+        echo.serve_metrics(server, port=0, timeout=0)
+    with pytest.raises(ValueError, match="timeout must be a finite number of seconds, got inf"):
+        echo.serve_metrics(server, port=0, timeout=float("inf"))
+    with pytest.raises(TypeError, match="timeout must be a number of seconds, got str"):
+        echo.serve_metrics(server, port=0, timeout="5")  # type: ignore[arg-type]
 
 
 def test_import_error_names_the_extra(make_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
