@@ -20,7 +20,6 @@ class Tally:
         "batches",
         "checkpoint_failures",
         "checkpoints",
-        "created_unix_s",
     )
 
     def __init__(self) -> None:
@@ -31,7 +30,6 @@ class Tally:
         self.batches = 0  # batches `sample()` handed out
         self.checkpoints = 0  # checkpoints completed
         self.checkpoint_failures = 0  # `checkpoint()` calls that raised
-        self.created_unix_s = time.time()
 
     def begin_wait(self) -> int:
         """Called as `sample()` starts waiting; returns the start for `end_wait`."""

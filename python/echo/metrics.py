@@ -396,8 +396,8 @@ METRICS: tuple[MetricSpec, ...] = (
     _spec(
         "echo_checkpoint_age_seconds",
         "gauge",
-        "Seconds since the last checkpoint completed, or since the server was made when none "
-        "has: what an alert on missing checkpoints compares.",
+        "Seconds since the server's last checkpoint completed; +Inf until its first one "
+        "completes (also after a restore): what an alert on missing checkpoints compares.",
         "now - last_checkpoint_unix_s",
     ),
     # Detailed build only.
@@ -525,7 +525,9 @@ def _values(server: Server, info: SampleInfo, tally: Tally, now: float) -> dict[
         "echo_checkpoint_last_duration_seconds": info.last_checkpoint_duration_s,
         "echo_checkpoint_last_size_bytes": info.last_checkpoint_bytes,
         "echo_checkpoint_last_success_timestamp_seconds": last_ckpt,
-        "echo_checkpoint_age_seconds": max(0.0, now - (last_ckpt or tally.created_unix_s)),
+        # +Inf before the first checkpoint: "no checkpoint for an hour" is true then, and an
+        # alert on it must fire, also for a learner that restarts before it writes one.
+        "echo_checkpoint_age_seconds": max(0.0, now - last_ckpt) if last_ckpt > 0 else math.inf,
         "echo_reservations_total": info.cas_success_total,
         "echo_reservation_cas_failures_total": info.cas_failure_total,
         "echo_drain_round_seconds": info.drain_round,

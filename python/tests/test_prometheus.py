@@ -6,6 +6,7 @@ conventions, and the docs' table and the Grafana dashboard name only metrics tha
 from __future__ import annotations
 
 import json
+import math
 import re
 import socket
 import sys
@@ -341,6 +342,7 @@ def test_checkpoints_are_counted(
     assert value(series, "echo_checkpoints_total") == 0
     assert value(series, "echo_checkpoint_last_success_timestamp_seconds") == 0
     server.checkpoint(tmp_path / "ckpt")
+    series_after_one = scrape(endpoint)
     occupied = tmp_path / "occupied"
     occupied.mkdir()
     (occupied / "file").write_text("not a checkpoint")
@@ -359,7 +361,36 @@ def test_checkpoints_are_counted(
     assert value(series, "echo_checkpoint_last_duration_seconds") == pytest.approx(
         stats.last_checkpoint_duration_s
     )
-    assert value(series, "echo_checkpoint_age_seconds") >= 0
+    age = value(series_after_one, "echo_checkpoint_age_seconds")
+    assert 0 <= age < WAIT_S
+    assert value(series, "echo_checkpoint_age_seconds") >= age
+
+
+def test_checkpoint_age_is_infinite_until_the_first_checkpoint_completes(
+    make_server: Any, serve: Any, make_sample: Any, tmp_path: Path
+) -> None:
+    # "No checkpoint for an hour" holds from the start: an alert on the age fires for a
+    # server that never wrote one, however recently it started (or was restored).
+    server = make_server(batch_size=2)
+    server.submit(make_sample(0))
+    endpoint = serve(server)
+    assert value(scrape(endpoint), "echo_checkpoint_age_seconds") == math.inf
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "file").write_text("not a checkpoint")
+    with pytest.raises(FileExistsError):
+        server.checkpoint(occupied)
+    assert value(scrape(endpoint), "echo_checkpoint_age_seconds") == math.inf  # a failure
+    server.checkpoint(tmp_path / "ckpt")
+    assert value(scrape(endpoint), "echo_checkpoint_age_seconds") < WAIT_S
+    server.close()
+    restored = echo.Server.restore(tmp_path / "ckpt", name="restored")
+    try:
+        assert value(scrape(serve(restored)), "echo_checkpoint_age_seconds", "restored") == (
+            math.inf
+        )
+    finally:
+        restored.close()
 
 
 def test_in_process_submits_count_as_inserted_by_the_submit_path(
