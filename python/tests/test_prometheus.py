@@ -544,15 +544,45 @@ def test_import_error_names_the_extra(make_server: Any, monkeypatch: pytest.Monk
         echo.serve_metrics(make_server(), port=0)
 
 
-def _docs_table_names(page: Path) -> dict[str, str]:
-    """`{name: type}` of the reference table's rows (first cell a backquoted echo_ name)."""
-    rows = re.findall(r"^\| `(echo_[a-z0-9_]+)` \| (\w+) \|", page.read_text(), re.MULTILINE)
+PROMETHEUS_GUIDE = ROOT / "docs" / "guides" / "prometheus.md"
+
+
+def _docs_table_names(text: str) -> dict[str, str]:
+    """`{name: type}` of a reference table's rows (first cell a backquoted echo_ name)."""
+    rows = re.findall(r"^\| `(echo_[a-z0-9_]+)` \| (\w+) \|", text, re.MULTILINE)
     return dict(rows)
 
 
+def _docs_tables() -> tuple[dict[str, str], dict[str, str]]:
+    """The reference's two tables, `{name: type}` each: what every build serves, and what
+    only the detailed build serves."""
+    text = PROMETHEUS_GUIDE.read_text()
+    every = text.index("### Served by every build")
+    detailed = text.index("### Detailed build only")
+    end = text.index("\n## ", detailed)
+    return _docs_table_names(text[every:detailed]), _docs_table_names(text[detailed:end])
+
+
 def test_docs_reference_table_lists_every_metric() -> None:
-    table = _docs_table_names(ROOT / "docs" / "guides" / "prometheus.md")
-    assert table == {m.name: m.kind for m in METRICS}
+    every, detailed = _docs_tables()
+    assert not every.keys() & detailed.keys()
+    assert every | detailed == _docs_table_names(PROMETHEUS_GUIDE.read_text())
+    assert every == {m.name: m.kind for m in METRICS if not m.detailed}
+    assert detailed == {m.name: m.kind for m in METRICS if m.detailed}
+
+
+def test_docs_default_build_table_is_exactly_what_the_build_serves(make_server: Any) -> None:
+    # Scraped from this build: the default one serves exactly the first table's series, a
+    # detailed one the first table's and the second's.
+    every, detailed = _docs_tables()
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(EchoCollector(make_server()))
+    served = {name for name, _ in parse(generate_latest(registry).decode())[1]}
+    specs = {m.name: m for m in METRICS}
+    expected = [specs[name] for name in every]
+    if echo.DETAILED_METRICS:
+        expected += [specs[name] for name in detailed]
+    assert served == exposed_names(expected)
 
 
 def _dashboard_exprs(node: Any) -> Iterator[str]:
@@ -591,3 +621,24 @@ def test_grafana_dashboard_refers_only_to_emitted_metrics() -> None:
         assert name in used, name
     titles = [p["title"] for p in panels]
     assert len(titles) == len(set(titles))
+
+
+def test_grafana_panels_on_detailed_series_say_detailed_build_only() -> None:
+    # The default build does not serve them: a panel on them shows "No data" there, and
+    # says why in its title and description. No other panel claims it.
+    dashboard = json.loads((ROOT / "docs" / "grafana" / "echo.json").read_text())
+    detailed = exposed_names([m for m in METRICS if m.detailed])
+    marked = 0
+    for panel in dashboard["panels"]:
+        if panel.get("type") == "row":
+            continue
+        names = {n for e in _dashboard_exprs(panel) for n in re.findall(r"\becho_[a-z0-9_]+", e)}
+        title, description = panel["title"], panel.get("description", "")
+        if names & detailed:
+            assert names <= detailed, f"{title!r} mixes detailed and default series"
+            assert title.endswith("(detailed build only)"), title
+            assert description.startswith("Detailed build only (cargo feature detailed-metrics)")
+            marked += 1
+        else:
+            assert "detailed build only" not in (title + description).lower(), title
+    assert marked == 2
