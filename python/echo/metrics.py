@@ -105,6 +105,14 @@ METRICS: tuple[MetricSpec, ...] = (
         "Server.sampler, echo.__version__, echo.DETAILED_METRICS",
         label="sampler, version, detailed_metrics",
     ),
+    _spec(
+        "echo_server_start_time_seconds",
+        "gauge",
+        "When the server started counting, Unix time: its creation, or the end of the "
+        "Server.restore that made it. Every counter starts at 0 then, as a restarted "
+        "process's do, so a change of this value marks a counter reset.",
+        "Server() or Server.restore() returning",
+    ),
     # Samples in and out.
     _spec(
         "echo_samples_inserted_total",
@@ -451,20 +459,25 @@ def _exported() -> tuple[MetricSpec, ...]:
     return tuple(m for m in METRICS if DETAILED_METRICS or not m.detailed)
 
 
-def _values(server: Server, info: SampleInfo, tally: Tally, now: float) -> dict[str, _Value]:
-    """The value of every metric for one server, from one `stats()` snapshot."""
+def _values(server: Server, info: SampleInfo, tally: Tally | None, now: float) -> dict[str, _Value]:
+    """The value of every metric for one server, from one `stats()` snapshot; with
+    `tally=None`, the counters as they were when the server started counting (`info` is
+    then the restored server's `stats()` at that moment, and what the server's tally counts
+    was 0)."""
     fifo = isinstance(server.sampler, Fifo) and server.sequence is None
     transport = server.transport
-    dropped = server.dropped_at_close
+    dropped = None if tally is None else server.dropped_at_close
+    batches = 0 if tally is None else tally.batches
     last_ckpt = info.last_checkpoint_unix_s
     ns = 1e-9
     return {
         "echo_server_info": 1.0,
+        "echo_server_start_time_seconds": 0.0 if tally is None else tally.started_unix_s,
         "echo_samples_inserted_total": {
             "ingress": info.samples_inserted_total,
             "submit": info.samples_submitted_total,
         },
-        "echo_samples_sampled_total": tally.batches * server.batch_size
+        "echo_samples_sampled_total": batches * server.batch_size
         if fifo
         else info.items_sampled_total,
         "echo_batches_completed_total": info.notify_count,
@@ -509,7 +522,7 @@ def _values(server: Server, info: SampleInfo, tally: Tally, now: float) -> dict[
         "echo_ingress_queue_depth": info.queue_depth_sum,
         "echo_ingress_queue_depth_max": info.queue_depth_max,
         "echo_ingress_queue_capacity": server.producer_queue_size,
-        "echo_learner_wait_seconds_total": tally.learner_wait_ns() * ns,
+        "echo_learner_wait_seconds_total": 0 if tally is None else tally.learner_wait_ns() * ns,
         "echo_ingress_push_blocked_total": info.push_blocked_count,
         "echo_ingress_push_blocked_seconds_total": info.push_blocked_ns_total * ns,
         "echo_ring_blocked_seconds_total": info.ring_blocked_ns_total * ns,
@@ -520,8 +533,8 @@ def _values(server: Server, info: SampleInfo, tally: Tally, now: float) -> dict[
             "applied": info.priority_updates_total,
             "ignored": info.unknown_keys_total,
         },
-        "echo_checkpoints_total": tally.checkpoints,
-        "echo_checkpoint_failures_total": tally.checkpoint_failures,
+        "echo_checkpoints_total": 0 if tally is None else tally.checkpoints,
+        "echo_checkpoint_failures_total": 0 if tally is None else tally.checkpoint_failures,
         "echo_checkpoint_last_duration_seconds": info.last_checkpoint_duration_s,
         "echo_checkpoint_last_size_bytes": info.last_checkpoint_bytes,
         "echo_checkpoint_last_success_timestamp_seconds": last_ckpt,
@@ -534,6 +547,22 @@ def _values(server: Server, info: SampleInfo, tally: Tally, now: float) -> dict[
         "echo_memcpy_seconds": info.memcpy,
         "echo_queue_dwell_seconds": info.queue_dwell,
     }
+
+
+def _since_start(values: dict[str, _Value], at_start: dict[str, _Value]) -> None:
+    """Subtracts from each counter of `values` its value `at_start`: a restored server's
+    counters count from 0 when its restore returned, as a restarted process's do."""
+    for spec in METRICS:
+        if spec.kind != "counter" or spec.name not in values:
+            continue
+        now, then = values[spec.name], at_start[spec.name]
+        if isinstance(now, dict):
+            assert isinstance(then, dict)
+            values[spec.name] = {label: v - then.get(label, 0) for label, v in now.items()}
+        else:
+            assert not isinstance(now, HistSnapshot | dict)
+            assert not isinstance(then, HistSnapshot | dict)
+            values[spec.name] = now - then
 
 
 def _family(spec: MetricSpec) -> Metric:
@@ -577,7 +606,10 @@ class EchoCollector:
     Each scrape calls every server's `stats()` once (the default build reads its counters in
     well under a microsecond) and turns the snapshot into the metric families of
     `echo.metrics.METRICS`, one series per server labelled `server="<name>"`. Nothing runs
-    between scrapes. Register it in any `prometheus_client` registry:
+    between scrapes. Counters count from 0 when the server starts counting
+    (`echo_server_start_time_seconds`): a server made by `Server.restore` exports what it
+    did since the restore, as a restarted process does, while its `stats()` keeps the totals
+    the checkpoint carried over. Register it in any `prometheus_client` registry:
 
         registry.register(EchoCollector(server))
 
@@ -603,6 +635,9 @@ class EchoCollector:
                 )
             names.add(server.name)
         self._servers: tuple[Server, ...] = servers
+        # Per restored server (by index): its counters when its restore returned, which
+        # each scrape subtracts. Computed at the first scrape.
+        self._at_start: dict[int, dict[str, _Value]] = {}
 
     @property
     def servers(self) -> tuple[Server, ...]:
@@ -618,13 +653,14 @@ class EchoCollector:
         specs = _exported()
         families = [_family(spec) for spec in specs]
         now = time.time()
-        for server in self._servers:
-            values = _values(
-                server,
-                server.stats(),
-                server._tally,  # pyright: ignore[reportPrivateUsage]
-                now,
-            )
+        for index, server in enumerate(self._servers):
+            tally = server._tally  # pyright: ignore[reportPrivateUsage]
+            values = _values(server, server.stats(), tally, now)
+            if tally.started is not None:
+                at_start = self._at_start.get(index)
+                if at_start is None:
+                    at_start = self._at_start[index] = _values(server, tally.started, None, now)
+                _since_start(values, at_start)
             for spec, family in zip(specs, families, strict=True):
                 _add(family, spec, server, values[spec.name])
         yield from families

@@ -879,6 +879,10 @@ class Server:
         except BaseException:
             server.close()
             raise
+        # The exported counters of the new process start at 0, as any restarted process's
+        # do (Prometheus' rate() and increase() handle such a reset); stats() keeps the
+        # totals the checkpoint carried over.
+        server._tally.restarted(server.stats())  # pyright: ignore[reportPrivateUsage]
         if periodic is not None:
             server._start_periodic(periodic)  # pyright: ignore[reportPrivateUsage]
         return server

@@ -11,6 +11,7 @@ import re
 import socket
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -391,6 +392,95 @@ def test_checkpoint_age_is_infinite_until_the_first_checkpoint_completes(
         )
     finally:
         restored.close()
+
+
+def _counter_series(series: Series, server: str) -> Series:
+    counters = {m.name for m in EXPORTED if m.kind == "counter"}
+    return {
+        (name, labels): v
+        for (name, labels), v in series.items()
+        if name in counters and ("server", server) in labels
+    }
+
+
+RESTARTS = {
+    "fifo": {"batch_size": 2},
+    "replay": {"batch_size": 2, "sampler": echo.Uniform(), "max_size": 8, "seed": 1},
+    # A sequence table's restore carries its step, window and batch counters over.
+    "sequence": {
+        "batch_size": 2,
+        "sampler": echo.Uniform(),
+        "max_size": 32,
+        "sequence": echo.Sequence(length=2),
+        "seed": 1,
+    },
+}
+
+
+@pytest.mark.parametrize("kind", RESTARTS)
+def test_a_restored_server_counts_from_zero_like_a_restarted_process(
+    make_server: Any, serve: Any, tmp_path: Path, kind: str
+) -> None:
+    # Prometheus' increase() and rate() handle a counter reset; a counter that restarts at
+    # the checkpoint's value, below what the dead process exported, counts the steps
+    # between the checkpoint and the crash twice. So the new process counts from 0, and
+    # echo_server_start_time_seconds says when it started; stats() keeps the totals.
+    options = RESTARTS[kind]
+    one = {"x": np.zeros((), np.int64)}
+
+    def submit(server: echo.Server, i: int) -> None:
+        step = {"x": np.array(i, np.int64)}
+        if kind == "sequence":
+            server.submit(step, stream=0, end_episode=i == 5)
+        else:
+            server.submit(step)
+
+    dead = make_server(one, name="learner", **options)
+    for i in range(6):
+        submit(dead, i)
+    take(dead)
+    take(dead)
+    dead.checkpoint(tmp_path / "ckpt")
+    before = scrape(serve(dead))
+    assert value(before, "echo_samples_inserted_total", "learner", path="submit") == 6
+    assert value(before, "echo_samples_sampled_total", "learner") == 4
+    totals = dead.stats()
+    dead.close()
+
+    restored = echo.Server.restore(tmp_path / "ckpt")
+    try:
+        endpoint = serve(restored)
+        after = scrape(endpoint)
+        assert after.keys() == before.keys()  # the same series, under the same labels
+        counters = _counter_series(after, "learner")
+        assert counters
+        assert all(v == 0 for v in counters.values()), {k: v for k, v in counters.items() if v}
+        started = value(after, "echo_server_start_time_seconds", "learner")
+        assert value(before, "echo_server_start_time_seconds", "learner") < started
+        assert started == pytest.approx(time.time(), abs=WAIT_S)
+        # stats() keeps what the checkpoint carried over.
+        if kind == "sequence":
+            assert restored.stats().steps_inserted_total == totals.steps_inserted_total == 6
+            assert restored.stats().items_sampled_total == totals.items_sampled_total == 4
+        # From then on the counters count what the new process does.
+        for i in range(6, 9):
+            submit(restored, i)
+        take(restored)
+        again = scrape(endpoint)
+        assert value(again, "echo_samples_inserted_total", "learner", path="submit") == 3
+        assert value(again, "echo_samples_sampled_total", "learner") == 2
+        if kind == "sequence":
+            assert value(again, "echo_sequence_steps_inserted_total", "learner") == 3
+            assert restored.stats().steps_inserted_total == 9
+    finally:
+        restored.close()
+
+
+def test_the_start_time_is_the_servers_creation(make_server: Any, serve: Any) -> None:
+    made = time.time()
+    server = make_server()
+    started = value(scrape(serve(server)), "echo_server_start_time_seconds")
+    assert made <= started <= time.time()
 
 
 def test_in_process_submits_count_as_inserted_by_the_submit_path(
