@@ -19,11 +19,12 @@ CHECKPOINT_FORMAT_VERSION: Final[int]
 DETAILED_METRICS: Final[bool]
 """Whether this build records the detailed metrics (cargo feature `detailed-metrics`)."""
 
-class ServerClosedError(RuntimeError):
-    """The server was closed: nothing more can be submitted or started."""
-
 class ConnectionClosedError(ConnectionError):
     """The connection to the peer is closed (by `close()` or because the peer went away)."""
+
+class ServerClosedError(ConnectionClosedError, RuntimeError):
+    """The server was closed: nothing more can be submitted or started, and a worker's
+    connection to it is closed for good. A `ConnectionClosedError` and a `RuntimeError`."""
 
 class CheckpointError(ValueError):
     """A checkpoint cannot be restored: a file is missing, truncated or corrupted (its SHA-256
