@@ -253,7 +253,8 @@ class SampleInfo:
     def times_sampled(self) -> npt.NDArray[np.uint32] | None:
         """Replay batches only: `Sample.times_sampled`."""
     def as_dict(self) -> dict[str, Any]:
-        """The counters as a plain dict (histograms as nested dicts; no replay arrays)."""
+        """Every public property as a plain dict: the counters, the float fields and
+        `compression_ratio` (histograms as nested dicts; no replay arrays)."""
     def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]: ...
     def __eq__(self, value: object, /) -> bool: ...
     def __hash__(self) -> int: ...
