@@ -41,7 +41,7 @@ EVICTION_GRACE_S = 1.0
 HANDLER_THREAD_NAME = "echo-metrics-handler"
 """The name of every thread that serves one connection."""
 
-_JOIN_S = 1.0  # a finished handler thread has only its return left to run
+_JOIN_S = 5.0  # a finished handler thread has only its return left to run
 
 
 class _Handler(WSGIRequestHandler):
