@@ -47,6 +47,7 @@ fn server(backend: BackendConfig) -> Server {
         num_drainers: 1,
         producer_queue_size: Some(8),
         wire_codecs: Vec::new(),
+        name: None,
     };
     Server::new(tagged_spec(), config).unwrap()
 }

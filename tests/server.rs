@@ -24,6 +24,7 @@ fn fifo(batch_size: usize, num_batches: usize) -> Server {
         num_drainers: 2,
         producer_queue_size: Some(8),
         wire_codecs: Vec::new(),
+        name: None,
     };
     Server::new(tagged_spec(), config).unwrap()
 }

@@ -73,7 +73,13 @@ __all__ = [
 ]
 
 
-def serve_metrics(*servers: Server, port: int = 9464, host: str = "127.0.0.1") -> MetricsEndpoint:
+def serve_metrics(
+    *servers: Server,
+    port: int = 9464,
+    host: str = "127.0.0.1",
+    max_connections: int = 8,
+    timeout: float = 5.0,
+) -> MetricsEndpoint:
     """Serves the servers' Prometheus metrics over HTTP: `echo.metrics.serve_metrics`.
 
     Imports `echo.metrics` (and so `prometheus_client`, the `metrics` extra) only when called,
@@ -84,7 +90,7 @@ def serve_metrics(*servers: Server, port: int = 9464, host: str = "127.0.0.1") -
     """
     from echo.metrics import serve_metrics as serve
 
-    return serve(*servers, port=port, host=host)
+    return serve(*servers, port=port, host=host, max_connections=max_connections, timeout=timeout)
 
 
 # Threads still waiting inside echo when the interpreter shuts down, and transport threads that

@@ -19,11 +19,12 @@ CHECKPOINT_FORMAT_VERSION: Final[int]
 DETAILED_METRICS: Final[bool]
 """Whether this build records the detailed metrics (cargo feature `detailed-metrics`)."""
 
-class ServerClosedError(RuntimeError):
-    """The server was closed: nothing more can be submitted or started."""
-
 class ConnectionClosedError(ConnectionError):
     """The connection to the peer is closed (by `close()` or because the peer went away)."""
+
+class ServerClosedError(ConnectionClosedError, RuntimeError):
+    """The server was closed: nothing more can be submitted or started, and a worker's
+    connection to it is closed for good. A `ConnectionClosedError` and a `RuntimeError`."""
 
 class CheckpointError(ValueError):
     """A checkpoint cannot be restored: a file is missing, truncated or corrupted (its SHA-256
@@ -252,7 +253,8 @@ class SampleInfo:
     def times_sampled(self) -> npt.NDArray[np.uint32] | None:
         """Replay batches only: `Sample.times_sampled`."""
     def as_dict(self) -> dict[str, Any]:
-        """The counters as a plain dict (histograms as nested dicts; no replay arrays)."""
+        """Every public property as a plain dict: the counters, the float fields and
+        `compression_ratio` (histograms as nested dicts; no replay arrays)."""
     def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]: ...
     def __eq__(self, value: object, /) -> bool: ...
     def __hash__(self) -> int: ...

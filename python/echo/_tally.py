@@ -1,12 +1,17 @@
 """What `echo.metrics` exports that the native counters (`Server.stats()`) do not hold: the
 learner's waiting time (live, including a wait in progress and waits that timed out), the
-batches handed out, and checkpoint outcomes. Kept by the Python half of `Server`, once per
+batches handed out, checkpoint outcomes, and when the server started counting (with, for a
+restored server, the counters it started from). Kept by the Python half of `Server`, once per
 `sample()` or `checkpoint()` call, never per sample."""
 
 from __future__ import annotations
 
 import threading
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from echo._echo import SampleInfo
 
 
 class Tally:
@@ -20,7 +25,8 @@ class Tally:
         "batches",
         "checkpoint_failures",
         "checkpoints",
-        "created_unix_s",
+        "started",
+        "started_unix_s",
     )
 
     def __init__(self) -> None:
@@ -31,7 +37,19 @@ class Tally:
         self.batches = 0  # batches `sample()` handed out
         self.checkpoints = 0  # checkpoints completed
         self.checkpoint_failures = 0  # `checkpoint()` calls that raised
-        self.created_unix_s = time.time()
+        # When the server started counting (Unix seconds): its creation, or the end of the
+        # restore that made it. `echo_server_start_time_seconds`.
+        self.started_unix_s = time.time()
+        # A restored server's `stats()` as its restore ended: the totals the checkpoint
+        # carried over, which the exported counters leave out (a new process counts from 0).
+        # `None` for a server built by the constructor, whose counters start at 0.
+        self.started: SampleInfo | None = None
+
+    def restarted(self, stats: SampleInfo) -> None:
+        """Called as `Server.restore` returns, with the new server's `stats()`: the exported
+        counters count from here, from 0, as a restarted process's do."""
+        self.started = stats
+        self.started_unix_s = time.time()
 
     def begin_wait(self) -> int:
         """Called as `sample()` starts waiting; returns the start for `end_wait`."""

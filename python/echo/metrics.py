@@ -13,6 +13,7 @@ the `stats()` field it mirrors; the metrics guide (docs/guides/prometheus.md) ha
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 try:
-    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client import CollectorRegistry, make_wsgi_app  # pyright: ignore[reportUnknownVariableType]
     from prometheus_client.metrics_core import (
         CounterMetricFamily,
         GaugeMetricFamily,
@@ -34,11 +35,11 @@ except ImportError as e:  # pragma: no cover - exercised by test_prometheus with
     ) from e
 
 from echo._echo import DETAILED_METRICS, HistSnapshot, SampleInfo, __version__
+from echo._metrics_http import MetricsHTTPServer
+from echo._validate import check_int, check_seconds
 from echo.replay import Fifo
 
 if TYPE_CHECKING:
-    from wsgiref.simple_server import WSGIServer
-
     from echo._tally import Tally
     from echo.server import Server
 
@@ -103,6 +104,14 @@ METRICS: tuple[MetricSpec, ...] = (
         "the detailed metrics.",
         "Server.sampler, echo.__version__, echo.DETAILED_METRICS",
         label="sampler, version, detailed_metrics",
+    ),
+    _spec(
+        "echo_server_start_time_seconds",
+        "gauge",
+        "When the server started counting, Unix time: its creation, or the end of the "
+        "Server.restore that made it. Every counter starts at 0 then, as a restarted "
+        "process's do, so a change of this value marks a counter reset.",
+        "Server() or Server.restore() returning",
     ),
     # Samples in and out.
     _spec(
@@ -345,13 +354,6 @@ METRICS: tuple[MetricSpec, ...] = (
         "Replay: time sample() spent held back by the rate limiter or an empty table.",
         "sample_blocked_ns_total",
     ),
-    _spec(
-        "echo_ring_full_waits_total",
-        "counter",
-        "Times a writer found the ring full and waited for the learner.",
-        "reservation_retries_total",
-        detailed=True,
-    ),
     # Priorities.
     _spec(
         "echo_priority_updates_total",
@@ -395,11 +397,18 @@ METRICS: tuple[MetricSpec, ...] = (
     _spec(
         "echo_checkpoint_age_seconds",
         "gauge",
-        "Seconds since the last checkpoint completed, or since the server was made when none "
-        "has: what an alert on missing checkpoints compares.",
+        "Seconds since the server's last checkpoint completed; +Inf until its first one "
+        "completes (also after a restore): what an alert on missing checkpoints compares.",
         "now - last_checkpoint_unix_s",
     ),
-    # Detailed build only.
+    # Detailed build only (the docs' second table, the dashboard's "detailed build only" panels).
+    _spec(
+        "echo_ring_full_waits_total",
+        "counter",
+        "Times a writer found the ring full and waited for the learner.",
+        "reservation_retries_total",
+        detailed=True,
+    ),
     _spec(
         "echo_reservations_total",
         "counter",
@@ -450,20 +459,25 @@ def _exported() -> tuple[MetricSpec, ...]:
     return tuple(m for m in METRICS if DETAILED_METRICS or not m.detailed)
 
 
-def _values(server: Server, info: SampleInfo, tally: Tally, now: float) -> dict[str, _Value]:
-    """The value of every metric for one server, from one `stats()` snapshot."""
+def _values(server: Server, info: SampleInfo, tally: Tally | None, now: float) -> dict[str, _Value]:
+    """The value of every metric for one server, from one `stats()` snapshot; with
+    `tally=None`, the counters as they were when the server started counting (`info` is
+    then the restored server's `stats()` at that moment, and what the server's tally counts
+    was 0)."""
     fifo = isinstance(server.sampler, Fifo) and server.sequence is None
     transport = server.transport
-    dropped = server.dropped_at_close
+    dropped = None if tally is None else server.dropped_at_close
+    batches = 0 if tally is None else tally.batches
     last_ckpt = info.last_checkpoint_unix_s
     ns = 1e-9
     return {
         "echo_server_info": 1.0,
+        "echo_server_start_time_seconds": 0.0 if tally is None else tally.started_unix_s,
         "echo_samples_inserted_total": {
             "ingress": info.samples_inserted_total,
             "submit": info.samples_submitted_total,
         },
-        "echo_samples_sampled_total": tally.batches * server.batch_size
+        "echo_samples_sampled_total": batches * server.batch_size
         if fifo
         else info.items_sampled_total,
         "echo_batches_completed_total": info.notify_count,
@@ -508,7 +522,7 @@ def _values(server: Server, info: SampleInfo, tally: Tally, now: float) -> dict[
         "echo_ingress_queue_depth": info.queue_depth_sum,
         "echo_ingress_queue_depth_max": info.queue_depth_max,
         "echo_ingress_queue_capacity": server.producer_queue_size,
-        "echo_learner_wait_seconds_total": tally.learner_wait_ns() * ns,
+        "echo_learner_wait_seconds_total": 0 if tally is None else tally.learner_wait_ns() * ns,
         "echo_ingress_push_blocked_total": info.push_blocked_count,
         "echo_ingress_push_blocked_seconds_total": info.push_blocked_ns_total * ns,
         "echo_ring_blocked_seconds_total": info.ring_blocked_ns_total * ns,
@@ -519,18 +533,36 @@ def _values(server: Server, info: SampleInfo, tally: Tally, now: float) -> dict[
             "applied": info.priority_updates_total,
             "ignored": info.unknown_keys_total,
         },
-        "echo_checkpoints_total": tally.checkpoints,
-        "echo_checkpoint_failures_total": tally.checkpoint_failures,
+        "echo_checkpoints_total": 0 if tally is None else tally.checkpoints,
+        "echo_checkpoint_failures_total": 0 if tally is None else tally.checkpoint_failures,
         "echo_checkpoint_last_duration_seconds": info.last_checkpoint_duration_s,
         "echo_checkpoint_last_size_bytes": info.last_checkpoint_bytes,
         "echo_checkpoint_last_success_timestamp_seconds": last_ckpt,
-        "echo_checkpoint_age_seconds": max(0.0, now - (last_ckpt or tally.created_unix_s)),
+        # +Inf before the first checkpoint: "no checkpoint for an hour" is true then, and an
+        # alert on it must fire, also for a learner that restarts before it writes one.
+        "echo_checkpoint_age_seconds": max(0.0, now - last_ckpt) if last_ckpt > 0 else math.inf,
         "echo_reservations_total": info.cas_success_total,
         "echo_reservation_cas_failures_total": info.cas_failure_total,
         "echo_drain_round_seconds": info.drain_round,
         "echo_memcpy_seconds": info.memcpy,
         "echo_queue_dwell_seconds": info.queue_dwell,
     }
+
+
+def _since_start(values: dict[str, _Value], at_start: dict[str, _Value]) -> None:
+    """Subtracts from each counter of `values` its value `at_start`: a restored server's
+    counters count from 0 when its restore returned, as a restarted process's do."""
+    for spec in METRICS:
+        if spec.kind != "counter" or spec.name not in values:
+            continue
+        now, then = values[spec.name], at_start[spec.name]
+        if isinstance(now, dict):
+            assert isinstance(then, dict)
+            values[spec.name] = {label: v - then.get(label, 0) for label, v in now.items()}
+        else:
+            assert not isinstance(now, HistSnapshot | dict)
+            assert not isinstance(then, HistSnapshot | dict)
+            values[spec.name] = now - then
 
 
 def _family(spec: MetricSpec) -> Metric:
@@ -574,7 +606,10 @@ class EchoCollector:
     Each scrape calls every server's `stats()` once (the default build reads its counters in
     well under a microsecond) and turns the snapshot into the metric families of
     `echo.metrics.METRICS`, one series per server labelled `server="<name>"`. Nothing runs
-    between scrapes. Register it in any `prometheus_client` registry:
+    between scrapes. Counters count from 0 when the server starts counting
+    (`echo_server_start_time_seconds`): a server made by `Server.restore` exports what it
+    did since the restore, as a restarted process does, while its `stats()` keeps the totals
+    the checkpoint carried over. Register it in any `prometheus_client` registry:
 
         registry.register(EchoCollector(server))
 
@@ -600,6 +635,9 @@ class EchoCollector:
                 )
             names.add(server.name)
         self._servers: tuple[Server, ...] = servers
+        # Per restored server (by index): its counters when its restore returned, which
+        # each scrape subtracts. Computed at the first scrape.
+        self._at_start: dict[int, dict[str, _Value]] = {}
 
     @property
     def servers(self) -> tuple[Server, ...]:
@@ -615,13 +653,14 @@ class EchoCollector:
         specs = _exported()
         families = [_family(spec) for spec in specs]
         now = time.time()
-        for server in self._servers:
-            values = _values(
-                server,
-                server.stats(),
-                server._tally,  # pyright: ignore[reportPrivateUsage]
-                now,
-            )
+        for index, server in enumerate(self._servers):
+            tally = server._tally  # pyright: ignore[reportPrivateUsage]
+            values = _values(server, server.stats(), tally, now)
+            if tally.started is not None:
+                at_start = self._at_start.get(index)
+                if at_start is None:
+                    at_start = self._at_start[index] = _values(server, tally.started, None, now)
+                _since_start(values, at_start)
             for spec, family in zip(specs, families, strict=True):
                 _add(family, spec, server, values[spec.name])
         yield from families
@@ -630,19 +669,38 @@ class EchoCollector:
 class MetricsEndpoint:
     """A running HTTP endpoint serving `EchoCollector(*servers)` (see `serve_metrics`).
 
-    Closing it stops the HTTP thread and frees the port; the servers are not touched. Also a
-    context manager (closes on exit).
+    Closing it stops the HTTP thread, closes the connections being served and frees the
+    port; the servers are not touched. Also a context manager (closes on exit).
     """
 
-    def __init__(self, collector: EchoCollector, host: str, port: int) -> None:
+    def __init__(
+        self,
+        collector: EchoCollector,
+        host: str,
+        port: int,
+        *,
+        max_connections: int = 8,
+        timeout: float = 5.0,
+    ) -> None:
         self._collector = collector
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(collector)
-        httpd, thread = start_http_server(port, addr=host, registry=self._registry)
-        self._httpd: WSGIServer = httpd
-        self._thread: threading.Thread = thread
+        httpd = MetricsHTTPServer(
+            host,
+            port,
+            make_wsgi_app(self._registry),  # pyright: ignore[reportUnknownArgumentType]
+            max_connections=max_connections,
+            timeout_s=timeout,
+        )
+        self._httpd = httpd
+        self._thread = threading.Thread(
+            target=httpd.serve_forever, name="echo-metrics-http", daemon=True
+        )
+        self._thread.start()
         self._host = host
         self._port = int(httpd.server_address[1])
+        self._max_connections = max_connections
+        self._timeout = timeout
         self._closed = False
 
     @property
@@ -672,19 +730,31 @@ class MetricsEndpoint:
         return f"http://{host}:{self._port}/metrics"
 
     @property
+    def max_connections(self) -> int:
+        """The most connections served at once (each by one thread)."""
+        return self._max_connections
+
+    @property
+    def timeout(self) -> float:
+        """Seconds each read or write of a connection may wait."""
+        return self._timeout
+
+    @property
     def closed(self) -> bool:
         """Whether `close()` was called."""
         return self._closed
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stops serving and frees the port; waits up to `timeout` seconds for the HTTP
-        thread. Idempotent."""
+        """Stops serving, closes the connections being served and frees the port; waits up
+        to `timeout` seconds for the HTTP threads. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        deadline = time.monotonic() + timeout
         self._httpd.shutdown()
         self._httpd.server_close()
-        self._thread.join(timeout)
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        self._httpd.close_connections(max(0.0, deadline - time.monotonic()))
 
     def __enter__(self) -> MetricsEndpoint:
         return self
@@ -697,7 +767,13 @@ class MetricsEndpoint:
         return f"MetricsEndpoint({self.url}, servers=[{names}], closed={self._closed})"
 
 
-def serve_metrics(*servers: Server, port: int = 9464, host: str = "127.0.0.1") -> MetricsEndpoint:
+def serve_metrics(
+    *servers: Server,
+    port: int = 9464,
+    host: str = "127.0.0.1",
+    max_connections: int = 8,
+    timeout: float = 5.0,
+) -> MetricsEndpoint:
     """Serves the servers' metrics over HTTP in the Prometheus text format, from a daemon
     thread, at `http://host:port/metrics` (any path answers).
 
@@ -705,23 +781,41 @@ def serve_metrics(*servers: Server, port: int = 9464, host: str = "127.0.0.1") -
     endpoint has its own registry holding only echo's metrics; to add echo's metrics to an
     existing endpoint instead, register `EchoCollector(*servers)` in its registry.
 
+    What a peer can hold is bounded: at most `max_connections` connections are served at
+    once, each by one thread; each read or write of a connection waits at most `timeout`
+    seconds; when every slot is taken, the oldest connection still sending its request is
+    closed for the newcomer (which is closed at once if no such connection frees a slot
+    within a second); the listen backlog is 128. See the threat model page.
+
     Args:
         *servers: The servers to export, told apart by `Server(..., name=...)`.
         port: The TCP port; 9464 by default, 0 for one the OS picks (see `.port`).
         host: The bind address: loopback by default, `"0.0.0.0"` for a Prometheus on
             another machine (the endpoint has no authentication).
+        max_connections: The most connections served at once (>= 1), and so the most
+            threads serving them.
+        timeout: Seconds (> 0) each read of a request and each write of a response may
+            wait before the connection is closed.
 
     Returns:
         The running endpoint: `.port`, `.url`, `.close()`; a context manager.
 
     Raises:
-        ValueError: Two servers have the same name.
+        ValueError: Two servers have the same name, or `port`, `max_connections` or
+            `timeout` is out of range.
+        TypeError: `max_connections` is not an int or `timeout` not a number.
         OSError: The port is taken or cannot be bound.
         ImportError: prometheus_client is not installed (the `metrics` extra).
     """
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:  # pyright: ignore[reportUnnecessaryIsInstance]
         raise ValueError(f"port must be an int in 0..65535, got {port!r}")
-    return MetricsEndpoint(EchoCollector(*servers), host, port)
+    max_connections = check_int("max_connections", max_connections, 1, 1 << 16)
+    seconds = check_seconds("timeout", timeout, optional=False)
+    if seconds is None or math.isinf(seconds):
+        raise ValueError(f"timeout must be a finite number of seconds, got {timeout!r}")
+    return MetricsEndpoint(
+        EchoCollector(*servers), host, port, max_connections=max_connections, timeout=seconds
+    )
 
 
 def exposed_names(specs: Iterable[MetricSpec] = METRICS) -> set[str]:

@@ -54,6 +54,8 @@ class _ServerConfig:
     # Per leaf: its codec or None, resolved from `compress=` against the layout.
     compress: tuple[Codec | None, ...] = ()
     max_bytes: int | None = None
+    # The `server` label of its metrics; checkpoints record it, restores keep it.
+    name: str = "default"
 
 
 class Server:
@@ -132,7 +134,8 @@ class Server:
             `checkpoint_dir`.
         name: The value of the `server` label of this server's series in `echo.metrics`
             (Prometheus), so that several servers in one process are told apart; `"default"`
-            unless given. A non-empty str.
+            unless given. A non-empty str. Checkpoints record it and `restore()` keeps it, so
+            a restarted learner's series go on under the same label.
 
     Raises:
         TypeError: A leaf of `example` is not a numpy array, or an argument has the wrong type.
@@ -201,6 +204,7 @@ class Server:
             max_times_sampled=check_int("max_times_sampled", max_times_sampled, 0, 2**32 - 1),
             seed=None if seed is None else check_int("seed", seed, 0, 2**64 - 1),
             sequence=sequence,
+            name=name,
         )
         if transport is not None and not isinstance(transport, TcpTransport):
             raise TypeError(
@@ -743,7 +747,7 @@ class Server:
         checkpoint_every: float | None = None,
         checkpoint_keep: int = 3,
         checkpoint_extra: Callable[[], Any] | None = None,
-        name: str = "default",
+        name: str | None = None,
         compress: Compress = None,
         max_bytes: int | None = None,
     ) -> Server:
@@ -771,8 +775,8 @@ class Server:
         counters, a FIFO ring's batches), which another value would silently change, so
         passing one is only a check, and a different value raises `ValueError`. The rest
         tune the server and do not touch the data: `num_drainers`,
-        `producer_queue_size`, `compress` and `max_bytes` are recorded in the checkpoint and
-        kept unless given here
+        `producer_queue_size`, `compress`, `max_bytes` and `name` are recorded in the
+        checkpoint and kept unless given here
         (checkpoints written before they were recorded restore with the defaults);
         `num_buffers` (FIFO) is the checkpoint's unless given (samples that do not fit a
         smaller ring at once go in as `sample()` makes room); `transport`, `pin_host_memory`
@@ -813,7 +817,9 @@ class Server:
             checkpoint_every: As the constructor's.
             checkpoint_keep: As the constructor's.
             checkpoint_extra: As the constructor's.
-            name: As the constructor's.
+            name: As the constructor's; `None` keeps the checkpoint's (`"default"` for a
+                checkpoint written before names were recorded), so the restored server's
+                metrics keep their `server` label.
             compress: As the constructor's; `None` keeps the checkpoint's (`{}` stores every
                 leaf raw). The checkpoint's rows are raw, so any codec may be chosen.
             max_bytes: As the constructor's; `None` keeps the checkpoint's.
@@ -862,7 +868,7 @@ class Server:
             if producer_queue_size is None
             else producer_queue_size,
             pin_host_memory=pin_host_memory,
-            name=name,
+            name=tuning.get("name", "default") if name is None else name,
             compress=recorded_compress(example, tuning) if compress is None else compress,
             max_bytes=tuning.get("max_bytes") if max_bytes is None else max_bytes,
             **kwargs,
@@ -873,6 +879,10 @@ class Server:
         except BaseException:
             server.close()
             raise
+        # The exported counters of the new process start at 0, as any restarted process's
+        # do (Prometheus' rate() and increase() handle such a reset); stats() keeps the
+        # totals the checkpoint carried over.
+        server._tally.restarted(server.stats())  # pyright: ignore[reportPrivateUsage]
         if periodic is not None:
             server._start_periodic(periodic)  # pyright: ignore[reportPrivateUsage]
         return server

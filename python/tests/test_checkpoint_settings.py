@@ -1,6 +1,7 @@
 """`Server.restore` and the settings: it keeps the tuning a checkpoint recorded
-(`num_drainers`, `producer_queue_size`), takes every setting that is not part of the data,
-and refuses, naming both values, a data setting that differs from the checkpoint's."""
+(`num_drainers`, `producer_queue_size`, the server's `name`), takes every setting that is not
+part of the data, and refuses, naming both values, a data setting that differs from the
+checkpoint's."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def saved(tmp_path: Path, kind: str, **kwargs: Any) -> Path:
 def test_restore_keeps_the_tuning_the_checkpoint_recorded(tmp_path: Path, kind: str) -> None:
     path = saved(tmp_path, kind, producer_queue_size=16, num_drainers=2)
     tuning = json.loads((path / "manifest.json").read_text())["tuning"]
-    assert tuning == {"num_drainers": 2, "producer_queue_size": 16}
+    assert tuning == {"num_drainers": 2, "producer_queue_size": 16, "name": "default"}
     with Server.restore(path) as restored:
         assert (restored.producer_queue_size, restored.num_drainers) == (16, 2)
 
@@ -77,7 +78,52 @@ def test_restore_takes_tuning_over_the_recorded(tmp_path: Path, kind: str) -> No
         assert (restored.producer_queue_size, restored.num_drainers) == (32, 5)
         restored.checkpoint(tmp_path / "again")
     tuning = json.loads((tmp_path / "again" / "manifest.json").read_text())["tuning"]
-    assert tuning == {"num_drainers": 5, "producer_queue_size": 32}, "what it runs with"
+    assert tuning == {"num_drainers": 5, "producer_queue_size": 32, "name": "default"}, (
+        "what it runs with"
+    )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_restore_keeps_the_name_the_checkpoint_recorded(tmp_path: Path, kind: str) -> None:
+    # The name labels the server's metrics (`server="learner-3"`): a restarted learner's
+    # series must go on under the same label.
+    path = saved(tmp_path, kind, name="learner-3")
+    assert json.loads((path / "manifest.json").read_text())["tuning"]["name"] == "learner-3"
+    with Server.restore(path) as restored:
+        assert restored.name == "learner-3"
+        restored.checkpoint(tmp_path / "again")
+    with Server.restore(tmp_path / "again") as again:
+        assert again.name == "learner-3"
+
+
+def test_restore_takes_a_name_over_the_recorded(tmp_path: Path) -> None:
+    path = saved(tmp_path, "replay", name="learner-3")
+    with Server.restore(path, name="learner-4") as restored:
+        assert restored.name == "learner-4"
+    with pytest.raises(ValueError, match="name must not be empty"):
+        Server.restore(path, name="")
+    with pytest.raises(TypeError, match="name must be a str, got int"):
+        Server.restore(path, name=3)  # type: ignore[arg-type]
+
+
+def test_a_checkpoint_without_a_name_restores_as_default(tmp_path: Path) -> None:
+    path = saved(tmp_path, "fifo", name="learner-3")
+    manifest = path.resolve() / "manifest.json"
+    data = json.loads(manifest.read_text())
+    del data["tuning"]["name"]  # as written before the name was recorded
+    manifest.write_text(json.dumps(data))
+    with Server.restore(path) as restored:
+        assert restored.name == "default"
+
+
+def test_an_empty_recorded_name_is_reported(tmp_path: Path) -> None:
+    path = saved(tmp_path, "replay")
+    manifest = path.resolve() / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["tuning"]["name"] = ""
+    manifest.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match='tuning: name must be a non-empty string, got ""'):
+        Server.restore(path)
 
 
 def test_the_automatic_queue_size_stays_automatic(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ installed (CI does not install it: see .ci/run)."""
 
 from __future__ import annotations
 
+import ctypes
 import gc
 from collections.abc import Callable
 from typing import Any
@@ -93,6 +94,67 @@ def test_read_only_views_still_refuse_the_legacy_dlpack_export() -> None:
     assert sample is not None
     with pytest.raises(BufferError, match="readonly"):
         sample.batch["obs"].__dlpack__()
+    server.close()
+
+
+DLPACK_FLAG_BITMASK_READ_ONLY = 1
+
+
+class _VersionedHeader(ctypes.Structure):
+    """The start of DLPack 1.0's `DLManagedTensorVersioned`: version, manager_ctx, deleter,
+    flags (the `DLTensor` follows)."""
+
+    _fields_ = (
+        ("major", ctypes.c_uint32),
+        ("minor", ctypes.c_uint32),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", ctypes.c_void_p),
+        ("flags", ctypes.c_uint64),
+    )
+
+
+def versioned_export_flags(array: np.ndarray) -> int:
+    """The flags numpy sets when `array` is exported through the versioned DLPack protocol,
+    the one `torch.from_dlpack` asks for (`__dlpack__(max_version=(1, 0))`). The capsule is
+    left unconsumed; numpy's capsule destructor frees it."""
+    capsule = array.__dlpack__(max_version=(1, 0))
+    get_name = ctypes.pythonapi.PyCapsule_GetName
+    get_name.restype = ctypes.c_char_p
+    get_name.argtypes = (ctypes.py_object,)
+    assert get_name(capsule) == b"dltensor_versioned"
+    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+    get_pointer.restype = ctypes.c_void_p
+    get_pointer.argtypes = (ctypes.py_object, ctypes.c_char_p)
+    address = get_pointer(capsule, b"dltensor_versioned")
+    assert address
+    return int(_VersionedHeader.from_address(address).flags)
+
+
+needs_versioned_dlpack = pytest.mark.skipif(
+    np.lib.NumpyVersion(np.__version__) < "2.1.0",
+    reason="numpy < 2.1 has no versioned DLPack export (__dlpack__(max_version=...))",
+)
+
+
+@needs_versioned_dlpack
+def test_a_read_only_view_is_exported_with_dlpacks_read_only_flag() -> None:
+    """The views are plain numpy arrays, so numpy's `__dlpack__` decides what a DLPack
+    consumer gets: through the versioned protocol, the slot itself marked read-only. A
+    consumer that honours the flag keeps it read-only (`np.from_dlpack`); one that ignores
+    it (`torch.from_dlpack`, see below) gets a writable alias of the ring."""
+    server = filled()
+    sample = server.sample()
+    assert sample is not None
+    assert versioned_export_flags(sample.batch["obs"]) & DLPACK_FLAG_BITMASK_READ_ONLY
+    server.close()
+
+
+@needs_versioned_dlpack
+def test_a_writable_view_is_exported_without_the_read_only_flag() -> None:
+    server = filled()
+    sample = server.sample(writable=True)
+    assert sample is not None
+    assert not versioned_export_flags(sample.batch["obs"]) & DLPACK_FLAG_BITMASK_READ_ONLY
     server.close()
 
 
@@ -212,6 +274,34 @@ def test_torch_tensor_of_a_writable_view_aliases_the_ring(convert: str) -> None:
     assert tensor.data_ptr() == ptr(obs)
     assert tensor.dtype == torch.float32
     assert tensor.shape == (BATCH, 4)
+    server.close()
+
+
+@needs_torch
+def test_torch_from_dlpack_of_a_read_only_view_is_a_writable_alias_or_refused() -> None:
+    """What the zero-copy guide documents. PyTorch has no read-only tensors: a torch that
+    asks for the versioned protocol gets the read-only flag and ignores it, so the tensor
+    aliases the ring slot and takes writes, with no warning; a torch that asks for the
+    legacy protocol gets numpy's BufferError. Should a torch ever refuse or warn instead,
+    this test fails and the guide needs updating."""
+    import torch
+
+    server = filled()
+    sample = server.sample()
+    assert sample is not None
+    obs = sample.batch["obs"]
+    refused: str | None = None
+    tensor: Any = None
+    try:
+        tensor = torch.from_dlpack(obs)
+    except BufferError as e:
+        refused = str(e)
+    if refused is not None:
+        assert "readonly" in refused
+    else:
+        assert tensor.data_ptr() == ptr(obs)
+        tensor[0, 0] = -1.0  # into the ring slot, past the view's read-only flag
+        assert obs[0, 0] == -1.0
     server.close()
 
 

@@ -6,8 +6,12 @@ conventions, and the docs' table and the Grafana dashboard name only metrics tha
 from __future__ import annotations
 
 import json
+import math
 import re
+import socket
 import sys
+import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -24,6 +28,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import echo
+from echo._metrics_http import HANDLER_THREAD_NAME
 from echo.metrics import METRICS, EchoCollector, MetricsEndpoint, exposed_names
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -338,6 +343,7 @@ def test_checkpoints_are_counted(
     assert value(series, "echo_checkpoints_total") == 0
     assert value(series, "echo_checkpoint_last_success_timestamp_seconds") == 0
     server.checkpoint(tmp_path / "ckpt")
+    series_after_one = scrape(endpoint)
     occupied = tmp_path / "occupied"
     occupied.mkdir()
     (occupied / "file").write_text("not a checkpoint")
@@ -356,7 +362,125 @@ def test_checkpoints_are_counted(
     assert value(series, "echo_checkpoint_last_duration_seconds") == pytest.approx(
         stats.last_checkpoint_duration_s
     )
-    assert value(series, "echo_checkpoint_age_seconds") >= 0
+    age = value(series_after_one, "echo_checkpoint_age_seconds")
+    assert 0 <= age < WAIT_S
+    assert value(series, "echo_checkpoint_age_seconds") >= age
+
+
+def test_checkpoint_age_is_infinite_until_the_first_checkpoint_completes(
+    make_server: Any, serve: Any, make_sample: Any, tmp_path: Path
+) -> None:
+    # "No checkpoint for an hour" holds from the start: an alert on the age fires for a
+    # server that never wrote one, however recently it started (or was restored).
+    server = make_server(batch_size=2)
+    server.submit(make_sample(0))
+    endpoint = serve(server)
+    assert value(scrape(endpoint), "echo_checkpoint_age_seconds") == math.inf
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "file").write_text("not a checkpoint")
+    with pytest.raises(FileExistsError):
+        server.checkpoint(occupied)
+    assert value(scrape(endpoint), "echo_checkpoint_age_seconds") == math.inf  # a failure
+    server.checkpoint(tmp_path / "ckpt")
+    assert value(scrape(endpoint), "echo_checkpoint_age_seconds") < WAIT_S
+    server.close()
+    restored = echo.Server.restore(tmp_path / "ckpt", name="restored")
+    try:
+        assert value(scrape(serve(restored)), "echo_checkpoint_age_seconds", "restored") == (
+            math.inf
+        )
+    finally:
+        restored.close()
+
+
+def _counter_series(series: Series, server: str) -> Series:
+    counters = {m.name for m in EXPORTED if m.kind == "counter"}
+    return {
+        (name, labels): v
+        for (name, labels), v in series.items()
+        if name in counters and ("server", server) in labels
+    }
+
+
+RESTARTS = {
+    "fifo": {"batch_size": 2},
+    "replay": {"batch_size": 2, "sampler": echo.Uniform(), "max_size": 8, "seed": 1},
+    # A sequence table's restore carries its step, window and batch counters over.
+    "sequence": {
+        "batch_size": 2,
+        "sampler": echo.Uniform(),
+        "max_size": 32,
+        "sequence": echo.Sequence(length=2),
+        "seed": 1,
+    },
+}
+
+
+@pytest.mark.parametrize("kind", RESTARTS)
+def test_a_restored_server_counts_from_zero_like_a_restarted_process(
+    make_server: Any, serve: Any, tmp_path: Path, kind: str
+) -> None:
+    # Prometheus' increase() and rate() handle a counter reset; a counter that restarts at
+    # the checkpoint's value, below what the dead process exported, counts the steps
+    # between the checkpoint and the crash twice. So the new process counts from 0, and
+    # echo_server_start_time_seconds says when it started; stats() keeps the totals.
+    options = RESTARTS[kind]
+    one = {"x": np.zeros((), np.int64)}
+
+    def submit(server: echo.Server, i: int) -> None:
+        step = {"x": np.array(i, np.int64)}
+        if kind == "sequence":
+            server.submit(step, stream=0, end_episode=i == 5)
+        else:
+            server.submit(step)
+
+    dead = make_server(one, name="learner", **options)
+    for i in range(6):
+        submit(dead, i)
+    take(dead)
+    take(dead)
+    dead.checkpoint(tmp_path / "ckpt")
+    before = scrape(serve(dead))
+    assert value(before, "echo_samples_inserted_total", "learner", path="submit") == 6
+    assert value(before, "echo_samples_sampled_total", "learner") == 4
+    totals = dead.stats()
+    dead.close()
+
+    restored = echo.Server.restore(tmp_path / "ckpt")
+    try:
+        endpoint = serve(restored)
+        after = scrape(endpoint)
+        assert after.keys() == before.keys()  # the same series, under the same labels
+        counters = _counter_series(after, "learner")
+        assert counters
+        assert all(v == 0 for v in counters.values()), {k: v for k, v in counters.items() if v}
+        started = value(after, "echo_server_start_time_seconds", "learner")
+        assert value(before, "echo_server_start_time_seconds", "learner") < started
+        assert started == pytest.approx(time.time(), abs=WAIT_S)
+        # stats() keeps what the checkpoint carried over.
+        if kind == "sequence":
+            assert restored.stats().steps_inserted_total == totals.steps_inserted_total == 6
+            assert restored.stats().items_sampled_total == totals.items_sampled_total == 4
+        # From then on the counters count what the new process does.
+        for i in range(6, 9):
+            submit(restored, i)
+        take(restored)
+        again = scrape(endpoint)
+        assert value(again, "echo_samples_inserted_total", "learner", path="submit") == 3
+        assert value(again, "echo_samples_sampled_total", "learner") == 2
+        if kind == "sequence":
+            assert value(again, "echo_sequence_steps_inserted_total", "learner") == 3
+            assert restored.stats().steps_inserted_total == 9
+    finally:
+        restored.close()
+
+
+def test_the_start_time_is_the_servers_creation(make_server: Any, serve: Any) -> None:
+    made = time.time()
+    server = make_server()
+    started = value(scrape(serve(server)), "echo_server_start_time_seconds")
+    assert made <= started <= time.time()
 
 
 def test_in_process_submits_count_as_inserted_by_the_submit_path(
@@ -433,6 +557,76 @@ def test_endpoint_handle(make_server: Any) -> None:
         echo.serve_metrics(server, port=70_000)
 
 
+HALF_A_REQUEST = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n"  # no blank line: not done
+
+
+def handler_threads() -> int:
+    return sum(t.name == HANDLER_THREAD_NAME for t in threading.enumerate())
+
+
+def closed_by_the_endpoint(peer: socket.socket) -> bool:
+    """Whether the endpoint closed `peer` (it reads end of file, or a reset, at once)."""
+    peer.setblocking(False)
+    try:
+        return peer.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_half_sent_requests_hold_at_most_max_connections_threads(make_server: Any) -> None:
+    # A long timeout: what lets the scrape in below is the bound, not connections timing out.
+    with echo.serve_metrics(make_server(), port=0, max_connections=4, timeout=60.0) as endpoint:
+        peers: list[socket.socket] = []
+        try:
+            for _ in range(64):
+                peer = socket.create_connection(("127.0.0.1", endpoint.port), timeout=WAIT_S)
+                peer.sendall(HALF_A_REQUEST)
+                peers.append(peer)
+                assert handler_threads() <= 4
+            # Each newcomer beyond the 4th had the oldest half-sent request closed for it.
+            poll(
+                lambda: sum(closed_by_the_endpoint(p) for p in peers),
+                lambda closed: closed >= 60,
+                "the endpoint closing the oldest half-sent requests",
+            )
+            assert handler_threads() <= 4
+            # A scrape meanwhile (the peers still hold their sockets) is answered.
+            assert value(scrape(endpoint), "echo_store_size") == 0
+            assert handler_threads() <= 4
+        finally:
+            for peer in peers:
+                peer.close()
+    assert handler_threads() == 0  # close() joined them
+
+
+def test_a_stalled_request_is_closed_after_the_timeout(make_server: Any) -> None:
+    with echo.serve_metrics(make_server(), port=0, timeout=0.2) as endpoint:
+        assert endpoint.timeout == 0.2
+        assert endpoint.max_connections == 8
+        with socket.create_connection(("127.0.0.1", endpoint.port), timeout=WAIT_S) as peer:
+            peer.sendall(HALF_A_REQUEST)
+            # The endpoint gives up on the rest of the request and closes the connection.
+            assert peer.recv(1) == b""
+        poll(handler_threads, lambda n: n == 0, "the handler thread ending")
+        assert value(scrape(endpoint), "echo_store_size") == 0
+
+
+def test_endpoint_limits_are_checked(make_server: Any) -> None:
+    server = make_server()
+    with pytest.raises(ValueError, match=r"max_connections must be in \[1, 65536\], got 0"):
+        echo.serve_metrics(server, port=0, max_connections=0)
+    with pytest.raises(TypeError, match="max_connections must be an int, got float"):
+        echo.serve_metrics(server, port=0, max_connections=2.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds, got 0"):
+        echo.serve_metrics(server, port=0, timeout=0)
+    with pytest.raises(ValueError, match="timeout must be a finite number of seconds, got inf"):
+        echo.serve_metrics(server, port=0, timeout=float("inf"))
+    with pytest.raises(TypeError, match="timeout must be a number of seconds, got str"):
+        echo.serve_metrics(server, port=0, timeout="5")  # type: ignore[arg-type]
+
+
 def test_import_error_names_the_extra(make_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delitem(sys.modules, "echo.metrics", raising=False)
     monkeypatch.setitem(sys.modules, "prometheus_client", None)
@@ -440,15 +634,45 @@ def test_import_error_names_the_extra(make_server: Any, monkeypatch: pytest.Monk
         echo.serve_metrics(make_server(), port=0)
 
 
-def _docs_table_names(page: Path) -> dict[str, str]:
-    """`{name: type}` of the reference table's rows (first cell a backquoted echo_ name)."""
-    rows = re.findall(r"^\| `(echo_[a-z0-9_]+)` \| (\w+) \|", page.read_text(), re.MULTILINE)
+PROMETHEUS_GUIDE = ROOT / "docs" / "guides" / "prometheus.md"
+
+
+def _docs_table_names(text: str) -> dict[str, str]:
+    """`{name: type}` of a reference table's rows (first cell a backquoted echo_ name)."""
+    rows = re.findall(r"^\| `(echo_[a-z0-9_]+)` \| (\w+) \|", text, re.MULTILINE)
     return dict(rows)
 
 
+def _docs_tables() -> tuple[dict[str, str], dict[str, str]]:
+    """The reference's two tables, `{name: type}` each: what every build serves, and what
+    only the detailed build serves."""
+    text = PROMETHEUS_GUIDE.read_text()
+    every = text.index("### Served by every build")
+    detailed = text.index("### Detailed build only")
+    end = text.index("\n## ", detailed)
+    return _docs_table_names(text[every:detailed]), _docs_table_names(text[detailed:end])
+
+
 def test_docs_reference_table_lists_every_metric() -> None:
-    table = _docs_table_names(ROOT / "docs" / "guides" / "prometheus.md")
-    assert table == {m.name: m.kind for m in METRICS}
+    every, detailed = _docs_tables()
+    assert not every.keys() & detailed.keys()
+    assert every | detailed == _docs_table_names(PROMETHEUS_GUIDE.read_text())
+    assert every == {m.name: m.kind for m in METRICS if not m.detailed}
+    assert detailed == {m.name: m.kind for m in METRICS if m.detailed}
+
+
+def test_docs_default_build_table_is_exactly_what_the_build_serves(make_server: Any) -> None:
+    # Scraped from this build: the default one serves exactly the first table's series, a
+    # detailed one the first table's and the second's.
+    every, detailed = _docs_tables()
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(EchoCollector(make_server()))
+    served = {name for name, _ in parse(generate_latest(registry).decode())[1]}
+    specs = {m.name: m for m in METRICS}
+    expected = [specs[name] for name in every]
+    if echo.DETAILED_METRICS:
+        expected += [specs[name] for name in detailed]
+    assert served == exposed_names(expected)
 
 
 def _dashboard_exprs(node: Any) -> Iterator[str]:
@@ -487,3 +711,24 @@ def test_grafana_dashboard_refers_only_to_emitted_metrics() -> None:
         assert name in used, name
     titles = [p["title"] for p in panels]
     assert len(titles) == len(set(titles))
+
+
+def test_grafana_panels_on_detailed_series_say_detailed_build_only() -> None:
+    # The default build does not serve them: a panel on them shows "No data" there, and
+    # says why in its title and description. No other panel claims it.
+    dashboard = json.loads((ROOT / "docs" / "grafana" / "echo.json").read_text())
+    detailed = exposed_names([m for m in METRICS if m.detailed])
+    marked = 0
+    for panel in dashboard["panels"]:
+        if panel.get("type") == "row":
+            continue
+        names = {n for e in _dashboard_exprs(panel) for n in re.findall(r"\becho_[a-z0-9_]+", e)}
+        title, description = panel["title"], panel.get("description", "")
+        if names & detailed:
+            assert names <= detailed, f"{title!r} mixes detailed and default series"
+            assert title.endswith("(detailed build only)"), title
+            assert description.startswith("Detailed build only (cargo feature detailed-metrics)")
+            marked += 1
+        else:
+            assert "detailed build only" not in (title + description).lower(), title
+    assert marked == 2

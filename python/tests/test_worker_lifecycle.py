@@ -146,6 +146,50 @@ def test_a_final_close_stops_a_reconnecting_worker_at_once(
     client.close(timeout=0)
 
 
+def test_server_closed_error_is_a_connection_closed_error_and_a_runtime_error() -> None:
+    assert issubclass(ServerClosedError, ConnectionClosedError)
+    assert issubclass(ServerClosedError, ConnectionError)
+    assert issubclass(ServerClosedError, RuntimeError)  # as before, for in-process callers
+    assert echo.ConnectionClosedError is ConnectionClosedError
+
+
+def _worker_loop(client: TcpClient, make_sample: Callable[[int], Any], catch: type) -> str:
+    """A worker loop as the TCP guide writes it: send until the connection ends, then stop.
+    Bounded: a loop the exception does not end fails the test instead of hanging it."""
+    deadline = time.monotonic() + WAIT_S
+    i = 0
+    try:
+        while time.monotonic() < deadline:
+            client.send(make_sample(i), timeout=WAIT_S)
+            i += 1
+            time.sleep(0.001)
+    except catch as e:
+        return type(e).__name__
+    return "still sending"
+
+
+@pytest.mark.parametrize("catch", [ConnectionClosedError, ServerClosedError, ConnectionError])
+def test_a_reconnecting_worker_loop_ends_on_a_final_close_with_either_except(
+    make_server: Callable[..., echo.Server],
+    example: dict[str, np.ndarray],
+    make_sample: Callable[[int], Any],
+    catch: type[Exception],
+) -> None:
+    # `except ConnectionClosedError` is what the guides tell a worker loop to catch; a final
+    # close() raises ServerClosedError at a reconnecting worker, which must end that loop
+    # as it ends one that catches ServerClosedError itself.
+    server = replay_server(make_server)
+    server.start()
+    client = TcpClient(LOCALHOST, server.port, example, reconnect=True, reconnect_timeout=60.0)
+    try:
+        client.send(make_sample(0))
+        client.wait(timeout=WAIT_S)
+        server.close()
+        assert _worker_loop(client, make_sample, catch) == "ServerClosedError"
+    finally:
+        client.close(timeout=0)
+
+
 def test_a_final_close_is_a_connection_closed_error_for_a_worker_that_does_not_reconnect(
     make_server: Callable[..., echo.Server],
     example: dict[str, np.ndarray],

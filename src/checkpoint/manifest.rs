@@ -10,10 +10,10 @@
 //!
 //! A checkpoint is written with the lowest version that describes it (4 only with compressed
 //! leaf files, else 3), so that an older echo reads every checkpoint it could. `tuning` (the
-//! settings that only tune: drainers, queue size, `compress`, `max_bytes`) may be absent, and
-//! a setting a newer echo added to it is ignored: the defaults are safe. Every other field this
-//! version needs must be there and well formed, or [`Manifest::parse`] refuses the manifest,
-//! naming the field.
+//! settings that only tune: drainers, queue size, `compress`, `max_bytes`, the server's name)
+//! may be absent, and a setting a newer echo added to it is ignored: the defaults are safe.
+//! Every other field this version needs must be there and well formed, or
+//! [`Manifest::parse`] refuses the manifest, naming the field.
 
 use std::collections::BTreeMap;
 
@@ -340,6 +340,10 @@ pub struct Tuning {
     /// The table's byte bound.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_bytes: Option<u64>,
+    /// The server's name (the `server` label of its metrics), non-empty; absent in
+    /// checkpoints written before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 /// A field that may be `null` when present: `Some(None)` then, `None` only when absent.
@@ -539,6 +543,9 @@ impl Manifest {
                 return Err(format!("tuning: {name} must be an int >= 1, got 0"));
             }
         }
+        if t.name.as_deref() == Some("") {
+            return Err("tuning: name must be a non-empty string, got \"\"".into());
+        }
         if let Some(compress) = &t.compress {
             if compress.len() != leaves {
                 return Err(format!(
@@ -725,5 +732,16 @@ mod tests {
         let t: Tuning = serde_json::from_str(r#"{"compress": [null, ["lz4", 0]]}"#).unwrap();
         assert_eq!(t.compress, Some(vec![None, Some(CodecEntry(Codec::Lz4))]));
         assert!(serde_json::from_str::<Tuning>(r#"{"compress": [["zstd", 99]]}"#).is_err());
+    }
+
+    #[test]
+    fn tuning_name_is_read_back_and_an_empty_one_is_refused() {
+        let t: Tuning = serde_json::from_str(r#"{"name": "learner-0"}"#).unwrap();
+        assert_eq!(t.name.as_deref(), Some("learner-0"));
+        assert_eq!(serde_json::from_str::<Tuning>("{}").unwrap().name, None);
+        let mut m = fifo();
+        m.tuning.name = Some(String::new());
+        let e = Manifest::parse(&m.to_json()).unwrap_err();
+        assert!(e.contains("tuning: name must be a non-empty string"), "{e}");
     }
 }

@@ -270,7 +270,7 @@ impl PyOpenedCheckpoint {
 
     /// The settings that only tune, as recorded: `num_drainers`, `producer_queue_size`
     /// (`None`: the automatic size), `compress` (a codec object or `None` per leaf),
-    /// `max_bytes`; each only if the checkpoint recorded it.
+    /// `max_bytes`, `name`; each only if the checkpoint recorded it.
     fn tuning<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let t = &self.inner.manifest().tuning;
         let out = PyDict::new(py);
@@ -289,6 +289,9 @@ impl PyOpenedCheckpoint {
         }
         if let Some(max_bytes) = t.max_bytes {
             out.set_item("max_bytes", max_bytes)?;
+        }
+        if let Some(name) = &t.name {
+            out.set_item("name", name)?;
         }
         Ok(out)
     }

@@ -138,6 +138,8 @@ pub(crate) struct ServerConfig {
     /// Per leaf: how it is stored (`None` raw), as `echo.server` resolved `compress=`.
     compress: Vec<Option<Codec>>,
     max_bytes: Option<u64>,
+    /// `Server(name=...)`, checked non-empty in Python.
+    pub(crate) name: String,
 }
 
 /// `echo.Sequence`, whose fields the dataclass has checked (types and ranges); `at_end`'s word
@@ -195,6 +197,7 @@ impl<'py> FromPyObject<'_, 'py> for ServerConfig {
                 })
                 .collect::<PyResult<_>>()?,
             max_bytes: get("max_bytes")?.extract()?,
+            name: get("name")?.extract()?,
         })
     }
 }

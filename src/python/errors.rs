@@ -1,7 +1,10 @@
 //! The exception hierarchy and the one mapping from core errors to Python exceptions.
 //!
-//! Builtins users already catch are the bases: a closed server is a `RuntimeError`, a lost
-//! peer a `ConnectionError`, bad sizes and layouts a `ValueError`, a deadline a
+//! Builtins users already catch are the bases: a lost peer is a `ConnectionError`
+//! (`ConnectionClosedError`), a closed server a `ConnectionClosedError` that is also a
+//! `RuntimeError` (`ServerClosedError`: a worker loop written against `except
+//! ConnectionClosedError` ends when its learner closes for good, and in-process code that
+//! catches `RuntimeError` still does), bad sizes and layouts a `ValueError`, a deadline a
 //! `TimeoutError`, allocation failure a `MemoryError`, operating-system failures the matching
 //! `OSError` subclass. Every other binding module goes through [`to_pyerr`] or [`error_in`].
 
@@ -10,22 +13,37 @@ use pyo3::exceptions::{
     PyValueError,
 };
 use pyo3::prelude::*;
+use pyo3::types::PyTuple;
 
 use crate::error::EchoError;
 use crate::replay::{InsertHoldback, SampleHoldback};
 
 pyo3::create_exception!(
     echo._echo,
-    ServerClosedError,
-    PyRuntimeError,
-    "The server was closed: nothing more can be submitted or started."
-);
-pyo3::create_exception!(
-    echo._echo,
     ConnectionClosedError,
     PyConnectionError,
     "The connection to the peer is closed (by `close()` or because the peer went away)."
 );
+pyo3::create_exception!(
+    echo._echo,
+    ServerClosedError,
+    ConnectionClosedError,
+    "The server was closed: nothing more can be submitted or started, and a worker's \
+     connection to it is closed for good. A `ConnectionClosedError` and a `RuntimeError`."
+);
+
+/// Makes `ServerClosedError` a `RuntimeError` too, as it was before it became a
+/// `ConnectionClosedError` (so `except RuntimeError` around `submit()` still catches it).
+/// `create_exception!` takes one base; the class is a heap type whose bases may be set,
+/// and the two are layout-compatible (`RuntimeError` adds no fields to `BaseException`).
+/// Called once, at module init, before the class is handed out.
+pub(crate) fn add_server_closed_bases(py: Python<'_>) -> PyResult<()> {
+    let bases = PyTuple::new(
+        py,
+        [py.get_type::<ConnectionClosedError>(), py.get_type::<PyRuntimeError>()],
+    )?;
+    py.get_type::<ServerClosedError>().setattr("__bases__", bases)
+}
 
 pyo3::create_exception!(
     echo._echo,

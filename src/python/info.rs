@@ -616,8 +616,9 @@ pub(crate) fn _sample_info(state: &Bound<'_, PyDict>) -> PyResult<SampleInfo> {
 
 #[pymethods]
 impl SampleInfo {
-    /// The counters as a plain dict (histograms as nested dicts), ready for a metrics
-    /// logger. The replay arrays (`keys`, ...) are not counters and are left out.
+    /// Every public property as a plain dict (histograms as nested dicts), ready for a
+    /// metrics logger: the counters, the float fields and `compression_ratio`. The replay
+    /// arrays (`keys`, ...) are not counters and are left out.
     fn as_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
         for (key, value) in self.counters() {
@@ -625,6 +626,7 @@ impl SampleInfo {
         }
         d.set_item(FLOATS[0], self.last_checkpoint_unix_s)?;
         d.set_item(FLOATS[1], self.last_checkpoint_duration_s)?;
+        d.set_item("compression_ratio", self.compression_ratio())?;
         for name in HISTOGRAMS {
             d.set_item(name, self.histogram(name).get().as_dict(py)?)?;
         }

@@ -233,6 +233,7 @@ fn _echo(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CHECKPOINT_FORMAT_VERSION", crate::checkpoint::FORMAT_VERSION)?;
     m.add_function(wrap_pyfunction!(checkpoint::open_checkpoint, m)?)?;
     m.add_function(wrap_pyfunction!(checkpoint::clean_checkpoint_leftovers, m)?)?;
+    errors::add_server_closed_bases(py)?;
     m.add("ServerClosedError", py.get_type::<errors::ServerClosedError>())?;
     m.add("ConnectionClosedError", py.get_type::<errors::ConnectionClosedError>())?;
     m.add("SharedMemoryError", py.get_type::<errors::SharedMemoryError>())?;

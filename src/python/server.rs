@@ -96,6 +96,7 @@ impl PyServerCore {
             num_drainers: config.num_drainers,
             producer_queue_size: config.producer_queue_size,
             wire_codecs: config.wire_codecs().to_vec(),
+            name: Some(config.name.clone()),
         };
         let server = detach(py, || Server::new(spec, core_config)).map_err(to_pyerr)?;
         let backend = server.backend().clone();

@@ -46,6 +46,7 @@ impl Server {
                 .any(Option::is_some)
                 .then(|| codecs.iter().map(|c| c.map(CodecEntry)).collect()),
             max_bytes,
+            name: self.config.name.clone(),
         }
     }
 

@@ -49,6 +49,9 @@ pub struct ServerConfig {
     pub producer_queue_size: Option<usize>,
     /// Per leaf, the codec v2 clients compress it with over TCP (`None` or empty: raw).
     pub wire_codecs: Vec<Option<Codec>>,
+    /// The server's name: what labels its metrics (`echo.Server(name=...)`), recorded by
+    /// its checkpoints so that a restored server keeps it. `None`: none to record.
+    pub name: Option<String>,
 }
 
 /// When the last checkpoint completed (Unix seconds), how long it took (seconds) and the
