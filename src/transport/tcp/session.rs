@@ -152,12 +152,64 @@ pub(crate) struct Session {
     /// Sequence number of the next sample: samples of this session queued so far. Written
     /// only by the task that holds `owner`.
     pub(crate) next_seq: AtomicU64,
+    /// The least `first_seq` a resuming client may present: the session's first sample, then
+    /// the resume point of the latest connection that queued a sample (its client read that
+    /// accept before it sent the sample, so it acknowledged everything before it). Written
+    /// only by the task that holds `owner`.
+    pub(super) floor: AtomicU64,
+    /// The resume point handed to the connection now (or last) served. Written only by the
+    /// task that holds `owner`.
+    pub(super) handed: AtomicU64,
     /// Held by the one task that serves the session.
     pub(super) owner: Arc<tokio::sync::Mutex<()>>,
     /// The admission id of that task, to end it when the client reconnects.
     pub(super) serving: Mutex<Option<u64>>,
     /// When its last connection ended (`None` while one is served).
     pub(super) detached_at: Mutex<Option<Instant>>,
+}
+
+impl Session {
+    /// The least `first_seq` a resuming client may present now: `floor`, or the resume point
+    /// last handed over if a sample was queued since (its client had read it).
+    pub(super) fn floor(&self) -> u64 {
+        // ORDERING: Relaxed — as in `refuse_resume`.
+        let (handed, queued) = (self.handed.load(Relaxed), self.next_seq.load(Relaxed));
+        if queued > handed {
+            handed
+        } else {
+            self.floor.load(Relaxed)
+        }
+    }
+
+    /// Why a resuming client's `first_seq` (the first sample it has not seen acknowledged)
+    /// cannot be this session's: only what the session acknowledged may be claimed, from
+    /// `floor` to `next_seq`. A claim past `next_seq` would skip samples the client still
+    /// holds (they would be dropped unsent), and one below `floor` is no client's.
+    pub(super) fn refuse_resume(&self, first_seq: u64) -> Option<String> {
+        // ORDERING: Relaxed — under `owner` (see `next_seq`) the mutex orders these loads after
+        // the previous holder's writes. Before `owner` is taken (the early check) a stale
+        // `next_seq` can only be lower than the value under `owner`, which re-checks: an early
+        // refusal of a resume that is valid once `owner` is held needs the previous task to
+        // have queued a sample the client saw acknowledged but this load did not see, and the
+        // ack reached the client through the socket, after the increment.
+        let (floor, queued) = (self.floor(), self.next_seq.load(Relaxed));
+        if first_seq > queued {
+            Some(format!(
+                "session resume refused: the client says sample {first_seq} is the first it has \
+                 not seen acknowledged, but this session queued only {queued} samples (a resume \
+                 may claim {floor} to {queued}); another client may be using this session id"
+            ))
+        } else if first_seq < floor {
+            Some(format!(
+                "session resume refused: the client says sample {first_seq} is the first it has \
+                 not seen acknowledged, but this session's client was already told samples \
+                 before {floor} were (a resume may claim {floor} to {queued}); another client \
+                 may be using this session id"
+            ))
+        } else {
+            None
+        }
+    }
 }
 
 impl Drop for Session {
