@@ -186,6 +186,11 @@ fn reconnecting_clients_deliver_exactly_once_in_order_through_dropped_connection
                     send_tagged(&mut sender, producer, seq).unwrap();
                 }
                 assert!(sender.close(Some(Instant::now() + PATIENCE)), "close did not flush");
+                // Where the latest reconnect resumed: within what this sender sent.
+                match (sender.reconnects(), sender.resumed_from()) {
+                    (0, resumed) => assert_eq!(resumed, None),
+                    (_, resumed) => assert!(resumed.is_some_and(|r| r <= PER_PRODUCER)),
+                }
                 (sender.reconnects(), sender.resent())
             })
         })
