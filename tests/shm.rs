@@ -258,3 +258,94 @@ fn clients_on_shared_memory_and_tcp_deliver_exactly_once_in_order() {
     assert_eq!(snap.shm_connections_total, 3);
     drop(server);
 }
+
+/// The environment variable that makes [`attach_as_another_user_when_asked`] act: the
+/// offer's socket name and nonce, in hex, `name:nonce`.
+const STRANGER: &str = "ECHO_TEST_SHM_STRANGER";
+/// Attaches the child makes; more than the server's 8 refusals of its own uid's peers.
+const STRANGER_ATTACHES: usize = 12;
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+}
+
+/// Does nothing unless [`STRANGER`] is set: then it is the child process of
+/// `another_users_refused_attaches_do_not_cost_the_client_its_connection`, run as another
+/// uid, and attaches [`STRANGER_ATTACHES`] times with the right nonce (a stranger that
+/// learned it), each refused: the server hangs up without a descriptor.
+#[test]
+fn attach_as_another_user_when_asked() {
+    let Ok(offer) = std::env::var(STRANGER) else { return };
+    let (name, nonce) = offer.split_once(':').unwrap();
+    let addr = UnixAddr::from_abstract_name(unhex(name)).unwrap();
+    for _ in 0..STRANGER_ATTACHES {
+        // Once the offer is withdrawn, nobody listens: stop there (the parent sees why).
+        let Ok(mut stream) = UnixStream::connect_addr(&addr) else { return };
+        stream.set_read_timeout(Some(PATIENCE)).unwrap();
+        let _ = stream.write_all(&unhex(nonce));
+        let mut message = [0u8; 8];
+        let (n, fds) = shm::recv_fds(stream.as_raw_fd(), &mut message).unwrap_or((0, vec![]));
+        assert_eq!((n, fds.len()), (0, 0), "another user was handed the segment");
+    }
+}
+
+#[test]
+fn another_users_refused_attaches_do_not_cost_the_client_its_connection() {
+    use std::os::unix::process::CommandExt;
+    if shm::own_uid() != 0 {
+        eprintln!("skipped: only root can run a process as another user here");
+        return;
+    }
+    let store = Store::new(tagged_spec(), 2, 4).unwrap();
+    let tcp = TcpConfig::new("127.0.0.1", 0);
+    let server =
+        TcpIngress::start(Backend::Fifo(store.clone()), IngressConfig::new(1, 8), &tcp).unwrap();
+    let mut raw = std::net::TcpStream::connect(server.local_addr()).unwrap();
+    raw.set_read_timeout(Some(PATIENCE)).unwrap();
+    let mut greeting = Vec::new();
+    let offer = loop {
+        let mut chunk = [0u8; 256];
+        let n = raw.read(&mut chunk).unwrap();
+        assert!(n > 0, "server closed");
+        greeting.extend_from_slice(&chunk[..n]);
+        if greeting.len() >= v2::OFFER_LEN {
+            if let Ok(Some(offer)) = Offer::parse(&greeting[greeting.len() - v2::OFFER_LEN..]) {
+                break offer;
+            }
+        }
+    };
+    raw.write_all(&common::tagged_hello(1, true, false, false).encode(&offer, None).unwrap())
+        .unwrap();
+    let mut received = Vec::new();
+    let accept = loop {
+        let mut chunk = [0u8; 256];
+        let n = raw.read(&mut chunk).unwrap();
+        assert!(n > 0, "server closed");
+        received.extend_from_slice(&chunk[..n]);
+        if let Some((Reply::Accepted(accept), _)) = Reply::parse(&received).unwrap() {
+            break accept;
+        }
+    };
+    let shm_offer = accept.shm.expect("a loopback client is offered shared memory");
+    // Another local user (nobody) attaches more often than the server refuses its own.
+    let status = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "attach_as_another_user_when_asked", "--test-threads=1"])
+        .env(STRANGER, format!("{}:{}", hex(&shm_offer.name), hex(&shm_offer.nonce)))
+        .uid(65_534)
+        .gid(65_534)
+        .status()
+        .unwrap();
+    assert!(status.success(), "the other user's process: {status}");
+    // The rightful client still attaches, on the connection it has.
+    let writer =
+        Writer::attach(&shm_offer.name, &shm_offer.nonce, tagged_spec().payload_size(), PATIENCE)
+            .expect("the offer was withdrawn because of another user's attaches");
+    assert!(writer.slots() >= shm::MIN_SLOTS);
+    drop(writer);
+    drop(raw);
+    drop(server);
+}

@@ -186,6 +186,11 @@ fn reconnecting_clients_deliver_exactly_once_in_order_through_dropped_connection
                     send_tagged(&mut sender, producer, seq).unwrap();
                 }
                 assert!(sender.close(Some(Instant::now() + PATIENCE)), "close did not flush");
+                // Where the latest reconnect resumed: within what this sender sent.
+                match (sender.reconnects(), sender.resumed_from()) {
+                    (0, resumed) => assert_eq!(resumed, None),
+                    (_, resumed) => assert!(resumed.is_some_and(|r| r <= PER_PRODUCER)),
+                }
                 (sender.reconnects(), sender.resent())
             })
         })
@@ -431,4 +436,77 @@ fn the_streams_a_connection_opens_count_in_max_buffered_bytes_until_they_end() {
     common::wait_until("the gone session's streams ended and their bytes given back", || {
         table.stats().streams_open == 0 && ingress.snapshot().buffered_bytes == 0
     });
+}
+
+/// Reads the server's reply to a hello byte by byte.
+fn reply(raw: &mut TcpStream) -> echo::transport::wire::v2::Reply {
+    use echo::transport::wire::v2::Reply;
+    let mut reply = Vec::new();
+    let mut byte = [0u8; 1];
+    loop {
+        raw.read_exact(&mut byte).unwrap();
+        reply.push(byte[0]);
+        if let Some((reply, _)) = Reply::parse(&reply).unwrap() {
+            return reply;
+        }
+    }
+}
+
+/// Sends the hello of session `[session; 16]` claiming `first_seq` on a new connection;
+/// the connection and the server's reply.
+fn resume(
+    addr: SocketAddr,
+    session: u8,
+    first_seq: u64,
+) -> (TcpStream, echo::transport::wire::v2::Reply) {
+    let (mut raw, offer) = greeted(addr);
+    let hello = echo::transport::wire::v2::Hello { first_seq, ..hello(session, true) };
+    raw.write_all(&hello.encode(&offer, None).unwrap()).unwrap();
+    let reply = reply(&mut raw);
+    (raw, reply)
+}
+
+/// Sends samples `seqs` of producer 1 and reads their acks.
+fn send_acked(raw: &mut TcpStream, seqs: std::ops::Range<u64>) {
+    use echo::transport::wire::v2::{ACK, SAMPLE};
+    let n = usize::try_from(seqs.end - seqs.start).unwrap();
+    for seq in seqs {
+        let mut frame = vec![SAMPLE];
+        frame.extend_from_slice(&tagged_payload(1, seq));
+        raw.write_all(&frame).unwrap();
+    }
+    let mut acks = vec![0u8; n];
+    raw.read_exact(&mut acks).unwrap();
+    assert_eq!(acks, vec![ACK; n]);
+}
+
+#[test]
+fn a_resume_may_claim_only_what_its_session_acknowledged_and_a_refused_one_cuts_nobody_off() {
+    use echo::transport::wire::v2::{Refusal, Reply};
+    let (mut consumer, _server, addr) = start(local(), 1);
+    let mut owner = raw_v2(addr, 7, true);
+    send_acked(&mut owner, 0..3);
+    // Past what was queued: taking it would move the resume point and drop what the client
+    // still holds.
+    let (_stranger, refused) = resume(addr, 7, 1_000_000_000_000);
+    let Reply::Refused(Refusal::Protocol, message) = refused else { panic!("{refused:?}") };
+    assert!(
+        message.contains("sample 1000000000000") && message.contains("queued only 3 samples"),
+        "{message}"
+    );
+    // The client that owns the session was not cut off.
+    send_acked(&mut owner, 3..5);
+    drop(owner);
+    // Its reconnect resumes where the session is; once a sample came on that connection, the
+    // client knows the resume point and a claim below it is no client's.
+    let (mut owner, accepted) = resume(addr, 7, 4);
+    let Reply::Accepted(accept) = accepted else { panic!("{accepted:?}") };
+    assert_eq!(accept.resume_seq, 5);
+    send_acked(&mut owner, 5..6);
+    let (_stranger, refused) = resume(addr, 7, 2);
+    let Reply::Refused(Refusal::Protocol, message) = refused else { panic!("{refused:?}") };
+    assert!(message.contains("before 5") && message.contains("claim 5 to 6"), "{message}");
+    send_acked(&mut owner, 6..7);
+    let got = collect_tagged(&mut consumer, 7);
+    assert_eq!(got, (0..7).map(|seq| (1, seq)).collect::<Vec<_>>());
 }

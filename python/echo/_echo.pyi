@@ -465,6 +465,9 @@ class TcpSender:
     @property
     def resent(self) -> int: ...
     @property
+    def resumed_from(self) -> int | None:
+        """The sample the latest reconnection resumed at; `None` before any."""
+    @property
     def transport_path(self) -> Literal["shm", "tcp"]: ...
     @property
     def wire_codecs(self) -> list[Codec | None] | None:

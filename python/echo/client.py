@@ -383,6 +383,14 @@ class TcpClient:
         dropped; the server stores each once)."""
         return self._sender.resent
 
+    @property
+    def resumed_from(self) -> int | None:
+        """Where the latest reconnection resumed: how many of this client's samples the
+        server said it already had, which is also the number of the first sample sent again
+        (samples count from 0). The samples from there to what `sent` was at that moment were
+        resent. `None` before any reconnection (and with `reconnect=False`, always)."""
+        return self._sender.resumed_from
+
     def __enter__(self) -> TcpClient:
         return self
 

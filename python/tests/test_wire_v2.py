@@ -1161,6 +1161,7 @@ def test_a_dropped_connection_resumes_with_exact_counts(
             client.send(make_sample(i), timeout=WAIT_S)
         client.wait(timeout=WAIT_S)
         _sent_and_acked(client, 10)
+        assert client.resumed_from is None
         # 1. The server queues 5 more, but their acks are lost in the drop.
         relay.command("blackhole s2c")
         for i in range(10, 15):
@@ -1170,7 +1171,7 @@ def test_a_dropped_connection_resumes_with_exact_counts(
         relay.command("drop")
         client.wait(timeout=3 * WAIT_S)
         _sent_and_acked(client, 15)
-        assert (client.reconnects, client.resent) == (1, 0)
+        assert (client.reconnects, client.resent, client.resumed_from) == (1, 0, 15)
         info = _stats(server, lambda s: s.sessions_resumed_total == 1, "one resumed session")
         assert info.samples_deduplicated_total == 5
         # 2. The next 5 never reach the server: they are resent after the drop.
@@ -1181,7 +1182,7 @@ def test_a_dropped_connection_resumes_with_exact_counts(
         relay.command("drop")
         client.wait(timeout=3 * WAIT_S)
         _sent_and_acked(client, 20)
-        assert (client.reconnects, client.resent) == (2, 5)
+        assert (client.reconnects, client.resent, client.resumed_from) == (2, 5, 15)
     finally:
         assert client.close(timeout=WAIT_S) is True
     assert take(server, 4, batch_ids) == list(range(20))

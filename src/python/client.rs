@@ -364,6 +364,12 @@ impl PyTcpSender {
         self.read(py, TcpSender::resent)
     }
 
+    /// The sample the latest reconnection resumed at (`None` before any).
+    #[getter]
+    fn resumed_from(&self, py: Python<'_>) -> Option<u64> {
+        self.read(py, TcpSender::resumed_from)
+    }
+
     /// Bytes of one sample on the wire.
     #[getter]
     fn payload_size(&self) -> usize {

@@ -229,8 +229,8 @@ impl ServerConfig {
         if let Some(sequence) = self.sequence {
             if let Some(r) = self.remover.as_ref().filter(|r| r.kind != RemoverKind::Fifo) {
                 return Err(PyValueError::new_err(format!(
-                    "remover={} does not apply to a sequence table: it evicts its oldest steps \
-                     (and every window holding one) when max_size steps are stored",
+                    "remover={} does not apply to a sequence table: it evicts its oldest chunks \
+                     of steps (and every window holding one) when max_size steps are stored",
                     r.repr
                 )));
             }

@@ -175,7 +175,8 @@ impl SequenceTable {
         }
         if config.remover != RemoverKind::Fifo {
             return bad(
-                "a sequence table evicts its oldest steps: remover must be Fifo()".to_owned()
+                "a sequence table evicts its oldest chunks of steps: remover must be Fifo()"
+                    .to_owned(),
             );
         }
         config.rate_limit.validate(max_size as u64)?;
@@ -689,6 +690,69 @@ mod tests {
             }
         }
         assert!(t.stats().windows.evicted > 0);
+    }
+
+    /// Inserts 3,000 steps of `streams` streams (one episode each, never ended), each to a
+    /// stream drawn with a skew (stream k about k + 1 times as often as stream 0), into a
+    /// table of `max_size` 256 and chunks of 8; after each insert once full, checks the
+    /// bounds the sequences guide gives for eviction by chunk (C = 8, S = `streams`): every
+    /// step held is among the newest `max_size + (S - 1)(C - 1)`, at most `S(C - 1)` of the
+    /// newest `max_size` are gone, and at least `max_size - C + 1` steps are held.
+    fn eviction_by_chunk_stays_within_its_bounds(streams: u64) {
+        const MAX_SIZE: usize = 256;
+        const C: usize = 8;
+        let t = table(1, MAX_SIZE, SequenceConfig::new(C));
+        assert_eq!(t.geometry.chunk_length, C);
+        let s = usize::try_from(streams).unwrap();
+        let (mut ids, mut counts) = (HashMap::new(), vec![0u32; s]);
+        let mut rng = 0x9e37_79b9_u64;
+        for n in 0..3_000u64 {
+            rng =
+                rng.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            let weights = s * (s + 1) / 2;
+            let mut pick = usize::try_from(rng >> 33).unwrap() % weights;
+            let mut stream = 0;
+            while pick > stream {
+                pick -= stream + 1;
+                stream += 1;
+            }
+            ids.insert((stream as u64, counts[stream]), n);
+            counts[stream] += 1;
+            put(&t, stream as u64, n, EpisodeEnd::No);
+            let inserted = usize::try_from(n).unwrap() + 1;
+            if inserted < MAX_SIZE {
+                continue;
+            }
+            let state = t.state.lock();
+            let mut held = Vec::new();
+            for &c in &state.live_chunks {
+                let chunk = state.chunks[c as usize];
+                for index in chunk.last_index + 1 - chunk.filled..=chunk.last_index {
+                    held.push(ids[&(chunk.stream, index)]);
+                }
+            }
+            drop(state);
+            let oldest = *held.iter().min().unwrap();
+            let newest_kept = held.iter().filter(|&&id| id >= n + 1 - MAX_SIZE as u64).count();
+            assert!((MAX_SIZE - C + 1..=MAX_SIZE).contains(&held.len()), "{}", held.len());
+            assert!(n - oldest < (MAX_SIZE + (s - 1) * (C - 1)) as u64, "{n}: {oldest}");
+            assert!(MAX_SIZE - newest_kept <= s * (C - 1), "{n}: {newest_kept} of the newest");
+            if s == 1 {
+                // One stream: exactly its newest steps.
+                assert_eq!(n - oldest + 1, held.len() as u64);
+            }
+        }
+        assert!(t.stats().steps_evicted > 0);
+    }
+
+    #[test]
+    fn eviction_by_chunk_keeps_one_streams_newest_steps() {
+        eviction_by_chunk_stays_within_its_bounds(1);
+    }
+
+    #[test]
+    fn eviction_by_chunk_stays_within_its_bounds_for_many_streams() {
+        eviction_by_chunk_stays_within_its_bounds(4);
     }
 
     #[test]

@@ -123,6 +123,8 @@ pub struct TcpSender {
     closed: bool,
     reconnects: u64,
     resent: u64,
+    /// The sample the server resumed the session at on the latest reconnect.
+    resumed_from: Option<u64>,
     /// A sample accepted into `retained` by a `send` that returned before it was written.
     carry: bool,
     /// Whether samples go through shared memory.
@@ -204,6 +206,7 @@ impl TcpSender {
             closed: false,
             reconnects: 0,
             resent: 0,
+            resumed_from: None,
             carry: false,
             shm: est.shm.is_some(),
             packing: Vec::new(),
@@ -321,6 +324,14 @@ impl TcpSender {
     /// Samples sent again after reconnections.
     pub fn resent(&self) -> u64 {
         self.resent
+    }
+
+    /// Where the latest reconnection resumed: the number of this client's samples the server
+    /// said it already had (sample numbers count from 0, so the first one resent, if any).
+    /// Samples from there to [`sent`](Self::sent) at that moment were sent again. `None`
+    /// before any reconnection.
+    pub fn resumed_from(&self) -> Option<u64> {
+        self.resumed_from
     }
 
     /// Bytes of a sample written so far by a `send` that returned [`EchoError::Stalled`]

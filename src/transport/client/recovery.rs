@@ -314,6 +314,7 @@ impl TcpSender {
         self.in_progress = 0;
         self.resent += self.sent - resume;
         self.reconnects += 1;
+        self.resumed_from = Some(resume);
         self.recovery = None;
         log::info!(
             target: LOG_TARGET, "{}: reconnected; resending {} samples from sample {resume}",

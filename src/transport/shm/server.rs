@@ -33,7 +33,10 @@ const ROOM_RETRY: Duration = Duration::from_millis(20);
 const ATTACH_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long an attaching peer has to present its nonce.
 const NONCE_TIMEOUT: Duration = Duration::from_secs(2);
-/// Peers refused (wrong uid or nonce) before the offer is withdrawn.
+/// Peers of the learner's uid refused (wrong nonce, none in time) before the offer is
+/// withdrawn. Another user's attaches are refused without counting: the client is never one
+/// of them (`hand_over` takes only the learner's uid), so counting them would let any local
+/// user withdraw the offer and fail the client's connection. `ATTACH_TIMEOUT` bounds those.
 const MAX_ATTEMPTS: usize = 8;
 
 /// A channel offered and not attached yet. The segment itself is created only for a
@@ -92,9 +95,14 @@ pub(crate) async fn serve(
         tokio::select! {
             accepted = listener.accept() => {
                 let (stream, _) = accepted?;
+                let stranger = shm::peer_uid(stream.as_fd()).is_ok_and(|uid| uid != shm::own_uid());
                 let segment = (&*shared.ingress, segment_len);
                 match hand_over(&stream, &offer, payload_size, segment).await {
                     Ok(attached) => break attached,
+                    Err(why) if stranger => {
+                        // At DEBUG: a flood of them must not take the learner's GIL once per record.
+                        log::debug!(target: LOG_TARGET, "refused another user's shared-memory attach: {why}");
+                    }
                     Err(why) => {
                         log::warn!(target: LOG_TARGET, "refused a shared-memory attach: {why}");
                         attempts += 1;

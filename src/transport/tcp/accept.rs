@@ -158,6 +158,6 @@ struct Leave {
 
 impl Drop for Leave {
     fn drop(&mut self) {
-        self.served.lock().remove(&self.id);
+        self.served.leave(self.id);
     }
 }

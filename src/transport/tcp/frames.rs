@@ -112,6 +112,8 @@ pub(super) async fn serve_v2(
                     conn,
                     space,
                     next_seq: AtomicU64::new(hello.first_seq),
+                    floor: AtomicU64::new(hello.first_seq),
+                    handed: AtomicU64::new(hello.first_seq),
                     owner: Arc::new(tokio::sync::Mutex::new(())),
                     serving: Mutex::new(None),
                     detached_at: Mutex::new(None),
@@ -121,6 +123,14 @@ pub(super) async fn serve_v2(
             }
         }
     };
+    // A resume claims only what the session acknowledged: checked before the connection
+    // that serves the session now is ended (so a refused claim costs it nothing), and again
+    // once this task owns the session.
+    if existed {
+        if let Some(why) = session.refuse_resume(hello.first_seq) {
+            return Err(refuse_resume(link, ingress, &why).await);
+        }
+    }
     let previous = session.serving.lock().take();
     if let Some(previous) = previous {
         if let Some((_, task)) = shared.served.lock().get(&previous) {
@@ -134,15 +144,32 @@ pub(super) async fn serve_v2(
     else {
         return Err(invalid("the session's previous connection did not end in time".into()));
     };
+    if existed {
+        if let Some(why) = session.refuse_resume(hello.first_seq) {
+            // The connection that served the session was ended above: the session waits for
+            // its client as after any disconnection.
+            {
+                let serving = session.serving.lock();
+                if serving.is_none() {
+                    *session.detached_at.lock() = Some(Instant::now());
+                    session.conn.detach();
+                }
+            }
+            return Err(refuse_resume(link, ingress, &why).await);
+        }
+    }
     *session.serving.lock() = Some(id);
     *session.detached_at.lock() = None;
     let mut serving =
         Serving { shared, key: hello.session, session: Arc::clone(&session), id, goodbye: false };
-    // ORDERING: Relaxed — `next_seq` is written only under `owner`, which we hold; the mutex
-    // orders it after the previous holder's writes.
+    // ORDERING: Relaxed — `next_seq`, `floor` and `handed` are written only under `owner`,
+    // which we hold; the mutex orders these accesses after the previous holder's writes.
+    session.floor.store(session.floor(), Relaxed);
     let queued = session.next_seq.load(Relaxed);
+    // `first_seq <= queued` (checked above) for a resume; a new session starts at `first_seq`.
     let resume_seq = queued.max(hello.first_seq);
     session.next_seq.store(resume_seq, Relaxed);
+    session.handed.store(resume_seq, Relaxed);
     ingress.note(TransportEvent::V2);
     if existed {
         ingress.note(TransportEvent::Resumed { deduplicated: resume_seq - hello.first_seq });
@@ -187,6 +214,18 @@ pub(super) async fn serve_v2(
         }
     }
     serve_frames(link, shared, &session, &mut serving, codecs.map(|c| &**c)).await
+}
+
+/// Refuses a resume that claims what its session did not acknowledge (counted as a refused
+/// handshake), and the error that ends the connection.
+async fn refuse_resume(
+    link: &mut Link<'_>,
+    ingress: &crate::ingress::Ingress,
+    why: &str,
+) -> io::Error {
+    ingress.note(TransportEvent::RefusedProtocol);
+    link.refuse(Refusal::Protocol, why).await;
+    invalid(format!("refused: {why}"))
 }
 
 /// The v2 frame loop: samples (with or without a priority), heartbeats and the goodbye.

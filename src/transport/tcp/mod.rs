@@ -231,10 +231,9 @@ impl TcpServer {
             }
             first
         });
-        let deadline = Instant::now() + NOTICE_GRACE;
-        while !self.shared.served.lock().is_empty() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(2));
-        }
+        // Each connection task leaves the registry as it ends (`Leave` in `accept`), and the
+        // last one to leave wakes this wait: no polling, and still at most `NOTICE_GRACE`.
+        self.shared.served.wait_empty(Instant::now() + NOTICE_GRACE);
         self.shutdown();
     }
 

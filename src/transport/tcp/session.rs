@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex, MutexGuard};
 use tokio::sync::{watch, Notify};
 use tokio::task::AbortHandle;
 
@@ -74,7 +74,46 @@ impl Activity {
 }
 
 /// Every served connection's activity and the handle that ends its task, by id.
-pub(super) type Registry = Arc<Mutex<HashMap<u64, (Arc<Activity>, AbortHandle)>>>;
+pub(super) type Registry = Arc<Served>;
+
+/// The running connection tasks, and a condition variable signalled whenever a task's
+/// leaving empties the map, which [`TcpServer::close`](super::TcpServer::close) waits on.
+#[derive(Default)]
+pub(super) struct Served {
+    tasks: Mutex<HashMap<u64, (Arc<Activity>, AbortHandle)>>,
+    emptied: Condvar,
+}
+
+impl Served {
+    pub(super) fn lock(&self) -> MutexGuard<'_, HashMap<u64, (Arc<Activity>, AbortHandle)>> {
+        self.tasks.lock()
+    }
+
+    /// Takes a finished (or aborted) task out, and wakes [`Served::wait_empty`] if it was the
+    /// last.
+    pub(super) fn leave(&self, id: u64) {
+        let mut tasks = self.tasks.lock();
+        tasks.remove(&id);
+        if tasks.is_empty() {
+            // Under the lock: a waiter checks the map and parks under that same lock, so it
+            // either sees the map empty or is parked before this notify (no lost wake-up).
+            self.emptied.notify_all();
+        }
+    }
+
+    /// Blocks (a thread outside the runtime) until no task runs or `deadline`; whether none
+    /// runs.
+    pub(super) fn wait_empty(&self, deadline: Instant) -> bool {
+        let mut tasks = self.tasks.lock();
+        // Bounded: each pass parks until a notify or the deadline, whichever comes first.
+        while !tasks.is_empty() {
+            if self.emptied.wait_until(&mut tasks, deadline).timed_out() {
+                return tasks.is_empty();
+            }
+        }
+        true
+    }
+}
 
 /// Connection failures (refused handshakes, dead peers, protocol errors) logged at most once
 /// per [`LOG_EVERY`] at WARNING, with how many were not: a peer retrying a wrong token must
@@ -152,12 +191,64 @@ pub(crate) struct Session {
     /// Sequence number of the next sample: samples of this session queued so far. Written
     /// only by the task that holds `owner`.
     pub(crate) next_seq: AtomicU64,
+    /// The least `first_seq` a resuming client may present: the session's first sample, then
+    /// the resume point of the latest connection that queued a sample (its client read that
+    /// accept before it sent the sample, so it acknowledged everything before it). Written
+    /// only by the task that holds `owner`.
+    pub(super) floor: AtomicU64,
+    /// The resume point handed to the connection now (or last) served. Written only by the
+    /// task that holds `owner`.
+    pub(super) handed: AtomicU64,
     /// Held by the one task that serves the session.
     pub(super) owner: Arc<tokio::sync::Mutex<()>>,
     /// The admission id of that task, to end it when the client reconnects.
     pub(super) serving: Mutex<Option<u64>>,
     /// When its last connection ended (`None` while one is served).
     pub(super) detached_at: Mutex<Option<Instant>>,
+}
+
+impl Session {
+    /// The least `first_seq` a resuming client may present now: `floor`, or the resume point
+    /// last handed over if a sample was queued since (its client had read it).
+    pub(super) fn floor(&self) -> u64 {
+        // ORDERING: Relaxed — as in `refuse_resume`.
+        let (handed, queued) = (self.handed.load(Relaxed), self.next_seq.load(Relaxed));
+        if queued > handed {
+            handed
+        } else {
+            self.floor.load(Relaxed)
+        }
+    }
+
+    /// Why a resuming client's `first_seq` (the first sample it has not seen acknowledged)
+    /// cannot be this session's: only what the session acknowledged may be claimed, from
+    /// `floor` to `next_seq`. A claim past `next_seq` would skip samples the client still
+    /// holds (they would be dropped unsent), and one below `floor` is no client's.
+    pub(super) fn refuse_resume(&self, first_seq: u64) -> Option<String> {
+        // ORDERING: Relaxed — under `owner` (see `next_seq`) the mutex orders these loads after
+        // the previous holder's writes. Before `owner` is taken (the early check) a stale
+        // `next_seq` can only be lower than the value under `owner`, which re-checks: an early
+        // refusal of a resume that is valid once `owner` is held needs the previous task to
+        // have queued a sample the client saw acknowledged but this load did not see, and the
+        // ack reached the client through the socket, after the increment.
+        let (floor, queued) = (self.floor(), self.next_seq.load(Relaxed));
+        if first_seq > queued {
+            Some(format!(
+                "session resume refused: the client says sample {first_seq} is the first it has \
+                 not seen acknowledged, but this session queued only {queued} samples (a resume \
+                 may claim {floor} to {queued}); another client may be using this session id"
+            ))
+        } else if first_seq < floor {
+            Some(format!(
+                "session resume refused: the client says sample {first_seq} is the first it has \
+                 not seen acknowledged, but this session's client was already told samples \
+                 before {floor} were (a resume may claim {floor} to {queued}); another client \
+                 may be using this session id"
+            ))
+        } else {
+            None
+        }
+    }
 }
 
 impl Drop for Session {
@@ -200,5 +291,44 @@ pub(super) async fn reap_sessions(shared: Arc<Shared>) {
                 sessions.remove(&key);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A registry holding one parked task; the task's abort handle.
+    fn one_task(runtime: &tokio::runtime::Runtime) -> Arc<Served> {
+        let served = Arc::new(Served::default());
+        let task = runtime.spawn(std::future::pending::<()>());
+        served.lock().insert(7, (Arc::new(Activity::default()), task.abort_handle()));
+        served
+    }
+
+    #[test]
+    fn waiting_for_the_tasks_ends_when_the_last_one_leaves_not_at_the_deadline() {
+        let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let served = one_task(&runtime);
+        let leaver = Arc::clone(&served);
+        let start = Instant::now();
+        let thread = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            leaver.leave(7);
+        });
+        assert!(served.wait_empty(start + Duration::from_secs(30)));
+        assert!(start.elapsed() < Duration::from_secs(10), "woken by the leave, not the deadline");
+        thread.join().unwrap();
+        // Nothing runs: no wait at all.
+        assert!(served.wait_empty(Instant::now()));
+    }
+
+    #[test]
+    fn waiting_for_the_tasks_gives_up_at_the_deadline_while_one_runs() {
+        let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let served = one_task(&runtime);
+        let start = Instant::now();
+        assert!(!served.wait_empty(start + Duration::from_millis(100)));
+        assert!(start.elapsed() >= Duration::from_millis(100));
     }
 }
