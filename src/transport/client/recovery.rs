@@ -257,6 +257,11 @@ impl TcpSender {
                     );
                     self.address = format!("{}:{}", target.0, target.1);
                     self.target = target.clone();
+                    // A new server, a new session: one server's session must not be resumed
+                    // with what another acknowledged (a server refuses a claim past what its
+                    // session queued), and a client sent back to a server it left comes back
+                    // as a new session there, resending from what is acknowledged.
+                    self.session = v2::random()?;
                 }
                 recovery.connecting = Some(Connecting::start(
                     Arc::clone(&self.config),
