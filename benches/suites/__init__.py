@@ -72,7 +72,7 @@ SUITES: tuple[Suite, ...] = (
     Suite(
         "torch-handoff",
         "benches.suites.torch_handoff",
-        "replay batches into PyTorch CPU tensors (from_numpy, DLPack, device=, copy) vs numpy views",
+        "replay batches into PyTorch CPU tensors (from_numpy, DLPack, device=, copy) vs views",
     ),
     Suite(
         "gil-gap",
