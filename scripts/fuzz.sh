@@ -2,7 +2,6 @@
 # Fuzzes every parser of untrusted bytes (fuzz/fuzz_targets/, cargo-fuzz on the nightly
 # toolchain, AddressSanitizer and debug assertions on) for a bounded time each: 60 s per
 # target, or ECHO_FUZZ_SECONDS; ECHO_FUZZ_JOBS targets at a time (default: one per core). Arguments: the targets to run (default: all of them).
-# ECHO_FUZZ_BUILD_ONLY=1: install cargo-fuzz and build the targets, run nothing.
 # Installs cargo-fuzz (pinned) if it is missing. Starts from the committed seeds in
 # fuzz/corpus/<target>/ plus what earlier runs found, kept in fuzz/target/corpus/<target>/
 # (ignored by git); so a run never dirties the checkout. Exits non-zero if any target finds
@@ -31,9 +30,6 @@ else
 fi
 echo ">> building the fuzz targets (cargo +nightly fuzz build: release, ASan, debug assertions)"
 cargo +nightly fuzz build
-if [[ ${ECHO_FUZZ_BUILD_ONLY:-} == 1 ]]; then
-  exit 0 # scripts/prebuild.sh: built, nothing run
-fi
 mkdir -p fuzz/target/logs
 # libFuzzer runs one process on one core: up to ECHO_FUZZ_JOBS targets (default: the number
 # of cores) fuzz at once, each for the same time and on a core of its own, so the step takes

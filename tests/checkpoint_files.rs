@@ -276,9 +276,10 @@ proptest! {
     }
 }
 
-/// A new directory under the system's temporary directory, removed at exit by nobody: each
-/// test's is unique (process, thread, time), and small.
-fn tempdir() -> std::path::PathBuf {
+/// A new directory under the system's temporary directory, unique to the test (process,
+/// thread, time), removed with everything in it when dropped (the property tests make
+/// hundreds).
+fn tempdir() -> TempDir {
     let nanos =
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
     let dir = std::env::temp_dir().join(format!(
@@ -287,7 +288,29 @@ fn tempdir() -> std::path::PathBuf {
         std::thread::current().id()
     ));
     std::fs::create_dir_all(&dir).unwrap();
-    dir
+    TempDir(dir)
+}
+
+struct TempDir(std::path::PathBuf);
+
+impl std::ops::Deref for TempDir {
+    type Target = std::path::Path;
+
+    fn deref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl AsRef<std::path::Path> for TempDir {
+    fn as_ref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 #[test]

@@ -217,9 +217,12 @@ fn compressed_bodies_a_peer_never_finishes_count_in_max_buffered_bytes() {
     common::wait_until("every peer's partial body counted", || {
         server.snapshot().buffered_bytes == (PEERS * step) as u64
     });
+    // Each peer's body and staging buffer (64 KiB each), the connections' tasks, and under
+    // AddressSanitizer its shadow and quarantine: about 8 MiB here, under 30 with ASan; the
+    // bodies allocated whole were 48 MiB more.
     let grown = resident_bytes().saturating_sub(before);
     assert!(
-        grown < PEERS * LEAF / 4,
+        grown < PEERS * LEAF * 3 / 4,
         "{PEERS} peers that sent 5 bytes each grew the learner by {grown} bytes"
     );
     assert!(server.snapshot().buffered_bytes <= limit as u64);
