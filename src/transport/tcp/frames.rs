@@ -168,7 +168,10 @@ pub(super) async fn serve_v2(
     let queued = session.next_seq.load(Relaxed);
     // `first_seq <= queued` (checked above) for a resume; a new session starts at `first_seq`.
     let resume_seq = queued.max(hello.first_seq);
+    // ORDERING: Relaxed — as above: written under `owner`, which orders them for its next
+    // holder.
     session.next_seq.store(resume_seq, Relaxed);
+    // ORDERING: Relaxed — as above.
     session.handed.store(resume_seq, Relaxed);
     ingress.note(TransportEvent::V2);
     if existed {

@@ -216,6 +216,7 @@ impl Session {
         if queued > handed {
             handed
         } else {
+            // ORDERING: Relaxed — as above.
             self.floor.load(Relaxed)
         }
     }
