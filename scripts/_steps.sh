@@ -13,6 +13,30 @@ step() {
   "$@"
   times[${#times[@]} - 1]=$((SECONDS - t0))
 }
+# `step_start NAME COMMAND...` starts a step in the background, its output into
+# target/steps/NAME.log, and `step_join NAME` waits for it, prints that log and times it from
+# its start: for a step that leaves a core idle (one long single-threaded test) beside another.
+declare -A step_pids=() step_starts=()
+step_start() {
+  local name=$1
+  shift
+  mkdir -p target/steps
+  step_starts[$name]=$SECONDS
+  # setsid: its own process group (its PID), so that an exit ends it with all it started
+  setsid "$@" >"target/steps/$name.log" 2>&1 &
+  step_pids[$name]=$!
+}
+step_join() {
+  local name=$1 rc=0
+  steps+=("$name")
+  times+=("failed")
+  wait "${step_pids[$name]}" || rc=$?
+  unset "step_pids[$name]"
+  echo ">> $name (ran in the background; its output)"
+  cat "target/steps/$name.log"
+  ((rc == 0)) || return "$rc"
+  times[${#times[@]} - 1]=$((SECONDS - step_starts[$name]))
+}
 steps_table() {
   echo ">> ${STEPS_TITLE:-step times}"
   printf '   %-12s %8s\n' step seconds
@@ -21,4 +45,11 @@ steps_table() {
   done
   printf '   %-12s %8s\n' total $((SECONDS - steps_started))
 }
-trap steps_table EXIT
+steps_exit() {
+  local pid
+  for pid in "${step_pids[@]}"; do
+    kill -TERM -- "-$pid" 2>/dev/null || true
+  done
+  steps_table
+}
+trap steps_exit EXIT

@@ -213,6 +213,9 @@ class SampleInfo:
     def episodes_ended_total(self) -> int:
         """Sequence tables only: episodes ended (terminated, truncated or their stream gone)."""
     @property
+    def windows_stored(self) -> int:
+        """Sequence tables only: windows that can be sampled now (`store_size` there)."""
+    @property
     def windows_inserted_total(self) -> int:
         """Sequence tables only: windows made."""
     @property

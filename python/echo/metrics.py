@@ -204,6 +204,12 @@ METRICS: tuple[MetricSpec, ...] = (
         "episodes_ended_total",
     ),
     _spec(
+        "echo_sequence_windows_stored",
+        "gauge",
+        "Sequence tables: windows that can be sampled now.",
+        "windows_stored",
+    ),
+    _spec(
         "echo_sequence_windows_inserted_total",
         "counter",
         "Sequence tables: windows made.",
@@ -497,6 +503,7 @@ def _values(server: Server, info: SampleInfo, tally: Tally | None, now: float) -
         "echo_sequence_steps_evicted_total": info.steps_evicted_total,
         "echo_sequence_streams_open": info.streams_open,
         "echo_sequence_episodes_ended_total": info.episodes_ended_total,
+        "echo_sequence_windows_stored": info.windows_stored,
         "echo_sequence_windows_inserted_total": info.windows_inserted_total,
         "echo_sequence_windows_evicted_total": info.windows_evicted_total,
         "echo_connections_active": info.active_connections,

@@ -266,7 +266,8 @@ def test_rate_limiters_and_max_times_sampled_count_windows() -> None:
     # Windows of 2, one every 2 steps: 4 steps make the 2 windows the queue allows.
     for i in range(4):
         s.submit(step(0, 0, i))
-    assert s.stats().store_size == 2
+    stats = s.stats()
+    assert (stats.store_size, stats.windows_stored, stats.steps_stored) == (2, 2, 4)
     with pytest.raises(TimeoutError):
         s.submit(step(0, 0, 4), timeout=0.05)  # two windows unsampled: the queue is full
     assert s.stats().steps_inserted_total == 4, "the held step was not written"
@@ -276,7 +277,7 @@ def test_rate_limiters_and_max_times_sampled_count_windows() -> None:
     limited.submit(step(0, 0, 0))
     for _ in range(2):
         assert limited.sample(timeout=5) is not None
-    assert limited.stats().store_size == 0
+    assert (limited.stats().store_size, limited.stats().windows_stored) == (0, 0)
     assert limited.stats().removed_max_times_sampled_total == 1
 
 

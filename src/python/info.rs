@@ -231,8 +231,10 @@ pub(crate) struct SampleInfo {
     /// Sequence tables only: streams with an open episode, and episodes ended so far.
     streams_open: u64,
     episodes_ended_total: u64,
-    /// Sequence tables only: windows made, and windows removed because a step of theirs was
-    /// evicted (also in `evicted_total`).
+    /// Sequence tables only: windows that can be sampled now (the same as `store_size`
+    /// there, under the name the sequence guide uses), windows made, and windows removed
+    /// because a step of theirs was evicted (also in `evicted_total`).
+    windows_stored: u64,
     windows_inserted_total: u64,
     windows_evicted_total: u64,
     /// Bytes the data held now takes as stored, and the same data raw: they differ for a
@@ -317,6 +319,7 @@ counters!(
     steps_evicted_total,
     streams_open,
     episodes_ended_total,
+    windows_stored,
     windows_inserted_total,
     windows_evicted_total,
     last_checkpoint_bytes,
@@ -430,6 +433,7 @@ impl SampleInfo {
             steps_evicted_total: seq.steps_evicted,
             streams_open: seq.streams_open,
             episodes_ended_total: seq.episodes_ended,
+            windows_stored: seq_windows.size,
             windows_inserted_total: seq_windows.inserted,
             windows_evicted_total: seq_windows.evicted,
             stored_bytes,

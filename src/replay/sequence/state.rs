@@ -299,18 +299,22 @@ impl State {
                     next_start: 0,
                     recent: Box::new([]),
                 };
-                let recent = vec![NIL; g.length].into_boxed_slice();
                 let at = if let Some(at) = self.free_streams.pop() {
-                    self.streams[at as usize] = Stream { recent, ..fresh };
+                    self.streams[at as usize] = fresh;
                     at as usize
                 } else {
-                    self.streams.push(Stream { recent, ..fresh });
+                    self.streams.push(fresh);
                     self.streams.len() - 1
                 };
                 self.stream_index.insert(id, at as u32);
                 at
             }
         };
+        // The ring of its last `length` steps, taken at its first step: a restored stream
+        // that had no step stored (or no episode open) has none until it gets one.
+        if self.streams[at].recent.is_empty() {
+            self.streams[at].recent = vec![NIL; g.length].into_boxed_slice();
+        }
         if !self.streams[at].in_episode {
             let episode = self.next_episode;
             self.next_episode += 1;

@@ -338,18 +338,26 @@ impl SequenceTable {
         }
         st.live_windows = snap.windows.len();
         st.episodes = episodes;
+        // Each chunk's predecessor in its stream, for the walks back from the open chunks.
+        let prev: HashMap<usize, usize> = next.iter().map(|(&a, &b)| (b, a)).collect();
         for s in &snap.streams {
-            let mut recent = vec![NIL; g.length].into_boxed_slice();
+            // Only a stream with steps stored in a live chunk of its own gets the ring of its
+            // last `length` steps now: at most one per chunk (each owns a distinct one, checked
+            // above), so a snapshot that lists many streams cannot make the table allocate
+            // `length` slots for each. The others take theirs at their next step.
+            let ringed = s.in_episode && s.count > 0 && s.chunk != NIL;
+            let mut recent: Box<[u32]> =
+                if ringed { vec![NIL; g.length].into_boxed_slice() } else { Box::new([]) };
             let mut retained_from = s.retained_from;
-            if s.in_episode && s.count > 0 && s.chunk != NIL {
-                retained_from = recent_slots(&g, &filled, &next, s, &mut recent);
+            if ringed {
+                retained_from = recent_slots(&g, &filled, &prev, s, &mut recent);
             }
             // A window still to make reads only steps found stored (`recent`): a stream whose
             // snapshot claims more of its last `length` steps than its chunks hold (a tampered
             // or corrupt one: no chunk, a broken chain) keeps only those after the last gap.
             let last = retained_from.max(s.count.saturating_sub(g.length as u32));
-            if let Some(gap) = (last..s.count).rev().find(|&i| recent[i as usize % g.length] == NIL)
-            {
+            let stored = |i: u32| ringed && recent[i as usize % g.length] != NIL;
+            if let Some(gap) = (last..s.count).rev().find(|&i| !stored(i)) {
                 retained_from = gap + 1;
             }
             let stream = Stream {
@@ -513,11 +521,10 @@ fn stored_run(
 fn recent_slots(
     g: &Geometry,
     filled: &[usize],
-    next: &HashMap<usize, usize>,
+    prev: &HashMap<usize, usize>,
     s: &StreamRow,
     recent: &mut [u32],
 ) -> u32 {
-    let prev: HashMap<usize, usize> = next.iter().map(|(&a, &b)| (b, a)).collect();
     let mut c = s.chunk as usize;
     let Some(&f) = filled.get(c) else { return s.count };
     if f == 0 {
