@@ -61,9 +61,9 @@ install-telemetry:
 fmt:
     bash scripts/fmt.sh
 
-# Format check, clippy, rustdoc, ORDERING comments, ruff, pyright, stubtest
-lint:
-    bash scripts/lint.sh
+# Format check, clippy, rustdoc, ORDERING comments, ruff, pyright, stubtest (HALF: rust or python)
+lint *HALF:
+    bash scripts/lint.sh {{HALF}}
 
 # Criterion (store, ingress drain round), then python -m benches ARGS (default: the core suite)
 bench *ARGS:

@@ -15,15 +15,20 @@ step() {
 }
 # `step_start NAME COMMAND...` starts a step in the background, its output into
 # target/steps/NAME.log, and `step_join NAME` waits for it, prints that log and times it from
-# its start: for a step that leaves a core idle (one long single-threaded test) beside another.
+# its start: for work that fills a core another step leaves idle (one long single-threaded
+# test; tests that mostly wait on sockets). With STEP_NICE=N the step yields to the rest.
 declare -A step_pids=() step_starts=()
 step_start() {
   local name=$1
   shift
   mkdir -p target/steps
   step_starts[$name]=$SECONDS
-  # setsid: its own process group (its PID), so that an exit ends it with all it started
-  setsid "$@" >"target/steps/$name.log" 2>&1 &
+  # setsid: a session and process group of its own (its PID), so that an exit ends it with
+  # all it started. A new session is also a new scheduler autogroup where the kernel has
+  # them (Linux's default), and nice values only order processes within an autogroup: so
+  # STEP_NICE is set on the step's autogroup, from inside it.
+  setsid bash -c 'if [[ -n ${STEP_NICE:-} ]]; then echo "$STEP_NICE" >/proc/self/autogroup 2>/dev/null || renice -n "$STEP_NICE" $$ >/dev/null; fi; exec "$@"' \
+    step "$@" >"target/steps/$name.log" 2>&1 &
   step_pids[$name]=$!
 }
 step_join() {

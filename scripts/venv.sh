@@ -18,12 +18,15 @@ if [[ ! -x $venv/bin/python ]]; then
   "${PYTHON:-python3}" -m venv "$venv"
 fi
 stamp="$venv/.requirements-$(printf '%s' "$*" | tr -c 'A-Za-z0-9' '_').txt"
-"$venv/bin/python" scripts/requirements.py "$@" >"$stamp.new"
-if cmp -s "$stamp.new" "$stamp"; then
-  rm -f "$stamp.new"
+# A file of its own for the wanted list: scripts that run at once (CI runs some side by side)
+# each check the stamp without touching another's.
+wanted=$(mktemp "$stamp.XXXXXX")
+trap 'rm -f "$wanted"' EXIT
+"$venv/bin/python" scripts/requirements.py "$@" >"$wanted"
+if cmp -s "$wanted" "$stamp"; then
   exit 0
 fi
-echo ">> installing into $venv: $(tr '\n' ' ' <"$stamp.new")"
+echo ">> installing into $venv: $(tr '\n' ' ' <"$wanted")"
 "$venv/bin/python" -m pip install -q --upgrade pip
-"$venv/bin/python" -m pip install -q -r "$stamp.new"
-mv "$stamp.new" "$stamp"
+"$venv/bin/python" -m pip install -q -r "$wanted"
+mv "$wanted" "$stamp"
