@@ -17,6 +17,12 @@ if [[ ! -x $venv/bin/python ]]; then
   echo ">> creating $venv"
   "${PYTHON:-python3}" -m venv "$venv"
 fi
+# One install into DIR at a time: CI runs scripts side by side, and two pip processes in one
+# site-packages would trip over each other. The second waits, then finds its stamp current.
+exec 9>"$venv/.install-lock"
+if command -v flock >/dev/null; then
+  flock 9
+fi
 stamp="$venv/.requirements-$(printf '%s' "$*" | tr -c 'A-Za-z0-9' '_').txt"
 # A file of its own for the wanted list: scripts that run at once (CI runs some side by side)
 # each check the stamp without touching another's.

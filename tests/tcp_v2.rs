@@ -34,7 +34,7 @@ fn client(port: u16) -> ClientConfig {
 }
 
 #[test]
-fn a_token_server_admits_only_clients_that_prove_the_token() {
+fn a_tokenserver_admits_only_clients_that_prove_the_token() {
     let tcp = TcpConfig { token: Some(b"s3cret".to_vec()), ..local() };
     let (mut consumer, server, addr) = start(tcp, 2);
     let refusals = [
@@ -321,7 +321,7 @@ fn raw_v2(addr: SocketAddr, session: u8, notices: bool) -> TcpStream {
 }
 
 #[test]
-fn a_closing_server_acks_what_it_queued_then_says_why_only_to_clients_that_understand() {
+fn a_closingserver_acks_what_it_queued_then_says_why_only_to_clients_that_understand() {
     use echo::transport::wire::v2::{Closing, ACK, CLOSING, SAMPLE};
     for why in [Closing::Final, Closing::Restarting] {
         let (_consumer, mut server, addr) = start(local(), 64);
@@ -509,4 +509,96 @@ fn a_resume_may_claim_only_what_its_session_acknowledged_and_a_refused_one_cuts_
     send_acked(&mut owner, 6..7);
     let got = collect_tagged(&mut consumer, 7);
     assert_eq!(got, (0..7).map(|seq| (1, seq)).collect::<Vec<_>>());
+}
+
+/// Where the client of the next test connects: the targets in turn, one step on each time
+/// the connection to the current one ended.
+struct Rotation {
+    targets: Vec<u16>,
+    at: std::sync::Mutex<usize>,
+}
+
+impl echo::transport::client::Resolve for Rotation {
+    fn resolve(&self, last: Option<(&str, u16, &str)>) -> Result<Option<(String, u16)>, EchoError> {
+        let mut at = self.at.lock().unwrap();
+        if last.is_some_and(|(_, port, _)| port == self.targets[*at])
+            && *at + 1 < self.targets.len()
+        {
+            *at += 1;
+        }
+        Ok(Some(("127.0.0.1".into(), self.targets[*at])))
+    }
+}
+
+/// A client whose resolver sends it to another server starts a new session there, and again
+/// when it is sent back to a server it left: server A still holds the first session (detached,
+/// with what A acknowledged of it), and a resume of that session claiming what B acknowledged
+/// since would be refused. Every sample reaches one of the two servers; the few in flight at a
+/// move may reach both (a move between servers is at-least-once, as the TCP guide says).
+#[test]
+fn a_client_moved_to_anotherserver_and_back_starts_a_new_session_each_time() {
+    const SAMPLES: u64 = 900;
+    let (consumer_a, server_a, addr_a) = start(local(), 1);
+    let (consumer_b, server_b, addr_b) = start(local(), 1);
+    // Each server's consumer takes batches as they come (its ring is small) until told to stop
+    // and nothing more arrives.
+    let stop = Arc::new(AtomicBool::new(false));
+    let drain = |mut consumer: Consumer| {
+        let stop = Arc::clone(&stop);
+        thread::spawn(move || {
+            let mut got = Vec::new();
+            loop {
+                let deadline = Instant::now() + Duration::from_millis(100);
+                match consumer.sample(Some(deadline)) {
+                    Ok(_) => got.push(common::decode(&common::batch_leaves(&consumer), 0)),
+                    Err(_) if stop.load(Relaxed) => return got,
+                    Err(_) => {}
+                }
+            }
+        })
+    };
+    let (drain_a, drain_b) = (drain(consumer_a), drain(consumer_b));
+    // A through a proxy that cuts the first connection, then B the same way, then A directly.
+    let (proxy_a, proxy_b) = (Proxy::start(addr_a, 1), Proxy::start(addr_b, 1));
+    let rotation = Rotation {
+        targets: vec![proxy_a.port, proxy_b.port, addr_a.port()],
+        at: std::sync::Mutex::new(0),
+    };
+    let config = ClientConfig {
+        max_inflight: 8,
+        reconnect_timeout: Some(PATIENCE),
+        resolver: Some(echo::transport::client::Resolver(Arc::new(rotation))),
+        ..client(0)
+    };
+    let mut sender = TcpSender::connect(config, PATIENCE).unwrap();
+    for seq in 0..SAMPLES {
+        send_tagged(&mut sender, 0, seq).unwrap();
+    }
+    assert!(sender.close(Some(Instant::now() + PATIENCE)), "close did not flush");
+    assert_eq!(sender.reconnects(), 2, "cut by proxy A, then by proxy B");
+    assert_eq!((proxy_a.cuts.load(Relaxed), proxy_b.cuts.load(Relaxed)), (1, 1));
+    // Everything acknowledged is in A's or B's queue, and reaches its consumer.
+    let mut seen = std::collections::HashSet::new();
+    let deadline = Instant::now() + PATIENCE;
+    let (got_a, got_b) = loop {
+        thread::sleep(Duration::from_millis(200));
+        if Instant::now() > deadline {
+            break (Vec::new(), Vec::new());
+        }
+        if server_a.snapshot().samples_pending == 0 && server_b.snapshot().samples_pending == 0 {
+            stop.store(true, Relaxed);
+            break (drain_a.join().unwrap(), drain_b.join().unwrap());
+        }
+    };
+    let mut total = 0;
+    for (producer, seq) in got_a.iter().chain(&got_b) {
+        assert_eq!(*producer, 0);
+        assert!(*seq < SAMPLES);
+        seen.insert(*seq);
+        total += 1;
+    }
+    assert!(!got_b.is_empty(), "B took the samples sent while the client was there");
+    assert_eq!(seen.len(), SAMPLES as usize, "every sample reached A or B");
+    let twice = total - seen.len();
+    assert!(twice <= 2 * 8, "{twice} samples twice: more than were in flight at the two moves");
 }

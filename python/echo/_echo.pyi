@@ -267,6 +267,11 @@ class RingLease:
     """The numpy `base` of every batch view: keeps the ring memory alive."""
 
 @final
+class BatchCopy:
+    """The numpy `base` of a `copy=True` batch's leaf: owns its memory, which goes back to
+    the server's pool for the next copy once no array uses it."""
+
+@final
 class ServerCore:
     """The native half of `echo.Server`, over the FIFO ring or a replay table: flattened
     leaves in, batches of views out."""

@@ -19,13 +19,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 
 from echo._pytree import NONE_IS_LEAF
 
-__all__ = ["Prefetcher", "device_transfer", "jax_transfer", "torch_transfer"]
+__all__ = ["Prefetcher", "Transfer", "device_transfer", "jax_transfer", "torch_transfer"]
 
 # How long the thread waits for a batch before it looks at its stop flag again. Only an idle
 # server (no full batch) ever waits this long; a batch that arrives ends the wait at once.
@@ -71,14 +71,24 @@ class Prefetcher:
         try:
             while not self._stop.is_set():
                 item = self._next()
-                if item is None:
+                if item is None or not self._put(item):
                     break
-                # A full queue blocks here until the consumer takes one; close() empties the
-                # queue after setting the stop flag, so this put never outlives it.
-                self._queue.put(item)
-            self._queue.put(_END)
+            self._put(_END)
         except BaseException as error:  # noqa: BLE001 -- every error goes to the consumer
-            self._queue.put(_Failed(error))
+            self._put(_Failed(error))
+
+    def _put(self, item: Any) -> bool:
+        """Queues `item`, waiting while the queue is full until the consumer takes one or
+        `close()` sets the stop flag (then `False`: nobody will read it). A plain blocking
+        put could outlive `close()`: the copy that was under way when it emptied the queue
+        refills it, and the end marker after that would wait for ever."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=_POLL_S)
+            except queue.Full:
+                continue
+            return True
+        return False
 
     def _next(self) -> Any:
         """The next item; `None` at the end or once stopped."""
@@ -127,45 +137,60 @@ class Prefetcher:
         return self._thread.is_alive()
 
 
-def device_transfer(device: Any) -> Callable[[Any], Any]:
+class Transfer(NamedTuple):
+    """How batches reach a device: `copy(tree)` returns the tree on the device, the copy
+    finished when it returns (the tree's ring slots may then be given back).
+
+    `private`: `copy` wants the batch as private numpy arrays (`sample(copy=True)`: one
+    copy out of the ring, made in Rust with the GIL released) and adopts them without a
+    second copy (a host device: a torch CPU tensor or a JAX CPU array may share their
+    memory). Otherwise it reads the ring's views and copies from them itself (a GPU: the
+    copy is the transfer).
+    """
+
+    copy: Callable[[Any], Any]
+    private: bool
+
+
+def device_transfer(device: Any) -> Transfer:
     """`jax_transfer` for a JAX device (`jax.devices()[0]`), else `torch_transfer`."""
     if type(device).__module__.split(".", 1)[0] in ("jax", "jaxlib"):
         return jax_transfer(device)
     return torch_transfer(device)
 
 
-def jax_transfer(device: Any) -> Callable[[Any], Any]:
-    """`copy(tree)`: the tree of numpy views as JAX arrays committed to `device`, the copy
-    finished when it returns (the views' slots may then be given back).
+def jax_transfer(device: Any) -> Transfer:
+    """The tree as JAX arrays committed to `device`.
 
-    A CPU device gets a private numpy copy first: `jax.device_put` of host memory on the CPU
-    may alias it instead of copying, and the ring's slots are rewritten once given back.
-    Other devices (GPU, TPU) copy from the ring itself; the thread waits for the transfer
-    (`block_until_ready`) before the slots go back.
+    A CPU device takes the private copy (`Transfer.private`): `jax.device_put` of host memory
+    on the CPU may alias it instead of copying, which the ring's slots, rewritten once given
+    back, would not survive. Other devices (GPU, TPU) copy from the ring itself; the thread
+    waits for the transfer (`block_until_ready`) before the slots go back.
     """
     jax: Any = importlib.import_module("jax")  # a JAX device implies JAX is importable
     on_cpu = getattr(device, "platform", None) == "cpu"
 
     def leaf_to_device(leaf: Any) -> Any:
-        return jax.device_put(leaf.copy() if on_cpu else leaf, device)
+        return jax.device_put(leaf, device)
 
     def to_device(tree: Any) -> Any:
         out: Any = optree.tree_map(leaf_to_device, tree, none_is_leaf=NONE_IS_LEAF)
         jax.block_until_ready(out)
         return out
 
-    return to_device
+    return Transfer(to_device, private=on_cpu)
 
 
-def torch_transfer(device: Any) -> Callable[[Any], Any]:
-    """`copy(tree)`: the tree of writeable numpy views as torch tensors on `device`, the copy
-    finished when it returns (the views' slots may then be given back).
+def torch_transfer(device: Any) -> Transfer:
+    """The tree as torch tensors on `device`.
 
-    CPU: one memcpy per leaf into a new tensor. CUDA: `non_blocking` copies on a side stream
-    (real DMA when the ring is page-locked, `pin_host_memory=True`), an event recorded after
-    them and waited for by this (the prefetch) thread; each tensor is recorded on the stream
-    that was current when the iterator started, so the caching allocator does not hand its
-    memory to a later copy while the learner's kernels may still read it.
+    CPU: the private copy (`Transfer.private`), each leaf adopted by `torch.from_numpy`
+    without another copy. CUDA, from the ring's writeable views: `non_blocking` copies on a
+    side stream (real DMA when the ring is page-locked, `pin_host_memory=True`), an event
+    recorded after them and waited for by this (the prefetch) thread; each tensor is
+    recorded on the stream that was current when the iterator started, so the caching
+    allocator does not hand its memory to a later copy while the learner's kernels may still
+    read it.
     """
     try:
         torch: Any = importlib.import_module("torch")  # optional: typed as Any
@@ -178,14 +203,11 @@ def torch_transfer(device: Any) -> Callable[[Any], Any]:
     target = torch.device(device)
     if target.type == "cpu":
 
-        def leaf_to_cpu(leaf: Any) -> Any:
-            return torch.from_numpy(leaf).clone()
-
         def to_cpu(tree: Any) -> Any:
-            out: Any = optree.tree_map(leaf_to_cpu, tree, none_is_leaf=NONE_IS_LEAF)
+            out: Any = optree.tree_map(torch.from_numpy, tree, none_is_leaf=NONE_IS_LEAF)
             return out
 
-        return to_cpu
+        return Transfer(to_cpu, private=True)
     if target.type != "cuda":
         raise ValueError(f"device must be a CPU or CUDA device, got {device!r}")
     if target.index is None:
@@ -206,4 +228,4 @@ def torch_transfer(device: Any) -> Callable[[Any], Any]:
             tensor.record_stream(consumer_stream)
         return out
 
-    return to_cuda
+    return Transfer(to_cuda, private=False)

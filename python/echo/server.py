@@ -12,7 +12,7 @@ from typing import Any
 from echo import checkpoint as _checkpoint
 from echo._echo import SampleInfo, SampleWriter, ServerClosedError, ServerCore
 from echo._periodic import PeriodicCheckpointer
-from echo._prefetch import Prefetcher, device_transfer
+from echo._prefetch import Prefetcher, Transfer, device_transfer
 from echo._pytree import TreeLayout
 from echo._server_args import (
     PERIODIC_JOIN_S,
@@ -189,7 +189,7 @@ class Server:
                 f"sequence must be an echo.Sequence or None, got {type(sequence).__name__}"
             )
         # `sample(device=...)`'s copy functions, one per device (a CUDA one owns a stream).
-        self._transfers: dict[tuple[str, str], Callable[[Any], Any]] = {}
+        self._transfers: dict[tuple[str, str], Transfer] = {}
         config = _ServerConfig(
             batch_size=check_int("batch_size", batch_size, 1),
             num_buffers=check_int("num_buffers", num_buffers, 2),
@@ -537,12 +537,13 @@ class Server:
             KeyboardInterrupt: Ctrl-C while waiting.
         """
         transfer = None if device is None else self._transfer_to(device)
+        if transfer is not None:
+            # A host device adopts a private copy; a GPU copies from writeable ring views.
+            copy, writable = transfer.private, not transfer.private
         tally = self._tally
         started = tally.begin_wait()
         try:
-            got = self._core.sample(
-                timeout, copy and transfer is None, writable or transfer is not None
-            )
+            got = self._core.sample(timeout, copy, writable)
         except BaseException:
             tally.end_wait(started, None)
             raise
@@ -553,9 +554,9 @@ class Server:
         tally.end_wait(started, info.wait_ns)  # meta: the arrays `ServerCore.meta_names` names
         batch = self._layout.unflatten(leaves)
         extras = dict(zip(self._meta_names, meta, strict=True))
-        return Sample(batch if transfer is None else transfer(batch), info, **extras)
+        return Sample(batch if transfer is None else transfer.copy(batch), info, **extras)
 
-    def _transfer_to(self, device: Any) -> Callable[[Any], Any]:
+    def _transfer_to(self, device: Any) -> Transfer:
         key = (type(device).__qualname__, repr(device))
         transfer = self._transfers.get(key)
         if transfer is None:
@@ -646,13 +647,15 @@ class Server:
 
         else:
             transfer = device_transfer(device)
-            replay = self._core.max_size is not None
+            # A replay table's batch area is reused by the next sample(): a GPU copy (which
+            # reads it after sample() returns) takes a private copy of it first.
+            private = transfer.private or self._core.max_size is not None
 
             def fetch(wait_s: float) -> Sample | None:
-                got = self.sample(wait_s, copy=replay, writable=True)
+                got = self.sample(wait_s, copy=private, writable=not private)
                 if got is None:
                     return None
-                return got._with_batch(transfer(got.batch))  # pyright: ignore[reportPrivateUsage]
+                return got._with_batch(transfer.copy(got.batch))  # pyright: ignore[reportPrivateUsage]
 
         yield from Prefetcher(fetch, depth, timeout)
 

@@ -272,6 +272,49 @@ def test_copies_are_writeable_private_arrays(make_server: Any, make_sample: Any)
     np.testing.assert_array_equal(second.batch["id"], [2, 3])
 
 
+def test_held_copies_never_share_memory_and_dropped_ones_are_reused(
+    make_server: Any, make_sample: Any, batch_ids: Any
+) -> None:
+    """A copy's leaves live in buffers that go back to the server's pool only once every
+    array over them is collected: batches still held keep their values through many more
+    copies, and a dropped batch's memory is what the next copy gets (no fresh pages)."""
+    server = make_server(batch_size=2, num_buffers=4)
+    held = []
+    for n in range(12):
+        server.submit(make_sample(2 * n))
+        server.submit(make_sample(2 * n + 1))
+        sample = server.sample(timeout=WAIT_S, copy=True)
+        assert sample is not None
+        if n % 3 == 0:
+            held.append((n, sample))  # kept: its buffers must not be handed out again
+        assert type(sample.batch["obs"].base).__name__ == "BatchCopy"
+    del sample
+    addresses = [kept.batch["obs"].ctypes.data for _, kept in held]
+    assert len(set(addresses)) == len(held)
+    for n, kept in held:
+        assert batch_ids(kept.batch) == [2 * n, 2 * n + 1]
+        np.testing.assert_array_equal(kept.batch["obs"][1], [2 * n + 1] * 3)
+    del kept
+    # Drop one batch (and with it its arrays' last references): the next copy reuses it.
+    freed = held.pop()[1].batch["obs"].ctypes.data
+    server.submit(make_sample(100))
+    server.submit(make_sample(101))
+    again = server.sample(timeout=WAIT_S, copy=True)
+    assert again is not None
+    assert again.batch["obs"].ctypes.data == freed
+    assert batch_ids(again.batch) == [100, 101]
+    # A view of a copy keeps its buffer: the base chain ends at the BatchCopy.
+    view = again.batch["obs"][1:]
+    del again
+    server.submit(make_sample(102))
+    server.submit(make_sample(103))
+    other = server.sample(timeout=WAIT_S, copy=True)
+    assert other is not None
+    assert other.batch["obs"].ctypes.data != freed
+    np.testing.assert_array_equal(view, [[101, 101, 101]])
+    server.close()
+
+
 def test_default_views_are_only_meaningful_until_the_next_sample(
     make_filled: Any, make_sample: Any, batch_ids: Any
 ) -> None:

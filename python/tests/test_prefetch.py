@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -179,6 +180,7 @@ def test_device_cpu_yields_tensors_once_and_in_order() -> None:
 
 
 @needs_torch
+@pytest.mark.usefixtures("no_prefetch_thread_left")
 def test_device_cpu_tensors_are_copies_not_ring_views() -> None:
     server = Server(EXAMPLE, batch_size=BATCH)
     for i in range(BATCH * 2):
@@ -187,6 +189,27 @@ def test_device_cpu_tensors_are_copies_not_ring_views() -> None:
     server.close()
     # the slots went back to the writers when the copy was done: the tensor must own its data
     assert ids_of({k: v.numpy() for k, v in sample.batch.items()}) == [0, 1, 2, 3]
+
+
+def test_close_while_a_copy_is_under_way_stops_the_thread_promptly() -> None:
+    """The copy under way when `close()` empties the queue refills it; the thread must then
+    see the stop flag, not wait for ever to queue its end marker behind that copy."""
+    in_fetch, release = threading.Event(), threading.Event()
+
+    def fetch(wait_s: float) -> object:
+        in_fetch.set()
+        release.wait(WAIT_S)
+        return object()
+
+    prefetcher = Prefetcher(fetch, 1, None)
+    assert in_fetch.wait(WAIT_S)
+    closer = threading.Thread(target=prefetcher.close)
+    closer.start()
+    time.sleep(0.2)  # close() has set the flag, emptied the queue, and waits for the thread
+    release.set()  # the copy under way finishes and refills the queue
+    closer.join(5.0)
+    assert not closer.is_alive(), "close() waited for a thread blocked queueing after the stop"
+    assert not prefetcher.alive
 
 
 needs_jax = pytest.mark.skipif(

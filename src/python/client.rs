@@ -5,7 +5,6 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use numpy::PyUntypedArray;
 use parking_lot::Mutex;
 use pyo3::exceptions::{PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
@@ -13,7 +12,7 @@ use pyo3::types::{PyBool, PyString};
 
 use super::config::{codec_object, resolve_token, seconds};
 use super::errors::{error_in, to_pyerr, Call};
-use super::leaves::{byte_slices, episode_end, EpisodeFlags, LeafSpecs};
+use super::leaves::{byte_slices, episode_end, EpisodeFlags, Leaf, LeafSpecs};
 use super::{
     already_passed, deadline_after, deadline_from_timeout, detach, reattach, wait_detached,
 };
@@ -392,7 +391,7 @@ impl PyTcpSender {
     fn send_arrays(
         &self,
         py: Python<'_>,
-        arrays: &[Bound<'_, PyUntypedArray>],
+        arrays: &[Leaf<'_>],
         meta: FrameMeta,
         deadline: Option<Instant>,
     ) -> PyResult<()> {

@@ -2,6 +2,7 @@
 //! the example's leaves (dtype, shape, name) and the checks that turn a list of numpy arrays
 //! into byte slices that are safe to copy from.
 
+use numpy::npyffi::PY_ARRAY_API;
 use numpy::{
     PyArrayDescr, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn,
     PyUntypedArray, PyUntypedArrayMethods,
@@ -9,7 +10,9 @@ use numpy::{
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{IntoPyDict, PyByteArray, PyBytes, PyDict, PyMemoryView, PySequence, PyString};
+use pyo3::types::{
+    IntoPyDict, PyByteArray, PyBytes, PyDict, PyMemoryView, PySequence, PyString, PyType,
+};
 
 use pyo3::intern;
 
@@ -19,9 +22,28 @@ use crate::source::EpisodeEnd;
 use crate::spec::{ArraySpec, DataSpec};
 use crate::transport::wire::v2::{DType, Layout, LeafType};
 
-/// Checks leaf `i` of a sample and returns it as an array to copy from.
-type CheckLeaf<'c, 'py> =
-    dyn FnMut(usize, &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyUntypedArray>> + 'c;
+/// Checks leaf `i` of a sample and returns it as what to copy from (`T`: a [`Leaf`], or a
+/// batch's array).
+type CheckLeaf<'c, 'py, T> = dyn FnMut(usize, &Bound<'py, PyAny>) -> PyResult<T> + 'c;
+
+/// A checked leaf of one sample, to copy from ([`byte_slices`]).
+pub(crate) enum Leaf<'py> {
+    /// A C-contiguous array of the leaf's dtype and shape.
+    Array(Bound<'py, PyUntypedArray>),
+    /// The value of a numpy scalar of exactly the leaf's type (`np.float32(1.0)` for a
+    /// float32 leaf of shape `()`): its `len` bytes, read without making an array of it.
+    Scalar { bytes: [u8; MAX_SCALAR_BYTES], len: usize },
+}
+
+/// The largest numpy scalar read without an array: every fixed-size number but the complex
+/// long double.
+const MAX_SCALAR_BYTES: usize = 16;
+
+/// A leaf of shape `()` whose numpy scalars are read directly: its scalar type and size.
+struct ScalarLeaf {
+    ty: Py<PyType>,
+    size: usize,
+}
 
 /// The example's leaves in flattened order.
 pub(crate) struct LeafSpecs {
@@ -34,6 +56,10 @@ pub(crate) struct LeafSpecs {
     flat_keys: Option<Vec<Py<PyString>>>,
     /// The example's `echo._pytree.TreeLayout`: flattens other samples, explains mismatches.
     layout: Py<PyAny>,
+    /// Per leaf: its numpy scalar type when a scalar of that exact type is read directly
+    /// (shape `()`, a number of native byte order: bool, int, uint, float or complex, of at
+    /// most [`MAX_SCALAR_BYTES`]). Other scalars become arrays first (`numpy.asarray`).
+    scalars: Vec<Option<ScalarLeaf>>,
 }
 
 impl LeafSpecs {
@@ -67,9 +93,21 @@ impl LeafSpecs {
             arrays.push(ArraySpec::new(shape.clone(), dtype.itemsize()).map_err(to_pyerr)?);
         }
         let spec = DataSpec::new(arrays).map_err(to_pyerr)?;
+        let scalars = dtypes
+            .iter()
+            .zip(&shapes)
+            .map(|(dtype, shape)| {
+                let direct = shape.is_empty()
+                    && b"biufc".contains(&dtype.kind())
+                    && dtype.is_native_byteorder() != Some(false)
+                    && dtype.itemsize() <= MAX_SCALAR_BYTES;
+                direct.then(|| ScalarLeaf { ty: dtype.typeobj().unbind(), size: dtype.itemsize() })
+            })
+            .collect();
         let descrs = dtypes.into_iter().map(Bound::unbind).collect();
         let flat_keys = flat_keys.map(|keys| keys.into_iter().map(Bound::unbind).collect());
-        Ok(Self { descrs, shapes, names, spec, flat_keys, layout: tree_layout.clone().unbind() })
+        let layout = tree_layout.clone().unbind();
+        Ok(Self { descrs, shapes, names, spec, flat_keys, layout, scalars })
     }
 
     /// The leaves with their dtypes and names, as wire v2 checks them.
@@ -111,10 +149,7 @@ impl LeafSpecs {
     /// the `TreeLayout` (a `ValueError` for another structure). A leaf of the wrong type that
     /// is really a structural difference (a container where an array belongs) is reported as
     /// the structure error it is.
-    pub(crate) fn arrays<'py>(
-        &self,
-        sample: &Bound<'py, PyAny>,
-    ) -> PyResult<Vec<Bound<'py, PyUntypedArray>>> {
+    pub(crate) fn arrays<'py>(&self, sample: &Bound<'py, PyAny>) -> PyResult<Vec<Leaf<'py>>> {
         self.walk(sample, &mut |i, item| self.check_leaf(i, item))
     }
 
@@ -136,11 +171,11 @@ impl LeafSpecs {
     /// The leaves of `sample` (a flat dict looked up by key, anything else flattened by the
     /// `TreeLayout`), each checked by `check`; a wrong type that is really a structural
     /// difference is reported as the structure error it is.
-    fn walk<'py>(
+    fn walk<'py, T>(
         &self,
         sample: &Bound<'py, PyAny>,
-        check: &mut CheckLeaf<'_, 'py>,
-    ) -> PyResult<Vec<Bound<'py, PyUntypedArray>>> {
+        check: &mut CheckLeaf<'_, 'py, T>,
+    ) -> PyResult<Vec<T>> {
         let py = sample.py();
         let layout = self.layout.bind(py);
         let checked = match self.check_flat_dict(sample, check) {
@@ -161,11 +196,11 @@ impl LeafSpecs {
     }
 
     /// Checks every leaf of `leaves` (the sample flattened), as [`LeafSpecs::arrays`].
-    fn check<'py>(
+    fn check<'py, T>(
         &self,
         leaves: &Bound<'py, PySequence>,
-        check: &mut CheckLeaf<'_, 'py>,
-    ) -> PyResult<Vec<Bound<'py, PyUntypedArray>>> {
+        check: &mut CheckLeaf<'_, 'py, T>,
+    ) -> PyResult<Vec<T>> {
         let count = leaves.len()?;
         if count != self.len() {
             return Err(PyValueError::new_err(format!(
@@ -179,11 +214,11 @@ impl LeafSpecs {
     /// The fast path for flat-dict examples: if `sample` is a dict with exactly the example's
     /// keys, checks its values like [`LeafSpecs::check`]. `None` if the example is not a flat
     /// dict or `sample` does not have its keys (the caller then flattens in Python).
-    fn check_flat_dict<'py>(
+    fn check_flat_dict<'py, T>(
         &self,
         sample: &Bound<'py, PyAny>,
-        check: &mut CheckLeaf<'_, 'py>,
-    ) -> PyResult<Option<Vec<Bound<'py, PyUntypedArray>>>> {
+        check: &mut CheckLeaf<'_, 'py, T>,
+    ) -> PyResult<Option<Vec<T>>> {
         let Some(keys) = &self.flat_keys else { return Ok(None) };
         let Ok(dict) = sample.cast_exact::<PyDict>() else { return Ok(None) };
         if dict.len() != keys.len() {
@@ -203,20 +238,35 @@ impl LeafSpecs {
         &self,
         i: usize,
         item: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyUntypedArray>> {
+    ) -> PyResult<Leaf<'py>> {
         self.check_leaf(i, item)
     }
 
     /// Checks leaf `i`: an ndarray (or numpy scalar) of the example's dtype and shape.
-    fn check_leaf<'py>(
-        &self,
-        i: usize,
-        item: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyUntypedArray>> {
+    fn check_leaf<'py>(&self, i: usize, item: &Bound<'py, PyAny>) -> PyResult<Leaf<'py>> {
         let py = item.py();
         let name = &self.names[i];
         let array = match item.cast::<PyUntypedArray>() {
             Ok(array) => array.clone(),
+            // A numpy scalar of exactly the leaf's type: its value, with no array made.
+            Err(_)
+                if self.scalars[i].as_ref().is_some_and(|s| item.get_type().is(s.ty.bind(py))) =>
+            {
+                let len = self.scalars[i].as_ref().map_or(0, |s| s.size);
+                let mut bytes = [0u8; MAX_SCALAR_BYTES];
+                // SAFETY: `item` is an instance of exactly the numpy scalar type of a fixed-size
+                // number (bool, int, uint, float or complex, checked when the leaf's spec was
+                // made), whose value numpy copies into `bytes`: its descriptor's size, `len`,
+                // at most MAX_SCALAR_BYTES. The GIL is held.
+                unsafe {
+                    PY_ARRAY_API.PyArray_ScalarAsCtype(
+                        py,
+                        item.as_ptr(),
+                        bytes.as_mut_ptr().cast(),
+                    );
+                }
+                return Ok(Leaf::Scalar { bytes, len });
+            }
             // A numpy scalar (`np.float32(1.0)`) is a 0-d array in all but type.
             Err(_) if item.is_instance(numpy_generic(py)?)? => {
                 let array = numpy_module(py)?.call_method1("asarray", (item,))?;
@@ -244,7 +294,7 @@ impl LeafSpecs {
             },
         };
         self.check_array(i, &array)?;
-        self.contiguous(i, array, &mut |array| self.check_array(i, array))
+        self.contiguous(i, array, &mut |array| self.check_array(i, array)).map(Leaf::Array)
     }
 
     /// Checks leaf `i` of a batch: an ndarray of the example's dtype and shape `(n, *shape)`,
@@ -411,16 +461,18 @@ impl LeafSpecs {
     }
 }
 
-/// The bytes of each checked array (from [`LeafSpecs::check`]), in order.
-pub(crate) fn byte_slices<'a>(
-    specs: &LeafSpecs,
-    arrays: &'a [Bound<'_, PyUntypedArray>],
-) -> Vec<&'a [u8]> {
-    arrays
+/// The bytes of each checked leaf (from [`LeafSpecs::arrays`]), in order.
+pub(crate) fn byte_slices<'a>(specs: &LeafSpecs, leaves: &'a [Leaf<'_>]) -> Vec<&'a [u8]> {
+    leaves
         .iter()
         .zip(specs.spec.arrays())
-        .map(|(array, spec)| {
+        .map(|(leaf, spec)| {
             let len = spec.num_bytes();
+            let array = match leaf {
+                Leaf::Array(array) => array,
+                // `len` is the leaf's size, the scalar's (the same type).
+                Leaf::Scalar { bytes, len: size } => return &bytes[..len.min(*size)],
+            };
             if len == 0 {
                 return &[][..];
             }

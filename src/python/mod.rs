@@ -225,6 +225,7 @@ fn _echo(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<server::PyServerCore>()?;
     m.add_class::<client::PyTcpSender>()?;
     m.add_class::<views::RingLease>()?;
+    m.add_class::<views::BatchCopy>()?;
     m.add_class::<info::SampleInfo>()?;
     m.add_class::<info::HistSnapshot>()?;
     m.add_class::<checkpoint::PyOpenedCheckpoint>()?;

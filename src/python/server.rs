@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use numpy::npyffi::npy_intp;
-use numpy::{PyArrayDescr, PyReadonlyArray1, PyUntypedArray};
+use numpy::{PyArrayDescr, PyReadonlyArray1};
 use parking_lot::MutexGuard;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -22,14 +22,15 @@ use super::checkpoint::{example_of, npy_descrs, ExtraArrays, PyOpenedCheckpoint}
 use super::config::{ServerConfig, TcpArg};
 use super::errors::{error_in, sample_timed_out, submit_timed_out, to_pyerr, Call};
 use super::info::{HistSnapshot, SampleInfo};
-use super::leaves::{byte_slices, episode_end, EpisodeFlags, LeafSpecs};
-use super::views::{batch_copies, batch_views, LeafLayout, RingLease};
+use super::leaves::{byte_slices, episode_end, EpisodeFlags, Leaf, LeafSpecs};
+use super::views::{batch_copies, batch_views, CopyPool, LeafLayout, RingLease};
 use super::{already_passed, deadline_from_timeout, detach, wait_detached};
 use crate::backend::{Backend, BatchConsumer, BatchRef};
 use crate::checkpoint::{Extra, ExtraArray, Stage};
 use crate::error::EchoError;
 use crate::server::{Server, ServerConfig as CoreServerConfig, Snapshot};
 use crate::source::{EpisodeEnd, Rows, StepLeaves, StepTag};
+use crate::sync::Arc;
 use crate::transport::wire::v2::Closing;
 
 /// Samples at or above this many bytes are copied with the GIL released.
@@ -49,6 +50,8 @@ pub(crate) struct PyServerCore {
     /// Every leaf of a handed-out batch: the sample's, then the backend's per-item values.
     layouts: Vec<LeafLayout>,
     lease: Py<RingLease>,
+    /// Buffers for `copy=True` batches, reused once their arrays are collected.
+    copies: Arc<CopyPool>,
     /// Shared all-zero histogram for builds without `detailed-metrics`.
     zero_hist: Py<HistSnapshot>,
     /// `num_buffers=3` or `max_size=..., sampler=...`, for `repr`.
@@ -103,6 +106,7 @@ impl PyServerCore {
         let layouts = batch_layouts(py, &leaves, &backend)?;
         Ok(Self {
             lease: Py::new(py, RingLease::new(&backend))?,
+            copies: CopyPool::new(leaves.len()),
             zero_hist: Py::new(py, HistSnapshot::default())?,
             server,
             backend,
@@ -364,7 +368,7 @@ impl PyServerCore {
         };
         let wait_ns = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
         let mut arrays = if copy {
-            batch_copies(py, &guard, &batch, &self.layouts)?
+            batch_copies(py, &guard, &batch, &self.layouts, &self.copies)?
         } else {
             let writeable = if writable { self.leaves.len() } else { 0 };
             batch_views(py, &self.backend, &batch, &self.layouts, &self.lease, writeable)?
@@ -547,7 +551,7 @@ impl PyServerCore {
     fn insert(
         &self,
         py: Python<'_>,
-        arrays: &[Bound<'_, PyUntypedArray>],
+        arrays: &[Leaf<'_>],
         priority: Option<f64>,
         deadline: Option<Instant>,
         tag: StepTag,

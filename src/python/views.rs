@@ -1,13 +1,21 @@
 //! Batches as numpy arrays: zero-copy views into the ring (read-only, or writeable on request),
 //! or private copies.
 //!
+//! A copy's leaves live in buffers of a [`CopyPool`]: when the last array over one is
+//! collected, the buffer goes back to the pool (up to [`KEEP_PER_LEAF`] a leaf) and the next
+//! copy of that leaf reuses it. Memory the process already touched costs only the copy; fresh
+//! memory from the OS costs a page fault per page, which took copies of multi-megabyte
+//! batches to a fifth of memcpy's speed.
+//!
 //! The memory rule: every view's numpy `base` is a [`RingLease`], which owns the backend's
 //! memory ([`Backend::memory_owner`]: the FIFO store or the replay table). That memory therefore
 //! lives as long as the last view, even if the `Server` is long gone: a view kept too long may
 //! show newer samples (documented), but it never reads freed memory.
 
+use std::alloc::{self, Layout};
 use std::ffi::c_int;
-use std::ptr;
+use std::ptr::{self, NonNull};
+use std::sync::{Mutex, Weak};
 
 use numpy::npyffi::{
     self, npy_intp, NPY_ARRAY_ALIGNED, NPY_ARRAY_C_CONTIGUOUS, NPY_ARRAY_WRITEABLE, PY_ARRAY_API,
@@ -123,30 +131,176 @@ pub(crate) fn batch_views<'py>(
     Ok(list)
 }
 
-/// Private, writeable copies of every leaf of `batch`, which `consumer` just handed out.
+/// Copies of at least this many bytes in all are made with the GIL released (detaching
+/// costs a thread switch, more than a small copy).
+const DETACH_COPY_BYTES: usize = 64 * 1024;
+
+/// Buffers a [`CopyPool`] keeps per leaf for reuse (a batch in the learner's hands, one
+/// being copied and a prefetch queue's worth).
+const KEEP_PER_LEAF: usize = 4;
+
+/// Alignment of a copy's buffers: a cache line, more than any element needs.
+const COPY_ALIGN: usize = 64;
+
+/// A zeroed, `COPY_ALIGN`-aligned allocation of `len > 0` bytes.
+struct CopyBuffer {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the buffer is plain memory owned by this value alone (no aliasing handle escapes
+// except the numpy array whose base owns this value), so it may move between threads.
+unsafe impl Send for CopyBuffer {}
+// SAFETY: a shared `&CopyBuffer` only reads its pointer and length; the bytes are written
+// through the numpy array, under numpy's own rules, never through this value.
+unsafe impl Sync for CopyBuffer {}
+
+impl CopyBuffer {
+    fn layout(len: usize) -> Layout {
+        Layout::from_size_align(len, COPY_ALIGN).expect("a batch leaf's size fits a Layout")
+    }
+
+    fn new(len: usize) -> Self {
+        debug_assert!(len > 0);
+        // SAFETY: `len > 0` (callers copy empty leaves without a buffer), so the layout is
+        // not zero-sized.
+        let raw = unsafe { alloc::alloc_zeroed(Self::layout(len)) };
+        let ptr = NonNull::new(raw).unwrap_or_else(|| alloc::handle_alloc_error(Self::layout(len)));
+        Self { ptr, len }
+    }
+}
+
+impl Drop for CopyBuffer {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` came from `alloc_zeroed` with this very layout and is freed once.
+        unsafe { alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) }
+    }
+}
+
+/// Buffers for `copy=True` batches, per leaf, reused once the arrays over them are gone.
+pub(crate) struct CopyPool {
+    free: Vec<Mutex<Vec<CopyBuffer>>>,
+}
+
+impl CopyPool {
+    pub(crate) fn new(leaves: usize) -> Arc<Self> {
+        Arc::new(Self { free: (0..leaves).map(|_| Mutex::new(Vec::new())).collect() })
+    }
+
+    /// A buffer of `len` bytes for `leaf`: one given back earlier, or a new one.
+    fn take(&self, leaf: usize, len: usize) -> CopyBuffer {
+        let reused = self.free[leaf].lock().unwrap_or_else(|e| e.into_inner()).pop();
+        match reused {
+            Some(buffer) if buffer.len == len => buffer,
+            _ => CopyBuffer::new(len),
+        }
+    }
+
+    fn give_back(&self, leaf: usize, buffer: CopyBuffer) {
+        let mut free = self.free[leaf].lock().unwrap_or_else(|e| e.into_inner());
+        if free.len() < KEEP_PER_LEAF {
+            free.push(buffer);
+        }
+    }
+}
+
+/// The numpy `base` of a copied leaf: owns its buffer, and gives it back to the pool when the
+/// last array over it is collected (or frees it, if the server is gone).
+#[pyclass(frozen, module = "echo._echo", name = "BatchCopy")]
+pub(crate) struct BatchCopy {
+    buffer: Option<CopyBuffer>,
+    pool: Weak<CopyPool>,
+    leaf: usize,
+}
+
+#[pymethods]
+impl BatchCopy {
+    fn __repr__(&self) -> String {
+        format!(
+            "BatchCopy(leaf {}, {} bytes)",
+            self.leaf,
+            self.buffer.as_ref().map_or(0, |b| b.len)
+        )
+    }
+}
+
+impl Drop for BatchCopy {
+    fn drop(&mut self) {
+        if let (Some(buffer), Some(pool)) = (self.buffer.take(), self.pool.upgrade()) {
+            pool.give_back(self.leaf, buffer);
+        }
+    }
+}
+
+/// Where one leaf's copy goes: a raw pointer, sent to the thread that copies without the GIL.
+struct CopyTarget(*mut u8, usize);
+
+// SAFETY: each target is a distinct buffer no other thread touches until the copy is done
+// (its array has not escaped yet: the caller holds it until `batch_copies` returns).
+unsafe impl Send for CopyTarget {}
+
+/// Private, writeable copies of every leaf of `batch`, which `consumer` just handed out, in
+/// buffers from `pool` (made with the GIL released when large).
 pub(crate) fn batch_copies<'py>(
     py: Python<'py>,
     consumer: &BatchConsumer,
     batch: &BatchRef,
     layouts: &[LeafLayout],
+    pool: &Arc<CopyPool>,
 ) -> PyResult<Vec<Bound<'py, PyAny>>> {
     let mut list = Vec::with_capacity(layouts.len());
+    let mut targets = Vec::with_capacity(layouts.len());
     for (leaf, layout) in layouts.iter().enumerate() {
-        let array = new_array(py, layout, ptr::null_mut(), true)?;
-        let array_ptr = array.as_ptr().cast::<npyffi::PyArrayObject>();
-        // SAFETY: `array` is a live ndarray we just created; reading its `data` field is how
-        // numpy's own C macros (`PyArray_DATA`) access it.
-        let dst = unsafe { (*array_ptr).data }.cast::<u8>();
-        let expected: usize = layout.dims.iter().map(|&d| d as usize).product::<usize>()
+        let len: usize = layout.dims.iter().map(|&d| d as usize).product::<usize>()
             * layout.descr.bind(py).itemsize();
-        consumer.read_leaf(batch, leaf, |src: &[u8]| {
-            assert_eq!(src.len(), expected, "batch bytes do not match the numpy layout");
-            // SAFETY: numpy allocated `expected` bytes at `dst` and `src.len() == expected`
-            // (asserted); the new array is not shared yet, and ring or batch-area memory never
-            // overlaps a numpy allocation.
-            unsafe { ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) }
-        });
+        if len == 0 || leaf >= pool.free.len() {
+            // Nothing to copy, or a per-item array (keys, probabilities): numpy's memory.
+            let array = new_array(py, layout, ptr::null_mut(), true)?;
+            let array_ptr = array.as_ptr().cast::<npyffi::PyArrayObject>();
+            // SAFETY: `array` is a live ndarray we just created; reading its `data` field is
+            // how numpy's own C macros (`PyArray_DATA`) access it.
+            let dst = unsafe { (*array_ptr).data }.cast::<u8>();
+            targets.push(CopyTarget(dst, len));
+            list.push(array);
+            continue;
+        }
+        let buffer = pool.take(leaf, len);
+        let dst = buffer.ptr.as_ptr();
+        let base =
+            Bound::new(py, BatchCopy { buffer: Some(buffer), pool: Arc::downgrade(pool), leaf })?;
+        let array = new_array(py, layout, dst, true)?;
+        // `PyArray_SetBaseObject` steals a reference to the base (also on failure).
+        // SAFETY: `array` is a freshly created ndarray with no base yet; `base` (which owns
+        // the `len` bytes at `dst` until it is collected) is an owned reference it takes over.
+        let status = unsafe {
+            PY_ARRAY_API.PyArray_SetBaseObject(py, array.as_ptr().cast(), base.into_ptr())
+        };
+        if status != 0 {
+            return Err(PyErr::fetch(py));
+        }
+        targets.push(CopyTarget(dst, len));
         list.push(array);
+    }
+    let total: usize = targets.iter().map(|t| t.1).sum();
+    let copy = move || {
+        for (leaf, target) in targets.into_iter().enumerate() {
+            consumer.read_leaf(batch, leaf, |src: &[u8]| {
+                assert_eq!(src.len(), target.1, "batch bytes do not match the numpy layout");
+                if src.is_empty() {
+                    return;
+                }
+                // SAFETY: `target.0` holds `target.1` bytes (a pool buffer of that length, or
+                // numpy's allocation for the layout) and `src.len() == target.1` (asserted);
+                // the new arrays are not shared yet, and ring or batch-area memory never
+                // overlaps them.
+                unsafe { ptr::copy_nonoverlapping(src.as_ptr(), target.0, src.len()) }
+            });
+        }
+    };
+    if total >= DETACH_COPY_BYTES {
+        super::detach(py, copy);
+    } else {
+        copy();
     }
     Ok(list)
 }
