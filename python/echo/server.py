@@ -397,6 +397,17 @@ class Server:
         if stream is None and end_episode is False and truncated is False:
             self._core.submit(sample, timeout, priority)
             return
+        # A sequence table's step, its arguments of the types they must have: no checks to
+        # call (their cost was a third of a small step's insert). The native side still
+        # refuses a stream past its range, or past what a FIFO or replay table takes.
+        if (
+            type(stream) is int
+            and stream >= 0
+            and type(end_episode) is bool
+            and type(truncated) is bool
+        ):
+            self._core.submit(sample, timeout, priority, stream, end_episode, truncated)
+            return
         truncated = check_bool("truncated", truncated)
         end_episode = check_bool("end_episode", end_episode)
         first = None if stream is None else check_int("stream", stream, 0)
