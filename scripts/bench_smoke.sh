@@ -8,10 +8,7 @@
 # it); without matplotlib it writes no PNGs and says so. Output: target/bench-smoke/ (or $1).
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh" >/dev/null
 OUT=${1:-target/bench-smoke}
-# ECHO_SMOKE_TESTS=0: the suites' tests ran already (CI runs them beside the other tests).
-if [[ ${ECHO_SMOKE_TESTS:-1} != 0 ]]; then
-  bash scripts/test_py.sh python/tests/test_bench_*.py
-fi
+bash scripts/test_py.sh python/tests/test_bench_*.py
 rm -rf "$OUT"
 echo ">> python -m benches --quick --out $OUT"
 start=$SECONDS
