@@ -128,6 +128,38 @@ fn prefault_for(leaves: &[LeafBuf], capacity: usize) -> Option<crate::prefault::
     unsafe { crate::prefault::Prefault::start(regions, capacity) }
 }
 
+/// One zeroed, [`RING_ALIGN`]-aligned buffer of `len` bytes outside any table, allocated as a
+/// leaf buffer is (mapped from [`MAP_BYTES`] on, so it costs no `memset`): the memory of a
+/// `copy=True` batch's leaf (`crate::python::views`).
+#[cfg(feature = "python")]
+pub(crate) struct Buffer(LeafBuf);
+
+#[cfg(feature = "python")]
+impl Buffer {
+    /// # Errors
+    /// [`EchoError::OutOfMemory`] if the memory cannot be had.
+    pub(crate) fn new(len: usize) -> Result<Self, EchoError> {
+        LeafBuf::allocate(len, len).map(Self)
+    }
+
+    /// The first byte (dangling but aligned when `len` is 0).
+    pub(crate) fn as_mut_ptr(&self) -> *mut u8 {
+        self.0.base.as_ptr()
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.0.len()
+    }
+}
+
+// SAFETY: the buffer is plain memory owned by this value alone; what writes it (a copy into a
+// numpy array whose base owns the buffer) is the owner's protocol, as for `Slots`.
+#[cfg(feature = "python")]
+unsafe impl Send for Buffer {}
+// SAFETY: a shared `&Buffer` only reads its pointer and length.
+#[cfg(feature = "python")]
+unsafe impl Sync for Buffer {}
+
 impl Drop for LeafBuf {
     fn drop(&mut self) {
         match self.backing {

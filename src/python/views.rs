@@ -12,9 +12,8 @@
 //! lives as long as the last view, even if the `Server` is long gone: a view kept too long may
 //! show newer samples (documented), but it never reads freed memory.
 
-use std::alloc::{self, Layout};
 use std::ffi::c_int;
-use std::ptr::{self, NonNull};
+use std::ptr;
 use std::sync::{Mutex, Weak};
 
 use numpy::npyffi::{
@@ -23,7 +22,9 @@ use numpy::npyffi::{
 use numpy::{PyArrayDescr, PyArrayDescrMethods};
 use pyo3::prelude::*;
 
+use super::errors::to_pyerr;
 use crate::backend::{Backend, BatchConsumer, BatchRef};
+use crate::slots::Buffer;
 use crate::sync::Arc;
 
 /// Keeps the ring alive for as long as a numpy view into it exists (it is the views' `base`).
@@ -139,47 +140,9 @@ const DETACH_COPY_BYTES: usize = 64 * 1024;
 /// being copied and a prefetch queue's worth).
 const KEEP_PER_LEAF: usize = 4;
 
-/// Alignment of a copy's buffers: a cache line, more than any element needs.
-const COPY_ALIGN: usize = 64;
-
-/// A zeroed, `COPY_ALIGN`-aligned allocation of `len > 0` bytes.
-struct CopyBuffer {
-    ptr: NonNull<u8>,
-    len: usize,
-}
-
-// SAFETY: the buffer is plain memory owned by this value alone (no aliasing handle escapes
-// except the numpy array whose base owns this value), so it may move between threads.
-unsafe impl Send for CopyBuffer {}
-// SAFETY: a shared `&CopyBuffer` only reads its pointer and length; the bytes are written
-// through the numpy array, under numpy's own rules, never through this value.
-unsafe impl Sync for CopyBuffer {}
-
-impl CopyBuffer {
-    fn layout(len: usize) -> Layout {
-        Layout::from_size_align(len, COPY_ALIGN).expect("a batch leaf's size fits a Layout")
-    }
-
-    fn new(len: usize) -> Self {
-        debug_assert!(len > 0);
-        // SAFETY: `len > 0` (callers copy empty leaves without a buffer), so the layout is
-        // not zero-sized.
-        let raw = unsafe { alloc::alloc_zeroed(Self::layout(len)) };
-        let ptr = NonNull::new(raw).unwrap_or_else(|| alloc::handle_alloc_error(Self::layout(len)));
-        Self { ptr, len }
-    }
-}
-
-impl Drop for CopyBuffer {
-    fn drop(&mut self) {
-        // SAFETY: `ptr` came from `alloc_zeroed` with this very layout and is freed once.
-        unsafe { alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) }
-    }
-}
-
 /// Buffers for `copy=True` batches, per leaf, reused once the arrays over them are gone.
 pub(crate) struct CopyPool {
-    free: Vec<Mutex<Vec<CopyBuffer>>>,
+    free: Vec<Mutex<Vec<Buffer>>>,
 }
 
 impl CopyPool {
@@ -188,15 +151,15 @@ impl CopyPool {
     }
 
     /// A buffer of `len` bytes for `leaf`: one given back earlier, or a new one.
-    fn take(&self, leaf: usize, len: usize) -> CopyBuffer {
+    fn take(&self, leaf: usize, len: usize) -> PyResult<Buffer> {
         let reused = self.free[leaf].lock().unwrap_or_else(|e| e.into_inner()).pop();
         match reused {
-            Some(buffer) if buffer.len == len => buffer,
-            _ => CopyBuffer::new(len),
+            Some(buffer) if buffer.len() == len => Ok(buffer),
+            _ => Buffer::new(len).map_err(to_pyerr),
         }
     }
 
-    fn give_back(&self, leaf: usize, buffer: CopyBuffer) {
+    fn give_back(&self, leaf: usize, buffer: Buffer) {
         let mut free = self.free[leaf].lock().unwrap_or_else(|e| e.into_inner());
         if free.len() < KEEP_PER_LEAF {
             free.push(buffer);
@@ -208,7 +171,7 @@ impl CopyPool {
 /// last array over it is collected (or frees it, if the server is gone).
 #[pyclass(frozen, module = "echo._echo", name = "BatchCopy")]
 pub(crate) struct BatchCopy {
-    buffer: Option<CopyBuffer>,
+    buffer: Option<Buffer>,
     pool: Weak<CopyPool>,
     leaf: usize,
 }
@@ -219,7 +182,7 @@ impl BatchCopy {
         format!(
             "BatchCopy(leaf {}, {} bytes)",
             self.leaf,
-            self.buffer.as_ref().map_or(0, |b| b.len)
+            self.buffer.as_ref().map_or(0, Buffer::len)
         )
     }
 }
@@ -264,8 +227,8 @@ pub(crate) fn batch_copies<'py>(
             list.push(array);
             continue;
         }
-        let buffer = pool.take(leaf, len);
-        let dst = buffer.ptr.as_ptr();
+        let buffer = pool.take(leaf, len)?;
+        let dst = buffer.as_mut_ptr();
         let base =
             Bound::new(py, BatchCopy { buffer: Some(buffer), pool: Arc::downgrade(pool), leaf })?;
         let array = new_array(py, layout, dst, true)?;
