@@ -199,12 +199,9 @@ class Registry:
     def deregister(self, shard: int, generation: int, proof: bytes | None = None) -> bool | str:
         """Takes `shard` out if `generation` still holds it: whether it did, or why not."""
         with self._lock:
-            refused = self._refusal(proof)
-            if refused is not None:
-                return refused
-            record = self._shards.get(shard)
-            if record is None or record["generation"] != generation:
-                return False  # a newer learner holds the shard now
+            record = self._held(shard, generation, proof)
+            if not isinstance(record, dict):
+                return record
             del self._shards[shard]  # its heap entries are stale from now on
             return True
 
@@ -214,15 +211,25 @@ class Registry:
         """Records a learner's counters: whether `generation` still holds `shard`, or why
         the report is refused."""
         with self._lock:
-            refused = self._refusal(proof)
-            if refused is not None:
-                return refused
-            record = self._shards.get(shard)
-            if record is None or record["generation"] != generation:
-                return False
+            record = self._held(shard, generation, proof)
+            if not isinstance(record, dict):
+                return record
             record["stats"] = stats
             record["stats_unix_s"] = time.time()
             return True
+
+    def _held(
+        self, shard: int, generation: int, proof: bytes | None
+    ) -> dict[str, Any] | bool | str:
+        """`shard`'s record if `generation` still holds it and `proof` is accepted; else why
+        not (the refusal) or `False` (a newer learner holds the shard now). Under the lock."""
+        refused = self._refusal(proof)
+        if refused is not None:
+            return refused
+        record = self._shards.get(shard)
+        if record is None or record["generation"] != generation:
+            return False
+        return record
 
     def lookup(self, shard: int) -> dict[str, Any] | None:
         with self._lock:
