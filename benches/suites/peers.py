@@ -362,8 +362,12 @@ def tables(results: dict[str, Any], params: dict[str, Any]) -> list[dict[str, An
         f"{_huge_pages(rows_by_lib, libs, 'atari_sample')} (row 9).",
         "Scalar leaves are 0-d arrays (views of the pool, the form of echo's example) for "
         "echo, cpprb and id-echo, and Python floats and bools for rlox, which takes no 0-d "
-        "array; its actions are f32[1] arrays. The last row passes numpy scalars (np.int64, "
+        "array; its actions are f32[1] arrays. Row 12 passes numpy scalars (np.int64, "
         "np.float32, np.bool_ as indexing a column gives them) instead, to all four.",
+        "Rows 13 and 14 pass a row's leaves positionally, through each library's entry point "
+        "for that: echo's SampleWriter (w = server.writer(), then w(*leaves), the example's "
+        "leaves in order), rlox's push (its only single-row insert, as in rows 1 and 2); "
+        "cpprb's add and id-echo's submit take no positional leaves.",
         "id-echo 0.2.1 is a FIFO ring: its insert rows fill a ring of the table's size, and "
         "steady inserts keep it full with one sample() (a view, timed) per ring batch of "
         f"{pc.IdEcho.ring_batch(int(size)):,} rows; it has no replay sampling, batch insert or "

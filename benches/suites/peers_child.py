@@ -68,6 +68,18 @@ ROWS: dict[str, tuple[str, str, str, str]] = {
         "small",
         "steady",
     ),
+    "insert1_pos_fill": (
+        "single-row insert, leaves positionally, first fill",
+        "rows/s",
+        "small",
+        "fill",
+    ),
+    "insert1_pos_steady": (
+        "single-row insert, leaves positionally, steady",
+        "rows/s",
+        "small",
+        "steady",
+    ),
 }
 
 
@@ -125,7 +137,8 @@ def shapes(arrays: Any) -> list[list[int]]:
 #
 # Each library: ``new(data, size, prio)`` a table; ``rows(cols)`` the pool as single-row
 # inputs and ``batches(cols)`` as 64-row inputs, for ``put1(t)`` / ``put64(t)``, called in the
-# library's style ("one": put(x), "star": put(*x), "kw": put(**x)); ``prefill(t, cols, size,
+# library's style ("one": put(x), "star": put(*x), "kw": put(**x)); where it takes a row's
+# leaves positionally, ``pos_rows(cols)`` for ``put_pos(t)``, called put(*x); ``prefill(t, cols, size,
 # prio, prios)`` fills a table untimed through the fastest batch path; ``draw(t, prio)`` a
 # function i -> (arrays of one batch, keys to update) and ``update(t)`` the priority update;
 # ``stored(t)`` the rows a table holds (None where it cannot say); the sequence tables alike.
@@ -160,6 +173,7 @@ class Echo(Library):
     api = {  # noqa: RUF012
         "new": "Server(example, batch_size, sampler=Uniform() | Prioritized(0.6), max_size)",
         "insert1": "submit(row)",
+        "insert1_pos": "writer()(*leaves) (a SampleWriter: the example's leaves in order)",
         "insert64": "submit_batch(rows)",
         "sample": "sample() (read-only views of a gathered batch)",
         "prio": "sample() + update_priorities(keys, prios)",
@@ -209,6 +223,17 @@ class Echo(Library):
     @staticmethod
     def put1(t: Any) -> Callable[..., Any]:
         return t.submit
+
+    @staticmethod
+    def pos_rows(cols: dict[str, np.ndarray]) -> list[Any]:
+        """One tuple per pool row, in the example's leaf order (its keys sorted): action,
+        done, obs, reward; the scalars 0-d arrays, as in ``rows``."""
+        keys = sorted(cols)
+        return [tuple(cols[k][i, ...] for k in keys) for i in range(len(cols["obs"]))]
+
+    @staticmethod
+    def put_pos(t: Any) -> Callable[..., Any]:
+        return t.writer()
 
     @staticmethod
     def put64(t: Any) -> Callable[..., Any]:
@@ -314,7 +339,10 @@ class Cpprb(Library):
         "sample": "sample(256) (a dict of new arrays: copies)",
         "prio": "sample(256, beta=0.4) + update_priorities(indexes, prios)",
     }
-    unsupported = {"seq": "no sequence (window) sampler"}  # noqa: RUF012
+    unsupported = {  # noqa: RUF012
+        "seq": "no sequence (window) sampler",
+        "insert1_pos": "add() takes keywords only (rows 1 and 2)",
+    }
 
     def __init__(self, batch: int) -> None:
         import cpprb
@@ -414,6 +442,7 @@ class Rlox(Library):
         "new": "ReplayBuffer(size, 84, 1) / PrioritizedReplayBuffer(size, 84, 1, alpha=0.6, "
         "beta=0.4)",
         "insert1": "push(obs, action, reward, terminated, truncated) (next_obs: zeros)",
+        "insert1_pos": "push(obs, action, reward, terminated, truncated), as rows 1 and 2",
         "insert64": "push_batch(obs, next_obs, actions, rewards, terminated, truncated) "
         "(flat arrays)",
         "sample": "sample(256, seed) (a dict of new arrays: copies, next_obs included)",
@@ -465,6 +494,13 @@ class Rlox(Library):
 
     @staticmethod
     def put1(t: Any) -> Callable[..., Any]:
+        return t.push
+
+    def pos_rows(self, cols: dict[str, np.ndarray]) -> list[Any]:
+        return self.rows(cols)
+
+    @staticmethod
+    def put_pos(t: Any) -> Callable[..., Any]:
         return t.push
 
     @staticmethod
@@ -561,6 +597,7 @@ class IdEcho(Library):
     }
     unsupported = {  # noqa: RUF012
         "insert64": "no batch insert",
+        "insert1_pos": "no positional insert",
         "sample": "FIFO only: no replay table to sample from",
         "prio": "FIFO only: no priorities",
         "seq": "no sequence tables",
@@ -704,6 +741,8 @@ def feature_of(row: str) -> str:
     """The key of ``Library.api`` / ``unsupported`` that ``row`` measures."""
     kind = ROWS[row][3]
     if kind in ("fill", "steady"):
+        if row.startswith("insert1_pos"):
+            return "insert1_pos"
         return "insert64" if row.startswith("insert64") else "insert1"
     return {"sample": "sample", "prio": "prio"}.get(kind, "seq")
 
@@ -728,9 +767,19 @@ def measure_inserts(impl: Any, row: str, p: dict[str, Any], log: Callable[[str],
     size = int(p["atari_size"] if data == "atari" else p["size"])
     cols = atari_pool(int(p["atari_pool"])) if data == "atari" else small_pool(int(p["pool"]))
     batch64 = row.startswith("insert64")
-    items = impl.batches(cols) if batch64 else impl.rows(cols, row.endswith("_scalars"))
+    positional = feature_of(row) == "insert1_pos"
+    if positional:
+        items = impl.pos_rows(cols)
+    else:
+        items = impl.batches(cols) if batch64 else impl.rows(cols, row.endswith("_scalars"))
     per_call = BATCH_ROWS if batch64 else 1
-    style = impl.style
+    style = "star" if positional else impl.style
+
+    def putter(t: Any) -> Callable[..., Any]:
+        if positional:
+            return impl.put_pos(t)
+        return impl.put64(t) if batch64 else impl.put1(t)
+
     ring = impl.name == "id-echo"
     chunk_rows = IdEcho.ring_batch(size) if ring else CHUNK
     # for the ring, every chunk is exactly one ring batch: the consumer frees one per chunk
@@ -744,7 +793,7 @@ def measure_inserts(impl: Any, row: str, p: dict[str, Any], log: Callable[[str],
             t0 = time.perf_counter()
             t = impl.new(data, size, False)
             construct.append(time.perf_counter() - t0)
-            put = impl.put64(t) if batch64 else impl.put1(t)
+            put = putter(t)
             t0 = time.perf_counter()
             calls = insert_loop(put, style, chunks, size // per_call, t0 + p["fill_seconds"])
             dt = time.perf_counter() - t0
@@ -776,7 +825,7 @@ def measure_inserts(impl: Any, row: str, p: dict[str, Any], log: Callable[[str],
     if stored is not None and stored != size:
         correct = False
         log(f"{impl.name} {row}: prefilled {size} rows, the table holds {stored}")
-    put = impl.put64(t) if batch64 else impl.put1(t)
+    put = putter(t)
     hook = None
     if ring:
         t.sample()  # the consumer holds one batch; each sample() then frees the one before

@@ -312,11 +312,12 @@ class ServerCore:
     def submit(
         self,
         sample: object,
+        *,
         timeout: float | None = None,
         priority: float | None = None,
         stream: int | None = None,
-        end_episode: bool = False,
-        truncated: bool = False,
+        end_episode: bool | None = None,
+        truncated: bool | None = None,
     ) -> None:
         """Checks and copies one sample (a pytree like the example); a sequence table's step
         of `stream`, ending its episode with `end_episode` (terminated) or `truncated`."""

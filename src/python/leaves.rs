@@ -2,7 +2,7 @@
 //! the example's leaves (dtype, shape, name) and the checks that turn a list of numpy arrays
 //! into byte slices that are safe to copy from.
 
-use numpy::npyffi::PY_ARRAY_API;
+use numpy::npyffi::{self, PY_ARRAY_API};
 use numpy::{
     PyArrayDescr, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn,
     PyUntypedArray, PyUntypedArrayMethods,
@@ -60,7 +60,15 @@ pub(crate) struct LeafSpecs {
     /// (shape `()`, a number of native byte order: bool, int, uint, float or complex, of at
     /// most [`MAX_SCALAR_BYTES`]). Other scalars become arrays first (`numpy.asarray`).
     scalars: Vec<Option<ScalarLeaf>>,
+    /// `numpy.ndarray` itself: a leaf of exactly this type takes [`LeafSpecs::exact_array`].
+    ndarray_type: *mut pyo3::ffi::PyTypeObject,
 }
+
+// SAFETY: `ndarray_type` points at numpy's static type object, which lives as long as the
+// interpreter and is only compared with, never dereferenced; every other field is Send/Sync.
+unsafe impl Send for LeafSpecs {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for LeafSpecs {}
 
 impl LeafSpecs {
     /// The example's `echo._pytree.TreeLayout`.
@@ -107,7 +115,12 @@ impl LeafSpecs {
         let descrs = dtypes.into_iter().map(Bound::unbind).collect();
         let flat_keys = flat_keys.map(|keys| keys.into_iter().map(Bound::unbind).collect());
         let layout = tree_layout.clone().unbind();
-        Ok(Self { descrs, shapes, names, spec, flat_keys, layout, scalars })
+        // SAFETY: `get_type_object` only reads numpy's API table, which `PY_ARRAY_API`
+        // imports on first use (the GIL is held).
+        let ndarray_type = unsafe {
+            PY_ARRAY_API.get_type_object(tree_layout.py(), npyffi::NpyTypes::PyArray_Type)
+        };
+        Ok(Self { descrs, shapes, names, spec, flat_keys, layout, scalars, ndarray_type })
     }
 
     /// The leaves with their dtypes and names, as wire v2 checks them.
@@ -232,6 +245,27 @@ impl LeafSpecs {
         Ok(Some(arrays))
     }
 
+    /// Fills `held` with the leaves of `sample` when it is a dict of exactly the example's
+    /// flat keys (a `dict`, not a subclass); `false` otherwise (and `held` is then partly
+    /// filled). The values are owned: a dict may change while an insert waits without the
+    /// GIL, and its leaves must outlive the copy.
+    pub(crate) fn flat_dict_leaves<'py>(
+        &self,
+        sample: &Bound<'py, PyAny>,
+        held: &mut [Option<Bound<'py, PyAny>>],
+    ) -> PyResult<bool> {
+        let Some(keys) = &self.flat_keys else { return Ok(false) };
+        let Ok(dict) = sample.cast_exact::<PyDict>() else { return Ok(false) };
+        if dict.len() != keys.len() || held.len() < keys.len() {
+            return Ok(false);
+        }
+        for (key, slot) in keys.iter().zip(held.iter_mut()) {
+            let Some(value) = dict.get_item(key.bind(sample.py()))? else { return Ok(false) };
+            *slot = Some(value);
+        }
+        Ok(true)
+    }
+
     /// Leaf `i` given on its own (a `SampleWriter`'s positional leaves), checked as a
     /// sample's leaf is.
     pub(crate) fn checked_leaf<'py>(
@@ -244,6 +278,10 @@ impl LeafSpecs {
 
     /// Checks leaf `i`: an ndarray (or numpy scalar) of the example's dtype and shape.
     fn check_leaf<'py>(&self, i: usize, item: &Bound<'py, PyAny>) -> PyResult<Leaf<'py>> {
+        if self.exact_bytes(i, item.as_borrowed()).is_some() {
+            // SAFETY: exactly a numpy.ndarray (`exact_bytes` checked its type).
+            return Ok(Leaf::Array(unsafe { item.clone().cast_into_unchecked() }));
+        }
         let py = item.py();
         let name = &self.names[i];
         let array = match item.cast::<PyUntypedArray>() {
@@ -437,6 +475,49 @@ impl LeafSpecs {
                 "leaf {name}: the {kind} did not convert to a numpy.ndarray"
             ))),
         }
+    }
+
+    /// The bytes of `item` as leaf `i` when it is the common case, checked with a few reads
+    /// of its fields: exactly a `numpy.ndarray` (no subclass), with the example's own dtype
+    /// object (numpy shares one per built-in type), its shape, and C-contiguous. `None`:
+    /// anything else, which [`LeafSpecs::check_leaf`] checks in full. The bytes stay valid
+    /// while `item` (borrowed for `'a`) keeps the array alive.
+    pub(crate) fn exact_bytes<'a>(
+        &self,
+        i: usize,
+        item: Borrowed<'a, '_, PyAny>,
+    ) -> Option<&'a [u8]> {
+        if item.get_type_ptr() != self.ndarray_type {
+            return None;
+        }
+        let shape = self.shapes[i].as_slice();
+        // SAFETY: `item` is exactly a numpy.ndarray (its type checked above), so it is a
+        // live `PyArrayObject`, whose fields are read here as numpy's own accessor macros
+        // read them; the GIL is held and `item` keeps it alive for `'a`.
+        let fields = unsafe { &*item.as_ptr().cast::<npyffi::PyArrayObject>() };
+        let dims: &[npyffi::npy_intp] = match usize::try_from(fields.nd) {
+            Ok(0) if shape.is_empty() => &[],
+            Ok(nd) if nd == shape.len() => {
+                // SAFETY: `dimensions` holds `nd` entries (numpy's `PyArray_DIMS`).
+                unsafe { std::slice::from_raw_parts(fields.dimensions, nd) }
+            }
+            _ => return None,
+        };
+        let same = fields.descr.cast::<pyo3::ffi::PyObject>() == self.descrs[i].as_ptr()
+            && fields.flags & npyffi::NPY_ARRAY_C_CONTIGUOUS != 0
+            && dims.iter().zip(shape).all(|(&d, &dim)| usize::try_from(d).is_ok_and(|d| d == dim));
+        let len = self.spec.arrays()[i].num_bytes();
+        if !same {
+            return None;
+        }
+        if len == 0 {
+            return Some(&[]);
+        }
+        // Another Python thread could write to the array concurrently, exactly as with
+        // numpy's own GIL-released copies: the bytes may then be torn, never out of bounds.
+        // SAFETY: a C-contiguous array of the leaf's dtype and shape (checked above) holds
+        // exactly `len` bytes at `data`, alive for `'a`.
+        Some(unsafe { std::slice::from_raw_parts(fields.data.cast::<u8>(), len) })
     }
 
     /// Checks that `array` (an ndarray, as numpy's C struct describes it: neither its dtype

@@ -15,6 +15,7 @@ use numpy::npyffi::npy_intp;
 use numpy::{PyArrayDescr, PyReadonlyArray1};
 use parking_lot::MutexGuard;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyInt, PyList, PyTuple};
 
@@ -22,7 +23,7 @@ use super::checkpoint::{example_of, npy_descrs, ExtraArrays, PyOpenedCheckpoint}
 use super::config::{ServerConfig, TcpArg};
 use super::errors::{error_in, sample_timed_out, submit_timed_out, to_pyerr, Call};
 use super::info::{HistSnapshot, SampleInfo};
-use super::leaves::{byte_slices, episode_end, EpisodeFlags, Leaf, LeafSpecs};
+use super::leaves::{byte_slices, episode_end, EpisodeFlags, LeafSpecs};
 use super::views::{batch_copies, batch_views, CopyPool, LeafLayout, RingLease};
 use super::{already_passed, deadline_from_timeout, detach, wait_detached};
 use crate::backend::{Backend, BatchConsumer, BatchRef};
@@ -35,6 +36,10 @@ use crate::transport::wire::v2::Closing;
 
 /// Samples at or above this many bytes are copied with the GIL released.
 const DETACH_COPY_BYTES: usize = 64 * 1024;
+
+/// Samples of at most this many leaves go through `submit` and `SampleWriter` with their
+/// byte slices on the stack.
+const INLINE_LEAVES: usize = 16;
 
 /// What `sample` hands back: the sample's leaves, the counters, the per-item arrays.
 type SampleOut<'py> = (Bound<'py, PyList>, SampleInfo, Bound<'py, PyTuple>);
@@ -82,6 +87,51 @@ impl FromPyObject<'_, '_> for StreamArg {
             Err(_) => Self::Beyond(obj.str().map_or_else(|_| "?".to_owned(), |s| s.to_string())),
         })
     }
+}
+
+/// `value` (`None`: false) as a bool, refusing truthy stand-ins: `{name} must be a bool`.
+fn strict_bool(name: &str, value: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
+    let Some(value) = value else { return Ok(false) };
+    match value.cast::<PyBool>() {
+        Ok(flag) => Ok(flag.is_true()),
+        Err(_) => {
+            Err(PyTypeError::new_err(format!("{name} must be a bool, got {}", type_name(value))))
+        }
+    }
+}
+
+/// `value`'s type as a user reads it: `int`, or `numpy.bool` (numpy's bool is also called
+/// `bool`).
+fn type_name(value: &Bound<'_, PyAny>) -> String {
+    let ty = value.get_type();
+    match (ty.module(), ty.qualname()) {
+        (Ok(module), Ok(name)) if module.to_str().is_ok_and(|m| m != "builtins") => {
+            format!("{module}.{name}")
+        }
+        (_, Ok(name)) => name.to_string(),
+        _ => "?".to_owned(),
+    }
+}
+
+/// `submit`'s `stream`: an int (or anything with `__index__`, as numpy's integers), not a
+/// bool, at least 0.
+fn stream_arg(value: &Bound<'_, PyAny>) -> PyResult<StreamArg> {
+    let py = value.py();
+    if value.is_instance_of::<PyBool>() {
+        return Err(PyTypeError::new_err("stream must be an int, got bool"));
+    }
+    let index = if value.is_instance_of::<PyInt>() {
+        value.clone()
+    } else {
+        let operator = py.import(intern!(py, "operator"))?;
+        operator.call_method1(intern!(py, "index"), (value,)).map_err(|_| {
+            PyTypeError::new_err(format!("stream must be an int, got {}", type_name(value)))
+        })?
+    };
+    if index.lt(0)? {
+        return Err(PyValueError::new_err(format!("stream must be >= 0, got {index}")));
+    }
+    index.as_borrowed().extract::<StreamArg>()
 }
 
 #[pymethods]
@@ -217,25 +267,44 @@ impl PyServerCore {
     /// Copies one sample (a pytree like the example) into the backend, as a new item with
     /// `priority` (replay; default: the largest priority seen so far). Blocks (GIL released,
     /// Ctrl-C honoured) while the ring is full or the rate limiter holds inserts back. A
-    /// sequence table takes it as a step of `stream` (default 0); `end` says whether it ends
-    /// its episode (`truncated`: cut short).
-    #[pyo3(signature = (sample, timeout=None, priority=None, stream=None, end_episode=false,
-        truncated=false))]
+    /// sequence table takes it as a step of `stream` (default 0); `end_episode` says whether
+    /// it ends its episode (`truncated`: cut short). `Server.submit` is this method itself
+    /// (no Python frame in between), so it checks its arguments as the Python API does.
+    #[pyo3(signature = (sample, *, timeout=None, priority=None, stream=None, end_episode=None,
+        truncated=None))]
     fn submit(
         &self,
         sample: &Bound<'_, PyAny>,
         timeout: Option<f64>,
         priority: Option<f64>,
-        stream: Option<StreamArg>,
-        end_episode: bool,
-        truncated: bool,
+        stream: Option<&Bound<'_, PyAny>>,
+        end_episode: Option<&Bound<'_, PyAny>>,
+        truncated: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        let truncated = strict_bool("truncated", truncated)?;
+        let end_episode = strict_bool("end_episode", end_episode)?;
+        let stream = stream.map(stream_arg).transpose()?;
         let deadline = deadline_from_timeout(timeout)?;
         self.check_submit(priority.is_some())?;
         let end = episode_end(end_episode, truncated);
         let first = self.check_steps(stream, end != EpisodeEnd::No, 1)?;
+        let (py, tag) = (sample.py(), StepTag { stream: first, end });
+        // The common case, with nothing allocated: a dict of the example's keys whose every
+        // leaf is exactly an ndarray of its dtype and shape, read where it lies.
+        let mut held: [Option<Bound<'_, PyAny>>; INLINE_LEAVES] = Default::default();
+        let mut inline: [&[u8]; INLINE_LEAVES] = [&[]; INLINE_LEAVES];
+        let n = self.leaves.len();
+        if n <= INLINE_LEAVES
+            && self.leaves.flat_dict_leaves(sample, &mut held)?
+            && held[..n].iter().zip(&mut inline).enumerate().all(|(i, (leaf, slot))| {
+                let bytes = leaf.as_ref().and_then(|l| self.leaves.exact_bytes(i, l.as_borrowed()));
+                bytes.map(|bytes| *slot = bytes).is_some()
+            })
+        {
+            return self.insert(py, &inline[..n], priority, deadline, tag);
+        }
         let arrays = self.leaves.arrays(sample)?;
-        self.insert(sample.py(), &arrays, priority, deadline, StepTag { stream: first, end })
+        self.insert(py, &byte_slices(&self.leaves, &arrays), priority, deadline, tag)
     }
 
     /// A `SampleWriter` into this server (FIFO or replay: a sequence table's steps need a
@@ -279,14 +348,24 @@ impl PyServerCore {
         if self.server.is_closed_to_inserts() {
             return Err(error_in(Call::Submit, EchoError::Closed));
         }
+        let deadline = deadline_from_timeout(timeout)?;
+        let tag = StepTag { stream: 0, end: EpisodeEnd::No };
+        // The common case, with nothing allocated: every leaf exactly an ndarray of its
+        // example's dtype and shape, read where it lies.
+        let mut inline: [&[u8]; INLINE_LEAVES] = [&[]; INLINE_LEAVES];
+        if leaves.len() <= INLINE_LEAVES
+            && leaves.iter_borrowed().zip(&mut inline).enumerate().all(|(i, (leaf, slot))| {
+                self.leaves.exact_bytes(i, leaf).map(|bytes| *slot = bytes).is_some()
+            })
+        {
+            return self.insert(py, &inline[..leaves.len()], None, deadline, tag);
+        }
         let arrays = leaves
             .iter()
             .enumerate()
             .map(|(i, leaf)| self.leaves.checked_leaf(i, &leaf))
             .collect::<PyResult<Vec<_>>>()?;
-        let deadline = deadline_from_timeout(timeout)?;
-        let tag = StepTag { stream: 0, end: EpisodeEnd::No };
-        self.insert(py, &arrays, None, deadline, tag)
+        self.insert(py, &byte_slices(&self.leaves, &arrays), None, deadline, tag)
     }
 
     /// Copies a batch of samples, one per row of every leaf (all with the same leading
@@ -551,13 +630,12 @@ impl PyServerCore {
     fn insert(
         &self,
         py: Python<'_>,
-        arrays: &[Leaf<'_>],
+        slices: &[&[u8]],
         priority: Option<f64>,
         deadline: Option<Instant>,
         tag: StepTag,
     ) -> PyResult<()> {
-        let slices = byte_slices(&self.leaves, arrays);
-        let source = StepLeaves(&slices, tag);
+        let source = StepLeaves(slices, tag);
         let server = &self.server;
         let insert = |d: Option<Instant>| server.insert(&source, priority, d);
         // Small samples are tried once with the GIL held (detaching costs more than the copy);
