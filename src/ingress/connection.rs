@@ -309,8 +309,10 @@ impl Connection {
         let before = self.segment_depth.get();
         if committed >= before {
             self.stats.pending.add(committed - before);
+            self.stats.segment_queued.add(committed - before);
         } else {
             self.stats.pending.sub(before - committed);
+            self.stats.segment_queued.sub(before - committed);
         }
         self.segment_depth.set(committed);
     }
@@ -432,6 +434,7 @@ impl<S: SampleSource> SampleSource for Direct<'_, S> {
         let (conn, n) = (self.conn, count as u64);
         conn.stats.direct_inserted.add(n);
         conn.segment_depth.sub(n);
+        conn.stats.segment_queued.sub(n);
         conn.stats.pending.sub(n);
         self.src.inserted(count);
     }

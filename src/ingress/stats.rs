@@ -22,6 +22,10 @@ pub struct IngressStats {
     /// as a drainer's insert puts them in (or drops them); for shared-memory connections the
     /// change of each one's `segment_depth`.
     pub(super) pending: CachePadded<Counter>,
+    /// The sum of every connection's `segment_depth` (shared-memory samples committed and not
+    /// yet in the backend), kept beside them so that a snapshot walks the connections only
+    /// while some shared-memory connection has samples waiting (for `queue_depth_max`).
+    pub(super) segment_queued: CachePadded<Counter>,
     /// Samples a transport wrote straight into the backend (`Connection::try_insert_in_place`).
     pub(super) in_place: Counter,
     /// [`TransportEvent`] counts, in the order of [`IngressSnapshot`]'s fields.
@@ -184,20 +188,25 @@ impl Ingress {
             ..IngressSnapshot::default()
         };
         snap.samples_inserted_total = self.stats.direct_inserted.get();
+        // Shared-memory connections: their segment is their queue, and no drainer pops it.
+        let segment_queued = self.stats.segment_queued.get();
+        snap.queue_depth_sum += segment_queued;
         for d in &self.drainers {
             snap.queue_depth_sum += d.depth_sum.get();
             snap.queue_depth_max = snap.queue_depth_max.max(d.depth_max.get());
             snap.samples_inserted_total += d.inserted.get();
-            // Shared-memory connections: their segment is their queue, and no drainer pops
-            // it, so its depth is read here (as of each connection task's last look).
+            if segment_queued == 0 {
+                // No segment holds a sample (as of each connection task's last look): no
+                // connection to walk on every `sample()`, however many there are.
+                continue;
+            }
+            // The deepest segment, as of each connection task's last look.
             // `read_recursive`: never waits behind the drainer asking for the write lock
             // (see `capture`).
             let state = d.state.read_recursive();
             let incoming = d.incoming.lock();
             for conn in state.conns.iter().chain(incoming.iter()) {
-                let depth = conn.segment_depth.get();
-                snap.queue_depth_sum += depth;
-                snap.queue_depth_max = snap.queue_depth_max.max(depth);
+                snap.queue_depth_max = snap.queue_depth_max.max(conn.segment_depth.get());
             }
         }
         snap

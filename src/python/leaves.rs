@@ -37,12 +37,16 @@ pub(crate) enum Leaf<'py> {
 
 /// The largest numpy scalar read without an array: every fixed-size number but the complex
 /// long double.
-const MAX_SCALAR_BYTES: usize = 16;
+pub(crate) const MAX_SCALAR_BYTES: usize = 16;
 
 /// A leaf of shape `()` whose numpy scalars are read directly: its scalar type and size.
 struct ScalarLeaf {
     ty: Py<PyType>,
     size: usize,
+    /// Where an instance holds its value: numpy's scalar objects are `{PyObject_HEAD; T
+    /// obval}` (its public `arrayscalars.h`, read by `PyArrayScalar_VAL`), so the header's
+    /// size rounded up to `T`'s alignment.
+    value_offset: usize,
 }
 
 /// The example's leaves in flattened order.
@@ -109,7 +113,13 @@ impl LeafSpecs {
                     && b"biufc".contains(&dtype.kind())
                     && dtype.is_native_byteorder() != Some(false)
                     && dtype.itemsize() <= MAX_SCALAR_BYTES;
-                direct.then(|| ScalarLeaf { ty: dtype.typeobj().unbind(), size: dtype.itemsize() })
+                let value_offset =
+                    std::mem::size_of::<pyo3::ffi::PyObject>().next_multiple_of(dtype.alignment());
+                direct.then(|| ScalarLeaf {
+                    ty: dtype.typeobj().unbind(),
+                    size: dtype.itemsize(),
+                    value_offset,
+                })
             })
             .collect();
         let descrs = dtypes.into_iter().map(Bound::unbind).collect();
@@ -282,45 +292,66 @@ impl LeafSpecs {
             // SAFETY: exactly a numpy.ndarray (`exact_bytes` checked its type).
             return Ok(Leaf::Array(unsafe { item.clone().cast_into_unchecked() }));
         }
-        let py = item.py();
-        let name = &self.names[i];
         let array = match item.cast::<PyUntypedArray>() {
             Ok(array) => array.clone(),
             // A numpy scalar of exactly the leaf's type: its value, with no array made.
-            Err(_)
-                if self.scalars[i].as_ref().is_some_and(|s| item.get_type().is(s.ty.bind(py))) =>
-            {
-                let len = self.scalars[i].as_ref().map_or(0, |s| s.size);
+            Err(_) => {
                 let mut bytes = [0u8; MAX_SCALAR_BYTES];
-                // SAFETY: `item` is an instance of exactly the numpy scalar type of a fixed-size
-                // number (bool, int, uint, float or complex, checked when the leaf's spec was
-                // made), whose value numpy copies into `bytes`: its descriptor's size, `len`,
-                // at most MAX_SCALAR_BYTES. The GIL is held.
-                unsafe {
-                    PY_ARRAY_API.PyArray_ScalarAsCtype(
-                        py,
-                        item.as_ptr(),
-                        bytes.as_mut_ptr().cast(),
-                    );
+                if let Some(len) = self.scalar_value(i, item.as_borrowed(), &mut bytes) {
+                    return Ok(Leaf::Scalar { bytes, len });
                 }
-                return Ok(Leaf::Scalar { bytes, len });
+                return self.other_leaf(i, item);
             }
-            // A numpy scalar (`np.float32(1.0)`) is a 0-d array in all but type.
-            Err(_) if item.is_instance(numpy_generic(py)?)? => {
-                let array = numpy_module(py)?.call_method1("asarray", (item,))?;
-                let array = array.cast_into::<PyUntypedArray>().map_err(PyErr::from)?;
-                if array.ndim() != 0 {
-                    // Its `__array__` (a subclass may override it) did not return a scalar.
-                    return Err(PyTypeError::new_err(format!(
-                        "leaf {name}: the numpy scalar ({}) converted to an array of shape {}, \
-                         not to a 0-d array",
-                        item.get_type().name()?,
-                        py_shape(array.shape())
-                    )));
-                }
-                array
+        };
+        self.check_array(i, &array)?;
+        self.contiguous(i, array, &mut |array| self.check_array(i, array)).map(Leaf::Array)
+    }
+
+    /// The value of `item` as leaf `i` when it is a numpy scalar of exactly the leaf's type
+    /// (`np.float32(1.0)` for a float32 leaf of shape `()`), copied into `out`: its length.
+    pub(crate) fn scalar_value(
+        &self,
+        i: usize,
+        item: Borrowed<'_, '_, PyAny>,
+        out: &mut [u8; MAX_SCALAR_BYTES],
+    ) -> Option<usize> {
+        let scalar = self.scalars[i].as_ref()?;
+        if item.get_type_ptr() != scalar.ty.as_ptr().cast() {
+            return None;
+        }
+        // `item` is an instance of exactly the numpy scalar type of a fixed-size number of the
+        // leaf's dtype (bool, int, uint, float or complex, checked when the leaf's spec was
+        // made; not a subclass, whose layout could differ), which numpy lays out as
+        // `{PyObject_HEAD; T obval}`: `size` bytes of value at `value_offset`.
+        let value = item.as_ptr().cast::<u8>().wrapping_add(scalar.value_offset);
+        // SAFETY: `value` points at those `size` bytes inside the live object (the GIL is held
+        // and `item` keeps it alive); `out` holds at least `size` (at most MAX_SCALAR_BYTES)
+        // bytes and is not inside the object.
+        unsafe { std::ptr::copy_nonoverlapping(value, out.as_mut_ptr(), scalar.size) };
+        Some(scalar.size)
+    }
+
+    /// Leaf `i` when it is neither an ndarray nor a numpy scalar of exactly its type: another
+    /// numpy scalar (made an array), or an array-like.
+    fn other_leaf<'py>(&self, i: usize, item: &Bound<'py, PyAny>) -> PyResult<Leaf<'py>> {
+        let py = item.py();
+        let name = &self.names[i];
+        // A numpy scalar (`np.float32(1.0)`) is a 0-d array in all but type.
+        let array = if item.is_instance(numpy_generic(py)?)? {
+            let array = numpy_module(py)?.call_method1("asarray", (item,))?;
+            let array = array.cast_into::<PyUntypedArray>().map_err(PyErr::from)?;
+            if array.ndim() != 0 {
+                // Its `__array__` (a subclass may override it) did not return a scalar.
+                return Err(PyTypeError::new_err(format!(
+                    "leaf {name}: the numpy scalar ({}) converted to an array of shape {}, \
+                     not to a 0-d array",
+                    item.get_type().name()?,
+                    py_shape(array.shape())
+                )));
             }
-            Err(_) => match self.array_like(i, item)? {
+            array
+        } else {
+            match self.array_like(i, item)? {
                 Some(array) => array,
                 None => {
                     return Err(PyTypeError::new_err(format!(
@@ -329,7 +360,7 @@ impl LeafSpecs {
                         item.get_type().name()?
                     )))
                 }
-            },
+            }
         };
         self.check_array(i, &array)?;
         self.contiguous(i, array, &mut |array| self.check_array(i, array)).map(Leaf::Array)

@@ -23,7 +23,7 @@ use super::checkpoint::{example_of, npy_descrs, ExtraArrays, PyOpenedCheckpoint}
 use super::config::{ServerConfig, TcpArg};
 use super::errors::{error_in, sample_timed_out, submit_timed_out, to_pyerr, Call};
 use super::info::{HistSnapshot, SampleInfo};
-use super::leaves::{byte_slices, episode_end, EpisodeFlags, LeafSpecs};
+use super::leaves::{byte_slices, episode_end, EpisodeFlags, LeafSpecs, MAX_SCALAR_BYTES};
 use super::views::{batch_copies, batch_views, CopyPool, LeafLayout, RingLease};
 use super::{already_passed, deadline_from_timeout, detach, wait_detached};
 use crate::backend::{Backend, BatchConsumer, BatchRef};
@@ -40,6 +40,14 @@ const DETACH_COPY_BYTES: usize = 64 * 1024;
 /// Samples of at most this many leaves go through `submit` and `SampleWriter` with their
 /// byte slices on the stack.
 const INLINE_LEAVES: usize = 16;
+
+/// Room for the values of an inline sample's numpy scalars.
+type ScalarScratch = [[u8; MAX_SCALAR_BYTES]; INLINE_LEAVES];
+
+/// An empty [`ScalarScratch`] and slice array for [`PyServerCore::inline_leaves`].
+fn inline_scratch<'a>() -> (ScalarScratch, [&'a [u8]; INLINE_LEAVES]) {
+    ([[0; MAX_SCALAR_BYTES]; INLINE_LEAVES], [&[]; INLINE_LEAVES])
+}
 
 /// What `sample` hands back: the sample's leaves, the counters, the per-item arrays.
 type SampleOut<'py> = (Bound<'py, PyList>, SampleInfo, Bound<'py, PyTuple>);
@@ -289,17 +297,18 @@ impl PyServerCore {
         let end = episode_end(end_episode, truncated);
         let first = self.check_steps(stream, end != EpisodeEnd::No, 1)?;
         let (py, tag) = (sample.py(), StepTag { stream: first, end });
-        // The common case, with nothing allocated: a dict of the example's keys whose every
-        // leaf is exactly an ndarray of its dtype and shape, read where it lies.
+        // The common case, with nothing allocated: a dict of the example's keys (its leaves
+        // held, see `flat_dict_leaves`) whose every leaf is read where it lies.
         let mut held: [Option<Bound<'_, PyAny>>; INLINE_LEAVES] = Default::default();
-        let mut inline: [&[u8]; INLINE_LEAVES] = [&[]; INLINE_LEAVES];
+        let (mut scratch, mut inline) = inline_scratch();
         let n = self.leaves.len();
         if n <= INLINE_LEAVES
             && self.leaves.flat_dict_leaves(sample, &mut held)?
-            && held[..n].iter().zip(&mut inline).enumerate().all(|(i, (leaf, slot))| {
-                let bytes = leaf.as_ref().and_then(|l| self.leaves.exact_bytes(i, l.as_borrowed()));
-                bytes.map(|bytes| *slot = bytes).is_some()
-            })
+            && self.inline_leaves(
+                held[..n].iter().flatten().map(Bound::as_borrowed),
+                &mut scratch,
+                &mut inline,
+            )
         {
             return self.insert(py, &inline[..n], priority, deadline, tag);
         }
@@ -350,14 +359,10 @@ impl PyServerCore {
         }
         let deadline = deadline_from_timeout(timeout)?;
         let tag = StepTag { stream: 0, end: EpisodeEnd::No };
-        // The common case, with nothing allocated: every leaf exactly an ndarray of its
-        // example's dtype and shape, read where it lies.
-        let mut inline: [&[u8]; INLINE_LEAVES] = [&[]; INLINE_LEAVES];
-        if leaves.len() <= INLINE_LEAVES
-            && leaves.iter_borrowed().zip(&mut inline).enumerate().all(|(i, (leaf, slot))| {
-                self.leaves.exact_bytes(i, leaf).map(|bytes| *slot = bytes).is_some()
-            })
-        {
+        // The common case, with nothing allocated: every leaf read where it lies (a tuple
+        // cannot change while the insert waits).
+        let (mut scratch, mut inline) = inline_scratch();
+        if self.inline_leaves(leaves.iter_borrowed(), &mut scratch, &mut inline) {
             return self.insert(py, &inline[..leaves.len()], None, deadline, tag);
         }
         let arrays = leaves
@@ -624,6 +629,37 @@ impl PyServerCore {
 }
 
 impl PyServerCore {
+    /// The bytes of every leaf of `leaves` (the example's, in order) into `out`, with
+    /// nothing allocated, when each is the common case: exactly a C-contiguous ndarray of its
+    /// dtype and shape ([`LeafSpecs::exact_bytes`]), or a numpy scalar of exactly its type
+    /// (its value copied into `scratch`). `false` when any leaf is not, or there are more than
+    /// [`INLINE_LEAVES`]: the caller then checks them in full.
+    fn inline_leaves<'a>(
+        &self,
+        leaves: impl Iterator<Item = Borrowed<'a, 'a, PyAny>>,
+        scratch: &'a mut ScalarScratch,
+        out: &mut [&'a [u8]; INLINE_LEAVES],
+    ) -> bool {
+        let mut count = 0;
+        for (i, ((leaf, slot), scalar)) in leaves.zip(out.iter_mut()).zip(scratch).enumerate() {
+            if i >= self.leaves.len() {
+                return false;
+            }
+            *slot = match self.leaves.exact_bytes(i, leaf) {
+                Some(bytes) => bytes,
+                None => match self.leaves.scalar_value(i, leaf, scalar) {
+                    Some(len) => {
+                        let value: &'a [u8; MAX_SCALAR_BYTES] = scalar;
+                        &value[..len]
+                    }
+                    None => return false,
+                },
+            };
+            count += 1;
+        }
+        count == self.leaves.len()
+    }
+
     /// Copies checked arrays (from `LeafSpecs`) into the backend: first without releasing the
     /// GIL when the sample is small (the common case of free room costs no thread switch),
     /// then in GIL-free slices that honour Ctrl-C, until `deadline`.
