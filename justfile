@@ -33,6 +33,10 @@ test-py *ARGS:
 test-torch *ARGS:
     bash scripts/test_torch.sh {{ARGS}}
 
+# The multi-host soak: namespaces, seeded random faults for SECONDS (default 300), as root
+soak-multihost *ARGS:
+    bash scripts/soak_multihost.sh {{ARGS}}
+
 # The loom models: every tests/loom_*.rs; ARGS go to cargo test
 test-loom *ARGS:
     bash scripts/loom.sh {{ARGS}}

@@ -5,10 +5,18 @@ Usage::
     python _proxy.py --target-port N [--listen-port 0] [--seed S]
                      [--drop-prob P] [--c2s-bytes LO:HI] [--s2c-bytes LO:HI] [--max-drops K]
                      [--record-dir DIR] [--events PATH] [--lifetime SECONDS]
+                     [--listen-host H] [--target-host H] [--latency-ms MS] [--rate BYTES]
 
-It listens on 127.0.0.1 (`--listen-port 0`: a free port), prints ``port N`` on stdout as its
-first line, and for every connection it accepts opens one to ``127.0.0.1:--target-port`` and
-forwards bytes both ways (a half-close is passed on as one).
+It listens on ``--listen-host`` (127.0.0.1; `--listen-port 0`: a free port), prints ``port N``
+on stdout as its first line, and for every connection it accepts opens one to
+``--target-host:--target-port`` (127.0.0.1) and forwards bytes both ways (a half-close is
+passed on as one). Other hosts than 127.0.0.1 are for the multi-host tests, which name
+addresses inside the network namespaces they create.
+
+**A slow network.** ``--latency-ms`` delays every chunk it forwards by that much (each
+direction reads on only once the chunk is written, so at most 64 KiB are in flight per
+direction: a bandwidth-delay product); ``--rate`` caps each direction of each connection at
+that many bytes per second. Both change at run time (commands below).
 
 **Drops at random points.** When a connection is accepted, a seeded ``random.Random(--seed)``
 decides, with probability ``--drop-prob``, to drop it: it picks a direction (client to server
@@ -30,13 +38,15 @@ bytes the proxy then discards.
   sockets open and keep reading (what arrives is discarded): a peer that went silent
   (``ok stall <connections>``);
 - ``blackhole c2s`` / ``blackhole s2c``: the same for one direction only;
+- ``resume``: forward again on every open connection (a stall that heals);
+- ``latency MS`` / ``rate BYTES``: change the delay or the cap (0: none) (``ok latency MS``);
 - ``stats``: ``stats {json}`` with counts of connections, drops and bytes;
 - ``quit`` (or the end of stdin): close everything and exit.
 
 New connections are always forwarded normally. ``--events`` appends one line per accepted,
 dropped and closed connection to a file. Bounded: at most ``MAX_CONNECTIONS`` connections,
 and the process exits by itself after ``--lifetime`` seconds (default 300). Standard library
-only; never listens on or connects to anything but 127.0.0.1.
+only; never listens on or connects to anything but 127.0.0.1 unless told to.
 """
 
 from __future__ import annotations
@@ -80,6 +90,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--record-dir", type=Path, default=None)
     p.add_argument("--events", type=Path, default=None)
     p.add_argument("--lifetime", type=float, default=300.0)
+    p.add_argument("--listen-host", default=HOST)
+    p.add_argument("--target-host", default=HOST)
+    p.add_argument("--latency-ms", type=float, default=0.0)
+    p.add_argument("--rate", type=float, default=0.0)
     return p
 
 
@@ -107,6 +121,8 @@ class Proxy:
         self.drops = 0
         self.bytes = dict.fromkeys(DIRECTIONS, 0)
         self.stop = asyncio.Event()
+        self.latency_s = args.latency_ms / 1000.0
+        self.rate = args.rate
         self.tasks: set[asyncio.Task[Any]] = set()
         if args.record_dir is not None:
             args.record_dir.mkdir(parents=True, exist_ok=True)
@@ -150,7 +166,8 @@ class Proxy:
             return
         try:
             server_r, server_w = await asyncio.wait_for(
-                asyncio.open_connection(HOST, self.args.target_port), timeout=10.0
+                asyncio.open_connection(self.args.target_host, self.args.target_port),
+                timeout=10.0,
             )
         except (OSError, asyncio.TimeoutError):
             self.event(f"connect-failed {cid}")
@@ -204,9 +221,15 @@ class Proxy:
                     data = data[:cut]
                 else:
                     link.drop = (drop[0], drop[1] - len(data), drop[2])
+            if self.latency_s > 0:
+                await asyncio.sleep(self.latency_s)
+                if link.closed:
+                    return
             try:
                 writer.write(data)
                 await writer.drain()
+                if self.rate > 0:
+                    await asyncio.sleep(len(data) / self.rate)
             except (OSError, RuntimeError):
                 self.close_link(link, reset=True, why="write-failed")
                 return
@@ -246,6 +269,20 @@ class Proxy:
             for link in links:
                 link.forward[words[1]] = False
             return f"ok blackhole {words[1]} {len(links)}"
+        if words == ["resume"]:
+            for link in links:
+                link.forward = dict.fromkeys(DIRECTIONS, True)
+            return f"ok resume {len(links)}"
+        if len(words) == 2 and words[0] in ("latency", "rate"):
+            try:
+                value = float(words[1])
+            except ValueError:
+                return f"error not a number {words[1]!r}"
+            if words[0] == "latency":
+                self.latency_s = value / 1000.0
+            else:
+                self.rate = value
+            return f"ok {words[0]} {words[1]}"
         if words == ["stats"]:
             return "stats " + json.dumps(self.stats(), sort_keys=True)
         if words == ["quit"]:
@@ -256,7 +293,7 @@ class Proxy:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         server = await asyncio.start_server(
-            self.spawn, HOST, self.args.listen_port, reuse_address=True
+            self.spawn, self.args.listen_host, self.args.listen_port, reuse_address=True
         )
         port = server.sockets[0].getsockname()[1]
         _say(f"port {port}")

@@ -1,0 +1,563 @@
+"""echo across real network interfaces: a learner host and worker hosts, each a Linux network
+namespace with its own interface and address (`testkit.netns`), and the faults of a real
+network between them.
+
+This machine's kernel has neither netem nor tbf, so faults come from two places: the links
+themselves (`ip link set down/up`: a partition that heals, packets dropped without a reset),
+and `_proxy.py`, a userspace relay on the learner host in front of some workers (latency, a
+bandwidth cap, stalls, resets, half-open connections).
+
+What must hold, and is asserted:
+- every worker's samples reach the learner exactly once, in order (the learner keeps running);
+  after a learner restart, exactly the samples the old learner had not acknowledged reach the
+  new one, once each;
+- the learner's memory stays bounded;
+- no call blocks past its timeout (every worker call has one, and every worker reports);
+- a worker resumes within `RESUME_S` of a partition healing, and a half-open connection is
+  detected within the heartbeat timeout (plus `SLACK_S`).
+
+Each test prints what it measured (`-s`); `docs/guides/tcp.md` ("Across real networks")
+tabulates it. The seeded soak runs `ECHO_MULTIHOST_SOAK_S` seconds (20 by default;
+`just soak-multihost` runs it longer). Skipped without root and `ip`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import test_wire_v2 as _wire_v2
+from test_wire_v2 import PROXY, Child
+from testkit import netns
+
+REASON = netns.skip_reason()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+
+#: The child-process fixture of the wire v2 tests: `children(name, argv)`.
+children = _wire_v2.children
+
+#: Heartbeat timeout of both sides (the client's and the learner's `TcpTransport`'s).
+HEARTBEAT_S = 2.0
+#: How late a detection may be past the heartbeat timeout (a heartbeat is sent every third
+#: of it; the check runs on the next read or heartbeat).
+SLACK_S = 3.0
+#: How soon after a partition heals every worker behind it acknowledges samples again: a
+#: reconnect backs off up to 1 s between attempts, and the handshake then takes a round trip.
+RESUME_S = 6.0
+#: Samples' ids are worker * STRIDE + sequence number.
+STRIDE = 1_000_000
+#: The seeded soak's length and schedule.
+SOAK_S = float(os.environ.get("ECHO_MULTIHOST_SOAK_S", "20"))
+SOAK_SEED = int(os.environ.get("ECHO_MULTIHOST_SOAK_SEED", "20261206"))
+#: No child outlives a broken test for long.
+ALARM_S = int(SOAK_S) + 260
+
+LEARNER = textwrap.dedent(
+    """
+    import json, signal, sys, threading, time
+    import numpy as np
+    import echo
+
+    port, heartbeat, alarm = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+    signal.alarm(alarm)
+    EXAMPLE = {"id": np.zeros((), np.int64), "obs": np.zeros((64,), np.float32)}
+
+    def rss_kib():
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) for l in f if l.startswith("VmRSS:"))
+
+    server = echo.Server(EXAMPLE, 1, num_buffers=4, producer_queue_size=64,
+                         transport=echo.TcpTransport(port=port, host="0.0.0.0",
+                                                     heartbeat_timeout=heartbeat))
+    listening = time.monotonic()
+    server.start()
+    print("port", server.port, repr(listening), rss_kib(), flush=True)
+
+    def commands():
+        for line in sys.stdin:
+            word = line.strip()
+            if word == "drain":
+                server.close(drain=True)
+                return
+            if word == "stats":
+                stats = server.stats().as_dict()
+                ints = {k: v for k, v in stats.items() if isinstance(v, int)}
+                print("stats", json.dumps(ints), rss_kib(), flush=True)
+
+    threading.Thread(target=commands, daemon=True).start()
+    out = []
+    for _ in range(10**8):
+        sample = server.sample(timeout=250)
+        if sample is None:
+            break
+        i = int(sample.batch["id"][0])
+        intact = bool((sample.batch["obs"][0] == np.float32(i % 1000)).all())
+        out.append(f"id {i} {int(intact)}")
+        if len(out) >= 64:
+            sys.stdout.write("\\n".join(out) + "\\n")
+            sys.stdout.flush()
+            out.clear()
+    if out:
+        sys.stdout.write("\\n".join(out) + "\\n")
+    stats = server.stats().as_dict()
+    print("stats", json.dumps({k: v for k, v in stats.items() if isinstance(v, int)}),
+          rss_kib(), flush=True)
+    print("done", flush=True)
+    """
+)
+
+WORKER = textwrap.dedent(
+    """
+    import json, signal, sys, threading, time
+    import numpy as np
+    import echo
+
+    host, port, w, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    pace, heartbeat, stride = float(sys.argv[5]), float(sys.argv[6]), int(sys.argv[7])
+    signal.alarm(int(sys.argv[8]))
+    EXAMPLE = {"id": np.zeros((), np.int64), "obs": np.zeros((64,), np.float32)}
+    lock = threading.Lock()
+
+    def say(line):
+        with lock:
+            sys.stdout.write(line + "\\n")
+            sys.stdout.flush()
+
+    client = echo.TcpClient(host, port, EXAMPLE, max_inflight_msgs=8, reconnect=True,
+                            reconnect_timeout=60.0, heartbeat_timeout=heartbeat,
+                            connect_timeout=10.0)
+    done = threading.Event()
+
+    def watch():
+        # "s TIME RECONNECTS ACKED SENT": on every change, and every 0.1 s.
+        last, last_t = None, 0.0
+        while not done.is_set():
+            state = (client.reconnects, client.acked, client.sent)
+            now = time.monotonic()
+            if state != last or now - last_t > 0.1:
+                say(f"s {now!r} {state[0]} {state[1]} {state[2]}")
+                last, last_t = state, now
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    error, flushed = None, False
+    started = time.monotonic()
+    try:
+        for seq in range(n):
+            i = w * stride + seq
+            client.send({"id": np.array(i, np.int64), "obs": np.full(64, i % 1000, np.float32)},
+                        timeout=90)
+            if pace:
+                time.sleep(pace)
+        client.wait(timeout=90)
+        flushed = client.close(timeout=30)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    done.set()
+    watcher.join(5)
+    say("result " + json.dumps({
+        "w": w, "sent": client.sent, "acked": client.acked, "reconnects": client.reconnects,
+        "resent": client.resent, "flushed": flushed, "error": error,
+        "path": client.transport_path, "seconds": time.monotonic() - started,
+    }))
+    """
+)
+
+
+@pytest.fixture
+def hosts() -> Iterator[Callable[[int], netns.Hosts]]:
+    made: list[netns.Hosts] = []
+
+    def make(workers: int) -> netns.Hosts:
+        made.append(netns.Hosts(workers))
+        return made[-1]
+
+    yield make
+    for bed in made:
+        bed.close()
+
+
+def _learner(
+    children: Callable[..., Child], bed: netns.Hosts, name: str = "learner", port: int = 0
+) -> tuple[Child, int, float, int]:
+    """A learner on the learner host: the child, its port, when it listened, its RSS (KiB)."""
+    argv = [sys.executable, "-c", LEARNER, str(port), str(HEARTBEAT_S), str(ALARM_S)]
+    child = children(name, bed.learner.run(argv), stdin=True)
+    _, got, listening, rss = child.expect("port ").split()
+    return child, int(got), float(listening), int(rss)
+
+
+def _proxy(children: Callable[..., Child], bed: netns.Hosts, k: int, port: int, *args: str) -> Any:
+    """A fault proxy on the learner host, on worker host `k`'s link, in front of the learner
+    (over the learner host's own loopback): its child and the port workers connect to."""
+    argv = [
+        sys.executable,
+        str(PROXY),
+        "--listen-host",
+        bed.learner_addresses[k],
+        "--target-port",
+        str(port),
+        *args,
+    ]
+    child = children(f"proxy{k}", bed.learner.run(argv), stdin=True)
+    return child, int(child.expect("port ").split()[1])
+
+
+def _command(proxy: Child, line: str) -> str:
+    proxy.send_line(line)
+    return proxy.expect("ok ")
+
+
+def _workers(
+    children: Callable[..., Child],
+    bed: netns.Hosts,
+    per_host: int,
+    n: int,
+    ports: dict[int, int],
+    pace: float,
+) -> list[Child]:
+    """`per_host` workers on every worker host; host `k`'s connect to the learner's address on
+    its link, at `ports[k]` (the learner's port, or a proxy's)."""
+    out = []
+    for k, host in enumerate(bed.workers):
+        for j in range(per_host):
+            w = k * per_host + j
+            argv = [
+                sys.executable,
+                "-c",
+                WORKER,
+                bed.learner_addresses[k],
+                str(ports[k]),
+                str(w),
+                str(n),
+                str(pace),
+                str(HEARTBEAT_S),
+                str(STRIDE),
+                str(ALARM_S),
+            ]
+            out.append(children(f"worker{w}", host.run(argv)))
+    return out
+
+
+def _results(workers: list[Child], timeout: float) -> list[dict[str, Any]]:
+    results = []
+    for worker in workers:
+        done = [ln for ln in worker.lines if ln.startswith("result ")]
+        line = done[0] if done else worker.expect("result ", timeout)
+        result = json.loads(line.split(" ", 1)[1])
+        assert result["error"] is None, (result, worker.stderr())
+        assert result["flushed"] is True, result
+        assert result["path"] == "tcp", result  # other hosts: never shared memory
+        results.append(result)
+    return results
+
+
+def _ids(learner: Child) -> list[int]:
+    ids = []
+    for line in learner.lines:
+        match = re.fullmatch(r"id (\d+) ([01])", line)
+        if match:
+            assert match.group(2) == "1", f"{learner.name}: torn sample {line!r}"
+            ids.append(int(match.group(1)))
+    return ids
+
+
+def _per_worker(ids: list[int]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for i in ids:
+        out.setdefault(i // STRIDE, []).append(i % STRIDE)
+    return out
+
+
+def _drain(learner: Child) -> tuple[dict[str, int], int]:
+    """Closes the learner with a drain; its final counters and RSS (KiB)."""
+    learner.send_line("drain")
+    learner.expect("done", 60)
+    line = next(ln for ln in reversed(learner.lines) if ln.startswith("stats "))
+    return _stats_line(line)
+
+
+def _stats_line(line: str) -> tuple[dict[str, int], int]:
+    """A learner's `stats {json} RSS` line."""
+    payload, rss = line.split(" ", 1)[1].rsplit(" ", 1)
+    return json.loads(payload), int(rss)
+
+
+def _states(worker: Child) -> list[tuple[float, int, int, int]]:
+    worker.drain()
+    out = []
+    for line in worker.lines:
+        if line.startswith("s "):
+            _, t, r, a, s = line.split()
+            out.append((float(t), int(r), int(a), int(s)))
+    return out
+
+
+def _acked_at(worker: Child, when: float) -> int:
+    before = [s for s in _states(worker) if s[0] <= when]
+    return before[-1][2] if before else 0
+
+
+def _first_progress_after(worker: Child, when: float, deadline: float) -> float | None:
+    """When `worker` first had more acknowledged than at `when` (None: not by `deadline`)."""
+    base = _acked_at(worker, when)
+    for _ in range(100_000):
+        later = [s for s in _states(worker) if s[0] > when and s[2] > base]
+        if later:
+            return later[0][0]
+        if any(ln.startswith("result ") for ln in worker.lines) or time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
+    return None
+
+
+def _wait_for(learner: Child, count: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    for _ in range(1_000_000):
+        learner.drain()
+        if len(_ids(learner)) >= count:
+            return
+        assert time.monotonic() < deadline, f"the learner got {len(_ids(learner))} of {count}"
+        time.sleep(0.02)
+
+
+def _exactly_once(learner: Child, num_workers: int, n: int) -> None:
+    got = _per_worker(_ids(learner))
+    for w in range(num_workers):
+        seqs = got.get(w, [])
+        assert seqs == list(range(n)), (
+            f"worker {w}: {len(seqs)} samples, first gaps or repeats near "
+            f"{next((i for i, s in enumerate(seqs) if s != i), None)}"
+        )
+
+
+@pytest.mark.timeout(240)
+def test_sixteen_workers_on_four_hosts_deliver_exactly_once_through_a_slow_link_and_a_partition(
+    children: Callable[..., Child], hosts: Callable[[int], netns.Hosts]
+) -> None:
+    """16 workers, 4 per host. Host 1 reaches the learner through a proxy adding 20 ms each
+    way and capping each connection at 1 MB/s; host 2 is partitioned (its link down) for
+    twice the heartbeat timeout part-way, then heals. Every sample arrives exactly once, in
+    order; host 2's workers resume within RESUME_S of the heal; the learner's memory stays
+    bounded."""
+    bed = hosts(4)
+    learner, port, _, rss_start = _learner(children, bed)
+    _, slow_port = _proxy(children, bed, 1, port, "--latency-ms", "20", "--rate", "1000000")
+    per_host, n = 4, 1500
+    ports = {0: port, 1: slow_port, 2: port, 3: port}
+    workers = _workers(children, bed, per_host, n, ports, pace=0.002)
+    total = per_host * len(bed.workers) * n
+    _wait_for(learner, total // 4)
+    bed.partition(2)
+    time.sleep(2 * HEARTBEAT_S)
+    bed.heal(2)
+    healed = time.monotonic()
+    behind = workers[2 * per_host : 3 * per_host]
+    resumed = [_first_progress_after(w, healed, healed + 30) for w in behind]
+    results = _results(workers, 120)
+    stats, rss_end = _drain(learner)
+    _exactly_once(learner, len(workers), n)
+    waits = [None if t is None else t - healed for t in resumed]
+    print(f"resumed after the heal in {waits} s; learner RSS {rss_start} -> {rss_end} KiB")
+    # A worker that had sent everything before the heal has nothing to resume.
+    host2 = results[2 * per_host : 3 * per_host]
+    for w, (wait, result) in enumerate(zip(waits, host2, strict=True)):
+        if wait is None:
+            assert result["acked"] == n, f"host 2 worker {w} did not resume: {result}"
+        else:
+            assert wait < RESUME_S, f"host 2 worker {w} resumed {wait:.1f} s after the heal"
+    assert any(r["reconnects"] >= 1 for r in host2), host2
+    assert stats["samples_deduplicated_total"] >= 0
+    assert rss_end - rss_start < 200 * 1024, (rss_start, rss_end)
+
+
+@pytest.mark.timeout(120)
+def test_a_half_open_connection_is_detected_on_both_sides_within_the_heartbeat_timeout(
+    children: Callable[..., Child], hosts: Callable[[int], netns.Hosts]
+) -> None:
+    """The proxy stalls every connection: sockets stay open, nothing passes either way (a
+    peer that vanished without a reset). The worker takes its connection for dead within the
+    heartbeat timeout and reconnects (new connections pass); the learner drops the stalled
+    one within its own. Nothing is lost or repeated."""
+    bed = hosts(1)
+    learner, port, _, _ = _learner(children, bed)
+    proxy, proxy_port = _proxy(children, bed, 0, port)
+    n = 3000
+    workers = _workers(children, bed, 2, n, {0: proxy_port}, pace=0.001)
+    _wait_for(learner, 400)
+    stalled = time.monotonic()
+    _command(proxy, "stall")
+    reconnected = []
+    for worker in workers:
+        t = None
+        for _ in range(100_000):
+            t = next((s[0] for s in _states(worker) if s[0] > stalled and s[1] >= 1), None)
+            if t is not None or time.monotonic() > stalled + 30:
+                break
+            time.sleep(0.05)
+        assert t is not None, f"{worker.name} never took its stalled connection for dead"
+        reconnected.append(t - stalled)
+    # The learner: both stalled connections gone, the two new ones open.
+    for _ in range(100_000):
+        learner.send_line("stats")
+        active = _stats_line(learner.expect("stats "))[0]["active_connections"]
+        if active <= 2 or time.monotonic() > stalled + 30:
+            break
+        time.sleep(0.2)
+    server_side = time.monotonic() - stalled
+    _results(workers, 120)
+    _drain(learner)
+    _exactly_once(learner, len(workers), n)
+    print(f"client detected in {reconnected} s; the learner in <= {server_side:.1f} s")
+    assert max(reconnected) < HEARTBEAT_S + SLACK_S, reconnected
+    assert active <= 2, active
+    assert server_side < HEARTBEAT_S + SLACK_S, server_side
+
+
+@pytest.mark.timeout(240)
+def test_a_learner_restarted_on_its_host_gets_every_unacknowledged_sample_once(
+    children: Callable[..., Child], hosts: Callable[[int], netns.Hosts]
+) -> None:
+    """8 workers on 2 hosts; the learner is SIGKILLed part-way and a new one starts on the
+    same address. Each worker's samples from what the old learner acknowledged on reach the
+    new one exactly once, in order; the old learner got a prefix of each worker's samples.
+    (Samples it acknowledged but had not handed out are lost: the documented cost of a crash
+    without durable acknowledgements.)"""
+    bed = hosts(2)
+    old, port, _, _ = _learner(children, bed, "learner-old")
+    per_host, n = 4, 1500
+    workers = _workers(children, bed, per_host, n, {0: port, 1: port}, pace=0.002)
+    _wait_for(old, 2000)
+    old.kill()
+    old.read_to_eof()
+    killed = time.monotonic()
+    # Every worker reports after the kill before the new learner starts: its last report is
+    # what the old learner acknowledged.
+    deadline = killed + 30
+    for worker in workers:
+        for _ in range(100_000):
+            if any(s[0] > killed for s in _states(worker)) or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+    time.sleep(0.3)
+    new, new_port, listening, _ = _learner(children, bed, "learner-new", port)
+    assert new_port == port
+    results = _results(workers, 120)
+    _drain(new)
+    old_got, new_got = _per_worker(_ids(old)), _per_worker(_ids(new))
+    lost = 0
+    for w, (worker, result) in enumerate(zip(workers, results, strict=True)):
+        before = old_got.get(w, [])
+        assert before == list(range(len(before))), f"worker {w}: the old learner's out of order"
+        acked = _acked_at(worker, listening)
+        assert new_got.get(w, []) == list(range(acked, n)), (
+            f"worker {w}: the new learner got {len(new_got.get(w, []))}, expected {acked}..{n}"
+        )
+        assert acked >= len(before), (w, acked, len(before))
+        lost += acked - len(before)
+        assert result["acked"] == n
+    print(f"{lost} samples acknowledged by the killed learner but never handed out")
+
+
+@pytest.mark.timeout(int(SOAK_S) + 300)
+def test_a_seeded_soak_of_random_faults_keeps_every_sample_exactly_once(
+    children: Callable[..., Child], hosts: Callable[[int], netns.Hosts]
+) -> None:
+    """Two hosts of 4 workers each, every worker behind its host's fault proxy. For
+    ECHO_MULTIHOST_SOAK_S seconds a seeded schedule draws a fault every 0.5-2.5 s: a
+    partition of a host (0.5-3 s), resets of a host's connections, a stall of them that heals
+    (0.5-4 s: past the heartbeat timeout they are taken for dead), or a new latency (0-40 ms)
+    and bandwidth cap. Then the workers finish: every sample arrives exactly once, in order,
+    and the learner's memory stays bounded."""
+    seconds, seed = SOAK_S, SOAK_SEED
+    rng = random.Random(seed)
+    bed = hosts(2)
+    learner, port, _, rss_start = _learner(children, bed)
+    proxies = [_proxy(children, bed, k, port) for k in range(2)]
+    per_host = 4
+    n = max(2000, int(seconds * 450))  # sending for about as long as the faults come
+    ports = {k: p for k, (_, p) in enumerate(proxies)}
+    workers = _workers(children, bed, per_host, n, ports, pace=0.002)
+    end = time.monotonic() + seconds
+    faults: list[str] = []
+    for _ in range(100_000):
+        if time.monotonic() >= end:
+            break
+        time.sleep(rng.uniform(0.5, 2.5))
+        k = rng.randrange(2)
+        proxy = proxies[k][0]
+        kind = rng.choice(["partition", "reset", "stall", "slow"])
+        if kind == "partition":
+            hold = rng.uniform(0.5, 3.0)
+            bed.partition(k)
+            time.sleep(hold)
+            bed.heal(k)
+            faults.append(f"partition {k} {hold:.1f}s")
+        elif kind == "reset":
+            _command(proxy, "drop")
+            faults.append(f"reset {k}")
+        elif kind == "stall":
+            hold = rng.uniform(0.5, 4.0)
+            _command(proxy, "stall")
+            time.sleep(hold)
+            _command(proxy, "resume")
+            faults.append(f"stall {k} {hold:.1f}s")
+        else:
+            latency, rate = rng.choice([0, 5, 20, 40]), rng.choice([0, 250_000, 2_000_000])
+            _command(proxy, f"latency {latency}")
+            _command(proxy, f"rate {rate}")
+            faults.append(f"slow {k} {latency}ms {rate}B/s")
+    for proxy, _ in proxies:
+        _command(proxy, "latency 0")
+        _command(proxy, "rate 0")
+        _command(proxy, "resume")
+    for k in range(2):
+        bed.heal(k)
+    results = _results(workers, 240)
+    stats, rss_end = _drain(learner)
+    _exactly_once(learner, len(workers), n)
+    reconnects = sum(r["reconnects"] for r in results)
+    print(
+        f"seed {seed}, {seconds:g} s, {len(faults)} faults ({'; '.join(faults)}); "
+        f"{reconnects} reconnects, {sum(r['resent'] for r in results)} resent, "
+        f"{stats['samples_deduplicated_total']} deduplicated; RSS {rss_start} -> {rss_end} KiB"
+    )
+    assert rss_end - rss_start < 200 * 1024, (rss_start, rss_end)
+
+
+def test_the_hosts_are_apart() -> None:
+    """The test bed itself: two worker hosts reach the learner host only over their own
+    links, not each other, and a partitioned host reaches nothing."""
+
+    with netns.Hosts(2) as bed:
+        probe = (
+            "import socket, sys\n"
+            "s = socket.socket(); s.settimeout(1.0)\n"
+            "try:\n    s.connect((sys.argv[1], 9)); print('open')\n"
+            "except ConnectionRefusedError: print('reached')\n"
+            "except OSError as e: print('unreachable', type(e).__name__)\n"
+        )
+
+        def reach(k: int, address: str) -> str:
+            argv = bed.workers[k].run([sys.executable, "-c", probe, address])
+            return subprocess.run(argv, capture_output=True, text=True, timeout=20).stdout.strip()
+
+        assert reach(0, bed.learner_addresses[0]) == "reached"  # a refused port: reachable
+        assert reach(0, bed.workers[1].address).startswith("unreachable")
+        assert reach(0, "127.0.0.1").startswith("unreachable")  # no loopback on a worker host
+        bed.partition(0)
+        assert reach(0, bed.learner_addresses[0]).startswith("unreachable")
+        bed.heal(0)
+        assert reach(0, bed.learner_addresses[0]) == "reached"
+    assert not Path(f"/run/netns/{bed.learner_ns}").exists()
