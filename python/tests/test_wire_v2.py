@@ -1331,10 +1331,15 @@ WORKER = textwrap.dedent(
     import numpy as np
     import echo
 
-    signal.alarm(170)  # never outlive a broken test for long
     port, w, n, window = (int(a) for a in sys.argv[1:5])
     shared_memory = {"auto": None, "true": True, "false": False}[sys.argv[5]]
-    STRIDE = 10_000
+    # Optional (the multi-host tests): the learner's host, seconds between sends, the
+    # heartbeat timeout, the id stride, and the alarm.
+    host, pace, heartbeat, STRIDE, alarm = "127.0.0.1", 0.0, 10.0, 10_000, 170
+    if len(sys.argv) > 6:
+        host, pace, heartbeat = sys.argv[6], float(sys.argv[7]), float(sys.argv[8])
+        STRIDE, alarm = int(sys.argv[9]), int(sys.argv[10])
+    signal.alarm(alarm)  # never outlive a broken test for long
     EXAMPLE = {"id": np.zeros((), np.int64), "obs": np.zeros((3,), np.float32)}
     lock = threading.Lock()
 
@@ -1350,9 +1355,9 @@ WORKER = textwrap.dedent(
     client = None
     for attempt in range(50):
         try:
-            client = echo.TcpClient("127.0.0.1", port, EXAMPLE, max_inflight_msgs=window,
+            client = echo.TcpClient(host, port, EXAMPLE, max_inflight_msgs=window,
                                     reconnect=True, reconnect_timeout=40.0,
-                                    shared_memory=shared_memory)
+                                    shared_memory=shared_memory, heartbeat_timeout=heartbeat)
             break
         except (ConnectionError, TimeoutError) as exc:
             say(f"connect-failed {type(exc).__name__}: {exc}")
@@ -1378,6 +1383,8 @@ WORKER = textwrap.dedent(
     try:
         for seq in range(n):
             client.send(make_sample(w * STRIDE + seq), timeout=90)
+            if pace:
+                time.sleep(pace)
         client.wait(timeout=90)
         flushed = client.close(timeout=30)
     except Exception as exc:
