@@ -138,8 +138,9 @@ def shapes(arrays: Any) -> list[list[int]]:
 # Each library: ``new(data, size, prio)`` a table; ``rows(cols)`` the pool as single-row
 # inputs and ``batches(cols)`` as 64-row inputs, for ``put1(t)`` / ``put64(t)``, called in the
 # library's style ("one": put(x), "star": put(*x), "kw": put(**x)); where it takes a row's
-# leaves positionally, ``pos_rows(cols)`` for ``put_pos(t)``, called put(*x); ``prefill(t, cols, size,
-# prio, prios)`` fills a table untimed through the fastest batch path; ``draw(t, prio)`` a
+# leaves positionally, ``pos_rows(cols)`` for ``put_pos(t)``, called put(*x);
+# ``prefill(t, cols, size, prio, prios)`` fills a table untimed through the fastest batch path;
+# ``draw(t, prio)`` a
 # function i -> (arrays of one batch, keys to update) and ``update(t)`` the priority update;
 # ``stored(t)`` the rows a table holds (None where it cannot say); the sequence tables alike.
 
