@@ -64,15 +64,10 @@ pub(crate) struct LeafSpecs {
     /// (shape `()`, a number of native byte order: bool, int, uint, float or complex, of at
     /// most [`MAX_SCALAR_BYTES`]). Other scalars become arrays first (`numpy.asarray`).
     scalars: Vec<Option<ScalarLeaf>>,
-    /// `numpy.ndarray` itself: a leaf of exactly this type takes [`LeafSpecs::exact_array`].
-    ndarray_type: *mut pyo3::ffi::PyTypeObject,
+    /// The address of `numpy.ndarray` itself (only ever compared with): a leaf of exactly
+    /// this type takes [`LeafSpecs::exact_bytes`].
+    ndarray_type: usize,
 }
-
-// SAFETY: `ndarray_type` points at numpy's static type object, which lives as long as the
-// interpreter and is only compared with, never dereferenced; every other field is Send/Sync.
-unsafe impl Send for LeafSpecs {}
-// SAFETY: as for `Send`.
-unsafe impl Sync for LeafSpecs {}
 
 impl LeafSpecs {
     /// The example's `echo._pytree.TreeLayout`.
@@ -129,7 +124,7 @@ impl LeafSpecs {
         // imports on first use (the GIL is held).
         let ndarray_type = unsafe {
             PY_ARRAY_API.get_type_object(tree_layout.py(), npyffi::NpyTypes::PyArray_Type)
-        };
+        } as usize;
         Ok(Self { descrs, shapes, names, spec, flat_keys, layout, scalars, ndarray_type })
     }
 
@@ -518,7 +513,7 @@ impl LeafSpecs {
         i: usize,
         item: Borrowed<'a, '_, PyAny>,
     ) -> Option<&'a [u8]> {
-        if item.get_type_ptr() != self.ndarray_type {
+        if item.get_type_ptr() as usize != self.ndarray_type {
             return None;
         }
         let shape = self.shapes[i].as_slice();
@@ -537,10 +532,10 @@ impl LeafSpecs {
         let same = fields.descr.cast::<pyo3::ffi::PyObject>() == self.descrs[i].as_ptr()
             && fields.flags & npyffi::NPY_ARRAY_C_CONTIGUOUS != 0
             && dims.iter().zip(shape).all(|(&d, &dim)| usize::try_from(d).is_ok_and(|d| d == dim));
-        let len = self.spec.arrays()[i].num_bytes();
         if !same {
             return None;
         }
+        let len = self.spec.arrays()[i].num_bytes();
         if len == 0 {
             return Some(&[]);
         }

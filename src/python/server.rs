@@ -128,6 +128,12 @@ fn stream_arg(value: &Bound<'_, PyAny>) -> PyResult<StreamArg> {
     if value.is_instance_of::<PyBool>() {
         return Err(PyTypeError::new_err("stream must be an int, got bool"));
     }
+    if value.is_instance_of::<PyInt>() {
+        // The common case first: one conversion, no comparison call.
+        if let Ok(id) = value.extract::<u64>() {
+            return Ok(StreamArg::Id(id));
+        }
+    }
     let index = if value.is_instance_of::<PyInt>() {
         value.clone()
     } else {
