@@ -6,6 +6,16 @@
 
 use crate::source::StepTag;
 
+/// How far a durable session's samples reach in a checkpoint: every sample of session `id`
+/// before `seq` is in it (in the backend's snapshot or among the queued samples), none after.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SessionMark {
+    /// The session's id (the client's, kept across its reconnects).
+    pub id: [u8; 16],
+    /// The sequence number of its first sample the checkpoint does not hold.
+    pub seq: u64,
+}
+
 /// Acknowledged samples held outside a backend at its snapshot moment: payloads back to back.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct QueuedSamples {
@@ -17,12 +27,20 @@ pub struct QueuedSamples {
     /// The stream each sample is a step of and whether it ends its episode (a sequence
     /// table's; the default tag for samples of other backends).
     pub steps: Vec<StepTag>,
+    /// Taken at the same moment: how far each durable session's samples reach.
+    pub sessions: Vec<SessionMark>,
 }
 
 impl QueuedSamples {
     /// No samples of `payload_size` bytes yet.
     pub fn new(payload_size: usize) -> Self {
-        Self { payload_size, payloads: Vec::new(), priorities: Vec::new(), steps: Vec::new() }
+        Self {
+            payload_size,
+            payloads: Vec::new(),
+            priorities: Vec::new(),
+            steps: Vec::new(),
+            sessions: Vec::new(),
+        }
     }
 
     /// Appends one sample that is a step of `step.stream`.

@@ -460,7 +460,17 @@ class TcpSender:
     def takes_steps(self) -> int | None:
         """`max_rows` when the server is a sequence table; `None` otherwise."""
     def wait(self, timeout: float | None = None) -> None: ...
+    def wait_persisted(self, timeout: float | None = None) -> None:
+        """Durable acknowledgements: waits until every sent sample is persisted."""
     def close(self, timeout: float | None = None) -> bool: ...
+    @property
+    def persisted(self) -> int:
+        """Every sample before this one is in a checkpoint the server completed."""
+    @property
+    def retained_bytes(self) -> int: ...
+    @property
+    def durable_waits(self) -> tuple[int, float]:
+        """Sends that waited for the durable byte budget, and the seconds in all."""
     @property
     def server_closing(self) -> Literal["final", "restarting"] | None: ...
     @property

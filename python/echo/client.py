@@ -37,6 +37,7 @@ class _ClientSettings:
     dial_timeout: float | None
     name: str | None
     wire_compression: bool
+    durable_bytes: int | None  # None: plain acknowledgements
 
 
 class TcpClient:
@@ -92,6 +93,17 @@ class TcpClient:
             sending them over TCP (protocol 2; never over shared memory, which copies raw):
             fewer bytes on a network link, some CPU on this worker. `False` sends every leaf
             raw. Which leaves a connection compresses: `wire_compression_leaves`.
+        durable: Durable acknowledgements (protocol 2, over TCP; turns `reconnect` on): every
+            sample is kept until the learner says a checkpoint it completed holds it, not
+            only until it is acknowledged. A learner killed at any moment and restored from
+            its latest checkpoint (`Server.restore` on the same address) tells this client
+            where its checkpoint stands, and the client resends from there: the restored
+            learner ends with exactly the samples sent, none lost, none twice. The learner
+            must checkpoint (`checkpoint_every=`): what is not yet persisted stays here,
+            and `send()` blocks once it fills `durable_bytes` (counted in `durable_waits`).
+            `close()` waits for the last samples to be persisted. Shared memory is not used.
+        durable_bytes: The most bytes of samples kept until persisted (default 256 MiB); a
+            sample larger than this is kept alone.
 
     Raises:
         ValueError: The server is not an echo server, speaks only protocol 1 with
@@ -125,6 +137,8 @@ class TcpClient:
         shared_memory: bool | None = None,
         name: str | None = None,
         wire_compression: bool = True,
+        durable: bool = False,
+        durable_bytes: int = 256 * 2**20,
     ) -> None:
         self._open(
             host,
@@ -140,6 +154,8 @@ class TcpClient:
             shared_memory=shared_memory,
             name=name,
             wire_compression=wire_compression,
+            durable=durable,
+            durable_bytes=durable_bytes,
         )
 
     def _open(
@@ -158,6 +174,8 @@ class TcpClient:
         shared_memory: bool | None,
         name: str | None,
         wire_compression: bool = True,
+        durable: bool = False,
+        durable_bytes: int = 256 * 2**20,
         dial_timeout: float | None = None,
         resolver: Callable[[tuple[str, int, str] | None], tuple[str, int] | None] | None = None,
     ) -> None:
@@ -172,6 +190,16 @@ class TcpClient:
         if shared_memory is not None:
             shared_memory = check_bool("shared_memory", shared_memory)
         wire_compression = check_bool("wire_compression", wire_compression)
+        durable = check_bool("durable", durable)
+        durable_bytes = check_int("durable_bytes", durable_bytes, 1, 2**63 - 1)
+        if durable:
+            if shared_memory:
+                raise ValueError(
+                    "shared_memory=True with durable=True: durable samples go over TCP "
+                    "(pass shared_memory=None or False)"
+                )
+            reconnect = True
+            shared_memory = False
         if name is not None and not isinstance(name, str):  # pyright: ignore[reportUnnecessaryIsInstance]
             raise TypeError(f"name must be a str or None, got {type(name).__name__}")
         connect = check_seconds("connect_timeout", connect_timeout, optional=False)
@@ -190,10 +218,12 @@ class TcpClient:
             dial_timeout=dial_timeout,
             name=name,
             wire_compression=wire_compression,
+            durable_bytes=durable_bytes if durable else None,
         )
         self._layout = TreeLayout(data_sample)
         self._sender = TcpSender(host, port, self._layout, settings, resolver)
         self._closed = False
+        self._durable = durable
         self._given_up: int | None = None
         self._name = name
 
@@ -296,11 +326,27 @@ class TcpClient:
         """
         self._sender.wait(timeout)
 
+    def wait_persisted(self, timeout: float | None = None) -> None:
+        """With `durable=True`: blocks until every sent sample is in a checkpoint the learner
+        completed (`persisted == sent`), reconnecting and resending meanwhile. Without, it
+        returns at once once everything is acknowledged (nothing is kept for persistence).
+
+        Raises:
+            ConnectionClosedError, ServerClosedError: As `wait()`.
+            TimeoutError: Not everything was persisted within `timeout` seconds (the learner
+                checkpoints every `checkpoint_every` seconds).
+        """
+        if self._durable:
+            self._sender.wait_persisted(timeout)
+        else:
+            self._sender.wait(timeout)
+
     def close(self, timeout: float | None = 30.0) -> bool:
         """Flushes, then closes the connection. Idempotent; leaves no thread behind.
 
-        Waits (at most `timeout` seconds) until everything sent is acknowledged, so samples
-        sent just before `close()` are delivered. Returns whether they all were. A worker
+        Waits (at most `timeout` seconds) until everything sent is acknowledged (with
+        `durable=True`: persisted, so the wait lasts until the learner's next checkpoint), so
+        samples sent just before `close()` are delivered. Returns whether they all were. A worker
         shutting down that would rather not wait (the learner's rate limiter may hold its
         samples back for long) passes `timeout=0`: the unacknowledged samples are given up at
         once, and `given_up` says how many (and an INFO line on the `"echo"` logger).
@@ -309,7 +355,7 @@ class TcpClient:
             return self._given_up == 0
         self._closed = True
         flushed = self._sender.close(timeout)
-        self._given_up = max(0, self.sent - self.acked)
+        self._given_up = max(0, self.sent - (self.persisted if self._durable else self.acked))
         if self._given_up:
             _log.info("%r: closed with %d samples unacknowledged (given up)", self, self._given_up)
         return flushed
@@ -330,6 +376,36 @@ class TcpClient:
     def acked(self) -> int:
         """Samples the server has acknowledged so far."""
         return self._sender.acked
+
+    @property
+    def durable(self) -> bool:
+        """Whether this client keeps its samples until they are persisted (`durable=True`)."""
+        return self._durable
+
+    @property
+    def persisted(self) -> int:
+        """With `durable=True`: how many of this client's samples are in a checkpoint the
+        learner completed (every one before this number; samples count from 0), as its
+        latest notice said. 0 before the first checkpoint, and without `durable`."""
+        return self._sender.persisted
+
+    @property
+    def retained_bytes(self) -> int:
+        """Bytes of samples this client keeps to resend: with `durable=True` those not yet
+        persisted (at most `durable_bytes`, or one larger sample); with `reconnect=True`
+        those not yet acknowledged."""
+        return self._sender.retained_bytes
+
+    @property
+    def durable_waits(self) -> int:
+        """`send()` calls that blocked because `durable_bytes` were full of samples not yet
+        persisted (a learner that checkpoints too rarely for this worker's rate)."""
+        return self._sender.durable_waits[0]
+
+    @property
+    def durable_wait_s(self) -> float:
+        """Seconds `send()` calls blocked for `durable_bytes`, in all."""
+        return self._sender.durable_waits[1]
 
     @property
     def protocol(self) -> int:

@@ -21,6 +21,7 @@ use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::Value;
 
 use crate::codec::Codec;
+use crate::queued::SessionMark;
 use crate::replay::{AtEnd, RateLimit, RemoverKind, SamplerKind, SequenceConfig};
 
 /// The newest format version this echo reads, and the one it writes with compressed leaves.
@@ -439,6 +440,41 @@ pub struct Manifest {
     pub extra: Option<String>,
     /// Every other file: its size and SHA-256.
     pub files: BTreeMap<String, FileEntry>,
+    /// How far each durable session's samples reach in it (what a restored server tells
+    /// those clients to resend from); none without durable clients. An older echo ignores it
+    /// (its restored sessions are then new ones).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sessions: Vec<SessionEntry>,
+}
+
+/// A durable session's mark ([`crate::queued::SessionMark`]) as the manifest spells it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SessionEntry {
+    /// The session id, 32 lowercase hex digits.
+    pub id: String,
+    /// The sequence number of its first sample the checkpoint does not hold.
+    pub seq: u64,
+}
+
+impl SessionEntry {
+    /// The entry of `mark`.
+    pub fn new(mark: &SessionMark) -> Self {
+        Self { id: hex(&mark.id), seq: mark.seq }
+    }
+
+    /// The mark it spells; `None` for an id that is not 32 hex digits.
+    pub fn mark(&self) -> Option<SessionMark> {
+        let digits = self.id.as_bytes();
+        if digits.len() != 32 {
+            return None;
+        }
+        let mut id = [0u8; 16];
+        for (byte, pair) in id.iter_mut().zip(digits.chunks_exact(2)) {
+            let text = std::str::from_utf8(pair).ok()?;
+            *byte = u8::from_str_radix(text, 16).ok()?;
+        }
+        Some(SessionMark { id, seq: self.seq })
+    }
 }
 
 /// What is wrong with a manifest, without the file's name (the caller adds it).
@@ -678,6 +714,7 @@ mod tests {
                 "leaf_000.npy".to_owned(),
                 FileEntry { sha256: "00".into(), bytes: 1 },
             )]),
+            sessions: Vec::new(),
         }
     }
 

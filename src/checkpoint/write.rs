@@ -8,8 +8,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::directory::{write_small, NewCheckpointDir};
 use super::manifest::{
-    CodecEntry, Counts, FileEntry, IngressFiles, Kind, Layout, LeafEntry, Manifest, Settings,
-    TableStateEntry, Tuning, EXTRA, INGRESS_PRIORITIES, MANIFEST, META_FILES, SEQUENCE_META,
+    CodecEntry, Counts, FileEntry, IngressFiles, Kind, Layout, LeafEntry, Manifest, SessionEntry,
+    Settings, TableStateEntry, Tuning, EXTRA, INGRESS_PRIORITIES, MANIFEST, META_FILES,
+    SEQUENCE_META,
 };
 use super::npy::{as_bytes, write_leaf_files, write_npy, write_npy_1d, LeafFile, QueuedChunks};
 use super::Example;
@@ -173,8 +174,10 @@ pub fn write(
     let mut files = out.leaf_files(example, &names);
     let ingress_files = out.leaf_files(example, &ingress_names);
     let mut manifest_extra = (None, None, None, Vec::new());
+    let sessions: Vec<SessionEntry>;
     let (format, counts) = match backend.checkpoint(capture)? {
         BackendCheckpoint::Fifo(mut snapshot) => {
+            sessions = snapshot.queued.sessions.iter().map(SessionEntry::new).collect();
             let digests = write_leaf_files(&mut snapshot, &files)?;
             out.add_all(&names, &digests)?;
             let from_ring = snapshot.ring_rows() as u64;
@@ -189,6 +192,7 @@ pub fn write(
             (Kind::Fifo, counts)
         }
         BackendCheckpoint::Replay(mut checkpoint, queued) => {
+            sessions = queued.sessions.iter().map(SessionEntry::new).collect();
             let packed = packed(checkpoint.codecs(), &mut names, &mut files, &out);
             if !packed.is_empty() {
                 checkpoint.keep_packed();
@@ -242,6 +246,7 @@ pub fn write(
             (Kind::Replay, counts)
         }
         BackendCheckpoint::Sequence(mut checkpoint, queued) => {
+            sessions = queued.sessions.iter().map(SessionEntry::new).collect();
             let packed = packed(checkpoint.codecs(), &mut names, &mut files, &out);
             if !packed.is_empty() {
                 checkpoint.keep_packed();
@@ -332,6 +337,7 @@ pub fn write(
         ingress,
         extra,
         files: out.entries,
+        sessions,
     };
     let json = manifest.to_json();
     write_small(&out.dir.file(MANIFEST), &json)?;

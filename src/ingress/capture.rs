@@ -10,6 +10,8 @@
 //! inserts (also while it waits for room), so `capture` reads them beside it. Queues cannot be
 //! read in place, so `capture` moves their samples into the connection's `stash`, which the
 //! drainer empties, in order, before it pops the queue again: a connection's order is kept.
+//! Each connection also records how many of its queued samples the checkpoint holds
+//! (`Connection::captured`): what durable sessions are told is persisted.
 
 use super::{Connection, Ingress, StepMark};
 use crate::queued::QueuedSamples;
@@ -65,6 +67,11 @@ impl Connection {
         }
         // ORDERING: Relaxed — see `stashed`.
         self.stashed.store(stash.len(), Relaxed);
+        // ORDERING: Relaxed — `dequeued` is exact under the `state` lock we hold (the drainer
+        // writes it under the write lock); `captured` is read by the checkpoint's thread, which
+        // runs this.
+        let captured = self.dequeued.load(Relaxed) + stash.len() as u64;
+        self.captured.store(captured, Relaxed);
         for (buf, _, priority, mark, _) in stash.iter() {
             each(buf, *priority, *mark);
         }

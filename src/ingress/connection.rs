@@ -19,7 +19,7 @@ use crate::backend::Backend;
 use crate::doorbell::Doorbell;
 use crate::metrics::{Counter, Stamp};
 use crate::source::{EpisodeEnd, SampleSource, StepTag};
-use crate::sync::{Arc, AtomicBool, AtomicU32, AtomicUsize};
+use crate::sync::{Arc, AtomicBool, AtomicU32, AtomicU64, AtomicUsize};
 
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 
@@ -56,6 +56,14 @@ pub struct Connection {
     pub(super) stash: Mutex<VecDeque<Queued>>,
     /// `stash.len()`, exact for whoever holds the drainer's `state` lock (see `stash`).
     pub(super) stashed: AtomicUsize,
+    /// Samples the drainer took out of `queue` and `stash` into its rounds, ever. Written
+    /// under the drainer's `state` write lock, so exact for a holder of its read lock.
+    pub(super) dequeued: AtomicU64,
+    /// At the latest [`Ingress::capture`](super::Ingress::capture): how many of the samples
+    /// pushed into `queue` the checkpoint holds (the drainer took them into a round, so they
+    /// are in the backend's snapshot or in the capture, or they were stashed). A connection's
+    /// samples keep their order, so these are its first `captured` pushed.
+    pub(super) captured: AtomicU64,
     /// Empty buffers ready for reuse. Producer: the drainer; consumer: the transport task.
     pub(super) free: ArrayQueue<Box<[u8]>>,
     /// Buffers of this connection that exist; never exceeds `free.capacity()`.
@@ -364,6 +372,15 @@ impl Connection {
     /// Samples waiting in this connection's queue (and stash).
     pub fn queue_len(&self) -> usize {
         self.queue.len() + self.stashed()
+    }
+
+    /// How many of the samples pushed into this connection's queue the latest checkpoint
+    /// holds: its first so many (see `captured`). Only samples that went through the queue
+    /// count: none inserted in place or through shared memory.
+    pub fn captured(&self) -> u64 {
+        // ORDERING: Relaxed — read after the checkpoint's capture returned, on the thread that
+        // ran it (the checkpoint's), or after its completion was published to this reader.
+        self.captured.load(Relaxed)
     }
 
     pub(super) fn stashed(&self) -> usize {

@@ -162,8 +162,10 @@ impl DrainerState {
             for k in 0..n {
                 let index = (self.round + k) % n;
                 let conn = &self.conns[index];
+                let mut taken = 0u64;
                 if conn.stashed() > 0 {
                     let mut stash = conn.stash.lock();
+                    taken += stash.len() as u64;
                     for (buf, pushed, priority, mark, packed) in stash.drain(..) {
                         ingress.queue_dwell.record_since(pushed);
                         self.bufs.push(buf);
@@ -188,7 +190,11 @@ impl DrainerState {
                     self.priorities.push(priority);
                     self.marks.push(mark);
                     self.owners.push(index);
+                    taken += 1;
                 }
+                // ORDERING: Relaxed — under the `state` write lock, which orders it for
+                // `capture` (a read lock holder).
+                conn.dequeued.fetch_add(taken, Relaxed);
             }
         }
         shared.depth_sum.set(sum);

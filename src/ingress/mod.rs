@@ -144,6 +144,8 @@ impl Ingress {
             queue: ArrayQueue::new(self.config.queue_size),
             stash: Mutex::new(VecDeque::new()),
             stashed: AtomicUsize::new(0),
+            dequeued: AtomicU64::new(0),
+            captured: AtomicU64::new(0),
             free: ArrayQueue::new(2 * self.config.queue_size + 1),
             allocated: AtomicUsize::new(0),
             unfinished: AtomicUsize::new(0),

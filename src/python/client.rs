@@ -75,6 +75,8 @@ struct ClientSettings {
     dial_timeout: Option<f64>,
     name: Option<String>,
     wire_compression: bool,
+    /// Durable acknowledgements' byte budget; `None`: plain acknowledgements.
+    durable_bytes: Option<usize>,
 }
 
 impl ClientSettings {
@@ -111,6 +113,7 @@ impl ClientSettings {
         };
         config.name.clone_from(&self.name);
         config.wire_compression = self.wire_compression;
+        config.durable = self.durable_bytes;
         Ok(connect_timeout)
     }
 }
@@ -281,9 +284,25 @@ impl PyTcpSender {
         done.unwrap_or(Err(EchoError::TimedOut)).map_err(|e| self.error(Call::Wait, e))
     }
 
-    /// Flushes (waits for the acks of everything sent, at most `timeout` seconds), then closes
-    /// the connection and joins its thread. Idempotent. Returns whether everything sent was
-    /// acknowledged.
+    /// Durable acknowledgements: waits until every sent sample is in a checkpoint the server
+    /// completed (reconnecting and resending meanwhile).
+    #[pyo3(signature = (timeout=None))]
+    fn wait_persisted(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
+        let deadline = deadline_from_timeout(timeout)?;
+        let sender = &self.sender;
+        let done = wait_detached(py, deadline, |slice_end| {
+            let mut sender = sender.try_lock_until(slice_end)?;
+            match sender.wait_persisted(Some(slice_end)) {
+                Err(EchoError::TimedOut) => None,
+                other => Some(other),
+            }
+        })?;
+        done.unwrap_or(Err(EchoError::TimedOut)).map_err(|e| self.error(Call::Wait, e))
+    }
+
+    /// Flushes (waits for the acks of everything sent, and with durable acknowledgements for
+    /// it to be persisted, at most `timeout` seconds), then closes the connection and joins
+    /// its thread. Idempotent. Returns whether everything sent was acknowledged (persisted).
     #[pyo3(signature = (timeout=None))]
     fn close(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
         let deadline = deadline_from_timeout(timeout)?;
@@ -291,7 +310,7 @@ impl PyTcpSender {
         // Flush in slices so Ctrl-C still works, then close for real.
         let flushed = wait_detached(py, deadline, |slice_end| {
             let mut sender = sender.try_lock_until(slice_end)?;
-            match sender.wait(Some(slice_end)) {
+            match sender.flush(Some(slice_end)) {
                 Err(EchoError::TimedOut) => None,
                 Ok(()) => Some(true),
                 Err(_) => Some(false),
@@ -361,6 +380,25 @@ impl PyTcpSender {
     #[getter]
     fn resent(&self, py: Python<'_>) -> u64 {
         self.read(py, TcpSender::resent)
+    }
+
+    /// Durable acknowledgements: every sample before this one is persisted (0 before the
+    /// first checkpoint's notice, and without).
+    #[getter]
+    fn persisted(&self, py: Python<'_>) -> u64 {
+        self.read(py, TcpSender::persisted)
+    }
+
+    /// Bytes of the samples kept to resend.
+    #[getter]
+    fn retained_bytes(&self, py: Python<'_>) -> usize {
+        self.read(py, TcpSender::retained_bytes)
+    }
+
+    /// Sends that waited for the durable byte budget, and the seconds they waited in all.
+    #[getter]
+    fn durable_waits(&self, py: Python<'_>) -> (u64, f64) {
+        self.read(py, TcpSender::durable_waits)
     }
 
     /// The sample the latest reconnection resumed at (`None` before any).

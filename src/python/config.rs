@@ -73,6 +73,7 @@ impl TcpArg {
             layout: Some(layout),
             shared_memory: self.shared_memory,
             codecs: Vec::new(),
+            restored_sessions: Vec::new(),
         })
     }
 }

@@ -6,9 +6,10 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use super::{LastCheckpoint, Server};
 use crate::backend::BackendConfig;
-use crate::checkpoint::manifest::{CodecEntry, Strategy};
+use crate::checkpoint::manifest::{CodecEntry, SessionEntry, Strategy};
 use crate::checkpoint::{self, Example, Extra, OpenedCheckpoint, Settings, Stage, Tuning};
 use crate::error::EchoError;
+use crate::transport::TcpIngress;
 
 impl Server {
     /// The settings that are part of the data, as a checkpoint records them.
@@ -72,7 +73,22 @@ impl Server {
             example,
             extra,
         };
-        let bytes = checkpoint::write(&self.backend, || self.queued_now(), request, hook)?;
+        // Durable sessions' marks are taken with the capture, and their clients told once
+        // the checkpoint is complete (never for one that failed).
+        let durable = self.tcp.lock().as_ref().map(TcpIngress::durability);
+        let mut marks = Vec::new();
+        let capture = || {
+            let mut queued = self.queued_now();
+            if let Some(durable) = &durable {
+                queued.sessions = durable.marks();
+                marks.clone_from(&queued.sessions);
+            }
+            queued
+        };
+        let bytes = checkpoint::write(&self.backend, capture, request, hook)?;
+        if let Some(durable) = &durable {
+            durable.persisted(&marks);
+        }
         let unix_s = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
         self.record_checkpoint(LastCheckpoint {
             unix_s,
@@ -92,6 +108,9 @@ impl Server {
         opened: &OpenedCheckpoint,
         npy_descrs: &[String],
     ) -> Result<(), EchoError> {
-        opened.restore_into(&self.backend, npy_descrs)
+        opened.restore_into(&self.backend, npy_descrs)?;
+        let marks = opened.manifest().sessions.iter().filter_map(SessionEntry::mark).collect();
+        *self.restored_sessions.lock() = marks;
+        Ok(())
     }
 }

@@ -28,7 +28,7 @@ use crate::error::EchoError;
 use crate::error::InsertError;
 use crate::ingress::{Ingress, IngressConfig, IngressSnapshot};
 use crate::metrics::{self, DetailedSnapshot};
-use crate::queued::QueuedSamples;
+use crate::queued::{QueuedSamples, SessionMark};
 use crate::replay::{InsertHoldback, SampleHoldback};
 use crate::source::SampleSource;
 use crate::spec::DataSpec;
@@ -110,6 +110,9 @@ pub struct Server {
     last_checkpoint: Mutex<LastCheckpoint>,
     /// Samples in-process inserts put in, counted as each call returns.
     submitted: AtomicU64,
+    /// The durable sessions of the checkpoint this server was restored from, seeded into the
+    /// transport when it starts.
+    restored_sessions: Mutex<Vec<SessionMark>>,
 }
 
 impl std::fmt::Debug for Server {
@@ -144,6 +147,7 @@ impl Server {
             dropped_at_close: OnceLock::new(),
             last_checkpoint: Mutex::new(LastCheckpoint::default()),
             submitted: AtomicU64::new(0),
+            restored_sessions: Mutex::new(Vec::new()),
         })
     }
 
@@ -176,6 +180,7 @@ impl Server {
     /// transport already runs (or ran), or the bind's error.
     pub fn start(&self, mut tcp: TcpConfig, max_buffered_bytes: usize) -> Result<u16, EchoError> {
         tcp.codecs.clone_from(&self.wire_codecs);
+        tcp.restored_sessions.clone_from(&self.restored_sessions.lock());
         let ingress_config = IngressConfig { max_buffered_bytes, ..self.ingress_config };
         // Under the transport lock. A close marks the backend closed before it takes the lock:
         // a start that gets the lock first is shut down by that close, one that gets it after

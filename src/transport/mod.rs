@@ -71,6 +71,11 @@ impl TcpIngress {
         self.server.local_addr()
     }
 
+    /// What a checkpoint asks of the durable sessions ([`tcp::TcpServer::durability`]).
+    pub fn durability(&self) -> tcp::Durability {
+        self.server.durability()
+    }
+
     /// The drainer pool.
     pub fn ingress(&self) -> Arc<Ingress> {
         Arc::clone(&self.ingress)

@@ -171,5 +171,6 @@ pub fn tagged_hello(session: u8, shm: bool, notices: bool, codecs: bool) -> v2::
         shm,
         notices,
         codecs,
+        durable: false,
     }
 }

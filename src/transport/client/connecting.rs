@@ -270,6 +270,7 @@ impl Connecting {
             shm: self.config.wants_shm(),
             notices: true,
             codecs: self.config.wire_compression,
+            durable: self.config.durable.is_some(),
         };
         let bytes = hello.encode(&offer, self.config.token.as_deref())?;
         let stream = self.stream.as_mut().expect("connected");
@@ -302,6 +303,25 @@ impl Connecting {
                     self.address
                 )));
             }
+        }
+        if self.config.durable.is_some() && !accept.durable {
+            return Err(EchoError::Protocol(format!(
+                "the server at {} does not offer durable acknowledgements (an echo server \
+                 older than this client): connect without durable=True",
+                self.address
+            )));
+        }
+        if accept.resume_seq < self.first_seq && accept.durable {
+            return Err(EchoError::Protocol(format!(
+                "the server at {} resumed this session at sample {}, but had said the samples \
+                 before {} were persisted: it was restored from an older checkpoint than its \
+                 latest, and samples {} to {} are lost (restore the latest checkpoint)",
+                self.address,
+                accept.resume_seq,
+                self.first_seq,
+                accept.resume_seq,
+                self.first_seq - 1
+            )));
         }
         if accept.resume_seq < self.first_seq {
             return Err(EchoError::Protocol(format!(

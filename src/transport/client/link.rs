@@ -30,6 +30,9 @@ pub(super) struct Acks {
     pub(super) fatal: AtomicBool,
     /// The [`v2::Closing`] reason the server gave before it closed (0: none).
     pub(super) closing: AtomicU8,
+    /// The latest [`v2::PERSISTED`] mark on this connection (0: none yet): every sample of
+    /// the session before it is in a completed checkpoint.
+    pub(super) persisted: AtomicU64,
     pub(super) reason: Mutex<String>,
     pub(super) changed: Signal,
 }
@@ -134,6 +137,8 @@ pub(super) struct Reading {
     /// Bytes received and not yet processed.
     pub(super) pending: Vec<u8>,
     pub(super) last_heard: Instant,
+    /// The server sends [`v2::PERSISTED`] notices (it accepted a durable hello).
+    pub(super) durable: bool,
     /// On shared memory: the space bell, rung when the connection is lost so that a `send`
     /// or `wait` sleeping on it notices at once.
     pub(super) wake_on_loss: Option<LossBell>,
@@ -201,6 +206,7 @@ impl Reading {
     pub(super) fn process(&mut self) -> Result<(), String> {
         let mut used = 0;
         let mut acked = 0u64;
+        let mut persisted = false;
         let result = loop {
             let Some(&byte) = self.pending.get(used) else { break Ok(()) };
             match byte {
@@ -210,6 +216,17 @@ impl Reading {
                     self.skip_offer = false;
                 }
                 v2::BEAT if self.version == 2 => used += 1,
+                v2::PERSISTED if self.durable => {
+                    let Some(bytes) = self.pending.get(used + 1..used + v2::PERSISTED_LEN) else {
+                        break Ok(());
+                    };
+                    let mark = u64::from_le_bytes(bytes.try_into().expect("8 bytes"));
+                    used += v2::PERSISTED_LEN;
+                    // ORDERING: Release pairs with the Acquire in `TcpSender::persisted`;
+                    // a monotonic mark, announced by the notify below.
+                    self.acks.persisted.fetch_max(mark, Release);
+                    persisted = true;
+                }
                 v2::CLOSING if self.version == 2 => {
                     let Some(&why) = self.pending.get(used + 1) else { break Ok(()) };
                     used += 2;
@@ -263,6 +280,8 @@ impl Reading {
         if acked > 0 {
             // ORDERING: Release pairs with the Acquire in `Acks::acked`.
             self.acks.acked.fetch_add(acked, Release);
+        }
+        if acked > 0 || persisted {
             self.acks.changed.notify_all();
         }
         result

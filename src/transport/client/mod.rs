@@ -132,6 +132,18 @@ pub struct TcpSender {
     /// The compressed frame being written (from byte `in_progress` on), when the connection
     /// sends compressed frames; kept across calls so a stalled write finishes the same bytes.
     packing: Vec<u8>,
+    /// Durable acknowledgements: the most bytes of frames kept until they are persisted.
+    durable: Option<usize>,
+    /// Bytes of the frames in `retained`.
+    retained_bytes: usize,
+    /// The largest persisted mark of past connections.
+    persisted_floor: u64,
+    /// Sends that waited for the durable byte budget, and the seconds they waited.
+    durable_waits: u64,
+    /// A send is waiting for the durable byte budget (across the calls a sliced deadline
+    /// makes), counted once in `durable_waits`.
+    budget_blocked: bool,
+    durable_wait_s: f64,
 }
 
 impl TcpSender {
@@ -210,6 +222,12 @@ impl TcpSender {
             carry: false,
             shm: est.shm.is_some(),
             packing: Vec::new(),
+            durable: config.durable,
+            retained_bytes: 0,
+            persisted_floor: 0,
+            durable_waits: 0,
+            budget_blocked: false,
+            durable_wait_s: 0.0,
             config,
         };
         match sender.install(est) {
@@ -222,6 +240,7 @@ impl TcpSender {
     /// Starts the reader on an established connection and makes it the current one.
     fn install(&mut self, est: Established) -> Result<(), EchoError> {
         let Established { stream, version, accept, leftover, skip_offer, shm, .. } = est;
+        let durable = accept.as_ref().is_some_and(|a| a.durable);
         stream.set_read_timeout(None)?;
         stream.set_write_timeout(Some(WRITE_SLICE))?;
         let base = accept.as_ref().map_or(0, |a| a.resume_seq);
@@ -239,6 +258,7 @@ impl TcpSender {
                 version,
                 skip_offer,
                 pending: leftover,
+                durable,
                 last_heard: Instant::now(),
                 wake_on_loss: match &shm {
                     Some(writer) => Some(loss_bell(writer)?),
@@ -303,6 +323,39 @@ impl TcpSender {
             Some(link) => link.acked_total().max(self.acked_floor),
             None => self.acked_floor,
         }
+    }
+
+    /// With durable acknowledgements: every sample before this one is in a checkpoint the
+    /// server completed (as its latest notice said); 0 before one, and without.
+    pub fn persisted(&self) -> u64 {
+        let latest = self.link.as_ref().map_or(0, |link| {
+            // ORDERING: Acquire pairs with the reader's Release `fetch_max`.
+            link.acks.persisted.load(Acquire)
+        });
+        latest.max(self.persisted_floor)
+    }
+
+    /// The sample up to which nothing needs keeping any more: the acknowledged ones, or
+    /// with durable acknowledgements the acknowledged and persisted ones.
+    fn releasable(&self) -> u64 {
+        let acked = self.acked();
+        if self.durable.is_some() {
+            acked.min(self.persisted())
+        } else {
+            acked
+        }
+    }
+
+    /// Bytes of the frames kept to resend (with reconnection): with durable
+    /// acknowledgements, until they are persisted, at most the budget.
+    pub fn retained_bytes(&self) -> usize {
+        self.retained_bytes
+    }
+
+    /// `send` calls that waited for the durable byte budget (until a checkpoint persisted
+    /// what they kept), and the seconds they waited in all.
+    pub fn durable_waits(&self) -> (u64, f64) {
+        (self.durable_waits, self.durable_wait_s)
     }
 
     /// What the server said the last time it closed a connection of this client: for good

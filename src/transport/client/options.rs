@@ -63,6 +63,12 @@ pub struct ClientConfig {
     /// Compress the leaves the server names in its reply (v2 over TCP; never over shared
     /// memory, which copies raw).
     pub wire_compression: bool,
+    /// Durable acknowledgements: `Some(bytes)` keeps every sample until the server says a
+    /// completed checkpoint holds it (not only until it is acknowledged), in at most `bytes`
+    /// of frames; `send` waits while they are spent. A restored server's session says where
+    /// its checkpoint stands, and the client resends from there. Needs reconnection; goes
+    /// over TCP (never shared memory). `None`: samples are kept until acknowledged.
+    pub durable: Option<usize>,
 }
 
 /// Where a client connects next ([`ClientConfig::resolver`]).
@@ -105,14 +111,16 @@ impl ClientConfig {
             resolver: None,
             name: None,
             wire_compression: true,
+            durable: None,
         }
     }
 
-    /// Whether the hello asks for shared memory: not on v1, only on Linux. With reconnection
-    /// too: each new connection asks again, and the copies kept for resending go through
-    /// whichever path it has.
+    /// Whether the hello asks for shared memory: not on v1, not durable, only on Linux. With
+    /// reconnection too: each new connection asks again, and the copies kept for resending go
+    /// through whichever path it has.
     pub(super) fn wants_shm(&self) -> bool {
         self.shared_memory != SharedMemory::Off
+            && self.durable.is_none()
             && self.protocol != Protocol::V1
             && cfg!(target_os = "linux")
     }
@@ -150,6 +158,27 @@ impl ClientConfig {
                 "reconnecting needs wire protocol 2 (v1 has no sequence numbers to resume from)"
                     .into(),
             ));
+        }
+        if let Some(bytes) = self.durable {
+            if self.reconnect_timeout.is_none() {
+                return Err(EchoError::Config(
+                    "durable acknowledgements need reconnection (reconnect=True): the samples \
+                     kept until they are persisted are resent on a new connection"
+                        .into(),
+                ));
+            }
+            if bytes == 0 {
+                return Err(EchoError::Config(
+                    "the durable byte budget must be at least 1 byte, got 0".into(),
+                ));
+            }
+            if self.shared_memory == SharedMemory::Required {
+                return Err(EchoError::SharedMemory(
+                    "shared_memory=True with durable acknowledgements: durable samples go over \
+                     TCP"
+                    .into(),
+                ));
+            }
         }
         if self.shared_memory == SharedMemory::Required {
             let why = if !cfg!(target_os = "linux") {

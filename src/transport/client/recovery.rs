@@ -35,6 +35,64 @@ impl TcpSender {
         }
     }
 
+    /// Waits until the samples before `target` are acknowledged and persisted (durable
+    /// acknowledgements), on the current connection.
+    pub(super) fn wait_for_persisted(
+        &self,
+        target: u64,
+        deadline: Option<Instant>,
+    ) -> Result<(), EchoError> {
+        let Some(link) = &self.link else {
+            return Err(EchoError::Disconnected(self.failure()));
+        };
+        let acks = &link.acks;
+        let reached =
+            acks.changed.wait_until(|| self.releasable() >= target || acks.is_lost(), deadline);
+        if self.releasable() >= target {
+            Ok(())
+        } else if acks.is_lost() {
+            Err(EchoError::Disconnected(acks.reason()))
+        } else {
+            debug_assert!(!reached);
+            Err(EchoError::TimedOut)
+        }
+    }
+
+    /// What a close waits for: every sent sample acknowledged ([`TcpSender::wait`]), and with
+    /// durable acknowledgements persisted too ([`TcpSender::wait_persisted`]).
+    ///
+    /// # Errors
+    /// As [`TcpSender::wait`].
+    pub fn flush(&mut self, deadline: Option<Instant>) -> Result<(), EchoError> {
+        self.wait(deadline)?;
+        if self.durable.is_some() {
+            self.wait_persisted(deadline)?;
+        }
+        Ok(())
+    }
+
+    /// Durable acknowledgements: waits until every sent sample is persisted (or `deadline`),
+    /// reconnecting and resending meanwhile.
+    ///
+    /// # Errors
+    /// As [`TcpSender::wait`].
+    pub fn wait_persisted(&mut self, deadline: Option<Instant>) -> Result<(), EchoError> {
+        loop {
+            self.release();
+            if self.releasable() >= self.sent {
+                return Ok(());
+            }
+            self.ensure_usable()?;
+            self.drive(deadline)?;
+            match self.wait_for_persisted(self.sent, deadline) {
+                Err(EchoError::Disconnected(_)) if self.reconnect => {}
+                // Released at the top of the loop.
+                Ok(()) => {}
+                Err(err) => return Err(err),
+            }
+        }
+    }
+
     /// Waits until at least `target` acks have arrived on the current connection.
     pub(super) fn wait_for_acks(
         &self,
@@ -121,12 +179,8 @@ impl TcpSender {
     /// Writes retained frames from `written` to `sent`.
     fn pump(&mut self, deadline: Option<Instant>) -> Result<(), EchoError> {
         while self.written < self.sent {
-            // Drop what is acknowledged: it is never needed again.
-            let acked = self.acked();
-            while self.retained_base < acked && !self.retained.is_empty() {
-                self.release_front();
-                self.retained_base += 1;
-            }
+            // Drop what is acknowledged (durable: and persisted): it is never needed again.
+            self.release();
             let index = usize::try_from(self.written - self.retained_base).expect("retained");
             if self.shm {
                 self.pump_shm(index, deadline)?;
@@ -192,6 +246,8 @@ impl TcpSender {
         if let Some(mut link) = self.link.take() {
             // ORDERING: the reader has stopped counting once `lost` is set (Acquire above).
             self.acked_floor = self.acked_floor.max(link.acked_total());
+            // ORDERING: Acquire, as in `persisted`.
+            self.persisted_floor = self.persisted_floor.max(link.acks.persisted.load(Acquire));
             let reason = link.acks.reason();
             link.shut();
             log::warn!(
@@ -263,11 +319,15 @@ impl TcpSender {
                     // as a new session there, resending from what is acknowledged.
                     self.session = v2::random()?;
                 }
+                // A durable client claims only what is persisted: a restored server's
+                // session may stand anywhere from there (and a new one starts there).
+                let first_seq =
+                    if self.durable.is_some() { self.retained_base } else { self.acked_floor };
                 recovery.connecting = Some(Connecting::start(
                     Arc::clone(&self.config),
                     target,
                     self.session,
-                    self.acked_floor,
+                    first_seq,
                     Some(until),
                 )?);
                 continue;
@@ -310,9 +370,13 @@ impl TcpSender {
         }
         self.replay = accept.replay;
         self.steps = accept.steps;
-        while self.retained_base < resume && !self.retained.is_empty() {
-            self.release_front();
-            self.retained_base += 1;
+        // The server has every sample before `resume`: none needs resending. A durable
+        // client keeps them until they are persisted (`release`).
+        if self.durable.is_none() {
+            while self.retained_base < resume && !self.retained.is_empty() {
+                self.release_front();
+                self.retained_base += 1;
+            }
         }
         self.acked_floor = resume;
         self.written = resume;
@@ -336,10 +400,12 @@ impl TcpSender {
         if self.closed {
             return self.acked() >= self.sent;
         }
-        let flushed = self.wait(deadline).is_ok();
+        let flushed = self.flush(deadline).is_ok();
         self.closed = true;
         if let Some(mut link) = self.link.take() {
             self.acked_floor = self.acked_floor.max(link.acked_total());
+            // ORDERING: Acquire, as in `persisted`.
+            self.persisted_floor = self.persisted_floor.max(link.acks.persisted.load(Acquire));
             if link.version == 2 && flushed && !link.acks.is_lost() {
                 let _guard = link.writing.lock();
                 let _ = link.stream.write_all(&[v2::BYE]);

@@ -58,6 +58,9 @@ impl TcpSender {
         }
         let (header, header_len) = frame_header(self.version, &meta, false);
         let header = &header[..header_len];
+        if let Some(budget) = self.durable {
+            self.make_room(header_len + self.spec.payload_size(), budget, deadline)?;
+        }
         if self.reconnect {
             self.retain(header, leaves);
             self.sent += 1;
@@ -230,12 +233,63 @@ impl TcpSender {
             frame[at..at + leaf.len()].copy_from_slice(leaf);
             at += leaf.len();
         }
+        self.retained_bytes += frame.len();
         self.retained.push_back(Retained { frame });
+    }
+
+    /// Forgets every retained frame nothing needs any more: acknowledged, and with durable
+    /// acknowledgements persisted too.
+    pub(super) fn release(&mut self) {
+        let upto = self.releasable();
+        while self.retained_base < upto && !self.retained.is_empty() {
+            self.release_front();
+            self.retained_base += 1;
+        }
+    }
+
+    /// Durable acknowledgements: waits until a frame of `len` bytes fits in `budget` beside
+    /// the frames kept until they are persisted (or nothing is kept: a frame larger than the
+    /// budget goes alone), reconnecting meanwhile. Counts the wait.
+    ///
+    /// # Errors
+    /// [`EchoError::TimedOut`] at `deadline` (nothing was sent), or as [`TcpSender::send`].
+    fn make_room(
+        &mut self,
+        len: usize,
+        budget: usize,
+        deadline: Option<Instant>,
+    ) -> Result<(), EchoError> {
+        let mut waited = None;
+        let result = loop {
+            self.release();
+            if self.retained.is_empty() || self.retained_bytes + len <= budget {
+                self.budget_blocked = false;
+                break Ok(());
+            }
+            if !std::mem::replace(&mut self.budget_blocked, true) {
+                // One wait, however many calls (a deadline cut into slices) it takes.
+                self.durable_waits += 1;
+            }
+            waited.get_or_insert_with(Instant::now);
+            if let Err(err) = self.drive(deadline) {
+                break Err(err);
+            }
+            match self.wait_for_persisted(self.retained_base + 1, deadline) {
+                Err(EchoError::Disconnected(_)) if self.reconnect => {}
+                Err(err) => break Err(err),
+                Ok(()) => {}
+            }
+        };
+        if let Some(since) = waited {
+            self.durable_wait_s += since.elapsed().as_secs_f64();
+        }
+        result
     }
 
     /// Forgets the oldest retained frame (acknowledged), keeping its buffer for reuse.
     pub(super) fn release_front(&mut self) {
         if let Some(old) = self.retained.pop_front() {
+            self.retained_bytes -= old.frame.len();
             // At most two buffers: one of each frame size (with and without a priority).
             if self.spare.len() < 2 {
                 self.spare.push(old.frame);

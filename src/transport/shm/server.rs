@@ -390,6 +390,8 @@ async fn wait_for_room(
             Woke::Done(()) => return Ok(()),
             Woke::Closing => return Err(io::Error::other(ServerClosing)),
             Woke::Beat => keep_beating(link).await,
+            // No durable session reaches shared memory (its client does not ask for it).
+            Woke::Persisted => {}
         }
     }
 }

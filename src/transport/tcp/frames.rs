@@ -4,18 +4,16 @@
 
 use std::io;
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Instant;
 
-use parking_lot::Mutex;
 use tokio::sync::Notify;
 
 use super::checks::{check_frame, max_rows};
-use super::link::{invalid, Link, Pooled};
+use super::link::{invalid, Link, Notices, Pooled};
 use super::session::LOG_TARGET;
-use super::session::{NotifyWaker, Session, Shared, TAKEOVER_GRACE};
+use super::session::{Session, Shared, TAKEOVER_GRACE};
 use crate::codec::LeafCodecs;
 use crate::ingress::{BudgetHold, Connection, Packed, StepMark, TransportEvent};
 use crate::transport::shm;
@@ -106,18 +104,7 @@ pub(super) async fn serve_v2(
         match sessions.get(&hello.session) {
             Some(session) => (Arc::clone(session), true),
             None => {
-                let space = Arc::new(Notify::new());
-                let conn = ingress.register(Box::new(NotifyWaker(Arc::clone(&space))));
-                let session = Arc::new(Session {
-                    conn,
-                    space,
-                    next_seq: AtomicU64::new(hello.first_seq),
-                    floor: AtomicU64::new(hello.first_seq),
-                    handed: AtomicU64::new(hello.first_seq),
-                    owner: Arc::new(tokio::sync::Mutex::new(())),
-                    serving: Mutex::new(None),
-                    detached_at: Mutex::new(None),
-                });
+                let session = Arc::new(Session::new(ingress, hello.first_seq, hello.durable));
                 sessions.insert(hello.session, Arc::clone(&session));
                 (session, false)
             }
@@ -126,8 +113,14 @@ pub(super) async fn serve_v2(
     // A resume claims only what the session acknowledged: checked before the connection
     // that serves the session now is ended (so a refused claim costs it nothing), and again
     // once this task owns the session.
+    if hello.durable {
+        // ORDERING: Relaxed — a flag read by checkpoints; set before this session's first
+        // sample from a durable client is queued, which the checkpoint's capture orders.
+        session.durable.store(true, Relaxed);
+    }
+    let durable = session.durable.load(Relaxed);
     if existed {
-        if let Some(why) = session.refuse_resume(hello.first_seq) {
+        if let Some(why) = session.refuse_resume(hello.first_seq, durable) {
             return Err(refuse_resume(link, ingress, &why).await);
         }
     }
@@ -145,7 +138,7 @@ pub(super) async fn serve_v2(
         return Err(invalid("the session's previous connection did not end in time".into()));
     };
     if existed {
-        if let Some(why) = session.refuse_resume(hello.first_seq) {
+        if let Some(why) = session.refuse_resume(hello.first_seq, durable) {
             // The connection that served the session was ended above: the session waits for
             // its client as after any disconnection.
             {
@@ -167,7 +160,9 @@ pub(super) async fn serve_v2(
     session.floor.store(session.floor(), Relaxed);
     let queued = session.next_seq.load(Relaxed);
     // `first_seq <= queued` (checked above) for a resume; a new session starts at `first_seq`.
-    let resume_seq = queued.max(hello.first_seq);
+    // A durable session resumes where it stands even behind `first_seq`: a restored server's
+    // stands where its checkpoint does, and its client resends what it kept from there.
+    let resume_seq = if durable { queued } else { queued.max(hello.first_seq) };
     // ORDERING: Relaxed — as above: written under `owner`, which orders them for its next
     // holder.
     session.next_seq.store(resume_seq, Relaxed);
@@ -175,7 +170,8 @@ pub(super) async fn serve_v2(
     session.handed.store(resume_seq, Relaxed);
     ingress.note(TransportEvent::V2);
     if existed {
-        ingress.note(TransportEvent::Resumed { deduplicated: resume_seq - hello.first_seq });
+        let deduplicated = resume_seq.saturating_sub(hello.first_seq);
+        ingress.note(TransportEvent::Resumed { deduplicated });
     }
     let own_ms = shared.heartbeat.map_or(0, |d| u32::try_from(d.as_millis()).unwrap_or(u32::MAX));
     let signed = shared.token.as_deref().map(|token| (token, hello, offer));
@@ -187,7 +183,8 @@ pub(super) async fn serve_v2(
     // raw (should it decline the channel, its frames come raw too).
     let codecs = shared.codecs.as_ref().filter(|_| hello.codecs && !hello.shm);
     accept.codecs = codecs.map(|c| c.as_slice().to_vec());
-    if hello.shm {
+    accept.durable = hello.durable;
+    if hello.shm && !hello.durable {
         match shm::server::prepare(shared, peer, link) {
             Ok(prepared) => {
                 accept.shm = Some(prepared.offer.clone());
@@ -202,6 +199,13 @@ pub(super) async fn serve_v2(
     }
     link.write(&Reply::Accepted(accept).encode()).await?;
     link.beat = Beat::new(shared.heartbeat, hello.heartbeat_ms);
+    if hello.durable {
+        let mut completed = shared.persisted.subscribe();
+        // Tells the client where the session is persisted at once (a restored session is
+        // persisted up to where it resumes).
+        completed.mark_changed();
+        link.notices = Some(Notices { completed, session: Arc::clone(&session), told: 0 });
+    }
     log::debug!(target: LOG_TARGET, "{peer}: v2 session resumed at sample {resume_seq} (resumed: {existed})");
     if let Some(prepared) = channel {
         match shm::server::serve(link, shared, &session, prepared).await? {
@@ -241,6 +245,8 @@ async fn serve_frames(
 ) -> io::Result<()> {
     let ingress = &shared.ingress;
     let (conn, space) = (&session.conn, &*session.space);
+    // ORDERING: Relaxed — set before this task was handed the session (see `serve_v2`).
+    let durable = session.durable.load(Relaxed);
     let payload_size = conn.payload_size();
     let stream_cost = ingress.backend().stream_cost();
     // A compressed frame's body, read whole before it is decompressed into a buffer.
@@ -290,7 +296,9 @@ async fn serve_frames(
             link.activity.complete();
             continue;
         }
-        if priority.is_none() && !meta.is_step() && link.read_in_place(conn).await? {
+        // A durable session's samples all go through its queue, where a checkpoint counts
+        // them (see `Shared::marks`).
+        if !durable && priority.is_none() && !meta.is_step() && link.read_in_place(conn).await? {
             // ORDERING: Relaxed — as below.
             session.next_seq.fetch_add(1, Relaxed);
             link.acks += 1;

@@ -7,6 +7,7 @@
 use std::io;
 #[cfg(target_os = "linux")]
 use std::net::SocketAddr;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -14,8 +15,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{watch, Notify};
 
-use super::session::Activity;
 use super::session::LOG_TARGET;
+use super::session::{Activity, Session};
 use crate::ingress::{BudgetHold, Connection, Packed, StepMark};
 use crate::transport::direct;
 use crate::transport::wire::v2::{self, Beat, Refusal, Reply};
@@ -68,6 +69,28 @@ pub(crate) struct Link<'a> {
     pub(super) epoch: Instant,
     /// The server's closing state (see [`TcpServer::close`](super::TcpServer::close)).
     pub(crate) closing: watch::Receiver<u8>,
+    /// A durable session's: what tells its client how far it is persisted.
+    pub(super) notices: Option<Notices>,
+}
+
+/// A durable connection's [`v2::PERSISTED`] notices: sent whenever a checkpoint completes and
+/// its session's persisted mark moved past what the client was told.
+pub(super) struct Notices {
+    /// Changes when a checkpoint completes.
+    pub(super) completed: watch::Receiver<u64>,
+    pub(super) session: Arc<Session>,
+    /// The mark the client was last told.
+    pub(super) told: u64,
+}
+
+/// Resolves when a checkpoint completed (never without notices, or once the server is gone).
+async fn completed(notices: &mut Option<Notices>) {
+    if let Some(n) = notices {
+        if n.completed.changed().await.is_ok() {
+            return;
+        }
+    }
+    std::future::pending::<()>().await;
 }
 
 /// Resolves once the server is closing (never, if its state is dropped first).
@@ -102,6 +125,8 @@ pub(crate) enum Woke<T> {
     Done(T),
     Closing,
     Beat,
+    /// A checkpoint completed (durable sessions).
+    Persisted,
 }
 
 impl Link<'_> {
@@ -139,6 +164,23 @@ impl Link<'_> {
             self.writer.write_all(&ACKS[..n]).await?;
             self.acks -= n;
             self.last_write = Instant::now();
+        }
+        Ok(())
+    }
+
+    /// Tells a durable client how far its session is persisted, if that moved since it was
+    /// last told: after the acks of those samples.
+    pub(super) async fn tell_persisted(&mut self) -> io::Result<()> {
+        let Some(notices) = &self.notices else { return Ok(()) };
+        // ORDERING: Relaxed — the watch we woke on orders the session's store before it.
+        let mark = notices.session.persisted.load(Relaxed);
+        if mark <= notices.told {
+            return Ok(());
+        }
+        self.flush().await?;
+        self.write(&v2::encode_persisted(mark)).await?;
+        if let Some(notices) = &mut self.notices {
+            notices.told = mark;
         }
         Ok(())
     }
@@ -198,12 +240,17 @@ impl Link<'_> {
                 () = tokio::time::sleep(every.unwrap_or(NEVER)), if every.is_some() => {
                     Woke::Beat
                 }
+                () = completed(&mut self.notices) => Woke::Persisted,
             };
             let n = match woke {
                 Woke::Done(n) => n?,
                 Woke::Closing => return Err(io::Error::other(ServerClosing)),
                 Woke::Beat => {
                     self.tick(true).await?;
+                    continue;
+                }
+                Woke::Persisted => {
+                    self.tell_persisted().await?;
                     continue;
                 }
             };
@@ -350,12 +397,14 @@ impl Link<'_> {
             () = tokio::time::sleep(every.unwrap_or(NEVER)), if every.is_some() => {
                 Woke::Beat
             }
+            () = completed(&mut self.notices) => Woke::Persisted,
         };
         conn.note_blocked_for(waited.elapsed());
         match woke {
             Woke::Done(()) => Ok(()),
             Woke::Closing => Err(io::Error::other(ServerClosing)),
             Woke::Beat => self.tick(false).await,
+            Woke::Persisted => self.tell_persisted().await,
         }
     }
 

@@ -46,6 +46,7 @@ use super::wire::v2::{self, Closing, Layout};
 use crate::codec::{Codec, LeafCodecs};
 use crate::error::EchoError;
 use crate::ingress::Ingress;
+use crate::queued::SessionMark;
 use accept::{accept_loop, Admission};
 use link::NOTICE_GRACE;
 use session::{reap_sessions, Sessions, Shared, Throttled};
@@ -93,6 +94,9 @@ pub struct TcpConfig {
     /// that stores leaves compressed offers its own codecs whatever this says, and keeps the
     /// bytes as they arrive.
     pub codecs: Vec<Option<Codec>>,
+    /// The durable sessions of the checkpoint this server was restored from: each waits for
+    /// its client, resuming where the checkpoint holds its samples up to.
+    pub restored_sessions: Vec<SessionMark>,
 }
 
 impl TcpConfig {
@@ -110,6 +114,7 @@ impl TcpConfig {
             layout: None,
             shared_memory: true,
             codecs: Vec::new(),
+            restored_sessions: Vec::new(),
         }
     }
 }
@@ -204,7 +209,9 @@ impl TcpServer {
             codecs,
             keep_packed,
             warned_v1_sequence: std::sync::atomic::AtomicBool::new(false),
+            persisted: watch::Sender::new(0),
         });
+        shared.seed(&config.restored_sessions);
         runtime.spawn(reap_sessions(Arc::clone(&shared)));
         runtime.spawn(accept_loop(listener, Arc::clone(&shared), admission));
         Ok(Self { runtime: Some(runtime), local_addr, shared })
@@ -213,6 +220,11 @@ impl TcpServer {
     /// The bound address.
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// What a checkpoint asks of the durable sessions: their marks, and that they be told.
+    pub fn durability(&self) -> Durability {
+        Durability(Arc::clone(&self.shared))
     }
 
     /// Closes telling the clients why: stops accepting, and each connection, at its next wait
@@ -245,6 +257,22 @@ impl TcpServer {
             // their guards mark the connections closed. Joins the worker threads.
             runtime.shutdown_timeout(SHUTDOWN_GRACE);
         }
+    }
+}
+
+/// A checkpoint's handle on a server's durable sessions ([`TcpServer::durability`]).
+pub struct Durability(Arc<Shared>);
+
+impl Durability {
+    /// Every durable session's mark: call it right after [`Ingress::capture`], before the
+    /// next one (checkpoints run one at a time).
+    pub fn marks(&self) -> Vec<SessionMark> {
+        self.0.marks()
+    }
+
+    /// The checkpoint holding `marks` completed: tell those sessions' clients.
+    pub fn persisted(&self, marks: &[SessionMark]) {
+        self.0.persisted(marks);
     }
 }
 

@@ -17,6 +17,7 @@ use tokio::task::AbortHandle;
 
 use crate::codec::LeafCodecs;
 use crate::ingress::{Connection, Ingress, SpaceWaker};
+use crate::queued::SessionMark;
 use crate::transport::wire::v2::{Layout, Mode};
 
 /// The `log` target of everything the TCP server logs: the logger `echo.transport.tcp` in Python,
@@ -171,9 +172,57 @@ pub(crate) struct Shared {
     pub(super) keep_packed: bool,
     /// Whether a wire v1 client of a sequence table was warned about (once per server).
     pub(super) warned_v1_sequence: std::sync::atomic::AtomicBool,
+    /// Bumped when a checkpoint completes: durable connections then tell their clients how
+    /// far their session is persisted ([`Session::persisted`]).
+    pub(super) persisted: watch::Sender<u64>,
 }
 
 impl Shared {
+    /// Every durable session's mark at the checkpoint whose capture just ran: its first
+    /// sample past the samples of its queue that the capture counted. Call it after
+    /// [`Ingress::capture`] and before the next one (checkpoints run one at a time).
+    pub(crate) fn marks(&self) -> Vec<SessionMark> {
+        self.sessions
+            .0
+            .lock()
+            .iter()
+            .filter(|(_, s)| s.durable.load(Relaxed))
+            .map(|(id, s)| SessionMark { id: *id, seq: s.base + s.conn.captured() })
+            .collect()
+    }
+
+    /// A checkpoint holding `marks` completed: each session still here is persisted that far,
+    /// and its connection tells its client.
+    pub(crate) fn persisted(&self, marks: &[SessionMark]) {
+        {
+            let sessions = self.sessions.0.lock();
+            for mark in marks {
+                if let Some(session) = sessions.get(&mark.id) {
+                    // ORDERING: Relaxed — published to the connection tasks by the watch
+                    // below (its lock orders this before their read).
+                    session.persisted.fetch_max(mark.seq, Relaxed);
+                }
+            }
+        }
+        self.persisted.send_modify(|generation| *generation += 1);
+    }
+
+    /// Sessions a restored server's checkpoint held, detached and waiting for their clients:
+    /// each resumes at its mark.
+    pub(crate) fn seed(&self, marks: &[SessionMark]) {
+        let mut sessions = self.sessions.0.lock();
+        for mark in marks {
+            let session = Session::new(&self.ingress, mark.seq, true);
+            session.conn.detach();
+            *session.detached_at.lock() = Some(Instant::now());
+            // A restored session is persisted where it stands, and its client may claim any
+            // resume point up to there (it may not have seen the last acks).
+            session.floor.store(0, Relaxed);
+            session.persisted.store(mark.seq, Relaxed);
+            sessions.insert(mark.id, Arc::new(session));
+        }
+    }
+
     pub(super) fn mode(&self) -> Mode {
         if self.token.is_some() {
             Mode::Token
@@ -193,8 +242,8 @@ pub(crate) struct Session {
     pub(crate) next_seq: AtomicU64,
     /// The least `first_seq` a resuming client may present: the session's first sample, then
     /// the resume point of the latest connection that queued a sample (its client read that
-    /// accept before it sent the sample, so it acknowledged everything before it). Written
-    /// only by the task that holds `owner`.
+    /// accept before it sent the sample, so it acknowledged everything before it); 0 for a
+    /// restored session. Written only by the task that holds `owner`.
     pub(super) floor: AtomicU64,
     /// The resume point handed to the connection now (or last) served. Written only by the
     /// task that holds `owner`.
@@ -205,9 +254,36 @@ pub(crate) struct Session {
     pub(super) serving: Mutex<Option<u64>>,
     /// When its last connection ended (`None` while one is served).
     pub(super) detached_at: Mutex<Option<Instant>>,
+    /// A durable client's: its samples go through `conn`'s queue only (never in place), so a
+    /// checkpoint counts them exactly ([`Shared::marks`]), and it is told when they are
+    /// persisted. Set by the first durable hello.
+    pub(super) durable: AtomicBool,
+    /// The sequence number of the first sample queued into `conn`.
+    pub(super) base: u64,
+    /// Every sample before this one is in a completed checkpoint (durable sessions).
+    pub(super) persisted: AtomicU64,
 }
 
 impl Session {
+    /// A new session whose next sample is `first_seq`, with its own ingress queue.
+    pub(super) fn new(ingress: &Ingress, first_seq: u64, durable: bool) -> Self {
+        let space = Arc::new(Notify::new());
+        let conn = ingress.register(Box::new(NotifyWaker(Arc::clone(&space))));
+        Self {
+            conn,
+            space,
+            next_seq: AtomicU64::new(first_seq),
+            floor: AtomicU64::new(first_seq),
+            handed: AtomicU64::new(first_seq),
+            owner: Arc::new(tokio::sync::Mutex::new(())),
+            serving: Mutex::new(None),
+            detached_at: Mutex::new(None),
+            durable: AtomicBool::new(durable),
+            base: first_seq,
+            persisted: AtomicU64::new(0),
+        }
+    }
+
     /// The least `first_seq` a resuming client may present now: `floor`, or the resume point
     /// last handed over if a sample was queued since (its client had read it).
     pub(super) fn floor(&self) -> u64 {
@@ -225,7 +301,7 @@ impl Session {
     /// cannot be this session's: only what the session acknowledged may be claimed, from
     /// `floor` to `next_seq`. A claim past `next_seq` would skip samples the client still
     /// holds (they would be dropped unsent), and one below `floor` is no client's.
-    pub(super) fn refuse_resume(&self, first_seq: u64) -> Option<String> {
+    pub(super) fn refuse_resume(&self, first_seq: u64, durable: bool) -> Option<String> {
         // ORDERING: Relaxed — under `owner` (see `next_seq`) the mutex orders these loads after
         // the previous holder's writes. Before `owner` is taken (the early check) a stale
         // `next_seq` can only be lower than the value under `owner`, which re-checks: an early
@@ -233,7 +309,9 @@ impl Session {
         // have queued a sample the client saw acknowledged but this load did not see, and the
         // ack reached the client through the socket, after the increment.
         let (floor, queued) = (self.floor(), self.next_seq.load(Relaxed));
-        if first_seq > queued {
+        // A durable client resends what it kept past the session's count (a restored
+        // server's session stands where its checkpoint does).
+        if first_seq > queued && !durable {
             Some(format!(
                 "session resume refused: the client says sample {first_seq} is the first it has \
                  not seen acknowledged, but this session queued only {queued} samples (a resume \

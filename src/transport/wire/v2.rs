@@ -9,7 +9,8 @@
 //! client -> server, HELLO:      nonce (32, echoed) | b"ECHO" | 0x02 | body_len: u32 | body
 //!   body:                       flags: u8 (bit 0: MAC at the end; bit 1: shared memory
 //!                               wanted; bit 2: closing notices understood; bit 3: compressed
-//!                               frames understood) | session: 16 bytes
+//!                               frames understood; bit 4: durable, the client keeps each
+//!                               sample until it is persisted) | session: 16 bytes
 //!                               | first_seq: u64 | heartbeat_ms: u32 | client_nonce: 16 bytes
 //!                               | n_leaves: u32 | per leaf: name_len: u16 | name (UTF-8)
 //!                               | byte order: u8 | kind: u8 | itemsize: u32 | ndim: u32
@@ -17,7 +18,9 @@
 //! server -> client, REPLY:      b"ECHO" | 0x02 | status: u8 | msg_len: u32 | msg (UTF-8)
 //!   status 0 (accepted), then:  flags: u8 (bit 0: replay, priorities accepted; bit 1: MAC;
 //!                               bit 2: shared memory offered; bit 3: a sequence table, step
-//!                               frames accepted; bit 4: codecs follow) | resume_seq: u64
+//!                               frames accepted; bit 4: codecs follow; bit 5: persisted
+//!                               notices follow, to a client that set hello bit 4)
+//!                               | resume_seq: u64
 //!                               | heartbeat_ms: u32 | [mac: 32 bytes]
 //!                               | [name_len: u8 | socket name | shm nonce: 16 bytes]
 //!                               | [max_rows: u32, with bit 3]
@@ -39,6 +42,9 @@
 //!                               | 0x04 reason: u8 (closing: 1 for good, 2 restarting; only to
 //!                               a client that set hello bit 2, after its last ack; the
 //!                               server then reads nothing more and closes)
+//!                               | 0x05 seq: u64 (persisted: every sample of the session
+//!                               before `seq` is in a completed checkpoint; only after reply
+//!                               bit 5, after the acks of those samples)
 //! ```
 //!
 //! All integers are little-endian. The k-th sample frame of a connection has sequence number
@@ -114,6 +120,24 @@ pub const HELLO_NOTICES: u8 = 4;
 pub const HELLO_CODECS: u8 = 8;
 /// Reply flag: per-leaf codecs follow (compressed frames accepted).
 pub const REPLY_CODECS: u8 = 16;
+/// Hello flag: the client keeps every sample until a [`PERSISTED`] notice covers it, and
+/// resends from wherever a restored server's session stands.
+pub const HELLO_DURABLE: u8 = 16;
+/// Reply flag: the server sends [`PERSISTED`] notices on this connection.
+pub const REPLY_DURABLE: u8 = 32;
+/// Server byte: a sequence number (u64) follows; every sample of the session before it is in
+/// a completed checkpoint.
+pub const PERSISTED: u8 = 0x05;
+/// Length of a [`PERSISTED`] notice.
+pub const PERSISTED_LEN: usize = 9;
+
+/// A [`PERSISTED`] notice's bytes.
+pub fn encode_persisted(seq: u64) -> [u8; PERSISTED_LEN] {
+    let mut out = [0u8; PERSISTED_LEN];
+    out[0] = PERSISTED;
+    out[1..].copy_from_slice(&seq.to_le_bytes());
+    out
+}
 /// Frame-kind flag: a sample frame (0x10..=0x13) whose leaves come compressed.
 pub const PACKED: u8 = 0x04;
 
@@ -304,6 +328,8 @@ pub struct Hello {
     pub notices: bool,
     /// The client sends compressed frames when the reply names codecs.
     pub codecs: bool,
+    /// The client keeps its samples until they are persisted ([`HELLO_DURABLE`]).
+    pub durable: bool,
 }
 
 /// Fixed bytes of a hello before its body: nonce, magic, version, body length.
@@ -327,7 +353,8 @@ impl Hello {
             u8::from(token.is_some())
                 | if self.shm { HELLO_SHM } else { 0 }
                 | if self.notices { HELLO_NOTICES } else { 0 }
-                | if self.codecs { HELLO_CODECS } else { 0 },
+                | if self.codecs { HELLO_CODECS } else { 0 }
+                | if self.durable { HELLO_DURABLE } else { 0 },
         );
         body.extend_from_slice(&self.session);
         body.extend_from_slice(&self.first_seq.to_le_bytes());
@@ -428,7 +455,19 @@ fn decode_body(body: &[u8]) -> Result<Hello, EchoError> {
     let shm = flags & HELLO_SHM != 0;
     let notices = flags & HELLO_NOTICES != 0;
     let codecs = flags & HELLO_CODECS != 0;
-    Ok(Hello { session, first_seq, heartbeat_ms, client_nonce, layout, mac, shm, notices, codecs })
+    let durable = flags & HELLO_DURABLE != 0;
+    Ok(Hello {
+        session,
+        first_seq,
+        heartbeat_ms,
+        client_nonce,
+        layout,
+        mac,
+        shm,
+        notices,
+        codecs,
+        durable,
+    })
 }
 
 /// The most bytes a hello body for `layout` may have: its exact size with a MAC, doubled
@@ -457,6 +496,8 @@ pub struct Accept {
     pub steps: Option<u32>,
     /// `Some(per leaf)`: the server takes compressed frames with these leaves compressed so.
     pub codecs: Option<Vec<Option<Codec>>>,
+    /// The server sends [`PERSISTED`] notices on this connection (to a durable client).
+    pub durable: bool,
 }
 
 /// What a sample frame carries besides its payload: a priority, and for a sequence table the
@@ -615,6 +656,7 @@ impl Accept {
             note: String::new(),
             steps: None,
             codecs: None,
+            durable: false,
         }
     }
 
@@ -641,7 +683,8 @@ impl Reply {
                         | (u8::from(accept.mac.is_some()) << 1)
                         | if shm.is_some() { REPLY_SHM } else { 0 }
                         | if accept.steps.is_some() { REPLY_STEPS } else { 0 }
-                        | if accept.codecs.is_some() { REPLY_CODECS } else { 0 },
+                        | if accept.codecs.is_some() { REPLY_CODECS } else { 0 }
+                        | if accept.durable { REPLY_DURABLE } else { 0 },
                 );
                 out.extend_from_slice(&accept.resume_seq.to_le_bytes());
                 out.extend_from_slice(&accept.heartbeat_ms.to_le_bytes());
@@ -731,6 +774,7 @@ impl Reply {
                 note: message,
                 steps,
                 codecs,
+                durable: flags & REPLY_DURABLE != 0,
             }))
         })();
         match parsed {
@@ -856,6 +900,7 @@ mod tests {
             shm: mac,
             notices: !mac,
             codecs: mac,
+            durable: mac,
         };
         let token: &[u8] = b"secret";
         let bytes = hello.encode(&offer, mac.then_some(token)).unwrap();

@@ -1,0 +1,246 @@
+"""Durable acknowledgements: a worker with `durable=True` keeps each sample until a checkpoint
+the learner completed holds it, so a learner SIGKILLed at any moment and restored from its
+latest checkpoint ends with exactly the samples sent, none lost and none twice; the byte
+budget blocks `send()` (counted) while a learner does not checkpoint; and the settings and
+errors a user meets."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import WAIT_S, poll
+from test_wire_v2 import Child, children  # noqa: F401 - the fixture
+
+from echo import Server, TcpClient, TcpTransport
+from echo.checkpoint import periodic_checkpoints
+
+LOCALHOST = "127.0.0.1"
+EXAMPLE = {"id": np.zeros((), np.int64), "obs": np.zeros((16,), np.float32)}
+ID_STRIDE = 1_000_000
+
+
+def sample(i: int) -> dict[str, np.ndarray]:
+    return {"id": np.array(i, np.int64), "obs": np.full((16,), i % 9973, np.float32)}
+
+
+# A learner process: a FIFO ring or a replay table large enough that nothing is evicted,
+# checkpointing every 0.1 s into the directory given, new or restored from its latest
+# checkpoint. On "dump" it hands out every sample it holds (the replay table hands each out
+# once: newest first, max_times_sampled=1) and prints their ids.
+LEARNER = textwrap.dedent(
+    """
+    import signal, sys, threading, time
+    import numpy as np
+    import echo
+    from echo.checkpoint import periodic_checkpoints
+
+    signal.alarm(200)
+    kind, port, directory, restore = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    EXAMPLE = {"id": np.zeros((), np.int64), "obs": np.zeros((16,), np.float32)}
+    settings = (
+        {"num_buffers": 8192}
+        if kind == "fifo"
+        else {"sampler": echo.Lifo(), "max_size": 8192, "max_times_sampled": 1}
+    )
+    transport = echo.TcpTransport(port=port, host="127.0.0.1")
+    periodic = {"checkpoint_dir": directory, "checkpoint_every": 0.1, "checkpoint_keep": 3}
+    if restore == "1":
+        latest = periodic_checkpoints(directory)[-1]
+        server = echo.Server.restore(latest, transport=transport, **periodic)
+        print("restored", latest, server.stats().store_size, flush=True)
+    else:
+        server = echo.Server(EXAMPLE, 1, transport=transport, **settings, **periodic)
+    server.start()
+    print("port", server.port, flush=True)
+    for line in sys.stdin:
+        if line.strip() == "dump":
+            break
+    ids = []
+    for _ in range(10**6):
+        try:
+            batch = server.sample(timeout=1.0)
+        except TimeoutError:
+            break
+        if batch is None:
+            break
+        i = int(batch.batch["id"][0])
+        assert (batch.batch["obs"][0] == np.float32(i % 9973)).all(), i
+        ids.append(i)
+    print("ids", " ".join(map(str, ids)), flush=True)
+    print("done", flush=True)
+    """
+)
+
+# A durable worker: sends `n` samples with ids `w * ID_STRIDE + i`, pacing itself, then
+# closes (which waits until everything is persisted) and prints its counters.
+WORKER = textwrap.dedent(
+    """
+    import json, signal, sys, time
+    import numpy as np
+    import echo
+
+    signal.alarm(200)
+    port, w, n, budget = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    client = echo.TcpClient(
+        "127.0.0.1", port, {"id": np.zeros((), np.int64), "obs": np.zeros((16,), np.float32)},
+        durable=True, durable_bytes=budget, reconnect_timeout=60.0,
+        heartbeat_timeout=2.0, name=f"worker-{w}",
+    )
+    print("connected", flush=True)
+    for i in range(n):
+        j = w * 1_000_000 + i
+        client.send({"id": np.array(j, np.int64), "obs": np.full((16,), j % 9973, np.float32)},
+                    timeout=60.0)
+        if i % 20 == 0:
+            time.sleep(0.01)
+    closed = client.close(timeout=60.0)
+    print("result", json.dumps({
+        "closed": closed, "sent": client.sent, "persisted": client.persisted,
+        "reconnects": client.reconnects, "resent": client.resent,
+        "waits": client.durable_waits, "given_up": client.given_up,
+    }), flush=True)
+    """
+)
+
+
+def _ids(learner: Child) -> list[int]:
+    line = learner.expect("ids", 3 * WAIT_S)
+    return [int(x) for x in line.split()[1:]]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind", ["fifo", "replay"])
+def test_a_learner_killed_at_a_random_moment_and_restored_ends_with_every_sample_once(
+    children: Callable[..., Child], tmp_path: Any, kind: str
+) -> None:
+    """4 durable worker processes send 600 samples each (a 4 KiB budget: a few dozen
+    samples not yet persisted at most) to a learner that checkpoints every 0.1 s. It is
+    SIGKILLed at a random moment and restored from its latest checkpoint on the same port:
+    the restored learner holds every sample of every worker exactly once, intact."""
+    rng = random.Random(20261206 + len(kind))
+    num_workers, n, budget = 4, 600, 4096
+    directory = tmp_path / "ckpt"
+    args = [sys.executable, "-c", LEARNER, kind]
+    old = children("learner-old", [*args, "0", str(directory), "0"], stdin=True)
+    port = int(old.expect("port ").split()[1])
+    workers = [
+        children(f"worker-{w}", [sys.executable, "-c", WORKER, str(port), str(w), str(n), str(budget)])
+        for w in range(num_workers)
+    ]
+    for worker in workers:
+        worker.expect("connected")
+    time.sleep(rng.uniform(0.3, 1.2))
+    poll(lambda: periodic_checkpoints(directory), bool, "a first checkpoint")
+    old.kill()
+    new = children("learner-new", [*args, str(port), str(directory), "1"], stdin=True)
+    new.expect("restored")
+    assert int(new.expect("port ").split()[1]) == port
+    results = [json.loads(wk.expect("result ", 120).split(" ", 1)[1]) for wk in workers]
+    new.send_line("dump")
+    ids = _ids(new)
+    expected = sorted(w * ID_STRIDE + i for w in range(num_workers) for i in range(n))
+    assert len(ids) == len(set(ids)), "a sample twice"
+    missing = sorted(set(expected) - set(ids))
+    assert sorted(ids) == expected, f"{len(missing)} lost, e.g. {missing[:5]}"
+    for result in results:
+        assert result["closed"], result
+        assert (result["sent"], result["persisted"], result["given_up"]) == (n, n, 0), result
+    # Killed mid-stream: at least one worker was cut off and resent what was not persisted.
+    assert any(r["reconnects"] >= 1 and r["resent"] > 0 for r in results), results
+
+
+def test_send_blocks_on_the_byte_budget_until_a_checkpoint_persists_what_it_keeps(
+    tmp_path: Any,
+) -> None:
+    """Without checkpoints nothing is persisted: a 1 KiB budget holds 14 samples (1 + 8 + 64
+    bytes each with the frame header), the next `send()` times out and is counted, and a
+    checkpoint lets it through and tells the client how far its samples are persisted."""
+    server = Server(EXAMPLE, 1, num_buffers=64, transport=TcpTransport(port=0, host=LOCALHOST))
+    with server:
+        client = TcpClient(LOCALHOST, server.port, EXAMPLE, durable=True, durable_bytes=1024)
+        assert client.durable and client.transport_path == "tcp"
+        frame = 1 + 8 + 16 * 4
+        fits = 1024 // frame
+        for i in range(fits):
+            client.send(sample(i), timeout=WAIT_S)
+        client.wait(timeout=WAIT_S)
+        assert (client.acked, client.persisted, client.retained_bytes) == (fits, 0, fits * frame)
+        with pytest.raises(TimeoutError):
+            client.send(sample(fits), timeout=0.2)
+        assert client.durable_waits == 1 and client.durable_wait_s >= 0.2
+        assert client.sent == fits  # the timed-out sample was not sent
+        server.checkpoint(tmp_path / "one")
+        client.send(sample(fits), timeout=WAIT_S)
+        poll(lambda: client.persisted, lambda p: p == fits, "the persisted notice")
+        assert client.retained_bytes == frame
+        with pytest.raises(TimeoutError):
+            client.wait_persisted(timeout=0.2)
+        server.checkpoint(tmp_path / "two")
+        client.wait_persisted(timeout=WAIT_S)
+        assert (client.persisted, client.retained_bytes) == (fits + 1, 0)
+        assert client.close(timeout=WAIT_S)
+        got = [int(server.sample(timeout=WAIT_S).batch["id"][0]) for _ in range(fits + 1)]
+        assert got == list(range(fits + 1))
+
+
+def test_a_restored_learner_tells_a_durable_client_where_its_checkpoint_stands(
+    tmp_path: Any,
+) -> None:
+    """In one process: 50 samples, a checkpoint, 30 more; the learner closes (restarting)
+    and is restored from the checkpoint on the same port. The client resends exactly the 30
+    the checkpoint does not hold, though the closed learner had acknowledged them."""
+    server = Server(EXAMPLE, 1, num_buffers=256, transport=TcpTransport(port=0, host=LOCALHOST))
+    server.start()
+    port = server.port
+    client = TcpClient(
+        LOCALHOST, port, EXAMPLE, durable=True, reconnect_timeout=WAIT_S, heartbeat_timeout=1.0
+    )
+    for i in range(50):
+        client.send(sample(i), timeout=WAIT_S)
+    client.wait(timeout=WAIT_S)
+    server.checkpoint(tmp_path / "c")
+    poll(lambda: client.persisted, lambda p: p == 50, "the persisted notice")
+    for i in range(50, 80):
+        client.send(sample(i), timeout=WAIT_S)
+    client.wait(timeout=WAIT_S)
+    assert client.persisted == 50
+    server.close(restarting=True)
+    restored = Server.restore(tmp_path / "c", transport=TcpTransport(port=port, host=LOCALHOST))
+    with restored:
+        for i in range(80, 90):
+            client.send(sample(i), timeout=WAIT_S)
+        client.wait(timeout=WAIT_S)
+        assert (client.reconnects, client.resent, client.resumed_from) == (1, 30, 50)
+        got = [int(restored.sample(timeout=WAIT_S).batch["id"][0]) for _ in range(90)]
+        assert got == list(range(90))
+        restored.checkpoint(tmp_path / "d")
+        client.wait_persisted(timeout=WAIT_S)
+        assert client.persisted == 90
+        assert client.close(timeout=WAIT_S)
+
+
+def test_durable_settings_are_checked() -> None:
+    with pytest.raises(TypeError, match="durable"):
+        TcpClient(LOCALHOST, 1, EXAMPLE, durable="yes")  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValueError, match="durable_bytes"):
+        TcpClient(LOCALHOST, 1, EXAMPLE, durable=True, durable_bytes=0)
+    with pytest.raises(ValueError, match="shared_memory=True with durable=True"):
+        TcpClient(LOCALHOST, 1, EXAMPLE, durable=True, shared_memory=True)
+
+
+def test_durable_needs_an_echo_server_that_offers_it() -> None:
+    """A durable client refuses a protocol-1 server (id-echo 0.2.1's protocol) with the
+    reason, rather than silently losing what it promised to keep."""
+    server = Server(EXAMPLE, 1, num_buffers=8, transport=TcpTransport(port=0, host=LOCALHOST))
+    with server:
+        with pytest.raises(ValueError, match="protocol"):
+            TcpClient(LOCALHOST, server.port, EXAMPLE, durable=True, protocol=1)
+
