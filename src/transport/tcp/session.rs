@@ -186,6 +186,8 @@ impl Shared {
             .0
             .lock()
             .iter()
+            // ORDERING: Relaxed — set before the session's first sample from a durable
+            // client was queued; a session marked after the capture has nothing counted.
             .filter(|(_, s)| s.durable.load(Relaxed))
             .map(|(id, s)| SessionMark { id: *id, seq: s.base + s.conn.captured() })
             .collect()
@@ -217,7 +219,10 @@ impl Shared {
             *session.detached_at.lock() = Some(Instant::now());
             // A restored session is persisted where it stands, and its client may claim any
             // resume point up to there (it may not have seen the last acks).
+            // ORDERING: Relaxed — the session is published to the connection tasks by the
+            // `sessions` mutex we hold.
             session.floor.store(0, Relaxed);
+            // ORDERING: Relaxed — as above.
             session.persisted.store(mark.seq, Relaxed);
             sessions.insert(mark.id, Arc::new(session));
         }
@@ -302,6 +307,12 @@ impl Session {
     /// `floor` to `next_seq`. A claim past `next_seq` would skip samples the client still
     /// holds (they would be dropped unsent), and one below `floor` is no client's.
     pub(super) fn refuse_resume(&self, first_seq: u64, durable: bool) -> Option<String> {
+        // A durable client claims only what it was told is persisted, and resends what it
+        // kept past wherever the session stands (a restored server's stands where its
+        // checkpoint does): any claim is its own.
+        if durable {
+            return None;
+        }
         // ORDERING: Relaxed — under `owner` (see `next_seq`) the mutex orders these loads after
         // the previous holder's writes. Before `owner` is taken (the early check) a stale
         // `next_seq` can only be lower than the value under `owner`, which re-checks: an early
@@ -309,9 +320,7 @@ impl Session {
         // have queued a sample the client saw acknowledged but this load did not see, and the
         // ack reached the client through the socket, after the increment.
         let (floor, queued) = (self.floor(), self.next_seq.load(Relaxed));
-        // A durable client resends what it kept past the session's count (a restored
-        // server's session stands where its checkpoint does).
-        if first_seq > queued && !durable {
+        if first_seq > queued {
             Some(format!(
                 "session resume refused: the client says sample {first_seq} is the first it has \
                  not seen acknowledged, but this session queued only {queued} samples (a resume \
