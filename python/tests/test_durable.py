@@ -27,8 +27,9 @@ LOCALHOST = "127.0.0.1"
 EXAMPLE = {"id": np.zeros((), np.int64), "obs": np.zeros((16,), np.float32)}
 ID_STRIDE = 1_000_000
 
-#: The child-process fixture of the wire v2 tests: `children(name, argv)`.
+#: The child-process fixture of the wire v2 tests: `children(name, argv)`, and their relay.
 children = _wire_v2.children
+proxy = _wire_v2.proxy
 
 
 def sample(i: int) -> dict[str, np.ndarray]:
@@ -283,4 +284,34 @@ def test_a_sequence_table_restored_gets_every_step_of_a_durable_worker_once(
         got = sorted(int(restored.sample(timeout=WAIT_S).batch["id"][0, 0]) for _ in range(100))
         assert got == list(range(100))
         restored.checkpoint(tmp_path / "t")
+        assert client.close(timeout=WAIT_S)
+
+
+def test_a_durable_session_resumes_through_dropped_connections_before_any_checkpoint(
+    tmp_path: Any, proxy: Callable[..., Any]
+) -> None:
+    """A relay in front of the learner resets the connection twice while nothing is
+    persisted: each reconnect claims sample 0 (the client's persisted mark), the session
+    resumes where it stands (20, then 40: every acknowledged sample counts as deduplicated),
+    nothing is stored twice, and a checkpoint then persists all 60."""
+    server = Server(EXAMPLE, 1, num_buffers=128, transport=TcpTransport(port=0, host=LOCALHOST))
+    with server:
+        relay = proxy(server.port)
+        client = TcpClient(LOCALHOST, relay.port, EXAMPLE, durable=True, reconnect_timeout=WAIT_S)
+        for round_ in range(3):
+            for i in range(20 * round_, 20 * round_ + 20):
+                client.send(sample(i), timeout=WAIT_S)
+            client.wait(timeout=WAIT_S)
+            if round_ < 2:
+                relay.command("drop")
+        # Only a sample written into a connection already reset is sent again.
+        assert (client.reconnects, client.persisted) == (2, 0)
+        assert client.resent <= 2
+        server.checkpoint(tmp_path / "c")
+        client.wait_persisted(timeout=WAIT_S)
+        assert (client.persisted, client.retained_bytes) == (60, 0)
+        got = [int(server.sample(timeout=WAIT_S).batch["id"][0]) for _ in range(60)]
+        assert got == list(range(60))
+        stats = server.stats()
+        assert (stats.sessions_resumed_total, stats.samples_deduplicated_total) == (2, 60)
         assert client.close(timeout=WAIT_S)
