@@ -100,6 +100,11 @@ SUITES: tuple[Suite, ...] = (
         "samples/s of the same-host shared-memory path against TCP, K worker processes",
     ),
     Suite(
+        "durable",
+        "benches.suites.durable",
+        "samples/s and worker memory of durable acknowledgements against plain ones, K workers",
+    ),
+    Suite(
         "socket-settings",
         "benches.suites.socket_settings",
         "loopback samples/s by SO_RCVBUF / SO_SNDBUF / TCP_NODELAY, the ingress's traffic shape",
