@@ -611,7 +611,8 @@ def tables(results: dict[str, Any], params: dict[str, Any]) -> list[dict[str, An
             "notes": [
                 "*example*: the samples and the learner's `checkpoint_every`. *mode*: `plain` "
                 "is `TcpClient(reconnect=True, shared_memory=False)`, `durable N MiB` is "
-                "`TcpClient(durable=True, durable_bytes=N MiB)`. *range*: the per-repeat ratios "
+                "`TcpClient(durable=True, durable_bytes=N MiB, shared_memory=False)`: both over "
+                "TCP. *range*: the per-repeat ratios "
                 "to plain. *worker peak RSS*: the largest worker's peak (`VmHWM`; `getrusage`'s "
                 "`ru_maxrss` would hold the learner's, which started it), in brackets its RSS "
                 "once connected. *peak retained*: the largest `retained_bytes` a worker saw "

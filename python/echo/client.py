@@ -101,7 +101,7 @@ class TcpClient:
             learner ends with exactly the samples sent, none lost, none twice. The learner
             must checkpoint (`checkpoint_every=`): what is not yet persisted stays here,
             and `send()` blocks once it fills `durable_bytes` (counted in `durable_waits`).
-            `close()` waits for the last samples to be persisted. Shared memory is not used.
+            `close()` waits for the last samples to be persisted. Over TCP and shared memory.
         durable_bytes: The most bytes of samples kept until persisted (default 256 MiB); a
             sample larger than this is kept alone.
 
@@ -193,13 +193,7 @@ class TcpClient:
         durable = check_bool("durable", durable)
         durable_bytes = check_int("durable_bytes", durable_bytes, 1, 2**63 - 1)
         if durable:
-            if shared_memory:
-                raise ValueError(
-                    "shared_memory=True with durable=True: durable samples go over TCP "
-                    "(pass shared_memory=None or False)"
-                )
             reconnect = True
-            shared_memory = False
         if name is not None and not isinstance(name, str):  # pyright: ignore[reportUnnecessaryIsInstance]
             raise TypeError(f"name must be a str or None, got {type(name).__name__}")
         connect = check_seconds("connect_timeout", connect_timeout, optional=False)

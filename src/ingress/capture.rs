@@ -70,7 +70,10 @@ impl Connection {
         // ORDERING: Relaxed — `dequeued` is exact under the `state` lock we hold (the drainer
         // writes it under the write lock); `captured` is read by the checkpoint's thread, which
         // runs this.
-        let captured = self.dequeued.load(Relaxed) + stash.len() as u64;
+        // `inserted_direct` is ordered by the backend's snapshot moment, as the drainer's
+        // `done` is.
+        let captured =
+            self.dequeued.load(Relaxed) + stash.len() as u64 + self.inserted_direct.load(Relaxed);
         self.captured.store(captured, Relaxed);
         for (buf, _, priority, mark, _) in stash.iter() {
             each(buf, *priority, *mark);

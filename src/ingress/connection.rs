@@ -59,10 +59,14 @@ pub struct Connection {
     /// Samples the drainer took out of `queue` and `stash` into its rounds, ever. Written
     /// under the drainer's `state` write lock, so exact for a holder of its read lock.
     pub(super) dequeued: AtomicU64,
-    /// At the latest [`Ingress::capture`](super::Ingress::capture): how many of the samples
-    /// pushed into `queue` the checkpoint holds (the drainer took them into a round, so they
-    /// are in the backend's snapshot or in the capture, or they were stashed). A connection's
-    /// samples keep their order, so these are its first `captured` pushed.
+    /// Samples of this connection the transport inserted into the backend itself (read in
+    /// place, or taken from its shared-memory segment), counted as a drainer counts its
+    /// round: before the FIFO ring's commit, under a replay table's lock.
+    pub(super) inserted_direct: AtomicU64,
+    /// At the latest [`Ingress::capture`](super::Ingress::capture): how many of this
+    /// connection's samples the checkpoint holds (inserted directly, or taken by the drainer
+    /// into a round, so in the backend's snapshot or in the capture, or stashed). A
+    /// connection's samples keep their order, so these are its first `captured`.
     pub(super) captured: AtomicU64,
     /// Empty buffers ready for reuse. Producer: the drainer; consumer: the transport task.
     pub(super) free: ArrayQueue<Box<[u8]>>,
@@ -305,6 +309,10 @@ impl Connection {
             fill(leaves);
             self.stats.in_place.add(1);
             self.drainer.inserted.add(1);
+            // ORDERING: Relaxed — as `dequeued` for a checkpoint: its capture runs at the
+            // ring's snapshot moment, which this reservation's commit (Release, right after)
+            // precedes or follows as a whole.
+            self.inserted_direct.fetch_add(1, Relaxed);
         })
     }
 
@@ -374,9 +382,8 @@ impl Connection {
         self.queue.len() + self.stashed()
     }
 
-    /// How many of the samples pushed into this connection's queue the latest checkpoint
-    /// holds: its first so many (see `captured`). Only samples that went through the queue
-    /// count: none inserted in place or through shared memory.
+    /// How many of this connection's samples the latest checkpoint holds: its first so many
+    /// (see `captured`), whichever way each went in.
     pub fn captured(&self) -> u64 {
         // ORDERING: Relaxed — read after the checkpoint's capture returned, on the thread that
         // ran it (the checkpoint's), or after its completion was published to this reader.
@@ -450,6 +457,9 @@ impl<S: SampleSource> SampleSource for Direct<'_, S> {
         // the lock the consumer takes (replay): a batch handed out is always counted.
         let (conn, n) = (self.conn, count as u64);
         conn.stats.direct_inserted.add(n);
+        // ORDERING: Relaxed — ordered for a checkpoint's capture by the backend's snapshot
+        // moment, as the drainer's count (`Round::inserted`).
+        conn.inserted_direct.fetch_add(n, Relaxed);
         conn.segment_depth.sub(n);
         conn.stats.segment_queued.sub(n);
         conn.stats.pending.sub(n);

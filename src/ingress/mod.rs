@@ -145,6 +145,7 @@ impl Ingress {
             stash: Mutex::new(VecDeque::new()),
             stashed: AtomicUsize::new(0),
             dequeued: AtomicU64::new(0),
+            inserted_direct: AtomicU64::new(0),
             captured: AtomicU64::new(0),
             free: ArrayQueue::new(2 * self.config.queue_size + 1),
             allocated: AtomicUsize::new(0),

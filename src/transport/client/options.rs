@@ -66,8 +66,8 @@ pub struct ClientConfig {
     /// Durable acknowledgements: `Some(bytes)` keeps every sample until the server says a
     /// completed checkpoint holds it (not only until it is acknowledged), in at most `bytes`
     /// of frames; `send` waits while they are spent. A restored server's session says where
-    /// its checkpoint stands, and the client resends from there. Needs reconnection; goes
-    /// over TCP (never shared memory). `None`: samples are kept until acknowledged.
+    /// its checkpoint stands, and the client resends from there. Needs reconnection.
+    /// `None`: samples are kept until acknowledged.
     pub durable: Option<usize>,
 }
 
@@ -115,12 +115,11 @@ impl ClientConfig {
         }
     }
 
-    /// Whether the hello asks for shared memory: not on v1, not durable, only on Linux. With
+    /// Whether the hello asks for shared memory: not on v1, only on Linux. With
     /// reconnection too: each new connection asks again, and the copies kept for resending go
     /// through whichever path it has.
     pub(super) fn wants_shm(&self) -> bool {
         self.shared_memory != SharedMemory::Off
-            && self.durable.is_none()
             && self.protocol != Protocol::V1
             && cfg!(target_os = "linux")
     }
@@ -170,13 +169,6 @@ impl ClientConfig {
             if bytes == 0 {
                 return Err(EchoError::Config(
                     "the durable byte budget must be at least 1 byte, got 0".into(),
-                ));
-            }
-            if self.shared_memory == SharedMemory::Required {
-                return Err(EchoError::SharedMemory(
-                    "shared_memory=True with durable acknowledgements: durable samples go over \
-                     TCP"
-                    .into(),
                 ));
             }
         }

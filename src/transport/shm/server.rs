@@ -21,7 +21,7 @@ use crate::sync::AsyncBell;
 use crate::transport::direct;
 use crate::transport::shm;
 use crate::transport::tcp::checks::check_meta;
-use crate::transport::tcp::link::{closed, Link, ServerClosing, Woke, NEVER};
+use crate::transport::tcp::link::{closed, completed, Link, ServerClosing, Woke, NEVER};
 use crate::transport::tcp::session::LOG_TARGET;
 use crate::transport::tcp::session::{Session, Shared};
 use crate::transport::wire::v2::{self, ShmOffer};
@@ -298,8 +298,9 @@ async fn drain(
                     Some(other) => return Err(link.fail(&other.to_string()).await),
                 }
                 // Busy taking samples we write nothing else: heartbeats keep the client's
-                // watch quiet.
+                // watch quiet, and a durable client hears of a completed checkpoint.
                 keep_beating(link).await;
+                link.tell_if_persisted().await?;
             }
             continue;
         }
@@ -311,15 +312,21 @@ async fn drain(
             reader.sleep_end();
             continue;
         }
-        let byte = tokio::select! {
-            byte = link.next_byte() => Some(byte?),
+        // Taken out while the link waits for its client (the select borrows both).
+        let mut notices = link.notices.take();
+        let woke = tokio::select! {
+            byte = link.next_byte() => Some(byte),
             ready = data.readable() => {
                 let mut guard = ready?;
                 reader.data.drain();
                 guard.clear_ready();
                 None
             }
+            () = completed(&mut notices) => None,
         };
+        link.notices = notices;
+        link.tell_persisted().await?;
+        let byte = woke.transpose()?;
         reader.sleep_end();
         match byte {
             None | Some(Some(v2::HEARTBEAT)) => {}
@@ -385,13 +392,13 @@ async fn wait_for_room(
             () = &mut retry => Woke::Done(()),
             () = closed(&mut link.closing) => Woke::Closing,
             () = tokio::time::sleep(every.unwrap_or(NEVER)), if every.is_some() => Woke::Beat,
+            () = completed(&mut link.notices) => Woke::Persisted,
         };
         match woke {
             Woke::Done(()) => return Ok(()),
             Woke::Closing => return Err(io::Error::other(ServerClosing)),
             Woke::Beat => keep_beating(link).await,
-            // No durable session reaches shared memory (its client does not ask for it).
-            Woke::Persisted => {}
+            Woke::Persisted => link.tell_persisted().await?,
         }
     }
 }

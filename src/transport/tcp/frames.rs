@@ -184,7 +184,7 @@ pub(super) async fn serve_v2(
     let codecs = shared.codecs.as_ref().filter(|_| hello.codecs && !hello.shm);
     accept.codecs = codecs.map(|c| c.as_slice().to_vec());
     accept.durable = hello.durable;
-    if hello.shm && !hello.durable {
+    if hello.shm {
         match shm::server::prepare(shared, peer, link) {
             Ok(prepared) => {
                 accept.shm = Some(prepared.offer.clone());
@@ -245,8 +245,6 @@ async fn serve_frames(
 ) -> io::Result<()> {
     let ingress = &shared.ingress;
     let (conn, space) = (&session.conn, &*session.space);
-    // ORDERING: Relaxed — set before this task was handed the session (see `serve_v2`).
-    let durable = session.durable.load(Relaxed);
     let payload_size = conn.payload_size();
     let stream_cost = ingress.backend().stream_cost();
     // A compressed frame's body, read whole before it is decompressed into a buffer.
@@ -296,9 +294,7 @@ async fn serve_frames(
             link.activity.complete();
             continue;
         }
-        // A durable session's samples all go through its queue, where a checkpoint counts
-        // them (see `Shared::marks`).
-        if !durable && priority.is_none() && !meta.is_step() && link.read_in_place(conn).await? {
+        if priority.is_none() && !meta.is_step() && link.read_in_place(conn).await? {
             // ORDERING: Relaxed — as below.
             session.next_seq.fetch_add(1, Relaxed);
             link.acks += 1;

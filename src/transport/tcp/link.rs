@@ -70,12 +70,12 @@ pub(crate) struct Link<'a> {
     /// The server's closing state (see [`TcpServer::close`](super::TcpServer::close)).
     pub(crate) closing: watch::Receiver<u8>,
     /// A durable session's: what tells its client how far it is persisted.
-    pub(super) notices: Option<Notices>,
+    pub(crate) notices: Option<Notices>,
 }
 
 /// A durable connection's [`v2::PERSISTED`] notices: sent whenever a checkpoint completes and
 /// its session's persisted mark moved past what the client was told.
-pub(super) struct Notices {
+pub(crate) struct Notices {
     /// Changes when a checkpoint completes.
     pub(super) completed: watch::Receiver<u64>,
     pub(super) session: Arc<Session>,
@@ -84,7 +84,7 @@ pub(super) struct Notices {
 }
 
 /// Resolves when a checkpoint completed (never without notices, or once the server is gone).
-async fn completed(notices: &mut Option<Notices>) {
+pub(crate) async fn completed(notices: &mut Option<Notices>) {
     if let Some(n) = notices {
         if n.completed.changed().await.is_ok() {
             return;
@@ -170,7 +170,7 @@ impl Link<'_> {
 
     /// Tells a durable client how far its session is persisted, if that moved since it was
     /// last told: after the acks of those samples.
-    pub(super) async fn tell_persisted(&mut self) -> io::Result<()> {
+    pub(crate) async fn tell_persisted(&mut self) -> io::Result<()> {
         let Some(notices) = &self.notices else { return Ok(()) };
         // ORDERING: Relaxed — the watch we woke on orders the session's store before it.
         let mark = notices.session.persisted.load(Relaxed);
@@ -183,6 +183,18 @@ impl Link<'_> {
             notices.told = mark;
         }
         Ok(())
+    }
+
+    /// [`Link::tell_persisted`] if a checkpoint completed since the last look, without
+    /// waiting for one: for a loop too busy to wait on [`completed`] (shared memory's).
+    #[cfg(target_os = "linux")]
+    pub(crate) async fn tell_if_persisted(&mut self) -> io::Result<()> {
+        let Some(notices) = &mut self.notices else { return Ok(()) };
+        if !notices.completed.has_changed().unwrap_or(false) {
+            return Ok(());
+        }
+        notices.completed.borrow_and_update();
+        self.tell_persisted().await
     }
 
     /// Refuses the hello with `why` (best effort: the peer may be gone).
