@@ -331,3 +331,50 @@ def test_a_durable_session_resumes_through_dropped_connections_before_any_checkp
         stats = server.stats()
         assert (stats.sessions_resumed_total, stats.samples_deduplicated_total) == (2, 60)
         assert client.close(timeout=WAIT_S)
+
+
+def test_large_samples_read_straight_into_the_ring_are_counted_in_the_checkpoint_mark(
+    tmp_path: Any,
+) -> None:
+    """64 KiB samples to a FIFO ring over TCP are read from the socket straight into ring
+    slots (not through the ingress queue); the checkpoint's mark counts them all the same:
+    40 samples, a checkpoint (its mark: 40), 30 more, a restore (resumed at 40), and the
+    restored ring holds every sample once."""
+    big = {"id": np.zeros((), np.int64), "obs": np.zeros((16384,), np.float32)}
+
+    def large(i: int) -> dict[str, np.ndarray]:
+        return {"id": np.array(i, np.int64), "obs": np.full((16384,), i, np.float32)}
+
+    transport = TcpTransport(port=0, host=LOCALHOST)
+    server = Server(big, 1, num_buffers=512, transport=transport)
+    server.start()
+    port = server.port
+    client = TcpClient(
+        LOCALHOST, port, big, durable=True, reconnect_timeout=WAIT_S, shared_memory=False
+    )
+    for i in range(40):
+        client.send(large(i), timeout=WAIT_S)
+    client.wait(timeout=WAIT_S)
+    assert server.stats().samples_received_in_place_total > 0
+    server.checkpoint(tmp_path / "c")
+    for i in range(40, 70):
+        client.send(large(i), timeout=WAIT_S)
+    client.wait(timeout=WAIT_S)
+    mark = client.persisted
+    assert mark == 40
+    server.close(restarting=True)
+    restored = Server.restore(tmp_path / "c", transport=TcpTransport(port=port, host=LOCALHOST))
+    with restored:
+        for i in range(70, 80):
+            client.send(large(i), timeout=WAIT_S)
+        client.wait(timeout=WAIT_S)
+        assert client.resumed_from == 40
+        got = []
+        for _ in range(80):
+            batch = restored.sample(timeout=WAIT_S).batch
+            i = int(batch["id"][0])
+            assert (batch["obs"][0] == np.float32(i)).all()
+            got.append(i)
+        assert got == list(range(80))
+        restored.checkpoint(tmp_path / "d")
+        assert client.close(timeout=WAIT_S)
