@@ -826,6 +826,8 @@ class ShardClient(TcpClient):
         heartbeat_timeout: float | None = 10.0,
         shared_memory: bool | None = None,
         name: str | None = None,
+        durable: bool = False,
+        durable_bytes: int = 256 * 2**20,
     ) -> None:
         if reconnect is not True:
             raise ValueError(
@@ -870,6 +872,8 @@ class ShardClient(TcpClient):
                 heartbeat_timeout=heartbeat_timeout,
                 shared_memory=shared_memory,
                 name=name,
+                durable=durable,
+                durable_bytes=durable_bytes,
                 dial_timeout=left,
                 resolver=self._resolver,
             )
@@ -961,7 +965,11 @@ def connect(
         max_inflight_msgs: As `TcpClient`'s.
         **options: `namespace`, `shard`, `connect_timeout`, and `TcpClient`'s `token`,
             `reconnect_timeout`, `heartbeat_timeout`, `shared_memory`, `name`, `protocol`
-            (2 or "auto"), `reconnect` (only `True`). A pinned `shard` that is deregistered
+            (2 or "auto"), `reconnect` (only `True`), `durable` and `durable_bytes` (a shard
+            restored from its checkpoint, on whatever node and port, resumes a durable
+            client's session where the checkpoint stands; a client that moves to another
+            shard resends there what was not persisted, except after a final close, whose
+            learner took what it acknowledged). A pinned `shard` that is deregistered
             is waited for (up to `reconnect_timeout`), not left. The token is never stored in
             the registry: pass it here or in `ECHO_TOKEN` (e.g. in the actor's
             `runtime_env`).

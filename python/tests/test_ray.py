@@ -183,14 +183,19 @@ def test_two_learners_get_disjoint_ids_whose_union_is_everything_acknowledged(
     echo.ray.shutdown_service("disjoint", namespace=NS)
 
 
+@pytest.mark.parametrize("durable", [False, True], ids=["plain", "durable"])
 def test_killed_learner_restarts_restores_and_its_workers_resume(
-    cluster: Cluster, tmp_path: Path
+    cluster: Cluster, tmp_path: Path, durable: bool
 ) -> None:
-    actor = learner(1, restarts=1).remote("restart", 0, str(tmp_path / "shard0"), "replay", 0.3)
+    """The shard's learner is killed and Ray restarts it, restored from its newest
+    checkpoint on another port. Plain workers lose at most what was acknowledged after that
+    checkpoint; durable workers (their sessions in the checkpoint) lose nothing."""
+    service = f"restart-{'durable' if durable else 'plain'}"
+    actor = learner(1, restarts=1).remote(service, 0, str(tmp_path / "shard0"), "replay", 0.3)
     before = get(actor.info.remote())
     assert before["generation"] == 1
     assert not before["restored"]
-    workers = [worker(w % 2).remote("restart") for w in range(4)]
+    workers = [worker(w % 2).remote(service, durable=durable) for w in range(4)]
 
     def ids(phase: int, w: int) -> list[int]:
         return list(range(phase * 1_000_000 + w * 10_000, phase * 1_000_000 + w * 10_000 + 200))
@@ -224,22 +229,34 @@ def test_killed_learner_restarts_restores_and_its_workers_resume(
     assert phase[1] <= set(stored), "a sample acknowledged before the checkpoint was lost"
     assert phase[3] <= set(stored), "a sample sent after the restart was lost"
     assert set(stored) <= phase[1] | phase[2] | phase[3]
+    if durable:
+        assert phase[2] <= set(stored), "a durable worker's sample was lost"
     assert get([w.close.remote() for w in workers]) == [True] * 4
     ray.kill(actor, no_restart=True)
-    echo.ray.shutdown_service("restart", namespace=NS)
+    echo.ray.shutdown_service(service, namespace=NS)
 
 
-@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "tcp"])
+@pytest.mark.parametrize(
+    ("shared_memory", "durable"),
+    [(True, False), (False, False), (False, True)],
+    ids=["shm", "tcp", "tcp-durable"],
+)
 def test_deregistered_shards_workers_move_to_another_shard_without_duplicates(
-    cluster: Cluster, tmp_path: Path, shared_memory: bool
+    cluster: Cluster, tmp_path: Path, shared_memory: bool, durable: bool
 ) -> None:
-    service = f"move-{'shm' if shared_memory else 'tcp'}"
-    learners = [learner(0).remote(service, k, str(tmp_path / f"shard{k}"), "fifo") for k in (0, 1)]
+    """A shard retires (a final close) while its workers stream: they move to the other
+    shard and resend only what the retired one had not acknowledged. Durable workers too:
+    a learner that closed for good took what it acknowledged, persisted or not."""
+    service = f"move-{'shm' if shared_memory else 'tcp'}{'-durable' if durable else ''}"
+    every = 0.3 if durable else 3600.0  # durable workers' close() waits for a checkpoint
+    learners = [
+        learner(0).remote(service, k, str(tmp_path / f"shard{k}"), "fifo", every) for k in (0, 1)
+    ]
     get([a.info.remote() for a in learners])
     workers = [
         ray.remote(Worker)
         .options(num_cpus=0, resources={"node0": 1})
-        .remote(service, shared_memory=shared_memory)
+        .remote(service, shared_memory=shared_memory, durable=durable)
         for _ in range(4)
     ]
     shards = get([w.shard.remote() for w in workers])

@@ -236,6 +236,13 @@ impl TcpSender {
             // before it set `lost` (which we saw).
             let closing = Closing::from_byte(link.acks.closing.load(Acquire));
             self.server_closing = closing.or(self.server_closing);
+            if closing == Some(Closing::Final) && self.durable.is_some() {
+                // A learner that closed for good took what it acknowledged (it drains or
+                // drops it by its own choice): no restore will ask for it again, and a
+                // client that moves to another server must not resend it there.
+                let acked = link.acked_total().max(self.acked_floor);
+                self.persisted_floor = self.persisted_floor.max(acked);
+            }
             if closing == Some(Closing::Final) && self.config.resolver.is_none() {
                 let reason = format!("{}: {}", self.address, link.acks.reason());
                 self.failed = Some(reason.clone());
@@ -261,6 +268,9 @@ impl TcpSender {
                 connecting: None,
                 last_error: reason,
             });
+            // What needs no resending (durable: what a final close took) is forgotten before
+            // the next hello claims where the client stands.
+            self.release();
         }
         let timeout = self.config.reconnect_timeout.unwrap_or_default();
         loop {
@@ -316,8 +326,14 @@ impl TcpSender {
                     // A new server, a new session: one server's session must not be resumed
                     // with what another acknowledged (a server refuses a claim past what its
                     // session queued), and a client sent back to a server it left comes back
-                    // as a new session there, resending from what is acknowledged.
-                    self.session = v2::random()?;
+                    // as a new session there, resending from what is acknowledged. A durable
+                    // client keeps its session: a learner restored elsewhere (a restarted
+                    // shard) knows it from its checkpoint and resumes it exactly, and a server
+                    // that does not starts it at the persisted mark, from which the client
+                    // resends everything not persisted.
+                    if self.durable.is_none() {
+                        self.session = v2::random()?;
+                    }
                 }
                 // A durable client claims only what is persisted: a restored server's
                 // session may stand anywhere from there (and a new one starts there).
