@@ -9,7 +9,7 @@
 //! - a hello it returns re-encodes (unsigned) to a hello that parses to the same fields;
 //! - a reply or an offer that parses re-encodes to bytes that parse to the same value, and
 //!   `Reply::parse` reports the length it consumed; a closing notice's reason byte decodes to
-//!   the reason it encodes;
+//!   the reason it encodes, and a persisted notice to the number that encodes to its bytes;
 //! - a sample frame (`FrameMeta::split`: kind, header, payload; what a client sends after the
 //!   handshake) that parses re-encodes to the same header, and one that does not parse is
 //!   an error, not a panic (an unknown kind, a short header, an episode flag above 2).
@@ -95,6 +95,10 @@ fn check_client_side(bytes: &[u8]) {
     }
     if let Ok(Some((message, len))) = v2::parse_error(bytes) {
         assert!(len <= bytes.len() && message.len() <= v2::MAX_MESSAGE as usize * 3);
+    }
+    // A persisted notice: complete, it is the bytes its number encodes to.
+    if let Some(seq) = v2::parse_persisted(bytes) {
+        assert_eq!(&v2::encode_persisted(seq)[..], &bytes[..v2::PERSISTED_LEN]);
     }
     // A closing notice's reason byte: a known reason is the byte it came from.
     if let Some(&byte) = bytes.first() {

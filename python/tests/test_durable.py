@@ -38,8 +38,9 @@ def sample(i: int) -> dict[str, np.ndarray]:
 
 # A learner process: a FIFO ring or a replay table large enough that nothing is evicted,
 # checkpointing every 0.1 s into the directory given, new or restored from its latest
-# checkpoint. On "dump" it hands out every sample it holds (the replay table hands each out
-# once: newest first, max_times_sampled=1) and prints their ids.
+# checkpoint, listening on 127.0.0.1 (or the host given after those). On "dump" it hands
+# out every sample it holds (the replay table hands each out once: newest first,
+# max_times_sampled=1) and prints their ids.
 LEARNER = textwrap.dedent(
     """
     import signal, sys, threading, time
@@ -49,13 +50,14 @@ LEARNER = textwrap.dedent(
 
     signal.alarm(200)
     kind, port, directory, restore = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    host = sys.argv[5] if len(sys.argv) > 5 else "127.0.0.1"
     EXAMPLE = {"id": np.zeros((), np.int64), "obs": np.zeros((16,), np.float32)}
     settings = (
         {"num_buffers": 8192}
         if kind == "fifo"
         else {"sampler": echo.Lifo(), "max_size": 8192, "max_times_sampled": 1}
     )
-    transport = echo.TcpTransport(port=port, host="127.0.0.1")
+    transport = echo.TcpTransport(port=port, host=host)
     periodic = {"checkpoint_dir": directory, "checkpoint_every": 0.1, "checkpoint_keep": 3}
     if restore == "1":
         latest = periodic_checkpoints(directory)[-1]
@@ -85,7 +87,8 @@ LEARNER = textwrap.dedent(
 )
 
 # A durable worker: sends `n` samples with ids `w * ID_STRIDE + i`, pacing itself, then
-# closes (which waits until everything is persisted) and prints its counters.
+# closes (which waits until everything is persisted) and prints its counters. Arguments:
+# port, w, n, durable_bytes, "tcp" or "shm", and the learner's host (127.0.0.1).
 WORKER = textwrap.dedent(
     """
     import json, signal, sys, time
@@ -94,8 +97,9 @@ WORKER = textwrap.dedent(
 
     signal.alarm(200)
     port, w, n, budget = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    host = sys.argv[6] if len(sys.argv) > 6 else "127.0.0.1"
     client = echo.TcpClient(
-        "127.0.0.1", port, {"id": np.zeros((), np.int64), "obs": np.zeros((16,), np.float32)},
+        host, port, {"id": np.zeros((), np.int64), "obs": np.zeros((16,), np.float32)},
         durable=True, durable_bytes=budget, reconnect_timeout=60.0,
         heartbeat_timeout=2.0, name=f"worker-{w}", shared_memory=sys.argv[5] == "shm",
     )
@@ -116,7 +120,8 @@ WORKER = textwrap.dedent(
 )
 
 
-def _ids(learner: Child) -> list[int]:
+def dumped_ids(learner: Child) -> list[int]:
+    """The ids a `LEARNER` printed after "dump"."""
     line = learner.expect("ids", 3 * WAIT_S)
     return [int(x) for x in line.split()[1:]]
 
@@ -153,7 +158,7 @@ def test_a_learner_killed_at_a_random_moment_and_restored_ends_with_every_sample
     assert int(new.expect("port ").split()[1]) == port
     results = [json.loads(wk.expect("result ", 120).split(" ", 1)[1]) for wk in workers]
     new.send_line("dump")
-    ids = _ids(new)
+    ids = dumped_ids(new)
     expected = sorted(w * ID_STRIDE + i for w in range(num_workers) for i in range(n))
     assert len(ids) == len(set(ids)), "a sample twice"
     missing = sorted(set(expected) - set(ids))

@@ -35,9 +35,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import test_durable as _durable
 import test_wire_v2 as _wire_v2
+from conftest import poll
 from test_wire_v2 import PROXY, Child
 from testkit import netns
+
+from echo.checkpoint import periodic_checkpoints
 
 REASON = netns.skip_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
@@ -403,6 +407,49 @@ def test_a_learner_restarted_on_its_host_gets_every_unacknowledged_sample_once(
         lost += acked - len(before)
         assert result["acked"] == n
     print(f"{lost} samples acknowledged by the killed learner but never handed out")
+
+
+@pytest.mark.timeout(240)
+def test_a_learner_killed_and_restored_loses_nothing_of_its_durable_workers_across_hosts(
+    children: Callable[..., Child], hosts: Callable[[int], netns.Hosts], tmp_path: Path
+) -> None:
+    """4 durable workers on 2 hosts send 1,500 samples each across the links to a learner
+    checkpointing every 0.1 s; it is SIGKILLed part-way and restored from its latest
+    checkpoint on the same address: it then holds every sample of every worker exactly once."""
+    bed = hosts(2)
+    directory = tmp_path / "ckpt"
+    argv = [sys.executable, "-c", _durable.LEARNER, "fifo"]
+    first = [*argv, "0", str(directory), "0", "0.0.0.0"]
+    old = children("learner-old", bed.learner.run(first), stdin=True)  # hands nothing out
+    # The learner runs as root in its namespace; the checkpoints are this test's files.
+    port = int(old.expect("port ").split()[1])
+    per_host, n = 2, 1500
+    workers = []
+    for k, host in enumerate(bed.workers):
+        for j in range(per_host):
+            w = k * per_host + j
+            args = [str(port), str(w), str(n), "16384", "tcp", bed.learner_addresses[k]]
+            worker = children(
+                f"worker{w}", host.run([sys.executable, "-c", _durable.WORKER, *args])
+            )
+            workers.append(worker)
+    for worker in workers:
+        assert worker.expect("connected").split()[1] == "tcp"
+    time.sleep(random.Random(SOAK_SEED).uniform(0.3, 0.8))
+    poll(lambda: periodic_checkpoints(directory), bool, "a first checkpoint")
+    old.kill()
+    restore = [*argv, str(port), str(directory), "1", "0.0.0.0"]
+    new = children("learner-new", bed.learner.run(restore), stdin=True)
+    restored = new.expect("restored")
+    assert int(new.expect("port ").split()[1]) == port
+    results = [json.loads(w.expect("result ", 120).split(" ", 1)[1]) for w in workers]
+    new.send_line("dump")
+    got = _per_worker(_durable.dumped_ids(new))
+    for w, result in enumerate(results):
+        seqs = sorted(got.get(w, []))
+        assert seqs == list(range(n)), (w, len(seqs), seqs[:3], restored, results)
+        assert result["closed"], result
+        assert result["reconnects"] >= 1, result
 
 
 @pytest.mark.timeout(int(SOAK_S) + 300)

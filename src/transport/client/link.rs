@@ -217,10 +217,9 @@ impl Reading {
                 }
                 v2::BEAT if self.version == 2 => used += 1,
                 v2::PERSISTED if self.durable => {
-                    let Some(bytes) = self.pending.get(used + 1..used + v2::PERSISTED_LEN) else {
+                    let Some(mark) = v2::parse_persisted(&self.pending[used..]) else {
                         break Ok(());
                     };
-                    let mark = u64::from_le_bytes(bytes.try_into().expect("8 bytes"));
                     used += v2::PERSISTED_LEN;
                     // ORDERING: Release pairs with the Acquire in `TcpSender::persisted`;
                     // a monotonic mark, announced by the notify below.

@@ -138,6 +138,15 @@ pub fn encode_persisted(seq: u64) -> [u8; PERSISTED_LEN] {
     out[1..].copy_from_slice(&seq.to_le_bytes());
     out
 }
+
+/// The sequence number of the [`PERSISTED`] notice `bytes` start with (its kind byte
+/// included); `None` until all [`PERSISTED_LEN`] bytes are there, or if they are not one.
+pub fn parse_persisted(bytes: &[u8]) -> Option<u64> {
+    match bytes.get(..PERSISTED_LEN)? {
+        [PERSISTED, seq @ ..] => Some(u64::from_le_bytes(seq.try_into().ok()?)),
+        _ => None,
+    }
+}
 /// Frame-kind flag: a sample frame (0x10..=0x13) whose leaves come compressed.
 pub const PACKED: u8 = 0x04;
 
@@ -908,6 +917,31 @@ mod tests {
     }
 
     #[test]
+    fn a_persisted_notice_round_trips_and_is_incomplete_until_its_last_byte() {
+        for seq in [0, 1, 0x0102_0304_0506_0708, u64::MAX] {
+            let bytes = encode_persisted(seq);
+            assert_eq!(parse_persisted(&bytes), Some(seq));
+            let mut longer = bytes.to_vec();
+            longer.push(ACK);
+            assert_eq!(parse_persisted(&longer), Some(seq), "what follows is not its");
+            for cut in 0..PERSISTED_LEN {
+                assert_eq!(parse_persisted(&bytes[..cut]), None, "cut at {cut}");
+            }
+        }
+        assert_eq!(parse_persisted(&[ACK; PERSISTED_LEN]), None, "not a notice");
+    }
+
+    #[test]
+    fn an_accept_says_whether_it_sends_persisted_notices() {
+        for durable in [false, true] {
+            let accept = Accept { durable, ..Accept::new(true, 5, 1000, None) };
+            let bytes = Reply::Accepted(accept.clone()).encode();
+            let (parsed, len) = Reply::parse(&bytes).unwrap().unwrap();
+            assert_eq!((parsed, len), (Reply::Accepted(accept), bytes.len()));
+        }
+    }
+
+    #[test]
     fn an_offer_round_trips_and_holds_no_ack_byte() {
         for mode in [Mode::Open, Mode::Token] {
             let offer = Offer::new(mode).unwrap();
@@ -938,6 +972,7 @@ mod tests {
         assert_eq!(len, bytes.len());
         assert_eq!((parsed.first_seq, parsed.session, &parsed.layout), (42, [7; 16], &layout()));
         assert!(parsed.shm, "the shared-memory flag round-trips");
+        assert!(parsed.durable, "so does the durable flag");
         assert!(!parsed.notices, "so does the closing-notices flag (off)");
         assert!(parsed.verify(&offer, b"secret", &body));
         assert!(!parsed.verify(&offer, b"Secret", &body));
