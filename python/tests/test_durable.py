@@ -36,7 +36,8 @@ def sample(i: int) -> dict[str, np.ndarray]:
     return {"id": np.array(i, np.int64), "obs": np.full((16,), i % 9973, np.float32)}
 
 
-# A learner process: a FIFO ring or a replay table large enough that nothing is evicted,
+# A learner process: a FIFO ring, a replay table or a sequence table (windows of one step)
+# large enough that nothing is evicted,
 # checkpointing every 0.1 s into the directory given, new or restored from its latest
 # checkpoint, listening on 127.0.0.1 (or the host given after those). On "dump" it hands
 # out every sample it holds (the replay table hands each out once: newest first,
@@ -57,6 +58,8 @@ LEARNER = textwrap.dedent(
         if kind == "fifo"
         else {"sampler": echo.Lifo(), "max_size": 8192, "max_times_sampled": 1}
     )
+    if kind == "sequence":  # windows of one step: each step is one item
+        settings["sequence"] = echo.Sequence(1)
     transport = echo.TcpTransport(port=port, host=host)
     periodic = {"checkpoint_dir": directory, "checkpoint_every": 0.1, "checkpoint_keep": 3}
     if restore == "1":
@@ -78,8 +81,8 @@ LEARNER = textwrap.dedent(
             break
         if batch is None:
             break
-        i = int(batch.batch["id"][0])
-        assert (batch.batch["obs"][0] == np.float32(i % 9973)).all(), i
+        i = int(batch.batch["id"].ravel()[0])
+        assert (batch.batch["obs"].ravel() == np.float32(i % 9973)).all(), i
         ids.append(i)
     print("ids", " ".join(map(str, ids)), flush=True)
     print("done", flush=True)
@@ -127,7 +130,7 @@ def dumped_ids(learner: Child) -> list[int]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("kind", ["fifo", "replay"])
+@pytest.mark.parametrize("kind", ["fifo", "replay", "sequence"])
 @pytest.mark.parametrize("path", ["tcp", "shm"])
 def test_a_learner_killed_at_a_random_moment_and_restored_ends_with_every_sample_once(
     children: Callable[..., Child], tmp_path: Any, kind: str, path: str
@@ -135,8 +138,9 @@ def test_a_learner_killed_at_a_random_moment_and_restored_ends_with_every_sample
     """4 durable worker processes send 2,000 samples each (a 16 KiB budget: about 220
     samples not yet persisted at most) to a learner that checkpoints every 0.1 s. It is
     SIGKILLed at a random moment and restored from its latest checkpoint on the same port:
-    the restored learner holds every sample of every worker exactly once, intact. Over TCP,
-    and over same-host shared memory (the restored learner offers a new segment)."""
+    the restored learner holds every sample of every worker exactly once, intact: a FIFO
+    ring, a replay table, a sequence table (windows of one step, so each step is an item).
+    Over TCP, and over same-host shared memory (the restored learner offers a new segment)."""
     rng = random.Random(20261206 + len(kind))
     num_workers, n, budget = 4, 2000, 16384
     directory = tmp_path / "ckpt"
