@@ -351,14 +351,16 @@ class TcpClient:
         flushed = self._sender.close(timeout)
         self._given_up = max(0, self.sent - (self.persisted if self._durable else self.acked))
         if self._given_up:
-            _log.info("%r: closed with %d samples unacknowledged (given up)", self, self._given_up)
+            what = "not persisted" if self._durable else "unacknowledged"
+            _log.info("%r: closed with %d samples %s (given up)", self, self._given_up, what)
         return flushed
 
     @property
     def given_up(self) -> int | None:
-        """Samples sent but never acknowledged when `close()` gave up waiting (0 after a
-        complete flush); `None` before `close()`. The server may still have stored some
-        of them (their acknowledgements were on the way) or none."""
+        """Samples sent but never acknowledged (with `durable=True`: never persisted) when
+        `close()` gave up waiting (0 after a complete flush); `None` before `close()`. The
+        server may still have stored some of them (their acknowledgements were on the way)
+        or none."""
         return self._given_up
 
     @property

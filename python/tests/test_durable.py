@@ -387,3 +387,20 @@ def test_large_samples_read_straight_into_the_ring_are_counted_in_the_checkpoint
         assert got == list(range(80))
         restored.checkpoint(tmp_path / "d")
         assert client.close(timeout=WAIT_S)
+
+
+def test_close_without_a_checkpoint_gives_up_what_is_not_persisted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A learner that never checkpoints: `close()` waits its timeout for persistence, returns
+    False, and `given_up` counts every sample (all acknowledged, none persisted)."""
+    server = Server(EXAMPLE, 1, num_buffers=64, transport=TcpTransport(port=0, host=LOCALHOST))
+    with server:
+        client = TcpClient(LOCALHOST, server.port, EXAMPLE, durable=True)
+        for i in range(12):
+            client.send(sample(i), timeout=WAIT_S)
+        client.wait(timeout=WAIT_S)
+        with caplog.at_level("INFO", logger="echo"):
+            assert client.close(timeout=0.2) is False
+        assert (client.acked, client.persisted, client.given_up) == (12, 0, 12)
+        assert "closed with 12 samples not persisted (given up)" in caplog.text
