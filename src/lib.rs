@@ -17,6 +17,7 @@
 //! | [`server`]  | the server: a backend, its consumer, the ingress and transport, their lifecycle |
 //! | `ingress`   | per-connection queues, buffer pools, the drainer pool               |
 //! | [`queued`]  | acknowledged samples a checkpoint finds outside the backend          |
+//! | [`params`]  | the learner's published parameters: two versions, read in chunks     |
 //! | [`checkpoint`] | the checkpoint format: manifest, files, atomic directory, restore |
 //! | `doorbell`  | the drainers' sleep/wake protocol, loom-checked                     |
 //! | `transport` | the wire format, the TCP server, the TCP client, shared memory      |
@@ -47,6 +48,8 @@ pub mod error;
 #[cfg(not(loom))]
 pub mod ingress;
 pub mod metrics;
+#[cfg(not(loom))]
+pub mod params;
 #[cfg(not(loom))]
 pub mod pinned;
 #[cfg(all(target_os = "linux", not(loom), not(miri)))]

@@ -13,6 +13,7 @@
 //! and sizes are recomputed with overflow checks, so a hostile peer gets an error, not an OOM.
 
 mod layout;
+pub mod params;
 mod reader;
 pub mod v2;
 

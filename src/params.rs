@@ -1,0 +1,303 @@
+//! The learner's published parameters ([`ParamStore`]): a pytree of arrays fixed in layout per
+//! server, published in versions that only grow, and read back in chunks by whoever serves
+//! them to workers (a TCP connection's task, one chunk per request).
+//!
+//! Two slots hold at most two versions, whatever the number of readers: the latest and the
+//! one before it. A publish writes the slot that does not hold the latest version, under that
+//! slot's write lock, and then makes it the latest. A reader copies one chunk of a version
+//! under the read lock of the slot that holds it: a chunk never mixes two versions (no torn
+//! read), and a reader never holds a slot longer than one chunk's copy, so a publish waits at
+//! most for the chunks being copied from the slot it overwrites, never for a slow socket. A
+//! reader whose version was overwritten meanwhile (two publishes during its transfer) is told
+//! [`Superseded`] with the latest version, and starts that one over.
+//!
+//! Publishing takes only these locks: never the backend's, the ingress's or the consumer's, so
+//! it blocks neither `sample()` nor the ingress.
+
+use parking_lot::{Mutex, RwLock};
+
+use crate::error::EchoError;
+use crate::spec::DataSpec;
+use crate::sync::AtomicU64;
+use std::sync::atomic::Ordering::{Acquire, Release};
+
+/// One version's bytes: every leaf raw, back to back in the layout's order.
+#[derive(Default)]
+struct Slot {
+    /// 0: never written.
+    version: u64,
+    bytes: Box<[u8]>,
+}
+
+/// A reader's version is no longer held: two publishes overwrote it. `latest` is the version
+/// to fetch instead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Superseded {
+    /// The latest version now.
+    pub latest: u64,
+}
+
+/// The published parameters of one server (see the module docs).
+pub struct ParamStore {
+    spec: DataSpec,
+    slots: [RwLock<Slot>; 2],
+    /// The latest version (0: nothing published yet). Stored with Release after its slot is
+    /// written, so a reader that sees a version finds it in a slot.
+    latest: AtomicU64,
+    /// Serialises publishers (one version at a time, in order).
+    publishing: Mutex<()>,
+}
+
+impl std::fmt::Debug for ParamStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ParamStore")
+            .field("leaves", &self.spec.len())
+            .field("bytes", &self.spec.payload_size())
+            .field("latest", &self.latest())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ParamStore {
+    /// A store for parameters of layout `spec`, with nothing published. Allocates nothing
+    /// until the first publish.
+    pub fn new(spec: DataSpec) -> Self {
+        Self {
+            spec,
+            slots: [RwLock::new(Slot::default()), RwLock::new(Slot::default())],
+            latest: AtomicU64::new(0),
+            publishing: Mutex::new(()),
+        }
+    }
+
+    /// The parameters' layout.
+    pub fn spec(&self) -> &DataSpec {
+        &self.spec
+    }
+
+    /// Bytes of one version: every leaf raw.
+    pub fn size(&self) -> usize {
+        self.spec.payload_size()
+    }
+
+    /// The latest published version; 0 before the first publish.
+    pub fn latest(&self) -> u64 {
+        // ORDERING: Acquire pairs with the Release in `publish`: the version's slot is written.
+        self.latest.load(Acquire)
+    }
+
+    /// Publishes `leaves` (one byte slice per leaf, each its leaf's exact size) as `version`,
+    /// or as the latest version plus one when `None`. Returns the version published. Waits
+    /// only for readers copying a chunk out of the slot it overwrites.
+    ///
+    /// # Errors
+    /// [`EchoError::LeafCount`] or [`EchoError::SizeMismatch`] for leaves that do not fit the
+    /// layout; [`EchoError::Config`] for a version that does not grow (0, or not above the
+    /// latest). Nothing is published then.
+    pub fn publish(&self, leaves: &[&[u8]], version: Option<u64>) -> Result<u64, EchoError> {
+        if leaves.len() != self.spec.len() {
+            return Err(EchoError::LeafCount { expected: self.spec.len(), got: leaves.len() });
+        }
+        for (leaf, bytes) in leaves.iter().enumerate() {
+            let expected = self.spec.leaf_range(leaf).len();
+            if bytes.len() != expected {
+                return Err(EchoError::SizeMismatch { leaf, expected, got: bytes.len() });
+            }
+        }
+        let _publishing = self.publishing.lock();
+        let latest = self.latest();
+        let version = match version {
+            None => latest.checked_add(1).ok_or_else(|| {
+                EchoError::Config("the parameters' version cannot grow past 2**64 - 1".into())
+            })?,
+            Some(v) if v > latest => v,
+            Some(v) => {
+                return Err(EchoError::Config(format!(
+                    "a published version must be above the latest ({latest}), got {v}"
+                )))
+            }
+        };
+        // The slot that does not hold the latest version (both are free before the second
+        // publish).
+        let spare = usize::from(self.slots[0].read().version == latest && latest != 0);
+        {
+            let mut slot = self.slots[spare].write();
+            if slot.bytes.len() != self.size() {
+                slot.bytes = vec![0u8; self.size()].into_boxed_slice();
+            }
+            for (leaf, bytes) in leaves.iter().enumerate() {
+                slot.bytes[self.spec.leaf_range(leaf)].copy_from_slice(bytes);
+            }
+            slot.version = version;
+        }
+        // ORDERING: Release pairs with the Acquire in `latest`: the slot is written (and its
+        // lock released) before a reader can ask for this version.
+        self.latest.store(version, Release);
+        Ok(version)
+    }
+
+    /// Copies bytes `offset..offset + out.len()` of `version` into `out`, all from that one
+    /// version.
+    ///
+    /// # Errors
+    /// [`Superseded`] (with the latest version) when neither slot holds `version` any more, or
+    /// it was never published. The caller checks `offset + out.len() <= size()`; beyond that
+    /// this panics.
+    pub fn read(&self, version: u64, offset: usize, out: &mut [u8]) -> Result<(), Superseded> {
+        for slot in &self.slots {
+            let slot = slot.read();
+            if slot.version == version && version != 0 {
+                out.copy_from_slice(&slot.bytes[offset..offset + out.len()]);
+                return Ok(());
+            }
+        }
+        Err(Superseded { latest: self.latest() })
+    }
+
+    /// The latest version and a copy of its bytes (for a checkpoint); `None` before the
+    /// first publish.
+    pub fn snapshot(&self) -> Option<(u64, Vec<u8>)> {
+        for _ in 0..16 {
+            let version = self.latest();
+            if version == 0 {
+                return None;
+            }
+            let mut out = vec![0u8; self.size()];
+            if self.read(version, 0, &mut out).is_ok() {
+                return Some((version, out));
+            }
+            // Two publishes overtook the copy: take the newer one.
+        }
+        // Publishers that overtake every copy: wait for one of them instead.
+        let _publishing = self.publishing.lock();
+        let version = self.latest();
+        let mut out = vec![0u8; self.size()];
+        self.read(version, 0, &mut out).ok().map(|()| (version, out))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::ArraySpec;
+    use std::sync::atomic::AtomicBool;
+    use std::sync::atomic::Ordering::Relaxed;
+    use std::sync::Arc;
+
+    /// Two leaves: 3 f32 and 5 u8 (17 bytes).
+    fn store() -> ParamStore {
+        let spec = DataSpec::new(vec![
+            ArraySpec::new(vec![3], 4).unwrap(),
+            ArraySpec::new(vec![5], 1).unwrap(),
+        ])
+        .unwrap();
+        ParamStore::new(spec)
+    }
+
+    /// Version `v`'s leaves: every byte `v`'s low byte, so a torn read shows.
+    fn leaves(v: u64) -> (Vec<u8>, Vec<u8>) {
+        let b = v.to_le_bytes()[0];
+        (vec![b; 12], vec![b; 5])
+    }
+
+    fn publish(store: &ParamStore, v: Option<u64>, bytes: u64) -> Result<u64, EchoError> {
+        let (a, b) = leaves(bytes);
+        store.publish(&[&a, &b], v)
+    }
+
+    #[test]
+    fn versions_grow_by_one_or_as_given_and_never_go_back() {
+        let s = store();
+        assert_eq!(s.latest(), 0);
+        assert_eq!(s.snapshot(), None);
+        assert_eq!(publish(&s, None, 1).unwrap(), 1);
+        assert_eq!(publish(&s, None, 2).unwrap(), 2);
+        assert_eq!(publish(&s, Some(10), 10).unwrap(), 10);
+        let err = publish(&s, Some(10), 11).unwrap_err().to_string();
+        assert!(err.contains("above the latest (10), got 10"), "{err}");
+        assert!(publish(&s, Some(3), 3).is_err());
+        assert_eq!(s.latest(), 10, "a refused publish changes nothing");
+        let (version, bytes) = s.snapshot().unwrap();
+        assert_eq!((version, bytes), (10, vec![10u8; 17]));
+    }
+
+    #[test]
+    fn leaves_that_do_not_fit_are_refused_and_nothing_is_published() {
+        let s = store();
+        let (a, b) = leaves(1);
+        assert!(matches!(
+            s.publish(&[&a], None),
+            Err(EchoError::LeafCount { expected: 2, got: 1 })
+        ));
+        assert!(matches!(
+            s.publish(&[&a, &b[..4]], None),
+            Err(EchoError::SizeMismatch { leaf: 1, expected: 5, got: 4 })
+        ));
+        assert_eq!(s.latest(), 0);
+    }
+
+    #[test]
+    fn the_two_latest_versions_are_readable_and_an_older_one_is_superseded() {
+        let s = store();
+        for v in 1..=3 {
+            publish(&s, None, v).unwrap();
+        }
+        let mut out = [0u8; 4];
+        s.read(3, 13, &mut out).unwrap();
+        assert_eq!(out, [3; 4]);
+        s.read(2, 0, &mut out).unwrap();
+        assert_eq!(out, [2; 4], "the version before the latest is still held");
+        assert_eq!(s.read(1, 0, &mut out), Err(Superseded { latest: 3 }));
+        assert_eq!(s.read(0, 0, &mut out), Err(Superseded { latest: 3 }));
+        assert_eq!(s.read(9, 0, &mut out), Err(Superseded { latest: 3 }));
+    }
+
+    #[test]
+    fn readers_never_see_a_torn_chunk_while_a_publisher_runs() {
+        // A publisher writes versions 1.. (every byte the version's low byte) while readers
+        // fetch whole versions chunk by chunk, starting over when superseded: every chunk is
+        // uniform, and each reader's completed copies are uniform and never go back.
+        let s = Arc::new(store());
+        publish(&s, None, 1).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let readers: Vec<_> = (0..3)
+            .map(|_| {
+                let (s, stop) = (Arc::clone(&s), Arc::clone(&stop));
+                std::thread::spawn(move || {
+                    let (mut last, mut whole) = (0u64, 0u32);
+                    for _ in 0..200_000 {
+                        // ORDERING: Relaxed — a stop flag; the join orders everything else.
+                        if stop.load(Relaxed) {
+                            break;
+                        }
+                        let version = s.latest();
+                        let mut copy = vec![0u8; s.size()];
+                        let mut ok = true;
+                        for (i, chunk) in copy.chunks_mut(4).enumerate() {
+                            if s.read(version, i * 4, chunk).is_err() {
+                                ok = false;
+                                break;
+                            }
+                            assert!(chunk.iter().all(|&b| b == chunk[0]), "a torn chunk");
+                        }
+                        if ok {
+                            let b = version.to_le_bytes()[0];
+                            assert!(copy.iter().all(|&x| x == b), "a torn version {version}");
+                            assert!(version >= last, "went back from {last} to {version}");
+                            (last, whole) = (version, whole + 1);
+                        }
+                    }
+                    whole
+                })
+            })
+            .collect();
+        for v in 2..20_000 {
+            publish(&s, None, v).unwrap();
+        }
+        // ORDERING: Relaxed — as above.
+        stop.store(true, Relaxed);
+        for reader in readers {
+            assert!(reader.join().unwrap() > 0, "a reader completed no copy");
+        }
+    }
+}
