@@ -14,12 +14,80 @@
 //! Publishing takes only these locks: never the backend's, the ingress's or the consumer's, so
 //! it blocks neither `sample()` nor the ingress.
 
+use std::sync::OnceLock;
+
 use parking_lot::{Mutex, RwLock};
+use tokio::sync::watch;
 
 use crate::error::EchoError;
 use crate::spec::DataSpec;
 use crate::sync::AtomicU64;
 use std::sync::atomic::Ordering::{Acquire, Release};
+
+/// A server's parameter channel: its [`ParamStore`], made by the first publish (which fixes
+/// the layout), and a watch of the latest version that the transport's connections follow
+/// to tell their workers.
+pub struct Params {
+    store: OnceLock<ParamStore>,
+    latest: watch::Sender<u64>,
+}
+
+impl Default for Params {
+    fn default() -> Self {
+        Self { store: OnceLock::new(), latest: watch::Sender::new(0) }
+    }
+}
+
+impl std::fmt::Debug for Params {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Params").field("store", &self.store.get()).finish()
+    }
+}
+
+impl Params {
+    /// Publishes `leaves` of layout `spec` (see [`ParamStore::publish`]); the first publish
+    /// fixes the layout.
+    ///
+    /// # Errors
+    /// [`EchoError::Config`] for a layout other than the first publish's, or as
+    /// [`ParamStore::publish`]. Nothing is published then.
+    pub fn publish(
+        &self,
+        spec: &DataSpec,
+        leaves: &[&[u8]],
+        version: Option<u64>,
+    ) -> Result<u64, EchoError> {
+        let store = self.store.get_or_init(|| ParamStore::new(spec.clone()));
+        if store.spec() != spec {
+            return Err(EchoError::Config(format!(
+                "the parameters' layout is fixed by the first publish: {} leaves of {} bytes, \
+                 got {} leaves of {} bytes",
+                store.spec().len(),
+                store.size(),
+                spec.len(),
+                spec.payload_size()
+            )));
+        }
+        let version = store.publish(leaves, version)?;
+        self.latest.send_replace(version);
+        Ok(version)
+    }
+
+    /// The store, once something was published.
+    pub fn store(&self) -> Option<&ParamStore> {
+        self.store.get()
+    }
+
+    /// The latest version (0: none).
+    pub fn latest(&self) -> u64 {
+        self.store().map_or(0, ParamStore::latest)
+    }
+
+    /// Follows the latest version (what the transport's connections tell their workers).
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.latest.subscribe()
+    }
+}
 
 /// One version's bytes: every leaf raw, back to back in the layout's order.
 #[derive(Default)]

@@ -74,6 +74,7 @@ impl TcpArg {
             shared_memory: self.shared_memory,
             codecs: Vec::new(),
             restored_sessions: Vec::new(),
+            params: None,
         })
     }
 }

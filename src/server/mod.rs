@@ -28,6 +28,7 @@ use crate::error::EchoError;
 use crate::error::InsertError;
 use crate::ingress::{Ingress, IngressConfig, IngressSnapshot};
 use crate::metrics::{self, DetailedSnapshot};
+use crate::params::Params;
 use crate::queued::{QueuedSamples, SessionMark};
 use crate::replay::{InsertHoldback, SampleHoldback};
 use crate::source::SampleSource;
@@ -113,6 +114,8 @@ pub struct Server {
     /// The durable sessions of the checkpoint this server was restored from, seeded into the
     /// transport when it starts.
     restored_sessions: Mutex<Vec<SessionMark>>,
+    /// The parameters the learner publishes to its workers.
+    params: Arc<Params>,
 }
 
 impl std::fmt::Debug for Server {
@@ -148,6 +151,7 @@ impl Server {
             last_checkpoint: Mutex::new(LastCheckpoint::default()),
             submitted: AtomicU64::new(0),
             restored_sessions: Mutex::new(Vec::new()),
+            params: Arc::new(Params::default()),
         })
     }
 
@@ -181,6 +185,7 @@ impl Server {
     pub fn start(&self, mut tcp: TcpConfig, max_buffered_bytes: usize) -> Result<u16, EchoError> {
         tcp.codecs.clone_from(&self.wire_codecs);
         tcp.restored_sessions.clone_from(&self.restored_sessions.lock());
+        tcp.params = Some(Arc::clone(&self.params));
         let ingress_config = IngressConfig { max_buffered_bytes, ..self.ingress_config };
         // Under the transport lock. A close marks the backend closed before it takes the lock:
         // a start that gets the lock first is shut down by that close, one that gets it after
@@ -197,6 +202,27 @@ impl Server {
         let _ = self.ingress.set(started.ingress());
         *slot = Some(started);
         Ok(port)
+    }
+
+    /// Publishes parameters of layout `spec` (one byte slice per leaf) as `version`, or as
+    /// the latest plus one: what the workers fetch from now on (see [`Params::publish`]).
+    /// Takes neither the backend's nor the ingress's locks.
+    ///
+    /// # Errors
+    /// As [`Params::publish`]: a layout other than the first publish's, leaves that do not
+    /// fit it, a version that does not grow.
+    pub fn publish(
+        &self,
+        spec: &DataSpec,
+        leaves: &[&[u8]],
+        version: Option<u64>,
+    ) -> Result<u64, EchoError> {
+        self.params.publish(spec, leaves, version)
+    }
+
+    /// The server's parameter channel.
+    pub fn params(&self) -> &Params {
+        &self.params
     }
 
     /// Inserts `source`'s samples (in-process), with `priority` (replay), waiting for room

@@ -172,5 +172,6 @@ pub fn tagged_hello(session: u8, shm: bool, notices: bool, codecs: bool) -> v2::
         notices,
         codecs,
         durable: false,
+        params: false,
     }
 }

@@ -271,6 +271,7 @@ impl Connecting {
             notices: true,
             codecs: self.config.wire_compression,
             durable: self.config.durable.is_some(),
+            params: false,
         };
         let bytes = hello.encode(&offer, self.config.token.as_deref())?;
         let stream = self.stream.as_mut().expect("connected");

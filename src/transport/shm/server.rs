@@ -399,6 +399,8 @@ async fn wait_for_room(
             Woke::Closing => return Err(io::Error::other(ServerClosing)),
             Woke::Beat => keep_beating(link).await,
             Woke::Persisted => link.tell_persisted().await?,
+            // Parameters are not served over a shared-memory connection.
+            Woke::Published => {}
         }
     }
 }

@@ -83,6 +83,7 @@ async fn serve_inner(
         epoch: shared.epoch,
         closing: shared.closing.subscribe(),
         notices: None,
+        versions: None,
     };
     let offer = Offer::new(shared.mode()).map_err(|e| io::Error::other(e.to_string()))?;
     let mut greeting = shared.v1_handshake.clone();

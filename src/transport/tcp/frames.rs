@@ -11,13 +11,15 @@ use std::time::Instant;
 use tokio::sync::Notify;
 
 use super::checks::{check_frame, max_rows};
-use super::link::{invalid, Link, Notices, Pooled};
+use super::link::{invalid, Link, Notices, Pooled, Versions};
 use super::session::LOG_TARGET;
 use super::session::{Session, Shared, TAKEOVER_GRACE};
 use crate::codec::LeafCodecs;
 use crate::ingress::{BudgetHold, Connection, Packed, StepMark, TransportEvent};
+use crate::params::Params;
 use crate::transport::shm;
 use crate::transport::shm::ShmEnd;
+use crate::transport::wire::params;
 use crate::transport::wire::v2::{self, Beat, FrameMeta, Hello, Offer, Refusal, Reply};
 
 pub(super) async fn serve_v1(
@@ -184,6 +186,10 @@ pub(super) async fn serve_v2(
     let codecs = shared.codecs.as_ref().filter(|_| hello.codecs && !hello.shm);
     accept.codecs = codecs.map(|c| c.as_slice().to_vec());
     accept.durable = hello.durable;
+    // Parameter fetches to a client that asks, when the server has a parameter channel.
+    // (Over TCP only: a shared-memory connection's task reads no frames but its goodbye.)
+    let served_params = shared.params.clone().filter(|_| hello.params && !hello.shm);
+    accept.params = served_params.is_some();
     if hello.shm {
         match shm::server::prepare(shared, peer, link) {
             Ok(prepared) => {
@@ -199,6 +205,12 @@ pub(super) async fn serve_v2(
     }
     link.write(&Reply::Accepted(accept).encode()).await?;
     link.beat = Beat::new(shared.heartbeat, hello.heartbeat_ms);
+    if let Some(params) = &served_params {
+        let mut latest = params.subscribe();
+        // Tells the client the latest version at once (if there is one).
+        latest.mark_changed();
+        link.versions = Some(Versions { latest, told: 0 });
+    }
     if hello.durable {
         let mut completed = shared.persisted.subscribe();
         // Tells the client where the session is persisted at once (a restored session is
@@ -220,7 +232,8 @@ pub(super) async fn serve_v2(
             }
         }
     }
-    serve_frames(link, shared, &session, &mut serving, codecs.map(|c| &**c)).await
+    let params = served_params.as_deref();
+    serve_frames(link, shared, &session, &mut serving, codecs.map(|c| &**c), params).await
 }
 
 /// Refuses a resume that claims what its session did not acknowledge (counted as a refused
@@ -242,6 +255,7 @@ async fn serve_frames(
     session: &Session,
     serving: &mut Serving<'_>,
     codecs: Option<&LeafCodecs>,
+    params: Option<&Params>,
 ) -> io::Result<()> {
     let ingress = &shared.ingress;
     let (conn, space) = (&session.conn, &*session.space);
@@ -249,6 +263,8 @@ async fn serve_frames(
     let stream_cost = ingress.backend().stream_cost();
     // A compressed frame's body, read whole before it is decompressed into a buffer.
     let mut body = Body::new(conn);
+    // A parameter chunk's bytes, copied out of the store before they are written.
+    let mut chunk = Body::new(conn);
     loop {
         let Some(kind) = link.next_byte().await? else { return Ok(()) };
         let len = match kind {
@@ -256,6 +272,11 @@ async fn serve_frames(
             v2::BYE => {
                 serving.goodbye = true;
                 return Ok(());
+            }
+            params::FETCH if params.is_some() => {
+                let params = params.expect("matched");
+                serve_fetch(link, conn, space, params, &mut chunk).await?;
+                continue;
             }
             other => match FrameMeta::rest_len(other & !packed_bit(other)) {
                 Some(len) => len,
@@ -312,6 +333,50 @@ async fn serve_frames(
         link.acks += 1;
         link.activity.complete();
     }
+}
+
+/// Answers one parameter fetch ([`params::FETCH`], its kind byte read) with one chunk of the
+/// version it asks for, or the news that the version is gone (see [`params`]). The chunk's
+/// bytes are copied into `chunk` (held in the byte budget, grown as needed) under the store's
+/// read lock, then written.
+async fn serve_fetch(
+    link: &mut Link<'_>,
+    conn: &Arc<Connection>,
+    space: &Notify,
+    published: &Params,
+    chunk: &mut Body,
+) -> io::Result<()> {
+    let mut raw = [0u8; params::FETCH_LEN - 1];
+    if !link.fill(&mut raw, params::FETCH_LEN - 1).await? {
+        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "closed mid-frame"));
+    }
+    let Some(store) = published.store() else {
+        let none = params::Chunk { version: 0, size: 0, offset: 0, len: 0 };
+        return link.write(&none.encode()).await;
+    };
+    let size = store.size() as u64;
+    let fetch = match params::Fetch::decode(&raw, size) {
+        Ok(fetch) => fetch,
+        Err(why) => return Err(link.fail(&why.to_string()).await),
+    };
+    let len = fetch.len as usize;
+    if len > chunk.hold.bytes() {
+        let more = len - chunk.hold.bytes();
+        link.grow_hold(conn, space, &mut chunk.hold, more).await?;
+    }
+    chunk.bytes.resize(len, 0);
+    let version = if fetch.version == 0 { store.latest() } else { fetch.version };
+    // `decode` checked `offset + len <= size`.
+    let offset = usize::try_from(fetch.offset).expect("within the parameters' size");
+    let header = match store.read(version, offset, &mut chunk.bytes[..len]) {
+        Ok(()) => params::Chunk { version, size, offset: fetch.offset, len: fetch.len },
+        Err(gone) => params::Chunk { version: gone.latest, size, offset: 0, len: 0 },
+    };
+    link.write(&header.encode()).await?;
+    if header.len > 0 {
+        link.write(&chunk.bytes[..len]).await?;
+    }
+    Ok(())
 }
 
 /// [`v2::PACKED`] if `kind` is a compressed sample frame (0x14..=0x17), else 0.

@@ -19,6 +19,7 @@ use super::session::LOG_TARGET;
 use super::session::{Activity, Session};
 use crate::ingress::{BudgetHold, Connection, Packed, StepMark};
 use crate::transport::direct;
+use crate::transport::wire::params;
 use crate::transport::wire::v2::{self, Beat, Refusal, Reply};
 use crate::transport::wire::ACK;
 
@@ -71,6 +72,25 @@ pub(crate) struct Link<'a> {
     pub(crate) closing: watch::Receiver<u8>,
     /// A durable session's: what tells its client how far it is persisted.
     pub(crate) notices: Option<Notices>,
+    /// A connection that serves parameter fetches: what tells its client of new versions.
+    pub(super) versions: Option<Versions>,
+}
+
+/// A connection's [`params::VERSION`] notices: sent whenever a version newer than the one
+/// the client was last told is published.
+pub(super) struct Versions {
+    pub(super) latest: watch::Receiver<u64>,
+    pub(super) told: u64,
+}
+
+/// Resolves when a version is published (never without version notices).
+async fn published(versions: &mut Option<Versions>) {
+    if let Some(v) = versions {
+        if v.latest.changed().await.is_ok() {
+            return;
+        }
+    }
+    std::future::pending::<()>().await;
 }
 
 /// A durable connection's [`v2::PERSISTED`] notices: sent whenever a checkpoint completes and
@@ -127,6 +147,8 @@ pub(crate) enum Woke<T> {
     Beat,
     /// A checkpoint completed (durable sessions).
     Persisted,
+    /// A version of the parameters was published (connections that serve them).
+    Published,
 }
 
 impl Link<'_> {
@@ -197,6 +219,21 @@ impl Link<'_> {
         self.tell_persisted().await
     }
 
+    /// Tells a client that fetches parameters of the latest version, if it is newer than
+    /// what it was last told.
+    pub(super) async fn tell_version(&mut self) -> io::Result<()> {
+        let Some(versions) = &self.versions else { return Ok(()) };
+        let latest = *versions.latest.borrow();
+        if latest <= versions.told {
+            return Ok(());
+        }
+        self.write(&params::encode_version(latest)).await?;
+        if let Some(versions) = &mut self.versions {
+            versions.told = latest;
+        }
+        Ok(())
+    }
+
     /// Refuses the hello with `why` (best effort: the peer may be gone).
     pub(super) async fn refuse(&mut self, why: Refusal, message: &str) {
         let _ = self.write(&Reply::Refused(why, message.into()).encode()).await;
@@ -253,6 +290,7 @@ impl Link<'_> {
                     Woke::Beat
                 }
                 () = completed(&mut self.notices) => Woke::Persisted,
+                () = published(&mut self.versions) => Woke::Published,
             };
             let n = match woke {
                 Woke::Done(n) => n?,
@@ -263,6 +301,10 @@ impl Link<'_> {
                 }
                 Woke::Persisted => {
                     self.tell_persisted().await?;
+                    continue;
+                }
+                Woke::Published => {
+                    self.tell_version().await?;
                     continue;
                 }
             };
@@ -410,6 +452,7 @@ impl Link<'_> {
                 Woke::Beat
             }
             () = completed(&mut self.notices) => Woke::Persisted,
+            () = published(&mut self.versions) => Woke::Published,
         };
         conn.note_blocked_for(waited.elapsed());
         match woke {
@@ -417,6 +460,7 @@ impl Link<'_> {
             Woke::Closing => Err(io::Error::other(ServerClosing)),
             Woke::Beat => self.tick(false).await,
             Woke::Persisted => self.tell_persisted().await,
+            Woke::Published => self.tell_version().await,
         }
     }
 

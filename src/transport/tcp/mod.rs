@@ -46,6 +46,7 @@ use super::wire::v2::{self, Closing, Layout};
 use crate::codec::{Codec, LeafCodecs};
 use crate::error::EchoError;
 use crate::ingress::Ingress;
+use crate::params::Params;
 use crate::queued::SessionMark;
 use accept::{accept_loop, Admission};
 use link::NOTICE_GRACE;
@@ -97,6 +98,8 @@ pub struct TcpConfig {
     /// The durable sessions of the checkpoint this server was restored from: each waits for
     /// its client, resuming where the checkpoint holds its samples up to.
     pub restored_sessions: Vec<SessionMark>,
+    /// The learner's parameter channel, served to v2 clients that ask; `None`: not served.
+    pub params: Option<Arc<Params>>,
 }
 
 impl TcpConfig {
@@ -115,6 +118,7 @@ impl TcpConfig {
             shared_memory: true,
             codecs: Vec::new(),
             restored_sessions: Vec::new(),
+            params: None,
         }
     }
 }
@@ -210,6 +214,7 @@ impl TcpServer {
             keep_packed,
             warned_v1_sequence: std::sync::atomic::AtomicBool::new(false),
             persisted: watch::Sender::new(0),
+            params: config.params.clone(),
         });
         shared.seed(&config.restored_sessions);
         runtime.spawn(reap_sessions(Arc::clone(&shared)));

@@ -17,6 +17,7 @@ use tokio::task::AbortHandle;
 
 use crate::codec::LeafCodecs;
 use crate::ingress::{Connection, Ingress, SpaceWaker};
+use crate::params::Params;
 use crate::queued::SessionMark;
 use crate::transport::wire::v2::{Layout, Mode};
 
@@ -175,6 +176,8 @@ pub(crate) struct Shared {
     /// Bumped when a checkpoint completes: durable connections then tell their clients how
     /// far their session is persisted ([`Session::persisted`]).
     pub(super) persisted: watch::Sender<u64>,
+    /// The learner's parameters, fetched by clients that ask.
+    pub(super) params: Option<Arc<Params>>,
 }
 
 impl Shared {

@@ -11,8 +11,8 @@
 //! A FETCH asks for bytes `offset..offset + len` of `version`, at most [`MAX_CHUNK`]; the
 //! server answers each with one CHUNK of that version, whose `size` is the bytes of a whole
 //! version. When the version asked for is no longer held (two publishes overtook the fetch),
-//! or none is published yet, the CHUNK carries the latest version (0: none), offset 0 and no
-//! bytes: the client starts that version over. Decoding is defensive: a length is checked
+//! the CHUNK carries the latest version, offset 0 and no bytes: the client starts that version
+//! over. Before the first publish it carries version 0, size 0 and no bytes. Decoding is defensive: a length is checked
 //! against the request and the layout's size before anything is allocated.
 
 use super::reader::Cursor;
@@ -135,6 +135,16 @@ impl Chunk {
             offset: reader.u64()?,
             len: reader.u32()?,
         };
+        if chunk.version == 0 {
+            // Nothing published yet: no bytes, of no size.
+            if (chunk.size, chunk.offset, chunk.len) != (0, 0, 0) {
+                return Err(EchoError::Protocol(format!(
+                    "a parameter chunk of no version with bytes {}..+{} of {}",
+                    chunk.offset, chunk.len, chunk.size
+                )));
+            }
+            return Ok(Some(chunk));
+        }
         if chunk.size != size {
             return Err(EchoError::Protocol(format!(
                 "a parameter chunk of a version of {} bytes, but this layout's are {size}",
@@ -224,6 +234,12 @@ mod tests {
         let mut wrong = bytes;
         wrong[0] = VERSION;
         assert!(Chunk::parse(&wrong, &asked, 64).is_err());
+        // Nothing published: version 0 with no size and no bytes, and nothing else.
+        let none = Chunk { version: 0, size: 0, offset: 0, len: 0 };
+        assert_eq!(Chunk::parse(&none.encode(), &asked, 64).unwrap(), Some(none));
+        assert!(none.superseded(&asked));
+        let bogus = Chunk { len: 16, ..none };
+        assert!(Chunk::parse(&bogus.encode(), &asked, 64).is_err());
     }
 
     #[test]

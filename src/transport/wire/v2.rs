@@ -10,7 +10,8 @@
 //!   body:                       flags: u8 (bit 0: MAC at the end; bit 1: shared memory
 //!                               wanted; bit 2: closing notices understood; bit 3: compressed
 //!                               frames understood; bit 4: durable, the client keeps each
-//!                               sample until it is persisted) | session: 16 bytes
+//!                               sample until it is persisted; bit 5: the client may fetch
+//!                               parameters, see [`super::params`]) | session: 16 bytes
 //!                               | first_seq: u64 | heartbeat_ms: u32 | client_nonce: 16 bytes
 //!                               | n_leaves: u32 | per leaf: name_len: u16 | name (UTF-8)
 //!                               | byte order: u8 | kind: u8 | itemsize: u32 | ndim: u32
@@ -19,7 +20,8 @@
 //!   status 0 (accepted), then:  flags: u8 (bit 0: replay, priorities accepted; bit 1: MAC;
 //!                               bit 2: shared memory offered; bit 3: a sequence table, step
 //!                               frames accepted; bit 4: codecs follow; bit 5: persisted
-//!                               notices follow, to a client that set hello bit 4)
+//!                               notices follow, to a client that set hello bit 4; bit 6:
+//!                               parameter fetches served, to a client that set hello bit 5)
 //!                               | resume_seq: u64
 //!                               | heartbeat_ms: u32 | [mac: 32 bytes]
 //!                               | [name_len: u8 | socket name | shm nonce: 16 bytes]
@@ -125,6 +127,12 @@ pub const REPLY_CODECS: u8 = 16;
 pub const HELLO_DURABLE: u8 = 16;
 /// Reply flag: the server sends [`PERSISTED`] notices on this connection.
 pub const REPLY_DURABLE: u8 = 32;
+/// Hello flag: the client may fetch the learner's parameters and hears of new versions
+/// ([`super::params`]).
+pub const HELLO_PARAMS: u8 = 32;
+/// Reply flag: the server serves parameter fetches on this connection and sends version
+/// notices.
+pub const REPLY_PARAMS: u8 = 64;
 /// Server byte: a sequence number (u64) follows; every sample of the session before it is in
 /// a completed checkpoint.
 pub const PERSISTED: u8 = 0x05;
@@ -339,6 +347,8 @@ pub struct Hello {
     pub codecs: bool,
     /// The client keeps its samples until they are persisted ([`HELLO_DURABLE`]).
     pub durable: bool,
+    /// The client may fetch parameters ([`HELLO_PARAMS`]).
+    pub params: bool,
 }
 
 /// Fixed bytes of a hello before its body: nonce, magic, version, body length.
@@ -363,7 +373,8 @@ impl Hello {
                 | if self.shm { HELLO_SHM } else { 0 }
                 | if self.notices { HELLO_NOTICES } else { 0 }
                 | if self.codecs { HELLO_CODECS } else { 0 }
-                | if self.durable { HELLO_DURABLE } else { 0 },
+                | if self.durable { HELLO_DURABLE } else { 0 }
+                | if self.params { HELLO_PARAMS } else { 0 },
         );
         body.extend_from_slice(&self.session);
         body.extend_from_slice(&self.first_seq.to_le_bytes());
@@ -465,6 +476,7 @@ fn decode_body(body: &[u8]) -> Result<Hello, EchoError> {
     let notices = flags & HELLO_NOTICES != 0;
     let codecs = flags & HELLO_CODECS != 0;
     let durable = flags & HELLO_DURABLE != 0;
+    let params = flags & HELLO_PARAMS != 0;
     Ok(Hello {
         session,
         first_seq,
@@ -476,6 +488,7 @@ fn decode_body(body: &[u8]) -> Result<Hello, EchoError> {
         notices,
         codecs,
         durable,
+        params,
     })
 }
 
@@ -507,6 +520,8 @@ pub struct Accept {
     pub codecs: Option<Vec<Option<Codec>>>,
     /// The server sends [`PERSISTED`] notices on this connection (to a durable client).
     pub durable: bool,
+    /// The server serves parameter fetches on this connection ([`REPLY_PARAMS`]).
+    pub params: bool,
 }
 
 /// What a sample frame carries besides its payload: a priority, and for a sequence table the
@@ -666,6 +681,7 @@ impl Accept {
             steps: None,
             codecs: None,
             durable: false,
+            params: false,
         }
     }
 
@@ -693,7 +709,8 @@ impl Reply {
                         | if shm.is_some() { REPLY_SHM } else { 0 }
                         | if accept.steps.is_some() { REPLY_STEPS } else { 0 }
                         | if accept.codecs.is_some() { REPLY_CODECS } else { 0 }
-                        | if accept.durable { REPLY_DURABLE } else { 0 },
+                        | if accept.durable { REPLY_DURABLE } else { 0 }
+                        | if accept.params { REPLY_PARAMS } else { 0 },
                 );
                 out.extend_from_slice(&accept.resume_seq.to_le_bytes());
                 out.extend_from_slice(&accept.heartbeat_ms.to_le_bytes());
@@ -784,6 +801,7 @@ impl Reply {
                 steps,
                 codecs,
                 durable: flags & REPLY_DURABLE != 0,
+                params: flags & REPLY_PARAMS != 0,
             }))
         })();
         match parsed {
@@ -910,6 +928,7 @@ mod tests {
             notices: !mac,
             codecs: mac,
             durable: mac,
+            params: !mac,
         };
         let token: &[u8] = b"secret";
         let bytes = hello.encode(&offer, mac.then_some(token)).unwrap();
@@ -973,6 +992,7 @@ mod tests {
         assert_eq!((parsed.first_seq, parsed.session, &parsed.layout), (42, [7; 16], &layout()));
         assert!(parsed.shm, "the shared-memory flag round-trips");
         assert!(parsed.durable, "so does the durable flag");
+        assert!(!parsed.params, "and the parameters flag (off)");
         assert!(!parsed.notices, "so does the closing-notices flag (off)");
         assert!(parsed.verify(&offer, b"secret", &body));
         assert!(!parsed.verify(&offer, b"Secret", &body));
@@ -984,6 +1004,7 @@ mod tests {
         };
         assert!(parsed.mac.is_none() && !parsed.verify(&offer, b"secret", &body));
         assert!(parsed.notices && !parsed.shm, "each flag on its own");
+        assert!(parsed.params && !parsed.durable);
     }
 
     #[test]

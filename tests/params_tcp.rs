@@ -1,0 +1,218 @@
+//! The parameter channel's server side, from a raw v2 socket: a client that asks (hello bit 5)
+//! hears the latest version at once and each new one, fetches a version chunk by chunk, bit
+//! for bit, and is told to start over when two publishes overtook its fetch; a fetch past the
+//! parameters or longer than a chunk ends the connection with the reason; a client that did
+//! not ask is served no fetch; a publish of another layout or a version that does not grow
+//! is refused and changes nothing.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+
+use common::{tagged_hello, tagged_spec, PATIENCE};
+use echo::backend::BackendConfig;
+use echo::server::{Server, ServerConfig};
+use echo::spec::{ArraySpec, DataSpec};
+use echo::transport::tcp::TcpConfig;
+use echo::transport::wire::params::{self, Chunk, Fetch, CHUNK_HEADER_LEN, MAX_CHUNK};
+use echo::transport::wire::v2::{self, Accept, Offer, Reply};
+use echo::transport::wire::{encode_handshake, ACK};
+
+/// The parameters: 3,000 f32 and 100 u8 (12,100 bytes).
+fn param_spec() -> DataSpec {
+    DataSpec::new(vec![
+        ArraySpec::new(vec![3000], 4).unwrap(),
+        ArraySpec::new(vec![100], 1).unwrap(),
+    ])
+    .unwrap()
+}
+
+/// Version `v`'s bytes: a pattern of the version and the position.
+fn version_bytes(v: u64) -> (Vec<u8>, Vec<u8>) {
+    let byte = |i: usize| (i as u64).wrapping_mul(31).wrapping_add(v * 7) as u8;
+    ((0..12_000).map(byte).collect(), (12_000..12_100).map(byte).collect())
+}
+
+fn publish(server: &Server, version: Option<u64>, pattern: u64) -> Result<u64, echo::EchoError> {
+    let (a, b) = version_bytes(pattern);
+    server.publish(&param_spec(), &[&a, &b], version)
+}
+
+fn whole(v: u64) -> Vec<u8> {
+    let (mut a, b) = version_bytes(v);
+    a.extend_from_slice(&b);
+    a
+}
+
+fn server() -> (Server, SocketAddr) {
+    let config = ServerConfig {
+        backend: BackendConfig::Fifo { batch_size: 4, num_batches: 4 },
+        num_drainers: 1,
+        producer_queue_size: Some(8),
+        wire_codecs: Vec::new(),
+        name: None,
+    };
+    let server = Server::new(tagged_spec(), config).unwrap();
+    let tcp = TcpConfig { num_threads: 2, ..TcpConfig::new("127.0.0.1", 0) };
+    let port = server.start(tcp, 1 << 22).unwrap();
+    (server, SocketAddr::from(([127, 0, 0, 1], port)))
+}
+
+/// A raw v2 client of session `[session; 16]` that asks for parameters when `params`.
+fn client(addr: SocketAddr, session: u8, params: bool) -> (TcpStream, Accept) {
+    let mut raw = TcpStream::connect(addr).unwrap();
+    raw.set_read_timeout(Some(PATIENCE)).unwrap();
+    let mut greeting = vec![0u8; encode_handshake(&tagged_spec()).unwrap().len() + v2::OFFER_LEN];
+    raw.read_exact(&mut greeting).unwrap();
+    let offer = Offer::parse(&greeting[greeting.len() - v2::OFFER_LEN..]).unwrap().unwrap();
+    let hello = v2::Hello { params, ..tagged_hello(session, false, true, false) };
+    raw.write_all(&hello.encode(&offer, None).unwrap()).unwrap();
+    let mut reply = Vec::new();
+    let mut byte = [0u8; 1];
+    loop {
+        raw.read_exact(&mut byte).unwrap();
+        reply.push(byte[0]);
+        if let Some((reply, _)) = Reply::parse(&reply).unwrap() {
+            let Reply::Accepted(accept) = reply else { panic!("refused: {reply:?}") };
+            return (raw, accept);
+        }
+    }
+}
+
+/// What the server sends a client that fetches: version notices and chunks.
+#[derive(Debug, PartialEq)]
+enum Message {
+    Version(u64),
+    Chunk(Chunk, Vec<u8>),
+}
+
+fn next_message(raw: &mut TcpStream, asked: &Fetch) -> Message {
+    let mut kind = [0u8; 1];
+    raw.read_exact(&mut kind).unwrap();
+    match kind[0] {
+        params::VERSION => {
+            let mut rest = [0u8; 8];
+            raw.read_exact(&mut rest).unwrap();
+            Message::Version(u64::from_le_bytes(rest))
+        }
+        params::CHUNK => {
+            let mut header = [0u8; CHUNK_HEADER_LEN];
+            header[0] = params::CHUNK;
+            raw.read_exact(&mut header[1..]).unwrap();
+            let chunk = Chunk::parse(&header, asked, 12_100).unwrap().unwrap();
+            let mut bytes = vec![0u8; chunk.len as usize];
+            raw.read_exact(&mut bytes).unwrap();
+            Message::Chunk(chunk, bytes)
+        }
+        other => panic!("unexpected byte {other:#04x}"),
+    }
+}
+
+/// Sends `fetch` and returns its chunk, collecting the version notices on the way.
+fn fetch(raw: &mut TcpStream, fetch: Fetch, versions: &mut Vec<u64>) -> (Chunk, Vec<u8>) {
+    raw.write_all(&fetch.encode()).unwrap();
+    loop {
+        match next_message(raw, &fetch) {
+            Message::Version(v) => versions.push(v),
+            Message::Chunk(chunk, bytes) => return (chunk, bytes),
+        }
+    }
+}
+
+#[test]
+fn a_client_fetches_a_version_bit_for_bit_and_hears_of_every_new_one() {
+    let (server, addr) = server();
+    let (mut raw, accept) = client(addr, 1, true);
+    assert!(accept.params, "a client that asks is served");
+    let mut versions = Vec::new();
+    // Nothing published yet: version 0, no bytes.
+    let (none, bytes) = fetch(&mut raw, Fetch { version: 0, offset: 0, len: 4096 }, &mut versions);
+    assert_eq!((none.version, none.size, bytes.len()), (0, 0, 0));
+    assert_eq!(publish(&server, None, 1).unwrap(), 1);
+    // The whole version in chunks of 4 KiB: the first asks for the latest, the rest for it.
+    let mut got = Vec::new();
+    let mut version = 0;
+    while got.len() < 12_100 {
+        let len = (12_100 - got.len()).min(4096) as u32;
+        let asked = Fetch { version, offset: got.len() as u64, len };
+        let (chunk, bytes) = fetch(&mut raw, asked, &mut versions);
+        assert!(!chunk.superseded(&asked));
+        version = chunk.version;
+        got.extend_from_slice(&bytes);
+    }
+    assert_eq!((version, &got), (1, &whole(1)));
+    // Two publishes overtake a fetch of version 1: it is gone, 3 is the latest.
+    assert_eq!(publish(&server, None, 2).unwrap(), 2);
+    assert_eq!(publish(&server, Some(3), 3).unwrap(), 3);
+    let asked = Fetch { version: 1, offset: 4096, len: 4096 };
+    let (gone, bytes) = fetch(&mut raw, asked, &mut versions);
+    assert!(gone.superseded(&asked));
+    assert_eq!((gone.version, bytes.len()), (3, 0));
+    // Version 2 is still held (the one before the latest).
+    let (held, bytes) = fetch(&mut raw, Fetch { version: 2, offset: 0, len: 8 }, &mut versions);
+    assert_eq!((held.version, &bytes[..]), (2, &whole(2)[..8]));
+    // Every version was announced, in order, none twice (a notice may cover two publishes).
+    let (_, _) = fetch(&mut raw, Fetch { version: 3, offset: 12_092, len: 8 }, &mut versions);
+    assert_eq!(versions.first(), Some(&1));
+    assert_eq!(versions.last(), Some(&3));
+    assert!(versions.windows(2).all(|w| w[0] < w[1]), "{versions:?}");
+    // Samples still flow on the same connection: one sample frame, one ack.
+    let mut frame = vec![v2::SAMPLE];
+    frame.extend_from_slice(&common::tagged_payload(1, 0));
+    raw.write_all(&frame).unwrap();
+    let mut ack = [0u8; 1];
+    raw.read_exact(&mut ack).unwrap();
+    assert_eq!(ack[0], ACK);
+}
+
+#[test]
+fn a_fetch_past_the_parameters_or_longer_than_a_chunk_ends_the_connection() {
+    let (server, addr) = server();
+    publish(&server, None, 1).unwrap();
+    for (bad, why) in [
+        (
+            Fetch { version: 1, offset: 12_000, len: 101 },
+            "bytes 12000..+101 of parameters of 12100",
+        ),
+        (Fetch { version: 1, offset: 0, len: MAX_CHUNK + 1 }, "more than a chunk's"),
+    ] {
+        let (mut raw, _) = client(addr, 2, true);
+        raw.write_all(&bad.encode()).unwrap();
+        let mut received = Vec::new();
+        let _ = raw.read_to_end(&mut received);
+        let at = received.iter().position(|&b| b == v2::ERROR).expect("an error frame");
+        let (message, _) = v2::parse_error(&received[at + 1..]).unwrap().unwrap();
+        assert!(message.contains(why), "{message}");
+    }
+}
+
+#[test]
+fn a_client_that_did_not_ask_is_served_no_fetch() {
+    let (server, addr) = server();
+    publish(&server, None, 1).unwrap();
+    let (mut raw, accept) = client(addr, 3, false);
+    assert!(!accept.params);
+    raw.write_all(&Fetch { version: 0, offset: 0, len: 8 }.encode()).unwrap();
+    let mut received = Vec::new();
+    let _ = raw.read_to_end(&mut received);
+    let at = received.iter().position(|&b| b == v2::ERROR).expect("an error frame");
+    let (message, _) = v2::parse_error(&received[at + 1..]).unwrap().unwrap();
+    assert!(message.contains("unknown frame type 0x32"), "{message}");
+}
+
+#[test]
+fn a_publish_of_another_layout_or_an_old_version_changes_nothing() {
+    let (server, _) = server();
+    assert_eq!(server.params().latest(), 0);
+    publish(&server, Some(5), 5).unwrap();
+    let other = DataSpec::new(vec![ArraySpec::new(vec![3000], 4).unwrap()]).unwrap();
+    let (a, _) = version_bytes(6);
+    let err = server.publish(&other, &[&a], None).unwrap_err().to_string();
+    assert!(err.contains("fixed by the first publish: 2 leaves of 12100 bytes"), "{err}");
+    let err = publish(&server, Some(5), 6).unwrap_err().to_string();
+    assert!(err.contains("above the latest (5), got 5"), "{err}");
+    assert_eq!(server.params().latest(), 5);
+    let (version, bytes) = server.params().store().unwrap().snapshot().unwrap();
+    assert_eq!((version, bytes), (5, whole(5)));
+}
