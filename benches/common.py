@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import platform
+import queue
 import signal
 import socket
 import struct
@@ -565,3 +566,68 @@ def run_flooder(port: int, seconds: float) -> dict[str, Any]:
 
 if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "flood":
     print(json.dumps(flood(int(sys.argv[2]), float(sys.argv[3]))), flush=True)
+
+
+class LineWorkers:
+    """Worker processes (one command each, run from the repository root) and a reader thread
+    per process for their stdout lines, which a driver expects word by word."""
+
+    def __init__(self, commands: list[list[str]], cwd: Path) -> None:
+        self.lines: queue.Queue[tuple[int, str]] = queue.Queue()
+        self.procs: list[subprocess.Popen[str]] = []
+        # Lines read, not yet expected.
+        self.inbox: list[list[str]] = [[] for _ in commands]
+        env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+        for wid, cmd in enumerate(commands):
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=cwd
+            )
+            self.procs.append(proc)
+            threading.Thread(target=self._pump, args=(wid, proc), daemon=True).start()
+
+    def _pump(self, wid: int, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            self.lines.put((wid, line.strip()))
+        self.lines.put((wid, "eof"))
+
+    def expect(self, word: str, timeout: float) -> list[str]:
+        """The next line starting with ``word`` of every worker (in worker order); lines read
+        while waiting are kept for later calls."""
+        deadline = time.monotonic() + timeout
+        for _ in range(10**9):
+            if all(any(x.split(" ", 1)[0] == word for x in box) for box in self.inbox):
+                out = []
+                for box in self.inbox:
+                    i = next(i for i, x in enumerate(box) if x.split(" ", 1)[0] == word)
+                    out.append(box.pop(i))
+                return out
+            left = deadline - time.monotonic()
+            try:
+                wid, line = (
+                    self.lines.get(timeout=max(left, 0.0)) if left > 0 else self.lines.get_nowait()
+                )
+            except queue.Empty:
+                raise TimeoutError(f"not every worker said {word!r} in {timeout:g} s") from None
+            if line == "eof":
+                raise RuntimeError(f"worker {wid} ended before saying {word!r}")
+            self.inbox[wid].append(line)
+        raise AssertionError("unreachable")
+
+    def tell(self, line: str) -> None:
+        for proc in self.procs:
+            assert proc.stdin is not None
+            proc.stdin.write(line + "\n")
+            proc.stdin.flush()
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.stdin is not None:
+                proc.stdin.close()
+        deadline = time.monotonic() + 10.0
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()  # by PID: only the processes this pool started
+                proc.wait(timeout=10.0)

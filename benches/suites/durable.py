@@ -48,11 +48,8 @@ budgets_mib=[256,1]]``.
 from __future__ import annotations
 
 import json
-import os
-import queue
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -240,69 +237,14 @@ def worker_main(argv: list[str]) -> int:
 # --------------------------------------------------------------------------- learner
 
 
-class Workers:
-    """K worker processes and a reader thread for their stdout lines."""
+#: How a worker process is started.
+MODULE = [sys.executable, "-m", "benches.suites.durable"]
 
-    def __init__(self, port: int, name: str, k: int, budget: int | None) -> None:
-        self.lines: queue.Queue[tuple[int, str]] = queue.Queue()
-        self.procs: list[subprocess.Popen[str]] = []
-        self.inbox: list[list[str]] = [[] for _ in range(k)]  # lines read, not yet expected
-        env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
-        for wid in range(k):
-            cmd = [sys.executable, "-m", "benches.suites.durable", "--worker"]
-            cmd += [str(port), name, str(wid), str(budget or 0)]
-            proc = subprocess.Popen(
-                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT
-            )
-            self.procs.append(proc)
-            threading.Thread(target=self._pump, args=(wid, proc), daemon=True).start()
 
-    def _pump(self, wid: int, proc: subprocess.Popen[str]) -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            self.lines.put((wid, line.strip()))
-        self.lines.put((wid, "eof"))
-
-    def expect(self, word: str, timeout: float) -> list[str]:
-        """The next line starting with ``word`` of every worker (in worker order); lines read
-        while waiting are kept for later calls."""
-        deadline = time.monotonic() + timeout
-        for _ in range(10**9):
-            if all(any(x.split(" ", 1)[0] == word for x in box) for box in self.inbox):
-                out = []
-                for box in self.inbox:
-                    i = next(i for i, x in enumerate(box) if x.split(" ", 1)[0] == word)
-                    out.append(box.pop(i))
-                return out
-            left = deadline - time.monotonic()
-            try:
-                wid, line = (
-                    self.lines.get(timeout=max(left, 0.0)) if left > 0 else self.lines.get_nowait()
-                )
-            except queue.Empty:
-                raise TimeoutError(f"not every worker said {word!r} in {timeout:g} s") from None
-            if line == "eof":
-                raise RuntimeError(f"worker {wid} ended before saying {word!r}")
-            self.inbox[wid].append(line)
-        raise AssertionError("unreachable")
-
-    def tell(self, line: str) -> None:
-        for proc in self.procs:
-            assert proc.stdin is not None
-            proc.stdin.write(line + "\n")
-            proc.stdin.flush()
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            if proc.stdin is not None:
-                proc.stdin.close()
-        deadline = time.monotonic() + 10.0
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()  # by PID: only the processes this suite started
-                proc.wait(timeout=10.0)
+def workers_of(port: int, name: str, k: int, budget: int | None) -> c.LineWorkers:
+    """K worker processes of example `name` sending to `port` (durable with `budget`)."""
+    cmds = [[*MODULE, "--worker", str(port), name, str(wid), str(budget or 0)] for wid in range(k)]
+    return c.LineWorkers(cmds, ROOT)
 
 
 class Reader:
@@ -382,7 +324,7 @@ def run_round(name: str, k: int, mode: str, interval: float, args: dict[str, Any
         server.start()
         guard = c.call_later(seconds + warmup + 240.0, server.close)
         assert server.port is not None
-        workers = Workers(server.port, name, k, budget)
+        workers = workers_of(server.port, name, k, budget)
         reader = Reader(server, tree)
         errors: list[str] = []
         results: list[dict[str, Any]] = []
