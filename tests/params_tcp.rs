@@ -10,14 +10,14 @@ mod common;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 
-use common::{tagged_hello, tagged_spec, PATIENCE};
+use common::{tagged_hello, tagged_spec};
 use echo::backend::BackendConfig;
 use echo::server::{Server, ServerConfig};
 use echo::spec::{ArraySpec, DataSpec};
 use echo::transport::tcp::TcpConfig;
 use echo::transport::wire::params::{self, Chunk, Fetch, CHUNK_HEADER_LEN, MAX_CHUNK};
-use echo::transport::wire::v2::{self, Accept, Offer, Reply};
-use echo::transport::wire::{encode_handshake, ACK};
+use echo::transport::wire::v2::{self, Accept};
+use echo::transport::wire::ACK;
 
 /// The parameters: 3,000 f32 and 100 u8 (12,100 bytes).
 fn param_spec() -> DataSpec {
@@ -61,23 +61,8 @@ fn server() -> (Server, SocketAddr) {
 
 /// A raw v2 client of session `[session; 16]` that asks for parameters when `params`.
 fn client(addr: SocketAddr, session: u8, params: bool) -> (TcpStream, Accept) {
-    let mut raw = TcpStream::connect(addr).unwrap();
-    raw.set_read_timeout(Some(PATIENCE)).unwrap();
-    let mut greeting = vec![0u8; encode_handshake(&tagged_spec()).unwrap().len() + v2::OFFER_LEN];
-    raw.read_exact(&mut greeting).unwrap();
-    let offer = Offer::parse(&greeting[greeting.len() - v2::OFFER_LEN..]).unwrap().unwrap();
     let hello = v2::Hello { params, ..tagged_hello(session, false, true, false) };
-    raw.write_all(&hello.encode(&offer, None).unwrap()).unwrap();
-    let mut reply = Vec::new();
-    let mut byte = [0u8; 1];
-    loop {
-        raw.read_exact(&mut byte).unwrap();
-        reply.push(byte[0]);
-        if let Some((reply, _)) = Reply::parse(&reply).unwrap() {
-            let Reply::Accepted(accept) = reply else { panic!("refused: {reply:?}") };
-            return (raw, accept);
-        }
-    }
+    common::raw_client_of(addr, &tagged_spec(), hello)
 }
 
 /// What the server sends a client that fetches: version notices and chunks.

@@ -20,7 +20,7 @@ use echo::ingress::IngressConfig;
 use echo::transport::client::{ClientConfig, TcpSender};
 use echo::transport::tcp::TcpConfig;
 use echo::transport::wire::v2::Layout;
-use echo::transport::wire::v2::{self, FrameMeta, Offer, Reply};
+use echo::transport::wire::v2::{self, FrameMeta};
 use echo::transport::TcpIngress;
 use echo::{ArraySpec, DataSpec, Leaves, Store};
 
@@ -64,30 +64,7 @@ fn clients_compress_the_leaves_the_server_names_and_samples_arrive_bit_exact() {
 
 /// A raw connection that said hello (asking for codecs when `codecs`) and read the reply.
 fn raw_client(addr: SocketAddr, session: u8, codecs: bool) -> (TcpStream, v2::Accept) {
-    raw_client_of(addr, &tagged_spec(), common::tagged_hello(session, false, true, codecs))
-}
-
-/// A raw connection to a server of `spec` that said `hello` and read the reply.
-fn raw_client_of(addr: SocketAddr, spec: &DataSpec, hello: v2::Hello) -> (TcpStream, v2::Accept) {
-    use echo::transport::wire::encode_handshake;
-    let mut raw = TcpStream::connect(addr).unwrap();
-    raw.set_read_timeout(Some(PATIENCE)).unwrap();
-    let mut greeting = vec![0u8; encode_handshake(spec).unwrap().len() + v2::OFFER_LEN];
-    raw.read_exact(&mut greeting).unwrap();
-    let offer = Offer::parse(&greeting[greeting.len() - v2::OFFER_LEN..]).unwrap().unwrap();
-    raw.write_all(&hello.encode(&offer, None).unwrap()).unwrap();
-    let mut reply = Vec::new();
-    let mut byte = [0u8; 1];
-    loop {
-        raw.read_exact(&mut byte).unwrap();
-        reply.push(byte[0]);
-        if let Some((reply, _)) = Reply::parse(&reply).unwrap() {
-            match reply {
-                Reply::Accepted(accept) => return (raw, accept),
-                other => panic!("refused: {other:?}"),
-            }
-        }
-    }
+    common::raw_client_of(addr, &tagged_spec(), common::tagged_hello(session, false, true, codecs))
 }
 
 /// Everything the server sends until it closes: the error frame's message, if one came.
@@ -205,7 +182,7 @@ fn compressed_bodies_a_peer_never_finishes_count_in_max_buffered_bytes() {
                 layout: Layout::untyped(&spec),
                 ..common::tagged_hello(i as u8, false, true, true)
             };
-            let (mut raw, accept) = raw_client_of(addr, &spec, hello);
+            let (mut raw, accept) = common::raw_client_of(addr, &spec, hello);
             assert!(accept.codecs.is_some());
             raw.write_all(&packed_frame(declared, &[0x28, 0xB5, 0x2F, 0xFD, 0])).unwrap();
             raw
@@ -244,7 +221,7 @@ fn a_compressed_frame_larger_than_the_byte_budget_is_refused_not_waited_for() {
     let server = TcpIngress::start(Backend::Fifo(store), ingress_config, &tcp).unwrap();
     let hello =
         v2::Hello { layout: Layout::untyped(&spec), ..common::tagged_hello(1, false, true, true) };
-    let (mut raw, _) = raw_client_of(server.local_addr(), &spec, hello);
+    let (mut raw, _) = common::raw_client_of(server.local_addr(), &spec, hello);
     raw.write_all(&packed_frame((LEAF / 2 + 1) as u32, &[])).unwrap();
     let message = error_message(&mut raw);
     assert!(message.contains("max_buffered_bytes"), "{message}");

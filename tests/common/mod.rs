@@ -3,7 +3,8 @@
 //! and the FIFO TCP server, the client and the reading side that the transport tests share.
 #![allow(dead_code)]
 
-use std::net::SocketAddr;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
@@ -12,7 +13,7 @@ use echo::backend::Backend;
 use echo::ingress::IngressConfig;
 use echo::transport::client::{ClientConfig, TcpSender};
 use echo::transport::tcp::TcpConfig;
-use echo::transport::wire::v2::{self, FrameMeta, Layout};
+use echo::transport::wire::v2::{self, FrameMeta, Layout, Offer, Reply};
 use echo::transport::TcpIngress;
 use echo::{ArraySpec, Consumer, DataSpec, EchoError, Store};
 
@@ -173,5 +174,32 @@ pub fn tagged_hello(session: u8, shm: bool, notices: bool, codecs: bool) -> v2::
         codecs,
         durable: false,
         params: false,
+    }
+}
+
+/// A raw connection to a server of `spec` that said `hello` and read the reply.
+pub fn raw_client_of(
+    addr: SocketAddr,
+    spec: &DataSpec,
+    hello: v2::Hello,
+) -> (TcpStream, v2::Accept) {
+    use echo::transport::wire::encode_handshake;
+    let mut raw = TcpStream::connect(addr).unwrap();
+    raw.set_read_timeout(Some(PATIENCE)).unwrap();
+    let mut greeting = vec![0u8; encode_handshake(spec).unwrap().len() + v2::OFFER_LEN];
+    raw.read_exact(&mut greeting).unwrap();
+    let offer = Offer::parse(&greeting[greeting.len() - v2::OFFER_LEN..]).unwrap().unwrap();
+    raw.write_all(&hello.encode(&offer, None).unwrap()).unwrap();
+    let mut reply = Vec::new();
+    let mut byte = [0u8; 1];
+    loop {
+        raw.read_exact(&mut byte).unwrap();
+        reply.push(byte[0]);
+        if let Some((reply, _)) = Reply::parse(&reply).unwrap() {
+            match reply {
+                Reply::Accepted(accept) => return (raw, accept),
+                other => panic!("refused: {other:?}"),
+            }
+        }
     }
 }

@@ -7,7 +7,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use super::connecting::Connecting;
-use super::link::Established;
+use super::link::{Acks, Established};
 use super::options::LOG_TARGET;
 use super::{Recovery, TcpSender, BACKOFF_FIRST, BACKOFF_MAX, CONNECT_SLICE, SHM_SLICE};
 use crate::error::EchoError;
@@ -45,17 +45,7 @@ impl TcpSender {
         let Some(link) = &self.link else {
             return Err(EchoError::Disconnected(self.failure()));
         };
-        let acks = &link.acks;
-        let reached =
-            acks.changed.wait_until(|| self.releasable() >= target || acks.is_lost(), deadline);
-        if self.releasable() >= target {
-            Ok(())
-        } else if acks.is_lost() {
-            Err(EchoError::Disconnected(acks.reason()))
-        } else {
-            debug_assert!(!reached);
-            Err(EchoError::TimedOut)
-        }
+        wait_on(&link.acks, || self.releasable() >= target, deadline)
     }
 
     /// What a close waits for: every sent sample acknowledged ([`TcpSender::wait`]), and with
@@ -122,16 +112,7 @@ impl TcpSender {
                 writer.wait_taken(target.saturating_sub(link.base), until);
             }
         }
-        let reached =
-            acks.changed.wait_until(|| link.acked_total() >= target || acks.is_lost(), deadline);
-        if link.acked_total() >= target {
-            Ok(())
-        } else if acks.is_lost() {
-            Err(EchoError::Disconnected(acks.reason()))
-        } else {
-            debug_assert!(!reached);
-            Err(EchoError::TimedOut)
-        }
+        wait_on(acks, || link.acked_total() >= target, deadline)
     }
 
     pub(super) fn failure(&self) -> String {
@@ -440,4 +421,22 @@ pub(super) fn backoff(attempt: u32) -> Duration {
     let base = BACKOFF_FIRST.saturating_mul(1 << attempt.min(16)).min(BACKOFF_MAX);
     let jitter = v2::random::<1>().map_or(255, |b| b[0]);
     base / 2 + base.mul_f64(f64::from(jitter) / 510.0)
+}
+
+/// Waits on the reader's signal until `done` (`Ok`), the connection is lost
+/// ([`EchoError::Disconnected`]) or `deadline` passes ([`EchoError::TimedOut`]).
+fn wait_on(
+    acks: &Acks,
+    done: impl Fn() -> bool,
+    deadline: Option<Instant>,
+) -> Result<(), EchoError> {
+    let reached = acks.changed.wait_until(|| done() || acks.is_lost(), deadline);
+    if done() {
+        Ok(())
+    } else if acks.is_lost() {
+        Err(EchoError::Disconnected(acks.reason()))
+    } else {
+        debug_assert!(!reached);
+        Err(EchoError::TimedOut)
+    }
 }
