@@ -3,17 +3,21 @@
 //! for bit, and is told to start over when two publishes overtook its fetch; a fetch past the
 //! parameters or longer than a chunk ends the connection with the reason; a client that did
 //! not ask is served no fetch; a publish of another layout or a version that does not grow
-//! is refused and changes nothing.
+//! is refused and changes nothing. Then from the client (`TcpSender::fetch_params`): whole
+//! versions bit for bit while the learner publishes, never one going back; a version not yet
+//! published waited for until the deadline; a layout of another size refused.
 
 mod common;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
 
-use common::{tagged_hello, tagged_spec};
+use common::{tagged_hello, tagged_spec, PATIENCE};
 use echo::backend::BackendConfig;
 use echo::server::{Server, ServerConfig};
 use echo::spec::{ArraySpec, DataSpec};
+use echo::transport::client::TcpSender;
 use echo::transport::tcp::TcpConfig;
 use echo::transport::wire::params::{self, Chunk, Fetch, CHUNK_HEADER_LEN, MAX_CHUNK};
 use echo::transport::wire::v2::{self, Accept};
@@ -200,4 +204,89 @@ fn a_publish_of_another_layout_or_an_old_version_changes_nothing() {
     assert_eq!(server.params().latest(), 5);
     let (version, bytes) = server.params().store().unwrap().snapshot().unwrap();
     assert_eq!((version, bytes), (5, whole(5)));
+}
+
+/// 3 MB of parameters (three chunks): 750,000 u32, every one its version times a prime plus
+/// its index, so any byte of another version shows.
+fn big_spec() -> DataSpec {
+    DataSpec::new(vec![ArraySpec::new(vec![750_000], 4).unwrap()]).unwrap()
+}
+
+fn big(v: u64) -> Vec<u8> {
+    (0..750_000u32)
+        .flat_map(|i| (i ^ (v as u32).wrapping_mul(2_654_435_761)).to_le_bytes())
+        .collect()
+}
+
+fn sender(addr: SocketAddr) -> TcpSender {
+    TcpSender::connect(common::tagged_client(addr.port()), PATIENCE).unwrap()
+}
+
+#[test]
+fn a_client_fetches_whole_versions_while_the_learner_publishes_and_never_sees_a_torn_one() {
+    let (server, addr) = server();
+    let server = std::sync::Arc::new(server);
+    let mut client = sender(addr);
+    assert_eq!(client.params_version(), 0);
+    server.publish(&big_spec(), &[&big(1)], None).unwrap();
+    let publisher = {
+        let server = std::sync::Arc::clone(&server);
+        std::thread::spawn(move || {
+            for v in 2..=25u64 {
+                server.publish(&big_spec(), &[&big(v)], None).unwrap();
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+        })
+    };
+    let mut out = vec![0u8; 3_000_000];
+    let mut last = 0;
+    for _ in 0..200 {
+        let version = client.fetch_params(&mut out, 0, Some(Instant::now() + PATIENCE)).unwrap();
+        assert!(version >= last, "went back from {last} to {version}");
+        assert!(out == big(version), "version {version} is not bit for bit");
+        last = version;
+        if version == 25 {
+            break;
+        }
+    }
+    publisher.join().unwrap();
+    let version = client.fetch_params(&mut out, 25, Some(Instant::now() + PATIENCE)).unwrap();
+    assert_eq!(version, 25);
+    assert!(out == big(25));
+    common::wait_until("the client heard of version 25", || client.params_version() == 25);
+}
+
+#[test]
+fn a_fetch_of_a_version_not_yet_published_waits_for_it_until_its_deadline() {
+    let (server, addr) = server();
+    let mut client = sender(addr);
+    let mut out = vec![0u8; 3_000_000];
+    let started = Instant::now();
+    let early = client.fetch_params(&mut out, 0, Some(started + Duration::from_millis(200)));
+    assert!(matches!(early, Err(echo::EchoError::TimedOut)), "{early:?}");
+    assert!(started.elapsed() >= Duration::from_millis(200));
+    server.publish(&big_spec(), &[&big(1)], None).unwrap();
+    assert_eq!(client.fetch_params(&mut out, 1, Some(Instant::now() + PATIENCE)).unwrap(), 1);
+    let later = client.fetch_params(&mut out, 2, Some(Instant::now() + Duration::from_millis(100)));
+    assert!(matches!(later, Err(echo::EchoError::TimedOut)), "{later:?}");
+    server.publish(&big_spec(), &[&big(7)], Some(7)).unwrap();
+    assert_eq!(client.fetch_params(&mut out, 2, Some(Instant::now() + PATIENCE)).unwrap(), 7);
+    assert!(out == big(7));
+    // Samples go on as before on the same connection.
+    common::send_tagged(&mut client, 1, 0).unwrap();
+    client.wait(Some(Instant::now() + PATIENCE)).unwrap();
+}
+
+#[test]
+fn a_fetch_of_the_wrong_size_is_refused_with_the_reason() {
+    let (server, addr) = server();
+    server.publish(&big_spec(), &[&big(1)], None).unwrap();
+    let mut client = sender(addr);
+    let mut out = vec![0u8; 100];
+    let err = client.fetch_params(&mut out, 1, Some(Instant::now() + PATIENCE)).unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("parameters of 100 bytes") || text.contains("this layout's are 100"),
+        "{text}"
+    );
 }

@@ -271,7 +271,8 @@ impl Connecting {
             notices: true,
             codecs: self.config.wire_compression,
             durable: self.config.durable.is_some(),
-            params: false,
+            // Version notices and chunks come only when asked for (never over v1).
+            params: true,
         };
         let bytes = hello.encode(&offer, self.config.token.as_deref())?;
         let stream = self.stream.as_mut().expect("connected");

@@ -16,6 +16,7 @@ use crate::codec::LeafCodecs;
 use crate::spec::DataSpec;
 use crate::sync::{Arc, AtomicBool, AtomicU64, AtomicU8, Signal};
 use crate::transport::shm::worker::{LossBell, ShmWriter};
+use crate::transport::wire::params::{self, Chunk, Fetch};
 use crate::transport::wire::v2::{self, Beat, Closing, Offer};
 use crate::transport::wire::ACK;
 
@@ -33,8 +34,24 @@ pub(super) struct Acks {
     /// The latest [`v2::PERSISTED`] mark on this connection (0: none yet): every sample of
     /// the session before it is in a completed checkpoint.
     pub(super) persisted: AtomicU64,
+    /// The latest version of the learner's parameters it announced ([`params::VERSION`];
+    /// 0: none yet).
+    pub(super) params_version: AtomicU64,
+    /// The parameter fetch in flight and its answer.
+    pub(super) fetch: Mutex<FetchSlot>,
     pub(super) reason: Mutex<String>,
     pub(super) changed: Signal,
+}
+
+/// The parameter fetches in flight ([`params::FETCH`]), answered in order: each with its id,
+/// what it asked and the size of the client's parameters; then the latest answer (its
+/// fetch's id, the chunk and its bytes). A fetch that timed out is answered later all the
+/// same: its answer is taken off the wire and dropped.
+#[derive(Default)]
+pub(super) struct FetchSlot {
+    pub(super) asked: std::collections::VecDeque<(u64, Fetch, u64)>,
+    pub(super) answer: Option<(u64, Chunk, Vec<u8>)>,
+    pub(super) next_id: u64,
 }
 
 impl Acks {
@@ -86,6 +103,8 @@ pub(super) struct Link {
     pub(super) shm: Option<ShmWriter>,
     /// The leaves this connection sends compressed (v2 over TCP, as the reply named them).
     pub(super) codecs: Option<Arc<LeafCodecs>>,
+    /// The server serves parameter fetches on this connection (reply bit 6).
+    pub(super) params: bool,
 }
 
 impl Link {
@@ -139,6 +158,8 @@ pub(super) struct Reading {
     pub(super) last_heard: Instant,
     /// The server sends [`v2::PERSISTED`] notices (it accepted a durable hello).
     pub(super) durable: bool,
+    /// The server sends parameter chunks and version notices (reply bit 6).
+    pub(super) params: bool,
     /// On shared memory: the space bell, rung when the connection is lost so that a `send`
     /// or `wait` sleeping on it notices at once.
     pub(super) wake_on_loss: Option<LossBell>,
@@ -157,7 +178,8 @@ impl Reading {
     fn read_loop(&mut self) -> Result<(), String> {
         let every = self.beat.map(|b| b.every);
         self.stream.set_read_timeout(every).map_err(|e| e.to_string())?;
-        let mut buf = [0u8; 4096];
+        // Parameter chunks come up to 1 MiB at a time: read them in large pieces.
+        let mut buf = vec![0u8; 64 * 1024];
         loop {
             self.process()?;
             match self.stream.read(&mut buf) {
@@ -206,7 +228,7 @@ impl Reading {
     pub(super) fn process(&mut self) -> Result<(), String> {
         let mut used = 0;
         let mut acked = 0u64;
-        let mut persisted = false;
+        let mut heard = false;
         let result = loop {
             let Some(&byte) = self.pending.get(used) else { break Ok(()) };
             match byte {
@@ -216,6 +238,36 @@ impl Reading {
                     self.skip_offer = false;
                 }
                 v2::BEAT if self.version == 2 => used += 1,
+                params::VERSION if self.params => {
+                    let Some(version) = params::parse_version(&self.pending[used..]) else {
+                        break Ok(());
+                    };
+                    used += params::VERSION_LEN;
+                    // ORDERING: Release pairs with the Acquire in `TcpSender::params_version`;
+                    // a monotonic number, announced by the notify below.
+                    self.acks.params_version.fetch_max(version, Release);
+                    heard = true;
+                }
+                params::CHUNK if self.params => {
+                    let mut slot = self.acks.fetch.lock();
+                    let Some(&(id, asked, size)) = slot.asked.front() else {
+                        break Err("protocol error: a parameter chunk nobody asked for".into());
+                    };
+                    let chunk = match Chunk::parse(&self.pending[used..], &asked, size) {
+                        Ok(Some(chunk)) => chunk,
+                        Ok(None) => break Ok(()),
+                        Err(e) => break Err(format!("protocol error: {e}")),
+                    };
+                    let start = used + params::CHUNK_HEADER_LEN;
+                    let end = start + chunk.len as usize;
+                    if self.pending.len() < end {
+                        break Ok(()); // the chunk's bytes are still coming
+                    }
+                    slot.answer = Some((id, chunk, self.pending[start..end].to_vec()));
+                    slot.asked.pop_front();
+                    used = end;
+                    heard = true;
+                }
                 v2::PERSISTED if self.durable => {
                     let Some(mark) = v2::parse_persisted(&self.pending[used..]) else {
                         break Ok(());
@@ -224,7 +276,7 @@ impl Reading {
                     // ORDERING: Release pairs with the Acquire in `TcpSender::persisted`;
                     // a monotonic mark, announced by the notify below.
                     self.acks.persisted.fetch_max(mark, Release);
-                    persisted = true;
+                    heard = true;
                 }
                 v2::CLOSING if self.version == 2 => {
                     let Some(&why) = self.pending.get(used + 1) else { break Ok(()) };
@@ -280,7 +332,7 @@ impl Reading {
             // ORDERING: Release pairs with the Acquire in `Acks::acked`.
             self.acks.acked.fetch_add(acked, Release);
         }
-        if acked > 0 || persisted {
+        if acked > 0 || heard {
             self.acks.changed.notify_all();
         }
         result

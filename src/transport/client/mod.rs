@@ -44,6 +44,7 @@ use link::{Acks, Established, Link, Reading, Writing};
 
 mod connecting;
 mod dialing;
+mod fetching;
 mod link;
 mod options;
 mod recovery;
@@ -138,6 +139,8 @@ pub struct TcpSender {
     retained_bytes: usize,
     /// The largest persisted mark of past connections.
     persisted_floor: u64,
+    /// The latest parameter version past connections announced.
+    params_floor: u64,
     /// Sends that waited for the durable byte budget, and the seconds they waited.
     durable_waits: u64,
     /// A send is waiting for the durable byte budget (across the calls a sliced deadline
@@ -225,6 +228,7 @@ impl TcpSender {
             durable: config.durable,
             retained_bytes: 0,
             persisted_floor: 0,
+            params_floor: 0,
             durable_waits: 0,
             budget_blocked: false,
             durable_wait_s: 0.0,
@@ -241,6 +245,7 @@ impl TcpSender {
     fn install(&mut self, est: Established) -> Result<(), EchoError> {
         let Established { stream, version, accept, leftover, skip_offer, shm, .. } = est;
         let durable = accept.as_ref().is_some_and(|a| a.durable);
+        let params = accept.as_ref().is_some_and(|a| a.params);
         stream.set_read_timeout(None)?;
         stream.set_write_timeout(Some(WRITE_SLICE))?;
         let base = accept.as_ref().map_or(0, |a| a.resume_seq);
@@ -259,6 +264,7 @@ impl TcpSender {
                 skip_offer,
                 pending: leftover,
                 durable,
+                params,
                 last_heard: Instant::now(),
                 wake_on_loss: match &shm {
                     Some(writer) => Some(loss_bell(writer)?),
@@ -277,8 +283,17 @@ impl TcpSender {
             }
             _ => None,
         };
-        self.link =
-            Some(Link { stream, version, base, acks, writing, reader: Some(reader), shm, codecs });
+        self.link = Some(Link {
+            stream,
+            version,
+            base,
+            acks,
+            writing,
+            reader: Some(reader),
+            shm,
+            codecs,
+            params,
+        });
         Ok(())
     }
 

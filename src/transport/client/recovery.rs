@@ -236,6 +236,8 @@ impl TcpSender {
             self.acked_floor = self.acked_floor.max(link.acked_total());
             // ORDERING: Acquire, as in `persisted`.
             self.persisted_floor = self.persisted_floor.max(link.acks.persisted.load(Acquire));
+            // ORDERING: Acquire, as in `params_version`.
+            self.params_floor = self.params_floor.max(link.acks.params_version.load(Acquire));
             let reason = link.acks.reason();
             link.shut();
             log::warn!(
@@ -425,7 +427,7 @@ pub(super) fn backoff(attempt: u32) -> Duration {
 
 /// Waits on the reader's signal until `done` (`Ok`), the connection is lost
 /// ([`EchoError::Disconnected`]) or `deadline` passes ([`EchoError::TimedOut`]).
-fn wait_on(
+pub(super) fn wait_on(
     acks: &Acks,
     done: impl Fn() -> bool,
     deadline: Option<Instant>,

@@ -1,0 +1,144 @@
+//! Fetching the learner's parameters ([`crate::transport::wire::params`]): the latest version
+//! the server announced, and a whole version pulled chunk by chunk into the caller's buffer,
+//! started over when two publishes overtake it.
+
+use std::io::Write;
+use std::sync::atomic::Ordering::Acquire;
+use std::time::Instant;
+
+use super::link::Link;
+use super::recovery::wait_on;
+use super::TcpSender;
+use crate::error::EchoError;
+use crate::transport::wire::params::{Chunk, Fetch, MAX_CHUNK};
+
+impl TcpSender {
+    /// The latest version of the learner's parameters the server announced: 0 before the
+    /// first publish (and from a server that serves none).
+    pub fn params_version(&self) -> u64 {
+        let latest = self.link.as_ref().map_or(0, |link| {
+            // ORDERING: Acquire pairs with the reader's Release `fetch_max`.
+            link.acks.params_version.load(Acquire)
+        });
+        latest.max(self.params_floor)
+    }
+
+    /// Fetches a whole version of the learner's parameters, at least `min_version` (at
+    /// least 1: something published), into `out` (exactly the parameters' size), waiting
+    /// until `deadline` for it to be published. Returns its version; `out` holds it whole,
+    /// every byte of that one version. With reconnection a dropped connection is reconnected
+    /// and the fetch started over.
+    ///
+    /// # Errors
+    /// [`EchoError::TimedOut`] at `deadline` (`out` may hold part of a version then);
+    /// [`EchoError::Protocol`] when the server serves no parameters, or publishes them of
+    /// another size; as [`TcpSender::send`] for a connection that is gone.
+    pub fn fetch_params(
+        &mut self,
+        out: &mut [u8],
+        min_version: u64,
+        deadline: Option<Instant>,
+    ) -> Result<u64, EchoError> {
+        loop {
+            self.ensure_usable()?;
+            if self.reconnect {
+                // Reconnects if need be and finishes a sample accepted but not yet written:
+                // a fetch goes between frames.
+                self.drive(deadline)?;
+            } else if self.in_progress > 0 {
+                return Err(EchoError::Protocol(
+                    "a sample is partly sent (a send timed out mid-write): send it again to \
+                     finish it before fetching parameters"
+                        .into(),
+                ));
+            }
+            match self.fetch_once(out, min_version.max(1), deadline) {
+                Err(EchoError::Disconnected(_)) if self.reconnect => {}
+                other => return other,
+            }
+        }
+    }
+
+    /// One try of [`TcpSender::fetch_params`] on the current connection.
+    fn fetch_once(
+        &mut self,
+        out: &mut [u8],
+        min_version: u64,
+        deadline: Option<Instant>,
+    ) -> Result<u64, EchoError> {
+        let Some(link) = &self.link else {
+            return Err(EchoError::Disconnected(self.failure()));
+        };
+        if !link.params {
+            return Err(EchoError::Protocol(format!(
+                "the server at {} serves no parameters (wire protocol 1, shared memory, or an \
+                 echo learner older than this client)",
+                self.address
+            )));
+        }
+        let size = out.len() as u64;
+        // This connection's server (a restarted one announces its latest at once).
+        let announced = || {
+            // ORDERING: Acquire, as in `params_version`.
+            link.acks.params_version.load(Acquire)
+        };
+        loop {
+            wait_on(&link.acks, || announced() >= min_version, deadline)?;
+            let mut version = 0;
+            let mut offset = 0usize;
+            while offset < out.len() {
+                let len = (out.len() - offset).min(MAX_CHUNK as usize);
+                let asked = Fetch { version, offset: offset as u64, len: len as u32 };
+                let (chunk, bytes) = request(link, asked, size, deadline)?;
+                if chunk.version == 0 {
+                    // Nothing published (a notice from before a restart cannot be: this
+                    // connection's server announced it): cannot happen twice in a row.
+                    return Err(EchoError::Protocol(format!(
+                        "the server at {} announced version {} of its parameters but has none",
+                        self.address,
+                        announced()
+                    )));
+                }
+                if chunk.superseded(&asked) {
+                    (version, offset) = (chunk.version, 0);
+                    continue;
+                }
+                out[offset..offset + len].copy_from_slice(&bytes);
+                (version, offset) = (chunk.version, offset + len);
+            }
+            if offset == out.len() && version >= min_version {
+                return Ok(version);
+            }
+        }
+    }
+}
+
+/// Sends one FETCH on `link` and waits for its chunk (until `deadline`).
+fn request(
+    link: &Link,
+    asked: Fetch,
+    size: u64,
+    deadline: Option<Instant>,
+) -> Result<(Chunk, Vec<u8>), EchoError> {
+    let id = {
+        let mut slot = link.acks.fetch.lock();
+        let id = slot.next_id;
+        slot.next_id += 1;
+        slot.asked.push_back((id, asked, size));
+        id
+    };
+    {
+        // Between frames (the caller made sure), and never inside a heartbeat.
+        let mut writing = link.writing.lock();
+        if let Err(e) = (&link.stream).write_all(&asked.encode()) {
+            let reason = format!("sending a parameter fetch failed: {e}");
+            link.acks.lose(reason.clone());
+            return Err(EchoError::Disconnected(reason));
+        }
+        writing.last_write = Instant::now();
+    }
+    let answered = || link.acks.fetch.lock().answer.as_ref().is_some_and(|a| a.0 == id);
+    wait_on(&link.acks, answered, deadline)?;
+    let (_, chunk, bytes) = link.acks.fetch.lock().answer.take().expect("answered");
+    Ok((chunk, bytes))
+}
