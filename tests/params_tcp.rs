@@ -241,7 +241,8 @@ fn a_client_fetches_whole_versions_while_the_learner_publishes_and_never_sees_a_
     let mut out = vec![0u8; 3_000_000];
     let mut last = 0;
     for _ in 0..200 {
-        let version = client.fetch_params(&mut out, 0, Some(Instant::now() + PATIENCE)).unwrap();
+        let version =
+            client.fetch_params(&mut out, 0, Some(Instant::now() + PATIENCE), false).unwrap();
         assert!(version >= last, "went back from {last} to {version}");
         assert!(out == big(version), "version {version} is not bit for bit");
         last = version;
@@ -250,7 +251,8 @@ fn a_client_fetches_whole_versions_while_the_learner_publishes_and_never_sees_a_
         }
     }
     publisher.join().unwrap();
-    let version = client.fetch_params(&mut out, 25, Some(Instant::now() + PATIENCE)).unwrap();
+    let version =
+        client.fetch_params(&mut out, 25, Some(Instant::now() + PATIENCE), false).unwrap();
     assert_eq!(version, 25);
     assert!(out == big(25));
     common::wait_until("the client heard of version 25", || client.params_version() == 25);
@@ -262,15 +264,22 @@ fn a_fetch_of_a_version_not_yet_published_waits_for_it_until_its_deadline() {
     let mut client = sender(addr);
     let mut out = vec![0u8; 3_000_000];
     let started = Instant::now();
-    let early = client.fetch_params(&mut out, 0, Some(started + Duration::from_millis(200)));
+    let early = client.fetch_params(&mut out, 0, Some(started + Duration::from_millis(200)), false);
     assert!(matches!(early, Err(echo::EchoError::TimedOut)), "{early:?}");
     assert!(started.elapsed() >= Duration::from_millis(200));
     server.publish(&big_spec(), &[&big(1)], None).unwrap();
-    assert_eq!(client.fetch_params(&mut out, 1, Some(Instant::now() + PATIENCE)).unwrap(), 1);
-    let later = client.fetch_params(&mut out, 2, Some(Instant::now() + Duration::from_millis(100)));
+    assert_eq!(
+        client.fetch_params(&mut out, 1, Some(Instant::now() + PATIENCE), false).unwrap(),
+        1
+    );
+    let later =
+        client.fetch_params(&mut out, 2, Some(Instant::now() + Duration::from_millis(100)), false);
     assert!(matches!(later, Err(echo::EchoError::TimedOut)), "{later:?}");
     server.publish(&big_spec(), &[&big(7)], Some(7)).unwrap();
-    assert_eq!(client.fetch_params(&mut out, 2, Some(Instant::now() + PATIENCE)).unwrap(), 7);
+    assert_eq!(
+        client.fetch_params(&mut out, 2, Some(Instant::now() + PATIENCE), false).unwrap(),
+        7
+    );
     assert!(out == big(7));
     // Samples go on as before on the same connection.
     common::send_tagged(&mut client, 1, 0).unwrap();
@@ -283,10 +292,35 @@ fn a_fetch_of_the_wrong_size_is_refused_with_the_reason() {
     server.publish(&big_spec(), &[&big(1)], None).unwrap();
     let mut client = sender(addr);
     let mut out = vec![0u8; 100];
-    let err = client.fetch_params(&mut out, 1, Some(Instant::now() + PATIENCE)).unwrap_err();
+    let err = client.fetch_params(&mut out, 1, Some(Instant::now() + PATIENCE), false).unwrap_err();
     let text = err.to_string();
-    assert!(
-        text.contains("parameters of 100 bytes") || text.contains("this layout's are 100"),
-        "{text}"
-    );
+    let why = "publishes parameters of 3000000 bytes, this client's layout has 100";
+    assert!(text.contains(why), "{text}");
+    // A mistake of this client's layout, not the connection's: it goes on.
+    let mut right = vec![0u8; 3_000_000];
+    let deadline = Some(Instant::now() + PATIENCE);
+    assert_eq!(client.fetch_params(&mut right, 1, deadline, false).unwrap(), 1);
+}
+
+#[test]
+fn a_fetch_cut_into_short_slices_goes_on_where_it_stopped() {
+    let (server, addr) = server();
+    server.publish(&big_spec(), &[&big(3)], Some(3)).unwrap();
+    let mut client = sender(addr);
+    let mut out = vec![0u8; 3_000_000];
+    let (mut resume, mut slices) = (false, 0);
+    let version = loop {
+        slices += 1;
+        assert!(slices < 5_000, "no progress");
+        let slice = Some(Instant::now() + Duration::from_millis(2));
+        match client.fetch_params(&mut out, 1, slice, resume) {
+            Ok(version) => break version,
+            Err(echo::EchoError::TimedOut) => resume = true,
+            Err(other) => panic!("{other}"),
+        }
+    };
+    assert_eq!(version, 3);
+    assert!(out == big(3), "resumed slices make up the whole version");
+    assert!(slices > 1, "the fetch was cut at least once ({slices} slices)");
+    eprintln!("3 MB in {slices} slices of 2 ms");
 }

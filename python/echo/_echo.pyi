@@ -362,6 +362,15 @@ class ServerCore:
         written by the core with the GIL released, then swapped in atomically), with the
         encoded `extra` (`extra.json`'s bytes and each array as `(descr literal, shape,
         bytes)`); `hook(stage)` runs at each stage. Returns the bytes its files hold."""
+    def _publish(
+        self,
+        leaves: list[tuple[list[int], int, npt.NDArray[np.uint8]]],
+        version: int | None = None,
+    ) -> int:
+        """Publishes the parameters' leaves as `(shape, itemsize, bytes)`; their version."""
+    @property
+    def params_version(self) -> int:
+        """The latest version of the published parameters (0: none)."""
     def writer(self, timeout: float | None = None) -> SampleWriter:
         """A `SampleWriter` into this server (FIFO or replay)."""
     @property
@@ -462,6 +471,14 @@ class TcpSender:
     def wait(self, timeout: float | None = None) -> None: ...
     def wait_persisted(self, timeout: float | None = None) -> None:
         """Durable acknowledgements: waits until every sent sample is persisted."""
+    def fetch_params(
+        self, size: int, min_version: int = 0, timeout: float | None = None
+    ) -> tuple[int, npt.NDArray[np.uint8]]:
+        """A whole version of the learner's parameters (`size` bytes), at least
+        `min_version`: its version and its bytes."""
+    @property
+    def params_version(self) -> int:
+        """The latest parameter version the server announced (0: none)."""
     def close(self, timeout: float | None = None) -> bool: ...
     @property
     def persisted(self) -> int:

@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
+
 from echo._echo import TcpSender
 from echo._pytree import TreeLayout
 from echo._validate import (
@@ -104,6 +106,9 @@ class TcpClient:
             `close()` waits for the last samples to be persisted. Over TCP and shared memory.
         durable_bytes: The most bytes of samples kept until persisted (default 256 MiB); a
             sample larger than this is kept alone.
+        params_example: A pytree like the parameters the learner publishes
+            (`Server.publish`): same structure, dtypes and shapes. Needed by `params()`,
+            which returns the learner's parameters in that structure.
 
     Raises:
         ValueError: The server is not an echo server, speaks only protocol 1 with
@@ -139,6 +144,7 @@ class TcpClient:
         wire_compression: bool = True,
         durable: bool = False,
         durable_bytes: int = 256 * 2**20,
+        params_example: Any = None,
     ) -> None:
         self._open(
             host,
@@ -156,6 +162,7 @@ class TcpClient:
             wire_compression=wire_compression,
             durable=durable,
             durable_bytes=durable_bytes,
+            params_example=params_example,
         )
 
     def _open(
@@ -176,6 +183,7 @@ class TcpClient:
         wire_compression: bool = True,
         durable: bool = False,
         durable_bytes: int = 256 * 2**20,
+        params_example: Any = None,
         dial_timeout: float | None = None,
         resolver: Callable[[tuple[str, int, str] | None], tuple[str, int] | None] | None = None,
     ) -> None:
@@ -215,6 +223,7 @@ class TcpClient:
             durable_bytes=durable_bytes if durable else None,
         )
         self._layout = TreeLayout(data_sample)
+        self._params_layout = None if params_example is None else TreeLayout(params_example)
         self._sender = TcpSender(host, port, self._layout, settings, resolver)
         self._closed = False
         self._durable = durable
@@ -319,6 +328,52 @@ class TcpClient:
             TimeoutError: Not everything was acknowledged within `timeout` seconds.
         """
         self._sender.wait(timeout)
+
+    def params(
+        self, min_version: int | None = None, timeout: float | None = None
+    ) -> tuple[int, Any]:
+        """The learner's latest published parameters (`Server.publish`), as `(version,
+        pytree)` in `params_example`'s structure. Pulled from the learner in chunks (the GIL
+        released, Ctrl-C honoured), each version whole: never a mix of two. The arrays are
+        this call's own (one buffer), valid as long as the caller keeps them.
+
+        Args:
+            min_version: Wait for at least this version (`None`: any, but at least one
+                published).
+            timeout: Seconds to wait for such a version; `None` waits as long as it takes.
+
+        Raises:
+            ValueError: The client has no `params_example`, or the learner publishes
+                parameters of another size; the learner serves none (protocol 1).
+            TimeoutError: No such version within `timeout` seconds.
+            ConnectionClosedError: The connection is gone (with `reconnect=True`, once
+                reconnecting gave up).
+        """
+        layout = self._params_layout
+        if layout is None:
+            raise ValueError(
+                "params(): this client has no parameter layout: pass TcpClient(..., "
+                "params_example=<a pytree like the learner's published parameters>)"
+            )
+        wanted = 0 if min_version is None else check_int("min_version", min_version, 0)
+        sizes = [int(np.prod(s.shape)) * s.dtype.itemsize for s in layout.leaves]
+        version, data = self._sender.fetch_params(sum(sizes), wanted, timeout)
+        leaves: list[Any] = []
+        offset = 0
+        for spec, size in zip(layout.leaves, sizes, strict=True):
+            # A view of this call's own buffer, in the leaf's dtype and shape.
+            leaf: np.ndarray[Any, Any] = np.frombuffer(
+                data, dtype=spec.dtype, count=size // spec.dtype.itemsize, offset=offset
+            )
+            leaves.append(np.reshape(leaf, spec.shape))
+            offset += size
+        return version, layout.unflatten(leaves)
+
+    @property
+    def params_version(self) -> int:
+        """The latest version of the learner's parameters it announced (0: none yet), known
+        without a transfer: the learner tells every connection of each new version."""
+        return self._sender.params_version
 
     def wait_persisted(self, timeout: float | None = None) -> None:
         """With `durable=True`: blocks until every sent sample is in a checkpoint the learner

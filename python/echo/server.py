@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from echo import checkpoint as _checkpoint
 from echo._echo import SampleInfo, SampleWriter, ServerClosedError, ServerCore
 from echo._periodic import PeriodicCheckpointer
@@ -177,6 +179,8 @@ class Server:
         # `echo.ray.serve` deregisters the shard there, before the connections close.
         self._close_hooks: list[Callable[[bool], object]] = []
         self._restored_extra: Any = None
+        # The published parameters' layout, fixed by the first `publish()`.
+        self._params_layout: TreeLayout | None = None
         if not isinstance(name, str):  # pyright: ignore[reportUnnecessaryIsInstance]
             raise TypeError(f"name must be a str, got {type(name).__name__}")
         if not name:
@@ -896,6 +900,63 @@ class Server:
         if periodic is not None:
             server._start_periodic(periodic)  # pyright: ignore[reportPrivateUsage]
         return server
+
+    def publish(self, params: Any, version: int | None = None) -> int:
+        """Publishes the learner's parameters to its workers: a pytree of numpy arrays, of
+        the same structure, dtypes and shapes at every call (the first publish fixes them).
+        Workers fetch them with `TcpClient.params()` and hear of each new version
+        (`TcpClient.params_version`); over TCP they pull it in chunks of 1 MiB, and the server
+        keeps at most two versions however many workers fetch. Publishing copies the arrays
+        with the GIL released and never blocks `sample()` or the workers' inserts.
+
+        Args:
+            params: The parameters, e.g. `{"w": w, "b": b}` or a flax/haiku tree.
+            version: The version to publish, above the latest; `None`: the latest plus one
+                (the first is 1).
+
+        Returns:
+            The version published.
+
+        Raises:
+            TypeError: A leaf is not a numpy array, or has another dtype than the first
+                publish's (the message names the leaf).
+            ValueError: Another structure or shape than the first publish's, or a version
+                that is not above the latest. Nothing is published then.
+        """
+        if version is not None:
+            version = check_int("version", version, 1, 2**64 - 1)
+        layout = self._params_layout or TreeLayout(params)
+        leaves = layout.flatten(params)
+        if len(leaves) != len(layout.leaves):
+            layout.check_structure(params)
+        parts: list[tuple[list[int], int, Any]] = []
+        for spec, leaf in zip(layout.leaves, leaves, strict=True):
+            if not isinstance(leaf, np.ndarray):
+                raise TypeError(
+                    f"publish(): leaf {spec.name}: expected a numpy.ndarray, got "
+                    f"{type(leaf).__name__}"
+                )
+            array: np.ndarray[Any, Any] = leaf  # pyright: ignore[reportUnknownVariableType]
+            if array.dtype != spec.dtype:
+                raise TypeError(
+                    f"publish(): leaf {spec.name}: expected dtype {spec.dtype} (the first "
+                    f"publish's), got {array.dtype}"
+                )
+            if array.shape != spec.shape:
+                raise ValueError(
+                    f"publish(): leaf {spec.name}: expected shape {spec.shape} (the first "
+                    f"publish's), got {array.shape}"
+                )
+            flat = np.frombuffer(np.ascontiguousarray(array), dtype=np.uint8)
+            parts.append((list(spec.shape), spec.dtype.itemsize, flat))
+        published = self._core._publish(parts, version)  # pyright: ignore[reportPrivateUsage]
+        self._params_layout = layout
+        return published
+
+    @property
+    def params_version(self) -> int:
+        """The latest version `publish()` published (0 before the first)."""
+        return self._core.params_version
 
     @property
     def restored_extra(self) -> Any:

@@ -284,6 +284,43 @@ impl PyTcpSender {
         done.unwrap_or(Err(EchoError::TimedOut)).map_err(|e| self.error(Call::Wait, e))
     }
 
+    /// Fetches a whole version of the learner's parameters, at least `min_version`, of
+    /// `size` bytes (the client's parameter layout): its version and its bytes, a fresh
+    /// array the caller owns. Waits (GIL released, Ctrl-C honoured) for a version to be
+    /// published until `timeout`.
+    #[pyo3(signature = (size, min_version=0, timeout=None))]
+    fn fetch_params<'py>(
+        &self,
+        py: Python<'py>,
+        size: usize,
+        min_version: u64,
+        timeout: Option<f64>,
+    ) -> PyResult<(u64, Bound<'py, numpy::PyArray1<u8>>)> {
+        let deadline = deadline_from_timeout(timeout)?;
+        let sender = &self.sender;
+        let mut out = vec![0u8; size];
+        let buffer = &mut out;
+        let mut resume = false;
+        let done = wait_detached(py, deadline, |slice_end| {
+            let mut sender = sender.try_lock_until(slice_end)?;
+            let fetched = sender.fetch_params(buffer, min_version, Some(slice_end), resume);
+            resume = true;
+            match fetched {
+                Err(EchoError::TimedOut) => None,
+                other => Some(other),
+            }
+        })?;
+        let version =
+            done.unwrap_or(Err(EchoError::TimedOut)).map_err(|e| self.error(Call::Params, e))?;
+        Ok((version, numpy::PyArray1::from_vec(py, out)))
+    }
+
+    /// The latest version of the learner's parameters the server announced (0: none).
+    #[getter]
+    fn params_version(&self, py: Python<'_>) -> u64 {
+        self.read(py, TcpSender::params_version)
+    }
+
     /// Durable acknowledgements: waits until every sent sample is in a checkpoint the server
     /// completed (reconnecting and resending meanwhile).
     #[pyo3(signature = (timeout=None))]
@@ -297,7 +334,7 @@ impl PyTcpSender {
                 other => Some(other),
             }
         })?;
-        done.unwrap_or(Err(EchoError::TimedOut)).map_err(|e| self.error(Call::Wait, e))
+        done.unwrap_or(Err(EchoError::TimedOut)).map_err(|e| self.error(Call::Persisted, e))
     }
 
     /// Flushes (waits for the acks of everything sent, and with durable acknowledgements for

@@ -70,6 +70,8 @@ pub(crate) enum Call {
     Sample,
     Send,
     Wait,
+    Params,
+    Persisted,
 }
 
 impl Call {
@@ -80,6 +82,8 @@ impl Call {
             Self::Sample => "sample()",
             Self::Send => "send()",
             Self::Wait => "wait()",
+            Self::Params => "params()",
+            Self::Persisted => "wait_persisted()",
         }
     }
 
@@ -89,6 +93,10 @@ impl Call {
             Self::Submit => "timed out waiting for space (or for the rate limiter)",
             Self::Sample => "no full batch arrived before the timeout",
             Self::Send | Self::Wait => "timed out waiting for acknowledgements",
+            Self::Params => {
+                "no version of the parameters that new was published before the timeout"
+            }
+            Self::Persisted => "timed out waiting for a checkpoint to persist every sample sent",
         }
     }
 }

@@ -549,6 +549,39 @@ impl PyServerCore {
         }
     }
 
+    /// Publishes the learner's parameters: `leaves` as `(shape, itemsize, bytes)` (C order)
+    /// in the pytree's order, as `version` or the latest plus one; the bytes are copied into
+    /// the server's parameter store with the GIL released. Returns the version. Python checks
+    /// the pytree's structure and dtypes; the core checks the layout's sizes.
+    #[pyo3(signature = (leaves, version=None))]
+    fn _publish(
+        &self,
+        py: Python<'_>,
+        leaves: Vec<(Vec<usize>, usize, PyReadonlyArray1<'_, u8>)>,
+        version: Option<u64>,
+    ) -> PyResult<u64> {
+        let specs = leaves
+            .iter()
+            .map(|(shape, itemsize, _)| crate::spec::ArraySpec::new(shape.clone(), *itemsize))
+            .collect::<Result<Vec<_>, _>>()
+            .and_then(crate::spec::DataSpec::new)
+            .map_err(to_pyerr)?;
+        let bytes = leaves
+            .iter()
+            .map(|(_, _, data)| {
+                data.as_slice().map_err(|e| PyValueError::new_err(format!("publish(): {e}")))
+            })
+            .collect::<PyResult<Vec<&[u8]>>>()?;
+        let server = &self.server;
+        detach(py, || server.publish(&specs, &bytes, version)).map_err(to_pyerr)
+    }
+
+    /// The latest version of the published parameters (0: none yet).
+    #[getter]
+    fn params_version(&self) -> u64 {
+        self.server.params().latest()
+    }
+
     /// Fills this new server (built from `opened`'s settings and an example that matches
     /// it) with the checkpoint's data: a replay table's items and state, a sequence table's
     /// steps and windows, a FIFO ring's samples, then the ingress's samples before anything

@@ -27,7 +27,9 @@ impl TcpSender {
     /// least 1: something published), into `out` (exactly the parameters' size), waiting
     /// until `deadline` for it to be published. Returns its version; `out` holds it whole,
     /// every byte of that one version. With reconnection a dropped connection is reconnected
-    /// and the fetch started over.
+    /// and the fetch started over. After [`EchoError::TimedOut`], a call with `resume` and
+    /// the same `out` goes on where the last one stopped (a deadline cut into slices loses
+    /// no chunk); without `resume` a fetch starts afresh.
     ///
     /// # Errors
     /// [`EchoError::TimedOut`] at `deadline` (`out` may hold part of a version then);
@@ -38,7 +40,11 @@ impl TcpSender {
         out: &mut [u8],
         min_version: u64,
         deadline: Option<Instant>,
+        resume: bool,
     ) -> Result<u64, EchoError> {
+        if !resume {
+            self.fetching = None;
+        }
         loop {
             self.ensure_usable()?;
             if self.reconnect {
@@ -53,8 +59,12 @@ impl TcpSender {
                 ));
             }
             match self.fetch_once(out, min_version.max(1), deadline) {
-                Err(EchoError::Disconnected(_)) if self.reconnect => {}
-                other => return other,
+                Err(EchoError::Disconnected(_)) if self.reconnect => self.fetching = None,
+                Err(EchoError::TimedOut) => return Err(EchoError::TimedOut),
+                other => {
+                    self.fetching = None;
+                    return other;
+                }
             }
         }
     }
@@ -71,8 +81,8 @@ impl TcpSender {
         };
         if !link.params {
             return Err(EchoError::Protocol(format!(
-                "the server at {} serves no parameters (wire protocol 1, shared memory, or an \
-                 echo learner older than this client)",
+                "the server at {} serves no parameters (wire protocol 1, or an echo learner \
+                 older than this client)",
                 self.address
             )));
         }
@@ -83,13 +93,34 @@ impl TcpSender {
             link.acks.params_version.load(Acquire)
         };
         loop {
-            wait_on(&link.acks, || announced() >= min_version, deadline)?;
-            let mut version = 0;
-            let mut offset = 0usize;
+            // Where a fetch that timed out stopped (the same buffer), or the start.
+            let (mut version, mut offset) = self.fetching.take().unwrap_or((0, 0));
+            if version == 0 {
+                wait_on(&link.acks, || announced() >= min_version, deadline)?;
+                // A probe first: parameters of another size are this client's mistake (its
+                // layout), not the connection's.
+                let probe = Fetch { version: 0, offset: 0, len: 0 };
+                let (latest, _) = request(link, probe, size, deadline)?;
+                if latest.version != 0 && latest.size != size {
+                    return Err(EchoError::Protocol(format!(
+                        "the learner at {} publishes parameters of {} bytes, this client's \
+                         layout has {size}",
+                        self.address, latest.size
+                    )));
+                }
+                // That version from here on (a fetch cut short goes on with it).
+                version = latest.version;
+            }
             while offset < out.len() {
                 let len = (out.len() - offset).min(MAX_CHUNK as usize);
                 let asked = Fetch { version, offset: offset as u64, len: len as u32 };
-                let (chunk, bytes) = request(link, asked, size, deadline)?;
+                let (chunk, bytes) = match request(link, asked, size, deadline) {
+                    Ok(answer) => answer,
+                    Err(err) => {
+                        self.fetching = Some((version, offset));
+                        return Err(err);
+                    }
+                };
                 if chunk.version == 0 {
                     // Nothing published (a notice from before a restart cannot be: this
                     // connection's server announced it): cannot happen twice in a row.

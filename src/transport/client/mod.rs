@@ -141,6 +141,8 @@ pub struct TcpSender {
     persisted_floor: u64,
     /// The latest parameter version past connections announced.
     params_floor: u64,
+    /// A parameter fetch that timed out: the version it was fetching and how far it got.
+    fetching: Option<(u64, usize)>,
     /// Sends that waited for the durable byte budget, and the seconds they waited.
     durable_waits: u64,
     /// A send is waiting for the durable byte budget (across the calls a sliced deadline
@@ -229,6 +231,7 @@ impl TcpSender {
             retained_bytes: 0,
             persisted_floor: 0,
             params_floor: 0,
+            fetching: None,
             durable_waits: 0,
             budget_blocked: false,
             durable_wait_s: 0.0,

@@ -17,13 +17,16 @@ use tokio::net::{UnixListener, UnixStream};
 use super::{Reader, Samples, ShmEnd as End, SHM_OFF};
 use crate::error::EchoError;
 use crate::ingress::{Connection, Ingress, SegmentReservation, TransportEvent};
+use crate::params::Params;
 use crate::sync::AsyncBell;
 use crate::transport::direct;
 use crate::transport::shm;
 use crate::transport::tcp::checks::check_meta;
-use crate::transport::tcp::link::{closed, completed, Link, ServerClosing, Woke, NEVER};
+use crate::transport::tcp::frames::{serve_fetch, Body};
+use crate::transport::tcp::link::{closed, completed, published, Link, ServerClosing, Woke, NEVER};
 use crate::transport::tcp::session::LOG_TARGET;
 use crate::transport::tcp::session::{Session, Shared};
+use crate::transport::wire::params;
 use crate::transport::wire::v2::{self, ShmOffer};
 
 /// How long a channel refused by the backend waits for its bell before it tries again
@@ -87,6 +90,7 @@ pub(crate) async fn serve(
     shared: &Shared,
     session: &Session,
     prepared: Prepared,
+    parameters: Option<&Params>,
 ) -> io::Result<End> {
     let Prepared { offer, payload_size, segment_len, listener } = prepared;
     let deadline = tokio::time::Instant::now() + ATTACH_TIMEOUT;
@@ -132,7 +136,7 @@ pub(crate) async fn serve(
     };
     drop(listener);
     shared.ingress.note(TransportEvent::Shm);
-    drain(link, shared, session, &mut reader).await
+    drain(link, shared, session, &mut reader, parameters).await
 }
 
 /// Checks an attaching peer (same uid as ours, the right nonce), then reserves the
@@ -202,10 +206,13 @@ async fn drain(
     shared: &Shared,
     session: &Session,
     reader: &mut Reader,
+    parameters: Option<&Params>,
 ) -> io::Result<End> {
     let ingress = &shared.ingress;
     let backend = ingress.backend();
     let conn = &session.conn;
+    // A parameter chunk's bytes (see `serve_fetch`).
+    let mut chunk = Body::new(conn);
     let mut leaves = Vec::new();
     let mut offset = 0;
     for array in backend.spec().arrays() {
@@ -301,6 +308,7 @@ async fn drain(
                 // watch quiet, and a durable client hears of a completed checkpoint.
                 keep_beating(link).await;
                 link.tell_if_persisted().await?;
+                link.tell_version().await?;
             }
             continue;
         }
@@ -313,7 +321,7 @@ async fn drain(
             continue;
         }
         // Taken out while the link waits for its client (the select borrows both).
-        let mut notices = link.notices.take();
+        let (mut notices, mut versions) = (link.notices.take(), link.versions.take());
         let woke = tokio::select! {
             byte = link.next_byte() => Some(byte),
             ready = data.readable() => {
@@ -323,9 +331,11 @@ async fn drain(
                 None
             }
             () = completed(&mut notices) => None,
+            () = published(&mut versions) => None,
         };
-        link.notices = notices;
+        (link.notices, link.versions) = (notices, versions);
         link.tell_persisted().await?;
+        link.tell_version().await?;
         let byte = woke.transpose()?;
         reader.sleep_end();
         match byte {
@@ -333,6 +343,11 @@ async fn drain(
             // Whatever the client committed before it left goes in first.
             Some(None) => ending = Some(End::Closed),
             Some(Some(v2::BYE)) => ending = Some(End::Goodbye),
+            // The samples go through the segment; parameter fetches over the connection.
+            Some(Some(params::FETCH)) if parameters.is_some() => {
+                let parameters = parameters.expect("matched");
+                serve_fetch(link, conn, &session.space, parameters, &mut chunk).await?;
+            }
             Some(Some(v2::SHM_DECLINE)) if reader.head() == 0 => {
                 if reader.available().map_or(true, |n| n > 0) {
                     return Err(link
@@ -393,14 +408,14 @@ async fn wait_for_room(
             () = closed(&mut link.closing) => Woke::Closing,
             () = tokio::time::sleep(every.unwrap_or(NEVER)), if every.is_some() => Woke::Beat,
             () = completed(&mut link.notices) => Woke::Persisted,
+            () = published(&mut link.versions) => Woke::Published,
         };
         match woke {
             Woke::Done(()) => return Ok(()),
             Woke::Closing => return Err(io::Error::other(ServerClosing)),
             Woke::Beat => keep_beating(link).await,
             Woke::Persisted => link.tell_persisted().await?,
-            // Parameters are not served over a shared-memory connection.
-            Woke::Published => {}
+            Woke::Published => link.tell_version().await?,
         }
     }
 }

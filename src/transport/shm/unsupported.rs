@@ -33,6 +33,7 @@ pub(crate) mod server {
         _: &Shared,
         _: &Session,
         _: Prepared,
+        _: Option<&crate::params::Params>,
     ) -> io::Result<End> {
         Ok(End::Declined)
     }

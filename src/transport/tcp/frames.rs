@@ -187,8 +187,7 @@ pub(super) async fn serve_v2(
     accept.codecs = codecs.map(|c| c.as_slice().to_vec());
     accept.durable = hello.durable;
     // Parameter fetches to a client that asks, when the server has a parameter channel.
-    // (Over TCP only: a shared-memory connection's task reads no frames but its goodbye.)
-    let served_params = shared.params.clone().filter(|_| hello.params && !hello.shm);
+    let served_params = shared.params.clone().filter(|_| hello.params);
     accept.params = served_params.is_some();
     if hello.shm {
         match shm::server::prepare(shared, peer, link) {
@@ -220,7 +219,8 @@ pub(super) async fn serve_v2(
     }
     log::debug!(target: LOG_TARGET, "{peer}: v2 session resumed at sample {resume_seq} (resumed: {existed})");
     if let Some(prepared) = channel {
-        match shm::server::serve(link, shared, &session, prepared).await? {
+        let params = served_params.as_deref();
+        match shm::server::serve(link, shared, &session, prepared, params).await? {
             ShmEnd::Closed => return Ok(()),
             ShmEnd::Goodbye => {
                 serving.goodbye = true;
@@ -339,7 +339,7 @@ async fn serve_frames(
 /// version it asks for, or the news that the version is gone (see [`params`]). The chunk's
 /// bytes are copied into `chunk` (held in the byte budget, grown as needed) under the store's
 /// read lock, then written.
-async fn serve_fetch(
+pub(crate) async fn serve_fetch(
     link: &mut Link<'_>,
     conn: &Arc<Connection>,
     space: &Notify,
@@ -395,13 +395,13 @@ const BODY_STEP: usize = 64 * 1024;
 
 /// A connection's buffer for compressed frame bodies, reused frame to frame, whose capacity
 /// is held in the ingress's byte budget (`max_buffered_bytes`) for as long as it exists.
-struct Body {
+pub(crate) struct Body {
     bytes: Vec<u8>,
     hold: BudgetHold,
 }
 
 impl Body {
-    fn new(conn: &Connection) -> Self {
+    pub(crate) fn new(conn: &Connection) -> Self {
         Self { bytes: Vec::new(), hold: conn.hold() }
     }
 }

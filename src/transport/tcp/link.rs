@@ -73,18 +73,18 @@ pub(crate) struct Link<'a> {
     /// A durable session's: what tells its client how far it is persisted.
     pub(crate) notices: Option<Notices>,
     /// A connection that serves parameter fetches: what tells its client of new versions.
-    pub(super) versions: Option<Versions>,
+    pub(crate) versions: Option<Versions>,
 }
 
 /// A connection's [`params::VERSION`] notices: sent whenever a version newer than the one
 /// the client was last told is published.
-pub(super) struct Versions {
+pub(crate) struct Versions {
     pub(super) latest: watch::Receiver<u64>,
     pub(super) told: u64,
 }
 
 /// Resolves when a version is published (never without version notices).
-async fn published(versions: &mut Option<Versions>) {
+pub(crate) async fn published(versions: &mut Option<Versions>) {
     if let Some(v) = versions {
         if v.latest.changed().await.is_ok() {
             return;
@@ -221,7 +221,7 @@ impl Link<'_> {
 
     /// Tells a client that fetches parameters of the latest version, if it is newer than
     /// what it was last told.
-    pub(super) async fn tell_version(&mut self) -> io::Result<()> {
+    pub(crate) async fn tell_version(&mut self) -> io::Result<()> {
         let Some(versions) = &self.versions else { return Ok(()) };
         let latest = *versions.latest.borrow();
         if latest <= versions.told {

@@ -57,7 +57,8 @@ mod accept;
 // (`crate::transport::shm::server`) builds on.
 pub(crate) mod checks;
 mod connection;
-mod frames;
+// `serve_fetch` serves parameter fetches on shared-memory connections too.
+pub(crate) mod frames;
 pub(crate) mod link;
 pub(crate) mod session;
 

@@ -113,8 +113,9 @@ impl Chunk {
     }
 
     /// The header at the start of `bytes` (kind byte included), checked against what the
-    /// client asked (`asked`) and the size of its layout's parameters (`size`); `Ok(None)`
-    /// until the whole header is there.
+    /// client asked (`asked`) and the size of its layout's parameters (`size`; a fetch of no
+    /// bytes is a probe, which learns whatever size the version has); `Ok(None)` until the
+    /// whole header is there.
     ///
     /// # Errors
     /// [`EchoError::Protocol`] for a header that is not a CHUNK, a size other than the
@@ -141,6 +142,17 @@ impl Chunk {
                 return Err(EchoError::Protocol(format!(
                     "a parameter chunk of no version with bytes {}..+{} of {}",
                     chunk.offset, chunk.len, chunk.size
+                )));
+            }
+            return Ok(Some(chunk));
+        }
+        if asked.len == 0 {
+            // A probe: it learns the latest version and its size, whatever they are, and no
+            // bytes.
+            if chunk.len != 0 {
+                return Err(EchoError::Protocol(format!(
+                    "a parameter chunk of {} bytes answering a fetch of none",
+                    chunk.len
                 )));
             }
             return Ok(Some(chunk));
