@@ -93,14 +93,17 @@ impl TcpSender {
             link.acks.params_version.load(Acquire)
         };
         loop {
-            // Where a fetch that timed out stopped (the same buffer), or the start.
-            let (mut version, mut offset) = self.fetching.take().unwrap_or((0, 0));
+            // Where a fetch that timed out stopped (the same buffer), with the request it was
+            // waiting for, or the start.
+            let (mut version, mut offset, mut pending) =
+                self.fetching.take().unwrap_or((0, 0, None));
             if version == 0 {
                 wait_on(&link.acks, || announced() >= min_version, deadline)?;
                 // A probe first: parameters of another size are this client's mistake (its
                 // layout), not the connection's.
                 let probe = Fetch { version: 0, offset: 0, len: 0 };
-                let (latest, _) = request(link, probe, size, deadline)?;
+                let id = send_fetch(link, probe, size)?;
+                let (latest, _) = await_answer(link, id, deadline)?;
                 if latest.version != 0 && latest.size != size {
                     return Err(EchoError::Protocol(format!(
                         "the learner at {} publishes parameters of {} bytes, this client's \
@@ -114,10 +117,17 @@ impl TcpSender {
             while offset < out.len() {
                 let len = (out.len() - offset).min(MAX_CHUNK as usize);
                 let asked = Fetch { version, offset: offset as u64, len: len as u32 };
-                let (chunk, bytes) = match request(link, asked, size, deadline) {
+                // The answer to the request a timed-out call left in flight (a chunk slower
+                // than a caller's slice still arrives), else a new request's.
+                let id = match pending.take() {
+                    Some(id) => id,
+                    None => send_fetch(link, asked, size)?,
+                };
+                let (chunk, bytes) = match await_answer(link, id, deadline) {
                     Ok(answer) => answer,
                     Err(err) => {
-                        self.fetching = Some((version, offset));
+                        let waiting = matches!(err, EchoError::TimedOut).then_some(id);
+                        self.fetching = Some((version, offset, waiting));
                         return Err(err);
                     }
                 };
@@ -144,13 +154,8 @@ impl TcpSender {
     }
 }
 
-/// Sends one FETCH on `link` and waits for its chunk (until `deadline`).
-fn request(
-    link: &Link,
-    asked: Fetch,
-    size: u64,
-    deadline: Option<Instant>,
-) -> Result<(Chunk, Vec<u8>), EchoError> {
+/// Sends one FETCH on `link`; the id its answer will carry (see [`await_answer`]).
+fn send_fetch(link: &Link, asked: Fetch, size: u64) -> Result<u64, EchoError> {
     let id = {
         let mut slot = link.acks.fetch.lock();
         let id = slot.next_id;
@@ -168,6 +173,15 @@ fn request(
         }
         writing.last_write = Instant::now();
     }
+    Ok(id)
+}
+
+/// Waits (until `deadline`) for the answer to the fetch `id`: its chunk and bytes.
+fn await_answer(
+    link: &Link,
+    id: u64,
+    deadline: Option<Instant>,
+) -> Result<(Chunk, Vec<u8>), EchoError> {
     let answered = || link.acks.fetch.lock().answer.as_ref().is_some_and(|a| a.0 == id);
     wait_on(&link.acks, answered, deadline)?;
     let (_, chunk, bytes) = link.acks.fetch.lock().answer.take().expect("answered");
