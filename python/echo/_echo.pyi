@@ -7,9 +7,9 @@ import numpy as np
 import numpy.typing as npt
 
 from echo._pytree import TreeLayout
+from echo._server_args import ServerConfig
 from echo.client import _ClientSettings  # pyright: ignore[reportPrivateUsage]
 from echo.compression import Codec
-from echo.server import _ServerConfig  # pyright: ignore[reportPrivateUsage]
 from echo.transport import TcpTransport
 
 __version__: Final[str]
@@ -276,7 +276,7 @@ class ServerCore:
     """The native half of `echo.Server`, over the FIFO ring or a replay table: flattened
     leaves in, batches of views out."""
 
-    def __new__(cls, layout: TreeLayout, config: _ServerConfig) -> ServerCore: ...
+    def __new__(cls, layout: TreeLayout, config: ServerConfig) -> ServerCore: ...
     @property
     def batch_size(self) -> int: ...
     @property

@@ -17,7 +17,7 @@ import numpy.typing as npt
 from echo._pytree import TreeLayout
 from echo._validate import check_int, check_seconds
 from echo.compression import Codec, Compress
-from echo.replay import Fifo
+from echo.replay import Fifo, RateLimiter, Remover, Sampler, Sequence
 
 
 def cuda_runtime_candidates() -> list[str]:
@@ -167,3 +167,26 @@ def recorded_compress(example: Any, tuning: dict[str, Any]) -> Compress:
     return {
         path: codec for path, codec in zip(layout.paths, recorded, strict=True) if codec is not None
     }
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """`Server`'s arguments as `ServerCore` reads them (src/python/config.rs): their types
+    checked here, their values and how they combine checked natively, in one place."""
+
+    batch_size: int
+    num_buffers: int
+    num_drainers: int
+    producer_queue_size: int | None
+    sampler: Sampler
+    remover: Remover | None
+    rate_limiter: RateLimiter | None
+    max_size: int | None
+    max_times_sampled: int
+    seed: int | None
+    sequence: Sequence | None
+    # Per leaf: its codec or None, resolved from `compress=` against the layout.
+    compress: tuple[Codec | None, ...] = ()
+    max_bytes: int | None = None
+    # The `server` label of its metrics; checkpoints record it, restores keep it.
+    name: str = "default"

@@ -7,9 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import numpy as np
-
 from echo._echo import TcpSender
+from echo._params import param_sizes, param_tree
 from echo._pytree import TreeLayout
 from echo._validate import (
     check_bool,
@@ -356,18 +355,9 @@ class TcpClient:
                 "params_example=<a pytree like the learner's published parameters>)"
             )
         wanted = 0 if min_version is None else check_int("min_version", min_version, 0)
-        sizes = [int(np.prod(s.shape)) * s.dtype.itemsize for s in layout.leaves]
-        version, data = self._sender.fetch_params(sum(sizes), wanted, timeout)
-        leaves: list[Any] = []
-        offset = 0
-        for spec, size in zip(layout.leaves, sizes, strict=True):
-            # A view of this call's own buffer, in the leaf's dtype and shape.
-            leaf: np.ndarray[Any, Any] = np.frombuffer(
-                data, dtype=spec.dtype, count=size // spec.dtype.itemsize, offset=offset
-            )
-            leaves.append(np.reshape(leaf, spec.shape))
-            offset += size
-        return version, layout.unflatten(leaves)
+        size = sum(param_sizes(layout))
+        version, data = self._sender.fetch_params(size, wanted, timeout)
+        return version, param_tree(layout, data)
 
     @property
     def params_version(self) -> int:

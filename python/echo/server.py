@@ -6,19 +6,18 @@ import dataclasses
 import os
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 from echo import checkpoint as _checkpoint
 from echo._echo import SampleInfo, SampleWriter, ServerClosedError, ServerCore
+from echo._params import param_parts
 from echo._periodic import PeriodicCheckpointer
 from echo._prefetch import Prefetcher, Transfer, device_transfer
 from echo._pytree import TreeLayout
 from echo._server_args import (
     PERIODIC_JOIN_S,
     Periodic,
+    ServerConfig,
     cuda_runtime_candidates,
     keys_array,
     periodic_args,
@@ -35,29 +34,6 @@ from echo.sample import Sample
 from echo.transport import TcpTransport
 
 __all__ = ["Sample", "Server"]
-
-
-@dataclass(frozen=True)
-class _ServerConfig:
-    """`Server`'s arguments as `ServerCore` reads them (src/python/config.rs): their types
-    checked here, their values and how they combine checked natively, in one place."""
-
-    batch_size: int
-    num_buffers: int
-    num_drainers: int
-    producer_queue_size: int | None
-    sampler: Sampler
-    remover: Remover | None
-    rate_limiter: RateLimiter | None
-    max_size: int | None
-    max_times_sampled: int
-    seed: int | None
-    sequence: Sequence | None
-    # Per leaf: its codec or None, resolved from `compress=` against the layout.
-    compress: tuple[Codec | None, ...] = ()
-    max_bytes: int | None = None
-    # The `server` label of its metrics; checkpoints record it, restores keep it.
-    name: str = "default"
 
 
 class Server:
@@ -194,7 +170,7 @@ class Server:
             )
         # `sample(device=...)`'s copy functions, one per device (a CUDA one owns a stream).
         self._transfers: dict[tuple[str, str], Transfer] = {}
-        config = _ServerConfig(
+        config = ServerConfig(
             batch_size=check_int("batch_size", batch_size, 1),
             num_buffers=check_int("num_buffers", num_buffers, 2),
             num_drainers=check_int("num_drainers", num_drainers, 1, 1 << 16),
@@ -926,29 +902,7 @@ class Server:
         if version is not None:
             version = check_int("version", version, 1, 2**64 - 1)
         layout = self._params_layout or TreeLayout(params)
-        leaves = layout.flatten(params)
-        if len(leaves) != len(layout.leaves):
-            layout.check_structure(params)
-        parts: list[tuple[list[int], int, Any]] = []
-        for spec, leaf in zip(layout.leaves, leaves, strict=True):
-            if not isinstance(leaf, np.ndarray):
-                raise TypeError(
-                    f"publish(): leaf {spec.name}: expected a numpy.ndarray, got "
-                    f"{type(leaf).__name__}"
-                )
-            array: np.ndarray[Any, Any] = leaf  # pyright: ignore[reportUnknownVariableType]
-            if array.dtype != spec.dtype:
-                raise TypeError(
-                    f"publish(): leaf {spec.name}: expected dtype {spec.dtype} (the first "
-                    f"publish's), got {array.dtype}"
-                )
-            if array.shape != spec.shape:
-                raise ValueError(
-                    f"publish(): leaf {spec.name}: expected shape {spec.shape} (the first "
-                    f"publish's), got {array.shape}"
-                )
-            flat = np.frombuffer(np.ascontiguousarray(array), dtype=np.uint8)
-            parts.append((list(spec.shape), spec.dtype.itemsize, flat))
+        parts = param_parts(layout, params)
         published = self._core._publish(parts, version)  # pyright: ignore[reportPrivateUsage]
         self._params_layout = layout
         return published

@@ -2,7 +2,7 @@
 //! checked in one place.
 //!
 //! - [`LayoutArg`]: the example's leaves, from `echo._pytree.TreeLayout`.
-//! - [`ServerConfig`]: `echo.Server`'s arguments (the private `_ServerConfig` dataclass),
+//! - [`ServerConfig`]: `echo.Server`'s arguments (the `ServerConfig` dataclass of `echo._server_args`),
 //!   turned into a [`BackendConfig`] by [`ServerConfig::backend`], which is where the FIFO
 //!   and replay arguments are checked against each other.
 //! - The replay strategies (`echo.replay.Uniform()`, ... frozen dataclasses) become
@@ -123,7 +123,7 @@ pub(crate) enum SamplerArg {
     Replay(SamplerKind),
 }
 
-/// `echo.Server`'s arguments (`echo.server._ServerConfig`), types already checked in Python.
+/// `echo.Server`'s arguments (`echo._server_args.ServerConfig`), types already checked in Python.
 pub(crate) struct ServerConfig {
     pub(crate) batch_size: usize,
     num_buffers: usize,
