@@ -8,17 +8,21 @@ sampled item's priority from its TD error with `update_priorities`. `--workers` 
 processes each step a gymnasium vector env of `--envs` CartPole-v1 envs with an
 epsilon-greedy policy and send every step's transitions with
 `TcpClient(reconnect=True, name="worker-<i>").send_batch(..., priority=...)`, the priorities
-being their own TD errors. The policy gets back to the workers as a versioned file: the
-learner publishes its parameters every `--publish-every` steps (written by a thread, replaced
-atomically with `os.replace`), and the workers load the file when it changes (see the docs'
-"Sending the policy back to workers").
+being their own TD errors. The policy goes back to the workers over the same connection
+(echo's parameter channel): the learner calls `server.publish(params, version=step + 1)`
+every `--publish-every` steps, and each worker, every `--poll-every` vector-env steps, looks
+at `client.params_version` (no transfer) and fetches the parameters with `client.params()`
+only when the learner announced a newer version (see the docs' "Sending the policy back to
+workers").
 
 Midway the learner writes a checkpoint with its own state in it
 (`server.checkpoint(path, extra={"params": ..., "step": ...})`), closes saying it comes back
 (`close(restarting=True)`), and a new learner is started from the checkpoint with
 `Server.restore(path, transport=TcpTransport(port=<the same port>))`, taking its parameters,
-optimizer state and step back from `restored_extra`. The workers keep going: they block
-while no learner listens, reconnect, and resend what the old learner had not acknowledged.
+optimizer state and step back from `restored_extra`; the checkpoint also holds the last
+published parameters, which the restored learner publishes again with their version. The
+workers keep going: they block while no learner listens, reconnect, and resend what the old
+learner had not acknowledged.
 
 Every transition carries a unique id, (worker index, counter). At the end the example reads
 the restored learner's table back (a last checkpoint, `np.load` of its id leaf and of the
@@ -48,7 +52,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -161,7 +164,7 @@ class DQN:
             self.v[k] = b2 * self.v[k] + (1 - b2) * g * g
             m_hat = self.m[k] / (1 - b1**self.step)
             v_hat = self.v[k] / (1 - b2**self.step)
-            # A new array, not an in-place update: a published snapshot is never written.
+            # A new array each step (publish() copies, so writing in place would do too).
             p[k] = (p[k] - self.lr * m_hat / (np.sqrt(v_hat) + eps)).astype(np.float32)
         if self.step % self.target_every == 0:
             self.target = {k: v.copy() for k, v in p.items()}
@@ -169,83 +172,33 @@ class DQN:
 
 
 # ---------------------------------------------------------------------------------------------
-# Parameters back to the workers: a versioned file, replaced atomically.
+# Parameters back to the workers: echo's parameter channel.
 # ---------------------------------------------------------------------------------------------
 
 
-def write_params(path: str, version: int, params: Params) -> None:
-    """Writes `params` and `version` to `path` atomically: readers see the old file or the
-    new one, never a partial one (`os.replace` is a rename)."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        np.savez(f, version=np.int64(version), **params)
-    os.replace(tmp, path)
+class Policy:
+    """A worker's copy of the learner's parameters. `poll()` reads `client.params_version`
+    (what the learner announced: no transfer) and fetches only when it grew."""
 
-
-class ParamsPublisher:
-    """The learner's side: `publish()` hands the newest parameters to a writer thread and
-    returns at once; the thread writes only the newest (skipped versions are fine)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.published = 0  # files written
-        self._latest: tuple[int, Params] | None = None
-        self._closed = False
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="params-publisher", daemon=True)
-        self._thread.start()
-
-    def publish(self, version: int, params: Params) -> None:
-        # The learner replaces its arrays instead of writing into them (see DQN.train), so a
-        # shallow copy of the dict is a snapshot.
-        with self._cond:
-            self._latest = (version, dict(params))
-            self._cond.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while self._latest is None and not self._closed:
-                    self._cond.wait()
-                if self._latest is None:
-                    return
-                version, params = self._latest
-                self._latest = None
-            write_params(self.path, version, params)
-            self.published += 1
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        self._thread.join(10)
-
-
-class ParamsFollower:
-    """The worker's side: `poll()` reloads the file when it was replaced (a cheap `stat`)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.version = -1
-        self.params: Params = {}
-        self.loads = 0
-        self._seen: tuple[int, int] | None = None
+    def __init__(self, client: TcpClient) -> None:
+        self.client = client
+        # The learner published version 1 before starting us; wait for it all the same.
+        self.version, self.params = client.params(min_version=1, timeout=60.0)
+        self.announced = self.version
+        self.fetches = 1
 
     def poll(self) -> bool:
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
+        announced = self.client.params_version
+        if announced <= self.announced:
             return False
-        if (st.st_ino, st.st_mtime_ns) == self._seen:
+        self.announced = announced
+        # The latest version, whichever it is by now (a restored learner may serve an older
+        # one than the old learner announced: its checkpoint's; keep only newer ones).
+        version, params = self.client.params(timeout=60.0)
+        self.fetches += 1
+        if version <= self.version:
             return False
-        self._seen = (st.st_ino, st.st_mtime_ns)
-        with np.load(self.path) as data:  # the file we opened stays whole if it is replaced
-            version = int(data["version"])
-            if version <= self.version:
-                return False
-            self.params = {k: data[k] for k in data.files if k != "version"}
-        self.version = version
-        self.loads += 1
+        self.version, self.params = version, params
         return True
 
 
@@ -262,12 +215,7 @@ def worker(args: argparse.Namespace) -> None:
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     index = args.worker
     run_dir = args.run_dir
-    follower = ParamsFollower(os.path.join(run_dir, "params.npz"))
     deadline = time.monotonic() + args.seconds + 60  # even if the learner never says stop
-    while not follower.poll():  # the learner wrote version 0 before starting us
-        if time.monotonic() > deadline:
-            raise SystemExit(f"worker {index}: no parameters at {follower.path}")
-        time.sleep(0.05)
     # Ape-X's exploration: each worker has its own epsilon, from 0.4 down to 0.4**8.
     epsilon = 0.4 ** (1 + 7 * index / max(1, args.workers - 1))
     rng = np.random.default_rng(args.seed + 1000 + index)
@@ -286,7 +234,10 @@ def worker(args: argparse.Namespace) -> None:
         reconnect=True,
         reconnect_timeout=60.0,
         name=f"worker-{index}",
+        # A pytree like the learner's parameters: `client.params()` returns that structure.
+        params_example=init_params(np.random.default_rng(0), args.hidden),
     )
+    policy = Policy(client)
     stop_file = os.path.join(run_dir, "stop")
     # (monotonic time before, reconnects, acked, monotonic time after), after every send: the
     # learner compares them with the moments of its checkpoint and restart.
@@ -304,11 +255,11 @@ def worker(args: argparse.Namespace) -> None:
     ids[:, 0] = index
     for step in range(args.transitions // args.envs):
         if step % args.poll_every == 0:
-            follower.poll()
+            policy.poll()
             if os.path.exists(stop_file) or time.monotonic() > deadline:
                 stopped = True
                 break
-        q = q_values(follower.params, obs)
+        q = q_values(policy.params, obs)
         action = q.argmax(axis=1)
         explore = rng.random(args.envs) < epsilon
         action[explore] = rng.integers(NUM_ACTIONS, size=int(explore.sum()))
@@ -318,7 +269,7 @@ def worker(args: argparse.Namespace) -> None:
         for j in np.flatnonzero(done):
             real_next[j] = info["final_obs"][j]
         # The workers' priorities: |TD error| under the parameters they act with.
-        bootstrap = q_values(follower.params, real_next).max(axis=1)
+        bootstrap = q_values(policy.params, real_next).max(axis=1)
         td = reward + GAMMA * (1.0 - terminated) * bootstrap - q[np.arange(args.envs), action]
         ids[:, 1] = counter + np.arange(args.envs)
         batch = {
@@ -351,8 +302,8 @@ def worker(args: argparse.Namespace) -> None:
         "reconnects": client.reconnects,
         "resent": client.resent,
         "transport_path": client.transport_path,
-        "params_loads": follower.loads,
-        "params_version": follower.version,
+        "params_fetches": policy.fetches,
+        "params_version": policy.version,
         "episodes": episodes,
         "mean_return_last_20": float(np.mean(finished[-20:])) if finished else 0.0,
     }
@@ -399,9 +350,10 @@ def make_server(args: argparse.Namespace) -> Server:
 class Training:
     """The learner's loop: sample, train, set priorities, publish parameters now and then."""
 
-    def __init__(self, args: argparse.Namespace, dqn: DQN, publisher: ParamsPublisher) -> None:
-        self.args, self.dqn, self.publisher = args, dqn, publisher
+    def __init__(self, args: argparse.Namespace, dqn: DQN) -> None:
+        self.args, self.dqn = args, dqn
         self.items_sampled = 0
+        self.published = 0
         self._last_report = time.monotonic()
 
     def run(self, server: Server, until: Callable[[], bool]) -> None:
@@ -421,7 +373,9 @@ class Training:
             server.update_priorities(sample.keys, np.abs(td) + 1e-3)
             self.items_sampled += len(td)
             if self.dqn.step % self.args.publish_every == 0:
-                self.publisher.publish(self.dqn.step, self.dqn.params)
+                # Copies the arrays and returns: the workers pull it from the server.
+                server.publish(self.dqn.params, version=self.dqn.step + 1)
+                self.published += 1
             now = time.monotonic()
             if now - self._last_report > 5.0:
                 self._last_report = now
@@ -531,10 +485,9 @@ def learner(args: argparse.Namespace) -> None:
     assert port is not None
     params = init_params(np.random.default_rng(args.seed), args.hidden)
     dqn = DQN(params, lr=args.lr, target_every=args.target_every)
-    params_path = os.path.join(run_dir, "params.npz")
-    write_params(params_path, 0, dqn.params)  # version 0, before any worker asks
-    publisher = ParamsPublisher(params_path)
-    training = Training(args, dqn, publisher)
+    # Version `step + 1`: version 1 is the initial parameters (step 0), before any worker asks.
+    server.publish(dqn.params, version=dqn.step + 1)
+    training = Training(args, dqn)
     print(
         f"learner on 127.0.0.1:{port}: {args.workers} workers x {args.envs} CartPole-v1 envs, "
         f"up to {total:,} transitions in {args.seconds:g} s; run dir {run_dir}"
@@ -567,7 +520,7 @@ def learner(args: argparse.Namespace) -> None:
         step = dqn.step
         moments.checkpoint_started = time.monotonic()
         server.checkpoint(checkpoint, extra=dqn.state())
-        old = server.stats()
+        old, old_version = server.stats(), server.params_version
         moments.close_started = time.monotonic()
         # The learner goes away, telling its workers it comes back: they keep trying (a plain
         # close() is for good, and stops them), and their sends block meanwhile.
@@ -585,7 +538,12 @@ def learner(args: argparse.Namespace) -> None:
         dqn = DQN.from_state(state, lr=args.lr, target_every=args.target_every)
         training.dqn = dqn
         size = server.stats().store_size
-        print(f"restored on the same port at step {dqn.step} with {size:,} items")
+        # The checkpoint held the last published parameters: published again, same version.
+        assert server.params_version == old_version, (server.params_version, old_version)
+        print(
+            f"restored on the same port at step {dqn.step} with {size:,} items, parameters "
+            f"version {old_version} published again"
+        )
         # Phase 2: until the workers are done or the time is up; then tell them to stop and
         # keep sampling while they do (they may wait for the limiter to take their last ones).
         training.run(server, lambda: workers_done() or time_up(1.0))
@@ -606,7 +564,6 @@ def learner(args: argparse.Namespace) -> None:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        publisher.close()
     elapsed = time.monotonic() - started
     reports = []
     for w in range(args.workers):
@@ -626,8 +583,9 @@ def learner(args: argparse.Namespace) -> None:
         f"workers: {sent:,} transitions sent, {acked:,} acknowledged, "
         f"{sum(r['given_up'] for r in reports)} given up at shutdown, "
         f"{sum(r['reconnects'] for r in reports)} reconnects, {sum(r['resent'] for r in reports)}"
-        f" resent; paths {sorted({r['transport_path'] for r in reports})}; parameter files "
-        f"loaded per worker {[r['params_loads'] for r in reports]} ({publisher.published} written)"
+        f" resent; paths {sorted({r['transport_path'] for r in reports})}; parameters fetched "
+        f"per worker {[r['params_fetches'] for r in reports]} ({training.published} versions "
+        "published)"
     )
     print(
         f"throughput: {acked / elapsed:,.0f} transitions/s into the table, "
@@ -650,7 +608,7 @@ def learner(args: argparse.Namespace) -> None:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-WORKER_FLAGS = ["workers", "envs", "transitions", "seconds", "poll-every", "seed"]
+WORKER_FLAGS = ["workers", "envs", "transitions", "seconds", "poll-every", "hidden", "seed"]
 
 
 def main() -> None:
@@ -665,8 +623,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64, help="units per hidden layer")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--target-every", type=int, default=250, help="steps per target copy")
-    parser.add_argument("--publish-every", type=int, default=50, help="steps per params file")
-    parser.add_argument("--poll-every", type=int, default=10, help="worker steps per poll")
+    parser.add_argument("--publish-every", type=int, default=50, help="steps per publish")
+    parser.add_argument("--poll-every", type=int, default=10, help="worker steps per version check")
     parser.add_argument("--restart-gap", type=float, default=1.0, help="seconds")
     parser.add_argument("--eval-episodes", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)

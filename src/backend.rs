@@ -34,6 +34,7 @@ use crate::source::SampleSource;
 use crate::spec::DataSpec;
 use crate::store::{Consumer, RingCheckpoint, Store, StoreStats};
 use crate::sync::{Arc, AsyncBell};
+use crate::versions::PolicyVersions;
 
 pub use crate::replay::BATCH_META;
 
@@ -321,7 +322,28 @@ impl Backend {
     /// # Errors
     /// [`EchoError::Priority`] if a priority is given to the FIFO ring or is invalid; as
     /// [`Store::insert`] and [`Table::insert`] otherwise.
+    ///
+    /// With policy versions and a staleness bound ([`Backend::set_policy_versions`]), the
+    /// samples older than the bound are left out and counted; `src` still hears of them
+    /// through [`SampleSource::inserted`], and an error's `inserted` counts them (it says
+    /// where in `src` to go on).
     pub fn insert(
+        &self,
+        src: &dyn SampleSource,
+        priority: Option<f64>,
+        deadline: Option<Instant>,
+    ) -> Result<(), InsertError> {
+        let versions = self.policy_versions();
+        let Some((versions, fresh)) = versions.and_then(|v| Some((v, v.fresh(src)?))) else {
+            return self.insert_all(src, priority, deadline);
+        };
+        let outcome = self.insert_all(&fresh, priority, deadline);
+        fresh.finish();
+        versions.note_stale_at_insert(fresh.stale_consumed() as u64);
+        outcome.map_err(|err| InsertError { inserted: fresh.consumed(), ..err })
+    }
+
+    fn insert_all(
         &self,
         src: &dyn SampleSource,
         priority: Option<f64>,
@@ -335,9 +357,34 @@ impl Backend {
         }
     }
 
+    /// Makes the backend keep policy versions (its spec's last leaf holds them): inserts drop
+    /// samples older than the bound, a replay table's draws remove items that became so.
+    /// Once; `false` if they were set already.
+    pub fn set_policy_versions(&self, versions: Arc<PolicyVersions>) -> bool {
+        let cell = match self {
+            Self::Fifo(store) => &store.versions,
+            Self::Replay(table) => table.versions_cell(),
+            Self::Sequence(table) => table.versions_cell(),
+        };
+        cell.set(versions).is_ok()
+    }
+
+    /// The policy versions the backend keeps, if it keeps them.
+    pub fn policy_versions(&self) -> Option<&Arc<PolicyVersions>> {
+        match self {
+            Self::Fifo(store) => store.versions.get(),
+            Self::Replay(table) => table.versions_cell().get(),
+            Self::Sequence(table) => table.versions_cell().get(),
+        }
+    }
+
     /// [`Store::try_insert_in_place`] for the FIFO ring; `false` (nothing called) for a
-    /// replay table, whose inserts take its lock.
+    /// replay table, whose inserts take its lock, and for a ring whose samples are checked
+    /// for staleness before they go in.
     pub fn try_insert_in_place(&self, fill: impl FnOnce(&mut [&mut [u8]])) -> bool {
+        if self.policy_versions().is_some_and(|v| v.max_staleness().is_some()) {
+            return false;
+        }
         match self {
             Self::Fifo(store) => store.try_insert_in_place(fill),
             Self::Replay(_) | Self::Sequence(_) => false,

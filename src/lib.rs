@@ -66,6 +66,7 @@ pub mod store;
 #[doc(hidden)]
 pub mod sync;
 pub mod transport;
+pub mod versions;
 
 #[cfg(feature = "python")]
 mod python;

@@ -140,6 +140,9 @@ pub struct Store {
     held_batch: Counter,
     /// Zero-sized unless the `detailed-metrics` feature is on.
     metrics: StoreMetrics,
+    /// The server's policy versions, set once when it keeps them.
+    #[cfg(not(loom))]
+    pub(crate) versions: std::sync::OnceLock<std::sync::Arc<crate::versions::PolicyVersions>>,
 }
 
 /// `held_batch` when the consumer holds nothing.
@@ -252,6 +255,8 @@ impl Store {
             waiting_samples: Waiting::default(),
             held_batch: Counter::new(NOT_HELD),
             metrics: StoreMetrics::default(),
+            #[cfg(not(loom))]
+            versions: std::sync::OnceLock::new(),
         }))
     }
 

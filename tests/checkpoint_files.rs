@@ -48,6 +48,7 @@ fn server(backend: BackendConfig) -> Server {
         producer_queue_size: Some(8),
         wire_codecs: Vec::new(),
         name: None,
+        versions: None,
     };
     Server::new(tagged_spec(), config).unwrap()
 }

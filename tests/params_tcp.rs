@@ -56,6 +56,7 @@ fn server() -> (Server, SocketAddr) {
         producer_queue_size: Some(8),
         wire_codecs: Vec::new(),
         name: None,
+        versions: None,
     };
     let server = Server::new(tagged_spec(), config).unwrap();
     let tcp = TcpConfig { num_threads: 2, ..TcpConfig::new("127.0.0.1", 0) };

@@ -25,6 +25,7 @@ fn fifo(batch_size: usize, num_batches: usize) -> Server {
         producer_queue_size: Some(8),
         wire_codecs: Vec::new(),
         name: None,
+        versions: None,
     };
     Server::new(tagged_spec(), config).unwrap()
 }

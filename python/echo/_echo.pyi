@@ -108,6 +108,12 @@ class SampleInfo:
     def samples_submitted_total(self) -> int:
         """Samples put in by in-process `submit()`/`submit_batch()`, counted as each returns."""
     @property
+    def samples_stale_at_insert_total(self) -> int:
+        """Samples older than `max_staleness` versions, dropped as they went in."""
+    @property
+    def samples_stale_at_sample_total(self) -> int:
+        """Replay items removed when a draw met them older than `max_staleness` versions."""
+    @property
     def buffered_bytes(self) -> int:
         """Bytes of sample buffers the TCP ingress holds now (queued samples, buffer pools,
         same-host shared-memory segments), at most `TcpTransport.max_buffered_bytes`."""
@@ -318,6 +324,7 @@ class ServerCore:
         stream: int | None = None,
         end_episode: bool | None = None,
         truncated: bool | None = None,
+        version: int | None = None,
     ) -> None:
         """Checks and copies one sample (a pytree like the example); a sequence table's step
         of `stream`, ending its episode with `end_episode` (terminated) or `truncated`."""
@@ -329,6 +336,7 @@ class ServerCore:
         stream: int | None = None,
         end_episode: object = None,
         truncated: object = None,
+        version: int | None = None,
     ) -> int:
         """Checks and copies a batch of samples, one per row; returns the row count. A
         sequence table takes row `i` as a step of stream `stream + i`, ending as
@@ -417,6 +425,9 @@ class OpenedCheckpoint:
         """The extra's tree file, None without one."""
     def lists(self, name: str) -> bool:
         """Whether the manifest lists `name`."""
+    @property
+    def policy_versions(self) -> bool:
+        """Whether the checkpoint's server kept each sample's policy version."""
     def dict_leaves(self) -> list[tuple[list[str], tuple[int, ...], Any]]:
         """Each leaf's `(keys, shape, dtype descr)` for an example of nested dicts."""
     def check_example(self, layout: TreeLayout) -> None:
@@ -451,9 +462,22 @@ class TcpSender:
         priority: float | None = None,
         end_episode: bool = False,
         truncated: bool = False,
+        version: int | None = None,
     ) -> None:
         """Checks and sends one sample (a pytree like the example); `end_episode` or
-        `truncated` ends its episode (a sequence table)."""
+        `truncated` ends its episode (a sequence table); `version` is the policy version it
+        carries to a server that keeps them (`None`: `policy_version`)."""
+    @property
+    def policy_version(self) -> int:
+        """The version samples carry when a send names none (the newest fetched)."""
+    @policy_version.setter
+    def policy_version(self, version: int) -> None: ...
+    @property
+    def policy_versions(self) -> int | None:
+        """The admission bound when the server keeps versions (2**64-1: none), else `None`."""
+    @property
+    def admission_waits(self) -> tuple[int, float]:
+        """Sends that waited for newer parameters, and the seconds in all."""
     def send_batch(
         self,
         tree: object,
@@ -461,6 +485,7 @@ class TcpSender:
         priority: object = None,
         end_episode: object = None,
         truncated: object = None,
+        version: int | None = None,
     ) -> int:
         """Checks and sends a batch of samples, one per row; returns the row count. To a
         sequence table row `i` is a step of this client's stream `i`, ending as

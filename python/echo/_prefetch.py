@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import optree
 
 from echo._pytree import NONE_IS_LEAF
+from echo._validate import check_int
 
 __all__ = ["Prefetcher", "Transfer", "device_transfer", "jax_transfer", "torch_transfer"]
 
@@ -229,3 +230,45 @@ def torch_transfer(device: Any) -> Transfer:
         return out
 
     return Transfer(to_cuda, private=False)
+
+
+def batches(
+    take: Callable[..., Any],
+    replay: bool,
+    copy: bool,
+    timeout: float | None,
+    writable: bool,
+    device: Any,
+    prefetch: int | None,
+) -> Iterator[Any]:
+    """`Server.dataset_iter`: the batches `take` (a server's `sample`) hands out until it
+    returns None, fetched ahead by a `Prefetcher` with `device` or `prefetch`. `replay`: the
+    server's batch area is reused by the next draw (a GPU copy reads a private copy)."""
+    if device is None and prefetch is None:
+        while (got := take(timeout, copy=copy, writable=writable)) is not None:
+            yield got
+        return
+    depth = check_int("prefetch", 2 if prefetch is None else prefetch, 1, 1 << 16)
+    if device is None:
+        if not copy:
+            raise ValueError(
+                "prefetch without device needs copy=True: views into the ring cannot be "
+                "fetched ahead (the next sample() gives their slots back)"
+            )
+
+        def fetch(wait_s: float) -> Any:
+            return take(wait_s, copy=True)
+
+    else:
+        transfer = device_transfer(device)
+        # A replay table's batch area is reused by the next sample(): a GPU copy (which
+        # reads it after sample() returns) takes a private copy of it first.
+        private = transfer.private or replay
+
+        def fetch(wait_s: float) -> Any:
+            got = take(wait_s, copy=private, writable=not private)
+            if got is None:
+                return None
+            return got._with_batch(transfer.copy(got.batch))  # pyright: ignore[reportPrivateUsage]
+
+    yield from Prefetcher(fetch, depth, timeout)

@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from echo._pytree import TreeLayout
-from echo._validate import check_int, check_seconds
+from echo._validate import check_bool, check_int, check_seconds
 from echo.compression import Codec, Compress
 from echo.replay import Fifo, RateLimiter, Remover, Sampler, Sequence
 
@@ -114,6 +114,26 @@ def periodic_args(
     return Periodic(directory, every, keep, cast("Callable[[], Any] | None", checkpoint_extra))
 
 
+def versions_args(policy_versions: Any, max_staleness: Any, admission: Any) -> dict[str, Any]:
+    """The checked policy version settings, as `ServerConfig` fields."""
+    kept = check_bool("policy_versions", policy_versions)
+    bound = None if max_staleness is None else check_int("max_staleness", max_staleness, 0, 2**63)
+    if not isinstance(admission, str):
+        raise TypeError(f"admission must be a str, got {type(admission).__name__}")
+    if admission not in ("drop", "block"):
+        raise ValueError(f"admission must be 'drop' or 'block', got {admission!r}")
+    if admission == "block" and bound is None:
+        raise ValueError(
+            "admission='block' needs max_staleness (how many versions a worker may lag "
+            "before its send() waits for newer parameters)"
+        )
+    return {
+        "policy_versions": kept or bound is not None,
+        "max_staleness": bound,
+        "admission": admission,
+    }
+
+
 # The settings a checkpoint records as part of its data: `restore()` takes them only as checks.
 _DATA_SETTINGS = (
     "batch_size",
@@ -190,3 +210,8 @@ class ServerConfig:
     max_bytes: int | None = None
     # The `server` label of its metrics; checkpoints record it, restores keep it.
     name: str = "default"
+    # Whether samples carry their policy version, the staleness bound, and what happens to
+    # samples past it ("drop" or "block").
+    policy_versions: bool = False
+    max_staleness: int | None = None
+    admission: str = "drop"

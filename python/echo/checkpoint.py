@@ -10,14 +10,16 @@ extra=...)`: model parameters, optimizer state, a step counter), encoded as a tr
 per node (`{"dict": [[key, node], ...]}`, `{"list": [...]}`, `{"tuple": [...]}`,
 `{"value": json}`, `{"array": file}`, `{"scalar": file}`) in `extra.json`, each array one
 `extra_000.npy`, ... beside it, so any key, tuples and numpy scalars come back as they went in;
-`read_extra(path)`, which reads it alone; and the example rebuilt from a manifest's leaf paths.
-Periodic checkpoints: `echo._periodic`.
+`read_extra(path)`, which reads it alone; the published parameters (`Server.publish`) in the
+extra's files (see `encode`) and `read_params(path)`; and the example rebuilt from a
+manifest's leaf paths. Periodic checkpoints: `echo._periodic`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -25,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from echo import _echo
+from echo._params import Published
 from echo._periodic import PeriodicCheckpointer, periodic_checkpoints
 
 __all__ = [
@@ -33,6 +36,7 @@ __all__ = [
     "PeriodicCheckpointer",
     "periodic_checkpoints",
     "read_extra",
+    "read_params",
 ]
 
 FORMAT_VERSION: int = _echo.CHECKPOINT_FORMAT_VERSION
@@ -68,6 +72,22 @@ _EXTRA_KINDS = (
 Extra = tuple[bytes, list[tuple[str, tuple[int, ...], npt.NDArray[np.uint8]]]]
 
 
+def _extra_file(index: int) -> str:
+    """The name the core gives the extra's array number `index`."""
+    return f"extra_{index:03d}.npy"
+
+
+_EXTRA_FILE = re.compile(r"extra_(\d{3,})\.npy")
+
+
+def _npy(array: npt.NDArray[Any]) -> tuple[str, tuple[int, ...], npt.NDArray[np.uint8]]:
+    """`array` as the core writes an extra's array: descr literal, shape, C-order bytes."""
+    contiguous: npt.NDArray[Any] = np.ascontiguousarray(array).reshape(-1)  # pyright: ignore[reportUnknownMemberType]
+    descr = repr(np.lib.format.dtype_to_descr(contiguous.dtype))
+    data: npt.NDArray[np.uint8] = contiguous.view(np.uint8)  # pyright: ignore[reportUnknownMemberType]
+    return descr, tuple(int(d) for d in array.shape), data
+
+
 def _tree_path(path: tuple[Any, ...]) -> str:
     """`extra['opt'][1]`: where a node is in the extra tree, for messages."""
     return "extra" + "".join(f"[{key!r}]" for key in path)
@@ -90,11 +110,8 @@ def encode_extra(extra: Any) -> Extra:
                 f"checkpoint(): {_tree_path(path)} is an array of dtype {array.dtype}, which "
                 "holds Python objects: only arrays of plain data are stored (no pickling)"
             )
-        contiguous: npt.NDArray[Any] = np.ascontiguousarray(array).reshape(-1)  # pyright: ignore[reportUnknownMemberType]
-        descr = repr(np.lib.format.dtype_to_descr(contiguous.dtype))
-        data: npt.NDArray[np.uint8] = contiguous.view(np.uint8)  # pyright: ignore[reportUnknownMemberType]
-        arrays.append((descr, tuple(int(d) for d in array.shape), data))
-        return f"extra_{len(arrays) - 1:03d}.npy"
+        arrays.append(_npy(array))
+        return _extra_file(len(arrays) - 1)
 
     def encode(node: object, path: tuple[Any, ...]) -> Any:
         # numpy's float64 and bool_ scalars are (or behave as) Python floats and bools: they
@@ -137,34 +154,76 @@ def encode_extra(extra: Any) -> Extra:
     return json.dumps(tree).encode(), arrays
 
 
+# The published parameters (`Server.publish`) go in the extra's files, so that they are
+# replaced atomically with the data and every file is checked like the others: after the
+# arrays the tree names (`extra_000.npy` .. `extra_<n-1>.npy`), `extra_<n>.npy` is a
+# descriptor (UTF-8 JSON as uint8: `{"format": "echo-published-params", "format_version": 1,
+# "version": 7, "leaves": [[leaf name, file], ...]}`), and each leaf is one `.npy` file after
+# it, in the pytree's order. `extra.json` stays the learner's `extra` alone (`{"value": null}`
+# without one), so an echo that predates this reads the data and the extra as before and
+# ignores the parameters' files.
+_PARAMS_FORMAT = "echo-published-params"
+_PARAMS_FORMAT_VERSION = 1
+
+
+def encode(extra: Any, params: Published | None) -> Extra | None:
+    """What `Server.checkpoint` hands the core: `extra` encoded (see `encode_extra`), with
+    `params` (the latest published version) after its arrays; `None` when there is neither."""
+    if extra is None and params is None:
+        return None
+    tree, arrays = encode_extra(extra)
+    if params is not None:
+        first = len(arrays) + 1  # after the descriptor
+        descriptor = {
+            "format": _PARAMS_FORMAT,
+            "format_version": _PARAMS_FORMAT_VERSION,
+            "version": params.version,
+            "leaves": [[n, _extra_file(first + i)] for i, n in enumerate(params.names)],
+        }
+        arrays.append(_npy(np.frombuffer(json.dumps(descriptor).encode(), np.uint8)))
+        arrays.extend(_npy(leaf) for leaf in params.leaves)
+    return tree, arrays
+
+
 def write(core: Any, path: str | os.PathLike[str], extra: Extra | None) -> int:
     """Writes a checkpoint of `core` (a `ServerCore`) to `path` with the encoded `extra`;
     returns the bytes its files hold (the manifest included)."""
     return int(core._checkpoint(os.fspath(path), extra, _hook))
 
 
-def _decode_extra(opened: _echo.OpenedCheckpoint) -> Any:
-    """The extra tree of the opened (and checked) checkpoint (None without one)."""
+def _extra_tree(opened: _echo.OpenedCheckpoint) -> tuple[str, Any] | None:
+    """`extra.json`'s path and parsed JSON (None without one)."""
     name = opened.extra
     if name is None:
         return None
-    root: str = opened.root
-    file = os.path.join(root, str(name))
+    file = os.path.join(opened.root, str(name))
     try:
         with open(file, "rb") as f:
-            tree = json.loads(f.read())
+            return file, json.loads(f.read())
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{file}: not valid JSON ({e})") from None
 
+
+def _load_array(opened: _echo.OpenedCheckpoint, file: str, array_file: Any) -> npt.NDArray[Any]:
+    """The extra's array `array_file`, which `file` names (checked against the manifest)."""
+    if not isinstance(array_file, str) or not opened.lists(array_file):
+        raise CheckpointError(f"{file}: names {array_file!r}, which the manifest lacks")
+    path = os.path.join(opened.root, array_file)
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a readable .npy file ({e})") from None
+
+
+def _decode_extra(opened: _echo.OpenedCheckpoint) -> Any:
+    """The extra tree of the opened (and checked) checkpoint (None without one)."""
+    found = _extra_tree(opened)
+    if found is None:
+        return None
+    file, tree = found
+
     def load(array_file: Any) -> npt.NDArray[Any]:
-        if not isinstance(array_file, str) or not opened.lists(array_file):
-            raise CheckpointError(f"{file}: names {array_file!r}, which the manifest lacks")
-        try:
-            return np.load(os.path.join(root, array_file), allow_pickle=False)
-        except (OSError, ValueError) as e:
-            raise CheckpointError(
-                f"{os.path.join(root, array_file)}: not a readable .npy file ({e})"
-            ) from None
+        return _load_array(opened, file, array_file)
 
     def decode(node: Any) -> Any:
         if isinstance(node, dict) and len(node) == 1:  # pyright: ignore[reportUnknownArgumentType]
@@ -189,6 +248,87 @@ def _decode_extra(opened: _echo.OpenedCheckpoint) -> Any:
         if isinstance(e, CheckpointError):
             raise
         raise CheckpointError(f"{file}: malformed ({type(e).__name__}: {e})") from None
+
+
+def _arrays_named(node: Any) -> int:
+    """One above the highest `extra_<n>.npy` the encoded tree `node` names (0: none)."""
+    if not isinstance(node, (dict, list)):
+        return 0
+    if isinstance(node, list):
+        return max((_arrays_named(v) for v in cast("list[Any]", node)), default=0)
+    items = cast("dict[str, Any]", node)
+    if len(items) != 1:
+        return 0
+    ((tag, body),) = items.items()
+    if tag in ("array", "scalar"):
+        matched = _EXTRA_FILE.fullmatch(body) if isinstance(body, str) else None
+        return 0 if matched is None else int(matched.group(1)) + 1
+    if tag == "dict" and isinstance(body, list):
+        pairs = cast("list[Any]", body)
+        named = (_arrays_named(p[1]) for p in pairs if isinstance(p, list) and len(p) == 2)  # pyright: ignore[reportUnknownArgumentType]
+        return max(named, default=0)
+    return _arrays_named(body) if tag in ("list", "tuple") else 0
+
+
+def _decode_params(opened: _echo.OpenedCheckpoint) -> Published | None:
+    """The published parameters of the opened (and checked) checkpoint (see `encode`); None
+    when it has none."""
+    found = _extra_tree(opened)
+    if found is None:
+        return None
+    file, tree = found
+    name = _extra_file(_arrays_named(tree))
+    if not opened.lists(name):
+        return None
+    where = os.path.join(opened.root, name)
+    raw = _load_array(opened, file, name)
+    try:
+        descriptor = json.loads(raw.tobytes().decode()) if raw.dtype == np.uint8 else None
+    except (ValueError, UnicodeDecodeError):
+        descriptor = None
+    if not isinstance(descriptor, dict) or descriptor.get("format") != _PARAMS_FORMAT:  # pyright: ignore[reportUnknownMemberType]
+        raise CheckpointError(f"{where}: not the published parameters' descriptor")
+    described = cast("dict[str, Any]", descriptor)
+    if described.get("format_version") != _PARAMS_FORMAT_VERSION:
+        raise CheckpointError(
+            f"{where}: parameters of format version {described.get('format_version')!r}; this "
+            f"echo reads version {_PARAMS_FORMAT_VERSION}"
+        )
+    version, leaves = described.get("version"), described.get("leaves")
+    if (
+        not isinstance(version, int)
+        or isinstance(version, bool)
+        or not 1 <= version < 2**64
+        or not isinstance(leaves, list)
+        or not leaves
+        or not all(
+            isinstance(leaf, list) and len(leaf) == 2 and all(isinstance(x, str) for x in leaf)  # pyright: ignore[reportUnknownArgumentType, reportUnknownVariableType]
+            for leaf in cast("list[Any]", leaves)
+        )
+    ):
+        raise CheckpointError(f"{where}: a malformed parameters' descriptor")
+    pairs = cast("list[list[str]]", leaves)
+    arrays = tuple(_load_array(opened, where, leaf_file) for _, leaf_file in pairs)
+    return Published(version, tuple(leaf_name for leaf_name, _ in pairs), arrays)
+
+
+def read_params(path: str | os.PathLike[str]) -> tuple[int, dict[str, npt.NDArray[Any]]] | None:
+    """The parameters the checkpointed server had published last (`Server.publish`), without
+    building a server: `(version, leaves)`, the leaves by name (their path in the pytree,
+    e.g. `"['q']['w']"`) in the order `publish()` flattened them; `None` when it had published
+    none. Arrays are loaded into memory. E.g. to evaluate the policy a checkpoint holds.
+
+    Only the manifest and the extra's files are read, each checked against the manifest's size
+    and SHA-256.
+
+    Raises:
+        CheckpointError: A file is missing, truncated or corrupted, or the parameters' files
+            are not what `Server.checkpoint` writes; the message names the file.
+    """
+    published = _decode_params(_echo.open_checkpoint(os.fspath(path), extra_only=True))
+    if published is None:
+        return None
+    return published.version, dict(zip(published.names, published.leaves, strict=True))
 
 
 def read_extra(path: str | os.PathLike[str]) -> Any:
@@ -231,3 +371,8 @@ def open_for_restore(
 def restored_extra(opened: _echo.OpenedCheckpoint) -> Any:
     """The learner's state of an opened checkpoint (see `Server.restored_extra`)."""
     return _decode_extra(opened)
+
+
+def restored_params(opened: _echo.OpenedCheckpoint) -> Published | None:
+    """The published parameters of an opened checkpoint, for `Server.restore` to publish."""
+    return _decode_params(opened)

@@ -237,6 +237,7 @@ class TcpClient:
         priority: float | None = None,
         end_episode: bool = False,
         truncated: bool = False,
+        version: int | None = None,
     ) -> None:
         """Sends one sample: to a sequence table, one step of this client's stream.
 
@@ -250,6 +251,9 @@ class TcpClient:
             end_episode: Sequence tables only: the step is its episode's last (terminated).
             truncated: Sequence tables only: the step is its episode's last, cut short (a
                 time limit) rather than terminated.
+            version: To a learner that keeps policy versions: the version of the parameters
+                that made the sample. `None`: `policy_version` (the newest `params()` got).
+                Ignored by a learner that keeps none.
 
         Raises:
             ValueError: Wrong structure or shape (nothing is sent); a priority for a FIFO
@@ -262,16 +266,19 @@ class TcpClient:
                 `reconnect=True`, reconnecting failed for `reconnect_timeout` seconds).
             ServerClosedError: With `reconnect=True`: the server closed for good
                 (`Server.close()`; see `server_closing`), so there is nothing to reconnect to.
-            TimeoutError: The window stayed full for `timeout` seconds (nothing is sent).
+            TimeoutError: The window stayed full for `timeout` seconds, or (a learner with
+                `admission="block"`) this worker stayed more than `max_staleness` versions
+                behind it: fetch newer parameters with `params()` (nothing is sent).
         """
         # A flat-dict sample is looked up by key natively; anything else is flattened by the
         # layout.
-        if end_episode is False and truncated is False:
+        if end_episode is False and truncated is False and version is None:
             self._sender.send(sample, timeout, priority)
             return
         truncated = check_bool("truncated", truncated)
         end_episode = check_bool("end_episode", end_episode)
-        self._sender.send(sample, timeout, priority, end_episode, truncated)
+        wanted = None if version is None else check_int("version", version, 0, 2**64 - 1)
+        self._sender.send(sample, timeout, priority, end_episode, truncated, wanted)
 
     def send_batch(
         self,
@@ -281,6 +288,7 @@ class TcpClient:
         priority: Any = None,
         end_episode: Any = None,
         truncated: Any = None,
+        version: int | None = None,
     ) -> int:
         """Sends a batch of samples, one per row: what a vectorized environment's step gives.
 
@@ -297,6 +305,7 @@ class TcpClient:
             end_episode: Sequence tables only: a bool for every row, or one per row (a vector
                 env's `terminated`). Row `i` is a step of this client's stream `i`.
             truncated: Sequence tables only: as `end_episode`, for episodes cut short.
+            version: As `send()`'s, for every row.
 
         Returns:
             `N`, the number of samples sent.
@@ -308,9 +317,10 @@ class TcpClient:
             TimeoutError: No room within `timeout`; if some rows were sent, the message says
                 how many (the first ones, in order).
         """
-        if end_episode is None and truncated is None:
+        if end_episode is None and truncated is None and version is None:
             return self._sender.send_batch(batch, timeout, priority)
-        return self._sender.send_batch(batch, timeout, priority, end_episode, truncated)
+        wanted = None if version is None else check_int("version", version, 0, 2**64 - 1)
+        return self._sender.send_batch(batch, timeout, priority, end_episode, truncated, wanted)
 
     def send_many(self, samples: Any, *, timeout: float | None = None) -> None:
         """Sends each sample of an iterable in order (one call per sample; a batch with one row
@@ -364,6 +374,34 @@ class TcpClient:
         """The latest version of the learner's parameters it announced (0: none yet), known
         without a transfer: the learner tells every connection of each new version."""
         return self._sender.params_version
+
+    @property
+    def policy_version(self) -> int:
+        """The version a sample carries when `send()` names none: the newest `params()`
+        returned (0 before the first), or what was assigned here (a worker that gets its
+        parameters another way)."""
+        return self._sender.policy_version
+
+    @policy_version.setter
+    def policy_version(self, version: int) -> None:
+        self._sender.policy_version = check_int("policy_version", version, 0, 2**64 - 1)
+
+    @property
+    def keeps_versions(self) -> bool:
+        """Whether the learner keeps the policy version of every sample (its
+        `policy_versions=True` or `max_staleness`): this client's samples carry one."""
+        return self._sender.policy_versions is not None
+
+    @property
+    def admission_waits(self) -> int:
+        """`send()` calls that waited because this worker was more than `max_staleness`
+        versions behind a learner with `admission="block"`."""
+        return self._sender.admission_waits[0]
+
+    @property
+    def admission_wait_s(self) -> float:
+        """Seconds `send()` calls waited for newer parameters, in all."""
+        return self._sender.admission_waits[1]
 
     def wait_persisted(self, timeout: float | None = None) -> None:
         """With `durable=True`: blocks until every sent sample is in a checkpoint the learner

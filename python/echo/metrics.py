@@ -139,8 +139,10 @@ METRICS: tuple[MetricSpec, ...] = (
         "echo_samples_dropped_total",
         "counter",
         "Samples removed without reaching the learner (again): evicted from a full replay "
-        "table, removed after max_times_sampled draws, or dropped by a plain close().",
-        "evicted_total, removed_max_times_sampled_total, Server.dropped_at_close",
+        "table, removed after max_times_sampled draws, dropped by a plain close(), or older "
+        "than max_staleness versions (at insert, or when a replay draw met them).",
+        "evicted_total, removed_max_times_sampled_total, Server.dropped_at_close, "
+        "samples_stale_at_insert_total, samples_stale_at_sample_total",
         label="reason",
     ),
     _spec(
@@ -491,6 +493,8 @@ def _values(server: Server, info: SampleInfo, tally: Tally | None, now: float) -
             "evicted": info.evicted_total,
             "max_times_sampled": info.removed_max_times_sampled_total,
             "closed": 0 if dropped is None else dropped,
+            "stale_at_insert": info.samples_stale_at_insert_total,
+            "stale_at_sample": info.samples_stale_at_sample_total,
         },
         "echo_samples_deduplicated_total": info.samples_deduplicated_total,
         "echo_samples_received_in_place_total": info.samples_received_in_place_total,

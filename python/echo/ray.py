@@ -9,11 +9,13 @@ Ray is the control plane, echo's TCP and shared memory stay the data plane:
   that carry it.
 - **Learners** start a `Server` as usual and `serve(server, service, shard)` it, or let
   `shard_server` build one that restores itself from its newest periodic checkpoint, which is
-  what a learner actor restarted by Ray (`max_restarts`) needs.
+  what a learner actor restarted by Ray (`max_restarts`) needs. Either way the learner
+  holds its `Server` and publishes its parameters with `server.publish(params)`.
 - **Workers** `connect(service, example)`: a `ShardClient`, which is a `TcpClient` that asks
   the registry where its shard is before every connection attempt. When the shard's learner
   restarts (another node, another port) it finds the new address and resends what was not
-  acknowledged; when the shard is deregistered for good it moves to another shard.
+  acknowledged; when the shard is deregistered for good it moves to another shard. With
+  `params_example=`, `client.params()` fetches the parameters its shard's learner published.
 
 With a token (the learners' `TcpTransport(token=)` or `ECHO_TOKEN`), a service is bound to
 it: the registry is created holding only a verifier derived from the token, refuses any
@@ -828,6 +830,7 @@ class ShardClient(TcpClient):
         name: str | None = None,
         durable: bool = False,
         durable_bytes: int = 256 * 2**20,
+        params_example: Any = None,
     ) -> None:
         if reconnect is not True:
             raise ValueError(
@@ -874,6 +877,7 @@ class ShardClient(TcpClient):
                 name=name,
                 durable=durable,
                 durable_bytes=durable_bytes,
+                params_example=params_example,
                 dial_timeout=left,
                 resolver=self._resolver,
             )
@@ -972,7 +976,9 @@ def connect(
             learner took what it acknowledged). A pinned `shard` that is deregistered
             is waited for (up to `reconnect_timeout`), not left. The token is never stored in
             the registry: pass it here or in `ECHO_TOKEN` (e.g. in the actor's
-            `runtime_env`).
+            `runtime_env`). `params_example` (a pytree like the parameters the learners
+            publish): `params()` and `params_version` then fetch and follow what the
+            learner of the shard this client sends to publishes (`Server.publish`).
 
     Raises:
         UnknownServiceError: No registry of that name appeared within `connect_timeout` (the

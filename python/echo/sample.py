@@ -84,6 +84,10 @@ class Sample(_Batch):
     both false while it goes on when the batch is drawn), and `is_last` (bool,
     `(batch_size, length)`: true at the episode's last step, where the window holds it).
 
+    A server that keeps policy versions (`Server(policy_versions=True)` or `max_staleness=`)
+    adds `versions` (uint64, `(batch_size,)`, or `(batch_size, length)` for windows): the
+    version of the learner's parameters that made each sample (`None` otherwise).
+
     `repr(sample)` shows the batch's structure with each leaf's dtype and shape (not its
     contents), the batch's `sequence`, and for replay the range of each per-item array.
     """
@@ -98,6 +102,7 @@ class Sample(_Batch):
     terminated: npt.NDArray[np.bool_] | None
     truncated: npt.NDArray[np.bool_] | None
     is_last: npt.NDArray[np.bool_] | None
+    versions: npt.NDArray[np.uint64] | None
 
     def __new__(
         cls,
@@ -114,6 +119,7 @@ class Sample(_Batch):
         terminated: npt.NDArray[np.bool_] | None = None,
         truncated: npt.NDArray[np.bool_] | None = None,
         is_last: npt.NDArray[np.bool_] | None = None,
+        versions: npt.NDArray[np.uint64] | None = None,
     ) -> Sample:
         self = super().__new__(cls, batch, info)
         self.keys = keys
@@ -126,6 +132,7 @@ class Sample(_Batch):
         self.terminated = terminated
         self.truncated = truncated
         self.is_last = is_last
+        self.versions = versions
         return self
 
     def _with_batch(self, batch: Any) -> Sample:
@@ -136,7 +143,8 @@ class Sample(_Batch):
     def __repr__(self) -> str:
         parts = [f"sequence={getattr(self.info, 'sequence', '?')}"]
         parts.append(f"batch={_tree_summary(self.batch)}")
-        for name in ("keys", "probabilities", "times_sampled", "episode", "start", "stream"):
+        shown = ("keys", "probabilities", "times_sampled", "episode", "start", "stream")
+        for name in (*shown, "versions"):
             array = getattr(self, name, None)
             if array is not None:
                 parts.append(f"{name}={_array_summary(np.asarray(array))}")
@@ -155,4 +163,5 @@ _PER_ITEM = (
     "terminated",
     "truncated",
     "is_last",
+    "versions",
 )

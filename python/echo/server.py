@@ -10,9 +10,9 @@ from typing import Any
 
 from echo import checkpoint as _checkpoint
 from echo._echo import SampleInfo, SampleWriter, ServerClosedError, ServerCore
-from echo._params import param_parts
+from echo._params import ParamsChannel
 from echo._periodic import PeriodicCheckpointer
-from echo._prefetch import Prefetcher, Transfer, device_transfer
+from echo._prefetch import Transfer, batches, device_transfer
 from echo._pytree import TreeLayout
 from echo._server_args import (
     PERIODIC_JOIN_S,
@@ -24,6 +24,7 @@ from echo._server_args import (
     priorities_array,
     recorded_compress,
     restored_settings,
+    versions_args,
 )
 from echo._tally import Tally
 from echo._validate import check_bool, check_int
@@ -101,19 +102,24 @@ class Server:
         checkpoint_keep: How many periodic checkpoints to keep (>= 1): after each one, all
             but the newest `checkpoint_keep` are deleted.
         checkpoint_extra: A callable taking no arguments, called on the periodic checkpoint
-            thread at the start of each periodic checkpoint; what it returns is stored as that
-            checkpoint's `extra` (see `checkpoint()`), e.g. the learner's parameters, optimizer
-            state and step. It runs while the learner goes on, so it must return a consistent
-            snapshot the learner does not modify afterwards: copies taken under a lock the
-            training step also holds, or an immutable value the learner publishes after each
-            step (JAX arrays are immutable: `jax.device_get(state)` is a copy). Its data is
-            never older than the extra, as the data snapshot is taken after it returns. If it
-            raises, that checkpoint fails (logged) and the next period tries again. Needs
-            `checkpoint_dir`.
+            thread at the start of each one; what it returns is that checkpoint's `extra`
+            (see `checkpoint()`), e.g. the optimizer state and step. It runs while the learner
+            goes on, so it must return a snapshot the learner does not modify afterwards
+            (copies, or immutable JAX arrays). The data is never older than the extra. If it
+            raises, that checkpoint fails (logged). Needs `checkpoint_dir`.
         name: The value of the `server` label of this server's series in `echo.metrics`
             (Prometheus), so that several servers in one process are told apart; `"default"`
             unless given. A non-empty str. Checkpoints record it and `restore()` keeps it, so
             a restarted learner's series go on under the same label.
+        policy_versions: Every sample carries the version of the parameters that made it
+            (`TcpClient` attaches the one it last fetched, `send(version=)` another), handed
+            out as `Sample.versions`. Implied by `max_staleness`.
+        max_staleness: A sample more than this many versions behind the latest `publish()`
+            is stale: with `admission="drop"` it never reaches the learner (dropped at insert,
+            or removed from a replay table when a draw meets it), counted in `stats()`; with
+            `"block"`, workers that far behind wait in `send()` until they fetch newer
+            parameters, and nothing is dropped. See the parameters guide.
+        admission: `"drop"` (default) or `"block"`, as above; `"block"` needs `max_staleness`.
 
     Raises:
         TypeError: A leaf of `example` is not a numpy array, or an argument has the wrong type.
@@ -149,14 +155,15 @@ class Server:
         name: str = "default",
         compress: Compress = None,
         max_bytes: int | None = None,
+        policy_versions: bool = False,
+        max_staleness: int | None = None,
+        admission: str = "drop",
     ) -> None:
         self._periodic: PeriodicCheckpointer | None = None
         # Called (once, in order, with `restarting`) at the start of the first `close()`:
         # `echo.ray.serve` deregisters the shard there, before the connections close.
         self._close_hooks: list[Callable[[bool], object]] = []
         self._restored_extra: Any = None
-        # The published parameters' layout, fixed by the first `publish()`.
-        self._params_layout: TreeLayout | None = None
         if not isinstance(name, str):  # pyright: ignore[reportUnnecessaryIsInstance]
             raise TypeError(f"name must be a str, got {type(name).__name__}")
         if not name:
@@ -198,11 +205,13 @@ class Server:
             config,
             compress=resolve_compress(compress, self._layout),
             max_bytes=None if max_bytes is None else check_int("max_bytes", max_bytes, 1),
+            **versions_args(policy_versions, max_staleness, admission),
         )
         self._compress: Compress = compress
         self._sampler: Sampler = config.sampler
         self._config = config
         self._core = ServerCore(self._layout, config)
+        self._params = ParamsChannel(self._core)  # publish(), and its latest for checkpoints
         self._meta_names: tuple[str, ...] = tuple(self._core.meta_names)
         if type(self).submit is Server.submit:
             # The native method itself, which checks the arguments as `submit` documents: a
@@ -346,6 +355,7 @@ class Server:
         stream: int | None = None,
         end_episode: bool = False,
         truncated: bool = False,
+        version: int | None = None,
     ) -> None:
         """Copies one sample into the server (in-process ingress).
 
@@ -367,6 +377,8 @@ class Server:
             end_episode: Sequence tables only: the step is its episode's last (terminated).
             truncated: Sequence tables only: the step is its episode's last, cut short (a
                 time limit) rather than terminated. `end_episode` may be left False then.
+            version: A server that keeps policy versions: the version of the parameters
+                that made the sample (default: the latest published); ignored otherwise.
 
         Raises:
             ValueError: The structure or a leaf's shape differs from the example, the
@@ -387,6 +399,7 @@ class Server:
             stream=stream,
             end_episode=end_episode,
             truncated=truncated,
+            version=version,
         )
 
     def writer(self, *, timeout: float | None = None) -> SampleWriter:
@@ -429,6 +442,7 @@ class Server:
         stream: int | None = None,
         end_episode: Any = None,
         truncated: Any = None,
+        version: int | None = None,
     ) -> int:
         """Copies a batch of samples, one per row: what a vectorized environment's step gives.
 
@@ -449,6 +463,7 @@ class Server:
                 per row (a vector env's `terminated`): the row's step ends its episode.
             truncated: Sequence tables only: as `end_episode`, for episodes cut short (a
                 vector env's `truncated`).
+            version: As `submit()`'s, for every row.
 
         Returns:
             `N`, the number of samples inserted.
@@ -463,10 +478,12 @@ class Server:
             TimeoutError: No room within `timeout`; if some rows went in, the message says
                 how many (the first ones, in order).
         """
-        if stream is None and end_episode is None and truncated is None:
+        if stream is None and end_episode is None and truncated is None and version is None:
             return self._core.submit_batch(batch, timeout, priority)
         first = None if stream is None else check_int("stream", stream, 0)
-        return self._core.submit_batch(batch, timeout, priority, first, end_episode, truncated)
+        return self._core.submit_batch(
+            batch, timeout, priority, first, end_episode, truncated, version
+        )
 
     def end_episode(self, stream: int = 0, *, truncated: bool = True) -> bool:
         """Sequence tables only: ends in-process stream `stream`'s open episode after its last
@@ -617,34 +634,8 @@ class Server:
             ImportError: A device other than a JAX one without PyTorch installed (on the
                 first `next()`).
         """
-        if device is None and prefetch is None:
-            while (sample := self.sample(timeout, copy=copy, writable=writable)) is not None:
-                yield sample
-            return
-        depth = check_int("prefetch", 2 if prefetch is None else prefetch, 1, 1 << 16)
-        if device is None:
-            if not copy:
-                raise ValueError(
-                    "prefetch without device needs copy=True: views into the ring cannot be "
-                    "fetched ahead (the next sample() gives their slots back)"
-                )
-
-            def fetch(wait_s: float) -> Sample | None:
-                return self.sample(wait_s, copy=True)
-
-        else:
-            transfer = device_transfer(device)
-            # A replay table's batch area is reused by the next sample(): a GPU copy (which
-            # reads it after sample() returns) takes a private copy of it first.
-            private = transfer.private or self._core.max_size is not None
-
-            def fetch(wait_s: float) -> Sample | None:
-                got = self.sample(wait_s, copy=private, writable=not private)
-                if got is None:
-                    return None
-                return got._with_batch(transfer.copy(got.batch))  # pyright: ignore[reportPrivateUsage]
-
-        yield from Prefetcher(fetch, depth, timeout)
+        replay = self._core.max_size is not None
+        yield from batches(self.sample, replay, copy, timeout, writable, device, prefetch)
 
     def checkpoint(self, path: str | os.PathLike[str], *, extra: Any = None) -> None:
         """Writes a consistent snapshot of the server to the directory `path` while inserts
@@ -683,6 +674,8 @@ class Server:
 
         The manifest also records the settings that are not part of the data
         (`num_drainers`, `producer_queue_size`), which `restore()` keeps unless told others.
+        The latest version `publish()` published is stored too (its version and leaves, with
+        the extra's files); `restore()` publishes it again with that version.
 
         Args:
             path: Where the checkpoint goes (a new path, or a checkpoint link to replace).
@@ -712,7 +705,7 @@ class Server:
         self._tally.checkpoints += 1
 
     def _write_checkpoint(self, path: str | os.PathLike[str], extra: Any) -> None:
-        encoded = None if extra is None else _checkpoint.encode_extra(extra)
+        encoded = _checkpoint.encode(extra, self._params.latest())
         _checkpoint.write(self._core, path, encoded)
 
     @classmethod
@@ -776,7 +769,9 @@ class Server:
 
         The checkpoint's `extra` (the learner's state, see `checkpoint()`) is
         `restored_extra` on the new server: read from the same directory as the data, so the
-        two belong together even while periodic checkpoints replace `path`.
+        two belong together even while periodic checkpoints replace `path`. Parameters the
+        checkpointed server had published are published again with their version (workers
+        fetch them, `params_version` says it); the next `publish()` must have their leaves.
 
         Like the constructor, it returns a server that is not started: call `start()` (or use
         `with`) to bind `transport`; `submit()` and `sample()` work at once.
@@ -861,11 +856,15 @@ class Server:
             name=tuning.get("name", "default") if name is None else name,
             compress=recorded_compress(example, tuning) if compress is None else compress,
             max_bytes=tuning.get("max_bytes") if max_bytes is None else max_bytes,
+            policy_versions=opened.policy_versions,
+            max_staleness=tuning.get("max_staleness"),
+            admission=tuning.get("admission", "drop"),
             **kwargs,
         )
         try:
             server._core._restore(opened)  # pyright: ignore[reportPrivateUsage]
             server._restored_extra = _checkpoint.restored_extra(opened)  # pyright: ignore[reportPrivateUsage]
+            server._params.restore(_checkpoint.restored_params(opened))  # pyright: ignore[reportPrivateUsage]
         except BaseException:
             server.close()
             raise
@@ -883,7 +882,8 @@ class Server:
         Workers fetch them with `TcpClient.params()` and hear of each new version
         (`TcpClient.params_version`); over TCP they pull it in chunks of 1 MiB, and the server
         keeps at most two versions however many workers fetch. Publishing copies the arrays
-        with the GIL released and never blocks `sample()` or the workers' inserts.
+        with the GIL released and never blocks `sample()` or the workers' inserts. A copy of
+        the latest version is also kept for `checkpoint()` (their size once more in memory).
 
         Args:
             params: The parameters, e.g. `{"w": w, "b": b}` or a flax/haiku tree.
@@ -899,13 +899,7 @@ class Server:
             ValueError: Another structure or shape than the first publish's, or a version
                 that is not above the latest. Nothing is published then.
         """
-        if version is not None:
-            version = check_int("version", version, 1, 2**64 - 1)
-        layout = self._params_layout or TreeLayout(params)
-        parts = param_parts(layout, params)
-        published = self._core._publish(parts, version)  # pyright: ignore[reportPrivateUsage]
-        self._params_layout = layout
-        return published
+        return self._params.publish(params, version)
 
     @property
     def params_version(self) -> int:

@@ -3,6 +3,7 @@ this directory on their PYTHONPATH from the test's runtime_env)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 import threading
@@ -20,6 +21,19 @@ SERVICE_NAMESPACE = "echo-tests"
 
 def sample_of(i: int) -> dict[str, np.ndarray]:
     return {"id": np.array(i, np.int64), "obs": np.full(16, i % 1000, np.float32)}
+
+
+def params_of(version: int) -> dict[str, np.ndarray]:
+    """The parameters a learner publishes as `version`: every element depends on it."""
+    rng = np.random.default_rng(version)
+    return {
+        "w": rng.standard_normal((256, 64), dtype=np.float32),
+        "b": np.full(64, version, np.float64),
+    }
+
+
+def params_digest(tree: dict[str, np.ndarray]) -> str:
+    return hashlib.sha256(tree["w"].tobytes() + tree["b"].tobytes()).hexdigest()
 
 
 class Learner:
@@ -102,6 +116,10 @@ class Learner:
     def consumed_ids(self) -> list[int]:
         return list(self.consumed)
 
+    def publish(self, version: int) -> int:
+        """Publishes `params_of(version)` to this shard's workers."""
+        return self.server.publish(params_of(version), version=version)
+
     def retire(self) -> list[int]:
         """Deregisters and drains: every id this shard acknowledged, in the order handed out."""
         self.server.close(drain=True)
@@ -148,6 +166,14 @@ class Worker:
             "path": self.client.transport_path,
             "at": time.monotonic(),
         }
+
+    def params(self, min_version: int) -> tuple[int, str]:
+        """The version fetched (at least `min_version`) and its arrays' digest."""
+        version, tree = self.client.params(min_version=min_version, timeout=60.0)
+        return version, params_digest(tree)
+
+    def params_version(self) -> int:
+        return self.client.params_version
 
     def close(self) -> bool:
         return self.client.close(timeout=60.0)

@@ -54,6 +54,7 @@ def check_extra(server: Server) -> None:
     assert extra["name"] == ("adam", 0.5)
     np.testing.assert_array_equal(extra["weights"], np.arange(4, dtype=np.float32))
     assert extra["weights"].dtype == np.float32
+    assert server.params_version == 0  # written before parameters were checkpointed
 
 
 def digest(path: Path) -> str:

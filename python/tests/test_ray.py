@@ -27,6 +27,8 @@ from _ray_actors import (  # noqa: E402
     SERVICE_NAMESPACE,
     Learner,
     Worker,
+    params_digest,
+    params_of,
     plant_registration,
     registry_insides,
     sample_of,
@@ -234,6 +236,41 @@ def test_killed_learner_restarts_restores_and_its_workers_resume(
     assert get([w.close.remote() for w in workers]) == [True] * 4
     ray.kill(actor, no_restart=True)
     echo.ray.shutdown_service(service, namespace=NS)
+
+
+def test_workers_fetch_their_shards_parameters_across_a_learner_restart(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """A worker connected with `params_example` fetches what its shard's learner publishes,
+    bit for bit, and the next version when there is one; the learner killed and restarted by
+    Ray publishes its checkpoint's version again, which the reconnected worker fetches."""
+    actor = learner(1, restarts=1).remote("params", 0, str(tmp_path / "shard0"), "replay", 0.2)
+    before = get(actor.info.remote())
+    assert get(actor.publish.remote(3)) == 3
+    w = worker(0).remote("params", params_example=params_of(0))
+    assert get(w.params.remote(3)) == (3, params_digest(params_of(3)))
+    assert get(actor.publish.remote(9)) == 9
+    assert get(w.params.remote(9)) == (9, params_digest(params_of(9)))
+    assert get(w.params_version.remote()) == 9
+    # A periodic checkpoint that began after the publish holds version 9.
+    wanted = get(actor.checkpoints_written.remote()) + 2
+    deadline = time.monotonic() + WAIT_S
+    while get(actor.checkpoints_written.remote()) < wanted:
+        assert time.monotonic() < deadline, "no periodic checkpoint after the publish"
+        time.sleep(0.05)
+    ray.kill(actor, no_restart=False)
+    deadline = time.monotonic() + WAIT_S
+    while pid_alive(before["pid"]):
+        assert time.monotonic() < deadline, "the killed learner's process is still there"
+        time.sleep(0.02)
+    assert get_restarted(actor.info)["restored"]
+    get(w.send.remote([1]))  # reconnected to the restored learner
+    assert get(w.params.remote(9)) == (9, params_digest(params_of(9)))
+    assert get(actor.publish.remote(10)) == 10
+    assert get(w.params.remote(10)) == (10, params_digest(params_of(10)))
+    assert get(w.close.remote())
+    ray.kill(actor, no_restart=True)
+    echo.ray.shutdown_service("params", namespace=NS)
 
 
 @pytest.mark.parametrize(

@@ -345,6 +345,13 @@ pub struct Tuning {
     /// checkpoints written before it was recorded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    /// The staleness bound of a server whose samples carry policy versions (its example's
+    /// last leaf is the version leaf); absent without a bound.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_staleness: Option<u64>,
+    /// What that server did with stale samples: `"drop"` or `"block"`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub admission: Option<String>,
 }
 
 /// A field that may be `null` when present: `Some(None)` then, `None` only when absent.

@@ -153,6 +153,18 @@ pub(crate) fn example_of(layout: &Bound<'_, PyAny>) -> PyResult<Example> {
     Ok(Example { treespec, leaves })
 }
 
+/// The version leaf of a server that keeps policy versions, as a checkpoint records it after
+/// the example's leaves (its path is no key of the pytree: it is not one of its leaves).
+pub(crate) fn version_example_leaf() -> ExampleLeaf {
+    ExampleLeaf {
+        name: crate::versions::VERSION_LEAF_NAME.to_owned(),
+        path: vec![Value::from(crate::versions::VERSION_LEAF_NAME)],
+        dtype: Value::from("<u8"),
+        npy_descr: "'<u8'".to_owned(),
+        shape: Vec::new(),
+    }
+}
+
 /// Each leaf's dtype as a `.npy` header spells it.
 pub(crate) fn npy_descrs(
     py: Python<'_>,
@@ -224,7 +236,10 @@ impl PyOpenedCheckpoint {
     /// For an example of nested dicts: each leaf's `(keys, shape, dtype descr)`.
     /// `CheckpointError` if a leaf is elsewhere (then `example=` is needed).
     fn dict_leaves<'py>(&self, py: Python<'py>) -> PyResult<Vec<DictLeaf<'py>>> {
-        let paths = self.inner.dict_paths().map_err(to_pyerr)?;
+        let mut paths = self.inner.dict_paths().map_err(to_pyerr)?;
+        if self.policy_versions() {
+            paths.pop();
+        }
         paths
             .into_iter()
             .zip(&self.inner.manifest().layout.leaves)
@@ -240,8 +255,27 @@ impl PyOpenedCheckpoint {
 
     /// Checks `layout` (the example's `TreeLayout`) against the checkpoint's:
     /// `CheckpointError` saying what differs.
+    /// The checkpoint's version leaf (of a server whose samples carry policy versions) is
+    /// not the example's: it is checked after the example's leaves.
     fn check_example(&self, layout: &Bound<'_, PyAny>) -> PyResult<()> {
-        self.inner.check_example(&example_of(layout)?).map_err(to_pyerr)
+        let mut example = example_of(layout)?;
+        if self.policy_versions() {
+            example.leaves.push(version_example_leaf());
+        }
+        self.inner.check_example(&example).map_err(to_pyerr)
+    }
+
+    /// Whether the checkpoint's server kept each sample's policy version (its layout ends
+    /// with the version leaf).
+    #[getter]
+    fn policy_versions(&self) -> bool {
+        let version = version_example_leaf();
+        self.inner
+            .manifest()
+            .layout
+            .leaves
+            .last()
+            .is_some_and(|leaf| leaf.name == version.name && leaf.path == version.path)
     }
 
     /// The settings that are part of the data, as `Server` keyword arguments.
@@ -292,6 +326,12 @@ impl PyOpenedCheckpoint {
         }
         if let Some(name) = &t.name {
             out.set_item("name", name)?;
+        }
+        if let Some(k) = t.max_staleness {
+            out.set_item("max_staleness", k)?;
+        }
+        if let Some(admission) = &t.admission {
+            out.set_item("admission", admission)?;
         }
         Ok(out)
     }

@@ -182,7 +182,11 @@ impl PyTcpSender {
     /// `end_episode` or `truncated` ends its episode (a sequence table). Blocks
     /// while `max_inflight` samples are unacknowledged (or while reconnecting); raises
     /// `TimeoutError` if `timeout` passes first (nothing sent).
-    #[pyo3(signature = (sample, timeout=None, priority=None, end_episode=false, truncated=false))]
+    /// `version`: the policy version the sample carries when the server keeps them
+    /// (`None`: the client's `policy_version`).
+    #[pyo3(signature = (sample, timeout=None, priority=None, end_episode=false, truncated=false,
+        version=None))]
+    #[allow(clippy::too_many_arguments)] // the Python keywords, one each
     fn send(
         &self,
         py: Python<'_>,
@@ -191,11 +195,38 @@ impl PyTcpSender {
         priority: Option<f64>,
         end_episode: bool,
         truncated: bool,
+        version: Option<u64>,
     ) -> PyResult<()> {
         let deadline = deadline_from_timeout(timeout)?;
         let end = episode_end(end_episode, truncated);
         let arrays = self.leaves.arrays(sample)?;
-        self.send_arrays(py, &arrays, FrameMeta { priority, row: 0, end }, deadline)
+        self.send_arrays(py, &arrays, FrameMeta { priority, row: 0, end }, deadline, version)
+    }
+
+    /// The version samples carry when a send names none: the newest `fetch_params` got, or
+    /// what was set (0 at first).
+    #[getter]
+    fn policy_version(&self, py: Python<'_>) -> u64 {
+        self.read(py, TcpSender::policy_version)
+    }
+
+    #[setter]
+    fn set_policy_version(&self, py: Python<'_>, version: u64) {
+        let sender = &self.sender;
+        detach(py, || sender.lock().set_policy_version(version));
+    }
+
+    /// `Some(admit)` when the server keeps policy versions (`u64::MAX`: no blocking
+    /// admission), `None` otherwise.
+    #[getter]
+    fn policy_versions(&self, py: Python<'_>) -> Option<u64> {
+        self.read(py, TcpSender::policy_versions)
+    }
+
+    /// `(sends, seconds)` that waited for newer parameters (blocking admission).
+    #[getter]
+    fn admission_waits(&self, py: Python<'_>) -> (u64, f64) {
+        self.read(py, TcpSender::admission_waits)
     }
 
     /// `Some(max_rows)` when the server is a sequence table (rows are streams of this client).
@@ -211,7 +242,9 @@ impl PyTcpSender {
     /// To a sequence table row `i` is a step of this client's stream `i`, ending its episode
     /// as `end_episode` and `truncated` say (each a bool for every row or one per row;
     /// `None`: false).
-    #[pyo3(signature = (tree, timeout=None, priority=None, end_episode=None, truncated=None))]
+    #[pyo3(signature = (tree, timeout=None, priority=None, end_episode=None, truncated=None,
+        version=None))]
+    #[allow(clippy::too_many_arguments)] // the Python keywords, one each
     fn send_batch(
         &self,
         py: Python<'_>,
@@ -220,6 +253,7 @@ impl PyTcpSender {
         priority: Option<&Bound<'_, PyAny>>,
         end_episode: Option<&Bound<'_, PyAny>>,
         truncated: Option<&Bound<'_, PyAny>>,
+        version: Option<u64>,
     ) -> PyResult<usize> {
         let mut deadline = deadline_from_timeout(timeout)?;
         let flags = EpisodeFlags::new(py, end_episode, truncated)?;
@@ -238,7 +272,7 @@ impl PyTcpSender {
         loop {
             let outcome = wait_detached(py, deadline, |slice_end| {
                 let mut sender = sender.try_lock_until(slice_end)?;
-                match sender.send_rows(&rows, &mut done, Some(slice_end)) {
+                match sender.send_rows_as(&rows, &mut done, Some(slice_end), version) {
                     Err(EchoError::TimedOut | EchoError::Stalled) => None,
                     other => Some(other),
                 }
@@ -250,7 +284,7 @@ impl PyTcpSender {
                 // The timeout only bounds waiting for window room: a row whose first bytes
                 // are on the wire is finished (or the stream would be misaligned).
                 Ok(None) if sender.lock().in_progress() > 0 => deadline = None,
-                Ok(None) if done == 0 => return Err(error_in(Call::Send, EchoError::TimedOut)),
+                Ok(None) if done == 0 => return Err(send_timed_out(&sender.lock())),
                 Ok(None) => {
                     return Err(PyTimeoutError::new_err(format!(
                         "send_batch(): timed out after sending {done} of the {n} rows (the \
@@ -469,12 +503,13 @@ impl PyTcpSender {
         arrays: &[Leaf<'_>],
         meta: FrameMeta,
         deadline: Option<Instant>,
+        version: Option<u64>,
     ) -> PyResult<()> {
         let slices = byte_slices(&self.leaves, arrays);
         if self.leaves.spec.payload_size() < DETACH_WRITE_BYTES {
             // Fast path: room in the window, the write is one short syscall.
             if let Some(mut sender) = self.sender.try_lock() {
-                match sender.send(&slices, meta, Some(already_passed())) {
+                match sender.send_as(&slices, meta, Some(already_passed()), version) {
                     // No room yet, or the socket filled mid-sample: the loop below waits, and
                     // resumes a started sample where it stopped.
                     Err(EchoError::TimedOut | EchoError::Stalled) => {}
@@ -487,7 +522,7 @@ impl PyTcpSender {
         loop {
             let done = wait_detached(py, deadline, |slice_end| {
                 let mut sender = sender.try_lock_until(slice_end)?;
-                match sender.send(&slices, meta, Some(slice_end)) {
+                match sender.send_as(&slices, meta, Some(slice_end), version) {
                     Err(EchoError::TimedOut | EchoError::Stalled) => None,
                     other => Some(other),
                 }
@@ -497,7 +532,7 @@ impl PyTcpSender {
                 // The user's timeout only bounds the wait for window room: a sample whose
                 // first bytes are on the wire is finished (or the stream would be misaligned).
                 Ok(None) if sender.lock().in_progress() > 0 => deadline = None,
-                Ok(None) => return Err(error_in(Call::Send, EchoError::TimedOut)),
+                Ok(None) => return Err(send_timed_out(&sender.lock())),
                 Err(interrupted) => {
                     let mut sender = sender.lock();
                     if sender.in_progress() > 0 {
@@ -509,5 +544,19 @@ impl PyTcpSender {
                 }
             }
         }
+    }
+}
+
+/// A send's timeout: waiting for acknowledgements, or (blocking admission) for this worker to
+/// have parameters new enough.
+fn send_timed_out(sender: &TcpSender) -> PyErr {
+    match sender.held_back() {
+        Some((ours, latest, admit)) => PyTimeoutError::new_err(format!(
+            "send(): timed out waiting for newer parameters: this worker acts with version \
+             {ours} and the learner is at {latest}, more than max_staleness={admit} behind \
+             (admission='block'); fetch newer ones with params(), before sending or on \
+             another thread"
+        )),
+        None => error_in(Call::Send, EchoError::TimedOut),
     }
 }

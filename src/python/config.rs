@@ -25,6 +25,7 @@ use crate::codec::Codec;
 use crate::replay::{AtEnd, RateLimit, RemoverKind, ReplayConfig, SamplerKind, SequenceConfig};
 use crate::transport::tcp::TcpConfig;
 use crate::transport::wire::v2::Layout;
+use crate::versions::{Admission, VersionsConfig};
 use std::time::Duration;
 
 /// One leaf of the example: `echo._pytree.LeafSpec`.
@@ -75,6 +76,7 @@ impl TcpArg {
             codecs: Vec::new(),
             restored_sessions: Vec::new(),
             params: None,
+            versions: None,
         })
     }
 }
@@ -142,6 +144,28 @@ pub(crate) struct ServerConfig {
     max_bytes: Option<u64>,
     /// `Server(name=...)`, checked non-empty in Python.
     pub(crate) name: String,
+    /// `Server(policy_versions=..., max_staleness=..., admission=...)`: whether samples
+    /// carry versions, and the bound.
+    pub(crate) versions: Option<VersionsConfig>,
+}
+
+/// The policy version settings: kept when `policy_versions` or a bound is given; `admission`
+/// is `"drop"` or `"block"` (a bound's; checked in Python as well).
+fn versions_arg(
+    kept: bool,
+    max_staleness: Option<u64>,
+    admission: &str,
+) -> PyResult<Option<VersionsConfig>> {
+    let admission = match admission {
+        "drop" => Admission::Drop,
+        "block" => Admission::Block,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "admission must be 'drop' or 'block', got '{other}'"
+            )))
+        }
+    };
+    Ok((kept || max_staleness.is_some()).then_some(VersionsConfig { max_staleness, admission }))
 }
 
 /// `echo.Sequence`, whose fields the dataclass has checked (types and ranges); `at_end`'s word
@@ -200,6 +224,11 @@ impl<'py> FromPyObject<'_, 'py> for ServerConfig {
                 .collect::<PyResult<_>>()?,
             max_bytes: get("max_bytes")?.extract()?,
             name: get("name")?.extract()?,
+            versions: versions_arg(
+                get("policy_versions")?.extract()?,
+                get("max_staleness")?.extract()?,
+                &get("admission")?.extract::<String>()?,
+            )?,
         })
     }
 }

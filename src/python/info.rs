@@ -167,6 +167,10 @@ pub(crate) struct SampleInfo {
     samples_inserted_total: u64,
     /// Samples put in by in-process `submit()`/`submit_batch()`, counted as each returns.
     samples_submitted_total: u64,
+    /// Samples a staleness bound kept from the learner: dropped as they went in, and replay
+    /// items removed when a draw met them stale.
+    samples_stale_at_insert_total: u64,
+    samples_stale_at_sample_total: u64,
     /// Bytes of sample buffers the TCP ingress holds now (queued samples and buffer pools).
     buffered_bytes: u64,
     /// Connections refused because every slot was taken by a working connection.
@@ -287,6 +291,8 @@ counters!(
     ring_blocked_ns_total,
     samples_inserted_total,
     samples_submitted_total,
+    samples_stale_at_insert_total,
+    samples_stale_at_sample_total,
     buffered_bytes,
     connections_refused_total,
     connections_evicted_total,
@@ -395,6 +401,8 @@ impl SampleInfo {
             ring_blocked_ns_total: ring_blocked_ns,
             samples_inserted_total: ingress.samples_inserted_total,
             samples_submitted_total: snap.submitted,
+            samples_stale_at_insert_total: snap.stale.at_insert,
+            samples_stale_at_sample_total: snap.stale.at_sample,
             buffered_bytes: ingress.buffered_bytes,
             connections_refused_total: ingress.connections_refused_total,
             connections_evicted_total: ingress.connections_evicted_total,
@@ -455,6 +463,7 @@ impl SampleInfo {
             last_checkpoint: LastCheckpoint::default(),
             submitted: 0,
             payload_bytes: 0,
+            stale: Default::default(),
         };
         Self::new(py, &snap, 0, 0, &Py::new(py, HistSnapshot::default())?, None)
     }

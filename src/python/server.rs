@@ -19,7 +19,9 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyInt, PyList, PyTuple};
 
-use super::checkpoint::{example_of, npy_descrs, ExtraArrays, PyOpenedCheckpoint};
+use super::checkpoint::{
+    example_of, npy_descrs, version_example_leaf, ExtraArrays, PyOpenedCheckpoint,
+};
 use super::config::{ServerConfig, TcpArg};
 use super::errors::{error_in, sample_timed_out, submit_timed_out, to_pyerr, Call};
 use super::info::{HistSnapshot, SampleInfo};
@@ -71,6 +73,9 @@ pub(crate) struct PyServerCore {
     description: String,
     /// The rate limiter's repr, for timeout messages (replay tables only use it).
     limiter_repr: String,
+    /// Whether samples carry their policy version: the backend's last leaf, handed out as
+    /// the `versions` array before the backend's per-item ones.
+    versioned: bool,
 }
 
 /// A `stream=` argument as the caller gave it: any int, so that one beyond `u64` (negative, or
@@ -164,10 +169,12 @@ impl PyServerCore {
             producer_queue_size: config.producer_queue_size,
             wire_codecs: config.wire_codecs().to_vec(),
             name: Some(config.name.clone()),
+            versions: config.versions,
         };
         let server = detach(py, || Server::new(spec, core_config)).map_err(to_pyerr)?;
         let backend = server.backend().clone();
-        let layouts = batch_layouts(py, &leaves, &backend)?;
+        let versioned = server.policy_versions().is_some();
+        let layouts = batch_layouts(py, &leaves, &backend, versioned)?;
         Ok(Self {
             lease: Py::new(py, RingLease::new(&backend))?,
             copies: CopyPool::new(leaves.len()),
@@ -178,6 +185,7 @@ impl PyServerCore {
             layouts,
             description,
             limiter_repr,
+            versioned,
         })
     }
 
@@ -209,9 +217,11 @@ impl PyServerCore {
     /// The names of the per-item arrays `sample` returns after the leaves, in order: `()`
     /// for FIFO, `(keys, probabilities, times_sampled)` for replay, and for a sequence table
     /// those and `mask`, `episode`, `start`, `stream`, `terminated`, `truncated`.
+    /// With policy versions, `versions` comes first.
     #[getter]
     fn meta_names(&self) -> Vec<&'static str> {
-        self.backend.batch_meta().iter().map(|m| m.name).collect()
+        let versions = self.versioned.then_some("versions");
+        versions.into_iter().chain(self.backend.batch_meta().iter().map(|m| m.name)).collect()
     }
 
     /// Steps per window of a sequence table; `None` otherwise.
@@ -285,7 +295,8 @@ impl PyServerCore {
     /// it ends its episode (`truncated`: cut short). `Server.submit` is this method itself
     /// (no Python frame in between), so it checks its arguments as the Python API does.
     #[pyo3(signature = (sample, *, timeout=None, priority=None, stream=None, end_episode=None,
-        truncated=None))]
+        truncated=None, version=None))]
+    #[allow(clippy::too_many_arguments)] // the Python keywords, one each
     fn submit(
         &self,
         sample: &Bound<'_, PyAny>,
@@ -294,6 +305,7 @@ impl PyServerCore {
         stream: Option<&Bound<'_, PyAny>>,
         end_episode: Option<&Bound<'_, PyAny>>,
         truncated: Option<&Bound<'_, PyAny>>,
+        version: Option<u64>,
     ) -> PyResult<()> {
         let truncated = strict_bool("truncated", truncated)?;
         let end_episode = strict_bool("end_episode", end_episode)?;
@@ -316,10 +328,10 @@ impl PyServerCore {
                 &mut inline,
             )
         {
-            return self.insert(py, &inline[..n], priority, deadline, tag);
+            return self.insert(py, &inline[..n], priority, deadline, tag, version);
         }
         let arrays = self.leaves.arrays(sample)?;
-        self.insert(py, &byte_slices(&self.leaves, &arrays), priority, deadline, tag)
+        self.insert(py, &byte_slices(&self.leaves, &arrays), priority, deadline, tag, version)
     }
 
     /// A `SampleWriter` into this server (FIFO or replay: a sequence table's steps need a
@@ -369,14 +381,14 @@ impl PyServerCore {
         // cannot change while the insert waits).
         let (mut scratch, mut inline) = inline_scratch();
         if self.inline_leaves(leaves.iter_borrowed(), &mut scratch, &mut inline) {
-            return self.insert(py, &inline[..leaves.len()], None, deadline, tag);
+            return self.insert(py, &inline[..leaves.len()], None, deadline, tag, None);
         }
         let arrays = leaves
             .iter()
             .enumerate()
             .map(|(i, leaf)| self.leaves.checked_leaf(i, &leaf))
             .collect::<PyResult<Vec<_>>>()?;
-        self.insert(py, &byte_slices(&self.leaves, &arrays), None, deadline, tag)
+        self.insert(py, &byte_slices(&self.leaves, &arrays), None, deadline, tag, None)
     }
 
     /// Copies a batch of samples, one per row of every leaf (all with the same leading
@@ -388,7 +400,8 @@ impl PyServerCore {
     /// episode as `end_episode` and `truncated` say (each a bool for every row or one per
     /// row; `None`: false).
     #[pyo3(signature = (tree, timeout=None, priority=None, stream=None, end_episode=None,
-        truncated=None))]
+        truncated=None, version=None))]
+    #[allow(clippy::too_many_arguments)] // the Python keywords, one each
     fn submit_batch(
         &self,
         tree: &Bound<'_, PyAny>,
@@ -397,6 +410,7 @@ impl PyServerCore {
         stream: Option<StreamArg>,
         end_episode: Option<&Bound<'_, PyAny>>,
         truncated: Option<&Bound<'_, PyAny>>,
+        version: Option<u64>,
     ) -> PyResult<usize> {
         let py = tree.py();
         let flags = EpisodeFlags::new(py, end_episode, truncated)?;
@@ -410,13 +424,13 @@ impl PyServerCore {
             return Ok(0);
         }
         let slices = batch.slices(&self.leaves);
-        let rows = Rows::new(self.backend.spec(), &slices, n, batch.priorities())
+        let rows = Rows::new(&self.leaves.spec, &slices, n, batch.priorities())
             .and_then(|rows| rows.with_steps(first, ends.as_deref()))
             .map_err(to_pyerr)?;
         let server = &self.server;
         let mut done = 0;
         let outcome = wait_detached(py, deadline, |slice_end| {
-            match server.insert(&rows.skip(done), None, Some(slice_end)) {
+            match server.insert_versioned(&rows.skip(done), None, Some(slice_end), version) {
                 Ok(()) => {
                     done = n;
                     Some(Ok(()))
@@ -466,9 +480,10 @@ impl PyServerCore {
         drop(guard);
         let meta = arrays.split_off(self.leaves.len());
         // A replay or sequence batch's (keys, probabilities, times_sampled), its first three
-        // per-item arrays, go into `info` as well.
+        // per-item arrays (after the versions), go into `info` as well.
         let meta_arrays = meta
-            .get(..3)
+            .get(usize::from(self.versioned)..)
+            .and_then(|per_item| per_item.get(..3))
             .and_then(|first| <[Bound<'py, PyAny>; 3]>::try_from(first.to_vec()).ok())
             .map(|arrays| arrays.map(Bound::unbind));
         let meta = if meta.is_empty() { PyTuple::empty(py) } else { PyTuple::new(py, meta)? };
@@ -512,7 +527,7 @@ impl PyServerCore {
         extra: Option<(Vec<u8>, ExtraArrays<'_>)>,
         hook: Option<Py<PyAny>>,
     ) -> PyResult<u64> {
-        let example = example_of(self.leaves.tree_layout().bind(py))?;
+        let example = self.example(py)?;
         let extra = match &extra {
             None => None,
             Some((tree, arrays)) => Some(Extra {
@@ -588,7 +603,10 @@ impl PyServerCore {
     /// new (from a background thread as `sample()` makes room: `_is_restoring`).
     /// `CheckpointError` naming what does not fit; nothing is inserted then.
     fn _restore(&self, py: Python<'_>, opened: PyRef<'_, PyOpenedCheckpoint>) -> PyResult<()> {
-        let descrs = npy_descrs(py, &self.leaves.descrs)?;
+        let mut descrs = npy_descrs(py, &self.leaves.descrs)?;
+        if self.versioned {
+            descrs.push(version_example_leaf().npy_descr);
+        }
         let server = &self.server;
         let opened = &opened.inner;
         detach(py, || server.restore(opened, &descrs)).map_err(to_pyerr)
@@ -709,10 +727,11 @@ impl PyServerCore {
         priority: Option<f64>,
         deadline: Option<Instant>,
         tag: StepTag,
+        version: Option<u64>,
     ) -> PyResult<()> {
         let source = StepLeaves(slices, tag);
         let server = &self.server;
-        let insert = |d: Option<Instant>| server.insert(&source, priority, d);
+        let insert = |d: Option<Instant>| server.insert_versioned(&source, priority, d, version);
         // Small samples are tried once with the GIL held (detaching costs more than the copy);
         // not when they are compressed first, which takes longer than the GIL should be held.
         if self.backend.spec().payload_size() < DETACH_COPY_BYTES && !self.backend.compresses() {
@@ -810,6 +829,16 @@ impl PyServerCore {
         }
     }
 
+    /// The example as a checkpoint records it: its leaves, then the version leaf when the
+    /// samples carry versions.
+    fn example(&self, py: Python<'_>) -> PyResult<crate::checkpoint::Example> {
+        let mut example = example_of(self.leaves.tree_layout().bind(py))?;
+        if self.versioned {
+            example.leaves.push(version_example_leaf());
+        }
+        Ok(example)
+    }
+
     fn info(&self, py: Python<'_>, sequence: u64, wait_ns: u64) -> PyResult<SampleInfo> {
         // Counters behind locks (a replay table's, the histograms'): taken with the GIL released.
         let snap = detach(py, || self.snapshot());
@@ -830,6 +859,7 @@ fn batch_layouts(
     py: Python<'_>,
     leaves: &LeafSpecs,
     backend: &Backend,
+    versioned: bool,
 ) -> PyResult<Vec<LeafLayout>> {
     let batch_size = backend.batch_size();
     // A sequence table's windows are `length` steps: one more dimension after the batch's.
@@ -848,6 +878,10 @@ fn batch_layouts(
     let mut layouts = Vec::with_capacity(leaves.len() + backend.batch_meta().len());
     for (shape, descr) in leaves.shapes.iter().zip(&leaves.descrs) {
         layouts.push(layout(descr.bind(py), true, shape)?);
+    }
+    if versioned {
+        // The version leaf: one uint64 per sample (per step of a window).
+        layouts.push(layout(&PyArrayDescr::new(py, "<u8")?, true, &[])?);
     }
     for meta in backend.batch_meta() {
         let descr = PyArrayDescr::new(py, format!("{}{}", meta.kind, meta.bytes).as_str())?;

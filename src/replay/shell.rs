@@ -117,6 +117,10 @@ pub struct Shell {
     /// put until the next `sample`.
     #[cfg(not(loom))]
     area: Slots,
+    /// The server's policy versions, set once when it keeps them: a draw removes the items
+    /// that became stale.
+    #[cfg(not(loom))]
+    pub(crate) versions: std::sync::OnceLock<std::sync::Arc<crate::versions::PolicyVersions>>,
 }
 
 impl std::fmt::Debug for Shell {
@@ -156,6 +160,7 @@ impl Shell {
             batch_size,
             pinned: crate::pinned::Pinning::default(),
             area,
+            versions: std::sync::OnceLock::new(),
         }
     }
 

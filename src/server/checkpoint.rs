@@ -34,7 +34,10 @@ impl Server {
 
     /// The settings that only tune the server, as a checkpoint records them.
     pub fn checkpoint_tuning(&self) -> Tuning {
-        let codecs = &self.config.wire_codecs;
+        // The sample's leaves only: a version leaf is never compressed.
+        let leaves = self.backend().spec().len() - usize::from(self.versions.is_some());
+        let codecs = &self.config.wire_codecs[..self.config.wire_codecs.len().min(leaves)];
+        let bound = self.versions.as_ref().and_then(|v| v.max_staleness().map(|k| (k, v)));
         let max_bytes = match &self.config.backend {
             BackendConfig::Fifo { .. } => None,
             BackendConfig::Replay(replay) | BackendConfig::Sequence(replay, _) => replay.max_bytes,
@@ -48,6 +51,11 @@ impl Server {
                 .then(|| codecs.iter().map(|c| c.map(CodecEntry)).collect()),
             max_bytes,
             name: self.config.name.clone(),
+            max_staleness: bound.map(|(k, _)| k),
+            admission: bound.map(|(_, v)| match v.admission() {
+                crate::versions::Admission::Drop => "drop".to_owned(),
+                crate::versions::Admission::Block => "block".to_owned(),
+            }),
         }
     }
 

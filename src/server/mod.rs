@@ -37,6 +37,7 @@ use crate::sync::Arc;
 use crate::transport::tcp::TcpConfig;
 use crate::transport::wire::v2::Closing;
 use crate::transport::TcpIngress;
+use crate::versions::{version_leaf, PolicyVersions, StaleCounts, Stamped, VersionsConfig};
 
 /// How a [`Server`] is built: its backend, and the ingress its transport will feed.
 #[derive(Debug, Clone)]
@@ -53,6 +54,9 @@ pub struct ServerConfig {
     /// The server's name: what labels its metrics (`echo.Server(name=...)`), recorded by
     /// its checkpoints so that a restored server keeps it. `None`: none to record.
     pub name: Option<String>,
+    /// Whether samples carry the version of the policy that made them, and the staleness
+    /// bound (`None`: they do not; the spec is the sample's alone).
+    pub versions: Option<VersionsConfig>,
 }
 
 /// When the last checkpoint completed (Unix seconds), how long it took (seconds) and the
@@ -82,6 +86,9 @@ pub struct Snapshot {
     pub submitted: u64,
     /// Bytes of one sample (every leaf raw).
     pub payload_bytes: u64,
+    /// Samples kept from the learner for their policy version, by cause; zero without a
+    /// staleness bound.
+    pub stale: StaleCounts,
 }
 
 /// The server: a backend, its single consumer, and the transport and ingress in front of it.
@@ -116,6 +123,8 @@ pub struct Server {
     restored_sessions: Mutex<Vec<SessionMark>>,
     /// The parameters the learner publishes to its workers.
     params: Arc<Params>,
+    /// The samples' policy versions, when they carry them (the backend's last leaf).
+    versions: Option<Arc<PolicyVersions>>,
 }
 
 impl std::fmt::Debug for Server {
@@ -137,7 +146,36 @@ impl Server {
             .producer_queue_size
             .unwrap_or_else(|| IngressConfig::queue_size_for(spec.payload_size()));
         let ingress_config = IngressConfig::new(config.num_drainers, queue_size);
+        let versions = config
+            .versions
+            .map(|v| Arc::new(PolicyVersions::new(spec.len(), v.max_staleness, v.admission)));
+        let spec = match versions {
+            Some(_) => {
+                let mut arrays = spec.arrays().to_vec();
+                arrays.push(version_leaf());
+                DataSpec::new(arrays)?
+            }
+            None => spec,
+        };
+        let mut config = config;
+        if versions.is_some() {
+            // The version leaf is stored and sent raw.
+            let compress = match &mut config.backend {
+                BackendConfig::Replay(replay) | BackendConfig::Sequence(replay, _) => {
+                    Some(&mut replay.compress)
+                }
+                BackendConfig::Fifo { .. } => None,
+            };
+            for codecs in compress.into_iter().chain([&mut config.wire_codecs]) {
+                if !codecs.is_empty() {
+                    codecs.push(None);
+                }
+            }
+        }
         let (backend, consumer) = Backend::new(spec, config.backend.clone())?;
+        if let Some(versions) = &versions {
+            backend.set_policy_versions(Arc::clone(versions));
+        }
         Ok(Self {
             backend,
             wire_codecs: config.wire_codecs.clone(),
@@ -152,6 +190,7 @@ impl Server {
             submitted: AtomicU64::new(0),
             restored_sessions: Mutex::new(Vec::new()),
             params: Arc::new(Params::default()),
+            versions,
         })
     }
 
@@ -186,6 +225,7 @@ impl Server {
         tcp.codecs.clone_from(&self.wire_codecs);
         tcp.restored_sessions.clone_from(&self.restored_sessions.lock());
         tcp.params = Some(Arc::clone(&self.params));
+        tcp.versions.clone_from(&self.versions);
         let ingress_config = IngressConfig { max_buffered_bytes, ..self.ingress_config };
         // Under the transport lock. A close marks the backend closed before it takes the lock:
         // a start that gets the lock first is shut down by that close, one that gets it after
@@ -217,7 +257,16 @@ impl Server {
         leaves: &[&[u8]],
         version: Option<u64>,
     ) -> Result<u64, EchoError> {
-        self.params.publish(spec, leaves, version)
+        let version = self.params.publish(spec, leaves, version)?;
+        if let Some(versions) = &self.versions {
+            versions.set_latest(version);
+        }
+        Ok(version)
+    }
+
+    /// The samples' policy versions, when they carry them.
+    pub fn policy_versions(&self) -> Option<&Arc<PolicyVersions>> {
+        self.versions.as_ref()
     }
 
     /// The server's parameter channel.
@@ -236,6 +285,30 @@ impl Server {
         priority: Option<f64>,
         deadline: Option<Instant>,
     ) -> Result<(), InsertError> {
+        self.insert_versioned(source, priority, deadline, None)
+    }
+
+    /// [`Server::insert`] of samples made by policy `version` (`None`: the latest published),
+    /// when the server keeps versions: `source` has the sample's leaves, and the version leaf
+    /// is appended. Without versions, `version` is ignored.
+    ///
+    /// # Errors
+    /// As [`Backend::insert`].
+    pub fn insert_versioned(
+        &self,
+        source: &dyn SampleSource,
+        priority: Option<f64>,
+        deadline: Option<Instant>,
+        version: Option<u64>,
+    ) -> Result<(), InsertError> {
+        let stamped;
+        let source = match &self.versions {
+            Some(versions) => {
+                stamped = Stamped::new(source, version.unwrap_or_else(|| versions.latest()));
+                &stamped
+            }
+            None => source,
+        };
         let done = self.backend.insert(source, priority, deadline);
         let inserted = match &done {
             Ok(()) => source.num_samples(),
@@ -408,6 +481,7 @@ impl Server {
             // ORDERING: Relaxed — see `insert`.
             submitted: self.submitted.load(Relaxed),
             payload_bytes: self.backend.spec().payload_size() as u64,
+            stale: self.versions.as_ref().map(|v| v.counts()).unwrap_or_default(),
         }
     }
 }

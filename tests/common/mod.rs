@@ -174,6 +174,7 @@ pub fn tagged_hello(session: u8, shm: bool, notices: bool, codecs: bool) -> v2::
         codecs,
         durable: false,
         params: false,
+        versions: false,
     }
 }
 

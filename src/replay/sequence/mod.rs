@@ -329,6 +329,13 @@ impl SequenceTable {
         &self.config
     }
 
+    /// Where the server's policy versions are set, once, when it keeps them.
+    pub(crate) fn versions_cell(
+        &self,
+    ) -> &std::sync::OnceLock<std::sync::Arc<crate::versions::PolicyVersions>> {
+        &self.shell.versions
+    }
+
     /// How windows are cut.
     pub fn sequence(&self) -> &SequenceConfig {
         &self.sequence

@@ -46,15 +46,38 @@ impl ReplayConsumer {
     /// deadline passes first.
     pub fn sample(&mut self, deadline: Option<Instant>) -> Result<ReplayBatch, EchoError> {
         let table = &*self.table;
+        // With a staleness bound, items older than it now are removed as draws meet them.
+        let versions = table.shell.versions.get().filter(|v| v.max_staleness().is_some());
+        let floor = versions.map_or(0, |v| v.floor());
+        let leaf = versions.map(|v| v.leaf()).filter(|&l| table.codecs.get(l).is_none());
+        let stale = |slot: usize| {
+            leaf.is_some_and(|leaf| {
+                // SAFETY: `slot` is live (the caller checks it under the table lock, which
+                // we hold): writers only write free or reserved slots, so its bytes are
+                // stable while we read them.
+                let version = unsafe {
+                    table.storage.read_slots(leaf, slot..slot + 1, |bytes| {
+                        bytes.try_into().map_or(u64::MAX, u64::from_le_bytes)
+                    })
+                };
+                version < floor
+            })
+        };
+        let stale: Option<&dyn Fn(usize) -> bool> = (floor > 0).then_some(&stale);
+        let mut removed = 0;
         let mut state = table.state.lock();
         let pending = &mut self.pending;
-        table.shell.draw_rounds(
+        let drawn = table.shell.draw_rounds(
             &mut state,
             deadline,
             pending.len(),
             &mut self.holdback,
-            |state, n| state.draw(n, pending),
-        )?;
+            |state, n| state.draw(n, pending, stale, &mut removed),
+        );
+        if removed > 0 {
+            versions.expect("stale items need versions").note_stale_at_sample(removed);
+        }
+        drawn?;
         self.holdback = None;
         drop(state);
         self.gather();

@@ -206,6 +206,13 @@ impl Table {
         }))
     }
 
+    /// Where the server's policy versions are set, once, when it keeps them.
+    pub(crate) fn versions_cell(
+        &self,
+    ) -> &std::sync::OnceLock<std::sync::Arc<crate::versions::PolicyVersions>> {
+        &self.shell.versions
+    }
+
     /// The leaves the table stores compressed, `None` if none.
     pub fn codecs(&self) -> Option<&LeafCodecs> {
         (!self.codecs.is_empty()).then_some(&self.codecs)

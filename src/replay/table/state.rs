@@ -267,14 +267,35 @@ impl State {
         pending.push(Drawn { slot, key: meta.key, probability, times_sampled: meta.times_sampled });
     }
 
-    /// Draws up to `n` items (`live > 0`) into `pending`; returns how many.
-    pub(super) fn draw(&mut self, n: usize, pending: &mut Vec<Drawn>) -> usize {
+    /// Draws up to `n` items (`live > 0`) into `pending`; returns how many. A drawn item
+    /// that `stale` says is stale is removed instead of taken, and counted in `*removed`.
+    pub(super) fn draw(
+        &mut self,
+        n: usize,
+        pending: &mut Vec<Drawn>,
+        stale: Option<&dyn Fn(usize) -> bool>,
+        removed: &mut u64,
+    ) -> usize {
         if self.max_times_sampled == 0 {
             let (slots, probabilities) =
                 (&mut self.draw_slots[..n], &mut self.draw_probabilities[..n]);
-            let got = self.sampler.draw(&mut self.rng, slots, probabilities);
-            for j in 0..got {
-                self.take(self.draw_slots[j], self.draw_probabilities[j], pending);
+            let drawn = self.sampler.draw(&mut self.rng, slots, probabilities);
+            let mut got = 0;
+            for j in 0..drawn {
+                let slot = self.draw_slots[j];
+                if let Some(stale) = stale {
+                    // Drawn twice in one call and removed the first time: not live any more.
+                    if self.meta[slot].state != SlotState::Live {
+                        continue;
+                    }
+                    if stale(slot) {
+                        self.remove_item(slot);
+                        *removed += 1;
+                        continue;
+                    }
+                }
+                self.take(slot, self.draw_probabilities[j], pending);
+                got += 1;
             }
             return got;
         }
@@ -286,6 +307,11 @@ impl State {
                 (&mut self.draw_slots[..1], &mut self.draw_probabilities[..1]);
             self.sampler.draw(&mut self.rng, slot, probability);
             let (slot, probability) = (self.draw_slots[0], self.draw_probabilities[0]);
+            if stale.is_some_and(|stale| stale(slot)) {
+                self.remove_item(slot);
+                *removed += 1;
+                continue;
+            }
             self.take(slot, probability, pending);
             if self.meta[slot].times_sampled >= self.max_times_sampled {
                 self.remove_item(slot);

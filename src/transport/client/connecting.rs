@@ -273,6 +273,8 @@ impl Connecting {
             durable: self.config.durable.is_some(),
             // Version notices and chunks come only when asked for (never over v1).
             params: true,
+            // Versions go on the payloads only when the server keeps them.
+            versions: true,
         };
         let bytes = hello.encode(&offer, self.config.token.as_deref())?;
         let stream = self.stream.as_mut().expect("connected");
@@ -332,15 +334,21 @@ impl Connecting {
             )));
         }
         let spec = self.config.layout.spec()?;
+        // What the payloads hold on this connection: the sample's leaves, and the policy
+        // version when the server keeps versions.
+        let wire = match accept.versions {
+            Some(_) => self.config.layout.with_policy_version().spec()?,
+            None => spec.clone(),
+        };
         if let Some(codecs) = &accept.codecs {
-            LeafCodecs::new(&spec, codecs.clone()).map_err(|e| {
+            LeafCodecs::new(&wire, codecs.clone()).map_err(|e| {
                 EchoError::Protocol(format!(
                     "the server at {} names codecs this layout cannot take: {e}",
                     self.address
                 ))
             })?;
         }
-        let shm = self.attach_shm(&accept, spec.payload_size())?;
+        let shm = self.attach_shm(&accept, wire.payload_size())?;
         let leftover = self.received.split_off(len);
         let stream = self.stream.take().expect("connected");
         Ok(Some(Established {

@@ -148,6 +148,9 @@ impl TcpSender {
                 (version, offset) = (chunk.version, offset + len);
             }
             if offset == out.len() && version >= min_version {
+                // The policy this worker acts with from now on: what its samples carry.
+                self.policy_version = self.policy_version.max(version);
+                self.newest_version = self.newest_version.max(version);
                 return Ok(version);
             }
         }

@@ -150,6 +150,24 @@ pub struct TcpSender {
     /// makes), counted once in `durable_waits`.
     budget_blocked: bool,
     durable_wait_s: f64,
+    /// What each payload holds: the sample's leaves, then (when the server keeps policy
+    /// versions) the version leaf.
+    wire_spec: DataSpec,
+    /// `Some(admit)` once a server that keeps policy versions accepted us: payloads end with
+    /// the version, and a send waits while the worker is more than `admit` versions behind
+    /// (`u64::MAX`: never). Fixed by the first connection: retained frames are of its form.
+    versions: Option<u64>,
+    /// The version samples carry by default: the newest this client fetched.
+    policy_version: u64,
+    /// The newest version this worker is known to act with: fetched, or given to a send.
+    newest_version: u64,
+    /// The version the frame being written carries (kept across the calls that finish it).
+    frame_version: u64,
+    /// Sends that waited for newer parameters (admission), and the seconds they waited; a
+    /// send waiting across sliced calls is counted once.
+    admission_waits: u64,
+    admission_blocked: bool,
+    admission_wait_s: f64,
 }
 
 impl TcpSender {
@@ -236,6 +254,14 @@ impl TcpSender {
             durable_waits: 0,
             budget_blocked: false,
             durable_wait_s: 0.0,
+            wire_spec: est.spec.clone(),
+            versions: est.accept.as_ref().and_then(|a| a.versions),
+            policy_version: 0,
+            newest_version: 0,
+            frame_version: 0,
+            admission_waits: 0,
+            admission_blocked: false,
+            admission_wait_s: 0.0,
             config,
         };
         match sender.install(est) {
@@ -248,6 +274,25 @@ impl TcpSender {
     /// Starts the reader on an established connection and makes it the current one.
     fn install(&mut self, est: Established) -> Result<(), EchoError> {
         let Established { stream, version, accept, leftover, skip_offer, shm, .. } = est;
+        let versions = accept.as_ref().and_then(|a| a.versions);
+        if versions.is_some() != self.versions.is_some() {
+            return Err(EchoError::Protocol(format!(
+                "the server at {} {} the policy version of each sample, and did not when this \
+                 client first connected: the samples it keeps to resend are of the other form \
+                 (restart the worker)",
+                self.address,
+                if versions.is_some() { "now keeps" } else { "no longer keeps" }
+            )));
+        }
+        self.versions = versions;
+        self.wire_spec = match versions {
+            Some(_) => {
+                let mut arrays = self.spec.arrays().to_vec();
+                arrays.push(crate::versions::version_leaf());
+                DataSpec::new(arrays)?
+            }
+            None => self.spec.clone(),
+        };
         let durable = accept.as_ref().is_some_and(|a| a.durable);
         let params = accept.as_ref().is_some_and(|a| a.params);
         stream.set_read_timeout(None)?;
@@ -282,7 +327,7 @@ impl TcpSender {
         // then, but a server may be wrong).
         let codecs = match (accept.and_then(|a| a.codecs), &shm) {
             (Some(codecs), None) if self.config.wire_compression => {
-                Some(Arc::new(LeafCodecs::new(&self.spec, codecs)?))
+                Some(Arc::new(LeafCodecs::new(&self.wire_spec, codecs)?))
                     .filter(|codecs| codecs.max_body() <= u32::MAX as usize)
             }
             _ => None,
@@ -375,6 +420,39 @@ impl TcpSender {
     /// what they kept), and the seconds they waited in all.
     pub fn durable_waits(&self) -> (u64, f64) {
         (self.durable_waits, self.durable_wait_s)
+    }
+
+    /// `Some(admit)` when the server keeps policy versions (each sample carries one): a send
+    /// waits while this worker is more than `admit` versions behind the learner (`u64::MAX`:
+    /// never); `None` when it does not keep them.
+    pub fn policy_versions(&self) -> Option<u64> {
+        self.versions
+    }
+
+    /// The version samples carry when a send names none: the newest this client fetched (0
+    /// before the first fetch).
+    pub fn policy_version(&self) -> u64 {
+        self.policy_version
+    }
+
+    /// Sets the version samples carry when a send names none (a worker that gets its
+    /// parameters another way).
+    pub fn set_policy_version(&mut self, version: u64) {
+        self.policy_version = version;
+        self.newest_version = self.newest_version.max(version);
+    }
+
+    /// While a send waits for newer parameters (blocking admission): the newest version this
+    /// worker acts with, the learner's latest, and the bound.
+    pub fn held_back(&self) -> Option<(u64, u64, u64)> {
+        let admit = self.versions.filter(|_| self.admission_blocked)?;
+        Some((self.newest_version, self.params_version(), admit))
+    }
+
+    /// `send` calls that waited for newer parameters (a server with blocking admission), and
+    /// the seconds they waited in all.
+    pub fn admission_waits(&self) -> (u64, f64) {
+        (self.admission_waits, self.admission_wait_s)
     }
 
     /// What the server said the last time it closed a connection of this client: for good

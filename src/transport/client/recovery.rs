@@ -175,8 +175,9 @@ impl TcpSender {
             let result = if self.wire_codecs().is_some() {
                 let (meta, payload) =
                     FrameMeta::split(&frame).expect("a retained frame is well formed");
+                let spec = &self.wire_spec;
                 let leaves: Vec<&[u8]> =
-                    (0..self.spec.len()).map(|leaf| &payload[self.spec.leaf_range(leaf)]).collect();
+                    (0..spec.len()).map(|leaf| &payload[spec.leaf_range(leaf)]).collect();
                 self.write_sample(&meta, &[], &leaves, deadline)
             } else {
                 self.write_frame(&[], &[&frame[..]], deadline)

@@ -6,6 +6,9 @@ use std::io::{self, IoSlice, Write};
 use std::time::Instant;
 
 use super::{Retained, TcpSender, MAX_IOVECS, SHM_SLICE};
+
+/// How often a send held back by admission looks at the learner's version again.
+const ADMISSION_SLICE: std::time::Duration = std::time::Duration::from_millis(5);
 use crate::codec::LeafCodecs;
 use crate::error::EchoError;
 use crate::source::{Leaves, Rows, SampleSource};
@@ -33,20 +36,51 @@ impl TcpSender {
         meta: FrameMeta,
         deadline: Option<Instant>,
     ) -> Result<(), EchoError> {
+        self.send_as(leaves, meta, deadline, None)
+    }
+
+    /// [`TcpSender::send`] of a sample made by policy `version` (`None`: the client's
+    /// [`TcpSender::policy_version`]), which its payload carries when the server keeps
+    /// versions (otherwise it is ignored). With blocking admission, a new sample first waits
+    /// (until `deadline`: [`EchoError::TimedOut`], nothing sent) while this worker is more
+    /// than the bound behind the learner's latest version: until it fetches newer parameters
+    /// (another thread, between sliced calls) or names a newer `version`.
+    ///
+    /// # Errors
+    /// As [`TcpSender::send`].
+    pub fn send_as(
+        &mut self,
+        leaves: &[&[u8]],
+        meta: FrameMeta,
+        deadline: Option<Instant>,
+        version: Option<u64>,
+    ) -> Result<(), EchoError> {
         self.ensure_usable()?;
         if self.carry {
             self.drive(deadline)?;
             self.carry = false;
             return Ok(());
         }
-        if self.shm && !self.reconnect {
+        let starts = self.in_progress == 0;
+        if starts {
             self.check_leaves(leaves)?;
             self.check_meta(&meta)?;
+            self.start_frame(version, deadline)?;
+        }
+        let stamp = self.frame_version.to_le_bytes();
+        let mut stamped: Vec<&[u8]> = Vec::new();
+        let leaves = if self.versions.is_some() {
+            stamped.reserve_exact(leaves.len() + 1);
+            stamped.extend_from_slice(leaves);
+            stamped.push(&stamp);
+            &stamped[..]
+        } else {
+            leaves
+        };
+        if self.shm && !self.reconnect {
             return self.send_shm(leaves, &meta, deadline);
         }
-        if self.in_progress == 0 {
-            self.check_leaves(leaves)?;
-            self.check_meta(&meta)?;
+        if starts {
             loop {
                 self.drive(deadline)?;
                 let target = (self.sent + 1).saturating_sub(self.config.max_inflight);
@@ -59,7 +93,7 @@ impl TcpSender {
         let (header, header_len) = frame_header(self.version, &meta, false);
         let header = &header[..header_len];
         if let Some(budget) = self.durable {
-            self.make_room(header_len + self.spec.payload_size(), budget, deadline)?;
+            self.make_room(header_len + self.wire_spec.payload_size(), budget, deadline)?;
         }
         if self.reconnect {
             self.retain(header, leaves);
@@ -73,6 +107,53 @@ impl TcpSender {
         self.sent += 1;
         self.written = self.sent;
         Ok(())
+    }
+
+    /// Whether this worker is more than `admit` versions behind the learner's latest.
+    fn behind(&self, admit: u64) -> bool {
+        self.params_version().saturating_sub(self.newest_version) > admit
+    }
+
+    /// Before a new sample: the version it carries (`version`, or the client's), and with
+    /// blocking admission the wait while this worker is too far behind (see
+    /// [`TcpSender::send_as`]).
+    fn start_frame(
+        &mut self,
+        version: Option<u64>,
+        deadline: Option<Instant>,
+    ) -> Result<(), EchoError> {
+        if let Some(v) = version {
+            self.newest_version = self.newest_version.max(v);
+        }
+        self.frame_version = version.unwrap_or(self.policy_version);
+        let Some(admit) = self.versions.filter(|&admit| admit != u64::MAX) else {
+            return Ok(());
+        };
+        let started = Instant::now();
+        if !self.behind(admit) {
+            self.admission_blocked = false;
+            return Ok(());
+        }
+        if !self.admission_blocked {
+            self.admission_waits += 1;
+            self.admission_blocked = true;
+        }
+        // Nothing this call does can fetch: another thread does, between sliced calls (or
+        // the learner's version notice is what was missing). Wait out the slice.
+        let result = loop {
+            let now = Instant::now();
+            if !self.behind(admit) {
+                self.admission_blocked = false;
+                break Ok(());
+            }
+            if deadline.is_some_and(|d| now >= d) {
+                break Err(EchoError::TimedOut);
+            }
+            let pause = deadline.map_or(ADMISSION_SLICE, |d| (d - now).min(ADMISSION_SLICE));
+            std::thread::sleep(pause);
+        };
+        self.admission_wait_s += started.elapsed().as_secs_f64();
+        result
     }
 
     /// Writes one sample (`header` + `leaves`, whose fields are `meta`) on the current
@@ -115,6 +196,21 @@ impl TcpSender {
         done: &mut usize,
         deadline: Option<Instant>,
     ) -> Result<(), EchoError> {
+        self.send_rows_as(rows, done, deadline, None)
+    }
+
+    /// [`TcpSender::send_rows`] of samples made by policy `version` (see
+    /// [`TcpSender::send_as`]).
+    ///
+    /// # Errors
+    /// As [`TcpSender::send`], for the row at `*done`.
+    pub fn send_rows_as(
+        &mut self,
+        rows: &Rows<'_>,
+        done: &mut usize,
+        deadline: Option<Instant>,
+        version: Option<u64>,
+    ) -> Result<(), EchoError> {
         let n = rows.num_samples();
         let leaf_count = self.spec.len();
         if *done == 0 && self.in_progress == 0 && !self.carry {
@@ -127,19 +223,25 @@ impl TcpSender {
             while *done < n {
                 row.clear();
                 row.extend((0..leaf_count).map(|leaf| rows.row_leaf(*done, leaf)));
-                self.send(&row, self.row_meta(rows, *done), deadline)?;
+                self.send_as(&row, self.row_meta(rows, *done), deadline, version)?;
                 *done += 1;
             }
             return Ok(());
         }
         self.ensure_usable()?;
+        if self.in_progress == 0 {
+            self.start_frame(version, deadline)?;
+        }
+        let stamp = self.frame_version.to_le_bytes();
+        let stamped = self.versions.is_some();
         // Every frame of the batch has the same header length: step frames throughout for a
         // sequence table (row 0 too), priorities for all rows or none.
         let steps = self.steps.is_some();
         let header_len = frame_header(self.version, &self.row_meta(rows, 0), steps).1;
-        let frame_len = header_len + self.spec.payload_size();
-        // At most this many frames per write (each is a header and the leaves' rows).
-        let per_write = (MAX_IOVECS / (leaf_count + 1)).max(1);
+        let frame_len = header_len + self.wire_spec.payload_size();
+        // At most this many frames per write (each is a header, the leaves' rows and the
+        // version).
+        let per_write = (MAX_IOVECS / (leaf_count + 2)).max(1);
         while *done < n {
             if self.in_progress == 0 {
                 let target = (self.sent + 1).saturating_sub(self.config.max_inflight);
@@ -153,10 +255,13 @@ impl TcpSender {
             let headers: Vec<([u8; FrameMeta::MAX_HEADER], usize)> = (0..k)
                 .map(|j| frame_header(self.version, &self.row_meta(rows, *done + j), steps))
                 .collect();
-            let mut parts: Vec<&[u8]> = Vec::with_capacity(k * (leaf_count + 1));
+            let mut parts: Vec<&[u8]> = Vec::with_capacity(k * (leaf_count + 2));
             for (j, (header, len)) in headers.iter().enumerate() {
                 parts.push(&header[..*len]);
                 parts.extend((0..leaf_count).map(|leaf| rows.row_leaf(*done + j, leaf)));
+                if stamped {
+                    parts.push(&stamp);
+                }
             }
             let result = self.write_frame(&[], &parts, deadline);
             // `write_frame` counts bytes across the frames: whole ones are sent.
@@ -222,7 +327,7 @@ impl TcpSender {
     /// of an acknowledged frame of the same size when there is one (so a steady stream
     /// allocates nothing per sample).
     fn retain(&mut self, header: &[u8], leaves: &[&[u8]]) {
-        let len = header.len() + self.spec.payload_size();
+        let len = header.len() + self.wire_spec.payload_size();
         let mut frame = match self.spare.iter().position(|f| f.len() == len) {
             Some(i) => self.spare.swap_remove(i),
             None => vec![0u8; len].into_boxed_slice(),

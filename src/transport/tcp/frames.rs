@@ -93,7 +93,19 @@ pub(super) async fn serve_v2(
             return Err(invalid(format!("refused: {why}")));
         }
     }
-    if let Some(why) = shared.layout.mismatch(&hello.layout) {
+    // A server that keeps policy versions compares the client's sample leaves plus the
+    // version leaf it appends; a client that sends none cannot feed it.
+    let mismatch = match (&shared.versions, hello.versions) {
+        (Some(_), true) => shared.layout.mismatch(&hello.layout.with_policy_version()),
+        (Some(_), false) => Some(
+            "the learner keeps the policy version of every sample (Server(max_staleness=...) \
+             or policy_versions=True), and this client does not send them: upgrade echo on \
+             the worker"
+                .to_owned(),
+        ),
+        (None, _) => shared.layout.mismatch(&hello.layout),
+    };
+    if let Some(why) = mismatch {
         ingress.note(TransportEvent::RefusedLayout);
         let message =
             format!("the server at {} stores samples of another layout: {why}", link.local());
@@ -189,6 +201,12 @@ pub(super) async fn serve_v2(
     // Parameter fetches to a client that asks, when the server has a parameter channel.
     let served_params = shared.params.clone().filter(|_| hello.params);
     accept.params = served_params.is_some();
+    accept.versions = shared.versions.as_ref().filter(|_| hello.versions).map(|versions| {
+        match (versions.admission(), versions.max_staleness()) {
+            (crate::versions::Admission::Block, Some(k)) => k,
+            _ => u64::MAX,
+        }
+    });
     if hello.shm {
         match shm::server::prepare(shared, peer, link) {
             Ok(prepared) => {

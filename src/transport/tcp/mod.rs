@@ -42,12 +42,13 @@ use tokio::runtime::Runtime;
 use tokio::sync::{watch, Semaphore};
 
 use super::wire::encode_handshake;
-use super::wire::v2::{self, Closing, Layout};
+use super::wire::v2::{self, Closing, Layout, LeafType};
 use crate::codec::{Codec, LeafCodecs};
 use crate::error::EchoError;
 use crate::ingress::Ingress;
 use crate::params::Params;
 use crate::queued::SessionMark;
+use crate::versions::PolicyVersions;
 use accept::{accept_loop, Admission};
 use link::NOTICE_GRACE;
 use session::{reap_sessions, Sessions, Shared, Throttled};
@@ -101,6 +102,9 @@ pub struct TcpConfig {
     pub restored_sessions: Vec<SessionMark>,
     /// The learner's parameter channel, served to v2 clients that ask; `None`: not served.
     pub params: Option<Arc<Params>>,
+    /// The samples' policy versions, when the server keeps them: clients must send them (the
+    /// layout gets the version leaf), and learn the admission bound.
+    pub versions: Option<Arc<PolicyVersions>>,
 }
 
 impl TcpConfig {
@@ -120,6 +124,7 @@ impl TcpConfig {
             codecs: Vec::new(),
             restored_sessions: Vec::new(),
             params: None,
+            versions: None,
         }
     }
 }
@@ -152,8 +157,20 @@ impl TcpServer {
                 config.max_connections
             )));
         }
-        let layout =
-            config.layout.clone().unwrap_or_else(|| Layout::untyped(ingress.backend().spec()));
+        let layout = match &config.versions {
+            // The sample's leaves (as given, or untyped), then the version leaf.
+            Some(_) => {
+                let mut layout = config
+                    .layout
+                    .clone()
+                    .unwrap_or_else(|| Layout::untyped(ingress.backend().spec()).without_last());
+                layout.0.push(LeafType::policy_version());
+                layout
+            }
+            None => {
+                config.layout.clone().unwrap_or_else(|| Layout::untyped(ingress.backend().spec()))
+            }
+        };
         if layout.spec()? != *ingress.backend().spec() {
             return Err(EchoError::Config(
                 "the typed layout does not describe the backend's samples".into(),
@@ -216,6 +233,7 @@ impl TcpServer {
             warned_v1_sequence: std::sync::atomic::AtomicBool::new(false),
             persisted: watch::Sender::new(0),
             params: config.params.clone(),
+            versions: config.versions.clone(),
         });
         shared.seed(&config.restored_sessions);
         runtime.spawn(reap_sessions(Arc::clone(&shared)));

@@ -168,6 +168,9 @@ pub(crate) struct Shared {
     pub(super) closing: watch::Sender<u8>,
     /// The leaves v2 clients that take codecs send compressed over TCP.
     pub(super) codecs: Option<Arc<LeafCodecs>>,
+    /// The samples' policy versions, when the server keeps them (the layout ends with the
+    /// version leaf, which clients must send).
+    pub(super) versions: Option<Arc<crate::versions::PolicyVersions>>,
     /// The backend stores those leaves compressed so: queue the packed bytes with the
     /// decompressed sample, and it keeps them as they arrived.
     pub(super) keep_packed: bool,

@@ -45,6 +45,18 @@ pub struct LeafType {
     pub shape: Vec<usize>,
 }
 
+impl LeafType {
+    /// The version leaf a server that keeps policy versions stores after the sample's
+    /// (`crate::versions`): a little-endian `uint64` scalar.
+    pub fn policy_version() -> Self {
+        Self {
+            name: crate::versions::VERSION_LEAF_NAME.to_owned(),
+            dtype: DType { order: b'<', kind: b'u', size: crate::versions::VERSION_BYTES as u32 },
+            shape: Vec::new(),
+        }
+    }
+}
+
 /// A sample layout with dtypes and names, as v2 checks it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Layout(pub Vec<LeafType>);
@@ -68,6 +80,22 @@ impl Layout {
                 })
                 .collect(),
         )
+    }
+
+    /// This layout without its last leaf.
+    #[must_use]
+    pub fn without_last(mut self) -> Self {
+        self.0.pop();
+        self
+    }
+
+    /// This layout with the policy version leaf after its leaves: what a client that sends
+    /// versions sends.
+    #[must_use]
+    pub fn with_policy_version(&self) -> Self {
+        let mut leaves = self.0.clone();
+        leaves.push(LeafType::policy_version());
+        Self(leaves)
     }
 
     /// The byte layout this describes.

@@ -11,7 +11,9 @@
 //!                               wanted; bit 2: closing notices understood; bit 3: compressed
 //!                               frames understood; bit 4: durable, the client keeps each
 //!                               sample until it is persisted; bit 5: the client may fetch
-//!                               parameters, see [`super::params`]) | session: 16 bytes
+//!                               parameters, see [`super::params`]; bit 6: the client
+//!                               appends each sample's policy version when asked) | session:
+//!                               16 bytes
 //!                               | first_seq: u64 | heartbeat_ms: u32 | client_nonce: 16 bytes
 //!                               | n_leaves: u32 | per leaf: name_len: u16 | name (UTF-8)
 //!                               | byte order: u8 | kind: u8 | itemsize: u32 | ndim: u32
@@ -21,7 +23,9 @@
 //!                               bit 2: shared memory offered; bit 3: a sequence table, step
 //!                               frames accepted; bit 4: codecs follow; bit 5: persisted
 //!                               notices follow, to a client that set hello bit 4; bit 6:
-//!                               parameter fetches served, to a client that set hello bit 5)
+//!                               parameter fetches served, to a client that set hello bit 5;
+//!                               bit 7: policy versions kept, to a client that set hello bit
+//!                               6: every payload ends with its sample's version, u64)
 //!                               | resume_seq: u64
 //!                               | heartbeat_ms: u32 | [mac: 32 bytes]
 //!                               | [name_len: u8 | socket name | shm nonce: 16 bytes]
@@ -29,6 +33,9 @@
 //!                               | [n_leaves: u32 | per leaf: codec: u8 (0 raw, 1 zstd,
 //!                               2 lz4) | level: i8, with bit 4; only to a client that set
 //!                               hello bit 3]
+//!                               | [admit: u64, with bit 7: a client more than `admit`
+//!                               versions behind the latest waits for newer parameters
+//!                               before it sends; u64::MAX: never]
 //!                               (msg, empty otherwise, says why shared memory was wanted
 //!                               and not offered)
 //! client -> server, frames:     0x10 payload | 0x11 priority: f64 | payload
@@ -133,6 +140,12 @@ pub const HELLO_PARAMS: u8 = 32;
 /// Reply flag: the server serves parameter fetches on this connection and sends version
 /// notices.
 pub const REPLY_PARAMS: u8 = 64;
+/// Hello flag: the client appends the policy version of every sample to its payload when
+/// the server keeps versions ([`crate::versions`]).
+pub const HELLO_VERSIONS: u8 = 64;
+/// Reply flag: the server keeps policy versions: every payload on this connection ends with
+/// the sample's version (u64), and the admission bound (u64) follows the codecs.
+pub const REPLY_VERSIONS: u8 = 128;
 /// Server byte: a sequence number (u64) follows; every sample of the session before it is in
 /// a completed checkpoint.
 pub const PERSISTED: u8 = 0x05;
@@ -349,6 +362,8 @@ pub struct Hello {
     pub durable: bool,
     /// The client may fetch parameters ([`HELLO_PARAMS`]).
     pub params: bool,
+    /// The client appends policy versions to its payloads if asked ([`HELLO_VERSIONS`]).
+    pub versions: bool,
 }
 
 /// Fixed bytes of a hello before its body: nonce, magic, version, body length.
@@ -374,7 +389,8 @@ impl Hello {
                 | if self.notices { HELLO_NOTICES } else { 0 }
                 | if self.codecs { HELLO_CODECS } else { 0 }
                 | if self.durable { HELLO_DURABLE } else { 0 }
-                | if self.params { HELLO_PARAMS } else { 0 },
+                | if self.params { HELLO_PARAMS } else { 0 }
+                | if self.versions { HELLO_VERSIONS } else { 0 },
         );
         body.extend_from_slice(&self.session);
         body.extend_from_slice(&self.first_seq.to_le_bytes());
@@ -477,6 +493,7 @@ fn decode_body(body: &[u8]) -> Result<Hello, EchoError> {
     let codecs = flags & HELLO_CODECS != 0;
     let durable = flags & HELLO_DURABLE != 0;
     let params = flags & HELLO_PARAMS != 0;
+    let versions = flags & HELLO_VERSIONS != 0;
     Ok(Hello {
         session,
         first_seq,
@@ -489,6 +506,7 @@ fn decode_body(body: &[u8]) -> Result<Hello, EchoError> {
         codecs,
         durable,
         params,
+        versions,
     })
 }
 
@@ -522,6 +540,10 @@ pub struct Accept {
     pub durable: bool,
     /// The server serves parameter fetches on this connection ([`REPLY_PARAMS`]).
     pub params: bool,
+    /// `Some(admit)`: the server keeps policy versions ([`REPLY_VERSIONS`]), and a client
+    /// whose version is more than `admit` behind the latest waits for newer parameters
+    /// before it sends (`u64::MAX`: it never waits).
+    pub versions: Option<u64>,
 }
 
 /// What a sample frame carries besides its payload: a priority, and for a sequence table the
@@ -682,6 +704,7 @@ impl Accept {
             codecs: None,
             durable: false,
             params: false,
+            versions: None,
         }
     }
 
@@ -710,7 +733,8 @@ impl Reply {
                         | if accept.steps.is_some() { REPLY_STEPS } else { 0 }
                         | if accept.codecs.is_some() { REPLY_CODECS } else { 0 }
                         | if accept.durable { REPLY_DURABLE } else { 0 }
-                        | if accept.params { REPLY_PARAMS } else { 0 },
+                        | if accept.params { REPLY_PARAMS } else { 0 }
+                        | if accept.versions.is_some() { REPLY_VERSIONS } else { 0 },
                 );
                 out.extend_from_slice(&accept.resume_seq.to_le_bytes());
                 out.extend_from_slice(&accept.heartbeat_ms.to_le_bytes());
@@ -732,6 +756,9 @@ impl Reply {
                         out.push(id);
                         out.push(level);
                     }
+                }
+                if let Some(admit) = accept.versions {
+                    out.extend_from_slice(&admit.to_le_bytes());
                 }
             }
             Self::Refused(why, message) => {
@@ -791,6 +818,7 @@ impl Reply {
             } else {
                 None
             };
+            let versions = if flags & REPLY_VERSIONS != 0 { Some(reader.u64()?) } else { None };
             Ok(Self::Accepted(Accept {
                 replay: flags & 1 != 0,
                 resume_seq,
@@ -802,6 +830,7 @@ impl Reply {
                 codecs,
                 durable: flags & REPLY_DURABLE != 0,
                 params: flags & REPLY_PARAMS != 0,
+                versions,
             }))
         })();
         match parsed {
@@ -929,6 +958,7 @@ mod tests {
             codecs: mac,
             durable: mac,
             params: !mac,
+            versions: mac,
         };
         let token: &[u8] = b"secret";
         let bytes = hello.encode(&offer, mac.then_some(token)).unwrap();
@@ -957,6 +987,23 @@ mod tests {
             let bytes = Reply::Accepted(accept.clone()).encode();
             let (parsed, len) = Reply::parse(&bytes).unwrap().unwrap();
             assert_eq!((parsed, len), (Reply::Accepted(accept), bytes.len()));
+        }
+    }
+
+    #[test]
+    fn an_accept_carries_the_admission_bound_after_the_codecs() {
+        for versions in [None, Some(0), Some(3), Some(u64::MAX)] {
+            let accept = Accept {
+                versions,
+                codecs: Some(vec![None, Some(Codec::Lz4)]),
+                ..Accept::new(false, 9, 0, None)
+            };
+            let bytes = Reply::Accepted(accept.clone()).encode();
+            let (parsed, len) = Reply::parse(&bytes).unwrap().unwrap();
+            assert_eq!((parsed, len), (Reply::Accepted(accept), bytes.len()));
+            for cut in 0..bytes.len() {
+                assert_eq!(Reply::parse(&bytes[..cut]).unwrap(), None, "cut at {cut}");
+            }
         }
     }
 
