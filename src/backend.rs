@@ -22,6 +22,7 @@ use std::any::Any;
 use std::time::Instant;
 
 use crate::error::{EchoError, InsertError};
+use crate::fresh_ring::{FreshBatch, FreshRing};
 use crate::metrics::DetailedSnapshot;
 use crate::queued::QueuedSamples;
 use crate::replay::{
@@ -34,7 +35,7 @@ use crate::source::SampleSource;
 use crate::spec::DataSpec;
 use crate::store::{Consumer, RingCheckpoint, Store, StoreStats};
 use crate::sync::{Arc, AsyncBell};
-use crate::versions::PolicyVersions;
+use crate::versions::{Admission, PolicyVersions};
 
 pub use crate::replay::BATCH_META;
 
@@ -70,6 +71,8 @@ pub enum Backend {
 pub enum BatchConsumer {
     /// Hands out committed batches of the ring in order.
     Fifo(Consumer),
+    /// The same, skipping samples that became stale while they waited (a staleness bound).
+    FifoFresh(FreshRing),
     /// Draws and gathers batches from a replay table.
     Replay(ReplayConsumer),
     /// Draws and gathers windows from a sequence table.
@@ -88,6 +91,8 @@ pub struct BatchRef {
 enum BatchAt {
     /// Absolute batch index in the FIFO ring.
     Ring(u64),
+    /// A half of the FIFO ring's spill ([`FreshRing`]).
+    Spill(usize),
     /// A half of a replay table's batch area.
     Area(ReplayBatch),
 }
@@ -379,12 +384,9 @@ impl Backend {
     }
 
     /// [`Store::try_insert_in_place`] for the FIFO ring; `false` (nothing called) for a
-    /// replay table, whose inserts take its lock, and for a ring whose samples are checked
-    /// for staleness before they go in.
+    /// replay table, whose inserts take its lock. (With a staleness bound, a stale sample
+    /// read in place is skipped when the consumer meets it: [`FreshRing`].)
     pub fn try_insert_in_place(&self, fill: impl FnOnce(&mut [&mut [u8]])) -> bool {
-        if self.policy_versions().is_some_and(|v| v.max_staleness().is_some()) {
-            return false;
-        }
         match self {
             Self::Fifo(store) => store.try_insert_in_place(fill),
             Self::Replay(_) | Self::Sequence(_) => false,
@@ -430,6 +432,7 @@ impl Backend {
     pub fn batch_ptr(&self, batch: &BatchRef, leaf: usize) -> *const u8 {
         match (self, batch.at) {
             (Self::Fifo(store), BatchAt::Ring(index)) => store.batch_ptr(index, leaf),
+            (Self::Fifo(store), BatchAt::Spill(half)) => store.spill_ptr(half, leaf),
             (Self::Replay(table), BatchAt::Area(area)) => table.batch_ptr(area.half, leaf),
             (Self::Sequence(table), BatchAt::Area(area)) => table.batch_ptr(area.half, leaf),
             _ => unreachable!("a BatchRef comes from this backend's own consumer"),
@@ -659,6 +662,24 @@ impl Backend {
 }
 
 impl BatchConsumer {
+    /// This consumer for a backend whose samples `versions` judge: the FIFO ring's skips
+    /// those that became stale while they waited ([`FreshRing`]) when there is a bound;
+    /// the tables judge their draws themselves.
+    ///
+    /// # Errors
+    /// [`EchoError::OutOfMemory`] if the ring's spill cannot be allocated.
+    pub fn judged_by(self, versions: &Arc<PolicyVersions>) -> Result<Self, EchoError> {
+        match self {
+            Self::Fifo(consumer)
+                if versions.max_staleness().is_some()
+                    && versions.admission() == Admission::Drop =>
+            {
+                Ok(Self::FifoFresh(FreshRing::new(consumer, Arc::clone(versions))?))
+            }
+            other => Ok(other),
+        }
+    }
+
     /// Gives back what the previous call handed out (FIFO) and waits until `deadline` for the
     /// next batch.
     ///
@@ -670,6 +691,13 @@ impl BatchConsumer {
             Self::Fifo(consumer) => {
                 let index = consumer.sample(deadline)?;
                 Ok(BatchRef { sequence: index, at: BatchAt::Ring(index) })
+            }
+            Self::FifoFresh(ring) => {
+                let at = match ring.sample(deadline)? {
+                    FreshBatch::Ring(index) => BatchAt::Ring(index),
+                    FreshBatch::Spill(half) => BatchAt::Spill(half),
+                };
+                Ok(BatchRef { sequence: ring.handed() - 1, at })
             }
             Self::Replay(consumer) => {
                 let batch = consumer.sample(deadline)?;
@@ -686,7 +714,7 @@ impl BatchConsumer {
     /// limiter or an empty table); `None` for the FIFO ring, which has no limiter.
     pub fn holdback(&self) -> Option<SampleHoldback> {
         match self {
-            Self::Fifo(_) => None,
+            Self::Fifo(_) | Self::FifoFresh(_) => None,
             Self::Replay(consumer) => consumer.holdback(),
             Self::Sequence(consumer) => consumer.holdback(),
         }
@@ -703,6 +731,11 @@ impl BatchConsumer {
                 assert_eq!(consumer.held(), Some(index), "read_leaf needs the held batch");
                 consumer.read_leaf(leaf, f)
             }
+            (Self::FifoFresh(ring), BatchAt::Ring(index)) => {
+                assert_eq!(ring.consumer().held(), Some(index), "read_leaf needs the held batch");
+                ring.consumer().read_leaf(leaf, f)
+            }
+            (Self::FifoFresh(ring), BatchAt::Spill(half)) => ring.read_spill(half, leaf, f),
             (Self::Replay(consumer), BatchAt::Area(area)) => consumer.read_leaf(area, leaf, f),
             (Self::Sequence(consumer), BatchAt::Area(area)) => consumer.read_leaf(area, leaf, f),
             _ => unreachable!("a BatchRef comes from this consumer"),

@@ -46,6 +46,8 @@ pub mod codec;
 pub mod doorbell;
 pub mod error;
 #[cfg(not(loom))]
+pub mod fresh_ring;
+#[cfg(not(loom))]
 pub mod ingress;
 pub mod metrics;
 #[cfg(not(loom))]

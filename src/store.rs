@@ -143,6 +143,10 @@ pub struct Store {
     /// The server's policy versions, set once when it keeps them.
     #[cfg(not(loom))]
     pub(crate) versions: std::sync::OnceLock<std::sync::Arc<crate::versions::PolicyVersions>>,
+    /// Two batches (halves) where a [`FreshRing`](crate::fresh_ring::FreshRing) gathers the
+    /// fresh rows of batches that held stale ones; made with it.
+    #[cfg(not(loom))]
+    spill: std::sync::OnceLock<Slots>,
 }
 
 /// `held_batch` when the consumer holds nothing.
@@ -155,6 +159,14 @@ struct Limits {
     released: u64,
     /// First snapshot slot a running checkpoint has not copied yet; `None` when none runs.
     pin: Option<u64>,
+    /// Slots of the batches the consumer took that it has not handed out yet (0 unless a
+    /// [`FreshRing`](crate::fresh_ring::FreshRing) judges a batch row by row): a checkpoint
+    /// starts at `taken * batch_size - behind`.
+    behind: u64,
+    /// The spill half being filled, and its rows (copies of slots already released) that a
+    /// checkpoint takes before the ring's.
+    spill_half: usize,
+    spill_rows: usize,
 }
 
 impl Limits {
@@ -257,6 +269,8 @@ impl Store {
             metrics: StoreMetrics::default(),
             #[cfg(not(loom))]
             versions: std::sync::OnceLock::new(),
+            #[cfg(not(loom))]
+            spill: std::sync::OnceLock::new(),
         }))
     }
 
@@ -645,15 +659,18 @@ impl Store {
         let end = self.write_cursor.fetch_or(FROZEN, AcqRel) & !FROZEN;
         let batch_size = self.batch_size as u64;
         // Step 2.
-        let start = {
+        let (start, head) = {
             let mut limits = self.limits.lock();
             // ORDERING: Acquire pairs with the consumer's Release store in `sample`. Read under
             // `limits`, so the consumer cannot release past it before the pin is in place: it
-            // has released at most the batches it took, so `read_cursor <= start`.
-            let start = self.taken.load(Acquire) * batch_size;
+            // has released at most the batches it took, and what it took but did not hand
+            // out (`behind`, updated with `taken` under this lock) it did not release, so
+            // `read_cursor <= start`.
+            let start = self.taken.load(Acquire) * batch_size - limits.behind;
             limits.pin = Some(start);
-            start
+            (start, self.spill_head(&limits))
         };
+        let (head_rows, head) = head;
         // Step 3: every slot in [start, end) committed. Only writers with a reservation below
         // `end` can be behind, and they go straight from reserve to copy to commit.
         for batch in start / batch_size..end.div_ceil(batch_size) {
@@ -676,7 +693,51 @@ impl Store {
         // The Release orders our reads of the frozen state before writers continue.
         self.write_cursor.fetch_and(!FROZEN, Release);
         self.space_free.notify_all();
-        Ok((RingCheckpoint { store: Arc::clone(self), start, end, next: start }, out))
+        let checkpoint =
+            RingCheckpoint { store: Arc::clone(self), start, end, next: start, head, head_rows };
+        Ok((checkpoint, out))
+    }
+
+    /// The rows a [`FreshRing`](crate::fresh_ring::FreshRing) gathered and has not handed out
+    /// (copies of slots it released), per leaf: they come before the ring's in a checkpoint.
+    /// Read under `limits`, which the consumer holds to change them.
+    fn spill_head(&self, limits: &Limits) -> (usize, Vec<Vec<u8>>) {
+        #[cfg(not(loom))]
+        if let Some(spill) = self.spill.get().filter(|_| limits.spill_rows > 0) {
+            let first = limits.spill_half * self.batch_size;
+            let rows = first..first + limits.spill_rows;
+            let head = (0..self.spec.len())
+                .map(|leaf| {
+                    // SAFETY: the consumer wrote these rows before it made them visible under
+                    // `limits` (held here), and writes no visible row of a half until it hands
+                    // the half out, under `limits` too.
+                    unsafe { spill.read_slots(leaf, rows.clone(), <[u8]>::to_vec) }
+                })
+                .collect();
+            return (limits.spill_rows, head);
+        }
+        let _ = limits;
+        (0, Vec::new())
+    }
+
+    /// The spill area of a [`FreshRing`](crate::fresh_ring::FreshRing): two batches.
+    ///
+    /// # Errors
+    /// [`EchoError::OutOfMemory`] if it cannot be allocated.
+    #[cfg(not(loom))]
+    pub(crate) fn spill(&self) -> Result<&Slots, EchoError> {
+        if let Some(spill) = self.spill.get() {
+            return Ok(spill);
+        }
+        let spill = Slots::new(&self.spec, 2 * self.batch_size)?;
+        Ok(self.spill.get_or_init(|| spill))
+    }
+
+    /// Where leaf `leaf` of spill half `half` starts (its batch, `batch_size` rows).
+    #[cfg(not(loom))]
+    pub fn spill_ptr(&self, half: usize, leaf: usize) -> *const u8 {
+        let spill = self.spill.get().expect("a spill batch comes from a FreshRing, which made it");
+        spill.slot_ptr(leaf, half * self.batch_size)
     }
 
     /// Moves a running checkpoint's pin up to `pin` (the first slot it has not copied).
@@ -775,6 +836,10 @@ pub struct RingCheckpoint {
     end: u64,
     /// First slot not copied yet; `start <= next <= end`.
     next: u64,
+    /// Rows before the ring's (a fresh ring's gathered rows), per leaf; taken by the first
+    /// `next_chunk`.
+    head: Vec<Vec<u8>>,
+    head_rows: usize,
 }
 
 impl RingCheckpoint {
@@ -785,12 +850,12 @@ impl RingCheckpoint {
 
     /// Samples in the snapshot.
     pub fn len(&self) -> usize {
-        (self.end - self.start) as usize
+        self.head_rows + (self.end - self.start) as usize
     }
 
     /// Whether the snapshot holds no sample.
     pub fn is_empty(&self) -> bool {
-        self.end == self.start
+        self.len() == 0
     }
 
     /// Samples the consumer had been handed before the snapshot (whole batches): the
@@ -810,6 +875,12 @@ impl RingCheckpoint {
         assert_eq!(out.len(), store.spec.len(), "one buffer per leaf");
         for buf in out.iter_mut() {
             buf.clear();
+        }
+        if self.head_rows > 0 {
+            for (buf, head) in out.iter_mut().zip(std::mem::take(&mut self.head)) {
+                *buf = head;
+            }
+            return std::mem::take(&mut self.head_rows);
         }
         if self.next == self.end {
             return 0;
@@ -877,6 +948,8 @@ impl Consumer {
         {
             let mut limits = store.limits.lock();
             limits.released = released;
+            // Whatever of it was not handed out is given up with it.
+            limits.behind = 0;
             // ORDERING: Release pairs with the writers' Acquire in `has_space`: our reads of
             // the batch and the counter reset happen before any writer reuses the slots.
             store.read_cursor.store(limits.read_cursor(store.batch_size as u64), Release);
@@ -893,6 +966,89 @@ impl Consumer {
     /// [`EchoError::Closed`] once the store is closed, [`EchoError::TimedOut`] when the
     /// deadline passes first (nothing is lost: the same batch is awaited on the next call).
     pub fn sample(&mut self, deadline: Option<Instant>) -> Result<u64, EchoError> {
+        self.take(deadline, None)
+    }
+
+    /// [`Consumer::sample`] for a consumer that hands the batch out row by row: `behind` of
+    /// its slots are not handed out yet when it is taken (all of them, `batch_size`), stored
+    /// with the taken count under `limits`, so that a checkpoint starts at the first of them.
+    ///
+    /// # Errors
+    /// As [`Consumer::sample`].
+    #[cfg(not(loom))]
+    pub(crate) fn take_unhanded(&mut self, deadline: Option<Instant>) -> Result<u64, EchoError> {
+        self.take(deadline, Some(self.store.batch_size as u64))
+    }
+
+    /// Records, for checkpoints, which rows of the held batch are not handed out yet (the
+    /// last `behind`) and which gathered rows `half` of the spill holds (`rows`).
+    #[cfg(not(loom))]
+    pub(crate) fn set_unhanded(&self, behind: u64, half: usize, rows: usize) {
+        let mut limits = self.store.limits.lock();
+        limits.behind = behind;
+        limits.spill_half = half;
+        limits.spill_rows = rows;
+    }
+
+    /// Drops, from the `rows` gathered rows of spill half `half`, those `keep` refuses (it is
+    /// given each row's bytes of leaf `leaf`), moving the rest down in order; returns how many
+    /// are left. Under `limits`, so that a checkpoint copies the rows before or after, never
+    /// while they move.
+    #[cfg(not(loom))]
+    pub(crate) fn compact_spill(
+        &self,
+        half: usize,
+        rows: usize,
+        leaf: usize,
+        mut keep: impl FnMut(&[u8]) -> bool,
+    ) -> usize {
+        let store = &self.store;
+        let Some(spill) = store.spill.get() else { return rows };
+        let mut limits = store.limits.lock();
+        let first = half * store.batch_size;
+        let size = spill.slot_bytes(leaf);
+        // SAFETY: only this consumer writes the spill (it is in `&self`'s owner's `sample`),
+        // and checkpoints read it under `limits`, which we hold.
+        let kept: Vec<usize> = unsafe {
+            spill.read_slots(leaf, first..first + rows, |bytes| {
+                (0..rows).filter(|&r| keep(&bytes[r * size..(r + 1) * size])).collect()
+            })
+        };
+        for leaf in 0..store.spec.len() {
+            for (to, &from) in kept.iter().enumerate().filter(|(to, from)| to != *from) {
+                // SAFETY: as above; `to < from`, so a row is read before it is overwritten.
+                let row = unsafe {
+                    spill.read_slots(leaf, first + from..first + from + 1, <[u8]>::to_vec)
+                };
+                // SAFETY: as above.
+                unsafe { spill.write_slot(first + to, leaf, &row) };
+            }
+        }
+        limits.spill_rows = kept.len();
+        kept.len()
+    }
+
+    /// Calls `f` with the bytes of rows `rows` of `leaf` of the held batch.
+    ///
+    /// # Panics
+    /// If no batch is held, `leaf` or a row is out of range.
+    #[cfg(not(loom))]
+    pub(crate) fn read_rows<T>(
+        &self,
+        leaf: usize,
+        rows: std::ops::Range<usize>,
+        f: impl FnOnce(&[u8]) -> T,
+    ) -> T {
+        let batch = self.held.expect("read_rows needs a held batch");
+        let store = &self.store;
+        assert!(rows.end <= store.batch_size, "rows {rows:?} out of the batch");
+        let start = store.batch_index(batch) * store.batch_size;
+        // SAFETY: as `read_leaf`: this consumer holds `batch`, and only `release` (which needs
+        // `&mut self`) lets writers at its slots again.
+        unsafe { store.ring.read_slots(leaf, start + rows.start..start + rows.end, f) }
+    }
+
+    fn take(&mut self, deadline: Option<Instant>, behind: Option<u64>) -> Result<u64, EchoError> {
         self.release();
         let store = &self.store;
         let batch = self.next;
@@ -910,10 +1066,17 @@ impl Consumer {
         self.next = batch + 1;
         self.held = Some(batch);
         store.held_batch.set(batch);
+        // Rows taken but not handed out go in a checkpoint: `behind` changes with `taken`.
+        let limits = behind.map(|behind| {
+            let mut limits = store.limits.lock();
+            limits.behind = behind;
+            limits
+        });
         // ORDERING: Release — a checkpoint that Acquires this count (step 3 of the module docs)
         // sees this batch's bytes through us: our Acquire of its commit counter above saw
         // every writer's Release.
         store.taken.store(self.next, Release);
+        drop(limits);
         Ok(batch)
     }
 

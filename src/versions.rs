@@ -121,9 +121,14 @@ impl PolicyVersions {
         self.latest.fetch_max(version, Relaxed);
     }
 
-    /// The oldest version that is not stale now (0 without a bound).
+    /// The oldest version a sample may have to reach the learner now: 0 (any) without a
+    /// bound, and with blocking admission, which keeps the bound at the source and drops
+    /// nothing.
     pub fn floor(&self) -> u64 {
-        self.max_staleness.map_or(0, |k| self.latest().saturating_sub(k))
+        match (self.max_staleness, self.admission) {
+            (Some(k), Admission::Drop) => self.latest().saturating_sub(k),
+            _ => 0,
+        }
     }
 
     /// The version sample `sample` of `src` carries in its version leaf.

@@ -165,6 +165,42 @@ def test_stale_samples_are_dropped_at_insert_counted_exactly_and_the_rest_arrive
     assert learner.dropped_at_close == len(fresh) - whole
 
 
+@pytest.mark.parametrize("copy", [False, True])
+def test_a_fifo_ring_skips_samples_that_became_stale_while_they_waited(copy: bool) -> None:
+    """Batches wholly fresh go out as they lie; a batch with stale rows is gathered with the
+    next ones' fresh rows, in order, each stale row counted once, nothing lost."""
+    with Server(EXAMPLE, 4, num_buffers=4, max_staleness=1) as learner:
+        publish_up_to(learner, 2)
+        learner.submit_batch(rows_of(range(8)))  # version 2
+        first = learner.sample(timeout=WAIT_S, copy=copy)
+        assert first is not None
+        assert first.batch["id"].tolist() == [0, 1, 2, 3]
+        learner.submit_batch(rows_of(range(8, 12)), version=3)
+        publish_up_to(learner, 4)  # 2 is stale now (ids 4..7), 3 is not
+        learner.submit_batch(rows_of(range(12, 16)), version=4)
+        second = learner.sample(timeout=WAIT_S, copy=copy)
+        assert second is not None
+        assert second.versions is not None
+        assert second.batch["id"].tolist() == [8, 9, 10, 11]
+        assert second.versions.tolist() == [3, 3, 3, 3]
+        assert (second.batch["obs"][:, 0] == second.batch["id"]).all()
+        assert learner.stats().samples_stale_at_sample_total == 4
+        learner.submit_batch(rows_of([16, 17]), version=2)  # stale as they go in
+        learner.submit_batch(rows_of([18]), version=3)
+        publish_up_to(learner, 5)  # now 3 is stale too: 18 is skipped at sample time
+        learner.submit_batch(rows_of(range(19, 26)), version=5)
+        third = learner.sample(timeout=WAIT_S, copy=copy)
+        fourth = learner.sample(timeout=WAIT_S, copy=copy)
+        assert third is not None
+        assert fourth is not None
+        assert third.batch["id"].tolist() == [12, 13, 14, 15]
+        assert fourth.batch["id"].tolist() == [19, 20, 21, 22]
+        stats = learner.stats()
+        assert stats.samples_stale_at_insert_total == 2
+        assert stats.samples_stale_at_sample_total == 5
+        assert [third.info.sequence, fourth.info.sequence] == [2, 3]
+
+
 def test_a_replay_table_removes_items_that_became_stale_while_they_waited() -> None:
     with Server(EXAMPLE, 4, sampler=Uniform(), max_size=1000, max_staleness=2, seed=3) as learner:
         publish_up_to(learner, 1)

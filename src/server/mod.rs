@@ -172,9 +172,10 @@ impl Server {
                 }
             }
         }
-        let (backend, consumer) = Backend::new(spec, config.backend.clone())?;
+        let (backend, mut consumer) = Backend::new(spec, config.backend.clone())?;
         if let Some(versions) = &versions {
             backend.set_policy_versions(Arc::clone(versions));
+            consumer = consumer.judged_by(versions)?;
         }
         Ok(Self {
             backend,

@@ -47,7 +47,7 @@ impl ReplayConsumer {
     pub fn sample(&mut self, deadline: Option<Instant>) -> Result<ReplayBatch, EchoError> {
         let table = &*self.table;
         // With a staleness bound, items older than it now are removed as draws meet them.
-        let versions = table.shell.versions.get().filter(|v| v.max_staleness().is_some());
+        let versions = table.shell.versions.get().filter(|v| v.floor() > 0);
         let floor = versions.map_or(0, |v| v.floor());
         let leaf = versions.map(|v| v.leaf()).filter(|&l| table.codecs.get(l).is_none());
         let stale = |slot: usize| {
