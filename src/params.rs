@@ -20,6 +20,7 @@ use parking_lot::{Mutex, RwLock};
 use tokio::sync::watch;
 
 use crate::error::EchoError;
+use crate::metrics::Counter;
 use crate::spec::DataSpec;
 use crate::sync::AtomicU64;
 use std::sync::atomic::Ordering::{Acquire, Release};
@@ -30,12 +31,35 @@ use std::sync::atomic::Ordering::{Acquire, Release};
 pub struct Params {
     store: OnceLock<ParamStore>,
     latest: watch::Sender<u64>,
+    /// Publishes, and the chunks and bytes the transport served to workers.
+    published: Counter,
+    chunks_served: Counter,
+    bytes_served: Counter,
 }
 
 impl Default for Params {
     fn default() -> Self {
-        Self { store: OnceLock::new(), latest: watch::Sender::new(0) }
+        Self {
+            store: OnceLock::new(),
+            latest: watch::Sender::new(0),
+            published: Counter::new(0),
+            chunks_served: Counter::new(0),
+            bytes_served: Counter::new(0),
+        }
     }
+}
+
+/// What [`Params::counts`] reports.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ParamCounts {
+    /// The latest version (0: none published).
+    pub version: u64,
+    /// Publishes.
+    pub published: u64,
+    /// Chunks served to workers (one per fetch request answered with bytes).
+    pub chunks_served: u64,
+    /// Bytes of parameters served to workers.
+    pub bytes_served: u64,
 }
 
 impl std::fmt::Debug for Params {
@@ -70,7 +94,24 @@ impl Params {
         }
         let version = store.publish(leaves, version)?;
         self.latest.send_replace(version);
+        self.published.add(1);
         Ok(version)
+    }
+
+    /// Counts a chunk of `bytes` served to a worker.
+    pub fn note_served(&self, bytes: usize) {
+        self.chunks_served.add(1);
+        self.bytes_served.add(bytes as u64);
+    }
+
+    /// The counters.
+    pub fn counts(&self) -> ParamCounts {
+        ParamCounts {
+            version: self.latest(),
+            published: self.published.get(),
+            chunks_served: self.chunks_served.get(),
+            bytes_served: self.bytes_served.get(),
+        }
     }
 
     /// The store, once something was published.

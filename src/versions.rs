@@ -59,6 +59,11 @@ pub struct PolicyVersions {
     leaf: usize,
     stale_at_insert: Counter,
     stale_at_sample: Counter,
+    /// Samples handed to the learner with a version, the sum of their lags behind the
+    /// latest version when handed out, and the largest lag.
+    handed: Counter,
+    lag_sum: Counter,
+    lag_max: Counter,
 }
 
 impl std::fmt::Debug for PolicyVersions {
@@ -77,6 +82,12 @@ pub struct StaleCounts {
     pub at_insert: u64,
     /// Items removed when a draw met them: they became stale while they waited.
     pub at_sample: u64,
+    /// Samples (steps of windows) handed to the learner with a version.
+    pub handed: u64,
+    /// The sum of their lags behind the latest version as they were handed out.
+    pub lag_sum: u64,
+    /// The largest such lag.
+    pub lag_max: u64,
 }
 
 impl PolicyVersions {
@@ -90,6 +101,9 @@ impl PolicyVersions {
             leaf,
             stale_at_insert: Counter::new(0),
             stale_at_sample: Counter::new(0),
+            handed: Counter::new(0),
+            lag_sum: Counter::new(0),
+            lag_max: Counter::new(0),
         }
     }
 
@@ -146,9 +160,33 @@ impl PolicyVersions {
         self.stale_at_sample.add(n);
     }
 
+    /// Counts a batch handed to the learner: `versions` are its samples' (little-endian
+    /// `u64`s, as the version leaf holds them); their lags are taken against the latest now.
+    /// Versions of 0 beside a latest of 0 (nothing published) lag 0.
+    pub fn note_handed(&self, versions: &[u8]) {
+        let latest = self.latest();
+        let (mut n, mut sum, mut max) = (0u64, 0u64, 0u64);
+        for v in versions.chunks_exact(VERSION_BYTES) {
+            let lag = latest.saturating_sub(u64::from_le_bytes(v.try_into().expect("8 bytes")));
+            (n, sum, max) = (n + 1, sum.saturating_add(lag), max.max(lag));
+        }
+        self.handed.add(n);
+        self.lag_sum.add(sum);
+        if max > self.lag_max.get() {
+            // Only the consumer (one thread, under the server's consumer lock) writes it.
+            self.lag_max.set(max);
+        }
+    }
+
     /// The counters.
     pub fn counts(&self) -> StaleCounts {
-        StaleCounts { at_insert: self.stale_at_insert.get(), at_sample: self.stale_at_sample.get() }
+        StaleCounts {
+            at_insert: self.stale_at_insert.get(),
+            at_sample: self.stale_at_sample.get(),
+            handed: self.handed.get(),
+            lag_sum: self.lag_sum.get(),
+            lag_max: self.lag_max.get(),
+        }
     }
 
     /// The samples of `src` that are not stale now, as a source over them, or `None` when

@@ -112,7 +112,29 @@ class SampleInfo:
         """Samples older than `max_staleness` versions, dropped as they went in."""
     @property
     def samples_stale_at_sample_total(self) -> int:
-        """Replay items removed when a draw met them older than `max_staleness` versions."""
+        """Samples skipped when the learner's draw or batch met them older than
+        `max_staleness` versions."""
+    @property
+    def samples_versioned_total(self) -> int:
+        """Samples handed to the learner with a policy version."""
+    @property
+    def version_lag_total(self) -> int:
+        """The sum of their lags behind the latest version as they were handed out."""
+    @property
+    def version_lag_max(self) -> int:
+        """The largest such lag."""
+    @property
+    def params_version(self) -> int:
+        """The latest published parameter version (0: none)."""
+    @property
+    def params_published_total(self) -> int:
+        """`publish()` calls."""
+    @property
+    def params_chunks_served_total(self) -> int:
+        """Parameter chunks served to workers."""
+    @property
+    def params_bytes_served_total(self) -> int:
+        """Bytes of parameters served to workers."""
     @property
     def buffered_bytes(self) -> int:
         """Bytes of sample buffers the TCP ingress holds now (queued samples, buffer pools,
@@ -475,6 +497,9 @@ class TcpSender:
     @property
     def policy_versions(self) -> int | None:
         """The admission bound when the server keeps versions (2**64-1: none), else `None`."""
+    @property
+    def params_fetches(self) -> tuple[int, float]:
+        """Whole versions fetched, and the seconds the fetches took in all."""
     @property
     def admission_waits(self) -> tuple[int, float]:
         """Sends that waited for newer parameters, and the seconds in all."""

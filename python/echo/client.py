@@ -376,6 +376,17 @@ class TcpClient:
         return self._sender.params_version
 
     @property
+    def params_fetches(self) -> int:
+        """Whole versions `params()` fetched."""
+        return self._sender.params_fetches[0]
+
+    @property
+    def params_fetch_s(self) -> float:
+        """Seconds `params()` calls took to fetch, in all (the mean fetch latency is this over
+        `params_fetches`)."""
+        return self._sender.params_fetches[1]
+
+    @property
     def policy_version(self) -> int:
         """The version a sample carries when `send()` names none: the newest `params()`
         returned (0 before the first), or what was assigned here (a worker that gets its

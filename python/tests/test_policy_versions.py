@@ -348,3 +348,30 @@ def test_prometheus_counts_stale_samples_by_cause() -> None:
         assert 'echo_samples_dropped_total{reason="stale_at_sample",server="default"} 0.0' in (
             lines
         ), lines
+
+
+def test_the_lag_of_what_the_learner_gets_and_the_parameters_served_are_counted() -> None:
+    transport = TcpTransport(port=0, host=LOCALHOST)
+    with Server(EXAMPLE, 4, transport=transport, policy_versions=True) as learner:
+        learner.publish(weights(5), version=5)
+        worker = TcpClient(LOCALHOST, learner.port, EXAMPLE, params_example=weights(0))
+        assert (worker.params_fetches, worker.params_fetch_s) == (0, 0.0)
+        worker.params(timeout=WAIT_S)
+        worker.params(timeout=WAIT_S)
+        assert worker.params_fetches == 2
+        assert worker.params_fetch_s > 0
+        worker.send_batch(rows_of(range(4)), version=2)  # lag 3 when handed out at 5
+        worker.wait(timeout=WAIT_S)
+        got = learner.sample(timeout=WAIT_S)
+        assert got is not None
+        learner.submit_batch(rows_of(range(4, 8)))  # the latest: lag 0
+        assert learner.sample(timeout=WAIT_S) is not None
+        stats = learner.stats()
+        assert stats.samples_versioned_total == 8
+        assert stats.version_lag_total == 12
+        assert stats.version_lag_max == 3
+        assert stats.params_version == 5
+        assert stats.params_published_total == 1
+        assert stats.params_chunks_served_total == 2  # 32 bytes: one chunk per fetch
+        assert stats.params_bytes_served_total == 2 * weights(0)["w"].nbytes
+        worker.close()

@@ -223,6 +223,12 @@ impl PyTcpSender {
         self.read(py, TcpSender::policy_versions)
     }
 
+    /// `(fetches, seconds)`: whole versions fetched, and the time they took in all.
+    #[getter]
+    fn params_fetches(&self, py: Python<'_>) -> (u64, f64) {
+        self.read(py, TcpSender::params_fetches)
+    }
+
     /// `(sends, seconds)` that waited for newer parameters (blocking admission).
     #[getter]
     fn admission_waits(&self, py: Python<'_>) -> (u64, f64) {

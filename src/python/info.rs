@@ -171,6 +171,16 @@ pub(crate) struct SampleInfo {
     /// items removed when a draw met them stale.
     samples_stale_at_insert_total: u64,
     samples_stale_at_sample_total: u64,
+    /// Samples handed out with a policy version, the sum of their lags behind the latest
+    /// version then, and the largest lag.
+    samples_versioned_total: u64,
+    version_lag_total: u64,
+    version_lag_max: u64,
+    /// The parameter channel: the latest version, publishes, chunks and bytes served.
+    params_version: u64,
+    params_published_total: u64,
+    params_chunks_served_total: u64,
+    params_bytes_served_total: u64,
     /// Bytes of sample buffers the TCP ingress holds now (queued samples and buffer pools).
     buffered_bytes: u64,
     /// Connections refused because every slot was taken by a working connection.
@@ -293,6 +303,13 @@ counters!(
     samples_submitted_total,
     samples_stale_at_insert_total,
     samples_stale_at_sample_total,
+    samples_versioned_total,
+    version_lag_total,
+    version_lag_max,
+    params_version,
+    params_published_total,
+    params_chunks_served_total,
+    params_bytes_served_total,
     buffered_bytes,
     connections_refused_total,
     connections_evicted_total,
@@ -403,6 +420,13 @@ impl SampleInfo {
             samples_submitted_total: snap.submitted,
             samples_stale_at_insert_total: snap.stale.at_insert,
             samples_stale_at_sample_total: snap.stale.at_sample,
+            samples_versioned_total: snap.stale.handed,
+            version_lag_total: snap.stale.lag_sum,
+            version_lag_max: snap.stale.lag_max,
+            params_version: snap.params.version,
+            params_published_total: snap.params.published,
+            params_chunks_served_total: snap.params.chunks_served,
+            params_bytes_served_total: snap.params.bytes_served,
             buffered_bytes: ingress.buffered_bytes,
             connections_refused_total: ingress.connections_refused_total,
             connections_evicted_total: ingress.connections_evicted_total,
@@ -464,6 +488,7 @@ impl SampleInfo {
             submitted: 0,
             payload_bytes: 0,
             stale: Default::default(),
+            params: Default::default(),
         };
         Self::new(py, &snap, 0, 0, &Py::new(py, HistSnapshot::default())?, None)
     }

@@ -28,7 +28,7 @@ use crate::error::EchoError;
 use crate::error::InsertError;
 use crate::ingress::{Ingress, IngressConfig, IngressSnapshot};
 use crate::metrics::{self, DetailedSnapshot};
-use crate::params::Params;
+use crate::params::{ParamCounts, Params};
 use crate::queued::{QueuedSamples, SessionMark};
 use crate::replay::{InsertHoldback, SampleHoldback};
 use crate::source::SampleSource;
@@ -86,9 +86,11 @@ pub struct Snapshot {
     pub submitted: u64,
     /// Bytes of one sample (every leaf raw).
     pub payload_bytes: u64,
-    /// Samples kept from the learner for their policy version, by cause; zero without a
-    /// staleness bound.
+    /// Samples kept from the learner for their policy version, by cause, and the lag of
+    /// those handed out; zero without versions.
     pub stale: StaleCounts,
+    /// The parameter channel's version and what it published and served.
+    pub params: ParamCounts,
 }
 
 /// The server: a backend, its single consumer, and the transport and ingress in front of it.
@@ -427,7 +429,16 @@ impl Server {
         }
         let wait_until = if drained { Instant::now() } else { slice_end };
         match guard.sample(Some(wait_until)) {
-            Ok(batch) => Some(Ok((guard, batch, self.snapshot()))),
+            Ok(batch) => {
+                // The lag of what the learner trains on (a sequence table's windows hold
+                // padding steps, of no version: not counted).
+                if let Some(versions) =
+                    self.versions.as_ref().filter(|_| self.backend.sequence().is_none())
+                {
+                    guard.read_leaf(&batch, versions.leaf(), |bytes| versions.note_handed(bytes));
+                }
+                Some(Ok((guard, batch, self.snapshot())))
+            }
             Err(EchoError::TimedOut) if drained => {
                 self.close_now(); // fewer than a batch left, and nothing more coming
                 Some(Err(EchoError::Closed))
@@ -483,6 +494,7 @@ impl Server {
             submitted: self.submitted.load(Relaxed),
             payload_bytes: self.backend.spec().payload_size() as u64,
             stale: self.versions.as_ref().map(|v| v.counts()).unwrap_or_default(),
+            params: self.params.counts(),
         }
     }
 }

@@ -13,6 +13,12 @@ use crate::error::EchoError;
 use crate::transport::wire::params::{Chunk, Fetch, MAX_CHUNK};
 
 impl TcpSender {
+    /// Fetches of a whole version that completed, and the seconds they took in all (from
+    /// the first call to the last of a fetch cut into slices).
+    pub fn params_fetches(&self) -> (u64, f64) {
+        self.fetches
+    }
+
     /// The latest version of the learner's parameters the server announced: 0 before the
     /// first publish (and from a server that serves none).
     pub fn params_version(&self) -> u64 {
@@ -44,6 +50,7 @@ impl TcpSender {
     ) -> Result<u64, EchoError> {
         if !resume {
             self.fetching = None;
+            self.fetch_started = Some(Instant::now());
         }
         loop {
             self.ensure_usable()?;
@@ -151,6 +158,10 @@ impl TcpSender {
                 // The policy this worker acts with from now on: what its samples carry.
                 self.policy_version = self.policy_version.max(version);
                 self.newest_version = self.newest_version.max(version);
+                if let Some(started) = self.fetch_started.take() {
+                    self.fetches.0 += 1;
+                    self.fetches.1 += started.elapsed().as_secs_f64();
+                }
                 return Ok(version);
             }
         }

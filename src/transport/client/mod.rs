@@ -168,6 +168,9 @@ pub struct TcpSender {
     admission_waits: u64,
     admission_blocked: bool,
     admission_wait_s: f64,
+    /// When the fetch in progress started, and the fetches completed with their seconds.
+    fetch_started: Option<Instant>,
+    fetches: (u64, f64),
 }
 
 impl TcpSender {
@@ -262,6 +265,8 @@ impl TcpSender {
             admission_waits: 0,
             admission_blocked: false,
             admission_wait_s: 0.0,
+            fetch_started: None,
+            fetches: (0, 0.0),
             config,
         };
         match sender.install(est) {

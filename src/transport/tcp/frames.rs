@@ -393,6 +393,7 @@ pub(crate) async fn serve_fetch(
     link.write(&header.encode()).await?;
     if header.len > 0 {
         link.write(&chunk.bytes[..len]).await?;
+        published.note_served(len);
     }
     Ok(())
 }
