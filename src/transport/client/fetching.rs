@@ -12,6 +12,19 @@ use super::TcpSender;
 use crate::error::EchoError;
 use crate::transport::wire::params::{Chunk, Fetch, MAX_CHUNK};
 
+/// Parameter chunks a fetch keeps requested ahead of the one it waits for.
+const FETCH_WINDOW: usize = 4;
+
+/// How far a fetch of one version got: the bytes filled (in order), the offset requested
+/// next, and the requests in flight (id and what each asked), oldest first.
+#[derive(Debug, Default)]
+pub(super) struct Fetching {
+    version: u64,
+    filled: usize,
+    asked: usize,
+    inflight: std::collections::VecDeque<(u64, Fetch)>,
+}
+
 impl TcpSender {
     /// Fetches of a whole version that completed, and the seconds they took in all (from
     /// the first call to the last of a fetch cut into slices).
@@ -100,11 +113,10 @@ impl TcpSender {
             link.acks.params_version.load(Acquire)
         };
         loop {
-            // Where a fetch that timed out stopped (the same buffer), with the request it was
-            // waiting for, or the start.
-            let (mut version, mut offset, mut pending) =
-                self.fetching.take().unwrap_or((0, 0, None));
-            if version == 0 {
+            // Where a fetch that timed out stopped (the same buffer), with the requests it
+            // left in flight, or the start.
+            let mut at = self.fetching.take().unwrap_or_default();
+            if at.version == 0 {
                 wait_on(&link.acks, || announced() >= min_version, deadline)?;
                 // A probe first: parameters of another size are this client's mistake (its
                 // layout), not the connection's.
@@ -119,25 +131,31 @@ impl TcpSender {
                     )));
                 }
                 // That version from here on (a fetch cut short goes on with it).
-                version = latest.version;
+                at = Fetching { version: latest.version, ..Fetching::default() };
             }
-            while offset < out.len() {
-                let len = (out.len() - offset).min(MAX_CHUNK as usize);
-                let asked = Fetch { version, offset: offset as u64, len: len as u32 };
-                // The answer to the request a timed-out call left in flight (a chunk slower
-                // than a caller's slice still arrives), else a new request's.
-                let id = match pending.take() {
-                    Some(id) => id,
-                    None => send_fetch(link, asked, size)?,
-                };
+            while at.filled < out.len() {
+                // Up to `FETCH_WINDOW` requests in flight: the server answers one while the
+                // next is on its way, instead of a round trip per chunk.
+                while at.inflight.len() < FETCH_WINDOW && at.asked < out.len() {
+                    let len = (out.len() - at.asked).min(MAX_CHUNK as usize);
+                    let asked =
+                        Fetch { version: at.version, offset: at.asked as u64, len: len as u32 };
+                    at.inflight.push_back((send_fetch(link, asked, size)?, asked));
+                    at.asked += len;
+                }
+                let (id, asked) = *at.inflight.front().expect("a request in flight");
+                // The answer to a request a timed-out call left in flight (a chunk slower
+                // than a caller's slice still arrives), or a new one's.
                 let (chunk, bytes) = match await_answer(link, id, deadline) {
                     Ok(answer) => answer,
                     Err(err) => {
-                        let waiting = matches!(err, EchoError::TimedOut).then_some(id);
-                        self.fetching = Some((version, offset, waiting));
+                        if matches!(err, EchoError::TimedOut) {
+                            self.fetching = Some(at);
+                        }
                         return Err(err);
                     }
                 };
+                at.inflight.pop_front();
                 if chunk.version == 0 {
                     // Nothing published (a notice from before a restart cannot be: this
                     // connection's server announced it): cannot happen twice in a row.
@@ -148,12 +166,17 @@ impl TcpSender {
                     )));
                 }
                 if chunk.superseded(&asked) {
-                    (version, offset) = (chunk.version, 0);
+                    // The requests still in flight ask for the old version: given up, their
+                    // answers are dropped as later ones are awaited.
+                    at = Fetching { version: chunk.version, ..Fetching::default() };
                     continue;
                 }
-                out[offset..offset + len].copy_from_slice(&bytes);
-                (version, offset) = (chunk.version, offset + len);
+                let offset = asked.offset as usize;
+                out[offset..offset + bytes.len()].copy_from_slice(&bytes);
+                at.filled = offset + bytes.len();
             }
+            let version = at.version;
+            let offset = at.filled;
             if offset == out.len() && version >= min_version {
                 // The policy this worker acts with from now on: what its samples carry.
                 self.policy_version = self.policy_version.max(version);
@@ -190,14 +213,21 @@ fn send_fetch(link: &Link, asked: Fetch, size: u64) -> Result<u64, EchoError> {
     Ok(id)
 }
 
-/// Waits (until `deadline`) for the answer to the fetch `id`: its chunk and bytes.
+/// Waits (until `deadline`) for the answer to the fetch `id`: its chunk and bytes. Answers to
+/// earlier fetches, given up, are dropped.
 fn await_answer(
     link: &Link,
     id: u64,
     deadline: Option<Instant>,
 ) -> Result<(Chunk, Vec<u8>), EchoError> {
-    let answered = || link.acks.fetch.lock().answer.as_ref().is_some_and(|a| a.0 == id);
+    let answered = || {
+        let mut slot = link.acks.fetch.lock();
+        while slot.answers.front().is_some_and(|a| a.0 < id) {
+            slot.answers.pop_front();
+        }
+        slot.answers.front().is_some_and(|a| a.0 == id)
+    };
     wait_on(&link.acks, answered, deadline)?;
-    let (_, chunk, bytes) = link.acks.fetch.lock().answer.take().expect("answered");
+    let (_, chunk, bytes) = link.acks.fetch.lock().answers.pop_front().expect("answered");
     Ok((chunk, bytes))
 }

@@ -44,13 +44,14 @@ pub(super) struct Acks {
 }
 
 /// The parameter fetches in flight ([`params::FETCH`]), answered in order: each with its id,
-/// what it asked and the size of the client's parameters; then the latest answer (its
-/// fetch's id, the chunk and its bytes). A fetch that timed out is answered later all the
-/// same: its answer is taken off the wire and dropped.
+/// what it asked and the size of the client's parameters; then the answers not taken yet
+/// (each fetch's id, the chunk and its bytes), in order. A fetch that timed out or was
+/// given up is answered later all the same: its answer is taken off the wire, and dropped
+/// when a later fetch's answer is awaited.
 #[derive(Default)]
 pub(super) struct FetchSlot {
     pub(super) asked: std::collections::VecDeque<(u64, Fetch, u64)>,
-    pub(super) answer: Option<(u64, Chunk, Vec<u8>)>,
+    pub(super) answers: std::collections::VecDeque<(u64, Chunk, Vec<u8>)>,
     pub(super) next_id: u64,
 }
 
@@ -263,7 +264,7 @@ impl Reading {
                     if self.pending.len() < end {
                         break Ok(()); // the chunk's bytes are still coming
                     }
-                    slot.answer = Some((id, chunk, self.pending[start..end].to_vec()));
+                    slot.answers.push_back((id, chunk, self.pending[start..end].to_vec()));
                     slot.asked.pop_front();
                     used = end;
                     heard = true;

@@ -141,9 +141,8 @@ pub struct TcpSender {
     persisted_floor: u64,
     /// The latest parameter version past connections announced.
     params_floor: u64,
-    /// A parameter fetch that timed out: the version it was fetching, how far it got, and the
-    /// request whose answer it was waiting for.
-    fetching: Option<(u64, usize, Option<u64>)>,
+    /// A parameter fetch that timed out: how far it got, and the requests it left in flight.
+    fetching: Option<fetching::Fetching>,
     /// Sends that waited for the durable byte budget, and the seconds they waited.
     durable_waits: u64,
     /// A send is waiting for the durable byte budget (across the calls a sliced deadline
