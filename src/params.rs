@@ -31,6 +31,9 @@ use std::sync::atomic::Ordering::{Acquire, Release};
 pub struct Params {
     store: OnceLock<ParamStore>,
     latest: watch::Sender<u64>,
+    /// The parameters' description (opaque bytes: the Python layer's pytree structure),
+    /// served to workers without a layout of their own; empty when none was given.
+    description: Mutex<std::sync::Arc<[u8]>>,
     /// Publishes, and the chunks and bytes the transport served to workers.
     published: Counter,
     chunks_served: Counter,
@@ -42,6 +45,7 @@ impl Default for Params {
         Self {
             store: OnceLock::new(),
             latest: watch::Sender::new(0),
+            description: Mutex::new(std::sync::Arc::from(Vec::new())),
             published: Counter::new(0),
             chunks_served: Counter::new(0),
             bytes_served: Counter::new(0),
@@ -96,6 +100,17 @@ impl Params {
         self.latest.send_replace(version);
         self.published.add(1);
         Ok(version)
+    }
+
+    /// Sets the parameters' description (see [`Params::description`]).
+    pub fn describe(&self, description: Vec<u8>) {
+        *self.description.lock() = std::sync::Arc::from(description);
+    }
+
+    /// The parameters' description: what a worker without a layout of its own fetches to
+    /// learn it (empty: none given).
+    pub fn description(&self) -> std::sync::Arc<[u8]> {
+        std::sync::Arc::clone(&self.description.lock())
     }
 
     /// Counts a chunk of `bytes` served to a worker.

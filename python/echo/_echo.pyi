@@ -396,6 +396,7 @@ class ServerCore:
         self,
         leaves: list[tuple[list[int], int, npt.NDArray[np.uint8]]],
         version: int | None = None,
+        description: bytes | None = None,
     ) -> int:
         """Publishes the parameters' leaves as `(shape, itemsize, bytes)`; their version."""
     @property
@@ -521,6 +522,8 @@ class TcpSender:
     def wait(self, timeout: float | None = None) -> None: ...
     def wait_persisted(self, timeout: float | None = None) -> None:
         """Durable acknowledgements: waits until every sent sample is persisted."""
+    def fetch_params_description(self, timeout: float | None = None) -> bytes:
+        """The learner's description of its parameters (empty: none)."""
     def fetch_params(
         self, size: int, min_version: int = 0, timeout: float | None = None
     ) -> tuple[int, npt.NDArray[np.uint8]]:

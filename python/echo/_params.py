@@ -5,9 +5,11 @@ a pytree of views."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import json
 import threading
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -105,10 +107,14 @@ class ParamsChannel:
             parts = param_parts(layout, params, specs, "the checkpoint's")
         # Our own copy, which the core copies from: the latest version for checkpoints.
         copies: list[npt.NDArray[np.uint8]] = [np.array(flat, np.uint8) for _, _, flat in parts]
+        # The first publish (and the first after a restore) fixes the structure: workers
+        # without a `params_example` learn it from this description.
+        described = describe(layout.paths, layout.leaves) if self._layout is None else None
         published = int(
             self._core._publish(
                 [(shape, size, c) for (shape, size, _), c in zip(parts, copies, strict=True)],
                 version,
+                described,
             )
         )
         self._layout = layout
@@ -138,7 +144,15 @@ class ParamsChannel:
             (list(a.shape), a.dtype.itemsize, np.frombuffer(np.ascontiguousarray(a), np.uint8))
             for a in published.leaves
         ]
-        self._core._publish(parts, published.version)
+        specs = [
+            LeafSpec(name, tuple(int(d) for d in a.shape), a.dtype)
+            for name, a in zip(published.names, published.leaves, strict=True)
+        ]
+        try:
+            described = describe(paths_of_names(published.names), specs)
+        except (SyntaxError, ValueError):
+            described = None  # names not of TreeLayout's making: workers need an example
+        self._core._publish(parts, published.version, described)
         self._restored = [
             LeafSpec(name, tuple(int(d) for d in a.shape), a.dtype)
             for name, a in zip(published.names, published.leaves, strict=True)
@@ -163,3 +177,98 @@ def param_tree(layout: TreeLayout, data: Any) -> Any:
         leaves.append(np.reshape(leaf, spec.shape))
         offset += size
     return layout.unflatten(leaves)
+
+
+# The format of the description a learner serves with its parameters (`describe`).
+_DESCRIPTION_FORMAT = "echo-params-layout"
+
+
+def describe(paths: list[tuple[Any, ...]], leaves: list[LeafSpec]) -> bytes:
+    """The parameters' description workers without a `params_example` fetch: each leaf's
+    path (dict keys and sequence indices), dtype and shape, in the pytree's order, as JSON."""
+    return json.dumps(
+        {
+            "format": _DESCRIPTION_FORMAT,
+            "version": 1,
+            "leaves": [
+                {
+                    "path": [k if isinstance(k, (str, int)) else str(k) for k in path],
+                    "dtype": np.lib.format.dtype_to_descr(spec.dtype),
+                    "shape": list(spec.shape),
+                }
+                for path, spec in zip(paths, leaves, strict=True)
+            ],
+        }
+    ).encode()
+
+
+def paths_of_names(names: tuple[str, ...]) -> list[tuple[Any, ...]]:
+    """Leaf paths from their names as `TreeLayout` writes them (`['layer'][0]`): what a
+    checkpoint keeps of a published pytree's structure."""
+    paths: list[tuple[Any, ...]] = []
+    for name in names:
+        node: ast.expr = ast.parse("x" + name if name != "<root>" else "x", mode="eval").body
+        keys: list[Any] = []
+        while isinstance(node, ast.Subscript):
+            keys.append(ast.literal_eval(node.slice))
+            node = node.value
+        paths.append(tuple(reversed(keys)))
+    return paths
+
+
+def layout_of_description(description: bytes) -> TreeLayout:
+    """The layout a learner's description (`describe`) gives: nested dicts (str keys) and
+    lists (int keys) of arrays, in the learner's leaf order.
+
+    Raises:
+        ValueError: The description is empty or not one, or its structure cannot be rebuilt
+            in the same leaf order (a namedtuple or a custom node: pass `params_example`).
+    """
+    if not description:
+        raise ValueError(
+            "params(): the learner did not describe its parameters (it published none with a "
+            "structure yet): pass TcpClient(..., params_example=<a pytree like them>)"
+        )
+    try:
+        doc = json.loads(description)
+        if doc.get("format") != _DESCRIPTION_FORMAT:
+            raise ValueError(f"format {doc.get('format')!r}")
+        leaves = [
+            (
+                tuple(leaf["path"]),
+                np.zeros(leaf["shape"], np.lib.format.descr_to_dtype(leaf["dtype"])),
+            )
+            for leaf in doc["leaves"]
+        ]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"params(): the learner's description of its parameters: {e}") from e
+    if len(leaves) == 1 and not leaves[0][0]:
+        return TreeLayout(leaves[0][1])
+    root: dict[Any, Any] = {}
+    for path, array in leaves:
+        node = root
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = array
+
+    def build(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        children = cast("dict[Any, Any]", node)
+        keys = list(children)
+        if (
+            keys
+            and all(isinstance(k, int) for k in keys)
+            and sorted(keys) == list(range(len(keys)))
+        ):
+            return [build(children[k]) for k in range(len(keys))]
+        return {k: build(v) for k, v in children.items()}
+
+    layout = TreeLayout(build(root))
+    if layout.paths != [path for path, _ in leaves]:
+        raise ValueError(
+            "params(): the learner's parameters are a pytree this worker cannot rebuild from "
+            "their description (a namedtuple or a custom node): pass TcpClient(..., "
+            "params_example=<a pytree like them>)"
+        )
+    return layout

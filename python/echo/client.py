@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from echo._echo import TcpSender
-from echo._params import param_sizes, param_tree
+from echo._params import layout_of_description, param_sizes, param_tree
 from echo._pytree import TreeLayout
 from echo._validate import (
     check_bool,
@@ -106,8 +106,9 @@ class TcpClient:
         durable_bytes: The most bytes of samples kept until persisted (default 256 MiB); a
             sample larger than this is kept alone.
         params_example: A pytree like the parameters the learner publishes
-            (`Server.publish`): same structure, dtypes and shapes. Needed by `params()`,
-            which returns the learner's parameters in that structure.
+            (`Server.publish`): same structure, dtypes and shapes; `params()` returns them in
+            that structure. `None` (default): `params()` learns the structure from the
+            learner once, as nested dicts (str keys) and lists (sequences) of arrays.
 
     Raises:
         ValueError: The server is not an echo server, speaks only protocol 1 with
@@ -342,7 +343,8 @@ class TcpClient:
         self, min_version: int | None = None, timeout: float | None = None
     ) -> tuple[int, Any]:
         """The learner's latest published parameters (`Server.publish`), as `(version,
-        pytree)` in `params_example`'s structure. Pulled from the learner in chunks (the GIL
+        pytree)` in `params_example`'s structure (without one, the learner's, as nested dicts
+        and lists, learned with the first call). Pulled from the learner in chunks (the GIL
         released, Ctrl-C honoured), each version whole: never a mix of two. The arrays are
         this call's own (one buffer), valid as long as the caller keeps them.
 
@@ -352,19 +354,19 @@ class TcpClient:
             timeout: Seconds to wait for such a version; `None` waits as long as it takes.
 
         Raises:
-            ValueError: The client has no `params_example`, or the learner publishes
-                parameters of another size; the learner serves none (protocol 1).
+            ValueError: The learner publishes parameters of another size than
+                `params_example`'s; without one, the learner's structure cannot be rebuilt
+                (a namedtuple or custom node); the learner serves none (protocol 1).
             TimeoutError: No such version within `timeout` seconds.
             ConnectionClosedError: The connection is gone (with `reconnect=True`, once
                 reconnecting gave up).
         """
+        wanted = 0 if min_version is None else check_int("min_version", min_version, 0)
         layout = self._params_layout
         if layout is None:
-            raise ValueError(
-                "params(): this client has no parameter layout: pass TcpClient(..., "
-                "params_example=<a pytree like the learner's published parameters>)"
-            )
-        wanted = 0 if min_version is None else check_int("min_version", min_version, 0)
+            # Learned once from the learner: its pytree's structure, dtypes and shapes.
+            layout = layout_of_description(self._sender.fetch_params_description(timeout))
+            self._params_layout = layout
         size = sum(param_sizes(layout))
         version, data = self._sender.fetch_params(size, wanted, timeout)
         return version, param_tree(layout, data)

@@ -169,13 +169,44 @@ def test_a_publish_that_does_not_fit_the_first_is_refused_and_publishes_nothing(
         assert learner.params_version == 1
 
 
+def test_a_worker_without_an_example_learns_the_structure_from_the_learner() -> None:
+    with server() as learner:
+        bare = TcpClient(LOCALHOST, learner.port, EXAMPLE)
+        with pytest.raises(TimeoutError):
+            bare.params(timeout=0.2)  # nothing published: nothing to learn yet
+        nested = {
+            "policy": [params_of(1)["layer"]["w"], np.arange(3, dtype=np.int16)],
+            "scale": np.full((), 2.5, np.float64),
+        }
+        learner.publish(nested)
+        version, got = bare.params(timeout=WAIT_S)
+        assert version == 1
+        assert sorted(got) == ["policy", "scale"]
+        assert isinstance(got["policy"], list)
+        assert got["policy"][0].dtype == np.float32
+        assert np.array_equal(got["policy"][0], nested["policy"][0])
+        assert np.array_equal(got["policy"][1], nested["policy"][1])
+        assert got["scale"].shape == ()
+        assert got["scale"] == 2.5
+        bare.close()
+
+
+def test_a_namedtuple_comes_back_as_a_list_in_its_field_order() -> None:
+    from collections import namedtuple
+
+    Pair = namedtuple("Pair", ["z", "a"])  # field order is not sorted order
+    with server() as learner:
+        learner.publish(Pair(np.zeros(2, np.float32), np.ones(3, np.float32)))
+        bare = TcpClient(LOCALHOST, learner.port, EXAMPLE)
+        _, got = bare.params(timeout=WAIT_S)
+        assert isinstance(got, list)
+        assert [a.tolist() for a in got] == [[0.0, 0.0], [1.0, 1.0, 1.0]]
+        bare.close()
+
+
 def test_params_needs_a_layout_of_the_published_size() -> None:
     with server() as learner:
         learner.publish(params_of(1))
-        bare = TcpClient(LOCALHOST, learner.port, EXAMPLE)
-        with pytest.raises(ValueError, match="params_example"):
-            bare.params(timeout=WAIT_S)
-        bare.close()
         other = TcpClient(LOCALHOST, learner.port, EXAMPLE, params_example=params_of(0, rows=8))
         with pytest.raises(ValueError, match=r"publishes parameters of \d+ bytes, this client"):
             other.params(timeout=WAIT_S)

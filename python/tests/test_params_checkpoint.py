@@ -132,3 +132,17 @@ def test_a_reconnecting_worker_hears_the_restarted_learners_version(tmp_path: Pa
         new.publish(params_of(5))
         assert worker.params(min_version=5, timeout=WAIT_S)[0] == 5
         assert worker.close(timeout=WAIT_S)
+
+
+def test_a_worker_without_an_example_learns_the_restored_parameters_structure(
+    tmp_path: Path,
+) -> None:
+    with learner() as old:
+        old.publish(params_of(4), version=4)
+        old.checkpoint(tmp_path / "ckpt")
+    with restored(tmp_path / "ckpt") as new:
+        bare = TcpClient(LOCALHOST, new.port, EXAMPLE)
+        version, got = bare.params(timeout=WAIT_S)
+        assert version == 4
+        assert digest(got) == digest(params_of(4))
+        bare.close()

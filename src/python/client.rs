@@ -355,6 +355,29 @@ impl PyTcpSender {
         Ok((version, numpy::PyArray1::from_vec(py, out)))
     }
 
+    /// The description of the learner's parameters (its pytree's structure, dtypes and
+    /// shapes, as `echo._params` encodes them; empty when it gave none), waiting (GIL
+    /// released) until something is published or `timeout`.
+    #[pyo3(signature = (timeout=None))]
+    fn fetch_params_description<'py>(
+        &self,
+        py: Python<'py>,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+        let deadline = deadline_from_timeout(timeout)?;
+        let sender = &self.sender;
+        let done = wait_detached(py, deadline, |slice_end| {
+            let mut sender = sender.try_lock_until(slice_end)?;
+            match sender.fetch_params_description(Some(slice_end)) {
+                Err(EchoError::TimedOut) => None,
+                other => Some(other),
+            }
+        })?;
+        let bytes =
+            done.unwrap_or(Err(EchoError::TimedOut)).map_err(|e| self.error(Call::Params, e))?;
+        Ok(pyo3::types::PyBytes::new(py, &bytes))
+    }
+
     /// The latest version of the learner's parameters the server announced (0: none).
     #[getter]
     fn params_version(&self, py: Python<'_>) -> u64 {

@@ -568,12 +568,15 @@ impl PyServerCore {
     /// in the pytree's order, as `version` or the latest plus one; the bytes are copied into
     /// the server's parameter store with the GIL released. Returns the version. Python checks
     /// the pytree's structure and dtypes; the core checks the layout's sizes.
-    #[pyo3(signature = (leaves, version=None))]
+    /// `description`: the pytree's description workers without a layout fetch (set before
+    /// the version is published, so that whoever hears of it finds it).
+    #[pyo3(signature = (leaves, version=None, description=None))]
     fn _publish(
         &self,
         py: Python<'_>,
         leaves: Vec<(Vec<usize>, usize, PyReadonlyArray1<'_, u8>)>,
         version: Option<u64>,
+        description: Option<Vec<u8>>,
     ) -> PyResult<u64> {
         let specs = leaves
             .iter()
@@ -588,6 +591,9 @@ impl PyServerCore {
             })
             .collect::<PyResult<Vec<&[u8]>>>()?;
         let server = &self.server;
+        if let Some(description) = description {
+            server.params().describe(description);
+        }
         detach(py, || server.publish(&specs, &bytes, version)).map_err(to_pyerr)
     }
 

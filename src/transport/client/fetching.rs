@@ -10,7 +10,7 @@ use super::link::Link;
 use super::recovery::wait_on;
 use super::TcpSender;
 use crate::error::EchoError;
-use crate::transport::wire::params::{Chunk, Fetch, MAX_CHUNK};
+use crate::transport::wire::params::{Chunk, Fetch, DESCRIPTION, MAX_CHUNK};
 
 /// Parameter chunks a fetch keeps requested ahead of the one it waits for.
 const FETCH_WINDOW: usize = 4;
@@ -188,6 +188,66 @@ impl TcpSender {
                 return Ok(version);
             }
         }
+    }
+}
+
+impl TcpSender {
+    /// The description of the learner's parameters ([`DESCRIPTION`]): the bytes its Python
+    /// layer gave with the first publish, waiting until `deadline` for something to be
+    /// published. Empty when the learner gave none.
+    ///
+    /// # Errors
+    /// [`EchoError::TimedOut`] at `deadline`; [`EchoError::Protocol`] when the server serves
+    /// no parameters; as [`TcpSender::send`] for a connection that is gone.
+    pub fn fetch_params_description(
+        &mut self,
+        deadline: Option<Instant>,
+    ) -> Result<Vec<u8>, EchoError> {
+        self.ensure_usable()?;
+        if self.in_progress > 0 {
+            return Err(EchoError::Protocol(
+                "a sample is partly sent: send it again before fetching parameters".into(),
+            ));
+        }
+        let Some(link) = &self.link else {
+            return Err(EchoError::Disconnected(self.failure()));
+        };
+        if !link.params {
+            return Err(EchoError::Protocol(format!(
+                "the server at {} serves no parameters (wire protocol 1, or an echo learner \
+                 older than this client)",
+                self.address
+            )));
+        }
+        // ORDERING: Acquire, as in `params_version`.
+        wait_on(&link.acks, || link.acks.params_version.load(Acquire) > 0, deadline)?;
+        let probe = Fetch { version: DESCRIPTION, offset: 0, len: 0 };
+        let id = send_fetch(link, probe, 0)?;
+        let (head, _) = await_answer(link, id, deadline)?;
+        if head.version != DESCRIPTION {
+            return Err(EchoError::Protocol(format!(
+                "the learner at {} does not describe its parameters (an echo learner older \
+                 than this client)",
+                self.address
+            )));
+        }
+        let size = usize::try_from(head.size).map_err(|_| {
+            EchoError::Protocol(format!("a parameter description of {} bytes", head.size))
+        })?;
+        let mut out = Vec::new();
+        while out.len() < size {
+            let len = (size - out.len()).min(MAX_CHUNK as usize);
+            let asked = Fetch { version: DESCRIPTION, offset: out.len() as u64, len: len as u32 };
+            let id = send_fetch(link, asked, head.size)?;
+            let (chunk, bytes) = await_answer(link, id, deadline)?;
+            if chunk.size != head.size || bytes.len() != len {
+                return Err(EchoError::Protocol(
+                    "the parameters' description changed while it was fetched".into(),
+                ));
+            }
+            out.extend_from_slice(&bytes);
+        }
+        Ok(out)
     }
 }
 

@@ -368,6 +368,9 @@ pub(crate) async fn serve_fetch(
     if !link.fill(&mut raw, params::FETCH_LEN - 1).await? {
         return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "closed mid-frame"));
     }
+    if raw[..8] == params::DESCRIPTION.to_le_bytes() {
+        return serve_description(link, &raw, published).await;
+    }
     let Some(store) = published.store() else {
         let none = params::Chunk { version: 0, size: 0, offset: 0, len: 0 };
         return link.write(&none.encode()).await;
@@ -396,6 +399,23 @@ pub(crate) async fn serve_fetch(
         published.note_served(len);
     }
     Ok(())
+}
+
+/// Answers a fetch of the parameters' description ([`params::DESCRIPTION`]; `raw`, the
+/// fetch after its kind byte): bytes of it, or its size alone to a probe.
+async fn serve_description(link: &mut Link<'_>, raw: &[u8], published: &Params) -> io::Result<()> {
+    let description = published.description();
+    let size = description.len() as u64;
+    let fetch = match params::Fetch::decode(raw, size) {
+        Ok(fetch) => fetch,
+        Err(why) => return Err(link.fail(&why.to_string()).await),
+    };
+    let header =
+        params::Chunk { version: params::DESCRIPTION, size, offset: fetch.offset, len: fetch.len };
+    link.write(&header.encode()).await?;
+    // `decode` checked `offset + len <= size`.
+    let start = usize::try_from(fetch.offset).expect("within the description");
+    link.write(&description[start..start + fetch.len as usize]).await
 }
 
 /// [`v2::PACKED`] if `kind` is a compressed sample frame (0x14..=0x17), else 0.

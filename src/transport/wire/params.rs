@@ -14,6 +14,11 @@
 //! the CHUNK carries the latest version, offset 0 and no bytes: the client starts that version
 //! over. Before the first publish it carries version 0, size 0 and no bytes. Decoding is defensive: a length is checked
 //! against the request and the layout's size before anything is allocated.
+//!
+//! A FETCH of version [`DESCRIPTION`] asks for bytes of the parameters' description instead
+//! (the learner's pytree structure, leaf dtypes and shapes, as the Python layer encodes
+//! them), answered by CHUNKs of that version whose `size` is the description's: a worker
+//! without a layout of its own learns it first. A learner without one answers a size of 0.
 
 use super::reader::Cursor;
 use crate::error::EchoError;
@@ -24,6 +29,8 @@ pub const FETCH: u8 = 0x32;
 pub const CHUNK: u8 = 0x06;
 /// Server byte: a new version of the parameters was published (its number follows).
 pub const VERSION: u8 = 0x07;
+/// The version a FETCH asks for to get the parameters' description, not a version of them.
+pub const DESCRIPTION: u64 = u64::MAX;
 /// The most bytes one chunk carries.
 pub const MAX_CHUNK: u32 = 1 << 20;
 /// Bytes of a FETCH, its kind byte included.
