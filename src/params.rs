@@ -23,13 +23,21 @@ use crate::error::EchoError;
 use crate::metrics::Counter;
 use crate::spec::DataSpec;
 use crate::sync::AtomicU64;
+#[cfg(target_os = "linux")]
+use crate::transport::shm::params::ParamRegion;
 use std::sync::atomic::Ordering::{Acquire, Release};
+#[cfg(target_os = "linux")]
+use std::sync::Arc;
 
 /// A server's parameter channel: its [`ParamStore`], made by the first publish (which fixes
 /// the layout), and a watch of the latest version that the transport's connections follow
 /// to tell their workers.
 pub struct Params {
     store: OnceLock<ParamStore>,
+    /// The shared-memory region the store's slots live in (Linux), made by the first publish
+    /// or the first worker that attaches shared memory; `None` inside when it could not be.
+    #[cfg(target_os = "linux")]
+    region: OnceLock<Option<Arc<ParamRegion>>>,
     latest: watch::Sender<u64>,
     /// The parameters' description (opaque bytes: the Python layer's pytree structure),
     /// served to workers without a layout of their own; empty when none was given.
@@ -44,6 +52,8 @@ impl Default for Params {
     fn default() -> Self {
         Self {
             store: OnceLock::new(),
+            #[cfg(target_os = "linux")]
+            region: OnceLock::new(),
             latest: watch::Sender::new(0),
             description: Mutex::new(std::sync::Arc::from(Vec::new())),
             published: Counter::new(0),
@@ -85,7 +95,7 @@ impl Params {
         leaves: &[&[u8]],
         version: Option<u64>,
     ) -> Result<u64, EchoError> {
-        let store = self.store.get_or_init(|| ParamStore::new(spec.clone()));
+        let store = self.store.get_or_init(|| self.new_store(spec));
         if store.spec() != spec {
             return Err(EchoError::Config(format!(
                 "the parameters' layout is fixed by the first publish: {} leaves of {} bytes, \
@@ -129,6 +139,36 @@ impl Params {
         }
     }
 
+    /// A store for `spec`, its slots in the shared region when there is one.
+    fn new_store(&self, spec: &DataSpec) -> ParamStore {
+        #[cfg(target_os = "linux")]
+        if let Some(region) = self.region() {
+            match region.hold(spec.payload_size()) {
+                Ok(()) => return ParamStore::in_region(spec.clone(), Arc::clone(region)),
+                Err(e) => log::warn!(
+                    "the published parameters stay out of shared memory (workers on this \
+                     host fetch them through their socket): {e}"
+                ),
+            }
+        }
+        ParamStore::new(spec.clone())
+    }
+
+    /// The shared-memory region workers on this host copy the parameters from (made on the
+    /// first call); `None` when it cannot be made.
+    #[cfg(target_os = "linux")]
+    pub fn region(&self) -> Option<&Arc<ParamRegion>> {
+        self.region
+            .get_or_init(|| match ParamRegion::create() {
+                Ok(region) => Some(Arc::new(region)),
+                Err(e) => {
+                    log::warn!("no shared-memory region for the published parameters: {e}");
+                    None
+                }
+            })
+            .as_ref()
+    }
+
     /// The store, once something was published.
     pub fn store(&self) -> Option<&ParamStore> {
         self.store.get()
@@ -170,6 +210,11 @@ pub struct ParamStore {
     latest: AtomicU64,
     /// Serialises publishers (one version at a time, in order).
     publishing: Mutex<()>,
+    /// Where the slots' bytes live when not on the heap: the shared region (the `RwLock`s
+    /// still order this process's readers and writer; other processes read through the
+    /// region's sequence locks).
+    #[cfg(target_os = "linux")]
+    region: Option<Arc<ParamRegion>>,
 }
 
 impl std::fmt::Debug for ParamStore {
@@ -191,7 +236,15 @@ impl ParamStore {
             slots: [RwLock::new(Slot::default()), RwLock::new(Slot::default())],
             latest: AtomicU64::new(0),
             publishing: Mutex::new(()),
+            #[cfg(target_os = "linux")]
+            region: None,
         }
+    }
+
+    /// A store whose slots are `region`'s (which holds versions of `spec`'s size).
+    #[cfg(target_os = "linux")]
+    pub fn in_region(spec: DataSpec, region: Arc<ParamRegion>) -> Self {
+        Self { region: Some(region), ..Self::new(spec) }
     }
 
     /// The parameters' layout.
@@ -246,12 +299,24 @@ impl ParamStore {
         let spare = usize::from(self.slots[0].read().version == latest && latest != 0);
         {
             let mut slot = self.slots[spare].write();
+            let fill = |out: &mut [u8]| {
+                for (leaf, bytes) in leaves.iter().enumerate() {
+                    out[self.spec.leaf_range(leaf)].copy_from_slice(bytes);
+                }
+            };
+            #[cfg(target_os = "linux")]
+            if let Some(region) = &self.region {
+                region.write(spare, version, fill);
+                slot.version = version;
+                drop(slot);
+                // ORDERING: Release pairs with the Acquire in `latest`, as below.
+                self.latest.store(version, Release);
+                return Ok(version);
+            }
             if slot.bytes.len() != self.size() {
                 slot.bytes = vec![0u8; self.size()].into_boxed_slice();
             }
-            for (leaf, bytes) in leaves.iter().enumerate() {
-                slot.bytes[self.spec.leaf_range(leaf)].copy_from_slice(bytes);
-            }
+            fill(&mut slot.bytes);
             slot.version = version;
         }
         // ORDERING: Release pairs with the Acquire in `latest`: the slot is written (and its
@@ -268,10 +333,18 @@ impl ParamStore {
     /// it was never published. The caller checks `offset + out.len() <= size()`; beyond that
     /// this panics.
     pub fn read(&self, version: u64, offset: usize, out: &mut [u8]) -> Result<(), Superseded> {
-        for slot in &self.slots {
+        for (index, slot) in self.slots.iter().enumerate() {
             let slot = slot.read();
             if slot.version == version && version != 0 {
-                out.copy_from_slice(&slot.bytes[offset..offset + out.len()]);
+                let mut copy =
+                    |bytes: &[u8]| out.copy_from_slice(&bytes[offset..offset + out.len()]);
+                #[cfg(target_os = "linux")]
+                if let Some(region) = &self.region {
+                    region.read(index, copy);
+                    return Ok(());
+                }
+                let _ = index;
+                copy(&slot.bytes);
                 return Ok(());
             }
         }

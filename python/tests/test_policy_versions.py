@@ -354,7 +354,9 @@ def test_the_lag_of_what_the_learner_gets_and_the_parameters_served_are_counted(
     transport = TcpTransport(port=0, host=LOCALHOST)
     with Server(EXAMPLE, 4, transport=transport, policy_versions=True) as learner:
         learner.publish(weights(5), version=5)
-        worker = TcpClient(LOCALHOST, learner.port, EXAMPLE, params_example=weights(0))
+        worker = TcpClient(
+            LOCALHOST, learner.port, EXAMPLE, params_example=weights(0), shared_memory=False
+        )
         assert (worker.params_fetches, worker.params_fetch_s) == (0, 0.0)
         worker.params(timeout=WAIT_S)
         worker.params(timeout=WAIT_S)
@@ -375,3 +377,12 @@ def test_the_lag_of_what_the_learner_gets_and_the_parameters_served_are_counted(
         assert stats.params_chunks_served_total == 2  # 32 bytes: one chunk per fetch
         assert stats.params_bytes_served_total == 2 * weights(0)["w"].nbytes
         worker.close()
+        # On the same host a shared-memory worker copies from the learner's region: nothing
+        # goes through its socket.
+        local = TcpClient(
+            LOCALHOST, learner.port, EXAMPLE, params_example=weights(0), shared_memory=True
+        )
+        assert local.params(timeout=WAIT_S)[0] == 5
+        assert local.params_fetches == 1
+        assert learner.stats().params_chunks_served_total == 2
+        local.close()

@@ -106,6 +106,14 @@ impl TcpSender {
                 self.address
             )));
         }
+        #[cfg(target_os = "linux")]
+        if let Some(version) = self.fetch_shared(out, min_version, deadline)? {
+            self.fetched(version);
+            return Ok(version);
+        }
+        let Some(link) = &self.link else {
+            return Err(EchoError::Disconnected(self.failure()));
+        };
         let size = out.len() as u64;
         // This connection's server (a restarted one announces its latest at once).
         let announced = || {
@@ -178,13 +186,7 @@ impl TcpSender {
             let version = at.version;
             let offset = at.filled;
             if offset == out.len() && version >= min_version {
-                // The policy this worker acts with from now on: what its samples carry.
-                self.policy_version = self.policy_version.max(version);
-                self.newest_version = self.newest_version.max(version);
-                if let Some(started) = self.fetch_started.take() {
-                    self.fetches.0 += 1;
-                    self.fetches.1 += started.elapsed().as_secs_f64();
-                }
+                self.fetched(version);
                 return Ok(version);
             }
         }
@@ -248,6 +250,64 @@ impl TcpSender {
             out.extend_from_slice(&bytes);
         }
         Ok(out)
+    }
+}
+
+impl TcpSender {
+    /// A whole version was fetched: the policy this worker acts with from now on (what its
+    /// samples carry), and the fetch counted.
+    fn fetched(&mut self, version: u64) {
+        self.policy_version = self.policy_version.max(version);
+        self.newest_version = self.newest_version.max(version);
+        if let Some(started) = self.fetch_started.take() {
+            self.fetches.0 += 1;
+            self.fetches.1 += started.elapsed().as_secs_f64();
+        }
+    }
+
+    /// [`TcpSender::fetch_params`] from the learner's shared-memory region, when it handed
+    /// it over with the connection's shared-memory channel: one copy straight into `out`,
+    /// no chunk through the socket. `None` when there is no region (fetch over the socket).
+    #[cfg(target_os = "linux")]
+    fn fetch_shared(
+        &mut self,
+        out: &mut [u8],
+        min_version: u64,
+        deadline: Option<Instant>,
+    ) -> Result<Option<u64>, EchoError> {
+        use crate::transport::shm::params::ViewRead;
+        let address = self.address.clone();
+        let Some(link) = self.link.as_mut() else { return Ok(None) };
+        if link.shm.as_mut().and_then(|writer| writer.params()).is_none() {
+            return Ok(None);
+        }
+        let acks = std::sync::Arc::clone(&link.acks);
+        // ORDERING: Acquire, as in `params_version`.
+        let announced = || acks.params_version.load(Acquire);
+        loop {
+            wait_on(&acks, || announced() >= min_version, deadline)?;
+            let view = link.shm.as_mut().and_then(|writer| writer.params()).expect("checked");
+            match view.read(out, 64).map_err(EchoError::Protocol)? {
+                ViewRead::Copied(version) if version >= min_version => return Ok(Some(version)),
+                ViewRead::Size(size) => {
+                    return Err(EchoError::Protocol(format!(
+                        "the learner at {address} publishes parameters of {size} bytes, this \
+                         client's layout has {}",
+                        out.len()
+                    )))
+                }
+                // Announced but not in the region (a learner whose region could not hold
+                // them): over the socket.
+                ViewRead::Empty => return Ok(None),
+                // Publishes overlapped every copy, or an older version: again, shortly.
+                ViewRead::Copied(_) | ViewRead::Busy => {
+                    if deadline.is_some_and(|d| Instant::now() >= d) {
+                        return Err(EchoError::TimedOut);
+                    }
+                    std::thread::sleep(std::time::Duration::from_micros(100));
+                }
+            }
+        }
     }
 }
 

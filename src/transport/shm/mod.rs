@@ -43,6 +43,8 @@
 //! | `attach`      | same-host check, abstract Unix socket, peer uid, `SCM_RIGHTS` handover  |
 //! | `server`      | the learner's connection task on the shared-memory path                 |
 //! | `worker`      | what the TCP client uses: attaching an offer, the writer, the loss bell |
+//! | [`seqlock`]   | the sequence lock of a published-parameters slot, loom-checked; all OSes |
+//! | `params`      | the published parameters' region: the learner's slots, a worker's view  |
 //!
 //! Off Linux only [`ring`] exists here, and `server` and `worker` are stand-ins
 //! (`unsupported`): the server declines every request and the client never attaches, so
@@ -54,6 +56,8 @@
 
 #[doc(hidden)]
 pub mod ring;
+#[doc(hidden)]
+pub mod seqlock;
 
 #[cfg(all(target_os = "linux", not(loom)))]
 mod attach;
@@ -61,6 +65,9 @@ mod attach;
 mod bell;
 #[cfg(all(target_os = "linux", not(loom)))]
 mod layout;
+#[cfg(all(target_os = "linux", not(loom)))]
+#[doc(hidden)]
+pub mod params;
 #[cfg(all(target_os = "linux", not(loom)))]
 mod reader;
 #[cfg(all(target_os = "linux", not(loom)))]

@@ -101,7 +101,9 @@ pub(crate) async fn serve(
                 let (stream, _) = accepted?;
                 let stranger = shm::peer_uid(stream.as_fd()).is_ok_and(|uid| uid != shm::own_uid());
                 let segment = (&*shared.ingress, segment_len);
-                match hand_over(&stream, &offer, payload_size, segment).await {
+                // The published parameters' region too, to a worker that fetches them.
+                let region = parameters.and_then(Params::region).map(|r| r.fd().as_raw_fd());
+                match hand_over(&stream, &offer, payload_size, segment, region).await {
                     Ok(attached) => break attached,
                     Err(why) if stranger => {
                         // At DEBUG: a flood of them must not take the learner's GIL once per record.
@@ -147,6 +149,7 @@ async fn hand_over(
     offer: &ShmOffer,
     payload_size: usize,
     (ingress, segment_len): (&Ingress, usize),
+    params_region: Option<std::os::fd::RawFd>,
 ) -> Result<(Reader, SegmentReservation), String> {
     let uid = shm::peer_uid(stream.as_fd()).map_err(|e| format!("no peer credentials: {e}"))?;
     if uid != shm::own_uid() {
@@ -178,7 +181,8 @@ async fn hand_over(
     let reservation = ingress.reserve_segment(segment_len)?;
     let reader =
         Reader::new(payload_size).map_err(|e| format!("cannot create the segment: {e}"))?;
-    let fds = reader.fds();
+    let mut fds = reader.fds().to_vec();
+    fds.extend(params_region);
     loop {
         stream.writable().await.map_err(|e| e.to_string())?;
         match stream.try_io(Interest::WRITABLE, || {

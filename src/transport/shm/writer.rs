@@ -13,6 +13,7 @@ use super::bell::EventFd;
 use super::layout::{
     ATTACH_MESSAGE, FLAG_PRIORITY, FLAG_STEP, HEADER_LEN, NONCE_LEN, SLOT_HEADER, STOP_AT_ENV,
 };
+use super::params::ParamView;
 use super::reader::SlotMeta;
 use super::ring::Indices;
 use super::segment::Segment;
@@ -38,6 +39,8 @@ pub struct Writer {
     space: EventFd,
     /// Tests only: stop (SIGSTOP) half-way through writing this sample.
     stop_at: Option<u64>,
+    /// The learner's published parameters, when it handed their region over.
+    params: Option<ParamView>,
 }
 
 impl Writer {
@@ -70,8 +73,9 @@ impl Writer {
             format!("the learner sent no segment (another user, or the nonce was refused): {e}")
         })?;
         let mut fds = fds.into_iter();
-        let (Some(memfd), Some(data), Some(space), None) =
-            (fds.next(), fds.next(), fds.next(), fds.next())
+        // A fourth descriptor: the published parameters' region (a learner that serves them).
+        let (Some(memfd), Some(data), Some(space), params, None) =
+            (fds.next(), fds.next(), fds.next(), fds.next(), fds.next())
         else {
             return Err(format!(
                 "the learner refused to attach this process (it runs under another user, or \
@@ -92,6 +96,7 @@ impl Writer {
             data: EventFd(data),
             space: EventFd(space),
             stop_at,
+            params: params.map(ParamView::new),
         };
         // ORDERING: see `Indices::committed`; a learner's segment starts with tail 0.
         let tail = writer.indices().tail.load(std::sync::atomic::Ordering::Acquire);
@@ -108,6 +113,11 @@ impl Writer {
     /// Slots in the ring.
     pub fn slots(&self) -> usize {
         self.slots
+    }
+
+    /// The learner's published parameters in shared memory, if it handed them over.
+    pub fn params(&mut self) -> Option<&mut ParamView> {
+        self.params.as_mut()
     }
 
     /// Samples committed.
