@@ -575,6 +575,7 @@ class LineWorkers:
     def __init__(self, commands: list[list[str]], cwd: Path) -> None:
         self.lines: queue.Queue[tuple[int, str]] = queue.Queue()
         self.procs: list[subprocess.Popen[str]] = []
+        self.pumps: list[threading.Thread] = []
         # Lines read, not yet expected.
         self.inbox: list[list[str]] = [[] for _ in commands]
         env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
@@ -583,7 +584,9 @@ class LineWorkers:
                 cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=cwd
             )
             self.procs.append(proc)
-            threading.Thread(target=self._pump, args=(wid, proc), daemon=True).start()
+            pump = threading.Thread(target=self._pump, args=(wid, proc), daemon=True)
+            pump.start()
+            self.pumps.append(pump)
 
     def _pump(self, wid: int, proc: subprocess.Popen[str]) -> None:
         assert proc.stdout is not None
@@ -631,3 +634,9 @@ class LineWorkers:
             except subprocess.TimeoutExpired:
                 proc.kill()  # by PID: only the processes this pool started
                 proc.wait(timeout=10.0)
+        # Each pump ends at its worker's EOF; then its pipe is closed here, not left to the
+        # garbage collector (a ResourceWarning where warnings are errors: the tests).
+        for proc, pump in zip(self.procs, self.pumps, strict=True):
+            pump.join(timeout=5.0)
+            if not pump.is_alive() and proc.stdout is not None:
+                proc.stdout.close()

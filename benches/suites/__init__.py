@@ -29,9 +29,10 @@ The modules here are the suites and their parts, a part named after its suite: `
 ``sequence_tables`` (with ``sequence_data`` and ``sequence_tcp``); ``peers`` runs
 ``peers_child`` in each library's interpreter; ``compression`` has
 ``compression_wire`` and ``compression_tables``, and shares ``compression_common`` with
-``sequence-compression``; ``ray`` has ``ray_actors`` and ``ray_tables``. A script runs on its
-own as ``python -m benches.suites.NAME`` from the repository root. What every suite shares is
-in :mod:`benches.common`.
+``sequence-compression``; ``ray`` has ``ray_actors`` and ``ray_tables``; ``params`` has
+``params_workers`` (its worker processes and pytrees) and ``params_tables``. A script runs
+on its own as ``python -m benches.suites.NAME`` from the repository root. What every suite
+shares is in :mod:`benches.common`.
 
 Adding a suite: write the module (in ``benches/suites``), add one ``Suite`` line to
 ``SUITES`` below, then ``python -m benches NAME --quick --save`` for its record, a section
@@ -103,6 +104,12 @@ SUITES: tuple[Suite, ...] = (
         "durable",
         "benches.suites.durable",
         "samples/s and worker memory of durable acknowledgements against plain ones, K workers",
+    ),
+    Suite(
+        "params",
+        "benches.suites.params",
+        "parameters down: 10 MB fetch vs memcpy, loopback TCP and ray.get; sample() p99 while "
+        "workers fetch; publish latency",
     ),
     Suite(
         "socket-settings",
