@@ -96,24 +96,15 @@ impl TcpSender {
         min_version: u64,
         deadline: Option<Instant>,
     ) -> Result<u64, EchoError> {
-        let Some(link) = &self.link else {
-            return Err(EchoError::Disconnected(self.failure()));
-        };
-        if !link.params {
-            return Err(EchoError::Protocol(format!(
-                "the server at {} serves no parameters (wire protocol 1, or an echo learner \
-                 older than this client)",
-                self.address
-            )));
-        }
+        self.serving_link()?;
         #[cfg(target_os = "linux")]
         if let Some(version) = self.fetch_shared(out, min_version, deadline)? {
             self.fetched(version);
             return Ok(version);
         }
-        let Some(link) = &self.link else {
-            return Err(EchoError::Disconnected(self.failure()));
-        };
+        self.serving_link()?;
+        // The field itself (not through `&self`): the loop below takes `self.fetching` too.
+        let link = self.link.as_ref().expect("checked by serving_link");
         let size = out.len() as u64;
         // This connection's server (a restarted one announces its latest at once).
         let announced = || {
@@ -211,16 +202,7 @@ impl TcpSender {
                 "a sample is partly sent: send it again before fetching parameters".into(),
             ));
         }
-        let Some(link) = &self.link else {
-            return Err(EchoError::Disconnected(self.failure()));
-        };
-        if !link.params {
-            return Err(EchoError::Protocol(format!(
-                "the server at {} serves no parameters (wire protocol 1, or an echo learner \
-                 older than this client)",
-                self.address
-            )));
-        }
+        let link = self.serving_link()?;
         // ORDERING: Acquire, as in `params_version`.
         wait_on(&link.acks, || link.acks.params_version.load(Acquire) > 0, deadline)?;
         let probe = Fetch { version: DESCRIPTION, offset: 0, len: 0 };
@@ -254,6 +236,25 @@ impl TcpSender {
 }
 
 impl TcpSender {
+    /// The current connection, which must serve parameters.
+    ///
+    /// # Errors
+    /// [`EchoError::Disconnected`] without one; [`EchoError::Protocol`] when its server
+    /// serves no parameters.
+    fn serving_link(&self) -> Result<&Link, EchoError> {
+        let Some(link) = &self.link else {
+            return Err(EchoError::Disconnected(self.failure()));
+        };
+        if !link.params {
+            return Err(EchoError::Protocol(format!(
+                "the server at {} serves no parameters (wire protocol 1, or an echo learner \
+                 older than this client)",
+                self.address
+            )));
+        }
+        Ok(link)
+    }
+
     /// A whole version was fetched: the policy this worker acts with from now on (what its
     /// samples carry), and the fetch counted.
     fn fetched(&mut self, version: u64) {
