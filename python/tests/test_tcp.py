@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import fcntl
 import json
 import os
 import queue
@@ -1216,6 +1217,16 @@ def peer_python(tmp_path_factory: pytest.TempPathFactory) -> str:
                 f"got {version!r}\n{detail}"
             )
         return configured
+    # One process builds it at a time: pytest-xdist runs this session fixture once per
+    # worker, and two `venv --clear` of one directory at once break each other.
+    PEER_VENV.parent.mkdir(parents=True, exist_ok=True)
+    with open(PEER_VENV.parent / "peer-venv.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _peer_venv(cwd)
+
+
+def _peer_venv(cwd: Path) -> str:
+    """`peer_python`'s virtualenv, built unless it is there and imports id-echo 0.2.1."""
     python = PEER_VENV / "bin" / "python"
     if python.exists() and _peer_version(str(python), cwd)[0] == PEER_VERSION:
         return str(python)
