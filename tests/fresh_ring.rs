@@ -8,6 +8,8 @@
 //!   every handed-out sample is fresh when handed, each writer's samples arrive in order, and
 //!   handed plus skipped plus left in the ring is everything written.
 
+#![cfg(not(loom))]
+
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};

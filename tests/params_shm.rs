@@ -3,7 +3,7 @@
 //! first 8 hold `v`) as fast as it can while two readers, each with its own read-only mapping
 //! of the region (as a worker process has), copy the newest version in a loop. Every copy
 //! they keep is one version whole, and no reader's versions go back.
-#![cfg(target_os = "linux")]
+#![cfg(all(target_os = "linux", not(loom)))]
 
 use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
