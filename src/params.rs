@@ -19,6 +19,7 @@ use std::sync::OnceLock;
 use parking_lot::{Mutex, RwLock};
 use tokio::sync::watch;
 
+use crate::codec::{in_parts, threads_for, Codec, COMPRESS_BYTES_PER_THREAD};
 use crate::error::EchoError;
 use crate::metrics::Counter;
 use crate::spec::DataSpec;
@@ -42,6 +43,10 @@ pub struct Params {
     /// The parameters' description (opaque bytes: the Python layer's pytree structure),
     /// served to workers without a layout of their own; empty when none was given.
     description: Mutex<std::sync::Arc<[u8]>>,
+    /// Chunks being served to workers at once: a turn each, in the order asked (see
+    /// [`Params::chunk_turn`]), and the buffers they are copied into, kept for the next.
+    turns: tokio::sync::Semaphore,
+    buffers: Mutex<Vec<Vec<u8>>>,
     /// Publishes, and the chunks and bytes the transport served to workers.
     published: Counter,
     chunks_served: Counter,
@@ -56,6 +61,8 @@ impl Default for Params {
             region: OnceLock::new(),
             latest: watch::Sender::new(0),
             description: Mutex::new(std::sync::Arc::from(Vec::new())),
+            turns: tokio::sync::Semaphore::new(CHUNK_TURNS),
+            buffers: Mutex::new(Vec::new()),
             published: Counter::new(0),
             chunks_served: Counter::new(0),
             bytes_served: Counter::new(0),
@@ -83,8 +90,8 @@ impl std::fmt::Debug for Params {
 }
 
 impl Params {
-    /// Publishes `leaves` of layout `spec` (see [`ParamStore::publish`]); the first publish
-    /// fixes the layout.
+    /// Publishes `leaves` of layout `spec` (see [`ParamStore::publish`]), compressed for TCP
+    /// workers with `codec`; the first publish fixes the layout.
     ///
     /// # Errors
     /// [`EchoError::Config`] for a layout other than the first publish's, or as
@@ -94,6 +101,7 @@ impl Params {
         spec: &DataSpec,
         leaves: &[&[u8]],
         version: Option<u64>,
+        codec: Option<Codec>,
     ) -> Result<u64, EchoError> {
         let store = self.store.get_or_init(|| self.new_store(spec));
         if store.spec() != spec {
@@ -106,7 +114,7 @@ impl Params {
                 spec.payload_size()
             )));
         }
-        let version = store.publish(leaves, version)?;
+        let version = store.publish(leaves, version, codec)?;
         self.latest.send_replace(version);
         self.published.add(1);
         Ok(version)
@@ -121,6 +129,18 @@ impl Params {
     /// learn it (empty: none given).
     pub fn description(&self) -> std::sync::Arc<[u8]> {
         std::sync::Arc::clone(&self.description.lock())
+    }
+
+    /// Waits for a turn to serve one chunk to a worker, and lends the buffer to copy it into
+    /// (given back when the [`ChunkTurn`] is dropped). Turns are taken in the order asked
+    /// (a fair queue), and at most [`CHUNK_TURNS`] chunks are served at once, however many
+    /// workers fetch: the chunks copied out of the store take at most that many chunk
+    /// buffers, outside the samples' byte budget, so fetching workers never hold back the
+    /// ingress.
+    pub async fn chunk_turn(&self) -> ChunkTurn<'_> {
+        let permit = self.turns.acquire().await.expect("the semaphore is never closed");
+        let bytes = self.buffers.lock().pop().unwrap_or_default();
+        ChunkTurn { params: self, permit: Some(permit), bytes }
     }
 
     /// Counts a chunk of `bytes` served to a worker.
@@ -185,12 +205,122 @@ impl Params {
     }
 }
 
-/// One version's bytes: every leaf raw, back to back in the layout's order.
+/// Chunks served to workers at once ([`Params::chunk_turn`]).
+pub const CHUNK_TURNS: usize = 16;
+
+/// A turn to serve one chunk, with the buffer to copy it into ([`Params::chunk_turn`]).
+pub struct ChunkTurn<'a> {
+    params: &'a Params,
+    permit: Option<tokio::sync::SemaphorePermit<'a>>,
+    /// The buffer, of any length: the caller sizes it.
+    pub bytes: Vec<u8>,
+}
+
+impl ChunkTurn<'_> {
+    /// Lets the next worker's chunk be served while this one's bytes are still being
+    /// written (a worker slow to read them takes no turn from the others); the buffer is
+    /// still this turn's.
+    pub fn pass(&mut self) {
+        self.permit = None;
+    }
+}
+
+impl Drop for ChunkTurn<'_> {
+    fn drop(&mut self) {
+        let mut buffers = self.params.buffers.lock();
+        if buffers.len() < CHUNK_TURNS {
+            buffers.push(std::mem::take(&mut self.bytes));
+        }
+    }
+}
+
+/// One version's bytes: every leaf raw, back to back in the layout's order, and its chunks
+/// compressed when it was published with a codec.
 #[derive(Default)]
 struct Slot {
     /// 0: never written.
     version: u64,
     bytes: Box<[u8]>,
+    packed: Packed,
+}
+
+/// The bytes of a version compressed chunk by chunk ([`CHUNK_BYTES`] raw bytes each, the
+/// last one shorter), for workers that fetch over TCP: compressed once when published,
+/// served to every worker. A chunk that does not shrink is served raw.
+#[derive(Default)]
+struct Packed {
+    codec: Option<Codec>,
+    /// Per chunk: where its compressed bytes lie in `bytes`, or `None` for a chunk served
+    /// raw.
+    chunks: Vec<Option<std::ops::Range<usize>>>,
+    bytes: Vec<u8>,
+}
+
+/// Raw bytes per compressed chunk: the most a worker asks for at a time over TCP, so that one
+/// request gets one compressed chunk.
+pub const CHUNK_BYTES: usize = crate::transport::wire::params::MAX_CHUNK as usize;
+
+impl Packed {
+    /// `raw` compressed chunk by chunk with `codec` (several threads for large parameters),
+    /// into the buffers of the version this slot held before.
+    fn compress(&mut self, raw: &[u8], codec: Option<Codec>) {
+        self.codec = codec;
+        self.chunks.clear();
+        self.bytes.clear();
+        let Some(codec) = codec else { return };
+        let chunks: Vec<&[u8]> = raw.chunks(CHUNK_BYTES).collect();
+        let most = std::thread::available_parallelism().map_or(1, usize::from);
+        let threads = threads_for(raw.len(), COMPRESS_BYTES_PER_THREAD, chunks.len(), most);
+        let parts = in_parts(&chunks, threads, |_, part| {
+            let mut out = Vec::new();
+            let sizes: Vec<usize> = part
+                .iter()
+                .map(|chunk| {
+                    let before = out.len();
+                    codec.compress_append(chunk, &mut out);
+                    out.len() - before
+                })
+                .collect();
+            (sizes, out)
+        });
+        for (sizes, out) in parts {
+            let mut at = 0;
+            for (size, chunk) in sizes.into_iter().zip(&chunks[self.chunks.len()..]) {
+                let packed = &out[at..at + size];
+                at += size;
+                if size < chunk.len() {
+                    let start = self.bytes.len();
+                    self.bytes.extend_from_slice(packed);
+                    self.chunks.push(Some(start..self.bytes.len()));
+                } else {
+                    self.chunks.push(None);
+                }
+            }
+        }
+    }
+
+    /// The compressed bytes of the chunk that starts at `offset` and holds `len` raw bytes
+    /// of a version of `size` bytes, when it is exactly one of this version's compressed
+    /// chunks.
+    fn chunk(&self, offset: usize, len: usize, size: usize) -> Option<(Codec, &[u8])> {
+        let codec = self.codec?;
+        let index = offset / CHUNK_BYTES;
+        let whole = offset % CHUNK_BYTES == 0 && len == (size - offset).min(CHUNK_BYTES);
+        if !whole {
+            return None;
+        }
+        let range = self.chunks.get(index)?.clone()?;
+        Some((codec, &self.bytes[range]))
+    }
+}
+
+/// One chunk as [`ParamStore::read_chunk`] gives it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChunkBytes {
+    /// Raw: the bytes asked for.
+    Raw,
+    /// Compressed with this codec: it decompresses to the bytes asked for.
+    Packed(Codec),
 }
 
 /// A reader's version is no longer held: two publishes overwrote it. `latest` is the version
@@ -265,13 +395,20 @@ impl ParamStore {
 
     /// Publishes `leaves` (one byte slice per leaf, each its leaf's exact size) as `version`,
     /// or as the latest version plus one when `None`. Returns the version published. Waits
-    /// only for readers copying a chunk out of the slot it overwrites.
+    /// only for readers copying a chunk out of the slot it overwrites. With `codec`, the
+    /// version is also compressed chunk by chunk (see [`ParamStore::read_chunk`]) before it
+    /// becomes the latest.
     ///
     /// # Errors
     /// [`EchoError::LeafCount`] or [`EchoError::SizeMismatch`] for leaves that do not fit the
     /// layout; [`EchoError::Config`] for a version that does not grow (0, or not above the
     /// latest). Nothing is published then.
-    pub fn publish(&self, leaves: &[&[u8]], version: Option<u64>) -> Result<u64, EchoError> {
+    pub fn publish(
+        &self,
+        leaves: &[&[u8]],
+        version: Option<u64>,
+        codec: Option<Codec>,
+    ) -> Result<u64, EchoError> {
         if leaves.len() != self.spec.len() {
             return Err(EchoError::LeafCount { expected: self.spec.len(), got: leaves.len() });
         }
@@ -307,6 +444,10 @@ impl ParamStore {
             #[cfg(target_os = "linux")]
             if let Some(region) = &self.region {
                 region.write(spare, version, fill);
+                // Compressed from the region once it is written (workers on this host copy
+                // it meanwhile).
+                let Slot { packed, .. } = &mut *slot;
+                region.read(spare, |raw| packed.compress(raw, codec));
                 slot.version = version;
                 drop(slot);
                 // ORDERING: Release pairs with the Acquire in `latest`, as below.
@@ -317,6 +458,8 @@ impl ParamStore {
                 slot.bytes = vec![0u8; self.size()].into_boxed_slice();
             }
             fill(&mut slot.bytes);
+            let Slot { bytes, packed, .. } = &mut *slot;
+            packed.compress(bytes, codec);
             slot.version = version;
         }
         // ORDERING: Release pairs with the Acquire in `latest`: the slot is written (and its
@@ -351,6 +494,35 @@ impl ParamStore {
         Err(Superseded { latest: self.latest() })
     }
 
+    /// One chunk of `version` for a worker over TCP: bytes `offset..offset + len` into
+    /// `out` (replacing what it held), compressed when the version was published with a
+    /// codec and this is one of its compressed chunks ([`CHUNK_BYTES`] from a multiple of
+    /// it), else raw. Says which.
+    ///
+    /// # Errors
+    /// As [`ParamStore::read`].
+    pub fn read_chunk(
+        &self,
+        version: u64,
+        offset: usize,
+        len: usize,
+        out: &mut Vec<u8>,
+    ) -> Result<ChunkBytes, Superseded> {
+        for slot in &self.slots {
+            let slot = slot.read();
+            if slot.version == version && version != 0 {
+                if let Some((codec, packed)) = slot.packed.chunk(offset, len, self.size()) {
+                    out.clear();
+                    out.extend_from_slice(packed);
+                    return Ok(ChunkBytes::Packed(codec));
+                }
+                break;
+            }
+        }
+        out.resize(len, 0);
+        self.read(version, offset, out).map(|()| ChunkBytes::Raw)
+    }
+
     /// The latest version and a copy of its bytes (for a checkpoint); `None` before the
     /// first publish.
     pub fn snapshot(&self) -> Option<(u64, Vec<u8>)> {
@@ -377,8 +549,8 @@ impl ParamStore {
 mod tests {
     use super::*;
     use crate::spec::ArraySpec;
-    use std::sync::atomic::AtomicBool;
     use std::sync::atomic::Ordering::Relaxed;
+    use std::sync::atomic::{AtomicBool, AtomicU32};
     use std::sync::Arc;
 
     /// Two leaves: 3 f32 and 5 u8 (17 bytes).
@@ -399,7 +571,7 @@ mod tests {
 
     fn publish(store: &ParamStore, v: Option<u64>, bytes: u64) -> Result<u64, EchoError> {
         let (a, b) = leaves(bytes);
-        store.publish(&[&a, &b], v)
+        store.publish(&[&a, &b], v, None)
     }
 
     #[test]
@@ -423,11 +595,11 @@ mod tests {
         let s = store();
         let (a, b) = leaves(1);
         assert!(matches!(
-            s.publish(&[&a], None),
+            s.publish(&[&a], None, None),
             Err(EchoError::LeafCount { expected: 2, got: 1 })
         ));
         assert!(matches!(
-            s.publish(&[&a, &b[..4]], None),
+            s.publish(&[&a, &b[..4]], None, None),
             Err(EchoError::SizeMismatch { leaf: 1, expected: 5, got: 4 })
         ));
         assert_eq!(s.latest(), 0);
@@ -457,9 +629,10 @@ mod tests {
         let s = Arc::new(store());
         publish(&s, None, 1).unwrap();
         let stop = Arc::new(AtomicBool::new(false));
+        let copies: Arc<[AtomicU32; 3]> = Arc::new(Default::default());
         let readers: Vec<_> = (0..3)
-            .map(|_| {
-                let (s, stop) = (Arc::clone(&s), Arc::clone(&stop));
+            .map(|reader| {
+                let (s, stop, copies) = (Arc::clone(&s), Arc::clone(&stop), Arc::clone(&copies));
                 std::thread::spawn(move || {
                     let (mut last, mut whole) = (0u64, 0u32);
                     for _ in 0..200_000 {
@@ -482,6 +655,8 @@ mod tests {
                             assert!(copy.iter().all(|&x| x == b), "a torn version {version}");
                             assert!(version >= last, "went back from {last} to {version}");
                             (last, whole) = (version, whole + 1);
+                            // ORDERING: Relaxed — a progress count; the join orders the rest.
+                            copies[reader].fetch_add(1, Relaxed);
                         }
                     }
                     whole
@@ -490,6 +665,17 @@ mod tests {
             .collect();
         for v in 2..20_000 {
             publish(&s, None, v).unwrap();
+        }
+        // Flat out, a reader on a loaded machine may be overtaken every time: then slower,
+        // until each has completed a copy (or 10 s).
+        let slow_until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let mut v = 20_000;
+        // ORDERING: Relaxed — as above.
+        while copies.iter().any(|c| c.load(Relaxed) == 0) && std::time::Instant::now() < slow_until
+        {
+            publish(&s, None, v).unwrap();
+            v += 1;
+            std::thread::sleep(std::time::Duration::from_micros(200));
         }
         // ORDERING: Relaxed — as above.
         stop.store(true, Relaxed);

@@ -26,7 +26,7 @@ fn version_bytes(version: u64) -> Vec<u8> {
 fn readers_of_the_region_never_keep_a_torn_or_older_version() {
     let params = Arc::new(Params::default());
     let spec = DataSpec::new(vec![ArraySpec::new(vec![SIZE], 1).unwrap()]).unwrap();
-    params.publish(&spec, &[&version_bytes(1)], None).unwrap();
+    params.publish(&spec, &[&version_bytes(1)], None, None).unwrap();
     let region = params.region().expect("a region on Linux");
     let done = Arc::new(AtomicBool::new(false));
     let readers: Vec<_> = (0..2)
@@ -58,7 +58,7 @@ fn readers_of_the_region_never_keep_a_torn_or_older_version() {
     let mut version = 1;
     while Instant::now() < until && version < 3_000 {
         version += 1;
-        params.publish(&spec, &[&version_bytes(version)], None).unwrap();
+        params.publish(&spec, &[&version_bytes(version)], None, None).unwrap();
     }
     done.store(true, Relaxed);
     for reader in readers {

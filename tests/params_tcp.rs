@@ -40,7 +40,7 @@ fn version_bytes(v: u64) -> (Vec<u8>, Vec<u8>) {
 
 fn publish(server: &Server, version: Option<u64>, pattern: u64) -> Result<u64, echo::EchoError> {
     let (a, b) = version_bytes(pattern);
-    server.publish(&param_spec(), &[&a, &b], version)
+    server.publish(&param_spec(), &[&a, &b], version, None)
 }
 
 fn whole(v: u64) -> Vec<u8> {
@@ -198,7 +198,7 @@ fn a_publish_of_another_layout_or_an_old_version_changes_nothing() {
     publish(&server, Some(5), 5).unwrap();
     let other = DataSpec::new(vec![ArraySpec::new(vec![3000], 4).unwrap()]).unwrap();
     let (a, _) = version_bytes(6);
-    let err = server.publish(&other, &[&a], None).unwrap_err().to_string();
+    let err = server.publish(&other, &[&a], None, None).unwrap_err().to_string();
     assert!(err.contains("fixed by the first publish: 2 leaves of 12100 bytes"), "{err}");
     let err = publish(&server, Some(5), 6).unwrap_err().to_string();
     assert!(err.contains("above the latest (5), got 5"), "{err}");
@@ -229,12 +229,12 @@ fn a_client_fetches_whole_versions_while_the_learner_publishes_and_never_sees_a_
     let server = std::sync::Arc::new(server);
     let mut client = sender(addr);
     assert_eq!(client.params_version(), 0);
-    server.publish(&big_spec(), &[&big(1)], None).unwrap();
+    server.publish(&big_spec(), &[&big(1)], None, None).unwrap();
     let publisher = {
         let server = std::sync::Arc::clone(&server);
         std::thread::spawn(move || {
             for v in 2..=25u64 {
-                server.publish(&big_spec(), &[&big(v)], None).unwrap();
+                server.publish(&big_spec(), &[&big(v)], None, None).unwrap();
                 std::thread::sleep(std::time::Duration::from_millis(5));
             }
         })
@@ -268,7 +268,7 @@ fn a_fetch_of_a_version_not_yet_published_waits_for_it_until_its_deadline() {
     let early = client.fetch_params(&mut out, 0, Some(started + Duration::from_millis(200)), false);
     assert!(matches!(early, Err(echo::EchoError::TimedOut)), "{early:?}");
     assert!(started.elapsed() >= Duration::from_millis(200));
-    server.publish(&big_spec(), &[&big(1)], None).unwrap();
+    server.publish(&big_spec(), &[&big(1)], None, None).unwrap();
     assert_eq!(
         client.fetch_params(&mut out, 1, Some(Instant::now() + PATIENCE), false).unwrap(),
         1
@@ -276,7 +276,7 @@ fn a_fetch_of_a_version_not_yet_published_waits_for_it_until_its_deadline() {
     let later =
         client.fetch_params(&mut out, 2, Some(Instant::now() + Duration::from_millis(100)), false);
     assert!(matches!(later, Err(echo::EchoError::TimedOut)), "{later:?}");
-    server.publish(&big_spec(), &[&big(7)], Some(7)).unwrap();
+    server.publish(&big_spec(), &[&big(7)], Some(7), None).unwrap();
     assert_eq!(
         client.fetch_params(&mut out, 2, Some(Instant::now() + PATIENCE), false).unwrap(),
         7
@@ -290,7 +290,7 @@ fn a_fetch_of_a_version_not_yet_published_waits_for_it_until_its_deadline() {
 #[test]
 fn a_fetch_of_the_wrong_size_is_refused_with_the_reason() {
     let (server, addr) = server();
-    server.publish(&big_spec(), &[&big(1)], None).unwrap();
+    server.publish(&big_spec(), &[&big(1)], None, None).unwrap();
     let mut client = sender(addr);
     let mut out = vec![0u8; 100];
     let err = client.fetch_params(&mut out, 1, Some(Instant::now() + PATIENCE), false).unwrap_err();
@@ -306,7 +306,7 @@ fn a_fetch_of_the_wrong_size_is_refused_with_the_reason() {
 #[test]
 fn a_fetch_cut_into_short_slices_goes_on_where_it_stopped() {
     let (server, addr) = server();
-    server.publish(&big_spec(), &[&big(3)], Some(3)).unwrap();
+    server.publish(&big_spec(), &[&big(3)], Some(3), None).unwrap();
     let mut client = sender(addr);
     let mut out = vec![0u8; 3_000_000];
     let (mut resume, mut slices) = (false, 0);
@@ -325,4 +325,131 @@ fn a_fetch_cut_into_short_slices_goes_on_where_it_stopped() {
     assert!(out == big(3), "resumed slices make up the whole version");
     assert!(slices > 1, "the fetch was cut at least once ({slices} slices)");
     eprintln!("3 MB in {slices} slices of 100 us");
+}
+
+/// Version `v` of parameters that compress: 3,000,000 bytes (two whole chunks and a short
+/// one) of runs of the version's byte, with the position sprinkled in every 256 bytes.
+fn compressible(v: u64) -> Vec<u8> {
+    (0..750_000u32).flat_map(|i| if i % 64 == 0 { i.to_le_bytes() } else { [v as u8; 4] }).collect()
+}
+
+#[test]
+fn a_version_published_compressed_comes_compressed_and_decompresses_bit_for_bit() {
+    use echo::codec::Codec;
+    let (server, addr) = server();
+    let mut client = sender(addr);
+    let mut out = vec![0u8; 3_000_000];
+    for (v, codec) in [(1, Codec::Lz4), (2, Codec::Zstd { level: 3 }), (3, Codec::Lz4)] {
+        let before = server.params().counts().bytes_served;
+        server.publish(&big_spec(), &[&compressible(v)], None, Some(codec)).unwrap();
+        let deadline = Some(Instant::now() + PATIENCE);
+        assert_eq!(client.fetch_params(&mut out, v, deadline, false).unwrap(), v);
+        assert!(out == compressible(v), "version {v} ({codec:?}) is not bit for bit");
+        let served = server.params().counts().bytes_served - before;
+        assert!(served < 300_000, "{served} bytes on the wire for 3 MB that compress");
+    }
+    // Published raw again: served raw.
+    let before = server.params().counts().bytes_served;
+    server.publish(&big_spec(), &[&compressible(4)], None, None).unwrap();
+    let deadline = Some(Instant::now() + PATIENCE);
+    assert_eq!(client.fetch_params(&mut out, 4, deadline, false).unwrap(), 4);
+    assert!(out == compressible(4));
+    assert_eq!(server.params().counts().bytes_served - before, 3_000_000);
+}
+
+#[test]
+fn only_a_whole_compressed_chunk_is_served_compressed_and_one_that_does_not_shrink_is_raw() {
+    use echo::codec::Codec;
+    let (server, addr) = server();
+    // The first chunk compresses, the rest (noise) does not.
+    let mut bytes = compressible(1);
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    for byte in &mut bytes[MAX_CHUNK as usize..] {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        *byte = state as u8;
+    }
+    server.publish(&big_spec(), &[&bytes], None, Some(Codec::Lz4)).unwrap();
+    let (mut raw, _) = client(addr, 2, true);
+    let ask = |raw: &mut TcpStream, offset: u64, len: u32| {
+        let asked = Fetch { version: 1, offset, len };
+        raw.write_all(&asked.encode()).unwrap();
+        loop {
+            let mut kind = [0u8; 1];
+            raw.read_exact(&mut kind).unwrap();
+            let header_len = match kind[0] {
+                params::VERSION => {
+                    raw.read_exact(&mut [0u8; 8]).unwrap();
+                    continue;
+                }
+                params::CHUNK => CHUNK_HEADER_LEN,
+                params::PACKED => params::PACKED_HEADER_LEN,
+                other => panic!("unexpected byte {other:#04x}"),
+            };
+            let mut header = vec![kind[0]; header_len];
+            raw.read_exact(&mut header[1..]).unwrap();
+            let chunk = Chunk::parse(&header, &asked, 3_000_000).unwrap().unwrap();
+            let mut wire = vec![0u8; chunk.wire_len()];
+            raw.read_exact(&mut wire).unwrap();
+            return (chunk, wire);
+        }
+    };
+    let (first, wire) = ask(&mut raw, 0, MAX_CHUNK);
+    let (codec, packed) = first.packed.expect("the whole first chunk comes compressed");
+    assert_eq!((codec, packed as usize), (Codec::Lz4, wire.len()));
+    let mut got = vec![0u8; MAX_CHUNK as usize];
+    codec.decompress_into(&wire, &mut got).unwrap();
+    assert!(got[..] == bytes[..MAX_CHUNK as usize]);
+    // Part of a chunk, and a chunk of noise: raw.
+    let (part, wire) = ask(&mut raw, 16, 4096);
+    assert_eq!((part.packed, &wire[..]), (None, &bytes[16..16 + 4096]));
+    let (noise, wire) = ask(&mut raw, u64::from(MAX_CHUNK), MAX_CHUNK);
+    assert_eq!(noise.packed, None);
+    assert!(wire[..] == bytes[MAX_CHUNK as usize..2 * MAX_CHUNK as usize]);
+}
+
+#[test]
+fn fetching_workers_take_no_byte_budget_from_the_samples() {
+    use echo::transport::wire::v2::FrameMeta;
+    // A byte budget of 2 MiB, two chunks' worth: 8 workers fetching 3 MB versions at once,
+    // while another sends 400 samples through the same budget. Every sample is acked (the
+    // chunks being served are lent their own buffers) and every copy is bit for bit.
+    let config = ServerConfig {
+        backend: BackendConfig::Fifo { batch_size: 4, num_batches: 128 },
+        num_drainers: 1,
+        producer_queue_size: Some(8),
+        wire_codecs: Vec::new(),
+        name: None,
+        versions: None,
+    };
+    let server = Server::new(common::tagged_spec(), config).unwrap();
+    let tcp = TcpConfig { num_threads: 2, ..TcpConfig::new("127.0.0.1", 0) };
+    let port = server.start(tcp, 1 << 21).unwrap();
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    server.publish(&big_spec(), &[&big(1)], None, None).unwrap();
+    let fetchers: Vec<_> = (0..8)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let mut client = sender(addr);
+                let mut out = vec![0u8; 3_000_000];
+                for _ in 0..4 {
+                    let deadline = Some(Instant::now() + PATIENCE);
+                    let version = client.fetch_params(&mut out, 1, deadline, false).unwrap();
+                    assert!(out == big(version), "version {version} is not bit for bit");
+                }
+            })
+        })
+        .collect();
+    let mut samples = sender(addr);
+    for seq in 0..400 {
+        let p = common::tagged_payload(9, seq);
+        let deadline = Some(Instant::now() + PATIENCE);
+        samples.send(&[&p[..4], &p[4..12], &p[12..]], FrameMeta::default(), deadline).unwrap();
+    }
+    samples.wait(Some(Instant::now() + PATIENCE)).unwrap();
+    for fetcher in fetchers {
+        fetcher.join().unwrap();
+    }
+    assert!(server.params().counts().chunks_served >= 8 * 4 * 3);
 }

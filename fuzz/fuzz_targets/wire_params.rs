@@ -5,9 +5,11 @@
 //! Never a panic, and:
 //! - a FETCH that decodes asks for at most a chunk, within the parameters' size, and
 //!   re-encodes to the bytes it came from;
-//! - a CHUNK header that parses is complete, of the layout's size, and either answers exactly
-//!   what was asked or says the version is gone (no bytes, offset 0): a client never takes
-//!   bytes it did not ask for; it re-encodes to the bytes it came from;
+//! - a CHUNK or PACKED header that parses is complete, of the layout's size, and either
+//!   answers exactly what was asked or says the version is gone (no bytes, offset 0): a client
+//!   never takes bytes it did not ask for; a PACKED one answers bytes asked for, with no more
+//!   compressed bytes than its codec's bound (what the client allocates); it re-encodes to
+//!   the bytes it came from;
 //! - a VERSION notice that parses re-encodes to its bytes.
 //!
 //! The first 8 bytes are the parameters' size, the next 20 the fields of a FETCH the client
@@ -15,7 +17,7 @@
 #![no_main]
 
 use echo::transport::wire::params::{
-    self, Chunk, Fetch, CHUNK_HEADER_LEN, FETCH_LEN, MAX_CHUNK, VERSION_LEN,
+    self, Chunk, Fetch, CHUNK_HEADER_LEN, FETCH_LEN, MAX_CHUNK, PACKED_HEADER_LEN, VERSION_LEN,
 };
 use libfuzzer_sys::fuzz_target;
 
@@ -40,7 +42,12 @@ fuzz_target!(|data: &[u8]| {
         let exact = (asked.version == 0 || chunk.version == asked.version)
             && (chunk.offset, chunk.len) == (asked.offset, asked.len);
         assert!(exact || (chunk.len == 0 && chunk.offset == 0), "{chunk:?} for {asked:?}");
-        assert_eq!(&chunk.encode()[..], &message[..CHUNK_HEADER_LEN]);
+        if let Some((codec, packed)) = chunk.packed {
+            assert!(exact && chunk.len > 0, "{chunk:?} for {asked:?}");
+            assert!(packed > 0 && packed as usize <= codec.bound(chunk.len as usize));
+            assert_eq!(chunk.header_len(), PACKED_HEADER_LEN);
+        }
+        assert_eq!(&chunk.encode()[..], &message[..chunk.header_len()]);
     }
     if let Some(version) = params::parse_version(message) {
         assert_eq!(&params::encode_version(version)[..], &message[..VERSION_LEN]);

@@ -397,8 +397,10 @@ class ServerCore:
         leaves: list[tuple[list[int], int, npt.NDArray[np.uint8]]],
         version: int | None = None,
         description: bytes | None = None,
+        compress: Codec | None = None,
     ) -> int:
-        """Publishes the parameters' leaves as `(shape, itemsize, bytes)`; their version."""
+        """Publishes the parameters' leaves as `(shape, itemsize, bytes)`, compressed with
+        `compress` for TCP workers; their version."""
     @property
     def params_version(self) -> int:
         """The latest version of the published parameters (0: none)."""

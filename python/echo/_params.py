@@ -85,7 +85,7 @@ class ParamsChannel:
         self._lock = threading.Lock()
         self._latest: Published | None = None
 
-    def publish(self, params: Any, version: int | None) -> int:
+    def publish(self, params: Any, version: int | None, compress: Any = None) -> int:
         """As `Server.publish`."""
         if version is not None:
             version = check_int("version", version, 1, 2**64 - 1)
@@ -115,6 +115,7 @@ class ParamsChannel:
                 [(shape, size, c) for (shape, size, _), c in zip(parts, copies, strict=True)],
                 version,
                 described,
+                compress,
             )
         )
         self._layout = layout

@@ -876,7 +876,9 @@ class Server:
             server._start_periodic(periodic)  # pyright: ignore[reportPrivateUsage]
         return server
 
-    def publish(self, params: Any, version: int | None = None) -> int:
+    def publish(
+        self, params: Any, version: int | None = None, *, compress: Codec | None = None
+    ) -> int:
         """Publishes the learner's parameters to its workers: a pytree of numpy arrays, of
         the same structure, dtypes and shapes at every call (the first publish fixes them).
         Workers fetch them with `TcpClient.params()` and hear of each new version
@@ -889,6 +891,9 @@ class Server:
             params: The parameters, e.g. `{"w": w, "b": b}` or a flax/haiku tree.
             version: The version to publish, above the latest; `None`: the latest plus one
                 (the first is 1).
+            compress: `echo.Zstd(level)` or `echo.Lz4()`: compress this version once, in
+                chunks, for the workers that fetch over TCP (they decompress as they fetch;
+                shared memory stays raw). For slow links; float weights shrink little.
 
         Returns:
             The version published.
@@ -899,7 +904,7 @@ class Server:
             ValueError: Another structure or shape than the first publish's, or a version
                 that is not above the latest. Nothing is published then.
         """
-        return self._params.publish(params, version)
+        return self._params.publish(params, version, compress)
 
     @property
     def params_version(self) -> int:

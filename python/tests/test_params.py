@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import WAIT_S, poll
 
-from echo import ConnectionClosedError, Server, TcpClient, TcpTransport
+from echo import ConnectionClosedError, Lz4, Server, TcpClient, TcpTransport, Zstd
 
 LOCALHOST = "127.0.0.1"
 EXAMPLE = {"id": np.zeros((), np.int64)}
@@ -141,6 +141,40 @@ def test_workers_fetching_while_the_learner_publishes_never_see_a_torn_or_older_
             assert versions[-1] == 50
         for client in clients:
             client.close()
+
+
+@pytest.mark.parametrize("path", ["tcp", "shm"])
+def test_a_version_published_compressed_arrives_bit_for_bit_in_fewer_bytes_over_tcp(
+    path: str,
+) -> None:
+    """`publish(compress=)`: TCP workers fetch compressed chunks (over 2 MiB of quantised
+    weights, so whole chunks and a short one) and get every bit back; shared memory copies the
+    raw version. A codec that is not one is refused before anything is published."""
+    rng = np.random.default_rng(3)
+    weights = (rng.integers(-3, 4, (700_000,)) * 0.25).astype(np.float32)  # few distinct values
+    tree = {"w": weights, "step": np.array([1], np.int64)}
+    with server() as learner:
+        client = TcpClient(
+            LOCALHOST, learner.port, EXAMPLE, params_example=tree, shared_memory=path == "shm"
+        )
+        assert client.transport_path == path
+        for version, codec in [(1, Lz4()), (2, Zstd(3))]:
+            tree["step"][0] = version
+            before = learner.stats().params_bytes_served_total
+            assert learner.publish(tree, compress=codec) == version
+            got_version, got = client.params(min_version=version, timeout=WAIT_S)
+            assert got_version == version
+            assert np.array_equal(got["w"], weights)
+            assert int(got["step"][0]) == version
+            served = learner.stats().params_bytes_served_total - before
+            if path == "tcp":
+                assert 0 < served < weights.nbytes // 2, served
+            else:
+                assert served == 0, "shared memory copies the version, nothing is served"
+        with pytest.raises(TypeError, match=r"echo\.Zstd\(\.\.\.\) or echo\.Lz4\(\)"):
+            learner.publish(tree, compress="zstd")  # type: ignore[arg-type]
+        assert learner.params_version == 2, "a refused publish publishes nothing"
+        assert client.close(timeout=WAIT_S)
 
 
 def test_a_publish_that_does_not_fit_the_first_is_refused_and_publishes_nothing() -> None:

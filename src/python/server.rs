@@ -569,15 +569,18 @@ impl PyServerCore {
     /// the server's parameter store with the GIL released. Returns the version. Python checks
     /// the pytree's structure and dtypes; the core checks the layout's sizes.
     /// `description`: the pytree's description workers without a layout fetch (set before
-    /// the version is published, so that whoever hears of it finds it).
-    #[pyo3(signature = (leaves, version=None, description=None))]
+    /// the version is published, so that whoever hears of it finds it). `compress`: a codec
+    /// (`echo.Zstd(...)`, `echo.Lz4()`) the version is compressed with for TCP workers.
+    #[pyo3(signature = (leaves, version=None, description=None, compress=None))]
     fn _publish(
         &self,
         py: Python<'_>,
         leaves: Vec<(Vec<usize>, usize, PyReadonlyArray1<'_, u8>)>,
         version: Option<u64>,
         description: Option<Vec<u8>>,
+        compress: Option<Bound<'_, PyAny>>,
     ) -> PyResult<u64> {
+        let codec = compress.as_ref().map(super::config::codec).transpose()?;
         let specs = leaves
             .iter()
             .map(|(shape, itemsize, _)| crate::spec::ArraySpec::new(shape.clone(), *itemsize))
@@ -594,7 +597,7 @@ impl PyServerCore {
         if let Some(description) = description {
             server.params().describe(description);
         }
-        detach(py, || server.publish(&specs, &bytes, version)).map_err(to_pyerr)
+        detach(py, || server.publish(&specs, &bytes, version, codec)).map_err(to_pyerr)
     }
 
     /// The latest version of the published parameters (0: none yet).

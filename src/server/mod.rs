@@ -248,7 +248,8 @@ impl Server {
     }
 
     /// Publishes parameters of layout `spec` (one byte slice per leaf) as `version`, or as
-    /// the latest plus one: what the workers fetch from now on (see [`Params::publish`]).
+    /// the latest plus one: what the workers fetch from now on (see [`Params::publish`]),
+    /// compressed with `codec` for those that fetch over TCP.
     /// Takes neither the backend's nor the ingress's locks.
     ///
     /// # Errors
@@ -259,8 +260,9 @@ impl Server {
         spec: &DataSpec,
         leaves: &[&[u8]],
         version: Option<u64>,
+        codec: Option<crate::codec::Codec>,
     ) -> Result<u64, EchoError> {
-        let version = self.params.publish(spec, leaves, version)?;
+        let version = self.params.publish(spec, leaves, version, codec)?;
         if let Some(versions) = &self.versions {
             versions.set_latest(version);
         }

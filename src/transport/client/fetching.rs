@@ -170,9 +170,20 @@ impl TcpSender {
                     at = Fetching { version: chunk.version, ..Fetching::default() };
                     continue;
                 }
-                let offset = asked.offset as usize;
-                out[offset..offset + bytes.len()].copy_from_slice(&bytes);
-                at.filled = offset + bytes.len();
+                let (offset, len) = (asked.offset as usize, asked.len as usize);
+                let into = &mut out[offset..offset + len];
+                match chunk.packed {
+                    None => into.copy_from_slice(&bytes),
+                    Some((codec, _)) => codec.decompress_into(&bytes, into).map_err(|e| {
+                        EchoError::Protocol(format!(
+                            "a compressed parameter chunk (bytes {offset}..+{len} of version \
+                             {}) does not decompress: {e}",
+                            chunk.version
+                        ))
+                    })?,
+                }
+                at.filled = offset + len;
+                link.acks.fetch.lock().recycle(bytes);
             }
             let version = at.version;
             let offset = at.filled;
@@ -230,6 +241,7 @@ impl TcpSender {
                 ));
             }
             out.extend_from_slice(&bytes);
+            link.acks.fetch.lock().recycle(bytes);
         }
         Ok(out)
     }
@@ -344,7 +356,9 @@ fn await_answer(
     let answered = || {
         let mut slot = link.acks.fetch.lock();
         while slot.answers.front().is_some_and(|a| a.0 < id) {
-            slot.answers.pop_front();
+            if let Some((_, _, bytes)) = slot.answers.pop_front() {
+                slot.recycle(bytes);
+            }
         }
         slot.answers.front().is_some_and(|a| a.0 == id)
     };

@@ -53,6 +53,38 @@ pub(super) struct FetchSlot {
     pub(super) asked: std::collections::VecDeque<(u64, Fetch, u64)>,
     pub(super) answers: std::collections::VecDeque<(u64, Chunk, Vec<u8>)>,
     pub(super) next_id: u64,
+    /// Buffers of answers already taken, kept for the next chunks (a chunk is read straight
+    /// into one): no allocation, page fault or zeroing per chunk once a fetch is under way.
+    spare: Vec<Vec<u8>>,
+}
+
+/// The most answer buffers a [`FetchSlot`] keeps: one per request a fetch has in flight.
+const SPARE_BUFFERS: usize = 4;
+
+impl FetchSlot {
+    /// A buffer of `len` bytes for a chunk's answer (a kept one when there is one).
+    fn buffer(&mut self, len: usize) -> Vec<u8> {
+        let mut bytes = self.spare.pop().unwrap_or_default();
+        // Kept buffers are mostly a whole chunk already: nothing to zero.
+        bytes.resize(len, 0);
+        bytes
+    }
+
+    /// Takes back an answer's buffer once its bytes were used.
+    pub(super) fn recycle(&mut self, bytes: Vec<u8>) {
+        if self.spare.len() < SPARE_BUFFERS && bytes.capacity() > 0 {
+            self.spare.push(bytes);
+        }
+    }
+}
+
+/// A parameter chunk whose header was read and whose bytes are still arriving: the reader
+/// reads them from the socket straight into its answer's buffer.
+pub(super) struct Incoming {
+    id: u64,
+    chunk: Chunk,
+    bytes: Vec<u8>,
+    filled: usize,
 }
 
 impl Acks {
@@ -156,6 +188,8 @@ pub(super) struct Reading {
     pub(super) skip_offer: bool,
     /// Bytes received and not yet processed.
     pub(super) pending: Vec<u8>,
+    /// A parameter chunk being read into its answer's buffer, bypassing `pending`.
+    pub(super) incoming: Option<Incoming>,
     pub(super) last_heard: Instant,
     /// The server sends [`v2::PERSISTED`] notices (it accepted a durable hello).
     pub(super) durable: bool,
@@ -183,11 +217,27 @@ impl Reading {
         let mut buf = vec![0u8; 64 * 1024];
         loop {
             self.process()?;
-            match self.stream.read(&mut buf) {
+            // A chunk's bytes go from the socket straight into its answer's buffer (one copy
+            // in user space, by the caller into its own); anything else through `pending`.
+            let into = match &mut self.incoming {
+                Some(incoming) => &mut incoming.bytes[incoming.filled..],
+                None => &mut buf[..],
+            };
+            match self.stream.read(into) {
                 Ok(0) => return Err("the server closed the connection".into()),
                 Ok(n) => {
                     self.last_heard = Instant::now();
-                    self.pending.extend_from_slice(&buf[..n]);
+                    match &mut self.incoming {
+                        Some(incoming) => {
+                            incoming.filled += n;
+                            if incoming.filled == incoming.bytes.len() {
+                                if let Some(whole) = self.incoming.take() {
+                                    self.answer(whole);
+                                }
+                            }
+                        }
+                        None => self.pending.extend_from_slice(&buf[..n]),
+                    }
                     // The server's own heartbeats (or acks) may arrive more often than our
                     // read timeout: ours are due by our last write, not by a quiet socket.
                     self.heartbeat()?;
@@ -225,6 +275,13 @@ impl Reading {
         Ok(())
     }
 
+    /// A chunk read whole: its answer, for the fetch that awaits it.
+    fn answer(&self, incoming: Incoming) {
+        let Incoming { id, chunk, bytes, .. } = incoming;
+        self.acks.fetch.lock().answers.push_back((id, chunk, bytes));
+        self.acks.changed.notify_all();
+    }
+
     /// Consumes the complete messages in `pending`.
     pub(super) fn process(&mut self) -> Result<(), String> {
         let mut used = 0;
@@ -249,7 +306,7 @@ impl Reading {
                     self.acks.params_version.fetch_max(version, Release);
                     heard = true;
                 }
-                params::CHUNK if self.params => {
+                params::CHUNK | params::PACKED if self.params => {
                     let mut slot = self.acks.fetch.lock();
                     let Some(&(id, asked, size)) = slot.asked.front() else {
                         break Err("protocol error: a parameter chunk nobody asked for".into());
@@ -259,14 +316,20 @@ impl Reading {
                         Ok(None) => break Ok(()),
                         Err(e) => break Err(format!("protocol error: {e}")),
                     };
-                    let start = used + params::CHUNK_HEADER_LEN;
-                    let end = start + chunk.len as usize;
-                    if self.pending.len() < end {
-                        break Ok(()); // the chunk's bytes are still coming
-                    }
-                    slot.answers.push_back((id, chunk, self.pending[start..end].to_vec()));
                     slot.asked.pop_front();
-                    used = end;
+                    let start = used + chunk.header_len();
+                    let len = chunk.wire_len();
+                    let have = (self.pending.len() - start).min(len);
+                    let mut bytes = slot.buffer(len);
+                    bytes[..have].copy_from_slice(&self.pending[start..start + have]);
+                    used = start + have;
+                    if have < len {
+                        // The rest is read from the socket straight into `bytes`; nothing
+                        // follows it in `pending`.
+                        self.incoming = Some(Incoming { id, chunk, bytes, filled: have });
+                        break Ok(());
+                    }
+                    slot.answers.push_back((id, chunk, bytes));
                     heard = true;
                 }
                 v2::PERSISTED if self.durable => {

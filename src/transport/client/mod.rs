@@ -316,6 +316,7 @@ impl TcpSender {
                 version,
                 skip_offer,
                 pending: leftover,
+                incoming: None,
                 durable,
                 params,
                 last_heard: Instant::now(),

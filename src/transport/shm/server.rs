@@ -22,7 +22,7 @@ use crate::sync::AsyncBell;
 use crate::transport::direct;
 use crate::transport::shm;
 use crate::transport::tcp::checks::check_meta;
-use crate::transport::tcp::frames::{serve_fetch, Body};
+use crate::transport::tcp::frames::serve_fetch;
 use crate::transport::tcp::link::{closed, completed, published, Link, ServerClosing, Woke, NEVER};
 use crate::transport::tcp::session::LOG_TARGET;
 use crate::transport::tcp::session::{Session, Shared};
@@ -215,8 +215,6 @@ async fn drain(
     let ingress = &shared.ingress;
     let backend = ingress.backend();
     let conn = &session.conn;
-    // A parameter chunk's bytes (see `serve_fetch`).
-    let mut chunk = Body::new(conn);
     let mut leaves = Vec::new();
     let mut offset = 0;
     for array in backend.spec().arrays() {
@@ -349,8 +347,7 @@ async fn drain(
             Some(Some(v2::BYE)) => ending = Some(End::Goodbye),
             // The samples go through the segment; parameter fetches over the connection.
             Some(Some(params::FETCH)) if parameters.is_some() => {
-                let parameters = parameters.expect("matched");
-                serve_fetch(link, conn, &session.space, parameters, &mut chunk).await?;
+                serve_fetch(link, parameters.expect("matched")).await?;
             }
             Some(Some(v2::SHM_DECLINE)) if reader.head() == 0 => {
                 if reader.available().map_or(true, |n| n > 0) {

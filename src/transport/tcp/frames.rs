@@ -16,7 +16,7 @@ use super::session::LOG_TARGET;
 use super::session::{Session, Shared, TAKEOVER_GRACE};
 use crate::codec::LeafCodecs;
 use crate::ingress::{BudgetHold, Connection, Packed, StepMark, TransportEvent};
-use crate::params::Params;
+use crate::params::{ChunkBytes, Params};
 use crate::transport::shm;
 use crate::transport::shm::ShmEnd;
 use crate::transport::wire::params;
@@ -281,8 +281,6 @@ async fn serve_frames(
     let stream_cost = ingress.backend().stream_cost();
     // A compressed frame's body, read whole before it is decompressed into a buffer.
     let mut body = Body::new(conn);
-    // A parameter chunk's bytes, copied out of the store before they are written.
-    let mut chunk = Body::new(conn);
     loop {
         let Some(kind) = link.next_byte().await? else { return Ok(()) };
         let len = match kind {
@@ -292,8 +290,7 @@ async fn serve_frames(
                 return Ok(());
             }
             params::FETCH if params.is_some() => {
-                let params = params.expect("matched");
-                serve_fetch(link, conn, space, params, &mut chunk).await?;
+                serve_fetch(link, params.expect("matched")).await?;
                 continue;
             }
             other => match FrameMeta::rest_len(other & !packed_bit(other)) {
@@ -354,16 +351,12 @@ async fn serve_frames(
 }
 
 /// Answers one parameter fetch ([`params::FETCH`], its kind byte read) with one chunk of the
-/// version it asks for, or the news that the version is gone (see [`params`]). The chunk's
-/// bytes are copied into `chunk` (held in the byte budget, grown as needed) under the store's
-/// read lock, then written.
-pub(crate) async fn serve_fetch(
-    link: &mut Link<'_>,
-    conn: &Arc<Connection>,
-    space: &Notify,
-    published: &Params,
-    chunk: &mut Body,
-) -> io::Result<()> {
+/// version it asks for, or the news that the version is gone (see [`params`]). The chunk is
+/// copied out of the store into a buffer lent with a turn ([`Params::chunk_turn`]: at most a
+/// few chunks at once, in the order asked, outside the samples' byte budget), then written; a
+/// worker slow to read it gives its turn up after [`CHUNK_TURN`], keeping the buffer until
+/// its bytes are written.
+pub(crate) async fn serve_fetch(link: &mut Link<'_>, published: &Params) -> io::Result<()> {
     let mut raw = [0u8; params::FETCH_LEN - 1];
     if !link.fill(&mut raw, params::FETCH_LEN - 1).await? {
         return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "closed mid-frame"));
@@ -372,34 +365,57 @@ pub(crate) async fn serve_fetch(
         return serve_description(link, &raw, published).await;
     }
     let Some(store) = published.store() else {
-        let none = params::Chunk { version: 0, size: 0, offset: 0, len: 0 };
-        return link.write(&none.encode()).await;
+        return link.write(&params::Chunk::raw(0, 0, 0, 0).encode()).await;
     };
     let size = store.size() as u64;
     let fetch = match params::Fetch::decode(&raw, size) {
         Ok(fetch) => fetch,
         Err(why) => return Err(link.fail(&why.to_string()).await),
     };
-    let len = fetch.len as usize;
-    if len > chunk.hold.bytes() {
-        let more = len - chunk.hold.bytes();
-        link.grow_hold(conn, space, &mut chunk.hold, more).await?;
-    }
-    chunk.bytes.resize(len, 0);
+    let mut turn = published.chunk_turn().await;
     let version = if fetch.version == 0 { store.latest() } else { fetch.version };
     // `decode` checked `offset + len <= size`.
     let offset = usize::try_from(fetch.offset).expect("within the parameters' size");
-    let header = match store.read(version, offset, &mut chunk.bytes[..len]) {
-        Ok(()) => params::Chunk { version, size, offset: fetch.offset, len: fetch.len },
-        Err(gone) => params::Chunk { version: gone.latest, size, offset: 0, len: 0 },
+    let header = match store.read_chunk(version, offset, fetch.len as usize, &mut turn.bytes) {
+        Ok(bytes) => params::Chunk {
+            packed: match bytes {
+                ChunkBytes::Raw => None,
+                ChunkBytes::Packed(codec) => {
+                    Some((codec, u32::try_from(turn.bytes.len()).expect("below a chunk")))
+                }
+            },
+            ..params::Chunk::raw(version, size, fetch.offset, fetch.len)
+        },
+        Err(gone) => params::Chunk::raw(gone.latest, size, 0, 0),
     };
-    link.write(&header.encode()).await?;
-    if header.len > 0 {
-        link.write(&chunk.bytes[..len]).await?;
-        published.note_served(len);
+    let wire_len = if header.len > 0 { header.wire_len() } else { 0 };
+    // Out of the turn while it is written (the turn may be passed meanwhile); back in it
+    // after, for the next chunk (a write that fails drops it).
+    let bytes = std::mem::take(&mut turn.bytes);
+    {
+        let write = async {
+            link.write(&header.encode()).await?;
+            link.write(&bytes[..wire_len]).await
+        };
+        tokio::pin!(write);
+        tokio::select! {
+            written = &mut write => written?,
+            () = tokio::time::sleep(CHUNK_TURN) => {
+                turn.pass();
+                write.await?;
+            }
+        }
+    }
+    turn.bytes = bytes;
+    if wire_len > 0 {
+        published.note_served(wire_len);
     }
     Ok(())
 }
+
+/// How long one chunk's write may keep its turn ([`Params::chunk_turn`]) before the next
+/// worker's chunk is served beside it: a megabyte in 50 ms is 20 MB/s.
+const CHUNK_TURN: std::time::Duration = std::time::Duration::from_millis(50);
 
 /// Answers a fetch of the parameters' description ([`params::DESCRIPTION`]; `raw`, the
 /// fetch after its kind byte): bytes of it, or its size alone to a probe.
@@ -410,8 +426,7 @@ async fn serve_description(link: &mut Link<'_>, raw: &[u8], published: &Params) 
         Ok(fetch) => fetch,
         Err(why) => return Err(link.fail(&why.to_string()).await),
     };
-    let header =
-        params::Chunk { version: params::DESCRIPTION, size, offset: fetch.offset, len: fetch.len };
+    let header = params::Chunk::raw(params::DESCRIPTION, size, fetch.offset, fetch.len);
     link.write(&header.encode()).await?;
     // `decode` checked `offset + len <= size`.
     let start = usize::try_from(fetch.offset).expect("within the description");

@@ -5,8 +5,17 @@
 //! ```text
 //! client -> server:  0x32 FETCH   | version: u64 (0: the latest) | offset: u64 | len: u32
 //! server -> client:  0x06 CHUNK   | version: u64 | size: u64 | offset: u64 | len: u32 | len bytes
+//!                    0x08 PACKED  | version: u64 | size: u64 | offset: u64 | len: u32
+//!                                 | codec: u8 (1 zstd, 2 lz4) | packed: u32 | packed bytes
 //!                    0x07 VERSION | version: u64   (a new version was published)
 //! ```
+//!
+//! A PACKED chunk answers a FETCH as a CHUNK does, its `len` bytes compressed into `packed`
+//! bytes with the codec the learner published that version with (`Server.publish(...,
+//! compress=)`): the server compresses each version once, in chunks of [`MAX_CHUNK`] raw
+//! bytes, and answers a FETCH of exactly one of them (the client asks for no other) with it
+//! when it shrank. `packed` is checked against the codec's bound for `len` before anything is
+//! allocated, and decompression must yield exactly `len` bytes.
 //!
 //! A FETCH asks for bytes `offset..offset + len` of `version`, at most [`MAX_CHUNK`]; the
 //! server answers each with one CHUNK of that version, whose `size` is the bytes of a whole
@@ -21,6 +30,7 @@
 //! without a layout of its own learns it first. A learner without one answers a size of 0.
 
 use super::reader::Cursor;
+use crate::codec::Codec;
 use crate::error::EchoError;
 
 /// Client frame: a request for one chunk of the parameters.
@@ -29,6 +39,8 @@ pub const FETCH: u8 = 0x32;
 pub const CHUNK: u8 = 0x06;
 /// Server byte: a new version of the parameters was published (its number follows).
 pub const VERSION: u8 = 0x07;
+/// Server byte: one chunk of the parameters follows, compressed.
+pub const PACKED: u8 = 0x08;
 /// The version a FETCH asks for to get the parameters' description, not a version of them.
 pub const DESCRIPTION: u64 = u64::MAX;
 /// The most bytes one chunk carries.
@@ -37,6 +49,8 @@ pub const MAX_CHUNK: u32 = 1 << 20;
 pub const FETCH_LEN: usize = 1 + 8 + 8 + 4;
 /// Bytes of a CHUNK's header, its kind byte included (its bytes follow).
 pub const CHUNK_HEADER_LEN: usize = 1 + 8 + 8 + 8 + 4;
+/// Bytes of a PACKED chunk's header, its kind byte included (its compressed bytes follow).
+pub const PACKED_HEADER_LEN: usize = CHUNK_HEADER_LEN + 1 + 4;
 /// Bytes of a VERSION notice, its kind byte included.
 pub const VERSION_LEN: usize = 1 + 8;
 
@@ -94,7 +108,7 @@ impl Fetch {
     }
 }
 
-/// A CHUNK's header (its bytes follow it on the wire).
+/// A CHUNK's or PACKED chunk's header (its bytes follow it on the wire).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Chunk {
     /// The version the bytes are of (0: none published).
@@ -103,20 +117,66 @@ pub struct Chunk {
     pub size: u64,
     /// Where the bytes go in the version.
     pub offset: u64,
-    /// How many bytes follow.
+    /// How many bytes of the version it carries.
     pub len: u32,
+    /// A PACKED chunk: the codec and the compressed bytes that follow (which decompress to
+    /// `len`); `None`, a CHUNK: `len` raw bytes follow.
+    pub packed: Option<(Codec, u32)>,
+}
+
+/// A chunk's header as it goes on the wire: [`CHUNK_HEADER_LEN`] or [`PACKED_HEADER_LEN`]
+/// bytes.
+#[derive(Debug, Clone, Copy)]
+pub struct Header {
+    bytes: [u8; PACKED_HEADER_LEN],
+    len: usize,
+}
+
+impl std::ops::Deref for Header {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        &self.bytes[..self.len]
+    }
 }
 
 impl Chunk {
+    /// A CHUNK's header: `len` raw bytes of `version` from `offset`.
+    pub fn raw(version: u64, size: u64, offset: u64, len: u32) -> Self {
+        Self { version, size, offset, len, packed: None }
+    }
+
     /// The header's bytes.
-    pub fn encode(&self) -> [u8; CHUNK_HEADER_LEN] {
-        let mut out = [0u8; CHUNK_HEADER_LEN];
-        out[0] = CHUNK;
+    pub fn encode(&self) -> Header {
+        let mut out = [0u8; PACKED_HEADER_LEN];
+        out[0] = if self.packed.is_some() { PACKED } else { CHUNK };
         out[1..9].copy_from_slice(&self.version.to_le_bytes());
         out[9..17].copy_from_slice(&self.size.to_le_bytes());
         out[17..25].copy_from_slice(&self.offset.to_le_bytes());
-        out[25..].copy_from_slice(&self.len.to_le_bytes());
-        out
+        out[25..29].copy_from_slice(&self.len.to_le_bytes());
+        let Some((codec, packed)) = self.packed else {
+            return Header { bytes: out, len: CHUNK_HEADER_LEN };
+        };
+        out[29] = match codec {
+            Codec::Zstd { .. } => 1,
+            Codec::Lz4 => 2,
+        };
+        out[30..].copy_from_slice(&packed.to_le_bytes());
+        Header { bytes: out, len: PACKED_HEADER_LEN }
+    }
+
+    /// The bytes of its header on the wire.
+    pub fn header_len(&self) -> usize {
+        if self.packed.is_some() {
+            PACKED_HEADER_LEN
+        } else {
+            CHUNK_HEADER_LEN
+        }
+    }
+
+    /// The bytes that follow its header on the wire.
+    pub fn wire_len(&self) -> usize {
+        self.packed.map_or(self.len, |(_, packed)| packed) as usize
     }
 
     /// The header at the start of `bytes` (kind byte included), checked against what the
@@ -129,20 +189,22 @@ impl Chunk {
     /// layout's, or bytes the client did not ask for (another offset or more bytes; a
     /// superseded answer carries offset 0 and none).
     pub fn parse(bytes: &[u8], asked: &Fetch, size: u64) -> Result<Option<Self>, EchoError> {
-        let Some(header) = bytes.get(..CHUNK_HEADER_LEN) else { return Ok(None) };
-        if header[0] != CHUNK {
-            return Err(EchoError::Protocol(format!(
-                "expected a parameter chunk (0x06), got {:#04x}",
-                header[0]
-            )));
-        }
-        let mut reader = Cursor(&header[1..]);
-        let chunk = Self {
-            version: reader.u64()?,
-            size: reader.u64()?,
-            offset: reader.u64()?,
-            len: reader.u32()?,
+        let header_len = match bytes.first() {
+            None => return Ok(None),
+            Some(&CHUNK) => CHUNK_HEADER_LEN,
+            Some(&PACKED) => PACKED_HEADER_LEN,
+            Some(other) => {
+                return Err(EchoError::Protocol(format!(
+                    "expected a parameter chunk (0x06 or 0x08), got {other:#04x}"
+                )))
+            }
         };
+        let Some(header) = bytes.get(..header_len) else { return Ok(None) };
+        let mut reader = Cursor(&header[1..]);
+        let mut chunk = Self::raw(reader.u64()?, reader.u64()?, reader.u64()?, reader.u32()?);
+        if header_len == PACKED_HEADER_LEN {
+            chunk.packed = Some(Self::packing(&mut reader, &chunk, asked)?);
+        }
         if chunk.version == 0 {
             // Nothing published yet: no bytes, of no size.
             if (chunk.size, chunk.offset, chunk.len) != (0, 0, 0) {
@@ -188,6 +250,44 @@ impl Chunk {
     pub fn superseded(&self, asked: &Fetch) -> bool {
         self.len == 0 && asked.len > 0
     }
+
+    /// A PACKED header's codec and compressed length (after `chunk`'s fields, in `reader`),
+    /// checked: it answers a fetch of bytes (not a probe, nor the news that nothing is
+    /// published or the version is gone), and its compressed bytes are no more than the
+    /// codec's bound for `chunk.len`, nor none.
+    fn packing(
+        reader: &mut Cursor<'_>,
+        chunk: &Self,
+        asked: &Fetch,
+    ) -> Result<(Codec, u32), EchoError> {
+        let codec = match reader.u8()? {
+            1 => Codec::Zstd { level: 1 },
+            2 => Codec::Lz4,
+            other => {
+                return Err(EchoError::Protocol(format!(
+                    "a compressed parameter chunk with unknown codec {other} (1 zstd, 2 lz4)"
+                )))
+            }
+        };
+        let packed = reader.u32()?;
+        if chunk.version == 0 || chunk.len == 0 || asked.len == 0 {
+            return Err(EchoError::Protocol(format!(
+                "a compressed parameter chunk of version {} with {} bytes, answering a fetch \
+                 of {}: only bytes asked for come compressed",
+                chunk.version, chunk.len, asked.len
+            )));
+        }
+        let bound = codec.bound(chunk.len as usize);
+        if packed == 0 || packed as usize > bound {
+            return Err(EchoError::Protocol(format!(
+                "a parameter chunk of {} bytes compressed into {packed} bytes, expected 1 to \
+                 {bound} ({})",
+                chunk.len,
+                codec.name()
+            )));
+        }
+        Ok((codec, packed))
+    }
 }
 
 /// A VERSION notice's bytes.
@@ -229,7 +329,7 @@ mod tests {
     #[test]
     fn a_chunk_answers_what_was_asked_or_says_the_version_is_gone() {
         let asked = Fetch { version: 0, offset: 0, len: 16 };
-        let chunk = Chunk { version: 3, size: 64, offset: 0, len: 16 };
+        let chunk = Chunk::raw(3, 64, 0, 16);
         let bytes = chunk.encode();
         for cut in 0..CHUNK_HEADER_LEN {
             assert_eq!(Chunk::parse(&bytes[..cut], &asked, 64).unwrap(), None, "cut at {cut}");
@@ -238,27 +338,67 @@ mod tests {
         assert!(!chunk.superseded(&asked));
         // The next chunk of version 3; the answer that version 3 is gone (5 is the latest).
         let next = Fetch { version: 3, offset: 16, len: 16 };
-        let gone = Chunk { version: 5, size: 64, offset: 0, len: 0 };
+        let gone = Chunk::raw(5, 64, 0, 0);
         let parsed = Chunk::parse(&gone.encode(), &next, 64).unwrap().unwrap();
         assert!(parsed.superseded(&next));
         // What was not asked for is refused: another version, offset, length or size.
         for bad in [
-            Chunk { version: 4, ..Chunk { offset: 16, len: 16, ..chunk } },
+            Chunk { version: 4, offset: 16, ..chunk },
             Chunk { offset: 32, len: 16, ..chunk },
             Chunk { offset: 16, len: 17, ..chunk },
             Chunk { size: 65, offset: 16, len: 16, ..chunk },
         ] {
             assert!(Chunk::parse(&bad.encode(), &next, 64).is_err(), "{bad:?}");
         }
-        let mut wrong = bytes;
+        let mut wrong = bytes.to_vec();
         wrong[0] = VERSION;
         assert!(Chunk::parse(&wrong, &asked, 64).is_err());
         // Nothing published: version 0 with no size and no bytes, and nothing else.
-        let none = Chunk { version: 0, size: 0, offset: 0, len: 0 };
+        let none = Chunk::raw(0, 0, 0, 0);
         assert_eq!(Chunk::parse(&none.encode(), &asked, 64).unwrap(), Some(none));
         assert!(none.superseded(&asked));
         let bogus = Chunk { len: 16, ..none };
         assert!(Chunk::parse(&bogus.encode(), &asked, 64).is_err());
+    }
+
+    #[test]
+    fn a_packed_chunk_answers_only_bytes_asked_for_within_its_codecs_bound() {
+        let asked = Fetch { version: 0, offset: 0, len: 4096 };
+        let packed = Chunk { packed: Some((Codec::Lz4, 100)), ..Chunk::raw(3, 8192, 0, 4096) };
+        let bytes = packed.encode();
+        assert_eq!((bytes.len(), bytes[0]), (PACKED_HEADER_LEN, PACKED));
+        for cut in 0..PACKED_HEADER_LEN {
+            assert_eq!(Chunk::parse(&bytes[..cut], &asked, 8192).unwrap(), None, "cut at {cut}");
+        }
+        let parsed = Chunk::parse(&bytes, &asked, 8192).unwrap().unwrap();
+        assert_eq!(
+            (parsed, parsed.header_len(), parsed.wire_len()),
+            (packed, PACKED_HEADER_LEN, 100)
+        );
+        // zstd round-trips as zstd (its level is the learner's business).
+        let zstd = Chunk { packed: Some((Codec::Zstd { level: 1 }, 7)), ..packed };
+        assert_eq!(Chunk::parse(&zstd.encode(), &asked, 8192).unwrap(), Some(zstd));
+        let refused = |chunk: Chunk, asked: &Fetch| {
+            Chunk::parse(&chunk.encode(), asked, 8192).unwrap_err().to_string()
+        };
+        // More than the codec's bound (or nothing) is refused before anything is allocated.
+        let bound = Codec::Lz4.bound(4096) as u32;
+        let err = refused(Chunk { packed: Some((Codec::Lz4, bound + 1)), ..packed }, &asked);
+        assert!(err.contains(&format!("expected 1 to {bound}")), "{err}");
+        assert!(
+            refused(Chunk { packed: Some((Codec::Lz4, 0)), ..packed }, &asked).contains("0 bytes")
+        );
+        // Only bytes asked for come compressed: not a probe's answer, nor "gone".
+        let probe = Fetch { len: 0, ..asked };
+        assert!(refused(packed, &probe).contains("only bytes asked for"));
+        let gone = Chunk { len: 0, ..packed };
+        assert!(refused(gone, &asked).contains("only bytes asked for"));
+        // Another offset, and an unknown codec.
+        assert!(refused(Chunk { offset: 4096, ..packed }, &asked).contains("asked for"));
+        let mut unknown = bytes.to_vec();
+        unknown[CHUNK_HEADER_LEN] = 3;
+        let err = Chunk::parse(&unknown, &asked, 8192).unwrap_err().to_string();
+        assert!(err.contains("unknown codec 3"), "{err}");
     }
 
     #[test]
