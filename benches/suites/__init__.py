@@ -30,7 +30,8 @@ The modules here are the suites and their parts, a part named after its suite: `
 ``peers_child`` in each library's interpreter; ``compression`` has
 ``compression_wire`` and ``compression_tables``, and shares ``compression_common`` with
 ``sequence-compression``; ``ray`` has ``ray_actors`` and ``ray_tables``; ``params`` has
-``params_workers`` (its worker processes and pytrees) and ``params_tables``. A script runs
+``params_workers`` (its worker processes and pytrees) and ``params_tables``, and
+``params-crowd`` (``params_crowd``) uses the same workers. A script runs
 on its own as ``python -m benches.suites.NAME`` from the repository root. What every suite
 shares is in :mod:`benches.common`.
 
@@ -110,6 +111,11 @@ SUITES: tuple[Suite, ...] = (
         "benches.suites.params",
         "parameters down: 10 MB fetch vs memcpy, loopback TCP and ray.get; sample() p99 while "
         "workers fetch; publish latency",
+    ),
+    Suite(
+        "params-crowd",
+        "benches.suites.params_crowd",
+        "ingress samples/s while 1,000 connections fetch 1 MB parameters back to back",
     ),
     Suite(
         "socket-settings",

@@ -4,14 +4,19 @@ that make a torn copy show) and the feeders' small samples.
 
 ``python -m benches.suites.params_workers --worker PORT BYTES SHM`` is a parameter fetcher
 (one ``TcpClient`` with ``params_example``) that answers commands on its standard input;
-``--feeder PORT WID`` sends samples to the learner until told to stop. Each has a watchdog,
-and every loop is bounded in count and time.
+``--feeder PORT WID`` sends samples to the learner until told to stop; ``--crowd PORT BYTES
+N`` holds N fetcher connections in one process (the ``params-crowd`` suite,
+:mod:`benches.suites.params_crowd`). Each has a watchdog, and every loop is bounded in count
+and time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
+import resource
 import socket
 import statistics
 import sys
@@ -41,6 +46,7 @@ STAMP_EVERY = 16_384  # elements: a version stamp every 64 KiB of each leaf
 CALL_S = 60.0  # the longest any one fetch, send or command may take
 WORKER_WATCHDOG_S = 900.0
 MAX_LOOPS = 10**8
+CROWD_GRACE_S = 20.0  # how long past its phase a crowd fetch begun in it may take
 
 
 # --------------------------------------------------------------------------- the pytrees
@@ -274,8 +280,166 @@ def feeder_main(argv: list[str]) -> int:
     return 0
 
 
+def raise_nofile() -> int:
+    """Raises this process's open-files limit (``RLIMIT_NOFILE``) to its hard limit, for a
+    thousand connections; returns the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        want = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def renice(nice: int) -> int:
+    """Sets every thread of this process (on Linux niceness is per thread; threads started
+    later inherit their starter's) to ``nice``; returns the calling thread's niceness now."""
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+    return os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def _crowd_fetcher(client: TcpClient, start: float, end: float, out: dict[str, Any]) -> None:
+    """One connection of the crowd: fetches back to back (``min_version`` the newest it has,
+    so each call returns at once with the latest version) from ``start`` until ``end``
+    (monotonic), each call given until ``end + CROWD_GRACE_S``. Each copy's stamps are
+    checked and its versions must never go back; ``out`` gets the counts."""
+    fetch_s: list[float] = []
+    fetches = late = torn = torn_copies = timeouts = backwards = last = 0
+    first: float | None = None
+    error: str | None = None
+    time.sleep(max(0.0, start - time.monotonic()))
+    for _ in range(MAX_LOOPS):
+        now = time.monotonic()
+        if now >= end:
+            break
+        t = time.perf_counter()
+        try:
+            version, tree = client.params(
+                min_version=max(last, 1), timeout=end + CROWD_GRACE_S - now
+            )
+        except TimeoutError:
+            timeouts += 1
+            continue
+        except Exception as e:  # noqa: BLE001 - reported to the learner
+            error = f"{type(e).__name__}: {e}"
+            break
+        done = time.monotonic()
+        bad = torn_leaves(tree, version)
+        torn += bad
+        torn_copies += bad > 0
+        backwards += version < last
+        last = max(last, version)
+        if done > end:
+            late += 1  # completed after the phase: checked, not counted in it
+            continue
+        fetches += 1
+        fetch_s.append(time.perf_counter() - t)
+        if first is None:
+            first = done - start
+    out.update(
+        fetches=fetches,
+        late=late,
+        torn_leaves=torn,
+        torn_copies=torn_copies,
+        timeouts=timeouts,
+        backwards=backwards,
+        last_version=last,
+        first_fetch_s=first,
+        fetch_ms=[round(1e3 * x, 3) for x in fetch_s],
+        error=error,
+    )
+
+
+def _crowd_loop(clients: list[TcpClient], start: float, end: float) -> dict[str, Any]:
+    """Every client of ``clients`` fetching in a thread of its own from ``start`` to ``end``;
+    the per-client counts, in client order, and their sums."""
+    outs: list[dict[str, Any]] = [{} for _ in clients]
+    threads = [
+        threading.Thread(target=_crowd_fetcher, args=(cl, start, end, out), daemon=True)
+        for cl, out in zip(clients, outs, strict=True)
+    ]
+    for th in threads:
+        th.start()
+    deadline = end + CROWD_GRACE_S + 10.0
+    for th in threads:
+        th.join(timeout=max(0.0, deadline - time.monotonic()))
+    stuck = sum(th.is_alive() for th in threads)
+    done = [o for o in outs if o]
+    errors = [o["error"] for o in done if o["error"]]
+    return {
+        "clients": len(clients),
+        "stuck_threads": stuck,
+        "fetches": [int(o.get("fetches", 0)) for o in outs],
+        "first_fetch_s": [o.get("first_fetch_s") for o in outs],
+        "fetch_ms": [x for o in done for x in o["fetch_ms"]],
+        "late": sum(int(o["late"]) for o in done),
+        "timeouts": sum(int(o["timeouts"]) for o in done),
+        "torn_leaves": sum(int(o["torn_leaves"]) for o in done),
+        "torn_copies": sum(int(o["torn_copies"]) for o in done),
+        "backwards": sum(int(o["backwards"]) for o in done),
+        "last_version": max((int(o["last_version"]) for o in done), default=0),
+        "error_count": len(errors),
+        "errors": errors[:5],
+    }
+
+
+def crowd_main(argv: list[str]) -> int:
+    """``--crowd PORT BYTES N``: N parameter fetchers in this process (one ``TcpClient`` with
+    ``params_example`` each, over TCP). Says ``ready CONNECTED FIRST_ERROR``, then answers
+    each ``loop START END`` (every connection fetching back to back in a thread of its own)
+    with ``result JSON``; ``loop START END NICE`` runs the loop at niceness NICE (``renice``:
+    only up, where unprivileged). Closes the connections at end of input."""
+    port, size, n = int(argv[0]), int(argv[1]), int(argv[2])
+    c.start_watchdog(WORKER_WATCHDOG_S, "params crowd")
+    raise_nofile()
+    example, params_example = sample_example(), pytree(size)
+    clients: list[TcpClient] = []
+    first_error = ""
+    for _ in range(n):
+        try:
+            clients.append(
+                TcpClient(
+                    HOST,
+                    port,
+                    example,
+                    params_example=params_example,
+                    shared_memory=False,
+                    connect_timeout=CALL_S,
+                )
+            )
+        except Exception as e:  # noqa: BLE001 - reported to the learner
+            first_error = first_error or f"{type(e).__name__}: {e}"
+    _say(f"ready {len(clients)} {json.dumps(first_error)}")
+    for _ in range(MAX_LOOPS):
+        words = sys.stdin.readline().split()
+        if not words:
+            break
+        report: dict[str, Any] = {"error": None, "connected": len(clients)}
+        try:
+            if words[0] == "loop":
+                if len(words) > 3:
+                    report["nice"] = renice(int(words[3]))
+                report.update(_crowd_loop(clients, float(words[1]), float(words[2])))
+            else:
+                report["error"] = f"unknown command {words[0]!r}"
+        except Exception as e:  # noqa: BLE001 - reported to the learner
+            report["error"] = f"{type(e).__name__}: {e}"
+        _say("result " + json.dumps(report))
+    for client in clients:
+        client.close(timeout=5.0)
+    return 0
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         sys.exit(worker_main(sys.argv[2:]))
     if len(sys.argv) > 1 and sys.argv[1] == "--feeder":
         sys.exit(feeder_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "--crowd":
+        sys.exit(crowd_main(sys.argv[2:]))
