@@ -1,10 +1,10 @@
 """Policy versions on samples: every sample carries the version of the parameters that made
 it (the one its worker last fetched, or the one `send(version=)` names), batches hand them out
 as `Sample.versions`, and `max_staleness=k` keeps samples more than k versions behind the
-latest publish from the learner: dropped as they go in, or removed from a replay table when
-a draw meets them, each counted once by cause. With `admission="block"` a worker that far
-behind waits in `send()` until it has newer parameters. Exactly-once holds for every sample
-that is not stale (unique ids)."""
+latest publish from the learner: dropped as they go in, skipped by a FIFO ring, or removed
+from a replay or sequence table when a draw meets them, each counted once by cause. With
+`admission="block"` a worker that far behind waits in `send()` until it has newer
+parameters. Exactly-once holds for every sample that is not stale (unique ids)."""
 
 from __future__ import annotations
 
@@ -247,6 +247,32 @@ def test_a_sequence_table_hands_out_a_version_per_step() -> None:
         assert got.versions is not None
         assert got.versions.shape == (2, 3)
         assert (got.versions == got.batch["id"] + 10).all()
+
+
+def test_a_sequence_table_removes_windows_with_a_step_that_became_stale() -> None:
+    """Windows of 3 (one starting at each step) over steps 0..5 of one stream: steps 0-2 made
+    by version 1, 3-5 by version 3. Once version 3 is published (bound 1) the windows with a
+    step of version 1 are removed as draws meet them, each counted once; only [3, 4, 5] is
+    handed out."""
+    sequence = Sequence(length=3, period=1)
+    learner = Server(EXAMPLE, 2, sequence=sequence, max_size=64, max_staleness=1, seed=1)
+    with learner:
+        publish_up_to(learner, 1)
+        for step in range(3):
+            learner.submit(sample_of(step), stream=0, version=1)
+        publish_up_to(learner, 3)
+        for step in range(3, 6):
+            learner.submit(sample_of(step), stream=0, version=3)
+        for _ in range(20):
+            got = learner.sample(timeout=WAIT_S)
+            assert got is not None
+            assert got.versions is not None
+            assert (got.versions == 3).all(), got.versions
+            assert got.batch["id"].tolist() == [[3, 4, 5], [3, 4, 5]]
+        stats = learner.stats()
+        assert stats.samples_stale_at_insert_total == 0
+        # Windows [0..2], [1..3] and [2..4] hold a step of version 1: removed once each.
+        assert stats.samples_stale_at_sample_total == 3
 
 
 def test_blocking_admission_holds_a_worker_too_far_behind_until_it_fetches() -> None:

@@ -15,7 +15,7 @@ use crate::spec::ArraySpec;
 use crate::sync::Arc;
 
 use super::config::LOG_TARGET;
-use super::state::{Compressed, Drawn, Packed, Run};
+use super::state::{Compressed, Drawn, Packed, Run, StaleWindow};
 use super::SequenceTable;
 
 /// Windows a gather prefetches ahead of the one it copies.
@@ -77,15 +77,41 @@ impl SequenceConsumer {
     pub fn sample(&mut self, deadline: Option<Instant>) -> Result<ReplayBatch, EchoError> {
         let table = &*self.table;
         let g = &table.geometry;
+        // With a staleness bound, windows with a step older than it now are removed as draws
+        // meet them.
+        let versions = table.shell.versions.get().filter(|v| v.floor() > 0);
+        let floor = versions.map_or(0, |v| v.floor());
+        let leaf = versions.map(|v| v.leaf()).filter(|&l| table.packed_index[l].is_none());
+        let stale = |steps: &[(usize, usize)]| {
+            let Some(leaf) = leaf else { return false };
+            steps.iter().any(|&(first, n)| {
+                // SAFETY: these are a live window's written steps, read under the table lock
+                // (the caller holds it): writers only write a stream's next slots, and only
+                // eviction under this lock frees these, so their bytes are stable.
+                unsafe {
+                    table.storage.read_slots(leaf, first..first + n, |bytes| {
+                        bytes
+                            .chunks_exact(8)
+                            .any(|v| v.try_into().map_or(u64::MAX, u64::from_le_bytes) < floor)
+                    })
+                }
+            })
+        };
+        let stale: Option<StaleWindow<'_>> = (floor > 0).then_some(&stale);
+        let mut removed = 0;
         let mut state = table.state.lock();
         let (pending, runs) = (&mut self.pending, &mut self.runs);
-        table.shell.draw_rounds(
+        let drawn = table.shell.draw_rounds(
             &mut state,
             deadline,
             pending.len(),
             &mut self.holdback,
-            |state, n| state.draw(g, n, pending, runs),
-        )?;
+            |state, n| state.draw(g, n, pending, runs, stale, &mut removed),
+        );
+        if removed > 0 {
+            versions.expect("stale windows need versions").note_stale_at_sample(removed);
+        }
+        drawn?;
         self.holdback = None;
         drop(state);
         self.gather();

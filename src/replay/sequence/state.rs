@@ -580,24 +580,47 @@ impl State {
 
     /// Draws up to `n` windows (`live_windows > 0`) into `pending`, pinning their chunks and
     /// appending their slot runs to `runs`; returns how many.
+    /// Draws up to `n` windows into `pending` (their steps' runs into `runs`); returns how
+    /// many. With `stale` (a staleness bound), a drawn window for which it says so, given
+    /// the slot ranges of its steps, is removed instead (counted in `removed`).
     pub(super) fn draw(
         &mut self,
         g: &Geometry,
         n: usize,
         pending: &mut Vec<Drawn>,
         runs: &mut Vec<Run>,
+        stale: Option<StaleWindow<'_>>,
+        removed: &mut u64,
     ) -> usize {
+        // Whether the live window at `slot` is stale (removed if so).
+        let mut judged_stale = |state: &mut Self, slot: usize| {
+            let Some(stale) = stale else { return false };
+            if stale(&state.window_steps(g, slot)) {
+                state.remove_window(slot);
+                *removed += 1;
+                return true;
+            }
+            false
+        };
         if g.max_times_sampled == 0 {
             let got = {
                 let (slots, probabilities) =
                     (&mut self.draw_slots[..n], &mut self.draw_probabilities[..n]);
                 self.sampler.draw(&mut self.rng, slots, probabilities)
             };
+            let mut taken = 0;
             for j in 0..got {
                 let (slot, probability) = (self.draw_slots[j], self.draw_probabilities[j]);
+                if stale.is_some() {
+                    // Drawn twice in one call and removed the first time: not live any more.
+                    if !self.windows.contains_key(&(slot as u32)) || judged_stale(self, slot) {
+                        continue;
+                    }
+                }
                 self.take(g, slot, probability, pending, runs);
+                taken += 1;
             }
-            return got;
+            return taken;
         }
         // One at a time, so a window that reaches `max_times_sampled` is gone before the next
         // draw: nothing is handed out more than k times.
@@ -607,6 +630,9 @@ impl State {
                 (&mut self.draw_slots[..1], &mut self.draw_probabilities[..1]);
             self.sampler.draw(&mut self.rng, slot, probability);
             let (slot, probability) = (self.draw_slots[0], self.draw_probabilities[0]);
+            if judged_stale(self, slot) {
+                continue;
+            }
             self.take(g, slot, probability, pending, runs);
             if self.windows[&(slot as u32)].times_sampled >= g.max_times_sampled {
                 self.remove_window(slot);
@@ -615,6 +641,25 @@ impl State {
             got += 1;
         }
         got
+    }
+
+    /// The slot ranges `(first, steps)` that hold the live window at `slot`'s real steps,
+    /// in order (invariant 1: from its first slot on through its stream's `next` chunks).
+    pub(super) fn window_steps(&self, g: &Geometry, slot: usize) -> Vec<(usize, usize)> {
+        let window = self.windows[&(slot as u32)];
+        let mut out = Vec::new();
+        let (mut c, mut at, mut left) = (g.chunk_of(slot), slot, window.len as usize);
+        while left > 0 {
+            let chunk = &self.chunks[c];
+            let n = left.min(g.first_slot(c) + chunk.filled as usize - at);
+            out.push((at, n));
+            left -= n;
+            if left > 0 {
+                c = chunk.next as usize;
+                at = g.first_slot(c);
+            }
+        }
+        out
     }
 
     pub(super) fn take(
@@ -687,6 +732,10 @@ impl State {
         (live && chunk.state == ChunkState::Live && chunk.generation == generation).then_some(slot)
     }
 }
+
+/// Whether a window is stale, given the slot ranges `(first, steps)` of its steps
+/// ([`State::window_steps`]).
+pub(super) type StaleWindow<'a> = &'a dyn Fn(&[(usize, usize)]) -> bool;
 
 /// Hashes a window's first slot: the slot times an odd constant (Fibonacci hashing), so
 /// windows of consecutive starts spread over the map's groups.
