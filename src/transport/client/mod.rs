@@ -464,8 +464,12 @@ impl TcpSender {
     /// ([`Closing::Final`]) or restarting; `None` if it never did (it is up, or it vanished
     /// without a word, as a crash does).
     pub fn server_closing(&self) -> Option<Closing> {
-        let latest = self.link.as_ref().and_then(|link| {
-            // ORDERING: Acquire pairs with the reader's Release store (see `recover`).
+        // Only once the connection counts as lost: the reader stores the notice just before
+        // it marks the loss, and a caller who saw the notice must find the next `send`
+        // reconnecting, not writing to the closed connection (whose sample would be resent).
+        let latest = self.link.as_ref().filter(|link| link.acks.is_lost()).and_then(|link| {
+            // ORDERING: Acquire pairs with the reader's Release store (see `recover`); it
+            // was stored before the loss `is_lost` saw.
             Closing::from_byte(link.acks.closing.load(Acquire))
         });
         latest.or(self.server_closing)
