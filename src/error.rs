@@ -46,6 +46,11 @@ pub enum EchoError {
     /// `ValueError`).
     #[error("{0}")]
     Priority(String),
+    /// A sample the buffer cannot take as it is: a ragged leaf longer than its `max_len`,
+    /// unequal lengths in a length group, more rows than a batch's token budget, a group
+    /// larger than a batch (maps to `ValueError`). Nothing of it was stored.
+    #[error("{0}")]
+    Sample(String),
     /// Memory could not be allocated (maps to `MemoryError`).
     #[error("cannot allocate {bytes} bytes for the ring buffer")]
     OutOfMemory {

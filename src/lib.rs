@@ -58,6 +58,8 @@ pub mod pinned;
 mod prefault;
 #[cfg(not(loom))]
 pub mod queued;
+#[cfg(not(loom))]
+pub mod ragged;
 pub mod replay;
 #[cfg(not(loom))]
 pub mod server;

@@ -130,11 +130,10 @@ fn prefault_for(leaves: &[LeafBuf], capacity: usize) -> Option<crate::prefault::
 
 /// One zeroed, [`RING_ALIGN`]-aligned buffer of `len` bytes outside any table, allocated as a
 /// leaf buffer is (mapped from [`MAP_BYTES`] on, so it costs no `memset`): the memory of a
-/// `copy=True` batch's leaf (`crate::python::views`).
-#[cfg(feature = "python")]
+/// `copy=True` batch's leaf (`crate::python::views`) and of a ragged table's arena
+/// (`crate::ragged`).
 pub(crate) struct Buffer(LeafBuf);
 
-#[cfg(feature = "python")]
 impl Buffer {
     /// # Errors
     /// [`EchoError::OutOfMemory`] if the memory cannot be had.
@@ -154,10 +153,8 @@ impl Buffer {
 
 // SAFETY: the buffer is plain memory owned by this value alone; what writes it (a copy into a
 // numpy array whose base owns the buffer) is the owner's protocol, as for `Slots`.
-#[cfg(feature = "python")]
 unsafe impl Send for Buffer {}
 // SAFETY: a shared `&Buffer` only reads its pointer and length.
-#[cfg(feature = "python")]
 unsafe impl Sync for Buffer {}
 
 impl Drop for LeafBuf {

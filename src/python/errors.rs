@@ -166,6 +166,7 @@ pub(crate) fn to_pyerr(err: EchoError) -> PyErr {
         | EchoError::PayloadSize { .. }
         | EchoError::LeafCount { .. }
         | EchoError::Priority(_)
+        | EchoError::Sample(_)
         | EchoError::Protocol(_) => PyValueError::new_err(err.to_string()),
         EchoError::OutOfMemory { .. } => PyMemoryError::new_err(err.to_string()),
         EchoError::Auth(msg) => PyPermissionError::new_err(msg),

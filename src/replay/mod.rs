@@ -24,7 +24,7 @@
 #[cfg(not(loom))]
 mod limiter;
 #[cfg(not(loom))]
-mod rng;
+pub(crate) mod rng;
 #[cfg(not(loom))]
 mod select;
 #[cfg(not(loom))]

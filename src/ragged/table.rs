@@ -1,0 +1,774 @@
+//! The ragged table: samples with variable-length leaves, stored without padding in an
+//! [`Arena`], handed out FIFO (each once, in order) or drawn for replay (uniform or
+//! prioritized), in *entries*: a sample, or a group of samples inserted together, which a
+//! batch always holds whole and eviction always removes whole.
+//!
+//! One mutex guards the bookkeeping (the arena's blocks, the entries, the order). Inserts
+//! copy their bytes under it: a sample of a few kilobytes costs a microsecond there. A batch
+//! is copied out with the lock released: a FIFO batch's entries are the consumer's until its
+//! next `sample`, a replay batch's blocks are pinned until the copy is done, so no writer can
+//! be handed their bytes meanwhile.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex, MutexGuard};
+
+use super::arena::{Arena, ArenaMemory, Extent};
+use super::batch::{self, BatchLayout, BufPool, Picked, RaggedBatch};
+use super::spec::RaggedSpec;
+use crate::error::EchoError;
+use crate::replay::rng::Rng;
+use crate::replay::sumtree::SumTree;
+
+/// How batches are made.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RaggedSampler {
+    /// Each entry handed out once, in insertion order; writers wait while the table is full.
+    Fifo,
+    /// Replay: entries drawn uniformly, with replacement; the oldest evicted when full.
+    Uniform,
+    /// Replay: entries drawn with probability proportional to `priority ^ exponent`.
+    Prioritized {
+        /// The exponent (alpha); 0 is uniform.
+        exponent: f64,
+    },
+}
+
+/// A ragged table's settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RaggedConfig {
+    /// FIFO or a replay sampler.
+    pub sampler: RaggedSampler,
+    /// The most samples a batch holds (exactly this many without a token budget or groups).
+    pub batch_size: usize,
+    /// The most samples the table holds.
+    pub max_size: usize,
+    /// The bytes of the arena that holds every leaf's values. `None`: `max_size` samples of
+    /// the largest possible size, at most [`DEFAULT_MAX_BYTES`] (the memory is only taken as
+    /// it is written).
+    pub max_bytes: Option<usize>,
+    /// A token budget: (length group, rows). A batch closes before the entry that would take
+    /// the group's rows past it.
+    pub batch_tokens: Option<(usize, usize)>,
+    /// Replay: samples the table must hold before the first draw.
+    pub min_size: usize,
+    /// Replay: remove an entry after this many draws (0: never).
+    pub max_times_sampled: u32,
+    /// Replay: the random sequence's seed (`None`: a fresh one).
+    pub seed: Option<u64>,
+}
+
+/// The default arena's largest size.
+pub const DEFAULT_MAX_BYTES: usize = 4 << 30;
+
+/// Counters of a ragged table.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RaggedStats {
+    /// Samples stored now (FIFO: not yet handed out).
+    pub samples: usize,
+    /// Entries (samples and groups) stored now.
+    pub entries: usize,
+    /// Samples inserted.
+    pub inserted: u64,
+    /// Groups of more than one sample inserted.
+    pub groups_inserted: u64,
+    /// Batches handed out.
+    pub batches: u64,
+    /// Samples handed out in batches (a sample drawn twice counts twice).
+    pub sampled: u64,
+    /// Samples evicted to make room (replay).
+    pub evicted: u64,
+    /// Samples removed after `max_times_sampled` draws.
+    pub removed_max_times_sampled: u64,
+    /// Bytes of the stored values (the payload).
+    pub payload_bytes: usize,
+    /// Bytes of the arena's blocks in use (payload, partly filled blocks, block tails).
+    pub arena_bytes_in_use: usize,
+    /// Bytes the arena spans.
+    pub arena_capacity: usize,
+    /// Nanoseconds inserts waited for room.
+    pub insert_blocked_ns: u64,
+}
+
+/// One sample handed to [`RaggedTable::insert_group`]: its leaves' bytes and rows.
+#[derive(Debug, Clone)]
+pub struct SampleIn<'a> {
+    /// Each leaf's bytes, in leaf order.
+    pub leaves: Vec<&'a [u8]>,
+    /// Each leaf's rows (1 for a fixed leaf).
+    pub rows: Vec<usize>,
+}
+
+#[derive(Debug)]
+struct Entry {
+    key: u64,
+    slots: Vec<u32>,
+    budget_rows: usize,
+    times_sampled: u32,
+    /// Replay: where the entry sits in `State::live`.
+    live_at: usize,
+    priority: f64,
+}
+
+#[derive(Debug)]
+struct State {
+    arena: Arena,
+    columns: usize,
+    /// `slot * columns + column`.
+    extents: Vec<Extent>,
+    rows: Vec<u32>,
+    free_slots: Vec<u32>,
+    entries: Vec<Option<Entry>>,
+    free_entries: Vec<u32>,
+    /// (entry, key) oldest first; pairs whose entry is gone are skipped.
+    order: VecDeque<(u32, u64)>,
+    /// Replay: the live entries, for uniform draws.
+    live: Vec<u32>,
+    tree: Option<SumTree>,
+    max_priority: f64,
+    /// FIFO: the entries of the batch the consumer holds.
+    held: Vec<u32>,
+    rng: Rng,
+    next_key: u64,
+    closed: bool,
+    /// Closed, and the FIFO consumer still gets what is left.
+    draining: bool,
+    writers_waiting: usize,
+    pins: usize,
+    stats: RaggedStats,
+}
+
+/// The table. Shared (`Arc`) between the writers and the one consumer.
+#[derive(Debug)]
+pub struct RaggedTable {
+    spec: RaggedSpec,
+    config: RaggedConfig,
+    state: Mutex<State>,
+    /// Writers wait here for room, the consumer for a batch.
+    changed: Condvar,
+    memory: std::sync::Arc<ArenaMemory>,
+    pool: std::sync::Arc<BufPool>,
+}
+
+/// Waits for a change, or until `deadline`. The callers check their condition, then whether
+/// the deadline passed, then wait: so a change that comes with the deadline is still seen.
+fn wait(cond: &Condvar, guard: &mut MutexGuard<'_, State>, deadline: Option<Instant>) {
+    match deadline {
+        None => cond.wait(guard),
+        Some(at) => {
+            let _ = cond.wait_until(guard, at);
+        }
+    }
+}
+
+fn passed(deadline: Option<Instant>) -> bool {
+    deadline.is_some_and(|at| Instant::now() >= at)
+}
+
+impl RaggedTable {
+    /// A table of `spec` samples.
+    ///
+    /// # Errors
+    /// [`EchoError::Config`] for an out-of-range setting (a zero batch or size, a batch
+    /// larger than the table, a token budget below one row, a negative exponent, an arena too
+    /// small); [`EchoError::OutOfMemory`] if the arena cannot be mapped.
+    pub fn new(spec: RaggedSpec, config: RaggedConfig) -> Result<Self, EchoError> {
+        if config.batch_size == 0 || config.max_size == 0 {
+            return Err(EchoError::Config("batch_size and max_size must be at least 1".into()));
+        }
+        if config.max_size > u32::MAX as usize / 2 {
+            return Err(EchoError::Config(format!("max_size {} is too large", config.max_size)));
+        }
+        let fifo = config.sampler == RaggedSampler::Fifo;
+        if fifo && config.max_size < config.batch_size {
+            return Err(EchoError::Config(format!(
+                "the table holds {} samples, fewer than a batch of {}",
+                config.max_size, config.batch_size
+            )));
+        }
+        if let Some((group, rows)) = config.batch_tokens {
+            if group >= spec.groups().len() || rows == 0 {
+                return Err(EchoError::Config(format!(
+                    "batch_tokens must name a length group and be at least 1, got {rows} rows \
+                     of group {group}"
+                )));
+            }
+        }
+        if let RaggedSampler::Prioritized { exponent } = config.sampler {
+            if !exponent.is_finite() || exponent < 0.0 {
+                return Err(EchoError::Config(format!(
+                    "the priority exponent must be finite and >= 0, got {exponent}"
+                )));
+            }
+        }
+        let columns = spec.columns().len();
+        let largest = spec.columns().iter().map(|c| c.max_bytes()).max().unwrap_or(0);
+        let total = match config.max_bytes {
+            Some(bytes) => bytes,
+            None => {
+                let wanted = spec.max_sample_bytes().saturating_mul(config.max_size);
+                // Room for the partly filled blocks beside `max_size` full-size samples.
+                let floor = (columns + 1) * (largest.max(1).next_multiple_of(64)).max(1 << 20);
+                wanted.saturating_add(floor).min(DEFAULT_MAX_BYTES.max(floor))
+            }
+        };
+        let arena = Arena::new(total, columns, largest)?;
+        let tree = match config.sampler {
+            RaggedSampler::Prioritized { .. } => Some(SumTree::sums_only(config.max_size)?),
+            _ => None,
+        };
+        let memory = arena.memory().clone();
+        let mut stats = RaggedStats { arena_capacity: arena.capacity(), ..Default::default() };
+        stats.arena_bytes_in_use = 0;
+        let rng = config.seed.map_or_else(Rng::from_entropy, Rng::from_seed);
+        let state = State {
+            arena,
+            columns,
+            extents: vec![Extent::NONE; config.max_size * columns],
+            rows: vec![0; config.max_size * columns],
+            free_slots: (0..config.max_size as u32).rev().collect(),
+            entries: (0..config.max_size).map(|_| None).collect(),
+            free_entries: (0..config.max_size as u32).rev().collect(),
+            order: VecDeque::with_capacity(config.max_size),
+            live: Vec::with_capacity(if fifo { 0 } else { config.max_size }),
+            tree,
+            max_priority: 1.0,
+            held: Vec::new(),
+            rng,
+            next_key: 1,
+            closed: false,
+            draining: false,
+            writers_waiting: 0,
+            pins: 0,
+            stats,
+        };
+        Ok(Self {
+            spec,
+            config,
+            state: Mutex::new(state),
+            changed: Condvar::new(),
+            memory,
+            pool: BufPool::new(),
+        })
+    }
+
+    /// The samples' layout.
+    pub fn spec(&self) -> &RaggedSpec {
+        &self.spec
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &RaggedConfig {
+        &self.config
+    }
+
+    /// The arena's memory, which numpy views into a FIFO batch keep alive.
+    pub fn memory_owner(&self) -> std::sync::Arc<dyn std::any::Any + Send + Sync> {
+        self.memory.clone()
+    }
+
+    /// The pool the owned parts of batches come from and go back to.
+    pub fn pool(&self) -> &std::sync::Arc<BufPool> {
+        &self.pool
+    }
+
+    /// Counters, now.
+    pub fn stats(&self) -> RaggedStats {
+        let state = self.state.lock();
+        let mut stats = state.stats;
+        stats.payload_bytes = state.arena.live_bytes();
+        stats.arena_bytes_in_use = state.arena.bytes_in_use();
+        stats
+    }
+
+    /// Closes the table: inserts fail with [`EchoError::Closed`]; `sample` returns `None`,
+    /// or with `drain` (FIFO), first hands out what is left, in batches as full as they
+    /// come.
+    pub fn close(&self, drain: bool) {
+        let mut state = self.state.lock();
+        state.closed = true;
+        state.draining = drain && self.config.sampler == RaggedSampler::Fifo;
+        drop(state);
+        self.changed.notify_all();
+    }
+
+    /// Whether [`RaggedTable::close`] was called.
+    pub fn is_closed(&self) -> bool {
+        self.state.lock().closed
+    }
+
+    /// Checks `samples` as one entry: each against the spec, the group against the batch.
+    /// Returns the entry's rows in the token budget's group.
+    fn check_entry(
+        &self,
+        samples: &[SampleIn<'_>],
+        priority: Option<f64>,
+    ) -> Result<usize, EchoError> {
+        if samples.is_empty() {
+            return Err(EchoError::Sample("a group needs at least one sample, got none".into()));
+        }
+        if samples.len() > self.config.batch_size {
+            return Err(EchoError::Sample(format!(
+                "a group of {} samples is larger than a batch (batch_size {}); a group is \
+                 never split across batches",
+                samples.len(),
+                self.config.batch_size
+            )));
+        }
+        let mut budget_rows = 0usize;
+        for sample in samples {
+            let bytes: Vec<usize> = sample.leaves.iter().map(|l| l.len()).collect();
+            let lengths = self.spec.check(&sample.rows, &bytes)?;
+            if let Some((group, _)) = self.config.batch_tokens {
+                budget_rows += lengths[group];
+            }
+        }
+        if let Some((group, budget)) = self.config.batch_tokens {
+            if budget_rows > budget {
+                let what = if samples.len() == 1 {
+                    "a sample".to_owned()
+                } else {
+                    format!("a group of {} samples", samples.len())
+                };
+                return Err(EchoError::Sample(format!(
+                    "{what} with {budget_rows} rows in length group {:?} is larger than a \
+                     batch's token budget (batch_tokens {budget})",
+                    self.spec.groups()[group].name()
+                )));
+            }
+        }
+        match (&self.config.sampler, priority) {
+            (RaggedSampler::Fifo, Some(_)) => {
+                return Err(EchoError::Priority(
+                    "a FIFO table takes no priorities (it hands each sample out once)".into(),
+                ))
+            }
+            (_, Some(p)) if !p.is_finite() || p < 0.0 => {
+                return Err(EchoError::Priority(format!(
+                    "a priority must be finite and >= 0, got {p}"
+                )))
+            }
+            _ => {}
+        }
+        Ok(budget_rows)
+    }
+
+    /// Inserts `samples` as one entry (a group when more than one): atomically, and handed
+    /// out whole. FIFO waits for room until `deadline`; replay evicts the oldest entries.
+    /// Returns the entry's key.
+    ///
+    /// # Errors
+    /// [`EchoError::Sample`] for a sample the table cannot take (see [`RaggedSpec::check`],
+    /// a group larger than a batch or its token budget, more bytes than the arena holds),
+    /// [`EchoError::Priority`], [`EchoError::Closed`], [`EchoError::TimedOut`]. Nothing is
+    /// stored then.
+    pub fn insert_group(
+        &self,
+        samples: &[SampleIn<'_>],
+        priority: Option<f64>,
+        deadline: Option<Instant>,
+    ) -> Result<u64, EchoError> {
+        let budget_rows = self.check_entry(samples, priority)?;
+        if samples.len() > self.config.max_size {
+            return Err(EchoError::Sample(format!(
+                "a group of {} samples is larger than the table (max_size {})",
+                samples.len(),
+                self.config.max_size
+            )));
+        }
+        let columns = self.spec.columns();
+        let demands: Vec<(usize, usize, usize)> = samples
+            .iter()
+            .flat_map(|s| {
+                s.leaves.iter().enumerate().map(|(c, leaf)| (c, leaf.len(), columns[c].align()))
+            })
+            .collect();
+        let mut guard = self.state.lock();
+        let state = &mut guard;
+        let started = Instant::now();
+        let mut waited = false;
+        loop {
+            if state.closed {
+                return Err(EchoError::Closed);
+            }
+            let room = state.free_slots.len() >= samples.len()
+                && !state.free_entries.is_empty()
+                && state.arena.fits(&demands);
+            if room {
+                break;
+            }
+            let empty = state.order.is_empty() && state.held.is_empty() && state.pins == 0;
+            if empty {
+                return Err(EchoError::Sample(format!(
+                    "an entry of {} bytes does not fit in the table's arena ({} bytes in \
+                     blocks of {}); raise max_bytes",
+                    demands.iter().map(|d| d.1).sum::<usize>(),
+                    state.arena.capacity(),
+                    state.arena.block_bytes()
+                )));
+            }
+            if self.config.sampler != RaggedSampler::Fifo && !state.order.is_empty() {
+                let _ = Self::evict_oldest(state);
+                continue;
+            }
+            if passed(deadline) {
+                state.stats.insert_blocked_ns += started.elapsed().as_nanos() as u64;
+                return Err(EchoError::TimedOut);
+            }
+            waited = true;
+            state.writers_waiting += 1;
+            self.changed.notify_all(); // a FIFO consumer may close a partial batch now
+            wait(&self.changed, state, deadline);
+            state.writers_waiting -= 1;
+        }
+        if waited {
+            state.stats.insert_blocked_ns += started.elapsed().as_nanos() as u64;
+        }
+        let state = &mut **state;
+        let ncols = columns.len();
+        let mut slots = Vec::with_capacity(samples.len());
+        for sample in samples {
+            let slot = state.free_slots.pop().expect("checked: enough free slots");
+            for (c, leaf) in sample.leaves.iter().enumerate() {
+                let extent = state
+                    .arena
+                    .alloc(c, leaf.len(), columns[c].align())
+                    .expect("checked: the arena fits the entry");
+                // SAFETY: `extent` is fresh room of `leaf.len()` bytes in the arena, which no
+                // live extent overlaps and no batch reads (blocks are reused only once every
+                // extent and pin in them is gone); we hold the lock that hands it out.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        leaf.as_ptr(),
+                        self.memory.ptr(extent),
+                        leaf.len(),
+                    );
+                }
+                state.extents[slot as usize * ncols + c] = extent;
+                state.rows[slot as usize * ncols + c] = sample.rows[c] as u32;
+            }
+            slots.push(slot);
+        }
+        let id = state.free_entries.pop().expect("checked: a free entry");
+        let key = (state.next_key << 32) | u64::from(id);
+        state.next_key += 1;
+        let priority = priority.unwrap_or(state.max_priority);
+        state.max_priority = state.max_priority.max(priority);
+        let mut entry =
+            Entry { key, slots, budget_rows, times_sampled: 0, live_at: usize::MAX, priority };
+        if self.config.sampler != RaggedSampler::Fifo {
+            entry.live_at = state.live.len();
+            state.live.push(id);
+        }
+        if let (Some(tree), RaggedSampler::Prioritized { exponent }) =
+            (state.tree.as_mut(), &self.config.sampler)
+        {
+            tree.set(id as usize, priority.powf(*exponent))?;
+        }
+        state.entries[id as usize] = Some(entry);
+        state.order.push_back((id, key));
+        state.stats.samples += samples.len();
+        state.stats.entries += 1;
+        state.stats.inserted += samples.len() as u64;
+        state.stats.groups_inserted += u64::from(samples.len() > 1);
+        drop(guard);
+        self.changed.notify_all();
+        Ok(key)
+    }
+
+    /// Removes the oldest live entry; false when there is none.
+    fn evict_oldest(state: &mut State) -> bool {
+        while let Some((id, key)) = state.order.pop_front() {
+            if state.entries[id as usize].as_ref().is_some_and(|e| e.key == key) {
+                let n = Self::remove(state, id);
+                state.stats.evicted += n as u64;
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Removes entry `id` and gives its room back; returns its samples.
+    fn remove(state: &mut State, id: u32) -> usize {
+        let entry = state.entries[id as usize].take().expect("a live entry");
+        let ncols = state.columns;
+        for &slot in &entry.slots {
+            for c in 0..ncols {
+                let extent =
+                    std::mem::replace(&mut state.extents[slot as usize * ncols + c], Extent::NONE);
+                state.arena.release(extent);
+            }
+            state.free_slots.push(slot);
+        }
+        if entry.live_at != usize::MAX {
+            let last = state.live.pop().expect("the entry is live");
+            if last != id {
+                state.live[entry.live_at] = last;
+                if let Some(moved) = state.entries[last as usize].as_mut() {
+                    moved.live_at = entry.live_at;
+                }
+            }
+        }
+        if let Some(tree) = state.tree.as_mut() {
+            let _ = tree.clear(id as usize);
+        }
+        state.free_entries.push(id);
+        state.stats.samples -= entry.slots.len();
+        state.stats.entries -= 1;
+        entry.slots.len()
+    }
+
+    /// Sets the priorities of the entries `keys` name (a group's samples share one key).
+    /// Returns how many were updated; unknown keys (evicted entries) are skipped.
+    ///
+    /// # Errors
+    /// [`EchoError::Priority`] if the table is not prioritized, the lengths differ, or a
+    /// priority is invalid (nothing is updated then).
+    pub fn update_priorities(&self, keys: &[u64], priorities: &[f64]) -> Result<u64, EchoError> {
+        let RaggedSampler::Prioritized { exponent } = self.config.sampler else {
+            return Err(EchoError::Priority(
+                "only a Prioritized table takes priority updates".into(),
+            ));
+        };
+        if keys.len() != priorities.len() {
+            return Err(EchoError::Priority(format!(
+                "{} keys but {} priorities",
+                keys.len(),
+                priorities.len()
+            )));
+        }
+        if let Some(p) = priorities.iter().find(|p| !p.is_finite() || **p < 0.0) {
+            return Err(EchoError::Priority(format!(
+                "a priority must be finite and >= 0, got {p}"
+            )));
+        }
+        let mut state = self.state.lock();
+        let state = &mut *state;
+        let mut updated = 0;
+        for (&key, &priority) in keys.iter().zip(priorities) {
+            let id = (key & 0xffff_ffff) as usize;
+            let Some(entry) = state.entries.get_mut(id).and_then(Option::as_mut) else { continue };
+            if entry.key != key {
+                continue;
+            }
+            entry.priority = priority;
+            state.max_priority = state.max_priority.max(priority);
+            if let Some(tree) = state.tree.as_mut() {
+                tree.set(id, priority.powf(exponent))?;
+            }
+            updated += 1;
+        }
+        Ok(updated)
+    }
+
+    /// The next batch, in `layout`, or `None` once the table is closed. Waits until
+    /// `deadline` for one. One consumer at a time (it holds the FIFO batch it was handed
+    /// until its next call).
+    ///
+    /// # Errors
+    /// [`EchoError::TimedOut`]; [`EchoError::Sample`] if a packed batch has more than
+    /// `i32::MAX` rows.
+    pub fn sample(
+        &self,
+        layout: BatchLayout,
+        deadline: Option<Instant>,
+    ) -> Result<Option<RaggedBatch>, EchoError> {
+        let mut state = self.state.lock();
+        let picked = if self.config.sampler == RaggedSampler::Fifo {
+            match self.pick_fifo(&mut state, deadline)? {
+                Some(picked) => picked,
+                None => return Ok(None),
+            }
+        } else {
+            match self.pick_replay(&mut state, deadline)? {
+                Some(picked) => picked,
+                None => return Ok(None),
+            }
+        };
+        let sequence = state.stats.batches;
+        state.stats.batches += 1;
+        state.stats.sampled += picked.samples() as u64;
+        drop(state);
+        let fifo = self.config.sampler == RaggedSampler::Fifo;
+        let built =
+            batch::build(&self.spec, &self.memory, &self.pool, &picked, layout, fifo, sequence);
+        if !fifo {
+            let mut state = self.state.lock();
+            for extent in &picked.extents {
+                state.arena.unpin(*extent);
+            }
+            state.pins -= picked.extents.len();
+            drop(state);
+            self.changed.notify_all();
+        }
+        built.map(Some)
+    }
+
+    /// Gives the held FIFO batch back and waits for the next one.
+    fn pick_fifo(
+        &self,
+        state: &mut MutexGuard<'_, State>,
+        deadline: Option<Instant>,
+    ) -> Result<Option<Picked>, EchoError> {
+        let held = std::mem::take(&mut state.held);
+        let freed = !held.is_empty();
+        for id in held {
+            Self::remove(state, id);
+        }
+        if freed {
+            self.changed.notify_all();
+        }
+        loop {
+            if state.closed && !state.draining {
+                return Ok(None);
+            }
+            let (take, complete) = self.fill_fifo(state);
+            if take > 0 && (complete || state.writers_waiting > 0 || state.closed) {
+                let ids: Vec<u32> =
+                    (0..take).map(|_| state.order.pop_front().expect("counted").0).collect();
+                let picked = self.collect(state, &ids, None, false);
+                state.held = ids;
+                return Ok(Some(picked));
+            }
+            if state.closed {
+                return Ok(None); // drained
+            }
+            if passed(deadline) {
+                return Err(EchoError::TimedOut);
+            }
+            wait(&self.changed, state, deadline);
+        }
+    }
+
+    /// How many of the oldest entries make the next FIFO batch, and whether it is complete
+    /// (full, at its token budget, or the next entry does not fit).
+    fn fill_fifo(&self, state: &State) -> (usize, bool) {
+        let (mut samples, mut rows, mut take) = (0usize, 0usize, 0usize);
+        for &(id, _) in &state.order {
+            let entry = state.entries[id as usize].as_ref().expect("FIFO entries stay live");
+            if samples + entry.slots.len() > self.config.batch_size {
+                return (take, true);
+            }
+            if let Some((_, budget)) = self.config.batch_tokens {
+                if rows + entry.budget_rows > budget {
+                    return (take, true);
+                }
+            }
+            samples += entry.slots.len();
+            rows += entry.budget_rows;
+            take += 1;
+            let at_budget = self.config.batch_tokens.is_some_and(|(_, budget)| rows == budget);
+            if samples == self.config.batch_size || at_budget {
+                return (take, true);
+            }
+        }
+        (take, false)
+    }
+
+    /// Draws a replay batch and pins its bytes.
+    fn pick_replay(
+        &self,
+        state: &mut MutexGuard<'_, State>,
+        deadline: Option<Instant>,
+    ) -> Result<Option<Picked>, EchoError> {
+        loop {
+            if state.closed {
+                return Ok(None);
+            }
+            let enough = state.stats.samples >= self.config.min_size.max(1);
+            let weighed = state.tree.as_ref().is_none_or(|t| t.total() > 0.0);
+            if enough && !state.live.is_empty() && weighed {
+                break;
+            }
+            if passed(deadline) {
+                return Err(EchoError::TimedOut);
+            }
+            wait(&self.changed, state, deadline);
+        }
+        let (mut samples, mut rows) = (0usize, 0usize);
+        let mut ids = Vec::new();
+        let mut probabilities = Vec::new();
+        while samples < self.config.batch_size {
+            let u = state.rng.next_f64();
+            let (id, probability) = match state.tree.as_ref() {
+                None => {
+                    let n = state.live.len();
+                    let at = ((u * n as f64) as usize).min(n - 1);
+                    (state.live[at], 1.0 / n as f64)
+                }
+                Some(tree) => {
+                    let total = tree.total();
+                    let id = tree.sample(u).expect("a positive total");
+                    (id as u32, tree.get(id).unwrap_or(0.0) / total)
+                }
+            };
+            let entry = state.entries[id as usize].as_ref().expect("a live entry");
+            let too_many = samples + entry.slots.len() > self.config.batch_size;
+            let over = self
+                .config
+                .batch_tokens
+                .is_some_and(|(_, budget)| rows + entry.budget_rows > budget);
+            if !ids.is_empty() && (too_many || over) {
+                break;
+            }
+            samples += entry.slots.len();
+            rows += entry.budget_rows;
+            ids.push(id);
+            probabilities.push(probability);
+            if self.config.batch_tokens.is_some_and(|(_, budget)| rows == budget) {
+                break;
+            }
+        }
+        let picked = self.collect(state, &ids, Some(probabilities), true);
+        // Count the draws, and remove the entries that reached their limit (their bytes
+        // stay pinned until the copy is done).
+        for &id in &ids {
+            let Some(entry) = state.entries[id as usize].as_mut() else { continue };
+            entry.times_sampled += 1;
+            let limit = self.config.max_times_sampled;
+            if limit > 0 && entry.times_sampled >= limit {
+                let n = Self::remove(state, id);
+                state.stats.removed_max_times_sampled += n as u64;
+            }
+        }
+        Ok(Some(picked))
+    }
+
+    /// The extents, rows and per-sample values of `ids`' samples; pins them when asked.
+    fn collect(
+        &self,
+        state: &mut State,
+        ids: &[u32],
+        probabilities: Option<Vec<f64>>,
+        pin: bool,
+    ) -> Picked {
+        let ncols = self.spec.columns().len();
+        let mut picked = Picked::with_columns(ncols);
+        for (i, &id) in ids.iter().enumerate() {
+            let entry = state.entries[id as usize].as_ref().expect("a live entry");
+            for &slot in &entry.slots {
+                let at = slot as usize * ncols;
+                picked.extents.extend_from_slice(&state.extents[at..at + ncols]);
+                picked.rows.extend_from_slice(&state.rows[at..at + ncols]);
+                picked.keys.push(entry.key);
+                picked.times_sampled.push(entry.times_sampled + u32::from(pin));
+                if let Some(p) = &probabilities {
+                    picked.probabilities.push(p[i]);
+                }
+            }
+        }
+        if pin {
+            for extent in &picked.extents {
+                state.arena.pin(*extent);
+            }
+            state.pins += picked.extents.len();
+        }
+        picked
+    }
+}
+
+/// A deadline `timeout` from now (`None`: wait for ever).
+pub fn deadline_after(timeout: Option<Duration>) -> Option<Instant> {
+    timeout.map(|t| Instant::now() + t)
+}

@@ -1,0 +1,310 @@
+//! The ragged table end to end: exactly-once FIFO delivery of variable-length samples under
+//! contention, whole groups, token budgets, both layouts, replay eviction by bytes, and the
+//! refusals that store nothing.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use echo::ragged::{
+    BatchLayout, ColumnData, GroupBatch, LeafDecl, RaggedBatch, RaggedConfig, RaggedDecl,
+    RaggedSampler, RaggedSpec, RaggedTable, SampleIn,
+};
+use echo::{ArraySpec, EchoError};
+
+/// `tokens` (int32, ragged, group "completion"), `logp` (float32, same group), `id` (u64).
+fn spec() -> RaggedSpec {
+    let ragged = |name: &str| LeafDecl {
+        name: name.into(),
+        array: ArraySpec::new(vec![], 4).unwrap(),
+        ragged: Some(RaggedDecl { max_len: 300, group: Some("completion".into()) }),
+    };
+    RaggedSpec::new(vec![
+        ragged("['tokens']"),
+        ragged("['logp']"),
+        LeafDecl { name: "['id']".into(), array: ArraySpec::new(vec![], 8).unwrap(), ragged: None },
+    ])
+    .unwrap()
+}
+
+fn config(sampler: RaggedSampler, batch_size: usize, max_size: usize) -> RaggedConfig {
+    RaggedConfig {
+        sampler,
+        batch_size,
+        max_size,
+        max_bytes: None,
+        batch_tokens: None,
+        min_size: 1,
+        max_times_sampled: 0,
+        seed: Some(7),
+    }
+}
+
+/// A sample's bytes: `len` tokens `id * 1000 + row`, log-probabilities `-row`, and the id.
+struct Made {
+    tokens: Vec<u8>,
+    logp: Vec<u8>,
+    id: [u8; 8],
+    len: usize,
+}
+
+fn make(id: u64, len: usize) -> Made {
+    let tokens = (0..len).flat_map(|r| ((id * 1000 + r as u64) as i32).to_le_bytes()).collect();
+    let logp = (0..len).flat_map(|r| (-(r as f32)).to_le_bytes()).collect();
+    Made { tokens, logp, id: id.to_le_bytes(), len }
+}
+
+impl Made {
+    fn sample(&self) -> SampleIn<'_> {
+        SampleIn {
+            leaves: vec![&self.tokens, &self.logp, &self.id],
+            rows: vec![self.len, self.len, 1],
+        }
+    }
+}
+
+fn length_of(id: u64) -> usize {
+    (id * 37 % 301) as usize
+}
+
+fn bytes(data: &ColumnData) -> &[u8] {
+    match data {
+        ColumnData::View { addr, len } => {
+            // SAFETY: a FIFO batch's view stays valid until the consumer's next `sample`,
+            // and the table outlives this borrow in every test.
+            unsafe { std::slice::from_raw_parts(*addr as *const u8, *len) }
+        }
+        ColumnData::Owned(buf) => {
+            // SAFETY: an owned buffer of `len` initialised bytes.
+            unsafe { std::slice::from_raw_parts(buf_ptr(buf), buf.len()) }
+        }
+    }
+}
+
+fn buf_ptr(buf: &echo::ragged::OutBuf) -> *const u8 {
+    // `as_mut_ptr` takes `&mut`; the tests only read.
+    let buf = buf as *const echo::ragged::OutBuf as *mut echo::ragged::OutBuf;
+    // SAFETY: no other reference writes through it while the test reads.
+    unsafe { (*buf).as_mut_ptr() }
+}
+
+fn ids(batch: &RaggedBatch) -> Vec<u64> {
+    bytes(&batch.columns[2].data)
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+fn i32s(raw: &[u8]) -> Vec<i32> {
+    raw.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect()
+}
+
+/// Every sample of a packed batch holds exactly what was inserted for its id.
+fn check_packed(batch: &RaggedBatch) -> Vec<u64> {
+    let ids = ids(batch);
+    let GroupBatch::Packed { cu_seqlens } = &batch.groups[0] else { panic!("packed") };
+    assert_eq!(cu_seqlens.len(), batch.samples + 1);
+    let tokens = i32s(bytes(&batch.columns[0].data));
+    assert_eq!(tokens.len(), *cu_seqlens.last().unwrap() as usize);
+    for (i, &id) in ids.iter().enumerate() {
+        let (a, b) = (cu_seqlens[i] as usize, cu_seqlens[i + 1] as usize);
+        assert_eq!(b - a, length_of(id), "sample {id}'s length");
+        for (r, &t) in tokens[a..b].iter().enumerate() {
+            assert_eq!(t, (id * 1000 + r as u64) as i32, "sample {id} row {r}");
+        }
+    }
+    ids
+}
+
+#[test]
+fn fifo_hands_every_sample_out_exactly_once_under_contention() {
+    let mut cfg = config(RaggedSampler::Fifo, 16, 64);
+    // A small arena: writers wait for the consumer, blocks are reused all the time.
+    cfg.max_bytes = Some(256 * 1024);
+    let table = Arc::new(RaggedTable::new(spec(), cfg).unwrap());
+    let writers: Vec<_> = (0..3u64)
+        .map(|w| {
+            let table = table.clone();
+            thread::spawn(move || {
+                for i in 0..2000u64 {
+                    let made = make(w * 100_000 + i, length_of(w * 100_000 + i));
+                    table.insert_group(&[made.sample()], None, None).unwrap();
+                }
+            })
+        })
+        .collect();
+    let closer = {
+        let table = table.clone();
+        thread::spawn(move || {
+            for w in writers {
+                w.join().unwrap();
+            }
+            table.close(true);
+        })
+    };
+    let mut seen = HashSet::new();
+    let deadline = Some(Instant::now() + Duration::from_secs(60));
+    while let Some(batch) = table.sample(BatchLayout::Packed, deadline).unwrap() {
+        assert!(batch.samples <= 16);
+        for id in check_packed(&batch) {
+            assert!(seen.insert(id), "sample {id} handed out twice");
+        }
+    }
+    closer.join().unwrap();
+    assert_eq!(seen.len(), 6000);
+    assert_eq!(table.stats().inserted, 6000);
+}
+
+#[test]
+fn consecutive_fifo_samples_are_handed_out_without_a_copy() {
+    let table = RaggedTable::new(spec(), config(RaggedSampler::Fifo, 4, 8)).unwrap();
+    for id in 0..4 {
+        table.insert_group(&[make(id, 10).sample()], None, None).unwrap();
+    }
+    let batch = table.sample(BatchLayout::Packed, None).unwrap().unwrap();
+    assert!(matches!(batch.columns[0].data, ColumnData::View { len: 160, .. }));
+    assert_eq!(batch.columns[0].lead, vec![40]);
+    assert!(matches!(batch.columns[2].data, ColumnData::View { len: 32, .. }));
+}
+
+#[test]
+fn groups_stay_whole_and_token_budgets_close_batches() {
+    let mut cfg = config(RaggedSampler::Fifo, 12, 48);
+    cfg.batch_tokens = Some((0, 1000));
+    let table = Arc::new(RaggedTable::new(spec(), cfg).unwrap());
+    let writer = {
+        let table = table.clone();
+        thread::spawn(move || {
+            for g in 0..100u64 {
+                let made: Vec<Made> =
+                    (0..4).map(|k| make(g * 4 + k, length_of(g * 4 + k))).collect();
+                let samples: Vec<SampleIn<'_>> = made.iter().map(Made::sample).collect();
+                table.insert_group(&samples, None, None).unwrap();
+            }
+        })
+    };
+    let closer = {
+        let table = table.clone();
+        thread::spawn(move || {
+            writer.join().unwrap();
+            table.close(true);
+        })
+    };
+    let mut seen = 0;
+    let deadline = Some(Instant::now() + Duration::from_secs(60));
+    while let Some(batch) = table.sample(BatchLayout::Packed, deadline).unwrap() {
+        let ids = check_packed(&batch);
+        assert!(ids.len() <= 12 && ids.len() % 4 == 0, "{} samples", ids.len());
+        for group in ids.chunks(4) {
+            assert!(group.iter().all(|&id| id / 4 == group[0] / 4), "split group {group:?}");
+        }
+        let GroupBatch::Packed { cu_seqlens } = &batch.groups[0] else { panic!() };
+        assert!(*cu_seqlens.last().unwrap() <= 1000);
+        seen += ids.len();
+    }
+    closer.join().unwrap();
+    assert_eq!(seen, 400);
+}
+
+#[test]
+fn padded_batches_have_zeros_past_each_length_and_a_mask() {
+    let table = RaggedTable::new(spec(), config(RaggedSampler::Fifo, 3, 6)).unwrap();
+    for (id, len) in [(1u64, 3usize), (2, 0), (3, 5)] {
+        table.insert_group(&[make(id, len).sample()], None, None).unwrap();
+    }
+    let batch = table.sample(BatchLayout::Padded { multiple: 4 }, None).unwrap().unwrap();
+    let GroupBatch::Padded { len, lengths, mask } = &batch.groups[0] else { panic!() };
+    assert_eq!((*len, lengths.as_slice()), (8, [3, 0, 5].as_slice()));
+    assert_eq!(batch.columns[0].lead, vec![3, 8]);
+    let tokens = i32s(bytes(&batch.columns[0].data));
+    assert_eq!(&tokens[0..8], &[1000, 1001, 1002, 0, 0, 0, 0, 0]);
+    assert_eq!(&tokens[8..16], &[0; 8]);
+    assert_eq!(&tokens[16..24], &[3000, 3001, 3002, 3003, 3004, 0, 0, 0]);
+    assert_eq!(mask.iter().filter(|m| **m).count(), 8);
+    assert!(mask[16..21].iter().all(|m| *m) && !mask[21]);
+}
+
+#[test]
+fn bad_samples_are_refused_with_names_and_numbers_and_nothing_is_stored() {
+    let mut cfg = config(RaggedSampler::Fifo, 4, 8);
+    cfg.batch_tokens = Some((0, 500));
+    let table = RaggedTable::new(spec(), cfg).unwrap();
+    let long = make(1, 301);
+    let err = table.insert_group(&[long.sample()], None, None).unwrap_err().to_string();
+    assert!(err.contains("['tokens']: 301 rows, more than its max_len 300"), "{err}");
+    let mut uneven = make(2, 10);
+    uneven.logp.truncate(36);
+    let mut sample = uneven.sample();
+    sample.rows[1] = 9;
+    let err = table.insert_group(&[sample], None, None).unwrap_err().to_string();
+    assert!(
+        err.contains("\"completion\"") && err.contains("has 10 rows but leaf ['logp'] has 9"),
+        "{err}"
+    );
+    let made: Vec<Made> = (0..2).map(|i| make(i, 260)).collect();
+    let samples: Vec<SampleIn<'_>> = made.iter().map(Made::sample).collect();
+    let err = table.insert_group(&samples, None, None).unwrap_err().to_string();
+    assert!(err.contains("a group of 2 samples with 520 rows") && err.contains("500"), "{err}");
+    let made: Vec<Made> = (0..5).map(|i| make(i, 1)).collect();
+    let samples: Vec<SampleIn<'_>> = made.iter().map(Made::sample).collect();
+    let err = table.insert_group(&samples, None, None).unwrap_err().to_string();
+    assert!(err.contains("a group of 5 samples is larger than a batch (batch_size 4)"), "{err}");
+    assert!(matches!(table.insert_group(&[], None, None), Err(EchoError::Sample(_))));
+    assert_eq!(table.stats().samples, 0);
+    assert_eq!(table.stats().payload_bytes, 0);
+}
+
+#[test]
+fn replay_evicts_the_oldest_by_bytes_and_memory_stays_near_the_payload() {
+    let mut cfg = config(RaggedSampler::Uniform, 32, 100_000);
+    cfg.max_bytes = Some(16 << 20);
+    let table = RaggedTable::new(spec(), cfg).unwrap();
+    for id in 0..20_000u64 {
+        table.insert_group(&[make(id, length_of(id)).sample()], None, None).unwrap();
+    }
+    let stats = table.stats();
+    assert!(stats.evicted > 0, "16 MiB cannot hold 20,000 samples of ~1.2 kB");
+    assert!(stats.arena_bytes_in_use <= 16 << 20);
+    let ratio = stats.arena_bytes_in_use as f64 / stats.payload_bytes as f64;
+    assert!(ratio <= 1.25, "blocks in use / payload = {ratio}");
+    let batch = table.sample(BatchLayout::Packed, None).unwrap().unwrap();
+    let oldest = 20_000 - stats.samples as u64;
+    for id in check_packed(&batch) {
+        assert!(id >= oldest, "sample {id} should have been evicted");
+    }
+    assert_eq!(batch.probabilities.len(), batch.samples);
+    assert!(batch.times_sampled.iter().all(|&t| t >= 1));
+}
+
+#[test]
+fn prioritized_replay_draws_by_priority_and_takes_updates() {
+    let table =
+        RaggedTable::new(spec(), config(RaggedSampler::Prioritized { exponent: 1.0 }, 8, 16))
+            .unwrap();
+    let mut keys = Vec::new();
+    for id in 0..4u64 {
+        let priority = if id == 3 { 1.0 } else { 0.0 };
+        keys.push(table.insert_group(&[make(id, 5).sample()], Some(priority), None).unwrap());
+    }
+    let batch = table.sample(BatchLayout::Packed, None).unwrap().unwrap();
+    assert!(ids(&batch).iter().all(|&id| id == 3), "{:?}", ids(&batch));
+    assert_eq!(table.update_priorities(&[keys[3], keys[1]], &[0.0, 2.0]).unwrap(), 2);
+    let batch = table.sample(BatchLayout::Packed, None).unwrap().unwrap();
+    assert!(ids(&batch).iter().all(|&id| id == 1));
+    assert!(table.update_priorities(&[keys[0]], &[-1.0]).is_err());
+}
+
+#[test]
+fn fifo_sample_times_out_and_close_ends_it() {
+    let table = RaggedTable::new(spec(), config(RaggedSampler::Fifo, 4, 8)).unwrap();
+    table.insert_group(&[make(1, 3).sample()], None, None).unwrap();
+    let deadline = Some(Instant::now() + Duration::from_millis(50));
+    assert!(matches!(table.sample(BatchLayout::Packed, deadline), Err(EchoError::TimedOut)));
+    table.close(false);
+    assert!(table.sample(BatchLayout::Packed, None).unwrap().is_none());
+    assert!(matches!(
+        table.insert_group(&[make(2, 3).sample()], None, None),
+        Err(EchoError::Closed)
+    ));
+}
