@@ -202,7 +202,11 @@ unsafe fn gather(memory: &ArenaMemory, extents: &[Extent], out: *mut u8) {
         // SAFETY: by the contract: the source is the batch's live bytes, the destination
         // is an owned buffer with room for all of them.
         unsafe {
-            std::ptr::copy_nonoverlapping(memory.ptr(*extent), out.add(at), extent.bytes as usize);
+            std::ptr::copy_nonoverlapping(
+                memory.ptr(*extent),
+                out.wrapping_add(at),
+                extent.bytes as usize,
+            );
         }
         at += extent.bytes as usize;
     }
@@ -299,15 +303,14 @@ pub(crate) fn build(
                 for b in 0..n {
                     let extent = picked.extents[b * ncols + c];
                     let bytes = extent.bytes as usize;
-                    // SAFETY: as above; sample `b`'s `bytes <= stride` bytes go to its row
-                    // of the padded buffer, the rest of the row is zeroed.
-                    unsafe {
-                        let dst = base.add(b * stride);
-                        if bytes > 0 {
-                            std::ptr::copy_nonoverlapping(memory.ptr(extent), dst, bytes);
-                        }
-                        std::ptr::write_bytes(dst.add(bytes), 0, stride - bytes);
+                    let dst = base.wrapping_add(b * stride);
+                    if bytes > 0 {
+                        // SAFETY: as above; sample `b`'s `bytes <= stride` bytes go to its row
+                        // of the padded buffer (`n * stride` bytes).
+                        unsafe { std::ptr::copy_nonoverlapping(memory.ptr(extent), dst, bytes) };
                     }
+                    // SAFETY: the rest of that row, inside the buffer, is zeroed.
+                    unsafe { std::ptr::write_bytes(dst.wrapping_add(bytes), 0, stride - bytes) };
                 }
                 ColumnData::Owned(out)
             }
