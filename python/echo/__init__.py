@@ -24,6 +24,7 @@ from echo._echo import (
 from echo.checkpoint import CheckpointError
 from echo.client import TcpClient
 from echo.compression import Lz4, Zstd
+from echo.ragged import Packed, Padded, Ragged
 from echo.replay import (
     Fifo,
     Lifo,
@@ -52,8 +53,11 @@ __all__ = [
     "Lz4",
     "MinPriority",
     "MinSize",
+    "Packed",
+    "Padded",
     "Prioritized",
     "Queue",
+    "Ragged",
     "Sample",
     "SampleInfo",
     "SampleToInsertRatio",

@@ -295,6 +295,62 @@ class RingLease:
     """The numpy `base` of every batch view: keeps the ring memory alive."""
 
 @final
+class RaggedCopy:
+    """The numpy base of a gathered or padded part of a ragged batch (echo internal)."""
+
+@final
+class RaggedCore:
+    """The ragged table behind a `Server` whose example has `echo.Ragged` leaves (echo
+    internal; see `echo.ragged`)."""
+
+    def __new__(
+        cls,
+        leaves: list[tuple[str, tuple[int, ...], np.dtype[Any], tuple[int, str | None] | None]],
+        sampler: str,
+        exponent: float,
+        batch_size: int,
+        max_size: int,
+        max_bytes: int | None,
+        batch_tokens: tuple[str, int] | None,
+        min_size: int,
+        max_times_sampled: int,
+        seed: int | None,
+    ) -> RaggedCore: ...
+    def submit_group(
+        self,
+        samples: list[list[np.ndarray[Any, Any]]],
+        timeout: float | None = None,
+        priority: float | None = None,
+    ) -> int: ...
+    def sample(
+        self, timeout: float | None = None, padded: bool = False, multiple: int = 1
+    ) -> (
+        tuple[
+            list[np.ndarray[Any, Any]],
+            list[tuple[np.ndarray[Any, Any], ...]],
+            npt.NDArray[np.uint64],
+            npt.NDArray[np.float64] | None,
+            npt.NDArray[np.uint32] | None,
+            int,
+            int,
+        ]
+        | None
+    ): ...
+    def update_priorities(
+        self, keys: npt.NDArray[np.uint64], priorities: npt.NDArray[np.float64]
+    ) -> int: ...
+    def stats(self) -> dict[str, int]: ...
+    def close(self, drain: bool = False) -> None: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def groups(self) -> list[str]: ...
+    @property
+    def leaf_groups(self) -> list[int | None]: ...
+    @property
+    def arena_capacity(self) -> int: ...
+
+@final
 class BatchCopy:
     """The numpy `base` of a `copy=True` batch's leaf: owns its memory, which goes back to
     the server's pool for the next copy once no array uses it."""

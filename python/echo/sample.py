@@ -103,6 +103,7 @@ class Sample(_Batch):
     truncated: npt.NDArray[np.bool_] | None
     is_last: npt.NDArray[np.bool_] | None
     versions: npt.NDArray[np.uint64] | None
+    _num_samples: int | None
 
     def __new__(
         cls,
@@ -120,8 +121,10 @@ class Sample(_Batch):
         truncated: npt.NDArray[np.bool_] | None = None,
         is_last: npt.NDArray[np.bool_] | None = None,
         versions: npt.NDArray[np.uint64] | None = None,
+        num_samples: int | None = None,
     ) -> Sample:
         self = super().__new__(cls, batch, info)
+        self._num_samples = num_samples
         self.keys = keys
         self.probabilities = probabilities
         self.times_sampled = times_sampled
@@ -135,10 +138,19 @@ class Sample(_Batch):
         self.versions = versions
         return self
 
+    @property
+    def num_samples(self) -> int:
+        """How many samples (or windows) the batch holds: `batch_size`, or fewer for a
+        ragged server's batch closed by its token budget or by a group that did not fit."""
+        if self._num_samples is not None:
+            return self._num_samples
+        leaves = optree.tree_leaves(self.batch, none_is_leaf=NONE_IS_LEAF)
+        return int(leaves[0].shape[0]) if leaves else 0
+
     def _with_batch(self, batch: Any) -> Sample:
         """The same sample with another batch (a device copy), every per-item array kept."""
         extras = {name: getattr(self, name) for name in _PER_ITEM}
-        return Sample(batch, self.info, **extras)
+        return Sample(batch, self.info, **extras, num_samples=self._num_samples)
 
     def __repr__(self) -> str:
         parts = [f"sequence={getattr(self.info, 'sequence', '?')}"]

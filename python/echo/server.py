@@ -120,6 +120,14 @@ class Server:
             `"block"`, workers that far behind wait in `send()` until they fetch newer
             parameters, and nothing is dropped. See the parameters guide.
         admission: `"drop"` (default) or `"block"`, as above; `"block"` needs `max_staleness`.
+        batch_tokens: Examples with `echo.Ragged` leaves only (variable-length data; see
+            `echo.ragged` and its guide; such a server is in-process for now): close a batch
+            before the next sample or group would take `token_group`'s rows past this.
+        token_group: The length group (or ragged leaf) `batch_tokens` counts; may be left
+            out when the example has one length group.
+        layout: Ragged leaves as `"packed"` (default: `echo.Packed`) or `"padded"`
+            (`echo.Padded`).
+        pad_to_multiple: With `"padded"`, round the padded length up to a multiple of this.
 
     Raises:
         TypeError: A leaf of `example` is not a numpy array, or an argument has the wrong type.
@@ -131,7 +139,16 @@ class Server:
             no device) or registration fails.
     """
 
-    def __init__(
+    def __new__(cls, example: Any = None, *args: Any, **kwargs: Any) -> Server:  # pyright: ignore[reportInconsistentConstructor]
+        """A `RaggedServer` when `example` has `echo.Ragged` leaves; otherwise `cls`'s own."""
+        from echo._ragged_server import RaggedServer
+        from echo.ragged import has_ragged_leaves
+
+        if cls is Server and has_ragged_leaves(example):
+            return object.__new__(RaggedServer)
+        return object.__new__(cls)
+
+    def __init__(  # pyright: ignore[reportInconsistentConstructor]
         self,
         example: Any,
         batch_size: int,
@@ -158,7 +175,14 @@ class Server:
         policy_versions: bool = False,
         max_staleness: int | None = None,
         admission: str = "drop",
+        batch_tokens: int | None = None,
+        token_group: str | None = None,
+        layout: str = "packed",
+        pad_to_multiple: int = 1,
     ) -> None:
+        if (batch_tokens, token_group, layout, pad_to_multiple) != (None, None, "packed", 1):
+            raise ValueError("batch_tokens, token_group, layout and pad_to_multiple are for "
+                             "examples with echo.Ragged leaves; this example has none")  # fmt: skip
         self._periodic: PeriodicCheckpointer | None = None
         # Called (once, in order, with `restarting`) at the start of the first `close()`:
         # `echo.ray.serve` deregisters the shard there, before the connections close.
@@ -402,6 +426,25 @@ class Server:
             version=version,
         )
 
+    def submit_group(
+        self,
+        samples: list[Any] | tuple[Any, ...],
+        *,
+        timeout: float | None = None,
+        priority: float | None = None,
+    ) -> None:
+        """Inserts `samples` (a list) as one group, atomically: handed out whole in one batch,
+        never split, never partly evicted (the completions of one prompt, for GRPO). For
+        servers with `echo.Ragged` leaves; a group may not hold more than `batch_size`
+        samples, nor more rows than `batch_tokens`. `priority` is the group's.
+
+        Raises:
+            ValueError: The example has no ragged leaf, the group is empty or too large, or
+                a sample is invalid (nothing of the group is stored then).
+            TypeError: `samples` is not a list of samples.
+        """
+        raise ValueError("submit_group is for servers with echo.Ragged leaves; use submit()")
+
     def writer(self, *, timeout: float | None = None) -> SampleWriter:
         """A writer cached for this server's fixed layout: the fastest way to insert single
         samples from Python, for loops that produce them one at a time.
@@ -511,6 +554,8 @@ class Server:
         copy: bool = False,
         writable: bool = False,
         device: Any = None,
+        layout: str | None = None,
+        pad_to_multiple: int | None = None,
     ) -> Sample | None:
         """Waits for the next full batch and returns it, or `None` once the server is closed.
 
@@ -531,6 +576,9 @@ class Server:
                 (`jax.devices()[0]`; `jax.Array`s), as `dataset_iter(device=...)` does in
                 the background. The copy is the caller's to keep. `copy` and `writable`
                 make no difference then.
+            layout: Ragged leaves only: this batch's layout (`"packed"` or `"padded"`)
+                instead of the server's.
+            pad_to_multiple: Ragged leaves only: this batch's `pad_to_multiple`.
 
         Raises:
             ImportError: `device` is not a JAX device and PyTorch is not installed.
@@ -540,6 +588,8 @@ class Server:
                 counters: inserts, samples, the limit) or a table with nothing to sample.
             KeyboardInterrupt: Ctrl-C while waiting.
         """
+        if layout is not None or pad_to_multiple is not None:
+            raise ValueError("layout and pad_to_multiple are for servers with echo.Ragged leaves")
         transfer = None if device is None else self._transfer_to(device)
         if transfer is not None:
             # A host device adopts a private copy; a GPU copies from writeable ring views.
@@ -557,7 +607,7 @@ class Server:
         leaves, info, meta = got
         tally.end_wait(started, info.wait_ns)  # meta: the arrays `ServerCore.meta_names` names
         batch = self._layout.unflatten(leaves)
-        extras = dict(zip(self._meta_names, meta, strict=True))
+        extras: dict[str, Any] = dict(zip(self._meta_names, meta, strict=True))
         return Sample(batch if transfer is None else transfer.copy(batch), info, **extras)
 
     def _transfer_to(self, device: Any) -> Transfer:

@@ -35,3 +35,22 @@ def test_dqn_distributed_example_survives_a_learner_restart(tmp_path: Path) -> N
     assert "nothing lost:" in result.stdout, output
     # The workers rode through on reconnect=True, and their warnings name them.
     assert "worker-0 (127.0.0.1:" in result.stderr, output
+
+
+@pytest.mark.timeout(60)
+def test_llm_rollouts_example_delivers_every_group_whole() -> None:
+    # 2 worker threads, 24 prompts x 4 completions of up to 128 tokens, FIFO batches of at
+    # most 1,024 completion tokens: about a second on 2 idle cores. The example checks that
+    # every completion arrived once and every group came whole in one batch.
+    args = ["--prompts", "24", "--group-size", "4", "--workers", "2", "--batch-tokens", "1024"]
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "llm_rollouts.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=False,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "96 completions in 24 groups of 4" in result.stdout, output
+    assert "nothing lost:" in result.stdout, output

@@ -26,6 +26,7 @@ mod config;
 mod errors;
 mod info;
 mod leaves;
+mod ragged;
 mod server;
 mod views;
 
@@ -226,6 +227,8 @@ fn _echo(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<client::PyTcpSender>()?;
     m.add_class::<views::RingLease>()?;
     m.add_class::<views::BatchCopy>()?;
+    m.add_class::<ragged::RaggedCore>()?;
+    m.add_class::<ragged::RaggedCopy>()?;
     m.add_class::<info::SampleInfo>()?;
     m.add_class::<info::HistSnapshot>()?;
     m.add_class::<checkpoint::PyOpenedCheckpoint>()?;

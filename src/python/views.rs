@@ -43,6 +43,11 @@ impl RingLease {
 }
 
 impl RingLease {
+    /// A lease on `owner`, memory views point into (a ragged table's arena).
+    pub(crate) fn owning(owner: Arc<dyn std::any::Any + Send + Sync>, what: &'static str) -> Self {
+        Self { _owner: owner, what }
+    }
+
     /// A lease on `backend`'s batch memory.
     pub(crate) fn new(backend: &Backend) -> Self {
         let what = if backend.has_priorities() { "replay batch area" } else { "FIFO ring" };
@@ -60,7 +65,7 @@ pub(crate) struct LeafLayout {
 
 /// Creates a 1-leaf array of `layout` over `data` (or freshly allocated memory if `data` is
 /// null), C-contiguous; writeable when numpy allocates it, or when `writeable` is set.
-fn new_array<'py>(
+pub(crate) fn new_array<'py>(
     py: Python<'py>,
     layout: &LeafLayout,
     data: *mut u8,

@@ -1,0 +1,288 @@
+"""`echo.Server` when the example has ragged leaves: the same face over a ragged table.
+
+`Server(example, ...)` builds a `RaggedServer` when a leaf of `example` is `echo.Ragged`
+(`Server.__new__`). What a ragged server does not do yet (workers over TCP or shared memory,
+checkpoints, compression, parameters, sequences) raises `ValueError` at construction, naming
+the argument, rather than being ignored.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any, NoReturn
+
+import numpy as np
+
+from echo._echo import SampleInfo
+from echo._validate import check_int
+from echo.ragged import RaggedBuffer
+from echo.replay import Fifo, Remover
+from echo.sample import Sample
+from echo.server import Server
+
+__all__ = ["RaggedServer"]
+
+_LATER = (
+    "a server with ragged leaves is in-process only in this version: {what} is not supported yet"
+)
+
+
+def _unsupported(what: str) -> NoReturn:
+    raise ValueError(_LATER.format(what=what))
+
+
+class RaggedServer(Server):
+    """An `echo.Server` whose example has `echo.Ragged` leaves (see `Server`)."""
+
+    def __init__(  # pyright: ignore[reportInconsistentConstructor]
+        self,
+        example: Any,
+        batch_size: int,
+        transport: Any = None,
+        num_buffers: int = 3,
+        num_drainers: int = 8,
+        producer_queue_size: int | None = None,
+        pin_host_memory: bool = False,
+        *,
+        sampler: Any = None,
+        remover: Remover | None = None,
+        max_size: int | None = None,
+        rate_limiter: Any = None,
+        max_times_sampled: int = 0,
+        seed: int | None = None,
+        sequence: Any = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: float | None = None,
+        checkpoint_keep: int = 3,
+        checkpoint_extra: Any = None,
+        name: str = "default",
+        compress: Any = None,
+        max_bytes: int | None = None,
+        policy_versions: bool = False,
+        max_staleness: int | None = None,
+        admission: str = "drop",
+        batch_tokens: int | None = None,
+        token_group: str | None = None,
+        layout: str = "packed",
+        pad_to_multiple: int = 1,
+    ) -> None:
+        del num_drainers, producer_queue_size, checkpoint_keep, admission
+        for what, given in (
+            ("transport=", transport is not None),
+            ("pin_host_memory=True", pin_host_memory),
+            ("sequence=", sequence is not None),
+            ("checkpoint_dir=", checkpoint_dir is not None),
+            ("checkpoint_every=", checkpoint_every is not None),
+            ("checkpoint_extra=", checkpoint_extra is not None),
+            ("compress=", compress is not None),
+            ("policy_versions=True", policy_versions),
+            ("max_staleness=", max_staleness is not None),
+            ("a remover other than Fifo()", remover is not None and not isinstance(remover, Fifo)),
+        ):
+            if given:
+                _unsupported(what)
+        if not isinstance(name, str) or not name:  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise ValueError(f"name must be a non-empty str, got {name!r}")
+        self._name = name
+        self._buffer = RaggedBuffer(
+            example,
+            check_int("batch_size", batch_size, 1),
+            num_buffers=check_int("num_buffers", num_buffers, 2),
+            sampler=sampler,
+            max_size=None if max_size is None else check_int("max_size", max_size, 1),
+            max_bytes=None if max_bytes is None else check_int("max_bytes", max_bytes, 1),
+            rate_limiter=rate_limiter,
+            max_times_sampled=check_int("max_times_sampled", max_times_sampled, 0),
+            seed=None if seed is None else check_int("seed", seed, 0),
+            batch_tokens=batch_tokens,
+            token_group=token_group,
+            layout=layout,
+            pad_to_multiple=pad_to_multiple,
+        )
+        self._batch_size = batch_size
+        self._num_buffers = num_buffers
+        self._sampler_arg = Fifo() if sampler is None else sampler
+        self._max_bytes = max_bytes
+        self._close_hooks = []
+        self._transfers = {}
+
+    # --- what a ragged server does -------------------------------------------------------
+
+    def submit(  # pyright: ignore[reportIncompatibleMethodOverride]
+        self,
+        sample: Any,
+        *,
+        timeout: float | None = None,
+        priority: float | None = None,
+        stream: int | None = None,
+        end_episode: bool = False,
+        truncated: bool = False,
+        version: int | None = None,
+    ) -> None:
+        """Copies one sample in: its ragged leaves `(n, *inner_shape)` with `n <= max_len`,
+        equal `n` within a length group. See `Server.submit`."""
+        if stream is not None or end_episode or truncated or version is not None:
+            _unsupported("stream=, end_episode=, truncated= or version=")
+        self._buffer.submit_group([sample], timeout, priority)
+
+    def submit_group(
+        self,
+        samples: list[Any] | tuple[Any, ...],
+        *,
+        timeout: float | None = None,
+        priority: float | None = None,
+    ) -> None:
+        """See `Server.submit_group`."""
+        self._buffer.submit_group(samples, timeout, priority)
+
+    def sample(  # pyright: ignore[reportIncompatibleMethodOverride]
+        self,
+        timeout: float | None = None,
+        *,
+        copy: bool = False,
+        writable: bool = False,
+        device: Any = None,
+        layout: str | None = None,
+        pad_to_multiple: int | None = None,
+    ) -> Sample | None:
+        """See `Server.sample`; ragged leaves come as `echo.Packed` or `echo.Padded`."""
+        del writable  # copies are writeable already; views of the arena stay read-only
+        batch = self._buffer.sample(timeout, layout, pad_to_multiple, copy or device is not None)
+        if batch is None or device is None:
+            return batch
+        return batch._with_batch(self._transfer_to(device).copy(batch.batch))  # pyright: ignore[reportPrivateUsage]
+
+    def dataset_iter(  # pyright: ignore[reportIncompatibleMethodOverride]
+        self,
+        *,
+        copy: bool = False,
+        timeout: float | None = None,
+        writable: bool = False,
+        device: Any = None,
+        prefetch: int | None = None,
+    ) -> Iterator[Sample]:
+        """Yields batches until the server is closed (see `Server.dataset_iter`)."""
+        del writable
+        if prefetch is not None:
+            _unsupported("prefetch=")
+        while (batch := self.sample(timeout, copy=copy, device=device)) is not None:
+            yield batch
+
+    def update_priorities(self, keys: Any, priorities: Any) -> int:
+        """Sets the priorities of the entries `keys` name (a group's samples share a key)."""
+        return self._buffer.core.update_priorities(
+            np.ascontiguousarray(keys, dtype=np.uint64),
+            np.ascontiguousarray(priorities, dtype=np.float64),
+        )
+
+    def stats(self) -> SampleInfo:
+        return self._buffer.stats({})
+
+    def close(self, *, drain: bool = False, restarting: bool = False) -> None:
+        del restarting
+        self._buffer.core.close(drain)
+
+    # --- settings -------------------------------------------------------------------------
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    @property
+    def num_buffers(self) -> int | None:
+        return self._num_buffers if self._buffer.kind == "fifo" else None
+
+    @property
+    def max_size(self) -> int | None:
+        return self._buffer.capacity if self._buffer.kind != "fifo" else None
+
+    @property
+    def capacity(self) -> int:
+        return self._buffer.capacity
+
+    @property
+    def max_bytes(self) -> int | None:
+        return self._max_bytes
+
+    @property
+    def sampler(self) -> Any:
+        return self._sampler_arg
+
+    @property
+    def closed(self) -> bool:
+        return self._buffer.core.closed
+
+    @property
+    def leaf_names(self) -> list[str]:
+        return [leaf.name for leaf in self._buffer.layout.leaves]
+
+    @property
+    def batch_tokens(self) -> int | None:
+        """The token budget (rows of `token_group` per batch), or `None`."""
+        tokens = self._buffer.batch_tokens
+        return None if tokens is None else tokens[1]
+
+    @property
+    def transport(self) -> None:
+        return None
+
+    @property
+    def port(self) -> None:
+        return None
+
+    @property
+    def compress(self) -> dict[str, Any]:
+        return {}
+
+    @property
+    def sequence(self) -> None:
+        return None
+
+    @property
+    def pinned(self) -> bool:
+        return False
+
+    @property
+    def params_version(self) -> int:
+        return 0
+
+    @property
+    def restored_extra(self) -> None:
+        return None
+
+    @property
+    def dropped_at_close(self) -> int | None:
+        return None
+
+    def reset_histograms(self) -> None:
+        """Nothing to reset: a ragged server keeps no histograms."""
+
+    # --- not yet --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Nothing to start: a ragged server has no transport yet."""
+
+    def writer(self, *, timeout: float | None = None) -> NoReturn:  # pyright: ignore[reportIncompatibleMethodOverride]
+        _unsupported("writer()")
+
+    def submit_batch(self, *args: Any, **kwargs: Any) -> NoReturn:  # pyright: ignore[reportIncompatibleMethodOverride]
+        _unsupported("submit_batch() (use submit() or submit_group())")
+
+    def end_episode(self, stream: int = 0, *, truncated: bool = True) -> NoReturn:  # pyright: ignore[reportIncompatibleMethodOverride]
+        _unsupported("end_episode()")
+
+    def checkpoint(self, path: str | os.PathLike[str], *, extra: Any = None) -> NoReturn:  # pyright: ignore[reportIncompatibleMethodOverride]
+        _unsupported("checkpoint()")
+
+    def publish(self, *args: Any, **kwargs: Any) -> NoReturn:  # pyright: ignore[reportIncompatibleMethodOverride]
+        _unsupported("publish()")
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        leaves = ", ".join(self.leaf_names)
+        tokens = f", batch_tokens={self.batch_tokens}" if self.batch_tokens else ""
+        return (
+            f"Server(ragged, {self._sampler_arg!r}, batch_size={self._batch_size}{tokens}, "
+            f"leaves=[{leaves}], {state})"
+        )

@@ -1,0 +1,313 @@
+"""Variable-length samples through `echo.Server`: ragged leaves, length groups, the packed and
+padded layouts, token budgets, groups handed out whole, replay eviction by bytes, and the
+refusals that name the leaf and the numbers and store nothing."""
+
+from __future__ import annotations
+
+import gc
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+import echo
+from echo import Packed, Padded, Ragged
+
+MAX_LEN = 300
+
+
+def example() -> dict[str, Any]:
+    return {
+        "prompt": Ragged(64, np.int32),
+        "tokens": Ragged(MAX_LEN, np.int32, group="completion"),
+        "logp": Ragged(MAX_LEN, np.float32, group="completion"),
+        "id": np.zeros((), np.int64),
+    }
+
+
+def length_of(i: int) -> int:
+    return (i * 37) % (MAX_LEN + 1)
+
+
+def make(i: int, n: int | None = None) -> dict[str, Any]:
+    n = length_of(i) if n is None else n
+    return {
+        "prompt": np.arange(i % 64, dtype=np.int32),
+        "tokens": (i * 1000 + np.arange(n)).astype(np.int32),
+        "logp": -np.arange(n, dtype=np.float32),
+        "id": np.int64(i),
+    }
+
+
+def check_packed(batch: Any) -> list[int]:
+    """Every sample of a packed batch is what was submitted for its id; returns the ids."""
+    ids = [int(i) for i in batch["id"]]
+    tokens, logp = batch["tokens"], batch["logp"]
+    assert isinstance(tokens, Packed)
+    assert isinstance(logp, Packed)
+    assert tokens.cu_seqlens is logp.cu_seqlens or np.array_equal(
+        tokens.cu_seqlens, logp.cu_seqlens
+    )
+    cu = tokens.cu_seqlens
+    assert cu.dtype == np.int32
+    assert cu.shape == (len(ids) + 1,)
+    assert cu[0] == 0
+    for k, i in enumerate(ids):
+        a, b = int(cu[k]), int(cu[k + 1])
+        np.testing.assert_array_equal(tokens.values[a:b], i * 1000 + np.arange(length_of(i)))
+        np.testing.assert_array_equal(logp.values[a:b], -np.arange(length_of(i)))
+        p = batch["prompt"]
+        pa, pb = int(p.cu_seqlens[k]), int(p.cu_seqlens[k + 1])
+        np.testing.assert_array_equal(p.values[pa:pb], np.arange(i % 64))
+    return ids
+
+
+def test_a_ragged_example_makes_a_ragged_server() -> None:
+    with echo.Server(example(), 4) as server:
+        assert isinstance(server, echo.Server)
+        assert server.leaf_names == ["['id']", "['logp']", "['prompt']", "['tokens']"]
+        assert "ragged" in repr(server)
+
+
+def test_fifo_hands_every_sample_out_once_and_intact_under_contention() -> None:
+    server = echo.Server(example(), 16, num_buffers=3)
+    per_writer, writers = 1500, 4
+
+    def write(w: int) -> None:
+        for k in range(per_writer):
+            server.submit(make(w * 100_000 + k), timeout=30)
+
+    threads = [threading.Thread(target=write, args=(w,)) for w in range(writers)]
+    for t in threads:
+        t.start()
+
+    def close_when_done() -> None:
+        for t in threads:
+            t.join()
+        server.close(drain=True)
+
+    closer = threading.Thread(target=close_when_done)
+    closer.start()
+    seen: set[int] = set()
+    while (s := server.sample(timeout=30)) is not None:
+        assert s.num_samples <= 16
+        for i in check_packed(s.batch):
+            assert i not in seen, f"sample {i} handed out twice"
+            seen.add(i)
+    closer.join()
+    assert seen == {w * 100_000 + k for w in range(writers) for k in range(per_writer)}
+    assert server.stats().samples_submitted_total == writers * per_writer
+
+
+def test_a_fifo_batch_of_side_by_side_rows_is_a_read_only_view_that_outlives_the_server() -> None:
+    server = echo.Server(example(), 4)
+    for i in range(4):
+        server.submit(make(i, 10))
+    s = server.sample(timeout=5)
+    assert s is not None
+    values = s.batch["tokens"].values
+    assert not values.flags.writeable
+    assert type(values.base).__name__ == "RingLease"
+    server.close()
+    del server
+    gc.collect()
+    # The arena stays mapped as long as a view exists.
+    np.testing.assert_array_equal(values[:10], np.arange(10))
+    with echo.Server(example(), 2) as other:
+        other.submit(make(1, 3))
+        other.submit(make(2, 3))
+        got = other.sample(timeout=5, copy=True)
+        assert got is not None
+        assert got.batch["tokens"].values.flags.writeable
+
+
+def test_padded_batches_pad_with_zeros_to_a_multiple_and_carry_lengths_and_a_mask() -> None:
+    server = echo.Server(example(), 3, layout="padded", pad_to_multiple=8)
+    for i, n in ((1, 3), (2, 0), (3, 9)):
+        server.submit(make(i, n))
+    s = server.sample(timeout=5)
+    assert s is not None
+    tokens = s.batch["tokens"]
+    assert isinstance(tokens, Padded)
+    assert tokens.values.shape == (3, 16)
+    np.testing.assert_array_equal(tokens.lengths, [3, 0, 9])
+    assert tokens.mask.shape == (3, 16)
+    assert tokens.mask.dtype == np.bool_
+    np.testing.assert_array_equal(tokens.mask.sum(axis=1), [3, 0, 9])
+    np.testing.assert_array_equal(tokens.values[0], [1000, 1001, 1002] + [0] * 13)
+    np.testing.assert_array_equal(tokens.values[1], [0] * 16)
+    np.testing.assert_array_equal(tokens.values[2, :10], [*range(3000, 3009), 0])
+    # The prompt is its own group: its own lengths.
+    np.testing.assert_array_equal(s.batch["prompt"].lengths, [1, 2, 3])
+    # Per call, the other layout.
+    for i in range(3):
+        server.submit(make(10 + i, 4))
+    s = server.sample(timeout=5, layout="packed")
+    assert s is not None
+    assert isinstance(s.batch["tokens"], Packed)
+
+
+def test_episodes_with_an_inner_shape() -> None:
+    ex = {"obs": Ragged(50, np.float32, (4,)), "ret": np.zeros((), np.float32)}
+    server = echo.Server(ex, 2, layout="padded")
+    server.submit({"obs": np.ones((7, 4), np.float32), "ret": np.float32(1)})
+    server.submit({"obs": np.full((2, 4), 2, np.float32), "ret": np.float32(2)})
+    s = server.sample(timeout=5)
+    assert s is not None
+    assert s.batch["obs"].values.shape == (2, 7, 4)
+    assert s.batch["obs"].values[1, 2:].sum() == 0
+    with pytest.raises(
+        ValueError, match=r"\['obs'\]: expected shape \(n, 4\) with n <= 50, got \(3, 5\)"
+    ):
+        server.submit({"obs": np.ones((3, 5), np.float32), "ret": np.float32(1)})
+
+
+def test_token_budgets_close_batches_and_groups_are_never_split() -> None:
+    server = echo.Server(example(), 12, batch_tokens=1000, token_group="completion", num_buffers=4)
+    groups, size = 60, 4
+
+    def write() -> None:
+        for g in range(groups):
+            server.submit_group([make(g * size + k) for k in range(size)], timeout=30)
+        server.close(drain=True)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    seen = 0
+    while (s := server.sample(timeout=30)) is not None:
+        ids = check_packed(s.batch)
+        assert s.num_samples == len(ids)
+        assert len(ids) % size == 0
+        assert len(ids) <= 12
+        assert s.batch["tokens"].cu_seqlens[-1] <= 1000
+        for k in range(0, len(ids), size):
+            chunk = ids[k : k + size]
+            assert all(i // size == chunk[0] // size for i in chunk), f"split group {chunk}"
+            assert s.keys is not None
+            assert len({int(key) for key in s.keys[k : k + size]}) == 1
+        seen += len(ids)
+    writer.join()
+    assert seen == groups * size
+
+
+def test_replay_draws_whole_groups() -> None:
+    server = echo.Server(example(), 8, sampler=echo.Uniform(), max_size=400, seed=3)
+    for g in range(50):
+        server.submit_group([make(g * 4 + k, 5) for k in range(4)])
+    for _ in range(20):
+        s = server.sample(timeout=5)
+        assert s is not None
+        ids = [int(i) for i in s.batch["id"]]
+        assert len(ids) == 8
+        for k in range(0, 8, 4):
+            assert [i // 4 for i in ids[k : k + 4]] == [ids[k] // 4] * 4
+            assert ids[k] % 4 == 0
+        assert s.probabilities is not None
+        assert s.times_sampled is not None
+
+
+def test_replay_evicts_the_oldest_by_bytes() -> None:
+    budget = 4 << 20
+    server = echo.Server(example(), 32, sampler=echo.Uniform(), max_size=100_000, max_bytes=budget)
+    n = 6000
+    for i in range(n):
+        server.submit(make(i))
+    stats = server.stats()
+    assert stats.evicted_total > 0
+    assert stats.store_size + stats.evicted_total == n
+    assert stats.stored_bytes <= budget
+    oldest = n - stats.store_size
+    for _ in range(10):
+        s = server.sample(timeout=5)
+        assert s is not None
+        assert min(check_packed(s.batch)) >= oldest
+
+
+def test_prioritized_replay_follows_priorities() -> None:
+    server = echo.Server(example(), 8, sampler=echo.Prioritized(1.0), max_size=64)
+    server.submit(make(1, 3), priority=0.0)
+    server.submit(make(2, 3), priority=1.0)
+    s = server.sample(timeout=5)
+    assert s is not None
+    assert set(s.batch["id"].tolist()) == {2}
+    assert s.keys is not None
+    key_of_2 = int(s.keys[0])
+    s2 = server.sample(timeout=5)
+    assert s2 is not None
+    assert server.update_priorities(np.array([key_of_2]), np.array([0.0])) == 1
+    with pytest.raises(TimeoutError):
+        server.sample(timeout=0.05)  # every priority is 0 now
+
+
+def test_bad_samples_raise_precise_errors_and_store_nothing() -> None:
+    server = echo.Server(example(), 4, batch_tokens=500, token_group="tokens")
+    with pytest.raises(ValueError, match=r"leaf \['logp'\]: 301 rows, more than its max_len 300"):
+        server.submit(make(1, 301))
+    bad = make(2, 10)
+    bad["logp"] = bad["logp"][:9]
+    with pytest.raises(
+        ValueError, match=r'"completion": leaf \[.logp.\] has 9 rows but leaf \[.tokens.\] has 10'
+    ):
+        server.submit(bad)
+    with pytest.raises(ValueError, match=r"a group of 2 samples with 520 rows .*batch_tokens 500"):
+        server.submit_group([make(3, 260), make(4, 260)])
+    with pytest.raises(
+        ValueError, match=r"a group of 5 samples is larger than a batch \(batch_size 4\)"
+    ):
+        server.submit_group([make(i, 1) for i in range(5)])
+    with pytest.raises(ValueError, match="at least one sample"):
+        server.submit_group([])
+    with pytest.raises(TypeError, match=r"\['tokens'\]: expected dtype int32, got int64"):
+        server.submit({**make(5, 3), "tokens": np.arange(3)})
+    with pytest.raises(ValueError, match="structure differs"):
+        server.submit({"tokens": np.arange(3, dtype=np.int32)})
+    with pytest.raises(TypeError, match="list of samples"):
+        server.submit_group(make(1, 1))  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValueError, match="FIFO table takes no priorities"):
+        server.submit(make(6, 3), priority=1.0)
+    assert server.stats().store_size == 0
+    assert server.stats().raw_bytes == 0
+
+
+def test_settings_that_do_not_apply_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"in-process only .*transport="):
+        echo.Server(example(), 4, transport=echo.TcpTransport(port=0))
+    with pytest.raises(ValueError, match="checkpoint_dir="):
+        echo.Server(example(), 4, checkpoint_dir="/tmp/x", checkpoint_every=1.0)
+    with pytest.raises(ValueError, match="needs max_size"):
+        echo.Server(example(), 4, sampler=echo.Uniform())
+    with pytest.raises(ValueError, match="several length groups"):
+        echo.Server(example(), 4, batch_tokens=100)
+    with pytest.raises(ValueError, match="names no length group"):
+        echo.Server(example(), 4, batch_tokens=100, token_group="nope")
+    with pytest.raises(ValueError, match='layout must be "packed" or "padded"'):
+        echo.Server(example(), 4, layout="ragged")
+    fixed = {"x": np.zeros(3, np.float32)}
+    with pytest.raises(ValueError, match="no"):
+        echo.Server(fixed, 4, batch_tokens=10)
+    with echo.Server(fixed, 4) as plain:
+        with pytest.raises(ValueError, match=r"echo\.Ragged"):
+            plain.submit_group([{"x": np.zeros(3, np.float32)}])
+        with pytest.raises(ValueError, match=r"echo\.Ragged"):
+            plain.sample(timeout=0.01, layout="padded")
+    with pytest.raises(ValueError, match="at least 1"):
+        Ragged(0, np.int32)
+    with pytest.raises(TypeError, match="tuple of ints"):
+        Ragged(4, np.int32, [3])  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValueError, match="max_len 8 but leaf"):
+        echo.Server({"a": Ragged(8, np.int32, group="g"), "b": Ragged(9, np.int32, group="g")}, 2)
+
+
+def test_waits_time_out() -> None:
+    server = echo.Server(example(), 2, num_buffers=2)
+    with pytest.raises(TimeoutError):
+        server.sample(timeout=0.05)
+    for i in range(4):
+        server.submit(make(i, 1))
+    with pytest.raises(TimeoutError, match="no room"):
+        server.submit(make(9, 1), timeout=0.05)
+    server.close()
+    assert server.sample(timeout=1) is None
+    with pytest.raises(echo.ServerClosedError):
+        server.submit(make(10, 1))
