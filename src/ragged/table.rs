@@ -1,5 +1,5 @@
 //! The ragged table: samples with variable-length leaves, stored without padding in an
-//! [`Arena`], handed out FIFO (each once, in order) or drawn for replay (uniform or
+//! arena of blocks, handed out FIFO (each once, in order) or drawn for replay (uniform or
 //! prioritized), in *entries*: a sample, or a group of samples inserted together, which a
 //! batch always holds whole and eviction always removes whole.
 //!
