@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from echo._echo import SampleInfo
+from echo._tally import Tally
 from echo._validate import check_int
 from echo.ragged import RaggedBuffer
 from echo.replay import Fifo, Remover
@@ -105,6 +106,7 @@ class RaggedServer(Server):
         self._sampler_arg = Fifo() if sampler is None else sampler
         self._max_bytes = max_bytes
         self._close_hooks = []
+        self._tally = Tally()
         self._transfers = {}
 
     # --- what a ragged server does -------------------------------------------------------
@@ -148,7 +150,15 @@ class RaggedServer(Server):
     ) -> Sample | None:
         """See `Server.sample`; ragged leaves come as `echo.Packed` or `echo.Padded`."""
         del writable  # copies are writeable already; views of the arena stay read-only
-        batch = self._buffer.sample(timeout, layout, pad_to_multiple, copy or device is not None)
+        started = self._tally.begin_wait()
+        try:
+            batch = self._buffer.sample(
+                timeout, layout, pad_to_multiple, copy or device is not None
+            )
+        except BaseException:
+            self._tally.end_wait(started, None)
+            raise
+        self._tally.end_wait(started, None if batch is None else batch.info.wait_ns)
         if batch is None or device is None:
             return batch
         return batch._with_batch(self._transfer_to(device).copy(batch.batch))  # pyright: ignore[reportPrivateUsage]
@@ -222,6 +232,16 @@ class RaggedServer(Server):
         """The token budget (rows of `token_group` per batch), or `None`."""
         tokens = self._buffer.batch_tokens
         return None if tokens is None else tokens[1]
+
+    @property
+    def num_drainers(self) -> int:
+        """0: a ragged server has no ingress threads (in-process only for now)."""
+        return 0
+
+    @property
+    def producer_queue_size(self) -> int:
+        """0: a ragged server has no connection queues (in-process only for now)."""
+        return 0
 
     @property
     def transport(self) -> None:

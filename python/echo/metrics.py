@@ -529,9 +529,9 @@ def _values(server: Server, info: SampleInfo, tally: Tally | None, now: float) -
             "ingress": info.samples_inserted_total,
             "submit": info.samples_submitted_total,
         },
-        "echo_samples_sampled_total": batches * server.batch_size
-        if fifo
-        else info.items_sampled_total,
+        # A ragged server counts the samples it hands out (its FIFO batches vary in size).
+        "echo_samples_sampled_total": info.items_sampled_total
+        or (batches * server.batch_size if fifo else 0),
         "echo_batches_completed_total": info.notify_count,
         "echo_samples_dropped_total": {
             "evicted": info.evicted_total,

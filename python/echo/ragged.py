@@ -9,6 +9,7 @@ data (episodes, tokens)".
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple, cast
 
@@ -301,9 +302,11 @@ class RaggedBuffer:
             if pad_to_multiple is None
             else check_int("pad_to_multiple", pad_to_multiple, 1)
         )
+        started = time.monotonic_ns()
         got = self.core.sample(timeout, padded, multiple)
         if got is None:
             return None
+        wait_ns = time.monotonic_ns() - started
         arrays, groups, keys, probabilities, times_sampled, samples, sequence = got
         leaf_groups = self.core.leaf_groups
         out: list[Any] = []
@@ -320,6 +323,7 @@ class RaggedBuffer:
             {
                 "store_size": self.core.stats()["samples"],
                 "sequence": sequence,
+                "wait_ns": wait_ns,
                 "keys": keys if self.kind != "fifo" else None,
                 "probabilities": probabilities,
                 "times_sampled": times_sampled,
@@ -340,7 +344,7 @@ class RaggedBuffer:
             "store_size": s["samples"],
             "samples_submitted_total": s["submitted"],
             "notify_count": s["batches"],
-            "items_sampled_total": s["sampled"] if self.kind != "fifo" else 0,
+            "items_sampled_total": s["sampled"],
             "evicted_total": s["evicted"],
             "removed_max_times_sampled_total": s["removed_max_times_sampled"],
             "insert_blocked_ns_total": s["insert_blocked_ns"] if self.kind != "fifo" else 0,

@@ -311,3 +311,26 @@ def test_waits_time_out() -> None:
     assert server.sample(timeout=1) is None
     with pytest.raises(echo.ServerClosedError):
         server.submit(make(10, 1))
+
+
+def test_prometheus_counts_what_a_ragged_server_did() -> None:
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from echo.metrics import EchoCollector
+
+    server = echo.Server(example(), 4, batch_tokens=200, token_group="completion", name="ragged")
+    for i in range(10):
+        server.submit(make(i, 50))
+    got = [server.sample(timeout=5) for _ in range(2)]
+    handed = sum(s.num_samples for s in got if s is not None)
+    assert handed == 8  # 4 samples of 50 rows fill a budget of 200
+    registry = CollectorRegistry()
+    registry.register(EchoCollector(server))
+    text = generate_latest(registry).decode()
+    assert 'echo_samples_sampled_total{server="ragged"} 8.0' in text
+    assert 'echo_samples_inserted_total{path="submit",server="ragged"} 10.0' in text
+    raw = server.stats().raw_bytes
+    # Samples 8 and 9 wait; 4 to 7 are the batch the learner holds: their bytes are in use.
+    assert raw == sum(2 * 50 * 4 + 8 + (i % 64) * 4 for i in range(4, 10))
+    assert f'echo_raw_bytes{{server="ragged"}} {float(raw)}' in text
