@@ -308,3 +308,180 @@ fn fifo_sample_times_out_and_close_ends_it() {
         Err(EchoError::Closed)
     ));
 }
+
+mod over_tcp {
+    use std::collections::HashSet;
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+    use std::sync::Arc;
+    use std::thread;
+    use std::time::{Duration, Instant};
+
+    use echo::ragged::client::RaggedSender;
+    use echo::ragged::tcp::RaggedTcp;
+    use echo::ragged::wire::{Outgoing, RAGGED_DIM};
+    use echo::ragged::{BatchLayout, RaggedSampler, RaggedTable};
+    use echo::transport::wire::v2::{Closing, DType, Layout, LeafType};
+    use echo::EchoError;
+
+    use super::{check_packed, config, length_of, make, spec};
+
+    fn layout() -> Layout {
+        let int32 = DType { order: b'<', kind: b'i', size: 4 };
+        let leaf =
+            |name: &str, dtype, shape: Vec<usize>| LeafType { name: name.into(), dtype, shape };
+        Layout(vec![
+            leaf("['tokens']", int32, vec![RAGGED_DIM]),
+            leaf("['logp']", DType { order: b'<', kind: b'f', size: 4 }, vec![RAGGED_DIM]),
+            leaf("['id']", DType { order: b'<', kind: b'u', size: 8 }, vec![]),
+        ])
+    }
+
+    fn serve(batch: usize, token: Option<&[u8]>) -> (Arc<RaggedTable>, RaggedTcp) {
+        let table = Arc::new(
+            RaggedTable::new(spec(), config(RaggedSampler::Fifo, batch, 4 * batch)).unwrap(),
+        );
+        let tcp = RaggedTcp::start(
+            table.clone(),
+            layout(),
+            "127.0.0.1",
+            0,
+            token.map(<[u8]>::to_vec),
+            64,
+        )
+        .unwrap();
+        (table, tcp)
+    }
+
+    fn connect(port: u16, token: Option<&[u8]>) -> Result<RaggedSender, EchoError> {
+        RaggedSender::connect(
+            "127.0.0.1",
+            port,
+            spec(),
+            layout(),
+            token,
+            Duration::from_secs(5),
+            64,
+        )
+    }
+
+    #[test]
+    fn workers_deliver_every_sample_and_group_exactly_once() {
+        let (table, tcp) = serve(16, Some(b"secret"));
+        let port = tcp.port();
+        let workers: Vec<_> = (0..4u64)
+            .map(|w| {
+                thread::spawn(move || {
+                    let sender = connect(port, Some(b"secret")).unwrap();
+                    for g in 0..150u64 {
+                        // Groups of 1 to 4 samples with ids w*100_000 + g*4 + k.
+                        let size = (g % 4 + 1) as usize;
+                        let made: Vec<_> = (0..size as u64)
+                            .map(|k| {
+                                make(w * 100_000 + g * 4 + k, length_of(w * 100_000 + g * 4 + k))
+                            })
+                            .collect();
+                        let rows: Vec<[usize; 3]> =
+                            made.iter().map(|m| [m.len, m.len, 1]).collect();
+                        let leaves: Vec<[&[u8]; 3]> =
+                            made.iter().map(|m| [&m.tokens[..], &m.logp[..], &m.id[..]]).collect();
+                        let out: Vec<Outgoing<'_>> = rows
+                            .iter()
+                            .zip(&leaves)
+                            .map(|(r, l)| Outgoing { rows: r, leaves: l })
+                            .collect();
+                        sender.send_group(&out, None, None).unwrap();
+                    }
+                    sender.flush(Some(Instant::now() + Duration::from_secs(30))).unwrap();
+                    sender.counts()
+                })
+            })
+            .collect();
+        let closer = {
+            let table = table.clone();
+            thread::spawn(move || {
+                let counts: Vec<(u64, u64)> =
+                    workers.into_iter().map(|w| w.join().unwrap()).collect();
+                table.close(true);
+                counts
+            })
+        };
+        let mut seen = HashSet::new();
+        let deadline = Some(Instant::now() + Duration::from_secs(60));
+        while let Some(batch) = table.sample(BatchLayout::Packed, deadline).unwrap() {
+            let ids = check_packed(&batch);
+            // Groups come whole: ids of one group share g, and their keys are equal.
+            for (i, &id) in ids.iter().enumerate() {
+                if i > 0 && batch.keys[i] == batch.keys[i - 1] {
+                    assert_eq!(id, ids[i - 1] + 1, "a group's samples side by side, in order");
+                }
+                assert!(seen.insert(id), "sample {id} twice");
+            }
+        }
+        let counts = closer.join().unwrap();
+        let expected: u64 = 4 * (0..150u64).map(|g| g % 4 + 1).sum::<u64>();
+        assert_eq!(seen.len() as u64, expected);
+        assert!(counts.iter().all(|&(sent, acked)| sent == acked));
+        tcp.close(Closing::Final);
+    }
+
+    #[test]
+    fn wrong_layouts_tokens_and_v1_clients_are_refused() {
+        let (_table, tcp) = serve(4, Some(b"secret"));
+        let err = connect(tcp.port(), Some(b"wrong")).unwrap_err();
+        assert!(matches!(err, EchoError::Auth(_)), "{err}");
+        let mut other = layout();
+        other.0[1].shape = vec![7];
+        let err = RaggedSender::connect(
+            "127.0.0.1",
+            tcp.port(),
+            spec(),
+            other,
+            Some(b"secret"),
+            Duration::from_secs(5),
+            8,
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("['logp']") && err.to_string().contains("ragged leaves"),
+            "{err}"
+        );
+        // A v1 client sends raw sample bytes after the greeting: no acknowledgement, closed.
+        let mut raw = TcpStream::connect(("127.0.0.1", tcp.port())).unwrap();
+        raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut offer = [0u8; 38];
+        raw.read_exact(&mut offer).unwrap();
+        assert_eq!(&offer[..5], b"ECHO\x02");
+        raw.write_all(&[7u8; 64]).unwrap();
+        let mut rest = Vec::new();
+        let _ = raw.read_to_end(&mut rest);
+        assert!(!rest.contains(&1), "no acknowledgement for a v1 client");
+        assert!(tcp.counters().refused.load(std::sync::atomic::Ordering::Relaxed) >= 3);
+    }
+
+    #[test]
+    fn a_hostile_header_is_refused_before_its_body_is_read() {
+        let (table, tcp) = serve(4, None);
+        let sender = connect(tcp.port(), None).unwrap();
+        // A valid sample first.
+        let m = make(1, 3);
+        let leaves: [&[u8]; 3] = [&m.tokens, &m.logp, &m.id];
+        sender.send_group(&[Outgoing { rows: &[3, 3, 1], leaves: &leaves }], None, None).unwrap();
+        sender.flush(Some(Instant::now() + Duration::from_secs(5))).unwrap();
+        // Then, by hand on a fresh connection: a frame claiming 4 billion rows.
+        let raw = connect(tcp.port(), None).unwrap();
+        let err = raw
+            .send_group(
+                &[Outgoing { rows: &[301, 301, 1], leaves: &[&[0; 1204], &[0; 1204], &[0; 8]] }],
+                None,
+                None,
+            )
+            .unwrap_err();
+        assert!(matches!(err, EchoError::Sample(_)), "checked before sending: {err}");
+        assert_eq!(table.stats().samples, 1);
+        tcp.close(Closing::Final);
+        let err = sender.send_group(&[Outgoing { rows: &[3, 3, 1], leaves: &leaves }], None, None);
+        let err = err.and_then(|()| sender.flush(Some(Instant::now() + Duration::from_secs(5))));
+        assert!(err.is_err(), "the server closed");
+    }
+}

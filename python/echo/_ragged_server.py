@@ -1,9 +1,9 @@
 """`echo.Server` when the example has ragged leaves: the same face over a ragged table.
 
 `Server(example, ...)` builds a `RaggedServer` when a leaf of `example` is `echo.Ragged`
-(`Server.__new__`). What a ragged server does not do yet (workers over TCP or shared memory,
-checkpoints, compression, parameters, sequences) raises `ValueError` at construction, naming
-the argument, rather than being ignored.
+(`Server.__new__`). Workers send over TCP (`echo.TcpClient` with the same example). What a
+ragged server does not do yet (shared memory, checkpoints, compression, parameters,
+sequences) raises `ValueError`, naming the argument, rather than being ignored.
 """
 
 from __future__ import annotations
@@ -21,12 +21,11 @@ from echo.ragged import RaggedBuffer
 from echo.replay import Fifo, Remover
 from echo.sample import Sample
 from echo.server import Server
+from echo.transport import TcpTransport
 
 __all__ = ["RaggedServer"]
 
-_LATER = (
-    "a server with ragged leaves is in-process only in this version: {what} is not supported yet"
-)
+_LATER = "a server with ragged leaves does not support {what} yet"
 
 
 def _unsupported(what: str) -> NoReturn:
@@ -69,8 +68,11 @@ class RaggedServer(Server):
         pad_to_multiple: int = 1,
     ) -> None:
         del num_drainers, producer_queue_size, checkpoint_keep, admission
+        if transport is not None and not isinstance(transport, TcpTransport):
+            raise TypeError(
+                f"transport must be a TcpTransport or None, got {type(transport).__name__}"
+            )
         for what, given in (
-            ("transport=", transport is not None),
             ("pin_host_memory=True", pin_host_memory),
             ("sequence=", sequence is not None),
             ("checkpoint_dir=", checkpoint_dir is not None),
@@ -106,6 +108,7 @@ class RaggedServer(Server):
         self._sampler_arg = Fifo() if sampler is None else sampler
         self._max_bytes = max_bytes
         self._close_hooks = []
+        self._transport: TcpTransport | None = transport
         self._tally = Tally()
         self._transfers = {}
 
@@ -190,8 +193,9 @@ class RaggedServer(Server):
         return self._buffer.stats({})
 
     def close(self, *, drain: bool = False, restarting: bool = False) -> None:
-        del restarting
-        self._buffer.core.close(drain)
+        """Closes the TCP ingress (its workers hear the server close, `restarting` or for
+        good), then the table; with `drain`, FIFO hands out what is left first."""
+        self._buffer.core.close(drain, restarting)
 
     # --- settings -------------------------------------------------------------------------
 
@@ -235,21 +239,21 @@ class RaggedServer(Server):
 
     @property
     def num_drainers(self) -> int:
-        """0: a ragged server has no ingress threads (in-process only for now)."""
+        """0: a ragged server serves each TCP connection on a thread of its own."""
         return 0
 
     @property
     def producer_queue_size(self) -> int:
-        """0: a ragged server has no connection queues (in-process only for now)."""
+        """0: a ragged server has no connection queues (a connection inserts directly)."""
         return 0
 
     @property
-    def transport(self) -> None:
-        return None
+    def transport(self) -> TcpTransport | None:
+        return self._transport
 
     @property
-    def port(self) -> None:
-        return None
+    def port(self) -> int | None:
+        return self._buffer.core.port
 
     @property
     def compress(self) -> dict[str, Any]:
@@ -281,7 +285,19 @@ class RaggedServer(Server):
     # --- not yet --------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Nothing to start: a ragged server has no transport yet."""
+        """Starts listening for workers (`echo.TcpClient` with the same ragged example) on
+        the transport's port, if it has one; see `Server.start`. Workers send over TCP (not
+        shared memory yet), one thread per connection."""
+        transport = self._transport
+        if transport is None or self._buffer.core.port is not None:
+            return
+        token = transport.token or os.environ.get("ECHO_TOKEN") or None
+        self._buffer.core.start_tcp(
+            transport.host,
+            transport.port,
+            None if token is None else token.encode(),
+            transport.max_connections,
+        )
 
     def writer(self, *, timeout: float | None = None) -> NoReturn:  # pyright: ignore[reportIncompatibleMethodOverride]
         _unsupported("writer()")

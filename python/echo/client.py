@@ -5,7 +5,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 from echo._echo import TcpSender
 from echo._params import layout_of_description, param_sizes, param_tree
@@ -126,7 +129,18 @@ class TcpClient:
             `TimeoutError` once retrying the first connection ran out of time).
     """
 
-    def __init__(
+    def __new__(  # pyright: ignore[reportInconsistentConstructor]
+        cls, host: str = "", port: int = 0, data_sample: Any = None, *args: Any, **kwargs: Any
+    ) -> Self:
+        """A `RaggedTcpClient` when `data_sample` has `echo.Ragged` leaves."""
+        from echo._ragged_client import RaggedTcpClient
+        from echo.ragged import has_ragged_leaves
+
+        if cls is TcpClient and has_ragged_leaves(data_sample):
+            return cast("Self", object.__new__(RaggedTcpClient))
+        return object.__new__(cls)
+
+    def __init__(  # pyright: ignore[reportInconsistentConstructor]
         self,
         host: str,
         port: int,
@@ -322,6 +336,22 @@ class TcpClient:
             return self._sender.send_batch(batch, timeout, priority)
         wanted = None if version is None else check_int("version", version, 0, 2**64 - 1)
         return self._sender.send_batch(batch, timeout, priority, end_episode, truncated, wanted)
+
+    def send_group(
+        self,
+        samples: list[Any] | tuple[Any, ...],
+        *,
+        timeout: float | None = None,
+        priority: float | None = None,
+    ) -> None:
+        """Sends `samples` as one group, stored atomically and handed out whole in one batch
+        (the completions of one prompt, for GRPO). For examples with `echo.Ragged` leaves;
+        see `Server.submit_group`.
+
+        Raises:
+            ValueError: The example has no ragged leaf (or see the ragged client's errors).
+        """
+        raise ValueError("send_group is for examples with echo.Ragged leaves; use send()")
 
     def send_many(self, samples: Any, *, timeout: float | None = None) -> None:
         """Sends each sample of an iterable in order (one call per sample; a batch with one row

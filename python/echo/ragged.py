@@ -349,6 +349,10 @@ class RaggedBuffer:
             "removed_max_times_sampled_total": s["removed_max_times_sampled"],
             "insert_blocked_ns_total": s["insert_blocked_ns"] if self.kind != "fifo" else 0,
             "ring_blocked_ns_total": s["insert_blocked_ns"] if self.kind == "fifo" else 0,
+            "active_connections": s["active_connections"],
+            "v2_connections_total": s["connections_accepted"],
+            "handshakes_refused_layout_total": s["handshakes_refused"],
+            "samples_inserted_total": s["samples_received"],
             "stored_bytes": s["arena_bytes_in_use"],
             "raw_bytes": s["payload_bytes"],
         }

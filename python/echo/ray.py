@@ -812,7 +812,7 @@ class ShardClient(TcpClient):
     `TcpClient`'s API, `shard` and `generation` besides. A thread renews its lease on the
     shard every third of the service's lease time until `close()`."""
 
-    def __init__(
+    def __init__(  # pyright: ignore[reportInconsistentConstructor]
         self,
         service: str,
         data_sample: Any,

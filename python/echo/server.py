@@ -6,7 +6,10 @@ import dataclasses
 import os
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 from echo import checkpoint as _checkpoint
 from echo._echo import SampleInfo, SampleWriter, ServerClosedError, ServerCore
@@ -139,13 +142,13 @@ class Server:
             no device) or registration fails.
     """
 
-    def __new__(cls, example: Any = None, *args: Any, **kwargs: Any) -> Server:  # pyright: ignore[reportInconsistentConstructor]
+    def __new__(cls, example: Any = None, *args: Any, **kwargs: Any) -> Self:  # pyright: ignore[reportInconsistentConstructor]
         """A `RaggedServer` when `example` has `echo.Ragged` leaves; otherwise `cls`'s own."""
         from echo._ragged_server import RaggedServer
         from echo.ragged import has_ragged_leaves
 
         if cls is Server and has_ragged_leaves(example):
-            return object.__new__(RaggedServer)
+            return cast("Self", object.__new__(RaggedServer))
         return object.__new__(cls)
 
     def __init__(  # pyright: ignore[reportInconsistentConstructor]

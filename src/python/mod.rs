@@ -229,6 +229,7 @@ fn _echo(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<views::BatchCopy>()?;
     m.add_class::<ragged::RaggedCore>()?;
     m.add_class::<ragged::RaggedCopy>()?;
+    m.add_class::<ragged::PyRaggedSender>()?;
     m.add_class::<info::SampleInfo>()?;
     m.add_class::<info::HistSnapshot>()?;
     m.add_class::<checkpoint::PyOpenedCheckpoint>()?;

@@ -4,7 +4,8 @@
 //! Ctrl-C stays prompt.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Weak;
+use std::sync::{Mutex, Weak};
+use std::time::Duration;
 
 use numpy::npyffi::npy_intp;
 use numpy::{
@@ -19,18 +20,22 @@ use super::errors::to_pyerr;
 use super::views::{new_array, LeafLayout, RingLease};
 use super::{deadline_from_timeout, wait_detached};
 use crate::error::EchoError;
+use crate::ragged::client::RaggedSender;
+use crate::ragged::tcp::RaggedTcp;
+use crate::ragged::wire::{Outgoing, RAGGED_DIM};
 use crate::ragged::{
     BatchLayout, BufPool, ColumnData, GroupBatch, LeafDecl, OutBuf, RaggedBatch, RaggedConfig,
     RaggedDecl, RaggedSampler, RaggedSpec, RaggedTable, SampleIn,
 };
 use crate::spec::ArraySpec;
 use crate::sync::Arc;
+use crate::transport::wire::v2::{Closing, DType, Layout, LeafType as WireLeaf};
 
 /// The numpy `base` of a gathered or padded part of a ragged batch: owns its buffer and
 /// gives it back to the table's pool when the last array over it is collected.
 #[pyclass(frozen, module = "echo._echo", name = "RaggedCopy")]
 pub(crate) struct RaggedCopy {
-    buf: std::sync::Mutex<Option<OutBuf>>,
+    buf: Mutex<Option<OutBuf>>,
     pool: Weak<BufPool>,
 }
 
@@ -62,7 +67,94 @@ struct LeafType {
 pub(crate) struct RaggedCore {
     table: Arc<RaggedTable>,
     leaves: Vec<LeafType>,
+    /// The samples as a hello describes them (ragged leaves `[RAGGED_DIM, *inner]`).
+    layout: Layout,
     submitted: AtomicU64,
+    tcp: Mutex<Option<RaggedTcp>>,
+}
+
+/// The spec, the hello's layout and the numpy types of `leaves`.
+fn spec_of(leaves: Vec<LeafArg<'_>>) -> PyResult<(RaggedSpec, Layout, Vec<LeafType>)> {
+    let mut decls = Vec::with_capacity(leaves.len());
+    let mut types = Vec::with_capacity(leaves.len());
+    let mut wire = Vec::with_capacity(leaves.len());
+    for (name, shape, descr, ragged) in leaves {
+        let array = ArraySpec::new(shape.clone(), descr.itemsize()).map_err(to_pyerr)?;
+        let order = match descr.byteorder() {
+            b'=' if cfg!(target_endian = "little") => b'<',
+            b'=' => b'>',
+            other => other,
+        };
+        let dtype = DType {
+            order,
+            kind: descr.kind(),
+            size: u32::try_from(descr.itemsize()).unwrap_or(u32::MAX),
+        };
+        let dims = match ragged {
+            Some(_) => std::iter::once(RAGGED_DIM).chain(shape.iter().copied()).collect(),
+            None => shape.clone(),
+        };
+        wire.push(WireLeaf { name: name.clone(), dtype, shape: dims });
+        let ragged = ragged.map(|(max_len, group)| RaggedDecl { max_len, group });
+        decls.push(LeafDecl { name, array, ragged });
+        types.push(LeafType { descr: descr.unbind(), inner: shape });
+    }
+    Ok((RaggedSpec::new(decls).map_err(to_pyerr)?, Layout(wire), types))
+}
+
+/// Each sample's leaves as (address, bytes) and rows, read from C-contiguous arrays with
+/// the GIL held (the caller keeps `samples` alive while the addresses are used).
+fn raw_samples(
+    spec: &RaggedSpec,
+    samples: &[Vec<Bound<'_, PyUntypedArray>>],
+) -> PyResult<Vec<RawSample>> {
+    let mut raw = Vec::with_capacity(samples.len());
+    for sample in samples {
+        if sample.len() != spec.columns().len() {
+            return Err(PyValueError::new_err(format!(
+                "expected {} leaves, got {}",
+                spec.columns().len(),
+                sample.len()
+            )));
+        }
+        let mut leaves = Vec::with_capacity(sample.len());
+        let mut rows = Vec::with_capacity(sample.len());
+        for (array, column) in sample.iter().zip(spec.columns()) {
+            if !array.is_c_contiguous() {
+                return Err(PyValueError::new_err(format!(
+                    "leaf {}: the array must be C-contiguous",
+                    column.name()
+                )));
+            }
+            let bytes = array.shape().iter().product::<usize>() * array.dtype().itemsize();
+            let n =
+                if column.is_ragged() { array.shape().first().copied().unwrap_or(1) } else { 1 };
+            // SAFETY: `array` is a live ndarray (held by `samples`); reading its `data` field
+            // is what numpy's `PyArray_DATA` macro does.
+            let data = unsafe { (*array.as_array_ptr()).data } as usize;
+            leaves.push((data, bytes));
+            rows.push(n);
+        }
+        raw.push((leaves, rows));
+    }
+    Ok(raw)
+}
+
+/// Byte slices over [`raw_samples`]' addresses.
+///
+/// # Safety
+/// The arrays the addresses came from must be alive and unwritten for `'a`.
+unsafe fn slices<'a>(leaves: &[(usize, usize)]) -> Vec<&'a [u8]> {
+    leaves
+        .iter()
+        .map(|&(addr, len)| {
+            if len == 0 {
+                return &[][..];
+            }
+            // SAFETY: by the caller's contract, `len` bytes at `addr` live and stay unwritten.
+            unsafe { std::slice::from_raw_parts(addr as *const u8, len) }
+        })
+        .collect()
 }
 
 /// A sample's leaves as (address, bytes), and its rows per leaf.
@@ -99,15 +191,7 @@ impl RaggedCore {
         max_times_sampled: u32,
         seed: Option<u64>,
     ) -> PyResult<Self> {
-        let mut decls = Vec::with_capacity(leaves.len());
-        let mut types = Vec::with_capacity(leaves.len());
-        for (name, shape, descr, ragged) in leaves {
-            let array = ArraySpec::new(shape.clone(), descr.itemsize()).map_err(to_pyerr)?;
-            let ragged = ragged.map(|(max_len, group)| RaggedDecl { max_len, group });
-            decls.push(LeafDecl { name, array, ragged });
-            types.push(LeafType { descr: descr.unbind(), inner: shape });
-        }
-        let spec = RaggedSpec::new(decls).map_err(to_pyerr)?;
+        let (spec, layout, types) = spec_of(leaves)?;
         let batch_tokens = match batch_tokens {
             None => None,
             Some((group, rows)) => {
@@ -131,7 +215,13 @@ impl RaggedCore {
             seed,
         };
         let table = RaggedTable::new(spec, config).map_err(to_pyerr)?;
-        Ok(Self { table: Arc::new(table), leaves: types, submitted: AtomicU64::new(0) })
+        Ok(Self {
+            table: Arc::new(table),
+            leaves: types,
+            layout,
+            submitted: AtomicU64::new(0),
+            tcp: Mutex::new(None),
+        })
     }
 
     /// Inserts `samples` (each a list of C-contiguous arrays in leaf order) as one entry;
@@ -145,57 +235,15 @@ impl RaggedCore {
         priority: Option<f64>,
     ) -> PyResult<u64> {
         let deadline = deadline_from_timeout(timeout)?;
-        // (address, bytes) per leaf and rows per leaf, read with the GIL held; the arrays
-        // stay referenced by `samples` for the whole call.
-        let mut raw: Vec<RawSample> = Vec::with_capacity(samples.len());
-        for sample in &samples {
-            if sample.len() != self.leaves.len() {
-                return Err(PyValueError::new_err(format!(
-                    "expected {} leaves, got {}",
-                    self.leaves.len(),
-                    sample.len()
-                )));
-            }
-            let mut leaves = Vec::with_capacity(sample.len());
-            let mut rows = Vec::with_capacity(sample.len());
-            for (array, column) in sample.iter().zip(self.table.spec().columns()) {
-                if !array.is_c_contiguous() {
-                    return Err(PyValueError::new_err(format!(
-                        "leaf {}: the array must be C-contiguous",
-                        column.name()
-                    )));
-                }
-                let bytes = array.shape().iter().product::<usize>() * array.dtype().itemsize();
-                let n = if column.is_ragged() {
-                    array.shape().first().copied().unwrap_or(1)
-                } else {
-                    1
-                };
-                // SAFETY: `array` is a live ndarray (held by `samples`); reading its `data`
-                // field is what numpy's `PyArray_DATA` macro does.
-                let data = unsafe { (*array.as_array_ptr()).data } as usize;
-                leaves.push((data, bytes));
-                rows.push(n);
-            }
-            raw.push((leaves, rows));
-        }
+        let raw = raw_samples(self.table.spec(), &samples)?;
         let table = &self.table;
         let got = wait_detached(py, deadline, |slice_end| {
             let views: Vec<SampleIn<'_>> = raw
                 .iter()
                 .map(|(leaves, rows)| SampleIn {
-                    leaves: leaves
-                        .iter()
-                        .map(|&(addr, len)| {
-                            if len == 0 {
-                                return &[][..];
-                            }
-                            // SAFETY: `addr` is the data of a C-contiguous array of `len`
-                            // bytes that `samples` keeps alive until this call returns;
-                            // nothing writes it meanwhile (the caller hands it to us).
-                            unsafe { std::slice::from_raw_parts(addr as *const u8, len) }
-                        })
-                        .collect(),
+                    // SAFETY: `samples` keeps the arrays alive until this call returns, and
+                    // the caller hands them to us unwritten.
+                    leaves: unsafe { slices(leaves) },
                     rows: rows.clone(),
                 })
                 .collect();
@@ -283,12 +331,57 @@ impl RaggedCore {
         d.set_item("arena_bytes_in_use", s.arena_bytes_in_use)?;
         d.set_item("arena_capacity", s.arena_capacity)?;
         d.set_item("insert_blocked_ns", s.insert_blocked_ns)?;
+        let tcp = self.tcp.lock().unwrap_or_else(|e| e.into_inner());
+        let counters = tcp.as_ref().map(RaggedTcp::counters);
+        // ORDERING: Relaxed — statistics counters, each read alone.
+        let read = |f: fn(&crate::ragged::tcp::TcpCounters) -> &AtomicU64| {
+            counters.map_or(0, |c| f(c).load(Ordering::Relaxed))
+        };
+        d.set_item("active_connections", read(|c| &c.active))?;
+        d.set_item("connections_accepted", read(|c| &c.accepted))?;
+        d.set_item("handshakes_refused", read(|c| &c.refused))?;
+        d.set_item("samples_received", read(|c| &c.samples))?;
         Ok(d)
     }
 
-    /// Closes the table (with `drain`, FIFO hands out what is left first).
-    #[pyo3(signature = (drain=false))]
-    fn close(&self, drain: bool) {
+    /// Listens for workers on `host:port` (0: a free port); returns the port.
+    #[pyo3(signature = (host, port, token=None, max_connections=1024))]
+    fn start_tcp(
+        &self,
+        py: Python<'_>,
+        host: &str,
+        port: u16,
+        token: Option<Vec<u8>>,
+        max_connections: usize,
+    ) -> PyResult<u16> {
+        let mut tcp = self.tcp.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(running) = tcp.as_ref() {
+            return Ok(running.port());
+        }
+        let (table, layout) = (self.table.clone(), self.layout.clone());
+        let started = py
+            .detach(|| RaggedTcp::start(table, layout, host, port, token, max_connections))
+            .map_err(to_pyerr)?;
+        let port = started.port();
+        *tcp = Some(started);
+        Ok(port)
+    }
+
+    /// The TCP port, if listening.
+    #[getter]
+    fn port(&self) -> Option<u16> {
+        self.tcp.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(RaggedTcp::port)
+    }
+
+    /// Closes the table (with `drain`, FIFO hands out what is left first), after the TCP
+    /// ingress: its workers hear that the server closes (`restarting` or for good).
+    #[pyo3(signature = (drain=false, restarting=false))]
+    fn close(&self, py: Python<'_>, drain: bool, restarting: bool) {
+        let tcp = self.tcp.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(tcp) = tcp {
+            let why = if restarting { Closing::Restarting } else { Closing::Final };
+            py.detach(|| tcp.close(why));
+        }
         self.table.close(drain);
     }
 
@@ -316,6 +409,96 @@ impl RaggedCore {
     }
 }
 
+/// A worker's connection to a ragged server (`echo.TcpClient` with a ragged example).
+#[pyclass(frozen, module = "echo._echo", name = "RaggedSender")]
+pub(crate) struct PyRaggedSender {
+    sender: RaggedSender,
+}
+
+#[pymethods]
+impl PyRaggedSender {
+    #[new]
+    #[pyo3(signature = (host, port, leaves, token=None, connect_timeout=10.0, max_inflight=256))]
+    fn new(
+        py: Python<'_>,
+        host: &str,
+        port: u16,
+        leaves: Vec<LeafArg<'_>>,
+        token: Option<Vec<u8>>,
+        connect_timeout: f64,
+        max_inflight: usize,
+    ) -> PyResult<Self> {
+        let (spec, layout, _) = spec_of(leaves)?;
+        if !connect_timeout.is_finite() || connect_timeout <= 0.0 {
+            return Err(PyValueError::new_err(format!(
+                "connect_timeout must be a positive number of seconds, got {connect_timeout}"
+            )));
+        }
+        let timeout = Duration::from_secs_f64(connect_timeout.min(1e6));
+        let sender = py
+            .detach(|| {
+                RaggedSender::connect(
+                    host,
+                    port,
+                    spec,
+                    layout,
+                    token.as_deref(),
+                    timeout,
+                    max_inflight,
+                )
+            })
+            .map_err(to_pyerr)?;
+        Ok(Self { sender })
+    }
+
+    /// Sends `samples` (each a list of C-contiguous arrays in leaf order) as one group.
+    #[pyo3(signature = (samples, priority=None, timeout=None))]
+    fn send_group(
+        &self,
+        py: Python<'_>,
+        samples: Vec<Vec<Bound<'_, PyUntypedArray>>>,
+        priority: Option<f64>,
+        timeout: Option<f64>,
+    ) -> PyResult<()> {
+        let deadline = deadline_from_timeout(timeout)?;
+        let raw = raw_samples(self.sender.spec(), &samples)?;
+        let sender = &self.sender;
+        py.detach(|| {
+            let leaves: Vec<Vec<&[u8]>> =
+                // SAFETY: `samples` keeps the arrays alive until this call returns, and the
+                // caller hands them to us unwritten.
+                raw.iter().map(|(leaves, _)| unsafe { slices(leaves) }).collect();
+            let out: Vec<Outgoing<'_>> = raw
+                .iter()
+                .zip(&leaves)
+                .map(|((_, rows), leaves)| Outgoing { rows, leaves })
+                .collect();
+            sender.send_group(&out, priority, deadline)
+        })
+        .map_err(to_pyerr)
+    }
+
+    /// Waits until every sample sent is stored by the server.
+    #[pyo3(signature = (timeout=None))]
+    fn flush(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
+        let deadline = deadline_from_timeout(timeout)?;
+        let sender = &self.sender;
+        py.detach(|| sender.flush(deadline)).map_err(to_pyerr)
+    }
+
+    /// Says goodbye and closes the connection.
+    fn close(&self, py: Python<'_>) {
+        let sender = &self.sender;
+        py.detach(|| sender.close());
+    }
+
+    /// (sent, acknowledged) samples.
+    #[getter]
+    fn counts(&self) -> (u64, u64) {
+        self.sender.counts()
+    }
+}
+
 impl RaggedCore {
     fn to_python<'py>(&self, py: Python<'py>, batch: RaggedBatch) -> PyResult<Bound<'py, PyAny>> {
         let lease: Py<RingLease> =
@@ -334,10 +517,8 @@ impl RaggedCore {
                 }
                 ColumnData::Owned(mut buf) => {
                     let ptr = buf.as_mut_ptr();
-                    let base = Py::new(
-                        py,
-                        RaggedCopy { buf: std::sync::Mutex::new(Some(buf)), pool: pool.clone() },
-                    )?;
+                    let base =
+                        Py::new(py, RaggedCopy { buf: Mutex::new(Some(buf)), pool: pool.clone() })?;
                     let array = new_array(py, &layout, ptr, true)?;
                     set_base(&array, base.into_any())?;
                     array

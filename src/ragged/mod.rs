@@ -16,11 +16,16 @@
 //! - [`table`]: FIFO or replay (uniform, prioritized), groups inserted and handed out whole,
 //!   token budgets, eviction of the oldest entries by items and by bytes.
 //! - [`batch`]: the packed and padded layouts.
+//! - [`wire`], [`tcp`], [`client`]: ragged samples and groups over wire v2, one thread per
+//!   connection.
 
 mod arena;
 pub mod batch;
+pub mod client;
 pub mod spec;
 pub mod table;
+pub mod tcp;
+pub mod wire;
 
 pub use batch::{BatchLayout, BufPool, ColumnBatch, ColumnData, GroupBatch, OutBuf, RaggedBatch};
 pub use spec::{Column, LeafDecl, LengthGroup, RaggedDecl, RaggedSpec};

@@ -1,0 +1,177 @@
+"""`echo.TcpClient` when the example has ragged leaves: a worker of a ragged server.
+
+`TcpClient(host, port, example)` builds a `RaggedTcpClient` when a leaf of `example` is
+`echo.Ragged` (`TcpClient.__new__`). It speaks wire v2 only (a ragged leaf cannot be described
+in v1), sends each sample or group as one frame, and checks lengths, length groups and the
+server's group size before anything is sent. Reconnects, durable sessions, shared memory,
+compression and parameter fetches are not there yet: asking for them raises `ValueError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Literal
+
+from echo._echo import RaggedSender
+from echo._validate import check_int, check_token
+from echo.client import TcpClient
+from echo.ragged import RaggedLayout
+
+__all__ = ["RaggedTcpClient"]
+
+
+def _unsupported(what: str) -> None:
+    raise ValueError(f"a TcpClient with ragged leaves does not support {what} yet")
+
+
+class RaggedTcpClient(TcpClient):
+    """A `TcpClient` whose example has `echo.Ragged` leaves (see `TcpClient`)."""
+
+    def __init__(  # pyright: ignore[reportInconsistentConstructor]
+        self,
+        host: str,
+        port: int,
+        data_sample: Any,
+        max_inflight_msgs: int = 32,
+        *,
+        connect_timeout: float = 10.0,
+        protocol: Literal["auto", 1, 2] = "auto",
+        token: str | None = None,
+        reconnect: bool = False,
+        reconnect_timeout: float = 60.0,
+        heartbeat_timeout: float | None = 10.0,
+        shared_memory: bool | None = None,
+        name: str | None = None,
+        wire_compression: bool = True,
+        durable: bool = False,
+        durable_bytes: int = 256 * 2**20,
+        params_example: Any = None,
+    ) -> None:
+        del reconnect_timeout, heartbeat_timeout, wire_compression, durable_bytes
+        self._closed = True  # until connected: `close()` and `__del__` have nothing to do
+        self._given_up: int | None = None
+        self._name = name
+        self._durable = False
+        if protocol == 1:
+            raise ValueError(
+                "protocol=1 cannot carry ragged leaves (id-echo 0.2.1's wire has fixed shapes)"
+            )
+        for what, given in (
+            ("reconnect=True", reconnect),
+            ("shared_memory=True", shared_memory is True),
+            ("durable=True", durable),
+            ("params_example=", params_example is not None),
+        ):
+            if given:
+                _unsupported(what)
+        token = check_token("token", token) or os.environ.get("ECHO_TOKEN") or None
+        self._layout = RaggedLayout(data_sample)
+        self._ragged_sender = RaggedSender(
+            host,
+            check_int("port", port, 0, 65535),
+            self._layout.core_leaves(),
+            None if token is None else token.encode(),
+            float(connect_timeout),
+            check_int("max_inflight_msgs", max_inflight_msgs, 1, 2**32 - 1),
+        )
+        self._closed = False
+
+    def send(  # pyright: ignore[reportIncompatibleMethodOverride]
+        self,
+        sample: Any,
+        *,
+        timeout: float | None = None,
+        priority: float | None = None,
+        end_episode: bool = False,
+        truncated: bool = False,
+        version: int | None = None,
+    ) -> None:
+        """Sends one sample (see `TcpClient.send`); its ragged leaves `(n, *inner_shape)`."""
+        if end_episode or truncated or version is not None:
+            _unsupported("end_episode=, truncated= or version=")
+        self.send_group([sample], timeout=timeout, priority=priority)
+
+    def send_group(
+        self,
+        samples: list[Any] | tuple[Any, ...],
+        *,
+        timeout: float | None = None,
+        priority: float | None = None,
+    ) -> None:
+        """Sends `samples` as one group: the server stores them atomically and hands them out
+        whole, in one batch (the completions of one prompt, for GRPO).
+
+        Raises:
+            ValueError: A sample does not match the example, a ragged leaf is longer than its
+                `max_len`, lengths differ within a length group, or the group is larger than
+                the server's batch (nothing is sent); or the server refused an earlier frame
+                (e.g. more rows than its `batch_tokens`), whose message this carries.
+            TypeError: `samples` is not a list, or a leaf has another dtype.
+            ConnectionClosedError: After `close()`, or the server is gone.
+            ServerClosedError: The server closed.
+            TimeoutError: `max_inflight_msgs` samples stayed unacknowledged for `timeout`.
+        """
+        if self._closed:
+            from echo._echo import ConnectionClosedError
+
+            raise ConnectionClosedError("the client is closed")
+        if isinstance(samples, dict) or not isinstance(samples, list | tuple):  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise TypeError(f"send_group takes a list of samples, got {type(samples).__name__}")
+        flat = [self._layout.flatten(sample) for sample in samples]
+        p = None if priority is None else float(priority)
+        self._ragged_sender.send_group(flat, p, timeout)
+
+    def send_batch(self, *args: Any, **kwargs: Any) -> None:  # pyright: ignore[reportIncompatibleMethodOverride]
+        _unsupported("send_batch() (use send() or send_group())")
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Blocks until every sample sent is stored by the server."""
+        self._ragged_sender.flush(timeout)
+
+    def close(self, timeout: float | None = 30.0) -> bool:
+        """Waits (at most `timeout` seconds) until everything sent is stored, then closes.
+        Returns whether it all was; `given_up` says how many samples were not."""
+        if self._closed:
+            return self._given_up == 0
+        self._closed = True
+        with contextlib.suppress(Exception):  # the count below says what was lost
+            self._ragged_sender.flush(timeout)
+        self._ragged_sender.close()
+        sent, acked = self._ragged_sender.counts
+        self._given_up = sent - acked
+        return self._given_up == 0
+
+    @property
+    def sent(self) -> int:
+        return self._ragged_sender.counts[0]
+
+    @property
+    def acked(self) -> int:
+        return self._ragged_sender.counts[1]
+
+    @property
+    def protocol(self) -> int:
+        return 2
+
+    @property
+    def transport_path(self) -> Literal["shm", "tcp"]:
+        return "tcp"
+
+    @property
+    def durable(self) -> bool:
+        return False
+
+    @property
+    def reconnects(self) -> int:
+        return 0
+
+    @property
+    def resent(self) -> int:
+        return 0
+
+    def __repr__(self) -> str:
+        named = "" if self._name is None else f"name={self._name!r}, "
+        return (
+            f"TcpClient({named}ragged, sent={self.sent}, acked={self.acked}, closed={self._closed})"
+        )

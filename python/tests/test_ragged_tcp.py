@@ -1,0 +1,226 @@
+"""Ragged samples from workers over TCP: every sample and group exactly once and whole,
+refusals before anything is stored (layouts, tokens, wire v1, hostile headers), and the
+server's errors and closing reaching the worker."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import echo
+from echo import Packed, Ragged
+
+MAX_LEN = 300
+
+
+def example() -> dict[str, Any]:
+    return {
+        "tokens": Ragged(MAX_LEN, np.int32, group="completion"),
+        "logp": Ragged(MAX_LEN, np.float32, group="completion"),
+        "id": np.zeros((), np.int64),
+    }
+
+
+def length_of(i: int) -> int:
+    return (i * 37) % (MAX_LEN + 1)
+
+
+def make(i: int, n: int | None = None) -> dict[str, Any]:
+    n = length_of(i) if n is None else n
+    return {
+        "tokens": (i * 1000 + np.arange(n)).astype(np.int32),
+        "logp": -np.arange(n, dtype=np.float32),
+        "id": np.int64(i),
+    }
+
+
+@pytest.fixture
+def server() -> Iterator[echo.Server]:
+    transport = echo.TcpTransport(port=0, host="127.0.0.1")
+    with echo.Server(example(), 16, transport=transport, num_buffers=4) as s:
+        yield s
+
+
+def test_workers_deliver_every_sample_and_group_exactly_once(server: echo.Server) -> None:
+    assert server.port is not None
+    port = server.port
+    workers, groups = 4, 120
+
+    def work(w: int) -> None:
+        with echo.TcpClient("127.0.0.1", port, example()) as client:
+            for g in range(groups):
+                size = g % 4 + 1
+                base = w * 100_000 + g * 4
+                client.send_group([make(base + k) for k in range(size)], timeout=30)
+            client.wait(30)
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(workers)]
+    for t in threads:
+        t.start()
+
+    def close_when_done() -> None:
+        for t in threads:
+            t.join()
+        server.close(drain=True)
+
+    closer = threading.Thread(target=close_when_done)
+    closer.start()
+    seen: set[int] = set()
+    while (s := server.sample(timeout=30)) is not None:
+        tokens = s.batch["tokens"]
+        assert isinstance(tokens, Packed)
+        ids = [int(i) for i in s.batch["id"]]
+        assert s.keys is not None
+        for k, i in enumerate(ids):
+            a, b = int(tokens.cu_seqlens[k]), int(tokens.cu_seqlens[k + 1])
+            np.testing.assert_array_equal(tokens.values[a:b], i * 1000 + np.arange(length_of(i)))
+            if k and s.keys[k] == s.keys[k - 1]:
+                assert i == ids[k - 1] + 1, "a group's samples side by side, in order"
+            assert i not in seen, f"sample {i} twice"
+            seen.add(i)
+    closer.join()
+    expected = {
+        w * 100_000 + g * 4 + k
+        for w in range(workers)
+        for g in range(groups)
+        for k in range(g % 4 + 1)
+    }
+    assert seen == expected
+
+
+def test_bad_samples_raise_at_the_worker_and_nothing_is_sent(server: echo.Server) -> None:
+    assert server.port is not None
+    with echo.TcpClient("127.0.0.1", server.port, example()) as client:
+        with pytest.raises(ValueError, match=r"\['logp'\]: 301 rows, more than its max_len 300"):
+            client.send(make(1, 301))
+        bad = make(2, 10)
+        bad["logp"] = bad["logp"][:9]
+        with pytest.raises(ValueError, match=r"has 9 rows but leaf \['tokens'\] has 10"):
+            client.send(bad)
+        with pytest.raises(
+            ValueError, match=r"a group of 17 samples is larger than a batch \(batch_size 16\)"
+        ):
+            client.send_group([make(i, 1) for i in range(17)])
+        assert client.sent == 0
+        client.send(make(3, 4))
+        client.wait(5)
+    assert server.stats().store_size == 1
+
+
+def test_a_sample_over_the_token_budget_is_refused_by_the_server() -> None:
+    transport = echo.TcpTransport(port=0, host="127.0.0.1")
+    with echo.Server(example(), 8, transport=transport, batch_tokens=100) as server:
+        assert server.port is not None
+        client = echo.TcpClient("127.0.0.1", server.port, example())
+        client.send(make(1, 50))
+        client.send(make(2, 101))
+        with pytest.raises(ValueError, match=r"101 rows .*batch_tokens 100"):
+            client.wait(5)
+        client.close(timeout=0)
+        assert server.stats().store_size == 1
+
+
+def test_refusals_name_what_differs() -> None:
+    transport = echo.TcpTransport(port=0, host="127.0.0.1", token="secret")
+    with echo.Server(example(), 4, transport=transport) as server:
+        port = server.port
+        assert port is not None
+        with pytest.raises(PermissionError):
+            echo.TcpClient("127.0.0.1", port, example(), token="wrong")
+        other = {**example(), "logp": Ragged(MAX_LEN, np.float64, group="completion")}
+        with pytest.raises(
+            ValueError, match=r"\['logp'\].*ragged leaves: \['logp'\], \['tokens'\]"
+        ):
+            echo.TcpClient("127.0.0.1", port, other, token="secret")
+        fixed = {
+            "tokens": np.zeros(4, np.int32),
+            "logp": np.zeros(4, np.float32),
+            "id": np.zeros((), np.int64),
+        }
+        with pytest.raises(ValueError, match="ragged leaves"):
+            echo.TcpClient("127.0.0.1", port, fixed, token="secret", reconnect=False)
+        with pytest.raises(ValueError, match="protocol=1 cannot carry ragged leaves"):
+            echo.TcpClient("127.0.0.1", port, example(), protocol=1)
+        assert server.stats().handshakes_refused_layout_total >= 3
+
+
+def _handshake(port: int) -> socket.socket:
+    """A raw connection that completes wire v2's handshake for `example()`, by hand."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    offer = b""
+    while len(offer) < 38:
+        offer += sock.recv(38 - len(offer))
+    assert offer[:6] == b"ECHO\x02o"
+    nonce = offer[6:]
+    leaves: list[tuple[str, bytes, bytes, int, list[int]]] = [
+        ("['id']", b"<", b"i", 8, []),
+        ("['logp']", b"<", b"f", 4, [0xFFFFFFFF]),
+        ("['tokens']", b"<", b"i", 4, [0xFFFFFFFF]),
+    ]
+    body = (
+        bytes([4])
+        + bytes(16)
+        + struct.pack("<QI", 0, 0)
+        + bytes(16)
+        + struct.pack("<I", len(leaves))
+    )
+    for name, order, kind, size, dims in leaves:
+        body += (
+            struct.pack("<H", len(name))
+            + name.encode()
+            + order
+            + kind
+            + struct.pack("<II", size, len(dims))
+        )
+        body += b"".join(struct.pack("<I", d) for d in dims)
+    sock.sendall(nonce + b"ECHO\x02" + struct.pack("<I", len(body)) + body)
+    reply = sock.recv(4096)
+    assert reply[:6] == b"ECHO\x02\x00", reply
+    return sock
+
+
+def test_a_hostile_header_gets_an_error_and_stores_nothing(server: echo.Server) -> None:
+    assert server.port is not None
+    sock = _handshake(server.port)
+    # One sample claiming 4 billion rows: refused before any body is read or allocated.
+    sock.sendall(bytes([0x18]) + struct.pack("<HII", 1, 0xFFFFFFFF, 0xFFFFFFFF))
+    answer = b""
+    while chunk := sock.recv(4096):
+        answer += chunk
+    assert answer[:1] == b"\x03"
+    assert b"more than its max_len 300" in answer
+    sock.close()
+    # A valid frame by hand is stored and acknowledged.
+    sock = _handshake(server.port)
+    sample = make(7, 3)
+    body = sample["id"].tobytes() + sample["logp"].tobytes() + sample["tokens"].tobytes()
+    sock.sendall(bytes([0x18]) + struct.pack("<HII", 1, 3, 3) + body)
+    assert sock.recv(1) == b"\x01"
+    sock.close()
+    assert server.stats().store_size == 1
+
+
+def test_workers_hear_that_the_server_closed() -> None:
+    transport = echo.TcpTransport(port=0, host="127.0.0.1")
+    server = echo.Server(example(), 4, transport=transport)
+    server.start()
+    assert server.port is not None
+    client = echo.TcpClient("127.0.0.1", server.port, example())
+    client.send(make(1, 2))
+    client.wait(5)
+    server.close()
+
+    def keep_sending() -> None:
+        for i in range(1000):  # the notice arrives while the worker goes on
+            client.send(make(i, 2), timeout=5)
+            client.wait(5)
+
+    with pytest.raises(echo.ServerClosedError):
+        keep_sending()
+    client.close(timeout=0)

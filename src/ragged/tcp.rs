@@ -1,0 +1,372 @@
+//! The TCP ingress of a ragged table: wire v2's handshake, then group frames
+//! ([`super::wire`]), each stored with [`RaggedTable::insert_group`] and acknowledged one byte
+//! per sample once stored.
+//!
+//! One thread per connection, blocking sockets: a connection whose table is full stops
+//! reading, and TCP's flow control holds its worker back. The frame header is checked
+//! against the spec before the body is read, so a connection holds at most one valid frame
+//! (a batch of the largest samples) in memory. v1 clients (id-echo 0.2.1) cannot describe a
+//! ragged leaf: the server sends them no v1 handshake and refuses what they send, naming the
+//! ragged leaves in its log.
+
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use super::table::{RaggedSampler, RaggedTable, SampleIn};
+use super::wire::{decode_head, head_len, GROUP, GROUP_PRIORITY};
+use crate::error::EchoError;
+use crate::transport::wire::v2::{
+    self, Accept, Closing, Layout, Mode, Offer, Opening, Refusal, Reply,
+};
+
+/// How long a client has to complete its hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often a connection blocked on a full table looks at whether the server is closing.
+const INSERT_SLICE: Duration = Duration::from_millis(100);
+
+/// Counters of a ragged TCP ingress.
+#[derive(Debug, Default)]
+pub struct TcpCounters {
+    /// Connections accepted (handshake completed).
+    pub accepted: AtomicU64,
+    /// Connections open now.
+    pub active: AtomicU64,
+    /// Hellos refused: a v1 client, a wrong token, another layout, a malformed hello.
+    pub refused: AtomicU64,
+    /// Samples received and stored.
+    pub samples: AtomicU64,
+}
+
+/// An open connection: its id, its write half, whether it understands closing notices.
+type OpenConn = (u64, Arc<Mutex<TcpStream>>, bool);
+
+struct Shared {
+    table: Arc<RaggedTable>,
+    layout: Layout,
+    token: Option<Vec<u8>>,
+    max_connections: usize,
+    closing: AtomicBool,
+    /// Open connections: their write halves (for the closing notice and the shutdown), and
+    /// whether the client understands closing notices.
+    conns: Mutex<Vec<OpenConn>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    counters: TcpCounters,
+}
+
+/// A ragged table's TCP listener and its connections.
+pub struct RaggedTcp {
+    port: u16,
+    shared: Arc<Shared>,
+    accept: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for RaggedTcp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "RaggedTcp(port {})", self.port)
+    }
+}
+
+impl RaggedTcp {
+    /// Listens on `host:port` (0: any free port) for workers sending samples of `layout`
+    /// (the hello's: ragged leaves as `[RAGGED_DIM, *inner]`) into `table`.
+    ///
+    /// # Errors
+    /// [`EchoError::Io`] if the address cannot be bound.
+    pub fn start(
+        table: Arc<RaggedTable>,
+        layout: Layout,
+        host: &str,
+        port: u16,
+        token: Option<Vec<u8>>,
+        max_connections: usize,
+    ) -> Result<Self, EchoError> {
+        let addr = (host, port)
+            .to_socket_addrs()?
+            .next()
+            .ok_or_else(|| EchoError::Config(format!("cannot resolve {host}:{port}")))?;
+        let listener = TcpListener::bind(addr)?;
+        let port = listener.local_addr()?.port();
+        let shared = Arc::new(Shared {
+            table,
+            layout,
+            token,
+            max_connections: max_connections.max(1),
+            closing: AtomicBool::new(false),
+            conns: Mutex::new(Vec::new()),
+            threads: Mutex::new(Vec::new()),
+            counters: TcpCounters::default(),
+        });
+        let accepting = shared.clone();
+        let accept = std::thread::Builder::new()
+            .name("echo-ragged-accept".into())
+            .spawn(move || accept_loop(&listener, &accepting))?;
+        Ok(Self { port, shared, accept: Mutex::new(Some(accept)) })
+    }
+
+    /// The port it listens on.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Its counters.
+    pub fn counters(&self) -> &TcpCounters {
+        &self.shared.counters
+    }
+
+    /// Stops accepting, tells every client that understands it that the server closes
+    /// (`why`), closes every connection and joins the threads. Samples already acknowledged
+    /// are in the table.
+    pub fn close(&self, why: Closing) {
+        // ORDERING: SeqCst — the flag is set before the sockets are shut down, so a thread
+        // that sees its socket closed also sees the flag.
+        if self.shared.closing.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        // Wake the accept loop.
+        let _ = TcpStream::connect_timeout(
+            &std::net::SocketAddr::from(([127, 0, 0, 1], self.port)),
+            Duration::from_millis(200),
+        );
+        for (_, writer, notices) in self.shared.conns.lock().iter() {
+            let mut writer = writer.lock();
+            if *notices {
+                let _ = writer.write_all(&[v2::CLOSING, why as u8]);
+            }
+            let _ = writer.shutdown(Shutdown::Both);
+        }
+        if let Some(accept) = self.accept.lock().take() {
+            let _ = accept.join();
+        }
+        let threads = std::mem::take(&mut *self.shared.threads.lock());
+        for thread in threads {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for RaggedTcp {
+    fn drop(&mut self) {
+        self.close(Closing::Final);
+    }
+}
+
+fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
+    let mut next_id = 0u64;
+    for stream in listener.incoming() {
+        // ORDERING: SeqCst — pairs with `close`.
+        if shared.closing.load(Ordering::SeqCst) {
+            return;
+        }
+        let Ok(stream) = stream else { continue };
+        shared.threads.lock().retain(|t| !t.is_finished());
+        // ORDERING: Relaxed — a gauge; the bound is approximate by a connection or two.
+        if shared.counters.active.load(Ordering::Relaxed) as usize >= shared.max_connections {
+            let mut stream = stream;
+            let _ = stream.write_all(&v2::encode_error("the server serves no more connections"));
+            continue;
+        }
+        next_id += 1;
+        let (id, serving) = (next_id, shared.clone());
+        let thread = std::thread::Builder::new().name("echo-ragged-conn".into()).spawn(move || {
+            // ORDERING: Relaxed — a gauge.
+            serving.counters.active.fetch_add(1, Ordering::Relaxed);
+            if let Err(err) = serve(&serving, id, stream) {
+                log::debug!("ragged connection ended: {err}");
+            }
+            serving.conns.lock().retain(|(other, ..)| *other != id);
+            // ORDERING: Relaxed — a gauge.
+            serving.counters.active.fetch_sub(1, Ordering::Relaxed);
+        });
+        if let Ok(thread) = thread {
+            shared.threads.lock().push(thread);
+        }
+    }
+}
+
+/// The names of the ragged leaves, for messages.
+fn ragged_names(shared: &Shared) -> String {
+    let names: Vec<&str> =
+        shared.table.spec().columns().iter().filter(|c| c.is_ragged()).map(|c| c.name()).collect();
+    names.join(", ")
+}
+
+/// Reads the client's hello; answers it. Returns the hello, and the bytes after it.
+fn handshake(
+    shared: &Shared,
+    stream: &mut TcpStream,
+) -> Result<Option<(v2::Hello, Vec<u8>)>, EchoError> {
+    let mode = if shared.token.is_some() { Mode::Token } else { Mode::Open };
+    let offer = Offer::new(mode)?;
+    stream.write_all(&offer.encode())?;
+    stream.set_read_timeout(Some(HELLO_TIMEOUT))?;
+    let max_body = v2::max_hello_body(&shared.layout);
+    let mut received = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let deadline = Instant::now() + HELLO_TIMEOUT;
+    let (hello, body, used) = loop {
+        let n = stream.read(&mut chunk)?;
+        if n == 0 {
+            return Ok(None);
+        }
+        received.extend_from_slice(&chunk[..n]);
+        match v2::parse_opening(&received, &offer, max_body)? {
+            Opening::Hello(hello, body, used) => break (hello, body, used),
+            Opening::NeedMore if Instant::now() < deadline => {}
+            Opening::NeedMore => return Err(EchoError::Protocol("hello timed out".into())),
+            Opening::V1 => {
+                log::warn!(
+                    "refused a wire v1 client (id-echo 0.2.1 or a client without wire v2): \
+                     the ragged leaves {} need wire v2",
+                    ragged_names(shared)
+                );
+                // ORDERING: Relaxed — a statistics counter.
+                shared.counters.refused.fetch_add(1, Ordering::Relaxed);
+                return Ok(None);
+            }
+        }
+    };
+    let refuse = |why: Refusal, message: String| Reply::Refused(why, message);
+    let refusal = if let Some(token) = &shared.token {
+        (!hello.verify(&offer, token, &body))
+            .then(|| refuse(Refusal::Auth, "the token is missing or wrong".into()))
+    } else {
+        None
+    };
+    let refusal = refusal.or_else(|| {
+        shared.layout.mismatch(&hello.layout).map(|why| {
+            refuse(
+                Refusal::Layout,
+                format!("{why} (this server's ragged leaves: {})", ragged_names(shared)),
+            )
+        })
+    });
+    if let Some(reply) = refusal {
+        // Counted before the client can read the refusal (and look at the counters).
+        // ORDERING: Relaxed — a statistics counter.
+        shared.counters.refused.fetch_add(1, Ordering::Relaxed);
+        stream.write_all(&reply.encode())?;
+        return Ok(None);
+    }
+    let replay = shared.table.config().sampler != RaggedSampler::Fifo;
+    let signed = shared.token.as_deref().map(|t| (t, &*hello, &offer));
+    let mut accept = Accept::new(replay, hello.first_seq, 0, signed);
+    // A ragged server's reply names the most samples a group frame may hold.
+    accept.steps = Some(u32::try_from(shared.table.config().batch_size).unwrap_or(u32::MAX));
+    stream.write_all(&Reply::Accepted(accept).encode())?;
+    stream.set_read_timeout(None)?;
+    Ok(Some((*hello, received[used..].to_vec())))
+}
+
+fn serve(shared: &Shared, id: u64, mut stream: TcpStream) -> Result<(), EchoError> {
+    stream.set_nodelay(true)?;
+    let Some((hello, leftover)) = handshake(shared, &mut stream)? else { return Ok(()) };
+    let writer = Arc::new(Mutex::new(stream.try_clone()?));
+    shared.conns.lock().push((id, writer.clone(), hello.notices));
+    // ORDERING: Relaxed — a statistics counter.
+    shared.counters.accepted.fetch_add(1, Ordering::Relaxed);
+    // ORDERING: SeqCst — pairs with `close`: a connection registered after `close` read the
+    // list is shut down here.
+    if shared.closing.load(Ordering::SeqCst) {
+        return Ok(());
+    }
+    let mut reader = io::Cursor::new(leftover).chain(stream);
+    let result = frames(shared, &mut reader, &writer);
+    if let Err(EchoError::Sample(why) | EchoError::Protocol(why)) = &result {
+        let _ = writer.lock().write_all(&v2::encode_error(why));
+    }
+    let _ = writer.lock().shutdown(Shutdown::Both);
+    result
+}
+
+fn read_exact_or_eof(reader: &mut impl Read, buf: &mut [u8]) -> Result<bool, EchoError> {
+    match reader.read_exact(buf) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn frames(
+    shared: &Shared,
+    reader: &mut impl Read,
+    writer: &Mutex<TcpStream>,
+) -> Result<(), EchoError> {
+    let spec = shared.table.spec();
+    let columns = spec.columns().len();
+    let max_samples = shared.table.config().batch_size.min(usize::from(u16::MAX));
+    let mut head = Vec::new();
+    let mut body = Vec::new();
+    loop {
+        let mut kind = [0u8; 1];
+        if !read_exact_or_eof(reader, &mut kind)? {
+            return Ok(());
+        }
+        match kind[0] {
+            v2::HEARTBEAT => continue,
+            v2::BYE => return Ok(()),
+            GROUP | GROUP_PRIORITY => {}
+            other => {
+                return Err(EchoError::Protocol(format!(
+                    "unknown frame type {other:#04x} (a ragged server takes group frames)"
+                )))
+            }
+        }
+        // The count, then the rest of the header it sizes.
+        head.clear();
+        head.resize(2, 0);
+        if !read_exact_or_eof(reader, &mut head)? {
+            return Ok(());
+        }
+        let (frame, _) = loop {
+            match decode_head(spec, max_samples, kind[0], &head)? {
+                Some(done) => break done,
+                None => {
+                    let at = head.len();
+                    // The header's length follows from the count: read what is missing.
+                    let n = usize::from(u16::from_le_bytes([head[0], head[1]]));
+                    let want = head_len(spec, kind[0], n);
+                    head.resize(want, 0);
+                    if !read_exact_or_eof(reader, &mut head[at..])? {
+                        return Ok(());
+                    }
+                }
+            }
+        };
+        body.clear();
+        body.resize(frame.body_len, 0);
+        if !read_exact_or_eof(reader, &mut body)? {
+            return Ok(());
+        }
+        let mut samples = Vec::with_capacity(frame.samples);
+        let mut at = 0usize;
+        for s in 0..frame.samples {
+            let rows = &frame.rows[s * columns..(s + 1) * columns];
+            let mut leaves = Vec::with_capacity(columns);
+            for (column, &n) in spec.columns().iter().zip(rows) {
+                let len = column.row_bytes() * n;
+                leaves.push(&body[at..at + len]);
+                at += len;
+            }
+            samples.push(SampleIn { leaves, rows: rows.to_vec() });
+        }
+        loop {
+            let deadline = Some(Instant::now() + INSERT_SLICE);
+            match shared.table.insert_group(&samples, frame.priority, deadline) {
+                Ok(_) => break,
+                // ORDERING: SeqCst — pairs with `close`.
+                Err(EchoError::TimedOut) if !shared.closing.load(Ordering::SeqCst) => {}
+                Err(EchoError::TimedOut | EchoError::Closed) => return Ok(()),
+                Err(other) => return Err(other),
+            }
+        }
+        // ORDERING: Relaxed — a statistics counter.
+        shared.counters.samples.fetch_add(frame.samples as u64, Ordering::Relaxed);
+        writer.lock().write_all(&vec![v2::ACK; frame.samples])?;
+    }
+}

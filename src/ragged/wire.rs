@@ -1,0 +1,239 @@
+//! Ragged samples on wire v2. The handshake is v2's (offer, hello, reply); a ragged leaf's
+//! shape in the hello's layout is `[RAGGED_DIM, *inner_shape]`, so a client whose leaves are
+//! not ragged the same way is refused, naming the leaf. Samples then travel in group frames:
+//!
+//! ```text
+//! client -> server:  0x18 n: u16 | rows | body
+//!                  | 0x19 n: u16 | priority: f64 | rows | body
+//!   rows:            for each of the n samples, for each ragged leaf (in leaf order): u32
+//!   body:            for each sample, each leaf's bytes in leaf order (fixed leaves whole,
+//!                    ragged leaves `rows * row_bytes`), C-contiguous
+//!                  | 0x20 (heartbeat) | 0x30 (bye)
+//! server -> client:  0x01 per sample once its group is stored | 0x03 msg_len: u32 | msg
+//!                    (error; the server then closes) | 0x04 reason: u8 (closing)
+//! ```
+//!
+//! A frame of n > 1 samples is a group: stored atomically, handed out whole. Every count and
+//! length is checked against the server's spec (`max_len`, length groups, the batch's size)
+//! by [`decode_head`] before the body is read or anything is allocated for it, so a hostile
+//! peer can make the server hold at most one valid frame.
+
+use super::spec::RaggedSpec;
+use crate::error::EchoError;
+
+/// Client frame: a sample, or a group of samples, of a ragged server.
+pub const GROUP: u8 = 0x18;
+/// Client frame: the same with the group's priority (f64) after the count.
+pub const GROUP_PRIORITY: u8 = 0x19;
+/// The first dimension of a ragged leaf in a hello's layout.
+pub const RAGGED_DIM: usize = u32::MAX as usize;
+
+/// A group frame's header.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Head {
+    /// Samples in the group (at least 1).
+    pub samples: usize,
+    /// The group's priority, if it has one.
+    pub priority: Option<f64>,
+    /// Rows per sample per leaf (fixed leaves: 1), sample-major.
+    pub rows: Vec<usize>,
+    /// Bytes of the body that follows.
+    pub body_len: usize,
+}
+
+/// Bytes of a group frame's header after its kind byte, for `n` samples of `spec`.
+pub(crate) fn head_len(spec: &RaggedSpec, kind: u8, n: usize) -> usize {
+    let ragged = spec.columns().iter().filter(|c| c.is_ragged()).count();
+    2 + if kind == GROUP_PRIORITY { 8 } else { 0 } + 4 * ragged * n
+}
+
+/// Decodes the header of a group frame of `kind` from `bytes` (what follows the kind byte,
+/// as much as has arrived): `Ok(None)` until all of it is there, else the header and its
+/// length. `max_samples` caps the group (the server's batch size).
+///
+/// # Errors
+/// [`EchoError::Protocol`] for an unknown kind, a group of 0 or more than `max_samples`
+/// samples, or a priority that is not a finite number `>= 0`; [`EchoError::Sample`] for a
+/// ragged leaf longer than its `max_len` or unequal lengths within a length group.
+pub fn decode_head(
+    spec: &RaggedSpec,
+    max_samples: usize,
+    kind: u8,
+    bytes: &[u8],
+) -> Result<Option<(Head, usize)>, EchoError> {
+    if kind != GROUP && kind != GROUP_PRIORITY {
+        return Err(EchoError::Protocol(format!("unknown frame type {kind:#04x}")));
+    }
+    let Some(count) = bytes.get(..2) else { return Ok(None) };
+    let samples = usize::from(u16::from_le_bytes([count[0], count[1]]));
+    if samples == 0 || samples > max_samples {
+        return Err(EchoError::Protocol(format!(
+            "a group frame of {samples} samples; this server takes 1 to {max_samples} (its \
+             batch size)"
+        )));
+    }
+    let len = head_len(spec, kind, samples);
+    let Some(head) = bytes.get(..len) else { return Ok(None) };
+    let mut at = 2;
+    let priority = if kind == GROUP_PRIORITY {
+        let p = f64::from_le_bytes(head[2..10].try_into().expect("8 bytes"));
+        if !p.is_finite() || p < 0.0 {
+            return Err(EchoError::Protocol(format!(
+                "a priority must be finite and >= 0, got {p}"
+            )));
+        }
+        at = 10;
+        Some(p)
+    } else {
+        None
+    };
+    let columns = spec.columns();
+    let mut rows = Vec::with_capacity(samples * columns.len());
+    let mut body_len = 0usize;
+    for _ in 0..samples {
+        let start = rows.len();
+        for column in columns {
+            let n = if column.is_ragged() {
+                let n = u32::from_le_bytes(head[at..at + 4].try_into().expect("4 bytes"));
+                at += 4;
+                n as usize
+            } else {
+                1
+            };
+            rows.push(n);
+        }
+        // Lengths and groups, before any size is computed from them.
+        let bytes: Vec<usize> = columns
+            .iter()
+            .zip(&rows[start..])
+            .map(|(c, &n)| c.row_bytes().saturating_mul(n))
+            .collect();
+        spec.check(&rows[start..], &bytes)?;
+        body_len += bytes.iter().sum::<usize>();
+    }
+    Ok(Some((Head { samples, priority, rows, body_len }, len)))
+}
+
+/// One sample to encode: each leaf's rows and bytes, in leaf order.
+#[derive(Debug, Clone, Copy)]
+pub struct Outgoing<'a> {
+    /// Rows per leaf (fixed leaves: ignored).
+    pub rows: &'a [usize],
+    /// Bytes per leaf.
+    pub leaves: &'a [&'a [u8]],
+}
+
+/// The header of a group frame (kind byte included) for `samples` of `spec`; the body is
+/// each sample's leaves in order, which the caller writes after it.
+///
+/// # Errors
+/// [`EchoError::Sample`] for an empty group, more than 65,535 samples, or a leaf with more
+/// than `u32::MAX` rows.
+pub fn encode_head(
+    spec: &RaggedSpec,
+    samples: &[Outgoing<'_>],
+    priority: Option<f64>,
+) -> Result<Vec<u8>, EchoError> {
+    let n = u16::try_from(samples.len()).ok().filter(|&n| n > 0).ok_or_else(|| {
+        EchoError::Sample(format!("a group frame holds 1 to 65535 samples, got {}", samples.len()))
+    })?;
+    let kind = if priority.is_some() { GROUP_PRIORITY } else { GROUP };
+    let mut out = Vec::with_capacity(1 + head_len(spec, kind, samples.len()));
+    out.push(kind);
+    out.extend_from_slice(&n.to_le_bytes());
+    if let Some(p) = priority {
+        out.extend_from_slice(&p.to_le_bytes());
+    }
+    for sample in samples {
+        for (column, &rows) in spec.columns().iter().zip(sample.rows) {
+            if column.is_ragged() {
+                let rows = u32::try_from(rows).map_err(|_| {
+                    EchoError::Sample(format!(
+                        "leaf {}: {rows} rows do not fit a u32",
+                        column.name()
+                    ))
+                })?;
+                out.extend_from_slice(&rows.to_le_bytes());
+            }
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ragged::{LeafDecl, RaggedDecl};
+    use crate::spec::ArraySpec;
+
+    fn spec() -> RaggedSpec {
+        RaggedSpec::new(vec![
+            LeafDecl {
+                name: "['tokens']".into(),
+                array: ArraySpec::new(vec![], 4).unwrap(),
+                ragged: Some(RaggedDecl { max_len: 100, group: Some("c".into()) }),
+            },
+            LeafDecl {
+                name: "['logp']".into(),
+                array: ArraySpec::new(vec![], 4).unwrap(),
+                ragged: Some(RaggedDecl { max_len: 100, group: Some("c".into()) }),
+            },
+            LeafDecl {
+                name: "['r']".into(),
+                array: ArraySpec::new(vec![2], 4).unwrap(),
+                ragged: None,
+            },
+        ])
+        .unwrap()
+    }
+
+    #[test]
+    fn a_head_round_trips_and_sizes_its_body() {
+        let spec = spec();
+        let a: [&[u8]; 3] = [&[0; 12], &[0; 12], &[0; 8]];
+        let b: [&[u8]; 3] = [&[], &[], &[0; 8]];
+        let samples =
+            [Outgoing { rows: &[3, 3, 1], leaves: &a }, Outgoing { rows: &[0, 0, 1], leaves: &b }];
+        let head = encode_head(&spec, &samples, Some(2.5)).unwrap();
+        assert_eq!(head[0], GROUP_PRIORITY);
+        // Byte by byte it is incomplete, then whole.
+        for cut in 0..head.len() - 1 {
+            assert_eq!(decode_head(&spec, 8, head[0], &head[1..1 + cut]).unwrap(), None);
+        }
+        let (got, used) = decode_head(&spec, 8, head[0], &head[1..]).unwrap().unwrap();
+        assert_eq!(used, head.len() - 1);
+        assert_eq!(got.samples, 2);
+        assert_eq!(got.priority, Some(2.5));
+        assert_eq!(got.rows, vec![3, 3, 1, 0, 0, 1]);
+        assert_eq!(got.body_len, 12 + 12 + 8 + 8);
+    }
+
+    #[test]
+    fn hostile_heads_are_refused_before_anything_is_sized() {
+        let spec = spec();
+        let frame = |n: u16, rows: &[u32]| {
+            let mut out = n.to_le_bytes().to_vec();
+            for r in rows {
+                out.extend_from_slice(&r.to_le_bytes());
+            }
+            out
+        };
+        assert!(matches!(
+            decode_head(&spec, 8, GROUP, &frame(0, &[])),
+            Err(EchoError::Protocol(_))
+        ));
+        assert!(matches!(
+            decode_head(&spec, 8, GROUP, &frame(9, &[])),
+            Err(EchoError::Protocol(_))
+        ));
+        let err = decode_head(&spec, 8, GROUP, &frame(1, &[u32::MAX, u32::MAX])).unwrap_err();
+        assert!(err.to_string().contains("more than its max_len 100"), "{err}");
+        let err = decode_head(&spec, 8, GROUP, &frame(1, &[3, 4])).unwrap_err();
+        assert!(err.to_string().contains("has 3 rows but leaf ['logp'] has 4"), "{err}");
+        let mut bad = 1u16.to_le_bytes().to_vec();
+        bad.extend_from_slice(&f64::NAN.to_le_bytes());
+        bad.extend_from_slice(&[0; 8]);
+        assert!(matches!(decode_head(&spec, 8, GROUP_PRIORITY, &bad), Err(EchoError::Protocol(_))));
+        assert!(matches!(decode_head(&spec, 8, 0x10, &bad), Err(EchoError::Protocol(_))));
+    }
+}
