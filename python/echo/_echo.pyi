@@ -340,6 +340,16 @@ class RaggedCore:
         self, keys: npt.NDArray[np.uint64], priorities: npt.NDArray[np.float64]
     ) -> int: ...
     def stats(self) -> dict[str, int]: ...
+    def export(
+        self,
+    ) -> tuple[
+        list[npt.NDArray[np.uint8]],
+        npt.NDArray[np.int64],
+        npt.NDArray[np.int64],
+        npt.NDArray[np.float64],
+        npt.NDArray[np.uint32],
+    ]: ...
+    def set_times_sampled(self, key: int, times: int) -> bool: ...
     def start_tcp(
         self, host: str, port: int, token: bytes | None = None, max_connections: int = 1024
     ) -> int: ...

@@ -14,11 +14,13 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from echo import _ragged_checkpoint
 from echo._echo import SampleInfo
+from echo._server_args import periodic_args
 from echo._tally import Tally
 from echo._validate import check_int
 from echo.ragged import RaggedBuffer
-from echo.replay import Fifo, Remover
+from echo.replay import Fifo, MinSize, Prioritized, Remover, Uniform
 from echo.sample import Sample
 from echo.server import Server
 from echo.transport import TcpTransport
@@ -67,7 +69,10 @@ class RaggedServer(Server):
         layout: str = "packed",
         pad_to_multiple: int = 1,
     ) -> None:
-        del num_drainers, producer_queue_size, checkpoint_keep, admission
+        del num_drainers, producer_queue_size, admission
+        periodic = periodic_args(
+            checkpoint_dir, checkpoint_every, checkpoint_keep, checkpoint_extra
+        )
         if transport is not None and not isinstance(transport, TcpTransport):
             raise TypeError(
                 f"transport must be a TcpTransport or None, got {type(transport).__name__}"
@@ -75,8 +80,6 @@ class RaggedServer(Server):
         for what, given in (
             ("pin_host_memory=True", pin_host_memory),
             ("sequence=", sequence is not None),
-            ("checkpoint_dir=", checkpoint_dir is not None),
-            ("checkpoint_every=", checkpoint_every is not None),
             ("checkpoint_extra=", checkpoint_extra is not None),
             ("compress=", compress is not None),
             ("policy_versions=True", policy_versions),
@@ -110,7 +113,64 @@ class RaggedServer(Server):
         self._close_hooks = []
         self._transport: TcpTransport | None = transport
         self._tally = Tally()
+        self._core = self._buffer.core  # what `Server.close` closes
+        self._periodic = None
+        self._restored_extra = None
+        self._settings: dict[str, Any] = {
+            "sampler": self._buffer.kind,
+            "exponent": getattr(sampler, "exponent", None),
+            "batch_size": batch_size,
+            "num_buffers": num_buffers,
+            "max_size": max_size,
+            "max_bytes": max_bytes,
+            "batch_tokens": batch_tokens,
+            "token_group": token_group,
+            "layout": layout,
+            "pad_to_multiple": pad_to_multiple,
+            "min_size": 1 if rate_limiter is None else rate_limiter.min_size,
+            "max_times_sampled": max_times_sampled,
+            "name": name,
+        }
+        if periodic is not None:
+            self._start_periodic(periodic)
         self._transfers = {}
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | os.PathLike[str],
+        example: Any = None,
+        *,
+        transport: TcpTransport | None = None,
+        name: str | None = None,
+    ) -> RaggedServer:
+        """A new ragged server with the settings and entries of the checkpoint at `path`
+        (`Server.restore` calls this for a ragged checkpoint): every entry inserted again in
+        order, with its priority and draw count. `example` (default: rebuilt from the leaves'
+        paths, dicts of str keys) must have the checkpoint's leaves."""
+        manifest, directory = _ragged_checkpoint.read(path)
+        settings = dict(manifest["settings"])
+        kind = settings.pop("sampler")
+        exponent = settings.pop("exponent")
+        sampler = {"fifo": Fifo(), "uniform": Uniform()}.get(kind) or Prioritized(exponent)
+        min_size = settings.pop("min_size")
+        saved_name = settings.pop("name")
+        batch_size = settings.pop("batch_size")
+        server = RaggedServer(
+            _ragged_checkpoint.example_of(manifest) if example is None else example,
+            batch_size,
+            transport,
+            sampler=sampler,
+            rate_limiter=None if kind == "fifo" else MinSize(min_size),
+            name=saved_name if name is None else name,
+            **settings,
+        )
+        try:
+            _ragged_checkpoint.refill(server, manifest, directory)
+        except BaseException:
+            server.close()
+            raise
+        return server
 
     # --- what a ragged server does -------------------------------------------------------
 
@@ -191,11 +251,6 @@ class RaggedServer(Server):
 
     def stats(self) -> SampleInfo:
         return self._buffer.stats({})
-
-    def close(self, *, drain: bool = False, restarting: bool = False) -> None:
-        """Closes the TCP ingress (its workers hear the server close, `restarting` or for
-        good), then the table; with `drain`, FIFO hands out what is left first."""
-        self._buffer.core.close(drain, restarting)
 
     # --- settings -------------------------------------------------------------------------
 
@@ -308,8 +363,26 @@ class RaggedServer(Server):
     def end_episode(self, stream: int = 0, *, truncated: bool = True) -> NoReturn:  # pyright: ignore[reportIncompatibleMethodOverride]
         _unsupported("end_episode()")
 
-    def checkpoint(self, path: str | os.PathLike[str], *, extra: Any = None) -> NoReturn:  # pyright: ignore[reportIncompatibleMethodOverride]
-        _unsupported("checkpoint()")
+    def checkpoint(self, path: str | os.PathLike[str], *, extra: Any = None) -> None:
+        """Writes every stored entry (oldest first; FIFO: those not handed out yet) with its
+        priority and draw count, and the settings, to `path`: numpy files of each leaf's
+        values plus a ragged leaf's offsets, and `ragged.json` (see `echo._ragged_checkpoint`).
+        `path` becomes a symbolic link replaced atomically. Inserts and sampling wait while
+        the entries are copied. `Server.restore(path)` rebuilds the server.
+
+        Raises:
+            ValueError: `extra` is given (not supported for ragged servers yet).
+            FileExistsError: `path` exists and is not a checkpoint link.
+            OSError: Writing failed (nothing at `path` changed then).
+        """
+        if extra is not None:
+            _unsupported("checkpoint(extra=...)")
+        try:
+            _ragged_checkpoint.write(self, path, self._settings)
+        except BaseException:
+            self._tally.checkpoint_failures += 1
+            raise
+        self._tally.checkpoints += 1
 
     def publish(self, *args: Any, **kwargs: Any) -> NoReturn:  # pyright: ignore[reportIncompatibleMethodOverride]
         _unsupported("publish()")

@@ -126,6 +126,7 @@ class _Leaf(NamedTuple):
     dtype: np.dtype[Any]
     shape: tuple[int, ...]  # fixed: the shape; ragged: the inner shape
     ragged: Ragged | None
+    path: tuple[Any, ...]  # the keys and indices leading to it
 
 
 class RaggedLayout:
@@ -141,13 +142,15 @@ class RaggedLayout:
         for path, leaf in zip(paths, leaves, strict=True):
             name, key = _path_name(path), "/".join(str(p) for p in path)
             if isinstance(leaf, Ragged):
-                self.leaves.append(_Leaf(name, key, leaf.dtype, leaf.inner_shape, leaf))
+                self.leaves.append(
+                    _Leaf(name, key, leaf.dtype, leaf.inner_shape, leaf, tuple(path))
+                )
             elif isinstance(leaf, np.ndarray):
                 arr = cast("np.ndarray[Any, Any]", leaf)
                 if arr.dtype.hasobject:
                     raise TypeError(f"example leaf {name}: dtype {arr.dtype} holds Python objects")
                 shape = tuple(int(d) for d in arr.shape)
-                self.leaves.append(_Leaf(name, key, arr.dtype, shape, None))
+                self.leaves.append(_Leaf(name, key, arr.dtype, shape, None, tuple(path)))
             else:
                 raise TypeError(
                     f"example leaf {name}: expected a numpy.ndarray or echo.Ragged, "

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, cast
 if TYPE_CHECKING:
     from typing_extensions import Self
 
+from echo import _ragged_checkpoint
 from echo import checkpoint as _checkpoint
 from echo._echo import SampleInfo, SampleWriter, ServerClosedError, ServerCore
 from echo._params import ParamsChannel
@@ -872,6 +873,10 @@ class Server:
                 the one given. Or a tuning setting is out of range, as in the constructor.
             TypeError: An argument has the wrong type, as in the constructor.
         """
+        if _ragged_checkpoint.is_ragged(path):
+            from echo._ragged_server import RaggedServer
+
+            return RaggedServer.from_checkpoint(path, example, transport=transport, name=name)  # pyright: ignore[reportReturnType]
         periodic = periodic_args(
             checkpoint_dir, checkpoint_every, checkpoint_keep, checkpoint_extra
         )

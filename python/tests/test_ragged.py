@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -275,8 +276,10 @@ def test_settings_that_do_not_apply_are_refused() -> None:
         echo.Server(example(), 4, compress=echo.Lz4())
     with pytest.raises(TypeError, match="TcpTransport or None"):
         echo.Server(example(), 4, transport="tcp://:1234")
-    with pytest.raises(ValueError, match="checkpoint_dir="):
-        echo.Server(example(), 4, checkpoint_dir="/tmp/x", checkpoint_every=1.0)
+    with pytest.raises(ValueError, match="checkpoint_extra needs checkpoint_dir"):
+        echo.Server(example(), 4, checkpoint_extra=dict)
+    with pytest.raises(ValueError, match=r"does not support checkpoint\(extra=...\) yet"):
+        echo.Server(example(), 4).checkpoint("/nonexistent/ckpt", extra={"step": 1})
     with pytest.raises(ValueError, match="needs max_size"):
         echo.Server(example(), 4, sampler=echo.Uniform())
     with pytest.raises(ValueError, match="several length groups"):
@@ -336,3 +339,81 @@ def test_prometheus_counts_what_a_ragged_server_did() -> None:
     # Samples 8 and 9 wait; 4 to 7 are the batch the learner holds: their bytes are in use.
     assert raw == sum(2 * 50 * 4 + 8 + (i % 64) * 4 for i in range(4, 10))
     assert f'echo_raw_bytes{{server="ragged"}} {float(raw)}' in text
+
+
+@pytest.mark.parametrize("sampler", ["fifo", "prioritized"])
+def test_a_checkpoint_restores_every_entry_with_its_priority_and_draws(
+    tmp_path: Any, sampler: str
+) -> None:
+    replay = sampler != "fifo"
+    kwargs: dict[str, Any] = (
+        {"sampler": echo.Prioritized(1.0), "max_size": 100, "max_times_sampled": 5}
+        if replay
+        else {"num_buffers": 8}
+    )
+    server = echo.Server(example(), 4, batch_tokens=900, token_group="completion", **kwargs)
+    server.submit_group([make(0, 3), make(1, 4)], **({"priority": 2.0} if replay else {}))
+    for i in range(2, 12):
+        server.submit(make(i), **({"priority": float(i)} if replay else {}))
+    if replay:
+        drawn = server.sample(timeout=5)
+        assert drawn is not None
+    else:
+        first = server.sample(timeout=5)  # handed out: not in the checkpoint
+        assert first is not None
+        handed = {int(i) for i in first.batch["id"]}
+    path = tmp_path / "ckpt"
+    server.checkpoint(path)
+    server.checkpoint(path)  # replaced atomically
+    assert (path / "ragged.json").exists()
+    assert path.is_symlink()
+    assert len([p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.ckpt-")]) == 1
+    restored = echo.Server.restore(path)
+    assert type(restored) is type(server)
+    assert restored.batch_tokens == 900
+    if replay:
+        before, after = server.stats(), restored.stats()
+        assert after.store_size == before.store_size == 12
+        assert after.raw_bytes == before.raw_bytes
+        # Group sizes, priorities and draw counts, entry by entry.
+        a = server._buffer.core.export()  # pyright: ignore[reportAttributeAccessIssue]
+        b = restored._buffer.core.export()  # pyright: ignore[reportAttributeAccessIssue]
+        for k in (0, 2, 3, 4):
+            if k == 0:
+                for x, y in zip(a[0], b[0], strict=True):
+                    np.testing.assert_array_equal(x, y)
+            else:
+                np.testing.assert_array_equal(a[k], b[k])
+        assert a[4].sum() > 0
+    else:
+        restored.close(drain=True)
+        got: list[int] = []
+        while (s := restored.sample(timeout=5)) is not None:
+            got.extend(check_packed(s.batch))
+        assert got == [i for i in range(12) if i not in handed]
+    # Values and offsets are plain numpy files.
+    tokens = next(i for i, leaf in enumerate(restored.leaf_names) if "tokens" in leaf)
+    offsets = np.load(path / f"leaf_{tokens}.offsets.npy")
+    values = np.load(path / f"leaf_{tokens}.npy", mmap_mode="r")
+    assert offsets[-1] == len(values)
+    server.close()
+    restored.close()
+
+
+def test_periodic_checkpoints_of_a_ragged_server(tmp_path: Any) -> None:
+    from echo.checkpoint import periodic_checkpoints
+
+    server = echo.Server(
+        example(), 4, sampler=echo.Uniform(), max_size=50, checkpoint_dir=tmp_path,
+        checkpoint_every=0.05,
+    )  # fmt: skip
+    for i in range(20):
+        server.submit(make(i))
+    deadline = time.monotonic() + 10
+    while not periodic_checkpoints(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    server.close()
+    newest = periodic_checkpoints(tmp_path)[-1]
+    restored = echo.Server.restore(newest)
+    assert 0 < restored.stats().store_size <= 20
+    restored.close()

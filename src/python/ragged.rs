@@ -344,6 +344,36 @@ impl RaggedCore {
         Ok(d)
     }
 
+    /// Every stored entry, oldest first, for a checkpoint: (values per leaf as uint8 arrays,
+    /// rows (samples x leaves, int64), group sizes (int64), priorities, times sampled).
+    #[allow(clippy::type_complexity)]
+    fn export<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> (
+        Vec<Bound<'py, PyArray1<u8>>>,
+        Bound<'py, PyArray1<i64>>,
+        Bound<'py, PyArray1<i64>>,
+        Bound<'py, PyArray1<f64>>,
+        Bound<'py, PyArray1<u32>>,
+    ) {
+        let table = &self.table;
+        let out = py.detach(|| table.export());
+        let as_i64 = |v: Vec<usize>| v.into_iter().map(|x| x as i64).collect::<Vec<i64>>();
+        (
+            out.values.into_iter().map(|v| PyArray1::from_vec(py, v)).collect(),
+            PyArray1::from_vec(py, as_i64(out.rows)),
+            PyArray1::from_vec(py, as_i64(out.group_sizes)),
+            PyArray1::from_vec(py, out.priorities),
+            PyArray1::from_vec(py, out.times_sampled),
+        )
+    }
+
+    /// Sets the draw count of the entry `key` (restoring a checkpoint).
+    fn set_times_sampled(&self, key: u64, times: u32) -> bool {
+        self.table.set_times_sampled(key, times)
+    }
+
     /// Listens for workers on `host:port` (0: a free port); returns the port.
     #[pyo3(signature = (host, port, token=None, max_connections=1024))]
     fn start_tcp(

@@ -30,6 +30,6 @@ pub mod wire;
 pub use batch::{BatchLayout, BufPool, ColumnBatch, ColumnData, GroupBatch, OutBuf, RaggedBatch};
 pub use spec::{Column, LeafDecl, LengthGroup, RaggedDecl, RaggedSpec};
 pub use table::{
-    deadline_after, RaggedConfig, RaggedSampler, RaggedStats, RaggedTable, SampleIn,
+    deadline_after, RaggedConfig, RaggedExport, RaggedSampler, RaggedStats, RaggedTable, SampleIn,
     DEFAULT_MAX_BYTES,
 };

@@ -91,6 +91,21 @@ pub struct RaggedStats {
     pub insert_blocked_ns: u64,
 }
 
+/// Every stored entry of a table, from [`RaggedTable::export`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RaggedExport {
+    /// Per leaf, every stored sample's bytes one after another, oldest first.
+    pub values: Vec<Vec<u8>>,
+    /// Per sample per leaf (sample-major), its rows (fixed leaves: 1).
+    pub rows: Vec<usize>,
+    /// Per entry, its samples (1, or a group's size).
+    pub group_sizes: Vec<usize>,
+    /// Per entry, its priority.
+    pub priorities: Vec<f64>,
+    /// Per entry, its draws so far.
+    pub times_sampled: Vec<u32>,
+}
+
 /// One sample handed to [`RaggedTable::insert_group`]: its leaves' bytes and rows.
 #[derive(Debug, Clone)]
 pub struct SampleIn<'a> {
@@ -517,6 +532,60 @@ impl RaggedTable {
         state.stats.samples -= entry.slots.len();
         state.stats.entries -= 1;
         entry.slots.len()
+    }
+
+    /// A copy of every stored entry, oldest first (a FIFO table: those not handed out yet),
+    /// for a checkpoint. Taken under the lock: inserts and sampling wait for the copy.
+    pub fn export(&self) -> RaggedExport {
+        let state = self.state.lock();
+        let ncols = state.columns;
+        let mut out = RaggedExport {
+            values: vec![Vec::new(); ncols],
+            rows: Vec::new(),
+            group_sizes: Vec::new(),
+            priorities: Vec::new(),
+            times_sampled: Vec::new(),
+        };
+        for &(id, key) in &state.order {
+            let Some(entry) = state.entries[id as usize].as_ref().filter(|e| e.key == key) else {
+                continue;
+            };
+            out.group_sizes.push(entry.slots.len());
+            out.priorities.push(entry.priority);
+            out.times_sampled.push(entry.times_sampled);
+            for &slot in &entry.slots {
+                for c in 0..ncols {
+                    let at = slot as usize * ncols + c;
+                    let extent = state.extents[at];
+                    if extent.bytes > 0 {
+                        // SAFETY: a live entry's extent, read under the lock that keeps any
+                        // writer off it.
+                        let bytes = unsafe {
+                            std::slice::from_raw_parts(
+                                self.memory.ptr(extent),
+                                extent.bytes as usize,
+                            )
+                        };
+                        out.values[c].extend_from_slice(bytes);
+                    }
+                    out.rows.push(state.rows[at] as usize);
+                }
+            }
+        }
+        out
+    }
+
+    /// Sets the draw count of the entry `key` (a restored checkpoint's); false if it is gone.
+    pub fn set_times_sampled(&self, key: u64, times: u32) -> bool {
+        let mut state = self.state.lock();
+        let id = (key & 0xffff_ffff) as usize;
+        match state.entries.get_mut(id).and_then(Option::as_mut).filter(|e| e.key == key) {
+            Some(entry) => {
+                entry.times_sampled = times;
+                true
+            }
+            None => false,
+        }
     }
 
     /// Sets the priorities of the entries `keys` name (a group's samples share one key).

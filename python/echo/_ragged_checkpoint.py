@@ -1,0 +1,211 @@
+"""Checkpoints of a ragged server: numpy files of values plus offsets, and a JSON manifest.
+
+```text
+path -> .<name>.ckpt-<token>/      (a symbolic link, replaced atomically)
+    ragged.json                    the format, the example's leaves, the settings, the counts
+    leaf_<i>.npy                   leaf i: every stored sample's rows one after another
+                                   ((T_i, *inner_shape)); a fixed leaf (N, *shape)
+    leaf_<i>.offsets.npy           a ragged leaf's offsets (N + 1,) int64: sample k is
+                                   leaf_<i>[offsets[k]:offsets[k + 1]]
+    group_sizes.npy                per entry (a sample or a group), its samples (E,) int64
+    priorities.npy                 per entry, its priority (E,) float64
+    times_sampled.npy              per entry, its draws (E,) uint32
+```
+
+Entries are oldest first; a FIFO server's are those not handed out yet. `np.load(...,
+mmap_mode="r")` opens every file. `Server.restore(path)` inserts them again, in order, with
+their priorities and draw counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from echo.checkpoint import CheckpointError
+from echo.ragged import Ragged
+
+if TYPE_CHECKING:
+    from echo._ragged_server import RaggedServer
+
+FORMAT = "echo-ragged-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "ragged.json"
+
+
+def is_ragged(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` is a ragged server's checkpoint."""
+    return os.path.isfile(os.path.join(os.fspath(path), MANIFEST))
+
+
+def _save(directory: str, name: str, array: np.ndarray[Any, Any]) -> None:
+    with open(os.path.join(directory, name), "wb") as f:
+        np.save(f, array, allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write(server: RaggedServer, path: str | os.PathLike[str], settings: dict[str, Any]) -> int:
+    """Writes `server`'s entries to `path` (see the module); returns the bytes written."""
+    target: str = os.path.abspath(os.fspath(path))
+    parent, name = os.path.split(target)
+    if os.path.lexists(target) and not os.path.islink(target):
+        raise FileExistsError(f"{target} exists and is not a checkpoint link")
+    buffer = server._buffer  # pyright: ignore[reportPrivateUsage]
+    exported: Any = buffer.core.export()
+    values, rows, sizes, priorities, times = exported
+    leaves = buffer.layout.leaves
+    n = len(rows) // len(leaves)
+    per_sample = rows.reshape(n, len(leaves))
+    directory = os.path.join(parent, f".{name}.ckpt-{secrets.token_hex(8)}")
+    os.mkdir(directory)
+    try:
+        described: list[dict[str, Any]] = []
+        for i, leaf in enumerate(leaves):
+            dtype: Any = leaf.dtype
+            data: Any = values[i].view(dtype) if values[i].size else np.empty(0, dtype)
+            if leaf.ragged is None:
+                _save(directory, f"leaf_{i}.npy", data.reshape(n, *leaf.shape))
+            else:
+                _save(directory, f"leaf_{i}.npy", data.reshape(-1, *leaf.shape))
+                offsets = np.zeros(n + 1, np.int64)
+                np.cumsum(per_sample[:, i], out=offsets[1:])
+                _save(directory, f"leaf_{i}.offsets.npy", offsets)
+            described.append(
+                {
+                    "name": leaf.name,
+                    "path": list(leaf.path),
+                    "dtype": str(dtype.str),
+                    "shape": list(leaf.shape),
+                    "max_len": None if leaf.ragged is None else leaf.ragged.max_len,
+                    "group": None if leaf.ragged is None else leaf.ragged.group,
+                }
+            )
+        _save(directory, "group_sizes.npy", sizes)
+        _save(directory, "priorities.npy", priorities)
+        _save(directory, "times_sampled.npy", times)
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "leaves": described,
+            "settings": settings,
+            "counts": {"samples": n, "entries": len(sizes)},
+        }
+        with open(os.path.join(directory, MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        written = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
+        old = os.path.realpath(target) if os.path.islink(target) else None
+        link = os.path.join(parent, f".{name}.link-{secrets.token_hex(8)}")
+        os.symlink(os.path.basename(directory), link)
+        os.replace(link, target)
+    except BaseException:
+        _remove(directory)
+        raise
+    if old is not None and os.path.dirname(old) == parent and old != directory:
+        _remove(old)
+    return written
+
+
+def _remove(directory: str) -> None:
+    with contextlib.suppress(OSError):
+        for f in os.listdir(directory):
+            os.remove(os.path.join(directory, f))
+        os.rmdir(directory)
+
+
+def _example_from(leaves: list[dict[str, Any]]) -> dict[str, Any]:
+    """The example, rebuilt from the leaves' paths (dicts of str keys)."""
+    root: dict[str, Any] = {}
+    for leaf in leaves:
+        path = leaf["path"]
+        if not path or not all(isinstance(key, str) for key in path):
+            raise CheckpointError(
+                f"leaf {leaf['name']} is not under str keys: pass the example to restore()"
+            )
+        node = root
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        dtype = np.dtype(leaf["dtype"])
+        if leaf["max_len"] is None:
+            node[path[-1]] = np.zeros(tuple(leaf["shape"]), dtype)
+        else:
+            node[path[-1]] = Ragged(
+                leaf["max_len"], dtype, tuple(leaf["shape"]), group=leaf["group"]
+            )
+    return root
+
+
+def read(path: str | os.PathLike[str]) -> tuple[dict[str, Any], str]:
+    """The manifest of the ragged checkpoint at `path`, and its directory."""
+    directory: str = os.path.realpath(os.fspath(path))
+    try:
+        with open(os.path.join(directory, MANIFEST)) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{os.path.join(directory, MANIFEST)}: {e}") from None
+    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{directory}: not a version-{FORMAT_VERSION} ragged echo checkpoint "
+            f"(format {manifest.get('format')!r}, version {manifest.get('format_version')!r})"
+        )
+    return manifest, directory
+
+
+def example_of(manifest: dict[str, Any]) -> dict[str, Any]:
+    return _example_from(manifest["leaves"])
+
+
+def refill(server: RaggedServer, manifest: dict[str, Any], directory: str) -> None:
+    """Inserts the checkpoint's entries into the new `server`, in order."""
+    leaves = manifest["leaves"]
+    layout = server._buffer.layout  # pyright: ignore[reportPrivateUsage]
+    if [leaf.name for leaf in layout.leaves] != [leaf["name"] for leaf in leaves]:
+        raise CheckpointError(
+            f"{directory}: the example's leaves {[leaf.name for leaf in layout.leaves]} differ "
+            f"from the checkpoint's {[leaf['name'] for leaf in leaves]}"
+        )
+
+    def load(name: str) -> np.ndarray[Any, Any]:
+        try:
+            return np.load(os.path.join(directory, name), mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{os.path.join(directory, name)}: {e}") from None
+
+    data = [load(f"leaf_{i}.npy") for i in range(len(leaves))]
+    offsets = [
+        None if leaf["max_len"] is None else load(f"leaf_{i}.offsets.npy")
+        for i, leaf in enumerate(leaves)
+    ]
+    sizes, priorities, times = (
+        load("group_sizes.npy"),
+        load("priorities.npy"),
+        load("times_sampled.npy"),
+    )
+    n = int(manifest["counts"]["samples"])
+    if int(np.sum(sizes)) != n or len(sizes) != len(priorities) or len(sizes) != len(times):
+        raise CheckpointError(f"{directory}: the entry arrays disagree with the sample count")
+    core = server._buffer.core  # pyright: ignore[reportPrivateUsage]
+    replay = server._buffer.kind != "fifo"  # pyright: ignore[reportPrivateUsage]
+    k = 0
+    for size, priority, drawn in zip(sizes, priorities, times, strict=True):
+        group: list[list[Any]] = []
+        for s in range(k, k + int(size)):
+            sample: list[Any] = []
+            for i, leaf_offsets in enumerate(offsets):
+                if leaf_offsets is None:
+                    sample.append(np.ascontiguousarray(data[i][s]))
+                else:
+                    a, b = int(leaf_offsets[s]), int(leaf_offsets[s + 1])
+                    sample.append(np.ascontiguousarray(data[i][a:b]))
+            group.append(sample)
+        k += int(size)
+        key = core.submit_group(group, None, float(priority) if replay else None)
+        if drawn:
+            core.set_times_sampled(key, int(drawn))
