@@ -38,6 +38,7 @@ fn config(sampler: RaggedSampler, batch_size: usize, max_size: usize) -> RaggedC
         min_size: 1,
         max_times_sampled: 0,
         seed: Some(7),
+        codecs: Vec::new(),
     }
 }
 

@@ -315,6 +315,7 @@ class RaggedCore:
         min_size: int,
         max_times_sampled: int,
         seed: int | None,
+        compress: list[Any] = ...,
     ) -> RaggedCore: ...
     def submit_group(
         self,

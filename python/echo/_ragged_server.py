@@ -19,6 +19,7 @@ from echo._echo import SampleInfo
 from echo._server_args import periodic_args
 from echo._tally import Tally
 from echo._validate import check_int
+from echo.compression import Lz4, Zstd
 from echo.ragged import RaggedBuffer
 from echo.replay import Fifo, MinSize, Prioritized, Remover, Uniform
 from echo.sample import Sample
@@ -81,7 +82,6 @@ class RaggedServer(Server):
             ("pin_host_memory=True", pin_host_memory),
             ("sequence=", sequence is not None),
             ("checkpoint_extra=", checkpoint_extra is not None),
-            ("compress=", compress is not None),
             ("policy_versions=True", policy_versions),
             ("max_staleness=", max_staleness is not None),
             ("a remover other than Fifo()", remover is not None and not isinstance(remover, Fifo)),
@@ -105,6 +105,7 @@ class RaggedServer(Server):
             token_group=token_group,
             layout=layout,
             pad_to_multiple=pad_to_multiple,
+            compress=compress,
         )
         self._batch_size = batch_size
         self._num_buffers = num_buffers
@@ -126,6 +127,10 @@ class RaggedServer(Server):
             "batch_tokens": batch_tokens,
             "token_group": token_group,
             "layout": layout,
+            "compress": {
+                name: {"codec": type(codec).__name__, "level": getattr(codec, "level", 0)}
+                for name, codec in self.compress.items()
+            },
             "pad_to_multiple": pad_to_multiple,
             "min_size": 1 if rate_limiter is None else rate_limiter.min_size,
             "max_times_sampled": max_times_sampled,
@@ -156,6 +161,11 @@ class RaggedServer(Server):
         min_size = settings.pop("min_size")
         saved_name = settings.pop("name")
         batch_size = settings.pop("batch_size")
+        codecs = {
+            name: Zstd(spec["level"]) if spec["codec"] == "Zstd" else Lz4()
+            for name, spec in settings.pop("compress", {}).items()
+        }
+        settings["compress"] = codecs or None
         server = RaggedServer(
             _ragged_checkpoint.example_of(manifest) if example is None else example,
             batch_size,
@@ -312,7 +322,13 @@ class RaggedServer(Server):
 
     @property
     def compress(self) -> dict[str, Any]:
-        return {}
+        """The leaves stored compressed (by name) and their codecs."""
+        leaves = self._buffer.layout.leaves
+        return {
+            leaf.name: codec
+            for leaf, codec in zip(leaves, self._buffer.codecs, strict=True)
+            if codec is not None
+        }
 
     @property
     def sequence(self) -> None:

@@ -199,6 +199,51 @@ class RaggedLayout:
         return optree.tree_unflatten(self.treespec, leaves)
 
 
+def _codecs(layout: RaggedLayout, compress: Any) -> list[Any]:
+    """Per leaf, the codec `compress=` gives it (None: raw). `compress` is None, a codec (every
+    ragged leaf), `"auto"` (the integer ragged leaves, token ids, with `Zstd(1)`) or a mapping
+    of leaf paths (`"tokens"`, `"obs/pixels"`, `("obs", "pixels")` or `"['tokens']"`) to codecs."""
+    from echo.compression import Lz4, Zstd
+
+    leaves = layout.leaves
+    if compress is None:
+        return [None] * len(leaves)
+    if isinstance(compress, Zstd | Lz4):
+        return [compress if leaf.ragged is not None else None for leaf in leaves]
+    if compress == "auto":
+        return [
+            Zstd(1) if leaf.ragged is not None and leaf.dtype.kind in "iu" else None
+            for leaf in leaves
+        ]
+    if not isinstance(compress, dict):
+        raise TypeError(
+            "compress must be None, echo.Zstd(...), echo.Lz4(), 'auto' or a dict of leaf "
+            f"paths to codecs, got {type(compress).__name__}"
+        )
+    out: list[Any] = [None] * len(leaves)
+    for path, codec in cast("dict[Any, Any]", compress).items():
+        parts: tuple[Any, ...] = (
+            cast("tuple[Any, ...]", path) if isinstance(path, tuple) else (path,)
+        )
+        key = "/".join(str(part) for part in parts)
+        hits = [
+            i
+            for i, leaf in enumerate(leaves)
+            if key in (leaf.key, leaf.name) or leaf.key.startswith(key + "/")
+        ]
+        if not hits:
+            names = ", ".join(leaf.name for leaf in leaves)
+            raise ValueError(f"compress: {path!r} names no leaf; the leaves are {names}")
+        if not isinstance(codec, Zstd | Lz4):
+            raise TypeError(
+                f"compress[{path!r}] must be echo.Zstd(...) or echo.Lz4(), "
+                f"got {type(codec).__name__}"
+            )
+        for i in hits:
+            out[i] = codec
+    return out
+
+
 def _sampler_args(sampler: Any) -> tuple[str, float]:
     if sampler is None or isinstance(sampler, Fifo):
         return "fifo", 0.0
@@ -255,8 +300,10 @@ class RaggedBuffer:
         token_group: str | None,
         layout: str,
         pad_to_multiple: int,
+        compress: Any = None,
     ) -> None:
         self.layout = RaggedLayout(example)
+        codecs = _codecs(self.layout, compress)
         kind, exponent = _sampler_args(sampler)
         if kind == "fifo":
             if max_size is not None:
@@ -282,8 +329,9 @@ class RaggedBuffer:
             raise ValueError("token_group names the group batch_tokens counts; give batch_tokens")
         core = RaggedCore(
             self.layout.core_leaves(), kind, exponent, batch_size, capacity, max_bytes,
-            tokens, min_size, max_times_sampled, seed,
+            tokens, min_size, max_times_sampled, seed, codecs,
         )  # fmt: skip
+        self.codecs = codecs
         self.core = core
         self.kind = kind
         self.capacity = capacity
@@ -357,7 +405,7 @@ class RaggedBuffer:
             "handshakes_refused_layout_total": s["handshakes_refused"],
             "samples_inserted_total": s["samples_received"],
             "stored_bytes": s["arena_bytes_in_use"],
-            "raw_bytes": s["payload_bytes"],
+            "raw_bytes": s["raw_bytes"],
         }
         fields.update(name_counts)
         return _sample_info(fields)

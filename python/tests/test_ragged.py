@@ -272,8 +272,8 @@ def test_bad_samples_raise_precise_errors_and_store_nothing() -> None:
 
 
 def test_settings_that_do_not_apply_are_refused() -> None:
-    with pytest.raises(ValueError, match=r"does not support compress= yet"):
-        echo.Server(example(), 4, compress=echo.Lz4())
+    with pytest.raises(ValueError, match=r"does not support sequence= yet"):
+        echo.Server(example(), 4, sequence=echo.Sequence(length=2))
     with pytest.raises(TypeError, match="TcpTransport or None"):
         echo.Server(example(), 4, transport="tcp://:1234")
     with pytest.raises(ValueError, match="checkpoint_extra needs checkpoint_dir"):
@@ -416,4 +416,41 @@ def test_periodic_checkpoints_of_a_ragged_server(tmp_path: Any) -> None:
     newest = periodic_checkpoints(tmp_path)[-1]
     restored = echo.Server.restore(newest)
     assert 0 < restored.stats().store_size <= 20
+    restored.close()
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_compressed_ragged_leaves_come_back_bit_for_bit(tmp_path: Any, layout: str) -> None:
+    server = echo.Server(
+        example(), 8, sampler=echo.Uniform(), max_size=200, seed=1, layout=layout,
+        compress={"tokens": echo.Zstd(1), "prompt": echo.Lz4()},
+    )  # fmt: skip
+    assert set(server.compress) == {"['tokens']", "['prompt']"}
+    for i in range(100):
+        server.submit(make(i))
+    stats = server.stats()
+    assert stats.raw_bytes == sum(2 * 4 * length_of(i) + 8 + 4 * (i % 64) for i in range(100))
+    for _ in range(5):
+        s = server.sample(timeout=5)
+        assert s is not None
+        if layout == "packed":
+            check_packed(s.batch)
+        else:
+            tokens = s.batch["tokens"]
+            for k, i in enumerate(int(x) for x in s.batch["id"]):
+                n = int(tokens.lengths[k])
+                assert n == length_of(i)
+                np.testing.assert_array_equal(tokens.values[k, :n], i * 1000 + np.arange(n))
+                assert not tokens.values[k, n:].any()
+    path = tmp_path / "ckpt"
+    server.checkpoint(path)
+    restored = echo.Server.restore(path)
+    assert restored.compress == server.compress
+    assert restored.stats().raw_bytes == stats.raw_bytes
+    s = restored.sample(timeout=5, layout="packed")
+    assert s is not None
+    check_packed(s.batch)
+    with pytest.raises(ValueError, match="names no leaf"):
+        echo.Server(example(), 4, compress={"nope": echo.Lz4()})
+    server.close()
     restored.close()

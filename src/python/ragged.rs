@@ -177,7 +177,7 @@ fn sampler_of(name: &str, exponent: f64) -> PyResult<RaggedSampler> {
 #[pymethods]
 impl RaggedCore {
     #[new]
-    #[pyo3(signature = (leaves, sampler, exponent, batch_size, max_size, max_bytes, batch_tokens, min_size, max_times_sampled, seed))]
+    #[pyo3(signature = (leaves, sampler, exponent, batch_size, max_size, max_bytes, batch_tokens, min_size, max_times_sampled, seed, compress=Vec::new()))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         leaves: Vec<LeafArg<'_>>,
@@ -190,7 +190,12 @@ impl RaggedCore {
         min_size: usize,
         max_times_sampled: u32,
         seed: Option<u64>,
+        compress: Vec<Option<Bound<'_, PyAny>>>,
     ) -> PyResult<Self> {
+        let codecs = compress
+            .iter()
+            .map(|c| c.as_ref().map(super::config::codec).transpose())
+            .collect::<PyResult<Vec<_>>>()?;
         let (spec, layout, types) = spec_of(leaves)?;
         let batch_tokens = match batch_tokens {
             None => None,
@@ -213,6 +218,7 @@ impl RaggedCore {
             min_size,
             max_times_sampled,
             seed,
+            codecs,
         };
         let table = RaggedTable::new(spec, config).map_err(to_pyerr)?;
         Ok(Self {
@@ -328,6 +334,7 @@ impl RaggedCore {
         d.set_item("evicted", s.evicted)?;
         d.set_item("removed_max_times_sampled", s.removed_max_times_sampled)?;
         d.set_item("payload_bytes", s.payload_bytes)?;
+        d.set_item("raw_bytes", s.raw_bytes)?;
         d.set_item("arena_bytes_in_use", s.arena_bytes_in_use)?;
         d.set_item("arena_capacity", s.arena_capacity)?;
         d.set_item("insert_blocked_ns", s.insert_blocked_ns)?;
@@ -350,23 +357,23 @@ impl RaggedCore {
     fn export<'py>(
         &self,
         py: Python<'py>,
-    ) -> (
+    ) -> PyResult<(
         Vec<Bound<'py, PyArray1<u8>>>,
         Bound<'py, PyArray1<i64>>,
         Bound<'py, PyArray1<i64>>,
         Bound<'py, PyArray1<f64>>,
         Bound<'py, PyArray1<u32>>,
-    ) {
+    )> {
         let table = &self.table;
-        let out = py.detach(|| table.export());
+        let out = py.detach(|| table.export()).map_err(to_pyerr)?;
         let as_i64 = |v: Vec<usize>| v.into_iter().map(|x| x as i64).collect::<Vec<i64>>();
-        (
+        Ok((
             out.values.into_iter().map(|v| PyArray1::from_vec(py, v)).collect(),
             PyArray1::from_vec(py, as_i64(out.rows)),
             PyArray1::from_vec(py, as_i64(out.group_sizes)),
             PyArray1::from_vec(py, out.priorities),
             PyArray1::from_vec(py, out.times_sampled),
-        )
+        ))
     }
 
     /// Sets the draw count of the entry `key` (restoring a checkpoint).

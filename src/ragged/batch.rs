@@ -12,6 +12,7 @@
 
 use super::arena::{ArenaMemory, Extent};
 use super::spec::RaggedSpec;
+use crate::codec::Codec;
 use crate::error::EchoError;
 
 /// How a batch's ragged leaves are laid out.
@@ -59,6 +60,14 @@ impl OutBuf {
     /// The first byte.
     pub fn as_mut_ptr(&mut self) -> *mut u8 {
         self.words.as_mut_ptr().cast()
+    }
+
+    /// The bytes, to write.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        let len = self.len;
+        // SAFETY: `words` holds at least `len` initialised bytes (`take` resized it to
+        // `len.div_ceil(8)` words), and `&mut self` makes this the only view of them.
+        unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr().cast::<u8>(), len) }
     }
 
     /// Bytes.
@@ -212,12 +221,32 @@ unsafe fn gather(memory: &ArenaMemory, extents: &[Extent], out: *mut u8) {
     }
 }
 
+/// Decompresses `extent` (a compressed leaf's sample) into `len` bytes of `out` from `at`.
+fn unpack(
+    memory: &ArenaMemory,
+    codec: Option<Codec>,
+    extent: Extent,
+    out: &mut OutBuf,
+    at: usize,
+    len: usize,
+) -> Result<(), EchoError> {
+    let Some(codec) = codec.filter(|_| len > 0) else { return Ok(()) };
+    // SAFETY: the extent is the batch's (held or pinned), so no writer touches its bytes.
+    let packed = unsafe { std::slice::from_raw_parts(memory.ptr(extent), extent.bytes as usize) };
+    let dst = &mut out.bytes_mut()[at..at + len];
+    codec
+        .decompress_into(packed, dst)
+        .map_err(|why| EchoError::Sample(format!("a stored sample does not decompress: {why}")))
+}
+
 /// Lays `picked` out as `layout`. `views`: the extents stay the caller's after this returns
 /// (a FIFO batch until the next `sample`), so side-by-side rows may be handed out as views.
 ///
 /// The extents must be the batch's, held or pinned, for the duration of the call.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn build(
     spec: &RaggedSpec,
+    codecs: &[Option<Codec>],
     memory: &ArenaMemory,
     pool: &BufPool,
     picked: &Picked,
@@ -275,16 +304,23 @@ pub(crate) fn build(
         };
         let lead = match (column.group(), padded) {
             (None, _) => vec![n],
-            (Some(_), None) => vec![total / column.row_bytes().max(1)],
+            (Some(_), None) => vec![(0..n).map(|b| rows(b, c)).sum()],
             (Some(_), Some(len)) => vec![n, len],
         };
-        let lead = if column.row_bytes() == 0 && column.group().is_some() && padded.is_none() {
-            // Rows of no bytes: count them instead.
-            vec![(0..n).map(|b| rows(b, c)).sum()]
-        } else {
-            lead
-        };
+        let row = column.row_bytes();
+        let codec = codecs.get(c).copied().flatten();
         let data = match padded {
+            None if codec.is_some() => {
+                let raw: usize = (0..n).map(|b| rows(b, c) * row).sum();
+                let mut out = pool.take(raw);
+                let mut at = 0;
+                for b in 0..n {
+                    let len = rows(b, c) * row;
+                    unpack(memory, codec, picked.extents[b * ncols + c], &mut out, at, len)?;
+                    at += len;
+                }
+                ColumnData::Owned(out)
+            }
             None if views && adjacent && !extents.is_empty() => {
                 ColumnData::View { addr: memory.ptr(extents[0]) as usize, len: total }
             }
@@ -296,15 +332,16 @@ pub(crate) fn build(
                 ColumnData::Owned(out)
             }
             Some(len) => {
-                let row = column.row_bytes();
                 let stride = len * row;
                 let mut out = pool.take(n * stride);
                 let base = out.as_mut_ptr();
                 for b in 0..n {
                     let extent = picked.extents[b * ncols + c];
-                    let bytes = extent.bytes as usize;
+                    let bytes = rows(b, c) * row;
                     let dst = base.wrapping_add(b * stride);
-                    if bytes > 0 {
+                    if codec.is_some() {
+                        unpack(memory, codec, extent, &mut out, b * stride, bytes)?;
+                    } else if bytes > 0 {
                         // SAFETY: as above; sample `b`'s `bytes <= stride` bytes go to its row
                         // of the padded buffer (`n * stride` bytes).
                         unsafe { std::ptr::copy_nonoverlapping(memory.ptr(extent), dst, bytes) };

@@ -17,6 +17,7 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 use super::arena::{Arena, ArenaMemory, Extent};
 use super::batch::{self, BatchLayout, BufPool, Picked, RaggedBatch};
 use super::spec::RaggedSpec;
+use crate::codec::Codec;
 use crate::error::EchoError;
 use crate::replay::rng::Rng;
 use crate::replay::sumtree::SumTree;
@@ -57,6 +58,10 @@ pub struct RaggedConfig {
     pub max_times_sampled: u32,
     /// Replay: the random sequence's seed (`None`: a fresh one).
     pub seed: Option<u64>,
+    /// Per leaf, the codec it is stored with (`None`: raw); empty: every leaf raw. Each
+    /// sample's bytes of such a leaf are compressed on the inserting thread and decompressed
+    /// into each batch (never handed out as a view).
+    pub codecs: Vec<Option<Codec>>,
 }
 
 /// The default arena's largest size.
@@ -81,8 +86,10 @@ pub struct RaggedStats {
     pub evicted: u64,
     /// Samples removed after `max_times_sampled` draws.
     pub removed_max_times_sampled: u64,
-    /// Bytes of the stored values (the payload).
+    /// Bytes of the stored values as stored (compressed leaves compressed).
     pub payload_bytes: usize,
+    /// Bytes of the stored values uncompressed (the payload).
+    pub raw_bytes: usize,
     /// Bytes of the arena's blocks in use (payload, partly filled blocks, block tails).
     pub arena_bytes_in_use: usize,
     /// Bytes the arena spans.
@@ -121,6 +128,8 @@ struct Entry {
     slots: Vec<u32>,
     budget_rows: usize,
     times_sampled: u32,
+    /// Its values' uncompressed bytes.
+    raw_bytes: usize,
     /// Replay: where the entry sits in `State::live`.
     live_at: usize,
     priority: f64,
@@ -151,6 +160,8 @@ struct State {
     draining: bool,
     writers_waiting: usize,
     pins: usize,
+    /// Uncompressed bytes of the live entries.
+    raw_bytes: usize,
     stats: RaggedStats,
 }
 
@@ -218,7 +229,22 @@ impl RaggedTable {
             }
         }
         let columns = spec.columns().len();
-        let largest = spec.columns().iter().map(|c| c.max_bytes()).max().unwrap_or(0);
+        if !config.codecs.is_empty() && config.codecs.len() != columns {
+            return Err(EchoError::Config(format!(
+                "{} codecs for {columns} leaves",
+                config.codecs.len()
+            )));
+        }
+        let largest = spec
+            .columns()
+            .iter()
+            .enumerate()
+            .map(|(c, column)| match config.codecs.get(c).copied().flatten() {
+                Some(codec) => codec.bound(column.max_bytes()),
+                None => column.max_bytes(),
+            })
+            .max()
+            .unwrap_or(0);
         let total = match config.max_bytes {
             Some(bytes) => bytes,
             None => {
@@ -256,6 +282,7 @@ impl RaggedTable {
             draining: false,
             writers_waiting: 0,
             pins: 0,
+            raw_bytes: 0,
             stats,
         };
         Ok(Self {
@@ -293,6 +320,7 @@ impl RaggedTable {
         let state = self.state.lock();
         let mut stats = state.stats;
         stats.payload_bytes = state.arena.live_bytes();
+        stats.raw_bytes = state.raw_bytes;
         stats.arena_bytes_in_use = state.arena.bytes_in_use();
         stats
     }
@@ -393,11 +421,31 @@ impl RaggedTable {
             )));
         }
         let columns = self.spec.columns();
-        let demands: Vec<(usize, usize, usize)> = samples
+        // Compressed leaves, compressed before the lock is taken.
+        let packed: Vec<Vec<Option<Vec<u8>>>> = samples
             .iter()
-            .flat_map(|s| {
-                s.leaves.iter().enumerate().map(|(c, leaf)| (c, leaf.len(), columns[c].align()))
+            .map(|s| {
+                s.leaves
+                    .iter()
+                    .enumerate()
+                    .map(|(c, leaf)| {
+                        let codec = self.config.codecs.get(c).copied().flatten()?;
+                        (!leaf.is_empty()).then(|| {
+                            let mut out = Vec::with_capacity(leaf.len() / 2);
+                            codec.compress_append(leaf, &mut out);
+                            out
+                        })
+                    })
+                    .collect()
             })
+            .collect();
+        let stored = |s: usize, c: usize| -> &[u8] {
+            packed[s][c].as_deref().unwrap_or(samples[s].leaves[c])
+        };
+        let raw_bytes: usize = samples.iter().flat_map(|s| s.leaves.iter().map(|l| l.len())).sum();
+        let demands: Vec<(usize, usize, usize)> = (0..samples.len())
+            .flat_map(|s| (0..columns.len()).map(move |c| (s, c)))
+            .map(|(s, c)| (c, stored(s, c).len(), columns[c].align()))
             .collect();
         let mut guard = self.state.lock();
         let state = &mut guard;
@@ -443,12 +491,13 @@ impl RaggedTable {
         let state = &mut **state;
         let ncols = columns.len();
         let mut slots = Vec::with_capacity(samples.len());
-        for sample in samples {
+        for (s, sample) in samples.iter().enumerate() {
             let slot = state.free_slots.pop().expect("checked: enough free slots");
-            for (c, leaf) in sample.leaves.iter().enumerate() {
+            for (c, column) in columns.iter().enumerate() {
+                let leaf = stored(s, c);
                 let extent = state
                     .arena
-                    .alloc(c, leaf.len(), columns[c].align())
+                    .alloc(c, leaf.len(), column.align())
                     .expect("checked: the arena fits the entry");
                 // SAFETY: `extent` is fresh room of `leaf.len()` bytes in the arena, which no
                 // live extent overlaps and no batch reads (blocks are reused only once every
@@ -470,8 +519,16 @@ impl RaggedTable {
         state.next_key += 1;
         let priority = priority.unwrap_or(state.max_priority);
         state.max_priority = state.max_priority.max(priority);
-        let mut entry =
-            Entry { key, slots, budget_rows, times_sampled: 0, live_at: usize::MAX, priority };
+        let mut entry = Entry {
+            key,
+            slots,
+            budget_rows,
+            times_sampled: 0,
+            raw_bytes,
+            live_at: usize::MAX,
+            priority,
+        };
+        state.raw_bytes += raw_bytes;
         if self.config.sampler != RaggedSampler::Fifo {
             entry.live_at = state.live.len();
             state.live.push(id);
@@ -529,6 +586,7 @@ impl RaggedTable {
             let _ = tree.clear(id as usize);
         }
         state.free_entries.push(id);
+        state.raw_bytes -= entry.raw_bytes;
         state.stats.samples -= entry.slots.len();
         state.stats.entries -= 1;
         entry.slots.len()
@@ -536,7 +594,10 @@ impl RaggedTable {
 
     /// A copy of every stored entry, oldest first (a FIFO table: those not handed out yet),
     /// for a checkpoint. Taken under the lock: inserts and sampling wait for the copy.
-    pub fn export(&self) -> RaggedExport {
+    ///
+    /// # Errors
+    /// [`EchoError::Sample`] if a stored compressed sample does not decompress.
+    pub fn export(&self) -> Result<RaggedExport, EchoError> {
         let state = self.state.lock();
         let ncols = state.columns;
         let mut out = RaggedExport {
@@ -566,13 +627,29 @@ impl RaggedTable {
                                 extent.bytes as usize,
                             )
                         };
-                        out.values[c].extend_from_slice(bytes);
+                        match self.config.codecs.get(c).copied().flatten() {
+                            None => out.values[c].extend_from_slice(bytes),
+                            Some(codec) => {
+                                let raw =
+                                    state.rows[at] as usize * self.spec.columns()[c].row_bytes();
+                                let values = &mut out.values[c];
+                                let from = values.len();
+                                values.resize(from + raw, 0);
+                                codec.decompress_into(bytes, &mut values[from..]).map_err(
+                                    |why| {
+                                        EchoError::Sample(format!(
+                                            "a stored sample does not decompress: {why}"
+                                        ))
+                                    },
+                                )?;
+                            }
+                        }
                     }
                     out.rows.push(state.rows[at] as usize);
                 }
             }
         }
-        out
+        Ok(out)
     }
 
     /// Sets the draw count of the entry `key` (a restored checkpoint's); false if it is gone.
@@ -660,8 +737,16 @@ impl RaggedTable {
         state.stats.sampled += picked.samples() as u64;
         drop(state);
         let fifo = self.config.sampler == RaggedSampler::Fifo;
-        let built =
-            batch::build(&self.spec, &self.memory, &self.pool, &picked, layout, fifo, sequence);
+        let built = batch::build(
+            &self.spec,
+            &self.config.codecs,
+            &self.memory,
+            &self.pool,
+            &picked,
+            layout,
+            fifo,
+            sequence,
+        );
         if !fifo {
             let mut state = self.state.lock();
             for extent in &picked.extents {
