@@ -31,7 +31,9 @@ The modules here are the suites and their parts, a part named after its suite: `
 ``compression_wire`` and ``compression_tables``, and shares ``compression_common`` with
 ``sequence-compression``; ``ray`` has ``ray_actors`` and ``ray_tables``; ``params`` has
 ``params_workers`` (its worker processes and pytrees) and ``params_tables``, and
-``params-crowd`` (``params_crowd``) uses the same workers. A script runs
+``params-crowd`` (``params_crowd``) uses the same workers; ``ragged`` runs
+``ragged_child`` (with ``ragged_data``, and ``ragged_tq`` in TransferQueue's virtualenv) once
+per part. A script runs
 on its own as ``python -m benches.suites.NAME`` from the repository root. What every suite
 shares is in :mod:`benches.common`.
 
@@ -165,6 +167,12 @@ SUITES: tuple[Suite, ...] = (
         "benches.suites.peers",
         "echo against cpprb, rlox and id-echo 0.2.1 (each in its own virtualenv): inserts, "
         "uniform/prioritized/Atari/sequence samples",
+    ),
+    Suite(
+        "ragged",
+        "benches.suites.ragged",
+        "ragged leaves on LLM rollouts: memory vs payload and padding, in-process submit vs a "
+        "fixed-shape server, packed/padded batches vs memcpy, vs TorchRL and TransferQueue",
     ),
     Suite(
         "ray",

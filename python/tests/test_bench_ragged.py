@@ -1,0 +1,61 @@
+"""Smoke test of the ragged suite (`benches/suites/ragged.py`) at tiny sizes, echo alone: every
+part runs in its own child and is correct (the table's payload is the rollouts' bytes, every
+batch holds the rollouts it names, every submitted rollout reaches the consumer), a peer
+without a virtualenv is reported as not installed (and none is made: no network here), and
+the tables render. Numbers are not checked."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.append(str(ROOT))  # for `benches`; after the installed packages
+
+
+def test_ragged_suite_quick_echo_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ECHO_PEERS_INSTALL", raising=False)
+    from benches import records
+    from benches.suites import ragged
+
+    params = ragged.parameters(quick=True)
+    assert params["install"] is False
+    params.update(
+        venv_root=str(tmp_path / "no-venvs"),
+        pool=64,
+        fill=300,
+        max_size=10_000,
+        max_bytes=64 << 20,
+        threads=[1, 2],
+        ingest_seconds=0.1,
+        fifo_fill=64,
+        replay_fill=300,
+        peer_fill=200,
+        seconds=0.1,
+        child_timeout=60.0,
+    )
+    result = ragged.measure(params)
+    assert result["correct"] is True, result
+    assert not (tmp_path / "no-venvs").exists()  # nothing was made
+    memory = result["memory"]
+    assert memory["raw_bytes"] == memory["payload_bytes"] > 0
+    assert memory["stored_bytes"] >= memory["raw_bytes"]
+    assert memory["padded_over_payload"] > 5
+    for key in ("ragged/1", "fixed/1", "ragged/2", "fixed/2"):
+        assert result["ingest"]["best"][key]["samples"] > 0, key
+    for key in ("fifo_packed", "replay_packed", "replay_padded"):
+        r = result["sample"][key]
+        assert r["batches"] > 0, key
+        assert r["memcpy"]["copy_gb_per_s"] > 0, key
+    assert result["echo_peer"]["add_samples_per_s"] > 0
+    for name in ("torchrl", "transferqueue"):
+        assert result["setup"][name]["python"] is None
+        assert result[name]["not_installed"] is True
+    tables = ragged.tables({"ours": result}, params)
+    assert len(tables) == 4
+    assert tables[3]["rows"][0][0].startswith("echo")
+    assert "not installed" in tables[3]["rows"][1][1]
+    for table in tables:
+        assert records.render_table(table).startswith("**")
