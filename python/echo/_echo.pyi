@@ -317,9 +317,21 @@ class RaggedCore:
         seed: int | None,
         compress: list[Any] = ...,
     ) -> RaggedCore: ...
+    def set_reader(self, keys: list[str] | None, flatten: Callable[[Any], list[Any]]) -> None: ...
+    def submit(
+        self,
+        sample: Any,
+        *,
+        timeout: float | None = None,
+        priority: float | None = None,
+        stream: int | None = None,
+        end_episode: bool = False,
+        truncated: bool = False,
+        version: int | None = None,
+    ) -> None: ...
     def submit_group(
         self,
-        samples: list[list[np.ndarray[Any, Any]]],
+        samples: list[list[Any]],
         timeout: float | None = None,
         priority: float | None = None,
     ) -> int: ...
@@ -332,6 +344,7 @@ class RaggedCore:
             npt.NDArray[np.uint64],
             npt.NDArray[np.float64] | None,
             npt.NDArray[np.uint32] | None,
+            int,
             int,
             int,
         ]

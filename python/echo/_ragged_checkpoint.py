@@ -200,7 +200,7 @@ def refill(server: RaggedServer, manifest: dict[str, Any], directory: str) -> No
             sample: list[Any] = []
             for i, leaf_offsets in enumerate(offsets):
                 if leaf_offsets is None:
-                    sample.append(np.ascontiguousarray(data[i][s]))
+                    sample.append(np.array(data[i][s]))  # 0-d stays 0-d
                 else:
                     a, b = int(leaf_offsets[s]), int(leaf_offsets[s + 1])
                     sample.append(np.ascontiguousarray(data[i][a:b]))

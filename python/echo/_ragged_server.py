@@ -115,6 +115,12 @@ class RaggedServer(Server):
         self._transport: TcpTransport | None = transport
         self._tally = Tally()
         self._core = self._buffer.core  # what `Server.close` closes
+        tree = self._buffer.layout
+        self._core.set_reader(tree.flat_keys, tree.flatten)
+        if type(self).submit is RaggedServer.submit:
+            # The native method itself: a flat dict's leaves read by key, checked in Rust
+            # (a Python frame in between cost more than the copy of a small sample).
+            vars(self)["submit"] = self._core.submit
         self._periodic = None
         self._restored_extra = None
         self._settings: dict[str, Any] = {
@@ -197,9 +203,15 @@ class RaggedServer(Server):
     ) -> None:
         """Copies one sample in: its ragged leaves `(n, *inner_shape)` with `n <= max_len`,
         equal `n` within a length group. See `Server.submit`."""
-        if stream is not None or end_episode or truncated or version is not None:
-            _unsupported("stream=, end_episode=, truncated= or version=")
-        self._buffer.submit_group([sample], timeout, priority)
+        self._core.submit(
+            sample,
+            timeout=timeout,
+            priority=priority,
+            stream=stream,
+            end_episode=end_episode,
+            truncated=truncated,
+            version=version,
+        )
 
     def submit_group(
         self,

@@ -139,6 +139,11 @@ class RaggedLayout:
         )
         self.treespec = treespec
         self.leaves: list[_Leaf] = []
+        # A flat dict of leaves: read samples by key (optree sorts a dict's keys).
+        flat = isinstance(example, dict) and all(
+            len(p) == 1 and isinstance(p[0], str) for p in paths
+        )
+        self.flat_keys: list[str] | None = [p[0] for p in paths] if flat else None
         for path, leaf in zip(paths, leaves, strict=True):
             name, key = _path_name(path), "/".join(str(p) for p in path)
             if isinstance(leaf, Ragged):
@@ -168,32 +173,28 @@ class RaggedLayout:
             for leaf in self.leaves
         ]
 
-    def flatten(self, sample: object) -> list[np.ndarray[Any, Any]]:
-        """The sample's leaves as C-contiguous arrays, each checked against the example."""
+    def flatten(self, sample: object) -> list[Any]:
+        """The sample's leaves in order, numpy arrays (C-contiguous) for the core, which
+        checks each one's dtype and shape. A flat dict is read by key (the common case, and
+        the fast one); anything else goes through optree."""
+        keys = self.flat_keys
+        if keys is not None and type(sample) is dict and len(sample) == len(keys):  # pyright: ignore[reportUnknownArgumentType]
+            try:
+                values = [cast("dict[str, Any]", sample)[k] for k in keys]
+            except KeyError:
+                values = None
+            if values is not None:
+                return [
+                    v if type(v) is np.ndarray and v.flags.c_contiguous else _array(v)
+                    for v in values
+                ]
         leaves, treespec = optree.tree_flatten(sample, none_is_leaf=NONE_IS_LEAF)  # pyright: ignore[reportArgumentType, reportUnknownArgumentType, reportUnknownVariableType]
         if treespec != self.treespec:
             raise ValueError(
                 f"the sample's structure differs from the example's: expected "
                 f"{self.treespec}, got {treespec}"
             )
-        out: list[np.ndarray[Any, Any]] = []
-        for value, leaf in zip(cast("list[Any]", leaves), self.leaves, strict=True):
-            arr = np.asarray(value)
-            if arr.dtype != leaf.dtype:
-                raise TypeError(f"leaf {leaf.name}: expected dtype {leaf.dtype}, got {arr.dtype}")
-            if leaf.ragged is None:
-                if arr.shape != leaf.shape:
-                    raise ValueError(
-                        f"leaf {leaf.name}: expected shape {leaf.shape}, got {arr.shape}"
-                    )
-            elif arr.ndim != 1 + len(leaf.shape) or arr.shape[1:] != leaf.shape:
-                want = "(n" + "".join(f", {d}" for d in leaf.shape) + ")"
-                raise ValueError(
-                    f"leaf {leaf.name}: expected shape {want} with n <= "
-                    f"{leaf.ragged.max_len}, got {arr.shape}"
-                )
-            out.append(np.ascontiguousarray(arr))
-        return out
+        return [_array(v) for v in cast("list[Any]", leaves)]
 
     def unflatten(self, leaves: list[Any]) -> Any:
         return optree.tree_unflatten(self.treespec, leaves)
@@ -242,6 +243,13 @@ def _codecs(layout: RaggedLayout, compress: Any) -> list[Any]:
         for i in hits:
             out[i] = codec
     return out
+
+
+def _array(value: Any) -> np.ndarray[Any, Any]:
+    """`value` as a C-contiguous numpy array (numpy scalars, lists, other array types)."""
+    array = np.asarray(value)
+    # (`ascontiguousarray` would make a 0-d array 1-d; a 0-d array is contiguous.)
+    return array if array.flags.c_contiguous else np.ascontiguousarray(array)
 
 
 def _sampler_args(sampler: Any) -> tuple[str, float]:
@@ -333,6 +341,7 @@ class RaggedBuffer:
         )  # fmt: skip
         self.codecs = codecs
         self.core = core
+        self.leaf_groups: list[int | None] = core.leaf_groups
         self.kind = kind
         self.capacity = capacity
         self.batch_tokens = tokens
@@ -358,8 +367,8 @@ class RaggedBuffer:
         if got is None:
             return None
         wait_ns = time.monotonic_ns() - started
-        arrays, groups, keys, probabilities, times_sampled, samples, sequence = got
-        leaf_groups = self.core.leaf_groups
+        arrays, groups, keys, probabilities, times_sampled, samples, sequence, store_size = got
+        leaf_groups = self.leaf_groups
         out: list[Any] = []
         for array, group in zip(arrays, leaf_groups, strict=True):
             values = np.array(array) if copy and not array.flags.writeable else array
@@ -372,7 +381,7 @@ class RaggedBuffer:
                 out.append(Packed(values, groups[group][0]))
         info = _sample_info(
             {
-                "store_size": self.core.stats()["samples"],
+                "store_size": store_size,
                 "sequence": sequence,
                 "wait_ns": wait_ns,
                 "keys": keys if self.kind != "fifo" else None,

@@ -12,7 +12,7 @@ use numpy::{
     PyArray1, PyArrayDescr, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1, PyUntypedArray,
     PyUntypedArrayMethods,
 };
-use pyo3::exceptions::{PyTimeoutError, PyValueError};
+use pyo3::exceptions::{PyTimeoutError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -71,6 +71,16 @@ pub(crate) struct RaggedCore {
     layout: Layout,
     submitted: AtomicU64,
     tcp: Mutex<Option<RaggedTcp>>,
+    /// How `submit` reads a sample: its keys in leaf order when the example is a flat dict,
+    /// and the Python layout's flatten for anything else.
+    reader: std::sync::OnceLock<SampleReader>,
+}
+
+/// What `RaggedCore::submit` needs from the Python layout.
+struct SampleReader {
+    keys: Option<Vec<Py<pyo3::types::PyString>>>,
+    /// `RaggedLayout.flatten`: a sample to its leaves as C-contiguous arrays.
+    flatten: Py<PyAny>,
 }
 
 /// The spec, the hello's layout and the numpy types of `leaves`.
@@ -106,8 +116,13 @@ fn spec_of(leaves: Vec<LeafArg<'_>>) -> PyResult<(RaggedSpec, Layout, Vec<LeafTy
 /// the GIL held (the caller keeps `samples` alive while the addresses are used).
 fn raw_samples(
     spec: &RaggedSpec,
-    samples: &[Vec<Bound<'_, PyUntypedArray>>],
+    types: &[LeafType],
+    samples: &[Vec<Bound<'_, PyAny>>],
 ) -> PyResult<Vec<RawSample>> {
+    let py = match samples.first().and_then(|s| s.first()) {
+        Some(leaf) => leaf.py(),
+        None => return Ok(Vec::new()),
+    };
     let mut raw = Vec::with_capacity(samples.len());
     for sample in samples {
         if sample.len() != spec.columns().len() {
@@ -119,7 +134,56 @@ fn raw_samples(
         }
         let mut leaves = Vec::with_capacity(sample.len());
         let mut rows = Vec::with_capacity(sample.len());
-        for (array, column) in sample.iter().zip(spec.columns()) {
+        for ((leaf, column), ty) in sample.iter().zip(spec.columns()).zip(types) {
+            let array = leaf.cast::<PyUntypedArray>().map_err(|_| {
+                PyTypeError::new_err(format!(
+                    "leaf {}: expected a numpy array, got {}",
+                    column.name(),
+                    leaf.get_type().name().map_or_else(|_| "?".into(), |n| n.to_string())
+                ))
+            })?;
+            let descr = ty.descr.bind(py);
+            if !array.dtype().is_equiv_to(descr) {
+                return Err(PyTypeError::new_err(format!(
+                    "leaf {}: expected dtype {}, got {}",
+                    column.name(),
+                    descr.str()?,
+                    array.dtype().str()?
+                )));
+            }
+            let shape = array.shape();
+            let fits = if column.is_ragged() {
+                shape.len() == ty.inner.len() + 1 && shape[1..] == ty.inner[..]
+            } else {
+                shape == &ty.inner[..]
+            };
+            if !fits {
+                let text = |dims: &[usize]| {
+                    let inner: Vec<String> = dims.iter().map(usize::to_string).collect();
+                    inner.join(", ")
+                };
+                let want = if column.is_ragged() {
+                    let rest = if ty.inner.is_empty() {
+                        String::new()
+                    } else {
+                        format!(", {}", text(&ty.inner))
+                    };
+                    format!("(n{rest}) with n <= {}", column.max_rows())
+                } else if ty.inner.len() == 1 {
+                    format!("({},)", ty.inner[0])
+                } else {
+                    format!("({})", text(&ty.inner))
+                };
+                let got = if shape.len() == 1 {
+                    format!("({},)", shape[0])
+                } else {
+                    format!("({})", text(shape))
+                };
+                return Err(PyValueError::new_err(format!(
+                    "leaf {}: expected shape {want}, got {got}",
+                    column.name()
+                )));
+            }
             if !array.is_c_contiguous() {
                 return Err(PyValueError::new_err(format!(
                     "leaf {}: the array must be C-contiguous",
@@ -156,6 +220,9 @@ unsafe fn slices<'a>(leaves: &[(usize, usize)]) -> Vec<&'a [u8]> {
         })
         .collect()
 }
+
+/// Entries of fewer bytes are first tried with the GIL held.
+const DETACH_INSERT_BYTES: usize = 64 * 1024;
 
 /// A sample's leaves as (address, bytes), and its rows per leaf.
 type RawSample = (Vec<(usize, usize)>, Vec<usize>);
@@ -227,7 +294,69 @@ impl RaggedCore {
             layout,
             submitted: AtomicU64::new(0),
             tcp: Mutex::new(None),
+            reader: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Sets how `submit` reads samples: `keys` (a flat dict example's keys in leaf order, or
+    /// `None`) and `flatten` (the layout's: a sample to its leaves as arrays).
+    fn set_reader(&self, keys: Option<Vec<Py<pyo3::types::PyString>>>, flatten: Py<PyAny>) {
+        let _ = self.reader.set(SampleReader { keys, flatten });
+    }
+
+    /// `Server.submit` of a ragged server, natively: reads the sample (a flat dict by key,
+    /// numpy arrays as they are), checks and stores it.
+    #[pyo3(signature = (sample, *, timeout=None, priority=None, stream=None, end_episode=false, truncated=false, version=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn submit(
+        &self,
+        py: Python<'_>,
+        sample: &Bound<'_, PyAny>,
+        timeout: Option<f64>,
+        priority: Option<f64>,
+        stream: Option<u64>,
+        end_episode: bool,
+        truncated: bool,
+        version: Option<u64>,
+    ) -> PyResult<()> {
+        if stream.is_some() || end_episode || truncated || version.is_some() {
+            return Err(PyValueError::new_err(
+                "a server with ragged leaves does not support stream=, end_episode=, \
+                 truncated= or version= yet",
+            ));
+        }
+        let Some(reader) = self.reader.get() else {
+            return Err(PyValueError::new_err("the ragged server is not set up (no reader)"));
+        };
+        let leaves = match (&reader.keys, sample.cast::<pyo3::types::PyDict>()) {
+            (Some(keys), Ok(dict))
+                if dict.is_exact_instance_of::<pyo3::types::PyDict>()
+                    && dict.len() == keys.len() =>
+            {
+                let mut leaves = Vec::with_capacity(keys.len());
+                for key in keys {
+                    match dict.get_item(key.bind(py))? {
+                        Some(v)
+                            if v.cast::<PyUntypedArray>().is_ok_and(|a| a.is_c_contiguous()) =>
+                        {
+                            leaves.push(v);
+                        }
+                        _ => {
+                            leaves.clear();
+                            break;
+                        }
+                    }
+                }
+                leaves
+            }
+            _ => Vec::new(),
+        };
+        let leaves = if leaves.is_empty() {
+            reader.flatten.bind(py).call1((sample,))?.extract::<Vec<Bound<'_, PyAny>>>()?
+        } else {
+            leaves
+        };
+        self.submit_group(py, vec![leaves], timeout, priority).map(drop)
     }
 
     /// Inserts `samples` (each a list of C-contiguous arrays in leaf order) as one entry;
@@ -236,12 +365,35 @@ impl RaggedCore {
     fn submit_group(
         &self,
         py: Python<'_>,
-        samples: Vec<Vec<Bound<'_, PyUntypedArray>>>,
+        samples: Vec<Vec<Bound<'_, PyAny>>>,
         timeout: Option<f64>,
         priority: Option<f64>,
     ) -> PyResult<u64> {
         let deadline = deadline_from_timeout(timeout)?;
-        let raw = raw_samples(self.table.spec(), &samples)?;
+        let raw = raw_samples(self.table.spec(), &self.leaves, &samples)?;
+        // A small entry is tried once with the GIL held: releasing it costs a thread switch,
+        // more than the copy (and, with several writers, hands the GIL around every sample).
+        let bytes: usize = raw.iter().flat_map(|(leaves, _)| leaves.iter().map(|l| l.1)).sum();
+        if bytes < DETACH_INSERT_BYTES {
+            let views: Vec<SampleIn<'_>> = raw
+                .iter()
+                .map(|(leaves, rows)| SampleIn {
+                    // SAFETY: `samples` keeps the arrays alive until this call returns, and
+                    // the caller hands them to us unwritten.
+                    leaves: unsafe { slices(leaves) },
+                    rows: rows.clone(),
+                })
+                .collect();
+            match self.table.insert_group(&views, priority, Some(super::already_passed())) {
+                Err(EchoError::TimedOut) => {}
+                Ok(key) => {
+                    // ORDERING: Relaxed — a statistics counter, read alone.
+                    self.submitted.fetch_add(samples.len() as u64, Ordering::Relaxed);
+                    return Ok(key);
+                }
+                Err(err) => return Err(to_pyerr(err)),
+            }
+        }
         let table = &self.table;
         let got = wait_detached(py, deadline, |slice_end| {
             let views: Vec<SampleIn<'_>> = raw
@@ -450,6 +602,7 @@ impl RaggedCore {
 #[pyclass(frozen, module = "echo._echo", name = "RaggedSender")]
 pub(crate) struct PyRaggedSender {
     sender: RaggedSender,
+    leaves: Vec<LeafType>,
 }
 
 #[pymethods]
@@ -465,7 +618,7 @@ impl PyRaggedSender {
         connect_timeout: f64,
         max_inflight: usize,
     ) -> PyResult<Self> {
-        let (spec, layout, _) = spec_of(leaves)?;
+        let (spec, layout, types) = spec_of(leaves)?;
         if !connect_timeout.is_finite() || connect_timeout <= 0.0 {
             return Err(PyValueError::new_err(format!(
                 "connect_timeout must be a positive number of seconds, got {connect_timeout}"
@@ -485,7 +638,7 @@ impl PyRaggedSender {
                 )
             })
             .map_err(to_pyerr)?;
-        Ok(Self { sender })
+        Ok(Self { sender, leaves: types })
     }
 
     /// Sends `samples` (each a list of C-contiguous arrays in leaf order) as one group.
@@ -493,12 +646,12 @@ impl PyRaggedSender {
     fn send_group(
         &self,
         py: Python<'_>,
-        samples: Vec<Vec<Bound<'_, PyUntypedArray>>>,
+        samples: Vec<Vec<Bound<'_, PyAny>>>,
         priority: Option<f64>,
         timeout: Option<f64>,
     ) -> PyResult<()> {
         let deadline = deadline_from_timeout(timeout)?;
-        let raw = raw_samples(self.sender.spec(), &samples)?;
+        let raw = raw_samples(self.sender.spec(), &self.leaves, &samples)?;
         let sender = &self.sender;
         py.detach(|| {
             let leaves: Vec<Vec<&[u8]>> =
@@ -589,6 +742,7 @@ impl RaggedCore {
             times,
             batch.samples,
             batch.sequence,
+            batch.store_size,
         );
         Ok(out.into_pyobject(py)?.into_any())
     }

@@ -188,6 +188,8 @@ pub struct RaggedBatch {
     pub probabilities: Vec<f64>,
     /// Replay: per sample, its entry's draws including this one (empty for FIFO).
     pub times_sampled: Vec<u32>,
+    /// Samples the table held when the batch was made (FIFO: not yet handed out).
+    pub store_size: usize,
 }
 
 /// The non-empty extents of column `c`, and whether they lie side by side.
@@ -366,5 +368,6 @@ pub(crate) fn build(
         } else {
             picked.times_sampled.clone()
         },
+        store_size: 0,
     })
 }

@@ -142,8 +142,12 @@ struct State {
     /// `slot * columns + column`.
     extents: Vec<Extent>,
     rows: Vec<u32>,
+    /// Slots given back, reused first; slots from `extents.len() / columns` on were never
+    /// used (the per-slot arrays grow as the table first fills, so a large `max_size` costs
+    /// memory only once used).
     free_slots: Vec<u32>,
     entries: Vec<Option<Entry>>,
+    /// Entry ids given back; ids from `entries.len()` on were never used.
     free_entries: Vec<u32>,
     /// (entry, key) oldest first; pairs whose entry is gone are skipped.
     order: VecDeque<(u32, u64)>,
@@ -159,10 +163,30 @@ struct State {
     /// Closed, and the FIFO consumer still gets what is left.
     draining: bool,
     writers_waiting: usize,
+    /// The consumer waits on `filled`.
+    consumer_waiting: bool,
     pins: usize,
     /// Uncompressed bytes of the live entries.
     raw_bytes: usize,
     stats: RaggedStats,
+}
+
+impl State {
+    /// Slots an insert can take now, of `max_size`.
+    fn slots_free(&self, max_size: usize) -> usize {
+        self.free_slots.len() + (max_size - self.extents.len() / self.columns)
+    }
+
+    /// A free slot: one given back, or a fresh one (its per-slot arrays grown).
+    fn take_slot(&mut self) -> u32 {
+        if let Some(slot) = self.free_slots.pop() {
+            return slot;
+        }
+        let slot = (self.extents.len() / self.columns) as u32;
+        self.extents.extend(std::iter::repeat_n(Extent::NONE, self.columns));
+        self.rows.extend(std::iter::repeat_n(0, self.columns));
+        slot
+    }
 }
 
 /// The table. Shared (`Arc`) between the writers and the one consumer.
@@ -171,8 +195,10 @@ pub struct RaggedTable {
     spec: RaggedSpec,
     config: RaggedConfig,
     state: Mutex<State>,
-    /// Writers wait here for room, the consumer for a batch.
-    changed: Condvar,
+    /// Writers wait here for room (and a draw's pins to go).
+    space: Condvar,
+    /// The consumer waits here for a batch.
+    filled: Condvar,
     memory: std::sync::Arc<ArenaMemory>,
     pool: std::sync::Arc<BufPool>,
 }
@@ -266,11 +292,11 @@ impl RaggedTable {
         let state = State {
             arena,
             columns,
-            extents: vec![Extent::NONE; config.max_size * columns],
-            rows: vec![0; config.max_size * columns],
-            free_slots: (0..config.max_size as u32).rev().collect(),
-            entries: (0..config.max_size).map(|_| None).collect(),
-            free_entries: (0..config.max_size as u32).rev().collect(),
+            extents: Vec::new(),
+            rows: Vec::new(),
+            free_slots: Vec::new(),
+            entries: Vec::new(),
+            free_entries: Vec::new(),
             order: VecDeque::with_capacity(config.max_size),
             live: Vec::with_capacity(if fifo { 0 } else { config.max_size }),
             tree,
@@ -281,6 +307,7 @@ impl RaggedTable {
             closed: false,
             draining: false,
             writers_waiting: 0,
+            consumer_waiting: false,
             pins: 0,
             raw_bytes: 0,
             stats,
@@ -289,7 +316,8 @@ impl RaggedTable {
             spec,
             config,
             state: Mutex::new(state),
-            changed: Condvar::new(),
+            space: Condvar::new(),
+            filled: Condvar::new(),
             memory,
             pool: BufPool::new(),
         })
@@ -319,6 +347,12 @@ impl RaggedTable {
     pub fn stats(&self) -> RaggedStats {
         let state = self.state.lock();
         let mut stats = state.stats;
+        // A FIFO batch the consumer holds is handed out already.
+        stats.samples -= state
+            .held
+            .iter()
+            .map(|&id| state.entries[id as usize].as_ref().map_or(0, |e| e.slots.len()))
+            .sum::<usize>();
         stats.payload_bytes = state.arena.live_bytes();
         stats.raw_bytes = state.raw_bytes;
         stats.arena_bytes_in_use = state.arena.bytes_in_use();
@@ -333,7 +367,8 @@ impl RaggedTable {
         state.closed = true;
         state.draining = drain && self.config.sampler == RaggedSampler::Fifo;
         drop(state);
-        self.changed.notify_all();
+        self.space.notify_all();
+        self.filled.notify_all();
     }
 
     /// Whether [`RaggedTable::close`] was called.
@@ -455,8 +490,8 @@ impl RaggedTable {
             if state.closed {
                 return Err(EchoError::Closed);
             }
-            let room = state.free_slots.len() >= samples.len()
-                && !state.free_entries.is_empty()
+            let room = state.slots_free(self.config.max_size) >= samples.len()
+                && (!state.free_entries.is_empty() || state.entries.len() < self.config.max_size)
                 && state.arena.fits(&demands);
             if room {
                 break;
@@ -481,8 +516,10 @@ impl RaggedTable {
             }
             waited = true;
             state.writers_waiting += 1;
-            self.changed.notify_all(); // a FIFO consumer may close a partial batch now
-            wait(&self.changed, state, deadline);
+            if state.consumer_waiting {
+                self.filled.notify_one(); // a FIFO consumer may close a partial batch now
+            }
+            wait(&self.space, state, deadline);
             state.writers_waiting -= 1;
         }
         if waited {
@@ -492,7 +529,7 @@ impl RaggedTable {
         let ncols = columns.len();
         let mut slots = Vec::with_capacity(samples.len());
         for (s, sample) in samples.iter().enumerate() {
-            let slot = state.free_slots.pop().expect("checked: enough free slots");
+            let slot = state.take_slot();
             for (c, column) in columns.iter().enumerate() {
                 let leaf = stored(s, c);
                 let extent = state
@@ -514,7 +551,10 @@ impl RaggedTable {
             }
             slots.push(slot);
         }
-        let id = state.free_entries.pop().expect("checked: a free entry");
+        let id = state.free_entries.pop().unwrap_or_else(|| {
+            state.entries.push(None);
+            (state.entries.len() - 1) as u32
+        });
         let key = (state.next_key << 32) | u64::from(id);
         state.next_key += 1;
         let priority = priority.unwrap_or(state.max_priority);
@@ -544,8 +584,11 @@ impl RaggedTable {
         state.stats.entries += 1;
         state.stats.inserted += samples.len() as u64;
         state.stats.groups_inserted += u64::from(samples.len() > 1);
+        let wake = state.consumer_waiting;
         drop(guard);
-        self.changed.notify_all();
+        if wake {
+            self.filled.notify_one();
+        }
         Ok(key)
     }
 
@@ -733,6 +776,12 @@ impl RaggedTable {
             }
         };
         let sequence = state.stats.batches;
+        let store_size = state.stats.samples
+            - state
+                .held
+                .iter()
+                .map(|&id| state.entries[id as usize].as_ref().map_or(0, |e| e.slots.len()))
+                .sum::<usize>();
         state.stats.batches += 1;
         state.stats.sampled += picked.samples() as u64;
         drop(state);
@@ -753,10 +802,16 @@ impl RaggedTable {
                 state.arena.unpin(*extent);
             }
             state.pins -= picked.extents.len();
+            let wake = state.writers_waiting > 0;
             drop(state);
-            self.changed.notify_all();
+            if wake {
+                self.space.notify_all();
+            }
         }
-        built.map(Some)
+        built.map(|mut batch| {
+            batch.store_size = store_size;
+            Some(batch)
+        })
     }
 
     /// Gives the held FIFO batch back and waits for the next one.
@@ -770,8 +825,8 @@ impl RaggedTable {
         for id in held {
             Self::remove(state, id);
         }
-        if freed {
-            self.changed.notify_all();
+        if freed && state.writers_waiting > 0 {
+            self.space.notify_all();
         }
         loop {
             if state.closed && !state.draining {
@@ -791,7 +846,9 @@ impl RaggedTable {
             if passed(deadline) {
                 return Err(EchoError::TimedOut);
             }
-            wait(&self.changed, state, deadline);
+            state.consumer_waiting = true;
+            wait(&self.filled, state, deadline);
+            state.consumer_waiting = false;
         }
     }
 
@@ -838,7 +895,9 @@ impl RaggedTable {
             if passed(deadline) {
                 return Err(EchoError::TimedOut);
             }
-            wait(&self.changed, state, deadline);
+            state.consumer_waiting = true;
+            wait(&self.filled, state, deadline);
+            state.consumer_waiting = false;
         }
         let (mut samples, mut rows) = (0usize, 0usize);
         let mut ids = Vec::new();
