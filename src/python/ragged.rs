@@ -204,6 +204,20 @@ fn raw_samples(
     Ok(raw)
 }
 
+/// [`SampleIn`]s over [`raw_samples`]' addresses.
+///
+/// # Safety
+/// As [`slices`], for every sample.
+unsafe fn sample_views<'a>(raw: &[RawSample]) -> Vec<SampleIn<'a>> {
+    raw.iter()
+        .map(|(leaves, rows)| SampleIn {
+            // SAFETY: the caller's contract.
+            leaves: unsafe { slices(leaves) },
+            rows: rows.clone(),
+        })
+        .collect()
+}
+
 /// Byte slices over [`raw_samples`]' addresses.
 ///
 /// # Safety
@@ -375,15 +389,9 @@ impl RaggedCore {
         // more than the copy (and, with several writers, hands the GIL around every sample).
         let bytes: usize = raw.iter().flat_map(|(leaves, _)| leaves.iter().map(|l| l.1)).sum();
         if bytes < DETACH_INSERT_BYTES {
-            let views: Vec<SampleIn<'_>> = raw
-                .iter()
-                .map(|(leaves, rows)| SampleIn {
-                    // SAFETY: `samples` keeps the arrays alive until this call returns, and
-                    // the caller hands them to us unwritten.
-                    leaves: unsafe { slices(leaves) },
-                    rows: rows.clone(),
-                })
-                .collect();
+            // SAFETY: `samples` keeps the arrays alive until this call returns, and the caller
+            // hands them to us unwritten.
+            let views = unsafe { sample_views(&raw) };
             match self.table.insert_group(&views, priority, Some(super::already_passed())) {
                 Err(EchoError::TimedOut) => {}
                 Ok(key) => {
@@ -396,15 +404,9 @@ impl RaggedCore {
         }
         let table = &self.table;
         let got = wait_detached(py, deadline, |slice_end| {
-            let views: Vec<SampleIn<'_>> = raw
-                .iter()
-                .map(|(leaves, rows)| SampleIn {
-                    // SAFETY: `samples` keeps the arrays alive until this call returns, and
-                    // the caller hands them to us unwritten.
-                    leaves: unsafe { slices(leaves) },
-                    rows: rows.clone(),
-                })
-                .collect();
+            // SAFETY: `samples` keeps the arrays alive until this call returns, and the caller
+            // hands them to us unwritten.
+            let views = unsafe { sample_views(&raw) };
             match table.insert_group(&views, priority, Some(slice_end)) {
                 Err(EchoError::TimedOut) => None,
                 other => Some(other),

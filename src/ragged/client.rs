@@ -32,6 +32,24 @@ struct Shared {
     changed: Condvar,
 }
 
+impl Shared {
+    /// Waits for a change, or fails once `deadline` has passed.
+    fn wait(
+        &self,
+        state: &mut parking_lot::MutexGuard<'_, State>,
+        deadline: Option<Instant>,
+    ) -> Result<(), EchoError> {
+        match deadline {
+            Some(d) if Instant::now() >= d => return Err(EchoError::TimedOut),
+            Some(d) => {
+                let _ = self.changed.wait_until(state, d);
+            }
+            None => self.changed.wait(state),
+        }
+        Ok(())
+    }
+}
+
 /// The sending side of a worker.
 #[derive(Debug)]
 pub struct RaggedSender {
@@ -227,15 +245,7 @@ impl RaggedSender {
                 if state.sent - state.acked < self.max_inflight {
                     break;
                 }
-                if deadline.is_some_and(|d| Instant::now() >= d) {
-                    return Err(EchoError::TimedOut);
-                }
-                match deadline {
-                    Some(d) => {
-                        let _ = self.shared.changed.wait_until(&mut state, d);
-                    }
-                    None => self.shared.changed.wait(&mut state),
-                }
+                self.shared.wait(&mut state, deadline)?;
             }
         }
         let body: usize = samples.iter().flat_map(|s| s.leaves.iter().map(|l| l.len())).sum();
@@ -277,15 +287,7 @@ impl RaggedSender {
             if let Some(err) = Self::failure(&state) {
                 return Err(err);
             }
-            if deadline.is_some_and(|d| Instant::now() >= d) {
-                return Err(EchoError::TimedOut);
-            }
-            match deadline {
-                Some(d) => {
-                    let _ = self.shared.changed.wait_until(&mut state, d);
-                }
-                None => self.shared.changed.wait(&mut state),
-            }
+            self.shared.wait(&mut state, deadline)?;
         }
     }
 
