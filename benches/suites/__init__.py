@@ -32,8 +32,8 @@ The modules here are the suites and their parts, a part named after its suite: `
 ``sequence-compression``; ``ray`` has ``ray_actors`` and ``ray_tables``; ``params`` has
 ``params_workers`` (its worker processes and pytrees) and ``params_tables``, and
 ``params-crowd`` (``params_crowd``) uses the same workers; ``ragged`` runs
-``ragged_child`` (with ``ragged_data``, and ``ragged_tq`` in TransferQueue's virtualenv) once
-per part. A script runs
+``ragged_child`` (with ``ragged_data``, ``ragged_tcp`` for its TCP workers, and ``ragged_tq``
+in TransferQueue's virtualenv) once per part. A script runs
 on its own as ``python -m benches.suites.NAME`` from the repository root. What every suite
 shares is in :mod:`benches.common`.
 
@@ -171,8 +171,9 @@ SUITES: tuple[Suite, ...] = (
     Suite(
         "ragged",
         "benches.suites.ragged",
-        "ragged leaves on LLM rollouts: memory vs payload and padding, in-process submit vs a "
-        "fixed-shape server, packed/padded batches vs memcpy, vs TorchRL and TransferQueue",
+        "ragged leaves on LLM rollouts: memory vs payload and padding, in-process submit and "
+        "16 TCP workers vs a fixed-shape server, packed/padded batches vs memcpy, vs TorchRL "
+        "and TransferQueue",
     ),
     Suite(
         "ray",

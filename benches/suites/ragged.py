@@ -16,8 +16,12 @@ process of its own:
   ragged leaf padded to its ``max_len`` (a table without ragged leaves).
 - **ingest**: ``submit()`` from 1 and ``threads`` threads into a FIFO server, ragged against
   a server with one fixed ``uint8`` leaf of the rollouts' mean bytes, a consumer thread
-  reading every batch in both. In-process only: ragged samples cannot go over TCP or shared
-  memory yet.
+  reading every batch in both.
+- **tcp**: the same two servers on loopback fed by ``tcp_workers`` worker processes
+  (``benches/suites/ragged_tcp.py``), each an ``echo.TcpClient`` calling ``send()`` for one
+  rollout after another, a learner thread reading every batch; best of ``repeats`` windows of
+  ``tcp_seconds`` each. TCP only: a ragged ``TcpClient`` cannot use shared memory yet, so
+  the fixed-shape workers send over TCP too.
 - **sample**: packed FIFO batches (a token budget of ``batch_tokens`` completion tokens),
   packed and padded (``pad_to_multiple``) replay batches from a table of ``replay_fill``
   rollouts, in GB/s of what ``sample()`` hands out, against ``np.copyto`` of as many bytes
@@ -49,6 +53,7 @@ from benches import common as c
 # not always reachable; it runs on the CPU either way)
 PEERS = {"torchrl": "torchrl==0.14.1", "transferqueue": "transferqueue==0.1.11"}
 INSTALL_TIMEOUT_S = 1800.0  # per peer: torch and its CUDA libraries, about 5 GB
+PARTS = ("memory", "ingest", "tcp", "sample", "echo_peer")  # echo's, each in a child
 
 
 def parameters(quick: bool) -> dict[str, Any]:
@@ -79,6 +84,9 @@ def parameters(quick: bool) -> dict[str, Any]:
             "fill": 2_000,
             "threads": [1, 2],
             "ingest_seconds": 0.3,
+            "tcp_workers": 2,
+            "tcp_warmup": 0.1,
+            "tcp_seconds": 0.3,
             "fifo_fill": 200,
             "replay_fill": 2_000,
             "peer_fill": 1_000,
@@ -94,6 +102,9 @@ def parameters(quick: bool) -> dict[str, Any]:
         "fill": 20_000,
         "threads": [1, 4],
         "ingest_seconds": 2.0,
+        "tcp_workers": 16,
+        "tcp_warmup": 0.5,
+        "tcp_seconds": 2.0,
         "fifo_fill": 2_000,
         "replay_fill": 20_000,
         "peer_fill": 20_000,
@@ -113,7 +124,7 @@ def _install_allowed(params: dict[str, Any]) -> bool:
 
 
 def limit_s(params: dict[str, Any]) -> float:
-    children = 3 + len(params["peers"]) + 1
+    children = 4 + len(params["peers"]) + 1
     install = INSTALL_TIMEOUT_S * len(params["peers"]) if _install_allowed(params) else 0.0
     return children * (float(params["child_timeout"]) + 30.0) + install
 
@@ -130,7 +141,7 @@ def measure(params: dict[str, Any]) -> dict[str, Any]:
     log = c.logger("ragged")
     t0 = time.monotonic()
     out: dict[str, Any] = {}
-    for part in ("memory", "ingest", "sample", "echo_peer"):
+    for part in PARTS:
         out[part] = _child(sys.executable, part, params, log)
     root = Path(os.path.expanduser(str(params["venv_root"])))
     install = _install_allowed(params)
@@ -143,7 +154,7 @@ def measure(params: dict[str, Any]) -> dict[str, Any]:
             _child(python, name, params, log) if python else {"error": how, "not_installed": True}
         )
     correct = True
-    for part in ("memory", "ingest", "sample", "echo_peer"):
+    for part in PARTS:
         r = out[part]
         if "error" in r or not r.get("correct", False):
             log(f"{part}: not correct: {r.get('error', '')}")
@@ -287,11 +298,97 @@ def _ingest_table(r: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
         "rows": rows,
         "notes": [
             "fixed: the same server with one uint8 leaf of the rollouts' mean bytes, no ragged "
-            "leaf. Ragged samples go into a server in-process only in this version: TcpClient "
-            "and shared-memory workers cannot send them yet, so neither is measured here.",
+            "leaf. Workers over TCP: the next table (shared-memory workers cannot send ragged "
+            "samples yet).",
             "spread of windows: the largest over the smallest window's GB/s, less 1.",
         ],
     }
+
+
+def _cores(x: dict[str, Any]) -> str:
+    """The learner process's CPU by thread (cores over the window, and us a sample), busiest
+    first; threads under 0.01 cores left out."""
+    names = {"echo-ragged-con": "connection threads", "echo-tcp": "connection threads"}
+    names.update({"echo-drainer-": "drainers", "bench-learner": "learner thread"})
+    names["python"] = "main thread"
+    got: dict[str, float] = {}
+    for name, cores in (x.get("learner_thread_cores") or {}).items():
+        key = names.get(name, name)
+        got[key] = got.get(key, 0.0) + float(cores)
+    rate = x.get("samples_per_s") or 0.0
+    return ", ".join(
+        f"{k} {v:.2f} cores" + (f" ({v / rate * 1e6:.1f} us a sample)" if rate else "")
+        for k, v in sorted(got.items(), key=lambda kv: -kv[1])
+        if v >= 0.01
+    )
+
+
+def _tcp_table(r: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    t = r.get("tcp", {})
+    cols = [
+        "workers",
+        "server",
+        "samples/s",
+        "GB/s",
+        "ragged / fixed (bytes/s)",
+        "target",
+        "spread of windows",
+        "worker CPU us a sample",
+        "learner process CPU (cores)",
+        "learner thread CPU us a batch",
+    ]
+    title = (
+        f"Ingest from {params['tcp_workers']} worker processes over TCP: send() into a FIFO "
+        f"server on loopback (batches of {params['ingest_batch']}), a learner thread reading "
+        f"every batch; best of {params['repeats']} windows of {params['tcp_seconds']:g} s"
+    )
+    if "error" in t:
+        return {"title": title, "columns": cols, "rows": [["error", _err(t), *"-" * 8]]}
+    best = t["best"]
+    rg, fx = best.get("ragged", {}), best.get("fixed", {})
+    rows = []
+    for x, label, ratio, target in (
+        (rg, "ragged", _x(rg.get("gb_per_s"), fx.get("gb_per_s")), ">= 0.8x"),
+        (fx, f"fixed (uint8[{t['mean_sample_bytes']:,}])", "-", "-"),
+    ):
+        rows.append(
+            [
+                str(t["workers"]),
+                label,
+                c.num(x.get("samples_per_s")),
+                _gb(x.get("gb_per_s")),
+                ratio,
+                target,
+                _spread(x),
+                c.num(x.get("worker_cpu_us_per_sample"), ",.1f"),
+                c.num(x.get("learner_cpu_cores"), ".2f"),
+                c.num(x.get("learner_cpu_us_per_batch"), ",.0f"),
+            ]
+        )
+    notes = [
+        f"Each worker is a process with its own echo.TcpClient(shared_memory=False) and "
+        "default max_inflight_msgs, calling send() for one rollout after another from the "
+        "suite's pool (made before the clock starts), bounded in count and time; the server "
+        'is a FIFO Server(example, batch_size, transport=TcpTransport(host="127.0.0.1")), '
+        "its learner thread calls sample() and reads every byte of every batch (and checks "
+        f"it). A round: connect, {params['tcp_warmup']:g} s warm-up, the window, then every "
+        "client closes and every sample sent is checked to have been read once. samples/s "
+        "and GB/s: what the learner read during the window (bytes: each leaf's values). "
+        "Rounds alternate which server goes first.",
+        "fixed: the same server with one uint8 leaf of the rollouts' mean bytes, no ragged "
+        "leaf, its workers over TCP too. Shared memory is not available for ragged leaves "
+        "yet (TcpClient(shared_memory=True) raises for a ragged example), so only TCP is "
+        "measured.",
+        "worker CPU: all the workers' CPU time (their Python and their client's threads) over "
+        "the samples they sent. learner process CPU: the server process's CPU time over the "
+        "window, by thread in the best windows: ragged: "
+        + _cores(best.get("ragged", {}))
+        + "; fixed: "
+        + _cores(best.get("fixed", {}))
+        + ". learner thread CPU: the reading thread's own CPU time (sample(), the read, the "
+        "check) per batch.",
+    ]
+    return {"title": title, "columns": cols, "rows": rows, "notes": notes}
 
 
 SAMPLE_ROWS = (
@@ -441,6 +538,7 @@ def tables(results: dict[str, Any], params: dict[str, Any]) -> list[dict[str, An
     r = results.get("ours", {})
     if "error" in r:
         return [{"title": "Ragged", "columns": ["echo", "error"], "rows": [["ours", _err(r)]]}]
-    out = [_memory_table(r, params), _ingest_table(r, params), _sample_table(r, params)]
+    out = [_memory_table(r, params), _ingest_table(r, params), _tcp_table(r, params)]
+    out.append(_sample_table(r, params))
     out.append(_peer_table(r, params))
     return out

@@ -9,6 +9,9 @@ from the repository root. PART is one of:
 - ``ingest`` (echo): ``submit()`` from 1 and more threads into a FIFO server with ragged
   leaves and into one with a single fixed ``uint8`` leaf of the rollouts' mean bytes, a
   consumer thread reading every byte of every batch in both.
+- ``tcp`` (echo): the same two servers fed by ``tcp_workers`` worker processes, each an
+  ``echo.TcpClient`` on loopback, a learner reading every batch
+  (``benches/suites/ragged_tcp.py``).
 - ``sample`` (echo): packed FIFO batches, packed and padded replay batches (token budget
   ``batch_tokens`` of the completion), each read in full, against ``np.copyto`` of as many
   bytes.
@@ -261,6 +264,12 @@ def part_ingest(p: dict[str, Any], log: Any) -> dict[str, Any]:
     out["best"] = best
     out["correct"] = correct
     return out
+
+
+def part_tcp(p: dict[str, Any], log: Any) -> dict[str, Any]:
+    from benches.suites.ragged_tcp import measure_tcp
+
+    return measure_tcp(p, _check_packed, log)
 
 
 # --------------------------------------------------------------------------- sampling
@@ -615,6 +624,7 @@ def part_transferqueue(p: dict[str, Any], log: Any) -> dict[str, Any]:
 PARTS = {
     "memory": part_memory,
     "ingest": part_ingest,
+    "tcp": part_tcp,
     "sample": part_sample,
     "echo_peer": part_echo_peer,
     "torchrl": part_torchrl,

@@ -1,6 +1,7 @@
 """Smoke test of the ragged suite (`benches/suites/ragged.py`) at tiny sizes, echo alone: every
 part runs in its own child and is correct (the table's payload is the rollouts' bytes, every
-batch holds the rollouts it names, every submitted rollout reaches the consumer), a peer
+batch holds the rollouts it names, every submitted rollout reaches the consumer, in-process and
+from two worker processes over TCP, which are ended), a peer
 without a virtualenv is reported as not installed (and none is made: no network here), and
 the tables render. Numbers are not checked."""
 
@@ -30,6 +31,9 @@ def test_ragged_suite_quick_echo_alone(tmp_path: Path, monkeypatch: pytest.Monke
         max_bytes=64 << 20,
         threads=[1, 2],
         ingest_seconds=0.1,
+        tcp_workers=2,
+        tcp_warmup=0.1,
+        tcp_seconds=0.2,
         fifo_fill=64,
         replay_fill=300,
         peer_fill=200,
@@ -45,6 +49,14 @@ def test_ragged_suite_quick_echo_alone(tmp_path: Path, monkeypatch: pytest.Monke
     assert memory["padded_over_payload"] > 5
     for key in ("ragged/1", "fixed/1", "ragged/2", "fixed/2"):
         assert result["ingest"]["best"][key]["samples"] > 0, key
+    tcp = result["tcp"]
+    assert tcp["workers_forced"] == []
+    for kind in ("ragged", "fixed"):
+        assert tcp["best"][kind]["samples"] > 0, kind
+        (run,) = tcp["runs"][kind]
+        assert run["consumed_samples"] > 0, kind
+        assert run["inserted_total"] == run["sent"], kind
+    assert tcp["ratio"] > 0
     for key in ("fifo_packed", "replay_packed", "replay_padded"):
         r = result["sample"][key]
         assert r["batches"] > 0, key
@@ -54,8 +66,9 @@ def test_ragged_suite_quick_echo_alone(tmp_path: Path, monkeypatch: pytest.Monke
         assert result["setup"][name]["python"] is None
         assert result[name]["not_installed"] is True
     tables = ragged.tables({"ours": result}, params)
-    assert len(tables) == 4
-    assert tables[3]["rows"][0][0].startswith("echo")
-    assert "not installed" in tables[3]["rows"][1][1]
+    assert len(tables) == 5
+    assert tables[2]["rows"][0][1] == "ragged"
+    assert tables[4]["rows"][0][0].startswith("echo")
+    assert "not installed" in tables[4]["rows"][1][1]
     for table in tables:
         assert records.render_table(table).startswith("**")
