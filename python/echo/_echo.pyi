@@ -392,9 +392,13 @@ class RaggedSender:
         connect_timeout: float = 10.0,
         max_inflight: int = 256,
     ) -> RaggedSender: ...
+    def set_reader(self, keys: list[str] | None, flatten: Callable[[Any], list[Any]]) -> None: ...
+    def send(
+        self, sample: Any, priority: float | None = None, timeout: float | None = None
+    ) -> None: ...
     def send_group(
         self,
-        samples: list[list[np.ndarray[Any, Any]]],
+        samples: list[list[Any]],
         priority: float | None = None,
         timeout: float | None = None,
     ) -> None: ...

@@ -13,7 +13,7 @@ import contextlib
 import os
 from typing import Any, Literal
 
-from echo._echo import RaggedSender
+from echo._echo import ConnectionClosedError, RaggedSender
 from echo._validate import check_int, check_token
 from echo.client import TcpClient
 from echo.ragged import RaggedLayout
@@ -75,6 +75,7 @@ class RaggedTcpClient(TcpClient):
             float(connect_timeout),
             check_int("max_inflight_msgs", max_inflight_msgs, 1, 2**32 - 1),
         )
+        self._ragged_sender.set_reader(self._layout.flat_keys, self._layout.flatten)
         self._closed = False
 
     def send(  # pyright: ignore[reportIncompatibleMethodOverride]
@@ -90,7 +91,9 @@ class RaggedTcpClient(TcpClient):
         """Sends one sample (see `TcpClient.send`); its ragged leaves `(n, *inner_shape)`."""
         if end_episode or truncated or version is not None:
             _unsupported("end_episode=, truncated= or version=")
-        self.send_group([sample], timeout=timeout, priority=priority)
+        if self._closed:
+            raise ConnectionClosedError("the client is closed")
+        self._ragged_sender.send(sample, None if priority is None else float(priority), timeout)
 
     def send_group(
         self,
@@ -113,8 +116,6 @@ class RaggedTcpClient(TcpClient):
             TimeoutError: `max_inflight_msgs` samples stayed unacknowledged for `timeout`.
         """
         if self._closed:
-            from echo._echo import ConnectionClosedError
-
             raise ConnectionClosedError("the client is closed")
         if isinstance(samples, dict) or not isinstance(samples, list | tuple):  # pyright: ignore[reportUnnecessaryIsInstance]
             raise TypeError(f"send_group takes a list of samples, got {type(samples).__name__}")

@@ -83,6 +83,36 @@ struct SampleReader {
     flatten: Py<PyAny>,
 }
 
+/// A sample's leaves in order: a flat dict's by key when each is a C-contiguous numpy
+/// array (the core checks their dtypes and shapes), anything else through the Python
+/// layout's `flatten`.
+fn read_leaves<'py>(
+    py: Python<'py>,
+    reader: Option<&SampleReader>,
+    sample: &Bound<'py, PyAny>,
+) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    let Some(reader) = reader else {
+        return Err(PyValueError::new_err("not set up: no sample reader (set_reader)"));
+    };
+    if let (Some(keys), Ok(dict)) = (&reader.keys, sample.cast::<pyo3::types::PyDict>()) {
+        if dict.is_exact_instance_of::<pyo3::types::PyDict>() && dict.len() == keys.len() {
+            let mut leaves = Vec::with_capacity(keys.len());
+            for key in keys {
+                match dict.get_item(key.bind(py))? {
+                    Some(v) if v.cast::<PyUntypedArray>().is_ok_and(|a| a.is_c_contiguous()) => {
+                        leaves.push(v);
+                    }
+                    _ => break,
+                }
+            }
+            if leaves.len() == keys.len() {
+                return Ok(leaves);
+            }
+        }
+    }
+    reader.flatten.bind(py).call1((sample,))?.extract()
+}
+
 /// The spec, the hello's layout and the numpy types of `leaves`.
 fn spec_of(leaves: Vec<LeafArg<'_>>) -> PyResult<(RaggedSpec, Layout, Vec<LeafType>)> {
     let mut decls = Vec::with_capacity(leaves.len());
@@ -339,37 +369,7 @@ impl RaggedCore {
                  truncated= or version= yet",
             ));
         }
-        let Some(reader) = self.reader.get() else {
-            return Err(PyValueError::new_err("the ragged server is not set up (no reader)"));
-        };
-        let leaves = match (&reader.keys, sample.cast::<pyo3::types::PyDict>()) {
-            (Some(keys), Ok(dict))
-                if dict.is_exact_instance_of::<pyo3::types::PyDict>()
-                    && dict.len() == keys.len() =>
-            {
-                let mut leaves = Vec::with_capacity(keys.len());
-                for key in keys {
-                    match dict.get_item(key.bind(py))? {
-                        Some(v)
-                            if v.cast::<PyUntypedArray>().is_ok_and(|a| a.is_c_contiguous()) =>
-                        {
-                            leaves.push(v);
-                        }
-                        _ => {
-                            leaves.clear();
-                            break;
-                        }
-                    }
-                }
-                leaves
-            }
-            _ => Vec::new(),
-        };
-        let leaves = if leaves.is_empty() {
-            reader.flatten.bind(py).call1((sample,))?.extract::<Vec<Bound<'_, PyAny>>>()?
-        } else {
-            leaves
-        };
+        let leaves = read_leaves(py, self.reader.get(), sample)?;
         self.submit_group(py, vec![leaves], timeout, priority).map(drop)
     }
 
@@ -605,6 +605,7 @@ impl RaggedCore {
 pub(crate) struct PyRaggedSender {
     sender: RaggedSender,
     leaves: Vec<LeafType>,
+    reader: std::sync::OnceLock<SampleReader>,
 }
 
 #[pymethods]
@@ -640,7 +641,25 @@ impl PyRaggedSender {
                 )
             })
             .map_err(to_pyerr)?;
-        Ok(Self { sender, leaves: types })
+        Ok(Self { sender, leaves: types, reader: std::sync::OnceLock::new() })
+    }
+
+    /// Sets how `send` reads samples (see `RaggedCore.set_reader`).
+    fn set_reader(&self, keys: Option<Vec<Py<pyo3::types::PyString>>>, flatten: Py<PyAny>) {
+        let _ = self.reader.set(SampleReader { keys, flatten });
+    }
+
+    /// Sends one sample (a flat dict read by key, natively; anything else flattened).
+    #[pyo3(signature = (sample, priority=None, timeout=None))]
+    fn send(
+        &self,
+        py: Python<'_>,
+        sample: &Bound<'_, PyAny>,
+        priority: Option<f64>,
+        timeout: Option<f64>,
+    ) -> PyResult<()> {
+        let leaves = read_leaves(py, self.reader.get(), sample)?;
+        self.send_group(py, vec![leaves], priority, timeout)
     }
 
     /// Sends `samples` (each a list of C-contiguous arrays in leaf order) as one group.

@@ -4,7 +4,7 @@
 //! the caller and nothing of it goes out. A reader thread counts the acknowledgements and
 //! keeps the server's error or closing notice for the next call.
 
-use std::io::{Read, Write};
+use std::io::{IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -59,8 +59,6 @@ pub struct RaggedSender {
     reader: Mutex<Option<JoinHandle<()>>>,
     max_group: usize,
     max_inflight: u64,
-    /// Frames below this many bytes are written with one `write`.
-    frame: Mutex<Vec<u8>>,
 }
 
 fn read_some(stream: &mut TcpStream, received: &mut Vec<u8>) -> Result<(), EchoError> {
@@ -169,7 +167,6 @@ impl RaggedSender {
             reader: Mutex::new(Some(reader)),
             max_group,
             max_inflight: max_inflight.max(1) as u64,
-            frame: Mutex::new(Vec::new()),
         })
     }
 
@@ -248,25 +245,22 @@ impl RaggedSender {
                 self.shared.wait(&mut state, deadline)?;
             }
         }
-        let body: usize = samples.iter().flat_map(|s| s.leaves.iter().map(|l| l.len())).sum();
+        // One vectored write: the header, then every leaf straight from the caller's arrays.
+        let mut parts: Vec<IoSlice<'_>> = Vec::with_capacity(1 + samples.len() * 4);
+        parts.push(IoSlice::new(&head));
+        parts.extend(
+            samples
+                .iter()
+                .flat_map(|s| s.leaves.iter().filter(|l| !l.is_empty()).map(|l| IoSlice::new(l))),
+        );
         let mut stream = self.stream.lock();
-        if body < 256 * 1024 {
-            let mut frame = self.frame.lock();
-            frame.clear();
-            frame.extend_from_slice(&head);
-            for sample in samples {
-                for leaf in sample.leaves {
-                    frame.extend_from_slice(leaf);
-                }
+        let mut rest = &mut parts[..];
+        while !rest.is_empty() {
+            let written = stream.write_vectored(rest)?;
+            if written == 0 {
+                return Err(EchoError::Disconnected("the server stopped reading".into()));
             }
-            stream.write_all(&frame)?;
-        } else {
-            stream.write_all(&head)?;
-            for sample in samples {
-                for leaf in sample.leaves {
-                    stream.write_all(leaf)?;
-                }
-            }
+            IoSlice::advance_slices(&mut rest, written);
         }
         drop(stream);
         self.shared.state.lock().sent += samples.len() as u64;

@@ -27,6 +27,11 @@ use crate::transport::wire::v2::{
 
 /// How long a client has to complete its hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// A connection's read buffer: many small frames per `recv`.
+const READ_BUFFER: usize = 64 * 1024;
+/// Acknowledgements sent at the latest after this many samples, even while frames keep
+/// arriving.
+const ACK_BATCH: usize = 256;
 /// How often a connection blocked on a full table looks at whether the server is closing.
 const INSERT_SLICE: Duration = Duration::from_millis(100);
 
@@ -275,7 +280,8 @@ fn serve(shared: &Shared, id: u64, mut stream: TcpStream) -> Result<(), EchoErro
     if shared.closing.load(Ordering::SeqCst) {
         return Ok(());
     }
-    let mut reader = io::Cursor::new(leftover).chain(stream);
+    let mut reader =
+        io::BufReader::with_capacity(READ_BUFFER, io::Cursor::new(leftover).chain(stream));
     let result = frames(shared, &mut reader, &writer);
     if let Err(EchoError::Sample(why) | EchoError::Protocol(why)) = &result {
         let _ = writer.lock().write_all(&v2::encode_error(why));
@@ -292,10 +298,39 @@ fn read_exact_or_eof(reader: &mut impl Read, buf: &mut [u8]) -> Result<bool, Ech
     }
 }
 
+/// Writes `n` acknowledgements.
+fn ack(writer: &Mutex<TcpStream>, mut n: usize) -> io::Result<()> {
+    const ACKS: [u8; 512] = [v2::ACK; 512];
+    let mut writer = writer.lock();
+    while n > 0 {
+        let now = n.min(ACKS.len());
+        writer.write_all(&ACKS[..now])?;
+        n -= now;
+    }
+    Ok(())
+}
+
+/// Reads frames and stores their samples. The acknowledgements of the frames stored go out
+/// together when the read buffer runs dry (before the thread would wait for more), so a
+/// worker that sends many small samples gets a few writes, not one per frame.
 fn frames(
     shared: &Shared,
-    reader: &mut impl Read,
+    reader: &mut io::BufReader<impl Read>,
     writer: &Mutex<TcpStream>,
+) -> Result<(), EchoError> {
+    let mut unacked = 0usize;
+    let result = frames_acked(shared, reader, writer, &mut unacked);
+    if result.is_ok() && unacked > 0 {
+        ack(writer, unacked)?;
+    }
+    result
+}
+
+fn frames_acked(
+    shared: &Shared,
+    reader: &mut io::BufReader<impl Read>,
+    writer: &Mutex<TcpStream>,
+    unacked: &mut usize,
 ) -> Result<(), EchoError> {
     let spec = shared.table.spec();
     let columns = spec.columns().len();
@@ -303,6 +338,9 @@ fn frames(
     let mut head = Vec::new();
     let mut body = Vec::new();
     loop {
+        if *unacked > 0 && (reader.buffer().is_empty() || *unacked >= ACK_BATCH) {
+            ack(writer, std::mem::take(unacked))?;
+        }
         let mut kind = [0u8; 1];
         if !read_exact_or_eof(reader, &mut kind)? {
             return Ok(());
@@ -367,6 +405,6 @@ fn frames(
         }
         // ORDERING: Relaxed — a statistics counter.
         shared.counters.samples.fetch_add(frame.samples as u64, Ordering::Relaxed);
-        writer.lock().write_all(&vec![v2::ACK; frame.samples])?;
+        *unacked += frame.samples;
     }
 }
