@@ -339,6 +339,15 @@ mod over_tcp {
     }
 
     fn serve(batch: usize, token: Option<&[u8]>) -> (Arc<RaggedTable>, RaggedTcp) {
+        serve_within(batch, token, 1 << 30)
+    }
+
+    /// A server whose connections may hold at most `budget` bytes of frames being read.
+    fn serve_within(
+        batch: usize,
+        token: Option<&[u8]>,
+        budget: usize,
+    ) -> (Arc<RaggedTable>, RaggedTcp) {
         let table = Arc::new(
             RaggedTable::new(spec(), config(RaggedSampler::Fifo, batch, 4 * batch)).unwrap(),
         );
@@ -349,6 +358,7 @@ mod over_tcp {
             0,
             token.map(<[u8]>::to_vec),
             64,
+            budget,
         )
         .unwrap();
         (table, tcp)
@@ -368,7 +378,17 @@ mod over_tcp {
 
     #[test]
     fn workers_deliver_every_sample_and_group_exactly_once() {
-        let (table, tcp) = serve(16, Some(b"secret"));
+        deliver_exactly_once(1 << 30);
+    }
+
+    #[test]
+    fn a_byte_budget_smaller_than_one_frame_still_delivers_everything() {
+        // 4 KiB: most frames are larger, so they are read one at a time.
+        deliver_exactly_once(4096);
+    }
+
+    fn deliver_exactly_once(budget: usize) {
+        let (table, tcp) = serve_within(16, Some(b"secret"), budget);
         let port = tcp.port();
         let workers: Vec<_> = (0..4u64)
             .map(|w| {

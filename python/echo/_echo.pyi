@@ -365,7 +365,12 @@ class RaggedCore:
     ]: ...
     def set_times_sampled(self, key: int, times: int) -> bool: ...
     def start_tcp(
-        self, host: str, port: int, token: bytes | None = None, max_connections: int = 1024
+        self,
+        host: str,
+        port: int,
+        token: bytes | None = None,
+        max_connections: int = 1024,
+        max_buffered_bytes: int = ...,
     ) -> int: ...
     @property
     def port(self) -> int | None: ...

@@ -380,6 +380,7 @@ class RaggedServer(Server):
             transport.port,
             None if token is None else token.encode(),
             transport.max_connections,
+            transport.max_buffered_bytes,
         )
 
     def writer(self, *, timeout: float | None = None) -> NoReturn:  # pyright: ignore[reportIncompatibleMethodOverride]

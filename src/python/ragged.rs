@@ -536,7 +536,7 @@ impl RaggedCore {
     }
 
     /// Listens for workers on `host:port` (0: a free port); returns the port.
-    #[pyo3(signature = (host, port, token=None, max_connections=1024))]
+    #[pyo3(signature = (host, port, token=None, max_connections=1024, max_buffered_bytes=1 << 30))]
     fn start_tcp(
         &self,
         py: Python<'_>,
@@ -544,6 +544,7 @@ impl RaggedCore {
         port: u16,
         token: Option<Vec<u8>>,
         max_connections: usize,
+        max_buffered_bytes: usize,
     ) -> PyResult<u16> {
         let mut tcp = self.tcp.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(running) = tcp.as_ref() {
@@ -551,7 +552,17 @@ impl RaggedCore {
         }
         let (table, layout) = (self.table.clone(), self.layout.clone());
         let started = py
-            .detach(|| RaggedTcp::start(table, layout, host, port, token, max_connections))
+            .detach(|| {
+                RaggedTcp::start(
+                    table,
+                    layout,
+                    host,
+                    port,
+                    token,
+                    max_connections,
+                    max_buffered_bytes,
+                )
+            })
             .map_err(to_pyerr)?;
         let port = started.port();
         *tcp = Some(started);

@@ -27,6 +27,8 @@ use crate::transport::wire::v2::{
 
 /// How long a client has to complete its hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// The most bytes of body buffer a connection keeps between frames.
+const IDLE_BODY: usize = 64 * 1024;
 /// A connection's read buffer: many small frames per `recv`.
 const READ_BUFFER: usize = 64 * 1024;
 /// Acknowledgements sent at the latest after this many samples, even while frames keep
@@ -56,12 +58,54 @@ struct Shared {
     layout: Layout,
     token: Option<Vec<u8>>,
     max_connections: usize,
+    budget: Budget,
     closing: AtomicBool,
     /// Open connections: their write halves (for the closing notice and the shutdown), and
     /// whether the client understands closing notices.
     conns: Mutex<Vec<OpenConn>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
     counters: TcpCounters,
+}
+
+/// The bytes all connections may hold in frame bodies not yet stored.
+struct Budget {
+    max: usize,
+    used: Mutex<usize>,
+    freed: parking_lot::Condvar,
+}
+
+/// Bytes taken from a [`Budget`], given back when dropped.
+struct Hold<'a> {
+    budget: &'a Budget,
+    bytes: usize,
+}
+
+impl Budget {
+    fn new(max: usize) -> Self {
+        Self { max: max.max(1), used: Mutex::new(0), freed: parking_lot::Condvar::new() }
+    }
+
+    /// Takes `bytes`, waiting while the budget is spent (a frame larger than the whole
+    /// budget goes when nothing else is held); `None` once `closing` is set.
+    fn acquire<'a>(&'a self, bytes: usize, closing: &AtomicBool) -> Option<Hold<'a>> {
+        let mut used = self.used.lock();
+        // ORDERING: SeqCst — pairs with `RaggedTcp::close`.
+        while *used > 0 && *used + bytes > self.max {
+            if closing.load(Ordering::SeqCst) {
+                return None;
+            }
+            let _ = self.freed.wait_for(&mut used, INSERT_SLICE);
+        }
+        *used += bytes;
+        Some(Hold { budget: self, bytes })
+    }
+}
+
+impl Drop for Hold<'_> {
+    fn drop(&mut self) {
+        *self.budget.used.lock() -= self.bytes;
+        self.budget.freed.notify_all();
+    }
 }
 
 /// A ragged table's TCP listener and its connections.
@@ -79,7 +123,8 @@ impl std::fmt::Debug for RaggedTcp {
 
 impl RaggedTcp {
     /// Listens on `host:port` (0: any free port) for workers sending samples of `layout`
-    /// (the hello's: ragged leaves as `[RAGGED_DIM, *inner]`) into `table`.
+    /// (the hello's: ragged leaves as `[RAGGED_DIM, *inner]`) into `table`. The frames being
+    /// read take at most `max_buffered_bytes` in all (one frame at a time beyond it).
     ///
     /// # Errors
     /// [`EchoError::Io`] if the address cannot be bound.
@@ -90,6 +135,7 @@ impl RaggedTcp {
         port: u16,
         token: Option<Vec<u8>>,
         max_connections: usize,
+        max_buffered_bytes: usize,
     ) -> Result<Self, EchoError> {
         let addr = (host, port)
             .to_socket_addrs()?
@@ -102,6 +148,7 @@ impl RaggedTcp {
             layout,
             token,
             max_connections: max_connections.max(1),
+            budget: Budget::new(max_buffered_bytes),
             closing: AtomicBool::new(false),
             conns: Mutex::new(Vec::new()),
             threads: Mutex::new(Vec::new()),
@@ -376,6 +423,12 @@ fn frames_acked(
                 }
             }
         };
+        // The body's bytes come out of the ingress's budget until the frame is stored, so
+        // many connections announcing large frames wait rather than take the learner's
+        // memory.
+        let Some(_hold) = shared.budget.acquire(frame.body_len, &shared.closing) else {
+            return Ok(());
+        };
         body.clear();
         body.resize(frame.body_len, 0);
         if !read_exact_or_eof(reader, &mut body)? {
@@ -406,5 +459,9 @@ fn frames_acked(
         // ORDERING: Relaxed — a statistics counter.
         shared.counters.samples.fetch_add(frame.samples as u64, Ordering::Relaxed);
         *unacked += frame.samples;
+        if body.capacity() > IDLE_BODY {
+            // An idle connection keeps no large buffer outside the budget.
+            body = Vec::new();
+        }
     }
 }
