@@ -277,6 +277,7 @@ def ray_start(ray: Any) -> None:
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join([*paths, *([old] if old else [])])
     ray.init(
+        address="local",  # a Ray of its own, not a cluster another process started
         num_cpus=max(1, min(RAY_NUM_CPUS, os.cpu_count() or 1)),
         include_dashboard=False,
         object_store_memory=RAY_OBJECT_STORE_BYTES,

@@ -266,7 +266,10 @@ def measure_ray(tree: dict[str, Any], n: int, enabled: bool) -> dict[str, Any]:
         return {"status": f"not installed ({e})"}
     size = nbytes(tree)
     t0 = time.monotonic()
+    # A Ray of its own (`address="local"`): without it, `ray.init` joins a cluster another
+    # process on this machine started (a test running beside this one) and refuses num_cpus.
     ray.init(
+        address="local",
         num_cpus=2,
         include_dashboard=False,
         object_store_memory=max(256 * c.MIB, 8 * size),

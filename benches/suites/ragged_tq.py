@@ -50,7 +50,8 @@ def measure_transferqueue(p: dict[str, Any], pool: Any, rows: Any, log: Any) -> 
     t0 = time.perf_counter()
     try:
         cpus = int(p.get("tq_ray_cpus") or os.cpu_count() or 1)
-        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+        # A Ray of its own, not a cluster another process on this machine started.
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
         _step(notes, f"ray.init(num_cpus={cpus}) (a local Ray cluster)", t0)
         # The controller and every storage unit are Ray actors of num_cpus=1: the default
         # config (2 storage units) needs 3 CPUs, and on a smaller cluster tq.init() waits
