@@ -25,6 +25,8 @@ use crate::transport::wire::v2::{
     self, Accept, Closing, Layout, Mode, Offer, Opening, Refusal, Reply,
 };
 
+/// How long a write to a worker may block before the connection is given up.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a client has to complete its hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// The most bytes of body buffer a connection keeps between frames.
@@ -312,6 +314,9 @@ fn handshake(
     accept.steps = Some(u32::try_from(shared.table.config().batch_size).unwrap_or(u32::MAX));
     stream.write_all(&Reply::Accepted(accept).encode())?;
     stream.set_read_timeout(None)?;
+    // A worker that stops reading its acknowledgements (its receive buffer full) has its
+    // connection ended, instead of holding a thread, and `close()`, in a write for ever.
+    stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
     Ok(Some((*hello, received[used..].to_vec())))
 }
 
