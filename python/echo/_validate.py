@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import operator
 
 __all__ = [
+    "ConstructorSignature",
     "check_bool",
     "check_int",
     "check_seconds",
@@ -63,3 +65,19 @@ def check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     return value
+
+
+class ConstructorSignature:
+    """A class's `__signature__`: its `__init__`'s arguments without `self`, for the class it
+    is read from (subclasses included). A class whose `__new__` only picks the class to build
+    sets it, so that `inspect.signature(cls)` (help(), IDEs, code that asks which arguments
+    it takes) shows the constructor's arguments, not `__new__`'s."""
+
+    def __get__(self, obj: object, owner: type) -> inspect.Signature:
+        if obj is not None:
+            raise AttributeError("__signature__")  # an instance is not the constructor
+        sig = inspect.signature(owner.__init__)
+        return sig.replace(
+            parameters=list(sig.parameters.values())[1:],
+            return_annotation=inspect.Signature.empty,
+        )

@@ -14,6 +14,7 @@ from echo._echo import TcpSender
 from echo._params import layout_of_description, param_sizes, param_tree
 from echo._pytree import TreeLayout
 from echo._validate import (
+    ConstructorSignature,
     check_bool,
     check_int,
     check_seconds,
@@ -602,3 +603,8 @@ class TcpClient:
             f"sent={self.sent}, acked={self.acked}, "
             f"closed={self._closed})"
         )
+
+
+# `inspect.signature(TcpClient)` (help(), IDEs, code that asks which arguments it takes) shows
+# the constructor's arguments, not those of `__new__`, which only picks the class.
+setattr(TcpClient, "__signature__", ConstructorSignature())  # noqa: B010

@@ -31,7 +31,7 @@ from echo._server_args import (
     versions_args,
 )
 from echo._tally import Tally
-from echo._validate import check_bool, check_int
+from echo._validate import ConstructorSignature, check_bool, check_int
 from echo.compression import Codec, Compress
 from echo.compression import resolve as resolve_compress
 from echo.replay import Fifo, RateLimiter, Remover, Sampler, Sequence, Uniform
@@ -1051,3 +1051,8 @@ class Server:
             f"Server(batch_size={self.batch_size}, {self._core.describe()}, "
             f"leaves={len(self._layout.leaves)}, closed={self.closed})"
         )
+
+
+# `inspect.signature(Server)` (help(), IDEs, code that asks which arguments it takes) shows
+# the constructor's arguments, not those of `__new__`, which only picks the class.
+setattr(Server, "__signature__", ConstructorSignature())  # noqa: B010

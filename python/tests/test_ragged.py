@@ -454,3 +454,13 @@ def test_compressed_ragged_leaves_come_back_bit_for_bit(tmp_path: Any, layout: s
         echo.Server(example(), 4, compress={"nope": echo.Lz4()})
     server.close()
     restored.close()
+
+
+def test_the_constructors_signatures_are_their_arguments() -> None:
+    # `Server.__new__` and `TcpClient.__new__` only pick the class (ragged or not): what
+    # inspect shows (help(), IDEs, code checking for an argument) is still `__init__`'s.
+    import inspect
+
+    assert "shared_memory" in inspect.signature(echo.TcpClient).parameters
+    assert "batch_tokens" in inspect.signature(echo.Server).parameters
+    assert list(inspect.signature(echo.Server).parameters)[:2] == ["example", "batch_size"]
