@@ -16,7 +16,7 @@ use loom::sync::atomic::{AtomicU32, AtomicU64};
 use loom::sync::{Arc, Condvar, Mutex};
 use loom::thread;
 
-use echo::transport::shm::ring::{Bell, Indices};
+use echo::transport::shm::ring::{spans, Bell, Indices};
 
 /// An eventfd's semantics: a ring sets the count; a wait returns once it is set and resets it.
 #[derive(Default)]
@@ -138,4 +138,75 @@ fn one_slot_three_samples_every_sample_once_in_order_and_no_lost_wakeup() {
 #[test]
 fn two_slots_three_samples_every_sample_once_in_order_and_no_lost_wakeup() {
     model(2, 3);
+}
+
+/// The byte pipe's use of the same protocol (`src/transport/shm/pipe.rs`): the unit is a
+/// byte, the producer writes frames of several bytes as far as there is room
+/// ([`Indices::room`], [`spans`] for the wrap), commits early when the pipe is full, and
+/// the consumer reads whatever is committed, in chunks of any size.
+fn pipe_model(capacity: usize, frames: &'static [usize]) {
+    loom::model(move || {
+        let ring = Arc::new(Ring::new(capacity));
+        let total: usize = frames.iter().sum();
+        let producer = {
+            let ring = Arc::clone(&ring);
+            thread::spawn(move || {
+                let ix = ring.indices();
+                let mut written = 0u64;
+                for &len in frames {
+                    let mut left = len;
+                    while left > 0 {
+                        if ix.room(written) == 0 {
+                            ix.commit(written, &ring.data);
+                            ring.producer_wait(|ix| ix.room(written) > 0);
+                        }
+                        let n = left.min(ix.room(written) as usize);
+                        for (start, len) in spans(written, n, capacity) {
+                            for k in start..start + len {
+                                let byte = written + (k - start) as u64;
+                                // SAFETY: loom checks this write against every read.
+                                ring.slots[k].with_mut(|p| unsafe { *p = byte + 100 });
+                            }
+                            written += len as u64;
+                        }
+                        left -= n;
+                    }
+                    ix.commit(written, &ring.data);
+                }
+                ring.producer_wait(|ix| ix.taken() >= written);
+            })
+        };
+        let ix = ring.indices();
+        let mut head = 0u64;
+        while head < total as u64 {
+            let tail = loop {
+                let tail = ix.committed(head).unwrap();
+                if tail > head {
+                    break tail;
+                }
+                Indices::sleep_begin(ix.reader_sleeping);
+                if ix.committed(head).unwrap() == head {
+                    ring.data.wait();
+                }
+                Indices::sleep_end(ix.reader_sleeping);
+            };
+            let n = (tail - head) as usize;
+            for (start, len) in spans(head, n, capacity) {
+                for k in start..start + len {
+                    // SAFETY: loom checks this read against every write of the cell.
+                    let value = ring.slots[k].with(|p| unsafe { *p });
+                    assert_eq!(value, head + 100, "byte {head}");
+                    head += 1;
+                }
+            }
+            ix.release(head, &ring.space);
+        }
+        producer.join().unwrap();
+        assert_eq!(ix.taken(), total as u64);
+    });
+}
+
+#[test]
+fn pipe_of_two_bytes_frames_larger_than_it_every_byte_once_in_order() {
+    pipe_model(2, &[3, 1]);
 }

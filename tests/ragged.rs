@@ -318,8 +318,8 @@ mod over_tcp {
     use std::thread;
     use std::time::{Duration, Instant};
 
-    use echo::ragged::client::RaggedSender;
-    use echo::ragged::tcp::RaggedTcp;
+    use echo::ragged::client::{RaggedSender, SenderOptions};
+    use echo::ragged::tcp::{RaggedTcp, TcpOptions};
     use echo::ragged::wire::{Outgoing, RAGGED_DIM};
     use echo::ragged::{BatchLayout, RaggedSampler, RaggedTable};
     use echo::transport::wire::v2::{Closing, DType, Layout, LeafType};
@@ -348,52 +348,72 @@ mod over_tcp {
         token: Option<&[u8]>,
         budget: usize,
     ) -> (Arc<RaggedTable>, RaggedTcp) {
+        serve_with(batch, token, budget, false)
+    }
+
+    /// [`serve_within`], offering shared memory if `shm`.
+    fn serve_with(
+        batch: usize,
+        token: Option<&[u8]>,
+        budget: usize,
+        shm: bool,
+    ) -> (Arc<RaggedTable>, RaggedTcp) {
         let table = Arc::new(
             RaggedTable::new(spec(), config(RaggedSampler::Fifo, batch, 4 * batch)).unwrap(),
         );
-        let tcp = RaggedTcp::start(
-            table.clone(),
-            layout(),
-            "127.0.0.1",
-            0,
-            token.map(<[u8]>::to_vec),
-            64,
-            budget,
-        )
-        .unwrap();
+        let options = TcpOptions {
+            token: token.map(<[u8]>::to_vec),
+            max_connections: 64,
+            max_buffered_bytes: budget,
+            shared_memory: shm,
+        };
+        let tcp = RaggedTcp::start(table.clone(), layout(), "127.0.0.1", 0, options).unwrap();
         (table, tcp)
     }
 
     fn connect(port: u16, token: Option<&[u8]>) -> Result<RaggedSender, EchoError> {
-        RaggedSender::connect(
-            "127.0.0.1",
-            port,
-            spec(),
-            layout(),
-            token,
-            Duration::from_secs(5),
-            64,
-        )
+        connect_with(port, token, Some(false))
+    }
+
+    fn connect_with(
+        port: u16,
+        token: Option<&[u8]>,
+        shared_memory: Option<bool>,
+    ) -> Result<RaggedSender, EchoError> {
+        let options = SenderOptions {
+            token: token.map(<[u8]>::to_vec),
+            timeout: Duration::from_secs(5),
+            max_inflight: 64,
+            shared_memory,
+        };
+        RaggedSender::connect("127.0.0.1", port, spec(), layout(), options)
     }
 
     #[test]
     fn workers_deliver_every_sample_and_group_exactly_once() {
-        deliver_exactly_once(1 << 30);
+        deliver_exactly_once(1 << 30, false);
     }
 
     #[test]
     fn a_byte_budget_smaller_than_one_frame_still_delivers_everything() {
         // 4 KiB: most frames are larger, so they are read one at a time.
-        deliver_exactly_once(4096);
+        deliver_exactly_once(4096, false);
     }
 
-    fn deliver_exactly_once(budget: usize) {
-        let (table, tcp) = serve_within(16, Some(b"secret"), budget);
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn workers_on_this_host_deliver_every_sample_and_group_through_shared_memory_once() {
+        deliver_exactly_once(1 << 30, true);
+    }
+
+    fn deliver_exactly_once(budget: usize, shm: bool) {
+        let (table, tcp) = serve_with(16, Some(b"secret"), budget, shm);
         let port = tcp.port();
         let workers: Vec<_> = (0..4u64)
             .map(|w| {
                 thread::spawn(move || {
-                    let sender = connect(port, Some(b"secret")).unwrap();
+                    let sender = connect_with(port, Some(b"secret"), Some(shm)).unwrap();
+                    assert_eq!(sender.uses_shared_memory(), shm);
                     for g in 0..150u64 {
                         // Groups of 1 to 4 samples with ids w*100_000 + g*4 + k.
                         let size = (g % 4 + 1) as usize;
@@ -443,6 +463,47 @@ mod over_tcp {
         let expected: u64 = 4 * (0..150u64).map(|g| g % 4 + 1).sum::<u64>();
         assert_eq!(seen.len() as u64, expected);
         assert!(counts.iter().all(|&(sent, acked)| sent == acked));
+        let piped = tcp.counters().shm.load(std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(piped, if shm { 4 } else { 0 });
+        tcp.close(Closing::Final);
+    }
+
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn a_hostile_frame_through_the_pipe_is_refused_before_its_body_and_stores_nothing() {
+        let (table, tcp) = serve_with(4, None, 1 << 30, true);
+        let sender = connect_with(tcp.port(), None, Some(true)).unwrap();
+        assert!(sender.uses_shared_memory());
+        // One sample claiming 4 billion rows in both ragged leaves.
+        let mut frame = vec![0x18, 1, 0];
+        frame.extend_from_slice(&u32::MAX.to_le_bytes());
+        frame.extend_from_slice(&u32::MAX.to_le_bytes());
+        sender.send_raw(&frame, None).unwrap();
+        // A valid sample after it is never stored: the server ended the connection.
+        let m = make(1, 3);
+        let leaves: [&[u8]; 3] = [&m.tokens, &m.logp, &m.id];
+        let sent = sender.send_group(&[Outgoing { rows: &[3, 3, 1], leaves: &leaves }], None, None);
+        let err = sent
+            .and_then(|()| sender.flush(Some(Instant::now() + Duration::from_secs(5))))
+            .unwrap_err();
+        assert!(err.to_string().contains("more than its max_len 300"), "{err}");
+        assert_eq!(table.stats().samples, 0);
+        tcp.close(Closing::Final);
+    }
+
+    #[test]
+    fn shared_memory_required_from_a_server_without_it_is_an_error_naming_why() {
+        let (_table, tcp) = serve_with(4, None, 1 << 30, false);
+        let err = connect_with(tcp.port(), None, Some(true)).unwrap_err();
+        assert!(matches!(err, EchoError::SharedMemory(_)), "{err}");
+        assert!(err.to_string().contains("shared memory turned off"), "{err}");
+        // The same server serves a worker that does not insist, over TCP.
+        let sender = connect_with(tcp.port(), None, None).unwrap();
+        assert!(!sender.uses_shared_memory());
+        let m = make(1, 3);
+        let leaves: [&[u8]; 3] = [&m.tokens, &m.logp, &m.id];
+        sender.send_group(&[Outgoing { rows: &[3, 3, 1], leaves: &leaves }], None, None).unwrap();
+        sender.flush(Some(Instant::now() + Duration::from_secs(5))).unwrap();
         tcp.close(Closing::Final);
     }
 
@@ -453,16 +514,14 @@ mod over_tcp {
         assert!(matches!(err, EchoError::Auth(_)), "{err}");
         let mut other = layout();
         other.0[1].shape = vec![7];
-        let err = RaggedSender::connect(
-            "127.0.0.1",
-            tcp.port(),
-            spec(),
-            other,
-            Some(b"secret"),
-            Duration::from_secs(5),
-            8,
-        )
-        .unwrap_err();
+        let options = SenderOptions {
+            token: Some(b"secret".to_vec()),
+            max_inflight: 8,
+            shared_memory: Some(false),
+            ..SenderOptions::default()
+        };
+        let err =
+            RaggedSender::connect("127.0.0.1", tcp.port(), spec(), other, options).unwrap_err();
         assert!(
             err.to_string().contains("['logp']") && err.to_string().contains("ragged leaves"),
             "{err}"

@@ -20,8 +20,8 @@ process of its own:
 - **tcp**: the same two servers on loopback fed by ``tcp_workers`` worker processes
   (``benches/suites/ragged_tcp.py``), each an ``echo.TcpClient`` calling ``send()`` for one
   rollout after another, a learner thread reading every batch; best of ``repeats`` windows of
-  ``tcp_seconds`` each. TCP only: a ragged ``TcpClient`` cannot use shared memory yet, so
-  the fixed-shape workers send over TCP too.
+  ``tcp_seconds`` each; over TCP and through same-host shared memory (``tcp_paths``), the
+  fixed-shape workers over the same path as the ragged ones.
 - **sample**: packed FIFO batches (a token budget of ``batch_tokens`` completion tokens),
   packed and padded (``pad_to_multiple``) replay batches from a table of ``replay_fill``
   rollouts, in GB/s of what ``sample()`` hands out, against ``np.copyto`` of as many bytes
@@ -85,6 +85,7 @@ def parameters(quick: bool) -> dict[str, Any]:
             "threads": [1, 2],
             "ingest_seconds": 0.3,
             "tcp_workers": 2,
+            "tcp_paths": ["tcp", "shm"],
             "tcp_warmup": 0.1,
             "tcp_seconds": 0.3,
             "fifo_fill": 200,
@@ -103,6 +104,7 @@ def parameters(quick: bool) -> dict[str, Any]:
         "threads": [1, 4],
         "ingest_seconds": 2.0,
         "tcp_workers": 16,
+        "tcp_paths": ["tcp", "shm"],
         "tcp_warmup": 0.5,
         "tcp_seconds": 2.0,
         "fifo_fill": 2_000,
@@ -298,8 +300,7 @@ def _ingest_table(r: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
         "rows": rows,
         "notes": [
             "fixed: the same server with one uint8 leaf of the rollouts' mean bytes, no ragged "
-            "leaf. Workers over TCP: the next table (shared-memory workers cannot send ragged "
-            "samples yet).",
+            "leaf. Workers over TCP and shared memory: the next table.",
             "spread of windows: the largest over the smallest window's GB/s, less 1.",
         ],
     }
@@ -338,35 +339,51 @@ def _tcp_table(r: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
         "learner thread CPU us a batch",
     ]
     title = (
-        f"Ingest from {params['tcp_workers']} worker processes over TCP: send() into a FIFO "
-        f"server on loopback (batches of {params['ingest_batch']}), a learner thread reading "
-        f"every batch; best of {params['repeats']} windows of {params['tcp_seconds']:g} s"
+        f"Ingest from {params['tcp_workers']} worker processes over TCP and same-host shared "
+        f"memory: send() into a FIFO server on loopback (batches of {params['ingest_batch']}), "
+        f"a learner thread reading every batch; best of {params['repeats']} windows of "
+        f"{params['tcp_seconds']:g} s"
     )
+    cols.insert(1, "path")
     if "error" in t:
-        return {"title": title, "columns": cols, "rows": [["error", _err(t), *"-" * 8]]}
+        return {"title": title, "columns": cols, "rows": [["error", _err(t), *"-" * 9]]}
     best = t["best"]
-    rg, fx = best.get("ragged", {}), best.get("fixed", {})
     rows = []
-    for x, label, ratio, target in (
-        (rg, "ragged", _x(rg.get("gb_per_s"), fx.get("gb_per_s")), ">= 0.8x"),
-        (fx, f"fixed (uint8[{t['mean_sample_bytes']:,}])", "-", "-"),
-    ):
-        rows.append(
-            [
-                str(t["workers"]),
-                label,
-                c.num(x.get("samples_per_s")),
-                _gb(x.get("gb_per_s")),
-                ratio,
-                target,
-                _spread(x),
-                c.num(x.get("worker_cpu_us_per_sample"), ",.1f"),
-                c.num(x.get("learner_cpu_cores"), ".2f"),
-                c.num(x.get("learner_cpu_us_per_batch"), ",.0f"),
-            ]
-        )
-    notes = [
-        f"Each worker is a process with its own echo.TcpClient(shared_memory=False) and "
+    paths = params.get("tcp_paths", ["tcp"])
+    for path in paths:
+        suffix = "" if path == "tcp" else f"_{path}"
+        rg, fx = best.get("ragged" + suffix, {}), best.get("fixed" + suffix, {})
+        for x, label, ratio, target in (
+            (rg, "ragged", _x(rg.get("gb_per_s"), fx.get("gb_per_s")), ">= 0.8x"),
+            (fx, f"fixed (uint8[{t['mean_sample_bytes']:,}])", "-", "-"),
+        ):
+            rows.append(_tcp_row(t, path, x, label, ratio, target))
+    notes = _tcp_notes(best, params)
+    return {"title": title, "columns": cols, "rows": rows, "notes": notes}
+
+
+def _tcp_row(
+    t: dict[str, Any], path: str, x: dict[str, Any], label: str, ratio: str, target: str
+) -> list[str]:
+    return [
+        str(t["workers"]),
+        path,
+        label,
+        c.num(x.get("samples_per_s")),
+        _gb(x.get("gb_per_s")),
+        ratio,
+        target,
+        _spread(x),
+        c.num(x.get("worker_cpu_us_per_sample"), ",.1f"),
+        c.num(x.get("learner_cpu_cores"), ".2f"),
+        c.num(x.get("learner_cpu_us_per_batch"), ",.0f"),
+    ]
+
+
+def _tcp_notes(best: dict[str, Any], params: dict[str, Any]) -> list[str]:
+    return [
+        "Each worker is a process with its own echo.TcpClient(shared_memory=False for tcp, "
+        "True for shm) and "
         "default max_inflight_msgs, calling send() for one rollout after another from the "
         "suite's pool (made before the clock starts), bounded in count and time; the server "
         'is a FIFO Server(example, batch_size, transport=TcpTransport(host="127.0.0.1")), '
@@ -376,19 +393,21 @@ def _tcp_table(r: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
         "and GB/s: what the learner read during the window (bytes: each leaf's values). "
         "Rounds alternate which server goes first.",
         "fixed: the same server with one uint8 leaf of the rollouts' mean bytes, no ragged "
-        "leaf, its workers over TCP too. Shared memory is not available for ragged leaves "
-        "yet (TcpClient(shared_memory=True) raises for a ragged example), so only TCP is "
-        "measured.",
+        "leaf, its workers over the same path. shm: a fixed-shape worker writes each sample "
+        "into a slot of its ring in shared memory and the server copies it once into its "
+        "queue; a ragged worker writes its frames into a byte pipe in shared memory, which "
+        "the server reads as it reads a socket.",
         "worker CPU: all the workers' CPU time (their Python and their client's threads) over "
         "the samples they sent. learner process CPU: the server process's CPU time over the "
-        "window, by thread in the best windows: ragged: "
-        + _cores(best.get("ragged", {}))
-        + "; fixed: "
-        + _cores(best.get("fixed", {}))
+        "window, by thread in the best windows: "
+        + "; ".join(
+            f"{key.replace('_', ' over ')}: {_cores(best[key])}"
+            for key in ("ragged", "fixed", "ragged_shm", "fixed_shm")
+            if key in best
+        )
         + ". learner thread CPU: the reading thread's own CPU time (sample(), the read, the "
         "check) per batch.",
     ]
-    return {"title": title, "columns": cols, "rows": rows, "notes": notes}
 
 
 SAMPLE_ROWS = (

@@ -2,8 +2,8 @@
 ``benches/suites/ragged_child.py``: rollouts sent by ``tcp_workers`` worker processes, each
 an ``echo.TcpClient`` on loopback, into a FIFO server whose learner reads every batch;
 once with the ragged example and once with one fixed ``uint8`` leaf of the rollouts' mean
-bytes (no ragged leaf, the same batch size), both over TCP (``shared_memory=False``: a
-ragged client cannot use shared memory yet, so the fixed one does not either).
+bytes (no ragged leaf, the same batch size), each over TCP (``shared_memory=False``) and
+through same-host shared memory (``shared_memory=True``).
 
 The workers (``multiprocessing`` ``spawn``: this interpreter and ``sys.path``) are started
 once and kept for every round; each makes the suite's pool of rollouts (the same seed as the
@@ -33,6 +33,12 @@ HOST = "127.0.0.1"
 TAIL_S = 0.3  # workers send this long past the window's end: the window never sees a drain
 TIMEOUT_S = 30.0  # connect, a blocked send, close, a worker's answer
 KINDS = ("ragged", "fixed")
+PATHS = ("tcp", "shm")
+
+
+def run_key(kind: str, path: str) -> str:
+    """A run's key in the results: ``ragged``, ``fixed`` (TCP), ``ragged_shm``, ``fixed_shm``."""
+    return kind if path == "tcp" else f"{kind}_{path}"
 
 
 def fixed_payloads(pool: Rollouts) -> list[np.ndarray]:
@@ -91,7 +97,7 @@ def _worker(wid: int, k: int, conn: Any, p: dict[str, Any], echo_file: str, limi
         if msg[0] != "round":
             return
         cmd = msg[1]
-        kind = cmd["kind"]
+        kind, path = cmd["kind"], cmd["path"]
         client, error = None, None
         if os.path.realpath(echo.__file__ or "") != echo_file:
             error = f"worker imported echo from {echo.__file__}, the learner from {echo_file}"
@@ -99,10 +105,10 @@ def _worker(wid: int, k: int, conn: Any, p: dict[str, Any], echo_file: str, limi
             try:
                 client = echo.TcpClient(
                     HOST, cmd["port"], example(echo, p, kind, mean),
-                    connect_timeout=TIMEOUT_S, shared_memory=False,
+                    connect_timeout=TIMEOUT_S, shared_memory=path == "shm",
                 )  # fmt: skip
-                if client.transport_path != "tcp":
-                    error = f"connected over {client.transport_path}, not tcp"
+                if client.transport_path != path:
+                    error = f"connected over {client.transport_path}, not {path}"
             except (OSError, ValueError, TypeError, RuntimeError) as e:
                 error = f"connect: {type(e).__name__}: {e}"
         try:
@@ -314,11 +320,12 @@ def _consume(
 
 
 def _round(
-    workers: Workers, kind: str, rnd: int, p: dict[str, Any], pool: Rollouts,
+    workers: Workers, kind: str, path: str, rnd: int, p: dict[str, Any], pool: Rollouts,
     fixed: list[np.ndarray], check: Any, log: Any,
 ) -> dict[str, Any]:  # fmt: skip
-    """One window: a FIFO server of ``kind`` on loopback, the workers connected and sending,
-    the learner reading; the rate is what the learner read during the window."""
+    """One window: a FIFO server of ``kind`` on loopback, the workers connected and sending
+    over ``path``, the learner reading; the rate is what the learner read during the
+    window."""
     import echo
 
     k = len(workers.procs)
@@ -339,7 +346,7 @@ def _round(
         port = server.port
         if port is None:
             raise RuntimeError("the server has no port after start()")
-        workers.tell(("round", {"port": int(port), "kind": kind}))
+        workers.tell(("round", {"port": int(port), "kind": kind, "path": path}))
         ready = workers.collect(TIMEOUT_S + 10.0)
         failed = [str(r[2]) for r in ready if not r[1]]
         consumer = threading.Thread(
@@ -393,6 +400,7 @@ def _round(
     }
     r = {
         "kind": kind,
+        "path": path,
         "round": rnd,
         "workers": k,
         "window_s": dt,
@@ -418,7 +426,7 @@ def _round(
         "correct": bool(ok),
     }
     log(
-        f"tcp {kind} x{k} #{rnd + 1}: {r['samples_per_s']:,.0f} samples/s, "
+        f"{path} {kind} x{k} #{rnd + 1}: {r['samples_per_s']:,.0f} samples/s, "
         f"{r['gb_per_s']:.2f} GB/s, learner {r['learner_cpu_cores']:.2f} cores, workers "
         f"{r['worker_cpu_us_per_sample']:.1f} us CPU/sample{'' if ok else ' INCORRECT'}"
         + (f": {errors[:2]}" if errors else "")
@@ -427,8 +435,9 @@ def _round(
 
 
 def measure_tcp(p: dict[str, Any], check: Any, log: Any) -> dict[str, Any]:
-    """Every round (``repeats`` of ragged and fixed, alternating which goes first), one pool
-    of ``tcp_workers`` workers for all; the best window of each kind."""
+    """Every round (``repeats`` of ragged and fixed over each of ``tcp_paths``, alternating
+    which kind goes first), one pool of ``tcp_workers`` workers for all; the best window of
+    each kind and path."""
     pool = Rollouts(p)
     fixed = fixed_payloads(pool)
     k = int(p["tcp_workers"])
@@ -447,10 +456,11 @@ def measure_tcp(p: dict[str, Any], check: Any, log: Any) -> dict[str, Any]:
         out["workers_started_s"] = round(time.monotonic() - t0, 2)
         log(f"tcp: {k} workers up in {out['workers_started_s']:.1f} s")
         for rnd in range(repeats):
-            for kind in KINDS if rnd % 2 == 0 else KINDS[::-1]:
-                r = _round(workers, kind, rnd, p, pool, fixed, check, log)
-                correct = correct and r["correct"]
-                out["runs"].setdefault(kind, []).append(r)
+            for path in p["tcp_paths"]:
+                for kind in KINDS if rnd % 2 == 0 else KINDS[::-1]:
+                    r = _round(workers, kind, path, rnd, p, pool, fixed, check, log)
+                    correct = correct and r["correct"]
+                    out["runs"].setdefault(run_key(kind, path), []).append(r)
     finally:
         out["workers_forced"] = workers.stop()
     best: dict[str, Any] = {}
@@ -466,8 +476,10 @@ def measure_tcp(p: dict[str, Any], check: Any, log: Any) -> dict[str, Any]:
             1e-12, min(r["gb_per_s"] for r in runs)
         )
     out["best"] = best
-    rg, fx = best.get("ragged", {}), best.get("fixed", {})
-    if rg.get("gb_per_s") and fx.get("gb_per_s"):
-        out["ratio"] = rg["gb_per_s"] / fx["gb_per_s"]
-    out["correct"] = correct and not out["workers_forced"] and set(best) == set(KINDS)
+    for path in p["tcp_paths"]:
+        rg, fx = best.get(run_key("ragged", path), {}), best.get(run_key("fixed", path), {})
+        if rg.get("gb_per_s") and fx.get("gb_per_s"):
+            out[run_key("ratio", path)] = rg["gb_per_s"] / fx["gb_per_s"]
+    want = {run_key(kind, path) for kind in KINDS for path in p["tcp_paths"]}
+    out["correct"] = correct and not out["workers_forced"] and set(best) == want
     return out

@@ -3,8 +3,10 @@
 `TcpClient(host, port, example)` builds a `RaggedTcpClient` when a leaf of `example` is
 `echo.Ragged` (`TcpClient.__new__`). It speaks wire v2 only (a ragged leaf cannot be described
 in v1), sends each sample or group as one frame, and checks lengths, length groups and the
-server's group size before anything is sent. Reconnects, durable sessions, shared memory,
-compression and parameter fetches are not there yet: asking for them raises `ValueError`.
+server's group size before anything is sent. On the server's host the frames go through a
+shared-memory pipe instead of the socket (`shared_memory=`, as for any `TcpClient`).
+Reconnects, durable sessions, wire compression and parameter fetches are not there yet:
+asking for them raises `ValueError`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import os
 from typing import Any, Literal
 
 from echo._echo import ConnectionClosedError, RaggedSender
-from echo._validate import check_int, check_token
+from echo._validate import check_bool, check_int, check_token
 from echo.client import TcpClient
 from echo.ragged import RaggedLayout
 
@@ -59,7 +61,6 @@ class RaggedTcpClient(TcpClient):
             )
         for what, given in (
             ("reconnect=True", reconnect),
-            ("shared_memory=True", shared_memory is True),
             ("durable=True", durable),
             ("params_example=", params_example is not None),
         ):
@@ -74,6 +75,7 @@ class RaggedTcpClient(TcpClient):
             None if token is None else token.encode(),
             float(connect_timeout),
             check_int("max_inflight_msgs", max_inflight_msgs, 1, 2**32 - 1),
+            None if shared_memory is None else check_bool("shared_memory", shared_memory),
         )
         self._ragged_sender.set_reader(self._layout.flat_keys, self._layout.flatten)
         self._closed = False
@@ -157,7 +159,7 @@ class RaggedTcpClient(TcpClient):
 
     @property
     def transport_path(self) -> Literal["shm", "tcp"]:
-        return "tcp"
+        return "shm" if self._ragged_sender.path == "shm" else "tcp"
 
     @property
     def durable(self) -> bool:

@@ -369,8 +369,9 @@ class RaggedServer(Server):
 
     def start(self) -> None:
         """Starts listening for workers (`echo.TcpClient` with the same ragged example) on
-        the transport's port, if it has one; see `Server.start`. Workers send over TCP (not
-        shared memory yet), one thread per connection."""
+        the transport's port, if it has one; see `Server.start`. One thread per connection;
+        a worker on this host sends through a shared-memory pipe unless the transport or the
+        worker turns it off (`shared_memory=False`)."""
         transport = self._transport
         if transport is None or self._buffer.core.port is not None:
             return
@@ -381,6 +382,7 @@ class RaggedServer(Server):
             None if token is None else token.encode(),
             transport.max_connections,
             transport.max_buffered_bytes,
+            transport.shared_memory,
         )
 
     def writer(self, *, timeout: float | None = None) -> NoReturn:  # pyright: ignore[reportIncompatibleMethodOverride]

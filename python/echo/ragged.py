@@ -413,6 +413,7 @@ class RaggedBuffer:
             "v2_connections_total": s["connections_accepted"],
             "handshakes_refused_layout_total": s["handshakes_refused"],
             "samples_inserted_total": s["samples_received"],
+            "shm_connections_total": s["shm_connections"],
             "stored_bytes": s["arena_bytes_in_use"],
             "raw_bytes": s["raw_bytes"],
         }

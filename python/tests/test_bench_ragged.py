@@ -51,12 +51,14 @@ def test_ragged_suite_quick_echo_alone(tmp_path: Path, monkeypatch: pytest.Monke
         assert result["ingest"]["best"][key]["samples"] > 0, key
     tcp = result["tcp"]
     assert tcp["workers_forced"] == []
-    for kind in ("ragged", "fixed"):
+    for kind in ("ragged", "fixed", "ragged_shm", "fixed_shm"):
         assert tcp["best"][kind]["samples"] > 0, kind
         (run,) = tcp["runs"][kind]
         assert run["consumed_samples"] > 0, kind
         assert run["inserted_total"] == run["sent"], kind
+        assert run["path"] == ("shm" if kind.endswith("_shm") else "tcp"), kind
     assert tcp["ratio"] > 0
+    assert tcp["ratio_shm"] > 0
     for key in ("fifo_packed", "replay_packed", "replay_padded"):
         r = result["sample"][key]
         assert r["batches"] > 0, key
@@ -67,7 +69,12 @@ def test_ragged_suite_quick_echo_alone(tmp_path: Path, monkeypatch: pytest.Monke
         assert result[name]["not_installed"] is True
     tables = ragged.tables({"ours": result}, params)
     assert len(tables) == 5
-    assert tables[2]["rows"][0][1] == "ragged"
+    assert [row[1:3] for row in tables[2]["rows"]] == [
+        ["tcp", "ragged"],
+        ["tcp", f"fixed (uint8[{tcp['mean_sample_bytes']:,}])"],
+        ["shm", "ragged"],
+        ["shm", f"fixed (uint8[{tcp['mean_sample_bytes']:,}])"],
+    ]
     assert tables[4]["rows"][0][0].startswith("echo")
     assert "not installed" in tables[4]["rows"][1][1]
     for table in tables:

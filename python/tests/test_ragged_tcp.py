@@ -4,9 +4,15 @@ server's errors and closing reaching the worker."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import struct
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -47,13 +53,21 @@ def server() -> Iterator[echo.Server]:
         yield s
 
 
-def test_workers_deliver_every_sample_and_group_exactly_once(server: echo.Server) -> None:
+SHM = pytest.mark.skipif(sys.platform != "linux", reason="shared memory needs Linux")
+
+
+@pytest.mark.parametrize("path", ["tcp", pytest.param("shm", marks=SHM)])
+def test_workers_deliver_every_sample_and_group_exactly_once(
+    server: echo.Server, path: str
+) -> None:
     assert server.port is not None
     port = server.port
     workers, groups = 4, 120
 
     def work(w: int) -> None:
-        with echo.TcpClient("127.0.0.1", port, example()) as client:
+        shm = path == "shm"
+        with echo.TcpClient("127.0.0.1", port, example(), shared_memory=shm) as client:
+            assert client.transport_path == path
             for g in range(groups):
                 size = g % 4 + 1
                 base = w * 100_000 + g * 4
@@ -224,3 +238,106 @@ def test_workers_hear_that_the_server_closed() -> None:
     with pytest.raises(echo.ServerClosedError):
         keep_sending()
     client.close(timeout=0)
+
+
+@SHM
+def test_shared_memory_required_from_a_server_without_it_raises_naming_why() -> None:
+    transport = echo.TcpTransport(port=0, host="127.0.0.1", shared_memory=False)
+    with echo.Server(example(), 4, transport=transport) as server:
+        assert server.port is not None
+        with pytest.raises(echo.SharedMemoryError, match=r"shared memory turned off"):
+            echo.TcpClient("127.0.0.1", server.port, example(), shared_memory=True)
+        with echo.TcpClient("127.0.0.1", server.port, example()) as client:
+            assert client.transport_path == "tcp"
+            client.send(make(1))
+            client.wait(5)
+        assert server.stats().store_size == 1
+
+
+_KILLED_WORKER = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    import echo
+    from echo import Ragged
+
+    port = int(sys.argv[1])
+    example = {
+        "tokens": Ragged(300, np.int32, group="completion"),
+        "logp": Ragged(300, np.float32, group="completion"),
+        "id": np.zeros((), np.int64),
+    }
+    client = echo.TcpClient("127.0.0.1", port, example, shared_memory=True)
+    assert client.transport_path == "shm"
+    for i in range(1_000_000):
+        n = (i * 37) % 301
+        client.send_group(
+            [
+                {
+                    "tokens": (i * 1000 + np.arange(n)).astype(np.int32),
+                    "logp": -np.arange(n, dtype=np.float32),
+                    "id": np.int64(i),
+                }
+            ],
+            timeout=60,
+        )
+        if i == 50:
+            client.wait(30)
+            print("acked", flush=True)
+    """
+)
+
+
+@SHM
+def test_a_worker_killed_while_writing_its_pipe_loses_only_unacknowledged_samples() -> None:
+    transport = echo.TcpTransport(port=0, host="127.0.0.1")
+    with echo.Server(example(), 8, transport=transport, num_buffers=64) as server:
+        assert server.port is not None
+        worker = subprocess.Popen(
+            [sys.executable, "-c", _KILLED_WORKER, str(server.port)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert worker.stdout is not None
+            assert worker.stdout.readline().strip() == "acked"
+            # Killed while it writes frames into its pipe (the learner is not reading its
+            # batches, so the table and then the pipe fill): the pipe ends part-way.
+            time.sleep(0.2)
+            os.kill(worker.pid, signal.SIGKILL)
+        finally:
+            worker.kill()  # ends only the process this test started, by its PID
+            worker.wait(30)
+            if worker.stdout is not None:
+                worker.stdout.close()
+        seen: list[int] = []
+
+        def take(s: echo.Sample) -> None:
+            tokens = s.batch["tokens"]
+            assert isinstance(tokens, Packed)
+            for k, i in enumerate(int(i) for i in s.batch["id"]):
+                a, b = int(tokens.cu_seqlens[k]), int(tokens.cu_seqlens[k + 1])
+                want = i * 1000 + np.arange(length_of(i))
+                np.testing.assert_array_equal(tokens.values[a:b], want)
+                seen.append(i)
+
+        # The learner reads until no full batch comes: the pipe is read to its end meanwhile.
+        for _ in range(100_000):
+            try:
+                s = server.sample(timeout=2)
+            except TimeoutError:
+                break
+            assert s is not None
+            take(s)
+        # The server serves the next worker.
+        with echo.TcpClient("127.0.0.1", server.port, example(), shared_memory=True) as client:
+            client.send(make(10**6))
+            client.wait(5)
+        server.close(drain=True)
+        while (s := server.sample(timeout=5)) is not None:
+            take(s)
+        # Every acknowledged sample is there, once and whole; nothing after a gap; and the
+        # worker after it.
+        assert seen[-1] == 10**6
+        assert seen[:-1] == list(range(len(seen) - 1))
+        assert len(seen) - 1 >= 51

@@ -20,8 +20,8 @@ use super::errors::to_pyerr;
 use super::views::{new_array, LeafLayout, RingLease};
 use super::{deadline_from_timeout, wait_detached};
 use crate::error::EchoError;
-use crate::ragged::client::RaggedSender;
-use crate::ragged::tcp::RaggedTcp;
+use crate::ragged::client::{RaggedSender, SenderOptions};
+use crate::ragged::tcp::{RaggedTcp, TcpOptions};
 use crate::ragged::wire::{Outgoing, RAGGED_DIM};
 use crate::ragged::{
     BatchLayout, BufPool, ColumnData, GroupBatch, LeafDecl, OutBuf, RaggedBatch, RaggedConfig,
@@ -502,6 +502,7 @@ impl RaggedCore {
         d.set_item("connections_accepted", read(|c| &c.accepted))?;
         d.set_item("handshakes_refused", read(|c| &c.refused))?;
         d.set_item("samples_received", read(|c| &c.samples))?;
+        d.set_item("shm_connections", read(|c| &c.shm))?;
         Ok(d)
     }
 
@@ -536,7 +537,11 @@ impl RaggedCore {
     }
 
     /// Listens for workers on `host:port` (0: a free port); returns the port.
-    #[pyo3(signature = (host, port, token=None, max_connections=1024, max_buffered_bytes=1 << 30))]
+    #[pyo3(signature = (
+        host, port, token=None, max_connections=1024, max_buffered_bytes=1 << 30,
+        shared_memory=true,
+    ))]
+    #[allow(clippy::too_many_arguments)] // Python's keyword arguments
     fn start_tcp(
         &self,
         py: Python<'_>,
@@ -545,6 +550,7 @@ impl RaggedCore {
         token: Option<Vec<u8>>,
         max_connections: usize,
         max_buffered_bytes: usize,
+        shared_memory: bool,
     ) -> PyResult<u16> {
         let mut tcp = self.tcp.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(running) = tcp.as_ref() {
@@ -553,15 +559,9 @@ impl RaggedCore {
         let (table, layout) = (self.table.clone(), self.layout.clone());
         let started = py
             .detach(|| {
-                RaggedTcp::start(
-                    table,
-                    layout,
-                    host,
-                    port,
-                    token,
-                    max_connections,
-                    max_buffered_bytes,
-                )
+                let options =
+                    TcpOptions { token, max_connections, max_buffered_bytes, shared_memory };
+                RaggedTcp::start(table, layout, host, port, options)
             })
             .map_err(to_pyerr)?;
         let port = started.port();
@@ -622,7 +622,11 @@ pub(crate) struct PyRaggedSender {
 #[pymethods]
 impl PyRaggedSender {
     #[new]
-    #[pyo3(signature = (host, port, leaves, token=None, connect_timeout=10.0, max_inflight=256))]
+    #[pyo3(signature = (
+        host, port, leaves, token=None, connect_timeout=10.0, max_inflight=256,
+        shared_memory=None,
+    ))]
+    #[allow(clippy::too_many_arguments)] // Python's keyword arguments
     fn new(
         py: Python<'_>,
         host: &str,
@@ -631,6 +635,7 @@ impl PyRaggedSender {
         token: Option<Vec<u8>>,
         connect_timeout: f64,
         max_inflight: usize,
+        shared_memory: Option<bool>,
     ) -> PyResult<Self> {
         let (spec, layout, types) = spec_of(leaves)?;
         if !connect_timeout.is_finite() || connect_timeout <= 0.0 {
@@ -641,15 +646,8 @@ impl PyRaggedSender {
         let timeout = Duration::from_secs_f64(connect_timeout.min(1e6));
         let sender = py
             .detach(|| {
-                RaggedSender::connect(
-                    host,
-                    port,
-                    spec,
-                    layout,
-                    token.as_deref(),
-                    timeout,
-                    max_inflight,
-                )
+                let options = SenderOptions { token, timeout, max_inflight, shared_memory };
+                RaggedSender::connect(host, port, spec, layout, options)
             })
             .map_err(to_pyerr)?;
         Ok(Self { sender, leaves: types, reader: std::sync::OnceLock::new() })
@@ -715,6 +713,16 @@ impl PyRaggedSender {
     }
 
     /// (sent, acknowledged) samples.
+    /// Which path frames take: `"shm"` (a same-host shared-memory pipe) or `"tcp"`.
+    #[getter]
+    fn path(&self) -> &'static str {
+        if self.sender.uses_shared_memory() {
+            "shm"
+        } else {
+            "tcp"
+        }
+    }
+
     #[getter]
     fn counts(&self) -> (u64, u64) {
         self.sender.counts()

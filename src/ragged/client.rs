@@ -1,8 +1,10 @@
 //! A worker's connection to a ragged server: wire v2's handshake, then one group frame per
-//! `send_group` ([`super::wire`]). Samples are checked against the spec before they are
+//! `send_group` ([`super::wire`]), over TCP or, on the learner's host, through a
+//! shared-memory pipe the server offers (the same bytes; see
+//! [`crate::transport::shm::pipe`]). Samples are checked against the spec before they are
 //! sent (lengths, length groups, the server's largest group), so a bad sample raises at
-//! the caller and nothing of it goes out. A reader thread counts the acknowledgements and
-//! keeps the server's error or closing notice for the next call.
+//! the caller and nothing of it goes out. A reader thread counts the acknowledgements (over
+//! TCP on either path) and keeps the server's error or closing notice for the next call.
 
 use std::io::{IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
@@ -50,11 +52,37 @@ impl Shared {
     }
 }
 
+/// How a [`RaggedSender`] connects.
+#[derive(Debug, Clone)]
+pub struct SenderOptions {
+    /// The server's secret, if it has one.
+    pub token: Option<Vec<u8>>,
+    /// How long connecting (and attaching shared memory) may take.
+    pub timeout: Duration,
+    /// At most this many samples wait for their acknowledgement at once.
+    pub max_inflight: usize,
+    /// The same-host shared-memory pipe: `None` when the server offers it, `Some(true)`
+    /// required (an error without it), `Some(false)` never.
+    pub shared_memory: Option<bool>,
+}
+
+impl Default for SenderOptions {
+    fn default() -> Self {
+        Self {
+            token: None,
+            timeout: Duration::from_secs(10),
+            max_inflight: 256,
+            shared_memory: None,
+        }
+    }
+}
+
 /// The sending side of a worker.
-#[derive(Debug)]
 pub struct RaggedSender {
     spec: RaggedSpec,
     stream: Mutex<TcpStream>,
+    /// The shared-memory pipe frames go through, when attached.
+    pipe: Option<Mutex<pipe::Writer>>,
     shared: Arc<Shared>,
     reader: Mutex<Option<JoinHandle<()>>>,
     max_group: usize,
@@ -73,22 +101,22 @@ fn read_some(stream: &mut TcpStream, received: &mut Vec<u8>) -> Result<(), EchoE
 
 impl RaggedSender {
     /// Connects to `host:port` and completes the handshake for samples of `spec`, described
-    /// as `layout`, proving `token` if given. At most `max_inflight` samples wait for their
-    /// acknowledgement at once.
+    /// as `layout`, as `options` say.
     ///
     /// # Errors
     /// [`EchoError::Io`] / [`EchoError::Disconnected`] if the server cannot be reached;
     /// [`EchoError::Protocol`] if it refuses the layout (naming the leaf) or is not a ragged
-    /// server; [`EchoError::Auth`] for a wrong or missing token.
+    /// server; [`EchoError::Auth`] for a wrong or missing token;
+    /// [`EchoError::SharedMemory`] if shared memory is required and not to be had.
     pub fn connect(
         host: &str,
         port: u16,
         spec: RaggedSpec,
         layout: Layout,
-        token: Option<&[u8]>,
-        timeout: Duration,
-        max_inflight: usize,
+        options: SenderOptions,
     ) -> Result<Self, EchoError> {
+        let SenderOptions { token, timeout, max_inflight, shared_memory } = options;
+        let token = token.as_deref();
         let addr = (host, port)
             .to_socket_addrs()?
             .next()
@@ -124,7 +152,7 @@ impl RaggedSender {
             client_nonce: v2::random()?,
             layout,
             mac: None,
-            shm: false,
+            shm: shared_memory != Some(false) && pipe::SUPPORTED,
             notices: true,
             codecs: false,
             durable: false,
@@ -153,16 +181,30 @@ impl RaggedSender {
                 "the server accepted the layout but is not a ragged server (no group size)".into(),
             )
         })? as usize;
+        let pipe = match shared_memory {
+            Some(false) => None,
+            wanted => {
+                let address = format!("{host}:{port}");
+                pipe::attach(&accept, &mut stream, &address, wanted == Some(true), timeout)?
+            }
+        };
         stream.set_read_timeout(None)?;
         let shared = Arc::new(Shared::default());
         let mut reading = stream.try_clone()?;
         let counting = shared.clone();
-        let reader = std::thread::Builder::new()
-            .name("echo-ragged-acks".into())
-            .spawn(move || read_acks(&mut reading, received, &counting))?;
+        let loss = pipe.as_ref().map(pipe::Writer::space_bell).transpose()?;
+        let reader =
+            std::thread::Builder::new().name("echo-ragged-acks".into()).spawn(move || {
+                read_acks(&mut reading, received, &counting);
+                // A send waiting for room in the pipe wakes up and sees the loss.
+                if let Some(bell) = loss {
+                    pipe::ring(&bell);
+                }
+            })?;
         Ok(Self {
             spec,
             stream: Mutex::new(stream),
+            pipe: pipe.map(Mutex::new),
             shared,
             reader: Mutex::new(Some(reader)),
             max_group,
@@ -173,6 +215,16 @@ impl RaggedSender {
     /// The spec samples are checked against.
     pub fn spec(&self) -> &RaggedSpec {
         &self.spec
+    }
+
+    /// Whether frames go through a shared-memory pipe (else over TCP).
+    pub fn uses_shared_memory(&self) -> bool {
+        self.pipe.is_some()
+    }
+
+    /// Whether the connection has failed, closed or ended (a send would fail).
+    fn lost(&self) -> bool {
+        Self::failure(&self.shared.state.lock()).is_some()
     }
 
     /// (sent, acknowledged) samples.
@@ -245,6 +297,24 @@ impl RaggedSender {
                 self.shared.wait(&mut state, deadline)?;
             }
         }
+        if let Some(pipe) = &self.pipe {
+            // The header, then every leaf straight from the caller's arrays into the pipe.
+            let mut parts: Vec<&[u8]> = Vec::with_capacity(1 + samples.len() * 4);
+            parts.push(&head);
+            parts.extend(samples.iter().flat_map(|s| s.leaves.iter().copied()));
+            let written = pipe.lock().write_frame(&parts, deadline, &|| self.lost());
+            if let Err(stop) = written {
+                let state = self.shared.state.lock();
+                return Err(match stop {
+                    pipe::Stop::TimedOut => EchoError::TimedOut,
+                    pipe::Stop::Lost => Self::failure(&state).unwrap_or_else(|| {
+                        EchoError::Disconnected("the server closed the connection".into())
+                    }),
+                });
+            }
+            self.shared.state.lock().sent += samples.len() as u64;
+            return Ok(());
+        }
         // One vectored write: the header, then every leaf straight from the caller's arrays.
         let mut parts: Vec<IoSlice<'_>> = Vec::with_capacity(1 + samples.len() * 4);
         parts.push(IoSlice::new(&head));
@@ -265,6 +335,22 @@ impl RaggedSender {
         drop(stream);
         self.shared.state.lock().sent += samples.len() as u64;
         Ok(())
+    }
+
+    /// Sends `frame` as it is, counted as no sample: what a hostile worker can send, for
+    /// tests.
+    ///
+    /// # Errors
+    /// As [`RaggedSender::send_group`].
+    #[doc(hidden)]
+    pub fn send_raw(&self, frame: &[u8], deadline: Option<Instant>) -> Result<(), EchoError> {
+        if let Some(pipe) = &self.pipe {
+            return pipe
+                .lock()
+                .write_frame(&[frame], deadline, &|| self.lost())
+                .map_err(|_| EchoError::Disconnected("the pipe is gone".into()));
+        }
+        Ok(self.stream.lock().write_all(frame)?)
     }
 
     /// Waits until every sample sent is acknowledged (stored by the server).
@@ -288,6 +374,13 @@ impl RaggedSender {
     /// Says goodbye and closes the connection (without waiting for acknowledgements: call
     /// [`RaggedSender::flush`] first for that).
     pub fn close(&self) {
+        if let Some(pipe) = &self.pipe {
+            // The goodbye goes through the pipe, after every frame; the learner reads the
+            // pipe to its end either way once the socket closes.
+            let soon = Some(Instant::now() + Duration::from_secs(1));
+            let _ = pipe.lock().write_frame(&[&[v2::BYE]], soon, &|| self.lost());
+            let _ = self.stream.lock().shutdown(Shutdown::Both);
+        }
         {
             let mut stream = self.stream.lock();
             let _ = stream.write_all(&[v2::BYE]);
@@ -296,6 +389,13 @@ impl RaggedSender {
         if let Some(reader) = self.reader.lock().take() {
             let _ = reader.join();
         }
+    }
+}
+
+impl std::fmt::Debug for RaggedSender {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let path = if self.pipe.is_some() { "shm" } else { "tcp" };
+        write!(f, "RaggedSender({path}, {:?})", self.counts())
     }
 }
 
@@ -368,4 +468,106 @@ fn read_acks(stream: &mut TcpStream, mut pending: Vec<u8>, shared: &Shared) {
     }
     shared.state.lock().ended = true;
     shared.changed.notify_all();
+}
+
+/// The worker's side of the shared-memory pipe (Linux), or its stand-in elsewhere.
+#[cfg(target_os = "linux")]
+mod pipe {
+    use std::io::Write;
+    use std::net::TcpStream;
+    use std::time::Duration;
+
+    use crate::error::EchoError;
+    pub(super) use crate::transport::shm::pipe::{PipeStop as Stop, PipeWriter as Writer};
+    use crate::transport::shm::ring::Bell;
+    use crate::transport::shm::EventFd;
+    use crate::transport::wire::v2;
+
+    /// Whether this build can attach a pipe.
+    pub(super) const SUPPORTED: bool = true;
+
+    /// Rings `bell`.
+    pub(super) fn ring(bell: &EventFd) {
+        bell.ring();
+    }
+
+    /// Attaches the pipe `accept` offers. Without one, or when attaching fails: TCP (the
+    /// server is told with `SHM_DECLINE` if it offered one), or the reason as an error when
+    /// `required` (after a goodbye).
+    pub(super) fn attach(
+        accept: &v2::Accept,
+        stream: &mut TcpStream,
+        address: &str,
+        required: bool,
+        timeout: Duration,
+    ) -> Result<Option<Writer>, EchoError> {
+        let why = match &accept.shm {
+            None if accept.note.is_empty() => {
+                format!("the server at {address} does not offer shared memory")
+            }
+            None => format!("the server at {address} did not offer it: {}", accept.note),
+            Some(offer) => match Writer::attach(&offer.name, &offer.nonce, timeout) {
+                Ok(writer) => return Ok(Some(writer)),
+                Err(why) => format!("cannot attach the shared memory of {address}: {why}"),
+            },
+        };
+        if required {
+            let _ = stream.write_all(&[v2::BYE]);
+            return Err(EchoError::SharedMemory(format!("shared_memory=True: {why}")));
+        }
+        log::debug!("{why}; sending over TCP");
+        if accept.shm.is_some() {
+            stream.write_all(&[v2::SHM_DECLINE])?;
+        }
+        Ok(None)
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+mod pipe {
+    use std::net::TcpStream;
+    use std::time::{Duration, Instant};
+
+    use crate::error::EchoError;
+    use crate::transport::wire::v2;
+
+    pub(super) const SUPPORTED: bool = false;
+
+    pub(super) enum Writer {}
+    pub(super) enum Stop {
+        TimedOut,
+        Lost,
+    }
+    pub(super) struct Bell;
+
+    impl Writer {
+        pub(super) fn space_bell(&self) -> std::io::Result<Bell> {
+            match *self {}
+        }
+        pub(super) fn write_frame(
+            &mut self,
+            _: &[&[u8]],
+            _: Option<Instant>,
+            _: &dyn Fn() -> bool,
+        ) -> Result<(), Stop> {
+            match *self {}
+        }
+    }
+
+    pub(super) fn ring(_: &Bell) {}
+
+    pub(super) fn attach(
+        _: &v2::Accept,
+        _: &mut TcpStream,
+        address: &str,
+        required: bool,
+        _: Duration,
+    ) -> Result<Option<Writer>, EchoError> {
+        if required {
+            return Err(EchoError::SharedMemory(format!(
+                "shared_memory=True: shared memory needs Linux (the server at {address})"
+            )));
+        }
+        Ok(None)
+    }
 }

@@ -39,6 +39,31 @@ const ACK_BATCH: usize = 256;
 /// How often a connection blocked on a full table looks at whether the server is closing.
 const INSERT_SLICE: Duration = Duration::from_millis(100);
 
+/// How a ragged TCP ingress serves its workers.
+#[derive(Debug, Clone)]
+pub struct TcpOptions {
+    /// The secret clients must prove, if any.
+    pub token: Option<Vec<u8>>,
+    /// Connections served at once.
+    pub max_connections: usize,
+    /// The bytes of frame bodies being read, for all connections together (one frame at a
+    /// time beyond it); shared-memory pipes may take half of it besides.
+    pub max_buffered_bytes: usize,
+    /// Offer same-host workers a shared-memory pipe (Linux).
+    pub shared_memory: bool,
+}
+
+impl Default for TcpOptions {
+    fn default() -> Self {
+        Self {
+            token: None,
+            max_connections: 4096,
+            max_buffered_bytes: 1 << 30,
+            shared_memory: true,
+        }
+    }
+}
+
 /// Counters of a ragged TCP ingress.
 #[derive(Debug, Default)]
 pub struct TcpCounters {
@@ -50,6 +75,8 @@ pub struct TcpCounters {
     pub refused: AtomicU64,
     /// Samples received and stored.
     pub samples: AtomicU64,
+    /// Connections whose frames came through a shared-memory pipe.
+    pub shm: AtomicU64,
 }
 
 /// An open connection: its id, its write half, whether it understands closing notices.
@@ -61,6 +88,10 @@ struct Shared {
     token: Option<Vec<u8>>,
     max_connections: usize,
     budget: Budget,
+    shared_memory: bool,
+    /// Bytes of the shared-memory pipes attached now, and the most they may take.
+    segments: Mutex<usize>,
+    max_segments: usize,
     closing: AtomicBool,
     /// Open connections: their write halves (for the closing notice and the shutdown), and
     /// whether the client understands closing notices.
@@ -125,8 +156,8 @@ impl std::fmt::Debug for RaggedTcp {
 
 impl RaggedTcp {
     /// Listens on `host:port` (0: any free port) for workers sending samples of `layout`
-    /// (the hello's: ragged leaves as `[RAGGED_DIM, *inner]`) into `table`. The frames being
-    /// read take at most `max_buffered_bytes` in all (one frame at a time beyond it).
+    /// (the hello's: ragged leaves as `[RAGGED_DIM, *inner]`) into `table`, served as
+    /// `options` say.
     ///
     /// # Errors
     /// [`EchoError::Io`] if the address cannot be bound.
@@ -135,10 +166,9 @@ impl RaggedTcp {
         layout: Layout,
         host: &str,
         port: u16,
-        token: Option<Vec<u8>>,
-        max_connections: usize,
-        max_buffered_bytes: usize,
+        options: TcpOptions,
     ) -> Result<Self, EchoError> {
+        let TcpOptions { token, max_connections, max_buffered_bytes, shared_memory } = options;
         let addr = (host, port)
             .to_socket_addrs()?
             .next()
@@ -151,6 +181,9 @@ impl RaggedTcp {
             token,
             max_connections: max_connections.max(1),
             budget: Budget::new(max_buffered_bytes),
+            shared_memory,
+            segments: Mutex::new(0),
+            max_segments: max_buffered_bytes / 2,
             closing: AtomicBool::new(false),
             conns: Mutex::new(Vec::new()),
             threads: Mutex::new(Vec::new()),
@@ -250,11 +283,12 @@ fn ragged_names(shared: &Shared) -> String {
     names.join(", ")
 }
 
-/// Reads the client's hello; answers it. Returns the hello, and the bytes after it.
-fn handshake(
-    shared: &Shared,
-    stream: &mut TcpStream,
-) -> Result<Option<(v2::Hello, Vec<u8>)>, EchoError> {
+/// What a completed handshake leaves: the hello, the bytes after it, and the pipe offered.
+type Handshake = (v2::Hello, Vec<u8>, Option<shm::Offered>);
+
+/// Reads the client's hello; answers it. Returns the hello, the bytes after it, and the
+/// shared-memory pipe offered in the reply (a same-host client that asked for one).
+fn handshake(shared: &Shared, stream: &mut TcpStream) -> Result<Option<Handshake>, EchoError> {
     let mode = if shared.token.is_some() { Mode::Token } else { Mode::Open };
     let offer = Offer::new(mode)?;
     stream.write_all(&offer.encode())?;
@@ -312,17 +346,33 @@ fn handshake(
     let mut accept = Accept::new(replay, hello.first_seq, 0, signed);
     // A ragged server's reply names the most samples a group frame may hold.
     accept.steps = Some(u32::try_from(shared.table.config().batch_size).unwrap_or(u32::MAX));
+    let offered = if hello.shm {
+        match shm::offer(shared, stream) {
+            Ok(offered) => {
+                accept.shm = Some(offered.wire());
+                Some(offered)
+            }
+            Err(why) => {
+                accept.note = why;
+                None
+            }
+        }
+    } else {
+        None
+    };
     stream.write_all(&Reply::Accepted(accept).encode())?;
     stream.set_read_timeout(None)?;
     // A worker that stops reading its acknowledgements (its receive buffer full) has its
     // connection ended, instead of holding a thread, and `close()`, in a write for ever.
     stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
-    Ok(Some((*hello, received[used..].to_vec())))
+    Ok(Some((*hello, received[used..].to_vec(), offered)))
 }
 
 fn serve(shared: &Shared, id: u64, mut stream: TcpStream) -> Result<(), EchoError> {
     stream.set_nodelay(true)?;
-    let Some((hello, leftover)) = handshake(shared, &mut stream)? else { return Ok(()) };
+    let Some((hello, mut leftover, offered)) = handshake(shared, &mut stream)? else {
+        return Ok(());
+    };
     let writer = Arc::new(Mutex::new(stream.try_clone()?));
     shared.conns.lock().push((id, writer.clone(), hello.notices));
     // ORDERING: Relaxed — a statistics counter.
@@ -332,14 +382,37 @@ fn serve(shared: &Shared, id: u64, mut stream: TcpStream) -> Result<(), EchoErro
     if shared.closing.load(Ordering::SeqCst) {
         return Ok(());
     }
-    let mut reader =
-        io::BufReader::with_capacity(READ_BUFFER, io::Cursor::new(leftover).chain(stream));
-    let result = frames(shared, &mut reader, &writer);
+    let result = match offered {
+        Some(offered) => match shm::attach(shared, offered, &mut stream, &mut leftover) {
+            Ok(shm::Path::Pipe(pipe, _held)) => {
+                // ORDERING: Relaxed — a statistics counter.
+                shared.counters.shm.fetch_add(1, Ordering::Relaxed);
+                let mut reader = io::BufReader::with_capacity(READ_BUFFER, pipe);
+                frames(shared, &mut reader, &writer)
+            }
+            Ok(shm::Path::Tcp) => tcp_frames(shared, leftover, stream, &writer),
+            Ok(shm::Path::Ended) => Ok(()),
+            Err(err) => Err(err),
+        },
+        None => tcp_frames(shared, leftover, stream, &writer),
+    };
     if let Err(EchoError::Sample(why) | EchoError::Protocol(why)) = &result {
         let _ = writer.lock().write_all(&v2::encode_error(why));
     }
     let _ = writer.lock().shutdown(Shutdown::Both);
     result
+}
+
+/// Reads the frames of a worker over TCP (after `leftover`, read with its hello).
+fn tcp_frames(
+    shared: &Shared,
+    leftover: Vec<u8>,
+    stream: TcpStream,
+    writer: &Mutex<TcpStream>,
+) -> Result<(), EchoError> {
+    let mut reader =
+        io::BufReader::with_capacity(READ_BUFFER, io::Cursor::new(leftover).chain(stream));
+    frames(shared, &mut reader, writer)
 }
 
 fn read_exact_or_eof(reader: &mut impl Read, buf: &mut [u8]) -> Result<bool, EchoError> {
@@ -468,5 +541,164 @@ fn frames_acked(
             // An idle connection keeps no large buffer outside the budget.
             body = Vec::new();
         }
+    }
+}
+
+/// The same-host shared-memory path: a byte pipe the worker writes its frames into
+/// ([`crate::transport::shm::pipe`]), read with the same parser as TCP; its
+/// acknowledgements, errors and closing notices still go over TCP, whose end (the worker
+/// gone, or the server closing) ends the pipe's stream.
+#[cfg(target_os = "linux")]
+mod shm {
+    use std::io::Read;
+    use std::net::TcpStream;
+    use std::os::fd::AsFd;
+    use std::time::{Duration, Instant};
+
+    use super::Shared;
+    use crate::error::EchoError;
+    use crate::transport::shm::pipe::{
+        Attached, PipeOffer, PipeReader, PIPE_CAPACITY, PIPE_SEGMENT_LEN,
+    };
+    use crate::transport::shm::same_host;
+    use crate::transport::wire::v2::{self, ShmOffer};
+
+    /// How long a client has to attach the pipe it was offered.
+    const ATTACH_TIMEOUT: Duration = Duration::from_secs(10);
+
+    /// A pipe offered in the reply.
+    pub(super) struct Offered(PipeOffer);
+
+    impl Offered {
+        /// The offer as the reply carries it.
+        pub(super) fn wire(&self) -> ShmOffer {
+            ShmOffer { name: self.0.name.clone(), nonce: self.0.nonce }
+        }
+    }
+
+    /// A pipe's bytes held against the server's bound on pipes; given back when dropped.
+    pub(super) struct Held<'a>(&'a Shared);
+
+    impl Drop for Held<'_> {
+        fn drop(&mut self) {
+            *self.0.segments.lock() -= PIPE_SEGMENT_LEN;
+        }
+    }
+
+    /// Which way a worker's frames come.
+    pub(super) enum Path<'a> {
+        /// Through its pipe.
+        Pipe(PipeReader, Held<'a>),
+        /// Over TCP: it declined the pipe.
+        Tcp,
+        /// Nowhere: it left (or said goodbye) before attaching.
+        Ended,
+    }
+
+    /// A pipe for the client on `stream`, or why it cannot have one (the reply's note).
+    pub(super) fn offer(shared: &Shared, stream: &TcpStream) -> Result<Offered, String> {
+        if !shared.shared_memory {
+            return Err("the server has shared memory turned off \
+                        (TcpTransport(shared_memory=False))"
+                .into());
+        }
+        let (peer, local) = (stream.peer_addr(), stream.local_addr());
+        let (Ok(peer), Ok(local)) = (peer, local) else {
+            return Err("the connection has no addresses".into());
+        };
+        if !same_host(peer.ip(), local.ip()) {
+            return Err(format!(
+                "the client ({}) is not on the learner's host ({})",
+                peer.ip(),
+                local.ip()
+            ));
+        }
+        let held = *shared.segments.lock();
+        if held + PIPE_SEGMENT_LEN > shared.max_segments {
+            return Err(format!(
+                "the learner's shared-memory pipes already hold {held} of the {} bytes they \
+                 may (half of max_buffered_bytes); a pipe needs {PIPE_SEGMENT_LEN}",
+                shared.max_segments
+            ));
+        }
+        PipeOffer::new().map(Offered)
+    }
+
+    /// Waits for the client to attach its pipe, decline it or leave. `leftover` holds what
+    /// it sent after its hello (a decline, then frames); what is read from the socket here
+    /// is added to it.
+    pub(super) fn attach<'a>(
+        shared: &'a Shared,
+        Offered(offer): Offered,
+        stream: &mut TcpStream,
+        leftover: &mut Vec<u8>,
+    ) -> Result<Path<'a>, EchoError> {
+        if leftover.is_empty() {
+            let deadline = Instant::now() + ATTACH_TIMEOUT;
+            match offer.wait(stream.as_fd(), PIPE_CAPACITY, deadline) {
+                Ok(Attached::Pipe(mut pipe)) => {
+                    // Counted now (the offer only looked): a few concurrent attaches may
+                    // pass the bound by a pipe or two.
+                    *shared.segments.lock() += PIPE_SEGMENT_LEN;
+                    let held = Held(shared);
+                    pipe.watch(stream.as_fd())?;
+                    return Ok(Path::Pipe(pipe, held));
+                }
+                Ok(Attached::Socket) => {}
+                Err(why) => return Err(EchoError::Protocol(why)),
+            }
+            let mut byte = [0u8; 1];
+            if stream.read(&mut byte)? == 0 {
+                return Ok(Path::Ended);
+            }
+            leftover.push(byte[0]);
+        }
+        match leftover[0] {
+            v2::SHM_DECLINE => {
+                leftover.remove(0);
+                Ok(Path::Tcp)
+            }
+            v2::BYE => Ok(Path::Ended),
+            other => Err(EchoError::Protocol(format!(
+                "frame type {other:#04x} before the shared memory was attached or declined"
+            ))),
+        }
+    }
+}
+
+/// Off Linux no pipe is offered: every worker sends over TCP.
+#[cfg(not(target_os = "linux"))]
+mod shm {
+    use std::net::TcpStream;
+
+    use super::Shared;
+    use crate::error::EchoError;
+    use crate::transport::wire::v2::ShmOffer;
+
+    pub(super) enum Offered {}
+
+    impl Offered {
+        pub(super) fn wire(&self) -> ShmOffer {
+            match *self {}
+        }
+    }
+
+    pub(super) enum Path {
+        Pipe(std::io::Empty, ()),
+        Tcp,
+        Ended,
+    }
+
+    pub(super) fn offer(_: &Shared, _: &TcpStream) -> Result<Offered, String> {
+        Err("shared memory needs Linux".into())
+    }
+
+    pub(super) fn attach(
+        _: &Shared,
+        offered: Offered,
+        _: &mut TcpStream,
+        _: &mut Vec<u8>,
+    ) -> Result<Path, EchoError> {
+        match offered {}
     }
 }

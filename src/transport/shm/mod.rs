@@ -43,6 +43,7 @@
 //! | `attach`      | same-host check, abstract Unix socket, peer uid, `SCM_RIGHTS` handover  |
 //! | `server`      | the learner's connection task on the shared-memory path                 |
 //! | `worker`      | what the TCP client uses: attaching an offer, the writer, the loss bell |
+//! | [`pipe`]      | a byte pipe over a segment: a ragged worker's frames, as over TCP     |
 //! | [`seqlock`]   | the sequence lock of a published-parameters slot, loom-checked; all OSes |
 //! | `params`      | the published parameters' region: the learner's slots, a worker's view  |
 //!
@@ -68,6 +69,8 @@ mod layout;
 #[cfg(all(target_os = "linux", not(loom)))]
 #[doc(hidden)]
 pub mod params;
+#[cfg(all(target_os = "linux", not(loom)))]
+pub mod pipe;
 #[cfg(all(target_os = "linux", not(loom)))]
 mod reader;
 #[cfg(all(target_os = "linux", not(loom)))]

@@ -90,6 +90,14 @@ impl Indices<'_> {
         tail.wrapping_sub(self.head.load(Acquire)) < self.slots
     }
 
+    /// Producer of a byte pipe (the ring's units are bytes): how many units are free after
+    /// `written` (the producer's own count, committed or not). The Acquire is `has_room`'s.
+    pub fn room(&self, written: u64) -> u64 {
+        // ORDERING: Acquire pairs with the consumer's Release store of `head` in `release`,
+        // as in `has_room`.
+        self.slots.saturating_sub(written.wrapping_sub(self.head.load(Acquire)))
+    }
+
     /// Producer: samples the consumer has taken so far.
     pub fn taken(&self) -> u64 {
         // ORDERING: Acquire pairs with the consumer's Release in `release` (see `has_room`).
@@ -164,4 +172,13 @@ impl Indices<'_> {
         // which then sees its index.
         flag.store(0, Relaxed);
     }
+}
+
+/// Where `len` units from absolute position `pos` lie in a ring of `slots` units: one span,
+/// or two when they wrap past its end (the second one then starts at 0). Each is (start,
+/// length); an empty second span has length 0. `len` is at most `slots`.
+pub fn spans(pos: u64, len: usize, slots: usize) -> [(usize, usize); 2] {
+    let start = usize::try_from(pos % slots.max(1) as u64).expect("< slots");
+    let first = len.min(slots - start);
+    [(start, first), (0, len - first)]
 }

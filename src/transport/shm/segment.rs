@@ -120,6 +120,31 @@ impl Segment {
     /// # Errors
     /// A message saying what is wrong with it.
     pub fn attach(fd: OwnedFd, payload_size: usize) -> Result<(Self, usize, usize), String> {
+        Self::attach_checked(fd, Some(payload_size))
+            .map(|(segment, slots, stride, _)| (segment, slots, stride))
+    }
+
+    /// Maps a byte pipe's segment received from a learner (one slot, whose payload is the
+    /// pipe; see [`super::pipe`]) and checks its header. Returns it with the pipe's capacity.
+    ///
+    /// # Errors
+    /// A message saying what is wrong with it.
+    pub fn attach_pipe(fd: OwnedFd) -> Result<(Self, usize), String> {
+        let (segment, slots, _, payload) = Self::attach_checked(fd, None)?;
+        if slots != 1 || payload == 0 {
+            return Err(format!(
+                "the segment is not a byte pipe ({slots} slots of {payload} bytes)"
+            ));
+        }
+        Ok((segment, payload))
+    }
+
+    /// [`Segment::attach`], with the payload size checked if `expected`; returns the slot
+    /// count, stride and payload size too.
+    fn attach_checked(
+        fd: OwnedFd,
+        expected: Option<usize>,
+    ) -> Result<(Self, usize, usize, usize), String> {
         // SAFETY: `stat` is plain data; fstat fills it or fails.
         let mut stat: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: a valid descriptor and a valid out-pointer.
@@ -151,15 +176,21 @@ impl Segment {
                 "the segment is not an echo ring (magic {magic:?}, version {version})"
             ));
         }
-        if payload != payload_size as u64 {
-            return Err(format!(
-                "the segment holds samples of {payload} bytes, this client sends {payload_size}"
-            ));
-        }
+        let payload_size = match expected {
+            Some(want) if payload != want as u64 => {
+                return Err(format!(
+                    "the segment holds samples of {payload} bytes, this client sends {want}"
+                ));
+            }
+            Some(want) => want,
+            None => {
+                usize::try_from(payload).map_err(|_| format!("a payload of {payload} bytes"))?
+            }
+        };
         let fits = usize::try_from(slots).ok().zip(usize::try_from(stride).ok()).filter(
             |&(slots, stride)| {
                 slots >= 1
-                    && stride >= SLOT_HEADER + payload_size
+                    && SLOT_HEADER.checked_add(payload_size).is_some_and(|n| stride >= n)
                     && stride % 64 == 0
                     && stride.checked_mul(slots).and_then(|n| n.checked_add(HEADER_LEN))
                         <= Some(len)
@@ -171,7 +202,7 @@ impl Segment {
                  {len} bytes)"
             ));
         };
-        Ok((segment, slots, stride))
+        Ok((segment, slots, stride, payload_size))
     }
 
     /// The segment's descriptor.

@@ -25,6 +25,43 @@ fn stop_at_from_env() -> Option<u64> {
     (pid.parse::<u32>().ok()? == std::process::id()).then(|| sample.parse().ok()).flatten()
 }
 
+/// Connects to the learner's socket `name` (abstract namespace), presents `nonce` and
+/// receives its answer: the bytes of its message, the message, and the descriptors.
+///
+/// # Errors
+/// A message saying what failed.
+pub(super) fn request(
+    name: &[u8],
+    nonce: &[u8; NONCE_LEN],
+    timeout: Duration,
+) -> Result<(usize, [u8; 8], Vec<std::os::fd::OwnedFd>), String> {
+    let addr = UnixAddr::from_abstract_name(name)
+        .map_err(|e| format!("bad socket name from the learner: {e}"))?;
+    let mut stream = UnixStream::connect_addr(&addr).map_err(|e| {
+        format!(
+            "cannot reach the learner's shared-memory socket (another network namespace, e.g. \
+             a container?): {e}"
+        )
+    })?;
+    let timeout = timeout.max(Duration::from_millis(1));
+    stream.set_read_timeout(Some(timeout)).map_err(|e| e.to_string())?;
+    stream.set_write_timeout(Some(timeout)).map_err(|e| e.to_string())?;
+    stream.write_all(nonce).map_err(|e| format!("cannot send the nonce: {e}"))?;
+    let mut message = [0u8; 8];
+    let (n, fds) = recv_fds(stream.as_raw_fd(), &mut message).map_err(|e| {
+        format!("the learner sent no segment (another user, or the nonce was refused): {e}")
+    })?;
+    Ok((n, message, fds))
+}
+
+/// The error of an answer without a segment.
+pub(super) fn refused(n: usize) -> String {
+    format!(
+        "the learner refused to attach this process (it runs under another user, or the nonce \
+         did not match): got {n} bytes and no segment"
+    )
+}
+
 /// The worker's side of one channel.
 pub struct Writer {
     segment: Segment,
@@ -56,31 +93,13 @@ impl Writer {
         payload_size: usize,
         timeout: Duration,
     ) -> Result<Self, String> {
-        let addr = UnixAddr::from_abstract_name(name)
-            .map_err(|e| format!("bad socket name from the learner: {e}"))?;
-        let mut stream = UnixStream::connect_addr(&addr).map_err(|e| {
-            format!(
-                "cannot reach the learner's shared-memory socket (another network namespace, \
-                 e.g. a container?): {e}"
-            )
-        })?;
-        let timeout = timeout.max(Duration::from_millis(1));
-        stream.set_read_timeout(Some(timeout)).map_err(|e| e.to_string())?;
-        stream.set_write_timeout(Some(timeout)).map_err(|e| e.to_string())?;
-        stream.write_all(nonce).map_err(|e| format!("cannot send the nonce: {e}"))?;
-        let mut message = [0u8; 8];
-        let (n, fds) = recv_fds(stream.as_raw_fd(), &mut message).map_err(|e| {
-            format!("the learner sent no segment (another user, or the nonce was refused): {e}")
-        })?;
+        let (n, message, fds) = request(name, nonce, timeout)?;
         let mut fds = fds.into_iter();
         // A fourth descriptor: the published parameters' region (a learner that serves them).
         let (Some(memfd), Some(data), Some(space), params, None) =
             (fds.next(), fds.next(), fds.next(), fds.next(), fds.next())
         else {
-            return Err(format!(
-                "the learner refused to attach this process (it runs under another user, or \
-                 the nonce did not match): got {n} bytes and no segment"
-            ));
+            return Err(refused(n));
         };
         if n != message.len() || &message != ATTACH_MESSAGE {
             return Err(format!("unexpected attach message {:?}", &message[..n]));
