@@ -210,3 +210,40 @@ fn pipe_model(capacity: usize, frames: &'static [usize]) {
 fn pipe_of_two_bytes_frames_larger_than_it_every_byte_once_in_order() {
     pipe_model(2, &[3, 1]);
 }
+
+/// A byte pipe's acknowledgements (`PipeReader::acknowledge`, `PipeAcks::wait_stored`): the
+/// consumer publishes each count stored with [`Indices::release_to`], ringing only when the
+/// count reached the producer's target; the producer says which count it waits for with
+/// [`Indices::sleep_for`]. A lost wake-up (the target reached, the producer asleep, no ring)
+/// is a deadlock loom reports.
+fn acks_model(stored: u64, targets: &'static [u64]) {
+    loom::model(move || {
+        let ring = Arc::new(Ring::new(1));
+        let target = Arc::new(AtomicU64::new(0));
+        let waiter = {
+            let (ring, target) = (Arc::clone(&ring), Arc::clone(&target));
+            thread::spawn(move || {
+                let ix = ring.indices();
+                for &want in targets {
+                    while ix.taken() < want {
+                        Indices::sleep_for(ix.writer_sleeping, &target, want);
+                        if ix.taken() < want {
+                            ring.space.wait();
+                        }
+                        Indices::sleep_end(ix.writer_sleeping);
+                    }
+                }
+            })
+        };
+        let ix = ring.indices();
+        for n in 1..=stored {
+            ix.release_to(n, &target, &ring.space);
+        }
+        waiter.join().unwrap();
+    });
+}
+
+#[test]
+fn acks_wake_a_producer_waiting_for_a_count_once_it_is_reached() {
+    acks_model(3, &[2, 3]);
+}

@@ -11,7 +11,7 @@
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -88,9 +88,12 @@ struct Shared {
     token: Option<Vec<u8>>,
     max_connections: usize,
     budget: Budget,
+    #[cfg_attr(not(target_os = "linux"), allow(dead_code))] // off Linux no pipe is offered
     shared_memory: bool,
     /// Bytes of the shared-memory pipes attached now, and the most they may take.
+    #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
     segments: Mutex<usize>,
+    #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
     max_segments: usize,
     closing: AtomicBool,
     /// Open connections: their write halves (for the closing notice and the shutdown), and
@@ -100,10 +103,16 @@ struct Shared {
     counters: TcpCounters,
 }
 
-/// The bytes all connections may hold in frame bodies not yet stored.
+/// The bytes all connections may hold in frame bodies not yet stored: taken and given back
+/// with one atomic operation each while there is room (every frame does it); only a
+/// connection that finds the budget spent takes the lock, to wait.
 struct Budget {
     max: usize,
-    used: Mutex<usize>,
+    used: AtomicUsize,
+    /// Connections waiting for room (under `lock`), so that giving back wakes them only
+    /// when there are some.
+    waiting: AtomicUsize,
+    lock: Mutex<()>,
     freed: parking_lot::Condvar,
 }
 
@@ -115,29 +124,66 @@ struct Hold<'a> {
 
 impl Budget {
     fn new(max: usize) -> Self {
-        Self { max: max.max(1), used: Mutex::new(0), freed: parking_lot::Condvar::new() }
+        Self {
+            max: max.max(1),
+            used: AtomicUsize::new(0),
+            waiting: AtomicUsize::new(0),
+            lock: Mutex::new(()),
+            freed: parking_lot::Condvar::new(),
+        }
     }
 
-    /// Takes `bytes`, waiting while the budget is spent (a frame larger than the whole
-    /// budget goes when nothing else is held); `None` once `closing` is set.
+    /// Takes `bytes` if they fit (or nothing else is held: a frame larger than the whole
+    /// budget goes alone).
+    fn try_take(&self, bytes: usize) -> bool {
+        // ORDERING: AcqRel on success, Acquire on failure — the count is the only thing
+        // shared; it guards no other data, but Acquire/Release keeps take and give back in
+        // one order with the waiters' re-checks under the lock.
+        self.used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                (used == 0 || used + bytes <= self.max).then_some(used + bytes)
+            })
+            .is_ok()
+    }
+
+    /// Takes `bytes`, waiting while the budget is spent; `None` once `closing` is set.
     fn acquire<'a>(&'a self, bytes: usize, closing: &AtomicBool) -> Option<Hold<'a>> {
-        let mut used = self.used.lock();
-        // ORDERING: SeqCst — pairs with `RaggedTcp::close`.
-        while *used > 0 && *used + bytes > self.max {
-            if closing.load(Ordering::SeqCst) {
+        if !self.try_take(bytes) {
+            let mut guard = self.lock.lock();
+            // ORDERING: SeqCst — with the SeqCst load in `drop`: either that load sees this
+            // waiter, or our `try_take` below sees the bytes it gave back.
+            self.waiting.fetch_add(1, Ordering::SeqCst);
+            let taken = loop {
+                if self.try_take(bytes) {
+                    break true;
+                }
+                // ORDERING: SeqCst — pairs with `RaggedTcp::close`.
+                if closing.load(Ordering::SeqCst) {
+                    break false;
+                }
+                let _ = self.freed.wait_for(&mut guard, INSERT_SLICE);
+            };
+            // ORDERING: SeqCst — as above.
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+            if !taken {
                 return None;
             }
-            let _ = self.freed.wait_for(&mut used, INSERT_SLICE);
         }
-        *used += bytes;
         Some(Hold { budget: self, bytes })
     }
 }
 
 impl Drop for Hold<'_> {
     fn drop(&mut self) {
-        *self.budget.used.lock() -= self.bytes;
-        self.budget.freed.notify_all();
+        // ORDERING: SeqCst — the giving back comes before the look at `waiting` (see
+        // `acquire`).
+        self.budget.used.fetch_sub(self.bytes, Ordering::SeqCst);
+        // ORDERING: SeqCst — see `acquire`.
+        if self.budget.waiting.load(Ordering::SeqCst) > 0 {
+            // Under the lock: a waiter between its last look and its wait cannot miss it.
+            let _guard = self.budget.lock.lock();
+            self.budget.freed.notify_all();
+        }
     }
 }
 
@@ -384,11 +430,10 @@ fn serve(shared: &Shared, id: u64, mut stream: TcpStream) -> Result<(), EchoErro
     }
     let result = match offered {
         Some(offered) => match shm::attach(shared, offered, &mut stream, &mut leftover) {
-            Ok(shm::Path::Pipe(pipe, _held)) => {
+            Ok(shm::Path::Pipe(mut pipe, _held)) => {
                 // ORDERING: Relaxed — a statistics counter.
                 shared.counters.shm.fetch_add(1, Ordering::Relaxed);
-                let mut reader = io::BufReader::with_capacity(READ_BUFFER, pipe);
-                frames(shared, &mut reader, &writer)
+                frames(shared, &mut pipe)
             }
             Ok(shm::Path::Tcp) => tcp_frames(shared, leftover, stream, &writer),
             Ok(shm::Path::Ended) => Ok(()),
@@ -410,9 +455,8 @@ fn tcp_frames(
     stream: TcpStream,
     writer: &Mutex<TcpStream>,
 ) -> Result<(), EchoError> {
-    let mut reader =
-        io::BufReader::with_capacity(READ_BUFFER, io::Cursor::new(leftover).chain(stream));
-    frames(shared, &mut reader, writer)
+    let reader = io::BufReader::with_capacity(READ_BUFFER, io::Cursor::new(leftover).chain(stream));
+    frames(shared, &mut TcpInput { reader, writer })
 }
 
 fn read_exact_or_eof(reader: &mut impl Read, buf: &mut [u8]) -> Result<bool, EchoError> {
@@ -438,23 +482,51 @@ fn ack(writer: &Mutex<TcpStream>, mut n: usize) -> io::Result<()> {
 /// Reads frames and stores their samples. The acknowledgements of the frames stored go out
 /// together when the read buffer runs dry (before the thread would wait for more), so a
 /// worker that sends many small samples gets a few writes, not one per frame.
-fn frames(
-    shared: &Shared,
-    reader: &mut io::BufReader<impl Read>,
-    writer: &Mutex<TcpStream>,
-) -> Result<(), EchoError> {
+fn frames(shared: &Shared, input: &mut impl Input) -> Result<(), EchoError> {
     let mut unacked = 0usize;
-    let result = frames_acked(shared, reader, writer, &mut unacked);
+    let result = frames_acked(shared, input, &mut unacked);
     if result.is_ok() && unacked > 0 {
-        ack(writer, unacked)?;
+        input.ack(unacked)?;
     }
     result
 }
 
+/// Where a connection's frames come from, and where their acknowledgements go.
+trait Input: Read {
+    /// Whether what was read ahead is used up (the next read may wait): the moment to send
+    /// the acknowledgements held back.
+    fn dry(&self) -> bool;
+    /// Acknowledges `n` more samples, stored.
+    fn ack(&mut self, n: usize) -> io::Result<()>;
+}
+
+/// A worker's frames over TCP, read through a buffer; acknowledgements one byte a sample.
+struct TcpInput<'a, R> {
+    reader: io::BufReader<R>,
+    writer: &'a Mutex<TcpStream>,
+}
+
+impl<R: Read> Read for TcpInput<'_, R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.reader.read(buf)
+    }
+    fn read_exact(&mut self, buf: &mut [u8]) -> io::Result<()> {
+        self.reader.read_exact(buf)
+    }
+}
+
+impl<R: Read> Input for TcpInput<'_, R> {
+    fn dry(&self) -> bool {
+        self.reader.buffer().is_empty()
+    }
+    fn ack(&mut self, n: usize) -> io::Result<()> {
+        ack(self.writer, n)
+    }
+}
+
 fn frames_acked(
     shared: &Shared,
-    reader: &mut io::BufReader<impl Read>,
-    writer: &Mutex<TcpStream>,
+    reader: &mut impl Input,
     unacked: &mut usize,
 ) -> Result<(), EchoError> {
     let spec = shared.table.spec();
@@ -463,8 +535,8 @@ fn frames_acked(
     let mut head = Vec::new();
     let mut body = Vec::new();
     loop {
-        if *unacked > 0 && (reader.buffer().is_empty() || *unacked >= ACK_BATCH) {
-            ack(writer, std::mem::take(unacked))?;
+        if *unacked > 0 && (reader.dry() || *unacked >= ACK_BATCH) {
+            reader.ack(std::mem::take(unacked))?;
         }
         let mut kind = [0u8; 1];
         if !read_exact_or_eof(reader, &mut kind)? {
@@ -550,7 +622,7 @@ fn frames_acked(
 /// gone, or the server closing) ends the pipe's stream.
 #[cfg(target_os = "linux")]
 mod shm {
-    use std::io::Read;
+    use std::io::{self, Read};
     use std::net::TcpStream;
     use std::os::fd::AsFd;
     use std::time::{Duration, Instant};
@@ -585,10 +657,36 @@ mod shm {
         }
     }
 
+    /// A worker's frames through its pipe (no buffer: reading the pipe is a copy out of
+    /// memory already); acknowledgements as the count of samples stored, in the pipe's
+    /// segment, so neither side makes a system call for them.
+    pub(super) struct PipeInput {
+        pipe: PipeReader,
+        stored: u64,
+    }
+
+    impl Read for PipeInput {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            self.pipe.read(buf)
+        }
+    }
+
+    impl super::Input for PipeInput {
+        fn dry(&self) -> bool {
+            // Each frame's samples are acknowledged as soon as they are stored.
+            true
+        }
+        fn ack(&mut self, n: usize) -> io::Result<()> {
+            self.stored += n as u64;
+            self.pipe.acknowledge(self.stored);
+            Ok(())
+        }
+    }
+
     /// Which way a worker's frames come.
     pub(super) enum Path<'a> {
         /// Through its pipe.
-        Pipe(PipeReader, Held<'a>),
+        Pipe(PipeInput, Held<'a>),
         /// Over TCP: it declined the pipe.
         Tcp,
         /// Nowhere: it left (or said goodbye) before attaching.
@@ -642,7 +740,7 @@ mod shm {
                     *shared.segments.lock() += PIPE_SEGMENT_LEN;
                     let held = Held(shared);
                     pipe.watch(stream.as_fd())?;
-                    return Ok(Path::Pipe(pipe, held));
+                    return Ok(Path::Pipe(PipeInput { pipe, stored: 0 }, held));
                 }
                 Ok(Attached::Socket) => {}
                 Err(why) => return Err(EchoError::Protocol(why)),
@@ -683,8 +781,26 @@ mod shm {
         }
     }
 
+    pub(super) enum PipeInput {}
+
+    impl std::io::Read for PipeInput {
+        fn read(&mut self, _: &mut [u8]) -> std::io::Result<usize> {
+            match *self {}
+        }
+    }
+
+    impl super::Input for PipeInput {
+        fn dry(&self) -> bool {
+            match *self {}
+        }
+        fn ack(&mut self, _: usize) -> std::io::Result<()> {
+            match *self {}
+        }
+    }
+
+    #[allow(dead_code)] // matched on by the caller; only a pipe's attach makes one
     pub(super) enum Path {
-        Pipe(std::io::Empty, ()),
+        Pipe(PipeInput, ()),
         Tcp,
         Ended,
     }

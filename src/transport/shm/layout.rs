@@ -27,6 +27,14 @@ pub const OFF_HEAD: usize = 128;
 pub const OFF_READER_SLEEPING: usize = 192;
 /// Offset of `writer_sleeping` (atomic u32, the worker's).
 pub const OFF_WRITER_SLEEPING: usize = 256;
+/// Offset of `stored` (atomic u64, the learner's; byte pipes only): samples of the pipe's
+/// frames stored, the worker's acknowledgements.
+pub const OFF_STORED: usize = 320;
+/// Offset of `ack_sleeping` (atomic u32, the worker's; byte pipes only): non-zero while the
+/// worker sleeps (or is about to) until `stored` reaches `ack_target`.
+pub const OFF_ACK_SLEEPING: usize = 384;
+/// Offset of `ack_target` (atomic u64, the worker's; byte pipes only).
+pub const OFF_ACK_TARGET: usize = 448;
 /// Slot flag: the slot's priority field is set.
 pub const FLAG_PRIORITY: u32 = 1;
 /// Slot flag: the sample is a step of a row (its row and episode flag are set), for a

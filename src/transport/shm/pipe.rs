@@ -26,6 +26,8 @@
 use std::io::{self, Read};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::attach::{listen, own_uid, peer_uid, random_name, send_fds};
@@ -44,7 +46,7 @@ pub const PIPE_SEGMENT_LEN: usize = HEADER_LEN + SLOT_HEADER + PIPE_CAPACITY;
 const WAIT_SLICE: Duration = Duration::from_millis(200);
 
 /// Where the pipe's bytes start in the segment.
-const DATA: usize = HEADER_LEN + SLOT_HEADER;
+pub const DATA: usize = HEADER_LEN + SLOT_HEADER;
 
 /// The learner's side of a pipe: reads the worker's bytes in order.
 pub struct PipeReader {
@@ -95,6 +97,14 @@ impl PipeReader {
     /// Bytes read so far.
     pub fn head(&self) -> u64 {
         self.head
+    }
+
+    /// Acknowledges the first `stored` samples of the pipe's frames (a count that only
+    /// grows): the worker reads it instead of acknowledgements over TCP, and is woken if it
+    /// waits for it.
+    pub fn acknowledge(&self, stored: u64) {
+        let (indices, target) = self.segment.acks();
+        indices.release_to(stored, target, &self.space);
     }
 
     fn indices(&self) -> Indices<'_> {
@@ -184,6 +194,23 @@ impl PipeReader {
     }
 }
 
+impl PipeReader {
+    /// Reads what the worker committed, without waiting: 0 when nothing is.
+    ///
+    /// # Errors
+    /// `InvalidData` if the worker wrote an impossible tail.
+    pub fn try_read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let available = self.available()?;
+        let n = buf.len().min(usize::try_from(available).unwrap_or(usize::MAX));
+        if n > 0 {
+            self.copy_out(self.head, &mut buf[..n]);
+            self.head += n as u64;
+            self.indices().release(self.head, &self.space);
+        }
+        Ok(n)
+    }
+}
+
 impl Read for PipeReader {
     /// Reads what the worker committed (at least one byte, waiting for it), or 0 once its
     /// socket has ended and every committed byte was read.
@@ -195,12 +222,8 @@ impl Read for PipeReader {
             return Ok(0);
         }
         loop {
-            let available = self.available()?;
-            if available > 0 {
-                let n = buf.len().min(usize::try_from(available).unwrap_or(usize::MAX));
-                self.copy_out(self.head, &mut buf[..n]);
-                self.head += n as u64;
-                self.indices().release(self.head, &self.space);
+            let n = self.try_read(buf)?;
+            if n > 0 {
                 return Ok(n);
             }
             if self.lost {
@@ -226,12 +249,81 @@ pub enum PipeStop {
 
 /// The worker's side of a pipe.
 pub struct PipeWriter {
-    segment: Segment,
+    segment: Arc<Segment>,
     capacity: usize,
     /// Bytes written (committed or not).
     written: u64,
     data: EventFd,
     space: EventFd,
+}
+
+/// A worker's view of its pipe's acknowledgements (the samples the learner stored), apart
+/// from the [`PipeWriter`] so that reading them does not wait for a write.
+pub struct PipeAcks {
+    segment: Arc<Segment>,
+    space: EventFd,
+}
+
+impl PipeAcks {
+    /// Samples the learner has stored.
+    pub fn stored(&self) -> u64 {
+        self.segment.acks().0.taken()
+    }
+
+    /// Waits until the learner has stored `target` samples, `deadline` at the latest
+    /// (`None`: no limit) or until `lost()`.
+    ///
+    /// # Errors
+    /// [`PipeStop::TimedOut`] or [`PipeStop::Lost`].
+    pub fn wait_stored(
+        &self,
+        target: u64,
+        deadline: Option<Instant>,
+        lost: &dyn Fn() -> bool,
+    ) -> Result<(), PipeStop> {
+        let (indices, word) = self.segment.acks();
+        let ready = || indices.taken() >= target;
+        wait_until(&indices, Some((word, target)), &self.space, &ready, deadline, lost)
+    }
+}
+
+/// Waits until `ready()`, `deadline` at the latest or until `lost()`, sleeping on the space
+/// bell with the worker's flag of `indices` up (the learner rings it when it reads bytes,
+/// or stores the samples `target` names, while the flag is up: it publishes, fences, then
+/// looks at the flag, as [`Indices::release`] does). Two threads of a worker waiting at
+/// once may take each other's ring: each waits a slice at most before it looks again.
+fn wait_until(
+    indices: &Indices<'_>,
+    target: Option<(&AtomicU64, u64)>,
+    space: &EventFd,
+    ready: &dyn Fn() -> bool,
+    deadline: Option<Instant>,
+    lost: &dyn Fn() -> bool,
+) -> Result<(), PipeStop> {
+    loop {
+        if ready() {
+            return Ok(());
+        }
+        if lost() {
+            return Err(PipeStop::Lost);
+        }
+        let mut slice = WAIT_SLICE;
+        if let Some(deadline) = deadline {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(PipeStop::TimedOut);
+            }
+            slice = slice.min(left);
+        }
+        match target {
+            Some((word, want)) => Indices::sleep_for(indices.writer_sleeping, word, want),
+            None => Indices::sleep_begin(indices.writer_sleeping),
+        }
+        if !ready() {
+            space.wait(slice);
+        }
+        Indices::sleep_end(indices.writer_sleeping);
+    }
 }
 
 impl PipeWriter {
@@ -246,6 +338,7 @@ impl PipeWriter {
         space: std::os::fd::OwnedFd,
     ) -> Result<Self, String> {
         let (segment, capacity) = Segment::attach_pipe(segment)?;
+        let segment = Arc::new(segment);
         let writer =
             Self { segment, capacity, written: 0, data: EventFd(data), space: EventFd(space) };
         // ORDERING: see `Indices::committed`; a learner's pipe starts empty.
@@ -274,6 +367,14 @@ impl PipeWriter {
         self.space.try_clone()
     }
 
+    /// The pipe's acknowledgements, readable while a frame is being written.
+    ///
+    /// # Errors
+    /// The space bell's duplication.
+    pub fn acks(&self) -> io::Result<PipeAcks> {
+        Ok(PipeAcks { segment: Arc::clone(&self.segment), space: self.space.try_clone()? })
+    }
+
     /// Waits until `want` bytes are free, `deadline` at the latest (`None`: no limit) or
     /// until `lost()`.
     fn wait_room(
@@ -283,27 +384,8 @@ impl PipeWriter {
         lost: &dyn Fn() -> bool,
     ) -> Result<(), PipeStop> {
         let indices = self.indices();
-        loop {
-            if indices.room(self.written) >= want {
-                return Ok(());
-            }
-            if lost() {
-                return Err(PipeStop::Lost);
-            }
-            let mut slice = WAIT_SLICE;
-            if let Some(deadline) = deadline {
-                let left = deadline.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    return Err(PipeStop::TimedOut);
-                }
-                slice = slice.min(left);
-            }
-            Indices::sleep_begin(indices.writer_sleeping);
-            if indices.room(self.written) < want {
-                self.space.wait(slice);
-            }
-            Indices::sleep_end(indices.writer_sleeping);
-        }
+        let ready = || indices.room(self.written) >= want;
+        wait_until(&indices, None, &self.space, &ready, deadline, lost)
     }
 
     /// Writes one frame (`parts` in order) and commits it. Waits for room for the whole
@@ -553,6 +635,30 @@ mod tests {
         let want: Vec<u8> = (0..frames).flat_map(frame).collect();
         assert_eq!(got.len(), want.len());
         assert!(got == want, "every byte, in order");
+    }
+
+    #[test]
+    fn acknowledgements_in_the_segment_wake_a_worker_waiting_for_them() {
+        let (reader, writer) = pipe(64);
+        let acks = writer.acks().unwrap();
+        assert_eq!(acks.stored(), 0);
+        let soon = Some(Instant::now() + Duration::from_millis(20));
+        assert_eq!(acks.wait_stored(1, soon, &|| false), Err(PipeStop::TimedOut));
+        let learner = std::thread::spawn(move || {
+            for n in 1..=100 {
+                reader.acknowledge(n);
+                if n % 10 == 0 {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        });
+        let later = Some(Instant::now() + Duration::from_secs(30));
+        acks.wait_stored(50, later, &|| false).unwrap();
+        assert!(acks.stored() >= 50);
+        acks.wait_stored(100, later, &|| false).unwrap();
+        learner.join().unwrap();
+        assert_eq!(acks.stored(), 100);
+        assert_eq!(acks.wait_stored(101, None, &|| true), Err(PipeStop::Lost));
     }
 
     #[test]

@@ -152,7 +152,33 @@ impl Indices<'_> {
         }
     }
 
+    /// Consumer: [`Indices::release`] for a producer that says which count it waits for:
+    /// rings only if it sleeps and `head` reached its `target` (see
+    /// [`Indices::sleep_for`]), so a producer waiting for many is woken once, not once per
+    /// step.
+    pub fn release_to(&self, head: u64, target: &AtomicU64, bell: &impl Bell) {
+        // ORDERING: Release, as in `release`.
+        self.head.store(head, Release);
+        // ORDERING: SeqCst fence, as in `release`; the producer stores `target` before its
+        // own fence in `sleep_for`, so a flag seen raised here comes with its target.
+        fence(SeqCst);
+        // ORDERING: Relaxed, both — ordered after the store by the fence above, and after
+        // the producer's stores by its fence.
+        if self.writer_sleeping.load(Relaxed) != 0 && head >= target.load(Relaxed) {
+            bell.ring();
+        }
+    }
+
     // ----- either side -----
+
+    /// Producer: [`Indices::sleep_begin`] on `flag`, saying it waits until `head` reaches
+    /// `want` (for a consumer that publishes with [`Indices::release_to`]).
+    pub fn sleep_for(flag: &AtomicU32, target: &AtomicU64, want: u64) {
+        // ORDERING: Relaxed — published by the SeqCst fence in `sleep_begin`, before the
+        // flag can be seen after the consumer's fence.
+        target.store(want, Relaxed);
+        Self::sleep_begin(flag);
+    }
 
     /// Raises `flag` (the caller's own: `reader_sleeping` for the consumer, `writer_sleeping`
     /// for the producer) before the caller's last look at the other side's index. After this

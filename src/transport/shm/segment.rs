@@ -8,8 +8,9 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64};
 
 use super::layout::{
-    slot_stride, HEADER_LEN, MAGIC, OFF_HEAD, OFF_HEADER_LEN, OFF_PAYLOAD, OFF_READER_SLEEPING,
-    OFF_SLOTS, OFF_STRIDE, OFF_TAIL, OFF_VERSION, OFF_WRITER_SLEEPING, SLOT_HEADER, VERSION,
+    slot_stride, HEADER_LEN, MAGIC, OFF_ACK_SLEEPING, OFF_ACK_TARGET, OFF_HEAD, OFF_HEADER_LEN,
+    OFF_PAYLOAD, OFF_READER_SLEEPING, OFF_SLOTS, OFF_STORED, OFF_STRIDE, OFF_TAIL, OFF_VERSION,
+    OFF_WRITER_SLEEPING, SLOT_HEADER, VERSION,
 };
 use super::ring::Indices;
 
@@ -259,5 +260,20 @@ impl Segment {
             writer_sleeping: self.atomic_u32(OFF_WRITER_SLEEPING),
             slots: slots as u64,
         }
+    }
+
+    /// A byte pipe's acknowledgements as [`Indices`] and the worker's target: `head` is the
+    /// count of samples stored (the learner publishes it with [`Indices::release_to`], the
+    /// worker reads it with [`Indices::taken`] and sleeps on `ack_sleeping` with
+    /// [`Indices::sleep_for`], on the same bell as for room); `tail` is the pipe's (unused
+    /// here).
+    pub(super) fn acks(&self) -> (Indices<'_>, &AtomicU64) {
+        let indices = Indices {
+            head: self.atomic_u64(OFF_STORED),
+            writer_sleeping: self.atomic_u32(OFF_ACK_SLEEPING),
+            slots: u64::MAX,
+            ..self.indices(1)
+        };
+        (indices, self.atomic_u64(OFF_ACK_TARGET))
     }
 }
