@@ -314,6 +314,7 @@ mod over_tcp {
     use std::collections::HashSet;
     use std::io::{Read, Write};
     use std::net::TcpStream;
+    use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
     use std::thread;
     use std::time::{Duration, Instant};
@@ -366,6 +367,7 @@ mod over_tcp {
             max_connections: 64,
             max_buffered_bytes: budget,
             shared_memory: shm,
+            ..TcpOptions::default()
         };
         let tcp = RaggedTcp::start(table.clone(), layout(), "127.0.0.1", 0, options).unwrap();
         (table, tcp)
@@ -385,34 +387,106 @@ mod over_tcp {
             timeout: Duration::from_secs(5),
             max_inflight: 64,
             shared_memory,
+            ..SenderOptions::default()
         };
         RaggedSender::connect("127.0.0.1", port, spec(), layout(), options)
     }
 
     #[test]
     fn workers_deliver_every_sample_and_group_exactly_once() {
-        deliver_exactly_once(1 << 30, false);
+        deliver_exactly_once(1 << 30, false, 0);
     }
 
     #[test]
     fn a_byte_budget_smaller_than_one_frame_still_delivers_everything() {
         // 4 KiB: most frames are larger, so they are read one at a time.
-        deliver_exactly_once(4096, false);
+        deliver_exactly_once(4096, false, 0);
+    }
+
+    #[test]
+    fn workers_that_reconnect_after_cut_connections_deliver_every_sample_exactly_once() {
+        // Connections cut mid-frame, after frames stored but not acknowledged, and while
+        // frames are resent: each sample is still stored once.
+        deliver_exactly_once(1 << 30, false, 24);
     }
 
     #[test]
     #[cfg(target_os = "linux")]
     fn workers_on_this_host_deliver_every_sample_and_group_through_shared_memory_once() {
-        deliver_exactly_once(1 << 30, true);
+        deliver_exactly_once(1 << 30, true, 0);
     }
 
-    fn deliver_exactly_once(budget: usize, shm: bool) {
+    /// A TCP proxy to `port` on loopback that cuts up to `cuts` connections in all, each
+    /// after a pseudo-random number of bytes from the worker (2,000 to 42,000: past the
+    /// handshake), then forwards the rest whole. Returns its port and the cuts made so far.
+    fn cutting_proxy(port: u16, cuts: usize) -> (u16, Arc<AtomicUsize>) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let proxy = listener.local_addr().unwrap().port();
+        let made = Arc::new(AtomicUsize::new(0));
+        let counted = made.clone();
+        thread::spawn(move || {
+            let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+            for client in listener.incoming().take(10_000) {
+                let Ok(client) = client else { continue };
+                let Ok(server) = TcpStream::connect(("127.0.0.1", port)) else { continue };
+                seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+                let limit = 2_000 + (seed >> 33) as usize % 40_000;
+                let counted = counted.clone();
+                let (mut c_in, mut s_out) =
+                    (client.try_clone().unwrap(), server.try_clone().unwrap());
+                let (mut s_in, mut c_out) = (server, client);
+                thread::spawn(move || {
+                    let mut buf = [0u8; 4096];
+                    let mut passed = 0usize;
+                    while let Ok(n) = c_in.read(&mut buf) {
+                        let mut n = n;
+                        let cut = passed + n >= limit
+                            && counted
+                                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |c| {
+                                    (c < cuts).then_some(c + 1)
+                                })
+                                .is_ok();
+                        if cut {
+                            n = limit.saturating_sub(passed);
+                            let _ = s_out.write_all(&buf[..n]);
+                            break;
+                        }
+                        if n == 0 || s_out.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                        passed += n;
+                    }
+                    let _ = s_out.shutdown(std::net::Shutdown::Both);
+                    let _ = c_in.shutdown(std::net::Shutdown::Both);
+                });
+                thread::spawn(move || {
+                    let _ = std::io::copy(&mut s_in, &mut c_out);
+                    let _ = c_out.shutdown(std::net::Shutdown::Both);
+                });
+            }
+        });
+        (proxy, made)
+    }
+
+    /// Four workers send 150 groups each (ids unique) while the learner reads; with `cuts`,
+    /// through [`cutting_proxy`], reconnecting.
+    fn deliver_exactly_once(budget: usize, shm: bool, cuts: usize) {
         let (table, tcp) = serve_with(16, Some(b"secret"), budget, shm);
-        let port = tcp.port();
+        let (port, made) =
+            if cuts > 0 { cutting_proxy(tcp.port(), cuts) } else { (tcp.port(), Arc::default()) };
         let workers: Vec<_> = (0..4u64)
             .map(|w| {
                 thread::spawn(move || {
-                    let sender = connect_with(port, Some(b"secret"), Some(shm)).unwrap();
+                    let options = SenderOptions {
+                        token: Some(b"secret".to_vec()),
+                        timeout: Duration::from_secs(5),
+                        max_inflight: 64,
+                        shared_memory: Some(shm),
+                        reconnect: (cuts > 0).then_some(Duration::from_secs(20)),
+                    };
+                    let sender =
+                        RaggedSender::connect("127.0.0.1", port, spec(), layout(), options)
+                            .unwrap();
                     assert_eq!(sender.uses_shared_memory(), shm);
                     for g in 0..150u64 {
                         // Groups of 1 to 4 samples with ids w*100_000 + g*4 + k.
@@ -434,14 +508,16 @@ mod over_tcp {
                         sender.send_group(&out, None, None).unwrap();
                     }
                     sender.flush(Some(Instant::now() + Duration::from_secs(30))).unwrap();
-                    sender.counts()
+                    let (reconnects, _) = sender.recoveries();
+                    let (sent, acked) = sender.counts();
+                    (sent, acked, reconnects)
                 })
             })
             .collect();
         let closer = {
             let table = table.clone();
             thread::spawn(move || {
-                let counts: Vec<(u64, u64)> =
+                let counts: Vec<(u64, u64, u64)> =
                     workers.into_iter().map(|w| w.join().unwrap()).collect();
                 table.close(true);
                 counts
@@ -462,7 +538,11 @@ mod over_tcp {
         let counts = closer.join().unwrap();
         let expected: u64 = 4 * (0..150u64).map(|g| g % 4 + 1).sum::<u64>();
         assert_eq!(seen.len() as u64, expected);
-        assert!(counts.iter().all(|&(sent, acked)| sent == acked));
+        assert!(counts.iter().all(|&(sent, acked, _)| sent == acked));
+        let reconnects: u64 = counts.iter().map(|c| c.2).sum();
+        let made = made.load(Ordering::SeqCst);
+        assert!(made <= cuts && (cuts == 0 || made > 0), "{made} cuts");
+        assert!(reconnects >= u64::from(made > 0), "{reconnects} reconnections, {made} cuts");
         let piped = tcp.counters().shm.load(std::sync::atomic::Ordering::Relaxed);
         assert_eq!(piped, if shm { 4 } else { 0 });
         tcp.close(Closing::Final);

@@ -4,9 +4,11 @@
 `echo.Ragged` (`TcpClient.__new__`). It speaks wire v2 only (a ragged leaf cannot be described
 in v1), sends each sample or group as one frame, and checks lengths, length groups and the
 server's group size before anything is sent. On the server's host the frames go through a
-shared-memory pipe instead of the socket (`shared_memory=`, as for any `TcpClient`).
-Reconnects, durable sessions, wire compression and parameter fetches are not there yet:
-asking for them raises `ValueError`.
+shared-memory pipe instead of the socket (`shared_memory=`, as for any `TcpClient`). With
+`reconnect=True` it keeps each frame until its samples are stored, and after a lost
+connection connects again (for up to `reconnect_timeout`) and resends exactly what the
+server did not store. Durable sessions, wire compression and parameter fetches are not
+there yet: asking for them raises `ValueError`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import os
 from typing import Any, Literal
 
 from echo._echo import ConnectionClosedError, RaggedSender
-from echo._validate import check_bool, check_int, check_token
+from echo._validate import check_bool, check_int, check_seconds, check_token
 from echo.client import TcpClient
 from echo.ragged import RaggedLayout
 
@@ -50,7 +52,7 @@ class RaggedTcpClient(TcpClient):
         durable_bytes: int = 256 * 2**20,
         params_example: Any = None,
     ) -> None:
-        del reconnect_timeout, heartbeat_timeout, wire_compression, durable_bytes
+        del heartbeat_timeout, wire_compression, durable_bytes
         self._closed = True  # until connected: `close()` and `__del__` have nothing to do
         self._given_up: int | None = None
         self._name = name
@@ -60,7 +62,6 @@ class RaggedTcpClient(TcpClient):
                 "protocol=1 cannot carry ragged leaves (id-echo 0.2.1's wire has fixed shapes)"
             )
         for what, given in (
-            ("reconnect=True", reconnect),
             ("durable=True", durable),
             ("params_example=", params_example is not None),
         ):
@@ -76,6 +77,9 @@ class RaggedTcpClient(TcpClient):
             float(connect_timeout),
             check_int("max_inflight_msgs", max_inflight_msgs, 1, 2**32 - 1),
             None if shared_memory is None else check_bool("shared_memory", shared_memory),
+            check_seconds("reconnect_timeout", reconnect_timeout, optional=False)
+            if check_bool("reconnect", reconnect)
+            else None,
         )
         self._ragged_sender.set_reader(self._layout.flat_keys, self._layout.flatten)
         self._closed = False
@@ -167,11 +171,11 @@ class RaggedTcpClient(TcpClient):
 
     @property
     def reconnects(self) -> int:
-        return 0
+        return self._ragged_sender.recoveries[0]
 
     @property
     def resent(self) -> int:
-        return 0
+        return self._ragged_sender.recoveries[1]
 
     def __repr__(self) -> str:
         named = "" if self._name is None else f"name={self._name!r}, "

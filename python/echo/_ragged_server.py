@@ -383,6 +383,7 @@ class RaggedServer(Server):
             transport.max_connections,
             transport.max_buffered_bytes,
             transport.shared_memory,
+            transport.session_timeout,
         )
 
     def writer(self, *, timeout: float | None = None) -> NoReturn:  # pyright: ignore[reportIncompatibleMethodOverride]

@@ -4,6 +4,7 @@ server's errors and closing reaching the worker."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -341,3 +342,98 @@ def test_a_worker_killed_while_writing_its_pipe_loses_only_unacknowledged_sample
         assert seen[-1] == 10**6
         assert seen[:-1] == list(range(len(seen) - 1))
         assert len(seen) - 1 >= 51
+
+
+class _CuttingProxy:
+    """A TCP proxy on loopback to `port` that cuts each of its first `cuts` connections
+    after `after` bytes from the worker (mid-frame, mostly), then forwards whole."""
+
+    def __init__(self, port: int, cuts: int, after: int) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.cut = 0
+        self._target, self._cuts, self._after = port, cuts, after
+        self._socks: list[socket.socket] = []
+        self._closed = False
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        self.listener.settimeout(0.1)
+        for _ in range(10_000):
+            if self._closed:
+                return
+            try:
+                client, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            client.settimeout(None)
+            server = socket.create_connection(("127.0.0.1", self._target))
+            self._socks += [client, server]
+            limit = self._after if self.cut < self._cuts else 1 << 62
+            for args in ((client, server, limit), (server, client, 1 << 62)):
+                t = threading.Thread(target=self._pipe, args=args, daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, limit: int) -> None:
+        passed = 0
+        try:
+            while passed < limit and (data := src.recv(65536)):
+                data = data[: limit - passed]
+                dst.sendall(data)
+                passed += len(data)
+            if passed >= limit:
+                self.cut += 1
+        except OSError:
+            pass
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._closed = True
+        self._threads[0].join(timeout=10)
+        self.listener.close()
+        for s in self._socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+        for t in self._threads:
+            t.join(timeout=10)
+        for s in self._socks:
+            s.close()
+
+
+def test_a_worker_that_reconnects_after_cut_connections_stores_each_sample_once(
+    server: echo.Server,
+) -> None:
+    assert server.port is not None
+    proxy = _CuttingProxy(server.port, cuts=3, after=50_000)
+    n = 300
+    ids: list[int] = []
+    try:
+        with echo.TcpClient(
+            "127.0.0.1", proxy.port, example(), shared_memory=False, reconnect=True,
+            reconnect_timeout=30,
+        ) as client:  # fmt: skip
+            for i in range(n):
+                client.send(make(i), timeout=30)
+                if i % 16 == 15:  # the learner's turn: 16 a batch
+                    # A lost connection is noticed, and the unstored frames resent, by the
+                    # worker's next call: here the wait() (the learner shares its thread).
+                    client.wait(30)
+                    s = server.sample(timeout=30)
+                    assert s is not None
+                    ids.extend(int(j) for j in s.batch["id"])
+            client.wait(30)
+            assert client.reconnects >= 1
+            assert client.acked == client.sent == n
+    finally:
+        proxy.close()
+    server.close(drain=True)
+    while (s := server.sample(timeout=5)) is not None:
+        ids.extend(int(j) for j in s.batch["id"])
+    assert proxy.cut == 3
+    assert sorted(ids) == list(range(n)), "every sample once"

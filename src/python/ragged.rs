@@ -539,7 +539,7 @@ impl RaggedCore {
     /// Listens for workers on `host:port` (0: a free port); returns the port.
     #[pyo3(signature = (
         host, port, token=None, max_connections=1024, max_buffered_bytes=1 << 30,
-        shared_memory=true,
+        shared_memory=true, session_timeout=300.0,
     ))]
     #[allow(clippy::too_many_arguments)] // Python's keyword arguments
     fn start_tcp(
@@ -551,6 +551,7 @@ impl RaggedCore {
         max_connections: usize,
         max_buffered_bytes: usize,
         shared_memory: bool,
+        session_timeout: f64,
     ) -> PyResult<u16> {
         let mut tcp = self.tcp.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(running) = tcp.as_ref() {
@@ -559,8 +560,13 @@ impl RaggedCore {
         let (table, layout) = (self.table.clone(), self.layout.clone());
         let started = py
             .detach(|| {
-                let options =
-                    TcpOptions { token, max_connections, max_buffered_bytes, shared_memory };
+                let options = TcpOptions {
+                    token,
+                    max_connections,
+                    max_buffered_bytes,
+                    shared_memory,
+                    session_timeout: Duration::from_secs_f64(session_timeout.clamp(0.0, 1e9)),
+                };
                 RaggedTcp::start(table, layout, host, port, options)
             })
             .map_err(to_pyerr)?;
@@ -624,7 +630,7 @@ impl PyRaggedSender {
     #[new]
     #[pyo3(signature = (
         host, port, leaves, token=None, connect_timeout=10.0, max_inflight=256,
-        shared_memory=None,
+        shared_memory=None, reconnect_timeout=None,
     ))]
     #[allow(clippy::too_many_arguments)] // Python's keyword arguments
     fn new(
@@ -636,6 +642,7 @@ impl PyRaggedSender {
         connect_timeout: f64,
         max_inflight: usize,
         shared_memory: Option<bool>,
+        reconnect_timeout: Option<f64>,
     ) -> PyResult<Self> {
         let (spec, layout, types) = spec_of(leaves)?;
         if !connect_timeout.is_finite() || connect_timeout <= 0.0 {
@@ -644,9 +651,19 @@ impl PyRaggedSender {
             )));
         }
         let timeout = Duration::from_secs_f64(connect_timeout.min(1e6));
+        let reconnect = match reconnect_timeout {
+            Some(t) if !t.is_finite() || t <= 0.0 => {
+                return Err(PyValueError::new_err(format!(
+                    "reconnect_timeout must be a positive number of seconds, got {t}"
+                )))
+            }
+            Some(t) => Some(Duration::from_secs_f64(t.min(1e6))),
+            None => None,
+        };
         let sender = py
             .detach(|| {
-                let options = SenderOptions { token, timeout, max_inflight, shared_memory };
+                let options =
+                    SenderOptions { token, timeout, max_inflight, shared_memory, reconnect };
                 RaggedSender::connect(host, port, spec, layout, options)
             })
             .map_err(to_pyerr)?;
@@ -721,6 +738,12 @@ impl PyRaggedSender {
         } else {
             "tcp"
         }
+    }
+
+    /// (reconnections, samples resent after one).
+    #[getter]
+    fn recoveries(&self) -> (u64, u64) {
+        self.sender.recoveries()
     }
 
     #[getter]

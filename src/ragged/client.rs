@@ -3,11 +3,20 @@
 //! shared-memory pipe the server offers (the same bytes; see
 //! [`crate::transport::shm::pipe`]). Samples are checked against the spec before they are
 //! sent (lengths, length groups, the server's largest group), so a bad sample raises at
-//! the caller and nothing of it goes out. A reader thread counts the acknowledgements (over
-//! TCP on either path) and keeps the server's error or closing notice for the next call.
+//! the caller and nothing of it goes out. A reader thread per connection counts the
+//! acknowledgements (a pipe's are a count in its segment) and keeps the server's error or
+//! closing notice for the next call.
+//!
+//! With `reconnect`, the sender keeps a copy of every frame until its samples are
+//! acknowledged. When the connection drops (or the server says it is restarting) it
+//! connects again within `reconnect` with the same session id, saying how many samples it
+//! has seen acknowledged; the server answers how many of the session's samples it has
+//! stored, and the sender resends the frames after that: every sample is stored once.
 
+use std::collections::VecDeque;
 use std::io::{IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -19,9 +28,15 @@ use super::wire::{encode_head, Outgoing};
 use crate::error::EchoError;
 use crate::transport::wire::v2::{self, Closing, Hello, Layout, Offer, Reply};
 
+/// The first pause between two reconnection attempts (doubling up to [`LONGEST_PAUSE`]).
+const FIRST_PAUSE: Duration = Duration::from_millis(50);
+/// The longest pause between two reconnection attempts.
+const LONGEST_PAUSE: Duration = Duration::from_secs(1);
+
+/// What the reader thread of one connection learned.
 #[derive(Debug, Default)]
 struct State {
-    sent: u64,
+    /// Acknowledgements received over TCP on this connection.
     acked: u64,
     error: Option<String>,
     closing: Option<Closing>,
@@ -52,6 +67,29 @@ impl Shared {
     }
 }
 
+/// Why a connection can no longer be used, if it cannot.
+fn failure(state: &State) -> Option<EchoError> {
+    if let Some(why) = &state.error {
+        return Some(EchoError::Protocol(format!("the server refused a sample: {why}")));
+    }
+    match state.closing {
+        Some(Closing::Final) => Some(EchoError::ServerClosed("the server closed".into())),
+        Some(Closing::Restarting) => {
+            Some(EchoError::Disconnected("the server is restarting".into()))
+        }
+        None if state.ended => {
+            Some(EchoError::Disconnected("the server closed the connection".into()))
+        }
+        None => None,
+    }
+}
+
+/// Whether a reconnection may cure `err`: the connection was lost or refused, not the
+/// samples, the token or the layout.
+fn retryable(err: &EchoError) -> bool {
+    matches!(err, EchoError::Io(_) | EchoError::Disconnected(_))
+}
+
 /// How a [`RaggedSender`] connects.
 #[derive(Debug, Clone)]
 pub struct SenderOptions {
@@ -64,6 +102,9 @@ pub struct SenderOptions {
     /// The same-host shared-memory pipe: `None` when the server offers it, `Some(true)`
     /// required (an error without it), `Some(false)` never.
     pub shared_memory: Option<bool>,
+    /// `Some(limit)`: connect again (for up to `limit` each time) when the connection is
+    /// lost, resending what was not stored; `None`: a lost connection is an error.
+    pub reconnect: Option<Duration>,
 }
 
 impl Default for SenderOptions {
@@ -73,23 +114,116 @@ impl Default for SenderOptions {
             timeout: Duration::from_secs(10),
             max_inflight: 256,
             shared_memory: None,
+            reconnect: None,
         }
     }
 }
 
-/// The sending side of a worker.
-pub struct RaggedSender {
-    spec: RaggedSpec,
-    stream: Mutex<TcpStream>,
-    /// The shared-memory pipe frames go through, when attached.
-    pipe: Option<Mutex<pipe::Writer>>,
-    /// Its acknowledgements (the samples the server stored), read out of the pipe's
-    /// segment: a pipe's are not sent over TCP.
-    acks: Option<pipe::Acks>,
+/// What waits use of a connection, without its lock: its reader's state, its pipe's
+/// acknowledgements, and the samples stored before it.
+#[derive(Clone)]
+struct View {
     shared: Arc<Shared>,
-    reader: Mutex<Option<JoinHandle<()>>>,
-    max_group: usize,
-    max_inflight: u64,
+    acks: Option<Arc<pipe::Acks>>,
+    /// Samples of the session stored before this connection (its `resume_seq`).
+    base: u64,
+}
+
+impl View {
+    /// Samples of the session acknowledged.
+    fn acked(&self) -> u64 {
+        self.base
+            + self.acks.as_ref().map_or_else(|| self.shared.state.lock().acked, |a| a.stored())
+    }
+
+    fn failure(&self) -> Option<EchoError> {
+        failure(&self.shared.state.lock())
+    }
+
+    /// Waits until `target` samples of the session are acknowledged.
+    fn wait_acked(&self, target: u64, deadline: Option<Instant>) -> Result<(), EchoError> {
+        if let Some(acks) = &self.acks {
+            let want = target.saturating_sub(self.base);
+            return acks.wait_stored(want, deadline, &|| self.failure().is_some()).map_err(
+                |stop| match stop {
+                    pipe::Stop::TimedOut => EchoError::TimedOut,
+                    pipe::Stop::Lost => self.failure().unwrap_or_else(|| {
+                        EchoError::Disconnected("the server closed the connection".into())
+                    }),
+                },
+            );
+        }
+        let mut state = self.shared.state.lock();
+        loop {
+            if self.base + state.acked >= target {
+                return Ok(());
+            }
+            if let Some(err) = failure(&state) {
+                return Err(err);
+            }
+            self.shared.wait(&mut state, deadline)?;
+        }
+    }
+}
+
+/// One connection: its socket, its pipe, the thread reading what the server sends.
+struct Link {
+    stream: TcpStream,
+    pipe: Option<pipe::Writer>,
+    view: View,
+    reader: Option<JoinHandle<()>>,
+}
+
+impl Link {
+    /// Writes one frame (`parts`), through the pipe or the socket. A deadline is only
+    /// looked at before the frame starts (the pipe's room).
+    fn write(&mut self, parts: &[&[u8]], deadline: Option<Instant>) -> Result<(), EchoError> {
+        if let Some(pipe) = &mut self.pipe {
+            let view = &self.view;
+            return pipe.write_frame(parts, deadline, &|| view.failure().is_some()).map_err(
+                |stop| match stop {
+                    pipe::Stop::TimedOut => EchoError::TimedOut,
+                    pipe::Stop::Lost => view.failure().unwrap_or_else(|| {
+                        EchoError::Disconnected("the server closed the connection".into())
+                    }),
+                },
+            );
+        }
+        // One vectored write: the header, then every leaf straight from the caller's arrays.
+        let mut slices: Vec<IoSlice<'_>> =
+            parts.iter().filter(|p| !p.is_empty()).map(|p| IoSlice::new(p)).collect();
+        let mut rest = &mut slices[..];
+        while !rest.is_empty() {
+            let written = match self.stream.write_vectored(rest) {
+                Ok(n) => n,
+                Err(e) => return Err(self.view.failure().unwrap_or(EchoError::Io(e))),
+            };
+            if written == 0 {
+                return Err(EchoError::Disconnected("the server stopped reading".into()));
+            }
+            IoSlice::advance_slices(&mut rest, written);
+        }
+        Ok(())
+    }
+
+    /// Says goodbye (if `bye`) and closes the connection; joins its reader.
+    fn close(&mut self, bye: bool) {
+        if bye {
+            if let Some(pipe) = &mut self.pipe {
+                // The goodbye goes through the pipe, after every frame; the learner reads
+                // the pipe to its end either way once the socket closes.
+                let soon = Some(Instant::now() + Duration::from_secs(1));
+                let view = &self.view;
+                let _ = pipe.write_frame(&[&[v2::BYE]], soon, &|| view.failure().is_some());
+            } else {
+                let _ = self.stream.write_all(&[v2::BYE]);
+            }
+        }
+        let _ = self.stream.shutdown(Shutdown::Both);
+        if let Some(reader) = self.reader.take() {
+            let _ = reader.join();
+        }
+    }
 }
 
 fn read_some(stream: &mut TcpStream, received: &mut Vec<u8>) -> Result<(), EchoError> {
@@ -102,23 +236,23 @@ fn read_some(stream: &mut TcpStream, received: &mut Vec<u8>) -> Result<(), EchoE
     Ok(())
 }
 
-impl RaggedSender {
-    /// Connects to `host:port` and completes the handshake for samples of `spec`, described
-    /// as `layout`, as `options` say.
-    ///
-    /// # Errors
-    /// [`EchoError::Io`] / [`EchoError::Disconnected`] if the server cannot be reached;
-    /// [`EchoError::Protocol`] if it refuses the layout (naming the leaf) or is not a ragged
-    /// server; [`EchoError::Auth`] for a wrong or missing token;
-    /// [`EchoError::SharedMemory`] if shared memory is required and not to be had.
-    pub fn connect(
-        host: &str,
-        port: u16,
-        spec: RaggedSpec,
-        layout: Layout,
-        options: SenderOptions,
-    ) -> Result<Self, EchoError> {
-        let SenderOptions { token, timeout, max_inflight, shared_memory } = options;
+/// Where to connect and as what: the same for every connection of a sender.
+struct Dial {
+    host: String,
+    port: u16,
+    layout: Layout,
+    options: SenderOptions,
+    /// The session id every connection of the sender presents.
+    session: [u8; 16],
+}
+
+impl Dial {
+    /// Connects and completes the handshake, presenting `first_seq` (the samples of the
+    /// session seen acknowledged). Returns the connection, the server's largest group and
+    /// its `resume_seq` (the samples of the session it has stored).
+    fn open(&self, first_seq: u64) -> Result<(Link, usize), EchoError> {
+        let SenderOptions { token, timeout, shared_memory, .. } = &self.options;
+        let (host, port, timeout) = (self.host.as_str(), self.port, *timeout);
         let token = token.as_deref();
         let addr = (host, port)
             .to_socket_addrs()?
@@ -149,13 +283,13 @@ impl RaggedSender {
             read_some(&mut stream, &mut received)?;
         };
         let hello = Hello {
-            session: v2::random()?,
-            first_seq: 0,
+            session: self.session,
+            first_seq,
             heartbeat_ms: 0,
             client_nonce: v2::random()?,
-            layout,
+            layout: self.layout.clone(),
             mac: None,
-            shm: shared_memory != Some(false) && pipe::SUPPORTED,
+            shm: *shared_memory != Some(false) && pipe::SUPPORTED,
             notices: true,
             codecs: false,
             durable: false,
@@ -188,7 +322,7 @@ impl RaggedSender {
             Some(false) => None,
             wanted => {
                 let address = format!("{host}:{port}");
-                pipe::attach(&accept, &mut stream, &address, wanted == Some(true), timeout)?
+                pipe::attach(&accept, &mut stream, &address, *wanted == Some(true), timeout)?
             }
         };
         stream.set_read_timeout(None)?;
@@ -196,7 +330,7 @@ impl RaggedSender {
         let mut reading = stream.try_clone()?;
         let counting = shared.clone();
         let loss = pipe.as_ref().map(pipe::Writer::space_bell).transpose()?;
-        let acks = pipe.as_ref().map(pipe::Writer::acks).transpose()?;
+        let acks = pipe.as_ref().map(pipe::Writer::acks).transpose()?.map(Arc::new);
         let reader =
             std::thread::Builder::new().name("echo-ragged-acks".into()).spawn(move || {
                 read_acks(&mut reading, received, &counting);
@@ -205,15 +339,61 @@ impl RaggedSender {
                     pipe::ring(&bell);
                 }
             })?;
+        let view = View { shared, acks, base: accept.resume_seq };
+        Ok((Link { stream, pipe, view, reader: Some(reader) }, max_group))
+    }
+}
+
+/// The sending side of a worker.
+pub struct RaggedSender {
+    spec: RaggedSpec,
+    dial: Dial,
+    link: Mutex<Link>,
+    /// A copy of the current connection's [`View`], for waits that must not hold `link`.
+    view: Mutex<View>,
+    /// Samples of the session sent (the next one's sequence number).
+    sent: AtomicU64,
+    /// With `reconnect`: every frame whose samples are not known to be stored, with the
+    /// session's sample count after it.
+    retained: Mutex<VecDeque<(u64, Vec<u8>)>>,
+    max_group: usize,
+    max_inflight: u64,
+    reconnects: AtomicU64,
+    resent: AtomicU64,
+}
+
+impl RaggedSender {
+    /// Connects to `host:port` and completes the handshake for samples of `spec`, described
+    /// as `layout`, as `options` say.
+    ///
+    /// # Errors
+    /// [`EchoError::Io`] / [`EchoError::Disconnected`] if the server cannot be reached;
+    /// [`EchoError::Protocol`] if it refuses the layout (naming the leaf) or is not a ragged
+    /// server; [`EchoError::Auth`] for a wrong or missing token;
+    /// [`EchoError::SharedMemory`] if shared memory is required and not to be had.
+    pub fn connect(
+        host: &str,
+        port: u16,
+        spec: RaggedSpec,
+        layout: Layout,
+        options: SenderOptions,
+    ) -> Result<Self, EchoError> {
+        let max_inflight = options.max_inflight.max(1) as u64;
+        let dial = Dial { host: host.into(), port, layout, options, session: v2::random()? };
+        let (link, max_group) = dial.open(0)?;
+        let view = link.view.clone();
+        let sent = AtomicU64::new(view.base);
         Ok(Self {
             spec,
-            stream: Mutex::new(stream),
-            pipe: pipe.map(Mutex::new),
-            acks,
-            shared,
-            reader: Mutex::new(Some(reader)),
+            dial,
+            link: Mutex::new(link),
+            view: Mutex::new(view),
+            sent,
+            retained: Mutex::new(VecDeque::new()),
             max_group,
-            max_inflight: max_inflight.max(1) as u64,
+            max_inflight,
+            reconnects: AtomicU64::new(0),
+            resent: AtomicU64::new(0),
         })
     }
 
@@ -224,44 +404,77 @@ impl RaggedSender {
 
     /// Whether frames go through a shared-memory pipe (else over TCP).
     pub fn uses_shared_memory(&self) -> bool {
-        self.pipe.is_some()
-    }
-
-    /// Whether the connection has failed, closed or ended (a send would fail).
-    fn lost(&self) -> bool {
-        Self::failure(&self.shared.state.lock()).is_some()
+        self.view.lock().acks.is_some()
     }
 
     /// (sent, acknowledged) samples.
     pub fn counts(&self) -> (u64, u64) {
-        let state = self.shared.state.lock();
-        (state.sent, self.acks.as_ref().map_or(state.acked, pipe::Acks::stored))
+        let view = self.view.lock().clone();
+        // ORDERING: Relaxed — a count written only under `link`, read for statistics.
+        (self.sent.load(Ordering::Relaxed), view.acked())
     }
 
-    /// The error of a pipe's wait that stopped.
-    fn stopped(&self, stop: &pipe::Stop) -> EchoError {
-        match stop {
-            pipe::Stop::TimedOut => EchoError::TimedOut,
-            pipe::Stop::Lost => Self::failure(&self.shared.state.lock()).unwrap_or_else(|| {
-                EchoError::Disconnected("the server closed the connection".into())
-            }),
+    /// (reconnections, samples resent after one).
+    pub fn recoveries(&self) -> (u64, u64) {
+        // ORDERING: Relaxed — statistics counters.
+        (self.reconnects.load(Ordering::Relaxed), self.resent.load(Ordering::Relaxed))
+    }
+
+    /// `err`, or a reconnection (with `link` locked) when it is a lost connection and the
+    /// sender reconnects.
+    fn recover(&self, link: &mut Link, err: EchoError) -> Result<(), EchoError> {
+        let Some(limit) = self.dial.options.reconnect else { return Err(err) };
+        if !retryable(&err) {
+            return Err(err);
+        }
+        log::debug!("ragged worker: reconnecting after: {err}");
+        let until = Instant::now() + limit;
+        let mut pause = FIRST_PAUSE;
+        loop {
+            let acked = link.view.acked();
+            link.close(false);
+            let last = match self.dial.open(acked) {
+                Ok((fresh, _)) => {
+                    *link = fresh;
+                    *self.view.lock() = link.view.clone();
+                    // ORDERING: Relaxed — a statistics counter.
+                    self.reconnects.fetch_add(1, Ordering::Relaxed);
+                    match self.resend(link) {
+                        Ok(()) => return Ok(()),
+                        Err(err) if retryable(&err) => err,
+                        Err(err) => return Err(err),
+                    }
+                }
+                Err(err) if retryable(&err) => err,
+                Err(err) => return Err(err),
+            };
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(EchoError::Disconnected(format!(
+                    "could not reconnect to {}:{} within {limit:?}: {last}",
+                    self.dial.host, self.dial.port
+                )));
+            }
+            std::thread::sleep(pause.min(left));
+            pause = (pause * 2).min(LONGEST_PAUSE);
         }
     }
 
-    fn failure(state: &State) -> Option<EchoError> {
-        if let Some(why) = &state.error {
-            return Some(EchoError::Protocol(format!("the server refused a sample: {why}")));
+    /// Resends on a fresh connection every retained frame the server has not stored.
+    fn resend(&self, link: &mut Link) -> Result<(), EchoError> {
+        let stored = link.view.base;
+        let mut retained = self.retained.lock();
+        while retained.front().is_some_and(|&(end, _)| end <= stored) {
+            retained.pop_front();
         }
-        match state.closing {
-            Some(Closing::Final) => Some(EchoError::ServerClosed("the server closed".into())),
-            Some(Closing::Restarting) => {
-                Some(EchoError::Disconnected("the server is restarting".into()))
-            }
-            None if state.ended => {
-                Some(EchoError::Disconnected("the server closed the connection".into()))
-            }
-            None => None,
+        for (_, frame) in retained.iter() {
+            link.write(&[frame], None)?;
         }
+        // Frames are stored whole, so the first one left starts at `stored`.
+        let samples = retained.back().map_or(0, |&(end, _)| end.saturating_sub(stored));
+        // ORDERING: Relaxed — a statistics counter.
+        self.resent.fetch_add(samples, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Sends `samples` as one group frame (a single sample when there is one), waiting until
@@ -269,7 +482,8 @@ impl RaggedSender {
     ///
     /// # Errors
     /// [`EchoError::Sample`] for a sample the server would refuse (nothing is sent);
-    /// [`EchoError::TimedOut`]; the server's error, closing or disconnection.
+    /// [`EchoError::TimedOut`]; the server's error, closing or disconnection (with
+    /// `reconnect`: once reconnecting failed).
     pub fn send_group(
         &self,
         samples: &[Outgoing<'_>],
@@ -300,62 +514,78 @@ impl RaggedSender {
             self.spec.check(&rows, &bytes)?;
         }
         let head = encode_head(&self.spec, samples, priority)?;
-        if let Some(acks) = &self.acks {
-            let sent = {
-                let state = self.shared.state.lock();
-                if let Some(err) = Self::failure(&state) {
-                    return Err(err);
-                }
-                state.sent
-            };
-            if sent - acks.stored().min(sent) >= self.max_inflight {
-                // The window is full: wait until half of it is free (one wake-up for many
-                // samples stored, not one each).
-                let target = sent - self.max_inflight / 2;
-                acks.wait_stored(target, deadline, &|| self.lost())
-                    .map_err(|stop| self.stopped(&stop))?;
+        self.wait_window(deadline)?;
+        let mut parts: Vec<&[u8]> = Vec::with_capacity(1 + samples.len() * 4);
+        parts.push(&head);
+        parts.extend(samples.iter().flat_map(|s| s.leaves.iter().copied()));
+        self.write(&parts, samples.len() as u64, deadline)
+    }
+
+    /// Waits until fewer than `max_inflight` samples are unacknowledged (with a full window:
+    /// until half of it is free, one wake-up for many samples stored).
+    fn wait_window(&self, deadline: Option<Instant>) -> Result<(), EchoError> {
+        loop {
+            let view = self.view.lock().clone();
+            if let Some(err) = view.failure() {
+                self.recover_from(&view, err)?;
+                continue;
             }
-        } else {
-            let mut state = self.shared.state.lock();
-            loop {
-                if let Some(err) = Self::failure(&state) {
-                    return Err(err);
-                }
-                if state.sent - state.acked < self.max_inflight {
-                    break;
-                }
-                self.shared.wait(&mut state, deadline)?;
+            // ORDERING: Relaxed — written only under `link`; a stale value only waits less.
+            let sent = self.sent.load(Ordering::Relaxed);
+            if sent.saturating_sub(view.acked()) < self.max_inflight {
+                return Ok(());
+            }
+            let target = sent - self.max_inflight / 2;
+            match view.wait_acked(target, deadline) {
+                Ok(()) => return Ok(()),
+                Err(err) => self.recover_from(&view, err)?,
             }
         }
-        if let Some(pipe) = &self.pipe {
-            // The header, then every leaf straight from the caller's arrays into the pipe.
-            let mut parts: Vec<&[u8]> = Vec::with_capacity(1 + samples.len() * 4);
-            parts.push(&head);
-            parts.extend(samples.iter().flat_map(|s| s.leaves.iter().copied()));
-            let written = pipe.lock().write_frame(&parts, deadline, &|| self.lost());
-            written.map_err(|stop| self.stopped(&stop))?;
-            self.shared.state.lock().sent += samples.len() as u64;
-            return Ok(());
+    }
+
+    /// [`RaggedSender::recover`] from an error met on the connection `view` shows, unless
+    /// another thread has replaced that connection already.
+    fn recover_from(&self, view: &View, err: EchoError) -> Result<(), EchoError> {
+        let mut link = self.link.lock();
+        if !Arc::ptr_eq(&link.view.shared, &view.shared) {
+            return Ok(()); // reconnected meanwhile
         }
-        // One vectored write: the header, then every leaf straight from the caller's arrays.
-        let mut parts: Vec<IoSlice<'_>> = Vec::with_capacity(1 + samples.len() * 4);
-        parts.push(IoSlice::new(&head));
-        parts.extend(
-            samples
-                .iter()
-                .flat_map(|s| s.leaves.iter().filter(|l| !l.is_empty()).map(|l| IoSlice::new(l))),
-        );
-        let mut stream = self.stream.lock();
-        let mut rest = &mut parts[..];
-        while !rest.is_empty() {
-            let written = stream.write_vectored(rest)?;
-            if written == 0 {
-                return Err(EchoError::Disconnected("the server stopped reading".into()));
+        self.recover(&mut link, err)
+    }
+
+    /// Writes one frame of `samples` samples (`parts`) on the current connection; with
+    /// `reconnect`, keeps a copy until its samples are stored.
+    fn write(
+        &self,
+        parts: &[&[u8]],
+        samples: u64,
+        deadline: Option<Instant>,
+    ) -> Result<(), EchoError> {
+        let mut link = self.link.lock();
+        // ORDERING: Relaxed — `sent` is written only under `link`, which we hold.
+        let end = self.sent.load(Ordering::Relaxed) + samples;
+        if self.dial.options.reconnect.is_some() {
+            let acked = link.view.acked();
+            let mut retained = self.retained.lock();
+            while retained.front().is_some_and(|&(e, _)| e <= acked) {
+                retained.pop_front();
             }
-            IoSlice::advance_slices(&mut rest, written);
+            retained.push_back((end, parts.concat()));
         }
-        drop(stream);
-        self.shared.state.lock().sent += samples.len() as u64;
+        match link.write(parts, deadline) {
+            Ok(()) => {}
+            Err(EchoError::TimedOut) => {
+                // Nothing of the frame was written.
+                if self.dial.options.reconnect.is_some() {
+                    self.retained.lock().pop_back();
+                }
+                return Err(EchoError::TimedOut);
+            }
+            // With `reconnect` the frame is retained: the reconnection resends it.
+            Err(err) => self.recover(&mut link, err)?,
+        }
+        // ORDERING: Relaxed — see above.
+        self.sent.store(end, Ordering::Relaxed);
         Ok(())
     }
 
@@ -366,61 +596,37 @@ impl RaggedSender {
     /// As [`RaggedSender::send_group`].
     #[doc(hidden)]
     pub fn send_raw(&self, frame: &[u8], deadline: Option<Instant>) -> Result<(), EchoError> {
-        if let Some(pipe) = &self.pipe {
-            return pipe
-                .lock()
-                .write_frame(&[frame], deadline, &|| self.lost())
-                .map_err(|_| EchoError::Disconnected("the pipe is gone".into()));
-        }
-        Ok(self.stream.lock().write_all(frame)?)
+        self.link.lock().write(&[frame], deadline)
     }
 
     /// Waits until every sample sent is acknowledged (stored by the server).
     ///
     /// # Errors
     /// [`EchoError::TimedOut`]; the server's error, closing or disconnection while samples
-    /// are unacknowledged.
+    /// are unacknowledged (with `reconnect`: once reconnecting failed).
     pub fn flush(&self, deadline: Option<Instant>) -> Result<(), EchoError> {
-        if let Some(acks) = &self.acks {
-            let sent = self.shared.state.lock().sent;
-            return acks.wait_stored(sent, deadline, &|| self.lost()).map_err(|s| self.stopped(&s));
-        }
-        let mut state = self.shared.state.lock();
         loop {
-            if state.acked >= state.sent {
-                return Ok(());
+            let view = self.view.lock().clone();
+            // ORDERING: Relaxed — see `wait_window`.
+            let sent = self.sent.load(Ordering::Relaxed);
+            match view.wait_acked(sent, deadline) {
+                Ok(()) => return Ok(()),
+                Err(EchoError::TimedOut) => return Err(EchoError::TimedOut),
+                Err(err) => self.recover_from(&view, err)?,
             }
-            if let Some(err) = Self::failure(&state) {
-                return Err(err);
-            }
-            self.shared.wait(&mut state, deadline)?;
         }
     }
 
     /// Says goodbye and closes the connection (without waiting for acknowledgements: call
     /// [`RaggedSender::flush`] first for that).
     pub fn close(&self) {
-        if let Some(pipe) = &self.pipe {
-            // The goodbye goes through the pipe, after every frame; the learner reads the
-            // pipe to its end either way once the socket closes.
-            let soon = Some(Instant::now() + Duration::from_secs(1));
-            let _ = pipe.lock().write_frame(&[&[v2::BYE]], soon, &|| self.lost());
-            let _ = self.stream.lock().shutdown(Shutdown::Both);
-        }
-        {
-            let mut stream = self.stream.lock();
-            let _ = stream.write_all(&[v2::BYE]);
-            let _ = stream.shutdown(Shutdown::Both);
-        }
-        if let Some(reader) = self.reader.lock().take() {
-            let _ = reader.join();
-        }
+        self.link.lock().close(true);
     }
 }
 
 impl std::fmt::Debug for RaggedSender {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let path = if self.pipe.is_some() { "shm" } else { "tcp" };
+        let path = if self.uses_shared_memory() { "shm" } else { "tcp" };
         write!(f, "RaggedSender({path}, {:?})", self.counts())
     }
 }

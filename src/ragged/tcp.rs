@@ -51,6 +51,9 @@ pub struct TcpOptions {
     pub max_buffered_bytes: usize,
     /// Offer same-host workers a shared-memory pipe (Linux).
     pub shared_memory: bool,
+    /// How long a worker's session (how many of its samples are stored) outlives its
+    /// connection, so that a worker that reconnects resends exactly what was not stored.
+    pub session_timeout: Duration,
 }
 
 impl Default for TcpOptions {
@@ -60,6 +63,7 @@ impl Default for TcpOptions {
             max_connections: 4096,
             max_buffered_bytes: 1 << 30,
             shared_memory: true,
+            session_timeout: Duration::from_secs(300),
         }
     }
 }
@@ -82,6 +86,42 @@ pub struct TcpCounters {
 /// An open connection: its id, its write half, whether it understands closing notices.
 type OpenConn = (u64, Arc<Mutex<TcpStream>>, bool);
 
+/// A worker's session (its hello's session id), across its connections: how many of its
+/// samples are stored, and which connection may store more. A worker that reconnects says
+/// how many it has seen acknowledged (`first_seq`) and is told how many are stored
+/// (`resume_seq`): it resends exactly the frames after that, so each sample is stored once.
+#[derive(Default)]
+struct Session {
+    state: Mutex<SessionState>,
+}
+
+#[derive(Default)]
+struct SessionState {
+    /// Samples of the worker's frames stored (whole frames: a frame is stored atomically).
+    stored: u64,
+    /// The connection that owns the session (0: none); a connection that lost it to a newer
+    /// one of the same worker stores nothing more.
+    owner: u64,
+    /// Since when no connection owns it.
+    idle_since: Option<Instant>,
+}
+
+/// A connection's hold on its worker's session.
+struct Owned {
+    id: u64,
+    session: Arc<Session>,
+}
+
+impl Drop for Owned {
+    fn drop(&mut self) {
+        let mut state = self.session.state.lock();
+        if state.owner == self.id {
+            state.owner = 0;
+            state.idle_since = Some(Instant::now());
+        }
+    }
+}
+
 struct Shared {
     table: Arc<RaggedTable>,
     layout: Layout,
@@ -90,6 +130,9 @@ struct Shared {
     budget: Budget,
     #[cfg_attr(not(target_os = "linux"), allow(dead_code))] // off Linux no pipe is offered
     shared_memory: bool,
+    /// The workers' sessions by session id.
+    sessions: Mutex<std::collections::HashMap<[u8; 16], Arc<Session>>>,
+    session_timeout: Duration,
     /// Bytes of the shared-memory pipes attached now, and the most they may take.
     #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
     segments: Mutex<usize>,
@@ -214,7 +257,13 @@ impl RaggedTcp {
         port: u16,
         options: TcpOptions,
     ) -> Result<Self, EchoError> {
-        let TcpOptions { token, max_connections, max_buffered_bytes, shared_memory } = options;
+        let TcpOptions {
+            token,
+            max_connections,
+            max_buffered_bytes,
+            shared_memory,
+            session_timeout,
+        } = options;
         let addr = (host, port)
             .to_socket_addrs()?
             .next()
@@ -228,6 +277,8 @@ impl RaggedTcp {
             max_connections: max_connections.max(1),
             budget: Budget::new(max_buffered_bytes),
             shared_memory,
+            sessions: Mutex::new(std::collections::HashMap::new()),
+            session_timeout,
             segments: Mutex::new(0),
             max_segments: max_buffered_bytes / 2,
             closing: AtomicBool::new(false),
@@ -329,12 +380,58 @@ fn ragged_names(shared: &Shared) -> String {
     names.join(", ")
 }
 
-/// What a completed handshake leaves: the hello, the bytes after it, and the pipe offered.
-type Handshake = (v2::Hello, Vec<u8>, Option<shm::Offered>);
+/// What a completed handshake leaves: the hello, the bytes after it, the pipe offered, and
+/// the worker's session, owned.
+type Handshake = (v2::Hello, Vec<u8>, Option<shm::Offered>, Owned);
+
+/// Takes over the session `hello` names for connection `id` (a new one starts at the
+/// worker's `first_seq`: what an earlier server acknowledged is not asked for again): a
+/// connection of the same worker that still owns it stores nothing more and is shut down.
+/// Returns the hold and the samples stored, where the worker resumes. Sessions no
+/// connection has owned for `session_timeout` are forgotten first, and the idle ones
+/// beyond four per connection allowed, oldest first.
+fn take_session(shared: &Shared, hello: &v2::Hello, id: u64) -> (Owned, u64) {
+    let session = {
+        let mut sessions = shared.sessions.lock();
+        let idle = |s: &Session| s.state.lock().idle_since;
+        sessions.retain(|_, s| idle(s).is_none_or(|t| t.elapsed() < shared.session_timeout));
+        let cap = shared.max_connections.saturating_mul(4);
+        if sessions.len() > cap {
+            let mut idle_ones: Vec<([u8; 16], Instant)> =
+                sessions.iter().filter_map(|(k, s)| idle(s).map(|t| (*k, t))).collect();
+            idle_ones.sort_by_key(|&(_, t)| t);
+            for (key, _) in idle_ones.iter().take(sessions.len() - cap) {
+                sessions.remove(key);
+            }
+        }
+        sessions.entry(hello.session).or_default().clone()
+    };
+    // Waits for an insert of the previous owner in progress; after it, that one stores
+    // nothing more.
+    let (previous, stored) = {
+        let mut state = session.state.lock();
+        let previous = std::mem::replace(&mut state.owner, id);
+        state.idle_since = None;
+        state.stored = state.stored.max(hello.first_seq);
+        (previous, state.stored)
+    };
+    if previous != 0 {
+        for (other, writer, _) in shared.conns.lock().iter() {
+            if *other == previous {
+                let _ = writer.lock().shutdown(Shutdown::Both);
+            }
+        }
+    }
+    (Owned { id, session }, stored)
+}
 
 /// Reads the client's hello; answers it. Returns the hello, the bytes after it, and the
 /// shared-memory pipe offered in the reply (a same-host client that asked for one).
-fn handshake(shared: &Shared, stream: &mut TcpStream) -> Result<Option<Handshake>, EchoError> {
+fn handshake(
+    shared: &Shared,
+    stream: &mut TcpStream,
+    id: u64,
+) -> Result<Option<Handshake>, EchoError> {
     let mode = if shared.token.is_some() { Mode::Token } else { Mode::Open };
     let offer = Offer::new(mode)?;
     stream.write_all(&offer.encode())?;
@@ -389,7 +486,8 @@ fn handshake(shared: &Shared, stream: &mut TcpStream) -> Result<Option<Handshake
     }
     let replay = shared.table.config().sampler != RaggedSampler::Fifo;
     let signed = shared.token.as_deref().map(|t| (t, &*hello, &offer));
-    let mut accept = Accept::new(replay, hello.first_seq, 0, signed);
+    let (owned, resume) = take_session(shared, &hello, id);
+    let mut accept = Accept::new(replay, resume, 0, signed);
     // A ragged server's reply names the most samples a group frame may hold.
     accept.steps = Some(u32::try_from(shared.table.config().batch_size).unwrap_or(u32::MAX));
     let offered = if hello.shm {
@@ -411,12 +509,12 @@ fn handshake(shared: &Shared, stream: &mut TcpStream) -> Result<Option<Handshake
     // A worker that stops reading its acknowledgements (its receive buffer full) has its
     // connection ended, instead of holding a thread, and `close()`, in a write for ever.
     stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
-    Ok(Some((*hello, received[used..].to_vec(), offered)))
+    Ok(Some((*hello, received[used..].to_vec(), offered, owned)))
 }
 
 fn serve(shared: &Shared, id: u64, mut stream: TcpStream) -> Result<(), EchoError> {
     stream.set_nodelay(true)?;
-    let Some((hello, mut leftover, offered)) = handshake(shared, &mut stream)? else {
+    let Some((hello, mut leftover, offered, owned)) = handshake(shared, &mut stream, id)? else {
         return Ok(());
     };
     let writer = Arc::new(Mutex::new(stream.try_clone()?));
@@ -433,13 +531,13 @@ fn serve(shared: &Shared, id: u64, mut stream: TcpStream) -> Result<(), EchoErro
             Ok(shm::Path::Pipe(mut pipe, _held)) => {
                 // ORDERING: Relaxed — a statistics counter.
                 shared.counters.shm.fetch_add(1, Ordering::Relaxed);
-                frames(shared, &mut pipe)
+                frames(shared, &owned, &mut pipe)
             }
-            Ok(shm::Path::Tcp) => tcp_frames(shared, leftover, stream, &writer),
+            Ok(shm::Path::Tcp) => tcp_frames(shared, &owned, leftover, stream, &writer),
             Ok(shm::Path::Ended) => Ok(()),
             Err(err) => Err(err),
         },
-        None => tcp_frames(shared, leftover, stream, &writer),
+        None => tcp_frames(shared, &owned, leftover, stream, &writer),
     };
     if let Err(EchoError::Sample(why) | EchoError::Protocol(why)) = &result {
         let _ = writer.lock().write_all(&v2::encode_error(why));
@@ -451,12 +549,13 @@ fn serve(shared: &Shared, id: u64, mut stream: TcpStream) -> Result<(), EchoErro
 /// Reads the frames of a worker over TCP (after `leftover`, read with its hello).
 fn tcp_frames(
     shared: &Shared,
+    owned: &Owned,
     leftover: Vec<u8>,
     stream: TcpStream,
     writer: &Mutex<TcpStream>,
 ) -> Result<(), EchoError> {
     let reader = io::BufReader::with_capacity(READ_BUFFER, io::Cursor::new(leftover).chain(stream));
-    frames(shared, &mut TcpInput { reader, writer })
+    frames(shared, owned, &mut TcpInput { reader, writer })
 }
 
 fn read_exact_or_eof(reader: &mut impl Read, buf: &mut [u8]) -> Result<bool, EchoError> {
@@ -482,9 +581,9 @@ fn ack(writer: &Mutex<TcpStream>, mut n: usize) -> io::Result<()> {
 /// Reads frames and stores their samples. The acknowledgements of the frames stored go out
 /// together when the read buffer runs dry (before the thread would wait for more), so a
 /// worker that sends many small samples gets a few writes, not one per frame.
-fn frames(shared: &Shared, input: &mut impl Input) -> Result<(), EchoError> {
+fn frames(shared: &Shared, owned: &Owned, input: &mut impl Input) -> Result<(), EchoError> {
     let mut unacked = 0usize;
-    let result = frames_acked(shared, input, &mut unacked);
+    let result = frames_acked(shared, owned, input, &mut unacked);
     if result.is_ok() && unacked > 0 {
         input.ack(unacked)?;
     }
@@ -526,6 +625,7 @@ impl<R: Read> Input for TcpInput<'_, R> {
 
 fn frames_acked(
     shared: &Shared,
+    owned: &Owned,
     reader: &mut impl Input,
     unacked: &mut usize,
 ) -> Result<(), EchoError> {
@@ -598,8 +698,17 @@ fn frames_acked(
         }
         loop {
             let deadline = Some(Instant::now() + INSERT_SLICE);
+            // Under the session's lock: a newer connection of the same worker takes the
+            // session over between two tries, never during one.
+            let mut session = owned.session.state.lock();
+            if session.owner != owned.id {
+                return Ok(()); // the worker reconnected: the newer connection resends this
+            }
             match shared.table.insert_group(&samples, frame.priority, deadline) {
-                Ok(_) => break,
+                Ok(_) => {
+                    session.stored += frame.samples as u64;
+                    break;
+                }
                 // ORDERING: SeqCst — pairs with `close`.
                 Err(EchoError::TimedOut) if !shared.closing.load(Ordering::SeqCst) => {}
                 Err(EchoError::TimedOut | EchoError::Closed) => return Ok(()),
