@@ -483,6 +483,7 @@ mod over_tcp {
                         max_inflight: 64,
                         shared_memory: Some(shm),
                         reconnect: (cuts > 0).then_some(Duration::from_secs(20)),
+                        ..SenderOptions::default()
                     };
                     let sender =
                         RaggedSender::connect("127.0.0.1", port, spec(), layout(), options)

@@ -400,6 +400,8 @@ class RaggedSender:
         max_inflight: int = 256,
         shared_memory: bool | None = None,
         reconnect_timeout: float | None = None,
+        resolver: Callable[[tuple[str, int, str] | None], tuple[str, int] | None] | None = None,
+        dial_timeout: float | None = None,
     ) -> RaggedSender: ...
     def set_reader(self, keys: list[str] | None, flatten: Callable[[Any], list[Any]]) -> None: ...
     def send(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from typing import Any, Literal
 
 from echo._echo import ConnectionClosedError, RaggedSender
@@ -52,6 +53,49 @@ class RaggedTcpClient(TcpClient):
         durable_bytes: int = 256 * 2**20,
         params_example: Any = None,
     ) -> None:
+        self._open(
+            host,
+            port,
+            data_sample,
+            max_inflight_msgs,
+            connect_timeout=connect_timeout,
+            protocol=protocol,
+            token=token,
+            reconnect=reconnect,
+            reconnect_timeout=reconnect_timeout,
+            heartbeat_timeout=heartbeat_timeout,
+            shared_memory=shared_memory,
+            name=name,
+            wire_compression=wire_compression,
+            durable=durable,
+            durable_bytes=durable_bytes,
+            params_example=params_example,
+        )
+
+    def _open(  # pyright: ignore[reportIncompatibleMethodOverride]
+        self,
+        host: str,
+        port: int,
+        data_sample: Any,
+        max_inflight_msgs: int,
+        *,
+        connect_timeout: float,
+        protocol: Literal["auto", 1, 2],
+        token: str | None,
+        reconnect: bool,
+        reconnect_timeout: float,
+        heartbeat_timeout: float | None,
+        shared_memory: bool | None,
+        name: str | None,
+        wire_compression: bool = True,
+        durable: bool = False,
+        durable_bytes: int = 256 * 2**20,
+        params_example: Any = None,
+        dial_timeout: float | None = None,
+        resolver: Callable[[tuple[str, int, str] | None], tuple[str, int] | None] | None = None,
+    ) -> None:
+        """Checks the settings and connects (the constructor's body); `resolver` and
+        `dial_timeout` as for `TcpClient` (`echo.ray`)."""
         del heartbeat_timeout, wire_compression, durable_bytes
         self._closed = True  # until connected: `close()` and `__del__` have nothing to do
         self._given_up: int | None = None
@@ -80,6 +124,8 @@ class RaggedTcpClient(TcpClient):
             check_seconds("reconnect_timeout", reconnect_timeout, optional=False)
             if check_bool("reconnect", reconnect)
             else None,
+            resolver,
+            None if dial_timeout is None else float(dial_timeout),
         )
         self._ragged_sender.set_reader(self._layout.flat_keys, self._layout.flatten)
         self._closed = False

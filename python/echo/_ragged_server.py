@@ -154,11 +154,16 @@ class RaggedServer(Server):
         *,
         transport: TcpTransport | None = None,
         name: str | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: float | None = None,
+        checkpoint_keep: int = 3,
     ) -> RaggedServer:
         """A new ragged server with the settings and entries of the checkpoint at `path`
         (`Server.restore` calls this for a ragged checkpoint): every entry inserted again in
         order, with its priority and draw count. `example` (default: rebuilt from the leaves'
-        paths, dicts of str keys) must have the checkpoint's leaves."""
+        paths, dicts of str keys) must have the checkpoint's leaves. `checkpoint_dir`,
+        `checkpoint_every` and `checkpoint_keep`: its periodic checkpoints, as `Server`'s
+        (`echo.ray.shard_server` restores a shard with them)."""
         manifest, directory = _ragged_checkpoint.read(path)
         settings = dict(manifest["settings"])
         kind = settings.pop("sampler")
@@ -179,6 +184,9 @@ class RaggedServer(Server):
             sampler=sampler,
             rate_limiter=None if kind == "fifo" else MinSize(min_size),
             name=saved_name if name is None else name,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every,
+            checkpoint_keep=checkpoint_keep,
             **settings,
         )
         try:

@@ -45,9 +45,14 @@ import threading
 import time
 import uuid
 import weakref
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from echo._pytree import TreeLayout
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+from echo._ragged_client import RaggedTcpClient
+from echo._ragged_server import RaggedServer
 from echo._ray_registry import DEFAULT_LEASE_S
 from echo._ray_registry import TOKEN_VAR as _TOKEN_VAR
 from echo._ray_registry import Registry as _Registry
@@ -60,12 +65,14 @@ from echo._ray_registry import which_token as _which_token
 from echo._validate import check_int, check_seconds, check_token
 from echo.checkpoint import periodic_checkpoints
 from echo.client import TcpClient
+from echo.ragged import RaggedLayout, has_ragged_leaves
 from echo.server import Server
 from echo.transport import TcpTransport
 
 __all__ = [
     "DEFAULT_LEASE_S",
     "DEFAULT_NAMESPACE",
+    "RaggedShardClient",
     "Registration",
     "ShardClient",
     "ShardStatus",
@@ -319,14 +326,41 @@ def status(service: str, *, namespace: str = DEFAULT_NAMESPACE) -> list[ShardSta
     return out
 
 
-def _layout_record(layout: TreeLayout) -> list[tuple[str, str, tuple[int, ...]]]:
+_Record = list[tuple[str, str, tuple[Any, ...]]]
+
+
+def _layout_record(layout: TreeLayout) -> _Record:
     return [(leaf.name, str(leaf.dtype), tuple(leaf.shape)) for leaf in layout.leaves]
 
 
-def _layout_mismatch(
-    theirs: list[tuple[str, str, tuple[int, ...]]],
-    ours: list[tuple[str, str, tuple[int, ...]]],
-) -> str | None:
+def _ragged_record(layout: RaggedLayout) -> _Record:
+    """A ragged example's leaves: a ragged leaf's shape is `("0..max_len", *inner_shape)`."""
+    return [
+        (
+            leaf.name,
+            str(leaf.dtype),
+            tuple(leaf.shape)
+            if leaf.ragged is None
+            else (f"0..{leaf.ragged.max_len}", *leaf.shape),
+        )
+        for leaf in layout.leaves
+    ]
+
+
+def _example_record(example: Any) -> _Record:
+    """The leaves of a worker's example, as a registration records a shard's."""
+    if has_ragged_leaves(example):
+        return _ragged_record(RaggedLayout(example))
+    return _layout_record(TreeLayout(example))
+
+
+def _server_record(server: Server) -> _Record:
+    if isinstance(server, RaggedServer):
+        return _ragged_record(server._buffer.layout)  # pyright: ignore[reportPrivateUsage]
+    return _layout_record(server._layout)  # pyright: ignore[reportPrivateUsage]
+
+
+def _layout_mismatch(theirs: _Record, ours: _Record) -> str | None:
     """What differs between a shard's layout and an example's, or `None`."""
     their_names = [name for name, _, _ in theirs]
     our_names = [name for name, _, _ in ours]
@@ -551,7 +585,7 @@ def serve(
         "shard": shard,
         "host": reachable,
         "port": server.port,
-        "layout": _layout_record(server._layout),  # pyright: ignore[reportPrivateUsage]
+        "layout": _server_record(server),
         "batch_size": server.batch_size,
         "capacity": server.capacity,
         "node_id": context.get_node_id(),
@@ -698,14 +732,14 @@ class _ShardResolver:
         self,
         service: str,
         registry: Any,
-        layout: TreeLayout,
+        layout: _Record,
         shard: int | None,
         client: str,
         key: _ServiceKey | None,
     ) -> None:
         self.service = service
         self.registry = registry
-        self.layout = _layout_record(layout)
+        self.layout = layout
         self.pinned = shard
         self.client = client
         self.key = key
@@ -810,7 +844,16 @@ def _renew_leases(resolver: _ShardResolver, every: float, stop: threading.Event)
 class ShardClient(TcpClient):
     """A `TcpClient` to a shard of an echo service on Ray (see `connect()`); it has
     `TcpClient`'s API, `shard` and `generation` besides. A thread renews its lease on the
-    shard every third of the service's lease time until `close()`."""
+    shard every third of the service's lease time until `close()`. With an example of
+    `echo.Ragged` leaves it is a `RaggedShardClient` (`send_group()` too)."""
+
+    def __new__(  # pyright: ignore[reportInconsistentConstructor]
+        cls, service: str = "", data_sample: Any = None, *args: Any, **kwargs: Any
+    ) -> Self:
+        """A `RaggedShardClient` when `data_sample` has `echo.Ragged` leaves."""
+        if cls is ShardClient and has_ragged_leaves(data_sample):
+            return cast("Self", object.__new__(RaggedShardClient))
+        return object.__new__(cls)
 
     def __init__(  # pyright: ignore[reportInconsistentConstructor]
         self,
@@ -849,7 +892,7 @@ class ShardClient(TcpClient):
         self._service = service
         self._client_id = uuid.uuid4().hex
         self._resolver = _ShardResolver(
-            service, registry, TreeLayout(data_sample), shard, self._client_id, key
+            service, registry, _example_record(data_sample), shard, self._client_id, key
         )
         self._renewing = threading.Event()
         weakref.finalize(self, self._renewing.set)  # no renewals for a client collected unclosed
@@ -939,6 +982,12 @@ class ShardClient(TcpClient):
             f"generation={self.generation}, path={self.transport_path!r}, sent={self.sent}, "
             f"acked={self.acked}, closed={self._closed})"
         )
+
+
+class RaggedShardClient(ShardClient, RaggedTcpClient):
+    """A `ShardClient` whose example has `echo.Ragged` leaves: `RaggedTcpClient`'s sends
+    (`send()`, `send_group()`), to the shard the registry names, following it when its
+    learner restarts or the shard moves (resending what was not stored)."""
 
 
 def connect(

@@ -876,7 +876,15 @@ class Server:
         if _ragged_checkpoint.is_ragged(path):
             from echo._ragged_server import RaggedServer
 
-            return RaggedServer.from_checkpoint(path, example, transport=transport, name=name)  # pyright: ignore[reportReturnType]
+            return RaggedServer.from_checkpoint(  # pyright: ignore[reportReturnType]
+                path,
+                example,
+                transport=transport,
+                name=name,
+                checkpoint_dir=checkpoint_dir,
+                checkpoint_every=checkpoint_every,
+                checkpoint_keep=checkpoint_keep,
+            )
         periodic = periodic_args(
             checkpoint_dir, checkpoint_every, checkpoint_keep, checkpoint_extra
         )

@@ -37,6 +37,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 import echo  # noqa: E402
 import echo.ray  # noqa: E402
+from echo.checkpoint import periodic_checkpoints  # noqa: E402
 
 pytestmark = [
     pytest.mark.timeout(240),
@@ -701,3 +702,108 @@ def test_connect_takes_tcp_client_options_and_refuses_reconnect_false(cluster: C
     finally:
         server.close()
         echo.ray.shutdown_service("options", namespace=NS)
+
+
+RAGGED = {
+    "tokens": echo.Ragged(64, np.int32, group="completion"),
+    "logp": echo.Ragged(64, np.float32, group="completion"),
+    "id": np.zeros((), np.int64),
+}
+
+
+def _completion(i: int) -> dict[str, Any]:
+    n = i % 65
+    return {
+        "tokens": np.full(n, i, np.int32),
+        "logp": np.zeros(n, np.float32),
+        "id": np.int64(i),
+    }
+
+
+def _drain_ids(server: echo.Server) -> list[int]:
+    server.close(drain=True)
+    ids: list[int] = []
+    while (s := server.sample(timeout=WAIT_S)) is not None:
+        tokens = s.batch["tokens"]
+        for k, i in enumerate(int(i) for i in s.batch["id"]):
+            a, b = int(tokens.cu_seqlens[k]), int(tokens.cu_seqlens[k + 1])
+            assert b - a == i % 65, f"sample {i}: {b - a} rows"
+            assert (tokens.values[a:b] == i).all(), f"sample {i} intact"
+            ids.append(i)
+    return ids
+
+
+def test_ragged_workers_send_groups_to_their_shard_and_follow_it_to_a_new_learner(
+    cluster: Cluster,
+) -> None:
+    first = echo.Server(RAGGED, 8, echo.TcpTransport(port=0, host="127.0.0.1"), num_buffers=64)
+    first.start()
+    echo.ray.serve(first, "ragged", 0, namespace=NS)
+    second = None
+    try:
+        client = echo.ray.connect("ragged", RAGGED, namespace=NS, connect_timeout=WAIT_S)
+        assert isinstance(client, echo.ray.RaggedShardClient)
+        fixed = {**RAGGED, "tokens": np.zeros(64, np.int32)}
+        with pytest.raises(ValueError, match=r"the shard stores int32 \('0\.\.64',\)"):
+            echo.ray.connect("ragged", fixed, namespace=NS, connect_timeout=5.0)
+        for g in range(20):  # groups of 4: one prompt's completions
+            client.send_group([_completion(g * 4 + k) for k in range(4)], timeout=WAIT_S)
+        client.wait(WAIT_S)
+        before = _drain_ids(first)
+        # The learner is gone for good; another takes shard 0 at another port. The worker's
+        # next call finds it through the registry and goes on there.
+        second = echo.Server(RAGGED, 8, echo.TcpTransport(port=0, host="127.0.0.1"), num_buffers=64)
+        second.start()
+        echo.ray.serve(second, "ragged", 0, namespace=NS)
+        for g in range(20, 40):
+            client.send_group([_completion(g * 4 + k) for k in range(4)], timeout=WAIT_S)
+        client.wait(WAIT_S)
+        assert (client.shard, client.generation) == (0, 2)
+        assert client.reconnects >= 1
+        client.close()
+        after = _drain_ids(second)
+        no_duplicates(before + after)
+        assert sorted(before) == list(range(80))
+        assert sorted(after) == list(range(80, 160))
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
+        echo.ray.shutdown_service("ragged", namespace=NS)
+
+
+def test_a_ragged_shard_server_restores_its_newest_checkpoint_and_registers_again(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    transport = echo.TcpTransport(port=0, host="127.0.0.1")
+    first = echo.ray.shard_server(
+        "ragged-restore", 0, RAGGED, 8, checkpoint_dir=tmp_path, checkpoint_every=0.1,
+        transport=transport, namespace=NS, sampler=echo.Uniform(), max_size=1000,
+    )  # fmt: skip
+    second = None
+    try:
+        first.submit_group([_completion(i) for i in range(4)])
+        for i in range(4, 24):
+            first.submit(_completion(i))
+        # A periodic checkpoint taken after every submit.
+        before = set(periodic_checkpoints(tmp_path))
+        deadline = time.monotonic() + WAIT_S
+        while not set(periodic_checkpoints(tmp_path)) - before:
+            assert time.monotonic() < deadline, "no periodic checkpoint"
+            time.sleep(0.05)
+        first.close()
+        second = echo.ray.shard_server(
+            "ragged-restore", 0, RAGGED, 8, checkpoint_dir=tmp_path, checkpoint_every=60.0,
+            transport=transport, namespace=NS,
+        )  # fmt: skip
+        assert second.stats().store_size == 24
+        (shard,) = echo.ray.status("ragged-restore", namespace=NS)
+        assert (shard.port, shard.generation) == (second.port, 2)
+        s = second.sample(timeout=WAIT_S)
+        assert s is not None
+        assert s.num_samples >= 1
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
+        echo.ray.shutdown_service("ragged-restore", namespace=NS)

@@ -38,9 +38,16 @@ pub(crate) struct PyTcpSender {
 /// A Python callable as the client's [`Resolve`]: `resolver(last)` with `last` `None` or
 /// `(host, port, why the previous attempt ended)`, returning `(host, port)` or `None` (no
 /// server yet). Called with the GIL re-taken before each connection attempt.
-struct PyResolver {
+pub(crate) struct PyResolver {
     callable: Py<PyAny>,
     raised: Arc<Mutex<Option<PyErr>>>,
+}
+
+impl PyResolver {
+    /// `callable` as a resolver that keeps what it raises in `raised`.
+    pub(crate) fn new(callable: Py<PyAny>, raised: Arc<Mutex<Option<PyErr>>>) -> Self {
+        Self { callable, raised }
+    }
 }
 
 impl Resolve for PyResolver {

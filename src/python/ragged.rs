@@ -16,6 +16,7 @@ use pyo3::exceptions::{PyTimeoutError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use super::client::PyResolver;
 use super::errors::to_pyerr;
 use super::views::{new_array, LeafLayout, RingLease};
 use super::{deadline_from_timeout, wait_detached};
@@ -29,6 +30,7 @@ use crate::ragged::{
 };
 use crate::spec::ArraySpec;
 use crate::sync::Arc;
+use crate::transport::client::Resolver;
 use crate::transport::wire::v2::{Closing, DType, Layout, LeafType as WireLeaf};
 
 /// The numpy `base` of a gathered or padded part of a ragged batch: owns its buffer and
@@ -623,6 +625,15 @@ pub(crate) struct PyRaggedSender {
     sender: RaggedSender,
     leaves: Vec<LeafType>,
     reader: std::sync::OnceLock<SampleReader>,
+    /// What the resolver raised, if it did: the call that was connecting raises it.
+    raised: Arc<parking_lot::Mutex<Option<PyErr>>>,
+}
+
+impl PyRaggedSender {
+    /// `err` as its exception: what the resolver raised, if that was it.
+    fn error(&self, err: EchoError) -> PyErr {
+        self.raised.lock().take().unwrap_or_else(|| to_pyerr(err))
+    }
 }
 
 #[pymethods]
@@ -630,7 +641,7 @@ impl PyRaggedSender {
     #[new]
     #[pyo3(signature = (
         host, port, leaves, token=None, connect_timeout=10.0, max_inflight=256,
-        shared_memory=None, reconnect_timeout=None,
+        shared_memory=None, reconnect_timeout=None, resolver=None, dial_timeout=None,
     ))]
     #[allow(clippy::too_many_arguments)] // Python's keyword arguments
     fn new(
@@ -643,31 +654,42 @@ impl PyRaggedSender {
         max_inflight: usize,
         shared_memory: Option<bool>,
         reconnect_timeout: Option<f64>,
+        resolver: Option<Py<PyAny>>,
+        dial_timeout: Option<f64>,
     ) -> PyResult<Self> {
         let (spec, layout, types) = spec_of(leaves)?;
+        let seconds = |name: &str, t: Option<f64>| match t {
+            Some(t) if !t.is_finite() || t <= 0.0 => Err(PyValueError::new_err(format!(
+                "{name} must be a positive number of seconds, got {t}"
+            ))),
+            Some(t) => Ok(Some(Duration::from_secs_f64(t.min(1e6)))),
+            None => Ok(None),
+        };
+        let reconnect = seconds("reconnect_timeout", reconnect_timeout)?;
+        let dial = seconds("dial_timeout", dial_timeout)?;
+        let raised = Arc::new(parking_lot::Mutex::new(None));
+        let resolver = resolver.map(|callable| {
+            Resolver(std::sync::Arc::new(PyResolver::new(callable, Arc::clone(&raised))))
+        });
         if !connect_timeout.is_finite() || connect_timeout <= 0.0 {
             return Err(PyValueError::new_err(format!(
                 "connect_timeout must be a positive number of seconds, got {connect_timeout}"
             )));
         }
         let timeout = Duration::from_secs_f64(connect_timeout.min(1e6));
-        let reconnect = match reconnect_timeout {
-            Some(t) if !t.is_finite() || t <= 0.0 => {
-                return Err(PyValueError::new_err(format!(
-                    "reconnect_timeout must be a positive number of seconds, got {t}"
-                )))
-            }
-            Some(t) => Some(Duration::from_secs_f64(t.min(1e6))),
-            None => None,
+        let options = SenderOptions {
+            token,
+            timeout,
+            max_inflight,
+            shared_memory,
+            reconnect,
+            resolver,
+            dial,
         };
         let sender = py
-            .detach(|| {
-                let options =
-                    SenderOptions { token, timeout, max_inflight, shared_memory, reconnect };
-                RaggedSender::connect(host, port, spec, layout, options)
-            })
-            .map_err(to_pyerr)?;
-        Ok(Self { sender, leaves: types, reader: std::sync::OnceLock::new() })
+            .detach(|| RaggedSender::connect(host, port, spec, layout, options))
+            .map_err(|err| raised.lock().take().unwrap_or_else(|| to_pyerr(err)))?;
+        Ok(Self { sender, leaves: types, reader: std::sync::OnceLock::new(), raised })
     }
 
     /// Sets how `send` reads samples (see `RaggedCore.set_reader`).
@@ -712,7 +734,7 @@ impl PyRaggedSender {
                 .collect();
             sender.send_group(&out, priority, deadline)
         })
-        .map_err(to_pyerr)
+        .map_err(|err| self.error(err))
     }
 
     /// Waits until every sample sent is stored by the server.
@@ -720,7 +742,7 @@ impl PyRaggedSender {
     fn flush(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
         let deadline = deadline_from_timeout(timeout)?;
         let sender = &self.sender;
-        py.detach(|| sender.flush(deadline)).map_err(to_pyerr)
+        py.detach(|| sender.flush(deadline)).map_err(|err| self.error(err))
     }
 
     /// Says goodbye and closes the connection.

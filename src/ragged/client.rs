@@ -26,6 +26,7 @@ use parking_lot::{Condvar, Mutex};
 use super::spec::RaggedSpec;
 use super::wire::{encode_head, Outgoing};
 use crate::error::EchoError;
+use crate::transport::client::Resolver;
 use crate::transport::wire::v2::{self, Closing, Hello, Layout, Offer, Reply};
 
 /// The first pause between two reconnection attempts (doubling up to [`LONGEST_PAUSE`]).
@@ -105,6 +106,12 @@ pub struct SenderOptions {
     /// `Some(limit)`: connect again (for up to `limit` each time) when the connection is
     /// lost, resending what was not stored; `None`: a lost connection is an error.
     pub reconnect: Option<Duration>,
+    /// Asked for the address before every connection attempt (`echo.ray`: the shard's
+    /// learner, wherever it runs now), instead of `host:port`.
+    pub resolver: Option<Resolver>,
+    /// `Some(limit)`: the first connection is retried (a refused or lost connection, no
+    /// address yet) for up to `limit`; `None`: one attempt.
+    pub dial: Option<Duration>,
 }
 
 impl Default for SenderOptions {
@@ -115,6 +122,8 @@ impl Default for SenderOptions {
             max_inflight: 256,
             shared_memory: None,
             reconnect: None,
+            resolver: None,
+            dial: None,
         }
     }
 }
@@ -244,15 +253,67 @@ struct Dial {
     options: SenderOptions,
     /// The session id every connection of the sender presents.
     session: [u8; 16],
+    /// The address of the last attempt and why it failed, for the resolver.
+    last: Mutex<Option<(String, u16, String)>>,
 }
 
 impl Dial {
-    /// Connects and completes the handshake, presenting `first_seq` (the samples of the
-    /// session seen acknowledged). Returns the connection, the server's largest group and
-    /// its `resume_seq` (the samples of the session it has stored).
+    /// Connects (to the address the resolver names, if there is one) and completes the
+    /// handshake, presenting `first_seq` (the samples of the session seen acknowledged).
+    /// Returns the connection (its view's `base` is the server's `resume_seq`: the samples
+    /// of the session it has stored) and the server's largest group.
+    ///
+    /// # Errors
+    /// As [`RaggedSender::connect`]; a resolver's error as [`EchoError::Protocol`] (not to
+    /// be retried); no address yet as [`EchoError::Disconnected`].
     fn open(&self, first_seq: u64) -> Result<(Link, usize), EchoError> {
+        let (host, port) = match &self.options.resolver {
+            None => (self.host.clone(), self.port),
+            Some(resolver) => {
+                let last = self.last.lock().clone();
+                let asked = last.as_ref().map(|(h, p, why)| (h.as_str(), *p, why.as_str()));
+                match resolver.0.resolve(asked) {
+                    Ok(Some(address)) => address,
+                    Ok(None) => {
+                        return Err(EchoError::Disconnected(
+                            "no server to connect to yet (the resolver named none)".into(),
+                        ))
+                    }
+                    Err(err) => return Err(EchoError::Protocol(err.to_string())),
+                }
+            }
+        };
+        let opened = self.open_at(&host, port, first_seq);
+        *self.last.lock() = match &opened {
+            Err(err) if retryable(err) => Some((host, port, err.to_string())),
+            _ => None,
+        };
+        opened
+    }
+
+    /// [`Dial::open`], retrying a lost or refused connection (or no address yet) until
+    /// `until`, with pauses doubling from [`FIRST_PAUSE`] to [`LONGEST_PAUSE`].
+    fn open_retrying(&self, first_seq: u64, until: Instant) -> Result<(Link, usize), EchoError> {
+        let mut pause = FIRST_PAUSE;
+        loop {
+            let err = match self.open(first_seq) {
+                Ok(opened) => return Ok(opened),
+                Err(err) if retryable(&err) => err,
+                Err(err) => return Err(err),
+            };
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(err);
+            }
+            std::thread::sleep(pause.min(left));
+            pause = (pause * 2).min(LONGEST_PAUSE);
+        }
+    }
+
+    /// [`Dial::open`] at `host:port`.
+    fn open_at(&self, host: &str, port: u16, first_seq: u64) -> Result<(Link, usize), EchoError> {
         let SenderOptions { token, timeout, shared_memory, .. } = &self.options;
-        let (host, port, timeout) = (self.host.as_str(), self.port, *timeout);
+        let timeout = *timeout;
         let token = token.as_deref();
         let addr = (host, port)
             .to_socket_addrs()?
@@ -379,8 +440,14 @@ impl RaggedSender {
         options: SenderOptions,
     ) -> Result<Self, EchoError> {
         let max_inflight = options.max_inflight.max(1) as u64;
-        let dial = Dial { host: host.into(), port, layout, options, session: v2::random()? };
-        let (link, max_group) = dial.open(0)?;
+        let first = options.dial;
+        let session = v2::random()?;
+        let dial =
+            Dial { host: host.into(), port, layout, options, session, last: Mutex::new(None) };
+        let (link, max_group) = match first {
+            Some(limit) => dial.open_retrying(0, Instant::now() + limit)?,
+            None => dial.open(0)?,
+        };
         let view = link.view.clone();
         let sent = AtomicU64::new(view.base);
         Ok(Self {
@@ -424,7 +491,11 @@ impl RaggedSender {
     /// sender reconnects.
     fn recover(&self, link: &mut Link, err: EchoError) -> Result<(), EchoError> {
         let Some(limit) = self.dial.options.reconnect else { return Err(err) };
-        if !retryable(&err) {
+        // A server closed for good is the end, unless a resolver may name another one
+        // (`echo.ray`: the shard's next learner, or another shard).
+        let moved =
+            self.dial.options.resolver.is_some() && matches!(err, EchoError::ServerClosed(_));
+        if !retryable(&err) && !moved {
             return Err(err);
         }
         log::debug!("ragged worker: reconnecting after: {err}");
@@ -451,8 +522,7 @@ impl RaggedSender {
             let left = until.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Err(EchoError::Disconnected(format!(
-                    "could not reconnect to {}:{} within {limit:?}: {last}",
-                    self.dial.host, self.dial.port
+                    "could not reconnect within {limit:?}: {last}"
                 )));
             }
             std::thread::sleep(pause.min(left));
