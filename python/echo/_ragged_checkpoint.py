@@ -23,11 +23,11 @@ import contextlib
 import json
 import os
 import secrets
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from echo.checkpoint import CheckpointError
+from echo.checkpoint import CheckpointError, Extra
 from echo.ragged import Ragged
 
 if TYPE_CHECKING:
@@ -50,8 +50,60 @@ def _save(directory: str, name: str, array: np.ndarray[Any, Any]) -> None:
         os.fsync(f.fileno())
 
 
-def write(server: RaggedServer, path: str | os.PathLike[str], settings: dict[str, Any]) -> int:
-    """Writes `server`'s entries to `path` (see the module); returns the bytes written."""
+class _Opened:
+    """A ragged checkpoint's extra as `echo.checkpoint`'s decoder reads an opened one: its
+    directory, `extra.json`'s name (None without an extra) and the arrays it may name."""
+
+    def __init__(self, directory: str, manifest: dict[str, Any]) -> None:
+        found: Any = manifest.get("extra")
+        extra = cast("dict[str, Any]", found) if isinstance(found, dict) else {}
+        arrays: Any = extra.get("arrays", [])
+        self.root = directory
+        self.extra: str | None = None if not extra else str(extra.get("file"))
+        self._arrays: set[str] = (
+            {str(a) for a in cast("list[Any]", arrays)} if isinstance(arrays, list) else set()
+        )
+
+    def lists(self, name: str) -> bool:
+        return name in self._arrays
+
+
+def read_extra(manifest: dict[str, Any], directory: str) -> Any:
+    """The learner's state stored with the checkpoint (`checkpoint(path, extra=...)`), or
+    None."""
+    from echo.checkpoint import decode_extra_of
+
+    return decode_extra_of(_Opened(directory, manifest))
+
+
+def _write_extra(directory: str, extra: Extra) -> dict[str, Any]:
+    """Writes an encoded extra (`extra.json` and one `.npy` per array) into `directory`; its
+    entry of the manifest."""
+    import ast
+
+    tree, arrays = extra
+    names: list[str] = []
+    for i, (descr, shape, data) in enumerate(arrays):
+        name = f"extra_{i:03d}.npy"
+        dtype: Any = np.lib.format.descr_to_dtype(ast.literal_eval(descr))  # pyright: ignore[reportUnknownMemberType]
+        array: Any = np.frombuffer(data.tobytes(), dtype)
+        _save(directory, name, array.reshape(shape))
+        names.append(name)
+    with open(os.path.join(directory, "extra.json"), "wb") as f:
+        f.write(tree)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"file": "extra.json", "arrays": names}
+
+
+def write(
+    server: RaggedServer,
+    path: str | os.PathLike[str],
+    settings: dict[str, Any],
+    extra: Extra | None = None,
+) -> int:
+    """Writes `server`'s entries to `path` (see the module), with the learner's `extra`
+    (encoded by `echo.checkpoint.encode_extra`); returns the bytes written."""
     target: str = os.path.abspath(os.fspath(path))
     parent, name = os.path.split(target)
     if os.path.lexists(target) and not os.path.islink(target):
@@ -96,6 +148,8 @@ def write(server: RaggedServer, path: str | os.PathLike[str], settings: dict[str
             "settings": settings,
             "counts": {"samples": n, "entries": len(sizes)},
         }
+        if extra is not None:
+            manifest["extra"] = _write_extra(directory, extra)
         with open(os.path.join(directory, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()

@@ -19,6 +19,7 @@ from echo._echo import SampleInfo
 from echo._server_args import periodic_args
 from echo._tally import Tally
 from echo._validate import check_int
+from echo.checkpoint import encode_extra
 from echo.compression import Lz4, Zstd
 from echo.ragged import RaggedBuffer
 from echo.replay import Fifo, MinSize, Prioritized, Remover, Uniform
@@ -81,7 +82,6 @@ class RaggedServer(Server):
         for what, given in (
             ("pin_host_memory=True", pin_host_memory),
             ("sequence=", sequence is not None),
-            ("checkpoint_extra=", checkpoint_extra is not None),
             ("policy_versions=True", policy_versions),
             ("max_staleness=", max_staleness is not None),
             ("a remover other than Fifo()", remover is not None and not isinstance(remover, Fifo)),
@@ -191,6 +191,7 @@ class RaggedServer(Server):
         )
         try:
             _ragged_checkpoint.refill(server, manifest, directory)
+            server._restored_extra = _ragged_checkpoint.read_extra(manifest, directory)
         except BaseException:
             server.close()
             raise
@@ -363,8 +364,10 @@ class RaggedServer(Server):
         return 0
 
     @property
-    def restored_extra(self) -> None:
-        return None
+    def restored_extra(self) -> Any:
+        """The learner's state of the checkpoint this server was restored from (`extra=`),
+        or None."""
+        return self._restored_extra
 
     @property
     def dropped_at_close(self) -> int | None:
@@ -410,15 +413,19 @@ class RaggedServer(Server):
         `path` becomes a symbolic link replaced atomically. Inserts and sampling wait while
         the entries are copied. `Server.restore(path)` rebuilds the server.
 
+        `extra`: the learner's own state, as for `Server.checkpoint` (a tree of dicts, lists
+        and tuples whose leaves are numpy arrays, numpy scalars or JSON values), written in
+        the same directory and so replaced with the data; `restored_extra` and
+        `echo.checkpoint.read_extra(path)` give it back.
+
         Raises:
-            ValueError: `extra` is given (not supported for ragged servers yet).
+            TypeError: A node of `extra` is not one of those kinds (nothing is written).
             FileExistsError: `path` exists and is not a checkpoint link.
             OSError: Writing failed (nothing at `path` changed then).
         """
-        if extra is not None:
-            _unsupported("checkpoint(extra=...)")
+        encoded = None if extra is None else encode_extra(extra)
         try:
-            _ragged_checkpoint.write(self, path, self._settings)
+            _ragged_checkpoint.write(self, path, self._settings, encoded)
         except BaseException:
             self._tally.checkpoint_failures += 1
             raise

@@ -215,6 +215,12 @@ def _load_array(opened: _echo.OpenedCheckpoint, file: str, array_file: Any) -> n
         raise CheckpointError(f"{path}: not a readable .npy file ({e})") from None
 
 
+def decode_extra_of(opened: Any) -> Any:
+    """The extra tree of a checkpoint opened by another writer (a ragged server's): anything
+    with `root`, `extra` (extra.json's name or None) and `lists(name)`."""
+    return _decode_extra(opened)
+
+
 def _decode_extra(opened: _echo.OpenedCheckpoint) -> Any:
     """The extra tree of the opened (and checked) checkpoint (None without one)."""
     found = _extra_tree(opened)
@@ -345,6 +351,11 @@ def read_extra(path: str | os.PathLike[str]) -> Any:
         CheckpointError: A file is missing, truncated or corrupted, or the manifest is not an
             echo checkpoint's; the message names the file.
     """
+    from echo import _ragged_checkpoint
+
+    if _ragged_checkpoint.is_ragged(path):
+        manifest, directory = _ragged_checkpoint.read(path)
+        return _ragged_checkpoint.read_extra(manifest, directory)
     return _decode_extra(_echo.open_checkpoint(os.fspath(path), extra_only=True))
 
 

@@ -278,8 +278,6 @@ def test_settings_that_do_not_apply_are_refused() -> None:
         echo.Server(example(), 4, transport="tcp://:1234")
     with pytest.raises(ValueError, match="checkpoint_extra needs checkpoint_dir"):
         echo.Server(example(), 4, checkpoint_extra=dict)
-    with pytest.raises(ValueError, match=r"does not support checkpoint\(extra=...\) yet"):
-        echo.Server(example(), 4).checkpoint("/nonexistent/ckpt", extra={"step": 1})
     with pytest.raises(ValueError, match="needs max_size"):
         echo.Server(example(), 4, sampler=echo.Uniform())
     with pytest.raises(ValueError, match="several length groups"):
@@ -416,6 +414,42 @@ def test_periodic_checkpoints_of_a_ragged_server(tmp_path: Any) -> None:
     newest = periodic_checkpoints(tmp_path)[-1]
     restored = echo.Server.restore(newest)
     assert 0 < restored.stats().store_size <= 20
+    restored.close()
+
+
+def test_the_learners_state_goes_with_a_ragged_checkpoint_and_comes_back(tmp_path: Any) -> None:
+    from echo.checkpoint import periodic_checkpoints, read_extra
+
+    server = echo.Server(example(), 4, sampler=echo.Uniform(), max_size=50)
+    server.submit_group([make(0, 3), make(1, 4)])
+    weights = np.arange(12, dtype=np.float32).reshape(3, 4)
+    extra = {"params": {"w": weights}, "step": np.int64(1200), "lr": 3e-4, "tag": ("a", None)}
+    path = tmp_path / "ckpt"
+    with pytest.raises(TypeError, match=r"extra\['bad'\]"):
+        server.checkpoint(path, extra={"bad": object()})
+    assert not path.exists(), "nothing is written for an extra that cannot be"
+    server.checkpoint(path, extra=extra)
+    for got in (read_extra(path), echo.Server.restore(path).restored_extra):
+        np.testing.assert_array_equal(got["params"]["w"], weights)
+        assert got["params"]["w"].dtype == np.float32
+        assert (got["step"], type(got["step"])) == (1200, np.int64)
+        assert (got["lr"], got["tag"]) == (3e-4, ("a", None))
+    server.checkpoint(path)  # replaced by one without an extra
+    assert read_extra(path) is None
+    server.close()
+    # Periodic checkpoints take the learner's state from `checkpoint_extra`.
+    step = iter(range(1_000_000))
+    periodic = echo.Server(
+        example(), 4, sampler=echo.Uniform(), max_size=50, checkpoint_dir=tmp_path / "p",
+        checkpoint_every=0.05, checkpoint_extra=lambda: {"step": next(step)},
+    )  # fmt: skip
+    periodic.submit(make(3))
+    deadline = time.monotonic() + 10
+    while not periodic_checkpoints(tmp_path / "p") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    periodic.close()
+    restored = echo.Server.restore(periodic_checkpoints(tmp_path / "p")[-1])
+    assert isinstance(restored.restored_extra["step"], int)
     restored.close()
 
 
