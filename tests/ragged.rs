@@ -323,7 +323,7 @@ mod over_tcp {
     use echo::ragged::tcp::{RaggedTcp, TcpOptions};
     use echo::ragged::wire::{Outgoing, RAGGED_DIM};
     use echo::ragged::{BatchLayout, RaggedSampler, RaggedTable};
-    use echo::transport::wire::v2::{Closing, DType, Layout, LeafType};
+    use echo::transport::wire::v2::{self, Closing, DType, Layout, LeafType};
     use echo::EchoError;
 
     use super::{check_packed, config, length_of, make, spec};
@@ -570,6 +570,70 @@ mod over_tcp {
         assert!(err.to_string().contains("more than its max_len 300"), "{err}");
         assert_eq!(table.stats().samples, 0);
         tcp.close(Closing::Final);
+    }
+
+    #[test]
+    fn a_snapshot_counts_each_workers_samples_and_a_restored_server_resumes_it_there() {
+        let (table, tcp) = serve(4, None);
+        let sender = connect(tcp.port(), None).unwrap();
+        for id in 0..10u64 {
+            let m = make(id, length_of(id));
+            let leaves: [&[u8]; 3] = [&m.tokens, &m.logp, &m.id];
+            let rows = [m.len, m.len, 1];
+            sender.send_group(&[Outgoing { rows: &rows, leaves: &leaves }], None, None).unwrap();
+        }
+        sender.flush(Some(Instant::now() + Duration::from_secs(10))).unwrap();
+        let (export, sessions) = tcp.snapshot(|| table.export().unwrap());
+        assert_eq!(export.group_sizes.len(), 10);
+        assert_eq!(sessions, vec![(sender.session(), 10)]);
+        tcp.close(Closing::Restarting);
+        // A server restored with the sessions: a worker that says it saw 8 acknowledged is
+        // told that 10 are stored (it resends from there); one that saw 12 (a later
+        // checkpoint's worth) resumes at 12; an unknown session at what it says.
+        let options = TcpOptions {
+            max_connections: 8,
+            shared_memory: false,
+            sessions: vec![(sender.session(), 10)],
+            ..TcpOptions::default()
+        };
+        let table = Arc::new(RaggedTable::new(spec(), config(RaggedSampler::Fifo, 4, 16)).unwrap());
+        let restored = RaggedTcp::start(table, layout(), "127.0.0.1", 0, options).unwrap();
+        let resume = |session: [u8; 16], first_seq: u64| {
+            let mut raw = TcpStream::connect(("127.0.0.1", restored.port())).unwrap();
+            raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let mut offer = [0u8; v2::OFFER_LEN];
+            raw.read_exact(&mut offer).unwrap();
+            let offer = v2::Offer::parse(&offer).unwrap().unwrap();
+            let hello = v2::Hello {
+                session,
+                first_seq,
+                heartbeat_ms: 0,
+                client_nonce: [0; 16],
+                layout: layout(),
+                mac: None,
+                shm: false,
+                notices: true,
+                codecs: false,
+                durable: false,
+                params: false,
+                versions: false,
+            };
+            raw.write_all(&hello.encode(&offer, None).unwrap()).unwrap();
+            let mut reply = Vec::new();
+            let mut chunk = [0u8; 512];
+            loop {
+                let n = raw.read(&mut chunk).unwrap();
+                assert!(n > 0, "the server closed before its reply");
+                reply.extend_from_slice(&chunk[..n]);
+                if let Some((v2::Reply::Accepted(accept), _)) = v2::Reply::parse(&reply).unwrap() {
+                    return accept.resume_seq;
+                }
+            }
+        };
+        assert_eq!(resume(sender.session(), 8), 10);
+        assert_eq!(resume(sender.session(), 12), 12);
+        assert_eq!(resume([7; 16], 3), 3);
+        restored.close(Closing::Final);
     }
 
     #[test]

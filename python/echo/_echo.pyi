@@ -362,6 +362,7 @@ class RaggedCore:
         npt.NDArray[np.int64],
         npt.NDArray[np.float64],
         npt.NDArray[np.uint32],
+        list[tuple[bytes, int]],
     ]: ...
     def set_times_sampled(self, key: int, times: int) -> bool: ...
     def start_tcp(
@@ -373,6 +374,7 @@ class RaggedCore:
         max_buffered_bytes: int = ...,
         shared_memory: bool = True,
         session_timeout: float = 300.0,
+        sessions: list[tuple[bytes, int]] | None = None,
     ) -> int: ...
     @property
     def port(self) -> int | None: ...

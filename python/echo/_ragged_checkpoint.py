@@ -110,7 +110,7 @@ def write(
         raise FileExistsError(f"{target} exists and is not a checkpoint link")
     buffer = server._buffer  # pyright: ignore[reportPrivateUsage]
     exported: Any = buffer.core.export()
-    values, rows, sizes, priorities, times = exported
+    values, rows, sizes, priorities, times, sessions = exported
     leaves = buffer.layout.leaves
     n = len(rows) // len(leaves)
     per_sample = rows.reshape(n, len(leaves))
@@ -141,12 +141,17 @@ def write(
         _save(directory, "group_sizes.npy", sizes)
         _save(directory, "priorities.npy", priorities)
         _save(directory, "times_sampled.npy", times)
+        # The TCP workers' sessions: how many of each one's samples are stored, matching
+        # the entries (a restored server resumes each reconnecting worker from there).
+        ids: Any = np.frombuffer(b"".join(bytes(i) for i, _ in sessions), np.uint8)
+        _save(directory, "session_ids.npy", ids.reshape(len(sessions), 16))
+        _save(directory, "session_stored.npy", np.array([n for _, n in sessions], np.uint64))
         manifest = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "leaves": described,
             "settings": settings,
-            "counts": {"samples": n, "entries": len(sizes)},
+            "counts": {"samples": n, "entries": len(sizes), "sessions": len(sessions)},
         }
         if extra is not None:
             manifest["extra"] = _write_extra(directory, extra)
@@ -214,6 +219,25 @@ def read(path: str | os.PathLike[str]) -> tuple[dict[str, Any], str]:
 
 def example_of(manifest: dict[str, Any]) -> dict[str, Any]:
     return _example_from(manifest["leaves"])
+
+
+def sessions_of(manifest: dict[str, Any], directory: str) -> list[tuple[bytes, int]]:
+    """The TCP workers' sessions the checkpoint holds: (session id, samples stored) each;
+    none in a checkpoint written before sessions were kept."""
+    if "sessions" not in manifest.get("counts", {}):
+        return []
+    try:
+        ids = np.load(os.path.join(directory, "session_ids.npy"), allow_pickle=False)
+        stored = np.load(os.path.join(directory, "session_stored.npy"), allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{directory}: the sessions: {e}") from None
+    count = int(manifest["counts"]["sessions"])
+    if ids.shape != (count, 16) or stored.shape != (count,):
+        raise CheckpointError(
+            f"{directory}: {count} sessions in the manifest, arrays of {ids.shape} and "
+            f"{stored.shape}"
+        )
+    return [(bytes(ids[i]), int(stored[i])) for i in range(count)]
 
 
 def refill(server: RaggedServer, manifest: dict[str, Any], directory: str) -> None:

@@ -123,6 +123,8 @@ class RaggedServer(Server):
             vars(self)["submit"] = self._core.submit
         self._periodic = None
         self._restored_extra = None
+        # A restored checkpoint's TCP sessions, handed to the ingress when it starts.
+        self._restored_sessions: list[tuple[bytes, int]] = []
         self._settings: dict[str, Any] = {
             "sampler": self._buffer.kind,
             "exponent": getattr(sampler, "exponent", None),
@@ -192,6 +194,7 @@ class RaggedServer(Server):
         try:
             _ragged_checkpoint.refill(server, manifest, directory)
             server._restored_extra = _ragged_checkpoint.read_extra(manifest, directory)
+            server._restored_sessions = _ragged_checkpoint.sessions_of(manifest, directory)
         except BaseException:
             server.close()
             raise
@@ -395,6 +398,7 @@ class RaggedServer(Server):
             transport.max_buffered_bytes,
             transport.shared_memory,
             transport.session_timeout,
+            self._restored_sessions,
         )
 
     def writer(self, *, timeout: float | None = None) -> NoReturn:  # pyright: ignore[reportIncompatibleMethodOverride]

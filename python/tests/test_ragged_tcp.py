@@ -437,3 +437,44 @@ def test_a_worker_that_reconnects_after_cut_connections_stores_each_sample_once(
         ids.extend(int(j) for j in s.batch["id"])
     assert proxy.cut == 3
     assert sorted(ids) == list(range(n)), "every sample once"
+
+
+def test_a_restored_server_keeps_its_workers_sessions_and_they_go_on_exactly_once(
+    tmp_path: Any,
+) -> None:
+    transport = echo.TcpTransport(port=0, host="127.0.0.1")
+    first = echo.Server(example(), 8, transport=transport, sampler=echo.Uniform(), max_size=500)
+    first.start()
+    port = first.port
+    assert port is not None
+    client = echo.TcpClient(
+        "127.0.0.1", port, example(), shared_memory=False, reconnect=True, reconnect_timeout=30
+    )
+    for i in range(40):
+        client.send(make(i), timeout=30)
+    client.wait(30)
+    first.checkpoint(tmp_path / "ckpt")
+    manifest = (tmp_path / "ckpt" / "ragged.json").read_text()
+    assert '"sessions": 1' in manifest
+    first.close(restarting=True)
+    again = echo.TcpTransport(port=port, host="127.0.0.1")
+    second = echo.Server.restore(tmp_path / "ckpt", example(), transport=again)
+    second.start()
+    try:
+        for i in range(40, 80):
+            client.send(make(i), timeout=30)
+        client.wait(30)
+        assert client.reconnects >= 1
+        client.close()
+        stats = second.stats()
+        assert stats.store_size == 80
+        seen: list[int] = []
+        for _ in range(200):  # uniform draws until every id was seen
+            s = second.sample(timeout=5)
+            assert s is not None
+            seen.extend(int(i) for i in s.batch["id"])
+            if len(set(seen)) == 80:
+                break
+        assert set(seen) == set(range(80))
+    finally:
+        second.close()

@@ -520,9 +520,17 @@ impl RaggedCore {
         Bound<'py, PyArray1<i64>>,
         Bound<'py, PyArray1<f64>>,
         Bound<'py, PyArray1<u32>>,
+        Vec<(Vec<u8>, u64)>,
     )> {
         let table = &self.table;
-        let out = py.detach(|| table.export()).map_err(to_pyerr)?;
+        let tcp = self.tcp.lock().unwrap_or_else(|e| e.into_inner());
+        let (out, sessions) = py.detach(|| match tcp.as_ref() {
+            // With workers: their sessions' counts, matching the entries exactly.
+            Some(tcp) => tcp.snapshot(|| table.export()),
+            None => (table.export(), Vec::new()),
+        });
+        drop(tcp);
+        let out = out.map_err(to_pyerr)?;
         let as_i64 = |v: Vec<usize>| v.into_iter().map(|x| x as i64).collect::<Vec<i64>>();
         Ok((
             out.values.into_iter().map(|v| PyArray1::from_vec(py, v)).collect(),
@@ -530,6 +538,7 @@ impl RaggedCore {
             PyArray1::from_vec(py, as_i64(out.group_sizes)),
             PyArray1::from_vec(py, out.priorities),
             PyArray1::from_vec(py, out.times_sampled),
+            sessions.into_iter().map(|(id, n)| (id.to_vec(), n)).collect(),
         ))
     }
 
@@ -541,7 +550,7 @@ impl RaggedCore {
     /// Listens for workers on `host:port` (0: a free port); returns the port.
     #[pyo3(signature = (
         host, port, token=None, max_connections=1024, max_buffered_bytes=1 << 30,
-        shared_memory=true, session_timeout=300.0,
+        shared_memory=true, session_timeout=300.0, sessions=None,
     ))]
     #[allow(clippy::too_many_arguments)] // Python's keyword arguments
     fn start_tcp(
@@ -554,7 +563,15 @@ impl RaggedCore {
         max_buffered_bytes: usize,
         shared_memory: bool,
         session_timeout: f64,
+        sessions: Option<Vec<(Vec<u8>, u64)>>,
     ) -> PyResult<u16> {
+        let mut restored = Vec::new();
+        for (id, stored) in sessions.unwrap_or_default() {
+            let id: [u8; 16] = id.as_slice().try_into().map_err(|_| {
+                PyValueError::new_err(format!("a session id has 16 bytes, got {}", id.len()))
+            })?;
+            restored.push((id, stored));
+        }
         let mut tcp = self.tcp.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(running) = tcp.as_ref() {
             return Ok(running.port());
@@ -568,6 +585,7 @@ impl RaggedCore {
                     max_buffered_bytes,
                     shared_memory,
                     session_timeout: Duration::from_secs_f64(session_timeout.clamp(0.0, 1e9)),
+                    sessions: restored,
                 };
                 RaggedTcp::start(table, layout, host, port, options)
             })

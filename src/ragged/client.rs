@@ -481,6 +481,11 @@ impl RaggedSender {
         (self.sent.load(Ordering::Relaxed), view.acked())
     }
 
+    /// The session id every connection of this sender presents.
+    pub fn session(&self) -> [u8; 16] {
+        self.dial.session
+    }
+
     /// (reconnections, samples resent after one).
     pub fn recoveries(&self) -> (u64, u64) {
         // ORDERING: Relaxed — statistics counters.

@@ -54,6 +54,9 @@ pub struct TcpOptions {
     /// How long a worker's session (how many of its samples are stored) outlives its
     /// connection, so that a worker that reconnects resends exactly what was not stored.
     pub session_timeout: Duration,
+    /// Sessions to start with (a restored checkpoint's, see [`RaggedTcp::snapshot`]): each
+    /// worker's session id and the samples of it stored.
+    pub sessions: Vec<([u8; 16], u64)>,
 }
 
 impl Default for TcpOptions {
@@ -64,6 +67,7 @@ impl Default for TcpOptions {
             max_buffered_bytes: 1 << 30,
             shared_memory: true,
             session_timeout: Duration::from_secs(300),
+            sessions: Vec::new(),
         }
     }
 }
@@ -263,7 +267,16 @@ impl RaggedTcp {
             max_buffered_bytes,
             shared_memory,
             session_timeout,
+            sessions,
         } = options;
+        let now = Instant::now();
+        let sessions = sessions
+            .into_iter()
+            .map(|(id, stored)| {
+                let state = SessionState { stored, owner: 0, idle_since: Some(now) };
+                (id, Arc::new(Session { state: Mutex::new(state) }))
+            })
+            .collect();
         let addr = (host, port)
             .to_socket_addrs()?
             .next()
@@ -277,7 +290,7 @@ impl RaggedTcp {
             max_connections: max_connections.max(1),
             budget: Budget::new(max_buffered_bytes),
             shared_memory,
-            sessions: Mutex::new(std::collections::HashMap::new()),
+            sessions: Mutex::new(sessions),
             session_timeout,
             segments: Mutex::new(0),
             max_segments: max_buffered_bytes / 2,
@@ -301,6 +314,24 @@ impl RaggedTcp {
     /// Its counters.
     pub fn counters(&self) -> &TcpCounters {
         &self.shared.counters
+    }
+
+    /// Runs `export` (a copy of the table's entries, for a checkpoint) while no worker's
+    /// frame is being stored, and returns it with every session's count of samples stored,
+    /// which then match it exactly: a restored server with these sessions tells each
+    /// reconnecting worker to resend precisely the frames the checkpoint lacks.
+    pub fn snapshot<T>(&self, export: impl FnOnce() -> T) -> (T, Vec<([u8; 16], u64)>) {
+        // The map's lock keeps new sessions out; each session's lock waits for its
+        // connection's insert in progress and holds the next one back (a connection takes
+        // its session's lock, then the table's: the same order as here).
+        let sessions = self.shared.sessions.lock();
+        let held: Vec<([u8; 16], &Arc<Session>)> =
+            sessions.iter().map(|(id, session)| (*id, session)).collect();
+        let guards: Vec<_> = held.iter().map(|(id, s)| (*id, s.state.lock())).collect();
+        let exported = export();
+        let counts = guards.iter().map(|(id, state)| (*id, state.stored)).collect();
+        drop(guards);
+        (exported, counts)
     }
 
     /// Stops accepting, tells every client that understands it that the server closes
