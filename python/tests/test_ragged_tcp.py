@@ -478,3 +478,23 @@ def test_a_restored_server_keeps_its_workers_sessions_and_they_go_on_exactly_onc
         assert set(seen) == set(range(80))
     finally:
         second.close()
+
+
+def test_a_worker_that_cannot_reconnect_in_time_says_so_and_sends_no_more(
+    server: echo.Server,
+) -> None:
+    assert server.port is not None
+    proxy = _CuttingProxy(server.port, cuts=1, after=20_000)
+    client = echo.TcpClient(
+        "127.0.0.1", proxy.port, example(), shared_memory=False, reconnect=True,
+        reconnect_timeout=0.5,
+    )  # fmt: skip
+    proxy.close()  # its connection is cut after 20 KB, and no other is accepted
+    with pytest.raises(ConnectionError, match=r"could not reconnect within"):
+        for i in range(1000):
+            client.send(make(i, 300), timeout=10)
+        client.wait(10)
+    with pytest.raises(ConnectionError, match=r"could not be re-established"):
+        client.send(make(1000, 3), timeout=10)
+    assert client.reconnects == 0
+    client.close(timeout=0)

@@ -421,6 +421,8 @@ pub struct RaggedSender {
     max_inflight: u64,
     reconnects: AtomicU64,
     resent: AtomicU64,
+    /// Why reconnecting failed, once it has: every later call fails with it.
+    given_up: Mutex<Option<String>>,
 }
 
 impl RaggedSender {
@@ -461,6 +463,7 @@ impl RaggedSender {
             max_inflight,
             reconnects: AtomicU64::new(0),
             resent: AtomicU64::new(0),
+            given_up: Mutex::new(None),
         })
     }
 
@@ -495,6 +498,9 @@ impl RaggedSender {
     /// `err`, or a reconnection (with `link` locked) when it is a lost connection and the
     /// sender reconnects.
     fn recover(&self, link: &mut Link, err: EchoError) -> Result<(), EchoError> {
+        if let Some(why) = self.given_up.lock().clone() {
+            return Err(EchoError::Disconnected(why));
+        }
         let Some(limit) = self.dial.options.reconnect else { return Err(err) };
         // A server closed for good is the end, unless a resolver may name another one
         // (`echo.ray`: the shard's next learner, or another shard).
@@ -504,6 +510,17 @@ impl RaggedSender {
             return Err(err);
         }
         log::debug!("ragged worker: reconnecting after: {err}");
+        let reconnected = self.reconnect(link, limit);
+        if let Err(err) = &reconnected {
+            // Its frames may have reached the server or not: this sender sends no more.
+            *self.given_up.lock() =
+                Some(format!("the connection was lost and could not be re-established: {err}"));
+        }
+        reconnected
+    }
+
+    /// Connects again (for up to `limit`) and resends what the server has not stored.
+    fn reconnect(&self, link: &mut Link, limit: Duration) -> Result<(), EchoError> {
         let until = Instant::now() + limit;
         let mut pause = FIRST_PAUSE;
         loop {
@@ -589,6 +606,9 @@ impl RaggedSender {
             self.spec.check(&rows, &bytes)?;
         }
         let head = encode_head(&self.spec, samples, priority)?;
+        if let Some(why) = self.given_up.lock().clone() {
+            return Err(EchoError::Disconnected(why));
+        }
         self.wait_window(deadline)?;
         let mut parts: Vec<&[u8]> = Vec::with_capacity(1 + samples.len() * 4);
         parts.push(&head);
