@@ -414,6 +414,7 @@ class RaggedBuffer:
             "handshakes_refused_layout_total": s["handshakes_refused"],
             "samples_inserted_total": s["samples_received"],
             "shm_connections_total": s["shm_connections"],
+            "sessions_resumed_total": s["sessions_resumed"],
             "stored_bytes": s["arena_bytes_in_use"],
             "raw_bytes": s["raw_bytes"],
         }

@@ -430,6 +430,7 @@ def test_a_worker_that_reconnects_after_cut_connections_stores_each_sample_once(
             client.wait(30)
             assert client.reconnects >= 1
             assert client.acked == client.sent == n
+            assert server.stats().sessions_resumed_total == client.reconnects
     finally:
         proxy.close()
     server.close(drain=True)

@@ -505,6 +505,7 @@ impl RaggedCore {
         d.set_item("handshakes_refused", read(|c| &c.refused))?;
         d.set_item("samples_received", read(|c| &c.samples))?;
         d.set_item("shm_connections", read(|c| &c.shm))?;
+        d.set_item("sessions_resumed", read(|c| &c.resumed))?;
         Ok(d)
     }
 

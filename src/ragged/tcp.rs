@@ -85,6 +85,8 @@ pub struct TcpCounters {
     pub samples: AtomicU64,
     /// Connections whose frames came through a shared-memory pipe.
     pub shm: AtomicU64,
+    /// Handshakes that resumed a session the server knew (a worker that reconnected).
+    pub resumed: AtomicU64,
 }
 
 /// An open connection: its id, its write half, whether it understands closing notices.
@@ -97,6 +99,10 @@ type OpenConn = (u64, Arc<Mutex<TcpStream>>, bool);
 #[derive(Default)]
 struct Session {
     state: Mutex<SessionState>,
+    /// Since when no connection owns it: apart from `state`, which a connection holds
+    /// through an insert that may wait for room, so that forgetting idle sessions never
+    /// waits for one.
+    idle_since: Mutex<Option<Instant>>,
 }
 
 #[derive(Default)]
@@ -106,8 +112,6 @@ struct SessionState {
     /// The connection that owns the session (0: none); a connection that lost it to a newer
     /// one of the same worker stores nothing more.
     owner: u64,
-    /// Since when no connection owns it.
-    idle_since: Option<Instant>,
 }
 
 /// A connection's hold on its worker's session.
@@ -121,7 +125,7 @@ impl Drop for Owned {
         let mut state = self.session.state.lock();
         if state.owner == self.id {
             state.owner = 0;
-            state.idle_since = Some(Instant::now());
+            *self.session.idle_since.lock() = Some(Instant::now());
         }
     }
 }
@@ -273,8 +277,8 @@ impl RaggedTcp {
         let sessions = sessions
             .into_iter()
             .map(|(id, stored)| {
-                let state = SessionState { stored, owner: 0, idle_since: Some(now) };
-                (id, Arc::new(Session { state: Mutex::new(state) }))
+                let state = Mutex::new(SessionState { stored, owner: 0 });
+                (id, Arc::new(Session { state, idle_since: Mutex::new(Some(now)) }))
             })
             .collect();
         let addr = (host, port)
@@ -424,7 +428,7 @@ type Handshake = (v2::Hello, Vec<u8>, Option<shm::Offered>, Owned);
 fn take_session(shared: &Shared, hello: &v2::Hello, id: u64) -> (Owned, u64) {
     let session = {
         let mut sessions = shared.sessions.lock();
-        let idle = |s: &Session| s.state.lock().idle_since;
+        let idle = |s: &Session| *s.idle_since.lock();
         sessions.retain(|_, s| idle(s).is_none_or(|t| t.elapsed() < shared.session_timeout));
         let cap = shared.max_connections.saturating_mul(4);
         if sessions.len() > cap {
@@ -435,6 +439,10 @@ fn take_session(shared: &Shared, hello: &v2::Hello, id: u64) -> (Owned, u64) {
                 sessions.remove(key);
             }
         }
+        if sessions.contains_key(&hello.session) {
+            // ORDERING: Relaxed — a statistics counter.
+            shared.counters.resumed.fetch_add(1, Ordering::Relaxed);
+        }
         sessions.entry(hello.session).or_default().clone()
     };
     // Waits for an insert of the previous owner in progress; after it, that one stores
@@ -442,7 +450,7 @@ fn take_session(shared: &Shared, hello: &v2::Hello, id: u64) -> (Owned, u64) {
     let (previous, stored) = {
         let mut state = session.state.lock();
         let previous = std::mem::replace(&mut state.owner, id);
-        state.idle_since = None;
+        *session.idle_since.lock() = None;
         state.stored = state.stored.max(hello.first_seq);
         (previous, state.stored)
     };
