@@ -503,3 +503,21 @@ def test_a_worker_that_cannot_reconnect_in_time_says_so_and_sends_no_more(
         client.send(make(1000, 3), timeout=10)
     assert client.reconnects == 0
     client.close(timeout=0)
+
+
+def test_a_reconnecting_worker_keeps_to_the_timeout_of_the_call(server: echo.Server) -> None:
+    assert server.port is not None
+    proxy = _CuttingProxy(server.port, cuts=0, after=0)
+    client = echo.TcpClient(
+        "127.0.0.1", proxy.port, example(), shared_memory=False, reconnect=True,
+        reconnect_timeout=60,
+    )  # fmt: skip
+    client.send(make(1), timeout=10)
+    client.wait(10)
+    proxy.close()  # the connection is gone, and no other is accepted
+    started = time.monotonic()
+    with contextlib.suppress(TimeoutError):  # refused in the wait, or handed over to resend
+        client.send(make(2), timeout=0.5)
+    client.close(timeout=0.5)
+    assert time.monotonic() - started < 10, "the calls kept to their timeouts, not 60 s"
+    assert client.given_up == client.sent - client.acked

@@ -496,8 +496,14 @@ impl RaggedSender {
     }
 
     /// `err`, or a reconnection (with `link` locked) when it is a lost connection and the
-    /// sender reconnects.
-    fn recover(&self, link: &mut Link, err: EchoError) -> Result<(), EchoError> {
+    /// sender reconnects: for up to `reconnect`, or until the call's `deadline`
+    /// ([`EchoError::TimedOut`]; the next call tries again).
+    fn recover(
+        &self,
+        link: &mut Link,
+        err: EchoError,
+        deadline: Option<Instant>,
+    ) -> Result<(), EchoError> {
         if let Some(why) = self.given_up.lock().clone() {
             return Err(EchoError::Disconnected(why));
         }
@@ -510,8 +516,8 @@ impl RaggedSender {
             return Err(err);
         }
         log::debug!("ragged worker: reconnecting after: {err}");
-        let reconnected = self.reconnect(link, limit);
-        if let Err(err) = &reconnected {
+        let reconnected = self.reconnect(link, limit, deadline);
+        if let Err(err @ EchoError::Disconnected(_)) = &reconnected {
             // Its frames may have reached the server or not: this sender sends no more.
             *self.given_up.lock() =
                 Some(format!("the connection was lost and could not be re-established: {err}"));
@@ -519,8 +525,14 @@ impl RaggedSender {
         reconnected
     }
 
-    /// Connects again (for up to `limit`) and resends what the server has not stored.
-    fn reconnect(&self, link: &mut Link, limit: Duration) -> Result<(), EchoError> {
+    /// Connects again (for up to `limit`, or until `deadline`) and resends what the server
+    /// has not stored.
+    fn reconnect(
+        &self,
+        link: &mut Link,
+        limit: Duration,
+        deadline: Option<Instant>,
+    ) -> Result<(), EchoError> {
         let until = Instant::now() + limit;
         let mut pause = FIRST_PAUSE;
         loop {
@@ -541,13 +553,18 @@ impl RaggedSender {
                 Err(err) if retryable(&err) => err,
                 Err(err) => return Err(err),
             };
-            let left = until.saturating_duration_since(Instant::now());
+            let now = Instant::now();
+            let left = until.saturating_duration_since(now);
             if left.is_zero() {
                 return Err(EchoError::Disconnected(format!(
                     "could not reconnect within {limit:?}: {last}"
                 )));
             }
-            std::thread::sleep(pause.min(left));
+            let call_left = deadline.map_or(left, |d| d.saturating_duration_since(now));
+            if call_left.is_zero() {
+                return Err(EchoError::TimedOut);
+            }
+            std::thread::sleep(pause.min(left).min(call_left));
             pause = (pause * 2).min(LONGEST_PAUSE);
         }
     }
@@ -622,7 +639,7 @@ impl RaggedSender {
         loop {
             let view = self.view.lock().clone();
             if let Some(err) = view.failure() {
-                self.recover_from(&view, err)?;
+                self.recover_from(&view, err, deadline)?;
                 continue;
             }
             // ORDERING: Relaxed — written only under `link`; a stale value only waits less.
@@ -633,19 +650,24 @@ impl RaggedSender {
             let target = sent - self.max_inflight / 2;
             match view.wait_acked(target, deadline) {
                 Ok(()) => return Ok(()),
-                Err(err) => self.recover_from(&view, err)?,
+                Err(err) => self.recover_from(&view, err, deadline)?,
             }
         }
     }
 
     /// [`RaggedSender::recover`] from an error met on the connection `view` shows, unless
     /// another thread has replaced that connection already.
-    fn recover_from(&self, view: &View, err: EchoError) -> Result<(), EchoError> {
+    fn recover_from(
+        &self,
+        view: &View,
+        err: EchoError,
+        deadline: Option<Instant>,
+    ) -> Result<(), EchoError> {
         let mut link = self.link.lock();
         if !Arc::ptr_eq(&link.view.shared, &view.shared) {
             return Ok(()); // reconnected meanwhile
         }
-        self.recover(&mut link, err)
+        self.recover(&mut link, err, deadline)
     }
 
     /// Writes one frame of `samples` samples (`parts`) on the current connection; with
@@ -676,8 +698,20 @@ impl RaggedSender {
                 }
                 return Err(EchoError::TimedOut);
             }
-            // With `reconnect` the frame is retained: the reconnection resends it.
-            Err(err) => self.recover(&mut link, err)?,
+            Err(err) if self.dial.options.reconnect.is_none() => return Err(err),
+            Err(err) => {
+                // The frame is retained, and counted as sent from here on however the
+                // reconnection ends: a connection that took it may have stored it, so the
+                // session's numbering goes past it. A reconnection cut short by the call's
+                // deadline resends it with the next call's.
+                let recovered = self.recover(&mut link, err, deadline);
+                // ORDERING: Relaxed — see above.
+                self.sent.store(end, Ordering::Relaxed);
+                return match recovered {
+                    Err(EchoError::TimedOut) | Ok(()) => Ok(()),
+                    Err(err) => Err(err),
+                };
+            }
         }
         // ORDERING: Relaxed — see above.
         self.sent.store(end, Ordering::Relaxed);
@@ -707,7 +741,7 @@ impl RaggedSender {
             match view.wait_acked(sent, deadline) {
                 Ok(()) => return Ok(()),
                 Err(EchoError::TimedOut) => return Err(EchoError::TimedOut),
-                Err(err) => self.recover_from(&view, err)?,
+                Err(err) => self.recover_from(&view, err, deadline)?,
             }
         }
     }
