@@ -5,6 +5,7 @@ learner, and the precise errors."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -785,11 +786,19 @@ def test_a_ragged_shard_server_restores_its_newest_checkpoint_and_registers_agai
         first.submit_group([_completion(i) for i in range(4)])
         for i in range(4, 24):
             first.submit(_completion(i))
-        # A periodic checkpoint taken after every submit.
-        before = set(periodic_checkpoints(tmp_path))
+
+        # The newest periodic checkpoint holds every submit (one that began before them
+        # may finish after them: its manifest says what it holds).
+        def newest_holds_all() -> bool:
+            found = periodic_checkpoints(tmp_path)
+            if not found:
+                return False
+            manifest = json.loads((Path(found[-1]) / "ragged.json").read_text())
+            return bool(manifest["counts"]["samples"] == 24)
+
         deadline = time.monotonic() + WAIT_S
-        while not set(periodic_checkpoints(tmp_path)) - before:
-            assert time.monotonic() < deadline, "no periodic checkpoint"
+        while not newest_holds_all():
+            assert time.monotonic() < deadline, "no periodic checkpoint of all 24"
             time.sleep(0.05)
         first.close()
         second = echo.ray.shard_server(
