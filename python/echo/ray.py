@@ -47,12 +47,13 @@ import uuid
 import weakref
 from typing import TYPE_CHECKING, Any, Literal, cast
 
-from echo._pytree import TreeLayout
-
 if TYPE_CHECKING:
     from typing_extensions import Self
 from echo._ragged_client import RaggedTcpClient
-from echo._ragged_server import RaggedServer
+from echo._ray_layout import Record as _Record
+from echo._ray_layout import example_record as _example_record
+from echo._ray_layout import layout_mismatch as _layout_mismatch
+from echo._ray_layout import server_record as _server_record
 from echo._ray_registry import DEFAULT_LEASE_S
 from echo._ray_registry import TOKEN_VAR as _TOKEN_VAR
 from echo._ray_registry import Registry as _Registry
@@ -65,7 +66,7 @@ from echo._ray_registry import which_token as _which_token
 from echo._validate import check_int, check_seconds, check_token
 from echo.checkpoint import periodic_checkpoints
 from echo.client import TcpClient
-from echo.ragged import RaggedLayout, has_ragged_leaves
+from echo.ragged import has_ragged_leaves
 from echo.server import Server
 from echo.transport import TcpTransport
 
@@ -324,61 +325,6 @@ def status(service: str, *, namespace: str = DEFAULT_NAMESPACE) -> list[ShardSta
             )
         )
     return out
-
-
-_Record = list[tuple[str, str, tuple[Any, ...]]]
-
-
-def _layout_record(layout: TreeLayout) -> _Record:
-    return [(leaf.name, str(leaf.dtype), tuple(leaf.shape)) for leaf in layout.leaves]
-
-
-def _ragged_record(layout: RaggedLayout) -> _Record:
-    """A ragged example's leaves: a ragged leaf's shape is `("0..max_len", *inner_shape)`."""
-    return [
-        (
-            leaf.name,
-            str(leaf.dtype),
-            tuple(leaf.shape)
-            if leaf.ragged is None
-            else (f"0..{leaf.ragged.max_len}", *leaf.shape),
-        )
-        for leaf in layout.leaves
-    ]
-
-
-def _example_record(example: Any) -> _Record:
-    """The leaves of a worker's example, as a registration records a shard's."""
-    if has_ragged_leaves(example):
-        return _ragged_record(RaggedLayout(example))
-    return _layout_record(TreeLayout(example))
-
-
-def _server_record(server: Server) -> _Record:
-    if isinstance(server, RaggedServer):
-        return _ragged_record(server._buffer.layout)  # pyright: ignore[reportPrivateUsage]
-    return _layout_record(server._layout)  # pyright: ignore[reportPrivateUsage]
-
-
-def _layout_mismatch(theirs: _Record, ours: _Record) -> str | None:
-    """What differs between a shard's layout and an example's, or `None`."""
-    their_names = [name for name, _, _ in theirs]
-    our_names = [name for name, _, _ in ours]
-    if their_names != our_names:
-        missing = [n for n in their_names if n not in our_names]
-        extra = [n for n in our_names if n not in their_names]
-        if missing or extra:
-            return f"leaves the example lacks: {missing}; leaves the shard lacks: {extra}"
-        return f"the leaves are in another order: the shard's are {their_names}"
-    for (name, their_dtype, their_shape), (_, our_dtype, our_shape) in zip(
-        theirs, ours, strict=True
-    ):
-        if their_dtype != our_dtype or tuple(their_shape) != tuple(our_shape):
-            return (
-                f"leaf {name!r}: the shard stores {their_dtype} {tuple(their_shape)}, the "
-                f"example has {our_dtype} {tuple(our_shape)}"
-            )
-    return None
 
 
 def _stats_dict(server: Server) -> dict[str, Any]:
