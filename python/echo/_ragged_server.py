@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from echo import _ragged_checkpoint
-from echo._echo import SampleInfo
+from echo._echo import RaggedCore, SampleInfo
 from echo._server_args import periodic_args
 from echo._tally import Tally
 from echo._validate import check_int
@@ -38,6 +38,8 @@ def _unsupported(what: str) -> NoReturn:
 
 class RaggedServer(Server):
     """An `echo.Server` whose example has `echo.Ragged` leaves (see `Server`)."""
+
+    _core: RaggedCore  # pyright: ignore[reportIncompatibleVariableOverride]
 
     def __init__(  # pyright: ignore[reportInconsistentConstructor]
         self,

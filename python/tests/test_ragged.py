@@ -5,8 +5,10 @@ refusals that name the leaf and the numbers and store nothing."""
 from __future__ import annotations
 
 import gc
+import json
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -407,13 +409,23 @@ def test_periodic_checkpoints_of_a_ragged_server(tmp_path: Any) -> None:
     )  # fmt: skip
     for i in range(20):
         server.submit(make(i))
-    deadline = time.monotonic() + 10
-    while not periodic_checkpoints(tmp_path) and time.monotonic() < deadline:
+
+    # The newest periodic checkpoint comes to hold every submit (one that began before them
+    # may finish after them: its manifest says what it holds).
+    def newest_holds_all() -> bool:
+        found = periodic_checkpoints(tmp_path)
+        if not found:
+            return False
+        manifest = json.loads((Path(found[-1]) / "ragged.json").read_text())
+        return bool(manifest["counts"]["samples"] == 20)
+
+    deadline = time.monotonic() + 20
+    while not newest_holds_all():
+        assert time.monotonic() < deadline, "no periodic checkpoint of all 20 samples"
         time.sleep(0.02)
     server.close()
-    newest = periodic_checkpoints(tmp_path)[-1]
-    restored = echo.Server.restore(newest)
-    assert 0 < restored.stats().store_size <= 20
+    restored = echo.Server.restore(periodic_checkpoints(tmp_path)[-1])
+    assert restored.stats().store_size == 20
     restored.close()
 
 
