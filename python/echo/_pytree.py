@@ -7,6 +7,7 @@ and produces readable leaf names for error messages.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -86,11 +87,14 @@ class TreeLayout:
 
     @property
     def flat_keys(self) -> list[str] | None:
-        """The example's keys in leaf order, if it is a flat dict of arrays with str keys."""
+        """The example's keys in leaf order, if it is a flat dict of arrays with str keys.
+
+        Interned, as the keys of dict literals are: looking one up in a sample's dict then
+        finds the very object, without comparing the strings' bytes."""
         keys = self._flat_keys
         if keys is None or not all(isinstance(k, str) for k in keys):
             return None
-        return [str(k) for k in keys]
+        return [sys.intern(str(k)) for k in keys]
 
     def flatten(self, sample: object) -> list[Any]:
         """The leaves of `sample` in the example's order; ValueError if the structure differs.

@@ -584,7 +584,10 @@ impl RaggedTable {
         state.stats.entries += 1;
         state.stats.inserted += samples.len() as u64;
         state.stats.groups_inserted += u64::from(samples.len() > 1);
-        let wake = state.consumer_waiting;
+        // A FIFO consumer waits for a complete batch: woken only once there is one (a writer
+        // that starts waiting for room wakes it too, above), not by every insert before.
+        let wake = state.consumer_waiting
+            && (self.config.sampler != RaggedSampler::Fifo || self.fill_fifo(state).1);
         drop(guard);
         if wake {
             self.filled.notify_one();
