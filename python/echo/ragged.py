@@ -9,6 +9,7 @@ data (episodes, tokens)".
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple, cast
@@ -143,7 +144,8 @@ class RaggedLayout:
         flat = isinstance(example, dict) and all(
             len(p) == 1 and isinstance(p[0], str) for p in paths
         )
-        self.flat_keys: list[str] | None = [p[0] for p in paths] if flat else None
+        # Interned, as dict literals' keys are: a sample's lookup finds the very object.
+        self.flat_keys: list[str] | None = [sys.intern(p[0]) for p in paths] if flat else None
         for path, leaf in zip(paths, leaves, strict=True):
             name, key = _path_name(path), "/".join(str(p) for p in path)
             if isinstance(leaf, Ragged):

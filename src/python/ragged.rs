@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, Weak};
 use std::time::Duration;
 
-use numpy::npyffi::npy_intp;
+use numpy::npyffi::{self, npy_intp, PY_ARRAY_API};
 use numpy::{
     PyArray1, PyArrayDescr, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1, PyUntypedArray,
     PyUntypedArrayMethods,
@@ -62,6 +62,8 @@ impl Drop for RaggedCopy {
 struct LeafType {
     descr: Py<PyArrayDescr>,
     inner: Vec<usize>,
+    /// The dtype's bytes per element.
+    itemsize: usize,
 }
 
 /// The ragged table behind a Python `Server` whose example has ragged leaves.
@@ -96,12 +98,25 @@ fn read_leaves<'py>(
     let Some(reader) = reader else {
         return Err(PyValueError::new_err("not set up: no sample reader (set_reader)"));
     };
-    if let (Some(keys), Ok(dict)) = (&reader.keys, sample.cast::<pyo3::types::PyDict>()) {
-        if dict.is_exact_instance_of::<pyo3::types::PyDict>() && dict.len() == keys.len() {
+    if let (Some(keys), Ok(dict)) = (&reader.keys, sample.cast_exact::<pyo3::types::PyDict>()) {
+        if dict.len() == keys.len() {
+            // SAFETY: `get_type_object` only reads numpy's API table, which `PY_ARRAY_API`
+            // imports on first use (the GIL is held).
+            let ndarray_type =
+                unsafe { PY_ARRAY_API.get_type_object(py, npyffi::NpyTypes::PyArray_Type) };
             let mut leaves = Vec::with_capacity(keys.len());
             for key in keys {
                 match dict.get_item(key.bind(py))? {
-                    Some(v) if v.cast::<PyUntypedArray>().is_ok_and(|a| a.is_c_contiguous()) => {
+                    // Exactly an ndarray and C-contiguous (numpy's `PyArray_IS_C_CONTIGUOUS`);
+                    // anything else (a subclass, a tensor, a scalar) goes through `flatten`.
+                    Some(v)
+                        if v.get_type_ptr() == ndarray_type && {
+                            // SAFETY: `v` is exactly a numpy.ndarray (its type checked just
+                            // before), a live `PyArrayObject`; the GIL is held.
+                            let fields = unsafe { &*v.as_ptr().cast::<npyffi::PyArrayObject>() };
+                            fields.flags & npyffi::NPY_ARRAY_C_CONTIGUOUS != 0
+                        } =>
+                    {
                         leaves.push(v);
                     }
                     _ => break,
@@ -139,7 +154,8 @@ fn spec_of(leaves: Vec<LeafArg<'_>>) -> PyResult<(RaggedSpec, Layout, Vec<LeafTy
         wire.push(WireLeaf { name: name.clone(), dtype, shape: dims });
         let ragged = ragged.map(|(max_len, group)| RaggedDecl { max_len, group });
         decls.push(LeafDecl { name, array, ragged });
-        types.push(LeafType { descr: descr.unbind(), inner: shape });
+        let itemsize = descr.itemsize();
+        types.push(LeafType { descr: descr.unbind(), inner: shape, itemsize });
     }
     Ok((RaggedSpec::new(decls).map_err(to_pyerr)?, Layout(wire), types))
 }
@@ -155,6 +171,10 @@ fn raw_samples(
         Some(leaf) => leaf.py(),
         None => return Ok(Vec::new()),
     };
+    // SAFETY: `get_type_object` only reads numpy's API table, which `PY_ARRAY_API` imports on
+    // first use (the GIL is held).
+    let ndarray_type =
+        unsafe { PY_ARRAY_API.get_type_object(py, npyffi::NpyTypes::PyArray_Type) } as usize;
     let mut raw = Vec::with_capacity(samples.len());
     for sample in samples {
         if sample.len() != spec.columns().len() {
@@ -167,6 +187,11 @@ fn raw_samples(
         let mut leaves = Vec::with_capacity(sample.len());
         let mut rows = Vec::with_capacity(sample.len());
         for ((leaf, column), ty) in sample.iter().zip(spec.columns()).zip(types) {
+            if let Some((data, bytes, n)) = exact_leaf(leaf, ty, column.is_ragged(), ndarray_type) {
+                leaves.push((data, bytes));
+                rows.push(n);
+                continue;
+            }
             let array = leaf.cast::<PyUntypedArray>().map_err(|_| {
                 PyTypeError::new_err(format!(
                     "leaf {}: expected a numpy array, got {}",
@@ -234,6 +259,52 @@ fn raw_samples(
         raw.push((leaves, rows));
     }
     Ok(raw)
+}
+
+/// The common leaf, read from numpy's C struct without a call into numpy: exactly an
+/// `ndarray`, C-contiguous, of the leaf's very dtype object (numpy's built-in dtypes are
+/// singletons) and shape. Its (address, bytes, rows); `None` sends it through the checks
+/// that name what is wrong.
+fn exact_leaf(
+    leaf: &Bound<'_, PyAny>,
+    ty: &LeafType,
+    ragged: bool,
+    ndarray_type: usize,
+) -> Option<(usize, usize, usize)> {
+    if leaf.get_type_ptr() as usize != ndarray_type {
+        return None;
+    }
+    // SAFETY: `leaf` is exactly a numpy.ndarray (its type checked above), so it is a live
+    // `PyArrayObject`, whose fields are read as numpy's own accessor macros read them; the
+    // GIL is held and `leaf` keeps it alive.
+    let fields = unsafe { &*leaf.as_ptr().cast::<npyffi::PyArrayObject>() };
+    if fields.descr.cast::<pyo3::ffi::PyObject>() != ty.descr.as_ptr()
+        || fields.flags & npyffi::NPY_ARRAY_C_CONTIGUOUS == 0
+    {
+        return None;
+    }
+    let lead = usize::from(ragged);
+    let nd = usize::try_from(fields.nd).ok()?;
+    if nd != lead + ty.inner.len() {
+        return None;
+    }
+    let dims: &[npy_intp] = if nd == 0 {
+        &[]
+    } else {
+        // SAFETY: `dimensions` holds `nd` entries (numpy's `PyArray_DIMS`).
+        unsafe { std::slice::from_raw_parts(fields.dimensions, nd) }
+    };
+    let (mut rows, mut elements) = (1, 1usize);
+    for (k, &dim) in dims.iter().enumerate() {
+        let dim = usize::try_from(dim).ok()?;
+        if k < lead {
+            rows = dim;
+        } else if dim != ty.inner[k - lead] {
+            return None;
+        }
+        elements = elements.checked_mul(dim)?;
+    }
+    Some((fields.data as usize, elements.checked_mul(ty.itemsize)?, rows))
 }
 
 /// [`SampleIn`]s over [`raw_samples`]' addresses.

@@ -611,16 +611,15 @@ impl RaggedSender {
                 "a priority must be finite and >= 0, got {p}"
             )));
         }
+        let columns = self.spec.columns();
         for sample in samples {
-            let bytes: Vec<usize> = sample.leaves.iter().map(|l| l.len()).collect();
-            let rows: Vec<usize> = self
-                .spec
-                .columns()
-                .iter()
-                .zip(sample.rows)
-                .map(|(c, &r)| if c.is_ragged() { r } else { 1 })
-                .collect();
-            self.spec.check(&rows, &bytes)?;
+            for got in [sample.rows.len(), sample.leaves.len()] {
+                if got != columns.len() {
+                    return Err(self.spec.leaf_count(got));
+                }
+            }
+            let rows = |i: usize| if columns[i].is_ragged() { sample.rows[i] } else { 1 };
+            self.spec.check_with(rows, |i| sample.leaves[i].len())?;
         }
         let head = encode_head(&self.spec, samples, priority)?;
         if let Some(why) = self.given_up.lock().clone() {

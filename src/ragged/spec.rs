@@ -222,16 +222,28 @@ impl RaggedSpec {
     /// ragged leaf longer than its `max_len`, bytes that are not `rows * row_bytes`, or
     /// unequal lengths inside a length group.
     pub fn check(&self, rows: &[usize], bytes: &[usize]) -> Result<Vec<usize>, EchoError> {
-        if rows.len() != self.columns.len() || bytes.len() != self.columns.len() {
-            return Err(EchoError::Sample(format!(
-                "expected {} leaves, got {}",
-                self.columns.len(),
-                rows.len()
-            )));
+        for got in [rows.len(), bytes.len()] {
+            if got != self.columns.len() {
+                return Err(self.leaf_count(got));
+            }
         }
-        let mut lengths: Vec<Option<(usize, usize)>> = vec![None; self.groups.len()];
+        self.check_with(|index| rows[index], |index| bytes[index])?;
+        Ok(self.groups.iter().map(|group| rows[group.columns[0]]).collect())
+    }
+
+    /// [`RaggedSpec::check`] without allocating (an insert's hot path), for a sample whose
+    /// number of leaves the caller has checked: `rows(i)` and `bytes(i)` are leaf `i`'s rows
+    /// (fixed leaves: 1) and byte length; a group's rows are those of its first column.
+    ///
+    /// # Errors
+    /// As [`RaggedSpec::check`], but for the number of leaves.
+    pub fn check_with(
+        &self,
+        rows: impl Fn(usize) -> usize,
+        bytes: impl Fn(usize) -> usize,
+    ) -> Result<(), EchoError> {
         for (index, column) in self.columns.iter().enumerate() {
-            let n = rows[index];
+            let n = rows(index);
             if column.group.is_some() && n > column.max_rows {
                 return Err(EchoError::Sample(format!(
                     "leaf {}: {n} rows, more than its max_len {}",
@@ -239,26 +251,30 @@ impl RaggedSpec {
                 )));
             }
             let expected = column.row_bytes * n;
-            if bytes[index] != expected {
+            let got = bytes(index);
+            if got != expected {
                 return Err(EchoError::Sample(format!(
-                    "leaf {}: {n} rows of {} bytes are {expected} bytes, got {}",
-                    column.name, column.row_bytes, bytes[index]
+                    "leaf {}: {n} rows of {} bytes are {expected} bytes, got {got}",
+                    column.name, column.row_bytes
                 )));
             }
             if let Some(group) = column.group {
-                match lengths[group] {
-                    None => lengths[group] = Some((index, n)),
-                    Some((first, m)) if m != n => {
-                        return Err(EchoError::Sample(format!(
-                            "length group {:?}: leaf {} has {m} rows but leaf {} has {n}",
-                            self.groups[group].name, self.columns[first].name, column.name
-                        )))
-                    }
-                    Some(_) => {}
+                let first = self.groups[group].columns[0];
+                let m = rows(first);
+                if m != n {
+                    return Err(EchoError::Sample(format!(
+                        "length group {:?}: leaf {} has {m} rows but leaf {} has {n}",
+                        self.groups[group].name, self.columns[first].name, column.name
+                    )));
                 }
             }
         }
-        Ok(lengths.into_iter().map(|l| l.map_or(0, |(_, n)| n)).collect())
+        Ok(())
+    }
+
+    /// The error for a sample of `got` leaves.
+    pub fn leaf_count(&self, got: usize) -> EchoError {
+        EchoError::Sample(format!("expected {} leaves, got {got}", self.columns.len()))
     }
 }
 

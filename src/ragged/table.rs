@@ -396,10 +396,14 @@ impl RaggedTable {
         }
         let mut budget_rows = 0usize;
         for sample in samples {
-            let bytes: Vec<usize> = sample.leaves.iter().map(|l| l.len()).collect();
-            let lengths = self.spec.check(&sample.rows, &bytes)?;
+            for got in [sample.rows.len(), sample.leaves.len()] {
+                if got != self.spec.columns().len() {
+                    return Err(self.spec.leaf_count(got));
+                }
+            }
+            self.spec.check_with(|index| sample.rows[index], |index| sample.leaves[index].len())?;
             if let Some((group, _)) = self.config.batch_tokens {
-                budget_rows += lengths[group];
+                budget_rows += sample.rows[self.spec.groups()[group].columns()[0]];
             }
         }
         if let Some((group, budget)) = self.config.batch_tokens {
@@ -456,9 +460,11 @@ impl RaggedTable {
             )));
         }
         let columns = self.spec.columns();
-        // Compressed leaves, compressed before the lock is taken.
+        // Compressed leaves, compressed before the lock is taken (none without a codec).
+        let compressing = self.config.codecs.iter().any(Option::is_some);
         let packed: Vec<Vec<Option<Vec<u8>>>> = samples
             .iter()
+            .take(if compressing { samples.len() } else { 0 })
             .map(|s| {
                 s.leaves
                     .iter()
@@ -475,7 +481,7 @@ impl RaggedTable {
             })
             .collect();
         let stored = |s: usize, c: usize| -> &[u8] {
-            packed[s][c].as_deref().unwrap_or(samples[s].leaves[c])
+            packed.get(s).and_then(|p| p[c].as_deref()).unwrap_or(samples[s].leaves[c])
         };
         let raw_bytes: usize = samples.iter().flat_map(|s| s.leaves.iter().map(|l| l.len())).sum();
         let demands: Vec<(usize, usize, usize)> = (0..samples.len())

@@ -103,13 +103,10 @@ pub fn decode_head(
             rows.push(n);
         }
         // Lengths and groups, before any size is computed from them.
-        let bytes: Vec<usize> = columns
-            .iter()
-            .zip(&rows[start..])
-            .map(|(c, &n)| c.row_bytes().saturating_mul(n))
-            .collect();
-        spec.check(&rows[start..], &bytes)?;
-        body_len += bytes.iter().sum::<usize>();
+        let sample = &rows[start..];
+        spec.check_with(|i| sample[i], |i| columns[i].row_bytes().saturating_mul(sample[i]))?;
+        // Checked: each leaf's rows are within its max_len, so no product overflows.
+        body_len += columns.iter().zip(sample).map(|(c, &n)| c.row_bytes() * n).sum::<usize>();
     }
     Ok(Some((Head { samples, priority, rows, body_len }, len)))
 }
