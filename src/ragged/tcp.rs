@@ -18,7 +18,9 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::table::{RaggedSampler, RaggedTable, SampleIn};
+use super::spec::Column;
+use super::table::{GroupSource, RaggedSampler, RaggedTable, SampleIn};
+use super::wire::Head;
 use super::wire::{decode_head, head_len, GROUP, GROUP_PRIORITY};
 use crate::error::EchoError;
 use crate::transport::wire::v2::{
@@ -636,6 +638,69 @@ trait Input: Read {
     fn dry(&self) -> bool;
     /// Acknowledges `n` more samples, stored.
     fn ack(&mut self, n: usize) -> io::Result<()>;
+    /// The next `len` bytes where they lie, when all of them are there to be copied from
+    /// (a pipe's committed bytes): a frame's body goes from there straight into the table,
+    /// and [`Input::consume`] then reads past it. `None`: read them into a buffer.
+    ///
+    /// # Errors
+    /// As a read.
+    fn ahead(&self, _len: usize) -> io::Result<Option<&dyn Ahead>> {
+        Ok(None)
+    }
+    /// Reads past the next `len` bytes, copied through [`Input::ahead`].
+    fn consume(&mut self, _len: usize) {}
+}
+
+/// Bytes of an input not read yet, copied out from where they lie.
+trait Ahead {
+    /// Copies `out.len()` bytes from `offset` bytes past what was read.
+    fn copy_ahead(&self, offset: usize, out: &mut [u8]);
+}
+
+/// A frame's samples over a body not read yet ([`Input::ahead`]): each leaf is copied from
+/// there into the table's arena, the only copy the frame's bytes get.
+struct InPlace<'a> {
+    ahead: &'a dyn Ahead,
+    frame: &'a Head,
+    columns: usize,
+    /// Each leaf's offset in the body, sample-major, and the body's length at the end.
+    starts: Vec<usize>,
+}
+
+impl<'a> InPlace<'a> {
+    fn new(ahead: &'a dyn Ahead, frame: &'a Head, columns: &[Column]) -> Self {
+        let mut starts = Vec::with_capacity(frame.rows.len() + 1);
+        let mut at = 0usize;
+        for (i, &rows) in frame.rows.iter().enumerate() {
+            starts.push(at);
+            // Checked by `decode_head`: within the leaf's max_len, so no overflow.
+            at += columns[i % columns.len()].row_bytes() * rows;
+        }
+        starts.push(at);
+        Self { ahead, frame, columns: columns.len(), starts }
+    }
+}
+
+impl GroupSource for InPlace<'_> {
+    fn samples(&self) -> usize {
+        self.frame.samples
+    }
+    fn rows(&self, s: usize) -> &[usize] {
+        &self.frame.rows[s * self.columns..(s + 1) * self.columns]
+    }
+    fn leaves(&self, _s: usize) -> usize {
+        self.columns
+    }
+    fn leaf_len(&self, s: usize, c: usize) -> usize {
+        let i = s * self.columns + c;
+        self.starts[i + 1] - self.starts[i]
+    }
+    fn leaf(&self, _s: usize, _c: usize) -> Option<&[u8]> {
+        None
+    }
+    fn copy_leaf(&self, s: usize, c: usize, dst: &mut [u8]) {
+        self.ahead.copy_ahead(self.starts[s * self.columns + c], dst);
+    }
 }
 
 /// A worker's frames over TCP, read through a buffer; acknowledgements one byte a sample.
@@ -712,54 +777,79 @@ fn frames_acked(
                 }
             }
         };
-        // The body's bytes come out of the ingress's budget until the frame is stored, so
-        // many connections announcing large frames wait rather than take the learner's
-        // memory.
-        let Some(_hold) = shared.budget.acquire(frame.body_len, &shared.closing) else {
-            return Ok(());
-        };
-        body.clear();
-        body.resize(frame.body_len, 0);
-        if !read_exact_or_eof(reader, &mut body)? {
-            return Ok(());
-        }
-        let mut samples = Vec::with_capacity(frame.samples);
-        let mut at = 0usize;
-        for s in 0..frame.samples {
-            let rows = &frame.rows[s * columns..(s + 1) * columns];
-            let mut leaves = Vec::with_capacity(columns);
-            for (column, &n) in spec.columns().iter().zip(rows) {
-                let len = column.row_bytes() * n;
-                leaves.push(&body[at..at + len]);
-                at += len;
+        if let Some(ahead) = reader.ahead(frame.body_len)? {
+            // The body is all in the worker's pipe: copied from there into the arena.
+            let source = InPlace::new(ahead, &frame, spec.columns());
+            if !store(shared, owned, &source, frame.priority)? {
+                return Ok(());
             }
-            samples.push(SampleIn { leaves, rows: rows.to_vec() });
-        }
-        loop {
-            let deadline = Some(Instant::now() + INSERT_SLICE);
-            // Under the session's lock: a newer connection of the same worker takes the
-            // session over between two tries, never during one.
-            let mut session = owned.session.state.lock();
-            if session.owner != owned.id {
-                return Ok(()); // the worker reconnected: the newer connection resends this
+            reader.consume(frame.body_len);
+        } else {
+            // The body's bytes come out of the ingress's budget until the frame is stored,
+            // so many connections announcing large frames wait rather than take the
+            // learner's memory.
+            let Some(_hold) = shared.budget.acquire(frame.body_len, &shared.closing) else {
+                return Ok(());
+            };
+            if body.len() < frame.body_len {
+                body.resize(frame.body_len, 0);
             }
-            match shared.table.insert_group(&samples, frame.priority, deadline) {
-                Ok(_) => {
-                    session.stored += frame.samples as u64;
-                    break;
+            let body = &mut body[..frame.body_len];
+            if !read_exact_or_eof(reader, body)? {
+                return Ok(());
+            }
+            let mut samples = Vec::with_capacity(frame.samples);
+            let mut at = 0usize;
+            for s in 0..frame.samples {
+                let rows = &frame.rows[s * columns..(s + 1) * columns];
+                let mut leaves = Vec::with_capacity(columns);
+                for (column, &n) in spec.columns().iter().zip(rows) {
+                    let len = column.row_bytes() * n;
+                    leaves.push(&body[at..at + len]);
+                    at += len;
                 }
-                // ORDERING: SeqCst — pairs with `close`.
-                Err(EchoError::TimedOut) if !shared.closing.load(Ordering::SeqCst) => {}
-                Err(EchoError::TimedOut | EchoError::Closed) => return Ok(()),
-                Err(other) => return Err(other),
+                samples.push(SampleIn { leaves, rows: rows.to_vec() });
+            }
+            if !store(shared, owned, samples.as_slice(), frame.priority)? {
+                return Ok(());
             }
         }
         // ORDERING: Relaxed — a statistics counter.
         shared.counters.samples.fetch_add(frame.samples as u64, Ordering::Relaxed);
         *unacked += frame.samples;
-        if body.capacity() > IDLE_BODY {
+        if body.len() > IDLE_BODY {
             // An idle connection keeps no large buffer outside the budget.
             body = Vec::new();
+        }
+    }
+}
+
+/// Stores a frame's `samples`, waiting for room a slice at a time while the server is not
+/// closing. `Ok(false)`: not stored, and the connection ends quietly (the server closed, or
+/// the worker reconnected and its newer connection resends the frame).
+fn store<S: GroupSource + ?Sized>(
+    shared: &Shared,
+    owned: &Owned,
+    samples: &S,
+    priority: Option<f64>,
+) -> Result<bool, EchoError> {
+    loop {
+        let deadline = Some(Instant::now() + INSERT_SLICE);
+        // Under the session's lock: a newer connection of the same worker takes the session
+        // over between two tries, never during one.
+        let mut session = owned.session.state.lock();
+        if session.owner != owned.id {
+            return Ok(false);
+        }
+        match shared.table.insert_from(samples, priority, deadline) {
+            Ok(_) => {
+                session.stored += samples.samples() as u64;
+                return Ok(true);
+            }
+            // ORDERING: SeqCst — pairs with `close`.
+            Err(EchoError::TimedOut) if !shared.closing.load(Ordering::SeqCst) => {}
+            Err(EchoError::TimedOut | EchoError::Closed) => return Ok(false),
+            Err(other) => return Err(other),
         }
     }
 }
@@ -828,6 +918,19 @@ mod shm {
             self.stored += n as u64;
             self.pipe.acknowledge(self.stored);
             Ok(())
+        }
+        fn ahead(&self, len: usize) -> io::Result<Option<&dyn super::Ahead>> {
+            let ready = self.pipe.ready()?;
+            Ok((ready >= len as u64).then_some(&self.pipe as &dyn super::Ahead))
+        }
+        fn consume(&mut self, len: usize) {
+            self.pipe.skip(len as u64);
+        }
+    }
+
+    impl super::Ahead for PipeReader {
+        fn copy_ahead(&self, offset: usize, out: &mut [u8]) {
+            PipeReader::copy_ahead(self, offset as u64, out);
         }
     }
 

@@ -195,6 +195,28 @@ impl PipeReader {
 }
 
 impl PipeReader {
+    /// Committed bytes not read yet (without waiting).
+    ///
+    /// # Errors
+    /// `InvalidData` if the worker wrote an impossible tail.
+    pub fn ready(&self) -> io::Result<u64> {
+        self.available()
+    }
+
+    /// Copies `out.len()` bytes from `offset` bytes past what was read, without reading
+    /// them; they must be committed (`offset + out.len() <= ready()`), so the worker does
+    /// not write them (a hostile one that does only makes the copied bytes arbitrary).
+    pub fn copy_ahead(&self, offset: u64, out: &mut [u8]) {
+        self.copy_out(self.head + offset, out);
+    }
+
+    /// Reads past the next `n` committed bytes (copied with [`PipeReader::copy_ahead`]),
+    /// giving their room back to the worker.
+    pub fn skip(&mut self, n: u64) {
+        self.head += n;
+        self.indices().release(self.head, &self.space);
+    }
+
     /// Reads what the worker committed, without waiting: 0 when nothing is.
     ///
     /// # Errors
