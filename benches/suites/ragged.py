@@ -252,6 +252,15 @@ def _spread(best: dict[str, Any]) -> str:
     return "-" if not isinstance(spread, (int, float)) else f"{100 * (spread - 1):.0f}%"
 
 
+def _leaves_label(g: dict[str, Any]) -> str:
+    """The fixed-shape rollouts of the same leaves: their shapes."""
+    lengths = g.get("leaves_lengths")
+    if not lengths:
+        return "fixed (same leaves)"
+    prompt, completion = lengths
+    return f"fixed (int32[{prompt}], int32[{completion}], float32[{completion}], float32)"
+
+
 def _ingest_table(r: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     g = r.get("ingest", {})
     cols = [
@@ -259,39 +268,44 @@ def _ingest_table(r: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
         "server",
         "samples/s",
         "GB/s",
-        "ragged / fixed (bytes/s)",
+        "ragged / fixed uint8 (bytes/s)",
+        "ragged / fixed leaves (bytes/s)",
         "target",
         "spread of windows",
     ]
     if "error" in g:
-        return {"title": "Ingest", "columns": cols, "rows": [["error", _err(g), *"-----"]]}
+        return {"title": "Ingest", "columns": cols, "rows": [["error", _err(g), *"------"]]}
     best = g["best"]
     rows = []
     for threads in params["threads"]:
         rg, fx = best.get(f"ragged/{threads}", {}), best.get(f"fixed/{threads}", {})
-        ratio = _x(rg.get("gb_per_s"), fx.get("gb_per_s"))
-        rows.append(
-            [
-                str(threads),
+        lv = best.get(f"leaves/{threads}", {})
+        for x, label, ratios, target in (
+            (
+                rg,
                 "ragged",
-                c.num(rg.get("samples_per_s")),
-                _gb(rg.get("gb_per_s")),
-                ratio,
+                [
+                    _x(rg.get("gb_per_s"), fx.get("gb_per_s")),
+                    _x(rg.get("gb_per_s"), lv.get("gb_per_s")),
+                ],
                 ">= 0.8x",
-                _spread(rg),
-            ]
-        )
-        rows.append(
-            [
-                str(threads),
-                f"fixed (uint8[{g['mean_sample_bytes']:,}])",
-                c.num(fx.get("samples_per_s")),
-                _gb(fx.get("gb_per_s")),
-                "-",
-                "-",
-                _spread(fx),
-            ]
-        )
+            ),
+            (fx, f"fixed (uint8[{g['mean_sample_bytes']:,}])", ["-", "-"], "-"),
+            (lv, _leaves_label(g), ["-", "-"], "-"),
+        ):
+            if not x:
+                continue
+            rows.append(
+                [
+                    str(threads),
+                    label,
+                    c.num(x.get("samples_per_s")),
+                    _gb(x.get("gb_per_s")),
+                    *ratios,
+                    target,
+                    _spread(x),
+                ]
+            )
     return {
         "title": f"In-process ingest: submit() into a FIFO server (batches of "
         f"{params['ingest_batch']}), a consumer thread reading every batch; best of "
@@ -299,8 +313,11 @@ def _ingest_table(r: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
         "columns": cols,
         "rows": rows,
         "notes": [
-            "fixed: the same server with one uint8 leaf of the rollouts' mean bytes, no ragged "
-            "leaf. Workers over TCP and shared memory: the next table.",
+            "fixed uint8: the same server with one uint8 leaf of the rollouts' mean bytes, no "
+            "ragged leaf. fixed leaves: the rollouts' four leaves at fixed shapes, the pool's "
+            "mean prompt and completion lengths (about the same mean bytes): what a "
+            "fixed-shape table would take of the same data with no padding, a pytree of four "
+            "leaves as users send. Workers over TCP and shared memory: the next table.",
             "spread of windows: the largest over the smallest window's GB/s, less 1.",
         ],
     }
@@ -331,7 +348,8 @@ def _tcp_table(r: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
         "server",
         "samples/s",
         "GB/s",
-        "ragged / fixed (bytes/s)",
+        "ragged / fixed uint8 (bytes/s)",
+        "ragged / fixed leaves (bytes/s)",
         "target",
         "spread of windows",
         "worker CPU us a sample",
@@ -346,24 +364,33 @@ def _tcp_table(r: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     )
     cols.insert(1, "path")
     if "error" in t:
-        return {"title": title, "columns": cols, "rows": [["error", _err(t), *"-" * 9]]}
+        return {"title": title, "columns": cols, "rows": [["error", _err(t), *"-" * 10]]}
     best = t["best"]
     rows = []
     paths = params.get("tcp_paths", ["tcp"])
     for path in paths:
         suffix = "" if path == "tcp" else f"_{path}"
         rg, fx = best.get("ragged" + suffix, {}), best.get("fixed" + suffix, {})
-        for x, label, ratio, target in (
-            (rg, "ragged", _x(rg.get("gb_per_s"), fx.get("gb_per_s")), ">= 0.8x"),
-            (fx, f"fixed (uint8[{t['mean_sample_bytes']:,}])", "-", "-"),
+        lv = best.get("leaves" + suffix, {})
+        rg_gb = rg.get("gb_per_s")
+        for x, label, ratios, target in (
+            (
+                rg,
+                "ragged",
+                [_x(rg_gb, fx.get("gb_per_s")), _x(rg_gb, lv.get("gb_per_s"))],
+                ">= 0.8x",
+            ),
+            (fx, f"fixed (uint8[{t['mean_sample_bytes']:,}])", ["-", "-"], "-"),
+            (lv, _leaves_label(t), ["-", "-"], "-"),
         ):
-            rows.append(_tcp_row(t, path, x, label, ratio, target))
+            if x:
+                rows.append(_tcp_row(t, path, x, label, ratios, target))
     notes = _tcp_notes(best, params)
     return {"title": title, "columns": cols, "rows": rows, "notes": notes}
 
 
 def _tcp_row(
-    t: dict[str, Any], path: str, x: dict[str, Any], label: str, ratio: str, target: str
+    t: dict[str, Any], path: str, x: dict[str, Any], label: str, ratios: list[str], target: str
 ) -> list[str]:
     return [
         str(t["workers"]),
@@ -371,7 +398,7 @@ def _tcp_row(
         label,
         c.num(x.get("samples_per_s")),
         _gb(x.get("gb_per_s")),
-        ratio,
+        *ratios,
         target,
         _spread(x),
         c.num(x.get("worker_cpu_us_per_sample"), ",.1f"),
@@ -392,17 +419,19 @@ def _tcp_notes(best: dict[str, Any], params: dict[str, Any]) -> list[str]:
         "client closes and every sample sent is checked to have been read once. samples/s "
         "and GB/s: what the learner read during the window (bytes: each leaf's values). "
         "Rounds alternate which server goes first.",
-        "fixed: the same server with one uint8 leaf of the rollouts' mean bytes, no ragged "
-        "leaf, its workers over the same path. shm: a fixed-shape worker writes each sample "
+        "fixed uint8: the same server with one uint8 leaf of the rollouts' mean bytes, no "
+        "ragged leaf; fixed leaves: the rollouts' four leaves at the pool's mean lengths; "
+        "their workers over the same path. shm: a fixed-shape worker writes each sample "
         "into a slot of its ring in shared memory and the server copies it once into its "
-        "queue; a ragged worker writes its frames into a byte pipe in shared memory, which "
-        "the server reads as it reads a socket.",
+        "queue; a ragged worker writes its frames into a byte pipe in shared memory, whose "
+        "headers the server reads and checks as it reads a socket's, and copies each body "
+        "that is all in the pipe from there into the table, once.",
         "worker CPU: all the workers' CPU time (their Python and their client's threads) over "
         "the samples they sent. learner process CPU: the server process's CPU time over the "
         "window, by thread in the best windows: "
         + "; ".join(
             f"{key.replace('_', ' over ')}: {_cores(best[key])}"
-            for key in ("ragged", "fixed", "ragged_shm", "fixed_shm")
+            for key in ("ragged", "fixed", "leaves", "ragged_shm", "fixed_shm", "leaves_shm")
             if key in best
         )
         + ". learner thread CPU: the reading thread's own CPU time (sample(), the read, the "

@@ -145,16 +145,21 @@ def part_memory(p: dict[str, Any], log: Any) -> dict[str, Any]:
 
 
 def _ingest_once(
-    echo: Any, p: dict[str, Any], pool: Rollouts, fixed: list[Any] | None, threads: int
+    echo: Any, p: dict[str, Any], pool: Rollouts, kind: str, fixed: list[Any], threads: int
 ) -> dict[str, Any]:
-    """``threads`` writers submit the pool's rollouts (or, ``fixed``, payloads of their mean
-    size) for ``ingest_seconds`` into a FIFO server of batches of ``ingest_batch``; a consumer
-    thread reads every byte of every batch (and checks the ragged ones)."""
+    """``threads`` writers submit the pool's rollouts (``kind`` ragged), payloads of their
+    mean size (fixed) or the rollouts' leaves at fixed mean lengths (leaves) for
+    ``ingest_seconds`` into a FIFO server of batches of ``ingest_batch``; a consumer thread
+    reads every byte of every batch (and checks the ragged ones)."""
     batch_size = int(p["ingest_batch"])
-    if fixed is None:
+    if kind == "ragged":
         server = echo.Server(_example(echo, p), batch_size=batch_size)
         items = [pool.sample(i) for i in range(pool.n)]
         sizes = [pool.sample_bytes(i) for i in range(pool.n)]
+    elif kind == "leaves":
+        items = pool.fixed_leaves()
+        server = echo.Server({k: np.zeros_like(v) for k, v in items[0].items()}, batch_size)
+        sizes = [sum(int(v.nbytes) for v in item.values()) for item in items]
     else:
         server = echo.Server({"payload": np.zeros(fixed[0].shape, np.uint8)}, batch_size)
         items = [{"payload": a} for a in fixed]
@@ -187,10 +192,12 @@ def _ingest_once(
         try:
             while (s := server.sample(timeout=60.0)) is not None:
                 batch = s.batch
-                if fixed is None:
+                if kind == "ragged":
                     arrays = _batch_arrays(batch)
                     if not _check_packed(batch, pool):
                         consumed["bad"] += 1
+                elif kind == "leaves":
+                    arrays = [batch[k] for k in ("prompt", "tokens", "logp", "reward")]
                 else:
                     arrays = [batch["payload"]]
                 consumed["acc"] ^= touch(arrays)
@@ -215,9 +222,9 @@ def _ingest_once(
     submitted, sent = sum(counts), sum(nbytes)
     # A fixed-shape FIFO server's close(drain=True) hands out full batches only (it drops the
     # last partial one, and says so); a ragged one hands out what is left.
-    want = submitted if fixed is None else submitted // batch_size * batch_size
+    want = submitted if kind == "ragged" else submitted // batch_size * batch_size
     correct = not errors and consumed["samples"] == want and consumed["bad"] == 0
-    correct = correct and (fixed is not None or consumed["bytes"] == sent)
+    correct = correct and (kind != "ragged" or consumed["bytes"] == sent)
     return {
         "threads": threads,
         "samples": submitted,
@@ -241,13 +248,14 @@ def part_ingest(p: dict[str, Any], log: Any) -> dict[str, Any]:
     rng = np.random.default_rng(1)
     fixed = [rng.integers(0, 256, mean, dtype=np.uint8) for _ in range(pool.n)]
     out: dict[str, Any] = {"mean_sample_bytes": mean, "runs": {}}
+    out["leaves_lengths"] = list(pool.leaves_lengths())
     correct = True
     for rnd in range(int(p["repeats"])):
         for threads in p["threads"]:
-            order = ("ragged", "fixed") if rnd % 2 == 0 else ("fixed", "ragged")
-            for kind in order:
+            kinds = ("ragged", "fixed", "leaves")
+            for kind in kinds[rnd % 3 :] + kinds[: rnd % 3]:
                 gc.collect()
-                r = _ingest_once(echo, p, pool, fixed if kind == "fixed" else None, threads)
+                r = _ingest_once(echo, p, pool, kind, fixed, threads)
                 log(
                     f"ingest {kind} x{threads} #{rnd + 1}: {r['samples_per_s']:,.0f} samples/s, "
                     f"{r['gb_per_s']:.2f} GB/s{'' if r['correct'] else ' INCORRECT'}"

@@ -87,6 +87,28 @@ class Rollouts:
             "padded_sample_bytes": self.padded_bytes(),
         }
 
+    def leaves_lengths(self) -> tuple[int, int]:
+        """The pool's mean prompt and completion lengths, rounded: the shapes of the
+        fixed-shape rollouts of :meth:`fixed_leaves`."""
+        return round(float(self.prompt_len.mean())), round(float(self.completion_len.mean()))
+
+    def fixed_leaves(self, seed: int = 2) -> list[dict[str, np.ndarray]]:
+        """One fixed-shape rollout per rollout of the pool: the same four leaves and dtypes,
+        at the pool's mean lengths (so about its mean bytes), random values, and the
+        rollout's index as its reward (so a reader can check what it got): the sample a
+        fixed-shape table would take for the same data, padded to no maximum."""
+        prompt, completion = self.leaves_lengths()
+        rng = np.random.default_rng(seed)
+        return [
+            {
+                "prompt": rng.integers(0, VOCAB, prompt, dtype=PROMPT_DTYPE),
+                "tokens": rng.integers(0, VOCAB, completion, dtype=TOKEN_DTYPE),
+                "logp": -rng.exponential(1.0, completion).astype(LOGP_DTYPE),
+                "reward": np.array(i, REWARD_DTYPE),
+            }
+            for i in range(self.n)
+        ]
+
     def sample(self, i: int) -> dict[str, np.ndarray]:
         """Rollout ``i`` as the dict a learner's worker would submit."""
         return {
@@ -99,16 +121,22 @@ class Rollouts:
 
 def touch(arrays: Any) -> int:
     """Reads every byte of every array (numpy, or anything ``np.asarray`` takes without a
-    copy): sums them as ``uint64`` words, the tail as bytes. What a consumer that reads every
-    batch costs at least, the same for every library measured."""
+    copy): sums them as ``uint64`` words from the first 8-byte aligned address, the bytes
+    before it and after the last word as bytes (a word view of an unaligned address would
+    make numpy copy it to an aligned buffer first: a second pass that is not the reader's).
+    What a consumer that reads every batch costs at least, the same for every library
+    measured."""
     acc = 0
     for a in arrays:
         b = np.ascontiguousarray(np.asarray(a)).reshape(-1).view(np.uint8)
-        n8 = len(b) // 8 * 8
+        lead = min(len(b), -b.ctypes.data % 8)
+        n8 = (len(b) - lead) // 8 * 8
+        if lead:
+            acc += int(b[:lead].sum(dtype=np.uint64))
         if n8:
-            acc += int(b[:n8].view(np.uint64).sum(dtype=np.uint64))
-        if n8 < len(b):
-            acc += int(b[n8:].sum(dtype=np.uint64))
+            acc += int(b[lead : lead + n8].view(np.uint64).sum(dtype=np.uint64))
+        if lead + n8 < len(b):
+            acc += int(b[lead + n8 :].sum(dtype=np.uint64))
     return acc
 
 

@@ -32,7 +32,9 @@ from benches.suites.ragged_data import Rollouts, touch
 HOST = "127.0.0.1"
 TAIL_S = 0.3  # workers send this long past the window's end: the window never sees a drain
 TIMEOUT_S = 30.0  # connect, a blocked send, close, a worker's answer
-KINDS = ("ragged", "fixed")
+# ragged; fixed: one uint8 leaf of the rollouts' mean bytes; leaves: the rollouts' four
+# leaves at fixed (mean) lengths (``Rollouts.fixed_leaves``).
+KINDS = ("ragged", "fixed", "leaves")
 PATHS = ("tcp", "shm")
 
 
@@ -57,6 +59,8 @@ def fixed_payloads(pool: Rollouts) -> list[np.ndarray]:
 def example(echo: Any, p: dict[str, Any], kind: str, mean: int) -> dict[str, Any]:
     if kind == "fixed":
         return {"payload": np.zeros(mean, np.uint8)}
+    if kind == "leaves":
+        return {k: np.zeros_like(v) for k, v in Rollouts(p).fixed_leaves()[0].items()}
     return {
         "prompt": echo.Ragged(int(p["prompt_max"]), np.int32),
         "tokens": echo.Ragged(int(p["completion_max"]), np.int32, group="completion"),
@@ -80,10 +84,12 @@ def _worker(wid: int, k: int, conn: Any, p: dict[str, Any], echo_file: str, limi
     items = {
         "ragged": [pool.sample(i) for i in range(pool.n)],
         "fixed": [{"payload": a} for a in fixed_payloads(pool)],
+        "leaves": pool.fixed_leaves(),
     }
     sizes = {
         "ragged": [pool.sample_bytes(i) for i in range(pool.n)],
         "fixed": [int(a["payload"].nbytes) for a in items["fixed"]],
+        "leaves": [sum(int(v.nbytes) for v in a.values()) for a in items["leaves"]],
     }
     mean = int(items["fixed"][0]["payload"].nbytes)
     conn.send(("made",))
@@ -258,6 +264,21 @@ def _name_thread(name: bytes) -> None:
         ctypes.CDLL(None).prctl(15, name[:15], 0, 0, 0)
 
 
+def check_leaves(batch: dict[str, Any], leaves: list[dict[str, np.ndarray]]) -> bool:
+    """The first and last rollouts of a batch of fixed-shape rollouts are those their
+    rewards name."""
+    rewards = np.asarray(batch["reward"])
+    if rewards.ndim != 1 or not len(rewards):
+        return False
+    for row in (0, len(rewards) - 1):
+        i = int(rewards[row])
+        if not 0 <= i < len(leaves):
+            return False
+        if not all(np.array_equal(batch[k][row], v) for k, v in leaves[i].items()):
+            return False
+    return True
+
+
 def _check_fixed(payload: np.ndarray, fixed: list[np.ndarray]) -> bool:
     """The first and last rows of a fixed batch are the payloads their stamps name."""
     if payload.ndim != 2 or not len(payload):
@@ -276,6 +297,7 @@ def _consume(
     """The learner's thread: ``sample()`` batch after batch until the server closes (or
     ``stop``), reading every byte of every batch and checking each."""
     _name_thread(b"bench-learner")
+    leaves = pool.fixed_leaves() if kind == "leaves" else []
     acc = 0
     errors: list[str] = out["errors"]
     clock = time.perf_counter
@@ -300,6 +322,9 @@ def _consume(
                 batch["reward"],
             ]  # fmt: skip
             ok = check(batch, pool)
+        elif kind == "leaves":
+            arrays = [batch["prompt"], batch["tokens"], batch["logp"], batch["reward"]]
+            ok = check_leaves(batch, leaves)
         else:
             arrays = [batch["payload"]]
             ok = _check_fixed(batch["payload"], fixed)
@@ -392,7 +417,7 @@ def _round(
     ok = not errors and sent > 0 and inserted_total == sent and consumed["samples"] == want
     ok = ok and consumed["bad"] == 0 and all(r["close_ok"] for r in reports)
     ok = ok and all(r["sent"] > 0 for r in reports)
-    ok = ok and (kind == "fixed" or consumed["bytes"] == sent_bytes)
+    ok = ok and (kind != "ragged" or consumed["bytes"] == sent_bytes)
     cpu = {
         name: round((th1.get(name, 0.0) - th0.get(name, 0.0)) / dt, 3)
         for name in sorted(set(th0) | set(th1))
@@ -435,9 +460,9 @@ def _round(
 
 
 def measure_tcp(p: dict[str, Any], check: Any, log: Any) -> dict[str, Any]:
-    """Every round (``repeats`` of ragged and fixed over each of ``tcp_paths``, alternating
-    which kind goes first), one pool of ``tcp_workers`` workers for all; the best window of
-    each kind and path."""
+    """Every round (``repeats`` of each kind over each of ``tcp_paths``, rotating which kind
+    goes first), one pool of ``tcp_workers`` workers for all; the best window of each kind
+    and path."""
     pool = Rollouts(p)
     fixed = fixed_payloads(pool)
     k = int(p["tcp_workers"])
@@ -445,6 +470,7 @@ def measure_tcp(p: dict[str, Any], check: Any, log: Any) -> dict[str, Any]:
     per_round = float(p["tcp_warmup"]) + float(p["tcp_seconds"]) + TAIL_S + 5.0
     limit = 4 * TIMEOUT_S + 60.0 + per_round * 2 * repeats
     out: dict[str, Any] = {"workers": k, "mean_sample_bytes": int(fixed[0].nbytes), "runs": {}}
+    out["leaves_lengths"] = list(pool.leaves_lengths())
     workers = Workers(k, p, limit)
     correct = True
     try:
@@ -457,7 +483,7 @@ def measure_tcp(p: dict[str, Any], check: Any, log: Any) -> dict[str, Any]:
         log(f"tcp: {k} workers up in {out['workers_started_s']:.1f} s")
         for rnd in range(repeats):
             for path in p["tcp_paths"]:
-                for kind in KINDS if rnd % 2 == 0 else KINDS[::-1]:
+                for kind in KINDS[rnd % len(KINDS) :] + KINDS[: rnd % len(KINDS)]:
                     r = _round(workers, kind, path, rnd, p, pool, fixed, check, log)
                     correct = correct and r["correct"]
                     out["runs"].setdefault(run_key(kind, path), []).append(r)
@@ -477,9 +503,11 @@ def measure_tcp(p: dict[str, Any], check: Any, log: Any) -> dict[str, Any]:
         )
     out["best"] = best
     for path in p["tcp_paths"]:
-        rg, fx = best.get(run_key("ragged", path), {}), best.get(run_key("fixed", path), {})
-        if rg.get("gb_per_s") and fx.get("gb_per_s"):
-            out[run_key("ratio", path)] = rg["gb_per_s"] / fx["gb_per_s"]
+        rg = best.get(run_key("ragged", path), {})
+        for kind, ratio in (("fixed", "ratio"), ("leaves", "ratio_leaves")):
+            fx = best.get(run_key(kind, path), {})
+            if rg.get("gb_per_s") and fx.get("gb_per_s"):
+                out[run_key(ratio, path)] = rg["gb_per_s"] / fx["gb_per_s"]
     want = {run_key(kind, path) for kind in KINDS for path in p["tcp_paths"]}
     out["correct"] = correct and not out["workers_forced"] and set(best) == want
     return out

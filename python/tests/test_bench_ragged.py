@@ -47,18 +47,18 @@ def test_ragged_suite_quick_echo_alone(tmp_path: Path, monkeypatch: pytest.Monke
     assert memory["raw_bytes"] == memory["payload_bytes"] > 0
     assert memory["stored_bytes"] >= memory["raw_bytes"]
     assert memory["padded_over_payload"] > 5
-    for key in ("ragged/1", "fixed/1", "ragged/2", "fixed/2"):
+    for key in ("ragged/1", "fixed/1", "leaves/1", "ragged/2", "fixed/2", "leaves/2"):
         assert result["ingest"]["best"][key]["samples"] > 0, key
     tcp = result["tcp"]
     assert tcp["workers_forced"] == []
-    for kind in ("ragged", "fixed", "ragged_shm", "fixed_shm"):
+    for kind in ("ragged", "fixed", "leaves", "ragged_shm", "fixed_shm", "leaves_shm"):
         assert tcp["best"][kind]["samples"] > 0, kind
         (run,) = tcp["runs"][kind]
         assert run["consumed_samples"] > 0, kind
         assert run["inserted_total"] == run["sent"], kind
         assert run["path"] == ("shm" if kind.endswith("_shm") else "tcp"), kind
-    assert tcp["ratio"] > 0
-    assert tcp["ratio_shm"] > 0
+    for ratio in ("ratio", "ratio_shm", "ratio_leaves", "ratio_leaves_shm"):
+        assert tcp[ratio] > 0, ratio
     for key in ("fifo_packed", "replay_packed", "replay_padded"):
         r = result["sample"][key]
         assert r["batches"] > 0, key
@@ -69,11 +69,15 @@ def test_ragged_suite_quick_echo_alone(tmp_path: Path, monkeypatch: pytest.Monke
         assert result[name]["not_installed"] is True
     tables = ragged.tables({"ours": result}, params)
     assert len(tables) == 5
+    prompt, completion = tcp["leaves_lengths"]
+    leaves = f"fixed (int32[{prompt}], int32[{completion}], float32[{completion}], float32)"
     assert [row[1:3] for row in tables[2]["rows"]] == [
         ["tcp", "ragged"],
         ["tcp", f"fixed (uint8[{tcp['mean_sample_bytes']:,}])"],
+        ["tcp", leaves],
         ["shm", "ragged"],
         ["shm", f"fixed (uint8[{tcp['mean_sample_bytes']:,}])"],
+        ["shm", leaves],
     ]
     assert tables[4]["rows"][0][0].startswith("echo")
     assert "not installed" in tables[4]["rows"][1][1]
