@@ -66,10 +66,26 @@ impl Prefault {
     /// Each region's `base .. base + capacity * slot_bytes` is a mapping the caller owns, and
     /// stays mapped until this `Prefault` is dropped (which joins the thread).
     pub(crate) unsafe fn start(regions: Vec<Region>, capacity: usize) -> Option<Self> {
+        // SAFETY: the caller's contract.
+        unsafe { Self::start_with(regions, capacity, WINDOW_BYTES, true) }
+    }
+
+    /// [`Prefault::start`] with a window of `window_bytes`, populated at once if `eager`
+    /// (otherwise from the first [`Prefault::note`]: a table that is made and never written
+    /// takes no memory).
+    ///
+    /// # Safety
+    /// As [`Prefault::start`].
+    pub(crate) unsafe fn start_with(
+        regions: Vec<Region>,
+        capacity: usize,
+        window_bytes: usize,
+        eager: bool,
+    ) -> Option<Self> {
         let row_bytes: usize = regions.iter().map(|r| r.slot_bytes).sum();
-        let window = (WINDOW_BYTES / row_bytes.max(1)).clamp(1, capacity);
+        let window = (window_bytes / row_bytes.max(1)).clamp(1, capacity);
         let shared = Arc::new(Shared {
-            wanted: AtomicUsize::new(window),
+            wanted: AtomicUsize::new(if eager { window } else { 0 }),
             done: AtomicUsize::new(0),
             stop: AtomicBool::new(false),
             rung: Mutex::new(true),

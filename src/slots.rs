@@ -128,26 +128,81 @@ fn prefault_for(leaves: &[LeafBuf], capacity: usize) -> Option<crate::prefault::
     unsafe { crate::prefault::Prefault::start(regions, capacity) }
 }
 
+/// The bytes a [`Buffer::with_prefault`] buffer keeps populated ahead of its highest block:
+/// a quarter of a table's window, since an arena's memory is meant to stay near its payload.
+#[cfg(all(target_os = "linux", not(loom), not(miri)))]
+const ARENA_WINDOW: usize = 16 << 20;
+
 /// One zeroed, [`RING_ALIGN`]-aligned buffer of `len` bytes outside any table, allocated as a
 /// leaf buffer is (mapped from [`MAP_BYTES`] on, so it costs no `memset`): the memory of a
 /// `copy=True` batch's leaf (`crate::python::views`) and of a ragged table's arena
 /// (`crate::ragged`).
-pub(crate) struct Buffer(LeafBuf);
+pub(crate) struct Buffer {
+    /// Populates the pages ahead of the blocks taken (see [`Buffer::with_prefault`]). First,
+    /// so that it is dropped (its thread joined) before the mapping goes.
+    #[cfg(all(target_os = "linux", not(loom), not(miri)))]
+    prefault: Option<crate::prefault::Prefault>,
+    leaf: LeafBuf,
+}
 
 impl Buffer {
     /// # Errors
     /// [`EchoError::OutOfMemory`] if the memory cannot be had.
     pub(crate) fn new(len: usize) -> Result<Self, EchoError> {
-        LeafBuf::allocate(len, len).map(Self)
+        Ok(Self {
+            #[cfg(all(target_os = "linux", not(loom), not(miri)))]
+            prefault: None,
+            leaf: LeafBuf::allocate(len, len)?,
+        })
+    }
+
+    /// A buffer of `blocks` blocks of `block_bytes`, taken in order of their index the first
+    /// time (a ragged arena): when it is mapped and large enough, a prefault thread keeps the
+    /// pages a window ([`ARENA_WINDOW`]) ahead of the highest block taken ([`Buffer::note`])
+    /// populated, from the first block taken on, so the first writes into each block do not
+    /// take its page faults (as for a table's slots). Its memory is then at most that window
+    /// more than the blocks taken.
+    ///
+    /// # Errors
+    /// As [`Buffer::new`].
+    pub(crate) fn with_prefault(block_bytes: usize, blocks: usize) -> Result<Self, EchoError> {
+        #[cfg_attr(not(all(target_os = "linux", not(loom), not(miri))), allow(unused_mut))]
+        let mut buffer = Self::new(block_bytes * blocks)?;
+        #[cfg(all(target_os = "linux", not(loom), not(miri)))]
+        if matches!(buffer.leaf.backing, Backing::Mapped(_))
+            && block_bytes * blocks >= crate::prefault::PREFAULT_MIN_BYTES
+        {
+            let region = crate::prefault::Region {
+                base: buffer.as_mut_ptr() as usize,
+                slot_bytes: block_bytes,
+            };
+            // SAFETY: the region is the buffer's own mapping of `blocks * block_bytes` bytes,
+            // which stays mapped while the prefault lives: it is a field of the same
+            // `Buffer`, declared before the mapping's, so it is dropped (its thread joined)
+            // first.
+            buffer.prefault = unsafe {
+                crate::prefault::Prefault::start_with(vec![region], blocks, ARENA_WINDOW, false)
+            };
+        }
+        Ok(buffer)
+    }
+
+    /// Block `block` of a [`Buffer::with_prefault`] buffer is about to be written.
+    pub(crate) fn note(&self, block: usize) {
+        #[cfg(all(target_os = "linux", not(loom), not(miri)))]
+        if let Some(prefault) = &self.prefault {
+            prefault.note(block);
+        }
+        let _ = block;
     }
 
     /// The first byte (dangling but aligned when `len` is 0).
     pub(crate) fn as_mut_ptr(&self) -> *mut u8 {
-        self.0.base.as_ptr()
+        self.leaf.base.as_ptr()
     }
 
     pub(crate) fn len(&self) -> usize {
-        self.0.len()
+        self.leaf.len()
     }
 }
 
