@@ -241,7 +241,10 @@ def _memory_table(r: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
             f"rollouts/s, {m['fill_gb_per_s']:.2f} GB/s. stored / raw: "
             f"{m['stored_over_raw']:.3f}x. The empty server's RSS is its per-sample "
             f"bookkeeping, {m['rss_empty_server'] / params['max_size']:.0f} bytes for each of "
-            "its max_size slots, taken when it is made; the fill then adds about the payload."
+            "its max_size slots, taken when it is made; the fill then adds the arena blocks it "
+            "takes, plus the pages a prefault thread keeps populated ahead of them (at most "
+            "16 MiB, so that the inserts do not take the page faults): the RSS rows' excess "
+            "over stored_bytes is that window, whatever the table's size."
         ],
     }
 
