@@ -615,6 +615,64 @@ mod over_tcp {
         tcp.close(Closing::Final);
     }
 
+    /// CPU seconds of this process's threads named `name` so far (Linux's clock ticks).
+    #[cfg(target_os = "linux")]
+    fn threads_cpu(name: &str) -> f64 {
+        let mut ticks = 0u64;
+        for task in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+            let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+            if comm.trim() != name {
+                continue;
+            }
+            let stat = std::fs::read_to_string(task.path().join("stat")).unwrap_or_default();
+            // After the command's closing parenthesis: fields 3 on; utime, stime are 14, 15.
+            let fields: Vec<&str> = stat.rsplit_once(')').unwrap().1.split_whitespace().collect();
+            ticks += fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+        }
+        ticks as f64 / 100.0
+    }
+
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn a_worker_stopped_half_way_through_a_frame_holds_up_no_one_and_costs_nothing() {
+        let (table, tcp) = serve_with(4, None, 1 << 30, true);
+        let stuck = connect_with(tcp.port(), None, Some(true)).unwrap();
+        assert!(stuck.uses_shared_memory());
+        // One sample of 100 rows in both ragged leaves (808 body bytes), and half its body.
+        let mut frame = vec![0x18, 1, 0];
+        frame.extend_from_slice(&100u32.to_le_bytes());
+        frame.extend_from_slice(&100u32.to_le_bytes());
+        frame.extend_from_slice(&make(7, 100).tokens);
+        stuck.send_raw(&frame, None).unwrap();
+        // Another worker's samples go in meanwhile.
+        let worker = connect_with(tcp.port(), None, Some(true)).unwrap();
+        for id in 0..8u64 {
+            let m = make(id, length_of(id));
+            let leaves: [&[u8]; 3] = [&m.tokens, &m.logp, &m.id];
+            let rows = [m.len, m.len, 1];
+            worker.send_group(&[Outgoing { rows: &rows, leaves: &leaves }], None, None).unwrap();
+        }
+        worker.flush(Some(Instant::now() + Duration::from_secs(10))).unwrap();
+        let deadline = Some(Instant::now() + Duration::from_secs(10));
+        let mut seen = HashSet::new();
+        for _ in 0..2 {
+            let batch = table.sample(BatchLayout::Packed, deadline).unwrap().unwrap();
+            seen.extend(check_packed(&batch));
+        }
+        assert_eq!(seen, (0..8).collect::<HashSet<u64>>());
+        // The half frame costs the threads that serve the pipes nothing while it waits.
+        let before = threads_cpu("echo-ragged-pum") + threads_cpu("echo-ragged-conn");
+        thread::sleep(Duration::from_millis(400));
+        let spent = threads_cpu("echo-ragged-pum") + threads_cpu("echo-ragged-conn") - before;
+        assert!(spent < 0.1, "{spent} s of CPU in 0.4 s waiting for half a frame");
+        // Its worker gone, the half frame is dropped: nothing more is stored.
+        stuck.close();
+        drop(stuck);
+        thread::sleep(Duration::from_millis(200));
+        assert_eq!(table.stats().inserted, 8);
+        tcp.close(Closing::Final);
+    }
+
     #[test]
     fn a_snapshot_counts_each_workers_samples_and_a_restored_server_resumes_it_there() {
         let (table, tcp) = serve(4, None);

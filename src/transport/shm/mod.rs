@@ -63,7 +63,7 @@ pub mod seqlock;
 #[cfg(all(target_os = "linux", not(loom)))]
 mod attach;
 #[cfg(all(target_os = "linux", not(loom)))]
-mod bell;
+pub(crate) mod bell;
 #[cfg(all(target_os = "linux", not(loom)))]
 mod layout;
 #[cfg(all(target_os = "linux", not(loom)))]

@@ -217,6 +217,31 @@ impl PipeReader {
         self.indices().release(self.head, &self.space);
     }
 
+    /// Raises the reader's sleeping flag before a last look at [`PipeReader::ready`]: a
+    /// worker that commits after it rings the data bell ([`PipeReader::data_fd`]). For a
+    /// caller that waits on many pipes at once; end with [`PipeReader::sleep_end`].
+    pub fn sleep_begin(&self) {
+        Indices::sleep_begin(self.indices().reader_sleeping);
+    }
+
+    /// Ends a [`PipeReader::sleep_begin`], and takes the data bell's rings.
+    pub fn sleep_end(&self) {
+        Indices::sleep_end(self.indices().reader_sleeping);
+        self.data.drain();
+    }
+
+    /// The data bell: readable once the worker committed bytes after
+    /// [`PipeReader::sleep_begin`].
+    pub fn data_fd(&self) -> RawFd {
+        self.data.as_raw_fd()
+    }
+
+    /// The watched socket ([`PipeReader::watch`]), if any: readable or hung up once the
+    /// worker is gone (or sent a byte it must not).
+    pub fn watch_fd(&self) -> Option<RawFd> {
+        self.watch.as_ref().map(AsRawFd::as_raw_fd)
+    }
+
     /// Reads what the worker committed, without waiting: 0 when nothing is.
     ///
     /// # Errors
