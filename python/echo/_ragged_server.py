@@ -387,7 +387,7 @@ class RaggedServer(Server):
         """Starts listening for workers (`echo.TcpClient` with the same ragged example) on
         the transport's port, if it has one; see `Server.start`. One thread per connection;
         a worker on this host sends through a shared-memory pipe unless the transport or the
-        worker turns it off (`shared_memory=False`)."""
+        worker turns it off (`shared_memory=False`), and a few threads serve every pipe."""
         transport = self._transport
         if transport is None or self._buffer.core.port is not None:
             return

@@ -3,7 +3,9 @@
 //! per sample once stored.
 //!
 //! One thread per connection, blocking sockets: a connection whose table is full stops
-//! reading, and TCP's flow control holds its worker back. The frame header is checked
+//! reading, and TCP's flow control holds its worker back. A same-host worker's
+//! shared-memory pipe is served by a pump (`pump.rs`: a few threads for every pipe) while its
+//! frames come whole, and by its connection's thread otherwise. The frame header is checked
 //! against the spec before the body is read, so a connection holds at most one valid frame
 //! (a batch of the largest samples) in memory. v1 clients (id-echo 0.2.1) cannot describe a
 //! ragged leaf: the server sends them no v1 handshake and refuses what they send, naming the
