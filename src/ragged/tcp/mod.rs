@@ -598,7 +598,10 @@ fn serve(shared: &Arc<Shared>, id: u64, mut stream: TcpStream) -> Result<(), Ech
 /// frame larger than the pipe, one refused) with the blocking reader.
 #[cfg(target_os = "linux")]
 fn serve_pipe(shared: &Arc<Shared>, pipe: shm::PipeInput, owned: Owned) -> Result<(), EchoError> {
-    let pump::Returned { mut input, owned, go_on } = pump::serve(shared, pipe, owned);
+    // None: the pump's thread panicked, with the pipe; the worker sees its connection end.
+    let Some(pump::Returned { mut input, owned, go_on }) = pump::serve(shared, pipe, owned) else {
+        return Err(EchoError::Closed);
+    };
     if !go_on {
         return Ok(()); // the worker reconnected: its newer connection goes on
     }

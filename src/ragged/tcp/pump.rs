@@ -72,10 +72,17 @@ pub(super) struct Returned {
 
 /// One pump: its pipes arrive in `inbox`, and `bell` wakes it for them.
 pub(super) struct Pump {
-    inbox: Mutex<Vec<Lease>>,
+    inbox: Mutex<Inbox>,
     bell: EventFd,
     /// Pipes handed to it and not given back.
     load: AtomicUsize,
+}
+
+#[derive(Default)]
+struct Inbox {
+    leases: Vec<Lease>,
+    /// The pump's thread has ended (the server is closing): it takes no more pipes.
+    stopped: bool,
 }
 
 /// The pumps of a server, started as pipes are attached.
@@ -83,21 +90,27 @@ pub(super) struct Pump {
 pub(super) struct Pumps(Mutex<Vec<Arc<Pump>>>);
 
 /// Serves `input` (a worker's attached pipe) on a pump until the pump gives it back (at
-/// once if no pump could be started: the caller then reads the pipe itself).
-pub(super) fn serve(shared: &Arc<Shared>, input: PipeInput, owned: Owned) -> Returned {
-    let pump = match pick(shared) {
-        Some(pump) => pump,
-        None => return Returned { input, owned, go_on: true },
+/// once if no pump could be started, or the server is closing: the caller then reads the
+/// pipe itself). `None` only if the pump's thread panicked.
+pub(super) fn serve(shared: &Arc<Shared>, input: PipeInput, owned: Owned) -> Option<Returned> {
+    let Some(pump) = pick(shared) else {
+        return Some(Returned { input, owned, go_on: true });
     };
     let (back, returned) = mpsc::channel();
+    {
+        let mut inbox = pump.inbox.lock();
+        if inbox.stopped {
+            return Some(Returned { input, owned, go_on: true });
+        }
+        inbox.leases.push(Lease { input, owned, back, seen: 0 });
+    }
     // ORDERING: Relaxed — a load estimate for picking pumps.
     pump.load.fetch_add(1, Ordering::Relaxed);
-    pump.inbox.lock().push(Lease { input, owned, back, seen: 0 });
     pump.bell.ring();
-    let got = returned.recv();
+    let got = returned.recv().ok();
     // ORDERING: Relaxed — as above.
     pump.load.fetch_sub(1, Ordering::Relaxed);
-    got.expect("a pump gives back every lease before its thread ends")
+    got
 }
 
 /// The least loaded pump, starting one while there are fewer than half the cores (at least
@@ -107,7 +120,7 @@ fn pick(shared: &Arc<Shared>) -> Option<Arc<Pump>> {
     let wanted = std::thread::available_parallelism().map_or(1, |n| n.get() / 2).clamp(1, 8);
     if pumps.len() < wanted {
         let pump = Arc::new(Pump {
-            inbox: Mutex::new(Vec::new()),
+            inbox: Mutex::new(Inbox::default()),
             bell: EventFd::new().ok()?,
             load: AtomicUsize::new(0),
         });
@@ -137,16 +150,17 @@ fn run(shared: &Shared, pump: &Pump) {
     let mut head = Vec::new();
     let mut stalled = false;
     loop {
-        leases.append(&mut pump.inbox.lock());
+        leases.append(&mut pump.inbox.lock().leases);
         // ORDERING: SeqCst — pairs with `close`: the connection threads go on with the
         // blocking reader, which ends as the server closes.
-        let closing = shared.closing.load(Ordering::SeqCst);
-        if closing {
+        if shared.closing.load(Ordering::SeqCst) {
             for lease in leases.drain(..) {
                 give_back(lease, true);
             }
-            // A lease handed over meanwhile is given back at the next look.
-            if pump.inbox.lock().is_empty() {
+            // Under the inbox's lock: a pipe handed over after this goes back at once.
+            let mut inbox = pump.inbox.lock();
+            if inbox.leases.is_empty() {
+                inbox.stopped = true;
                 return;
             }
             continue;
