@@ -330,6 +330,7 @@ def _cores(x: dict[str, Any]) -> str:
     """The learner process's CPU by thread (cores over the window, and us a sample), busiest
     first; threads under 0.01 cores left out."""
     names = {"echo-ragged-con": "connection threads", "echo-tcp": "connection threads"}
+    names["echo-ragged-pum"] = "pipe pumps"
     names.update({"echo-drainer-": "drainers", "bench-learner": "learner thread"})
     names["python"] = "main thread"
     got: dict[str, float] = {}
