@@ -392,6 +392,17 @@ mod over_tcp {
         RaggedSender::connect("127.0.0.1", port, spec(), layout(), options)
     }
 
+    /// Sends the samples `ids` (each [`make`] of its [`length_of`]) as one group.
+    fn send_group(sender: &RaggedSender, ids: std::ops::Range<u64>) -> Result<(), EchoError> {
+        let made: Vec<_> = ids.map(|id| make(id, length_of(id))).collect();
+        let rows: Vec<[usize; 3]> = made.iter().map(|m| [m.len, m.len, 1]).collect();
+        let leaves: Vec<[&[u8]; 3]> =
+            made.iter().map(|m| [&m.tokens[..], &m.logp[..], &m.id[..]]).collect();
+        let out: Vec<Outgoing<'_>> =
+            rows.iter().zip(&leaves).map(|(r, l)| Outgoing { rows: r, leaves: l }).collect();
+        sender.send_group(&out, None, None)
+    }
+
     #[test]
     fn workers_deliver_every_sample_and_group_exactly_once() {
         deliver_exactly_once(1 << 30, false, 0);
@@ -492,21 +503,8 @@ mod over_tcp {
                     for g in 0..150u64 {
                         // Groups of 1 to 4 samples with ids w*100_000 + g*4 + k.
                         let size = (g % 4 + 1) as usize;
-                        let made: Vec<_> = (0..size as u64)
-                            .map(|k| {
-                                make(w * 100_000 + g * 4 + k, length_of(w * 100_000 + g * 4 + k))
-                            })
-                            .collect();
-                        let rows: Vec<[usize; 3]> =
-                            made.iter().map(|m| [m.len, m.len, 1]).collect();
-                        let leaves: Vec<[&[u8]; 3]> =
-                            made.iter().map(|m| [&m.tokens[..], &m.logp[..], &m.id[..]]).collect();
-                        let out: Vec<Outgoing<'_>> = rows
-                            .iter()
-                            .zip(&leaves)
-                            .map(|(r, l)| Outgoing { rows: r, leaves: l })
-                            .collect();
-                        sender.send_group(&out, None, None).unwrap();
+                        let first = w * 100_000 + g * 4;
+                        send_group(&sender, first..first + size as u64).unwrap();
                     }
                     sender.flush(Some(Instant::now() + Duration::from_secs(30))).unwrap();
                     let (reconnects, _) = sender.recoveries();
@@ -561,16 +559,7 @@ mod over_tcp {
         let groups = 2_500u64;
         let writer = thread::spawn(move || {
             for g in 0..groups {
-                let made: Vec<_> = (0..4).map(|k| make(g * 4 + k, length_of(g * 4 + k))).collect();
-                let rows: Vec<[usize; 3]> = made.iter().map(|m| [m.len, m.len, 1]).collect();
-                let leaves: Vec<[&[u8]; 3]> =
-                    made.iter().map(|m| [&m.tokens[..], &m.logp[..], &m.id[..]]).collect();
-                let out: Vec<Outgoing<'_>> = rows
-                    .iter()
-                    .zip(&leaves)
-                    .map(|(r, l)| Outgoing { rows: r, leaves: l })
-                    .collect();
-                sender.send_group(&out, None, None).unwrap();
+                send_group(&sender, g * 4..g * 4 + 4).unwrap();
             }
             sender.flush(Some(Instant::now() + Duration::from_secs(60))).unwrap();
         });
