@@ -604,6 +604,84 @@ mod over_tcp {
         tcp.close(Closing::Final);
     }
 
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn hostile_bytes_through_pipes_never_stall_the_pumps_or_store_anything() {
+        // Sixty same-host workers each write a pseudo-random byte string into their pipe:
+        // garbage, headers with random counts and lengths, half frames, heartbeats, whole
+        // frames with wrong lengths. None of it is stored (nothing is a valid sample: every
+        // frame claims rows past max_len, or is cut short), an honest worker's samples all go
+        // in meanwhile and after, and the server closes without waiting on any of them.
+        let (table, tcp) = serve_with(4, None, 1 << 30, true);
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let mut hostile = Vec::new();
+        for case in 0..60u64 {
+            let sender = connect_with(tcp.port(), None, Some(true)).unwrap();
+            assert!(sender.uses_shared_memory());
+            let mut bytes = Vec::new();
+            match case % 4 {
+                0 => bytes.extend((0..next() % 64).map(|_| next() as u8)),
+                1 | 2 => {
+                    for _ in 0..1 + next() % 3 {
+                        bytes.push(if next() % 2 == 0 { 0x18 } else { 0x19 });
+                        let n = (next() % 3) as u16; // 0 to 2 samples
+                        bytes.extend_from_slice(&n.to_le_bytes());
+                        if bytes[bytes.len() - 3] == 0x19 {
+                            bytes.extend_from_slice(&1.0f64.to_le_bytes());
+                        }
+                        for _ in 0..2 * n {
+                            // Past max_len 300: refused.
+                            bytes.extend_from_slice(&(301 + next() as u32 % 1000).to_le_bytes());
+                        }
+                        bytes.extend((0..next() % 200).map(|_| next() as u8));
+                        if next() % 3 == 0 {
+                            bytes.push(v2::HEARTBEAT);
+                        }
+                    }
+                }
+                _ => {
+                    // A valid header and a cut body: waits for a body that never comes.
+                    bytes.extend_from_slice(&[0x18, 1, 0]);
+                    bytes.extend_from_slice(&10u32.to_le_bytes());
+                    bytes.extend_from_slice(&10u32.to_le_bytes());
+                    bytes.extend((0..next() % 80).map(|_| next() as u8));
+                }
+            }
+            if !bytes.is_empty() {
+                let _ = sender.send_raw(&bytes, Some(Instant::now() + Duration::from_secs(5)));
+            }
+            hostile.push(sender);
+        }
+        let honest = connect_with(tcp.port(), None, Some(true)).unwrap();
+        for g in 0..8u64 {
+            send_group(&honest, g * 2..g * 2 + 2).unwrap();
+        }
+        honest.flush(Some(Instant::now() + Duration::from_secs(20))).unwrap();
+        let deadline = Some(Instant::now() + Duration::from_secs(20));
+        let mut seen = HashSet::new();
+        while seen.len() < 16 {
+            let batch = table.sample(BatchLayout::Packed, deadline).unwrap().unwrap();
+            for id in check_packed(&batch) {
+                assert!(seen.insert(id), "sample {id} twice");
+            }
+        }
+        // The hostile workers leave; their connections end; nothing of theirs was stored.
+        for sender in hostile.drain(..).rev() {
+            sender.close();
+        }
+        thread::sleep(Duration::from_millis(300));
+        assert_eq!(table.stats().inserted, 16);
+        let started = Instant::now();
+        tcp.close(Closing::Final);
+        assert!(started.elapsed() < Duration::from_secs(5), "close took {:?}", started.elapsed());
+    }
+
     /// CPU seconds of this process's threads named `name` so far (Linux's clock ticks).
     #[cfg(target_os = "linux")]
     fn threads_cpu(name: &str) -> f64 {
