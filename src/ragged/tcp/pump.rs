@@ -231,6 +231,9 @@ fn turn(
         head.resize(2, 0);
         pipe.copy_ahead(1, head);
         let n = usize::from(u16::from_le_bytes([head[0], head[1]]));
+        if n == 0 || n > max_samples {
+            return Turn::Back { go_on: true }; // refused by the reader, which says why
+        }
         let head_bytes = head_len(spec, kind[0], n);
         if 1 + head_bytes > PIPE_CAPACITY {
             return Turn::Back { go_on: true };
