@@ -5,14 +5,13 @@ refusals that name the leaf and the numbers and store nothing."""
 from __future__ import annotations
 
 import gc
-import json
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from testkit.checkpoints import wait_for_ragged_checkpoint
 
 import echo
 from echo import Packed, Padded, Ragged
@@ -410,19 +409,7 @@ def test_periodic_checkpoints_of_a_ragged_server(tmp_path: Any) -> None:
     for i in range(20):
         server.submit(make(i))
 
-    # The newest periodic checkpoint comes to hold every submit (one that began before them
-    # may finish after them: its manifest says what it holds).
-    def newest_holds_all() -> bool:
-        found = periodic_checkpoints(tmp_path)
-        if not found:
-            return False
-        manifest = json.loads((Path(found[-1]) / "ragged.json").read_text())
-        return bool(manifest["counts"]["samples"] == 20)
-
-    deadline = time.monotonic() + 20
-    while not newest_holds_all():
-        assert time.monotonic() < deadline, "no periodic checkpoint of all 20 samples"
-        time.sleep(0.02)
+    wait_for_ragged_checkpoint(tmp_path, 20, timeout=20)
     server.close()
     restored = echo.Server.restore(periodic_checkpoints(tmp_path)[-1])
     assert restored.stats().store_size == 20

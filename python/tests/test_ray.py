@@ -5,7 +5,6 @@ learner, and the precise errors."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -35,10 +34,10 @@ from _ray_actors import (  # noqa: E402
     sample_of,
 )
 from ray.cluster_utils import Cluster  # noqa: E402
+from testkit.checkpoints import wait_for_ragged_checkpoint  # noqa: E402
 
 import echo  # noqa: E402
 import echo.ray  # noqa: E402
-from echo.checkpoint import periodic_checkpoints  # noqa: E402
 
 pytestmark = [
     pytest.mark.timeout(240),
@@ -787,19 +786,7 @@ def test_a_ragged_shard_server_restores_its_newest_checkpoint_and_registers_agai
         for i in range(4, 24):
             first.submit(_completion(i))
 
-        # The newest periodic checkpoint holds every submit (one that began before them
-        # may finish after them: its manifest says what it holds).
-        def newest_holds_all() -> bool:
-            found = periodic_checkpoints(tmp_path)
-            if not found:
-                return False
-            manifest = json.loads((Path(found[-1]) / "ragged.json").read_text())
-            return bool(manifest["counts"]["samples"] == 24)
-
-        deadline = time.monotonic() + WAIT_S
-        while not newest_holds_all():
-            assert time.monotonic() < deadline, "no periodic checkpoint of all 24"
-            time.sleep(0.05)
+        wait_for_ragged_checkpoint(tmp_path, 24, timeout=WAIT_S)
         first.close()
         second = echo.ray.shard_server(
             "ragged-restore", 0, RAGGED, 8, checkpoint_dir=tmp_path, checkpoint_every=60.0,

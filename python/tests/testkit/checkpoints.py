@@ -3,9 +3,11 @@ misaligned row shows) and the checks of what comes back."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -78,3 +80,22 @@ def kill_mid_checkpoint(path: Path, stage: str, settings: str) -> None:
         check=False,
     )
     assert proc.returncode == -9, proc.stderr
+
+
+def wait_for_ragged_checkpoint(directory: Path, samples: int, timeout: float) -> None:
+    """Waits until the newest periodic checkpoint in `directory` (a ragged server's) holds
+    `samples` samples: one that began before the last submit may finish after it, so the
+    newest one's manifest, not its arrival, says whether it holds them all."""
+    from echo.checkpoint import periodic_checkpoints
+
+    def newest_holds_all() -> bool:
+        found = periodic_checkpoints(directory)
+        if not found:
+            return False
+        manifest = json.loads((Path(found[-1]) / "ragged.json").read_text())
+        return bool(manifest["counts"]["samples"] == samples)
+
+    deadline = time.monotonic() + timeout
+    while not newest_holds_all():
+        assert time.monotonic() < deadline, f"no periodic checkpoint of all {samples} samples"
+        time.sleep(0.02)
