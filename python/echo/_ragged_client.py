@@ -7,8 +7,9 @@ server's group size before anything is sent. On the server's host the frames go 
 shared-memory pipe instead of the socket (`shared_memory=`, as for any `TcpClient`). With
 `reconnect=True` it keeps each frame until its samples are stored, and after a lost
 connection connects again (for up to `reconnect_timeout`) and resends exactly what the
-server did not store. Durable sessions, wire compression and parameter fetches are not
-there yet: asking for them raises `ValueError`.
+server did not store. Durable sessions, policy versions and parameter fetches are not there
+yet: asking for them raises `ValueError` (and the client's counters of them stay 0). Leaves
+go raw; the server compresses those its `compress=` names as it stores them.
 """
 
 from __future__ import annotations
@@ -16,17 +17,18 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 from echo._echo import ConnectionClosedError, RaggedSender
 from echo._validate import check_bool, check_int, check_seconds, check_token
 from echo.client import TcpClient
+from echo.compression import Codec
 from echo.ragged import RaggedLayout
 
 __all__ = ["RaggedTcpClient"]
 
 
-def _unsupported(what: str) -> None:
+def _unsupported(what: str) -> NoReturn:
     raise ValueError(f"a TcpClient with ragged leaves does not support {what} yet")
 
 
@@ -222,6 +224,87 @@ class RaggedTcpClient(TcpClient):
     @property
     def resent(self) -> int:
         return self._ragged_sender.recoveries[1]
+
+    @property
+    def resumed_from(self) -> int | None:
+        return self._ragged_sender.resumed_from
+
+    @property
+    def server_closing(self) -> Literal["final", "restarting"] | None:
+        return self._ragged_sender.server_closing
+
+    @property
+    def retained_bytes(self) -> int:
+        """Bytes of frames kept to resend: with `reconnect=True`, those whose samples are
+        not known to be stored; 0 without."""
+        return self._ragged_sender.retained_bytes
+
+    def wait_persisted(self, timeout: float | None = None) -> None:
+        """As `wait()`: a ragged worker is not durable, so nothing waits for a checkpoint."""
+        self.wait(timeout)
+
+    @property
+    def persisted(self) -> int:
+        """0: a ragged worker is not durable."""
+        return 0
+
+    @property
+    def durable_waits(self) -> int:
+        return 0
+
+    @property
+    def durable_wait_s(self) -> float:
+        return 0.0
+
+    # A ragged server keeps no policy versions and publishes no parameters yet.
+
+    def params(self, min_version: int | None = None, timeout: float | None = None) -> NoReturn:
+        """Not there yet for ragged workers: raises `ValueError`."""
+        del min_version, timeout
+        _unsupported("params() (a ragged server publishes no parameters)")
+
+    @property
+    def params_version(self) -> int:
+        return 0
+
+    @property
+    def params_fetches(self) -> int:
+        return 0
+
+    @property
+    def params_fetch_s(self) -> float:
+        return 0.0
+
+    @property
+    def policy_version(self) -> int:
+        return 0
+
+    @policy_version.setter
+    def policy_version(self, version: int) -> None:  # pyright: ignore[reportIncompatibleVariableOverride]
+        del version
+        _unsupported("policy versions (a ragged server keeps none)")
+
+    @property
+    def keeps_versions(self) -> bool:
+        return False
+
+    @property
+    def admission_waits(self) -> int:
+        return 0
+
+    @property
+    def admission_wait_s(self) -> float:
+        return 0.0
+
+    @property
+    def sequence_rows(self) -> None:
+        return None
+
+    @property
+    def wire_compression_leaves(self) -> dict[str, Codec]:
+        """Empty: a ragged worker sends every leaf raw (the server compresses the leaves
+        its `compress=` names when it stores them)."""
+        return {}
 
     def __repr__(self) -> str:
         named = "" if self._name is None else f"name={self._name!r}, "

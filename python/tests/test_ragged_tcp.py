@@ -238,6 +238,7 @@ def test_workers_hear_that_the_server_closed() -> None:
 
     with pytest.raises(echo.ServerClosedError):
         keep_sending()
+    assert client.server_closing == "final"
     client.close(timeout=0)
 
 
@@ -430,6 +431,11 @@ def test_a_worker_that_reconnects_after_cut_connections_stores_each_sample_once(
             client.wait(30)
             assert client.reconnects >= 1
             assert client.acked == client.sent == n
+            resumed = client.resumed_from
+            assert resumed is not None
+            assert 0 < resumed <= n
+            assert client.server_closing is None  # cut connections, not a closing server
+            assert client.retained_bytes == 0  # everything is stored
             assert server.stats().sessions_resumed_total == client.reconnects
     finally:
         proxy.close()
@@ -454,6 +460,7 @@ def test_a_restored_server_keeps_its_workers_sessions_and_they_go_on_exactly_onc
     for i in range(40):
         client.send(make(i), timeout=30)
     client.wait(30)
+    assert (client.resumed_from, client.server_closing, client.retained_bytes) == (None, None, 0)
     first.checkpoint(tmp_path / "ckpt")
     manifest = (tmp_path / "ckpt" / "ragged.json").read_text()
     assert '"sessions": 1' in manifest
@@ -466,6 +473,8 @@ def test_a_restored_server_keeps_its_workers_sessions_and_they_go_on_exactly_onc
             client.send(make(i), timeout=30)
         client.wait(30)
         assert client.reconnects >= 1
+        assert client.server_closing == "restarting"
+        assert client.resumed_from == 40  # what the checkpoint held
         client.close()
         stats = second.stats()
         assert stats.store_size == 80
@@ -521,3 +530,33 @@ def test_a_reconnecting_worker_keeps_to_the_timeout_of_the_call(server: echo.Ser
     client.close(timeout=0.5)
     assert time.monotonic() - started < 10, "the calls kept to their timeouts, not 60 s"
     assert client.given_up == client.sent - client.acked
+
+
+def test_every_client_property_answers_for_a_ragged_worker(server: echo.Server) -> None:
+    """A ragged worker is a `TcpClient`: each of its properties answers (none reaches for a
+    fixed-shape sender it does not have), and what it cannot do yet raises ValueError."""
+    assert server.port is not None
+    with echo.TcpClient("127.0.0.1", server.port, example(), shared_memory=False) as client:
+        client.send(make(3))
+        client.wait(10)
+        names = [
+            name
+            for name, attr in vars(echo.TcpClient).items()
+            if isinstance(attr, property) and not name.startswith("_")
+        ]
+        values = {name: getattr(client, name) for name in names}
+        assert values["sent"] == values["acked"] == 1
+        assert values["protocol"] == 2
+        assert values["transport_path"] == "tcp"
+        assert values["wire_compression_leaves"] == {}
+        assert values["given_up"] is None
+        quiet = ("params_version", "params_fetches", "policy_version", "admission_waits")
+        assert all(values[name] == 0 for name in quiet)
+        assert (values["keeps_versions"], values["durable"]) == (False, False)
+        assert (values["sequence_rows"], values["server_closing"]) == (None, None)
+        client.wait_persisted(10)  # not durable: as wait()
+        with pytest.raises(ValueError, match="does not support params"):
+            client.params(timeout=1)
+        with pytest.raises(ValueError, match="does not support policy versions"):
+            client.policy_version = 5
+    assert client.given_up == 0

@@ -862,6 +862,28 @@ impl PyRaggedSender {
     fn counts(&self) -> (u64, u64) {
         self.sender.counts()
     }
+
+    /// What the server said the last time it closed a connection: `"final"`,
+    /// `"restarting"`, or None.
+    #[getter]
+    fn server_closing(&self) -> Option<&'static str> {
+        self.sender.server_closing().map(|why| match why {
+            Closing::Final => "final",
+            Closing::Restarting => "restarting",
+        })
+    }
+
+    /// Where the latest reconnection resumed (the samples the server already had), or None.
+    #[getter]
+    fn resumed_from(&self) -> Option<u64> {
+        self.sender.resumed_from()
+    }
+
+    /// Bytes of frames kept to resend.
+    #[getter]
+    fn retained_bytes(&self) -> usize {
+        self.sender.retained_bytes()
+    }
 }
 
 impl RaggedCore {

@@ -421,6 +421,10 @@ pub struct RaggedSender {
     max_inflight: u64,
     reconnects: AtomicU64,
     resent: AtomicU64,
+    /// Where the latest reconnection resumed: the samples the server said it had.
+    resumed_from: Mutex<Option<u64>>,
+    /// What the server said when it last closed a connection of this sender.
+    closing: Mutex<Option<Closing>>,
     /// Why reconnecting failed, once it has: every later call fails with it.
     given_up: Mutex<Option<String>>,
 }
@@ -463,6 +467,8 @@ impl RaggedSender {
             max_inflight,
             reconnects: AtomicU64::new(0),
             resent: AtomicU64::new(0),
+            resumed_from: Mutex::new(None),
+            closing: Mutex::new(None),
             given_up: Mutex::new(None),
         })
     }
@@ -493,6 +499,28 @@ impl RaggedSender {
     pub fn recoveries(&self) -> (u64, u64) {
         // ORDERING: Relaxed — statistics counters.
         (self.reconnects.load(Ordering::Relaxed), self.resent.load(Ordering::Relaxed))
+    }
+
+    /// Where the latest reconnection resumed (the samples the server said it already had,
+    /// so the first one sent again), or `None` before any.
+    pub fn resumed_from(&self) -> Option<u64> {
+        *self.resumed_from.lock()
+    }
+
+    /// What the server said the last time it closed a connection of this sender, if it ever
+    /// did (`None` also when a connection vanished without a word).
+    pub fn server_closing(&self) -> Option<Closing> {
+        let view = self.view.lock().clone();
+        let current = view.shared.state.lock().closing;
+        current.or(*self.closing.lock())
+    }
+
+    /// Bytes of frames kept to resend (with `reconnect`: those not known to be stored;
+    /// frames stored since the last send are let go at the next one, and not counted here).
+    pub fn retained_bytes(&self) -> usize {
+        let acked = self.view.lock().clone().acked();
+        let retained = self.retained.lock();
+        retained.iter().filter(|&&(end, _)| end > acked).map(|(_, frame)| frame.len()).sum()
     }
 
     /// `err`, or a reconnection (with `link` locked) when it is a lost connection and the
@@ -537,9 +565,13 @@ impl RaggedSender {
         let mut pause = FIRST_PAUSE;
         loop {
             let acked = link.view.acked();
+            if let Some(said) = link.view.shared.state.lock().closing {
+                *self.closing.lock() = Some(said);
+            }
             link.close(false);
             let last = match self.dial.open(acked) {
                 Ok((fresh, _)) => {
+                    *self.resumed_from.lock() = Some(fresh.view.base);
                     *link = fresh;
                     *self.view.lock() = link.view.clone();
                     // ORDERING: Relaxed — a statistics counter.
