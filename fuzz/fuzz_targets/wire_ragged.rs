@@ -13,30 +13,13 @@
 #![no_main]
 
 use echo::ragged::wire::{decode_head, encode_head, Outgoing, GROUP, GROUP_PRIORITY};
-use echo::ragged::{LeafDecl, RaggedDecl, RaggedSpec};
-use echo::ArraySpec;
 use libfuzzer_sys::fuzz_target;
 
-const MAX_SAMPLES: usize = 16;
+#[path = "common/rollouts.rs"]
+mod rollouts;
+use rollouts::spec;
 
-fn spec() -> RaggedSpec {
-    let ragged = |name: &str, size, max_len, group: Option<&str>| LeafDecl {
-        name: name.into(),
-        array: ArraySpec::new(vec![], size).unwrap(),
-        ragged: Some(RaggedDecl { max_len, group: group.map(str::to_owned) }),
-    };
-    RaggedSpec::new(vec![
-        ragged("['prompt']", 4, 512, None),
-        ragged("['tokens']", 4, 8192, Some("completion")),
-        ragged("['logp']", 4, 8192, Some("completion")),
-        LeafDecl {
-            name: "['reward']".into(),
-            array: ArraySpec::new(vec![], 4).unwrap(),
-            ragged: None,
-        },
-    ])
-    .unwrap()
-}
+const MAX_SAMPLES: usize = 16;
 
 fuzz_target!(|data: &[u8]| {
     let Some((&pick, frame)) = data.split_first() else { return };

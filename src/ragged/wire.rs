@@ -20,6 +20,7 @@
 
 use super::spec::RaggedSpec;
 use crate::error::EchoError;
+use crate::transport::wire::v2;
 
 /// Client frame: a sample, or a group of samples, of a ragged server.
 pub const GROUP: u8 = 0x18;
@@ -42,7 +43,7 @@ pub struct Head {
 }
 
 /// Bytes of a group frame's header after its kind byte, for `n` samples of `spec`.
-pub(crate) fn head_len(spec: &RaggedSpec, kind: u8, n: usize) -> usize {
+pub fn head_len(spec: &RaggedSpec, kind: u8, n: usize) -> usize {
     let ragged = spec.columns().iter().filter(|c| c.is_ragged()).count();
     2 + if kind == GROUP_PRIORITY { 8 } else { 0 } + 4 * ragged * n
 }
@@ -109,6 +110,87 @@ pub fn decode_head(
         body_len += columns.iter().zip(sample).map(|(c, &n)| c.row_bytes() * n).sum::<usize>();
     }
     Ok(Some((Head { samples, priority, rows, body_len }, len)))
+}
+
+/// What lies at the front of a stream read in place (a worker's shared-memory pipe), as a
+/// pump sees it without consuming anything: [`peek_frame`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum Peeked {
+    /// Nothing, or part of a frame: look again once more bytes are there.
+    Partial,
+    /// A heartbeat byte, to skip.
+    Heartbeat,
+    /// A whole group frame: its header, the header's bytes after the kind byte, and the
+    /// frame's bytes in all (kind byte, header and body).
+    Whole {
+        /// The decoded header.
+        head: Head,
+        /// Bytes of the header after the kind byte.
+        head_bytes: usize,
+        /// Bytes of the whole frame.
+        total: usize,
+    },
+    /// What a pump leaves to the blocking reader, which handles (and reports) it: another
+    /// kind of byte (a goodbye, or one it refuses), a header it refuses, or a frame of more
+    /// than the stream's `limit` bytes (which streams through).
+    Elsewhere,
+}
+
+/// Looks at the front of a stream of which `ready` bytes are there, read by `copy_ahead(at,
+/// out)` (`out.len()` bytes from `at`, never past `ready`), without consuming anything: a
+/// pump's view of a shared-memory pipe of `limit` bytes. `head` is scratch space (reused,
+/// so a pump allocates no header buffer per frame).
+///
+/// A header is checked by [`decode_head`] itself, and only once all of it is there; its
+/// sample count is checked before the header's size is computed from it, so no peer-chosen
+/// size is allocated or read beyond `limit`.
+pub fn peek_frame(
+    spec: &RaggedSpec,
+    max_samples: usize,
+    ready: usize,
+    limit: usize,
+    head: &mut Vec<u8>,
+    copy_ahead: impl Fn(usize, &mut [u8]),
+) -> Peeked {
+    if ready == 0 {
+        return Peeked::Partial;
+    }
+    let mut kind = [0u8; 1];
+    copy_ahead(0, &mut kind);
+    match kind[0] {
+        v2::HEARTBEAT => return Peeked::Heartbeat,
+        GROUP | GROUP_PRIORITY => {}
+        _ => return Peeked::Elsewhere,
+    }
+    if ready < 3 {
+        return Peeked::Partial;
+    }
+    head.resize(2, 0);
+    copy_ahead(1, head);
+    let n = usize::from(u16::from_le_bytes([head[0], head[1]]));
+    if n == 0 || n > max_samples {
+        return Peeked::Elsewhere; // the reader refuses it, saying why
+    }
+    let head_bytes = head_len(spec, kind[0], n);
+    if 1 + head_bytes > limit {
+        return Peeked::Elsewhere;
+    }
+    if ready < 1 + head_bytes {
+        return Peeked::Partial;
+    }
+    head.resize(head_bytes, 0);
+    copy_ahead(1, head);
+    let Ok(Some((frame, _))) = decode_head(spec, max_samples, kind[0], head) else {
+        return Peeked::Elsewhere; // refused: the reader refuses it again
+    };
+    let total = 1 + head_bytes + frame.body_len;
+    if total > limit {
+        Peeked::Elsewhere
+    } else if ready < total {
+        Peeked::Partial // the worker is still writing it
+    } else {
+        Peeked::Whole { head: frame, head_bytes, total }
+    }
 }
 
 /// One sample to encode: each leaf's rows and bytes, in leaf order.

@@ -29,11 +29,10 @@ use super::shm::PipeInput;
 use super::{Ahead, InPlace, Owned, Shared, INSERT_SLICE};
 use crate::error::EchoError;
 use crate::ragged::table::GroupSource;
-use crate::ragged::wire::{decode_head, head_len, GROUP, GROUP_PRIORITY};
+use crate::ragged::wire::{peek_frame, Peeked};
 use crate::transport::shm::bell::EventFd;
 use crate::transport::shm::pipe::PIPE_CAPACITY;
 use crate::transport::shm::ring::Bell;
-use crate::transport::wire::v2;
 
 /// The most frames a pump takes from one pipe before it looks at the next.
 const TURN_FRAMES: usize = 64;
@@ -211,48 +210,18 @@ fn turn(
         // Left here without a whole frame: what the next look must go past.
         lease.seen = pipe.head() + committed;
         let ready = usize::try_from(committed).unwrap_or(usize::MAX);
-        if ready == 0 {
-            break;
-        }
-        let mut kind = [0u8; 1];
-        pipe.copy_ahead(0, &mut kind);
-        match kind[0] {
-            v2::HEARTBEAT => {
+        let peeked = peek_frame(spec, max_samples, ready, PIPE_CAPACITY, head, |at, out| {
+            pipe.copy_ahead(at as u64, out);
+        });
+        let (frame, head_bytes, total) = match peeked {
+            Peeked::Partial => break,
+            Peeked::Heartbeat => {
                 lease.input.pipe_mut().skip(1);
                 continue;
             }
-            GROUP | GROUP_PRIORITY => {}
-            // A goodbye, or a byte the reader refuses (and says so).
-            _ => return Turn::Back { go_on: true },
-        }
-        if ready < 3 {
-            break;
-        }
-        head.resize(2, 0);
-        pipe.copy_ahead(1, head);
-        let n = usize::from(u16::from_le_bytes([head[0], head[1]]));
-        if n == 0 || n > max_samples {
-            return Turn::Back { go_on: true }; // refused by the reader, which says why
-        }
-        let head_bytes = head_len(spec, kind[0], n);
-        if 1 + head_bytes > PIPE_CAPACITY {
-            return Turn::Back { go_on: true };
-        }
-        if ready < 1 + head_bytes {
-            break;
-        }
-        head.resize(head_bytes, 0);
-        pipe.copy_ahead(1, head);
-        let Ok(Some((frame, _))) = decode_head(spec, max_samples, kind[0], head) else {
-            return Turn::Back { go_on: true }; // refused: the reader refuses it again
+            Peeked::Elsewhere => return Turn::Back { go_on: true },
+            Peeked::Whole { head, head_bytes, total } => (head, head_bytes, total),
         };
-        let total = 1 + head_bytes + frame.body_len;
-        if total > PIPE_CAPACITY {
-            return Turn::Back { go_on: true }; // it streams through the pipe
-        }
-        if ready < total {
-            break; // the worker is still writing it
-        }
         let body = Shifted { pipe: lease.input.pipe(), by: 1 + head_bytes };
         let source = InPlace::new(&body, &frame, spec.columns());
         let deadline = room_wait.unwrap_or_else(Instant::now);
