@@ -9,8 +9,9 @@ use std::time::{Duration, Instant};
 
 use echo::ragged::{
     BatchLayout, ColumnData, GroupBatch, LeafDecl, RaggedBatch, RaggedConfig, RaggedDecl,
-    RaggedSampler, RaggedSpec, RaggedTable, SampleIn,
+    RaggedSampler, RaggedSpec, RaggedTable, SampleIn, DROPPED,
 };
+use echo::versions::{Admission, VersionsConfig};
 use echo::{ArraySpec, EchoError};
 
 /// `tokens` (int32, ragged, group "completion"), `logp` (float32, same group), `id` (u64).
@@ -39,6 +40,7 @@ fn config(sampler: RaggedSampler, batch_size: usize, max_size: usize) -> RaggedC
         max_times_sampled: 0,
         seed: Some(7),
         codecs: Vec::new(),
+        versions: None,
     }
 }
 
@@ -69,29 +71,9 @@ fn length_of(id: u64) -> usize {
     (id * 37 % 301) as usize
 }
 
-fn bytes(data: &ColumnData) -> &[u8] {
-    match data {
-        ColumnData::View { addr, len } => {
-            // SAFETY: a FIFO batch's view stays valid until the consumer's next `sample`,
-            // and the table outlives this borrow in every test.
-            unsafe { std::slice::from_raw_parts(*addr as *const u8, *len) }
-        }
-        ColumnData::Owned(buf) => {
-            // SAFETY: an owned buffer of `len` initialised bytes.
-            unsafe { std::slice::from_raw_parts(buf_ptr(buf), buf.len()) }
-        }
-    }
-}
-
-fn buf_ptr(buf: &echo::ragged::OutBuf) -> *const u8 {
-    // `as_mut_ptr` takes `&mut`; the tests only read.
-    let buf = buf as *const echo::ragged::OutBuf as *mut echo::ragged::OutBuf;
-    // SAFETY: no other reference writes through it while the test reads.
-    unsafe { (*buf).as_mut_ptr() }
-}
-
 fn ids(batch: &RaggedBatch) -> Vec<u64> {
-    bytes(&batch.columns[2].data)
+    batch
+        .column_bytes(2)
         .chunks_exact(8)
         .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
         .collect()
@@ -106,7 +88,7 @@ fn check_packed(batch: &RaggedBatch) -> Vec<u64> {
     let ids = ids(batch);
     let GroupBatch::Packed { cu_seqlens } = &batch.groups[0] else { panic!("packed") };
     assert_eq!(cu_seqlens.len(), batch.samples + 1);
-    let tokens = i32s(bytes(&batch.columns[0].data));
+    let tokens = i32s(batch.column_bytes(0));
     assert_eq!(tokens.len(), *cu_seqlens.last().unwrap() as usize);
     for (i, &id) in ids.iter().enumerate() {
         let (a, b) = (cu_seqlens[i] as usize, cu_seqlens[i + 1] as usize);
@@ -218,7 +200,7 @@ fn padded_batches_have_zeros_past_each_length_and_a_mask() {
     let GroupBatch::Padded { len, lengths, mask } = &batch.groups[0] else { panic!() };
     assert_eq!((*len, lengths.as_slice()), (8, [3, 0, 5].as_slice()));
     assert_eq!(batch.columns[0].lead, vec![3, 8]);
-    let tokens = i32s(bytes(&batch.columns[0].data));
+    let tokens = i32s(batch.column_bytes(0));
     assert_eq!(&tokens[0..8], &[1000, 1001, 1002, 0, 0, 0, 0, 0]);
     assert_eq!(&tokens[8..16], &[0; 8]);
     assert_eq!(&tokens[16..24], &[3000, 3001, 3002, 3003, 3004, 0, 0, 0]);
@@ -400,7 +382,7 @@ mod over_tcp {
             made.iter().map(|m| [&m.tokens[..], &m.logp[..], &m.id[..]]).collect();
         let out: Vec<Outgoing<'_>> =
             rows.iter().zip(&leaves).map(|(r, l)| Outgoing { rows: r, leaves: l }).collect();
-        sender.send_group(&out, None, None)
+        sender.send_group(&out, None, None, None)
     }
 
     #[test]
@@ -595,7 +577,8 @@ mod over_tcp {
         // A valid sample after it is never stored: the server ended the connection.
         let m = make(1, 3);
         let leaves: [&[u8]; 3] = [&m.tokens, &m.logp, &m.id];
-        let sent = sender.send_group(&[Outgoing { rows: &[3, 3, 1], leaves: &leaves }], None, None);
+        let sent =
+            sender.send_group(&[Outgoing { rows: &[3, 3, 1], leaves: &leaves }], None, None, None);
         let err = sent
             .and_then(|()| sender.flush(Some(Instant::now() + Duration::from_secs(5))))
             .unwrap_err();
@@ -717,7 +700,9 @@ mod over_tcp {
             let m = make(id, length_of(id));
             let leaves: [&[u8]; 3] = [&m.tokens, &m.logp, &m.id];
             let rows = [m.len, m.len, 1];
-            worker.send_group(&[Outgoing { rows: &rows, leaves: &leaves }], None, None).unwrap();
+            worker
+                .send_group(&[Outgoing { rows: &rows, leaves: &leaves }], None, None, None)
+                .unwrap();
         }
         worker.flush(Some(Instant::now() + Duration::from_secs(10))).unwrap();
         let deadline = Some(Instant::now() + Duration::from_secs(10));
@@ -748,7 +733,9 @@ mod over_tcp {
             let m = make(id, length_of(id));
             let leaves: [&[u8]; 3] = [&m.tokens, &m.logp, &m.id];
             let rows = [m.len, m.len, 1];
-            sender.send_group(&[Outgoing { rows: &rows, leaves: &leaves }], None, None).unwrap();
+            sender
+                .send_group(&[Outgoing { rows: &rows, leaves: &leaves }], None, None, None)
+                .unwrap();
         }
         sender.flush(Some(Instant::now() + Duration::from_secs(10))).unwrap();
         let (export, sessions) = tcp.snapshot(|| table.export().unwrap());
@@ -815,7 +802,9 @@ mod over_tcp {
         assert!(!sender.uses_shared_memory());
         let m = make(1, 3);
         let leaves: [&[u8]; 3] = [&m.tokens, &m.logp, &m.id];
-        sender.send_group(&[Outgoing { rows: &[3, 3, 1], leaves: &leaves }], None, None).unwrap();
+        sender
+            .send_group(&[Outgoing { rows: &[3, 3, 1], leaves: &leaves }], None, None, None)
+            .unwrap();
         sender.flush(Some(Instant::now() + Duration::from_secs(5))).unwrap();
         tcp.close(Closing::Final);
     }
@@ -859,7 +848,9 @@ mod over_tcp {
         // A valid sample first.
         let m = make(1, 3);
         let leaves: [&[u8]; 3] = [&m.tokens, &m.logp, &m.id];
-        sender.send_group(&[Outgoing { rows: &[3, 3, 1], leaves: &leaves }], None, None).unwrap();
+        sender
+            .send_group(&[Outgoing { rows: &[3, 3, 1], leaves: &leaves }], None, None, None)
+            .unwrap();
         sender.flush(Some(Instant::now() + Duration::from_secs(5))).unwrap();
         // Then, by hand on a fresh connection: a frame claiming 4 billion rows.
         let raw = connect(tcp.port(), None).unwrap();
@@ -868,13 +859,51 @@ mod over_tcp {
                 &[Outgoing { rows: &[301, 301, 1], leaves: &[&[0; 1204], &[0; 1204], &[0; 8]] }],
                 None,
                 None,
+                None,
             )
             .unwrap_err();
         assert!(matches!(err, EchoError::Sample(_)), "checked before sending: {err}");
         assert_eq!(table.stats().samples, 1);
         tcp.close(Closing::Final);
-        let err = sender.send_group(&[Outgoing { rows: &[3, 3, 1], leaves: &leaves }], None, None);
+        let err =
+            sender.send_group(&[Outgoing { rows: &[3, 3, 1], leaves: &leaves }], None, None, None);
         let err = err.and_then(|()| sender.flush(Some(Instant::now() + Duration::from_secs(5))));
         assert!(err.is_err(), "the server closed");
+    }
+}
+
+#[test]
+fn stale_entries_are_dropped_at_insert_and_removed_when_drawn_or_handed_out() {
+    // The spec's last leaf is each sample's policy version; a bound of 1 version.
+    let versioned = spec().with_version_leaf();
+    for sampler in [RaggedSampler::Fifo, RaggedSampler::Uniform] {
+        let mut cfg = config(sampler.clone(), 4, 64);
+        cfg.versions = Some(VersionsConfig { max_staleness: Some(1), admission: Admission::Drop });
+        let table = RaggedTable::new(versioned.clone(), cfg).unwrap();
+        let versions = table.versions().unwrap().clone();
+        versions.set_latest(5);
+        let insert = |id: u64, version: u64| {
+            let made = make(id, 3);
+            let stamp = version.to_le_bytes();
+            let mut sample = made.sample();
+            sample.leaves.push(&stamp);
+            sample.rows.push(1);
+            table.insert_group(&[sample], None, None).unwrap()
+        };
+        assert_eq!(insert(0, 3), DROPPED, "more than 1 behind 5: dropped at insert");
+        for id in 1..=8 {
+            assert_ne!(insert(id, 4 + id % 2), DROPPED); // odd ids: 5, even ids: 4
+        }
+        versions.set_latest(6); // floor 5: the even ids are stale now
+        let mut seen = HashSet::new();
+        for _ in 0..if sampler == RaggedSampler::Fifo { 1 } else { 20 } {
+            let batch = table.sample(BatchLayout::Packed, Some(Instant::now())).unwrap().unwrap();
+            let stamps = batch.column_bytes(3);
+            assert!(stamps.chunks_exact(8).all(|v| u64::from_le_bytes(v.try_into().unwrap()) == 5));
+            seen.extend(ids(&batch));
+        }
+        assert_eq!(seen, HashSet::from([1, 3, 5, 7]), "{sampler:?}");
+        let counts = versions.counts();
+        assert_eq!((counts.at_insert, counts.at_sample), (1, 4), "{sampler:?}");
     }
 }

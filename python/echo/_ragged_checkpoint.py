@@ -10,6 +10,8 @@ path -> .<name>.ckpt-<token>/      (a symbolic link, replaced atomically)
     group_sizes.npy                per entry (a sample or a group), its samples (E,) int64
     priorities.npy                 per entry, its priority (E,) float64
     times_sampled.npy              per entry, its draws (E,) uint32
+    policy_versions.npy            a server that keeps policy versions: per sample, the
+                                   version of the policy that made it (N,) uint64
 ```
 
 Entries are oldest first; a FIFO server's are those not handed out yet. `np.load(...,
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
 FORMAT = "echo-ragged-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST = "ragged.json"
+VERSIONS = "policy_versions.npy"
 
 
 def is_ragged(path: str | os.PathLike[str]) -> bool:
@@ -112,8 +115,9 @@ def write(
     exported: Any = buffer.core.export()
     values, rows, sizes, priorities, times, sessions = exported
     leaves = buffer.layout.leaves
-    n = len(rows) // len(leaves)
-    per_sample = rows.reshape(n, len(leaves))
+    # A table that keeps policy versions stores one more leaf, last: each sample's version.
+    n = len(rows) // len(values)
+    per_sample = rows.reshape(n, len(values))
     directory = os.path.join(parent, f".{name}.ckpt-{secrets.token_hex(8)}")
     os.mkdir(directory)
     try:
@@ -138,6 +142,8 @@ def write(
                     "group": None if leaf.ragged is None else leaf.ragged.group,
                 }
             )
+        if buffer.versioned:
+            _save(directory, VERSIONS, values[-1].view(np.uint64).reshape(n))
         _save(directory, "group_sizes.npy", sizes)
         _save(directory, "priorities.npy", priorities)
         _save(directory, "times_sampled.npy", times)
@@ -150,7 +156,7 @@ def write(
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "leaves": described,
-            "settings": settings,
+            "settings": {**settings, "params_version": int(buffer.core.params_version)},
             "counts": {"samples": n, "entries": len(sizes), "sessions": len(sessions)},
         }
         if extra is not None:
@@ -266,6 +272,7 @@ def refill(server: RaggedServer, manifest: dict[str, Any], directory: str) -> No
         load("priorities.npy"),
         load("times_sampled.npy"),
     )
+    versions = load(VERSIONS) if server._buffer.versioned else None  # pyright: ignore[reportPrivateUsage]
     n = int(manifest["counts"]["samples"])
     if int(np.sum(sizes)) != n or len(sizes) != len(priorities) or len(sizes) != len(times):
         raise CheckpointError(f"{directory}: the entry arrays disagree with the sample count")
@@ -283,7 +290,8 @@ def refill(server: RaggedServer, manifest: dict[str, Any], directory: str) -> No
                     a, b = int(leaf_offsets[s]), int(leaf_offsets[s + 1])
                     sample.append(np.ascontiguousarray(data[i][a:b]))
             group.append(sample)
+        stamps = None if versions is None else [int(v) for v in versions[k : k + int(size)]]
         k += int(size)
-        key = core.submit_group(group, None, float(priority) if replay else None)
-        if drawn:
+        key = core.submit_group(group, None, float(priority) if replay else None, stamps)
+        if drawn and key is not None:  # None: stale (not under the checkpoint's own version)
             core.set_times_sampled(key, int(drawn))

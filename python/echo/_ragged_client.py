@@ -7,9 +7,10 @@ server's group size before anything is sent. On the server's host the frames go 
 shared-memory pipe instead of the socket (`shared_memory=`, as for any `TcpClient`). With
 `reconnect=True` it keeps each frame until its samples are stored, and after a lost
 connection connects again (for up to `reconnect_timeout`) and resends exactly what the
-server did not store. Durable sessions, policy versions and parameter fetches are not there
-yet: asking for them raises `ValueError` (and the client's counters of them stay 0). Leaves
-go raw; the server compresses those its `compress=` names as it stores them.
+server did not store. To a server that keeps policy versions every sample carries one
+(`policy_version`, or `send(version=)`). Durable sessions and parameter fetches are not
+there yet: asking for them raises `ValueError` (and the client's counters of them stay 0).
+Leaves go raw; the server compresses those its `compress=` names as it stores them.
 """
 
 from __future__ import annotations
@@ -142,12 +143,16 @@ class RaggedTcpClient(TcpClient):
         truncated: bool = False,
         version: int | None = None,
     ) -> None:
-        """Sends one sample (see `TcpClient.send`); its ragged leaves `(n, *inner_shape)`."""
-        if end_episode or truncated or version is not None:
-            _unsupported("end_episode=, truncated= or version=")
+        """Sends one sample (see `TcpClient.send`); its ragged leaves `(n, *inner_shape)`.
+        `version`: to a server that keeps policy versions, the version of the policy that made
+        it (default `policy_version`)."""
+        if end_episode or truncated:
+            _unsupported("end_episode= or truncated=")
         if self._closed:
             raise ConnectionClosedError("the client is closed")
-        self._ragged_sender.send(sample, None if priority is None else float(priority), timeout)
+        v = None if version is None else check_int("version", version, 0, 2**64 - 1)
+        p = None if priority is None else float(priority)
+        self._ragged_sender.send(sample, p, timeout, v)
 
     def send_group(
         self,
@@ -155,9 +160,11 @@ class RaggedTcpClient(TcpClient):
         *,
         timeout: float | None = None,
         priority: float | None = None,
+        version: int | None = None,
     ) -> None:
         """Sends `samples` as one group: the server stores them atomically and hands them out
-        whole, in one batch (the completions of one prompt, for GRPO).
+        whole, in one batch (the completions of one prompt, for GRPO). `version`: as
+        `send()`'s, for every sample of the group.
 
         Raises:
             ValueError: A sample does not match the example, a ragged leaf is longer than its
@@ -175,7 +182,8 @@ class RaggedTcpClient(TcpClient):
             raise TypeError(f"send_group takes a list of samples, got {type(samples).__name__}")
         flat = [self._layout.flatten(sample) for sample in samples]
         p = None if priority is None else float(priority)
-        self._ragged_sender.send_group(flat, p, timeout)
+        v = None if version is None else check_int("version", version, 0, 2**64 - 1)
+        self._ragged_sender.send_group(flat, p, timeout, v)
 
     def send_batch(self, *args: Any, **kwargs: Any) -> None:  # pyright: ignore[reportIncompatibleMethodOverride]
         _unsupported("send_batch() (use send() or send_group())")
@@ -256,12 +264,13 @@ class RaggedTcpClient(TcpClient):
     def durable_wait_s(self) -> float:
         return 0.0
 
-    # A ragged server keeps no policy versions and publishes no parameters yet.
+    # Parameters do not reach ragged workers through echo yet: they tag their samples with
+    # the version they act with, which they learn another way.
 
     def params(self, min_version: int | None = None, timeout: float | None = None) -> NoReturn:
         """Not there yet for ragged workers: raises `ValueError`."""
         del min_version, timeout
-        _unsupported("params() (a ragged server publishes no parameters)")
+        _unsupported("params() (parameter fetches; set policy_version to the version you act with)")
 
     @property
     def params_version(self) -> int:
@@ -277,16 +286,19 @@ class RaggedTcpClient(TcpClient):
 
     @property
     def policy_version(self) -> int:
-        return 0
+        """The version a sample carries when `send()` names none (0 until set): the version
+        of the weights this worker acts with, which it learns another way than `params()`."""
+        return self._ragged_sender.policy_version
 
     @policy_version.setter
     def policy_version(self, version: int) -> None:  # pyright: ignore[reportIncompatibleVariableOverride]
-        del version
-        _unsupported("policy versions (a ragged server keeps none)")
+        self._ragged_sender.policy_version = check_int("policy_version", version, 0, 2**64 - 1)
 
     @property
     def keeps_versions(self) -> bool:
-        return False
+        """Whether the server keeps the policy version of every sample (its
+        `policy_versions=True` or `max_staleness`): this client's samples carry one."""
+        return self._ragged_sender.keeps_versions
 
     @property
     def admission_waits(self) -> int:

@@ -1,9 +1,10 @@
 """`echo.Server` when the example has ragged leaves: the same face over a ragged table.
 
 `Server(example, ...)` builds a `RaggedServer` when a leaf of `example` is `echo.Ragged`
-(`Server.__new__`). Workers send over TCP (`echo.TcpClient` with the same example). What a
-ragged server does not do yet (shared memory, checkpoints, compression, parameters,
-sequences) raises `ValueError`, naming the argument, rather than being ignored.
+(`Server.__new__`). Workers send over TCP or a same-host shared-memory pipe (`echo.TcpClient`
+with the same example). What a ragged server does not do yet (sequences, `writer()`,
+`admission="block"`, pinned memory) raises `ValueError`, naming the argument, rather than
+being ignored.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import numpy as np
 
 from echo import _ragged_checkpoint
 from echo._echo import RaggedCore, SampleInfo
-from echo._server_args import periodic_args
+from echo._params import ParamsChannel
+from echo._server_args import periodic_args, versions_args
 from echo._tally import Tally
 from echo._validate import check_int
 from echo.checkpoint import encode_extra
@@ -34,6 +36,20 @@ _LATER = "a server with ragged leaves does not support {what} yet"
 
 def _unsupported(what: str) -> NoReturn:
     raise ValueError(_LATER.format(what=what))
+
+
+class _VersionsOnly:
+    """What `ParamsChannel` publishes through on a ragged server: the version alone (no
+    worker fetches the parameters from it)."""
+
+    def __init__(self, core: RaggedCore) -> None:
+        self._core = core
+
+    def _publish(
+        self, parts: Any, version: int | None, described: Any, compress: Any = None
+    ) -> int:
+        del parts, described, compress
+        return int(self._core.publish_version(version))
 
 
 class RaggedServer(Server):
@@ -73,7 +89,8 @@ class RaggedServer(Server):
         layout: str = "packed",
         pad_to_multiple: int = 1,
     ) -> None:
-        del num_drainers, producer_queue_size, admission
+        del num_drainers, producer_queue_size
+        versions = versions_args(policy_versions, max_staleness, admission)
         periodic = periodic_args(
             checkpoint_dir, checkpoint_every, checkpoint_keep, checkpoint_extra
         )
@@ -84,8 +101,7 @@ class RaggedServer(Server):
         for what, given in (
             ("pin_host_memory=True", pin_host_memory),
             ("sequence=", sequence is not None),
-            ("policy_versions=True", policy_versions),
-            ("max_staleness=", max_staleness is not None),
+            ("admission='block' (workers wait for no announced version yet)", admission == "block"),
             ("a remover other than Fifo()", remover is not None and not isinstance(remover, Fifo)),
         ):
             if given:
@@ -108,7 +124,12 @@ class RaggedServer(Server):
             layout=layout,
             pad_to_multiple=pad_to_multiple,
             compress=compress,
+            policy_versions=versions["policy_versions"],
+            max_staleness=versions["max_staleness"],
         )
+        # `publish()`'s side: the parameters' structure checked as `Server.publish` checks
+        # it, a copy of the latest kept (for `latest_params`), and its version recorded.
+        self._params = ParamsChannel(_VersionsOnly(self._buffer.core))
         self._batch_size = batch_size
         self._num_buffers = num_buffers
         self._sampler_arg = Fifo() if sampler is None else sampler
@@ -145,6 +166,8 @@ class RaggedServer(Server):
             "min_size": 1 if rate_limiter is None else rate_limiter.min_size,
             "max_times_sampled": max_times_sampled,
             "name": name,
+            "policy_versions": versions["policy_versions"],
+            "max_staleness": versions["max_staleness"],
         }
         if periodic is not None:
             self._start_periodic(periodic)
@@ -181,6 +204,7 @@ class RaggedServer(Server):
             for name, spec in settings.pop("compress", {}).items()
         }
         settings["compress"] = codecs or None
+        published = int(settings.pop("params_version", 0))
         server = RaggedServer(
             _ragged_checkpoint.example_of(manifest) if example is None else example,
             batch_size,
@@ -194,6 +218,9 @@ class RaggedServer(Server):
             **settings,
         )
         try:
+            if published:
+                # Before the entries go in: the bound judges them by the same version.
+                server._buffer.core.publish_version(published)
             _ragged_checkpoint.refill(server, manifest, directory)
             server._restored_extra = _ragged_checkpoint.read_extra(manifest, directory)
             server._restored_sessions = _ragged_checkpoint.sessions_of(manifest, directory)
@@ -233,9 +260,11 @@ class RaggedServer(Server):
         *,
         timeout: float | None = None,
         priority: float | None = None,
+        version: int | None = None,
     ) -> None:
-        """See `Server.submit_group`."""
-        self._buffer.submit_group(samples, timeout, priority)
+        """See `Server.submit_group`; `version`: the policy version of every sample of the
+        group (a server that keeps versions; default the latest published)."""
+        self._buffer.submit_group(samples, timeout, priority, version)
 
     def sample(  # pyright: ignore[reportIncompatibleMethodOverride]
         self,
@@ -366,7 +395,8 @@ class RaggedServer(Server):
 
     @property
     def params_version(self) -> int:
-        return 0
+        """The latest version `publish()` published (0 before the first)."""
+        return self._buffer.core.params_version
 
     @property
     def restored_extra(self) -> Any:
@@ -437,8 +467,26 @@ class RaggedServer(Server):
             raise
         self._tally.checkpoints += 1
 
-    def publish(self, *args: Any, **kwargs: Any) -> NoReturn:  # pyright: ignore[reportIncompatibleMethodOverride]
-        _unsupported("publish()")
+    def publish(self, params: Any, version: int | None = None, *, compress: Any = None) -> int:
+        """Publishes a new version of the learner's parameters: checked and kept as
+        `Server.publish` does, and the version samples are judged by from now on (with
+        `max_staleness`, a sample more than that many versions behind it is stale). Ragged
+        workers do not fetch them through echo (`TcpClient.params()` is not there yet for
+        them): they act with weights that reach them another way (an inference engine's
+        weight sync, say) and say which version made each sample (`client.policy_version =
+        v`, or `send(..., version=v)`). `compress` is accepted and has nothing to do here.
+
+        Returns:
+            The version published.
+
+        Raises:
+            TypeError: A leaf is not a numpy array, or has another dtype than the first
+                publish's.
+            ValueError: Another structure or shape than the first publish's, or a version
+                not above the latest.
+        """
+        del compress
+        return self._params.publish(params, version)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"

@@ -311,6 +311,8 @@ class RaggedBuffer:
         layout: str,
         pad_to_multiple: int,
         compress: Any = None,
+        policy_versions: bool = False,
+        max_staleness: int | None = None,
     ) -> None:
         self.layout = RaggedLayout(example)
         codecs = _codecs(self.layout, compress)
@@ -339,21 +341,30 @@ class RaggedBuffer:
             raise ValueError("token_group names the group batch_tokens counts; give batch_tokens")
         core = RaggedCore(
             self.layout.core_leaves(), kind, exponent, batch_size, capacity, max_bytes,
-            tokens, min_size, max_times_sampled, seed, codecs,
+            tokens, min_size, max_times_sampled, seed, codecs, policy_versions, max_staleness,
         )  # fmt: skip
         self.codecs = codecs
         self.core = core
-        self.leaf_groups: list[int | None] = core.leaf_groups
+        self.versioned = core.policy_versions
+        # The sample's own leaves (a table that keeps versions stores one more, last).
+        self.leaf_groups: list[int | None] = core.leaf_groups[: len(self.layout.leaves)]
         self.kind = kind
         self.capacity = capacity
         self.batch_tokens = tokens
 
-    def submit_group(self, samples: Sequence[Any], timeout: float | None, priority: Any) -> int:
+    def submit_group(
+        self,
+        samples: Sequence[Any],
+        timeout: float | None,
+        priority: Any,
+        version: int | None = None,
+    ) -> int | None:
         if isinstance(samples, dict) or not isinstance(samples, Sequence):  # pyright: ignore[reportUnnecessaryIsInstance]
             raise TypeError(f"submit_group takes a list of samples, got {type(samples).__name__}")
         flat = [self.layout.flatten(sample) for sample in samples]
         p = None if priority is None else float(priority)
-        return self.core.submit_group(flat, timeout, p)
+        v = None if version is None else check_int("version", version, 0, 2**64 - 1)
+        return self.core.submit_group(flat, timeout, p, v)
 
     def sample(
         self, timeout: float | None, layout: str | None, pad_to_multiple: int | None, copy: bool
@@ -370,6 +381,10 @@ class RaggedBuffer:
             return None
         wait_ns = time.monotonic_ns() - started
         arrays, groups, keys, probabilities, times_sampled, samples, sequence, store_size = got
+        versions = None
+        if self.versioned:
+            versions = np.array(arrays[-1])  # its own: the column may be a view of the arena
+            arrays = arrays[:-1]
         leaf_groups = self.leaf_groups
         out: list[Any] = []
         for array, group in zip(arrays, leaf_groups, strict=True):
@@ -397,6 +412,7 @@ class RaggedBuffer:
             keys,
             probabilities,
             times_sampled,
+            versions=versions,
             num_samples=samples,
         )
 
@@ -419,6 +435,11 @@ class RaggedBuffer:
             "sessions_resumed_total": s["sessions_resumed"],
             "stored_bytes": s["arena_bytes_in_use"],
             "raw_bytes": s["raw_bytes"],
+            "samples_stale_at_insert_total": s["stale_at_insert"],
+            "samples_stale_at_sample_total": s["stale_at_sample"],
+            "samples_versioned_total": s["versions_handed"],
+            "version_lag_total": s["version_lag_sum"],
+            "version_lag_max": s["version_lag_max"],
         }
         fields.update(name_counts)
         return _sample_info(fields)

@@ -26,12 +26,13 @@ use crate::ragged::tcp::{RaggedTcp, TcpOptions};
 use crate::ragged::wire::{Outgoing, RAGGED_DIM};
 use crate::ragged::{
     BatchLayout, BufPool, ColumnData, GroupBatch, LeafDecl, OutBuf, RaggedBatch, RaggedConfig,
-    RaggedDecl, RaggedSampler, RaggedSpec, RaggedTable, SampleIn,
+    RaggedDecl, RaggedSampler, RaggedSpec, RaggedTable, SampleIn, DROPPED,
 };
 use crate::spec::ArraySpec;
 use crate::sync::Arc;
 use crate::transport::client::Resolver;
 use crate::transport::wire::v2::{Closing, DType, Layout, LeafType as WireLeaf};
+use crate::versions::{version_leaf, Admission, VersionsConfig, VERSION_BYTES, VERSION_LEAF_NAME};
 
 /// The numpy `base` of a gathered or padded part of a ragged batch: owns its buffer and
 /// gives it back to the table's pool when the last array over it is collected.
@@ -74,6 +75,8 @@ pub(crate) struct RaggedCore {
     /// The samples as a hello describes them (ragged leaves `[RAGGED_DIM, *inner]`).
     layout: Layout,
     submitted: AtomicU64,
+    /// The latest version `publish()` published.
+    published: AtomicU64,
     tcp: Mutex<Option<RaggedTcp>>,
     /// How `submit` reads a sample: its keys in leaf order when the example is a flat dict,
     /// and the Python layout's flatten for anything else.
@@ -130,8 +133,14 @@ fn read_leaves<'py>(
     reader.flatten.bind(py).call1((sample,))?.extract()
 }
 
-/// The spec, the hello's layout and the numpy types of `leaves`.
-fn spec_of(leaves: Vec<LeafArg<'_>>) -> PyResult<(RaggedSpec, Layout, Vec<LeafType>)> {
+/// The spec, the hello's layout and the numpy types of `leaves`; with `versions`, the spec
+/// and the types end with the policy-version leaf (a `uint64` the hello does not describe:
+/// workers append it when the server says it keeps versions).
+fn spec_of(
+    py: Python<'_>,
+    leaves: Vec<LeafArg<'_>>,
+    versions: bool,
+) -> PyResult<(RaggedSpec, Layout, Vec<LeafType>)> {
     let mut decls = Vec::with_capacity(leaves.len());
     let mut types = Vec::with_capacity(leaves.len());
     let mut wire = Vec::with_capacity(leaves.len());
@@ -157,6 +166,12 @@ fn spec_of(leaves: Vec<LeafArg<'_>>) -> PyResult<(RaggedSpec, Layout, Vec<LeafTy
         let itemsize = descr.itemsize();
         types.push(LeafType { descr: descr.unbind(), inner: shape, itemsize });
     }
+    if versions {
+        let name = VERSION_LEAF_NAME.to_owned();
+        decls.push(LeafDecl { name, array: version_leaf(), ragged: None });
+        let descr = numpy::dtype::<u64>(py).unbind();
+        types.push(LeafType { descr, inner: Vec::new(), itemsize: VERSION_BYTES });
+    }
     Ok((RaggedSpec::new(decls).map_err(to_pyerr)?, Layout(wire), types))
 }
 
@@ -177,10 +192,12 @@ fn raw_samples(
         unsafe { PY_ARRAY_API.get_type_object(py, npyffi::NpyTypes::PyArray_Type) } as usize;
     let mut raw = Vec::with_capacity(samples.len());
     for sample in samples {
-        if sample.len() != spec.columns().len() {
+        // `types`: the sample's own leaves (a table that keeps policy versions has one more
+        // column, which the caller appends).
+        if sample.len() != types.len() {
             return Err(PyValueError::new_err(format!(
                 "expected {} leaves, got {}",
-                spec.columns().len(),
+                types.len(),
                 sample.len()
             )));
         }
@@ -338,6 +355,13 @@ unsafe fn slices<'a>(leaves: &[(usize, usize)]) -> Vec<&'a [u8]> {
         .collect()
 }
 
+/// `submit_group`'s `version`: one for every sample, or one each.
+#[derive(FromPyObject)]
+enum VersionArg {
+    One(u64),
+    Each(Vec<u64>),
+}
+
 /// Entries of fewer bytes are first tried with the GIL held.
 const DETACH_INSERT_BYTES: usize = 64 * 1024;
 
@@ -361,9 +385,10 @@ fn sampler_of(name: &str, exponent: f64) -> PyResult<RaggedSampler> {
 #[pymethods]
 impl RaggedCore {
     #[new]
-    #[pyo3(signature = (leaves, sampler, exponent, batch_size, max_size, max_bytes, batch_tokens, min_size, max_times_sampled, seed, compress=Vec::new()))]
+    #[pyo3(signature = (leaves, sampler, exponent, batch_size, max_size, max_bytes, batch_tokens, min_size, max_times_sampled, seed, compress=Vec::new(), policy_versions=false, max_staleness=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
+        py: Python<'_>,
         leaves: Vec<LeafArg<'_>>,
         sampler: &str,
         exponent: f64,
@@ -375,12 +400,20 @@ impl RaggedCore {
         max_times_sampled: u32,
         seed: Option<u64>,
         compress: Vec<Option<Bound<'_, PyAny>>>,
+        policy_versions: bool,
+        max_staleness: Option<u64>,
     ) -> PyResult<Self> {
         let codecs = compress
             .iter()
             .map(|c| c.as_ref().map(super::config::codec).transpose())
             .collect::<PyResult<Vec<_>>>()?;
-        let (spec, layout, types) = spec_of(leaves)?;
+        let versions = (policy_versions || max_staleness.is_some())
+            .then_some(VersionsConfig { max_staleness, admission: Admission::Drop });
+        let mut codecs = codecs;
+        if versions.is_some() && !codecs.is_empty() {
+            codecs.push(None); // the version leaf is stored raw
+        }
+        let (spec, layout, types) = spec_of(py, leaves, versions.is_some())?;
         let batch_tokens = match batch_tokens {
             None => None,
             Some((group, rows)) => {
@@ -403,6 +436,7 @@ impl RaggedCore {
             max_times_sampled,
             seed,
             codecs,
+            versions,
         };
         let table = RaggedTable::new(spec, config).map_err(to_pyerr)?;
         Ok(Self {
@@ -410,6 +444,7 @@ impl RaggedCore {
             leaves: types,
             layout,
             submitted: AtomicU64::new(0),
+            published: AtomicU64::new(0),
             tcp: Mutex::new(None),
             reader: std::sync::OnceLock::new(),
         })
@@ -436,28 +471,59 @@ impl RaggedCore {
         truncated: bool,
         version: Option<u64>,
     ) -> PyResult<()> {
-        if stream.is_some() || end_episode || truncated || version.is_some() {
+        if stream.is_some() || end_episode || truncated {
             return Err(PyValueError::new_err(
-                "a server with ragged leaves does not support stream=, end_episode=, \
-                 truncated= or version= yet",
+                "a server with ragged leaves does not support stream=, end_episode= or \
+                 truncated= yet",
             ));
         }
         let leaves = read_leaves(py, self.reader.get(), sample)?;
-        self.submit_group(py, vec![leaves], timeout, priority).map(drop)
+        self.submit_group(py, vec![leaves], timeout, priority, version.map(VersionArg::One))
+            .map(drop)
     }
 
     /// Inserts `samples` (each a list of C-contiguous arrays in leaf order) as one entry;
-    /// returns its key.
-    #[pyo3(signature = (samples, timeout=None, priority=None))]
+    /// returns its key (`None`: dropped, stale already). `version`: the policy version of
+    /// every sample (a table that keeps them; default the latest published), or a list of
+    /// one per sample.
+    #[pyo3(signature = (samples, timeout=None, priority=None, version=None))]
     fn submit_group(
         &self,
         py: Python<'_>,
         samples: Vec<Vec<Bound<'_, PyAny>>>,
         timeout: Option<f64>,
         priority: Option<f64>,
-    ) -> PyResult<u64> {
+        version: Option<VersionArg>,
+    ) -> PyResult<Option<u64>> {
         let deadline = deadline_from_timeout(timeout)?;
-        let raw = raw_samples(self.table.spec(), &self.leaves, &samples)?;
+        let own = self.leaves.len() - usize::from(self.table.versions().is_some());
+        let mut raw = raw_samples(self.table.spec(), &self.leaves[..own], &samples)?;
+        // Each sample's version, where the appended leaf's bytes are read from (it outlives
+        // the insert: declared before it, in this frame).
+        let stamps: Vec<u64> = match (self.table.versions(), version) {
+            (None, None) => Vec::new(),
+            (None, Some(_)) => {
+                return Err(PyValueError::new_err(
+                    "version= needs a server that keeps policy versions \
+                     (Server(..., policy_versions=True) or max_staleness=)",
+                ))
+            }
+            (Some(kept), None) => vec![kept.latest(); samples.len()],
+            (Some(_), Some(VersionArg::One(v))) => vec![v; samples.len()],
+            (Some(_), Some(VersionArg::Each(each))) if each.len() == samples.len() => each,
+            (Some(_), Some(VersionArg::Each(each))) => {
+                return Err(PyValueError::new_err(format!(
+                    "{} versions for {} samples",
+                    each.len(),
+                    samples.len()
+                )))
+            }
+        };
+        for ((leaves, rows), stamp) in raw.iter_mut().zip(&stamps) {
+            leaves.push((std::ptr::from_ref(stamp) as usize, VERSION_BYTES));
+            rows.push(1);
+        }
+        let stored = |key: u64| (key != DROPPED).then_some(key);
         // A small entry is tried once with the GIL held: releasing it costs a thread switch,
         // more than the copy (and, with several writers, hands the GIL around every sample).
         let bytes: usize = raw.iter().flat_map(|(leaves, _)| leaves.iter().map(|l| l.1)).sum();
@@ -470,7 +536,7 @@ impl RaggedCore {
                 Ok(key) => {
                     // ORDERING: Relaxed — a statistics counter, read alone.
                     self.submitted.fetch_add(samples.len() as u64, Ordering::Relaxed);
-                    return Ok(key);
+                    return Ok(stored(key));
                 }
                 Err(err) => return Err(to_pyerr(err)),
             }
@@ -489,7 +555,7 @@ impl RaggedCore {
             Some(Ok(key)) => {
                 // ORDERING: Relaxed — a statistics counter, read alone.
                 self.submitted.fetch_add(samples.len() as u64, Ordering::Relaxed);
-                Ok(key)
+                Ok(stored(key))
             }
             Some(Err(err)) => Err(to_pyerr(err)),
             None => Err(PyTimeoutError::new_err(format!(
@@ -565,6 +631,12 @@ impl RaggedCore {
         d.set_item("arena_bytes_in_use", s.arena_bytes_in_use)?;
         d.set_item("arena_capacity", s.arena_capacity)?;
         d.set_item("insert_blocked_ns", s.insert_blocked_ns)?;
+        let stale = self.table.versions().map(|v| v.counts()).unwrap_or_default();
+        d.set_item("stale_at_insert", stale.at_insert)?;
+        d.set_item("stale_at_sample", stale.at_sample)?;
+        d.set_item("versions_handed", stale.handed)?;
+        d.set_item("version_lag_sum", stale.lag_sum)?;
+        d.set_item("version_lag_max", stale.lag_max)?;
         let tcp = self.tcp.lock().unwrap_or_else(|e| e.into_inner());
         let counters = tcp.as_ref().map(RaggedTcp::counters);
         // ORDERING: Relaxed — statistics counters, each read alone.
@@ -612,6 +684,51 @@ impl RaggedCore {
             PyArray1::from_vec(py, out.times_sampled),
             sessions.into_iter().map(|(id, n)| (id.to_vec(), n)).collect(),
         ))
+    }
+
+    /// Records a publish: `version`, above the latest (`None`: the latest plus one). Returns
+    /// it. The staleness bound judges samples against it from now on.
+    #[pyo3(signature = (version=None))]
+    fn publish_version(&self, version: Option<u64>) -> PyResult<u64> {
+        let latest = self.params_version();
+        let next = match version {
+            None => latest.checked_add(1).ok_or_else(|| {
+                PyValueError::new_err("publish(): the version would pass 2**64 - 1")
+            })?,
+            Some(v) if v > latest => v,
+            Some(v) => {
+                return Err(PyValueError::new_err(format!(
+                    "publish(): version {v} is not above the latest, {latest} (versions only \
+                     grow)"
+                )))
+            }
+        };
+        // ORDERING: Relaxed — publishes come from the learner's threads, each version read
+        // on its own (as `PolicyVersions::latest`).
+        self.published.fetch_max(next, Ordering::Relaxed);
+        if let Some(kept) = self.table.versions() {
+            kept.set_latest(next);
+        }
+        Ok(next)
+    }
+
+    /// The latest published version (0: none yet).
+    #[getter]
+    fn params_version(&self) -> u64 {
+        // ORDERING: Relaxed — see `publish_version`.
+        self.published.load(Ordering::Relaxed)
+    }
+
+    /// Whether samples carry policy versions.
+    #[getter]
+    fn policy_versions(&self) -> bool {
+        self.table.versions().is_some()
+    }
+
+    /// The staleness bound, if there is one.
+    #[getter]
+    fn max_staleness(&self) -> Option<u64> {
+        self.table.versions().and_then(|v| v.max_staleness())
     }
 
     /// Sets the draw count of the entry `key` (restoring a checkpoint).
@@ -747,7 +864,7 @@ impl PyRaggedSender {
         resolver: Option<Py<PyAny>>,
         dial_timeout: Option<f64>,
     ) -> PyResult<Self> {
-        let (spec, layout, types) = spec_of(leaves)?;
+        let (spec, layout, types) = spec_of(py, leaves, false)?;
         let seconds = |name: &str, t: Option<f64>| match t {
             Some(t) if !t.is_finite() || t <= 0.0 => Err(PyValueError::new_err(format!(
                 "{name} must be a positive number of seconds, got {t}"
@@ -788,26 +905,28 @@ impl PyRaggedSender {
     }
 
     /// Sends one sample (a flat dict read by key, natively; anything else flattened).
-    #[pyo3(signature = (sample, priority=None, timeout=None))]
+    #[pyo3(signature = (sample, priority=None, timeout=None, version=None))]
     fn send(
         &self,
         py: Python<'_>,
         sample: &Bound<'_, PyAny>,
         priority: Option<f64>,
         timeout: Option<f64>,
+        version: Option<u64>,
     ) -> PyResult<()> {
         let leaves = read_leaves(py, self.reader.get(), sample)?;
-        self.send_group(py, vec![leaves], priority, timeout)
+        self.send_group(py, vec![leaves], priority, timeout, version)
     }
 
     /// Sends `samples` (each a list of C-contiguous arrays in leaf order) as one group.
-    #[pyo3(signature = (samples, priority=None, timeout=None))]
+    #[pyo3(signature = (samples, priority=None, timeout=None, version=None))]
     fn send_group(
         &self,
         py: Python<'_>,
         samples: Vec<Vec<Bound<'_, PyAny>>>,
         priority: Option<f64>,
         timeout: Option<f64>,
+        version: Option<u64>,
     ) -> PyResult<()> {
         let deadline = deadline_from_timeout(timeout)?;
         let raw = raw_samples(self.sender.spec(), &self.leaves, &samples)?;
@@ -822,9 +941,26 @@ impl PyRaggedSender {
                 .zip(&leaves)
                 .map(|((_, rows), leaves)| Outgoing { rows, leaves })
                 .collect();
-            sender.send_group(&out, priority, deadline)
+            sender.send_group(&out, priority, version, deadline)
         })
         .map_err(|err| self.error(err))
+    }
+
+    /// Whether the server keeps policy versions (every sample carries one).
+    #[getter]
+    fn keeps_versions(&self) -> bool {
+        self.sender.keeps_versions()
+    }
+
+    /// The version a sample carries when its send names none.
+    #[getter]
+    fn get_policy_version(&self) -> u64 {
+        self.sender.policy_version()
+    }
+
+    #[setter]
+    fn set_policy_version(&self, version: u64) {
+        self.sender.set_policy_version(version);
     }
 
     /// Waits until every sample sent is stored by the server.

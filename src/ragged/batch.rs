@@ -70,6 +70,12 @@ impl OutBuf {
         unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr().cast::<u8>(), len) }
     }
 
+    /// The bytes, to read.
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: `words` holds at least `len` initialised bytes (as in `bytes_mut`).
+        unsafe { std::slice::from_raw_parts(self.words.as_ptr().cast::<u8>(), self.len) }
+    }
+
     /// Bytes.
     pub fn len(&self) -> usize {
         self.len
@@ -190,6 +196,21 @@ pub struct RaggedBatch {
     pub times_sampled: Vec<u32>,
     /// Samples the table held when the batch was made (FIFO: not yet handed out).
     pub store_size: usize,
+}
+
+impl RaggedBatch {
+    /// Column `c`'s bytes (a fixed leaf's: `samples` values side by side).
+    pub fn column_bytes(&self, c: usize) -> &[u8] {
+        match &self.columns[c].data {
+            ColumnData::Owned(buf) => buf.bytes(),
+            // SAFETY: a view is a FIFO batch's range of the arena, which its consumer holds
+            // (no writer is handed those bytes) until its next `sample`, and the arena's
+            // memory lives as long as the table that made this batch.
+            ColumnData::View { addr, len } => unsafe {
+                std::slice::from_raw_parts(*addr as *const u8, *len)
+            },
+        }
+    }
 }
 
 /// The non-empty extents of column `c`, and whether they lie side by side.

@@ -91,6 +91,15 @@ fn retryable(err: &EchoError) -> bool {
     matches!(err, EchoError::Io(_) | EchoError::Disconnected(_))
 }
 
+/// What a server's acceptance says the sender must keep to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Terms {
+    /// The most samples a group frame may hold (the server's batch size).
+    max_group: usize,
+    /// Whether every sample ends with its policy version (a `u64`): the server keeps them.
+    versions: bool,
+}
+
 /// How a [`RaggedSender`] connects.
 #[derive(Debug, Clone)]
 pub struct SenderOptions {
@@ -266,7 +275,7 @@ impl Dial {
     /// # Errors
     /// As [`RaggedSender::connect`]; a resolver's error as [`EchoError::Protocol`] (not to
     /// be retried); no address yet as [`EchoError::Disconnected`].
-    fn open(&self, first_seq: u64) -> Result<(Link, usize), EchoError> {
+    fn open(&self, first_seq: u64) -> Result<(Link, Terms), EchoError> {
         let (host, port) = match &self.options.resolver {
             None => (self.host.clone(), self.port),
             Some(resolver) => {
@@ -293,7 +302,7 @@ impl Dial {
 
     /// [`Dial::open`], retrying a lost or refused connection (or no address yet) until
     /// `until`, with pauses doubling from [`FIRST_PAUSE`] to [`LONGEST_PAUSE`].
-    fn open_retrying(&self, first_seq: u64, until: Instant) -> Result<(Link, usize), EchoError> {
+    fn open_retrying(&self, first_seq: u64, until: Instant) -> Result<(Link, Terms), EchoError> {
         let mut pause = FIRST_PAUSE;
         loop {
             let err = match self.open(first_seq) {
@@ -311,7 +320,7 @@ impl Dial {
     }
 
     /// [`Dial::open`] at `host:port`.
-    fn open_at(&self, host: &str, port: u16, first_seq: u64) -> Result<(Link, usize), EchoError> {
+    fn open_at(&self, host: &str, port: u16, first_seq: u64) -> Result<(Link, Terms), EchoError> {
         let SenderOptions { token, timeout, shared_memory, .. } = &self.options;
         let timeout = *timeout;
         let token = token.as_deref();
@@ -355,7 +364,7 @@ impl Dial {
             codecs: false,
             durable: false,
             params: false,
-            versions: false,
+            versions: true,
         };
         stream.write_all(&hello.encode(&offer, token)?)?;
         let reply = loop {
@@ -401,13 +410,18 @@ impl Dial {
                 }
             })?;
         let view = View { shared, acks, base: accept.resume_seq };
-        Ok((Link { stream, pipe, view, reader: Some(reader) }, max_group))
+        let terms = Terms { max_group, versions: accept.versions.is_some() };
+        Ok((Link { stream, pipe, view, reader: Some(reader) }, terms))
     }
 }
 
 /// The sending side of a worker.
 pub struct RaggedSender {
     spec: RaggedSpec,
+    /// With policy versions: `spec` and the version leaf, which frames are encoded with.
+    stamped: Option<RaggedSpec>,
+    /// The version a sample carries when its send names none.
+    policy_version: AtomicU64,
     dial: Dial,
     link: Mutex<Link>,
     /// A copy of the current connection's [`View`], for waits that must not hold `link`.
@@ -417,7 +431,8 @@ pub struct RaggedSender {
     /// With `reconnect`: every frame whose samples are not known to be stored, with the
     /// session's sample count after it.
     retained: Mutex<VecDeque<(u64, Vec<u8>)>>,
-    max_group: usize,
+    /// What the first server accepted; a reconnection must find the same.
+    terms: Terms,
     max_inflight: u64,
     reconnects: AtomicU64,
     resent: AtomicU64,
@@ -450,20 +465,23 @@ impl RaggedSender {
         let session = v2::random()?;
         let dial =
             Dial { host: host.into(), port, layout, options, session, last: Mutex::new(None) };
-        let (link, max_group) = match first {
+        let (link, terms) = match first {
             Some(limit) => dial.open_retrying(0, Instant::now() + limit)?,
             None => dial.open(0)?,
         };
         let view = link.view.clone();
         let sent = AtomicU64::new(view.base);
+        let stamped = terms.versions.then(|| spec.with_version_leaf());
         Ok(Self {
             spec,
+            stamped,
+            policy_version: AtomicU64::new(0),
             dial,
             link: Mutex::new(link),
             view: Mutex::new(view),
             sent,
             retained: Mutex::new(VecDeque::new()),
-            max_group,
+            terms,
             max_inflight,
             reconnects: AtomicU64::new(0),
             resent: AtomicU64::new(0),
@@ -476,6 +494,24 @@ impl RaggedSender {
     /// The spec samples are checked against.
     pub fn spec(&self) -> &RaggedSpec {
         &self.spec
+    }
+
+    /// Whether the server keeps policy versions: every sample carries one.
+    pub fn keeps_versions(&self) -> bool {
+        self.stamped.is_some()
+    }
+
+    /// The version a sample carries when its send names none (0 until set).
+    pub fn policy_version(&self) -> u64 {
+        // ORDERING: Relaxed — a setting read on its own.
+        self.policy_version.load(Ordering::Relaxed)
+    }
+
+    /// Sets the version samples carry when their send names none.
+    pub fn set_policy_version(&self, version: u64) {
+        // ORDERING: Relaxed — a setting read on its own (a send racing the store takes
+        // either version, as if it had run a moment earlier or later).
+        self.policy_version.store(version, Ordering::Relaxed);
     }
 
     /// Whether frames go through a shared-memory pipe (else over TCP).
@@ -570,6 +606,19 @@ impl RaggedSender {
             }
             link.close(false);
             let last = match self.dial.open(acked) {
+                Ok((mut fresh, terms)) if terms != self.terms => {
+                    // Another server than the one the frames are made for (its batch size
+                    // or its policy versions changed): they would not fit it.
+                    fresh.close(false);
+                    return Err(EchoError::Protocol(format!(
+                        "reconnected to a server that takes groups of at most {} samples{}, \
+                         where the first took {}{}: not the same server",
+                        terms.max_group,
+                        if terms.versions { " with policy versions" } else { "" },
+                        self.terms.max_group,
+                        if self.terms.versions { " with policy versions" } else { "" },
+                    )));
+                }
                 Ok((fresh, _)) => {
                     *self.resumed_from.lock() = Some(fresh.view.base);
                     *link = fresh;
@@ -629,14 +678,22 @@ impl RaggedSender {
         &self,
         samples: &[Outgoing<'_>],
         priority: Option<f64>,
+        version: Option<u64>,
         deadline: Option<Instant>,
     ) -> Result<(), EchoError> {
-        if samples.len() > self.max_group {
+        if samples.len() > self.terms.max_group {
             return Err(EchoError::Sample(format!(
                 "a group of {} samples is larger than a batch (batch_size {})",
                 samples.len(),
-                self.max_group
+                self.terms.max_group
             )));
+        }
+        if version.is_some() && self.stamped.is_none() {
+            return Err(EchoError::Config(
+                "version= needs a server that keeps policy versions (policy_versions=True or \
+                 max_staleness=); this one keeps none"
+                    .into(),
+            ));
         }
         if let Some(p) = priority.filter(|p| !p.is_finite() || *p < 0.0) {
             return Err(EchoError::Priority(format!(
@@ -653,12 +710,33 @@ impl RaggedSender {
             let rows = |i: usize| if columns[i].is_ragged() { sample.rows[i] } else { 1 };
             self.spec.check_with(rows, |i| sample.leaves[i].len())?;
         }
-        let head = encode_head(&self.spec, samples, priority)?;
+        // With versions, every sample ends with its version (a fixed leaf of the server's).
+        let stamp = version.unwrap_or_else(|| self.policy_version()).to_le_bytes();
+        let stamped: Vec<(Vec<usize>, Vec<&[u8]>)> = match &self.stamped {
+            None => Vec::new(),
+            Some(_) => samples
+                .iter()
+                .map(|s| {
+                    let rows = s.rows.iter().copied().chain([1]).collect();
+                    let leaves = s.leaves.iter().copied().chain([&stamp[..]]).collect();
+                    (rows, leaves)
+                })
+                .collect(),
+        };
+        let outgoing: Vec<Outgoing<'_>>;
+        let (spec, samples) = match &self.stamped {
+            None => (&self.spec, samples),
+            Some(spec) => {
+                outgoing = stamped.iter().map(|(r, l)| Outgoing { rows: r, leaves: l }).collect();
+                (spec, &outgoing[..])
+            }
+        };
+        let head = encode_head(spec, samples, priority)?;
         if let Some(why) = self.given_up.lock().clone() {
             return Err(EchoError::Disconnected(why));
         }
         self.wait_window(deadline)?;
-        let mut parts: Vec<&[u8]> = Vec::with_capacity(1 + samples.len() * 4);
+        let mut parts: Vec<&[u8]> = Vec::with_capacity(1 + samples.len() * 5);
         parts.push(&head);
         parts.extend(samples.iter().flat_map(|s| s.leaves.iter().copied()));
         self.write(&parts, samples.len() as u64, deadline)

@@ -31,5 +31,5 @@ pub use batch::{BatchLayout, BufPool, ColumnBatch, ColumnData, GroupBatch, OutBu
 pub use spec::{Column, LeafDecl, LengthGroup, RaggedDecl, RaggedSpec};
 pub use table::{
     deadline_after, RaggedConfig, RaggedExport, RaggedSampler, RaggedStats, RaggedTable, SampleIn,
-    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_BYTES, DROPPED,
 };

@@ -194,6 +194,20 @@ impl RaggedSpec {
         Ok(Self { columns, groups })
     }
 
+    /// This spec with one more fixed leaf at the end: each sample's policy version, a
+    /// little-endian `u64` ([`crate::versions`]).
+    pub fn with_version_leaf(&self) -> Self {
+        let mut out = self.clone();
+        out.columns.push(Column {
+            name: crate::versions::VERSION_LEAF_NAME.into(),
+            row_bytes: crate::versions::VERSION_BYTES,
+            align: crate::versions::VERSION_BYTES,
+            max_rows: 1,
+            group: None,
+        });
+        out
+    }
+
     /// The leaves in flattened order.
     pub fn columns(&self) -> &[Column] {
         &self.columns

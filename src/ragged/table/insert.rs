@@ -6,6 +6,11 @@ use std::time::Instant;
 
 use super::{passed, wait, Entry, RaggedSampler, RaggedTable};
 use crate::error::EchoError;
+use crate::versions::VERSION_BYTES;
+
+/// The key [`RaggedTable::insert_from`] returns for an entry it dropped as stale (older than
+/// the staleness bound allows): no entry has it.
+pub const DROPPED: u64 = u64::MAX;
 
 /// One sample handed to [`RaggedTable::insert_group`]: its leaves' bytes and rows.
 #[derive(Debug, Clone)]
@@ -119,7 +124,8 @@ impl RaggedTable {
 
     /// Inserts `samples` as one entry (a group when more than one): atomically, and handed
     /// out whole. FIFO waits for room until `deadline`; replay evicts the oldest entries.
-    /// Returns the entry's key.
+    /// Returns the entry's key, or [`DROPPED`] when the table keeps policy versions under a
+    /// bound and one of the samples is stale already (nothing stored; counted).
     ///
     /// # Errors
     /// [`EchoError::Sample`] for a sample the table cannot take (see [`RaggedSpec::check`](crate::ragged::RaggedSpec::check),
@@ -154,6 +160,26 @@ impl RaggedTable {
                 count, self.config.max_size
             )));
         }
+        // Policy versions: the oldest of the entry's samples, which decides whether it is
+        // stale (a group goes in or is dropped whole).
+        let version = match &self.versions {
+            None => 0,
+            Some(versions) => {
+                let oldest = (0..count)
+                    .map(|s| {
+                        let mut le = [0u8; VERSION_BYTES];
+                        samples.copy_leaf(s, versions.leaf(), &mut le);
+                        u64::from_le_bytes(le)
+                    })
+                    .min()
+                    .unwrap_or(0);
+                if oldest < versions.floor() {
+                    versions.note_stale_at_insert(count as u64);
+                    return Ok(DROPPED);
+                }
+                oldest
+            }
+        };
         let columns = self.spec.columns();
         // Compressed leaves, compressed before the lock is taken (none without a codec).
         let compressing = self.config.codecs.iter().any(Option::is_some);
@@ -279,6 +305,7 @@ impl RaggedTable {
             raw_bytes,
             live_at: usize::MAX,
             priority,
+            version,
         };
         state.raw_bytes += raw_bytes;
         if self.config.sampler != RaggedSampler::Fifo {

@@ -21,9 +21,10 @@ use crate::codec::Codec;
 use crate::error::EchoError;
 use crate::replay::rng::Rng;
 use crate::replay::sumtree::SumTree;
+use crate::versions::{PolicyVersions, VersionsConfig, VERSION_BYTES};
 
 mod insert;
-pub use insert::{GroupSource, SampleIn};
+pub use insert::{GroupSource, SampleIn, DROPPED};
 
 /// How batches are made.
 #[derive(Debug, Clone, PartialEq)]
@@ -65,6 +66,10 @@ pub struct RaggedConfig {
     /// sample's bytes of such a leaf are compressed on the inserting thread and decompressed
     /// into each batch (never handed out as a view).
     pub codecs: Vec<Option<Codec>>,
+    /// Policy versions: the spec's last leaf is each sample's version (a fixed 8-byte
+    /// little-endian `u64`), and with a bound a sample more than `max_staleness` versions
+    /// behind the latest never reaches the learner ([`crate::versions`]). `None`: none kept.
+    pub versions: Option<VersionsConfig>,
 }
 
 /// The default arena's largest size.
@@ -127,6 +132,8 @@ struct Entry {
     /// Replay: where the entry sits in `State::live`.
     live_at: usize,
     priority: f64,
+    /// The oldest policy version among its samples (0 when the table keeps none).
+    version: u64,
 }
 
 #[derive(Debug)]
@@ -195,6 +202,7 @@ pub struct RaggedTable {
     filled: Condvar,
     memory: std::sync::Arc<ArenaMemory>,
     pool: std::sync::Arc<BufPool>,
+    versions: Option<std::sync::Arc<PolicyVersions>>,
 }
 
 /// Waits for a change, or until `deadline`. The callers check their condition, then whether
@@ -249,6 +257,24 @@ impl RaggedTable {
             }
         }
         let columns = spec.columns().len();
+        let versions = match &config.versions {
+            None => None,
+            Some(kept) => {
+                let last = spec.columns().last().filter(|c| {
+                    !c.is_ragged() && c.row_bytes() == VERSION_BYTES && c.group().is_none()
+                });
+                if last.is_none() {
+                    return Err(EchoError::Config(
+                        "policy versions need a last leaf of one 8-byte value (the version)".into(),
+                    ));
+                }
+                Some(std::sync::Arc::new(PolicyVersions::new(
+                    columns - 1,
+                    kept.max_staleness,
+                    kept.admission,
+                )))
+            }
+        };
         if !config.codecs.is_empty() && config.codecs.len() != columns {
             return Err(EchoError::Config(format!(
                 "{} codecs for {columns} leaves",
@@ -314,7 +340,19 @@ impl RaggedTable {
             filled: Condvar::new(),
             memory,
             pool: BufPool::new(),
+            versions,
         })
+    }
+
+    /// The policy versions this table keeps (the latest published, the bound, the stale
+    /// counts), if it keeps them.
+    pub fn versions(&self) -> Option<&std::sync::Arc<PolicyVersions>> {
+        self.versions.as_ref()
+    }
+
+    /// The oldest version a sample may have to reach the learner now (0: any).
+    fn version_floor(&self) -> u64 {
+        self.versions.as_ref().map_or(0, |v| v.floor())
     }
 
     /// The samples' layout.
@@ -588,6 +626,9 @@ impl RaggedTable {
         }
         built.map(|mut batch| {
             batch.store_size = store_size;
+            if let Some(versions) = &self.versions {
+                versions.note_handed(batch.column_bytes(versions.leaf()));
+            }
             Some(batch)
         })
     }
@@ -610,6 +651,7 @@ impl RaggedTable {
             if state.closed && !state.draining {
                 return Ok(None);
             }
+            self.drop_stale_fifo(state);
             let (take, complete) = self.fill_fifo(state);
             if take > 0 && (complete || state.writers_waiting > 0 || state.closed) {
                 let ids: Vec<u32> =
@@ -661,55 +703,70 @@ impl RaggedTable {
         state: &mut MutexGuard<'_, State>,
         deadline: Option<Instant>,
     ) -> Result<Option<Picked>, EchoError> {
-        loop {
-            if state.closed {
-                return Ok(None);
-            }
-            let enough = state.stats.samples >= self.config.min_size.max(1);
-            let weighed = state.tree.as_ref().is_none_or(|t| t.total() > 0.0);
-            if enough && !state.live.is_empty() && weighed {
-                break;
-            }
-            if passed(deadline) {
-                return Err(EchoError::TimedOut);
-            }
-            state.consumer_waiting = true;
-            wait(&self.filled, state, deadline);
-            state.consumer_waiting = false;
-        }
-        let (mut samples, mut rows) = (0usize, 0usize);
-        let mut ids = Vec::new();
-        let mut probabilities = Vec::new();
-        while samples < self.config.batch_size {
-            let u = state.rng.next_f64();
-            let (id, probability) = match state.tree.as_ref() {
-                None => {
-                    let n = state.live.len();
-                    let at = ((u * n as f64) as usize).min(n - 1);
-                    (state.live[at], 1.0 / n as f64)
+        let floor = self.version_floor();
+        let (mut ids, mut probabilities) = (Vec::new(), Vec::new());
+        'draw: loop {
+            loop {
+                if state.closed {
+                    return Ok(None);
                 }
-                Some(tree) => {
-                    let total = tree.total();
-                    let id = tree.sample(u).expect("a positive total");
-                    (id as u32, tree.get(id).unwrap_or(0.0) / total)
+                if self.can_draw(state) {
+                    break;
                 }
-            };
-            let entry = state.entries[id as usize].as_ref().expect("a live entry");
-            let too_many = samples + entry.slots.len() > self.config.batch_size;
-            let over = self
-                .config
-                .batch_tokens
-                .is_some_and(|(_, budget)| rows + entry.budget_rows > budget);
-            if !ids.is_empty() && (too_many || over) {
-                break;
+                if passed(deadline) {
+                    return Err(EchoError::TimedOut);
+                }
+                state.consumer_waiting = true;
+                wait(&self.filled, state, deadline);
+                state.consumer_waiting = false;
             }
-            samples += entry.slots.len();
-            rows += entry.budget_rows;
-            ids.push(id);
-            probabilities.push(probability);
-            if self.config.batch_tokens.is_some_and(|(_, budget)| rows == budget) {
-                break;
+            let (mut samples, mut rows) = (0usize, 0usize);
+            while samples < self.config.batch_size {
+                let u = state.rng.next_f64();
+                let (id, probability) = match state.tree.as_ref() {
+                    None => {
+                        let n = state.live.len();
+                        let at = ((u * n as f64) as usize).min(n - 1);
+                        (state.live[at], 1.0 / n as f64)
+                    }
+                    Some(tree) => {
+                        let total = tree.total();
+                        let id = tree.sample(u).expect("a positive total");
+                        (id as u32, tree.get(id).unwrap_or(0.0) / total)
+                    }
+                };
+                let entry = state.entries[id as usize].as_ref().expect("a live entry");
+                if entry.version < floor {
+                    // Stale since it went in: removed, never handed out, and counted once.
+                    let n = Self::remove(state, id);
+                    if let Some(versions) = &self.versions {
+                        versions.note_stale_at_sample(n as u64);
+                    }
+                    if !self.can_draw(state) {
+                        if ids.is_empty() {
+                            continue 'draw;
+                        }
+                        break;
+                    }
+                    continue;
+                }
+                let too_many = samples + entry.slots.len() > self.config.batch_size;
+                let over = self
+                    .config
+                    .batch_tokens
+                    .is_some_and(|(_, budget)| rows + entry.budget_rows > budget);
+                if !ids.is_empty() && (too_many || over) {
+                    break;
+                }
+                samples += entry.slots.len();
+                rows += entry.budget_rows;
+                ids.push(id);
+                probabilities.push(probability);
+                if self.config.batch_tokens.is_some_and(|(_, budget)| rows == budget) {
+                    break;
+                }
             }
+            break;
         }
         let picked = self.collect(state, &ids, Some(probabilities), true);
         // Count the draws, and remove the entries that reached their limit (their bytes
@@ -724,6 +781,41 @@ impl RaggedTable {
             }
         }
         Ok(Some(picked))
+    }
+
+    /// Whether a replay draw can be made now: enough samples, a live entry, and (prioritized)
+    /// a positive total.
+    fn can_draw(&self, state: &State) -> bool {
+        let enough = state.stats.samples >= self.config.min_size.max(1);
+        let weighed = state.tree.as_ref().is_none_or(|t| t.total() > 0.0);
+        enough && !state.live.is_empty() && weighed
+    }
+
+    /// FIFO: removes the entries waiting to be handed out that became stale while they
+    /// waited (counted once); the others keep their order.
+    fn drop_stale_fifo(&self, state: &mut State) {
+        let floor = self.version_floor();
+        if floor == 0 {
+            return;
+        }
+        let entries = &state.entries;
+        let stale: Vec<u32> = state
+            .order
+            .iter()
+            .filter(|&&(id, _)| entries[id as usize].as_ref().is_some_and(|e| e.version < floor))
+            .map(|&(id, _)| id)
+            .collect();
+        if stale.is_empty() {
+            return;
+        }
+        state.order.retain(|&(id, _)| !stale.contains(&id));
+        let removed: usize = stale.iter().map(|&id| Self::remove(state, id)).sum();
+        if let Some(versions) = &self.versions {
+            versions.note_stale_at_sample(removed as u64);
+        }
+        if state.writers_waiting > 0 {
+            self.space.notify_all();
+        }
     }
 
     /// The extents, rows and per-sample values of `ids`' samples; pins them when asked.

@@ -525,6 +525,17 @@ fn handshake(
             )
         })
     });
+    let versions = shared.table.versions().is_some();
+    let refusal = refusal.or_else(|| {
+        (versions && !hello.versions).then(|| {
+            refuse(
+                Refusal::Layout,
+                "this server keeps the policy version of every sample (policy_versions=True \
+                 or max_staleness=), and this worker cannot send one"
+                    .into(),
+            )
+        })
+    });
     if let Some(reply) = refusal {
         // Counted before the client can read the refusal (and look at the counters).
         // ORDERING: Relaxed — a statistics counter.
@@ -538,6 +549,9 @@ fn handshake(
     let mut accept = Accept::new(replay, resume, 0, signed);
     // A ragged server's reply names the most samples a group frame may hold.
     accept.steps = Some(u32::try_from(shared.table.config().batch_size).unwrap_or(u32::MAX));
+    // Every sample then ends with its version; stale ones are dropped as they go in (no
+    // worker waits: the bound a client keeps to is none).
+    accept.versions = versions.then_some(u64::MAX);
     let offered = if hello.shm {
         match shm::offer(shared, stream) {
             Ok(offered) => {
