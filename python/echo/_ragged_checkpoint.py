@@ -173,6 +173,8 @@ def write(
     except BaseException:
         _remove(directory)
         raise
+    # Durable workers let go of what this checkpoint holds.
+    buffer.core.note_persisted(sessions)
     if old is not None and os.path.dirname(old) == parent and old != directory:
         _remove(old)
     return written

@@ -8,8 +8,10 @@ shared-memory pipe instead of the socket (`shared_memory=`, as for any `TcpClien
 `reconnect=True` it keeps each frame until its samples are stored, and after a lost
 connection connects again (for up to `reconnect_timeout`) and resends exactly what the
 server did not store. To a server that keeps policy versions every sample carries one
-(`policy_version`, or `send(version=)`). Durable sessions and parameter fetches are not
-there yet: asking for them raises `ValueError` (and the client's counters of them stay 0).
+(`policy_version`, or `send(version=)`). With `durable=True` it keeps every frame until a
+checkpoint the learner completed holds it, and resends to a restored learner what its
+checkpoint lacks. Parameter fetches are not there yet: asking for them raises `ValueError`
+(and the client's counters of them stay 0).
 Leaves go raw; the server compresses those its `compress=` names as it stores them.
 """
 
@@ -99,21 +101,20 @@ class RaggedTcpClient(TcpClient):
     ) -> None:
         """Checks the settings and connects (the constructor's body); `resolver` and
         `dial_timeout` as for `TcpClient` (`echo.ray`)."""
-        del heartbeat_timeout, wire_compression, durable_bytes
+        del heartbeat_timeout, wire_compression
         self._closed = True  # until connected: `close()` and `__del__` have nothing to do
         self._given_up: int | None = None
         self._name = name
-        self._durable = False
+        self._durable = check_bool("durable", durable)
+        durable_bytes = check_int("durable_bytes", durable_bytes, 1, 2**63 - 1)
+        if self._durable:
+            reconnect = True
         if protocol == 1:
             raise ValueError(
                 "protocol=1 cannot carry ragged leaves (id-echo 0.2.1's wire has fixed shapes)"
             )
-        for what, given in (
-            ("durable=True", durable),
-            ("params_example=", params_example is not None),
-        ):
-            if given:
-                _unsupported(what)
+        if params_example is not None:
+            _unsupported("params_example= (parameter fetches)")
         token = check_token("token", token) or os.environ.get("ECHO_TOKEN") or None
         self._layout = RaggedLayout(data_sample)
         self._ragged_sender = RaggedSender(
@@ -129,6 +130,7 @@ class RaggedTcpClient(TcpClient):
             else None,
             resolver,
             None if dial_timeout is None else float(dial_timeout),
+            durable_bytes if self._durable else None,
         )
         self._ragged_sender.set_reader(self._layout.flat_keys, self._layout.flatten)
         self._closed = False
@@ -193,16 +195,20 @@ class RaggedTcpClient(TcpClient):
         self._ragged_sender.flush(timeout)
 
     def close(self, timeout: float | None = 30.0) -> bool:
-        """Waits (at most `timeout` seconds) until everything sent is stored, then closes.
-        Returns whether it all was; `given_up` says how many samples were not."""
+        """Waits (at most `timeout` seconds) until everything sent is stored (durable:
+        persisted, so until the learner's next checkpoint), then closes. Returns whether it
+        all was; `given_up` says how many samples were not."""
         if self._closed:
             return self._given_up == 0
         self._closed = True
         with contextlib.suppress(Exception):  # the count below says what was lost
-            self._ragged_sender.flush(timeout)
+            if self._durable:
+                self._ragged_sender.wait_persisted(timeout)
+            else:
+                self._ragged_sender.flush(timeout)
         self._ragged_sender.close()
         sent, acked = self._ragged_sender.counts
-        self._given_up = sent - acked
+        self._given_up = sent - (self._ragged_sender.persisted if self._durable else acked)
         return self._given_up == 0
 
     @property
@@ -223,7 +229,7 @@ class RaggedTcpClient(TcpClient):
 
     @property
     def durable(self) -> bool:
-        return False
+        return self._durable
 
     @property
     def reconnects(self) -> int:
@@ -243,26 +249,32 @@ class RaggedTcpClient(TcpClient):
 
     @property
     def retained_bytes(self) -> int:
-        """Bytes of frames kept to resend: with `reconnect=True`, those whose samples are
-        not known to be stored; 0 without."""
+        """Bytes of frames kept to resend: with `durable=True` those not yet persisted, with
+        `reconnect=True` those not known to be stored; 0 without."""
         return self._ragged_sender.retained_bytes
 
     def wait_persisted(self, timeout: float | None = None) -> None:
-        """As `wait()`: a ragged worker is not durable, so nothing waits for a checkpoint."""
-        self.wait(timeout)
+        """With `durable=True`: blocks until every sent sample is in a checkpoint the
+        learner completed (`persisted == sent`), reconnecting and resending meanwhile.
+        Without, as `wait()`."""
+        if self._durable:
+            self._ragged_sender.wait_persisted(timeout)
+        else:
+            self.wait(timeout)
 
     @property
     def persisted(self) -> int:
-        """0: a ragged worker is not durable."""
-        return 0
+        """With `durable=True`: how many of this client's samples are in a checkpoint the
+        learner completed, as its latest notice said; 0 without."""
+        return self._ragged_sender.persisted
 
     @property
     def durable_waits(self) -> int:
-        return 0
+        return self._ragged_sender.durable_waits[0]
 
     @property
     def durable_wait_s(self) -> float:
-        return 0.0
+        return self._ragged_sender.durable_waits[1]
 
     # Parameters do not reach ragged workers through echo yet: they tag their samples with
     # the version they act with, which they learn another way.

@@ -27,6 +27,7 @@ mod errors;
 mod info;
 mod leaves;
 mod ragged;
+mod ragged_sender;
 mod server;
 mod views;
 
@@ -229,7 +230,7 @@ fn _echo(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<views::BatchCopy>()?;
     m.add_class::<ragged::RaggedCore>()?;
     m.add_class::<ragged::RaggedCopy>()?;
-    m.add_class::<ragged::PyRaggedSender>()?;
+    m.add_class::<ragged_sender::PyRaggedSender>()?;
     m.add_class::<info::SampleInfo>()?;
     m.add_class::<info::HistSnapshot>()?;
     m.add_class::<checkpoint::PyOpenedCheckpoint>()?;

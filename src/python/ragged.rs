@@ -16,21 +16,18 @@ use pyo3::exceptions::{PyTimeoutError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::client::PyResolver;
 use super::errors::to_pyerr;
 use super::views::{new_array, LeafLayout, RingLease};
 use super::{deadline_from_timeout, wait_detached};
 use crate::error::EchoError;
-use crate::ragged::client::{RaggedSender, SenderOptions};
 use crate::ragged::tcp::{RaggedTcp, TcpOptions};
-use crate::ragged::wire::{Outgoing, RAGGED_DIM};
+use crate::ragged::wire::RAGGED_DIM;
 use crate::ragged::{
     BatchLayout, BufPool, ColumnData, GroupBatch, LeafDecl, OutBuf, RaggedBatch, RaggedConfig,
     RaggedDecl, RaggedSampler, RaggedSpec, RaggedTable, SampleIn, DROPPED,
 };
 use crate::spec::ArraySpec;
 use crate::sync::Arc;
-use crate::transport::client::Resolver;
 use crate::transport::wire::v2::{Closing, DType, Layout, LeafType as WireLeaf};
 use crate::versions::{version_leaf, Admission, VersionsConfig, VERSION_BYTES, VERSION_LEAF_NAME};
 
@@ -60,7 +57,7 @@ impl Drop for RaggedCopy {
 }
 
 /// A leaf's dtype and its shape after the leading dimension(s).
-struct LeafType {
+pub(super) struct LeafType {
     descr: Py<PyArrayDescr>,
     inner: Vec<usize>,
     /// The dtype's bytes per element.
@@ -84,16 +81,16 @@ pub(crate) struct RaggedCore {
 }
 
 /// What `RaggedCore::submit` needs from the Python layout.
-struct SampleReader {
-    keys: Option<Vec<Py<pyo3::types::PyString>>>,
+pub(super) struct SampleReader {
+    pub(super) keys: Option<Vec<Py<pyo3::types::PyString>>>,
     /// `RaggedLayout.flatten`: a sample to its leaves as C-contiguous arrays.
-    flatten: Py<PyAny>,
+    pub(super) flatten: Py<PyAny>,
 }
 
 /// A sample's leaves in order: a flat dict's by key when each is a C-contiguous numpy
 /// array (the core checks their dtypes and shapes), anything else through the Python
 /// layout's `flatten`.
-fn read_leaves<'py>(
+pub(super) fn read_leaves<'py>(
     py: Python<'py>,
     reader: Option<&SampleReader>,
     sample: &Bound<'py, PyAny>,
@@ -136,7 +133,7 @@ fn read_leaves<'py>(
 /// The spec, the hello's layout and the numpy types of `leaves`; with `versions`, the spec
 /// and the types end with the policy-version leaf (a `uint64` the hello does not describe:
 /// workers append it when the server says it keeps versions).
-fn spec_of(
+pub(super) fn spec_of(
     py: Python<'_>,
     leaves: Vec<LeafArg<'_>>,
     versions: bool,
@@ -177,7 +174,7 @@ fn spec_of(
 
 /// Each sample's leaves as (address, bytes) and rows, read from C-contiguous arrays with
 /// the GIL held (the caller keeps `samples` alive while the addresses are used).
-fn raw_samples(
+pub(super) fn raw_samples(
     spec: &RaggedSpec,
     types: &[LeafType],
     samples: &[Vec<Bound<'_, PyAny>>],
@@ -342,7 +339,7 @@ unsafe fn sample_views<'a>(raw: &[RawSample]) -> Vec<SampleIn<'a>> {
 ///
 /// # Safety
 /// The arrays the addresses came from must be alive and unwritten for `'a`.
-unsafe fn slices<'a>(leaves: &[(usize, usize)]) -> Vec<&'a [u8]> {
+pub(super) unsafe fn slices<'a>(leaves: &[(usize, usize)]) -> Vec<&'a [u8]> {
     leaves
         .iter()
         .map(|&(addr, len)| {
@@ -369,7 +366,8 @@ const DETACH_INSERT_BYTES: usize = 64 * 1024;
 type RawSample = (Vec<(usize, usize)>, Vec<usize>);
 
 /// One leaf as Python declares it: (name, shape (inner for ragged), dtype, ragged).
-type LeafArg<'py> = (String, Vec<usize>, Bound<'py, PyArrayDescr>, Option<(usize, Option<String>)>);
+pub(super) type LeafArg<'py> =
+    (String, Vec<usize>, Bound<'py, PyArrayDescr>, Option<(usize, Option<String>)>);
 
 fn sampler_of(name: &str, exponent: f64) -> PyResult<RaggedSampler> {
     match name {
@@ -731,6 +729,19 @@ impl RaggedCore {
         self.table.versions().and_then(|v| v.max_staleness())
     }
 
+    /// A checkpoint holding `sessions` (as `export` counted them) completed: durable workers
+    /// are told how far their samples are persisted.
+    fn note_persisted(&self, py: Python<'_>, sessions: Vec<(Vec<u8>, u64)>) {
+        let marks: Vec<([u8; 16], u64)> = sessions
+            .into_iter()
+            .filter_map(|(id, n)| Some((<[u8; 16]>::try_from(id.as_slice()).ok()?, n)))
+            .collect();
+        let tcp = self.tcp.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(tcp) = tcp.as_ref() {
+            py.detach(|| tcp.persisted(&marks));
+        }
+    }
+
     /// Sets the draw count of the entry `key` (restoring a checkpoint).
     fn set_times_sampled(&self, key: u64, times: u32) -> bool {
         self.table.set_times_sampled(key, times)
@@ -823,202 +834,6 @@ impl RaggedCore {
     #[getter]
     fn arena_capacity(&self) -> usize {
         self.table.stats().arena_capacity
-    }
-}
-
-/// A worker's connection to a ragged server (`echo.TcpClient` with a ragged example).
-#[pyclass(frozen, module = "echo._echo", name = "RaggedSender")]
-pub(crate) struct PyRaggedSender {
-    sender: RaggedSender,
-    leaves: Vec<LeafType>,
-    reader: std::sync::OnceLock<SampleReader>,
-    /// What the resolver raised, if it did: the call that was connecting raises it.
-    raised: Arc<parking_lot::Mutex<Option<PyErr>>>,
-}
-
-impl PyRaggedSender {
-    /// `err` as its exception: what the resolver raised, if that was it.
-    fn error(&self, err: EchoError) -> PyErr {
-        self.raised.lock().take().unwrap_or_else(|| to_pyerr(err))
-    }
-}
-
-#[pymethods]
-impl PyRaggedSender {
-    #[new]
-    #[pyo3(signature = (
-        host, port, leaves, token=None, connect_timeout=10.0, max_inflight=256,
-        shared_memory=None, reconnect_timeout=None, resolver=None, dial_timeout=None,
-    ))]
-    #[allow(clippy::too_many_arguments)] // Python's keyword arguments
-    fn new(
-        py: Python<'_>,
-        host: &str,
-        port: u16,
-        leaves: Vec<LeafArg<'_>>,
-        token: Option<Vec<u8>>,
-        connect_timeout: f64,
-        max_inflight: usize,
-        shared_memory: Option<bool>,
-        reconnect_timeout: Option<f64>,
-        resolver: Option<Py<PyAny>>,
-        dial_timeout: Option<f64>,
-    ) -> PyResult<Self> {
-        let (spec, layout, types) = spec_of(py, leaves, false)?;
-        let seconds = |name: &str, t: Option<f64>| match t {
-            Some(t) if !t.is_finite() || t <= 0.0 => Err(PyValueError::new_err(format!(
-                "{name} must be a positive number of seconds, got {t}"
-            ))),
-            Some(t) => Ok(Some(Duration::from_secs_f64(t.min(1e6)))),
-            None => Ok(None),
-        };
-        let reconnect = seconds("reconnect_timeout", reconnect_timeout)?;
-        let dial = seconds("dial_timeout", dial_timeout)?;
-        let raised = Arc::new(parking_lot::Mutex::new(None));
-        let resolver = resolver.map(|callable| {
-            Resolver(std::sync::Arc::new(PyResolver::new(callable, Arc::clone(&raised))))
-        });
-        if !connect_timeout.is_finite() || connect_timeout <= 0.0 {
-            return Err(PyValueError::new_err(format!(
-                "connect_timeout must be a positive number of seconds, got {connect_timeout}"
-            )));
-        }
-        let timeout = Duration::from_secs_f64(connect_timeout.min(1e6));
-        let options = SenderOptions {
-            token,
-            timeout,
-            max_inflight,
-            shared_memory,
-            reconnect,
-            resolver,
-            dial,
-        };
-        let sender = py
-            .detach(|| RaggedSender::connect(host, port, spec, layout, options))
-            .map_err(|err| raised.lock().take().unwrap_or_else(|| to_pyerr(err)))?;
-        Ok(Self { sender, leaves: types, reader: std::sync::OnceLock::new(), raised })
-    }
-
-    /// Sets how `send` reads samples (see `RaggedCore.set_reader`).
-    fn set_reader(&self, keys: Option<Vec<Py<pyo3::types::PyString>>>, flatten: Py<PyAny>) {
-        let _ = self.reader.set(SampleReader { keys, flatten });
-    }
-
-    /// Sends one sample (a flat dict read by key, natively; anything else flattened).
-    #[pyo3(signature = (sample, priority=None, timeout=None, version=None))]
-    fn send(
-        &self,
-        py: Python<'_>,
-        sample: &Bound<'_, PyAny>,
-        priority: Option<f64>,
-        timeout: Option<f64>,
-        version: Option<u64>,
-    ) -> PyResult<()> {
-        let leaves = read_leaves(py, self.reader.get(), sample)?;
-        self.send_group(py, vec![leaves], priority, timeout, version)
-    }
-
-    /// Sends `samples` (each a list of C-contiguous arrays in leaf order) as one group.
-    #[pyo3(signature = (samples, priority=None, timeout=None, version=None))]
-    fn send_group(
-        &self,
-        py: Python<'_>,
-        samples: Vec<Vec<Bound<'_, PyAny>>>,
-        priority: Option<f64>,
-        timeout: Option<f64>,
-        version: Option<u64>,
-    ) -> PyResult<()> {
-        let deadline = deadline_from_timeout(timeout)?;
-        let raw = raw_samples(self.sender.spec(), &self.leaves, &samples)?;
-        let sender = &self.sender;
-        py.detach(|| {
-            let leaves: Vec<Vec<&[u8]>> =
-                // SAFETY: `samples` keeps the arrays alive until this call returns, and the
-                // caller hands them to us unwritten.
-                raw.iter().map(|(leaves, _)| unsafe { slices(leaves) }).collect();
-            let out: Vec<Outgoing<'_>> = raw
-                .iter()
-                .zip(&leaves)
-                .map(|((_, rows), leaves)| Outgoing { rows, leaves })
-                .collect();
-            sender.send_group(&out, priority, version, deadline)
-        })
-        .map_err(|err| self.error(err))
-    }
-
-    /// Whether the server keeps policy versions (every sample carries one).
-    #[getter]
-    fn keeps_versions(&self) -> bool {
-        self.sender.keeps_versions()
-    }
-
-    /// The version a sample carries when its send names none.
-    #[getter]
-    fn get_policy_version(&self) -> u64 {
-        self.sender.policy_version()
-    }
-
-    #[setter]
-    fn set_policy_version(&self, version: u64) {
-        self.sender.set_policy_version(version);
-    }
-
-    /// Waits until every sample sent is stored by the server.
-    #[pyo3(signature = (timeout=None))]
-    fn flush(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
-        let deadline = deadline_from_timeout(timeout)?;
-        let sender = &self.sender;
-        py.detach(|| sender.flush(deadline)).map_err(|err| self.error(err))
-    }
-
-    /// Says goodbye and closes the connection.
-    fn close(&self, py: Python<'_>) {
-        let sender = &self.sender;
-        py.detach(|| sender.close());
-    }
-
-    /// (sent, acknowledged) samples.
-    /// Which path frames take: `"shm"` (a same-host shared-memory pipe) or `"tcp"`.
-    #[getter]
-    fn path(&self) -> &'static str {
-        if self.sender.uses_shared_memory() {
-            "shm"
-        } else {
-            "tcp"
-        }
-    }
-
-    /// (reconnections, samples resent after one).
-    #[getter]
-    fn recoveries(&self) -> (u64, u64) {
-        self.sender.recoveries()
-    }
-
-    #[getter]
-    fn counts(&self) -> (u64, u64) {
-        self.sender.counts()
-    }
-
-    /// What the server said the last time it closed a connection: `"final"`,
-    /// `"restarting"`, or None.
-    #[getter]
-    fn server_closing(&self) -> Option<&'static str> {
-        self.sender.server_closing().map(|why| match why {
-            Closing::Final => "final",
-            Closing::Restarting => "restarting",
-        })
-    }
-
-    /// Where the latest reconnection resumed (the samples the server already had), or None.
-    #[getter]
-    fn resumed_from(&self) -> Option<u64> {
-        self.sender.resumed_from()
-    }
-
-    /// Bytes of frames kept to resend.
-    #[getter]
-    fn retained_bytes(&self) -> usize {
-        self.sender.retained_bytes()
     }
 }
 

@@ -94,7 +94,7 @@ pub struct TcpCounters {
 }
 
 /// An open connection: its id, its write half, whether it understands closing notices.
-type OpenConn = (u64, Arc<Mutex<TcpStream>>, bool);
+type OpenConn = (u64, Arc<Mutex<TcpStream>>, bool, bool);
 
 /// A worker's session (its hello's session id), across its connections: how many of its
 /// samples are stored, and which connection may store more. A worker that reconnects says
@@ -116,6 +116,9 @@ struct SessionState {
     /// The connection that owns the session (0: none); a connection that lost it to a newer
     /// one of the same worker stores nothing more.
     owner: u64,
+    /// Samples of the session in a completed checkpoint (a restored session: all of its
+    /// `stored`): what a durable worker may let go of.
+    persisted: u64,
 }
 
 /// A connection's hold on its worker's session.
@@ -284,7 +287,7 @@ impl RaggedTcp {
         let sessions = sessions
             .into_iter()
             .map(|(id, stored)| {
-                let state = Mutex::new(SessionState { stored, owner: 0 });
+                let state = Mutex::new(SessionState { stored, owner: 0, persisted: stored });
                 (id, Arc::new(Session { state, idle_since: Mutex::new(Some(now)) }))
             })
             .collect();
@@ -347,6 +350,39 @@ impl RaggedTcp {
         (exported, counts)
     }
 
+    /// A checkpoint holding `sessions` (as [`RaggedTcp::snapshot`] counted them) completed:
+    /// each session is persisted that far, and a durable worker's connection is told (a
+    /// [`v2::PERSISTED`] notice), so that it lets go of the frames the checkpoint holds.
+    pub fn persisted(&self, sessions: &[([u8; 16], u64)]) {
+        let mut notices = Vec::new();
+        {
+            let map = self.shared.sessions.lock();
+            for (id, count) in sessions {
+                let Some(session) = map.get(id) else { continue };
+                let mut state = session.state.lock();
+                state.persisted = state.persisted.max(*count);
+                if state.owner != 0 {
+                    notices.push((state.owner, state.persisted));
+                }
+            }
+        }
+        let conns: Vec<(u64, Arc<Mutex<TcpStream>>)> = self
+            .shared
+            .conns
+            .lock()
+            .iter()
+            .filter(|(.., durable)| *durable)
+            .map(|(id, writer, ..)| (*id, writer.clone()))
+            .collect();
+        for (owner, persisted) in notices {
+            if let Some((_, writer)) = conns.iter().find(|(id, _)| *id == owner) {
+                // A connection that fails to take it is ending: its worker reconnects and
+                // hears again.
+                let _ = writer.lock().write_all(&v2::encode_persisted(persisted));
+            }
+        }
+    }
+
     /// Stops accepting, tells every client that understands it that the server closes
     /// (`why`), closes every connection and joins the threads. Samples already acknowledged
     /// are in the table.
@@ -361,7 +397,7 @@ impl RaggedTcp {
             &std::net::SocketAddr::from(([127, 0, 0, 1], self.port)),
             Duration::from_millis(200),
         );
-        for (_, writer, notices) in self.shared.conns.lock().iter() {
+        for (_, writer, notices, _) in self.shared.conns.lock().iter() {
             let mut writer = writer.lock();
             if *notices {
                 let _ = writer.write_all(&[v2::CLOSING, why as u8]);
@@ -464,7 +500,7 @@ fn take_session(shared: &Shared, hello: &v2::Hello, id: u64) -> (Owned, u64) {
         (previous, state.stored)
     };
     if previous != 0 {
-        for (other, writer, _) in shared.conns.lock().iter() {
+        for (other, writer, ..) in shared.conns.lock().iter() {
             if *other == previous {
                 let _ = writer.lock().shutdown(Shutdown::Both);
             }
@@ -552,6 +588,8 @@ fn handshake(
     // Every sample then ends with its version; stale ones are dropped as they go in (no
     // worker waits: the bound a client keeps to is none).
     accept.versions = versions.then_some(u64::MAX);
+    // Persisted notices to a durable worker after each checkpoint (`RaggedTcp::persisted`).
+    accept.durable = hello.durable;
     let offered = if hello.shm {
         match shm::offer(shared, stream) {
             Ok(offered) => {
@@ -580,7 +618,7 @@ fn serve(shared: &Arc<Shared>, id: u64, mut stream: TcpStream) -> Result<(), Ech
         return Ok(());
     };
     let writer = Arc::new(Mutex::new(stream.try_clone()?));
-    shared.conns.lock().push((id, writer.clone(), hello.notices));
+    shared.conns.lock().push((id, writer.clone(), hello.notices, hello.durable));
     // ORDERING: Relaxed — a statistics counter.
     shared.counters.accepted.fetch_add(1, Ordering::Relaxed);
     // ORDERING: SeqCst — pairs with `close`: a connection registered after `close` read the
@@ -588,18 +626,27 @@ fn serve(shared: &Arc<Shared>, id: u64, mut stream: TcpStream) -> Result<(), Ech
     if shared.closing.load(Ordering::SeqCst) {
         return Ok(());
     }
-    let result = match offered {
-        Some(offered) => match shm::attach(shared, offered, &mut stream, &mut leftover) {
-            Ok(shm::Path::Pipe(pipe, _held)) => {
-                // ORDERING: Relaxed — a statistics counter.
-                shared.counters.shm.fetch_add(1, Ordering::Relaxed);
-                serve_pipe(shared, pipe, owned)
-            }
-            Ok(shm::Path::Tcp) => tcp_frames(shared, &owned, leftover, stream, &writer),
-            Ok(shm::Path::Ended) => Ok(()),
-            Err(err) => Err(err),
-        },
-        None => tcp_frames(shared, &owned, leftover, stream, &writer),
+    let attached = match offered {
+        Some(offered) => shm::attach(shared, offered, &mut stream, &mut leftover),
+        None => Ok(shm::Path::Tcp),
+    };
+    if hello.durable {
+        // Where its session is persisted, at once (after the pipe's exchange, which shares
+        // the socket): a restored session is persisted as far as it stands.
+        let persisted = owned.session.state.lock().persisted;
+        if persisted > 0 {
+            writer.lock().write_all(&v2::encode_persisted(persisted))?;
+        }
+    }
+    let result = match attached {
+        Ok(shm::Path::Pipe(pipe, _held)) => {
+            // ORDERING: Relaxed — a statistics counter.
+            shared.counters.shm.fetch_add(1, Ordering::Relaxed);
+            serve_pipe(shared, pipe, owned)
+        }
+        Ok(shm::Path::Tcp) => tcp_frames(shared, &owned, leftover, stream, &writer),
+        Ok(shm::Path::Ended) => Ok(()),
+        Err(err) => Err(err),
     };
     if let Err(EchoError::Sample(why) | EchoError::Protocol(why)) = &result {
         let _ = writer.lock().write_all(&v2::encode_error(why));

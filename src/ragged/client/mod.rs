@@ -14,11 +14,8 @@
 //! stored, and the sender resends the frames after that: every sample is stored once.
 
 use std::collections::VecDeque;
-use std::io::{IoSlice, Read, Write};
-use std::net::{Shutdown, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
@@ -27,7 +24,7 @@ use super::spec::RaggedSpec;
 use super::wire::{encode_head, Outgoing};
 use crate::error::EchoError;
 use crate::transport::client::Resolver;
-use crate::transport::wire::v2::{self, Closing, Hello, Layout, Offer, Reply};
+use crate::transport::wire::v2::{self, Closing, Layout};
 
 /// The first pause between two reconnection attempts (doubling up to [`LONGEST_PAUSE`]).
 const FIRST_PAUSE: Duration = Duration::from_millis(50);
@@ -39,6 +36,9 @@ const LONGEST_PAUSE: Duration = Duration::from_secs(1);
 struct State {
     /// Acknowledgements received over TCP on this connection.
     acked: u64,
+    /// Samples of the session in a checkpoint the server completed, as its latest
+    /// persisted notice said (durable connections).
+    persisted: u64,
     error: Option<String>,
     closing: Option<Closing>,
     ended: bool,
@@ -121,6 +121,10 @@ pub struct SenderOptions {
     /// `Some(limit)`: the first connection is retried (a refused or lost connection, no
     /// address yet) for up to `limit`; `None`: one attempt.
     pub dial: Option<Duration>,
+    /// `Some(bytes)`: durable: every frame is kept until a checkpoint the server completed
+    /// holds it (not only until it is stored), at most `bytes` of them (a send waits for
+    /// room), and resent to a restored server; needs `reconnect`.
+    pub durable: Option<usize>,
 }
 
 impl Default for SenderOptions {
@@ -133,6 +137,7 @@ impl Default for SenderOptions {
             reconnect: None,
             resolver: None,
             dial: None,
+            durable: None,
         }
     }
 }
@@ -184,236 +189,16 @@ impl View {
     }
 }
 
-/// One connection: its socket, its pipe, the thread reading what the server sends.
-struct Link {
-    stream: TcpStream,
-    pipe: Option<pipe::Writer>,
-    view: View,
-    reader: Option<JoinHandle<()>>,
-}
+mod link;
+/// The worker's side of the shared-memory pipe (Linux), or its stand-in elsewhere.
+#[cfg(target_os = "linux")]
+#[path = "pipe_linux.rs"]
+mod pipe;
+#[cfg(not(target_os = "linux"))]
+#[path = "pipe_off.rs"]
+mod pipe;
 
-impl Link {
-    /// Writes one frame (`parts`), through the pipe or the socket. A deadline is only
-    /// looked at before the frame starts (the pipe's room).
-    fn write(&mut self, parts: &[&[u8]], deadline: Option<Instant>) -> Result<(), EchoError> {
-        if let Some(pipe) = &mut self.pipe {
-            let view = &self.view;
-            return pipe.write_frame(parts, deadline, &|| view.failure().is_some()).map_err(
-                |stop| match stop {
-                    pipe::Stop::TimedOut => EchoError::TimedOut,
-                    pipe::Stop::Lost => view.failure().unwrap_or_else(|| {
-                        EchoError::Disconnected("the server closed the connection".into())
-                    }),
-                },
-            );
-        }
-        // One vectored write: the header, then every leaf straight from the caller's arrays.
-        let mut slices: Vec<IoSlice<'_>> =
-            parts.iter().filter(|p| !p.is_empty()).map(|p| IoSlice::new(p)).collect();
-        let mut rest = &mut slices[..];
-        while !rest.is_empty() {
-            let written = match self.stream.write_vectored(rest) {
-                Ok(n) => n,
-                Err(e) => return Err(self.view.failure().unwrap_or(EchoError::Io(e))),
-            };
-            if written == 0 {
-                return Err(EchoError::Disconnected("the server stopped reading".into()));
-            }
-            IoSlice::advance_slices(&mut rest, written);
-        }
-        Ok(())
-    }
-
-    /// Says goodbye (if `bye`) and closes the connection; joins its reader.
-    fn close(&mut self, bye: bool) {
-        if bye {
-            if let Some(pipe) = &mut self.pipe {
-                // The goodbye goes through the pipe, after every frame; the learner reads
-                // the pipe to its end either way once the socket closes.
-                let soon = Some(Instant::now() + Duration::from_secs(1));
-                let view = &self.view;
-                let _ = pipe.write_frame(&[&[v2::BYE]], soon, &|| view.failure().is_some());
-            } else {
-                let _ = self.stream.write_all(&[v2::BYE]);
-            }
-        }
-        let _ = self.stream.shutdown(Shutdown::Both);
-        if let Some(reader) = self.reader.take() {
-            let _ = reader.join();
-        }
-    }
-}
-
-fn read_some(stream: &mut TcpStream, received: &mut Vec<u8>) -> Result<(), EchoError> {
-    let mut chunk = [0u8; 4096];
-    let n = stream.read(&mut chunk)?;
-    if n == 0 {
-        return Err(EchoError::Disconnected("the server closed during the handshake".into()));
-    }
-    received.extend_from_slice(&chunk[..n]);
-    Ok(())
-}
-
-/// Where to connect and as what: the same for every connection of a sender.
-struct Dial {
-    host: String,
-    port: u16,
-    layout: Layout,
-    options: SenderOptions,
-    /// The session id every connection of the sender presents.
-    session: [u8; 16],
-    /// The address of the last attempt and why it failed, for the resolver.
-    last: Mutex<Option<(String, u16, String)>>,
-}
-
-impl Dial {
-    /// Connects (to the address the resolver names, if there is one) and completes the
-    /// handshake, presenting `first_seq` (the samples of the session seen acknowledged).
-    /// Returns the connection (its view's `base` is the server's `resume_seq`: the samples
-    /// of the session it has stored) and the server's largest group.
-    ///
-    /// # Errors
-    /// As [`RaggedSender::connect`]; a resolver's error as [`EchoError::Protocol`] (not to
-    /// be retried); no address yet as [`EchoError::Disconnected`].
-    fn open(&self, first_seq: u64) -> Result<(Link, Terms), EchoError> {
-        let (host, port) = match &self.options.resolver {
-            None => (self.host.clone(), self.port),
-            Some(resolver) => {
-                let last = self.last.lock().clone();
-                let asked = last.as_ref().map(|(h, p, why)| (h.as_str(), *p, why.as_str()));
-                match resolver.0.resolve(asked) {
-                    Ok(Some(address)) => address,
-                    Ok(None) => {
-                        return Err(EchoError::Disconnected(
-                            "no server to connect to yet (the resolver named none)".into(),
-                        ))
-                    }
-                    Err(err) => return Err(EchoError::Protocol(err.to_string())),
-                }
-            }
-        };
-        let opened = self.open_at(&host, port, first_seq);
-        *self.last.lock() = match &opened {
-            Err(err) if retryable(err) => Some((host, port, err.to_string())),
-            _ => None,
-        };
-        opened
-    }
-
-    /// [`Dial::open`], retrying a lost or refused connection (or no address yet) until
-    /// `until`, with pauses doubling from [`FIRST_PAUSE`] to [`LONGEST_PAUSE`].
-    fn open_retrying(&self, first_seq: u64, until: Instant) -> Result<(Link, Terms), EchoError> {
-        let mut pause = FIRST_PAUSE;
-        loop {
-            let err = match self.open(first_seq) {
-                Ok(opened) => return Ok(opened),
-                Err(err) if retryable(&err) => err,
-                Err(err) => return Err(err),
-            };
-            let left = until.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(err);
-            }
-            std::thread::sleep(pause.min(left));
-            pause = (pause * 2).min(LONGEST_PAUSE);
-        }
-    }
-
-    /// [`Dial::open`] at `host:port`.
-    fn open_at(&self, host: &str, port: u16, first_seq: u64) -> Result<(Link, Terms), EchoError> {
-        let SenderOptions { token, timeout, shared_memory, .. } = &self.options;
-        let timeout = *timeout;
-        let token = token.as_deref();
-        let addr = (host, port)
-            .to_socket_addrs()?
-            .next()
-            .ok_or_else(|| EchoError::Config(format!("cannot resolve {host}:{port}")))?;
-        let mut stream = TcpStream::connect_timeout(&addr, timeout)?;
-        stream.set_nodelay(true)?;
-        stream.set_read_timeout(Some(timeout))?;
-        let mut received = Vec::new();
-        // An open fixed-shape server greets v1 clients first: skip its v1 handshake.
-        while received.len() < 5 {
-            read_some(&mut stream, &mut received)?;
-        }
-        if received[4] == crate::transport::wire::VERSION {
-            loop {
-                if let Some((_, used)) = crate::transport::wire::parse_handshake(&received)? {
-                    received.drain(..used);
-                    break;
-                }
-                read_some(&mut stream, &mut received)?;
-            }
-        }
-        let offer = loop {
-            if let Some(offer) = Offer::parse(&received)? {
-                received.drain(..v2::OFFER_LEN);
-                break offer;
-            }
-            read_some(&mut stream, &mut received)?;
-        };
-        let hello = Hello {
-            session: self.session,
-            first_seq,
-            heartbeat_ms: 0,
-            client_nonce: v2::random()?,
-            layout: self.layout.clone(),
-            mac: None,
-            shm: *shared_memory != Some(false) && pipe::SUPPORTED,
-            notices: true,
-            codecs: false,
-            durable: false,
-            params: false,
-            versions: true,
-        };
-        stream.write_all(&hello.encode(&offer, token)?)?;
-        let reply = loop {
-            if let Some((reply, used)) = Reply::parse(&received)? {
-                received.drain(..used);
-                break reply;
-            }
-            read_some(&mut stream, &mut received)?;
-        };
-        let accept = match reply {
-            Reply::Accepted(accept) => accept,
-            Reply::Refused(why, message) => return Err(why.into_error(message)),
-        };
-        if let Some(token) = token {
-            if !accept.verify(token, &hello, &offer) {
-                return Err(EchoError::Auth("the server did not prove the token".into()));
-            }
-        }
-        let max_group = accept.steps.ok_or_else(|| {
-            EchoError::Protocol(
-                "the server accepted the layout but is not a ragged server (no group size)".into(),
-            )
-        })? as usize;
-        let pipe = match shared_memory {
-            Some(false) => None,
-            wanted => {
-                let address = format!("{host}:{port}");
-                pipe::attach(&accept, &mut stream, &address, *wanted == Some(true), timeout)?
-            }
-        };
-        stream.set_read_timeout(None)?;
-        let shared = Arc::new(Shared::default());
-        let mut reading = stream.try_clone()?;
-        let counting = shared.clone();
-        let loss = pipe.as_ref().map(pipe::Writer::space_bell).transpose()?;
-        let acks = pipe.as_ref().map(pipe::Writer::acks).transpose()?.map(Arc::new);
-        let reader =
-            std::thread::Builder::new().name("echo-ragged-acks".into()).spawn(move || {
-                read_acks(&mut reading, received, &counting);
-                // A send waiting for room in the pipe wakes up and sees the loss.
-                if let Some(bell) = loss {
-                    pipe::ring(&bell);
-                }
-            })?;
-        let view = View { shared, acks, base: accept.resume_seq };
-        let terms = Terms { max_group, versions: accept.versions.is_some() };
-        Ok((Link { stream, pipe, view, reader: Some(reader) }, terms))
-    }
-}
+use link::{Dial, Link};
 
 /// The sending side of a worker.
 pub struct RaggedSender {
@@ -442,6 +227,10 @@ pub struct RaggedSender {
     closing: Mutex<Option<Closing>>,
     /// Why reconnecting failed, once it has: every later call fails with it.
     given_up: Mutex<Option<String>>,
+    /// Durable: the persisted mark earlier connections heard (a new one starts from 0).
+    persisted_before: AtomicU64,
+    /// Durable: sends that waited for room in `durable` bytes, and the seconds they waited.
+    durable_waits: Mutex<(u64, f64)>,
 }
 
 impl RaggedSender {
@@ -488,7 +277,105 @@ impl RaggedSender {
             resumed_from: Mutex::new(None),
             closing: Mutex::new(None),
             given_up: Mutex::new(None),
+            persisted_before: AtomicU64::new(0),
+            durable_waits: Mutex::new((0, 0.0)),
         })
+    }
+
+    /// Whether frames are kept until a checkpoint holds them.
+    pub fn durable(&self) -> bool {
+        self.dial.options.durable.is_some()
+    }
+
+    /// Samples of the session in a checkpoint the server completed (durable; else 0).
+    pub fn persisted(&self) -> u64 {
+        let view = self.view.lock().clone();
+        self.persisted_on(&view)
+    }
+
+    /// The persisted mark as `view`'s connection and the earlier ones heard it.
+    fn persisted_on(&self, view: &View) -> u64 {
+        let heard = view.shared.state.lock().persisted;
+        // ORDERING: Relaxed — only raised under `link`; a stale value only keeps more.
+        heard.max(self.persisted_before.load(Ordering::Relaxed))
+    }
+
+    /// Where the frames kept for resending start: past what is persisted (durable) or
+    /// stored (acknowledged) on `view`'s connection.
+    fn kept_after(&self, view: &View) -> u64 {
+        if self.durable() {
+            self.persisted_on(view)
+        } else {
+            view.acked()
+        }
+    }
+
+    /// Durable sends that waited for room, and the seconds they waited in all.
+    pub fn durable_waits(&self) -> (u64, f64) {
+        *self.durable_waits.lock()
+    }
+
+    /// Waits until every sample sent is in a checkpoint the server completed (durable),
+    /// reconnecting and resending meanwhile.
+    ///
+    /// # Errors
+    /// [`EchoError::TimedOut`]; as [`RaggedSender::flush`] for a connection that is gone.
+    pub fn wait_persisted(&self, deadline: Option<Instant>) -> Result<(), EchoError> {
+        loop {
+            let view = self.view.lock().clone();
+            // ORDERING: Relaxed — see `wait_window`.
+            let sent = self.sent.load(Ordering::Relaxed);
+            if self.persisted_on(&view) >= sent {
+                return Ok(());
+            }
+            if let Some(err) = view.failure() {
+                self.recover_from(&view, err, deadline)?;
+                continue;
+            }
+            let mut state = view.shared.state.lock();
+            if state.persisted < sent && failure(&state).is_none() {
+                view.shared.wait(&mut state, deadline)?;
+            }
+        }
+    }
+
+    /// Durable: waits until a frame of `bytes` fits beside the frames not yet persisted (at
+    /// most `durable` bytes; a frame alone always fits).
+    fn wait_durable(&self, bytes: usize, deadline: Option<Instant>) -> Result<(), EchoError> {
+        let Some(limit) = self.dial.options.durable else { return Ok(()) };
+        let mut started = None;
+        let result = loop {
+            let view = self.view.lock().clone();
+            let kept = self.kept_bytes(self.persisted_on(&view));
+            if kept == 0 || kept + bytes <= limit {
+                break Ok(());
+            }
+            started.get_or_insert_with(Instant::now);
+            if let Some(err) = view.failure() {
+                if let Err(err) = self.recover_from(&view, err, deadline) {
+                    break Err(err);
+                }
+                continue;
+            }
+            let mut state = view.shared.state.lock();
+            if failure(&state).is_none() {
+                if let Err(err) = view.shared.wait(&mut state, deadline) {
+                    break Err(err);
+                }
+            }
+        };
+        if let Some(started) = started {
+            let mut waits = self.durable_waits.lock();
+            waits.0 += 1;
+            waits.1 += started.elapsed().as_secs_f64();
+        }
+        result
+    }
+
+    /// Bytes of the kept frames past `after` samples.
+    fn kept_bytes(&self, after: u64) -> usize {
+        let retained = self.retained.lock();
+        retained.iter().filter(|&&(end, _)| end > after).map(|(_, frame)| frame.len()).sum()
     }
 
     /// The spec samples are checked against.
@@ -554,9 +441,8 @@ impl RaggedSender {
     /// Bytes of frames kept to resend (with `reconnect`: those not known to be stored;
     /// frames stored since the last send are let go at the next one, and not counted here).
     pub fn retained_bytes(&self) -> usize {
-        let acked = self.view.lock().clone().acked();
-        let retained = self.retained.lock();
-        retained.iter().filter(|&&(end, _)| end > acked).map(|(_, frame)| frame.len()).sum()
+        let view = self.view.lock().clone();
+        self.kept_bytes(self.kept_after(&view))
     }
 
     /// `err`, or a reconnection (with `link` locked) when it is a lost connection and the
@@ -600,12 +486,17 @@ impl RaggedSender {
         let until = Instant::now() + limit;
         let mut pause = FIRST_PAUSE;
         loop {
-            let acked = link.view.acked();
+            // A durable worker claims only what is persisted: a restored server may hold less
+            // than it acknowledged, and the worker kept the rest.
+            let seen = self.kept_after(&link.view);
+            let heard = link.view.shared.state.lock().persisted;
+            // ORDERING: Relaxed — raised only under `link`, which we hold.
+            self.persisted_before.fetch_max(heard, Ordering::Relaxed);
             if let Some(said) = link.view.shared.state.lock().closing {
                 *self.closing.lock() = Some(said);
             }
             link.close(false);
-            let last = match self.dial.open(acked) {
+            let last = match self.dial.open(seen) {
                 Ok((mut fresh, terms)) if terms != self.terms => {
                     // Another server than the one the frames are made for (its batch size
                     // or its policy versions changed): they would not fit it.
@@ -739,6 +630,7 @@ impl RaggedSender {
         let mut parts: Vec<&[u8]> = Vec::with_capacity(1 + samples.len() * 5);
         parts.push(&head);
         parts.extend(samples.iter().flat_map(|s| s.leaves.iter().copied()));
+        self.wait_durable(parts.iter().map(|p| p.len()).sum(), deadline)?;
         self.write(&parts, samples.len() as u64, deadline)
     }
 
@@ -791,7 +683,7 @@ impl RaggedSender {
         // ORDERING: Relaxed — `sent` is written only under `link`, which we hold.
         let end = self.sent.load(Ordering::Relaxed) + samples;
         if self.dial.options.reconnect.is_some() {
-            let acked = link.view.acked();
+            let acked = self.kept_after(&link.view);
             let mut retained = self.retained.lock();
             while retained.front().is_some_and(|&(e, _)| e <= acked) {
                 retained.pop_front();
@@ -872,193 +764,5 @@ impl std::fmt::Debug for RaggedSender {
 impl Drop for RaggedSender {
     fn drop(&mut self) {
         self.close();
-    }
-}
-
-/// The reader thread: acknowledgements, heartbeats, an error or a closing notice.
-fn read_acks(stream: &mut TcpStream, mut pending: Vec<u8>, shared: &Shared) {
-    let mut chunk = [0u8; 4096];
-    loop {
-        let mut at = 0;
-        let mut acks = 0u64;
-        let mut stop = None;
-        while at < pending.len() {
-            match pending[at] {
-                v2::ACK => {
-                    acks += 1;
-                    at += 1;
-                }
-                v2::BEAT => at += 1,
-                v2::CLOSING => match pending.get(at + 1) {
-                    Some(&why) => {
-                        stop = Some(Err(Closing::from_byte(why).unwrap_or(Closing::Final)));
-                        break;
-                    }
-                    None => break,
-                },
-                v2::ERROR => match v2::parse_error(&pending[at + 1..]) {
-                    Ok(Some((message, _))) => {
-                        stop = Some(Ok(message));
-                        break;
-                    }
-                    Ok(None) => break,
-                    Err(err) => {
-                        stop = Some(Ok(err.to_string()));
-                        break;
-                    }
-                },
-                other => {
-                    stop = Some(Ok(format!("an unknown byte {other:#04x} from the server")));
-                    break;
-                }
-            }
-        }
-        pending.drain(..at);
-        {
-            let mut state = shared.state.lock();
-            state.acked += acks;
-            match stop.take() {
-                Some(Ok(message)) => state.error = Some(message),
-                Some(Err(closing)) => state.closing = Some(closing),
-                None => {}
-            }
-        }
-        shared.changed.notify_all();
-        let done = {
-            let state = shared.state.lock();
-            state.error.is_some() || state.closing.is_some()
-        };
-        if done {
-            break;
-        }
-        match stream.read(&mut chunk) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => pending.extend_from_slice(&chunk[..n]),
-        }
-    }
-    shared.state.lock().ended = true;
-    shared.changed.notify_all();
-}
-
-/// The worker's side of the shared-memory pipe (Linux), or its stand-in elsewhere.
-#[cfg(target_os = "linux")]
-mod pipe {
-    use std::io::Write;
-    use std::net::TcpStream;
-    use std::time::Duration;
-
-    use crate::error::EchoError;
-    pub(super) use crate::transport::shm::pipe::{
-        PipeAcks as Acks, PipeStop as Stop, PipeWriter as Writer,
-    };
-    use crate::transport::shm::ring::Bell;
-    use crate::transport::shm::EventFd;
-    use crate::transport::wire::v2;
-
-    /// Whether this build can attach a pipe.
-    pub(super) const SUPPORTED: bool = true;
-
-    /// Rings `bell`.
-    pub(super) fn ring(bell: &EventFd) {
-        bell.ring();
-    }
-
-    /// Attaches the pipe `accept` offers. Without one, or when attaching fails: TCP (the
-    /// server is told with `SHM_DECLINE` if it offered one), or the reason as an error when
-    /// `required` (after a goodbye).
-    pub(super) fn attach(
-        accept: &v2::Accept,
-        stream: &mut TcpStream,
-        address: &str,
-        required: bool,
-        timeout: Duration,
-    ) -> Result<Option<Writer>, EchoError> {
-        let why = match &accept.shm {
-            None if accept.note.is_empty() => {
-                format!("the server at {address} does not offer shared memory")
-            }
-            None => format!("the server at {address} did not offer it: {}", accept.note),
-            Some(offer) => match Writer::attach(&offer.name, &offer.nonce, timeout) {
-                Ok(writer) => return Ok(Some(writer)),
-                Err(why) => format!("cannot attach the shared memory of {address}: {why}"),
-            },
-        };
-        if required {
-            let _ = stream.write_all(&[v2::BYE]);
-            return Err(EchoError::SharedMemory(format!("shared_memory=True: {why}")));
-        }
-        log::debug!("{why}; sending over TCP");
-        if accept.shm.is_some() {
-            stream.write_all(&[v2::SHM_DECLINE])?;
-        }
-        Ok(None)
-    }
-}
-
-#[cfg(not(target_os = "linux"))]
-mod pipe {
-    use std::net::TcpStream;
-    use std::time::{Duration, Instant};
-
-    use crate::error::EchoError;
-    use crate::transport::wire::v2;
-
-    pub(super) const SUPPORTED: bool = false;
-
-    pub(super) enum Writer {}
-    pub(super) enum Acks {}
-    #[allow(dead_code)] // matched on by the caller; nothing stops off Linux
-    pub(super) enum Stop {
-        TimedOut,
-        Lost,
-    }
-    pub(super) struct Bell;
-
-    impl Acks {
-        pub(super) fn stored(&self) -> u64 {
-            match *self {}
-        }
-        pub(super) fn wait_stored(
-            &self,
-            _: u64,
-            _: Option<Instant>,
-            _: &dyn Fn() -> bool,
-        ) -> Result<(), Stop> {
-            match *self {}
-        }
-    }
-
-    impl Writer {
-        pub(super) fn space_bell(&self) -> std::io::Result<Bell> {
-            match *self {}
-        }
-        pub(super) fn acks(&self) -> std::io::Result<Acks> {
-            match *self {}
-        }
-        pub(super) fn write_frame(
-            &mut self,
-            _: &[&[u8]],
-            _: Option<Instant>,
-            _: &dyn Fn() -> bool,
-        ) -> Result<(), Stop> {
-            match *self {}
-        }
-    }
-
-    pub(super) fn ring(_: &Bell) {}
-
-    pub(super) fn attach(
-        _: &v2::Accept,
-        _: &mut TcpStream,
-        address: &str,
-        required: bool,
-        _: Duration,
-    ) -> Result<Option<Writer>, EchoError> {
-        if required {
-            return Err(EchoError::SharedMemory(format!(
-                "shared_memory=True: shared memory needs Linux (the server at {address})"
-            )));
-        }
-        Ok(None)
     }
 }
