@@ -374,12 +374,28 @@ impl RaggedTcp {
             .filter(|(.., durable)| *durable)
             .map(|(id, writer, ..)| (*id, writer.clone()))
             .collect();
-        for (owner, persisted) in notices {
-            if let Some((_, writer)) = conns.iter().find(|(id, _)| *id == owner) {
-                // A connection that fails to take it is ending: its worker reconnects and
-                // hears again.
+        let sends: Vec<(Arc<Mutex<TcpStream>>, u64)> = notices
+            .into_iter()
+            .filter_map(|(owner, persisted)| {
+                let (_, writer) = conns.iter().find(|(id, _)| *id == owner)?;
+                Some((writer.clone(), persisted))
+            })
+            .collect();
+        if sends.is_empty() {
+            return;
+        }
+        // On a thread of their own: a worker that stopped reading could hold a write for
+        // the write timeout, and the learner's checkpoint must not wait for any worker.
+        // A connection that fails to take its notice is ending: its worker reconnects and
+        // hears it again, at once.
+        let notify = move || {
+            for (writer, persisted) in sends {
                 let _ = writer.lock().write_all(&v2::encode_persisted(persisted));
             }
+        };
+        match std::thread::Builder::new().name("echo-ragged-persisted".into()).spawn(notify) {
+            Ok(thread) => self.shared.threads.lock().push(thread),
+            Err(err) => log::warn!("no thread to tell durable workers of a checkpoint: {err}"),
         }
     }
 
