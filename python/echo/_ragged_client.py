@@ -286,7 +286,9 @@ class RaggedTcpClient(TcpClient):
 
     @property
     def params_version(self) -> int:
-        return 0
+        """The latest version of the learner's parameters it announced (0: none yet), known
+        without a transfer: the learner tells every connection of each `publish()`."""
+        return self._ragged_sender.params_version
 
     @property
     def params_fetches(self) -> int:
@@ -314,11 +316,14 @@ class RaggedTcpClient(TcpClient):
 
     @property
     def admission_waits(self) -> int:
-        return 0
+        """`send()` calls that waited because this worker was more than `max_staleness`
+        versions behind a learner with `admission="block"`."""
+        return self._ragged_sender.admission_waits[0]
 
     @property
     def admission_wait_s(self) -> float:
-        return 0.0
+        """Seconds `send()` calls waited for newer weights, in all."""
+        return self._ragged_sender.admission_waits[1]
 
     @property
     def sequence_rows(self) -> None:

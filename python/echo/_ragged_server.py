@@ -2,9 +2,8 @@
 
 `Server(example, ...)` builds a `RaggedServer` when a leaf of `example` is `echo.Ragged`
 (`Server.__new__`). Workers send over TCP or a same-host shared-memory pipe (`echo.TcpClient`
-with the same example). What a ragged server does not do yet (sequences, `writer()`,
-`admission="block"`, pinned memory) raises `ValueError`, naming the argument, rather than
-being ignored.
+with the same example). What a ragged server does not do yet (sequences, `writer()`, pinned
+memory) raises `ValueError`, naming the argument, rather than being ignored.
 """
 
 from __future__ import annotations
@@ -101,7 +100,6 @@ class RaggedServer(Server):
         for what, given in (
             ("pin_host_memory=True", pin_host_memory),
             ("sequence=", sequence is not None),
-            ("admission='block' (workers wait for no announced version yet)", admission == "block"),
             ("a remover other than Fifo()", remover is not None and not isinstance(remover, Fifo)),
         ):
             if given:
@@ -126,6 +124,7 @@ class RaggedServer(Server):
             compress=compress,
             policy_versions=versions["policy_versions"],
             max_staleness=versions["max_staleness"],
+            admission=versions["admission"],
         )
         # `publish()`'s side: the parameters' structure checked as `Server.publish` checks
         # it, a copy of the latest kept (for `latest_params`), and its version recorded.
@@ -168,6 +167,7 @@ class RaggedServer(Server):
             "name": name,
             "policy_versions": versions["policy_versions"],
             "max_staleness": versions["max_staleness"],
+            "admission": versions["admission"],
         }
         if periodic is not None:
             self._start_periodic(periodic)

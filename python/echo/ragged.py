@@ -313,6 +313,7 @@ class RaggedBuffer:
         compress: Any = None,
         policy_versions: bool = False,
         max_staleness: int | None = None,
+        admission: str = "drop",
     ) -> None:
         self.layout = RaggedLayout(example)
         codecs = _codecs(self.layout, compress)
@@ -342,6 +343,7 @@ class RaggedBuffer:
         core = RaggedCore(
             self.layout.core_leaves(), kind, exponent, batch_size, capacity, max_bytes,
             tokens, min_size, max_times_sampled, seed, codecs, policy_versions, max_staleness,
+            admission,
         )  # fmt: skip
         self.codecs = codecs
         self.core = core

@@ -6,6 +6,8 @@ kept by checkpoints."""
 from __future__ import annotations
 
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -121,8 +123,8 @@ def test_versions_are_only_recorded_without_a_bound_and_refused_without_versions
     with pytest.raises(ValueError, match="shape"):
         plain.publish({"w": np.zeros(5, np.float32)})
     plain.close()
-    with pytest.raises(ValueError, match="admission='block'"):
-        echo.Server(example(), batch_size=2, max_staleness=1, admission="block")
+    with pytest.raises(ValueError, match="admission='block' needs max_staleness"):
+        echo.Server(example(), batch_size=2, policy_versions=True, admission="block")
 
 
 @pytest.mark.parametrize("path", ["tcp", pytest.param("shm", marks=SHM)])
@@ -197,3 +199,43 @@ def test_a_checkpoint_keeps_versions_and_the_latest_published_version(tmp_path: 
         assert restored.stats().samples_stale_at_sample_total == 3  # ids 0, 4, 8
     finally:
         restored.close()
+
+
+@pytest.mark.parametrize("path", ["tcp", pytest.param("shm", marks=SHM)])
+def test_block_admission_holds_a_worker_back_until_it_acts_with_newer_weights(path: str) -> None:
+    transport = echo.TcpTransport(port=0, host="127.0.0.1")
+    server = echo.Server(example(), batch_size=2, num_buffers=8, transport=transport,
+                         max_staleness=1, admission="block")  # fmt: skip
+    server.start()
+    assert server.port is not None
+    server.publish(weights(1))
+    client = echo.TcpClient("127.0.0.1", server.port, example(), shared_memory=path == "shm")
+    assert client.keeps_versions
+    deadline = time.monotonic() + 10
+    while client.params_version < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert client.params_version == 1, "the latest version, told at once"
+    client.policy_version = 1
+    client.send(make(0))
+    server.publish(weights(2))
+    server.publish(weights(3))  # the worker is 2 behind now
+    while client.params_version < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert client.params_version == 3, "each publish announced"
+    with pytest.raises(TimeoutError, match="acts with version 1 and the learner is at 3"):
+        client.send(make(1), timeout=0.1)
+    # Another thread of the worker switches to newer weights: the waiting send goes on.
+    switch = threading.Timer(0.2, lambda: setattr(client, "policy_version", 3))
+    switch.start()
+    client.send(make(2), timeout=10)
+    switch.join()
+    client.send(make(3), version=2)  # a named version within the bound goes at once
+    client.wait(10)
+    assert client.admission_waits == 2  # the send that timed out, and the one that waited
+    assert client.admission_wait_s >= 0.1
+    client.close()
+    ids, versions = drain(server)
+    assert ids == [0, 2, 3]
+    assert versions == [1, 3, 2]
+    stats = server.stats()  # "block" keeps the bound at the source and drops nothing
+    assert (stats.samples_stale_at_insert_total, stats.samples_stale_at_sample_total) == (0, 0)

@@ -383,7 +383,7 @@ fn sampler_of(name: &str, exponent: f64) -> PyResult<RaggedSampler> {
 #[pymethods]
 impl RaggedCore {
     #[new]
-    #[pyo3(signature = (leaves, sampler, exponent, batch_size, max_size, max_bytes, batch_tokens, min_size, max_times_sampled, seed, compress=Vec::new(), policy_versions=false, max_staleness=None))]
+    #[pyo3(signature = (leaves, sampler, exponent, batch_size, max_size, max_bytes, batch_tokens, min_size, max_times_sampled, seed, compress=Vec::new(), policy_versions=false, max_staleness=None, admission="drop"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -400,13 +400,23 @@ impl RaggedCore {
         compress: Vec<Option<Bound<'_, PyAny>>>,
         policy_versions: bool,
         max_staleness: Option<u64>,
+        admission: &str,
     ) -> PyResult<Self> {
+        let admission = match (admission, max_staleness) {
+            ("drop", _) => Admission::Drop,
+            ("block", Some(_)) => Admission::Block,
+            (other, _) => {
+                return Err(PyValueError::new_err(format!(
+                    "admission must be 'drop', or 'block' with max_staleness, got {other:?}"
+                )))
+            }
+        };
         let codecs = compress
             .iter()
             .map(|c| c.as_ref().map(super::config::codec).transpose())
             .collect::<PyResult<Vec<_>>>()?;
         let versions = (policy_versions || max_staleness.is_some())
-            .then_some(VersionsConfig { max_staleness, admission: Admission::Drop });
+            .then_some(VersionsConfig { max_staleness, admission });
         let mut codecs = codecs;
         if versions.is_some() && !codecs.is_empty() {
             codecs.push(None); // the version leaf is stored raw
@@ -707,6 +717,9 @@ impl RaggedCore {
         if let Some(kept) = self.table.versions() {
             kept.set_latest(next);
         }
+        if let Some(tcp) = self.tcp.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            tcp.announce(next);
+        }
         Ok(next)
     }
 
@@ -791,6 +804,8 @@ impl RaggedCore {
             })
             .map_err(to_pyerr)?;
         let port = started.port();
+        // ORDERING: Relaxed — see `publish_version`.
+        started.announce(self.published.load(Ordering::Relaxed));
         *tcp = Some(started);
         Ok(port)
     }

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 
 use super::client::PyResolver;
@@ -31,7 +31,17 @@ pub(crate) struct PyRaggedSender {
 impl PyRaggedSender {
     /// `err` as its exception: what the resolver raised, if that was it.
     fn error(&self, err: EchoError) -> PyErr {
-        self.raised.lock().take().unwrap_or_else(|| to_pyerr(err))
+        if let Some(raised) = self.raised.lock().take() {
+            return raised;
+        }
+        match (&err, self.sender.take_held_back()) {
+            (EchoError::TimedOut, Some((ours, latest, bound))) => PyTimeoutError::new_err(format!(
+                "send(): timed out waiting for newer weights: this worker acts with version \
+                 {ours} and the learner is at {latest}, more than max_staleness={bound} behind \
+                 (admission='block'); set policy_version once it acts with newer ones"
+            )),
+            _ => to_pyerr(err),
+        }
     }
 }
 
@@ -158,6 +168,19 @@ impl PyRaggedSender {
     #[getter]
     fn persisted(&self) -> u64 {
         self.sender.persisted()
+    }
+
+    /// The latest version of the learner's parameters it announced (0: none yet).
+    #[getter]
+    fn params_version(&self) -> u64 {
+        self.sender.params_version()
+    }
+
+    /// Sends that waited for newer weights (`admission="block"`), and the seconds they
+    /// waited in all.
+    #[getter]
+    fn admission_waits(&self) -> (u64, f64) {
+        self.sender.admission_waits()
     }
 
     /// Durable sends that waited for room, and the seconds they waited in all.

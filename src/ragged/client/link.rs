@@ -4,6 +4,7 @@
 
 use std::io::{IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -12,6 +13,7 @@ use parking_lot::Mutex;
 
 use super::{pipe, retryable, SenderOptions, Shared, Terms, View, FIRST_PAUSE, LONGEST_PAUSE};
 use crate::error::EchoError;
+use crate::transport::wire::params;
 use crate::transport::wire::v2::{self, Closing, Hello, Layout, Offer, Reply};
 
 /// One connection: its socket, its pipe, the thread reading what the server sends.
@@ -98,6 +100,8 @@ pub(super) struct Dial {
     pub(super) session: [u8; 16],
     /// The address of the last attempt and why it failed, for the resolver.
     pub(super) last: Mutex<Option<(String, u16, String)>>,
+    /// The latest version of the learner's parameters any connection heard announced.
+    pub(super) announced: Arc<AtomicU64>,
 }
 
 impl Dial {
@@ -201,7 +205,7 @@ impl Dial {
             notices: true,
             codecs: false,
             durable: self.options.durable.is_some(),
-            params: false,
+            params: true,
             versions: true,
         };
         stream.write_all(&hello.encode(&offer, token)?)?;
@@ -244,24 +248,30 @@ impl Dial {
         let shared = Arc::new(Shared::default());
         let mut reading = stream.try_clone()?;
         let counting = shared.clone();
+        let announced = self.announced.clone();
         let loss = pipe.as_ref().map(pipe::Writer::space_bell).transpose()?;
         let acks = pipe.as_ref().map(pipe::Writer::acks).transpose()?.map(Arc::new);
         let reader =
             std::thread::Builder::new().name("echo-ragged-acks".into()).spawn(move || {
-                read_acks(&mut reading, received, &counting);
+                read_acks(&mut reading, received, &counting, &announced);
                 // A send waiting for room in the pipe wakes up and sees the loss.
                 if let Some(bell) = loss {
                     pipe::ring(&bell);
                 }
             })?;
         let view = View { shared, acks, base: accept.resume_seq };
-        let terms = Terms { max_group, versions: accept.versions.is_some() };
+        let terms = Terms { max_group, versions: accept.versions };
         Ok((Link { stream, pipe, view, reader: Some(reader) }, terms))
     }
 }
 
 /// The reader thread: acknowledgements, heartbeats, an error or a closing notice.
-pub(super) fn read_acks(stream: &mut TcpStream, mut pending: Vec<u8>, shared: &Shared) {
+pub(super) fn read_acks(
+    stream: &mut TcpStream,
+    mut pending: Vec<u8>,
+    shared: &Shared,
+    announced: &AtomicU64,
+) {
     let mut chunk = [0u8; 4096];
     loop {
         let mut at = 0;
@@ -275,6 +285,14 @@ pub(super) fn read_acks(stream: &mut TcpStream, mut pending: Vec<u8>, shared: &S
                     at += 1;
                 }
                 v2::BEAT => at += 1,
+                params::VERSION => match params::parse_version(&pending[at..]) {
+                    Some(version) => {
+                        // ORDERING: Relaxed — a version read on its own by the sender.
+                        announced.fetch_max(version, Ordering::Relaxed);
+                        at += params::VERSION_LEN;
+                    }
+                    None => break, // the rest of the notice is on its way
+                },
                 v2::PERSISTED => match v2::parse_persisted(&pending[at..]) {
                     Some(seq) => {
                         persisted = persisted.max(seq);

@@ -30,6 +30,8 @@ use crate::transport::wire::v2::{self, Closing, Layout};
 const FIRST_PAUSE: Duration = Duration::from_millis(50);
 /// The longest pause between two reconnection attempts.
 const LONGEST_PAUSE: Duration = Duration::from_secs(1);
+/// How often a send waiting for newer weights looks at the worker's `policy_version`.
+const ADMISSION_SLICE: Duration = Duration::from_millis(20);
 
 /// What the reader thread of one connection learned.
 #[derive(Debug, Default)]
@@ -96,8 +98,10 @@ fn retryable(err: &EchoError) -> bool {
 struct Terms {
     /// The most samples a group frame may hold (the server's batch size).
     max_group: usize,
-    /// Whether every sample ends with its policy version (a `u64`): the server keeps them.
-    versions: bool,
+    /// `Some(k)`: every sample ends with its policy version (a `u64`), the server keeps
+    /// them, and a sample more than `k` versions behind the latest the server announced
+    /// waits for newer weights (`u64::MAX`: never waits).
+    versions: Option<u64>,
 }
 
 /// How a [`RaggedSender`] connects.
@@ -231,6 +235,10 @@ pub struct RaggedSender {
     persisted_before: AtomicU64,
     /// Durable: sends that waited for room in `durable` bytes, and the seconds they waited.
     durable_waits: Mutex<(u64, f64)>,
+    /// Sends that waited for newer weights, and the seconds they waited.
+    admission_waits: Mutex<(u64, f64)>,
+    /// See [`RaggedSender::take_held_back`].
+    held_back: Mutex<Option<(u64, u64, u64)>>,
 }
 
 impl RaggedSender {
@@ -252,15 +260,22 @@ impl RaggedSender {
         let max_inflight = options.max_inflight.max(1) as u64;
         let first = options.dial;
         let session = v2::random()?;
-        let dial =
-            Dial { host: host.into(), port, layout, options, session, last: Mutex::new(None) };
+        let dial = Dial {
+            host: host.into(),
+            port,
+            layout,
+            options,
+            session,
+            last: Mutex::new(None),
+            announced: Arc::new(AtomicU64::new(0)),
+        };
         let (link, terms) = match first {
             Some(limit) => dial.open_retrying(0, Instant::now() + limit)?,
             None => dial.open(0)?,
         };
         let view = link.view.clone();
         let sent = AtomicU64::new(view.base);
-        let stamped = terms.versions.then(|| spec.with_version_leaf());
+        let stamped = terms.versions.map(|_| spec.with_version_leaf());
         Ok(Self {
             spec,
             stamped,
@@ -279,6 +294,8 @@ impl RaggedSender {
             given_up: Mutex::new(None),
             persisted_before: AtomicU64::new(0),
             durable_waits: Mutex::new((0, 0.0)),
+            admission_waits: Mutex::new((0, 0.0)),
+            held_back: Mutex::new(None),
         })
     }
 
@@ -381,6 +398,71 @@ impl RaggedSender {
     /// The spec samples are checked against.
     pub fn spec(&self) -> &RaggedSpec {
         &self.spec
+    }
+
+    /// The latest version of the learner's parameters it announced (0: none yet).
+    pub fn params_version(&self) -> u64 {
+        // ORDERING: Relaxed — a version read on its own (reader threads raise it).
+        self.dial.announced.load(Ordering::Relaxed)
+    }
+
+    /// Sends that waited for newer weights (`admission="block"`), and the seconds they
+    /// waited in all.
+    pub fn admission_waits(&self) -> (u64, f64) {
+        *self.admission_waits.lock()
+    }
+
+    /// With `admission="block"`: waits until a sample of `version` is at most the server's
+    /// bound behind the latest version it announced, that is until the worker acts with
+    /// newer weights (`policy_version` set by another thread) or the version announced
+    /// stops running ahead. `version` `None`: the worker's `policy_version`, read again as
+    /// it waits.
+    fn wait_admitted(
+        &self,
+        version: Option<u64>,
+        deadline: Option<Instant>,
+    ) -> Result<(), EchoError> {
+        let Some(bound) = self.terms.versions.filter(|&k| k != u64::MAX) else { return Ok(()) };
+        let behind = |v: u64| self.params_version().saturating_sub(v) > bound;
+        let mut started = None;
+        let result = loop {
+            let v = version.unwrap_or_else(|| self.policy_version());
+            if !behind(v) {
+                break Ok(());
+            }
+            started.get_or_insert_with(Instant::now);
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                break Err(EchoError::TimedOut);
+            }
+            let view = self.view.lock().clone();
+            if let Some(err) = view.failure() {
+                if let Err(err) = self.recover_from(&view, err, deadline) {
+                    break Err(err);
+                }
+                continue;
+            }
+            // A newer `policy_version` comes from another thread without a signal: look
+            // again every slice.
+            let slice = Instant::now() + ADMISSION_SLICE;
+            let mut state = view.shared.state.lock();
+            let _ = view.shared.wait(&mut state, Some(deadline.map_or(slice, |d| d.min(slice))));
+        };
+        if let Some(started) = started {
+            let mut waits = self.admission_waits.lock();
+            waits.0 += 1;
+            waits.1 += started.elapsed().as_secs_f64();
+        }
+        if matches!(result, Err(EchoError::TimedOut)) {
+            let v = version.unwrap_or_else(|| self.policy_version());
+            *self.held_back.lock() = Some((v, self.params_version(), bound));
+        }
+        result
+    }
+
+    /// Why the last send that timed out was held back, if it waited for newer weights:
+    /// (the version it would carry, the latest announced, the bound). Taken once.
+    pub fn take_held_back(&self) -> Option<(u64, u64, u64)> {
+        self.held_back.lock().take()
     }
 
     /// Whether the server keeps policy versions: every sample carries one.
@@ -505,9 +587,9 @@ impl RaggedSender {
                         "reconnected to a server that takes groups of at most {} samples{}, \
                          where the first took {}{}: not the same server",
                         terms.max_group,
-                        if terms.versions { " with policy versions" } else { "" },
+                        if terms.versions.is_some() { " with policy versions" } else { "" },
                         self.terms.max_group,
-                        if self.terms.versions { " with policy versions" } else { "" },
+                        if self.terms.versions.is_some() { " with policy versions" } else { "" },
                     )));
                 }
                 Ok((fresh, _)) => {
@@ -579,6 +661,7 @@ impl RaggedSender {
                 self.terms.max_group
             )));
         }
+        self.wait_admitted(version, deadline)?;
         if version.is_some() && self.stamped.is_none() {
             return Err(EchoError::Config(
                 "version= needs a server that keeps policy versions (policy_versions=True or \

@@ -21,13 +21,11 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use super::spec::Column;
-use super::table::{GroupSource, RaggedSampler, RaggedTable, SampleIn};
+use super::table::{GroupSource, RaggedTable, SampleIn};
 use super::wire::Head;
 use super::wire::{decode_head, head_len, GROUP, GROUP_PRIORITY};
 use crate::error::EchoError;
-use crate::transport::wire::v2::{
-    self, Accept, Closing, Layout, Mode, Offer, Opening, Refusal, Reply,
-};
+use crate::transport::wire::v2::{self, Closing, Layout};
 
 /// How long a write to a worker may block before the connection is given up.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -93,8 +91,17 @@ pub struct TcpCounters {
     pub resumed: AtomicU64,
 }
 
-/// An open connection: its id, its write half, whether it understands closing notices.
-type OpenConn = (u64, Arc<Mutex<TcpStream>>, bool, bool);
+/// An open connection: its id, its write half, and the notices its worker takes.
+struct OpenConn {
+    id: u64,
+    writer: Arc<Mutex<TcpStream>>,
+    /// It understands closing notices.
+    closing: bool,
+    /// Durable: it hears how far its session is persisted.
+    durable: bool,
+    /// It hears of each version the learner publishes.
+    versions: bool,
+}
 
 /// A worker's session (its hello's session id), across its connections: how many of its
 /// samples are stored, and which connection may store more. A worker that reconnects says
@@ -154,6 +161,9 @@ struct Shared {
     #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
     max_segments: usize,
     closing: AtomicBool,
+    /// The latest version the learner published, told to each new connection that hears of
+    /// versions.
+    announced: AtomicU64,
     /// Open connections: their write halves (for the closing notice and the shutdown), and
     /// whether the client understands closing notices.
     conns: Mutex<Vec<OpenConn>>,
@@ -309,6 +319,7 @@ impl RaggedTcp {
             segments: Mutex::new(0),
             max_segments: max_buffered_bytes / 2,
             closing: AtomicBool::new(false),
+            announced: AtomicU64::new(0),
             conns: Mutex::new(Vec::new()),
             threads: Mutex::new(Vec::new()),
             counters: TcpCounters::default(),
@@ -366,36 +377,53 @@ impl RaggedTcp {
                 }
             }
         }
-        let conns: Vec<(u64, Arc<Mutex<TcpStream>>)> = self
+        let sends: Vec<(Arc<Mutex<TcpStream>>, Vec<u8>)> = {
+            let conns = self.shared.conns.lock();
+            notices
+                .into_iter()
+                .filter_map(|(owner, persisted)| {
+                    let conn = conns.iter().find(|c| c.id == owner && c.durable)?;
+                    Some((conn.writer.clone(), v2::encode_persisted(persisted).to_vec()))
+                })
+                .collect()
+        };
+        self.notify(sends);
+    }
+
+    /// The learner published `version`: every worker that hears of versions is told (a
+    /// VERSION notice), so that it knows how far behind the weights it acts with are (and,
+    /// with `admission="block"`, waits for newer ones when too far).
+    pub fn announce(&self, version: u64) {
+        // ORDERING: Relaxed — read on its own by new connections (see `serve`).
+        self.shared.announced.fetch_max(version, Ordering::Relaxed);
+        let notice = crate::transport::wire::params::encode_version(version).to_vec();
+        let sends = self
             .shared
             .conns
             .lock()
             .iter()
-            .filter(|(.., durable)| *durable)
-            .map(|(id, writer, ..)| (*id, writer.clone()))
+            .filter(|c| c.versions)
+            .map(|c| (c.writer.clone(), notice.clone()))
             .collect();
-        let sends: Vec<(Arc<Mutex<TcpStream>>, u64)> = notices
-            .into_iter()
-            .filter_map(|(owner, persisted)| {
-                let (_, writer) = conns.iter().find(|(id, _)| *id == owner)?;
-                Some((writer.clone(), persisted))
-            })
-            .collect();
+        self.notify(sends);
+    }
+
+    /// Writes each notice to its connection on a thread of its own: a worker that stopped
+    /// reading could hold a write for the write timeout, and the learner (its checkpoint, its
+    /// publish) waits for no worker. A connection that fails to take its notice is ending:
+    /// its worker reconnects and hears the latest at once.
+    fn notify(&self, sends: Vec<(Arc<Mutex<TcpStream>>, Vec<u8>)>) {
         if sends.is_empty() {
             return;
         }
-        // On a thread of their own: a worker that stopped reading could hold a write for
-        // the write timeout, and the learner's checkpoint must not wait for any worker.
-        // A connection that fails to take its notice is ending: its worker reconnects and
-        // hears it again, at once.
-        let notify = move || {
-            for (writer, persisted) in sends {
-                let _ = writer.lock().write_all(&v2::encode_persisted(persisted));
+        let write = move || {
+            for (writer, notice) in sends {
+                let _ = writer.lock().write_all(&notice);
             }
         };
-        match std::thread::Builder::new().name("echo-ragged-persisted".into()).spawn(notify) {
+        match std::thread::Builder::new().name("echo-ragged-notify".into()).spawn(write) {
             Ok(thread) => self.shared.threads.lock().push(thread),
-            Err(err) => log::warn!("no thread to tell durable workers of a checkpoint: {err}"),
+            Err(err) => log::warn!("no thread to tell workers of a checkpoint or a version: {err}"),
         }
     }
 
@@ -413,9 +441,9 @@ impl RaggedTcp {
             &std::net::SocketAddr::from(([127, 0, 0, 1], self.port)),
             Duration::from_millis(200),
         );
-        for (_, writer, notices, _) in self.shared.conns.lock().iter() {
-            let mut writer = writer.lock();
-            if *notices {
+        for conn in self.shared.conns.lock().iter() {
+            let mut writer = conn.writer.lock();
+            if conn.closing {
                 let _ = writer.write_all(&[v2::CLOSING, why as u8]);
             }
             let _ = writer.shutdown(Shutdown::Both);
@@ -459,7 +487,7 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
             if let Err(err) = serve(&serving, id, stream) {
                 log::debug!("ragged connection ended: {err}");
             }
-            serving.conns.lock().retain(|(other, ..)| *other != id);
+            serving.conns.lock().retain(|conn| conn.id != id);
             // ORDERING: Relaxed — a gauge.
             serving.counters.active.fetch_sub(1, Ordering::Relaxed);
         });
@@ -469,164 +497,7 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
     }
 }
 
-/// The names of the ragged leaves, for messages.
-fn ragged_names(shared: &Shared) -> String {
-    let names: Vec<&str> =
-        shared.table.spec().columns().iter().filter(|c| c.is_ragged()).map(|c| c.name()).collect();
-    names.join(", ")
-}
-
-/// What a completed handshake leaves: the hello, the bytes after it, the pipe offered, and
-/// the worker's session, owned.
-type Handshake = (v2::Hello, Vec<u8>, Option<shm::Offered>, Owned);
-
-/// Takes over the session `hello` names for connection `id` (a new one starts at the
-/// worker's `first_seq`: what an earlier server acknowledged is not asked for again): a
-/// connection of the same worker that still owns it stores nothing more and is shut down.
-/// Returns the hold and the samples stored, where the worker resumes. Sessions no
-/// connection has owned for `session_timeout` are forgotten first, and the idle ones
-/// beyond four per connection allowed, oldest first.
-fn take_session(shared: &Shared, hello: &v2::Hello, id: u64) -> (Owned, u64) {
-    let session = {
-        let mut sessions = shared.sessions.lock();
-        let idle = |s: &Session| *s.idle_since.lock();
-        sessions.retain(|_, s| idle(s).is_none_or(|t| t.elapsed() < shared.session_timeout));
-        let cap = shared.max_connections.saturating_mul(4);
-        if sessions.len() > cap {
-            let mut idle_ones: Vec<([u8; 16], Instant)> =
-                sessions.iter().filter_map(|(k, s)| idle(s).map(|t| (*k, t))).collect();
-            idle_ones.sort_by_key(|&(_, t)| t);
-            for (key, _) in idle_ones.iter().take(sessions.len() - cap) {
-                sessions.remove(key);
-            }
-        }
-        if sessions.contains_key(&hello.session) {
-            // ORDERING: Relaxed — a statistics counter.
-            shared.counters.resumed.fetch_add(1, Ordering::Relaxed);
-        }
-        sessions.entry(hello.session).or_default().clone()
-    };
-    // Waits for an insert of the previous owner in progress; after it, that one stores
-    // nothing more.
-    let (previous, stored) = {
-        let mut state = session.state.lock();
-        let previous = std::mem::replace(&mut state.owner, id);
-        *session.idle_since.lock() = None;
-        state.stored = state.stored.max(hello.first_seq);
-        (previous, state.stored)
-    };
-    if previous != 0 {
-        for (other, writer, ..) in shared.conns.lock().iter() {
-            if *other == previous {
-                let _ = writer.lock().shutdown(Shutdown::Both);
-            }
-        }
-    }
-    (Owned { id, session }, stored)
-}
-
-/// Reads the client's hello; answers it. Returns the hello, the bytes after it, and the
-/// shared-memory pipe offered in the reply (a same-host client that asked for one).
-fn handshake(
-    shared: &Shared,
-    stream: &mut TcpStream,
-    id: u64,
-) -> Result<Option<Handshake>, EchoError> {
-    let mode = if shared.token.is_some() { Mode::Token } else { Mode::Open };
-    let offer = Offer::new(mode)?;
-    stream.write_all(&offer.encode())?;
-    stream.set_read_timeout(Some(HELLO_TIMEOUT))?;
-    let max_body = v2::max_hello_body(&shared.layout);
-    let mut received = Vec::new();
-    let mut chunk = [0u8; 4096];
-    let deadline = Instant::now() + HELLO_TIMEOUT;
-    let (hello, body, used) = loop {
-        let n = stream.read(&mut chunk)?;
-        if n == 0 {
-            return Ok(None);
-        }
-        received.extend_from_slice(&chunk[..n]);
-        match v2::parse_opening(&received, &offer, max_body)? {
-            Opening::Hello(hello, body, used) => break (hello, body, used),
-            Opening::NeedMore if Instant::now() < deadline => {}
-            Opening::NeedMore => return Err(EchoError::Protocol("hello timed out".into())),
-            Opening::V1 => {
-                log::warn!(
-                    "refused a wire v1 client (id-echo 0.2.1 or a client without wire v2): \
-                     the ragged leaves {} need wire v2",
-                    ragged_names(shared)
-                );
-                // ORDERING: Relaxed — a statistics counter.
-                shared.counters.refused.fetch_add(1, Ordering::Relaxed);
-                return Ok(None);
-            }
-        }
-    };
-    let refuse = |why: Refusal, message: String| Reply::Refused(why, message);
-    let refusal = if let Some(token) = &shared.token {
-        (!hello.verify(&offer, token, &body))
-            .then(|| refuse(Refusal::Auth, "the token is missing or wrong".into()))
-    } else {
-        None
-    };
-    let refusal = refusal.or_else(|| {
-        shared.layout.mismatch(&hello.layout).map(|why| {
-            refuse(
-                Refusal::Layout,
-                format!("{why} (this server's ragged leaves: {})", ragged_names(shared)),
-            )
-        })
-    });
-    let versions = shared.table.versions().is_some();
-    let refusal = refusal.or_else(|| {
-        (versions && !hello.versions).then(|| {
-            refuse(
-                Refusal::Layout,
-                "this server keeps the policy version of every sample (policy_versions=True \
-                 or max_staleness=), and this worker cannot send one"
-                    .into(),
-            )
-        })
-    });
-    if let Some(reply) = refusal {
-        // Counted before the client can read the refusal (and look at the counters).
-        // ORDERING: Relaxed — a statistics counter.
-        shared.counters.refused.fetch_add(1, Ordering::Relaxed);
-        stream.write_all(&reply.encode())?;
-        return Ok(None);
-    }
-    let replay = shared.table.config().sampler != RaggedSampler::Fifo;
-    let signed = shared.token.as_deref().map(|t| (t, &*hello, &offer));
-    let (owned, resume) = take_session(shared, &hello, id);
-    let mut accept = Accept::new(replay, resume, 0, signed);
-    // A ragged server's reply names the most samples a group frame may hold.
-    accept.steps = Some(u32::try_from(shared.table.config().batch_size).unwrap_or(u32::MAX));
-    // Every sample then ends with its version; stale ones are dropped as they go in (no
-    // worker waits: the bound a client keeps to is none).
-    accept.versions = versions.then_some(u64::MAX);
-    // Persisted notices to a durable worker after each checkpoint (`RaggedTcp::persisted`).
-    accept.durable = hello.durable;
-    let offered = if hello.shm {
-        match shm::offer(shared, stream) {
-            Ok(offered) => {
-                accept.shm = Some(offered.wire());
-                Some(offered)
-            }
-            Err(why) => {
-                accept.note = why;
-                None
-            }
-        }
-    } else {
-        None
-    };
-    stream.write_all(&Reply::Accepted(accept).encode())?;
-    stream.set_read_timeout(None)?;
-    // A worker that stops reading its acknowledgements (its receive buffer full) has its
-    // connection ended, instead of holding a thread, and `close()`, in a write for ever.
-    stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
-    Ok(Some((*hello, received[used..].to_vec(), offered, owned)))
-}
+use handshake::handshake;
 
 fn serve(shared: &Arc<Shared>, id: u64, mut stream: TcpStream) -> Result<(), EchoError> {
     stream.set_nodelay(true)?;
@@ -634,7 +505,13 @@ fn serve(shared: &Arc<Shared>, id: u64, mut stream: TcpStream) -> Result<(), Ech
         return Ok(());
     };
     let writer = Arc::new(Mutex::new(stream.try_clone()?));
-    shared.conns.lock().push((id, writer.clone(), hello.notices, hello.durable));
+    shared.conns.lock().push(OpenConn {
+        id,
+        writer: writer.clone(),
+        closing: hello.notices,
+        durable: hello.durable,
+        versions: hello.params,
+    });
     // ORDERING: Relaxed — a statistics counter.
     shared.counters.accepted.fetch_add(1, Ordering::Relaxed);
     // ORDERING: SeqCst — pairs with `close`: a connection registered after `close` read the
@@ -646,13 +523,21 @@ fn serve(shared: &Arc<Shared>, id: u64, mut stream: TcpStream) -> Result<(), Ech
         Some(offered) => shm::attach(shared, offered, &mut stream, &mut leftover),
         None => Ok(shm::Path::Tcp),
     };
+    // Notices after the pipe's exchange, which shares the socket.
     if hello.durable {
-        // Where its session is persisted, at once (after the pipe's exchange, which shares
-        // the socket): a restored session is persisted as far as it stands.
+        // Where its session is persisted, at once: a restored session is persisted as far
+        // as it stands.
         let persisted = owned.session.state.lock().persisted;
         if persisted > 0 {
             writer.lock().write_all(&v2::encode_persisted(persisted))?;
         }
+    }
+    // ORDERING: Relaxed — a version read on its own; one published meanwhile is announced
+    // to this connection too (it is in `conns` already).
+    let latest = shared.announced.load(Ordering::Relaxed);
+    if hello.params && latest > 0 {
+        // The latest version, at once: later ones come as they are published.
+        writer.lock().write_all(&crate::transport::wire::params::encode_version(latest))?;
     }
     let result = match attached {
         Ok(shm::Path::Pipe(pipe, _held)) => {
@@ -962,6 +847,7 @@ fn store<S: GroupSource + ?Sized>(
     }
 }
 
+mod handshake;
 #[cfg(target_os = "linux")]
 mod pump;
 #[cfg(target_os = "linux")]
