@@ -4,16 +4,28 @@ it, so a learner restored from its latest checkpoint ends with exactly the sampl
 
 from __future__ import annotations
 
+import json
+import random
 import sys
+import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import test_wire_v2 as _wire_v2
+from conftest import poll
+from test_durable import assert_cut_off
+from test_wire_v2 import Child
 
 import echo
 from echo import Ragged
+from echo.checkpoint import periodic_checkpoints
+
+#: The child-process fixture of the wire v2 tests: `children(name, argv)`.
+children = _wire_v2.children
 
 SHM = pytest.mark.skipif(sys.platform != "linux", reason="shared memory needs Linux")
 PATHS = ["tcp", pytest.param("shm", marks=SHM)]
@@ -120,3 +132,133 @@ def test_a_durable_worker_waits_for_room_until_a_checkpoint_frees_it(tmp_path: P
         assert ids_of(server) == list(range(60))
     finally:
         server.close()
+
+
+# A ragged learner process: a FIFO table (batches of 4) large enough for every sample,
+# checkpointing every 0.1 s into the directory given, new or restored from its latest
+# checkpoint. On "dump" it hands out every sample it holds, checks each, and prints the ids.
+LEARNER = textwrap.dedent(
+    """
+    import signal, sys
+    import numpy as np
+    import echo
+    from echo.checkpoint import periodic_checkpoints
+
+    signal.alarm(200)
+    port, directory, restore = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    EXAMPLE = {
+        "tokens": echo.Ragged(200, np.int32, group="completion"),
+        "logp": echo.Ragged(200, np.float32, group="completion"),
+        "id": np.zeros((), np.int64),
+    }
+    transport = echo.TcpTransport(port=port, host="127.0.0.1")
+    periodic = {"checkpoint_dir": directory, "checkpoint_every": 0.1, "checkpoint_keep": 3}
+    if restore == "1":
+        latest = periodic_checkpoints(directory)[-1]
+        server = echo.Server.restore(latest, EXAMPLE, transport=transport, **periodic)
+        print("restored", latest, server.stats().store_size, flush=True)
+    else:
+        server = echo.Server(EXAMPLE, 4, transport, num_buffers=5_000, **periodic)
+    server.start()
+    print("port", server.port, flush=True)
+    for line in sys.stdin:
+        if line.strip() == "dump":
+            break
+    ids = []
+    server.close(drain=True)
+    while (batch := server.sample(timeout=5)) is not None:
+        tokens = batch.batch["tokens"]
+        rows = np.split(tokens.values, tokens.cu_seqlens[1:-1])
+        for i, got in zip(batch.batch["id"].tolist(), rows, strict=True):
+            assert np.array_equal(got, np.arange((i * 37) % 201, dtype=np.int32) + i), i
+            ids.append(i)
+    print("ids", " ".join(map(str, ids)), flush=True)
+    """
+)
+
+# A durable ragged worker: sends `n` samples with ids `w * 1,000,000 + i` (every fifth pair
+# as a group), pacing itself, then closes (which waits until everything is persisted) and
+# prints its counters. Arguments: port, w, n, durable_bytes, "tcp" or "shm".
+WORKER = textwrap.dedent(
+    """
+    import json, signal, sys, time
+    import numpy as np
+    import echo
+
+    signal.alarm(200)
+    port, w, n, budget = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    example = {
+        "tokens": echo.Ragged(200, np.int32, group="completion"),
+        "logp": echo.Ragged(200, np.float32, group="completion"),
+        "id": np.zeros((), np.int64),
+    }
+    client = echo.TcpClient("127.0.0.1", port, example, durable=True, durable_bytes=budget,
+                            reconnect_timeout=60.0, shared_memory=sys.argv[5] == "shm")
+    print("connected", client.transport_path, flush=True)
+
+    def make(i):
+        n = (i * 37) % 201
+        return {"tokens": np.arange(n, dtype=np.int32) + i,
+                "logp": np.full(n, -float(i), np.float32), "id": np.int64(i)}
+
+    i = 0
+    while i < n:
+        j = w * 1_000_000 + i
+        if i % 10 == 0 and i + 1 < n:
+            client.send_group([make(j), make(j + 1)], timeout=60.0)
+            i += 2
+        else:
+            client.send(make(j), timeout=60.0)
+            i += 1
+        if i % 20 == 0:
+            time.sleep(0.01)
+    closed = client.close(timeout=60.0)
+    print("result", json.dumps({
+        "closed_at": time.time(), "closed": closed, "sent": client.sent,
+        "persisted": client.persisted, "reconnects": client.reconnects,
+        "given_up": client.given_up,
+    }), flush=True)
+    """
+)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("path", PATHS)
+def test_a_learner_killed_at_a_random_moment_ends_with_every_sample_once(
+    children: Callable[..., Child], tmp_path: Path, path: str
+) -> None:
+    """3 durable worker processes send 1,500 rollouts each (groups among them; a 64 KiB
+    budget) to a learner process that checkpoints every 0.1 s. It is SIGKILLed at a random
+    moment and a new process restores its latest checkpoint on the same port: the restored
+    learner holds every rollout of every worker exactly once, intact."""
+    rng = random.Random(20261207 + len(path))
+    num_workers, n, budget = 3, 1500, 65536
+    directory = tmp_path / "ckpt"
+    old = children("learner-old", [sys.executable, "-c", LEARNER, "0", str(directory), "0"],
+                   stdin=True)  # fmt: skip
+    port = int(old.expect("port ").split()[1])
+    workers = [
+        children(f"worker-{w}",
+                 [sys.executable, "-c", WORKER, str(port), str(w), str(n), str(budget), path])
+        for w in range(num_workers)
+    ]  # fmt: skip
+    for worker in workers:
+        assert worker.expect("connected").split()[1] == path
+    time.sleep(rng.uniform(0.2, 0.6))
+    poll(lambda: periodic_checkpoints(directory), bool, "a first checkpoint")
+    killed_at = time.time()
+    old.kill()
+    new = children("learner-new", [sys.executable, "-c", LEARNER, str(port), str(directory), "1"],
+                   stdin=True)  # fmt: skip
+    new.expect("restored")
+    results = [json.loads(wk.expect("result ", 120).split(" ", 1)[1]) for wk in workers]
+    new.send_line("dump")
+    ids = [int(x) for x in new.expect("ids", 60).split()[1:]]
+    expected = sorted(w * 1_000_000 + i for w in range(num_workers) for i in range(n))
+    assert len(ids) == len(set(ids)), "a rollout twice"
+    missing = sorted(set(expected) - set(ids))
+    assert sorted(ids) == expected, f"{len(missing)} lost, e.g. {missing[:5]}"
+    for result in results:
+        assert result["closed"], result
+        assert (result["sent"], result["persisted"], result["given_up"]) == (n, n, 0), result
+    assert_cut_off(results, killed_at)
