@@ -10,8 +10,7 @@ connection connects again (for up to `reconnect_timeout`) and resends exactly wh
 server did not store. To a server that keeps policy versions every sample carries one
 (`policy_version`, or `send(version=)`). With `durable=True` it keeps every frame until a
 checkpoint the learner completed holds it, and resends to a restored learner what its
-checkpoint lacks. Parameter fetches are not there yet: asking for them raises `ValueError`
-(and the client's counters of them stay 0).
+checkpoint lacks. `params()` fetches the learner's parameters over the same connection.
 Leaves go raw; the server compresses those its `compress=` names as it stores them.
 """
 
@@ -23,6 +22,8 @@ from collections.abc import Callable
 from typing import Any, Literal, NoReturn
 
 from echo._echo import ConnectionClosedError, RaggedSender
+from echo._params import layout_of_description, param_sizes, param_tree
+from echo._pytree import TreeLayout
 from echo._validate import check_bool, check_int, check_seconds, check_token
 from echo.client import TcpClient
 from echo.compression import Codec
@@ -113,8 +114,7 @@ class RaggedTcpClient(TcpClient):
             raise ValueError(
                 "protocol=1 cannot carry ragged leaves (id-echo 0.2.1's wire has fixed shapes)"
             )
-        if params_example is not None:
-            _unsupported("params_example= (parameter fetches)")
+        self._params_layout = None if params_example is None else TreeLayout(params_example)
         token = check_token("token", token) or os.environ.get("ECHO_TOKEN") or None
         self._layout = RaggedLayout(data_sample)
         self._ragged_sender = RaggedSender(
@@ -276,13 +276,22 @@ class RaggedTcpClient(TcpClient):
     def durable_wait_s(self) -> float:
         return self._ragged_sender.durable_waits[1]
 
-    # Parameters do not reach ragged workers through echo yet: they tag their samples with
-    # the version they act with, which they learn another way.
-
-    def params(self, min_version: int | None = None, timeout: float | None = None) -> NoReturn:
-        """Not there yet for ragged workers: raises `ValueError`."""
-        del min_version, timeout
-        _unsupported("params() (parameter fetches; set policy_version to the version you act with)")
+    def params(
+        self, min_version: int | None = None, timeout: float | None = None
+    ) -> tuple[int, Any]:
+        """The learner's latest published parameters (see `TcpClient.params`): `(version,
+        pytree)`, pulled over this worker's connection in chunks (a version whole, never a mix
+        of two), in `params_example`'s structure or the learner's. The version becomes
+        `policy_version`."""
+        wanted = 0 if min_version is None else check_int("min_version", min_version, 0)
+        layout = self._params_layout
+        if layout is None:
+            # Learned once from the learner: its pytree's structure, dtypes and shapes.
+            layout = layout_of_description(self._ragged_sender.fetch_params_description(timeout))
+            self._params_layout = layout
+        size = sum(param_sizes(layout))
+        version, data = self._ragged_sender.fetch_params(size, wanted, timeout)
+        return version, param_tree(layout, data)
 
     @property
     def params_version(self) -> int:
@@ -292,11 +301,11 @@ class RaggedTcpClient(TcpClient):
 
     @property
     def params_fetches(self) -> int:
-        return 0
+        return self._ragged_sender.params_fetches[0]
 
     @property
     def params_fetch_s(self) -> float:
-        return 0.0
+        return self._ragged_sender.params_fetches[1]
 
     @property
     def policy_version(self) -> int:

@@ -37,20 +37,6 @@ def _unsupported(what: str) -> NoReturn:
     raise ValueError(_LATER.format(what=what))
 
 
-class _VersionsOnly:
-    """What `ParamsChannel` publishes through on a ragged server: the version alone (no
-    worker fetches the parameters from it)."""
-
-    def __init__(self, core: RaggedCore) -> None:
-        self._core = core
-
-    def _publish(
-        self, parts: Any, version: int | None, described: Any, compress: Any = None
-    ) -> int:
-        del parts, described, compress
-        return int(self._core.publish_version(version))
-
-
 class RaggedServer(Server):
     """An `echo.Server` whose example has `echo.Ragged` leaves (see `Server`)."""
 
@@ -126,9 +112,9 @@ class RaggedServer(Server):
             max_staleness=versions["max_staleness"],
             admission=versions["admission"],
         )
-        # `publish()`'s side: the parameters' structure checked as `Server.publish` checks
-        # it, a copy of the latest kept (for `latest_params`), and its version recorded.
-        self._params = ParamsChannel(_VersionsOnly(self._buffer.core))
+        # `publish()`'s side, as `Server`'s: the parameters' structure checked, the version
+        # published to the core (which serves it to the workers), a copy of the latest kept.
+        self._params = ParamsChannel(self._buffer.core)
         self._batch_size = batch_size
         self._num_buffers = num_buffers
         self._sampler_arg = Fifo() if sampler is None else sampler
@@ -468,13 +454,10 @@ class RaggedServer(Server):
         self._tally.checkpoints += 1
 
     def publish(self, params: Any, version: int | None = None, *, compress: Any = None) -> int:
-        """Publishes a new version of the learner's parameters: checked and kept as
-        `Server.publish` does, and the version samples are judged by from now on (with
-        `max_staleness`, a sample more than that many versions behind it is stale). Ragged
-        workers do not fetch them through echo (`TcpClient.params()` is not there yet for
-        them): they act with weights that reach them another way (an inference engine's
-        weight sync, say) and say which version made each sample (`client.policy_version =
-        v`, or `send(..., version=v)`). `compress` is accepted and has nothing to do here.
+        """Publishes a new version of the learner's parameters, as `Server.publish`:
+        workers fetch it with `TcpClient.params()` (over their connection, in chunks) and
+        hear of each version at once (`params_version`); with `max_staleness`, samples are
+        judged by it from now on. `compress`: compress the version once for the fetches.
 
         Returns:
             The version published.
@@ -485,8 +468,7 @@ class RaggedServer(Server):
             ValueError: Another structure or shape than the first publish's, or a version
                 not above the latest.
         """
-        del compress
-        return self._params.publish(params, version)
+        return self._params.publish(params, version, compress)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"

@@ -20,6 +20,7 @@ use super::errors::to_pyerr;
 use super::views::{new_array, LeafLayout, RingLease};
 use super::{deadline_from_timeout, wait_detached};
 use crate::error::EchoError;
+use crate::params::Params;
 use crate::ragged::tcp::{RaggedTcp, TcpOptions};
 use crate::ragged::wire::RAGGED_DIM;
 use crate::ragged::{
@@ -74,6 +75,8 @@ pub(crate) struct RaggedCore {
     submitted: AtomicU64,
     /// The latest version `publish()` published.
     published: AtomicU64,
+    /// The published parameters, which workers fetch.
+    params: Arc<Params>,
     tcp: Mutex<Option<RaggedTcp>>,
     /// How `submit` reads a sample: its keys in leaf order when the example is a flat dict,
     /// and the Python layout's flatten for anything else.
@@ -453,6 +456,7 @@ impl RaggedCore {
             layout,
             submitted: AtomicU64::new(0),
             published: AtomicU64::new(0),
+            params: Arc::new(Params::default()),
             tcp: Mutex::new(None),
             reader: std::sync::OnceLock::new(),
         })
@@ -694,10 +698,54 @@ impl RaggedCore {
         ))
     }
 
-    /// Records a publish: `version`, above the latest (`None`: the latest plus one). Returns
-    /// it. The staleness bound judges samples against it from now on.
-    #[pyo3(signature = (version=None))]
-    fn publish_version(&self, version: Option<u64>) -> PyResult<u64> {
+    /// Publishes the parameters `leaves` (shape, itemsize, bytes), as `ServerCore._publish`:
+    /// workers fetch them, hear of the version, and the staleness bound judges samples by
+    /// it from now on. Returns the version.
+    #[pyo3(signature = (leaves, version=None, description=None, compress=None))]
+    fn _publish(
+        &self,
+        py: Python<'_>,
+        leaves: Vec<(Vec<usize>, usize, PyReadonlyArray1<'_, u8>)>,
+        version: Option<u64>,
+        description: Option<Vec<u8>>,
+        compress: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<u64> {
+        let codec = compress.as_ref().map(super::config::codec).transpose()?;
+        let specs = leaves
+            .iter()
+            .map(|(shape, itemsize, _)| ArraySpec::new(shape.clone(), *itemsize))
+            .collect::<Result<Vec<_>, _>>()
+            .and_then(crate::spec::DataSpec::new)
+            .map_err(to_pyerr)?;
+        let bytes = leaves
+            .iter()
+            .map(|(_, _, data)| {
+                data.as_slice().map_err(|e| PyValueError::new_err(format!("publish(): {e}")))
+            })
+            .collect::<PyResult<Vec<&[u8]>>>()?;
+        if let Some(description) = description {
+            self.params.describe(description);
+        }
+        // Versions only grow, whichever way they were published (a restored checkpoint's
+        // version has no parameters behind it).
+        let latest = self.params_version();
+        if let Some(v) = version.filter(|&v| v <= latest) {
+            return Err(PyValueError::new_err(format!(
+                "publish(): version {v} is not above the latest, {latest} (versions only grow)"
+            )));
+        }
+        let version = version.or(Some(latest + 1));
+        let params = &self.params;
+        let published =
+            py.detach(|| params.publish(&specs, &bytes, version, codec)).map_err(to_pyerr)?;
+        self.publish_version(Some(published), true)
+    }
+
+    /// Records a publish of `version`, above the latest (`None`: the latest plus one),
+    /// without parameters (a restored checkpoint's); with `announce`, workers hear of it.
+    /// Returns it. The staleness bound judges samples against it from now on.
+    #[pyo3(signature = (version=None, announce=false))]
+    fn publish_version(&self, version: Option<u64>, announce: bool) -> PyResult<u64> {
         let latest = self.params_version();
         let next = match version {
             None => latest.checked_add(1).ok_or_else(|| {
@@ -717,8 +765,10 @@ impl RaggedCore {
         if let Some(kept) = self.table.versions() {
             kept.set_latest(next);
         }
-        if let Some(tcp) = self.tcp.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
-            tcp.announce(next);
+        if announce {
+            if let Some(tcp) = self.tcp.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+                tcp.announce(next);
+            }
         }
         Ok(next)
     }
@@ -790,9 +840,11 @@ impl RaggedCore {
             return Ok(running.port());
         }
         let (table, layout) = (self.table.clone(), self.layout.clone());
+        let params = self.params.clone();
         let started = py
             .detach(|| {
                 let options = TcpOptions {
+                    params: Some(params),
                     token,
                     max_connections,
                     max_buffered_bytes,
@@ -804,8 +856,8 @@ impl RaggedCore {
             })
             .map_err(to_pyerr)?;
         let port = started.port();
-        // ORDERING: Relaxed — see `publish_version`.
-        started.announce(self.published.load(Ordering::Relaxed));
+        // The latest version with parameters behind it, which workers can fetch.
+        started.announce(self.params.latest());
         *tcp = Some(started);
         Ok(port)
     }

@@ -170,6 +170,47 @@ impl PyRaggedSender {
         self.sender.persisted()
     }
 
+    /// Fetches a whole version of the learner's parameters (`size` bytes), at least
+    /// `min_version`, waiting (GIL released) until `timeout`: `(version, uint8 array)`.
+    #[pyo3(signature = (size, min_version=0, timeout=None))]
+    fn fetch_params<'py>(
+        &self,
+        py: Python<'py>,
+        size: usize,
+        min_version: u64,
+        timeout: Option<f64>,
+    ) -> PyResult<(u64, Bound<'py, numpy::PyArray1<u8>>)> {
+        let deadline = deadline_from_timeout(timeout)?;
+        let sender = &self.sender;
+        let mut out = vec![0u8; size];
+        let buffer = &mut out;
+        let version = py
+            .detach(|| sender.fetch_params(buffer, min_version, deadline))
+            .map_err(|err| self.error(err))?;
+        Ok((version, numpy::PyArray1::from_vec(py, out)))
+    }
+
+    /// The description of the learner's parameters (empty when it gave none), waiting
+    /// (GIL released) until something is published or `timeout`.
+    #[pyo3(signature = (timeout=None))]
+    fn fetch_params_description<'py>(
+        &self,
+        py: Python<'py>,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+        let deadline = deadline_from_timeout(timeout)?;
+        let sender = &self.sender;
+        let bytes =
+            py.detach(|| sender.fetch_description(deadline)).map_err(|err| self.error(err))?;
+        Ok(pyo3::types::PyBytes::new(py, &bytes))
+    }
+
+    /// `(fetches, seconds)`: whole versions fetched, and the time they took in all.
+    #[getter]
+    fn params_fetches(&self) -> (u64, f64) {
+        self.sender.params_fetches()
+    }
+
     /// The latest version of the learner's parameters it announced (0: none yet).
     #[getter]
     fn params_version(&self) -> u64 {

@@ -293,6 +293,14 @@ pub(super) fn read_acks(
                     }
                     None => break, // the rest of the notice is on its way
                 },
+                params::CHUNK | params::PACKED => match chunk_answer(&pending[at..], shared) {
+                    Ok(Some(used)) => at += used,
+                    Ok(None) => break, // the rest of the chunk is on its way
+                    Err(err) => {
+                        stop = Some(Ok(err.to_string()));
+                        break;
+                    }
+                },
                 v2::PERSISTED => match v2::parse_persisted(&pending[at..]) {
                     Some(seq) => {
                         persisted = persisted.max(seq);
@@ -350,4 +358,25 @@ pub(super) fn read_acks(
     }
     shared.state.lock().ended = true;
     shared.changed.notify_all();
+}
+
+/// Reads the answer to the oldest fetch asked on the connection, at the start of `bytes`,
+/// when all of it is there: kept with the fetch's id for the one waiting for it. Returns
+/// the bytes it took.
+///
+/// # Errors
+/// [`EchoError::Protocol`] for a chunk nobody asked for, or one that is not what was asked
+/// (another size, offset or length: see [`params::Chunk::parse`]).
+fn chunk_answer(bytes: &[u8], shared: &Shared) -> Result<Option<usize>, EchoError> {
+    let mut state = shared.state.lock();
+    let Some(&(id, asked, size)) = state.fetch.asked.front() else {
+        return Err(EchoError::Protocol("a parameter chunk nobody asked for".into()));
+    };
+    let Some(chunk) = params::Chunk::parse(bytes, &asked, size)? else { return Ok(None) };
+    let header = chunk.header_len();
+    let body = if chunk.len > 0 { chunk.wire_len() } else { 0 };
+    let Some(data) = bytes.get(header..header + body) else { return Ok(None) };
+    state.fetch.asked.pop_front();
+    state.fetch.answers.push_back((id, chunk, data.to_vec()));
+    Ok(Some(header + body))
 }

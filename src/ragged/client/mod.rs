@@ -41,9 +41,20 @@ struct State {
     /// Samples of the session in a checkpoint the server completed, as its latest
     /// persisted notice said (durable connections).
     persisted: u64,
+    /// Parameter fetches asked on this connection and the answers read, in order.
+    fetch: FetchSlot,
     error: Option<String>,
     closing: Option<Closing>,
     ended: bool,
+}
+
+/// A connection's parameter fetches: each asked (its id, the fetch, the size its answer must
+/// have) until its answer (the chunk's header and bytes) is read, in order.
+#[derive(Debug, Default)]
+struct FetchSlot {
+    next_id: u64,
+    asked: VecDeque<(u64, crate::transport::wire::params::Fetch, u64)>,
+    answers: VecDeque<(u64, crate::transport::wire::params::Chunk, Vec<u8>)>,
 }
 
 #[derive(Debug, Default)]
@@ -193,6 +204,7 @@ impl View {
     }
 }
 
+mod fetch;
 mod link;
 /// The worker's side of the shared-memory pipe (Linux), or its stand-in elsewhere.
 #[cfg(target_os = "linux")]
@@ -239,6 +251,8 @@ pub struct RaggedSender {
     admission_waits: Mutex<(u64, f64)>,
     /// See [`RaggedSender::take_held_back`].
     held_back: Mutex<Option<(u64, u64, u64)>>,
+    /// Whole versions fetched, and the seconds the fetches took.
+    fetches: Mutex<(u64, f64)>,
 }
 
 impl RaggedSender {
@@ -296,6 +310,7 @@ impl RaggedSender {
             durable_waits: Mutex::new((0, 0.0)),
             admission_waits: Mutex::new((0, 0.0)),
             held_back: Mutex::new(None),
+            fetches: Mutex::new((0, 0.0)),
         })
     }
 

@@ -25,6 +25,8 @@ use super::table::{GroupSource, RaggedTable, SampleIn};
 use super::wire::Head;
 use super::wire::{decode_head, head_len, GROUP, GROUP_PRIORITY};
 use crate::error::EchoError;
+use crate::params::Params;
+use crate::transport::wire::params;
 use crate::transport::wire::v2::{self, Closing, Layout};
 
 /// How long a write to a worker may block before the connection is given up.
@@ -59,6 +61,8 @@ pub struct TcpOptions {
     /// Sessions to start with (a restored checkpoint's, see [`RaggedTcp::snapshot`]): each
     /// worker's session id and the samples of it stored.
     pub sessions: Vec<([u8; 16], u64)>,
+    /// The learner's published parameters, which workers fetch (`None`: none served).
+    pub params: Option<Arc<Params>>,
 }
 
 impl Default for TcpOptions {
@@ -70,6 +74,7 @@ impl Default for TcpOptions {
             shared_memory: true,
             session_timeout: Duration::from_secs(300),
             sessions: Vec::new(),
+            params: None,
         }
     }
 }
@@ -90,6 +95,9 @@ pub struct TcpCounters {
     /// Handshakes that resumed a session the server knew (a worker that reconnected).
     pub resumed: AtomicU64,
 }
+
+/// A notice for a worker (persisted, a version) and the connection it goes to.
+type Notice = (Arc<Mutex<TcpStream>>, Vec<u8>);
 
 /// An open connection: its id, its write half, and the notices its worker takes.
 struct OpenConn {
@@ -164,6 +172,13 @@ struct Shared {
     /// The latest version the learner published, told to each new connection that hears of
     /// versions.
     announced: AtomicU64,
+    /// The learner's published parameters, which workers fetch.
+    params: Option<Arc<Params>>,
+    /// Turns to copy their chunks out (a few at once).
+    fetch_turns: fetched::Turns,
+    /// Notices for workers (persisted, versions), and the notifier thread's wake-up.
+    notices: Mutex<Vec<Notice>>,
+    noticed: parking_lot::Condvar,
     /// Open connections: their write halves (for the closing notice and the shutdown), and
     /// whether the client understands closing notices.
     conns: Mutex<Vec<OpenConn>>,
@@ -292,6 +307,7 @@ impl RaggedTcp {
             shared_memory,
             session_timeout,
             sessions,
+            params,
         } = options;
         let now = Instant::now();
         let sessions = sessions
@@ -320,12 +336,21 @@ impl RaggedTcp {
             max_segments: max_buffered_bytes / 2,
             closing: AtomicBool::new(false),
             announced: AtomicU64::new(0),
+            params,
+            fetch_turns: fetched::Turns::default(),
+            notices: Mutex::new(Vec::new()),
+            noticed: parking_lot::Condvar::new(),
             conns: Mutex::new(Vec::new()),
             threads: Mutex::new(Vec::new()),
             counters: TcpCounters::default(),
             #[cfg(target_os = "linux")]
             pumps: pump::Pumps::default(),
         });
+        let notifying = shared.clone();
+        let notifier = std::thread::Builder::new()
+            .name("echo-ragged-notify".into())
+            .spawn(move || notify_loop(&notifying))?;
+        shared.threads.lock().push(notifier);
         let accepting = shared.clone();
         let accept = std::thread::Builder::new()
             .name("echo-ragged-accept".into())
@@ -377,7 +402,7 @@ impl RaggedTcp {
                 }
             }
         }
-        let sends: Vec<(Arc<Mutex<TcpStream>>, Vec<u8>)> = {
+        let sends: Vec<Notice> = {
             let conns = self.shared.conns.lock();
             notices
                 .into_iter()
@@ -408,23 +433,16 @@ impl RaggedTcp {
         self.notify(sends);
     }
 
-    /// Writes each notice to its connection on a thread of its own: a worker that stopped
-    /// reading could hold a write for the write timeout, and the learner (its checkpoint, its
-    /// publish) waits for no worker. A connection that fails to take its notice is ending:
-    /// its worker reconnects and hears the latest at once.
-    fn notify(&self, sends: Vec<(Arc<Mutex<TcpStream>>, Vec<u8>)>) {
+    /// Hands each notice to the notifier thread, which writes it to its connection: a
+    /// worker that stopped reading could hold a write for the write timeout, and the learner
+    /// (its checkpoint, its publish) waits for no worker. A connection that fails to take its
+    /// notice is ending: its worker reconnects and hears the latest at once.
+    fn notify(&self, sends: Vec<Notice>) {
         if sends.is_empty() {
             return;
         }
-        let write = move || {
-            for (writer, notice) in sends {
-                let _ = writer.lock().write_all(&notice);
-            }
-        };
-        match std::thread::Builder::new().name("echo-ragged-notify".into()).spawn(write) {
-            Ok(thread) => self.shared.threads.lock().push(thread),
-            Err(err) => log::warn!("no thread to tell workers of a checkpoint or a version: {err}"),
-        }
+        self.shared.notices.lock().extend(sends);
+        self.shared.noticed.notify_one();
     }
 
     /// Stops accepting, tells every client that understands it that the server closes
@@ -436,7 +454,12 @@ impl RaggedTcp {
         if self.shared.closing.swap(true, Ordering::SeqCst) {
             return;
         }
-        // Wake the accept loop.
+        // Wake the notifier (under its lock: it cannot be between its look and its wait) and
+        // the accept loop.
+        {
+            let _notices = self.shared.notices.lock();
+            self.shared.noticed.notify_all();
+        }
         let _ = TcpStream::connect_timeout(
             &std::net::SocketAddr::from(([127, 0, 0, 1], self.port)),
             Duration::from_millis(200),
@@ -461,6 +484,29 @@ impl RaggedTcp {
 impl Drop for RaggedTcp {
     fn drop(&mut self) {
         self.close(Closing::Final);
+    }
+}
+
+/// The notifier thread: writes the notices [`RaggedTcp::notify`] hands it, in order, until
+/// the server closes.
+fn notify_loop(shared: &Shared) {
+    loop {
+        let batch = {
+            let mut notices = shared.notices.lock();
+            // ORDERING: SeqCst — pairs with `close`, which sets the flag, then wakes us
+            // under this lock.
+            while notices.is_empty() && !shared.closing.load(Ordering::SeqCst) {
+                shared.noticed.wait(&mut notices);
+            }
+            std::mem::take(&mut *notices)
+        };
+        // ORDERING: SeqCst — as above.
+        if batch.is_empty() && shared.closing.load(Ordering::SeqCst) {
+            return;
+        }
+        for (writer, notice) in batch {
+            let _ = writer.lock().write_all(&notice);
+        }
     }
 }
 
@@ -543,7 +589,7 @@ fn serve(shared: &Arc<Shared>, id: u64, mut stream: TcpStream) -> Result<(), Ech
         Ok(shm::Path::Pipe(pipe, _held)) => {
             // ORDERING: Relaxed — a statistics counter.
             shared.counters.shm.fetch_add(1, Ordering::Relaxed);
-            serve_pipe(shared, pipe, owned)
+            serve_pipe(shared, pipe, owned, &writer)
         }
         Ok(shm::Path::Tcp) => tcp_frames(shared, &owned, leftover, stream, &writer),
         Ok(shm::Path::Ended) => Ok(()),
@@ -559,15 +605,29 @@ fn serve(shared: &Arc<Shared>, id: u64, mut stream: TcpStream) -> Result<(), Ech
 /// Serves a worker's attached pipe: on a pump while its frames come whole, then (its end, a
 /// frame larger than the pipe, one refused) with the blocking reader.
 #[cfg(target_os = "linux")]
-fn serve_pipe(shared: &Arc<Shared>, pipe: shm::PipeInput, owned: Owned) -> Result<(), EchoError> {
-    // None: the pump's thread panicked, with the pipe; the worker sees its connection end.
-    let Some(pump::Returned { mut input, owned, go_on }) = pump::serve(shared, pipe, owned) else {
-        return Err(EchoError::Closed);
-    };
-    if !go_on {
-        return Ok(()); // the worker reconnected: its newer connection goes on
+fn serve_pipe(
+    shared: &Arc<Shared>,
+    mut pipe: shm::PipeInput,
+    mut owned: Owned,
+    writer: &Mutex<TcpStream>,
+) -> Result<(), EchoError> {
+    loop {
+        // None: the pump's thread panicked, with the pipe; the worker sees its end.
+        let Some(pump::Returned { mut input, owned: back, go_on }) =
+            pump::serve(shared, pipe, owned)
+        else {
+            return Err(EchoError::Closed);
+        };
+        if !go_on {
+            return Ok(()); // the worker reconnected: its newer connection goes on
+        }
+        // The blocking reader, until the end; or, after a parameter fetch it answered, back
+        // to a pump (a worker that fetches keeps its pipe served by the pumps).
+        match frames(shared, &back, &mut input, writer)? {
+            Ended::Done => return Ok(()),
+            Ended::Fetched => (pipe, owned) = (input, back),
+        }
     }
-    frames(shared, &owned, &mut input)
 }
 
 /// Off Linux no pipe is attached.
@@ -576,8 +636,9 @@ fn serve_pipe(
     shared: &Arc<Shared>,
     mut pipe: shm::PipeInput,
     owned: Owned,
+    writer: &Mutex<TcpStream>,
 ) -> Result<(), EchoError> {
-    frames(shared, &owned, &mut pipe)
+    frames(shared, &owned, &mut pipe, writer).map(drop)
 }
 
 /// Reads the frames of a worker over TCP (after `leftover`, read with its hello).
@@ -589,7 +650,7 @@ fn tcp_frames(
     writer: &Mutex<TcpStream>,
 ) -> Result<(), EchoError> {
     let reader = io::BufReader::with_capacity(READ_BUFFER, io::Cursor::new(leftover).chain(stream));
-    frames(shared, owned, &mut TcpInput { reader, writer })
+    frames(shared, owned, &mut TcpInput { reader, writer }, writer).map(drop)
 }
 
 fn read_exact_or_eof(reader: &mut impl Read, buf: &mut [u8]) -> Result<bool, EchoError> {
@@ -615,9 +676,21 @@ fn ack(writer: &Mutex<TcpStream>, mut n: usize) -> io::Result<()> {
 /// Reads frames and stores their samples. The acknowledgements of the frames stored go out
 /// together when the read buffer runs dry (before the thread would wait for more), so a
 /// worker that sends many small samples gets a few writes, not one per frame.
-fn frames(shared: &Shared, owned: &Owned, input: &mut impl Input) -> Result<(), EchoError> {
+/// Why the blocking reader stopped: the connection's end (or the server's), or a parameter
+/// fetch answered on a pipe, whose next frames a pump can take again.
+enum Ended {
+    Done,
+    Fetched,
+}
+
+fn frames(
+    shared: &Shared,
+    owned: &Owned,
+    input: &mut impl Input,
+    writer: &Mutex<TcpStream>,
+) -> Result<Ended, EchoError> {
     let mut unacked = 0usize;
-    let result = frames_acked(shared, owned, input, &mut unacked);
+    let result = frames_acked(shared, owned, input, writer, &mut unacked);
     if result.is_ok() && unacked > 0 {
         input.ack(unacked)?;
     }
@@ -629,6 +702,10 @@ trait Input: Read {
     /// Whether what was read ahead is used up (the next read may wait): the moment to send
     /// the acknowledgements held back.
     fn dry(&self) -> bool;
+    /// Whether the input is a pipe a pump can serve again (after a parameter fetch).
+    fn pumped(&self) -> bool {
+        false
+    }
     /// Acknowledges `n` more samples, stored.
     fn ack(&mut self, n: usize) -> io::Result<()>;
     /// The next `len` bytes where they lie, when all of them are there to be copied from
@@ -724,8 +801,9 @@ fn frames_acked(
     shared: &Shared,
     owned: &Owned,
     reader: &mut impl Input,
+    writer: &Mutex<TcpStream>,
     unacked: &mut usize,
-) -> Result<(), EchoError> {
+) -> Result<Ended, EchoError> {
     let spec = shared.table.spec();
     let columns = spec.columns().len();
     let max_samples = shared.table.config().batch_size.min(usize::from(u16::MAX));
@@ -737,12 +815,26 @@ fn frames_acked(
         }
         let mut kind = [0u8; 1];
         if !read_exact_or_eof(reader, &mut kind)? {
-            return Ok(());
+            return Ok(Ended::Done);
         }
         match kind[0] {
             v2::HEARTBEAT => continue,
-            v2::BYE => return Ok(()),
+            v2::BYE => return Ok(Ended::Done),
             GROUP | GROUP_PRIORITY => {}
+            params::FETCH => {
+                let mut raw = [0u8; params::FETCH_LEN - 1];
+                if !read_exact_or_eof(reader, &mut raw)? {
+                    return Ok(Ended::Done);
+                }
+                if *unacked > 0 {
+                    reader.ack(std::mem::take(unacked))?;
+                }
+                fetched::serve(shared, &raw, writer)?;
+                if reader.pumped() {
+                    return Ok(Ended::Fetched);
+                }
+                continue;
+            }
             other => {
                 return Err(EchoError::Protocol(format!(
                     "unknown frame type {other:#04x} (a ragged server takes group frames)"
@@ -753,7 +845,7 @@ fn frames_acked(
         head.clear();
         head.resize(2, 0);
         if !read_exact_or_eof(reader, &mut head)? {
-            return Ok(());
+            return Ok(Ended::Done);
         }
         let (frame, _) = loop {
             match decode_head(spec, max_samples, kind[0], &head)? {
@@ -765,7 +857,7 @@ fn frames_acked(
                     let want = head_len(spec, kind[0], n);
                     head.resize(want, 0);
                     if !read_exact_or_eof(reader, &mut head[at..])? {
-                        return Ok(());
+                        return Ok(Ended::Done);
                     }
                 }
             }
@@ -774,7 +866,7 @@ fn frames_acked(
             // The body is all in the worker's pipe: copied from there into the arena.
             let source = InPlace::new(ahead, &frame, spec.columns());
             if !store(shared, owned, &source, frame.priority)? {
-                return Ok(());
+                return Ok(Ended::Done);
             }
             reader.consume(frame.body_len);
         } else {
@@ -782,14 +874,14 @@ fn frames_acked(
             // so many connections announcing large frames wait rather than take the
             // learner's memory.
             let Some(_hold) = shared.budget.acquire(frame.body_len, &shared.closing) else {
-                return Ok(());
+                return Ok(Ended::Done);
             };
             if body.len() < frame.body_len {
                 body.resize(frame.body_len, 0);
             }
             let body = &mut body[..frame.body_len];
             if !read_exact_or_eof(reader, body)? {
-                return Ok(());
+                return Ok(Ended::Done);
             }
             let mut samples = Vec::with_capacity(frame.samples);
             let mut at = 0usize;
@@ -804,7 +896,7 @@ fn frames_acked(
                 samples.push(SampleIn { leaves, rows: rows.to_vec() });
             }
             if !store(shared, owned, samples.as_slice(), frame.priority)? {
-                return Ok(());
+                return Ok(Ended::Done);
             }
         }
         // ORDERING: Relaxed — a statistics counter.
@@ -847,6 +939,7 @@ fn store<S: GroupSource + ?Sized>(
     }
 }
 
+mod fetched;
 mod handshake;
 #[cfg(target_os = "linux")]
 mod pump;

@@ -68,6 +68,9 @@ impl Read for PipeInput {
 }
 
 impl super::Input for PipeInput {
+    fn pumped(&self) -> bool {
+        true
+    }
     fn dry(&self) -> bool {
         // Each frame's samples are acknowledged as soon as they are stored.
         true

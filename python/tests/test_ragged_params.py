@@ -1,0 +1,117 @@
+"""Parameters down to ragged workers: `params()` over the worker's connection (TCP or its
+shared-memory pipe), in the learner's structure or the worker's `params_example`, whole
+versions only while the learner publishes, compressed or raw, and samples going on around
+the fetches."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import echo
+from echo import Ragged
+
+SHM = pytest.mark.skipif(sys.platform != "linux", reason="shared memory needs Linux")
+PATHS = ["tcp", pytest.param("shm", marks=SHM)]
+
+
+def example() -> dict[str, Any]:
+    return {"tokens": Ragged(64, np.int32), "id": np.zeros((), np.int64)}
+
+
+def make(i: int) -> dict[str, Any]:
+    return {"tokens": np.arange(i % 65, dtype=np.int32) + i, "id": np.int64(i)}
+
+
+def weights(step: int, n: int = 300_000) -> dict[str, Any]:
+    """Every value is the step: a fetched version is whole when all of it agrees."""
+    return {"policy": {"w": np.full(n, step, np.float32), "b": [np.full(3, step, np.int64)]}}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_worker_fetches_whole_versions_while_it_sends_and_the_learner_publishes(
+    path: str,
+) -> None:
+    transport = echo.TcpTransport(port=0, host="127.0.0.1")
+    server = echo.Server(example(), batch_size=8, num_buffers=64, transport=transport)
+    server.start()
+    assert server.port is not None
+    server.publish(weights(1))
+    client = echo.TcpClient("127.0.0.1", server.port, example(), shared_memory=path == "shm")
+    assert client.transport_path == path
+    version, params = client.params(timeout=10)  # the learner's structure, from it
+    assert version == 1
+    assert params["policy"]["w"].shape == (300_000,)
+    assert params["policy"]["b"][0].tolist() == [1, 1, 1]
+    assert (client.policy_version, client.params_fetches) == (1, 1)
+    stop = threading.Event()
+
+    def publisher() -> None:
+        step = 2
+        while not stop.is_set() and step < 10_000:
+            server.publish(weights(step), compress=echo.Lz4() if step % 2 else None)
+            step += 1
+
+    thread = threading.Thread(target=publisher)
+    thread.start()
+    try:
+        seen = []
+        for i in range(200):
+            client.send(make(i))
+            if i % 10 == 0:
+                version, params = client.params(timeout=10)
+                w, b = params["policy"]["w"], params["policy"]["b"][0]
+                assert (w == version).all(), "a version is fetched whole, never torn"
+                assert (b == version).all()
+                seen.append(version)
+        assert seen == sorted(seen)
+        assert client.params_fetches == 21
+        assert client.params_fetch_s > 0
+    finally:
+        stop.set()
+        thread.join()
+    client.wait(10)
+    # Each publish is announced (from a thread of the learner's: the last one may be on
+    # its way still).
+    deadline = time.monotonic() + 10
+    while client.params_version < server.params_version and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert client.params_version == server.params_version
+    client.close()
+    server.close(drain=True)
+    ids = []
+    while (s := server.sample(timeout=5)) is not None:
+        ids.extend(s.batch["id"].tolist())
+    assert ids == list(range(200)), "the samples went on around the fetches, in order"
+
+
+def test_params_example_structure_min_version_and_a_wrong_size() -> None:
+    transport = echo.TcpTransport(port=0, host="127.0.0.1")
+    with echo.Server(example(), batch_size=4, transport=transport) as server:
+        assert server.port is not None
+        like = weights(0, n=10)
+        client = echo.TcpClient("127.0.0.1", server.port, example(), params_example=like)
+        with pytest.raises(TimeoutError):
+            client.params(timeout=0.1)  # nothing published yet
+        server.publish(weights(7, n=10), version=7)
+        version, params = client.params(min_version=7, timeout=10)
+        assert version == 7
+        assert params["policy"]["w"].tolist() == [7.0] * 10
+        fetch = threading.Timer(0.1, lambda: server.publish(weights(9, n=10), version=9))
+        fetch.start()
+        version, _ = client.params(min_version=8, timeout=10)  # waits for the publish
+        fetch.join()
+        assert version == 9
+        client.close()
+        wrong = echo.TcpClient("127.0.0.1", server.port, example(),
+                               params_example=weights(0, n=11))  # fmt: skip
+        with pytest.raises(ValueError, match="publishes parameters of 64 bytes"):
+            wrong.params(timeout=10)
+        wrong.send(make(1))  # the connection goes on
+        wrong.wait(10)
+        wrong.close()
