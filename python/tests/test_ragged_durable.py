@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
 import sys
 import textwrap
 import time
@@ -262,3 +263,44 @@ def test_a_learner_killed_at_a_random_moment_ends_with_every_sample_once(
         assert result["closed"], result
         assert (result["sent"], result["persisted"], result["given_up"]) == (n, n, 0), result
     assert_cut_off(results, killed_at)
+
+
+# A learner whose periodic checkpoints (every 10 ms, a worker connected) run while its main
+# thread reads stats() and the port without pause: a lock the checkpoint thread held while it
+# waited for the GIL, and the main thread waited for with the GIL, hung both (in a child
+# process: a hang there cannot hang the tests).
+STATS_WHILE_CHECKPOINTING = textwrap.dedent(
+    """
+    import sys, tempfile, time
+    import numpy as np
+    import echo
+
+    example = {"tokens": echo.Ragged(16, np.int32), "id": np.zeros((), np.int64)}
+    with tempfile.TemporaryDirectory() as directory:
+        server = echo.Server(example, 4, echo.TcpTransport(port=0, host="127.0.0.1"),
+                             sampler=echo.Uniform(), max_size=1000,
+                             checkpoint_dir=directory, checkpoint_every=0.01)
+        server.start()
+        client = echo.TcpClient("127.0.0.1", server.port, example, durable=True)
+        end = time.monotonic() + 1.5
+        i = 0
+        while time.monotonic() < end:
+            client.send({"tokens": np.arange(i % 16, dtype=np.int32), "id": np.int64(i)})
+            i += 1
+            for _ in range(20):
+                server.stats()
+                assert server.port
+        client.close(timeout=10)
+        server.close()
+    print("ok", i, flush=True)
+    """
+)
+
+
+def test_stats_while_periodic_checkpoints_tell_durable_workers() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", STATS_WHILE_CHECKPOINTING],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("ok"), done.stdout

@@ -77,7 +77,10 @@ pub(crate) struct RaggedCore {
     published: AtomicU64,
     /// The published parameters, which workers fetch.
     params: Arc<Params>,
-    tcp: Mutex<Option<RaggedTcp>>,
+    /// The TCP ingress, once started. Never held across a release of the GIL (its `Arc` is
+    /// cloned out first): a thread holding it while it waits for the GIL, and one holding
+    /// the GIL while it waits for it, would wait for each other.
+    tcp: Mutex<Option<Arc<RaggedTcp>>>,
     /// How `submit` reads a sample: its keys in leaf order when the example is a flat dict,
     /// and the Python layout's flatten for anything else.
     reader: std::sync::OnceLock<SampleReader>,
@@ -650,7 +653,7 @@ impl RaggedCore {
         d.set_item("version_lag_sum", stale.lag_sum)?;
         d.set_item("version_lag_max", stale.lag_max)?;
         let tcp = self.tcp.lock().unwrap_or_else(|e| e.into_inner());
-        let counters = tcp.as_ref().map(RaggedTcp::counters);
+        let counters = tcp.as_deref().map(RaggedTcp::counters);
         // ORDERING: Relaxed — statistics counters, each read alone.
         let read = |f: fn(&crate::ragged::tcp::TcpCounters) -> &AtomicU64| {
             counters.map_or(0, |c| f(c).load(Ordering::Relaxed))
@@ -679,13 +682,12 @@ impl RaggedCore {
         Vec<(Vec<u8>, u64)>,
     )> {
         let table = &self.table;
-        let tcp = self.tcp.lock().unwrap_or_else(|e| e.into_inner());
+        let tcp = self.tcp.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let (out, sessions) = py.detach(|| match tcp.as_ref() {
             // With workers: their sessions' counts, matching the entries exactly.
             Some(tcp) => tcp.snapshot(|| table.export()),
             None => (table.export(), Vec::new()),
         });
-        drop(tcp);
         let out = out.map_err(to_pyerr)?;
         let as_i64 = |v: Vec<usize>| v.into_iter().map(|x| x as i64).collect::<Vec<i64>>();
         Ok((
@@ -799,8 +801,8 @@ impl RaggedCore {
             .into_iter()
             .filter_map(|(id, n)| Some((<[u8; 16]>::try_from(id.as_slice()).ok()?, n)))
             .collect();
-        let tcp = self.tcp.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(tcp) = tcp.as_ref() {
+        let tcp = self.tcp.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if let Some(tcp) = tcp {
             py.detach(|| tcp.persisted(&marks));
         }
     }
@@ -835,8 +837,7 @@ impl RaggedCore {
             })?;
             restored.push((id, stored));
         }
-        let mut tcp = self.tcp.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(running) = tcp.as_ref() {
+        if let Some(running) = self.tcp.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
             return Ok(running.port());
         }
         let (table, layout) = (self.table.clone(), self.layout.clone());
@@ -855,17 +856,25 @@ impl RaggedCore {
                 RaggedTcp::start(table, layout, host, port, options)
             })
             .map_err(to_pyerr)?;
-        let port = started.port();
         // The latest version with parameters behind it, which workers can fetch.
         started.announce(self.params.latest());
-        *tcp = Some(started);
+        let mut tcp = self.tcp.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(running) = tcp.as_ref() {
+            // Another thread started one meanwhile: that one serves.
+            let port = running.port();
+            drop(tcp);
+            py.detach(|| started.close(Closing::Final));
+            return Ok(port);
+        }
+        let port = started.port();
+        *tcp = Some(Arc::new(started));
         Ok(port)
     }
 
     /// The TCP port, if listening.
     #[getter]
     fn port(&self) -> Option<u16> {
-        self.tcp.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(RaggedTcp::port)
+        self.tcp.lock().unwrap_or_else(|e| e.into_inner()).as_deref().map(RaggedTcp::port)
     }
 
     /// Closes the table (with `drain`, FIFO hands out what is left first), after the TCP
