@@ -12,6 +12,9 @@ path -> .<name>.ckpt-<token>/      (a symbolic link, replaced atomically)
     times_sampled.npy              per entry, its draws (E,) uint32
     policy_versions.npy            a server that keeps policy versions: per sample, the
                                    version of the policy that made it (N,) uint64
+    extra.json, extra_<n>.npy      the learner's `extra=` and, after its arrays, the latest
+                                   published parameters (as `echo.checkpoint.encode` lays
+                                   them out for a fixed-shape checkpoint)
 ```
 
 Entries are oldest first; a FIFO server's are those not handed out yet. `np.load(...,
@@ -33,6 +36,7 @@ from echo.checkpoint import CheckpointError, Extra
 from echo.ragged import Ragged
 
 if TYPE_CHECKING:
+    from echo._params import Published
     from echo._ragged_server import RaggedServer
 
 FORMAT = "echo-ragged-checkpoint"
@@ -77,6 +81,14 @@ def read_extra(manifest: dict[str, Any], directory: str) -> Any:
     from echo.checkpoint import decode_extra_of
 
     return decode_extra_of(_Opened(directory, manifest))
+
+
+def read_params(manifest: dict[str, Any], directory: str) -> Published | None:
+    """The parameters the learner had published last (`publish()`), stored in the extra's
+    files as a fixed-shape checkpoint stores them; None when it had published none."""
+    from echo.checkpoint import decode_params_of
+
+    return decode_params_of(_Opened(directory, manifest))
 
 
 def _write_extra(directory: str, extra: Extra) -> dict[str, Any]:

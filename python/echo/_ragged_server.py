@@ -20,7 +20,7 @@ from echo._params import ParamsChannel
 from echo._server_args import periodic_args, versions_args
 from echo._tally import Tally
 from echo._validate import check_int
-from echo.checkpoint import encode_extra
+from echo.checkpoint import encode
 from echo.compression import Lz4, Zstd
 from echo.ragged import RaggedBuffer
 from echo.replay import Fifo, MinSize, Prioritized, Remover, Uniform
@@ -204,8 +204,11 @@ class RaggedServer(Server):
             **settings,
         )
         try:
-            if published:
-                # Before the entries go in: the bound judges them by the same version.
+            # Before the entries go in: the bound judges them by the same version. The
+            # parameters are published again (workers fetch them as before); a version
+            # published without them (none kept) is recorded alone.
+            server._params.restore(_ragged_checkpoint.read_params(manifest, directory))
+            if published > server.params_version:
                 server._buffer.core.publish_version(published)
             _ragged_checkpoint.refill(server, manifest, directory)
             server._restored_extra = _ragged_checkpoint.read_extra(manifest, directory)
@@ -438,14 +441,17 @@ class RaggedServer(Server):
         `extra`: the learner's own state, as for `Server.checkpoint` (a tree of dicts, lists
         and tuples whose leaves are numpy arrays, numpy scalars or JSON values), written in
         the same directory and so replaced with the data; `restored_extra` and
-        `echo.checkpoint.read_extra(path)` give it back.
+        `echo.checkpoint.read_extra(path)` give it back. The latest published parameters
+        (`publish()`) go with it: a restored server publishes them again with their version,
+        so its workers fetch what they fetched before (`echo.checkpoint.read_params(path)`
+        reads them alone).
 
         Raises:
             TypeError: A node of `extra` is not one of those kinds (nothing is written).
             FileExistsError: `path` exists and is not a checkpoint link.
             OSError: Writing failed (nothing at `path` changed then).
         """
-        encoded = None if extra is None else encode_extra(extra)
+        encoded = encode(extra, self._params.latest())
         try:
             _ragged_checkpoint.write(self, path, self._settings, encoded)
         except BaseException:

@@ -276,6 +276,12 @@ def _arrays_named(node: Any) -> int:
     return _arrays_named(body) if tag in ("list", "tuple") else 0
 
 
+def decode_params_of(opened: Any) -> Published | None:
+    """The published parameters of a checkpoint opened by another writer (a ragged
+    server's), as `decode_extra_of`."""
+    return _decode_params(opened)
+
+
 def _decode_params(opened: _echo.OpenedCheckpoint) -> Published | None:
     """The published parameters of the opened (and checked) checkpoint (see `encode`); None
     when it has none."""
@@ -331,7 +337,13 @@ def read_params(path: str | os.PathLike[str]) -> tuple[int, dict[str, npt.NDArra
         CheckpointError: A file is missing, truncated or corrupted, or the parameters' files
             are not what `Server.checkpoint` writes; the message names the file.
     """
-    published = _decode_params(_echo.open_checkpoint(os.fspath(path), extra_only=True))
+    from echo import _ragged_checkpoint
+
+    if _ragged_checkpoint.is_ragged(path):
+        manifest, directory = _ragged_checkpoint.read(path)
+        published = _ragged_checkpoint.read_params(manifest, directory)
+    else:
+        published = _decode_params(_echo.open_checkpoint(os.fspath(path), extra_only=True))
     if published is None:
         return None
     return published.version, dict(zip(published.names, published.leaves, strict=True))

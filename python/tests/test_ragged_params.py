@@ -115,3 +115,88 @@ def test_params_example_structure_min_version_and_a_wrong_size() -> None:
         wrong.send(make(1))  # the connection goes on
         wrong.wait(10)
         wrong.close()
+
+
+def test_a_restored_ragged_learner_serves_the_checkpointed_parameters(tmp_path: Any) -> None:
+    """The checkpoint keeps the latest published version's parameters (with the learner's
+    extra beside them): the restored learner publishes them again, a new worker fetches them
+    bit for bit before any publish, and the next publish must have their leaves."""
+    from echo import checkpoint as ckpt
+
+    transport = echo.TcpTransport(port=0, host="127.0.0.1")
+    old = echo.Server(example(), batch_size=4, transport=transport, max_staleness=2)
+    with old:
+        old.publish(weights(1, n=1000))
+        old.publish(weights(6, n=1000), version=6, compress=echo.Lz4())
+        old.submit(make(3))
+        old.checkpoint(tmp_path / "ckpt", extra={"step": 40})
+    version, leaves = ckpt.read_params(tmp_path / "ckpt") or (0, {})
+    assert version == 6
+    assert list(leaves) == ["['policy']['b'][0]", "['policy']['w']"]
+    assert leaves["['policy']['w']"].tolist() == [6.0] * 1000
+    assert ckpt.read_extra(tmp_path / "ckpt") == {"step": 40}
+    restored = echo.Server.restore(
+        tmp_path / "ckpt", transport=echo.TcpTransport(port=0, host="127.0.0.1")
+    )
+    with restored as new:
+        assert new.params_version == 6
+        assert new.restored_extra == {"step": 40}
+        assert new.stats().store_size == 1
+        assert new.port is not None
+        worker = echo.TcpClient("127.0.0.1", new.port, example())  # learns the structure
+        version, got = worker.params(timeout=10)
+        assert version == 6
+        assert got["policy"]["w"].tolist() == [6.0] * 1000
+        assert got["policy"]["b"][0].tolist() == [6, 6, 6]
+        with pytest.raises(ValueError, match="restored from the checkpoint have 2"):
+            new.publish({"policy": {"w": np.zeros(1000, np.float32)}})
+        with pytest.raises(ValueError, match=r"leaf \['policy'\]\['w'\]: expected shape"):
+            new.publish(weights(7, n=999))
+        assert new.publish(weights(7, n=1000)) == 7
+        version, got = worker.params(min_version=7, timeout=10)
+        assert (version, got["policy"]["w"][0]) == (7, 7.0)
+        # The restored learner's own checkpoints keep its latest version in turn.
+        new.checkpoint(tmp_path / "again")
+        worker.close()
+    version, leaves = ckpt.read_params(tmp_path / "again") or (0, {})
+    assert version == 7
+    assert ckpt.read_extra(tmp_path / "again") is None
+    assert leaves["['policy']['b'][0]"].tolist() == [7, 7, 7]
+
+
+def test_periodic_ragged_checkpoints_keep_the_published_parameters(tmp_path: Any) -> None:
+    from echo import checkpoint as ckpt
+    from echo.checkpoint import periodic_checkpoints
+
+    directory = tmp_path / "ckpts"
+    with echo.Server(
+        example(), batch_size=4, checkpoint_dir=directory, checkpoint_every=0.05
+    ) as server:
+        server.publish(weights(3, n=10), version=3)
+
+        def newest() -> int:
+            found = periodic_checkpoints(directory)
+            params = ckpt.read_params(found[-1]) if found else None
+            return 0 if params is None else params[0]
+
+        deadline = time.monotonic() + 10
+        while newest() != 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert newest() == 3
+    with echo.Server.restore(periodic_checkpoints(directory)[-1]) as new:
+        assert new.params_version == 3
+        assert new.publish(weights(4, n=10)) == 4
+
+
+def test_a_checkpoint_before_any_publish_restores_a_ragged_learner_without_parameters(
+    tmp_path: Any,
+) -> None:
+    from echo import checkpoint as ckpt
+
+    with echo.Server(example(), batch_size=4) as server:
+        server.submit(make(5))
+        server.checkpoint(tmp_path / "ckpt")
+    assert ckpt.read_params(tmp_path / "ckpt") is None
+    with echo.Server.restore(tmp_path / "ckpt") as new:
+        assert new.params_version == 0
+        assert new.publish(weights(1, n=12)) == 1  # any structure: none was fixed

@@ -736,10 +736,15 @@ impl RaggedCore {
                 "publish(): version {v} is not above the latest, {latest} (versions only grow)"
             )));
         }
-        let version = version.or(Some(latest + 1));
+        let version = match version {
+            Some(v) => v,
+            None => latest.checked_add(1).ok_or_else(|| {
+                PyValueError::new_err("publish(): the version would pass 2**64 - 1")
+            })?,
+        };
         let params = &self.params;
         let published =
-            py.detach(|| params.publish(&specs, &bytes, version, codec)).map_err(to_pyerr)?;
+            py.detach(|| params.publish(&specs, &bytes, Some(version), codec)).map_err(to_pyerr)?;
         self.publish_version(Some(published), true)
     }
 
