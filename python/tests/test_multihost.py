@@ -37,6 +37,7 @@ from typing import Any
 import pytest
 import test_durable as _durable
 import test_wire_v2 as _wire_v2
+from compressing import make
 from conftest import poll
 from test_wire_v2 import PROXY, Child
 from testkit import netns
@@ -544,3 +545,85 @@ def test_the_hosts_are_apart() -> None:
         bed.heal(0)
         assert reach(0, bed.learner_addresses[0]) == "reached"
     assert not Path(f"/run/netns/{bed.learner_ns}").exists()
+
+
+COMPRESSING_LEARNER = textwrap.dedent(
+    """
+    import json, signal, sys
+    import numpy as np
+    import echo
+    from compressing import example, make, COMPRESS
+
+    kind, n, alarm = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    signal.alarm(alarm)
+    server = echo.Server(example(kind), 4, compress=COMPRESS,
+                         transport=echo.TcpTransport(port=0, host="0.0.0.0"))
+    server.start()
+    print("port", server.port, flush=True)
+    seen = []
+    while len(seen) < n:
+        sample = server.sample(timeout=30)
+        assert sample is not None, f"{len(seen)} of {n} samples"
+        batch = sample.batch
+        for k, i in enumerate(batch["id"].tolist()):
+            if kind == "ragged":
+                cu = batch["tokens"].cu_seqlens
+                tokens = batch["tokens"].values[cu[k]:cu[k + 1]]
+            else:
+                tokens = batch["tokens"][k]
+            assert np.array_equal(tokens, make(kind, i)["tokens"]), i
+            seen.append(i)
+    stats = server.stats()
+    print("stats", json.dumps([sorted(seen) == list(range(n)),
+                               stats.samples_received_compressed_total,
+                               stats.compressed_bytes_received_total]), flush=True)
+    server.close()
+    """
+)
+
+COMPRESSING_WORKER = textwrap.dedent(
+    """
+    import signal, sys
+    import echo
+    from compressing import example, make
+
+    kind, address = sys.argv[1], sys.argv[2]
+    port, n, alarm = (int(a) for a in sys.argv[3:6])
+    signal.alarm(alarm)
+    client = echo.TcpClient(address, port, example(kind))  # shared memory: the default
+    print("leaves", sorted(client.wire_compression_leaves), flush=True)
+    for i in range(n):
+        client.send(make(kind, i), timeout=30)
+    client.wait(timeout=30)
+    client.close()
+    print("sent", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("kind", ["fixed"])
+def test_a_worker_on_another_host_compresses_what_the_learner_asks_by_default(
+    hosts: Callable[[int], netns.Hosts], children: Callable[..., Child], kind: str
+) -> None:
+    """A worker with the default `shared_memory` asks for shared memory, is not offered it
+    (another host), and so compresses the leaves the learner's `compress=` names: every
+    sample arrives compressed, and intact."""
+    bed = hosts(1)
+    n = 200
+    here = str(Path(__file__).parent)
+    env = {**os.environ, "PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    learner = children(
+        "learner",
+        bed.learner.run([sys.executable, "-c", COMPRESSING_LEARNER, kind, str(n), "120"]),
+        env=env,
+    )
+    port = int(learner.expect("port ").split()[1])
+    argv = [sys.executable, "-c", COMPRESSING_WORKER, kind, bed.learner_addresses[0]]
+    worker = children("worker", bed.workers[0].run([*argv, str(port), str(n), "120"]), env=env)
+    assert worker.expect("leaves ") == "leaves ['tokens']"
+    worker.expect("sent")
+    exact, compressed, wire_bytes = json.loads(learner.expect("stats ").split(" ", 1)[1])
+    assert exact, "every sample once"
+    assert compressed == n
+    raw = sum(make(kind, i)["tokens"].nbytes for i in range(n))
+    assert 0 < wire_bytes < raw / 4, (wire_bytes, raw)

@@ -193,10 +193,6 @@ pub(super) async fn serve_v2(
         v2::Accept::new(ingress.backend().has_priorities(), resume_seq, own_ms, signed);
     accept.steps = max_rows(ingress.backend());
     let mut channel = None;
-    // Compressed frames over TCP to a client that takes them; a shared-memory client copies
-    // raw (should it decline the channel, its frames come raw too).
-    let codecs = shared.codecs.as_ref().filter(|_| hello.codecs && !hello.shm);
-    accept.codecs = codecs.map(|c| c.as_slice().to_vec());
     accept.durable = hello.durable;
     // Parameter fetches to a client that asks, when the server has a parameter channel.
     let served_params = shared.params.clone().filter(|_| hello.params);
@@ -220,6 +216,12 @@ pub(super) async fn serve_v2(
             }
         }
     }
+    // Compressed frames over TCP to a client that takes them, unless it is offered shared
+    // memory, which copies raw (should it decline the channel, its frames come raw too). A
+    // worker on another host asks for shared memory too (by default), is not offered it, and
+    // compresses.
+    let codecs = shared.codecs.as_ref().filter(|_| hello.codecs && accept.shm.is_none());
+    accept.codecs = codecs.map(|c| c.as_slice().to_vec());
     link.write(&Reply::Accepted(accept).encode()).await?;
     link.beat = Beat::new(shared.heartbeat, hello.heartbeat_ms);
     if let Some(params) = &served_params {
