@@ -51,7 +51,7 @@ fuzz_target!(|data: &[u8]| {
                 return;
             }
         }
-        match decode_head(&spec, MAX_SAMPLES, kind, &bytes[1..]) {
+        match decode_head(&spec, &[], MAX_SAMPLES, kind, &bytes[1..]) {
             Err(_) => {
                 assert_eq!(peeked, Peeked::Elsewhere, "a header the reader refuses");
                 return;
@@ -60,7 +60,7 @@ fuzz_target!(|data: &[u8]| {
                 // The header is not all there: the count says how long it will be.
                 let announced = bytes.get(1..3).map(|n| {
                     let n = usize::from(u16::from_le_bytes([n[0], n[1]]));
-                    1 + head_len(&spec, kind, n)
+                    1 + head_len(&spec, &[], kind, n)
                 });
                 match announced {
                     Some(len) if len > limit => assert_eq!(peeked, Peeked::Elsewhere),

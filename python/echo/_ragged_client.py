@@ -11,7 +11,8 @@ server did not store. To a server that keeps policy versions every sample carrie
 (`policy_version`, or `send(version=)`). With `durable=True` it keeps every frame until a
 checkpoint the learner completed holds it, and resends to a restored learner what its
 checkpoint lacks. `params()` fetches the learner's parameters over the same connection.
-Leaves go raw; the server compresses those its `compress=` names as it stores them.
+Over TCP it compresses the leaves the server's `compress=` names (`wire_compression=True`,
+the default), which the server checks and stores as they came; through the pipe they go raw.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ class RaggedTcpClient(TcpClient):
     ) -> None:
         """Checks the settings and connects (the constructor's body); `resolver` and
         `dial_timeout` as for `TcpClient` (`echo.ray`)."""
-        del heartbeat_timeout, wire_compression
+        del heartbeat_timeout
         self._closed = True  # until connected: `close()` and `__del__` have nothing to do
         self._given_up: int | None = None
         self._name = name
@@ -131,6 +132,7 @@ class RaggedTcpClient(TcpClient):
             resolver,
             None if dial_timeout is None else float(dial_timeout),
             durable_bytes if self._durable else None,
+            check_bool("wire_compression", wire_compression),
         )
         self._ragged_sender.set_reader(self._layout.flat_keys, self._layout.flatten)
         self._closed = False
@@ -340,9 +342,18 @@ class RaggedTcpClient(TcpClient):
 
     @property
     def wire_compression_leaves(self) -> dict[str, Codec]:
-        """Empty: a ragged worker sends every leaf raw (the server compresses the leaves
-        its `compress=` names when it stores them)."""
-        return {}
+        """The leaves this connection sends compressed, by path (keys joined by `/`, as
+        `Server.compress` names them), and their codec: what the server asked for (its
+        `compress=`), over TCP with `wire_compression=True`. Empty when every leaf goes raw
+        (shared memory, a server without `compress=`, or `wire_compression=False`)."""
+        codecs = self._ragged_sender.wire_codecs
+        if codecs is None:
+            return {}
+        return {
+            leaf.key: codec
+            for leaf, codec in zip(self._layout.leaves, codecs, strict=True)
+            if codec is not None
+        }
 
     def __repr__(self) -> str:
         named = "" if self._name is None else f"name={self._name!r}, "

@@ -204,15 +204,23 @@ class RaggedLayout:
 
 def _codecs(layout: RaggedLayout, compress: Any) -> list[Any]:
     """Per leaf, the codec `compress=` gives it (None: raw). `compress` is None, a codec (every
-    ragged leaf), `"auto"` (the integer ragged leaves, token ids, with `Zstd(1)`) or a mapping
-    of leaf paths (`"tokens"`, `"obs/pixels"`, `("obs", "pixels")` or `"['tokens']"`) to codecs."""
+    ragged leaf; floating-point ones only with `force=True`), `"auto"` (the integer ragged
+    leaves, token ids, with `Zstd(1)`) or a mapping of leaf paths (`"tokens"`, `"obs/pixels"`,
+    `("obs", "pixels")` or `"['tokens']"`) to codecs (ValueError for a floating-point leaf
+    without `force=True`, as for any server)."""
     from echo.compression import Lz4, Zstd
 
     leaves = layout.leaves
     if compress is None:
         return [None] * len(leaves)
     if isinstance(compress, Zstd | Lz4):
-        return [compress if leaf.ragged is not None else None for leaf in leaves]
+        # Every ragged leaf; a floating-point one only with `force=True` (it rarely shrinks).
+        return [
+            compress
+            if leaf.ragged is not None and (compress.force or leaf.dtype.kind not in "fc")
+            else None
+            for leaf in leaves
+        ]
     if compress == "auto":
         return [
             Zstd(1) if leaf.ragged is not None and leaf.dtype.kind in "iu" else None
@@ -243,6 +251,13 @@ def _codecs(layout: RaggedLayout, compress: Any) -> list[Any]:
                 f"got {type(codec).__name__}"
             )
         for i in hits:
+            leaf = leaves[i]
+            if leaf.dtype.kind in "fc" and not codec.force:
+                raise ValueError(
+                    f"compress: leaf {leaf.name} is {leaf.dtype}, and floating-point data "
+                    f"rarely compresses (low bits are noise); pass {type(codec).__name__}("
+                    "force=True) to compress it anyway"
+                )
             out[i] = codec
     return out
 
@@ -435,6 +450,8 @@ class RaggedBuffer:
             "samples_inserted_total": s["samples_received"],
             "shm_connections_total": s["shm_connections"],
             "sessions_resumed_total": s["sessions_resumed"],
+            "samples_received_compressed_total": s["compressed_samples"],
+            "compressed_bytes_received_total": s["compressed_bytes"],
             "stored_bytes": s["arena_bytes_in_use"],
             "raw_bytes": s["raw_bytes"],
             "samples_stale_at_insert_total": s["stale_at_insert"],

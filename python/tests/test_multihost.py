@@ -601,7 +601,7 @@ COMPRESSING_WORKER = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("kind", ["fixed"])
+@pytest.mark.parametrize("kind", ["fixed", "ragged"])
 def test_a_worker_on_another_host_compresses_what_the_learner_asks_by_default(
     hosts: Callable[[int], netns.Hosts], children: Callable[..., Child], kind: str
 ) -> None:

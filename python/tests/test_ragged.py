@@ -485,6 +485,14 @@ def test_compressed_ragged_leaves_come_back_bit_for_bit(tmp_path: Any, layout: s
     check_packed(s.batch)
     with pytest.raises(ValueError, match="names no leaf"):
         echo.Server(example(), 4, compress={"nope": echo.Lz4()})
+    with pytest.raises(ValueError, match=r"leaf \['logp'\] is float32.*Lz4\(force=True\)"):
+        echo.Server(example(), 4, compress={"logp": echo.Lz4()})
+    # One codec for every ragged leaf: the floating-point ones only with force=True.
+    assert set(echo.Server(example(), 4, compress=echo.Lz4()).compress) == {
+        "['prompt']",
+        "['tokens']",
+    }
+    assert "['logp']" in echo.Server(example(), 4, compress=echo.Lz4(force=True)).compress
     server.close()
     restored.close()
 

@@ -165,8 +165,9 @@ def test_refusals_name_what_differs() -> None:
         assert server.stats().handshakes_refused_layout_total >= 3
 
 
-def _handshake(port: int) -> socket.socket:
-    """A raw connection that completes wire v2's handshake for `example()`, by hand."""
+def _handshake(port: int, codecs: bool = False) -> socket.socket:
+    """A raw connection that completes wire v2's handshake for `example()`, by hand (saying
+    it sends compressed frames with `codecs`)."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=5)
     offer = b""
     while len(offer) < 38:
@@ -179,7 +180,7 @@ def _handshake(port: int) -> socket.socket:
         ("['tokens']", b"<", b"i", 4, [0xFFFFFFFF]),
     ]
     body = (
-        bytes([4])
+        bytes([4 | (8 if codecs else 0)])
         + bytes(16)
         + struct.pack("<QI", 0, 0)
         + bytes(16)

@@ -81,6 +81,8 @@ pub(crate) struct RaggedCore {
     /// cloned out first): a thread holding it while it waits for the GIL, and one holding
     /// the GIL while it waits for it, would wait for each other.
     tcp: Mutex<Option<Arc<RaggedTcp>>>,
+    /// The TCP ingress once closed: its counters stay in `stats()`.
+    closed_tcp: Mutex<Option<Arc<RaggedTcp>>>,
     /// How `submit` reads a sample: its keys in leaf order when the example is a flat dict,
     /// and the Python layout's flatten for anything else.
     reader: std::sync::OnceLock<SampleReader>,
@@ -461,6 +463,7 @@ impl RaggedCore {
             published: AtomicU64::new(0),
             params: Arc::new(Params::default()),
             tcp: Mutex::new(None),
+            closed_tcp: Mutex::new(None),
             reader: std::sync::OnceLock::new(),
         })
     }
@@ -652,7 +655,10 @@ impl RaggedCore {
         d.set_item("versions_handed", stale.handed)?;
         d.set_item("version_lag_sum", stale.lag_sum)?;
         d.set_item("version_lag_max", stale.lag_max)?;
-        let tcp = self.tcp.lock().unwrap_or_else(|e| e.into_inner());
+        // The ingress's counters, running or closed (the totals of a closed server stay).
+        let running = self.tcp.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let tcp =
+            running.or_else(|| self.closed_tcp.lock().unwrap_or_else(|e| e.into_inner()).clone());
         let counters = tcp.as_deref().map(RaggedTcp::counters);
         // ORDERING: Relaxed — statistics counters, each read alone.
         let read = |f: fn(&crate::ragged::tcp::TcpCounters) -> &AtomicU64| {
@@ -664,6 +670,8 @@ impl RaggedCore {
         d.set_item("samples_received", read(|c| &c.samples))?;
         d.set_item("shm_connections", read(|c| &c.shm))?;
         d.set_item("sessions_resumed", read(|c| &c.resumed))?;
+        d.set_item("compressed_samples", read(|c| &c.compressed_samples))?;
+        d.set_item("compressed_bytes", read(|c| &c.compressed_bytes))?;
         Ok(d)
     }
 
@@ -890,6 +898,7 @@ impl RaggedCore {
         if let Some(tcp) = tcp {
             let why = if restarting { Closing::Restarting } else { Closing::Final };
             py.detach(|| tcp.close(why));
+            *self.closed_tcp.lock().unwrap_or_else(|e| e.into_inner()) = Some(tcp);
         }
         self.table.close(drain);
     }

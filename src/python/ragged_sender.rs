@@ -51,7 +51,7 @@ impl PyRaggedSender {
     #[pyo3(signature = (
         host, port, leaves, token=None, connect_timeout=10.0, max_inflight=256,
         shared_memory=None, reconnect_timeout=None, resolver=None, dial_timeout=None,
-        durable_bytes=None,
+        durable_bytes=None, wire_compression=true,
     ))]
     #[allow(clippy::too_many_arguments)] // Python's keyword arguments
     fn new(
@@ -67,6 +67,7 @@ impl PyRaggedSender {
         resolver: Option<Py<PyAny>>,
         dial_timeout: Option<f64>,
         durable_bytes: Option<usize>,
+        wire_compression: bool,
     ) -> PyResult<Self> {
         let (spec, layout, types) = spec_of(py, leaves, false)?;
         if durable_bytes.is_some() && reconnect_timeout.is_none() {
@@ -102,6 +103,7 @@ impl PyRaggedSender {
             resolver,
             dial,
             durable: durable_bytes,
+            wire_compression,
         };
         let sender = py
             .detach(|| RaggedSender::connect(host, port, spec, layout, options))
@@ -222,6 +224,21 @@ impl PyRaggedSender {
     #[getter]
     fn admission_waits(&self) -> (u64, f64) {
         self.sender.admission_waits()
+    }
+
+    /// The codec of each leaf this connection compresses (`None`: raw), or `None` when
+    /// every leaf goes raw.
+    #[getter]
+    fn wire_codecs(&self, py: Python<'_>) -> PyResult<Option<Vec<Option<Py<PyAny>>>>> {
+        let codecs = self.sender.wire_codecs();
+        if codecs.is_empty() {
+            return Ok(None);
+        }
+        codecs
+            .into_iter()
+            .map(|c| c.map(|c| super::config::codec_object(py, c)).transpose())
+            .collect::<PyResult<Vec<_>>>()
+            .map(Some)
     }
 
     /// Durable sends that waited for room, and the seconds they waited in all.

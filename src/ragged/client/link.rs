@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::{pipe, retryable, SenderOptions, Shared, Terms, View, FIRST_PAUSE, LONGEST_PAUSE};
+use super::{
+    pipe, retryable, Codecs, SenderOptions, Shared, Terms, View, FIRST_PAUSE, LONGEST_PAUSE,
+};
 use crate::error::EchoError;
 use crate::transport::wire::params;
 use crate::transport::wire::v2::{self, Closing, Hello, Layout, Offer, Reply};
@@ -203,7 +205,7 @@ impl Dial {
             mac: None,
             shm: *shared_memory != Some(false) && pipe::SUPPORTED,
             notices: true,
-            codecs: false,
+            codecs: self.options.wire_compression,
             durable: self.options.durable.is_some(),
             params: true,
             versions: true,
@@ -259,7 +261,22 @@ impl Dial {
                     pipe::ring(&bell);
                 }
             })?;
-        let view = View { shared, acks, base: accept.resume_seq };
+        // The leaves to compress: over TCP only, one codec per leaf of the frames (the
+        // version leaf too, when the server keeps versions).
+        let leaves = self.layout.0.len() + usize::from(accept.versions.is_some());
+        let codecs: Codecs = match accept.codecs {
+            Some(codecs) if pipe.is_none() => {
+                if codecs.len() != leaves {
+                    return Err(EchoError::Protocol(format!(
+                        "the server named codecs for {} leaves; this worker's frames have {leaves}",
+                        codecs.len()
+                    )));
+                }
+                codecs.into()
+            }
+            _ => Arc::from(Vec::new()),
+        };
+        let view = View { shared, acks, base: accept.resume_seq, codecs };
         let terms = Terms { max_group, versions: accept.versions };
         Ok((Link { stream, pipe, view, reader: Some(reader) }, terms))
     }

@@ -12,6 +12,11 @@
 //! connects again within `reconnect` with the same session id, saying how many samples it
 //! has seen acknowledged; the server answers how many of the session's samples it has
 //! stored, and the sender resends the frames after that: every sample is stored once.
+//!
+//! Over TCP, the leaves the server's reply names codecs for (its `compress=`) are compressed
+//! by the sending thread (a compressed group frame). A frame kept to resend goes to a later
+//! connection as it is when that connection agreed on the same codecs, else as the plain
+//! frame of the same samples.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -21,7 +26,8 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use super::spec::RaggedSpec;
-use super::wire::{encode_head, Outgoing};
+use super::wire::{encode_head, encode_packed, to_plain, Outgoing};
+use crate::codec::Codec;
 use crate::error::EchoError;
 use crate::transport::client::Resolver;
 use crate::transport::wire::v2::{self, Closing, Layout};
@@ -32,6 +38,17 @@ const FIRST_PAUSE: Duration = Duration::from_millis(50);
 const LONGEST_PAUSE: Duration = Duration::from_secs(1);
 /// How often a send waiting for newer weights looks at the worker's `policy_version`.
 const ADMISSION_SLICE: Duration = Duration::from_millis(20);
+
+/// The codecs a connection agreed on, one per leaf of the frames' spec (empty: none).
+type Codecs = Arc<[Option<Codec>]>;
+
+/// A frame kept to resend: the session's sample count after it, its bytes, and the codecs
+/// it was compressed with (`None`: a plain frame).
+struct Retained {
+    end: u64,
+    frame: Vec<u8>,
+    packed: Option<Codecs>,
+}
 
 /// What the reader thread of one connection learned.
 #[derive(Debug, Default)]
@@ -140,6 +157,8 @@ pub struct SenderOptions {
     /// holds it (not only until it is stored), at most `bytes` of them (a send waits for
     /// room), and resent to a restored server; needs `reconnect`.
     pub durable: Option<usize>,
+    /// Compress the leaves the server asks for (its `compress=`) over TCP.
+    pub wire_compression: bool,
 }
 
 impl Default for SenderOptions {
@@ -153,6 +172,7 @@ impl Default for SenderOptions {
             resolver: None,
             dial: None,
             durable: None,
+            wire_compression: true,
         }
     }
 }
@@ -165,6 +185,8 @@ struct View {
     acks: Option<Arc<pipe::Acks>>,
     /// Samples of the session stored before this connection (its `resume_seq`).
     base: u64,
+    /// The codecs this connection agreed on (over TCP only).
+    codecs: Codecs,
 }
 
 impl View {
@@ -231,7 +253,7 @@ pub struct RaggedSender {
     sent: AtomicU64,
     /// With `reconnect`: every frame whose samples are not known to be stored, with the
     /// session's sample count after it.
-    retained: Mutex<VecDeque<(u64, Vec<u8>)>>,
+    retained: Mutex<VecDeque<Retained>>,
     /// What the first server accepted; a reconnection must find the same.
     terms: Terms,
     max_inflight: u64,
@@ -407,7 +429,7 @@ impl RaggedSender {
     /// Bytes of the kept frames past `after` samples.
     fn kept_bytes(&self, after: u64) -> usize {
         let retained = self.retained.lock();
-        retained.iter().filter(|&&(end, _)| end > after).map(|(_, frame)| frame.len()).sum()
+        retained.iter().filter(|r| r.end > after).map(|r| r.frame.len()).sum()
     }
 
     /// The spec samples are checked against.
@@ -535,6 +557,14 @@ impl RaggedSender {
         current.or(*self.closing.lock())
     }
 
+    /// The codec of each leaf of `spec` this connection compresses (`None`: raw); empty
+    /// when every leaf goes raw (shared memory, a server without `compress=`, or
+    /// `wire_compression` off).
+    pub fn wire_codecs(&self) -> Vec<Option<Codec>> {
+        let codecs = self.view.lock().codecs.clone();
+        codecs.iter().take(self.spec.columns().len()).copied().collect()
+    }
+
     /// Bytes of frames kept to resend (with `reconnect`: those not known to be stored;
     /// frames stored since the last send are let go at the next one, and not counted here).
     pub fn retained_bytes(&self) -> usize {
@@ -642,14 +672,17 @@ impl RaggedSender {
     fn resend(&self, link: &mut Link) -> Result<(), EchoError> {
         let stored = link.view.base;
         let mut retained = self.retained.lock();
-        while retained.front().is_some_and(|&(end, _)| end <= stored) {
+        while retained.front().is_some_and(|r| r.end <= stored) {
             retained.pop_front();
         }
-        for (_, frame) in retained.iter() {
-            link.write(&[frame], None)?;
+        for kept in retained.iter() {
+            match self.plain_for(link, kept.packed.as_ref(), &kept.frame)? {
+                Some(plain) => link.write(&[&plain], None)?,
+                None => link.write(&[&kept.frame], None)?,
+            }
         }
         // Frames are stored whole, so the first one left starts at `stored`.
-        let samples = retained.back().map_or(0, |&(end, _)| end.saturating_sub(stored));
+        let samples = retained.back().map_or(0, |r| r.end.saturating_sub(stored));
         // ORDERING: Relaxed — a statistics counter.
         self.resent.fetch_add(samples, Ordering::Relaxed);
         Ok(())
@@ -725,11 +758,38 @@ impl RaggedSender {
             return Err(EchoError::Disconnected(why));
         }
         self.wait_window(deadline)?;
+        // Over TCP, the leaves the server named codecs for go compressed, by this thread.
+        let codecs = self.view.lock().codecs.clone();
+        let packed = codecs.iter().any(Option::is_some);
+        let frame =
+            if packed { encode_packed(spec, &codecs, samples, priority)? } else { Vec::new() };
         let mut parts: Vec<&[u8]> = Vec::with_capacity(1 + samples.len() * 5);
-        parts.push(&head);
-        parts.extend(samples.iter().flat_map(|s| s.leaves.iter().copied()));
+        if packed {
+            parts.push(&frame);
+        } else {
+            parts.push(&head);
+            parts.extend(samples.iter().flat_map(|s| s.leaves.iter().copied()));
+        }
         self.wait_durable(parts.iter().map(|p| p.len()).sum(), deadline)?;
-        self.write(&parts, samples.len() as u64, deadline)
+        self.write(&parts, samples.len() as u64, packed.then_some(codecs), deadline)
+    }
+
+    /// `frame`, compressed with `packed` (`None`: a plain frame), as `link` takes it: `None`
+    /// when it takes the frame as it is (the same codecs), else the plain frame of its
+    /// samples.
+    fn plain_for(
+        &self,
+        link: &Link,
+        packed: Option<&Codecs>,
+        frame: &[u8],
+    ) -> Result<Option<Vec<u8>>, EchoError> {
+        match packed {
+            Some(codecs) if **codecs != *link.view.codecs => {
+                let spec = self.stamped.as_ref().unwrap_or(&self.spec);
+                to_plain(spec, codecs, frame).map(Some)
+            }
+            _ => Ok(None),
+        }
     }
 
     /// Waits until fewer than `max_inflight` samples are unacknowledged (with a full window:
@@ -775,18 +835,28 @@ impl RaggedSender {
         &self,
         parts: &[&[u8]],
         samples: u64,
+        packed: Option<Codecs>,
         deadline: Option<Instant>,
     ) -> Result<(), EchoError> {
         let mut link = self.link.lock();
         // ORDERING: Relaxed — `sent` is written only under `link`, which we hold.
         let end = self.sent.load(Ordering::Relaxed) + samples;
+        // Compressed for a connection that has been replaced since: plain for this one.
+        let plain = match &packed {
+            Some(_) => self.plain_for(&link, packed.as_ref(), parts[0])?,
+            None => None,
+        };
+        let (parts, packed) = match &plain {
+            Some(plain) => (&[&plain[..]][..], None),
+            None => (parts, packed),
+        };
         if self.dial.options.reconnect.is_some() {
             let acked = self.kept_after(&link.view);
             let mut retained = self.retained.lock();
-            while retained.front().is_some_and(|&(e, _)| e <= acked) {
+            while retained.front().is_some_and(|r| r.end <= acked) {
                 retained.pop_front();
             }
-            retained.push_back((end, parts.concat()));
+            retained.push_back(Retained { end, frame: parts.concat(), packed });
         }
         match link.write(parts, deadline) {
             Ok(()) => {}

@@ -2,6 +2,7 @@
 //! ([`GroupSource`]), checked against the spec and the batch, then copied into the arena
 //! under the table's lock.
 
+use std::borrow::Cow;
 use std::time::Instant;
 
 use super::{passed, wait, Entry, RaggedSampler, RaggedTable};
@@ -37,6 +38,12 @@ pub trait GroupSource {
     fn leaf(&self, s: usize, c: usize) -> Option<&[u8]>;
     /// Copies leaf `c` of sample `s` into `dst`, which is `leaf_len(s, c)` bytes long.
     fn copy_leaf(&self, s: usize, c: usize, dst: &mut [u8]);
+    /// Leaf `c` of sample `s` compressed by the table's codec for it, where it came so (a
+    /// worker's compressed frame, checked to decompress into exactly the leaf): stored as
+    /// it is instead of compressing the leaf again. `None`: compress it here.
+    fn packed(&self, _s: usize, _c: usize) -> Option<&[u8]> {
+        None
+    }
 }
 
 impl GroupSource for [SampleIn<'_>] {
@@ -183,24 +190,28 @@ impl RaggedTable {
         let columns = self.spec.columns();
         // Compressed leaves, compressed before the lock is taken (none without a codec).
         let compressing = self.config.codecs.iter().any(Option::is_some);
-        let packed: Vec<Vec<Option<Vec<u8>>>> = (0..if compressing { count } else { 0 })
+        let packed: Vec<Vec<Option<Cow<'_, [u8]>>>> = (0..if compressing { count } else { 0 })
             .map(|s| {
                 (0..columns.len())
                     .map(|c| {
                         let codec = self.config.codecs.get(c).copied().flatten()?;
                         let len = samples.leaf_len(s, c);
-                        (len > 0).then(|| {
-                            let mut out = Vec::with_capacity(len / 2);
-                            match samples.leaf(s, c) {
-                                Some(leaf) => codec.compress_append(leaf, &mut out),
-                                None => {
-                                    let mut raw = vec![0u8; len];
-                                    samples.copy_leaf(s, c, &mut raw);
-                                    codec.compress_append(&raw, &mut out);
-                                }
+                        if len == 0 {
+                            return None;
+                        }
+                        if let Some(came) = samples.packed(s, c) {
+                            return Some(Cow::Borrowed(came));
+                        }
+                        let mut out = Vec::with_capacity(len / 2);
+                        match samples.leaf(s, c) {
+                            Some(leaf) => codec.compress_append(leaf, &mut out),
+                            None => {
+                                let mut raw = vec![0u8; len];
+                                samples.copy_leaf(s, c, &mut raw);
+                                codec.compress_append(&raw, &mut out);
                             }
-                            out
-                        })
+                        }
+                        Some(Cow::Owned(out))
                     })
                     .collect()
             })

@@ -170,6 +170,9 @@ pub(super) fn handshake(
     } else {
         None
     };
+    // Compressed frames from a worker that can send them and has no pipe to copy raw into.
+    let codecs = super::packed::wire_codecs(shared, &hello, offered.is_some());
+    accept.codecs = (!codecs.is_empty()).then_some(codecs);
     stream.write_all(&Reply::Accepted(accept).encode())?;
     stream.set_read_timeout(None)?;
     // A worker that stops reading its acknowledgements (its receive buffer full) has its

@@ -23,7 +23,10 @@ use parking_lot::Mutex;
 use super::spec::Column;
 use super::table::{GroupSource, RaggedTable, SampleIn};
 use super::wire::Head;
-use super::wire::{decode_head, head_len, GROUP, GROUP_PRIORITY};
+use super::wire::{
+    decode_head, head_len, is_packed, GROUP, GROUP_PACKED, GROUP_PACKED_PRIORITY, GROUP_PRIORITY,
+};
+use crate::codec::Codec;
 use crate::error::EchoError;
 use crate::params::Params;
 use crate::transport::wire::params;
@@ -94,6 +97,11 @@ pub struct TcpCounters {
     pub shm: AtomicU64,
     /// Handshakes that resumed a session the server knew (a worker that reconnected).
     pub resumed: AtomicU64,
+    /// Samples that arrived in compressed frames (the worker compressed the leaves the
+    /// table's `compress=` names).
+    pub compressed_samples: AtomicU64,
+    /// Bytes of those frames' bodies, as they came.
+    pub compressed_bytes: AtomicU64,
 }
 
 /// A notice for a worker (persisted, a version) and the connection it goes to.
@@ -565,6 +573,9 @@ fn serve(shared: &Arc<Shared>, id: u64, mut stream: TcpStream) -> Result<(), Ech
     if shared.closing.load(Ordering::SeqCst) {
         return Ok(());
     }
+    // What the reply named (as the handshake decided): none to a worker offered a pipe, even
+    // one that then declines it.
+    let codecs = packed::wire_codecs(shared, &hello, offered.is_some());
     let attached = match offered {
         Some(offered) => shm::attach(shared, offered, &mut stream, &mut leftover),
         None => Ok(shm::Path::Tcp),
@@ -591,7 +602,7 @@ fn serve(shared: &Arc<Shared>, id: u64, mut stream: TcpStream) -> Result<(), Ech
             shared.counters.shm.fetch_add(1, Ordering::Relaxed);
             serve_pipe(shared, pipe, owned, &writer)
         }
-        Ok(shm::Path::Tcp) => tcp_frames(shared, &owned, leftover, stream, &writer),
+        Ok(shm::Path::Tcp) => tcp_frames(shared, &owned, leftover, stream, &writer, &codecs),
         Ok(shm::Path::Ended) => Ok(()),
         Err(err) => Err(err),
     };
@@ -623,7 +634,7 @@ fn serve_pipe(
         }
         // The blocking reader, until the end; or, after a parameter fetch it answered, back
         // to a pump (a worker that fetches keeps its pipe served by the pumps).
-        match frames(shared, &back, &mut input, writer)? {
+        match frames(shared, &back, &mut input, writer, &[])? {
             Ended::Done => return Ok(()),
             Ended::Fetched => (pipe, owned) = (input, back),
         }
@@ -638,7 +649,7 @@ fn serve_pipe(
     owned: Owned,
     writer: &Mutex<TcpStream>,
 ) -> Result<(), EchoError> {
-    frames(shared, &owned, &mut pipe, writer).map(drop)
+    frames(shared, &owned, &mut pipe, writer, &[]).map(drop)
 }
 
 /// Reads the frames of a worker over TCP (after `leftover`, read with its hello).
@@ -648,9 +659,10 @@ fn tcp_frames(
     leftover: Vec<u8>,
     stream: TcpStream,
     writer: &Mutex<TcpStream>,
+    codecs: &[Option<Codec>],
 ) -> Result<(), EchoError> {
     let reader = io::BufReader::with_capacity(READ_BUFFER, io::Cursor::new(leftover).chain(stream));
-    frames(shared, owned, &mut TcpInput { reader, writer }, writer).map(drop)
+    frames(shared, owned, &mut TcpInput { reader, writer }, writer, codecs).map(drop)
 }
 
 fn read_exact_or_eof(reader: &mut impl Read, buf: &mut [u8]) -> Result<bool, EchoError> {
@@ -688,9 +700,10 @@ fn frames(
     owned: &Owned,
     input: &mut impl Input,
     writer: &Mutex<TcpStream>,
+    codecs: &[Option<Codec>],
 ) -> Result<Ended, EchoError> {
     let mut unacked = 0usize;
-    let result = frames_acked(shared, owned, input, writer, &mut unacked);
+    let result = frames_acked(shared, owned, input, writer, codecs, &mut unacked);
     if result.is_ok() && unacked > 0 {
         input.ack(unacked)?;
     }
@@ -802,13 +815,14 @@ fn frames_acked(
     owned: &Owned,
     reader: &mut impl Input,
     writer: &Mutex<TcpStream>,
+    codecs: &[Option<Codec>],
     unacked: &mut usize,
 ) -> Result<Ended, EchoError> {
     let spec = shared.table.spec();
-    let columns = spec.columns().len();
     let max_samples = shared.table.config().batch_size.min(usize::from(u16::MAX));
     let mut head = Vec::new();
     let mut body = Vec::new();
+    let mut raw = Vec::new();
     loop {
         if *unacked > 0 && (reader.dry() || *unacked >= ACK_BATCH) {
             reader.ack(std::mem::take(unacked))?;
@@ -820,7 +834,7 @@ fn frames_acked(
         match kind[0] {
             v2::HEARTBEAT => continue,
             v2::BYE => return Ok(Ended::Done),
-            GROUP | GROUP_PRIORITY => {}
+            GROUP | GROUP_PRIORITY | GROUP_PACKED | GROUP_PACKED_PRIORITY => {}
             params::FETCH => {
                 let mut raw = [0u8; params::FETCH_LEN - 1];
                 if !read_exact_or_eof(reader, &mut raw)? {
@@ -848,13 +862,13 @@ fn frames_acked(
             return Ok(Ended::Done);
         }
         let (frame, _) = loop {
-            match decode_head(spec, max_samples, kind[0], &head)? {
+            match decode_head(spec, codecs, max_samples, kind[0], &head)? {
                 Some(done) => break done,
                 None => {
                     let at = head.len();
                     // The header's length follows from the count: read what is missing.
                     let n = usize::from(u16::from_le_bytes([head[0], head[1]]));
-                    let want = head_len(spec, kind[0], n);
+                    let want = head_len(spec, codecs, kind[0], n);
                     head.resize(want, 0);
                     if !read_exact_or_eof(reader, &mut head[at..])? {
                         return Ok(Ended::Done);
@@ -862,7 +876,12 @@ fn frames_acked(
                 }
             }
         };
-        if let Some(ahead) = reader.ahead(frame.body_len)? {
+        if is_packed(kind[0]) {
+            // Only over TCP (a pipe's connection agreed on no codecs).
+            if !packed::store_packed(shared, owned, reader, &frame, codecs, &mut body, &mut raw)? {
+                return Ok(Ended::Done);
+            }
+        } else if let Some(ahead) = reader.ahead(frame.body_len)? {
             // The body is all in the worker's pipe: copied from there into the arena.
             let source = InPlace::new(ahead, &frame, spec.columns());
             if !store(shared, owned, &source, frame.priority)? {
@@ -883,18 +902,7 @@ fn frames_acked(
             if !read_exact_or_eof(reader, body)? {
                 return Ok(Ended::Done);
             }
-            let mut samples = Vec::with_capacity(frame.samples);
-            let mut at = 0usize;
-            for s in 0..frame.samples {
-                let rows = &frame.rows[s * columns..(s + 1) * columns];
-                let mut leaves = Vec::with_capacity(columns);
-                for (column, &n) in spec.columns().iter().zip(rows) {
-                    let len = column.row_bytes() * n;
-                    leaves.push(&body[at..at + len]);
-                    at += len;
-                }
-                samples.push(SampleIn { leaves, rows: rows.to_vec() });
-            }
+            let samples = split_body(spec.columns(), &frame, body);
             if !store(shared, owned, samples.as_slice(), frame.priority)? {
                 return Ok(Ended::Done);
             }
@@ -906,7 +914,27 @@ fn frames_acked(
             // An idle connection keeps no large buffer outside the budget.
             body = Vec::new();
         }
+        if raw.capacity() > IDLE_BODY {
+            raw = Vec::new();
+        }
     }
+}
+
+/// A plain body (`frame`'s, every leaf raw, in order) as its samples' leaves.
+fn split_body<'a>(columns: &[Column], frame: &Head, body: &'a [u8]) -> Vec<SampleIn<'a>> {
+    let mut samples = Vec::with_capacity(frame.samples);
+    let mut at = 0usize;
+    for rows in frame.rows.chunks(columns.len()) {
+        let mut leaves = Vec::with_capacity(columns.len());
+        for (column, &n) in columns.iter().zip(rows) {
+            // Checked by `decode_head`: within the leaf's max_len, so no overflow.
+            let len = column.row_bytes() * n;
+            leaves.push(&body[at..at + len]);
+            at += len;
+        }
+        samples.push(SampleIn { leaves, rows: rows.to_vec() });
+    }
+    samples
 }
 
 /// Stores a frame's `samples`, waiting for room a slice at a time while the server is not
@@ -941,6 +969,7 @@ fn store<S: GroupSource + ?Sized>(
 
 mod fetched;
 mod handshake;
+mod packed;
 #[cfg(target_os = "linux")]
 mod pump;
 #[cfg(target_os = "linux")]
