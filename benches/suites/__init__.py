@@ -33,7 +33,8 @@ The modules here are the suites and their parts, a part named after its suite: `
 ``params_workers`` (its worker processes and pytrees) and ``params_tables``, and
 ``params-crowd`` (``params_crowd``) uses the same workers; ``ragged`` runs
 ``ragged_child`` (with ``ragged_data``, ``ragged_tcp`` for its TCP workers, and ``ragged_tq``
-in TransferQueue's virtualenv) once per part. A script runs
+in TransferQueue's virtualenv) once per part, and ``ragged-wire`` (``ragged_wire``) runs
+``ragged_tcp``'s rounds with ``compress=`` and a relay. A script runs
 on its own as ``python -m benches.suites.NAME`` from the repository root. What every suite
 shares is in :mod:`benches.common`.
 
@@ -174,6 +175,12 @@ SUITES: tuple[Suite, ...] = (
         "ragged leaves on LLM rollouts: memory vs payload and padding, in-process submit and "
         "16 TCP workers vs a fixed-shape server, packed/padded batches vs memcpy, vs TorchRL "
         "and TransferQueue",
+    ),
+    Suite(
+        "ragged-wire",
+        "benches.suites.ragged_wire",
+        "ragged rollouts compressed by the workers on the wire vs raw, direct and through a "
+        "1 Gb/s link",
     ),
     Suite(
         "ray",

@@ -112,6 +112,7 @@ def _worker(wid: int, k: int, conn: Any, p: dict[str, Any], echo_file: str, limi
                 client = echo.TcpClient(
                     HOST, cmd["port"], example(echo, p, kind, mean),
                     connect_timeout=TIMEOUT_S, shared_memory=path == "shm",
+                    wire_compression=bool(cmd.get("wire", True)),
                 )  # fmt: skip
                 if client.transport_path != path:
                     error = f"connected over {client.transport_path}, not {path}"
@@ -346,19 +347,24 @@ def _consume(
 
 def _round(
     workers: Workers, kind: str, path: str, rnd: int, p: dict[str, Any], pool: Rollouts,
-    fixed: list[np.ndarray], check: Any, log: Any,
+    fixed: list[np.ndarray], check: Any, log: Any, *, compress: Any = None, wire: bool = True,
+    relay_mbit: float | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """One window: a FIFO server of ``kind`` on loopback, the workers connected and sending
-    over ``path``, the learner reading; the rate is what the learner read during the
-    window."""
+    """One window: a FIFO server of ``kind`` on loopback (with ``compress=``), the workers
+    connected and sending over ``path`` (compressing what it names when ``wire``; through a
+    relay of ``relay_mbit`` Mbit/s each way, 0 for no limit, when given), the learner reading;
+    the rate is what the learner read during the window."""
     import echo
 
     k = len(workers.procs)
     batch_size = int(p["ingest_batch"])
     mean = int(fixed[0].nbytes)
     transport = echo.TcpTransport(port=0, host=HOST)
-    server = echo.Server(example(echo, p, kind, mean), batch_size, transport=transport)
+    server = echo.Server(
+        example(echo, p, kind, mean), batch_size, transport=transport, compress=compress
+    )
     warmup, seconds = float(p["tcp_warmup"]), float(p["tcp_seconds"])
+    relay = None
     guard = c.call_later(warmup + seconds + 6 * TIMEOUT_S, server.close)
     consumed: dict[str, Any] = dict(samples=0, bytes=0, batches=0, bad=0, errors=[])
     consumed.update(sample_s=0.0, read_s=0.0, cpu_s=0.0)
@@ -371,7 +377,13 @@ def _round(
         port = server.port
         if port is None:
             raise RuntimeError("the server has no port after start()")
-        workers.tell(("round", {"port": int(port), "kind": kind, "path": path}))
+        if relay_mbit is not None:
+            from benches.suites.compression_wire import Relay
+
+            relay = Relay(int(port), relay_mbit, warmup + seconds + 6 * TIMEOUT_S)
+            port = relay.port
+        cmd = {"port": int(port), "kind": kind, "path": path, "wire": wire}
+        workers.tell(("round", cmd))
         ready = workers.collect(TIMEOUT_S + 10.0)
         failed = [str(r[2]) for r in ready if not r[1]]
         consumer = threading.Thread(
@@ -402,6 +414,8 @@ def _round(
         stop.set()
         guard.cancel()
         server.close()
+        if relay is not None:
+            relay.close()
         if consumer is not None:
             consumer.join(timeout=10.0)
     dt = c1 - c0
@@ -434,6 +448,11 @@ def _round(
         "samples_per_s": c.rate(samples, dt),
         "gb_per_s": c.rate(nbytes, dt) / 1e9,
         "inserted_per_s": c.rate(st1.samples_inserted_total - st0.samples_inserted_total, dt),
+        "inserted_in_window": st1.samples_inserted_total - st0.samples_inserted_total,
+        "compressed_samples": st1.samples_received_compressed_total
+        - st0.samples_received_compressed_total,
+        "compressed_bytes": st1.compressed_bytes_received_total
+        - st0.compressed_bytes_received_total,
         "batches_in_window": batches,
         "learner_cpu_cores": round(c.rate(cpu1 - cpu0, dt), 3),
         "learner_thread_cores": cpu,

@@ -83,3 +83,26 @@ def test_ragged_suite_quick_echo_alone(tmp_path: Path, monkeypatch: pytest.Monke
     assert "not installed" in tables[4]["rows"][1][1]
     for table in tables:
         assert records.render_table(table).startswith("**")
+
+
+def test_ragged_wire_suite_quick() -> None:
+    """The wire-compression suite at tiny sizes: every case correct (every rollout sent
+    reaches the learner once, checked), the compressed cases' rollouts all arrived
+    compressed and took fewer bytes, the raw ones none, and the table renders."""
+    from benches.suites import ragged_wire
+
+    params = ragged_wire.parameters(quick=True)
+    params.update(pool=64, tcp_warmup=0.1, tcp_seconds=0.3)
+    result = ragged_wire.measure(params)
+    assert result["correct"] is True, result
+    best = result["best"]
+    for name, _, wire in ragged_wire.CASES:
+        (run,) = result["runs"][name]
+        assert run["inserted_total"] == run["sent"] > 0, name
+        assert best[name]["compressed_share"] == (1.0 if wire else 0.0), name
+    assert (
+        best["1 Gb/s link, compressed"]["wire_bytes_per_sample"]
+        < best["1 Gb/s link, raw"]["wire_bytes_per_sample"]
+    )
+    (table,) = ragged_wire.tables({"ours": result}, params)
+    assert len(table["rows"]) == len(ragged_wire.CASES)
