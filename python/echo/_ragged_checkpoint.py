@@ -18,13 +18,16 @@ path -> .<name>.ckpt-<token>/      (a symbolic link, replaced atomically)
 ```
 
 Entries are oldest first; a FIFO server's are those not handed out yet. `np.load(...,
-mmap_mode="r")` opens every file. `Server.restore(path)` inserts them again, in order, with
-their priorities and draw counts.
+mmap_mode="r")` opens every file. `ragged.json` records every other file's size and SHA-256
+(`"files"`), and each is checked before anything is loaded (`verify`): a missing, truncated
+or corrupted file raises `CheckpointError` naming it. `Server.restore(path)` inserts the
+entries again, in order, with their priorities and draw counts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import secrets
@@ -48,6 +51,65 @@ VERSIONS = "policy_versions.npy"
 def is_ragged(path: str | os.PathLike[str]) -> bool:
     """Whether `path` is a ragged server's checkpoint."""
     return os.path.isfile(os.path.join(os.fspath(path), MANIFEST))
+
+
+def _digest(path: str) -> tuple[int, str]:
+    """The size and SHA-256 (hex) of the file at `path`."""
+    sha = hashlib.sha256()
+    size = 0
+    buffer = bytearray(1 << 22)
+    view = memoryview(buffer)
+    with open(path, "rb") as f:
+        while n := f.readinto(buffer):
+            sha.update(view[:n])  # hashlib releases the GIL for large updates
+            size += n
+    return size, sha.hexdigest()
+
+
+def verify(manifest: dict[str, Any], directory: str, names: set[str] | None = None) -> None:
+    """Checks the size and SHA-256 of every file `manifest` lists (only those in `names`, when
+    given) before anything is loaded; a checkpoint written before files were listed has none
+    to check.
+
+    Raises:
+        CheckpointError: A file is missing, truncated or corrupted (the message names it).
+    """
+    files: Any = manifest.get("files", {})
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{os.path.join(directory, MANIFEST)}: a malformed file list")
+    for name, entry in cast("dict[str, Any]", files).items():
+        if names is not None and name not in names:
+            continue
+        path = os.path.join(directory, os.path.basename(str(name)))
+        expected = cast("dict[str, Any]", entry) if isinstance(entry, dict) else {}
+        if not {"bytes", "sha256"} <= set(expected):
+            raise CheckpointError(f"{path}: a malformed entry in {MANIFEST}")
+        try:
+            size, digest = _digest(path)
+        except OSError as e:
+            raise CheckpointError(f"{path}: missing or unreadable ({e})") from None
+        if size != expected["bytes"]:
+            raise CheckpointError(
+                f"{path}: {size} bytes, the manifest says {expected['bytes']} (truncated?)"
+            )
+        if digest != expected["sha256"]:
+            raise CheckpointError(
+                f"{path}: SHA-256 {digest} differs from the manifest's {expected['sha256']} "
+                "(corrupted)"
+            )
+
+
+def extra_files(manifest: dict[str, Any]) -> set[str]:
+    """The files of the learner's extra (and the published parameters) the manifest names."""
+    found: Any = manifest.get("extra")
+    if not isinstance(found, dict):
+        return set()
+    extra = cast("dict[str, Any]", found)
+    arrays: Any = extra.get("arrays", [])
+    names: set[str] = set()
+    if isinstance(arrays, list):
+        names = {str(a) for a in cast("list[Any]", arrays)}
+    return names | {str(extra.get("file"))}
 
 
 def _save(directory: str, name: str, array: np.ndarray[Any, Any]) -> None:
@@ -173,6 +235,13 @@ def write(
         }
         if extra is not None:
             manifest["extra"] = _write_extra(directory, extra)
+        # Every file's size and SHA-256, checked before a restore loads anything.
+        manifest["files"] = {
+            name: dict(
+                zip(("bytes", "sha256"), _digest(os.path.join(directory, name)), strict=True)
+            )
+            for name in sorted(os.listdir(directory))
+        }
         with open(os.path.join(directory, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()

@@ -178,6 +178,7 @@ class RaggedServer(Server):
         `checkpoint_every` and `checkpoint_keep`: its periodic checkpoints, as `Server`'s
         (`echo.ray.shard_server` restores a shard with them)."""
         manifest, directory = _ragged_checkpoint.read(path)
+        _ragged_checkpoint.verify(manifest, directory)  # before anything is loaded
         settings = dict(manifest["settings"])
         kind = settings.pop("sampler")
         exponent = settings.pop("exponent")

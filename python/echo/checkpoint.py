@@ -341,6 +341,7 @@ def read_params(path: str | os.PathLike[str]) -> tuple[int, dict[str, npt.NDArra
 
     if _ragged_checkpoint.is_ragged(path):
         manifest, directory = _ragged_checkpoint.read(path)
+        _ragged_checkpoint.verify(manifest, directory, _ragged_checkpoint.extra_files(manifest))
         published = _ragged_checkpoint.read_params(manifest, directory)
     else:
         published = _decode_params(_echo.open_checkpoint(os.fspath(path), extra_only=True))
@@ -367,6 +368,7 @@ def read_extra(path: str | os.PathLike[str]) -> Any:
 
     if _ragged_checkpoint.is_ragged(path):
         manifest, directory = _ragged_checkpoint.read(path)
+        _ragged_checkpoint.verify(manifest, directory, _ragged_checkpoint.extra_files(manifest))
         return _ragged_checkpoint.read_extra(manifest, directory)
     return _decode_extra(_echo.open_checkpoint(os.fspath(path), extra_only=True))
 

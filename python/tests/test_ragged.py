@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 from testkit.checkpoints import wait_for_ragged_checkpoint
 
 import echo
-from echo import Packed, Padded, Ragged
+from echo import CheckpointError, Packed, Padded, Ragged
 
 MAX_LEN = 300
 
@@ -505,3 +506,57 @@ def test_the_constructors_signatures_are_their_arguments() -> None:
     assert "shared_memory" in inspect.signature(echo.TcpClient).parameters
     assert "batch_tokens" in inspect.signature(echo.Server).parameters
     assert list(inspect.signature(echo.Server).parameters)[:2] == ["example", "batch_size"]
+
+
+def test_a_damaged_ragged_checkpoint_is_refused_naming_the_file(tmp_path: Any) -> None:
+    """Every file's size and SHA-256 is in `ragged.json` and checked before anything is
+    loaded: a flipped byte, a truncated file or a missing one raises `CheckpointError` naming
+    it, for a restore and for reading the extra alone; the intact checkpoint restores."""
+    import json
+    import shutil
+
+    from echo import checkpoint as ckpt
+
+    server = echo.Server(example(), 4, sampler=echo.Uniform(), max_size=100)
+    for i in range(20):
+        server.submit(make(i))
+    server.publish({"w": np.arange(8, dtype=np.float32)})
+    server.checkpoint(tmp_path / "ckpt", extra={"step": 3, "opt": np.ones(4)})
+    server.close()
+    good = tmp_path / "ckpt"
+    files = json.loads((good / "ragged.json").read_text())["files"]
+    assert {"leaf_1.npy", "leaf_1.offsets.npy", "extra.json", "group_sizes.npy"} <= set(files)
+    assert all(len(entry["sha256"]) == 64 for entry in files.values())
+
+    def damaged(name: str, how: str) -> Path:
+        copy = tmp_path / f"{how}-{name}"
+        shutil.copytree(good.resolve(), copy)
+        target = copy / name
+        data = bytearray(target.read_bytes())
+        if how == "flip":
+            data[-3] ^= 0x40  # a value, not the header: np.load alone would not notice
+            target.write_bytes(bytes(data))
+        elif how == "truncate":
+            target.write_bytes(bytes(data[:-4]))
+        else:
+            target.unlink()
+        return copy
+
+    with pytest.raises(CheckpointError, match=r"leaf_2\.npy: SHA-256 \w+ differs .*corrupted"):
+        echo.Server.restore(damaged("leaf_2.npy", "flip"))
+    with pytest.raises(CheckpointError, match=r"offsets\.npy: \d+ bytes, the manifest says"):
+        echo.Server.restore(damaged("leaf_1.offsets.npy", "truncate"))
+    with pytest.raises(CheckpointError, match=r"priorities\.npy: missing"):
+        echo.Server.restore(damaged("priorities.npy", "remove"))
+    extra = damaged("extra_000.npy", "flip")
+    with pytest.raises(CheckpointError, match=r"extra_000\.npy: SHA-256"):
+        ckpt.read_extra(extra)
+    with pytest.raises(CheckpointError, match=r"extra_000\.npy: SHA-256"):
+        ckpt.read_params(extra)
+    with pytest.raises(CheckpointError, match=r"extra_000\.npy: SHA-256"):
+        echo.Server.restore(extra)
+    # A damaged data file does not stop reading the extra alone.
+    assert ckpt.read_extra(damaged("leaf_0.npy", "flip"))["step"] == 3
+    restored = echo.Server.restore(good)
+    assert restored.stats().store_size == 20
+    restored.close()
