@@ -200,3 +200,34 @@ def test_a_checkpoint_before_any_publish_restores_a_ragged_learner_without_param
     with echo.Server.restore(tmp_path / "ckpt") as new:
         assert new.params_version == 0
         assert new.publish(weights(1, n=12)) == 1  # any structure: none was fixed
+
+
+@SHM
+def test_a_worker_on_the_learners_host_copies_the_parameters_from_shared_memory() -> None:
+    """A worker with a pipe was handed the learner's parameter region with it: its fetches
+    copy a whole version from there (no chunk crosses its socket), one over TCP pulls chunks;
+    both get the same bytes, and the next version after a publish."""
+    transport = echo.TcpTransport(port=0, host="127.0.0.1")
+    with echo.Server(example(), batch_size=4, transport=transport) as server:
+        assert server.port is not None
+        server.publish(weights(3), version=3)
+        near = echo.TcpClient("127.0.0.1", server.port, example(), shared_memory=True)
+        assert near.transport_path == "shm"
+        version, got = near.params(timeout=10)
+        assert version == 3
+        assert got["policy"]["w"].tolist() == [3.0] * 300_000
+        assert server.stats().params_chunks_served_total == 0, "copied, not sent"
+        server.publish(weights(4))
+        version, got = near.params(min_version=4, timeout=10)
+        assert (version, float(got["policy"]["w"][-1])) == (4, 4.0)
+        assert near.policy_version == 4
+        assert server.stats().params_chunks_served_total == 0
+        far = echo.TcpClient("127.0.0.1", server.port, example(), shared_memory=False)
+        version, got = far.params(timeout=10)
+        assert (version, float(got["policy"]["w"][0])) == (4, 4.0)
+        stats = server.stats()
+        assert stats.params_chunks_served_total >= 2  # 1.2 MB in chunks of 1 MiB
+        assert stats.params_published_total == 2
+        assert stats.params_version == 4
+        near.close()
+        far.close()

@@ -671,6 +671,10 @@ impl RaggedCore {
         d.set_item("shm_connections", read(|c| &c.shm))?;
         d.set_item("sessions_resumed", read(|c| &c.resumed))?;
         d.set_item("compressed_samples", read(|c| &c.compressed_samples))?;
+        let params = self.params.counts();
+        d.set_item("params_published", params.published)?;
+        d.set_item("params_chunks_served", params.chunks_served)?;
+        d.set_item("params_bytes_served", params.bytes_served)?;
         d.set_item("compressed_bytes", read(|c| &c.compressed_bytes))?;
         Ok(d)
     }

@@ -1,16 +1,25 @@
 //! A ragged worker's parameter fetches ([`crate::transport::wire::params`]): the latest
-//! version the learner announced, pulled chunk by chunk (a few requests in flight) through
-//! the connection's frames (its pipe or its socket; the answers come on the socket), and
-//! started over when two publishes overtake it; and the parameters' description.
+//! version the learner announced, copied from the learner's parameter region when the worker
+//! is on its host (handed over with its pipe), else pulled chunk by chunk (a few requests in
+//! flight) through the connection's frames (the answers come on the socket), and started
+//! over when two publishes overtake it; and the parameters' description.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
+use parking_lot::Mutex;
+
+use super::pipe::{Region, ViewRead};
 use super::{failure, RaggedSender, View};
 use crate::error::EchoError;
 use crate::transport::wire::params::{Chunk, Fetch, DESCRIPTION, MAX_CHUNK};
 
 /// Chunk requests a fetch keeps in flight.
 const WINDOW: usize = 4;
+/// Copies of the region one read tries while publishes overlap them.
+const REGION_TRIES: usize = 16;
+/// Reads of the region a fetch makes while it holds an older version than announced
+/// (a millisecond apart), before it fetches in chunks instead.
+const REGION_WAITS: usize = 200;
 
 impl RaggedSender {
     /// Whole versions fetched, and the seconds the fetches took in all.
@@ -67,6 +76,11 @@ impl RaggedSender {
         let size = out.len() as u64;
         loop {
             self.wait_announced(view, min_version, deadline)?;
+            if let Some(region) = &view.region {
+                if let Some(version) = Self::from_region(region, out, min_version, deadline)? {
+                    return Ok(version);
+                }
+            }
             // A probe first: parameters of another size are this worker's mistake (its
             // layout), not the connection's.
             let probe = Fetch { version: 0, offset: 0, len: 0 };
@@ -124,6 +138,51 @@ impl RaggedSender {
                 return Ok(version);
             }
         }
+    }
+
+    /// A version of at least `min_version` copied from the learner's parameter `region` into
+    /// `out`; `None` when the region gives none now (publishes overlapping every copy, a
+    /// region that cannot be mapped, an older version than announced for a while): the
+    /// caller fetches it in chunks instead.
+    ///
+    /// # Errors
+    /// [`EchoError::Protocol`] when the learner publishes parameters of another size;
+    /// [`EchoError::TimedOut`] at `deadline`.
+    fn from_region(
+        region: &Mutex<Region>,
+        out: &mut [u8],
+        min_version: u64,
+        deadline: Option<Instant>,
+    ) -> Result<Option<u64>, EchoError> {
+        for _ in 0..REGION_WAITS {
+            let read = region.lock().read(out, REGION_TRIES);
+            match read {
+                Ok(ViewRead::Copied(version)) if version >= min_version => {
+                    return Ok(Some(version))
+                }
+                Ok(ViewRead::Size(size)) => {
+                    return Err(EchoError::Protocol(format!(
+                        "the learner publishes parameters of {size} bytes, this worker's \
+                         layout has {}",
+                        out.len()
+                    )))
+                }
+                // Announced before the region holds it (a version published without
+                // parameters, a restored one): shortly again.
+                Ok(ViewRead::Copied(_) | ViewRead::Empty) => {
+                    if deadline.is_some_and(|d| Instant::now() >= d) {
+                        return Err(EchoError::TimedOut);
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Ok(ViewRead::Busy) => return Ok(None),
+                Err(why) => {
+                    log::debug!("the parameter region: {why}; fetching in chunks");
+                    return Ok(None);
+                }
+            }
+        }
+        Ok(None)
     }
 
     /// The parameters' description (the bytes the learner's Python layer gave with its

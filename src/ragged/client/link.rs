@@ -239,11 +239,15 @@ impl Dial {
                 "the server accepted the layout but is not a ragged server (no group size)".into(),
             )
         })? as usize;
-        let pipe = match shared_memory {
-            Some(false) => None,
+        let (pipe, region) = match shared_memory {
+            Some(false) => (None, None),
             wanted => {
                 let address = format!("{host}:{port}");
-                pipe::attach(&accept, &mut stream, &address, *wanted == Some(true), timeout)?
+                match pipe::attach(&accept, &mut stream, &address, *wanted == Some(true), timeout)?
+                {
+                    Some((pipe, region)) => (Some(pipe), region.map(|r| Arc::new(Mutex::new(r)))),
+                    None => (None, None),
+                }
             }
         };
         stream.set_read_timeout(None)?;
@@ -276,7 +280,7 @@ impl Dial {
             }
             _ => Arc::from(Vec::new()),
         };
-        let view = View { shared, acks, base: accept.resume_seq, codecs };
+        let view = View { shared, acks, base: accept.resume_seq, codecs, region };
         let terms = Terms { max_group, versions: accept.versions };
         Ok((Link { stream, pipe, view, reader: Some(reader) }, terms))
     }

@@ -187,6 +187,8 @@ struct View {
     base: u64,
     /// The codecs this connection agreed on (over TCP only).
     codecs: Codecs,
+    /// The learner's parameter region, handed over with the pipe: fetches copy from it.
+    region: Option<Arc<Mutex<pipe::Region>>>,
 }
 
 impl View {

@@ -6,6 +6,7 @@ use std::net::TcpStream;
 use std::time::Duration;
 
 use crate::error::EchoError;
+pub(super) use crate::transport::shm::params::{ParamView as Region, ViewRead};
 pub(super) use crate::transport::shm::pipe::{
     PipeAcks as Acks, PipeStop as Stop, PipeWriter as Writer,
 };
@@ -21,23 +22,23 @@ pub(super) fn ring(bell: &EventFd) {
     bell.ring();
 }
 
-/// Attaches the pipe `accept` offers. Without one, or when attaching fails: TCP (the
-/// server is told with `SHM_DECLINE` if it offered one), or the reason as an error when
-/// `required` (after a goodbye).
+/// Attaches the pipe `accept` offers, with the learner's parameter region when it hands one
+/// over. Without one, or when attaching fails: TCP (the server is told with `SHM_DECLINE`
+/// if it offered one), or the reason as an error when `required` (after a goodbye).
 pub(super) fn attach(
     accept: &v2::Accept,
     stream: &mut TcpStream,
     address: &str,
     required: bool,
     timeout: Duration,
-) -> Result<Option<Writer>, EchoError> {
+) -> Result<Option<(Writer, Option<Region>)>, EchoError> {
     let why = match &accept.shm {
         None if accept.note.is_empty() => {
             format!("the server at {address} does not offer shared memory")
         }
         None => format!("the server at {address} did not offer it: {}", accept.note),
         Some(offer) => match Writer::attach(&offer.name, &offer.nonce, timeout) {
-            Ok(writer) => return Ok(Some(writer)),
+            Ok((writer, region)) => return Ok(Some((writer, region.map(Region::new)))),
             Err(why) => format!("cannot attach the shared memory of {address}: {why}"),
         },
     };

@@ -16,6 +16,22 @@ pub(super) enum Stop {
     Lost,
 }
 pub(super) struct Bell;
+/// The learner's parameter region: none off Linux.
+pub(super) enum Region {}
+/// What a read of the region found (as Linux's `ViewRead`).
+#[allow(dead_code)] // matched on by the caller; never made off Linux
+pub(super) enum ViewRead {
+    Copied(u64),
+    Empty,
+    Size(u64),
+    Busy,
+}
+
+impl Region {
+    pub(super) fn read(&mut self, _: &mut [u8], _: usize) -> Result<ViewRead, String> {
+        match *self {}
+    }
+}
 
 impl Acks {
     pub(super) fn stored(&self) -> u64 {
@@ -56,7 +72,7 @@ pub(super) fn attach(
     address: &str,
     required: bool,
     _: Duration,
-) -> Result<Option<Writer>, EchoError> {
+) -> Result<Option<(Writer, Option<Region>)>, EchoError> {
     if required {
         return Err(EchoError::SharedMemory(format!(
             "shared_memory=True: shared memory needs Linux (the server at {address})"

@@ -145,7 +145,10 @@ pub(super) fn attach<'a>(
 ) -> Result<Path<'a>, EchoError> {
     if leftover.is_empty() {
         let deadline = Instant::now() + ATTACH_TIMEOUT;
-        match offer.wait(stream.as_fd(), PIPE_CAPACITY, deadline) {
+        // The learner's parameter region goes with the pipe: the worker copies a version
+        // from it instead of fetching it in chunks over its socket.
+        let region = shared.params.as_ref().and_then(|p| p.region());
+        match offer.wait(stream.as_fd(), PIPE_CAPACITY, deadline, region.map(|r| r.fd())) {
             Ok(Attached::Pipe(mut pipe)) => {
                 // Counted now (the offer only looked): a few concurrent attaches may
                 // pass the bound by a pipe or two.

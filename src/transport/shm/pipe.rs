@@ -24,7 +24,7 @@
 //! committed end, and the read after returns 0.
 
 use std::io::{self, Read};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
@@ -487,22 +487,27 @@ impl PipeWriter {
 
 impl PipeWriter {
     /// Connects to the learner's socket `name` (abstract namespace), presents `nonce` and
-    /// takes over the pipe it hands over; all within `timeout`.
+    /// takes over the pipe it hands over, with the one more descriptor the learner may hand
+    /// with it (its parameter region); all within `timeout`.
     ///
     /// # Errors
     /// A message saying what failed.
-    pub fn attach(name: &[u8], nonce: &[u8; NONCE_LEN], timeout: Duration) -> Result<Self, String> {
+    pub fn attach(
+        name: &[u8],
+        nonce: &[u8; NONCE_LEN],
+        timeout: Duration,
+    ) -> Result<(Self, Option<OwnedFd>), String> {
         let (n, message, fds) = request(name, nonce, timeout)?;
         let mut fds = fds.into_iter();
-        let (Some(segment), Some(data), Some(space), None) =
-            (fds.next(), fds.next(), fds.next(), fds.next())
+        let (Some(segment), Some(data), Some(space), extra, None) =
+            (fds.next(), fds.next(), fds.next(), fds.next(), fds.next())
         else {
             return Err(refused(n));
         };
         if n != message.len() || &message != ATTACH_MESSAGE {
             return Err(format!("unexpected attach message {:?}", &message[..n]));
         }
-        Self::new(segment, data, space)
+        Ok((Self::new(segment, data, space)?, extra))
     }
 }
 
@@ -545,7 +550,8 @@ impl PipeOffer {
     }
 
     /// Waits until `deadline` for the worker whose TCP connection is `socket` to attach a
-    /// pipe of `capacity` bytes (or for its socket to turn readable).
+    /// pipe of `capacity` bytes (or for its socket to turn readable), handing it `extra`
+    /// too (the learner's parameter region) when given.
     ///
     /// # Errors
     /// A message saying why no pipe: the deadline passed, or too many refused attaches.
@@ -554,6 +560,7 @@ impl PipeOffer {
         socket: BorrowedFd<'_>,
         capacity: usize,
         deadline: Instant,
+        extra: Option<BorrowedFd<'_>>,
     ) -> Result<Attached, String> {
         let mut attempts = 0;
         loop {
@@ -580,7 +587,7 @@ impl PipeOffer {
             }
             let Ok((stream, _)) = self.listener.accept() else { continue };
             let stranger = peer_uid(stream.as_fd()).is_ok_and(|uid| uid != own_uid());
-            match self.hand_over(&stream, capacity) {
+            match self.hand_over(&stream, capacity, extra) {
                 Ok(reader) => return Ok(Attached::Pipe(reader)),
                 Err(why) if stranger => {
                     log::debug!("refused another user's shared-memory attach: {why}");
@@ -597,7 +604,12 @@ impl PipeOffer {
     }
 
     /// Checks an attaching peer (our uid, the nonce), then creates the pipe and sends it.
-    fn hand_over(&self, stream: &UnixStream, capacity: usize) -> Result<PipeReader, String> {
+    fn hand_over(
+        &self,
+        stream: &UnixStream,
+        capacity: usize,
+        extra: Option<BorrowedFd<'_>>,
+    ) -> Result<PipeReader, String> {
         let uid = peer_uid(stream.as_fd()).map_err(|e| format!("no peer credentials: {e}"))?;
         if uid != own_uid() {
             return Err(format!("the peer runs as uid {uid}, the learner as {}", own_uid()));
@@ -616,7 +628,9 @@ impl PipeOffer {
         }
         let reader =
             PipeReader::new(capacity).map_err(|e| format!("cannot create the segment: {e}"))?;
-        send_fds(stream.as_raw_fd(), ATTACH_MESSAGE, &reader.fds())
+        let mut fds = reader.fds().to_vec();
+        fds.extend(extra.map(|fd| fd.as_raw_fd()));
+        send_fds(stream.as_raw_fd(), ATTACH_MESSAGE, &fds)
             .map_err(|e| format!("cannot send the segment: {e}"))?;
         Ok(reader)
     }
