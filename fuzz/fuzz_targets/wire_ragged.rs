@@ -17,8 +17,8 @@
 
 use echo::codec::Codec;
 use echo::ragged::wire::{
-    decode_head, encode_head, encode_packed, is_packed, unpack_body, Outgoing, GROUP,
-    GROUP_PACKED, GROUP_PACKED_PRIORITY, GROUP_PRIORITY,
+    decode_head, encode_head, encode_packed, is_packed, unpack_body, Outgoing, GROUP, GROUP_PACKED,
+    GROUP_PACKED_PRIORITY, GROUP_PRIORITY,
 };
 use echo::EchoError;
 use libfuzzer_sys::fuzz_target;

@@ -424,6 +424,35 @@ pub(crate) fn codec(obj: &Bound<'_, PyAny>) -> PyResult<Codec> {
     Ok(codec)
 }
 
+/// One published leaf as `_publish` takes it from the Python layer: shape, itemsize, bytes.
+pub(crate) type PublishedLeaf<'py> = (Vec<usize>, usize, numpy::PyReadonlyArray1<'py, u8>);
+
+/// `_publish`'s arguments as the parameter store takes them: the leaves' spec, their
+/// bytes, and the codec `compress` names (`None`: raw).
+pub(crate) type PublishArgs<'a> = (crate::spec::DataSpec, Vec<&'a [u8]>, Option<Codec>);
+
+/// [`PublishArgs`] from the Python layer's leaves and `compress`. Shared by both servers'
+/// bindings.
+pub(crate) fn publish_args<'a>(
+    leaves: &'a [PublishedLeaf<'_>],
+    compress: Option<&Bound<'_, PyAny>>,
+) -> PyResult<PublishArgs<'a>> {
+    let codec = compress.map(codec).transpose()?;
+    let spec = leaves
+        .iter()
+        .map(|(shape, itemsize, _)| crate::spec::ArraySpec::new(shape.clone(), *itemsize))
+        .collect::<Result<Vec<_>, _>>()
+        .and_then(crate::spec::DataSpec::new)
+        .map_err(to_pyerr)?;
+    let bytes = leaves
+        .iter()
+        .map(|(_, _, data)| {
+            data.as_slice().map_err(|e| PyValueError::new_err(format!("publish(): {e}")))
+        })
+        .collect::<PyResult<Vec<&[u8]>>>()?;
+    Ok((spec, bytes, codec))
+}
+
 /// `codec` as the Python object `echo.Zstd(level, force=True)` or `echo.Lz4(force=True)`:
 /// `force`, since a codec the core holds was accepted for its leaf already.
 pub(crate) fn codec_object(py: Python<'_>, codec: Codec) -> PyResult<Py<PyAny>> {

@@ -719,24 +719,12 @@ impl RaggedCore {
     fn _publish(
         &self,
         py: Python<'_>,
-        leaves: Vec<(Vec<usize>, usize, PyReadonlyArray1<'_, u8>)>,
+        leaves: Vec<super::config::PublishedLeaf<'_>>,
         version: Option<u64>,
         description: Option<Vec<u8>>,
         compress: Option<Bound<'_, PyAny>>,
     ) -> PyResult<u64> {
-        let codec = compress.as_ref().map(super::config::codec).transpose()?;
-        let specs = leaves
-            .iter()
-            .map(|(shape, itemsize, _)| ArraySpec::new(shape.clone(), *itemsize))
-            .collect::<Result<Vec<_>, _>>()
-            .and_then(crate::spec::DataSpec::new)
-            .map_err(to_pyerr)?;
-        let bytes = leaves
-            .iter()
-            .map(|(_, _, data)| {
-                data.as_slice().map_err(|e| PyValueError::new_err(format!("publish(): {e}")))
-            })
-            .collect::<PyResult<Vec<&[u8]>>>()?;
+        let (specs, bytes, codec) = super::config::publish_args(&leaves, compress.as_ref())?;
         if let Some(description) = description {
             self.params.describe(description);
         }
