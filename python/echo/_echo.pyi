@@ -425,6 +425,7 @@ class RaggedSender:
         dial_timeout: float | None = None,
         durable_bytes: int | None = None,
         wire_compression: bool = True,
+        heartbeat_timeout: float | None = None,
     ) -> RaggedSender: ...
     def set_reader(self, keys: list[str] | None, flatten: Callable[[Any], list[Any]]) -> None: ...
     def send(

@@ -7,8 +7,9 @@ server's group size before anything is sent. On the server's host the frames go 
 shared-memory pipe instead of the socket (`shared_memory=`, as for any `TcpClient`). With
 `reconnect=True` it keeps each frame until its samples are stored, and after a lost
 connection connects again (for up to `reconnect_timeout`) and resends exactly what the
-server did not store. To a server that keeps policy versions every sample carries one
-(`policy_version`, or `send(version=)`). With `durable=True` it keeps every frame until a
+server did not store; with `heartbeat_timeout` (the learner beats every third of it) a
+connection that goes silent is taken as lost too. To a server that keeps policy versions
+every sample carries one (`policy_version`, or `send(version=)`). With `durable=True` it keeps every frame until a
 checkpoint the learner completed holds it, and resends to a restored learner what its
 checkpoint lacks. `params()` fetches the learner's parameters over the same connection.
 Over TCP it compresses the leaves the server's `compress=` names (`wire_compression=True`,
@@ -103,7 +104,6 @@ class RaggedTcpClient(TcpClient):
     ) -> None:
         """Checks the settings and connects (the constructor's body); `resolver` and
         `dial_timeout` as for `TcpClient` (`echo.ray`)."""
-        del heartbeat_timeout
         self._closed = True  # until connected: `close()` and `__del__` have nothing to do
         self._given_up: int | None = None
         self._name = name
@@ -133,6 +133,7 @@ class RaggedTcpClient(TcpClient):
             None if dial_timeout is None else float(dial_timeout),
             durable_bytes if self._durable else None,
             check_bool("wire_compression", wire_compression),
+            check_seconds("heartbeat_timeout", heartbeat_timeout, optional=True),
         )
         self._ragged_sender.set_reader(self._layout.flat_keys, self._layout.flatten)
         self._closed = False

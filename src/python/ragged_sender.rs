@@ -51,7 +51,7 @@ impl PyRaggedSender {
     #[pyo3(signature = (
         host, port, leaves, token=None, connect_timeout=10.0, max_inflight=256,
         shared_memory=None, reconnect_timeout=None, resolver=None, dial_timeout=None,
-        durable_bytes=None, wire_compression=true,
+        durable_bytes=None, wire_compression=true, heartbeat_timeout=None,
     ))]
     #[allow(clippy::too_many_arguments)] // Python's keyword arguments
     fn new(
@@ -68,6 +68,7 @@ impl PyRaggedSender {
         dial_timeout: Option<f64>,
         durable_bytes: Option<usize>,
         wire_compression: bool,
+        heartbeat_timeout: Option<f64>,
     ) -> PyResult<Self> {
         let (spec, layout, types) = spec_of(py, leaves, false)?;
         if durable_bytes.is_some() && reconnect_timeout.is_none() {
@@ -84,6 +85,7 @@ impl PyRaggedSender {
         };
         let reconnect = seconds("reconnect_timeout", reconnect_timeout)?;
         let dial = seconds("dial_timeout", dial_timeout)?;
+        let heartbeat = seconds("heartbeat_timeout", heartbeat_timeout)?;
         let raised = Arc::new(parking_lot::Mutex::new(None));
         let resolver = resolver.map(|callable| {
             Resolver(std::sync::Arc::new(PyResolver::new(callable, Arc::clone(&raised))))
@@ -104,6 +106,7 @@ impl PyRaggedSender {
             dial,
             durable: durable_bytes,
             wire_compression,
+            heartbeat,
         };
         let sender = py
             .detach(|| RaggedSender::connect(host, port, spec, layout, options))

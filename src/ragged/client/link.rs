@@ -2,7 +2,7 @@
 //! socket and pipe ([`Link`]), and the thread that reads what the server sends back
 //! ([`read_acks`]).
 
-use std::io::{IoSlice, Read, Write};
+use std::io::{ErrorKind, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -199,7 +199,11 @@ impl Dial {
         let hello = Hello {
             session: self.session,
             first_seq,
-            heartbeat_ms: 0,
+            // The server beats every third of it, so that silence means a lost connection.
+            heartbeat_ms: self
+                .options
+                .heartbeat
+                .map_or(0, |t| u32::try_from(t.as_millis()).unwrap_or(u32::MAX).max(1)),
             client_nonce: v2::random()?,
             layout: self.layout.clone(),
             mac: None,
@@ -250,7 +254,8 @@ impl Dial {
                 }
             }
         };
-        stream.set_read_timeout(None)?;
+        // The reader waits at most the heartbeat timeout for a byte (the server beats).
+        stream.set_read_timeout(self.options.heartbeat)?;
         let shared = Arc::new(Shared::default());
         let mut reading = stream.try_clone()?;
         let counting = shared.clone();
@@ -373,8 +378,16 @@ pub(super) fn read_acks(
             break;
         }
         match stream.read(&mut chunk) {
-            Ok(0) | Err(_) => break,
+            Ok(0) => break,
             Ok(n) => pending.extend_from_slice(&chunk[..n]),
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                // Not even a heartbeat within the timeout: a half-open connection.
+                let silent = stream.read_timeout().ok().flatten();
+                shared.state.lock().silent = silent;
+                let _ = stream.shutdown(Shutdown::Both);
+                break;
+            }
+            Err(_) => break,
         }
     }
     shared.state.lock().ended = true;

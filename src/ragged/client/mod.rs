@@ -63,6 +63,9 @@ struct State {
     error: Option<String>,
     closing: Option<Closing>,
     ended: bool,
+    /// The server sent nothing for this long, its heartbeat timeout: the connection is
+    /// taken as lost.
+    silent: Option<Duration>,
 }
 
 /// A connection's parameter fetches: each asked (its id, the fetch, the size its answer must
@@ -108,9 +111,14 @@ fn failure(state: &State) -> Option<EchoError> {
         Some(Closing::Restarting) => {
             Some(EchoError::Disconnected("the server is restarting".into()))
         }
-        None if state.ended => {
-            Some(EchoError::Disconnected("the server closed the connection".into()))
-        }
+        None if state.ended => Some(EchoError::Disconnected(match state.silent {
+            Some(t) => format!(
+                "the server sent nothing for {:.1} s (heartbeat_timeout): the connection is \
+                 taken as lost",
+                t.as_secs_f64()
+            ),
+            None => "the server closed the connection".into(),
+        })),
         None => None,
     }
 }
@@ -159,6 +167,10 @@ pub struct SenderOptions {
     pub durable: Option<usize>,
     /// Compress the leaves the server asks for (its `compress=`) over TCP.
     pub wire_compression: bool,
+    /// `Some(t)`: the server sends a heartbeat every third of `t`, and a connection it sends
+    /// nothing on for `t` is taken as lost (a half-open connection: a partition, a learner
+    /// host gone without a word); with `reconnect` the sender then connects again.
+    pub heartbeat: Option<Duration>,
 }
 
 impl Default for SenderOptions {
@@ -173,6 +185,7 @@ impl Default for SenderOptions {
             dial: None,
             durable: None,
             wire_compression: true,
+            heartbeat: None,
         }
     }
 }

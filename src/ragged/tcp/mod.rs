@@ -117,6 +117,9 @@ struct OpenConn {
     durable: bool,
     /// It hears of each version the learner publishes.
     versions: bool,
+    /// Its worker's heartbeat timeout asked for heartbeats: one every third of it, the next
+    /// due then.
+    beat: Option<(Duration, Instant)>,
 }
 
 /// A worker's session (its hello's session id), across its connections: how many of its
@@ -357,7 +360,7 @@ impl RaggedTcp {
         let notifying = shared.clone();
         let notifier = std::thread::Builder::new()
             .name("echo-ragged-notify".into())
-            .spawn(move || notify_loop(&notifying))?;
+            .spawn(move || notify::notify_loop(&notifying))?;
         shared.threads.lock().push(notifier);
         let accepting = shared.clone();
         let accept = std::thread::Builder::new()
@@ -495,29 +498,6 @@ impl Drop for RaggedTcp {
     }
 }
 
-/// The notifier thread: writes the notices [`RaggedTcp::notify`] hands it, in order, until
-/// the server closes.
-fn notify_loop(shared: &Shared) {
-    loop {
-        let batch = {
-            let mut notices = shared.notices.lock();
-            // ORDERING: SeqCst — pairs with `close`, which sets the flag, then wakes us
-            // under this lock.
-            while notices.is_empty() && !shared.closing.load(Ordering::SeqCst) {
-                shared.noticed.wait(&mut notices);
-            }
-            std::mem::take(&mut *notices)
-        };
-        // ORDERING: SeqCst — as above.
-        if batch.is_empty() && shared.closing.load(Ordering::SeqCst) {
-            return;
-        }
-        for (writer, notice) in batch {
-            let _ = writer.lock().write_all(&notice);
-        }
-    }
-}
-
 fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
     let mut next_id = 0u64;
     for stream in listener.incoming() {
@@ -565,6 +545,7 @@ fn serve(shared: &Arc<Shared>, id: u64, mut stream: TcpStream) -> Result<(), Ech
         closing: hello.notices,
         durable: hello.durable,
         versions: hello.params,
+        beat: notify::beat_for(&hello, Instant::now()),
     });
     // ORDERING: Relaxed — a statistics counter.
     shared.counters.accepted.fetch_add(1, Ordering::Relaxed);
@@ -969,6 +950,7 @@ fn store<S: GroupSource + ?Sized>(
 
 mod fetched;
 mod handshake;
+mod notify;
 mod packed;
 #[cfg(target_os = "linux")]
 mod pump;
