@@ -9,9 +9,10 @@ shared-memory pipe instead of the socket (`shared_memory=`, as for any `TcpClien
 connection connects again (for up to `reconnect_timeout`) and resends exactly what the
 server did not store; with `heartbeat_timeout` (the learner beats every third of it) a
 connection that goes silent is taken as lost too. To a server that keeps policy versions
-every sample carries one (`policy_version`, or `send(version=)`). With `durable=True` it keeps every frame until a
-checkpoint the learner completed holds it, and resends to a restored learner what its
-checkpoint lacks. `params()` fetches the learner's parameters over the same connection.
+every sample carries one (`policy_version`, or `send(version=)`). With `durable=True` it
+keeps every frame until a checkpoint the learner completed holds it, and resends to a
+restored learner what its checkpoint lacks. `params()` fetches the learner's parameters
+over the same connection.
 Over TCP it compresses the leaves the server's `compress=` names (`wire_compression=True`,
 the default), which the server checks and stores as they came; through the pipe they go raw.
 """
