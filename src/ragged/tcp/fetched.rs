@@ -93,12 +93,13 @@ pub(super) fn serve(
         Err(gone) => Chunk::raw(gone.latest, size, 0, 0),
     };
     let wire_len = if header.len > 0 { header.wire_len() } else { 0 };
-    let mut out = writer.lock();
-    out.write_all(&header.encode())?;
-    out.write_all(&bytes[..wire_len])?;
-    drop(out);
+    // Counted before it is written: a worker that has the chunk must find it counted
+    // (a write that fails ends the connection, and its chunk counts as served).
     if wire_len > 0 {
         published.note_served(wire_len);
     }
+    let mut out = writer.lock();
+    out.write_all(&header.encode())?;
+    out.write_all(&bytes[..wire_len])?;
     Ok(())
 }

@@ -391,6 +391,11 @@ pub(crate) async fn serve_fetch(link: &mut Link<'_>, published: &Params) -> io::
         Err(gone) => params::Chunk::raw(gone.latest, size, 0, 0),
     };
     let wire_len = if header.len > 0 { header.wire_len() } else { 0 };
+    // Counted before it is written: a worker that has the chunk must find it counted
+    // (a write that fails ends the connection, and its chunk counts as served).
+    if wire_len > 0 {
+        published.note_served(wire_len);
+    }
     // Out of the turn while it is written (the turn may be passed meanwhile); back in it
     // after, for the next chunk (a write that fails drops it).
     let bytes = std::mem::take(&mut turn.bytes);
@@ -409,9 +414,6 @@ pub(crate) async fn serve_fetch(link: &mut Link<'_>, published: &Params) -> io::
         }
     }
     turn.bytes = bytes;
-    if wire_len > 0 {
-        published.note_served(wire_len);
-    }
     Ok(())
 }
 
