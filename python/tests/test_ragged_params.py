@@ -5,6 +5,7 @@ the fetches."""
 
 from __future__ import annotations
 
+import struct
 import sys
 import threading
 import time
@@ -12,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from testkit.net import HELLO_NOTICES, HELLO_PARAMS, HelloLeaf, v2_handshake
 
 import echo
 from echo import Ragged
@@ -231,3 +233,40 @@ def test_a_worker_on_the_learners_host_copies_the_parameters_from_shared_memory(
         assert stats.params_version == 4
         near.close()
         far.close()
+
+
+def test_a_worker_that_stops_reading_holds_up_no_other_workers_version_notices() -> None:
+    """A peer that asks for parameter chunks and never reads them holds its connection's
+    writes for up to the write timeout (10 s). The notices of new versions to the other
+    workers do not wait for it: each hears of every version at once."""
+    transport = echo.TcpTransport(port=0, host="127.0.0.1")
+    with echo.Server(example(), batch_size=4, transport=transport) as server:
+        assert server.port is not None
+        server.publish(weights(1, n=4_000_000), version=1)  # 16 MB
+        leaves: list[HelloLeaf] = [
+            ("['id']", b"<", b"i", 8, []),
+            ("['tokens']", b"<", b"i", 4, [0xFFFFFFFF]),
+        ]
+        stalled = v2_handshake(server.port, leaves, HELLO_NOTICES | HELLO_PARAMS, rcvbuf=4096)
+        chunk = 1 << 20
+        stalled.sendall(
+            b"".join(
+                struct.pack("<BQQI", 0x32, 0, offset, chunk)
+                for offset in range(0, 16 * chunk, chunk)
+            )
+        )
+        deadline = time.monotonic() + 10
+        while server.stats().params_chunks_served_total < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # Its first chunk's write filled the buffers; the second waits behind it.
+        assert server.stats().params_chunks_served_total >= 2
+        worker = echo.TcpClient("127.0.0.1", server.port, example(), shared_memory=False)
+        started = time.monotonic()
+        for version in (2, 3, 4):
+            server.publish(weights(version, n=4_000_000))
+            deadline = time.monotonic() + 3
+            while worker.params_version < version and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert worker.params_version == version, (version, time.monotonic() - started)
+        worker.close()
+        stalled.close()

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from testkit.net import HELLO_CODECS, HELLO_NOTICES, HelloLeaf, v2_handshake
 
 import echo
 from echo import Packed, Ragged
@@ -168,37 +169,13 @@ def test_refusals_name_what_differs() -> None:
 def _handshake(port: int, codecs: bool = False) -> socket.socket:
     """A raw connection that completes wire v2's handshake for `example()`, by hand (saying
     it sends compressed frames with `codecs`)."""
-    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
-    offer = b""
-    while len(offer) < 38:
-        offer += sock.recv(38 - len(offer))
-    assert offer[:6] == b"ECHO\x02o"
-    nonce = offer[6:]
-    leaves: list[tuple[str, bytes, bytes, int, list[int]]] = [
+    leaves: list[HelloLeaf] = [
         ("['id']", b"<", b"i", 8, []),
         ("['logp']", b"<", b"f", 4, [0xFFFFFFFF]),
         ("['tokens']", b"<", b"i", 4, [0xFFFFFFFF]),
     ]
-    body = (
-        bytes([4 | (8 if codecs else 0)])
-        + bytes(16)
-        + struct.pack("<QI", 0, 0)
-        + bytes(16)
-        + struct.pack("<I", len(leaves))
-    )
-    for name, order, kind, size, dims in leaves:
-        body += (
-            struct.pack("<H", len(name))
-            + name.encode()
-            + order
-            + kind
-            + struct.pack("<II", size, len(dims))
-        )
-        body += b"".join(struct.pack("<I", d) for d in dims)
-    sock.sendall(nonce + b"ECHO\x02" + struct.pack("<I", len(body)) + body)
-    reply = sock.recv(4096)
-    assert reply[:6] == b"ECHO\x02\x00", reply
-    return sock
+    flags = HELLO_NOTICES | (HELLO_CODECS if codecs else 0)
+    return v2_handshake(port, leaves, flags)
 
 
 def test_a_hostile_header_gets_an_error_and_stores_nothing(server: echo.Server) -> None:

@@ -1,8 +1,10 @@
-"""What the TCP test files share: raw-socket reads and taking a number of batches."""
+"""What the TCP test files share: raw-socket reads, a wire-v2 handshake by hand and taking a
+number of batches."""
 
 from __future__ import annotations
 
 import socket
+import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -36,3 +38,36 @@ def take(
         assert sample is not None, "the server was closed"
         ids += batch_ids(sample.batch)
     return ids
+
+
+# A leaf as a wire-v2 hello describes it: name, byte order, kind, itemsize, dimensions
+# (0xFFFFFFFF: a ragged axis).
+HelloLeaf = tuple[str, bytes, bytes, int, list[int]]
+
+HELLO_NOTICES = 4
+HELLO_CODECS = 8
+HELLO_PARAMS = 32
+
+
+def v2_handshake(
+    port: int, leaves: list[HelloLeaf], flags: int = HELLO_NOTICES, rcvbuf: int | None = None
+) -> socket.socket:
+    """A raw connection that completes wire v2's handshake by hand, its hello describing
+    `leaves` (sorted by name, as the server's layout is) with `flags`; `rcvbuf` shrinks its
+    receive buffer before it connects (a peer that stops reading fills it at once)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.settimeout(5)
+    sock.connect((LOCALHOST, port))
+    offer = recv_exact(sock, 38)
+    assert offer[:6] == b"ECHO\x02o", offer
+    body = bytes([flags]) + bytes(16) + struct.pack("<QI", 0, 0) + bytes(16)
+    body += struct.pack("<I", len(leaves))
+    for name, order, kind, size, dims in leaves:
+        body += struct.pack("<H", len(name)) + name.encode() + order + kind
+        body += struct.pack("<II", size, len(dims)) + b"".join(struct.pack("<I", d) for d in dims)
+    sock.sendall(offer[6:] + b"ECHO\x02" + struct.pack("<I", len(body)) + body)
+    reply = sock.recv(4096)
+    assert reply[:6] == b"ECHO\x02\x00", reply
+    return sock
