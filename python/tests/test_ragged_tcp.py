@@ -468,6 +468,45 @@ def test_a_restored_server_keeps_its_workers_sessions_and_they_go_on_exactly_onc
         second.close()
 
 
+@pytest.mark.parametrize("path", ["tcp", pytest.param("shm", marks=SHM)])
+def test_a_checkpoint_of_a_full_table_waits_for_none_of_the_blocked_workers(
+    tmp_path: Any, path: str
+) -> None:
+    """24 workers' frames wait for room in a full FIFO table (each connection looks again
+    every 100 ms). A checkpoint then copies the table and counts every session without
+    waiting for any of them (it used to take each one's insert slice in turn, a second or
+    more here), and every sample still arrives once after it."""
+    transport = echo.TcpTransport(port=0, host="127.0.0.1")
+    with echo.Server(example(), 1, transport=transport, num_buffers=8) as server:
+        assert server.port is not None
+        workers = [
+            echo.TcpClient("127.0.0.1", server.port, example(), shared_memory=path == "shm")
+            for _ in range(32)
+        ]
+        assert {w.transport_path for w in workers} == {path}
+        for i, worker in enumerate(workers):
+            worker.send(make(i), timeout=10)
+        deadline = time.monotonic() + 10
+        while server.stats().store_size < 8 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)  # the other 24 are blocked in their inserts
+        assert server.stats().store_size == 8
+        started = time.monotonic()
+        server.checkpoint(tmp_path / "ckpt")
+        took = time.monotonic() - started
+        assert took < 0.5, f"the checkpoint waited {took:.2f} s for blocked workers"
+        ids: list[int] = []
+        while len(ids) < 32:
+            batch = server.sample(timeout=10)
+            assert batch is not None
+            ids += [int(i) for i in batch.batch["id"]]
+        assert sorted(ids) == list(range(32))
+        for worker in workers:
+            worker.close()
+    with echo.Server.restore(tmp_path / "ckpt") as restored:
+        assert restored.stats().store_size == 8
+
+
 def test_a_worker_that_cannot_reconnect_in_time_says_so_and_sends_no_more(
     server: echo.Server,
 ) -> None:

@@ -695,12 +695,13 @@ impl RaggedCore {
     )> {
         let table = &self.table;
         let tcp = self.tcp.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let (out, sessions) = py.detach(|| match tcp.as_ref() {
-            // With workers: their sessions' counts, matching the entries exactly.
-            Some(tcp) => tcp.snapshot(|| table.export()),
-            None => (table.export(), Vec::new()),
-        });
-        let out = out.map_err(to_pyerr)?;
+        let (out, sessions) = py
+            .detach(|| match tcp.as_ref() {
+                // With workers: their sessions' counts, matching the entries exactly.
+                Some(tcp) => tcp.snapshot(),
+                None => table.export().map(|out| (out, Vec::new())),
+            })
+            .map_err(to_pyerr)?;
         let as_i64 = |v: Vec<usize>| v.into_iter().map(|x| x as i64).collect::<Vec<i64>>();
         Ok((
             out.values.into_iter().map(|v| PyArray1::from_vec(py, v)).collect(),

@@ -159,6 +159,22 @@ impl RaggedTable {
         priority: Option<f64>,
         deadline: Option<Instant>,
     ) -> Result<u64, EchoError> {
+        self.insert_from_then(samples, priority, deadline, || {})
+    }
+
+    /// [`RaggedTable::insert_from`], running `committed` once the samples are taken: under
+    /// the table's lock with their entry (so that what [`RaggedTable::export_with`] reads
+    /// under it matches the entries), or, for samples dropped as stale, without it.
+    ///
+    /// # Errors
+    /// As [`RaggedTable::insert_group`]; `committed` does not run then.
+    pub fn insert_from_then<S: GroupSource + ?Sized>(
+        &self,
+        samples: &S,
+        priority: Option<f64>,
+        deadline: Option<Instant>,
+        committed: impl FnOnce(),
+    ) -> Result<u64, EchoError> {
         let budget_rows = self.check_entry(samples, priority)?;
         let count = samples.samples();
         if count > self.config.max_size {
@@ -182,6 +198,7 @@ impl RaggedTable {
                     .unwrap_or(0);
                 if oldest < versions.floor() {
                     versions.note_stale_at_insert(count as u64);
+                    committed();
                     return Ok(DROPPED);
                 }
                 oldest
@@ -334,6 +351,7 @@ impl RaggedTable {
         state.stats.entries += 1;
         state.stats.inserted += count as u64;
         state.stats.groups_inserted += u64::from(count > 1);
+        committed();
         // A FIFO consumer waits for a complete batch: woken only once there is one (a writer
         // that starts waiting for room wakes it too, above), not by every insert before.
         let wake = state.consumer_waiting

@@ -457,7 +457,20 @@ impl RaggedTable {
     /// # Errors
     /// [`EchoError::Sample`] if a stored compressed sample does not decompress.
     pub fn export(&self) -> Result<RaggedExport, EchoError> {
+        self.export_with(|| ()).map(|(out, ())| out)
+    }
+
+    /// [`RaggedTable::export`], and what `during` returns, run under the same lock: what
+    /// inserts raise with their entries (`insert_from_then`) it reads as of the copy.
+    ///
+    /// # Errors
+    /// As [`RaggedTable::export`].
+    pub fn export_with<T>(
+        &self,
+        during: impl FnOnce() -> T,
+    ) -> Result<(RaggedExport, T), EchoError> {
         let state = self.state.lock();
+        let seen = during();
         let ncols = state.columns;
         let mut out = RaggedExport {
             values: vec![Vec::new(); ncols],
@@ -508,7 +521,7 @@ impl RaggedTable {
                 }
             }
         }
-        Ok(out)
+        Ok((out, seen))
     }
 
     /// Sets the draw count of the entry `key` (a restored checkpoint's); false if it is gone.

@@ -53,11 +53,15 @@ fn take_session(shared: &Shared, hello: &v2::Hello, id: u64) -> (Owned, u64) {
     // Waits for an insert of the previous owner in progress; after it, that one stores
     // nothing more.
     let (previous, stored) = {
-        let mut state = session.state.lock();
-        let previous = std::mem::replace(&mut state.owner, id);
+        let _turn = session.turn.lock();
+        // ORDERING: SeqCst — see `Session::owner`.
+        let previous = session.owner.swap(id, Ordering::SeqCst);
         *session.idle_since.lock() = None;
-        state.stored = state.stored.max(hello.first_seq);
-        (previous, state.stored)
+        // ORDERING: Relaxed — a count read under the table's lock by a snapshot, for which
+        // either side of this raise is right (the samples below `first_seq` are in no
+        // table of this server).
+        let stored = session.stored.fetch_max(hello.first_seq, Ordering::Relaxed);
+        (previous, stored.max(hello.first_seq))
     };
     if previous != 0 {
         for conn in shared.conns.lock().iter() {

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use super::spec::Column;
-use super::table::{GroupSource, RaggedTable, SampleIn};
+use super::table::{GroupSource, RaggedExport, RaggedTable, SampleIn};
 use super::wire::Head;
 use super::wire::{
     decode_head, head_len, is_packed, GROUP, GROUP_PACKED, GROUP_PACKED_PRIORITY, GROUP_PRIORITY,
@@ -63,7 +63,7 @@ pub struct TcpOptions {
     pub session_timeout: Duration,
     /// Sessions to start with (a restored checkpoint's, see [`RaggedTcp::snapshot`]): each
     /// worker's session id and the samples of it stored.
-    pub sessions: Vec<([u8; 16], u64)>,
+    pub sessions: SessionCounts,
     /// The learner's published parameters, which workers fetch (`None`: none served).
     pub params: Option<Arc<Params>>,
 }
@@ -104,6 +104,9 @@ pub struct TcpCounters {
     pub compressed_bytes: AtomicU64,
 }
 
+/// Per worker session: its id and how many of its samples are stored (or persisted).
+pub type SessionCounts = Vec<([u8; 16], u64)>;
+
 /// A notice for a worker (persisted, a version) and the connection it goes to.
 type Notice = (Arc<Mutex<TcpStream>>, Vec<u8>);
 
@@ -128,23 +131,40 @@ struct OpenConn {
 /// (`resume_seq`): it resends exactly the frames after that, so each sample is stored once.
 #[derive(Default)]
 struct Session {
-    state: Mutex<SessionState>,
-    /// Since when no connection owns it: apart from `state`, which a connection holds
-    /// through an insert that may wait for room, so that forgetting idle sessions never
-    /// waits for one.
+    /// Samples of the worker's frames stored (whole frames: a frame is stored atomically).
+    /// Raised under the table's lock with the frame's entry (`insert_from_then`), so that a
+    /// checkpoint that reads it under that lock too sees the count that matches its entries.
+    stored: AtomicU64,
+    /// Samples of the session in a completed checkpoint (a restored session: all of its
+    /// `stored`): what a durable worker may let go of.
+    persisted: AtomicU64,
+    /// The connection that owns the session (0: none); a connection that lost it to a newer
+    /// one of the same worker stores nothing more. Changed under `turn`; read without it
+    /// by whoever tells the owner something.
+    owner: AtomicU64,
+    /// Held by the owning connection through each insert (which may wait for room): a
+    /// newer connection of the same worker takes the session over between two inserts,
+    /// never during one. Nothing else waits for it: a checkpoint reads `stored` under the
+    /// table's lock and `persisted` and `owner` as they are.
+    turn: Mutex<()>,
+    /// Since when no connection owns it.
     idle_since: Mutex<Option<Instant>>,
 }
 
-#[derive(Default)]
-struct SessionState {
-    /// Samples of the worker's frames stored (whole frames: a frame is stored atomically).
-    stored: u64,
-    /// The connection that owns the session (0: none); a connection that lost it to a newer
-    /// one of the same worker stores nothing more.
-    owner: u64,
-    /// Samples of the session in a completed checkpoint (a restored session: all of its
-    /// `stored`): what a durable worker may let go of.
-    persisted: u64,
+impl Session {
+    /// The connection that owns it now (0: none).
+    fn owner(&self) -> u64 {
+        // ORDERING: SeqCst — with `persisted` (see `RaggedTcp::persisted`): a checkpoint
+        // raises `persisted` then reads the owner, a new owner is set then reads
+        // `persisted`, so one of the two tells the new connection.
+        self.owner.load(Ordering::SeqCst)
+    }
+
+    /// Samples of it in a completed checkpoint.
+    fn persisted(&self) -> u64 {
+        // ORDERING: SeqCst — see `owner`.
+        self.persisted.load(Ordering::SeqCst)
+    }
 }
 
 /// A connection's hold on its worker's session.
@@ -155,9 +175,10 @@ struct Owned {
 
 impl Drop for Owned {
     fn drop(&mut self) {
-        let mut state = self.session.state.lock();
-        if state.owner == self.id {
-            state.owner = 0;
+        let _turn = self.session.turn.lock();
+        if self.session.owner() == self.id {
+            // ORDERING: SeqCst — see `Session::owner`.
+            self.session.owner.store(0, Ordering::SeqCst);
             *self.session.idle_since.lock() = Some(Instant::now());
         }
     }
@@ -324,8 +345,13 @@ impl RaggedTcp {
         let sessions = sessions
             .into_iter()
             .map(|(id, stored)| {
-                let state = Mutex::new(SessionState { stored, owner: 0, persisted: stored });
-                (id, Arc::new(Session { state, idle_since: Mutex::new(Some(now)) }))
+                let session = Session {
+                    stored: AtomicU64::new(stored),
+                    persisted: AtomicU64::new(stored),
+                    idle_since: Mutex::new(Some(now)),
+                    ..Session::default()
+                };
+                (id, Arc::new(session))
             })
             .collect();
         let addr = (host, port)
@@ -379,22 +405,26 @@ impl RaggedTcp {
         &self.shared.counters
     }
 
-    /// Runs `export` (a copy of the table's entries, for a checkpoint) while no worker's
-    /// frame is being stored, and returns it with every session's count of samples stored,
-    /// which then match it exactly: a restored server with these sessions tells each
-    /// reconnecting worker to resend precisely the frames the checkpoint lacks.
-    pub fn snapshot<T>(&self, export: impl FnOnce() -> T) -> (T, Vec<([u8; 16], u64)>) {
-        // The map's lock keeps new sessions out; each session's lock waits for its
-        // connection's insert in progress and holds the next one back (a connection takes
-        // its session's lock, then the table's: the same order as here).
-        let sessions = self.shared.sessions.lock();
-        let held: Vec<([u8; 16], &Arc<Session>)> =
-            sessions.iter().map(|(id, session)| (*id, session)).collect();
-        let guards: Vec<_> = held.iter().map(|(id, s)| (*id, s.state.lock())).collect();
-        let exported = export();
-        let counts = guards.iter().map(|(id, state)| (*id, state.stored)).collect();
-        drop(guards);
-        (exported, counts)
+    /// A copy of the table's entries (for a checkpoint) with every session's count of
+    /// samples stored, which match it exactly: a restored server with these sessions tells
+    /// each reconnecting worker to resend precisely the frames the checkpoint lacks. The
+    /// counts are read under the table's lock, which each frame's count is raised under
+    /// with its entry: no worker's insert is waited for, not even one blocked on a full
+    /// table.
+    ///
+    /// # Errors
+    /// As [`RaggedTable::export`].
+    pub fn snapshot(&self) -> Result<(RaggedExport, SessionCounts), EchoError> {
+        self.shared.table.export_with(|| {
+            // Under the table's lock; nothing takes the table's lock holding this one.
+            let sessions = self.shared.sessions.lock();
+            sessions
+                .iter()
+                // ORDERING: Relaxed — raised and read under the table's lock, which orders
+                // them.
+                .map(|(id, session)| (*id, session.stored.load(Ordering::Relaxed)))
+                .collect()
+        })
     }
 
     /// A checkpoint holding `sessions` (as [`RaggedTcp::snapshot`] counted them) completed:
@@ -406,10 +436,11 @@ impl RaggedTcp {
             let map = self.shared.sessions.lock();
             for (id, count) in sessions {
                 let Some(session) = map.get(id) else { continue };
-                let mut state = session.state.lock();
-                state.persisted = state.persisted.max(*count);
-                if state.owner != 0 {
-                    notices.push((state.owner, state.persisted));
+                // ORDERING: SeqCst — see `Session::owner`.
+                let persisted = session.persisted.fetch_max(*count, Ordering::SeqCst).max(*count);
+                let owner = session.owner();
+                if owner != 0 {
+                    notices.push((owner, persisted));
                 }
             }
         }
@@ -565,7 +596,7 @@ fn serve(shared: &Arc<Shared>, id: u64, mut stream: TcpStream) -> Result<(), Ech
     if hello.durable {
         // Where its session is persisted, at once: a restored session is persisted as far
         // as it stands.
-        let persisted = owned.session.state.lock().persisted;
+        let persisted = owned.session.persisted();
         if persisted > 0 {
             writer.lock().write_all(&v2::encode_persisted(persisted))?;
         }
@@ -931,15 +962,16 @@ fn store<S: GroupSource + ?Sized>(
         let deadline = Some(Instant::now() + INSERT_SLICE);
         // Under the session's lock: a newer connection of the same worker takes the session
         // over between two tries, never during one.
-        let mut session = owned.session.state.lock();
-        if session.owner != owned.id {
+        let _turn = owned.session.turn.lock();
+        if owned.session.owner() != owned.id {
             return Ok(false);
         }
-        match shared.table.insert_from(samples, priority, deadline) {
-            Ok(_) => {
-                session.stored += samples.samples() as u64;
-                return Ok(true);
-            }
+        let stored = || {
+            // ORDERING: Relaxed — under the table's lock (see `Session::stored`).
+            owned.session.stored.fetch_add(samples.samples() as u64, Ordering::Relaxed);
+        };
+        match shared.table.insert_from_then(samples, priority, deadline, stored) {
+            Ok(_) => return Ok(true),
             // ORDERING: SeqCst — pairs with `close`.
             Err(EchoError::TimedOut) if !shared.closing.load(Ordering::SeqCst) => {}
             Err(EchoError::TimedOut | EchoError::Closed) => return Ok(false),

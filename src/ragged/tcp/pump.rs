@@ -262,16 +262,17 @@ fn store_once(
     deadline: Instant,
 ) -> Result<Option<()>, Stop> {
     // Under the session's lock, as the blocking reader stores (see `super::store`).
-    let mut session = owned.session.state.lock();
-    if session.owner != owned.id {
+    let _turn = owned.session.turn.lock();
+    if owned.session.owner() != owned.id {
         return Err(Stop::SessionLost);
     }
     let deadline = deadline.min(Instant::now() + INSERT_SLICE);
-    match shared.table.insert_from(source, priority, Some(deadline)) {
-        Ok(_) => {
-            session.stored += source.samples() as u64;
-            Ok(Some(()))
-        }
+    let stored = || {
+        // ORDERING: Relaxed — under the table's lock (see `Session::stored`).
+        owned.session.stored.fetch_add(source.samples() as u64, Ordering::Relaxed);
+    };
+    match shared.table.insert_from_then(source, priority, Some(deadline), stored) {
+        Ok(_) => Ok(Some(())),
         Err(EchoError::TimedOut) => Ok(None),
         Err(_) => Err(Stop::Refused),
     }
