@@ -22,7 +22,7 @@ from echo._tally import Tally
 from echo._validate import check_int
 from echo.checkpoint import encode
 from echo.compression import Lz4, Zstd
-from echo.ragged import RaggedBuffer
+from echo.ragged import MAX_PAD_MULTIPLE, RaggedBuffer
 from echo.replay import Fifo, MinSize, Prioritized, Remover, Uniform
 from echo.sample import Sample
 from echo.server import Server
@@ -93,16 +93,27 @@ class RaggedServer(Server):
         if not isinstance(name, str) or not name:  # pyright: ignore[reportUnnecessaryIsInstance]
             raise ValueError(f"name must be a non-empty str, got {name!r}")
         self._name = name
+        # Plain ints from here on (a numpy integer is taken, and kept as an int: the
+        # settings go into a checkpoint's JSON).
+        batch_size = check_int("batch_size", batch_size, 1)
+        num_buffers = check_int("num_buffers", num_buffers, 2)
+        max_size = None if max_size is None else check_int("max_size", max_size, 1)
+        max_bytes = None if max_bytes is None else check_int("max_bytes", max_bytes, 1)
+        max_times_sampled = check_int("max_times_sampled", max_times_sampled, 0)
+        seed = None if seed is None else check_int("seed", seed, 0)
+        if batch_tokens is not None:
+            batch_tokens = check_int("batch_tokens", batch_tokens, 1)
+        pad_to_multiple = check_int("pad_to_multiple", pad_to_multiple, 1, MAX_PAD_MULTIPLE)
         self._buffer = RaggedBuffer(
             example,
-            check_int("batch_size", batch_size, 1),
-            num_buffers=check_int("num_buffers", num_buffers, 2),
+            batch_size,
+            num_buffers=num_buffers,
             sampler=sampler,
-            max_size=None if max_size is None else check_int("max_size", max_size, 1),
-            max_bytes=None if max_bytes is None else check_int("max_bytes", max_bytes, 1),
+            max_size=max_size,
+            max_bytes=max_bytes,
             rate_limiter=rate_limiter,
-            max_times_sampled=check_int("max_times_sampled", max_times_sampled, 0),
-            seed=None if seed is None else check_int("seed", seed, 0),
+            max_times_sampled=max_times_sampled,
+            seed=seed,
             batch_tokens=batch_tokens,
             token_group=token_group,
             layout=layout,
@@ -144,12 +155,17 @@ class RaggedServer(Server):
             "token_group": token_group,
             "layout": layout,
             "compress": {
-                name: {"codec": type(codec).__name__, "level": getattr(codec, "level", 0)}
+                name: {
+                    "codec": type(codec).__name__,
+                    "level": getattr(codec, "level", 0),
+                    "force": codec.force,  # a float leaf's: restored with it
+                }
                 for name, codec in self.compress.items()
             },
             "pad_to_multiple": pad_to_multiple,
             "min_size": 1 if rate_limiter is None else rate_limiter.min_size,
             "max_times_sampled": max_times_sampled,
+            "seed": seed,
             "name": name,
             "policy_versions": versions["policy_versions"],
             "max_staleness": versions["max_staleness"],
@@ -187,7 +203,9 @@ class RaggedServer(Server):
         saved_name = settings.pop("name")
         batch_size = settings.pop("batch_size")
         codecs = {
-            name: Zstd(spec["level"]) if spec["codec"] == "Zstd" else Lz4()
+            name: Zstd(spec["level"], force=spec.get("force", False))
+            if spec["codec"] == "Zstd"
+            else Lz4(force=spec.get("force", False))
             for name, spec in settings.pop("compress", {}).items()
         }
         settings["compress"] = codecs or None

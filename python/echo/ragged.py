@@ -25,6 +25,10 @@ from echo._validate import check_int
 from echo.replay import Fifo, MinSize, Prioritized, Uniform
 from echo.sample import Sample
 
+MAX_PAD_MULTIPLE = 1 << 16
+"""The largest `pad_to_multiple`: a padded batch's rows are rounded up to a multiple of it
+(a kernel's tile, 8 to 128 as a rule), never to more than this."""
+
 __all__ = ["Packed", "Padded", "Ragged", "has_ragged_leaves"]
 
 
@@ -347,8 +351,14 @@ class RaggedBuffer:
                 f"got {rate_limiter!r}"
             )
         min_size = 1 if rate_limiter is None else rate_limiter.min_size
+        if min_size > capacity:
+            held = "max_size" if kind != "fifo" else "batch_size x num_buffers"
+            raise ValueError(
+                f"MinSize({min_size}) can never be reached: the table holds at most {held} "
+                f"({capacity}) samples"
+            )
         self.default_padded = _layout_arg(layout)
-        self.pad_to_multiple = check_int("pad_to_multiple", pad_to_multiple, 1)
+        self.pad_to_multiple = check_int("pad_to_multiple", pad_to_multiple, 1, MAX_PAD_MULTIPLE)
         tokens = None
         if batch_tokens is not None:
             rows = check_int("batch_tokens", batch_tokens, 1)
@@ -390,7 +400,7 @@ class RaggedBuffer:
         multiple = (
             self.pad_to_multiple
             if pad_to_multiple is None
-            else check_int("pad_to_multiple", pad_to_multiple, 1)
+            else check_int("pad_to_multiple", pad_to_multiple, 1, MAX_PAD_MULTIPLE)
         )
         started = time.monotonic_ns()
         got = self.core.sample(timeout, padded, multiple)

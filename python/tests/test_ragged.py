@@ -5,6 +5,7 @@ refusals that name the leaf and the numbers and store nothing."""
 from __future__ import annotations
 
 import gc
+import json
 import threading
 import time
 from pathlib import Path
@@ -560,3 +561,29 @@ def test_a_damaged_ragged_checkpoint_is_refused_naming_the_file(tmp_path: Any) -
     restored = echo.Server.restore(good)
     assert restored.stats().store_size == 20
     restored.close()
+
+
+def test_a_checkpoint_keeps_numpy_int_settings_a_forced_codec_and_the_seed(
+    tmp_path: Path,
+) -> None:
+    ex = {"lp": Ragged(8, np.float32), "id": np.zeros((), np.int64)}
+    server = echo.Server(
+        ex, np.int64(2), sampler=echo.Uniform(), max_size=np.int64(10), seed=np.int64(7),
+        compress={"lp": echo.Lz4(force=True)}, pad_to_multiple=np.int32(2),
+    )  # fmt: skip
+    assert type(server.batch_size) is int
+    for i in range(4):
+        server.submit({"lp": np.full(i + 1, i, np.float32), "id": np.int64(i)})
+    server.checkpoint(tmp_path / "ckpt")
+    settings = json.loads((tmp_path / "ckpt" / "ragged.json").read_text())["settings"]
+    assert (settings["batch_size"], settings["max_size"], settings["seed"]) == (2, 10, 7)
+    with echo.Server.restore(tmp_path / "ckpt") as restored:
+        assert restored.compress == server.compress
+        assert restored.stats().store_size == 4
+        s = restored.sample(timeout=5)
+        assert s is not None
+        packed = s.batch["lp"]
+        rows = np.split(packed.values, packed.cu_seqlens[1:-1])
+        for i, values in zip(s.batch["id"], rows, strict=True):
+            assert values.tolist() == [float(i)] * (int(i) + 1)
+    server.close()

@@ -173,6 +173,39 @@ impl Arena {
         fresh <= self.free.len()
     }
 
+    /// Whether `demands` (as [`Arena::fits`]) would fit with every extent gone: each column
+    /// keeps its head (a head changes only by allocation), every other block is free, and
+    /// a head that a column leaves for a fresh block comes free just after (its last
+    /// claim). An entry that fails this can never be stored, whatever is evicted.
+    pub(crate) fn fits_alone(&self, demands: &[(usize, usize, usize)]) -> bool {
+        // Per column: its head's bytes used, and whether this entry's bytes are in it.
+        let mut heads: Vec<Option<(usize, bool)>> =
+            self.heads.iter().map(|h| h.map(|h| (h.used, false))).collect();
+        let mut free = self.blocks - heads.iter().flatten().count();
+        for &(column, bytes, align) in demands {
+            if bytes == 0 {
+                continue;
+            }
+            match heads[column] {
+                Some((used, _)) if align_up(used, align) + bytes <= self.block_bytes => {
+                    heads[column] = Some((align_up(used, align) + bytes, true));
+                }
+                old => {
+                    if free == 0 {
+                        return false;
+                    }
+                    free -= 1;
+                    // A head left with none of this entry's bytes comes free after.
+                    if old.is_some_and(|(_, own)| !own) {
+                        free += 1;
+                    }
+                    heads[column] = Some((bytes, true));
+                }
+            }
+        }
+        true
+    }
+
     /// Room for `bytes` of `column` aligned to `align`, or `None` when no block is free.
     pub(crate) fn alloc(&mut self, column: usize, bytes: usize, align: usize) -> Option<Extent> {
         if bytes == 0 {
@@ -316,5 +349,24 @@ mod tests {
         assert!(arena.alloc(1, 1, 1).is_none());
         assert_eq!(arena.alloc(1, 0, 1), Some(Extent::NONE));
         assert!(Arena::new(4096, 2, 4096).is_err());
+    }
+
+    #[test]
+    fn fits_alone_counts_the_heads_that_stay_and_the_ones_left_behind() {
+        let mut arena = Arena::new(3 * 4096, 2, 4096).unwrap();
+        assert!(arena.fits_alone(&[(0, 4096, 1), (0, 4096, 1), (0, 4096, 1)]));
+        assert!(!arena.fits_alone(&[(0, 4096, 1), (0, 4096, 1), (0, 4096, 1), (1, 1, 1)]));
+        arena.alloc(1, 10, 1).unwrap();
+        // Column 1's head stays (3 blocks, 1 taken by it); its room takes 4000 more.
+        assert!(arena.fits_alone(&[(0, 4096, 1), (0, 4096, 1), (1, 4000, 1)]));
+        assert!(!arena.fits_alone(&[(0, 4096, 1), (0, 4096, 1), (0, 4096, 1)]));
+        // Leaving column 1's head for a fresh block frees it (none of the entry is in it).
+        assert!(arena.fits_alone(&[(1, 4096, 1), (0, 4096, 1), (0, 4096, 1)]));
+        // ... but not a head that holds the entry's own first bytes.
+        assert!(!arena.fits_alone(&[(1, 100, 1), (1, 4096, 1), (0, 4096, 1), (0, 4096, 1)]));
+        // Filling the arena changes nothing: every extent would be gone.
+        arena.alloc(0, 4096, 1).unwrap();
+        arena.alloc(0, 4096, 1).unwrap();
+        assert!(arena.fits_alone(&[(0, 4096, 1), (0, 4096, 1), (1, 4000, 1)]));
     }
 }

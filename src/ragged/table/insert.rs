@@ -259,12 +259,20 @@ impl RaggedTable {
             if room {
                 break;
             }
-            let empty = state.order.is_empty() && state.held.is_empty() && state.pins == 0;
-            if empty {
+            // Before anything is evicted or waited for: an entry that would not fit even
+            // with every other one gone is refused as it is.
+            if !state.arena.fits_alone(&demands) {
                 return Err(EchoError::Sample(format!(
-                    "an entry of {} bytes does not fit in the table's arena ({} bytes in \
-                     blocks of {}); raise max_bytes",
+                    "an entry of {} bytes in {} leaves does not fit in the table's arena even \
+                     empty ({} bytes in blocks of {}; each leaf fills blocks of its own); \
+                     raise max_bytes",
                     demands.iter().map(|d| d.1).sum::<usize>(),
+                    demands
+                        .iter()
+                        .filter(|d| d.1 > 0)
+                        .map(|d| d.0)
+                        .collect::<std::collections::BTreeSet<_>>()
+                        .len(),
                     state.arena.capacity(),
                     state.arena.block_bytes()
                 )));

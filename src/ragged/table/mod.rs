@@ -710,20 +710,27 @@ impl RaggedTable {
         (take, false)
     }
 
-    /// Draws a replay batch and pins its bytes.
+    /// Draws a replay batch and pins its bytes. Each draw counts at once (a sample drawn
+    /// twice in one batch says 1, then 2), and an entry that reaches `max_times_sampled` is
+    /// drawn no more: withdrawn from the draw at once, removed once its bytes are pinned.
+    /// A batch that runs out of entries to draw before it is full is put back as it was
+    /// and waits for more to arrive (as a fixed-shape table's does).
     fn pick_replay(
         &self,
         state: &mut MutexGuard<'_, State>,
         deadline: Option<Instant>,
     ) -> Result<Option<Picked>, EchoError> {
         let floor = self.version_floor();
-        let (mut ids, mut probabilities) = (Vec::new(), Vec::new());
+        let limit = self.config.max_times_sampled;
+        let (mut ids, mut probabilities, mut times) = (Vec::new(), Vec::new(), Vec::new());
+        let mut spent: Vec<u32> = Vec::new();
+        let mut starved = false;
         'draw: loop {
             loop {
                 if state.closed {
                     return Ok(None);
                 }
-                if self.can_draw(state) {
+                if !starved && self.can_draw(state) {
                     break;
                 }
                 if passed(deadline) {
@@ -732,9 +739,17 @@ impl RaggedTable {
                 state.consumer_waiting = true;
                 wait(&self.filled, state, deadline);
                 state.consumer_waiting = false;
+                starved = false;
             }
             let (mut samples, mut rows) = (0usize, 0usize);
             while samples < self.config.batch_size {
+                if !self.can_draw(state) {
+                    // The entries left were all spent by this batch's draws.
+                    self.undraw(state, &ids, &spent);
+                    (ids, probabilities, times, spent) = Default::default();
+                    starved = true;
+                    continue 'draw;
+                }
                 let u = state.rng.next_f64();
                 let (id, probability) = match state.tree.as_ref() {
                     None => {
@@ -748,18 +763,15 @@ impl RaggedTable {
                         (id as u32, tree.get(id).unwrap_or(0.0) / total)
                     }
                 };
-                let entry = state.entries[id as usize].as_ref().expect("a live entry");
+                let entry = state.entries[id as usize].as_mut().expect("a live entry");
                 if entry.version < floor {
                     // Stale since it went in: removed, never handed out, and counted once.
                     let n = Self::remove(state, id);
                     if let Some(versions) = &self.versions {
                         versions.note_stale_at_sample(n as u64);
                     }
-                    if !self.can_draw(state) {
-                        if ids.is_empty() {
-                            continue 'draw;
-                        }
-                        break;
+                    if !self.can_draw(state) && ids.is_empty() {
+                        continue 'draw;
                     }
                     continue;
                 }
@@ -773,6 +785,12 @@ impl RaggedTable {
                 }
                 samples += entry.slots.len();
                 rows += entry.budget_rows;
+                entry.times_sampled += 1;
+                times.push(entry.times_sampled);
+                if limit > 0 && entry.times_sampled >= limit {
+                    Self::withdraw(state, id);
+                    spent.push(id);
+                }
                 ids.push(id);
                 probabilities.push(probability);
                 if self.config.batch_tokens.is_some_and(|(_, budget)| rows == budget) {
@@ -781,19 +799,54 @@ impl RaggedTable {
             }
             break;
         }
-        let picked = self.collect(state, &ids, Some(probabilities), true);
-        // Count the draws, and remove the entries that reached their limit (their bytes
-        // stay pinned until the copy is done).
-        for &id in &ids {
-            let Some(entry) = state.entries[id as usize].as_mut() else { continue };
-            entry.times_sampled += 1;
-            let limit = self.config.max_times_sampled;
-            if limit > 0 && entry.times_sampled >= limit {
-                let n = Self::remove(state, id);
-                state.stats.removed_max_times_sampled += n as u64;
-            }
+        let picked = self.collect(state, &ids, Some((probabilities, times)), true);
+        // The entries that reached their limit go (their bytes stay pinned until the copy
+        // is done).
+        for &id in &spent {
+            let n = Self::remove(state, id);
+            state.stats.removed_max_times_sampled += n as u64;
         }
         Ok(Some(picked))
+    }
+
+    /// Takes entry `id` out of the draw (the live list, the priority tree) and keeps its
+    /// bytes: one that reached `max_times_sampled` in the batch being drawn.
+    fn withdraw(state: &mut State, id: u32) {
+        let Some(entry) = state.entries[id as usize].as_mut() else { return };
+        let at = std::mem::replace(&mut entry.live_at, usize::MAX);
+        if at != usize::MAX {
+            let last = state.live.pop().expect("the entry is live");
+            if last != id {
+                state.live[at] = last;
+                if let Some(moved) = state.entries[last as usize].as_mut() {
+                    moved.live_at = at;
+                }
+            }
+        }
+        if let Some(tree) = state.tree.as_mut() {
+            let _ = tree.clear(id as usize);
+        }
+    }
+
+    /// Puts a batch's draws back: `ids`' counts as they were, and the `spent` entries back
+    /// in the draw.
+    fn undraw(&self, state: &mut State, ids: &[u32], spent: &[u32]) {
+        for &id in ids {
+            if let Some(entry) = state.entries[id as usize].as_mut() {
+                entry.times_sampled -= 1;
+            }
+        }
+        for &id in spent {
+            let Some(entry) = state.entries[id as usize].as_mut() else { continue };
+            entry.live_at = state.live.len();
+            let priority = entry.priority;
+            state.live.push(id);
+            if let (Some(tree), RaggedSampler::Prioritized { exponent }) =
+                (state.tree.as_mut(), &self.config.sampler)
+            {
+                let _ = tree.set(id as usize, priority.powf(*exponent));
+            }
+        }
     }
 
     /// Whether a replay draw can be made now: enough samples, a live entry, and (prioritized)
@@ -831,12 +884,13 @@ impl RaggedTable {
         }
     }
 
-    /// The extents, rows and per-sample values of `ids`' samples; pins them when asked.
+    /// The extents, rows and per-sample values of `ids`' samples (a replay batch's `draws`:
+    /// each draw's probability and count); pins them when asked.
     fn collect(
         &self,
         state: &mut State,
         ids: &[u32],
-        probabilities: Option<Vec<f64>>,
+        draws: Option<(Vec<f64>, Vec<u32>)>,
         pin: bool,
     ) -> Picked {
         let ncols = self.spec.columns().len();
@@ -848,9 +902,9 @@ impl RaggedTable {
                 picked.extents.extend_from_slice(&state.extents[at..at + ncols]);
                 picked.rows.extend_from_slice(&state.rows[at..at + ncols]);
                 picked.keys.push(entry.key);
-                picked.times_sampled.push(entry.times_sampled + u32::from(pin));
-                if let Some(p) = &probabilities {
-                    picked.probabilities.push(p[i]);
+                if let Some((probabilities, times)) = &draws {
+                    picked.probabilities.push(probabilities[i]);
+                    picked.times_sampled.push(times[i]);
                 }
             }
         }
