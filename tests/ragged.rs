@@ -303,7 +303,7 @@ mod over_tcp {
 
     use echo::ragged::client::{RaggedSender, SenderOptions};
     use echo::ragged::tcp::{RaggedTcp, TcpOptions};
-    use echo::ragged::wire::{Outgoing, RAGGED_DIM};
+    use echo::ragged::wire::{ragged_dims, Outgoing};
     use echo::ragged::{BatchLayout, RaggedSampler, RaggedTable};
     use echo::transport::wire::v2::{self, Closing, DType, Layout, LeafType};
     use echo::EchoError;
@@ -315,8 +315,9 @@ mod over_tcp {
         let leaf =
             |name: &str, dtype, shape: Vec<usize>| LeafType { name: name.into(), dtype, shape };
         Layout(vec![
-            leaf("['tokens']", int32, vec![RAGGED_DIM]),
-            leaf("['logp']", DType { order: b'<', kind: b'f', size: 4 }, vec![RAGGED_DIM]),
+            // One length group, whose first leaf is the first.
+            leaf("['tokens']", int32, ragged_dims(300, 0, &[])),
+            leaf("['logp']", DType { order: b'<', kind: b'f', size: 4 }, ragged_dims(300, 0, &[])),
             leaf("['id']", DType { order: b'<', kind: b'u', size: 8 }, vec![]),
         ])
     }

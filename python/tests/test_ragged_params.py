@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from testkit.net import HELLO_NOTICES, HELLO_PARAMS, HelloLeaf, v2_handshake
+from testkit.net import HELLO_NOTICES, HELLO_PARAMS, HelloLeaf, ragged_dims, v2_handshake
 
 import echo
 from echo import Ragged
@@ -245,7 +245,7 @@ def test_a_worker_that_stops_reading_holds_up_no_other_workers_version_notices()
         server.publish(weights(1, n=4_000_000), version=1)  # 16 MB
         leaves: list[HelloLeaf] = [
             ("['id']", b"<", b"i", 8, []),
-            ("['tokens']", b"<", b"i", 4, [0xFFFFFFFF]),
+            ("['tokens']", b"<", b"i", 4, ragged_dims(64, 1)),
         ]
         stalled = v2_handshake(server.port, leaves, HELLO_NOTICES | HELLO_PARAMS, rcvbuf=4096)
         chunk = 1 << 20

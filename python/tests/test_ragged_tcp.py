@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from testkit.net import HELLO_CODECS, HELLO_NOTICES, HelloLeaf, v2_handshake
+from testkit.net import HELLO_CODECS, HELLO_NOTICES, HelloLeaf, ragged_dims, v2_handshake
 
 import echo
 from echo import Packed, Ragged
@@ -163,7 +163,30 @@ def test_refusals_name_what_differs() -> None:
             echo.TcpClient("127.0.0.1", port, fixed, token="secret", reconnect=False)
         with pytest.raises(ValueError, match="protocol=1 cannot carry ragged leaves"):
             echo.TcpClient("127.0.0.1", port, example(), protocol=1)
-        assert server.stats().handshakes_refused_layout_total >= 3
+        longer = {
+            **example(),
+            "tokens": Ragged(2 * MAX_LEN, np.int32, group="completion"),
+            "logp": Ragged(2 * MAX_LEN, np.float32, group="completion"),
+        }
+        with pytest.raises(
+            ValueError,
+            match=r"leaf \['logp'\]: the server expects float32 rows of shape \(\), 0 to 300 a "
+            r"sample, in one length group with \['logp'\], \['tokens'\], the client has float32 "
+            r"rows of shape \(\), 0 to 600 a sample",
+        ):
+            echo.TcpClient("127.0.0.1", port, longer, token="secret")
+        ungrouped = {
+            **example(),
+            "tokens": Ragged(MAX_LEN, np.int32),
+            "logp": Ragged(MAX_LEN, np.float32),
+        }
+        with pytest.raises(
+            ValueError,
+            match=r"leaf \['tokens'\]: .* in one length group with \['logp'\], \['tokens'\], "
+            r"the client has .* alone in its length group",
+        ):
+            echo.TcpClient("127.0.0.1", port, ungrouped, token="secret")
+        assert server.stats().handshakes_refused_layout_total >= 5
 
 
 def _handshake(port: int, codecs: bool = False) -> socket.socket:
@@ -171,8 +194,8 @@ def _handshake(port: int, codecs: bool = False) -> socket.socket:
     it sends compressed frames with `codecs`)."""
     leaves: list[HelloLeaf] = [
         ("['id']", b"<", b"i", 8, []),
-        ("['logp']", b"<", b"f", 4, [0xFFFFFFFF]),
-        ("['tokens']", b"<", b"i", 4, [0xFFFFFFFF]),
+        ("['logp']", b"<", b"f", 4, ragged_dims(MAX_LEN, 1)),
+        ("['tokens']", b"<", b"i", 4, ragged_dims(MAX_LEN, 1)),  # logp's length group
     ]
     flags = HELLO_NOTICES | (HELLO_CODECS if codecs else 0)
     return v2_handshake(port, leaves, flags)
@@ -577,3 +600,22 @@ def test_every_client_property_answers_for_a_ragged_worker(server: echo.Server) 
         client.policy_version = 5  # kept for a server that keeps versions (this one does not)
         assert client.policy_version == 5
     assert client.given_up == 0
+
+
+@pytest.mark.parametrize("shm", [False, pytest.param(True, marks=SHM)])
+def test_a_priority_for_a_fifo_table_is_refused_by_the_worker_which_goes_on(
+    server: echo.Server, shm: bool
+) -> None:
+    assert server.port is not None
+    client = echo.TcpClient("127.0.0.1", server.port, example(), shared_memory=shm)
+    with pytest.raises(ValueError, match=r"FIFO: it takes no priorities"):
+        client.send(make(0), priority=1.0, timeout=10)
+    with pytest.raises(ValueError, match=r"FIFO: it takes no priorities"):
+        client.send_group([make(1), make(2)], priority=1.0, timeout=10)
+    for i in range(16):  # nothing was sent: the connection serves on
+        client.send(make(i), timeout=10)
+    client.wait(10)
+    s = server.sample(timeout=10)
+    assert s is not None
+    assert sorted(s.batch["id"].tolist()) == list(range(16))
+    client.close()

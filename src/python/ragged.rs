@@ -22,7 +22,7 @@ use super::{deadline_from_timeout, wait_detached};
 use crate::error::EchoError;
 use crate::params::Params;
 use crate::ragged::tcp::{RaggedTcp, TcpOptions};
-use crate::ragged::wire::RAGGED_DIM;
+use crate::ragged::wire::ragged_dims;
 use crate::ragged::{
     BatchLayout, BufPool, ColumnData, GroupBatch, LeafDecl, OutBuf, RaggedBatch, RaggedConfig,
     RaggedDecl, RaggedSampler, RaggedSpec, RaggedTable, SampleIn, DROPPED,
@@ -70,7 +70,7 @@ pub(super) struct LeafType {
 pub(crate) struct RaggedCore {
     table: Arc<RaggedTable>,
     leaves: Vec<LeafType>,
-    /// The samples as a hello describes them (ragged leaves `[RAGGED_DIM, *inner]`).
+    /// The samples as a hello describes them (ragged leaves as `ragged_dims`).
     layout: Layout,
     submitted: AtomicU64,
     /// The latest version `publish()` published.
@@ -149,7 +149,21 @@ pub(super) fn spec_of(
     let mut decls = Vec::with_capacity(leaves.len());
     let mut types = Vec::with_capacity(leaves.len());
     let mut wire = Vec::with_capacity(leaves.len());
-    for (name, shape, descr, ragged) in leaves {
+    // Each ragged leaf's length group as the hello says it: the first leaf of the group.
+    let groups: Vec<Option<(bool, &str)>> = leaves
+        .iter()
+        .map(|(name, _, _, ragged)| {
+            ragged.as_ref().map(|(_, group)| match group {
+                Some(group) => (true, group.as_str()),
+                None => (false, name.as_str()),
+            })
+        })
+        .collect();
+    let firsts: Vec<usize> = groups
+        .iter()
+        .map(|g| g.and_then(|g| groups.iter().position(|h| *h == Some(g))).unwrap_or(0))
+        .collect();
+    for ((name, shape, descr, ragged), first) in leaves.into_iter().zip(firsts) {
         let array = ArraySpec::new(shape.clone(), descr.itemsize()).map_err(to_pyerr)?;
         let order = match descr.byteorder() {
             b'=' if cfg!(target_endian = "little") => b'<',
@@ -161,8 +175,8 @@ pub(super) fn spec_of(
             kind: descr.kind(),
             size: u32::try_from(descr.itemsize()).unwrap_or(u32::MAX),
         };
-        let dims = match ragged {
-            Some(_) => std::iter::once(RAGGED_DIM).chain(shape.iter().copied()).collect(),
+        let dims = match &ragged {
+            Some((max_len, _)) => ragged_dims(*max_len, first, &shape),
             None => shape.clone(),
         };
         wire.push(WireLeaf { name: name.clone(), dtype, shape: dims });

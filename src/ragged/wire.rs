@@ -1,6 +1,7 @@
 //! Ragged samples on wire v2. The handshake is v2's (offer, hello, reply); a ragged leaf's
-//! shape in the hello's layout is `[RAGGED_DIM, *inner_shape]`, so a client whose leaves are
-//! not ragged the same way is refused, naming the leaf. Samples then travel in group frames:
+//! shape in the hello's layout is [`ragged_dims`] (`[RAGGED_DIM, max_len, first leaf of its
+//! length group, *inner_shape]`), so a client whose leaves are not ragged the same way is
+//! refused, naming the leaf. Samples then travel in group frames:
 //!
 //! ```text
 //! client -> server:  0x18 n: u16 | rows | body
@@ -47,6 +48,14 @@ pub const GROUP_PACKED: u8 = 0x1A;
 pub const GROUP_PACKED_PRIORITY: u8 = 0x1B;
 /// The first dimension of a ragged leaf in a hello's layout.
 pub const RAGGED_DIM: usize = u32::MAX as usize;
+
+/// A ragged leaf's dimensions in a hello's layout: [`RAGGED_DIM`], its `max_len`, the index
+/// of the first leaf of its length group (its own when it is alone in it), then its inner
+/// shape. A client whose ragged leaves differ from the server's in any of these is refused
+/// at the handshake, naming the leaf.
+pub fn ragged_dims(max_len: usize, group_first: usize, inner: &[usize]) -> Vec<usize> {
+    [RAGGED_DIM, max_len, group_first].into_iter().chain(inner.iter().copied()).collect()
+}
 
 /// A group frame's header.
 #[derive(Debug, Clone, PartialEq)]

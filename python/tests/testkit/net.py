@@ -41,8 +41,15 @@ def take(
 
 
 # A leaf as a wire-v2 hello describes it: name, byte order, kind, itemsize, dimensions
-# (0xFFFFFFFF: a ragged axis).
+# (a ragged leaf's: `ragged_dims`).
 HelloLeaf = tuple[str, bytes, bytes, int, list[int]]
+
+
+def ragged_dims(max_len: int, group_first: int, inner: tuple[int, ...] = ()) -> list[int]:
+    """A ragged leaf's dimensions in a hello: 0xFFFFFFFF, its `max_len`, the index of the
+    first leaf of its length group (its own when alone), then its inner shape."""
+    return [0xFFFFFFFF, max_len, group_first, *inner]
+
 
 HELLO_NOTICES = 4
 HELLO_CODECS = 8

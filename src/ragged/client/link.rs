@@ -286,7 +286,7 @@ impl Dial {
             _ => Arc::from(Vec::new()),
         };
         let view = View { shared, acks, base: accept.resume_seq, codecs, region };
-        let terms = Terms { max_group, versions: accept.versions };
+        let terms = Terms { max_group, versions: accept.versions, replay: accept.replay };
         Ok((Link { stream, pipe, view, reader: Some(reader) }, terms))
     }
 }

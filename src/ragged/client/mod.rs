@@ -138,6 +138,8 @@ struct Terms {
     /// them, and a sample more than `k` versions behind the latest the server announced
     /// waits for newer weights (`u64::MAX`: never waits).
     versions: Option<u64>,
+    /// A replay table: it takes priorities (a FIFO table refuses a frame with one).
+    replay: bool,
 }
 
 /// How a [`RaggedSender`] connects.
@@ -736,6 +738,13 @@ impl RaggedSender {
             return Err(EchoError::Priority(format!(
                 "a priority must be finite and >= 0, got {p}"
             )));
+        }
+        if priority.is_some() && !self.terms.replay {
+            return Err(EchoError::Priority(
+                "the server's table is FIFO: it takes no priorities (a priority needs a replay \
+                 table)"
+                    .into(),
+            ));
         }
         let columns = self.spec.columns();
         for sample in samples {

@@ -320,7 +320,7 @@ impl std::fmt::Debug for RaggedTcp {
 
 impl RaggedTcp {
     /// Listens on `host:port` (0: any free port) for workers sending samples of `layout`
-    /// (the hello's: ragged leaves as `[RAGGED_DIM, *inner]`) into `table`, served as
+    /// (the hello's: ragged leaves as [`super::wire::ragged_dims`]) into `table`, served as
     /// `options` say.
     ///
     /// # Errors

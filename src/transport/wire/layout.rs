@@ -129,16 +129,40 @@ impl Layout {
             }
             if ours.dtype != theirs.dtype || ours.shape != theirs.shape {
                 return Some(format!(
-                    "leaf {}: the server expects {} of shape {}, the client has {} of shape {}",
+                    "leaf {}: the server expects {} {}, the client has {} {}",
                     ours.name,
                     ours.dtype,
-                    shape_text(&ours.shape),
+                    self.shape_words(i),
                     theirs.dtype,
-                    shape_text(&theirs.shape)
+                    client.shape_words(i)
                 ));
             }
         }
         None
+    }
+
+    /// Leaf `i`'s shape in words: `of shape (2, 3)`, or for a ragged leaf (see
+    /// [`crate::ragged::wire::ragged_dims`]) its rows, `max_len` and length group.
+    fn shape_words(&self, i: usize) -> String {
+        match self.0[i].shape.as_slice() {
+            [crate::ragged::wire::RAGGED_DIM, max_len, first, inner @ ..] => {
+                let members: Vec<&str> = self
+                    .0
+                    .iter()
+                    .filter(|leaf| {
+                        matches!(leaf.shape.as_slice(),
+                            [crate::ragged::wire::RAGGED_DIM, _, f, ..] if f == first)
+                    })
+                    .map(|leaf| leaf.name.as_str())
+                    .collect();
+                let group = match members.as_slice() {
+                    [_] | [] => "alone in its length group".to_owned(),
+                    all => format!("in one length group with {}", all.join(", ")),
+                };
+                format!("rows of shape {}, 0 to {max_len} a sample, {group}", shape_text(inner))
+            }
+            shape => format!("of shape {}", shape_text(shape)),
+        }
     }
 
     pub(super) fn encode_into(&self, out: &mut Vec<u8>) -> Result<(), EchoError> {
