@@ -52,7 +52,7 @@ pub enum EchoError {
     #[error("{0}")]
     Sample(String),
     /// Memory could not be allocated (maps to `MemoryError`).
-    #[error("cannot allocate {bytes} bytes for the ring buffer")]
+    #[error("cannot allocate {bytes} bytes of memory for the table")]
     OutOfMemory {
         /// Bytes requested for one leaf's buffer.
         bytes: usize,

@@ -344,10 +344,11 @@ class TcpClient:
         *,
         timeout: float | None = None,
         priority: float | None = None,
+        version: int | None = None,
     ) -> None:
         """Sends `samples` as one group, stored atomically and handed out whole in one batch
         (the completions of one prompt, for GRPO). For examples with `echo.Ragged` leaves;
-        see `Server.submit_group`.
+        see `Server.submit_group` (`version`: with policy versions, every sample's).
 
         Raises:
             ValueError: The example has no ragged leaf (or see the ragged client's errors).

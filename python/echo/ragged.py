@@ -37,13 +37,14 @@ class Ragged:
     `0 <= n <= max_len`.
 
     Args:
-        max_len: The most rows one sample may have (>= 1).
+        max_len: The most rows one sample may have (>= 1); `max_len` rows of one sample
+            take less than 2 GiB.
         dtype: The rows' dtype (anything `numpy.dtype` takes).
         inner_shape: The shape of one row (default `()`: a row is one value).
         group: A length group's name. Leaves that name the same group have the same number
             of rows in every sample (tokens, their log-probabilities, their mask), checked on
             insert; they share one `cu_seqlens` (or `lengths` and `mask`) in a batch. `None`
-            (default): a group of its own, named after the leaf's path (e.g. `"prompt"`).
+            (default): a group of its own, named after the leaf's path (e.g. `"['prompt']"`).
 
     Raises:
         TypeError: `max_len` is not an int, `inner_shape` not a tuple of ints, `group` not a

@@ -120,8 +120,8 @@ class Server(Checkpoints):
             parameters, and nothing is dropped. See the parameters guide.
         admission: `"drop"` (default) or `"block"`, as above; `"block"` needs `max_staleness`.
         batch_tokens: Examples with `echo.Ragged` leaves only (variable-length data; see
-            `echo.ragged` and its guide; such a server is in-process for now): close a batch
-            before the next sample or group would take `token_group`'s rows past this.
+            `echo.ragged` and its guide): close a batch before the next sample or group
+            would take `token_group`'s rows past this.
         token_group: The length group (or ragged leaf) `batch_tokens` counts; may be left
             out when the example has one length group.
         layout: Ragged leaves as `"packed"` (default: `echo.Packed`) or `"padded"`
@@ -412,11 +412,13 @@ class Server(Checkpoints):
         *,
         timeout: float | None = None,
         priority: float | None = None,
+        version: int | None = None,
     ) -> None:
         """Inserts `samples` (a list) as one group, atomically: handed out whole in one batch,
         never split, never partly evicted (the completions of one prompt, for GRPO). For
         servers with `echo.Ragged` leaves; a group may not hold more than `batch_size`
-        samples, nor more rows than `batch_tokens`. `priority` is the group's.
+        samples, nor more rows than `batch_tokens`. `priority` is the group's; `version`
+        (with policy versions) every sample's, else the current one.
 
         Raises:
             ValueError: The example has no ragged leaf, the group is empty or too large, or

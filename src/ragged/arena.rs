@@ -100,7 +100,9 @@ impl Arena {
     pub(crate) fn new(total: usize, columns: usize, largest: usize) -> Result<Self, EchoError> {
         if largest > u32::MAX as usize / 2 {
             return Err(EchoError::Config(format!(
-                "one leaf of one sample may take up to {largest} bytes; the most is 2 GiB"
+                "one leaf of one sample may take up to {largest} bytes (max_len x its row's \
+                 bytes); the most is {} (2 GiB - 1)",
+                u32::MAX / 2
             )));
         }
         let floor = align_up(largest.max(1), 64);
