@@ -13,8 +13,9 @@ from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
+import optree
 
-from echo._pytree import LeafSpec, TreeLayout
+from echo._pytree import NONE_IS_LEAF, LeafSpec, TreeLayout
 from echo._validate import check_int
 
 
@@ -38,9 +39,16 @@ def param_parts(
     against `specs` (default: `layout`'s leaves, which are `whose`; TypeError for a leaf that
     is not an array or has another dtype, ValueError for another structure or shape, naming
     the leaf)."""
-    leaves = layout.flatten(params)
-    if len(leaves) != len(layout.leaves):
-        layout.check_structure(params)
+    try:
+        leaves = layout.flatten(params)
+        if len(leaves) != len(layout.leaves):
+            layout.check_structure(params)
+    except ValueError:
+        got = optree.tree_structure(params, none_is_leaf=NONE_IS_LEAF)  # pyright: ignore[reportArgumentType, reportUnknownArgumentType]
+        raise ValueError(
+            f"publish(): the parameters' structure does not match {whose}: expected "
+            f"{layout.treespec}, got {got}"
+        ) from None
     specs = layout.leaves if specs is None else specs
     parts: list[tuple[list[int], int, Any]] = []
     for spec, leaf in zip(specs, leaves, strict=True):

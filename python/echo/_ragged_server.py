@@ -385,10 +385,11 @@ class RaggedServer(Server):
 
     @property
     def compress(self) -> dict[str, Any]:
-        """The leaves stored compressed (by name) and their codecs."""
+        """The leaves stored compressed, by path (keys joined by `/`, as any server names
+        them), and their codecs."""
         leaves = self._buffer.layout.leaves
         return {
-            leaf.name: codec
+            leaf.key: codec
             for leaf, codec in zip(leaves, self._buffer.codecs, strict=True)
             if codec is not None
         }

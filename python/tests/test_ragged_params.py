@@ -98,9 +98,11 @@ def test_params_example_structure_min_version_and_a_wrong_size() -> None:
         assert server.port is not None
         like = weights(0, n=10)
         client = echo.TcpClient("127.0.0.1", server.port, example(), params_example=like)
-        with pytest.raises(TimeoutError):
+        with pytest.raises(TimeoutError, match=r"params\(\): no version of the parameters that"):
             client.params(timeout=0.1)  # nothing published yet
         server.publish(weights(7, n=10), version=7)
+        with pytest.raises(TimeoutError, match=r"params\(\): no version of the parameters that"):
+            client.params(min_version=8, timeout=0.1)
         version, params = client.params(min_version=7, timeout=10)
         assert version == 7
         assert params["policy"]["w"].tolist() == [7.0] * 10

@@ -603,7 +603,7 @@ def test_every_client_property_answers_for_a_ragged_worker(server: echo.Server) 
 
 
 @pytest.mark.parametrize("shm", [False, pytest.param(True, marks=SHM)])
-def test_a_priority_for_a_fifo_table_is_refused_by_the_worker_which_goes_on(
+def test_a_priority_for_a_fifo_table_or_an_empty_group_is_refused_by_the_worker_which_goes_on(
     server: echo.Server, shm: bool
 ) -> None:
     assert server.port is not None
@@ -612,6 +612,8 @@ def test_a_priority_for_a_fifo_table_is_refused_by_the_worker_which_goes_on(
         client.send(make(0), priority=1.0, timeout=10)
     with pytest.raises(ValueError, match=r"FIFO: it takes no priorities"):
         client.send_group([make(1), make(2)], priority=1.0, timeout=10)
+    with pytest.raises(ValueError, match=r"a group needs at least one sample, got none"):
+        client.send_group([], timeout=10)  # as in-process
     for i in range(16):  # nothing was sent: the connection serves on
         client.send(make(i), timeout=10)
     client.wait(10)

@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 
 use super::client::PyResolver;
 use super::deadline_from_timeout;
-use super::errors::to_pyerr;
+use super::errors::{error_in, to_pyerr, Call};
 use super::ragged::{raw_samples, read_leaves, slices, spec_of, LeafArg, LeafType, SampleReader};
 use crate::error::EchoError;
 use crate::ragged::client::{RaggedSender, SenderOptions};
@@ -41,6 +41,15 @@ impl PyRaggedSender {
                  (admission='block'); set policy_version once it acts with newer ones"
             )),
             _ => to_pyerr(err),
+        }
+    }
+
+    /// `err` of a parameter fetch as its exception (a timeout says what was waited for, as
+    /// a fixed-shape worker's `params()` does).
+    fn params_error(&self, err: EchoError) -> PyErr {
+        match err {
+            EchoError::TimedOut => error_in(Call::Params, err),
+            other => self.error(other),
         }
     }
 }
@@ -191,7 +200,7 @@ impl PyRaggedSender {
         let buffer = &mut out;
         let version = py
             .detach(|| sender.fetch_params(buffer, min_version, deadline))
-            .map_err(|err| self.error(err))?;
+            .map_err(|err| self.params_error(err))?;
         Ok((version, numpy::PyArray1::from_vec(py, out)))
     }
 
@@ -205,8 +214,9 @@ impl PyRaggedSender {
     ) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
         let deadline = deadline_from_timeout(timeout)?;
         let sender = &self.sender;
-        let bytes =
-            py.detach(|| sender.fetch_description(deadline)).map_err(|err| self.error(err))?;
+        let bytes = py
+            .detach(|| sender.fetch_description(deadline))
+            .map_err(|err| self.params_error(err))?;
         Ok(pyo3::types::PyBytes::new(py, &bytes))
     }
 

@@ -719,6 +719,9 @@ impl RaggedSender {
         version: Option<u64>,
         deadline: Option<Instant>,
     ) -> Result<(), EchoError> {
+        if samples.is_empty() {
+            return Err(EchoError::Sample("a group needs at least one sample, got none".into()));
+        }
         if samples.len() > self.terms.max_group {
             return Err(EchoError::Sample(format!(
                 "a group of {} samples is larger than a batch (batch_size {})",
