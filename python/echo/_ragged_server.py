@@ -12,12 +12,10 @@ import os
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
-import numpy as np
-
 from echo import _ragged_checkpoint
 from echo._echo import RaggedCore, SampleInfo
 from echo._params import ParamsChannel
-from echo._server_args import periodic_args, versions_args
+from echo._server_args import keys_array, periodic_args, priorities_array, versions_args
 from echo._tally import Tally
 from echo._validate import check_int
 from echo.checkpoint import encode
@@ -316,11 +314,14 @@ class RaggedServer(Server):
             yield batch
 
     def update_priorities(self, keys: Any, priorities: Any) -> int:
-        """Sets the priorities of the entries `keys` name (a group's samples share a key)."""
-        return self._buffer.core.update_priorities(
-            np.ascontiguousarray(keys, dtype=np.uint64),
-            np.ascontiguousarray(priorities, dtype=np.float64),
-        )
+        """Sets the priorities of the entries `keys` name (from `Sample.keys`: a group's
+        samples share its key, and one priority; a key given twice takes the last), as
+        `Server.update_priorities`: 1-D integer keys, 1-D finite priorities >= 0, one per
+        key; keys no longer in the table (evicted, removed) are skipped. Returns how many
+        were skipped, as any server's."""
+        keys = keys_array(keys)
+        updated = self._buffer.core.update_priorities(keys, priorities_array(priorities))
+        return len(keys) - updated
 
     def stats(self) -> SampleInfo:
         return self._buffer.stats({})

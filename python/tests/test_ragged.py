@@ -239,7 +239,7 @@ def test_prioritized_replay_follows_priorities() -> None:
     key_of_2 = int(s.keys[0])
     s2 = server.sample(timeout=5)
     assert s2 is not None
-    assert server.update_priorities(np.array([key_of_2]), np.array([0.0])) == 1
+    assert server.update_priorities(np.array([key_of_2]), np.array([0.0])) == 0  # 0 skipped
     with pytest.raises(TimeoutError):
         server.sample(timeout=0.05)  # every priority is 0 now
 

@@ -96,3 +96,20 @@ def test_a_group_the_arena_can_never_hold_is_refused_and_evicts_nothing(sampler:
 def test_a_min_size_above_max_size_is_refused() -> None:
     with pytest.raises(ValueError, match=r"MinSize\(10\).*max_size \(4\)"):
         echo.Server(example(), 2, sampler=echo.Uniform(), max_size=4, rate_limiter=echo.MinSize(10))
+
+
+def test_update_priorities_checks_its_arrays_as_any_server_does() -> None:
+    server = echo.Server(example(), 2, sampler=echo.Prioritized(1.0), max_size=10)
+    server.submit(make(0))
+    with pytest.raises(ValueError, match=r"keys must be 1-D, got shape \(1, 2\)"):
+        server.update_priorities([[1, 2]], [1.0, 2.0])
+    with pytest.raises(ValueError, match=r"keys must be >= 0, got -1"):
+        server.update_priorities([-1], [1.0])
+    with pytest.raises(ValueError, match=r"2 keys but 1 priorities"):
+        server.update_priorities([1, 2], [1.0])
+    s = server.sample(timeout=5)
+    assert s is not None
+    assert server.update_priorities(s.keys, [0.5, 0.5]) == 0
+    keys = np.array([12345, *s.keys], np.uint64)
+    assert server.update_priorities(keys, [1.0, 2.0, 2.0]) == 1  # one gone
+    server.close()
