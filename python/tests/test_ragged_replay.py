@@ -65,7 +65,7 @@ def test_repeated_draws_in_one_batch_count_one_by_one() -> None:
 def test_a_batch_that_runs_out_of_draws_waits_for_more_and_loses_none(sampler: Any) -> None:
     server = echo.Server(example(), 4, sampler=sampler, max_size=10, max_times_sampled=1)
     server.submit(make(0))
-    with pytest.raises(TimeoutError):
+    with pytest.raises(TimeoutError, match=r"cannot fill a batch of 4: .*max_times_sampled=1"):
         server.sample(timeout=0.2)  # one entry, drawn once at most: no batch of 4
     assert server.stats().store_size == 1  # put back, not spent
     for i in range(1, 4):
@@ -113,3 +113,19 @@ def test_update_priorities_checks_its_arrays_as_any_server_does() -> None:
     keys = np.array([12345, *s.keys], np.uint64)
     assert server.update_priorities(keys, [1.0, 2.0, 2.0]) == 1  # one gone
     server.close()
+
+
+def test_a_timeout_says_what_holds_the_batch_back() -> None:
+    server = echo.Server(example(), 2, sampler=echo.Prioritized(1.0), max_size=10)
+    with pytest.raises(TimeoutError, match=r"the table holds 0, 1 needed"):
+        server.sample(timeout=0.1)
+    for i in range(3):
+        server.submit(make(i), priority=0.0)
+    with pytest.raises(TimeoutError, match=r"every one of the 3 samples stored has priority 0"):
+        server.sample(timeout=0.1)
+    server.close()
+    fifo = echo.Server(example(), 4)
+    fifo.submit(make(0))
+    with pytest.raises(TimeoutError, match=r"1 wait; a batch closes at batch_size 4"):
+        fifo.sample(timeout=0.1)
+    fifo.close()

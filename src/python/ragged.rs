@@ -625,9 +625,8 @@ impl RaggedCore {
             Some(Ok(None)) => return Ok(None),
             Some(Err(err)) => return Err(to_pyerr(err)),
             None => {
-                return Err(PyTimeoutError::new_err(
-                    "no batch within the timeout: not enough samples arrived",
-                ))
+                let why = table.why_no_batch();
+                return Err(PyTimeoutError::new_err(format!("no batch within the timeout: {why}")));
             }
         };
         self.to_python(py, batch).map(Some)

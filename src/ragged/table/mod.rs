@@ -849,6 +849,37 @@ impl RaggedTable {
         }
     }
 
+    /// Why no batch can be handed out now, in words (for a `sample()` that timed out).
+    pub fn why_no_batch(&self) -> String {
+        let state = self.state.lock();
+        let held = state.stats.samples;
+        if self.config.sampler == RaggedSampler::Fifo {
+            return format!(
+                "not enough samples arrived ({held} wait; a batch closes at batch_size {} or \
+                 at the token budget)",
+                self.config.batch_size
+            );
+        }
+        let min = self.config.min_size.max(1);
+        if held < min {
+            return format!("not enough samples arrived (the table holds {held}, {min} needed)");
+        }
+        if state.tree.as_ref().is_some_and(|t| t.total() <= 0.0) {
+            return format!(
+                "every one of the {held} samples stored has priority 0: none can be drawn \
+                 (update_priorities to more)"
+            );
+        }
+        if self.config.max_times_sampled > 0 {
+            return format!(
+                "the {held} samples stored cannot fill a batch of {}: each is drawn at most \
+                 max_times_sampled={} times",
+                self.config.batch_size, self.config.max_times_sampled
+            );
+        }
+        "not enough samples arrived".to_owned()
+    }
+
     /// Whether a replay draw can be made now: enough samples, a live entry, and (prioritized)
     /// a positive total.
     fn can_draw(&self, state: &State) -> bool {
