@@ -242,6 +242,15 @@ def test_prioritized_replay_follows_priorities() -> None:
     assert server.update_priorities(np.array([key_of_2]), np.array([0.0])) == 0  # 0 skipped
     with pytest.raises(TimeoutError):
         server.sample(timeout=0.05)  # every priority is 0 now
+    # A learner waiting for a batch draws as soon as a priority is raised.
+    raise_it = threading.Timer(0.3, server.update_priorities, ([key_of_2], [2.0]))
+    raise_it.start()
+    started = time.monotonic()
+    s3 = server.sample(timeout=10)
+    raise_it.join()
+    assert s3 is not None
+    assert set(s3.batch["id"].tolist()) == {2}
+    assert time.monotonic() - started < 5
 
 
 def test_bad_samples_raise_precise_errors_and_store_nothing() -> None:

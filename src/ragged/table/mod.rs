@@ -577,6 +577,10 @@ impl RaggedTable {
             }
             updated += 1;
         }
+        // A consumer waiting because every priority was 0 (or its batch ran out) may draw now.
+        if updated > 0 && state.consumer_waiting {
+            self.filled.notify_one();
+        }
         Ok(updated)
     }
 
