@@ -304,3 +304,56 @@ def test_stats_while_periodic_checkpoints_tell_durable_workers() -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("ok"), done.stdout
+
+
+def test_a_durable_worker_keeps_what_a_blip_left_unpersisted_for_a_restored_learner(
+    tmp_path: Path,
+) -> None:
+    """A connection cut while the learner is up: the worker reconnects to the same learner,
+    which has stored frames no checkpoint holds yet. The worker keeps them (resending none):
+    when the learner then dies and is restored from its checkpoint, they are resent, and
+    the restored learner ends with every sample once."""
+    from test_ragged_tcp import _CuttingProxy
+
+    transport = echo.TcpTransport(port=0, host="127.0.0.1")
+    learner = echo.Server(example(), 8, transport=transport, sampler=echo.Uniform(), max_size=1000)
+    learner.start()
+    port = learner.port
+    assert port is not None
+    proxy = _CuttingProxy(port, cuts=0, after=0)
+    worker = echo.TcpClient(
+        "127.0.0.1", proxy.port, example(), shared_memory=False, durable=True,
+        reconnect_timeout=30,
+    )  # fmt: skip
+    restored = None
+    try:
+        for i in range(40):
+            worker.send(make(i), timeout=10)
+        worker.wait(10)
+        learner.checkpoint(tmp_path / "ckpt")
+        worker.wait_persisted(10)
+        for i in range(40, 80):
+            worker.send(make(i), timeout=10)
+        worker.wait(10)  # stored and acknowledged, in no checkpoint
+        kept = worker.retained_bytes
+        proxy.cut_now()
+        worker.send(make(80), timeout=10)
+        worker.wait(10)  # on a new connection to the same learner
+        assert worker.resumed_from == 80
+        assert worker.retained_bytes > kept, "what no checkpoint holds is still kept"
+        assert learner.stats().store_size == 81  # none resent twice
+        learner.close(restarting=True)
+        again = echo.TcpTransport(port=port, host="127.0.0.1")
+        restored = echo.Server.restore(tmp_path / "ckpt", example(), transport=again)
+        restored.start()
+        worker.send(make(81), timeout=10)
+        worker.wait(10)
+        assert worker.resumed_from == 40
+        restored.checkpoint(tmp_path / "again")
+        assert worker.close(timeout=10), "every sample persisted"
+        assert sorted(ids_of(restored)) == list(range(82))
+    finally:
+        proxy.close()
+        learner.close()
+        if restored is not None:
+            restored.close()

@@ -395,6 +395,12 @@ class _CuttingProxy:
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
 
+    def cut_now(self) -> None:
+        """Cuts every connection open now (a network blip); later ones go through."""
+        for s in self._socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
     def close(self) -> None:
         self._closed = True
         self._threads[0].join(timeout=10)

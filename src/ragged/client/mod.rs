@@ -685,20 +685,24 @@ impl RaggedSender {
         }
     }
 
-    /// Resends on a fresh connection every retained frame the server has not stored.
+    /// Resends on a fresh connection every retained frame the server has not stored. The
+    /// frames it has stored are let go, unless the worker is durable: those it keeps until
+    /// a checkpoint holds them (a learner restored from an earlier checkpoint than the
+    /// frames needs them again), and resends none of them now.
     fn resend(&self, link: &mut Link) -> Result<(), EchoError> {
         let stored = link.view.base;
+        let release = if self.durable() { self.persisted_on(&link.view) } else { stored };
         let mut retained = self.retained.lock();
-        while retained.front().is_some_and(|r| r.end <= stored) {
+        while retained.front().is_some_and(|r| r.end <= release) {
             retained.pop_front();
         }
-        for kept in retained.iter() {
+        // Frames are stored whole, so the first one not stored starts at `stored`.
+        for kept in retained.iter().filter(|r| r.end > stored) {
             match self.plain_for(link, kept.packed.as_ref(), &kept.frame)? {
                 Some(plain) => link.write(&[&plain], None)?,
                 None => link.write(&[&kept.frame], None)?,
             }
         }
-        // Frames are stored whole, so the first one left starts at `stored`.
         let samples = retained.back().map_or(0, |r| r.end.saturating_sub(stored));
         // ORDERING: Relaxed — a statistics counter.
         self.resent.fetch_add(samples, Ordering::Relaxed);
