@@ -119,17 +119,23 @@ class RaggedTcpClient(TcpClient):
         self._params_layout = None if params_example is None else TreeLayout(params_example)
         token = check_token("token", token) or os.environ.get("ECHO_TOKEN") or None
         self._layout = RaggedLayout(data_sample)
+        reconnect = check_bool("reconnect", reconnect)
+        retry_for = check_seconds("reconnect_timeout", reconnect_timeout, optional=False)
+        connect = check_seconds("connect_timeout", connect_timeout, optional=False)
+        assert retry_for is not None
+        assert connect is not None
+        if dial_timeout is None and reconnect:
+            # The first connection is retried too (a worker started before its learner).
+            dial_timeout = max(connect, retry_for)
         self._ragged_sender = RaggedSender(
             host,
             check_int("port", port, 0, 65535),
             self._layout.core_leaves(),
             None if token is None else token.encode(),
-            float(connect_timeout),
+            connect,
             check_int("max_inflight_msgs", max_inflight_msgs, 1, 2**32 - 1),
             None if shared_memory is None else check_bool("shared_memory", shared_memory),
-            check_seconds("reconnect_timeout", reconnect_timeout, optional=False)
-            if check_bool("reconnect", reconnect)
-            else None,
+            retry_for if reconnect else None,
             resolver,
             None if dial_timeout is None else float(dial_timeout),
             durable_bytes if self._durable else None,

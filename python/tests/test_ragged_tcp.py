@@ -627,3 +627,46 @@ def test_a_priority_for_a_fifo_table_or_an_empty_group_is_refused_by_the_worker_
     assert s is not None
     assert sorted(s.batch["id"].tolist()) == list(range(16))
     client.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_reconnecting_worker_started_before_its_learner_waits_for_it() -> None:
+    port = _free_port()
+    with pytest.raises(ConnectionRefusedError):
+        echo.TcpClient("127.0.0.1", port, example())  # no reconnect: at once
+    with pytest.raises(TimeoutError, match=rf"could not connect to 127.0.0.1:{port} within"):
+        echo.TcpClient(
+            "127.0.0.1", port, example(), reconnect=True, reconnect_timeout=0.5,
+            connect_timeout=0.5,
+        )  # fmt: skip
+    made: list[echo.Server] = []
+
+    def learner() -> None:
+        made.append(
+            echo.Server(example(), 4, transport=echo.TcpTransport(port=port, host="127.0.0.1"))
+        )
+        made[0].start()
+
+    later = threading.Timer(0.5, learner)
+    later.start()
+    try:
+        client = echo.TcpClient(
+            "127.0.0.1", port, example(), reconnect=True, reconnect_timeout=20,
+            shared_memory=False,
+        )  # fmt: skip
+        later.join()
+        for i in range(4):
+            client.send(make(i), timeout=10)
+        s = made[0].sample(timeout=10)
+        assert s is not None
+        assert sorted(s.batch["id"].tolist()) == [0, 1, 2, 3]
+        client.close()
+    finally:
+        later.join()
+        for server in made:
+            server.close()

@@ -148,7 +148,10 @@ impl Dial {
         until: Instant,
     ) -> Result<(Link, Terms), EchoError> {
         let mut pause = FIRST_PAUSE;
+        let started = Instant::now();
+        let mut attempt = 0u64;
         loop {
+            attempt += 1;
             let err = match self.open(first_seq) {
                 Ok(opened) => return Ok(opened),
                 Err(err) if retryable(&err) => err,
@@ -156,7 +159,18 @@ impl Dial {
             };
             let left = until.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(err);
+                let address = match self.last.lock().as_ref() {
+                    Some((host, port, _)) => format!("{host}:{port}"),
+                    None => format!("{}:{}", self.host, self.port),
+                };
+                return Err(EchoError::Io(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!(
+                        "could not connect to {address} within {:.1?} ({attempt} attempts; the \
+                         last: {err})",
+                        started.elapsed()
+                    ),
+                )));
             }
             std::thread::sleep(pause.min(left));
             pause = (pause * 2).min(LONGEST_PAUSE);
