@@ -394,6 +394,7 @@ class RaggedCore:
         shared_memory: bool = True,
         session_timeout: float = 300.0,
         sessions: list[tuple[bytes, int]] | None = None,
+        heartbeat_timeout: float | None = ...,
     ) -> int: ...
     @property
     def port(self) -> int | None: ...

@@ -441,6 +441,7 @@ class RaggedServer(Server):
             transport.shared_memory,
             transport.session_timeout,
             self._restored_sessions,
+            transport.heartbeat_timeout,
         )
 
     def writer(self, *, timeout: float | None = None) -> NoReturn:  # pyright: ignore[reportIncompatibleMethodOverride]

@@ -461,6 +461,7 @@ class RaggedBuffer:
             "samples_inserted_total": s["samples_received"],
             "shm_connections_total": s["shm_connections"],
             "sessions_resumed_total": s["sessions_resumed"],
+            "connections_evicted_total": s["connections_evicted"],
             "samples_received_compressed_total": s["compressed_samples"],
             "compressed_bytes_received_total": s["compressed_bytes"],
             "params_version": self.core.params_version,

@@ -670,3 +670,76 @@ def test_a_reconnecting_worker_started_before_its_learner_waits_for_it() -> None
         later.join()
         for server in made:
             server.close()
+
+
+def test_silent_peers_are_evicted_for_a_worker_and_working_ones_never() -> None:
+    transport = echo.TcpTransport(port=0, host="127.0.0.1", max_connections=2)
+    with echo.Server(example(), 4, transport=transport) as server:
+        port = server.port
+        assert port is not None
+        silent = [_handshake(port), _handshake(port)]  # every slot, and then nothing
+        worker = echo.TcpClient("127.0.0.1", port, example(), shared_memory=False)
+        for i in range(4):
+            worker.send(make(i), timeout=10)
+        worker.wait(10)
+        s = server.sample(timeout=10)
+        assert s is not None
+        assert sorted(s.batch["id"].tolist()) == [0, 1, 2, 3]
+        assert server.stats().connections_evicted_total == 1
+        silent[0].settimeout(5)
+        assert silent[0].recv(1) == b"", "the oldest silent peer was closed"
+        other = echo.TcpClient("127.0.0.1", port, example(), shared_memory=False)
+        other.send(make(4), timeout=10)
+        other.wait(10)  # evicted the second silent peer; now both slots work
+        with pytest.raises(
+            ConnectionRefusedError,
+            match=r"refused the connection: the server serves no more connections: all 2 are "
+            r"working ones",
+        ):
+            echo.TcpClient("127.0.0.1", port, example(), shared_memory=False)
+        assert server.stats().connections_evicted_total == 2
+        worker.close()
+        other.close()
+        for sock in silent:
+            sock.close()
+
+
+def test_a_peer_silent_in_the_middle_of_a_frame_gives_its_bytes_back_and_an_idle_one_stays() -> (
+    None
+):
+    """A frame's body holds its bytes in the ingress's budget: a peer that stops in the
+    middle of one (a vanished host, a hostile peer) is dropped after the transport's
+    heartbeat_timeout without a byte, with an error saying so, and the worker that waited
+    for room is served. A peer idle between frames stays connected however long."""
+    transport = echo.TcpTransport(
+        port=0, host="127.0.0.1", heartbeat_timeout=0.5, max_buffered_bytes=1000
+    )
+    with echo.Server(example(), 4, transport=transport) as server:
+        port = server.port
+        assert port is not None
+        idle = _handshake(port)
+        stalled = _handshake(port)
+        # One sample of 100 rows: id (8 bytes), logp and tokens (400 bytes each).
+        header = bytes([0x18]) + struct.pack("<HII", 1, 100, 100)
+        stalled.sendall(header + bytes(10))  # 10 of its 808 body bytes, then nothing
+        time.sleep(0.1)
+        worker = echo.TcpClient("127.0.0.1", port, example(), shared_memory=False)
+        started = time.monotonic()
+        for i in range(4):
+            worker.send(make(i, 37), timeout=10)  # waits for the budget the peer holds
+        worker.wait(10)
+        s = server.sample(timeout=10)
+        assert s is not None
+        assert sorted(s.batch["id"].tolist()) == [0, 1, 2, 3]
+        assert time.monotonic() - started < 5
+        stalled.settimeout(5)
+        told = b""
+        while chunk := stalled.recv(4096):
+            told += chunk
+        assert b"no byte of a frame's body for 500" in told
+        idle.settimeout(1.0)
+        with pytest.raises(TimeoutError):
+            idle.recv(1)  # still open: nothing to say, nothing said
+        worker.close()
+        idle.close()
+        stalled.close()

@@ -683,6 +683,7 @@ impl RaggedCore {
         d.set_item("samples_received", read(|c| &c.samples))?;
         d.set_item("shm_connections", read(|c| &c.shm))?;
         d.set_item("sessions_resumed", read(|c| &c.resumed))?;
+        d.set_item("connections_evicted", read(|c| &c.evicted))?;
         d.set_item("compressed_samples", read(|c| &c.compressed_samples))?;
         let params = self.params.counts();
         d.set_item("params_published", params.published)?;
@@ -834,7 +835,7 @@ impl RaggedCore {
     /// Listens for workers on `host:port` (0: a free port); returns the port.
     #[pyo3(signature = (
         host, port, token=None, max_connections=1024, max_buffered_bytes=1 << 30,
-        shared_memory=true, session_timeout=300.0, sessions=None,
+        shared_memory=true, session_timeout=300.0, sessions=None, heartbeat_timeout=Some(10.0),
     ))]
     #[allow(clippy::too_many_arguments)] // Python's keyword arguments
     fn start_tcp(
@@ -848,6 +849,7 @@ impl RaggedCore {
         shared_memory: bool,
         session_timeout: f64,
         sessions: Option<Vec<(Vec<u8>, u64)>>,
+        heartbeat_timeout: Option<f64>,
     ) -> PyResult<u16> {
         let mut restored = Vec::new();
         for (id, stored) in sessions.unwrap_or_default() {
@@ -871,6 +873,8 @@ impl RaggedCore {
                     shared_memory,
                     session_timeout: Duration::from_secs_f64(session_timeout.clamp(0.0, 1e9)),
                     sessions: restored,
+                    body_silence: heartbeat_timeout
+                        .map(|t| Duration::from_secs_f64(t.clamp(0.001, 1e9))),
                 };
                 RaggedTcp::start(table, layout, host, port, options)
             })

@@ -3,6 +3,7 @@ number of batches."""
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 from collections.abc import Callable
@@ -69,7 +70,8 @@ def v2_handshake(
     sock.connect((LOCALHOST, port))
     offer = recv_exact(sock, 38)
     assert offer[:6] == b"ECHO\x02o", offer
-    body = bytes([flags]) + bytes(16) + struct.pack("<QI", 0, 0) + bytes(16)
+    session = os.urandom(16)  # a worker of its own
+    body = bytes([flags]) + session + struct.pack("<QI", 0, 0) + bytes(16)
     body += struct.pack("<I", len(leaves))
     for name, order, kind, size, dims in leaves:
         body += struct.pack("<H", len(name)) + name.encode() + order + kind

@@ -203,6 +203,24 @@ impl Dial {
                 read_some(&mut stream, &mut received)?;
             }
         }
+        // A server at its connection limit says so where the offer would be.
+        if received[0] == v2::ERROR {
+            while received.len() < 5 {
+                read_some(&mut stream, &mut received)?;
+            }
+            let len = u32::from_le_bytes(received[1..5].try_into().expect("4 bytes")) as usize;
+            while received.len() < 5 + len.min(4096) {
+                if read_some(&mut stream, &mut received).is_err() {
+                    break;
+                }
+            }
+            let end = received.len().min(5 + len);
+            let why = String::from_utf8_lossy(&received[5..end]).into_owned();
+            return Err(EchoError::Io(std::io::Error::new(
+                std::io::ErrorKind::ConnectionRefused,
+                format!("the server at {host}:{port} refused the connection: {why}"),
+            )));
+        }
         let offer = loop {
             if let Some(offer) = Offer::parse(&received)? {
                 received.drain(..v2::OFFER_LEN);

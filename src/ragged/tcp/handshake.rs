@@ -70,7 +70,7 @@ fn take_session(shared: &Shared, hello: &v2::Hello, id: u64) -> (Owned, u64) {
             }
         }
     }
-    (Owned { id, session }, stored)
+    (Owned { id, session, worked: std::sync::Arc::default() }, stored)
 }
 
 /// Reads the client's hello; answers it. Returns the hello, the bytes after it, and the

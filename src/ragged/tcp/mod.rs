@@ -66,6 +66,10 @@ pub struct TcpOptions {
     pub sessions: SessionCounts,
     /// The learner's published parameters, which workers fetch (`None`: none served).
     pub params: Option<Arc<Params>>,
+    /// How long a frame's body may go without a byte once its header came (its bytes are
+    /// held in the ingress's budget meanwhile): a worker stalled mid-frame longer (a host
+    /// gone, a hostile peer) is taken for dead and its bytes given back. `None`: for ever.
+    pub body_silence: Option<Duration>,
 }
 
 impl Default for TcpOptions {
@@ -78,6 +82,7 @@ impl Default for TcpOptions {
             session_timeout: Duration::from_secs(300),
             sessions: Vec::new(),
             params: None,
+            body_silence: Some(Duration::from_secs(10)),
         }
     }
 }
@@ -97,6 +102,8 @@ pub struct TcpCounters {
     pub shm: AtomicU64,
     /// Handshakes that resumed a session the server knew (a worker that reconnected).
     pub resumed: AtomicU64,
+    /// Connections that had stored nothing, closed to admit a newcomer at the limit.
+    pub evicted: AtomicU64,
     /// Samples that arrived in compressed frames (the worker compressed the leaves the
     /// table's `compress=` names).
     pub compressed_samples: AtomicU64,
@@ -123,6 +130,8 @@ struct OpenConn {
     /// Its worker's heartbeat timeout asked for heartbeats: one every third of it, the next
     /// due then.
     beat: Option<(Duration, Instant)>,
+    /// It has stored a frame ([`Owned::worked`]).
+    worked: Arc<AtomicBool>,
 }
 
 /// A worker's session (its hello's session id), across its connections: how many of its
@@ -171,6 +180,16 @@ impl Session {
 struct Owned {
     id: u64,
     session: Arc<Session>,
+    /// The connection has stored a frame: a working connection, never evicted for a
+    /// newcomer (see `accept_loop`).
+    worked: Arc<AtomicBool>,
+}
+
+impl Owned {
+    fn stored_one(&self) {
+        // ORDERING: Relaxed — a flag read on its own by the accept loop.
+        self.worked.store(true, Ordering::Relaxed);
+    }
 }
 
 impl Drop for Owned {
@@ -195,6 +214,8 @@ struct Shared {
     /// The workers' sessions by session id.
     sessions: Mutex<std::collections::HashMap<[u8; 16], Arc<Session>>>,
     session_timeout: Duration,
+    /// See [`TcpOptions::body_silence`].
+    body_silence: Option<Duration>,
     /// Bytes of the shared-memory pipes attached now, and the most they may take.
     #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
     segments: Mutex<usize>,
@@ -340,6 +361,7 @@ impl RaggedTcp {
             session_timeout,
             sessions,
             params,
+            body_silence,
         } = options;
         let now = Instant::now();
         let sessions = sessions
@@ -369,6 +391,7 @@ impl RaggedTcp {
             shared_memory,
             sessions: Mutex::new(sessions),
             session_timeout,
+            body_silence,
             segments: Mutex::new(0),
             max_segments: max_buffered_bytes / 2,
             closing: AtomicBool::new(false),
@@ -538,10 +561,12 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
         }
         let Ok(stream) = stream else { continue };
         shared.threads.lock().retain(|t| !t.is_finished());
-        // ORDERING: Relaxed — a gauge; the bound is approximate by a connection or two.
-        if shared.counters.active.load(Ordering::Relaxed) as usize >= shared.max_connections {
+        if !admit(shared) {
             let mut stream = stream;
-            let _ = stream.write_all(&v2::encode_error("the server serves no more connections"));
+            let _ = stream.write_all(&v2::encode_error(&format!(
+                "the server serves no more connections: all {} are working ones",
+                shared.max_connections
+            )));
             continue;
         }
         next_id += 1;
@@ -562,6 +587,51 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
     }
 }
 
+/// How long a newcomer waits for the slot of the connection evicted for it.
+const EVICTION_GRACE: Duration = Duration::from_secs(1);
+
+/// Whether a newcomer may be served: a slot is free, or one is freed for it by evicting the
+/// oldest connection that has not stored a frame (an idle or hostile peer that completed
+/// its handshake, which a worker about to send would reconnect from); refused only when
+/// every connection is a working one. So silent connections cannot lock workers out, and a
+/// working connection (also one held back by a full table) is never dropped for a newcomer.
+fn admit(shared: &Shared) -> bool {
+    // ORDERING: Relaxed — a gauge; the bound is approximate by a connection or two.
+    let full = || shared.counters.active.load(Ordering::Relaxed) as usize >= shared.max_connections;
+    if !full() {
+        return true;
+    }
+    let idle: Vec<_> = {
+        let mut conns: Vec<_> = shared
+            .conns
+            .lock()
+            .iter()
+            // ORDERING: Relaxed — see `Owned::stored_one`.
+            .filter(|c| !c.worked.load(Ordering::Relaxed))
+            .map(|c| (c.id, c.writer.clone()))
+            .collect();
+        conns.sort_by_key(|&(id, _)| id);
+        conns
+    };
+    // The oldest whose writer is free now (one writing to a peer that does not read is
+    // skipped: its write times out on its own).
+    let evicted = idle.iter().any(|(_, writer)| {
+        writer
+            .try_lock_for(Duration::from_millis(20))
+            .is_some_and(|w| w.shutdown(Shutdown::Both).is_ok())
+    });
+    if !evicted {
+        return false;
+    }
+    // ORDERING: Relaxed — a statistics counter.
+    shared.counters.evicted.fetch_add(1, Ordering::Relaxed);
+    let until = Instant::now() + EVICTION_GRACE;
+    while full() && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    !full()
+}
+
 use handshake::handshake;
 
 fn serve(shared: &Arc<Shared>, id: u64, mut stream: TcpStream) -> Result<(), EchoError> {
@@ -577,6 +647,7 @@ fn serve(shared: &Arc<Shared>, id: u64, mut stream: TcpStream) -> Result<(), Ech
         durable: hello.durable,
         versions: hello.params,
         beat: notify::beat_for(&hello, Instant::now()),
+        worked: owned.worked.clone(),
     });
     // ORDERING: Relaxed — a statistics counter.
     shared.counters.accepted.fetch_add(1, Ordering::Relaxed);
@@ -673,6 +744,8 @@ fn tcp_frames(
     writer: &Mutex<TcpStream>,
     codecs: &[Option<Codec>],
 ) -> Result<(), EchoError> {
+    // A frame's body may go silent for at most this long (see `read_kind` for between frames).
+    stream.set_read_timeout(shared.body_silence)?;
     let reader = io::BufReader::with_capacity(READ_BUFFER, io::Cursor::new(leftover).chain(stream));
     frames(shared, owned, &mut TcpInput { reader, writer }, writer, codecs).map(drop)
 }
@@ -840,7 +913,7 @@ fn frames_acked(
             reader.ack(std::mem::take(unacked))?;
         }
         let mut kind = [0u8; 1];
-        if !read_exact_or_eof(reader, &mut kind)? {
+        if !read_kind(shared, reader, &mut kind)? {
             return Ok(Ended::Done);
         }
         match kind[0] {
@@ -888,36 +961,10 @@ fn frames_acked(
                 }
             }
         };
-        if is_packed(kind[0]) {
-            // Only over TCP (a pipe's connection agreed on no codecs).
-            if !packed::store_packed(shared, owned, reader, &frame, codecs, &mut body, &mut raw)? {
-                return Ok(Ended::Done);
-            }
-        } else if let Some(ahead) = reader.ahead(frame.body_len)? {
-            // The body is all in the worker's pipe: copied from there into the arena.
-            let source = InPlace::new(ahead, &frame, spec.columns());
-            if !store(shared, owned, &source, frame.priority)? {
-                return Ok(Ended::Done);
-            }
-            reader.consume(frame.body_len);
-        } else {
-            // The body's bytes come out of the ingress's budget until the frame is stored,
-            // so many connections announcing large frames wait rather than take the
-            // learner's memory.
-            let Some(_hold) = shared.budget.acquire(frame.body_len, &shared.closing) else {
-                return Ok(Ended::Done);
-            };
-            if body.len() < frame.body_len {
-                body.resize(frame.body_len, 0);
-            }
-            let body = &mut body[..frame.body_len];
-            if !read_exact_or_eof(reader, body)? {
-                return Ok(Ended::Done);
-            }
-            let samples = split_body(spec.columns(), &frame, body);
-            if !store(shared, owned, samples.as_slice(), frame.priority)? {
-                return Ok(Ended::Done);
-            }
+        let stored =
+            store_frame(shared, owned, reader, &frame, kind[0], codecs, &mut body, &mut raw);
+        if !stored.map_err(|err| stalled(err, shared.body_silence))? {
+            return Ok(Ended::Done);
         }
         // ORDERING: Relaxed — a statistics counter.
         shared.counters.samples.fetch_add(frame.samples as u64, Ordering::Relaxed);
@@ -930,6 +977,91 @@ fn frames_acked(
             raw = Vec::new();
         }
     }
+}
+
+/// Reads the kind byte of the next frame: `Ok(false)` at the end of the input or once the
+/// server closes. A worker may be idle between frames as long as it likes: the socket's read
+/// timeout ([`TcpOptions::body_silence`], set for the middle of a frame) only has the
+/// server look at whether it is closing.
+fn read_kind(
+    shared: &Shared,
+    reader: &mut impl Input,
+    kind: &mut [u8; 1],
+) -> Result<bool, EchoError> {
+    loop {
+        match reader.read(kind) {
+            Ok(0) => return Ok(false),
+            Ok(_) => return Ok(true),
+            Err(err)
+                if matches!(err.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) =>
+            {
+                // ORDERING: SeqCst — pairs with `close`.
+                if shared.closing.load(Ordering::SeqCst) {
+                    return Ok(false);
+                }
+            }
+            Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
+            Err(err) if err.kind() == io::ErrorKind::UnexpectedEof => return Ok(false),
+            Err(err) => return Err(err.into()),
+        }
+    }
+}
+
+/// A read that waited out [`TcpOptions::body_silence`] as the error the worker is told.
+fn stalled(err: EchoError, limit: Option<Duration>) -> EchoError {
+    match (err, limit) {
+        (EchoError::Io(io), Some(limit))
+            if matches!(io.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) =>
+        {
+            EchoError::Protocol(format!(
+                "no byte of a frame's body for {limit:.1?}: the connection is taken for dead"
+            ))
+        }
+        (err, _) => err,
+    }
+}
+
+/// Reads `frame`'s body (its header read) and stores its samples; `Ok(false)`: the input
+/// ended or the server closed first.
+#[allow(clippy::too_many_arguments)] // the frame loop's buffers, lent
+fn store_frame(
+    shared: &Shared,
+    owned: &Owned,
+    reader: &mut impl Input,
+    frame: &Head,
+    kind: u8,
+    codecs: &[Option<Codec>],
+    body: &mut Vec<u8>,
+    raw: &mut Vec<u8>,
+) -> Result<bool, EchoError> {
+    let spec = shared.table.spec();
+    if is_packed(kind) {
+        // Only over TCP (a pipe's connection agreed on no codecs).
+        return packed::store_packed(shared, owned, reader, frame, codecs, body, raw);
+    }
+    if let Some(ahead) = reader.ahead(frame.body_len)? {
+        // The body is all in the worker's pipe: copied from there into the arena.
+        let source = InPlace::new(ahead, frame, spec.columns());
+        if !store(shared, owned, &source, frame.priority)? {
+            return Ok(false);
+        }
+        reader.consume(frame.body_len);
+        return Ok(true);
+    }
+    // The body's bytes come out of the ingress's budget until the frame is stored, so many
+    // connections announcing large frames wait rather than take the learner's memory.
+    let Some(_hold) = shared.budget.acquire(frame.body_len, &shared.closing) else {
+        return Ok(false);
+    };
+    if body.len() < frame.body_len {
+        body.resize(frame.body_len, 0);
+    }
+    let body = &mut body[..frame.body_len];
+    if !read_exact_or_eof(reader, body)? {
+        return Ok(false);
+    }
+    let samples = split_body(spec.columns(), frame, body);
+    store(shared, owned, samples.as_slice(), frame.priority)
 }
 
 /// A plain body (`frame`'s, every leaf raw, in order) as its samples' leaves.
@@ -971,7 +1103,10 @@ fn store<S: GroupSource + ?Sized>(
             owned.session.stored.fetch_add(samples.samples() as u64, Ordering::Relaxed);
         };
         match shared.table.insert_from_then(samples, priority, deadline, stored) {
-            Ok(_) => return Ok(true),
+            Ok(_) => {
+                owned.stored_one();
+                return Ok(true);
+            }
             // ORDERING: SeqCst — pairs with `close`.
             Err(EchoError::TimedOut) if !shared.closing.load(Ordering::SeqCst) => {}
             Err(EchoError::TimedOut | EchoError::Closed) => return Ok(false),

@@ -272,7 +272,10 @@ fn store_once(
         owned.session.stored.fetch_add(source.samples() as u64, Ordering::Relaxed);
     };
     match shared.table.insert_from_then(source, priority, Some(deadline), stored) {
-        Ok(_) => Ok(Some(())),
+        Ok(_) => {
+            owned.stored_one();
+            Ok(Some(()))
+        }
         Err(EchoError::TimedOut) => Ok(None),
         Err(_) => Err(Stop::Refused),
     }
