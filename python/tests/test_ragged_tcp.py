@@ -743,3 +743,37 @@ def test_a_peer_silent_in_the_middle_of_a_frame_gives_its_bytes_back_and_an_idle
         worker.close()
         idle.close()
         stalled.close()
+
+
+def test_a_raw_frame_with_a_priority_for_a_fifo_table_is_told_why(server: echo.Server) -> None:
+    assert server.port is not None
+    sock = _handshake(server.port)
+    body = struct.pack("<q", 7) + bytes(4 * 2 * 3)  # id, then 3 rows of logp and of tokens
+    sock.sendall(bytes([0x19]) + struct.pack("<Hd", 1, 1.0) + struct.pack("<II", 3, 3) + body)
+    sock.settimeout(5)
+    told = b""
+    while chunk := sock.recv(4096):
+        told += chunk
+    assert told[:1] == b"\x03"
+    assert b"a FIFO table takes no priorities" in told
+    assert server.stats().store_size == 0
+    sock.close()
+
+
+def test_a_worker_held_back_by_a_full_table_says_so_when_it_times_out() -> None:
+    transport = echo.TcpTransport(port=0, host="127.0.0.1")
+    with echo.Server(example(), 1, transport=transport, num_buffers=2) as server:
+        assert server.port is not None
+        worker = echo.TcpClient("127.0.0.1", server.port, example(), shared_memory=False)
+        for i in range(6):
+            worker.send(make(i, 5), timeout=10)
+        with pytest.raises(TimeoutError, match=r"waiting for the learner's acknowledgements"):
+            worker.wait(0.3)
+        ids = []
+        for _ in range(6):  # the learner takes them: every one arrives
+            s = server.sample(timeout=10)
+            assert s is not None
+            ids += s.batch["id"].tolist()
+        assert sorted(ids) == list(range(6))
+        worker.wait(10)
+        worker.close()

@@ -40,6 +40,10 @@ impl PyRaggedSender {
                  {ours} and the learner is at {latest}, more than max_staleness={bound} behind \
                  (admission='block'); set policy_version once it acts with newer ones"
             )),
+            (EchoError::TimedOut, None) => PyTimeoutError::new_err(
+                "timed out waiting for the learner's acknowledgements (its table is full and \
+                 it has not taken a batch, or other workers' frames fill its ingress)",
+            ),
             _ => to_pyerr(err),
         }
     }
@@ -175,7 +179,10 @@ impl PyRaggedSender {
     fn wait_persisted(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
         let deadline = deadline_from_timeout(timeout)?;
         let sender = &self.sender;
-        py.detach(|| sender.wait_persisted(deadline)).map_err(|err| self.error(err))
+        py.detach(|| sender.wait_persisted(deadline)).map_err(|err| match err {
+            EchoError::TimedOut => error_in(Call::Persisted, err),
+            other => self.error(other),
+        })
     }
 
     /// Samples in a checkpoint the server completed, as its latest notice said (durable).

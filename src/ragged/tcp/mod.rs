@@ -689,7 +689,9 @@ fn serve(shared: &Arc<Shared>, id: u64, mut stream: TcpStream) -> Result<(), Ech
         Ok(shm::Path::Ended) => Ok(()),
         Err(err) => Err(err),
     };
-    if let Err(EchoError::Sample(why) | EchoError::Protocol(why)) = &result {
+    if let Err(EchoError::Sample(why) | EchoError::Protocol(why) | EchoError::Priority(why)) =
+        &result
+    {
         let _ = writer.lock().write_all(&v2::encode_error(why));
     }
     let _ = writer.lock().shutdown(Shutdown::Both);
