@@ -760,6 +760,35 @@ fn read_exact_or_eof(reader: &mut impl Read, buf: &mut [u8]) -> Result<bool, Ech
     }
 }
 
+/// How much of a frame's body is made room for at a time: a peer that announces a large
+/// body and sends little of it commits no more memory than it sent and this.
+const BODY_STEP: usize = 1 << 20;
+
+/// Reads a frame's body of `len` bytes into `buffer` (grown a [`BODY_STEP`] at a time as
+/// the bytes come, never shrunk: a connection's buffer is reused); `None` at the end of the
+/// input.
+///
+/// # Errors
+/// As a read.
+fn read_body<'b>(
+    reader: &mut impl Read,
+    buffer: &'b mut Vec<u8>,
+    len: usize,
+) -> Result<Option<&'b mut [u8]>, EchoError> {
+    let mut have = 0;
+    while have < len {
+        let step = (len - have).min(BODY_STEP);
+        if buffer.len() < have + step {
+            buffer.resize(have + step, 0);
+        }
+        if !read_exact_or_eof(reader, &mut buffer[have..have + step])? {
+            return Ok(None);
+        }
+        have += step;
+    }
+    Ok(Some(&mut buffer[..len]))
+}
+
 /// Writes `n` acknowledgements.
 fn ack(writer: &Mutex<TcpStream>, mut n: usize) -> io::Result<()> {
     const ACKS: [u8; 512] = [v2::ACK; 512];
@@ -1055,13 +1084,7 @@ fn store_frame(
     let Some(_hold) = shared.budget.acquire(frame.body_len, &shared.closing) else {
         return Ok(false);
     };
-    if body.len() < frame.body_len {
-        body.resize(frame.body_len, 0);
-    }
-    let body = &mut body[..frame.body_len];
-    if !read_exact_or_eof(reader, body)? {
-        return Ok(false);
-    }
+    let Some(body) = read_body(reader, body, frame.body_len)? else { return Ok(false) };
     let samples = split_body(spec.columns(), frame, body);
     store(shared, owned, samples.as_slice(), frame.priority)
 }

@@ -6,7 +6,7 @@ use std::io::Read;
 use std::ops::Range;
 use std::sync::atomic::Ordering;
 
-use super::{read_exact_or_eof, split_body, store, Owned, Shared};
+use super::{read_body, split_body, store, Owned, Shared};
 use crate::codec::Codec;
 use crate::error::EchoError;
 use crate::ragged::table::{GroupSource, SampleIn};
@@ -89,13 +89,7 @@ pub(super) fn store_packed(
     let Some(_hold) = shared.budget.acquire(frame.body_len + raw_len, &shared.closing) else {
         return Ok(false);
     };
-    if body.len() < frame.body_len {
-        body.resize(frame.body_len, 0);
-    }
-    let body = &mut body[..frame.body_len];
-    if !read_exact_or_eof(reader, body)? {
-        return Ok(false);
-    }
+    let Some(body) = read_body(reader, body, frame.body_len)? else { return Ok(false) };
     let packed = unpack_body(spec, codecs, frame, body, raw)?;
     let samples = split_body(columns, frame, raw);
     let source = Unpacked { samples: &samples, body, packed: &packed, columns: columns.len() };
