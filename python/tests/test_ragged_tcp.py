@@ -19,7 +19,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from testkit.net import HELLO_CODECS, HELLO_NOTICES, HelloLeaf, ragged_dims, v2_handshake
+from testkit.net import (
+    HELLO_CODECS,
+    HELLO_NOTICES,
+    HelloLeaf,
+    ragged_dims,
+    recv_exact,
+    v2_handshake,
+)
 
 import echo
 from echo import Packed, Ragged
@@ -672,12 +679,22 @@ def test_a_reconnecting_worker_started_before_its_learner_waits_for_it() -> None
             server.close()
 
 
-def test_silent_peers_are_evicted_for_a_worker_and_working_ones_never() -> None:
+def _no_hello(port: int) -> socket.socket:
+    """A peer that connects, reads the offer and never says hello."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    assert recv_exact(sock, 38)[:5] == b"ECHO\x02"
+    return sock
+
+
+@pytest.mark.parametrize("stage", ["past the handshake", "in the handshake"])
+def test_silent_peers_are_evicted_for_a_worker_and_working_ones_never(stage: str) -> None:
     transport = echo.TcpTransport(port=0, host="127.0.0.1", max_connections=2)
     with echo.Server(example(), 4, transport=transport) as server:
         port = server.port
         assert port is not None
-        silent = [_handshake(port), _handshake(port)]  # every slot, and then nothing
+        peer = _handshake if stage == "past the handshake" else _no_hello
+        silent = [peer(port), peer(port)]  # every slot, and then nothing
+        time.sleep(0.1)
         worker = echo.TcpClient("127.0.0.1", port, example(), shared_memory=False)
         for i in range(4):
             worker.send(make(i), timeout=10)

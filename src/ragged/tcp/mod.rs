@@ -134,75 +134,6 @@ struct OpenConn {
     worked: Arc<AtomicBool>,
 }
 
-/// A worker's session (its hello's session id), across its connections: how many of its
-/// samples are stored, and which connection may store more. A worker that reconnects says
-/// how many it has seen acknowledged (`first_seq`) and is told how many are stored
-/// (`resume_seq`): it resends exactly the frames after that, so each sample is stored once.
-#[derive(Default)]
-struct Session {
-    /// Samples of the worker's frames stored (whole frames: a frame is stored atomically).
-    /// Raised under the table's lock with the frame's entry (`insert_from_then`), so that a
-    /// checkpoint that reads it under that lock too sees the count that matches its entries.
-    stored: AtomicU64,
-    /// Samples of the session in a completed checkpoint (a restored session: all of its
-    /// `stored`): what a durable worker may let go of.
-    persisted: AtomicU64,
-    /// The connection that owns the session (0: none); a connection that lost it to a newer
-    /// one of the same worker stores nothing more. Changed under `turn`; read without it
-    /// by whoever tells the owner something.
-    owner: AtomicU64,
-    /// Held by the owning connection through each insert (which may wait for room): a
-    /// newer connection of the same worker takes the session over between two inserts,
-    /// never during one. Nothing else waits for it: a checkpoint reads `stored` under the
-    /// table's lock and `persisted` and `owner` as they are.
-    turn: Mutex<()>,
-    /// Since when no connection owns it.
-    idle_since: Mutex<Option<Instant>>,
-}
-
-impl Session {
-    /// The connection that owns it now (0: none).
-    fn owner(&self) -> u64 {
-        // ORDERING: SeqCst — with `persisted` (see `RaggedTcp::persisted`): a checkpoint
-        // raises `persisted` then reads the owner, a new owner is set then reads
-        // `persisted`, so one of the two tells the new connection.
-        self.owner.load(Ordering::SeqCst)
-    }
-
-    /// Samples of it in a completed checkpoint.
-    fn persisted(&self) -> u64 {
-        // ORDERING: SeqCst — see `owner`.
-        self.persisted.load(Ordering::SeqCst)
-    }
-}
-
-/// A connection's hold on its worker's session.
-struct Owned {
-    id: u64,
-    session: Arc<Session>,
-    /// The connection has stored a frame: a working connection, never evicted for a
-    /// newcomer (see `accept_loop`).
-    worked: Arc<AtomicBool>,
-}
-
-impl Owned {
-    fn stored_one(&self) {
-        // ORDERING: Relaxed — a flag read on its own by the accept loop.
-        self.worked.store(true, Ordering::Relaxed);
-    }
-}
-
-impl Drop for Owned {
-    fn drop(&mut self) {
-        let _turn = self.session.turn.lock();
-        if self.session.owner() == self.id {
-            // ORDERING: SeqCst — see `Session::owner`.
-            self.session.owner.store(0, Ordering::SeqCst);
-            *self.session.idle_since.lock() = Some(Instant::now());
-        }
-    }
-}
-
 struct Shared {
     table: Arc<RaggedTable>,
     layout: Layout,
@@ -235,6 +166,9 @@ struct Shared {
     /// Open connections: their write halves (for the closing notice and the shutdown), and
     /// whether the client understands closing notices.
     conns: Mutex<Vec<OpenConn>>,
+    /// Connections accepted whose handshake is not done: their ids and a clone of each
+    /// socket, to close one for a newcomer at the connection limit (see `admit`).
+    handshaking: Mutex<Vec<(u64, TcpStream)>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
     counters: TcpCounters,
     /// The threads that serve the shared-memory pipes (`pump`).
@@ -401,6 +335,7 @@ impl RaggedTcp {
             notices: Mutex::new(Vec::new()),
             noticed: parking_lot::Condvar::new(),
             conns: Mutex::new(Vec::new()),
+            handshaking: Mutex::new(Vec::new()),
             threads: Mutex::new(Vec::new()),
             counters: TcpCounters::default(),
             #[cfg(target_os = "linux")]
@@ -561,7 +496,7 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
         }
         let Ok(stream) = stream else { continue };
         shared.threads.lock().retain(|t| !t.is_finished());
-        if !admit(shared) {
+        if !admit::admit(shared) {
             let mut stream = stream;
             let _ = stream.write_all(&v2::encode_error(&format!(
                 "the server serves no more connections: all {} are working ones",
@@ -571,12 +506,16 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
         }
         next_id += 1;
         let (id, serving) = (next_id, shared.clone());
+        if let Ok(clone) = stream.try_clone() {
+            shared.handshaking.lock().push((id, clone));
+        }
         let thread = std::thread::Builder::new().name("echo-ragged-conn".into()).spawn(move || {
             // ORDERING: Relaxed — a gauge.
             serving.counters.active.fetch_add(1, Ordering::Relaxed);
             if let Err(err) = serve(&serving, id, stream) {
                 log::debug!("ragged connection ended: {err}");
             }
+            serving.handshaking.lock().retain(|(h, _)| *h != id);
             serving.conns.lock().retain(|conn| conn.id != id);
             // ORDERING: Relaxed — a gauge.
             serving.counters.active.fetch_sub(1, Ordering::Relaxed);
@@ -587,56 +526,15 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
     }
 }
 
-/// How long a newcomer waits for the slot of the connection evicted for it.
-const EVICTION_GRACE: Duration = Duration::from_secs(1);
-
-/// Whether a newcomer may be served: a slot is free, or one is freed for it by evicting the
-/// oldest connection that has not stored a frame (an idle or hostile peer that completed
-/// its handshake, which a worker about to send would reconnect from); refused only when
-/// every connection is a working one. So silent connections cannot lock workers out, and a
-/// working connection (also one held back by a full table) is never dropped for a newcomer.
-fn admit(shared: &Shared) -> bool {
-    // ORDERING: Relaxed — a gauge; the bound is approximate by a connection or two.
-    let full = || shared.counters.active.load(Ordering::Relaxed) as usize >= shared.max_connections;
-    if !full() {
-        return true;
-    }
-    let idle: Vec<_> = {
-        let mut conns: Vec<_> = shared
-            .conns
-            .lock()
-            .iter()
-            // ORDERING: Relaxed — see `Owned::stored_one`.
-            .filter(|c| !c.worked.load(Ordering::Relaxed))
-            .map(|c| (c.id, c.writer.clone()))
-            .collect();
-        conns.sort_by_key(|&(id, _)| id);
-        conns
-    };
-    // The oldest whose writer is free now (one writing to a peer that does not read is
-    // skipped: its write times out on its own).
-    let evicted = idle.iter().any(|(_, writer)| {
-        writer
-            .try_lock_for(Duration::from_millis(20))
-            .is_some_and(|w| w.shutdown(Shutdown::Both).is_ok())
-    });
-    if !evicted {
-        return false;
-    }
-    // ORDERING: Relaxed — a statistics counter.
-    shared.counters.evicted.fetch_add(1, Ordering::Relaxed);
-    let until = Instant::now() + EVICTION_GRACE;
-    while full() && Instant::now() < until {
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    !full()
-}
-
 use handshake::handshake;
+use reading::{read_body, read_exact_or_eof, read_kind, stalled};
+use session::{Owned, Session};
 
 fn serve(shared: &Arc<Shared>, id: u64, mut stream: TcpStream) -> Result<(), EchoError> {
     stream.set_nodelay(true)?;
-    let Some((hello, mut leftover, offered, owned)) = handshake(shared, &mut stream, id)? else {
+    let shook = handshake(shared, &mut stream, id);
+    shared.handshaking.lock().retain(|(h, _)| *h != id);
+    let Some((hello, mut leftover, offered, owned)) = shook? else {
         return Ok(());
     };
     let writer = Arc::new(Mutex::new(stream.try_clone()?));
@@ -750,43 +648,6 @@ fn tcp_frames(
     stream.set_read_timeout(shared.body_silence)?;
     let reader = io::BufReader::with_capacity(READ_BUFFER, io::Cursor::new(leftover).chain(stream));
     frames(shared, owned, &mut TcpInput { reader, writer }, writer, codecs).map(drop)
-}
-
-fn read_exact_or_eof(reader: &mut impl Read, buf: &mut [u8]) -> Result<bool, EchoError> {
-    match reader.read_exact(buf) {
-        Ok(()) => Ok(true),
-        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => Ok(false),
-        Err(e) => Err(e.into()),
-    }
-}
-
-/// How much of a frame's body is made room for at a time: a peer that announces a large
-/// body and sends little of it commits no more memory than it sent and this.
-const BODY_STEP: usize = 1 << 20;
-
-/// Reads a frame's body of `len` bytes into `buffer` (grown a [`BODY_STEP`] at a time as
-/// the bytes come, never shrunk: a connection's buffer is reused); `None` at the end of the
-/// input.
-///
-/// # Errors
-/// As a read.
-fn read_body<'b>(
-    reader: &mut impl Read,
-    buffer: &'b mut Vec<u8>,
-    len: usize,
-) -> Result<Option<&'b mut [u8]>, EchoError> {
-    let mut have = 0;
-    while have < len {
-        let step = (len - have).min(BODY_STEP);
-        if buffer.len() < have + step {
-            buffer.resize(have + step, 0);
-        }
-        if !read_exact_or_eof(reader, &mut buffer[have..have + step])? {
-            return Ok(None);
-        }
-        have += step;
-    }
-    Ok(Some(&mut buffer[..len]))
 }
 
 /// Writes `n` acknowledgements.
@@ -1010,48 +871,6 @@ fn frames_acked(
     }
 }
 
-/// Reads the kind byte of the next frame: `Ok(false)` at the end of the input or once the
-/// server closes. A worker may be idle between frames as long as it likes: the socket's read
-/// timeout ([`TcpOptions::body_silence`], set for the middle of a frame) only has the
-/// server look at whether it is closing.
-fn read_kind(
-    shared: &Shared,
-    reader: &mut impl Input,
-    kind: &mut [u8; 1],
-) -> Result<bool, EchoError> {
-    loop {
-        match reader.read(kind) {
-            Ok(0) => return Ok(false),
-            Ok(_) => return Ok(true),
-            Err(err)
-                if matches!(err.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) =>
-            {
-                // ORDERING: SeqCst — pairs with `close`.
-                if shared.closing.load(Ordering::SeqCst) {
-                    return Ok(false);
-                }
-            }
-            Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
-            Err(err) if err.kind() == io::ErrorKind::UnexpectedEof => return Ok(false),
-            Err(err) => return Err(err.into()),
-        }
-    }
-}
-
-/// A read that waited out [`TcpOptions::body_silence`] as the error the worker is told.
-fn stalled(err: EchoError, limit: Option<Duration>) -> EchoError {
-    match (err, limit) {
-        (EchoError::Io(io), Some(limit))
-            if matches!(io.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) =>
-        {
-            EchoError::Protocol(format!(
-                "no byte of a frame's body for {limit:.1?}: the connection is taken for dead"
-            ))
-        }
-        (err, _) => err,
-    }
-}
-
 /// Reads `frame`'s body (its header read) and stores its samples; `Ok(false)`: the input
 /// ended or the server closed first.
 #[allow(clippy::too_many_arguments)] // the frame loop's buffers, lent
@@ -1140,12 +959,15 @@ fn store<S: GroupSource + ?Sized>(
     }
 }
 
+mod admit;
 mod fetched;
 mod handshake;
 mod notify;
 mod packed;
 #[cfg(target_os = "linux")]
 mod pump;
+mod reading;
+mod session;
 #[cfg(target_os = "linux")]
 mod shm;
 #[cfg(not(target_os = "linux"))]
