@@ -27,6 +27,7 @@ mod errors;
 mod info;
 mod leaves;
 mod ragged;
+mod ragged_leaves;
 mod ragged_sender;
 mod server;
 mod views;

@@ -10,7 +10,9 @@ use pyo3::prelude::*;
 use super::client::PyResolver;
 use super::deadline_from_timeout;
 use super::errors::{error_in, to_pyerr, Call};
-use super::ragged::{raw_samples, read_leaves, slices, spec_of, LeafArg, LeafType, SampleReader};
+use super::ragged_leaves::{
+    raw_samples, read_leaves, slices, spec_of, LeafArg, LeafType, SampleReader,
+};
 use crate::error::EchoError;
 use crate::ragged::client::{RaggedSender, SenderOptions};
 use crate::ragged::wire::Outgoing;
