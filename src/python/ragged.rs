@@ -320,7 +320,8 @@ impl RaggedCore {
             Some(Ok(None)) => return Ok(None),
             Some(Err(err)) => return Err(to_pyerr(err)),
             None => {
-                let why = table.why_no_batch();
+                // Not under the GIL: the table's lock may be a checkpoint's for a while.
+                let why = py.detach(|| table.why_no_batch());
                 return Err(PyTimeoutError::new_err(format!("no batch within the timeout: {why}")));
             }
         };
@@ -330,17 +331,20 @@ impl RaggedCore {
     /// Sets the priorities of the entries `keys` name; returns how many were updated.
     fn update_priorities(
         &self,
+        py: Python<'_>,
         keys: PyReadonlyArray1<'_, u64>,
         priorities: PyReadonlyArray1<'_, f64>,
     ) -> PyResult<u64> {
-        let keys = keys.as_slice()?;
-        let priorities = priorities.as_slice()?;
-        self.table.update_priorities(keys, priorities).map_err(to_pyerr)
+        // Copied, then the table's lock taken without the GIL (a checkpoint may hold it).
+        let keys = keys.as_slice()?.to_vec();
+        let priorities = priorities.as_slice()?.to_vec();
+        let table = &self.table;
+        py.detach(|| table.update_priorities(&keys, &priorities)).map_err(to_pyerr)
     }
 
     /// Counters as a dict.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.table.stats();
+        let s = py.detach(|| self.table.stats());
         let d = PyDict::new(py);
         d.set_item("samples", s.samples)?;
         d.set_item("entries", s.entries)?;
