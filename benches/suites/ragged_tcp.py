@@ -407,7 +407,10 @@ def _round(
         wait_end = time.monotonic() + 10.0
         while time.monotonic() < wait_end and server.stats().samples_inserted_total < sent:
             time.sleep(0.01)
-        inserted_total = int(server.stats().samples_inserted_total)
+        settled = server.stats()
+        inserted_total = int(settled.samples_inserted_total)
+        # Counted before a frame's samples are (both after it is stored): all of them here.
+        compressed_total = int(settled.samples_received_compressed_total)
         server.close(drain=True)
         consumer.join(timeout=TIMEOUT_S)
     finally:
@@ -463,6 +466,7 @@ def _round(
         "sent": sent,
         "sent_bytes": sent_bytes,
         "inserted_total": inserted_total,
+        "compressed_total": compressed_total,
         "consumed_samples": consumed["samples"],
         "consumed_bytes": consumed["bytes"],
         "bad_batches": consumed["bad"],

@@ -92,7 +92,9 @@ def measure(params: dict[str, Any]) -> dict[str, Any]:
             "samples_per_s": top["samples_per_s"],
             "gb_per_s": top["gb_per_s"],
             "wire_bytes_per_sample": wire_bytes,
-            "compressed_share": c.rate(top["compressed_samples"], top["inserted_in_window"]),
+            # Over the whole round, every counter settled: the window's two counters are read
+            # one after the other while frames go in, a frame apart at either end.
+            "compressed_share": c.rate(top["compressed_total"], top["inserted_total"]),
             "worker_cpu_us_per_sample": top["worker_cpu_us_per_sample"],
             "learner_cpu_cores": top["learner_cpu_cores"],
             "spread": max(r["samples_per_s"] for r in rs)
